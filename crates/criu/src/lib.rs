@@ -1,0 +1,1 @@
+//! cryo-criu (being written).

@@ -1,0 +1,1 @@
+//! The real CUDA driver, loaded at run time (placeholder: being written).

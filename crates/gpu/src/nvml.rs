@@ -1,0 +1,1 @@
+//! NVML, loaded at run time (placeholder: being written).

@@ -1,0 +1,1 @@
+//! cryo-guard (being written).

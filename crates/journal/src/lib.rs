@@ -1,0 +1,1 @@
+//! cryo-journal (being written).

@@ -1,0 +1,1 @@
+//! cryo-lifecycle (being written).

@@ -1,0 +1,1 @@
+//! cryo-sim (being written).
