@@ -104,6 +104,8 @@ pub struct Gpu {
 
 impl std::fmt::Debug for Gpu {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Gpu").field("kind", &self.kind).finish_non_exhaustive()
+        f.debug_struct("Gpu")
+            .field("kind", &self.kind)
+            .finish_non_exhaustive()
     }
 }

@@ -87,7 +87,14 @@ impl GpuUuid {
     /// From the driver's 16 raw bytes.
     pub fn from_bytes(b: [u8; 16]) -> Self {
         let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
-        GpuUuid(format!("GPU-{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32]))
+        GpuUuid(format!(
+            "GPU-{}-{}-{}-{}-{}",
+            &h[0..8],
+            &h[8..12],
+            &h[12..16],
+            &h[16..20],
+            &h[20..32]
+        ))
     }
 
     /// The canonical text.
@@ -103,7 +110,11 @@ impl FromStr for GpuUuid {
         let rest = s.strip_prefix("GPU-").ok_or_else(bad)?;
         let groups: Vec<&str> = rest.split('-').collect();
         let lens: Vec<usize> = groups.iter().map(|g| g.len()).collect();
-        if lens != [8, 4, 4, 4, 12] || !groups.iter().all(|g| g.bytes().all(|b| b.is_ascii_hexdigit())) {
+        if lens != [8, 4, 4, 4, 12]
+            || !groups
+                .iter()
+                .all(|g| g.bytes().all(|b| b.is_ascii_hexdigit()))
+        {
             return Err(bad());
         }
         Ok(GpuUuid(format!("GPU-{}", rest.to_ascii_lowercase())))
@@ -179,14 +190,25 @@ mod tests {
 
     #[test]
     fn malformed_uuids_are_refused() {
-        for s in ["", "GPU-", "0123abcd-4567-89ab-cdef-0123456789ab", "GPU-0123abcd-4567-89ab-cdef-0123456789a", "GPU-zz23abcd-4567-89ab-cdef-0123456789ab"] {
+        for s in [
+            "",
+            "GPU-",
+            "0123abcd-4567-89ab-cdef-0123456789ab",
+            "GPU-0123abcd-4567-89ab-cdef-0123456789a",
+            "GPU-zz23abcd-4567-89ab-cdef-0123456789ab",
+        ] {
             assert!(s.parse::<GpuUuid>().is_err(), "{s}");
         }
     }
 
     #[test]
     fn states_match_the_driver_numbering() {
-        for (raw, s) in [(0, ProcessState::Running), (1, ProcessState::Locked), (2, ProcessState::Checkpointed), (3, ProcessState::Failed)] {
+        for (raw, s) in [
+            (0, ProcessState::Running),
+            (1, ProcessState::Locked),
+            (2, ProcessState::Checkpointed),
+            (3, ProcessState::Failed),
+        ] {
             assert_eq!(ProcessState::from_raw(raw), Some(s));
             assert_eq!(s.as_raw(), raw);
         }

@@ -1,1 +1,0 @@
-//! The real CUDA driver, loaded at run time (placeholder: being written).

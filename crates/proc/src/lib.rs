@@ -1,0 +1,357 @@
+//! Processes as cryo acts on them.
+//!
+//! # Design
+//! cryo acts on processes it did not spawn (inference workers, their children, restored trees), so
+//! a bare pid is never enough: between finding a pid and signalling it the process can exit and
+//! the pid be reused. Every action goes through a [`ProcHandle`], which holds a pidfd opened while
+//! the process was known to be the one meant (same start time), so a signal can only ever reach
+//! that process, and exit is observed by polling the pidfd rather than guessed from `/proc`.
+//!
+//! # Limitations
+//! Pids are host pids (the namespace cryo runs in). Exit statuses of processes that are not our
+//! children are not available through a pidfd; callers that need how a process died read its
+//! zombie's `/proc/PID/stat` while they can.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fs;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use rustix::event::{poll, PollFd, PollFlags};
+use rustix::process::{pidfd_open, pidfd_send_signal, Pid as RPid, PidfdFlags, Signal};
+
+/// A process id (host namespace).
+pub type Pid = i32;
+
+/// Acting on a process failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcError {
+    /// No such process.
+    #[error("pid {0} does not exist")]
+    NoSuchProcess(Pid),
+    /// The pid now names another process than the one recorded.
+    #[error("pid {pid} was reused: it started at tick {found}, not {expected} as recorded")]
+    Reused {
+        /// The pid.
+        pid: Pid,
+        /// Start time recorded earlier.
+        expected: u64,
+        /// Start time of the process holding the pid now.
+        found: u64,
+    },
+    /// `/proc/PID/stat` could not be parsed.
+    #[error("cannot parse /proc/{pid}/stat: {reason}")]
+    BadStat {
+        /// The pid.
+        pid: Pid,
+        /// What was wrong.
+        reason: &'static str,
+    },
+    /// A system call or file access failed.
+    #[error("{what} for pid {pid}: {source}")]
+    Os {
+        /// What was being done.
+        what: &'static str,
+        /// The pid.
+        pid: Pid,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// A cgroup's process list could not be read.
+    #[error("cannot read the processes of cgroup {path}: {source}")]
+    Cgroup {
+        /// `cgroup.procs` path.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+}
+
+/// The fields of `/proc/PID/stat` cryo uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stat {
+    /// Process id.
+    pub pid: Pid,
+    /// Command name (`comm`).
+    pub comm: String,
+    /// State letter (`R`, `S`, `Z`, `t`...).
+    pub state: char,
+    /// Parent pid.
+    pub ppid: Pid,
+    /// Start time in clock ticks since boot: with the pid, identifies a process.
+    pub start_time: u64,
+    /// Exit code as `waitpid` would report it; meaningful only for a zombie.
+    pub exit_code: Option<i32>,
+}
+
+/// Reads and parses `/proc/PID/stat`.
+pub fn stat(pid: Pid) -> Result<Stat, ProcError> {
+    let text = match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(ProcError::NoSuchProcess(pid)),
+        Err(e) if e.raw_os_error() == Some(rustix::io::Errno::SRCH.raw_os_error()) => {
+            return Err(ProcError::NoSuchProcess(pid))
+        }
+        Err(source) => return Err(ProcError::Os { what: "reading /proc/PID/stat", pid, source }),
+    };
+    parse_stat(pid, &text)
+}
+
+fn parse_stat(pid: Pid, text: &str) -> Result<Stat, ProcError> {
+    let bad = |reason| ProcError::BadStat { pid, reason };
+    // comm may itself contain spaces and parentheses: it ends at the last ')'.
+    let open = text.find('(').ok_or_else(|| bad("no '('"))?;
+    let close = text.rfind(')').ok_or_else(|| bad("no ')'"))?;
+    let comm = text.get(open + 1..close).ok_or_else(|| bad("bad comm"))?.to_string();
+    let rest: Vec<&str> = text.get(close + 1..).ok_or_else(|| bad("truncated"))?.split_whitespace().collect();
+    // rest[0] is field 3 (state); field N is rest[N - 3].
+    let field = |n: usize| rest.get(n - 3).copied().ok_or_else(|| bad("too few fields"));
+    let state = field(3)?.chars().next().ok_or_else(|| bad("empty state"))?;
+    let ppid = field(4)?.parse().map_err(|_| bad("bad ppid"))?;
+    let start_time = field(22)?.parse().map_err(|_| bad("bad starttime"))?;
+    let exit_code = rest.get(52 - 3).and_then(|s| s.parse().ok());
+    Ok(Stat { pid, comm, state, ppid, start_time, exit_code })
+}
+
+/// A process held through a pidfd.
+#[derive(Debug)]
+pub struct ProcHandle {
+    pid: Pid,
+    start_time: u64,
+    comm: String,
+    pidfd: OwnedFd,
+}
+
+impl ProcHandle {
+    /// Opens the process that holds `pid` now.
+    pub fn open(pid: Pid) -> Result<Self, ProcError> {
+        let rpid = RPid::from_raw(pid).ok_or(ProcError::NoSuchProcess(pid))?;
+        let pidfd = pidfd_open(rpid, PidfdFlags::empty()).map_err(|e| {
+            if e == rustix::io::Errno::SRCH {
+                ProcError::NoSuchProcess(pid)
+            } else {
+                ProcError::Os { what: "pidfd_open", pid, source: e.into() }
+            }
+        })?;
+        let st = stat(pid)?;
+        let handle = ProcHandle { pid, start_time: st.start_time, comm: st.comm, pidfd };
+        // The stat read belongs to the pidfd's process only if that process was still alive after
+        // the read: then the pid cannot have been reused in between.
+        if !handle.is_alive() {
+            return Err(ProcError::NoSuchProcess(pid));
+        }
+        Ok(handle)
+    }
+
+    /// Opens `pid` only if it is still the process that started at `start_time`.
+    pub fn open_expected(pid: Pid, start_time: u64) -> Result<Self, ProcError> {
+        let h = Self::open(pid)?;
+        if h.start_time != start_time {
+            return Err(ProcError::Reused { pid, expected: start_time, found: h.start_time });
+        }
+        Ok(h)
+    }
+
+    /// The pid.
+    pub fn pid(&self) -> Pid {
+        self.pid
+    }
+
+    /// Start time in clock ticks since boot.
+    pub fn start_time(&self) -> u64 {
+        self.start_time
+    }
+
+    /// Command name.
+    pub fn comm(&self) -> &str {
+        &self.comm
+    }
+
+    /// The pidfd.
+    pub fn pidfd(&self) -> &OwnedFd {
+        &self.pidfd
+    }
+
+    /// Whether the process has not exited yet (a zombie counts as exited).
+    pub fn is_alive(&self) -> bool {
+        !self.poll_exit(Duration::ZERO)
+    }
+
+    /// Waits up to `timeout` for the process to exit; true when it has.
+    pub fn wait_exit(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if self.poll_exit(left) {
+                return true;
+            }
+            if left.is_zero() {
+                return false;
+            }
+        }
+    }
+
+    fn poll_exit(&self, timeout: Duration) -> bool {
+        let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+        let mut fds = [PollFd::new(&self.pidfd, PollFlags::IN)];
+        match poll(&mut fds, ms) {
+            Ok(n) => n > 0 && fds[0].revents().intersects(PollFlags::IN | PollFlags::HUP),
+            // EINTR: report "not yet"; callers loop on their own deadline.
+            Err(_) => false,
+        }
+    }
+
+    /// Sends `signal` to this process (never to a process that reused its pid).
+    pub fn signal(&self, signal: Signal) -> Result<(), ProcError> {
+        match pidfd_send_signal(self.pidfd.as_fd(), signal) {
+            Ok(()) => Ok(()),
+            Err(e) if e == rustix::io::Errno::SRCH => Err(ProcError::NoSuchProcess(self.pid)),
+            Err(e) => Err(ProcError::Os { what: "pidfd_send_signal", pid: self.pid, source: e.into() }),
+        }
+    }
+}
+
+/// Every process in the tree rooted at `root`, parents before children (root first).
+pub fn tree(root: Pid) -> Result<Vec<Pid>, ProcError> {
+    stat(root)?;
+    let mut children: BTreeMap<Pid, Vec<Pid>> = BTreeMap::new();
+    let entries = fs::read_dir("/proc").map_err(|source| ProcError::Os { what: "listing /proc", pid: root, source })?;
+    for entry in entries.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<Pid>().ok()) else { continue };
+        // Processes vanish while we scan; that is not an error.
+        if let Ok(st) = stat(pid) {
+            children.entry(st.ppid).or_default().push(pid);
+        }
+    }
+    let mut out = Vec::new();
+    let mut queue = VecDeque::from([root]);
+    while let Some(p) = queue.pop_front() {
+        out.push(p);
+        if let Some(kids) = children.get(&p) {
+            queue.extend(kids.iter().copied());
+        }
+    }
+    Ok(out)
+}
+
+/// Every process in a cgroup (`path` is the cgroup directory, v1 or v2).
+pub fn cgroup_procs(path: &Path) -> Result<Vec<Pid>, ProcError> {
+    let file = if path.ends_with("cgroup.procs") { path.to_path_buf() } else { path.join("cgroup.procs") };
+    let text = fs::read_to_string(&file).map_err(|source| ProcError::Cgroup { path: file.clone(), source })?;
+    let mut pids: Vec<Pid> = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
+    pids.sort_unstable();
+    pids.dedup();
+    Ok(pids)
+}
+
+/// How a process that is now a zombie ended, in words (`killed by SIGKILL`, `exited with status 1`).
+pub fn describe_wait_status(status: i32) -> String {
+    let sig = status & 0x7f;
+    if sig == 0 {
+        format!("exited with status {}", (status >> 8) & 0xff)
+    } else {
+        let name = Signal::from_raw(sig).map(signal_name).unwrap_or("unknown signal");
+        let core = if status & 0x80 != 0 { " (core dumped)" } else { "" };
+        format!("killed by {name}{core}")
+    }
+}
+
+/// The conventional name of a signal (`SIGKILL`).
+pub fn signal_name(sig: Signal) -> &'static str {
+    match sig {
+        Signal::Hup => "SIGHUP",
+        Signal::Int => "SIGINT",
+        Signal::Quit => "SIGQUIT",
+        Signal::Ill => "SIGILL",
+        Signal::Trap => "SIGTRAP",
+        Signal::Abort => "SIGABRT",
+        Signal::Bus => "SIGBUS",
+        Signal::Fpe => "SIGFPE",
+        Signal::Kill => "SIGKILL",
+        Signal::Usr1 => "SIGUSR1",
+        Signal::Segv => "SIGSEGV",
+        Signal::Usr2 => "SIGUSR2",
+        Signal::Pipe => "SIGPIPE",
+        Signal::Alarm => "SIGALRM",
+        Signal::Term => "SIGTERM",
+        Signal::Child => "SIGCHLD",
+        Signal::Cont => "SIGCONT",
+        Signal::Stop => "SIGSTOP",
+        Signal::Tstp => "SIGTSTP",
+        Signal::Xcpu => "SIGXCPU",
+        Signal::Xfsz => "SIGXFSZ",
+        Signal::Sys => "SIGSYS",
+        _ => "signal",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+
+    #[test]
+    fn parses_stat_with_odd_comm() {
+        let line = "42 (a) b (c)) S 7 42 42 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 10 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 1 0 0 0 0 0 0 0 0 0 0 0 0 256\n";
+        let st = parse_stat(42, line).unwrap();
+        assert_eq!(st.comm, "a) b (c)");
+        assert_eq!(st.state, 'S');
+        assert_eq!(st.ppid, 7);
+        assert_eq!(st.start_time, 987654);
+        assert_eq!(st.exit_code, Some(256));
+    }
+
+    #[test]
+    fn handle_signals_and_sees_exit() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let h = ProcHandle::open(child.id() as Pid).unwrap();
+        assert!(h.is_alive());
+        assert!(!h.wait_exit(Duration::from_millis(50)));
+        h.signal(Signal::Kill).unwrap();
+        assert!(h.wait_exit(Duration::from_secs(5)));
+        child.wait().unwrap();
+        assert!(matches!(h.signal(Signal::Kill), Err(ProcError::NoSuchProcess(_))));
+    }
+
+    #[test]
+    fn reused_pid_is_refused() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let pid = child.id() as Pid;
+        let h = ProcHandle::open(pid).unwrap();
+        let err = ProcHandle::open_expected(pid, h.start_time() + 1).unwrap_err();
+        assert!(matches!(err, ProcError::Reused { .. }));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(matches!(ProcHandle::open(pid), Err(ProcError::NoSuchProcess(_))));
+    }
+
+    #[test]
+    fn tree_lists_descendants_parent_first() {
+        let mut child = Command::new("sh").args(["-c", "sleep 30 & sleep 30 & wait"]).spawn().unwrap();
+        let root = child.id() as Pid;
+        let mut pids = Vec::new();
+        for _ in 0..100 {
+            pids = tree(root).unwrap();
+            if pids.len() == 3 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(pids.len(), 3, "{pids:?}");
+        assert_eq!(pids[0], root);
+        for p in &pids[1..] {
+            assert_eq!(stat(*p).unwrap().ppid, root);
+            ProcHandle::open(*p).unwrap().signal(Signal::Kill).unwrap();
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    #[test]
+    fn wait_status_words() {
+        assert_eq!(describe_wait_status(9), "killed by SIGKILL");
+        assert_eq!(describe_wait_status(1 << 8), "exited with status 1");
+        assert_eq!(describe_wait_status(11 | 0x80), "killed by SIGSEGV (core dumped)");
+    }
+}
