@@ -1,1 +1,69 @@
-fn main() {}
+//! `cryo`: checkpoint, restore and guard GPU inference workers.
+//!
+//! # Design
+//! `main` only parses and dispatches: arguments are parsed and validated in [`args`] without
+//! system calls, resolved against the system in [`backend`] and the handlers of [`commands`]
+//! (one file per command), and errors become one line on stderr and a documented exit code
+//! ([`exit`]: 0 ok, 1 error, 2 usage). Run under the name `cuda-checkpoint` (a symlink, see
+//! `cryo install-compat`), the binary is NVIDIA's `cuda-checkpoint` command line instead
+//! ([`compat`]).
+//!
+//! # Limitations
+//! Standalone only for now: every command loads the driver itself (the agent `cryod` comes later).
+
+mod args;
+mod backend;
+mod commands;
+mod compat;
+mod exit;
+mod target;
+
+use std::ffi::OsString;
+use std::path::Path;
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let mut argv = std::env::args_os();
+    let argv0 = argv.next().unwrap_or_default();
+    if invoked_as_cuda_checkpoint(&argv0) {
+        init_tracing(0);
+        return ExitCode::from(commands::cuda_checkpoint::run_as_argv0(argv.collect()));
+    }
+    let cli = args::Cli::parse();
+    // The simulated driver and worker set up their own logging.
+    if !matches!(cli.command, args::Command::Sim(_)) {
+        init_tracing(cli.global.verbose);
+    }
+    match commands::dispatch(cli) {
+        Ok(code) => ExitCode::from(code),
+        Err(err) => {
+            exit::report(&err);
+            ExitCode::from(exit::code_for(&err))
+        }
+    }
+}
+
+/// Whether `argv[0]`'s basename is `cuda-checkpoint`.
+fn invoked_as_cuda_checkpoint(argv0: &OsString) -> bool {
+    Path::new(argv0)
+        .file_name()
+        .is_some_and(|n| n == "cuda-checkpoint")
+}
+
+/// Logs to stderr: warnings by default, `-v` debug, `-vv` trace; `RUST_LOG` overrides.
+fn init_tracing(verbose: u8) {
+    let level = match verbose {
+        0 => "warn",
+        1 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}

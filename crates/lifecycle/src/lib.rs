@@ -1,1 +1,22 @@
-//! cryo-lifecycle (being written).
+//! The lifecycle of a GPU worker: suspend, stop, freeze and thaw.
+//!
+//! # Design
+//! Every path that ends a process that may hold a restored CUDA context goes through
+//! [`suspend`]: lock every CUDA process in parallel, checkpoint them in parallel, then verify
+//! through the inspection API (NVML) that their device memory is gone. An OK return code alone is
+//! never taken as proof. [`stop`] builds suspend-before-kill on it; freeze and thaw (CRIU) build on
+//! both. Each step is written to the journal before it acts and after, so a crash leaves a trace of
+//! what was in flight, and a second run resumes from the driver's own state (a process already
+//! CHECKPOINTED is not checkpointed again).
+//!
+//! Refusal is a result, not an error: when a CUDA process cannot be suspended, nothing in the
+//! target is killed and every process is left in a safe state (unlocked and serving, or
+//! checkpointed).
+
+pub mod progress;
+pub mod stop;
+pub mod suspend;
+
+pub use progress::{NoProgress, Progress};
+pub use stop::{stop, EndSignal, ProcReport, Refusal, RefusalReason, StopError, StopOptions, StopReport, Target};
+pub use suspend::{suspend, SuspendOptions, SuspendOutcome, Suspended};

@@ -1,0 +1,110 @@
+//! The `cuda-checkpoint` front end's handler: parse (no system calls), then resolve the backend
+//! silently, then act; prints exactly what NVIDIA's binary would (see `crate::compat`).
+
+use std::ffi::OsString;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use cryo_gpu::{CuResult, DriverError, Pid};
+
+use crate::backend::{self, GpuChoice};
+use crate::compat::{self, Outcome, Request};
+use crate::target;
+
+/// Runs the front end on `args` (without `argv[0]`); returns the exit status.
+pub fn run(choice: GpuChoice, sim_dir: &Path, args: Vec<OsString>) -> u8 {
+    let outcome = outcome(choice, sim_dir, args);
+    // Output errors (a closed pipe) cannot be reported anywhere better than the status.
+    let _ = std::io::stdout().write_all(outcome.stdout.as_bytes());
+    let _ = std::io::stderr().write_all(outcome.stderr.as_bytes());
+    outcome.status
+}
+
+/// Runs the front end when cryo was started as `cuda-checkpoint`: the backend comes from the
+/// environment (`CRYO_GPU`, `CRYO_SIM_DIR`) since NVIDIA's syntax has no flag for it.
+pub fn run_as_argv0(args: Vec<OsString>) -> u8 {
+    let choice = match std::env::var("CRYO_GPU").as_deref() {
+        Ok("cuda") => GpuChoice::Cuda,
+        Ok("sim") => GpuChoice::Sim,
+        Ok("auto") | Err(_) => GpuChoice::Auto,
+        Ok(other) => {
+            eprintln!("cuda-checkpoint: CRYO_GPU={other:?} is not one of auto, cuda, sim");
+            return crate::exit::FAILURE;
+        }
+    };
+    let sim_dir = std::env::var_os("CRYO_SIM_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(cryo_sim::default_dir);
+    run(choice, &sim_dir, args)
+}
+
+fn outcome(choice: GpuChoice, sim_dir: &Path, args: Vec<OsString>) -> Outcome {
+    let args: Vec<String> = args
+        .into_iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let (op, pid, timeout_ms, map) = match compat::parse(&args) {
+        Ok(Request::Help) => return Outcome::help(),
+        Ok(Request::Run {
+            op,
+            pid,
+            timeout_ms,
+            device_map,
+        }) => (op, pid, timeout_ms, device_map),
+        Err(e) => return Outcome::usage(&e),
+    };
+    // A tid stands for its process, as with the real driver (CRIU passes the restore tid).
+    let pid = match target::tgid_of(pid) {
+        Ok(Some(tgid)) => tgid,
+        Ok(None) => return no_such_process(op, pid),
+        Err(e) => {
+            return Outcome {
+                stdout: String::new(),
+                stderr: format!("cuda-checkpoint: pid {pid}: {e}\n"),
+                status: crate::exit::FAILURE,
+            }
+        }
+    };
+    let handle = match cryo_proc::ProcHandle::open(pid) {
+        Ok(h) => h,
+        Err(cryo_proc::ProcError::NoSuchProcess(_)) => return no_such_process(op, pid),
+        Err(e) => {
+            return Outcome {
+                stdout: String::new(),
+                stderr: format!("cuda-checkpoint: {e}\n"),
+                status: crate::exit::FAILURE,
+            }
+        }
+    };
+    let gpu = match backend::resolve(choice, sim_dir) {
+        Ok(r) => {
+            tracing::debug!(note = %r.note, "backend");
+            r.gpu
+        }
+        Err(e) => {
+            return Outcome {
+                stdout: String::new(),
+                stderr: format!("cuda-checkpoint: {e}\n"),
+                status: crate::exit::FAILURE,
+            }
+        }
+    };
+    let out = compat::execute(gpu.driver.as_ref(), op, pid, timeout_ms, &map);
+    if out.status == crate::exit::SUCCESS && !handle.is_alive() {
+        return no_such_process(op, pid);
+    }
+    out
+}
+
+/// What the driver answers for a pid that does not exist.
+fn no_such_process(op: compat::Operation, pid: Pid) -> Outcome {
+    Outcome::failed(
+        op,
+        pid,
+        &DriverError::Cuda {
+            call: "cuCheckpointProcessGetState",
+            pid,
+            code: CuResult::INVALID_VALUE,
+        },
+    )
+}

@@ -1,0 +1,508 @@
+//! `cryo demo`: the checkpoint/restore cycle on a simulated GPU, step by step, with timings.
+//!
+//! # Design
+//! Always the simulated GPU, even on a host with a real one: the demo starts its own driver
+//! daemon (`cryo sim driver`) and sim worker (`cryo sim worker`) as child processes of this binary
+//! in a temporary directory, so it needs nothing installed and touches nothing else. The demo is
+//! a list of [`Step`]s run in order over one [`Demo`] state; later issues add steps (freeze, thaw,
+//! stop, timeline) by appending to [`steps`]. A step that fails ends the demo with an error and a
+//! non-zero exit; the children are suspended (if live) and killed on the way out.
+//!
+//! # Limitations
+//! The worker's device memory lives in the daemon's heap: `--memory` is bounded by host memory.
+
+mod http;
+
+use std::fs::{self, File};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, ensure, Context as _};
+use cryo_gpu::{Gpu, Pid, ProcessState};
+use cryo_sim::SimControl;
+
+use crate::args::size::human;
+use crate::args::DemoArgs;
+
+/// One step: a title and what it does; it returns the line to show.
+pub struct Step {
+    /// Shown on the left.
+    pub title: &'static str,
+    /// The work.
+    pub run: fn(&mut Demo) -> anyhow::Result<String>,
+}
+
+/// The steps, in order.
+pub fn steps() -> Vec<Step> {
+    vec![
+        Step {
+            title: "start simulated GPU",
+            run: Demo::start_driver,
+        },
+        Step {
+            title: "start sim worker",
+            run: Demo::start_worker,
+        },
+        Step {
+            title: "ask a completion",
+            run: Demo::ask_first,
+        },
+        Step {
+            title: "NVML view",
+            run: Demo::nvml_present,
+        },
+        Step {
+            title: "lock",
+            run: |d| d.transition(ProcessState::Locked),
+        },
+        Step {
+            title: "checkpoint",
+            run: |d| d.transition(ProcessState::Checkpointed),
+        },
+        Step {
+            title: "NVML view",
+            run: Demo::nvml_gone,
+        },
+        Step {
+            title: "restore",
+            run: |d| d.transition(ProcessState::Locked),
+        },
+        Step {
+            title: "unlock",
+            run: |d| d.transition(ProcessState::Running),
+        },
+        Step {
+            title: "NVML view",
+            run: Demo::nvml_present,
+        },
+        Step {
+            title: "ask again",
+            run: Demo::ask_again,
+        },
+        Step {
+            title: "suspend, then kill",
+            run: Demo::suspend_and_kill,
+        },
+        Step {
+            title: "wedge ledger",
+            run: Demo::ledger_empty,
+        },
+    ]
+}
+
+/// Runs the demo.
+pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
+    let tmp = tempfile::Builder::new()
+        .prefix("cryo-demo-")
+        .tempdir()
+        .context("creating the demo's directory")?;
+    let mut demo = Demo::new(tmp.path().to_path_buf(), args.memory.0);
+    println!("cryo demo: checkpoint and restore of an inference worker, on the simulated GPU");
+    println!(
+        "(the demo always uses a simulated driver and worker of its own, in {})",
+        tmp.path().display()
+    );
+    let total = Instant::now();
+    let mut result = Ok(());
+    for (i, step) in steps().into_iter().enumerate() {
+        let start = Instant::now();
+        match (step.run)(&mut demo) {
+            Ok(line) => println!(
+                "{:>3}. {:<19} {:<58} {:>9}",
+                i + 1,
+                step.title,
+                line,
+                fmt_duration(start.elapsed())
+            ),
+            Err(e) => {
+                println!("{:>3}. {:<20} FAILED", i + 1, step.title);
+                result = Err(e.context(format!("demo step {} ({})", i + 1, step.title)));
+                break;
+            }
+        }
+    }
+    demo.shut_down();
+    if args.keep {
+        let kept = tmp.keep();
+        println!(
+            "kept {} (driver.log, worker.log, ledger.jsonl)",
+            kept.display()
+        );
+    }
+    result?;
+    println!("done in {}: the worker came back with the same answers, and no live restored context was torn down", fmt_duration(total.elapsed()));
+    Ok(())
+}
+
+/// What the steps share.
+pub struct Demo {
+    dir: PathBuf,
+    memory: u64,
+    driver: Option<Child>,
+    gpu: Option<Gpu>,
+    worker: Option<Child>,
+    pid: Pid,
+    port: u16,
+    prompt: String,
+    first_answer: Option<String>,
+}
+
+impl Demo {
+    fn new(dir: PathBuf, memory: u64) -> Self {
+        Demo {
+            dir,
+            memory,
+            driver: None,
+            gpu: None,
+            worker: None,
+            pid: 0,
+            port: 0,
+            prompt: "The capital of France is".to_string(),
+            first_answer: None,
+        }
+    }
+
+    fn gpu(&self) -> anyhow::Result<&Gpu> {
+        self.gpu
+            .as_ref()
+            .ok_or_else(|| anyhow!("the simulated GPU is not started"))
+    }
+
+    fn start_driver(&mut self) -> anyhow::Result<String> {
+        let exe = std::env::current_exe().context("finding this binary")?;
+        let log = File::create(self.dir.join("driver.log")).context("creating driver.log")?;
+        // Room for the worker on one GPU, whatever --memory says.
+        let gpu_memory = (self.memory * 2).max(16 << 30);
+        let child = Command::new(&exe)
+            .args([
+                "sim",
+                "driver",
+                "--gpu-memory",
+                &gpu_memory.to_string(),
+                "--dir",
+            ])
+            .arg(&self.dir)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().context("duplicating driver.log")?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {} sim driver", exe.display()))?;
+        let pid = child.id();
+        self.driver = Some(child);
+        SimControl::new(&self.dir)
+            .wait_up(Duration::from_secs(10))
+            .map_err(|e| anyhow!(e).context(log_tail(&self.dir.join("driver.log"))))?;
+        let gpu = cryo_sim::connect(&self.dir).context("connecting to the simulated GPU")?;
+        let gpus = gpu.inspect.gpus().context("listing the simulated GPUs")?;
+        self.gpu = Some(gpu);
+        Ok(format!(
+            "driver pid {pid}, {} GPUs of {} each",
+            gpus.len(),
+            gpus.first().map_or("?".into(), |g| human(g.memory_total))
+        ))
+    }
+
+    fn start_worker(&mut self) -> anyhow::Result<String> {
+        let exe = std::env::current_exe().context("finding this binary")?;
+        let ready = self.dir.join("worker.ready");
+        let child = Command::new(&exe)
+            .args([
+                "sim",
+                "worker",
+                "--gpu",
+                "0",
+                "--memory",
+                &self.memory.to_string(),
+                "--dir",
+            ])
+            .arg(&self.dir)
+            .arg("--ready-file")
+            .arg(&ready)
+            .arg("--log-file")
+            .arg(self.dir.join("worker.log"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {} sim worker", exe.display()))?;
+        self.worker = Some(child);
+        // Filling several GiB of device memory takes a while.
+        let deadline = Instant::now() + Duration::from_secs(300);
+        let info: serde_json::Value = loop {
+            if let Ok(text) = fs::read_to_string(&ready) {
+                break serde_json::from_str(&text)
+                    .with_context(|| format!("reading {}", ready.display()))?;
+            }
+            if let Some(status) = self
+                .worker
+                .as_mut()
+                .and_then(|w| w.try_wait().ok().flatten())
+            {
+                bail!(
+                    "the sim worker exited ({status}) before serving; {}",
+                    log_tail(&self.dir.join("worker.log"))
+                );
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "the sim worker did not start serving within 300 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        self.pid = info["pid"]
+            .as_i64()
+            .and_then(|p| Pid::try_from(p).ok())
+            .context("no pid in the ready file")?;
+        self.port = info["port"]
+            .as_u64()
+            .and_then(|p| u16::try_from(p).ok())
+            .context("no port in the ready file")?;
+        Ok(format!(
+            "pid {} on 127.0.0.1:{}, {} of device memory on GPU 0",
+            self.pid,
+            self.port,
+            human(self.memory)
+        ))
+    }
+
+    fn complete(&self) -> anyhow::Result<String> {
+        // The sim worker takes the raw body as the prompt.
+        let answer = http::request(
+            self.port,
+            "POST",
+            "/v1/completions",
+            &self.prompt,
+            Duration::from_secs(30),
+        )?;
+        Ok(completion_text(&answer))
+    }
+
+    fn ask_first(&mut self) -> anyhow::Result<String> {
+        let text = self.complete()?;
+        let line = format!("{:?} -> {:?}", self.prompt, ellipsis(&text, 24));
+        self.first_answer = Some(text);
+        Ok(line)
+    }
+
+    fn ask_again(&mut self) -> anyhow::Result<String> {
+        let text = self.complete()?;
+        let first = self
+            .first_answer
+            .as_deref()
+            .context("no first answer to compare with")?;
+        ensure!(
+            text == first,
+            "the restored worker answers {text:?}, not {first:?} as before"
+        );
+        let verify = http::request(self.port, "GET", "/verify", "", Duration::from_secs(300))?;
+        let v: serde_json::Value = serde_json::from_str(&verify)
+            .with_context(|| format!("reading /verify's answer {verify:?}"))?;
+        ensure!(
+            v["ok"] == serde_json::Value::Bool(true),
+            "device memory differs from what it was: {verify}"
+        );
+        Ok(format!(
+            "{:?}: same answer, memory verified",
+            ellipsis(&text, 24)
+        ))
+    }
+
+    fn nvml_present(&mut self) -> anyhow::Result<String> {
+        let mem = self
+            .gpu()?
+            .inspect
+            .process_memory(self.pid)
+            .context("querying device memory")?;
+        let mem = mem.with_context(|| format!("NVML does not list pid {}", self.pid))?;
+        Ok(format!(
+            "pid {} holds {} of device memory",
+            self.pid,
+            human(mem)
+        ))
+    }
+
+    fn nvml_gone(&mut self) -> anyhow::Result<String> {
+        let gpu = self.gpu()?;
+        if let Some(mem) = gpu
+            .inspect
+            .process_memory(self.pid)
+            .context("querying device memory")?
+        {
+            bail!("NVML still lists pid {} with {}", self.pid, human(mem));
+        }
+        let free = gpu
+            .inspect
+            .gpus()
+            .context("listing GPUs")?
+            .first()
+            .map_or(0, |g| g.memory_free);
+        Ok(format!(
+            "pid {} is gone from the GPU (GPU 0 free: {})",
+            self.pid,
+            human(free)
+        ))
+    }
+
+    /// One driver call, the one that leads from the current state to `to`.
+    fn transition(&mut self, to: ProcessState) -> anyhow::Result<String> {
+        let gpu = self.gpu()?;
+        let pid = self.pid;
+        let from = gpu.driver.state(pid).context("reading the state")?;
+        let r = match (from, to) {
+            (ProcessState::Running, ProcessState::Locked) => {
+                gpu.driver.lock(pid, Some(Duration::from_secs(30)))
+            }
+            (ProcessState::Locked, ProcessState::Checkpointed) => gpu.driver.checkpoint(pid),
+            (ProcessState::Checkpointed, ProcessState::Locked) => gpu.driver.restore(pid, &[]),
+            (ProcessState::Locked, ProcessState::Running) => gpu.driver.unlock(pid),
+            _ => bail!("no single driver call leads from {from} to {to}"),
+        };
+        r?;
+        let now = gpu.driver.state(pid).context("reading the state")?;
+        ensure!(now == to, "pid {pid} is {now}, expected {to}");
+        Ok(match to {
+            ProcessState::Checkpointed => format!(
+                "{from} -> {now} ({} moved into the worker)",
+                human(self.memory)
+            ),
+            _ if from == ProcessState::Checkpointed => {
+                format!("{from} -> {now} ({} back on GPU 0)", human(self.memory))
+            }
+            _ => format!("{from} -> {now}"),
+        })
+    }
+
+    /// The safe teardown of a restored worker: suspend (lock + checkpoint), check with NVML that
+    /// its device memory is gone, and only then kill it.
+    fn suspend_and_kill(&mut self) -> anyhow::Result<String> {
+        let gpu = self.gpu()?.clone();
+        let pid = self.pid;
+        gpu.driver
+            .lock(pid, Some(Duration::from_secs(30)))
+            .context("locking before the kill")?;
+        gpu.driver
+            .checkpoint(pid)
+            .context("checkpointing before the kill")?;
+        if let Some(mem) = gpu.inspect.process_memory(pid)? {
+            bail!(
+                "pid {pid} still holds {} after checkpoint; not killing it",
+                human(mem)
+            );
+        }
+        let mut w = self.worker.take().context("no worker to kill")?;
+        w.kill().context("killing the worker")?;
+        let status = w.wait().context("waiting for the worker")?;
+        ensure!(
+            status.signal() == Some(9),
+            "the worker ended with {status}, not by SIGKILL"
+        );
+        Ok("lock + checkpoint, NVML: no memory, then SIGKILL".to_string())
+    }
+
+    fn ledger_empty(&mut self) -> anyhow::Result<String> {
+        // One round trip, so the daemon has handled every teardown it saw before this.
+        SimControl::new(&self.dir).wait_up(Duration::from_secs(5))?;
+        let wedges = SimControl::new(&self.dir)
+            .ledger()
+            .context("reading the wedge ledger")?;
+        if let Some(w) = wedges.first() {
+            bail!(
+                "{} wedge(s) recorded: pid {} on GPU {} ({})",
+                wedges.len(),
+                w.pid,
+                w.gpu_index,
+                w.death
+            );
+        }
+        Ok("empty: no live restored context was torn down".to_string())
+    }
+
+    /// Ends the children: a live worker is suspended first, as the invariant demands.
+    fn shut_down(&mut self) {
+        if let Some(mut w) = self.worker.take() {
+            if let Some(gpu) = &self.gpu {
+                let pid = self.pid;
+                if matches!(gpu.driver.state(pid), Ok(ProcessState::Running)) {
+                    let _ = gpu.driver.lock(pid, Some(Duration::from_secs(10)));
+                }
+                if matches!(gpu.driver.state(pid), Ok(ProcessState::Locked)) {
+                    let _ = gpu.driver.checkpoint(pid);
+                }
+            }
+            let _ = w.kill();
+            let _ = w.wait();
+        }
+        if let Some(mut d) = self.driver.take() {
+            let _ = d.kill();
+            let _ = d.wait();
+        }
+    }
+}
+
+impl Drop for Demo {
+    fn drop(&mut self) {
+        self.shut_down();
+    }
+}
+
+/// The generated text of an OpenAI-style completion answer, or the whole body.
+fn completion_text(body: &str) -> String {
+    let v: serde_json::Value = match serde_json::from_str(body) {
+        Ok(v) => v,
+        Err(_) => return body.trim().to_string(),
+    };
+    v["choices"][0]["text"]
+        .as_str()
+        .or_else(|| v["text"].as_str())
+        .or_else(|| v["completion"].as_str())
+        .map_or_else(|| body.trim().to_string(), str::to_string)
+}
+
+fn ellipsis(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        s.chars().take(n).collect::<String>() + "..."
+    }
+}
+
+fn fmt_duration(d: Duration) -> String {
+    let ms = d.as_secs_f64() * 1e3;
+    if ms < 1000.0 {
+        format!("{ms:.1} ms")
+    } else {
+        format!("{:.2} s", ms / 1e3)
+    }
+}
+
+/// The end of a child's log, for an error message.
+fn log_tail(path: &Path) -> String {
+    let text = fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().rev().take(5).collect();
+    let tail: Vec<&str> = lines.into_iter().rev().collect();
+    format!("{} ends with: {}", path.display(), tail.join(" | "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completion_text_reads_openai_style_answers() {
+        assert_eq!(
+            completion_text(r#"{"choices":[{"text":"Paris"}]}"#),
+            "Paris"
+        );
+        assert_eq!(completion_text(r#"{"text":"Paris"}"#), "Paris");
+        assert_eq!(completion_text("plain\n"), "plain");
+    }
+
+    #[test]
+    fn the_demo_ends_with_the_ledger() {
+        let s = steps();
+        assert_eq!(s.last().map(|s| s.title), Some("wedge ledger"));
+        assert!(s.iter().filter(|s| s.title == "NVML view").count() >= 3);
+    }
+}

@@ -1,0 +1,103 @@
+//! The process a command acts on: looked up in `/proc` and held through a pidfd before any driver
+//! call, so that a pid that does not exist, names a thread, or is reused mid-call is reported
+//! rather than acted upon blindly.
+
+use std::fs;
+use std::io;
+
+use anyhow::{bail, Context as _};
+use cryo_gpu::Pid;
+use cryo_proc::ProcHandle;
+
+/// The thread group (process) `pid` belongs to: itself for a process, its process for a thread.
+/// `None` when `/proc/PID` does not exist.
+pub fn tgid_of(pid: Pid) -> io::Result<Option<Pid>> {
+    let status = match fs::read_to_string(format!("/proc/{pid}/status")) {
+        Ok(s) => s,
+        Err(e) if e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(3) => {
+            return Ok(None)
+        }
+        Err(e) => return Err(e),
+    };
+    let tgid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Tgid:"))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("/proc/{pid}/status has no Tgid line"),
+            )
+        })?;
+    Ok(Some(tgid))
+}
+
+/// Opens the process `pid` names for an operator command: it must exist and be a process, not a
+/// thread of one.
+pub fn open_process(pid: Pid) -> anyhow::Result<ProcHandle> {
+    match tgid_of(pid).with_context(|| format!("looking up pid {pid}"))? {
+        None => bail!("pid {pid} does not exist"),
+        Some(tgid) if tgid != pid => {
+            bail!("pid {pid} is a thread of process {tgid}; use --pid {tgid}")
+        }
+        Some(_) => {}
+    }
+    ProcHandle::open(pid).with_context(|| format!("opening a pidfd for pid {pid}"))
+}
+
+/// After an action: the process held by `handle` must still be there, else the pid may have
+/// named another process by the time the driver looked it up.
+pub fn check_still_alive(handle: &ProcHandle) -> anyhow::Result<()> {
+    if !handle.is_alive() {
+        bail!(
+            "pid {} exited during the call; its result applies to a process that is gone",
+            handle.pid()
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_is_its_own_thread_group() {
+        let me = std::process::id() as Pid;
+        assert_eq!(tgid_of(me).unwrap(), Some(me));
+        assert!(open_process(me).is_ok());
+    }
+
+    #[test]
+    fn a_thread_is_refused_with_its_process_named() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::spawn(move || {
+            tx.send(rustix::thread::gettid().as_raw_nonzero().get())
+                .unwrap();
+            done_rx.recv().ok();
+        });
+        let tid = rx.recv().unwrap();
+        let me = std::process::id() as Pid;
+        assert_eq!(tgid_of(tid).unwrap(), Some(me));
+        let err = open_process(tid).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            format!("pid {tid} is a thread of process {me}; use --pid {me}")
+        );
+        done_tx.send(()).unwrap();
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn a_missing_pid_is_refused() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id() as Pid;
+        child.wait().unwrap();
+        assert_eq!(tgid_of(pid).unwrap(), None);
+        assert_eq!(
+            open_process(pid).unwrap_err().to_string(),
+            format!("pid {pid} does not exist")
+        );
+    }
+}

@@ -1,0 +1,23 @@
+//! Progress of long operations, rendered by the caller (a bar on a terminal, lines otherwise).
+
+use cryo_gpu::Pid;
+
+/// Receives progress of a suspension. Called from worker threads.
+pub trait Progress: Sync {
+    /// `pid` starts a step (`"lock"`, `"checkpoint"`, ...) that moves `total` bytes (0 if unknown).
+    fn begin(&self, pid: Pid, step: &'static str, total: u64);
+    /// `done` of `total` bytes moved so far.
+    fn advance(&self, pid: Pid, done: u64);
+    /// The step ended; `ok` tells whether it succeeded, `detail` is a short human summary.
+    fn end(&self, pid: Pid, step: &'static str, ok: bool, detail: &str);
+}
+
+/// Discards progress.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoProgress;
+
+impl Progress for NoProgress {
+    fn begin(&self, _: Pid, _: &'static str, _: u64) {}
+    fn advance(&self, _: Pid, _: u64) {}
+    fn end(&self, _: Pid, _: &'static str, _: bool, _: &str) {}
+}

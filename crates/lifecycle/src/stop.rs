@@ -1,0 +1,352 @@
+//! `cryo stop`: suspend-before-kill for every CUDA process of a target, verified through NVML.
+//!
+//! # Design
+//! 1. Resolve the target (a process tree, a cgroup, or a list of pids) to pidfd handles.
+//! 2. Ask the driver which of them are CUDA processes (the driver answers a state for them).
+//! 3. Suspend them all ([`crate::suspend`]): lock in parallel, checkpoint in parallel, verify.
+//! 4. Only if every one is suspended: end the CUDA processes, then the others, confirming every
+//!    exit through its pidfd and that NVML attributes no memory to them afterwards.
+//!
+//! A process whose origin is unknown is treated as restored. If any CUDA process cannot be
+//! suspended, nothing in the target is killed ([`StopReport::refusals`]), unless the operator asked
+//! for `unsafe_kill`. A stop that died half-way is resumed by running it again: the driver's state
+//! says what is left to do.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use cryo_gpu::{CuResult, Gpu, Pid, ProcessState};
+use cryo_journal::{Event, Journal, Origin, Origins};
+use cryo_proc::{ProcError, ProcHandle};
+use rustix::process::Signal;
+
+use crate::progress::Progress;
+use crate::suspend::{id, suspend, SuspendFailure, SuspendOptions, Suspended};
+
+/// What to stop.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// A process and every descendant.
+    Tree(Pid),
+    /// Every process of a cgroup (how a container is stopped).
+    Cgroup(PathBuf),
+    /// Exactly these processes.
+    Pids(Vec<Pid>),
+}
+
+/// How to end the processes once suspended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EndSignal {
+    /// SIGKILL at once. The default: a checkpointed process cannot make CUDA calls, so a SIGTERM
+    /// handler that touches the GPU would hang.
+    Kill,
+    /// SIGTERM, then SIGKILL after the grace period.
+    Term {
+        /// How long to wait for the process to exit on its own.
+        grace: Duration,
+    },
+}
+
+/// Options of a stop.
+#[derive(Debug, Clone)]
+pub struct StopOptions {
+    /// How to suspend.
+    pub suspend: SuspendOptions,
+    /// How to end.
+    pub signal: EndSignal,
+    /// Kill even what could not be suspended (the host-wedging path on affected hosts).
+    pub unsafe_kill: bool,
+    /// The operator declares the processes were never restored: a plain kill is allowed.
+    pub fresh: bool,
+    /// How long to wait for a killed process to exit.
+    pub exit_timeout: Duration,
+}
+
+impl Default for StopOptions {
+    fn default() -> Self {
+        StopOptions {
+            suspend: SuspendOptions::default(),
+            signal: EndSignal::Kill,
+            unsafe_kill: false,
+            fresh: false,
+            exit_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A CUDA process that could not be suspended.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Refusal {
+    /// The process.
+    pub pid: Pid,
+    /// Why.
+    pub reason: RefusalReason,
+    /// What the operator can do.
+    pub hint: String,
+}
+
+/// Why a process could not be suspended.
+pub type RefusalReason = SuspendFailure;
+
+/// One process of the target.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ProcReport {
+    /// The process.
+    pub pid: Pid,
+    /// Its command name.
+    pub comm: String,
+    /// Whether it holds (or held) a CUDA context.
+    pub cuda: bool,
+    /// Whether cryo knows it came from a restore (`None`: unknown, treated as restored).
+    pub restored: Option<bool>,
+    /// The suspension, when it was suspended.
+    pub suspended: Option<Suspended>,
+    /// Whether it has exited by the end of the stop.
+    pub ended: bool,
+}
+
+/// The result of a stop. Refusals are results, not errors.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StopReport {
+    /// Every process of the target.
+    pub processes: Vec<ProcReport>,
+    /// CUDA processes that could not be suspended (then nothing was killed, unless unsafe).
+    pub refusals: Vec<Refusal>,
+    /// Whether processes were killed without suspension (`unsafe_kill` or `fresh`).
+    pub unsafe_kills: Vec<Pid>,
+    /// Wall time of the whole stop.
+    pub elapsed_ms: u64,
+}
+
+impl StopReport {
+    /// Whether every process of the target has ended.
+    pub fn stopped(&self) -> bool {
+        self.refusals.is_empty() && self.processes.iter().all(|p| p.ended)
+    }
+}
+
+/// The stop could not be carried out at all (nothing was killed).
+#[derive(Debug, thiserror::Error)]
+pub enum StopError {
+    /// The target could not be resolved.
+    #[error(transparent)]
+    Proc(#[from] ProcError),
+    /// The target has no processes.
+    #[error("the target has no processes")]
+    Empty,
+    /// The driver could not tell which processes use CUDA.
+    #[error("cannot ask the driver about pid {pid}: {error}")]
+    Driver {
+        /// The process.
+        pid: Pid,
+        /// The driver's error.
+        error: cryo_gpu::DriverError,
+    },
+    /// The journal could not be written before acting.
+    #[error("cannot write the journal: {0}")]
+    Journal(#[from] cryo_journal::AppendError),
+    /// The journal could not be read.
+    #[error("cannot read the journal: {0}")]
+    JournalRead(#[from] cryo_journal::ReadError),
+    /// A process did not exit after SIGKILL.
+    #[error("pid {0} did not exit after SIGKILL")]
+    NotExited(Pid),
+    /// NVML still lists memory for a process that has exited.
+    #[error("pid {pid} has exited but NVML still attributes {bytes} bytes to it: its driver files are held elsewhere")]
+    MemoryAfterExit {
+        /// The process.
+        pid: Pid,
+        /// Bytes listed.
+        bytes: u64,
+    },
+}
+
+/// Resolves a target to handles, opened at once so no pid can be reused under us.
+pub fn resolve(target: &Target) -> Result<Vec<ProcHandle>, StopError> {
+    let pids = match target {
+        Target::Tree(root) => cryo_proc::tree(*root)?,
+        Target::Cgroup(path) => cryo_proc::cgroup_procs(path)?,
+        Target::Pids(p) => p.clone(),
+    };
+    let mut handles = Vec::with_capacity(pids.len());
+    for pid in pids {
+        match ProcHandle::open(pid) {
+            Ok(h) => handles.push(h),
+            // A tree member that exited while we walked is simply not part of the stop; a pid the
+            // operator named explicitly must exist.
+            Err(ProcError::NoSuchProcess(_)) if !matches!(target, Target::Pids(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if handles.is_empty() {
+        return Err(StopError::Empty);
+    }
+    Ok(handles)
+}
+
+/// Stops `target`. See the module docs for the order of things and what a refusal leaves behind.
+pub fn stop(
+    gpu: &Gpu,
+    target: &Target,
+    opts: &StopOptions,
+    journal: &Journal,
+    progress: &dyn Progress,
+) -> Result<StopReport, StopError> {
+    let start = Instant::now();
+    let handles = resolve(target)?;
+    journal.append(Event::StopRequested { target: describe(target) })?;
+
+    // Which processes hold CUDA state: those the driver answers a state for.
+    let mut cuda = Vec::new();
+    let mut plain = Vec::new();
+    for h in &handles {
+        match gpu.driver.state(h.pid()) {
+            Ok(_) => cuda.push(h),
+            Err(e) if matches!(e.code(), Some(CuResult::NOT_INITIALIZED) | Some(CuResult::INVALID_VALUE)) && h.is_alive() => {
+                plain.push(h)
+            }
+            Err(e) if !h.is_alive() => {
+                tracing::debug!(pid = h.pid(), error = %e, "exited before it could be classified");
+            }
+            Err(error) => return Err(StopError::Driver { pid: h.pid(), error }),
+        }
+    }
+
+    let origins = Origins::from_records(&cryo_journal::read(journal.dir())?.records);
+    let origin = |h: &ProcHandle| -> Option<bool> {
+        match origins.of(&id(h)) {
+            Origin::Restored { .. } => Some(true),
+            Origin::Fresh => Some(false),
+            Origin::Unknown => None,
+        }
+    };
+    let mut reports: Vec<ProcReport> = handles
+        .iter()
+        .map(|h| ProcReport {
+            pid: h.pid(),
+            comm: h.comm().to_string(),
+            cuda: cuda.iter().any(|c| c.pid() == h.pid()),
+            restored: origin(h),
+            suspended: None,
+            ended: false,
+        })
+        .collect();
+
+    let mut refusals = Vec::new();
+    let mut unsafe_kills = Vec::new();
+    if opts.fresh {
+        // Declared never restored: tearing down its context is the ordinary, safe kind of exit.
+        for h in &cuda {
+            journal.append(Event::FreshDeclared { pid: id(h) })?;
+        }
+        unsafe_kills.extend(cuda.iter().map(|h| h.pid()));
+    } else if !cuda.is_empty() {
+        for outcome in suspend(gpu, &cuda, &opts.suspend, Some(journal), progress) {
+            match outcome.result {
+                Ok(s) => {
+                    if let Some(r) = reports.iter_mut().find(|r| r.pid == outcome.pid) {
+                        r.suspended = Some(s);
+                    }
+                }
+                Err(f) => refusals.push(Refusal { pid: outcome.pid, hint: f.hint().to_string(), reason: f }),
+            }
+        }
+    }
+
+    if !refusals.is_empty() {
+        for r in &refusals {
+            if let Some(h) = handles.iter().find(|h| h.pid() == r.pid) {
+                journal.append(Event::Refused { pid: id(h), reason: r.reason.reason(), hint: r.hint.clone() })?;
+            }
+        }
+        if !opts.unsafe_kill {
+            journal.append(Event::StopCompleted { target: describe(target), killed: Vec::new(), ms: elapsed_ms(start) })?;
+            return Ok(StopReport { processes: reports, refusals, unsafe_kills, elapsed_ms: elapsed_ms(start) });
+        }
+        unsafe_kills.extend(refusals.iter().map(|r| r.pid));
+    }
+
+    // CUDA processes first, then the rest: a parent that dies first could take its children's
+    // state with it in ways the driver does not expect.
+    for h in cuda.iter().chain(plain.iter()) {
+        let suspended = !unsafe_kills.contains(&h.pid()) && cuda.iter().any(|c| c.pid() == h.pid());
+        if suspended {
+            // Last look: something else may have restored it since we verified.
+            match gpu.driver.state(h.pid()) {
+                Ok(ProcessState::Checkpointed) => {}
+                Ok(other) if h.is_alive() => {
+                    let reason = SuspendFailure::Driver { step: "kill", error: format!("state changed to {other} after verification") };
+                    journal.append(Event::Refused { pid: id(h), reason: reason.reason(), hint: "run the stop again".into() })?;
+                    refusals.push(Refusal { pid: h.pid(), hint: "run the stop again".into(), reason });
+                    continue;
+                }
+                _ => {}
+            }
+        }
+        end_one(h, opts, journal, unsafe_kills.contains(&h.pid()))?;
+        if let Some(r) = reports.iter_mut().find(|r| r.pid == h.pid()) {
+            r.ended = !h.is_alive();
+        }
+    }
+
+    // After exit, NVML must attribute nothing to them: otherwise someone holds their driver files.
+    let listed = gpu.inspect.processes().map_err(|e| StopError::Driver {
+        pid: 0,
+        error: cryo_gpu::DriverError::Sim { endpoint: "inspect".into(), reason: e.to_string() },
+    })?;
+    for h in &handles {
+        let bytes: u64 = listed.iter().filter(|p| p.pid == h.pid()).map(|p| p.used_memory).sum();
+        if listed.iter().any(|p| p.pid == h.pid()) && !h.is_alive() {
+            return Err(StopError::MemoryAfterExit { pid: h.pid(), bytes });
+        }
+    }
+    journal.append(Event::StopCompleted { target: describe(target), killed: handles.iter().filter(|h| !h.is_alive()).map(|h| id(h)).collect(), ms: elapsed_ms(start) })?;
+    Ok(StopReport { processes: reports, refusals, unsafe_kills, elapsed_ms: elapsed_ms(start) })
+}
+
+fn end_one(h: &ProcHandle, opts: &StopOptions, journal: &Journal, unsafe_kill: bool) -> Result<(), StopError> {
+    if !h.is_alive() {
+        return Ok(());
+    }
+    let pid = h.pid();
+    let first = match opts.signal {
+        EndSignal::Kill => Signal::Kill,
+        EndSignal::Term { .. } => Signal::Term,
+    };
+    if unsafe_kill {
+        journal.append(Event::UnsafeKill { pid: id(h) })?;
+    }
+    journal.append(Event::KillStarted { pid: id(h), signal: first as i32 })?;
+    if let Err(e) = h.signal(first) {
+        if h.is_alive() {
+            return Err(e.into());
+        }
+    }
+    if let EndSignal::Term { grace } = opts.signal {
+        if !h.wait_exit(grace) {
+            journal.append(Event::KillStarted { pid: id(h), signal: Signal::Kill as i32 })?;
+            if let Err(e) = h.signal(Signal::Kill) {
+                if h.is_alive() {
+                    return Err(e.into());
+                }
+            }
+        }
+    }
+    if !h.wait_exit(opts.exit_timeout) {
+        return Err(StopError::NotExited(pid));
+    }
+    journal.append(Event::Killed { pid: id(h) })?;
+    Ok(())
+}
+
+fn describe(target: &Target) -> String {
+    match target {
+        Target::Tree(p) => format!("tree of pid {p}"),
+        Target::Cgroup(p) => format!("cgroup {}", p.display()),
+        Target::Pids(p) => format!("pids {}", p.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(",")),
+    }
+}
+
+fn elapsed_ms(start: Instant) -> u64 {
+    u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX)
+}
