@@ -1,1 +1,47 @@
-//! cryo-criu (being written).
+//! CRIU for cryo: dump and restore of process trees through CRIU's RPC (`criu swrk`), and the
+//! image directories they live in.
+//!
+//! # Design
+//! [`Criu::locate`] finds the binary (`explicit`, `$CRYO_CRIU`, `/usr/local/sbin/criu`, `PATH`)
+//! and refuses a missing one ([`CriuError::NotFound`]) or one older than 4.0
+//! ([`CriuError::TooOld`]: bookworm's 3.17 fails on current kernels). Each operation starts one
+//! `criu swrk` worker and speaks protobuf to it over a `SOCK_SEQPACKET` socketpair; the messages
+//! are prost code generated from CRIU's vendored `rpc.proto` and committed (see the `rpc`
+//! module), so building needs no `protoc`. `rust-criu` was not used: its restore does not return
+//! the restored pid, and it hands CRIU its socket without `O_CLOEXEC` in the parent.
+//!
+//! A failed operation is [`CriuError::Failed`] with CRIU's own `Error (...)` lines from its log.
+//! Dumps log to `dump.log` in the image directory (part of the image); restores log to a work
+//! directory outside it, so a restore never changes a verified image.
+//!
+//! Restores use CRIU's `rst_sibling`: the tree comes back as a child of the caller, not of the
+//! short-lived CRIU worker.
+//!
+//! The [`image`] module stages, publishes (atomically, crash-safe) and verifies image directories
+//! with their [`image::Manifest`].
+//!
+//! # Limitations
+//! Needs root and CRIU >= 4.0 (`scripts/install-criu.sh`). Without `shell_job`, the dumped root
+//! must lead its own session, and its stdio must not be a terminal outside the tree. The caller
+//! reaps: a dumped child of the caller stays a zombie holding its pid (and blocks a restore with
+//! that pid) until waited for; a restored root is the caller's child. A restore needs every pid
+//! of the image free, also as a process group or session id of a leftover of the dumped tree
+//! that init has not reaped yet: [`pids_in_use`] says which are still taken. No timeout on CRIU
+//! itself: a hung CRIU hangs the call.
+
+mod criu;
+mod error;
+pub mod image;
+mod pids;
+mod rpc;
+mod version;
+
+pub use criu::{
+    error_lines, Criu, DumpOpts, RestoreOpts, CRIU_ENV, DEFAULT_CRIU, DUMP_LOG, RESTORE_LOG,
+};
+pub use cryo_gpu::Pid;
+pub use error::{CriuError, CriuOp};
+pub use image::{ImageError, Manifest};
+pub use pids::pids_in_use;
+pub use rpc::RpcError;
+pub use version::CriuVersion;

@@ -1,0 +1,100 @@
+//! Errors of the CRIU operations.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use crate::rpc::RpcError;
+use crate::version::CriuVersion;
+
+/// Which CRIU operation failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CriuOp {
+    /// Checkpoint of a process tree.
+    Dump,
+    /// Restore of a process tree.
+    Restore,
+}
+
+impl fmt::Display for CriuOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CriuOp::Dump => "dump",
+            CriuOp::Restore => "restore",
+        })
+    }
+}
+
+/// Finding, checking or running CRIU failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CriuError {
+    /// No CRIU binary where cryo looks.
+    #[error("criu not found (looked at {}); run scripts/install-criu.sh or set CRYO_CRIU", fmt_paths(.tried))]
+    NotFound {
+        /// Every place looked at, in order.
+        tried: Vec<PathBuf>,
+    },
+    /// The CRIU found is older than cryo needs.
+    #[error("criu at {} is version {found}, cryo needs >= {needed}; run scripts/install-criu.sh", .path.display())]
+    TooOld {
+        /// The binary.
+        path: PathBuf,
+        /// Its version.
+        found: CriuVersion,
+        /// The oldest version cryo works with.
+        needed: CriuVersion,
+    },
+    /// `criu --version` did not run or did not print a version.
+    #[error("cannot read the version of {}: {reason}", .path.display())]
+    Version {
+        /// The binary.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The images or work directory could not be opened or made.
+    #[error("{op}: directory {}: {source}", .path.display())]
+    Dir {
+        /// The operation.
+        op: CriuOp,
+        /// The directory.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Talking to `criu swrk` broke.
+    #[error("{op}: {source}")]
+    Rpc {
+        /// The operation.
+        op: CriuOp,
+        /// What broke.
+        #[source]
+        source: RpcError,
+    },
+    /// CRIU ran and reported failure; `lines` are its own `Error (...)` lines from `log`
+    /// (the last few), or the log's last lines when it has none.
+    #[error("criu {op} failed (log {}): {}", .log.display(), fmt_lines(.lines))]
+    Failed {
+        /// The operation.
+        op: CriuOp,
+        /// CRIU's log file.
+        log: PathBuf,
+        /// CRIU's error lines.
+        lines: Vec<String>,
+    },
+}
+
+fn fmt_paths(p: &[PathBuf]) -> String {
+    p.iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn fmt_lines(lines: &[String]) -> String {
+    if lines.is_empty() {
+        "no error lines in the log".to_string()
+    } else {
+        lines.join(" | ")
+    }
+}

@@ -1,0 +1,177 @@
+//! The manifest of an image directory: what was frozen, on what, and the checksum of every file.
+
+use std::collections::BTreeSet;
+
+use cryo_gpu::{GpuUuid, Pid, ProcessState};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::version::CriuVersion;
+
+/// The manifest's file name inside an image directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// The manifest format this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// `manifest.json`. Written last, just before the image is published; `files` lists every
+/// other file of the image.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    /// [`FORMAT_VERSION`] of the writer.
+    pub format_version: u32,
+    /// The cryo version that froze the image.
+    pub cryo_version: String,
+    /// When the image was published, RFC 3339, UTC.
+    pub created: String,
+    /// Root of the dumped process tree.
+    pub root_pid: Pid,
+    /// Every process of the tree, root first.
+    pub processes: Vec<ProcessEntry>,
+    /// The GPU model the CUDA processes ran on (NVML's product name); `None` without any.
+    pub gpu_model: Option<String>,
+    /// The driver version at freeze; `None` without CUDA processes.
+    pub driver_version: Option<String>,
+    /// The CRIU that dumped the tree.
+    pub criu_version: CriuVersion,
+    /// Sum of the sizes of `files`, bytes.
+    pub total_bytes: u64,
+    /// Every file of the image but the manifest, sorted by name.
+    pub files: Vec<FileEntry>,
+    /// SHA-256 (hex) of this manifest serialized with this field empty: catches an edit of the
+    /// manifest itself that still parses.
+    pub manifest_sha256: String,
+}
+
+/// One process of the dumped tree.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProcessEntry {
+    /// Its pid (CRIU restores it with the same pid).
+    pub pid: Pid,
+    /// Its parent's pid.
+    pub ppid: Pid,
+    /// `/proc/PID/comm`.
+    pub comm: String,
+    /// `/proc/PID/cmdline`, split at NULs.
+    pub cmdline: Vec<String>,
+    /// Its CUDA state, `None` for a process without a CUDA context.
+    pub gpu: Option<ProcessGpu>,
+}
+
+impl ProcessEntry {
+    /// Reads pid, ppid, comm and cmdline from `/proc/PID` (without GPU side: the caller adds it).
+    pub fn from_proc(pid: Pid) -> std::io::Result<ProcessEntry> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+        let bad =
+            || std::io::Error::new(std::io::ErrorKind::InvalidData, format!("/proc/{pid}/stat"));
+        let (head, rest) = stat.rsplit_once(')').ok_or_else(bad)?;
+        let comm = head.split_once('(').ok_or_else(bad)?.1.to_string();
+        let ppid = rest
+            .split_whitespace()
+            .nth(1)
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(bad)?;
+        let raw = std::fs::read(format!("/proc/{pid}/cmdline"))?;
+        let cmdline = raw
+            .split(|b| *b == 0)
+            .filter(|a| !a.is_empty())
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        Ok(ProcessEntry {
+            pid,
+            ppid,
+            comm,
+            cmdline,
+            gpu: None,
+        })
+    }
+}
+
+/// The CUDA side of one process at freeze time.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProcessGpu {
+    /// Its state when dumped (CHECKPOINTED for a proper freeze).
+    pub state: ProcessState,
+    /// The GPUs it held device memory on, and how much, measured before the checkpoint.
+    pub devices: Vec<DeviceUse>,
+}
+
+/// Device memory of one process on one GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceUse {
+    /// The GPU.
+    pub uuid: GpuUuid,
+    /// Bytes of device memory.
+    pub memory_bytes: u64,
+}
+
+/// One file of the image.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileEntry {
+    /// Its name inside the image directory (no `/`).
+    pub name: String,
+    /// Its size, bytes.
+    pub size: u64,
+    /// Its SHA-256, lower-case hex.
+    pub sha256: String,
+}
+
+/// What the caller knows about a freeze; [`super::Staging::publish`] adds the rest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageMeta {
+    /// See [`Manifest::root_pid`].
+    pub root_pid: Pid,
+    /// See [`Manifest::processes`].
+    pub processes: Vec<ProcessEntry>,
+    /// See [`Manifest::gpu_model`].
+    pub gpu_model: Option<String>,
+    /// See [`Manifest::driver_version`].
+    pub driver_version: Option<String>,
+    /// See [`Manifest::criu_version`].
+    pub criu_version: CriuVersion,
+}
+
+impl Manifest {
+    /// Device memory of the whole tree on each GPU, bytes.
+    pub fn device_memory_by_gpu(&self) -> Vec<(GpuUuid, u64)> {
+        let mut out: Vec<(GpuUuid, u64)> = Vec::new();
+        for d in self.cuda_processes().flat_map(|(_, g)| g.devices.iter()) {
+            match out.iter_mut().find(|(u, _)| *u == d.uuid) {
+                Some((_, n)) => *n += d.memory_bytes,
+                None => out.push((d.uuid.clone(), d.memory_bytes)),
+            }
+        }
+        out
+    }
+
+    /// Every GPU the tree used.
+    pub fn gpu_uuids(&self) -> BTreeSet<GpuUuid> {
+        self.cuda_processes()
+            .flat_map(|(_, g)| g.devices.iter().map(|d| d.uuid.clone()))
+            .collect()
+    }
+
+    /// The processes with a CUDA context, with their GPU side.
+    pub fn cuda_processes(&self) -> impl Iterator<Item = (&ProcessEntry, &ProcessGpu)> {
+        self.processes
+            .iter()
+            .filter_map(|p| p.gpu.as_ref().map(|g| (p, g)))
+    }
+
+    /// The pids of the tree.
+    pub fn pids(&self) -> Vec<Pid> {
+        self.processes.iter().map(|p| p.pid).collect()
+    }
+
+    /// The SHA-256 that `manifest_sha256` must hold.
+    pub(crate) fn self_digest(&self) -> Result<String, serde_json::Error> {
+        let mut blank = self.clone();
+        blank.manifest_sha256 = String::new();
+        let bytes = serde_json::to_vec_pretty(&blank)?;
+        Ok(hex::encode(Sha256::digest(&bytes)))
+    }
+}

@@ -1,0 +1,330 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! Dump and restore with the real CRIU (root, CRIU >= 4.0 from scripts/install-criu.sh).
+//! A missing or old CRIU fails these tests; it never skips them.
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use cryo_criu::image::{verify, ImageMeta, ProcessEntry, Staging};
+use cryo_criu::{Criu, CriuError, CriuOp, CriuVersion, DumpOpts, RestoreOpts};
+use nix::sys::signal::{kill, killpg, Signal};
+use nix::sys::wait::{waitpid, WaitStatus};
+use nix::unistd::Pid as NixPid;
+
+/// CRIU tests run one at a time: each restore needs its image's pids free.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn criu() -> Criu {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "these tests drive CRIU and must run as root"
+    );
+    Criu::locate(None).unwrap_or_else(|e| panic!("{e} (CRIU >= 4.0 is required for these tests)"))
+}
+
+/// A shell that counts in memory and writes the count to `out` on SIGUSR1, in its own session
+/// with no terminal (so CRIU dumps it without `shell_job`).
+fn spawn_counter(dir: &Path) -> std::process::Child {
+    let out = dir.join("count");
+    let mut cmd = Command::new("bash");
+    cmd.arg("-c")
+        // Waits on a FIFO rather than forking `sleep`, so the tree's pids stay put (a restore
+        // needs every pid of the image free); `sleep` in the background makes it a tree.
+        .arg(concat!(
+            r#"mkfifo "$OUT.fifo"; exec 9<>"$OUT.fifo"; sleep 100000 & i=0; "#,
+            r#"trap 'echo $i > "$OUT.new"; mv "$OUT.new" "$OUT"' USR1; : > "$OUT.ready"; "#,
+            r#"while :; do i=$((i+1)); read -t 0.02 -u 9 x; done"#
+        ))
+        .env("OUT", &out)
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    // SAFETY: setsid is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| nix::unistd::setsid().map(|_| ()).map_err(Into::into));
+    }
+    let child = cmd.spawn().unwrap();
+    // SIGUSR1 before the trap is set would kill the shell.
+    let ready = dir.join("count.ready");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !ready.exists() {
+        assert!(Instant::now() < deadline, "counter never got ready");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child
+}
+
+/// Asks the counter for its count until it is at least `min`.
+fn count_at_least(pid: i32, dir: &Path, min: u64) -> u64 {
+    let out = dir.join("count");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let _ = fs::remove_file(&out);
+        kill(NixPid::from_raw(pid), Signal::SIGUSR1).unwrap();
+        let asked = Instant::now();
+        while !out.exists() && asked.elapsed() < Duration::from_secs(2) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if let Ok(s) = fs::read_to_string(&out) {
+            let n: u64 = s.trim().parse().unwrap();
+            if n >= min {
+                return n;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "counter {pid} never reached {min}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `pid` and its descendants.
+fn tree_pids(pid: i32) -> Vec<i32> {
+    let mut out = vec![pid];
+    let mut i = 0;
+    while i < out.len() {
+        let p = out[i];
+        let kids = fs::read_to_string(format!("/proc/{p}/task/{p}/children")).unwrap_or_default();
+        out.extend(kids.split_whitespace().map(|k| k.parse::<i32>().unwrap()));
+        i += 1;
+    }
+    out
+}
+
+/// The killed tree's other members are reaped by init, at its own pace.
+fn wait_pids_free(pids: &[i32]) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let busy = cryo_criu::pids_in_use(pids);
+        if busy.is_empty() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "pids {busy:?} still in use");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn entries(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn dump_publish_verify_restore_keeps_pid_and_memory() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let criu = criu();
+    let t = tempfile::tempdir().unwrap();
+    let mut child = spawn_counter(t.path());
+    let pid = child.id() as i32;
+    let before = count_at_least(pid, t.path(), 20);
+
+    let tree = tree_pids(pid);
+    assert_eq!(tree.len(), 2, "bash and its sleep: {tree:?}");
+    let entries_before: Vec<ProcessEntry> = tree
+        .iter()
+        .map(|p| ProcessEntry::from_proc(*p).unwrap())
+        .collect();
+    assert_eq!(entries_before[0].comm, "bash");
+    assert_eq!(entries_before[0].ppid, std::process::id() as i32);
+    assert_eq!(entries_before[1].cmdline, vec!["sleep", "100000"]);
+
+    let dir = t.path().join("image");
+    let staging = Staging::create(&dir).unwrap();
+    criu.dump(pid, staging.path(), &DumpOpts::default())
+        .unwrap();
+    // CRIU killed the tree; reap our child so its pid is free for the restore.
+    let status = child.wait().unwrap();
+    assert!(
+        !status.success(),
+        "dumped tree should be killed, got {status}"
+    );
+    wait_pids_free(&tree);
+    assert!(staging.path().join("dump.log").exists());
+
+    let manifest = staging
+        .publish(
+            ImageMeta {
+                root_pid: pid,
+                processes: entries_before,
+                gpu_model: None,
+                driver_version: None,
+                criu_version: criu.version(),
+            },
+            false,
+        )
+        .unwrap();
+    assert!(manifest.files.iter().any(|f| f.name.starts_with("pages-")));
+    verify(&dir).unwrap();
+    let listing = entries(&dir);
+
+    let restored = criu.restore(&dir, &RestoreOpts::default()).unwrap();
+    assert_eq!(
+        restored, pid,
+        "CRIU restores the root with its original pid"
+    );
+    // The counter continues from its dumped memory, not from zero.
+    let after = count_at_least(pid, t.path(), 0);
+    assert!(
+        after >= before,
+        "count went from {before} to {after}: memory not restored"
+    );
+
+    let children = fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap();
+    assert_eq!(
+        children.split_whitespace().count(),
+        1,
+        "the tree's child: {children:?}"
+    );
+
+    // The restore wrote nothing into the image: it still verifies, file for file.
+    assert_eq!(entries(&dir), listing);
+    verify(&dir).unwrap();
+
+    // rst_sibling: the restored root is our child, so we can reap it.
+    killpg(NixPid::from_raw(pid), Signal::SIGKILL).unwrap();
+    match waitpid(NixPid::from_raw(pid), None).unwrap() {
+        WaitStatus::Signaled(p, Signal::SIGKILL, _) => assert_eq!(p.as_raw(), pid),
+        other => panic!("unexpected wait status {other:?}"),
+    }
+}
+
+#[test]
+fn leave_running_dump_keeps_the_tree() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let criu = criu();
+    let t = tempfile::tempdir().unwrap();
+    let mut child = spawn_counter(t.path());
+    let pid = child.id() as i32;
+    count_at_least(pid, t.path(), 1);
+    let images = t.path().join("img");
+    fs::create_dir(&images).unwrap();
+    let opts = DumpOpts {
+        leave_running: true,
+        ..DumpOpts::default()
+    };
+    criu.dump(pid, &images, &opts).unwrap();
+    let n = count_at_least(pid, t.path(), 0);
+    count_at_least(pid, t.path(), n + 1);
+    assert!(child.try_wait().unwrap().is_none());
+    killpg(NixPid::from_raw(pid), Signal::SIGKILL).unwrap();
+    child.wait().unwrap();
+}
+
+#[test]
+fn failed_dump_reports_criu_error_lines() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let criu = criu();
+    let t = tempfile::tempdir().unwrap();
+    let pid_max: i32 = fs::read_to_string("/proc/sys/kernel/pid_max")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let pid = (2..pid_max)
+        .rev()
+        .find(|p| !Path::new(&format!("/proc/{p}")).exists())
+        .unwrap();
+    let err = criu.dump(pid, t.path(), &DumpOpts::default()).unwrap_err();
+    match &err {
+        CriuError::Failed { op, log, lines } => {
+            assert_eq!(*op, CriuOp::Dump);
+            assert_eq!(log, &t.path().join("dump.log"));
+            assert!(!lines.is_empty());
+            assert!(lines.iter().all(|l| l.contains("Error")), "{lines:?}");
+        }
+        other => panic!("expected CriuError::Failed, got {other:?}"),
+    }
+    let msg = err.to_string();
+    eprintln!("{msg}");
+    assert!(msg.starts_with("criu dump failed"), "{msg}");
+    assert!(msg.contains("Error ("), "{msg}");
+}
+
+#[test]
+fn restore_of_a_non_image_reports_criu_error_lines() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let criu = criu();
+    let t = tempfile::tempdir().unwrap();
+    let work = t.path().join("work");
+    let opts = RestoreOpts {
+        work_dir: Some(work.clone()),
+        ..RestoreOpts::default()
+    };
+    match criu.restore(t.path(), &opts).unwrap_err() {
+        CriuError::Failed { op, log, lines } => {
+            assert_eq!(op, CriuOp::Restore);
+            assert_eq!(log, work.join("restore.log"));
+            assert!(lines.iter().any(|l| l.contains("Error (")), "{lines:?}");
+        }
+        other => panic!("expected CriuError::Failed, got {other:?}"),
+    }
+}
+
+fn fake_criu(dir: &Path, version_line: &str) -> PathBuf {
+    let p = dir.join("criu");
+    fs::write(&p, format!("#!/bin/sh\necho '{version_line}'\n")).unwrap();
+    fs::set_permissions(&p, fs::Permissions::from_mode(0o755)).unwrap();
+    p
+}
+
+#[test]
+fn old_criu_is_too_old() {
+    let t = tempfile::tempdir().unwrap();
+    let fake = fake_criu(t.path(), "Version: 3.17");
+    let err = Criu::locate(Some(&fake)).unwrap_err();
+    match &err {
+        CriuError::TooOld {
+            path,
+            found,
+            needed,
+        } => {
+            assert_eq!(path, &fake);
+            assert_eq!(found.to_string(), "3.17");
+            assert_eq!(*needed, CriuVersion::MIN);
+        }
+        other => panic!("expected TooOld, got {other:?}"),
+    }
+    let msg = err.to_string();
+    assert_eq!(msg.lines().count(), 1, "{msg}");
+    assert!(msg.contains("3.17") && msg.contains(">= 4.0"), "{msg}");
+}
+
+#[test]
+fn recent_fake_criu_is_accepted_and_garbage_is_not() {
+    let t = tempfile::tempdir().unwrap();
+    let fake = fake_criu(t.path(), "Version: 4.2");
+    assert_eq!(Criu::at(fake).unwrap().version().to_string(), "4.2");
+    let t2 = tempfile::tempdir().unwrap();
+    let junk = fake_criu(t2.path(), "hello");
+    assert!(matches!(Criu::at(junk), Err(CriuError::Version { .. })));
+}
+
+#[test]
+fn missing_criu_is_not_found() {
+    let p = PathBuf::from("/nonexistent/cryo-test/criu");
+    let err = Criu::locate(Some(&p)).unwrap_err();
+    assert!(
+        matches!(&err, CriuError::NotFound { tried } if tried == &vec![p.clone()]),
+        "{err:?}"
+    );
+    let msg = err.to_string();
+    assert_eq!(msg.lines().count(), 1, "{msg}");
+    assert!(msg.contains("/nonexistent/cryo-test/criu"), "{msg}");
+}
+
+#[test]
+fn installed_criu_is_recent() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let criu = criu();
+    assert!(criu.version() >= CriuVersion::MIN, "{}", criu.version());
+}

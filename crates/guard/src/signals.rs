@@ -1,0 +1,122 @@
+//! Which signals the guard holds.
+//!
+//! A signal is *fatal* here when its default action ends the process and the process has neither
+//! a handler installed (`SigCgt`) nor `SIG_IGN` (`SigIgn`) for it at the moment the signal is
+//! about to be delivered. A process that handles SIGTERM handles its own shutdown (and an orderly
+//! shutdown is the stop path's business); a handler that re-raises after resetting to `SIG_DFL`
+//! (abort handlers, Python's faulthandler) is caught on the second delivery. A synchronous fault
+//! (SEGV, BUS, ILL, FPE) that is blocked or ignored is reset to `SIG_DFL` by the kernel before it
+//! is queued, so the masks read at the stop already say "default".
+
+/// Signal numbers whose default action terminates the process (with or without a core dump).
+/// SIGKILL is left out: it never reaches a signal-delivery-stop, the exit stop catches it.
+pub fn default_terminates(signal: i32) -> bool {
+    matches!(
+        signal,
+        libc::SIGHUP
+            | libc::SIGINT
+            | libc::SIGQUIT
+            | libc::SIGILL
+            | libc::SIGTRAP
+            | libc::SIGABRT
+            | libc::SIGBUS
+            | libc::SIGFPE
+            | libc::SIGUSR1
+            | libc::SIGSEGV
+            | libc::SIGUSR2
+            | libc::SIGPIPE
+            | libc::SIGALRM
+            | libc::SIGTERM
+            | libc::SIGSTKFLT
+            | libc::SIGXCPU
+            | libc::SIGXFSZ
+            | libc::SIGVTALRM
+            | libc::SIGPROF
+            | libc::SIGIO
+            | libc::SIGPWR
+            | libc::SIGSYS
+    ) || (32..=64).contains(&signal)
+}
+
+fn bit(mask: u64, signal: i32) -> bool {
+    u32::try_from(signal - 1)
+        .ok()
+        .filter(|b| *b < 64)
+        .is_some_and(|b| mask & (1u64 << b) != 0)
+}
+
+/// Whether delivering `signal` now would kill the process, given its caught and ignored masks
+/// (`/proc/PID/status` `SigCgt`, `SigIgn`).
+pub fn is_fatal(signal: i32, caught: u64, ignored: u64) -> bool {
+    default_terminates(signal) && !bit(caught, signal) && !bit(ignored, signal)
+}
+
+/// Whether `signal` is one of the four stop signals (their stop becomes a group-stop).
+pub fn is_stop_signal(signal: i32) -> bool {
+    matches!(
+        signal,
+        libc::SIGSTOP | libc::SIGTSTP | libc::SIGTTIN | libc::SIGTTOU
+    )
+}
+
+/// `SIGTERM`, `SIGRTMIN+3`...: a name for logs and journals.
+pub fn name(signal: i32) -> String {
+    let fixed = match signal {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGSTKFLT => "SIGSTKFLT",
+        libc::SIGCHLD => "SIGCHLD",
+        libc::SIGCONT => "SIGCONT",
+        libc::SIGSTOP => "SIGSTOP",
+        libc::SIGTSTP => "SIGTSTP",
+        libc::SIGTTIN => "SIGTTIN",
+        libc::SIGTTOU => "SIGTTOU",
+        libc::SIGURG => "SIGURG",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        libc::SIGVTALRM => "SIGVTALRM",
+        libc::SIGPROF => "SIGPROF",
+        libc::SIGWINCH => "SIGWINCH",
+        libc::SIGIO => "SIGIO",
+        libc::SIGPWR => "SIGPWR",
+        libc::SIGSYS => "SIGSYS",
+        n if (32..=64).contains(&n) => return format!("SIGRT{n}"),
+        n => return format!("signal {n}"),
+    };
+    fixed.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fatality_follows_the_masks() {
+        let term_bit = 1u64 << (libc::SIGTERM - 1);
+        assert!(is_fatal(libc::SIGTERM, 0, 0));
+        assert!(!is_fatal(libc::SIGTERM, term_bit, 0));
+        assert!(!is_fatal(libc::SIGTERM, 0, term_bit));
+        assert!(is_fatal(libc::SIGSEGV, term_bit, 0));
+        assert!(!is_fatal(libc::SIGCHLD, 0, 0));
+        assert!(!is_fatal(libc::SIGWINCH, 0, 0));
+        assert!(!is_fatal(libc::SIGKILL, 0, 0));
+        assert!(!is_fatal(libc::SIGSTOP, 0, 0));
+        assert!(is_fatal(libc::SIGRTMIN() + 1, 0, 0));
+        assert!(is_fatal(64, 0, 0));
+        assert!(!is_fatal(65, 0, 0));
+        assert_eq!(name(libc::SIGSEGV), "SIGSEGV");
+    }
+}

@@ -1,0 +1,195 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! The guard's process-level behaviour: its own death, memcg OOM kills, oom_score_adj, PSI.
+
+mod common;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{testee, Ev, Lines, Recorder, Victim};
+use cryo_guard::memory::{CgroupVersion, MemoryCgroup, PressureSource, Psi, PsiTrigger, Stall};
+use cryo_guard::procfs::{self, OomAdjError};
+use cryo_guard::{ExitCause, Tracer};
+
+/// A minimal guard in its own process (`cryo-guard-testee guard PID`), our direct child.
+struct GuardProcess {
+    child: std::process::Child,
+    lines: Lines,
+}
+
+impl GuardProcess {
+    fn start(pid: i32, hold: bool) -> Self {
+        let mut cmd = Command::new(testee());
+        cmd.args(["guard", &pid.to_string()]);
+        if hold {
+            cmd.arg("hold");
+        }
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let lines = Lines::new(child.stdout.take().unwrap());
+        lines.expect("attached");
+        Self { child, lines }
+    }
+
+    fn kill(mut self) {
+        self.child.kill().unwrap();
+        let status = self.child.wait().unwrap();
+        assert!(!status.success());
+    }
+}
+
+#[test]
+fn killed_guard_leaves_its_tracee_running() {
+    let mut v = Victim::spawn();
+    let guard = GuardProcess::start(v.pid, false);
+    let guard_pid = i32::try_from(guard.child.id()).unwrap();
+    for tid in procfs::task_ids(v.pid).unwrap() {
+        let tracer = procfs::task_status(tid).unwrap().tracer_pid;
+        assert_ne!(tracer, 0);
+        assert_eq!(procfs::task_status(tracer).unwrap().tgid, guard_pid);
+    }
+    guard.kill();
+    // The guard is reaped, so its exit (and the kernel's detach of its tracees) is complete.
+    for tid in procfs::task_ids(v.pid).unwrap() {
+        assert_eq!(procfs::task_status(tid).unwrap().tracer_pid, 0);
+    }
+    v.ping();
+    v.signal(libc::SIGUSR1);
+    v.lines.expect("usr1");
+}
+
+/// What the kernel does with a thread held at a signal-delivery-stop when its tracer dies
+/// (measured on Linux 6.18): the held signal is dropped and the thread runs on, untraced.
+#[test]
+fn killed_guard_drops_a_held_signal() {
+    let mut v = Victim::spawn();
+    let guard = GuardProcess::start(v.pid, true);
+    v.signal(libc::SIGTERM);
+    let held = guard.lines.expect("held ");
+    assert_eq!(held, format!("{} {}", v.pid, libc::SIGTERM));
+    assert_eq!(procfs::task_status(v.pid).unwrap().state, 't');
+    guard.kill();
+    let st = procfs::task_status(v.pid).unwrap();
+    assert_eq!(st.tracer_pid, 0);
+    assert_eq!(st.sig_pending, 0, "SIGTERM is not pending any more");
+    // Alive and serving: the SIGTERM was lost, not delivered.
+    v.ping();
+    assert_ne!(procfs::task_status(v.pid).unwrap().state, 'Z');
+}
+
+/// A v1 memory cgroup made for one test and removed after it.
+struct TestCgroup(PathBuf);
+
+impl TestCgroup {
+    fn new(limit: u64) -> Self {
+        let root = PathBuf::from("/sys/fs/cgroup/memory");
+        assert!(
+            root.join("memory.oom_control").exists(),
+            "this test needs the cgroup v1 memory controller at {}",
+            root.display()
+        );
+        let dir = root.join(format!("cryo-guard-test-{}", std::process::id()));
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::write(dir.join("memory.limit_in_bytes"), limit.to_string()).unwrap();
+        let memsw = dir.join("memory.memsw.limit_in_bytes");
+        if memsw.exists() {
+            std::fs::write(memsw, limit.to_string()).unwrap();
+        }
+        Self(dir)
+    }
+
+    fn add(&self, pid: i32) {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(self.0.join("cgroup.procs"))
+            .unwrap();
+        f.write_all(pid.to_string().as_bytes()).unwrap();
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        for _ in 0..200 {
+            if std::fs::remove_dir(&self.0).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        eprintln!("could not remove {}", self.0.display());
+    }
+}
+
+#[test]
+fn memcg_oom_kill_is_seen_at_the_exit_stop() {
+    let rec = Arc::new(Recorder::default());
+    let tracer = Tracer::spawn(rec.clone()).unwrap();
+    let mut v = Victim::spawn();
+    let cg = TestCgroup::new(64 << 20);
+    cg.add(v.pid);
+    let memcg = MemoryCgroup::of_pid(v.pid).unwrap();
+    assert_eq!(memcg.version, CgroupVersion::V1);
+    assert_eq!(memcg.dir, cg.0);
+    assert_eq!(memcg.oom_kills().unwrap(), 0);
+    *rec.pin.lock().unwrap() = vec![0, 1];
+    tracer.attach(v.pid).unwrap();
+    v.send("alloc");
+    assert_eq!(
+        rec.wait_gone(),
+        ExitCause::Signaled {
+            signal: libc::SIGKILL,
+            core_dumped: false
+        }
+    );
+    rec.with(|e| {
+        assert!(e.iter().any(|e| matches!(e, Ev::ExitStop { cause: ExitCause::Signaled { signal: 9, .. }, pinned, .. } if pinned == &[0, 1])), "{e:?}");
+    });
+    assert_eq!(memcg.oom_kills().unwrap(), 1);
+    drop(tracer);
+}
+
+#[test]
+fn oom_score_adj_is_set_or_refused_loudly() {
+    let v = Victim::spawn();
+    procfs::set_oom_score_adj(&v.pidfd, 500).unwrap();
+    assert_eq!(procfs::oom_score_adj(v.pid).unwrap(), 500);
+    assert!(matches!(
+        procfs::set_oom_score_adj(&v.pidfd, 5000),
+        Err(OomAdjError::Range { .. })
+    ));
+    // Lowering needs CAP_SYS_RESOURCE: either it works, or the error says the machine refuses.
+    match procfs::set_oom_score_adj(&v.pidfd, -900) {
+        Ok(()) => assert_eq!(procfs::oom_score_adj(v.pid).unwrap(), -900),
+        Err(e @ OomAdjError::NotPermitted { .. }) => {
+            eprintln!("NOTE: {e}");
+            assert_eq!(procfs::oom_score_adj(v.pid).unwrap(), 500);
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+#[test]
+fn memory_cgroup_and_pressure_of_this_process() {
+    let me = common::my_pid();
+    let memcg = MemoryCgroup::of_pid(me).unwrap();
+    eprintln!("memory cgroup of the test process: {memcg:?}");
+    assert!(memcg.dir.is_dir());
+    memcg.oom_kills().unwrap();
+    let psi: Psi = memcg.pressure().unwrap();
+    assert!(psi.full.is_some());
+    Psi::system().unwrap();
+    let trigger = PsiTrigger::arm(
+        &PressureSource::System,
+        Stall::Some,
+        Duration::from_millis(100),
+        // Without CAP_SYS_RESOURCE the kernel takes only windows that are multiples of 2 s.
+        Duration::from_secs(2),
+    )
+    .unwrap();
+    trigger.wait(Some(Duration::ZERO)).unwrap();
+}

@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# Install CRIU >= 4.0 as /usr/local/sbin/criu, built from Debian's source package.
+#
+# Why: Debian bookworm's criu 3.17 fails on current kernels ("vdso: Unexpected rt vDSO area
+# bounds"); CRIU 4.x built from a newer Debian release's source package works. The source is
+# fetched with `apt-get source` from a deb-src entry derived at run time from this machine's own
+# apt sources (no host is written into the repo), into a private apt state so the system's
+# sources and lists are left as they are. The orig tarball's SHA-256 is checked against the .dsc.
+#
+# Also copies the binary and the shared libraries it needs (other than glibc's) into
+# REPO/.carry/criu/ so it can be carried to another machine: `LD_LIBRARY_PATH=.carry/criu`.
+#
+# Idempotent: does nothing (beyond refreshing .carry/criu) when /usr/local/sbin/criu already
+# reports >= 4.0 and `criu check` passes. Needs root and a Debian bookworm-like system.
+#
+# Env: CRIU_SUITE (default: trixie), CRIU_WORK (build dir, default: /var/tmp/cryo-criu-build),
+#      CRIU_FORCE=1 to rebuild even when a good criu is installed.
+set -euo pipefail
+
+SUITE="${CRIU_SUITE:-trixie}"
+WORK="${CRIU_WORK:-/var/tmp/cryo-criu-build}"
+PREFIX_BIN=/usr/local/sbin/criu
+NEED_MAJOR=4
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CARRY="$REPO/.carry/criu"
+
+die() { echo "install-criu: error: $*" >&2; exit 1; }
+say() { echo "install-criu: $*" >&2; }
+
+[ "$(id -u)" -eq 0 ] || die "must run as root (apt-get and install into /usr/local/sbin)"
+
+# Prints the major version of the criu binary $1, or nothing if it does not run.
+criu_major() {
+    local v
+    v="$("$1" --version 2>/dev/null | sed -n 's/^Version: *\([0-9][0-9]*\)\..*/\1/p' | head -n1)" || true
+    echo "$v"
+}
+
+# The library closure of criu minus glibc and the loader, which every target has.
+refresh_carry() {
+    mkdir -p "$CARRY"
+    install -m 0755 "$PREFIX_BIN" "$CARRY/criu"
+    local lib
+    ldd "$PREFIX_BIN" | awk '/=> \//{print $3}' | while read -r lib; do
+        case "$(basename "$lib")" in
+            libc.so.*|libm.so.*|libpthread.so.*|libdl.so.*|librt.so.*|ld-linux*|libresolv.so.*) ;;
+            *) cp -L "$lib" "$CARRY/" ;;
+        esac
+    done
+    say "carry: $(cd "$CARRY" && ls | tr '\n' ' ')-> $CARRY"
+}
+
+good_installed() {
+    [ -x "$PREFIX_BIN" ] || return 1
+    local major
+    major="$(criu_major "$PREFIX_BIN")"
+    [ -n "$major" ] && [ "$major" -ge "$NEED_MAJOR" ] || return 1
+    "$PREFIX_BIN" check >/dev/null 2>&1 || return 1
+}
+
+if [ "${CRIU_FORCE:-0}" != 1 ] && good_installed; then
+    say "$("$PREFIX_BIN" --version | head -n1) already installed at $PREFIX_BIN, check passes"
+    refresh_carry
+    exit 0
+fi
+
+start=$(date +%s)
+command -v apt-get >/dev/null || die "apt-get not found: this script needs a Debian system"
+
+# --- the mirror URI, from the system's own sources -------------------------------------------
+uri=""
+if [ -r /etc/apt/sources.list.d/debian.sources ]; then
+    # deb822: the first URIs of a stanza that is not the security archive.
+    uri="$(awk '/^URIs:/ && $2 !~ /security/ { print $2; exit }' /etc/apt/sources.list.d/debian.sources)"
+fi
+if [ -z "$uri" ]; then
+    # one-line format: first "deb [opts] URI suite main" that is not a security mirror.
+    uri="$(cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null \
+        | sed -n 's/^deb\(-src\)\?[[:space:]]\+\(\[[^]]*\][[:space:]]\+\)\?\([^[:space:]]\+\)[[:space:]].*/\3/p' \
+        | grep -v security | head -n1 || true)"
+fi
+[ -n "$uri" ] || die "could not find a Debian mirror URI in /etc/apt/sources.list{,.d/*}"
+say "deb-src $uri $SUITE main (derived from the system sources)"
+
+keyring=/usr/share/keyrings/debian-archive-keyring.gpg
+[ -r "$keyring" ] || die "$keyring missing: install debian-archive-keyring"
+
+# --- private apt state for the source fetch ---------------------------------------------------
+rm -rf "$WORK"
+mkdir -p "$WORK/apt/lists/partial" "$WORK/apt/parts" "$WORK/apt/cache/archives/partial" "$WORK/src"
+LOG="$WORK/build.log"
+: >"$LOG"
+echo "deb-src [signed-by=$keyring] $uri $SUITE main" >"$WORK/apt/sources.list"
+APT_OPTS=(
+    -o "Dir::Etc::SourceList=$WORK/apt/sources.list"
+    -o "Dir::Etc::SourceParts=$WORK/apt/parts"
+    -o "Dir::State::Lists=$WORK/apt/lists"
+    -o "Dir::Cache=$WORK/apt/cache"
+    -o "APT::Sandbox::User=root"
+)
+say "fetching $SUITE source index"
+apt-get "${APT_OPTS[@]}" update >>"$LOG" 2>&1 || { tail -n 20 "$LOG" >&2; die "apt-get update for deb-src $SUITE failed (log: $LOG)"; }
+
+say "downloading criu source package"
+# The .dsc and the Debian diff may be absent from the mirror (seen: 404), while the orig tarball,
+# which is all the build needs, is there. apt verifies what it fetches against the signed Sources
+# index; a missing .dsc is tolerated and the index entry (the same Checksums-Sha256) used instead.
+(cd "$WORK/src" && apt-get "${APT_OPTS[@]}" source --download-only criu) >>"$LOG" 2>&1 \
+    || say "apt-get source reported errors (log: $LOG); continuing if the orig tarball arrived"
+
+orig="$(ls "$WORK"/src/criu_*.orig.tar.* 2>/dev/null | grep -v '\.asc$' | head -n1 || true)"
+[ -n "$orig" ] || { tail -n 20 "$LOG" >&2; die "apt-get source criu did not fetch the orig tarball (log: $LOG)"; }
+dsc="$(ls "$WORK"/src/criu_*.dsc 2>/dev/null | head -n1 || true)"
+if [ -n "$dsc" ]; then
+    meta="$dsc"
+else
+    meta="$WORK/src/criu.showsrc"
+    apt-cache "${APT_OPTS[@]}" showsrc --only-source criu >"$meta" 2>>"$LOG" \
+        || die "apt-cache showsrc criu failed (log: $LOG)"
+fi
+# First stanza only: the one apt-get source chose (highest version).
+ver="$(sed -n 's/^Version: *//p' "$meta" | head -n1)"
+say "criu source $ver, checksums from $(basename "$meta")"
+case "$ver" in
+    [0-9]*) [ "${ver%%.*}" -ge "$NEED_MAJOR" ] || die "suite $SUITE has criu $ver, need >= $NEED_MAJOR.0 (set CRIU_SUITE)";;
+    *) die "bad version '$ver' in $meta";;
+esac
+
+# Explicit check on top of apt's: the tarball's SHA-256 as listed in Checksums-Sha256.
+want="$(awk -v f="$(basename "$orig")" '
+    /^Checksums-Sha256:/ { on=1; next }
+    /^[^ ]/ { on=0 }
+    on && $3 == f { print $1; exit }' "$meta")"
+[ -n "$want" ] || die "$(basename "$orig") not listed in Checksums-Sha256 of $meta"
+got="$(sha256sum "$orig" | cut -d' ' -f1)"
+[ "$got" = "$want" ] || die "checksum mismatch for $(basename "$orig"): $(basename "$meta") says $want, file has $got"
+say "sha256 ok: $(basename "$orig") $got"
+
+# --- build dependencies (from the system's own suite) ----------------------------------------
+say "installing build dependencies"
+export DEBIAN_FRONTEND=noninteractive
+DEPS=(gcc make pkg-config libc6-dev libprotobuf-c-dev libprotobuf-dev protobuf-c-compiler libnl-3-dev
+      libnet1-dev libcap-dev libbsd-dev uuid-dev iproute2 iptables)
+missing=()
+for p in "${DEPS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p")
+done
+if [ "${#missing[@]}" -eq 0 ]; then
+    say "build dependencies already installed"
+else
+    say "apt-get install ${missing[*]}"
+    apt-get update >>"$LOG" 2>&1 || { tail -n 20 "$LOG" >&2; die "apt-get update failed (log: $LOG)"; }
+    apt-get install -y --no-install-recommends "${missing[@]}" >>"$LOG" 2>&1 \
+        || { tail -n 20 "$LOG" >&2; die "apt-get install of build dependencies failed (log: $LOG)"; }
+fi
+
+# --- build only the criu binary --------------------------------------------------------------
+mkdir -p "$WORK/build"
+tar -xf "$orig" -C "$WORK/build" --strip-components=1
+say "building criu (log: $LOG)"
+# Plain system tools: a pyenv shim or a user's PYTHON must not leak into the build.
+export PATH=/usr/sbin:/usr/bin:/sbin:/bin
+# No GnuTLS (TLS page server) and no nftables: fewer libraries to carry; network locking
+# falls back to iptables, which cryo does not use (no tcp_established).
+make -C "$WORK/build" -j"$(nproc)" NO_GNUTLS=1 criu >>"$LOG" 2>&1 \
+    || { tail -n 30 "$LOG" >&2; die "criu build failed (log: $LOG)"; }
+built="$WORK/build/criu/criu"
+[ -x "$built" ] || die "build finished but $built is missing"
+
+install -D -m 0755 "$built" "$PREFIX_BIN"
+major="$(criu_major "$PREFIX_BIN")"
+[ -n "$major" ] && [ "$major" -ge "$NEED_MAJOR" ] || die "$PREFIX_BIN does not report version >= $NEED_MAJOR.0"
+"$PREFIX_BIN" check >>"$LOG" 2>&1 || { tail -n 20 "$LOG" >&2; die "'criu check' failed (log: $LOG)"; }
+refresh_carry
+say "$("$PREFIX_BIN" --version | head -n1) installed at $PREFIX_BIN in $(( $(date +%s) - start ))s (log: $LOG)"
