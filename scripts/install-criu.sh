@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Install CRIU >= 4.0 as /usr/local/sbin/criu, built from Debian's source package.
+# Install CRIU >= 4.2 as /usr/local/sbin/criu, built from Debian's source package.
 #
 # Why: Debian bookworm's criu 3.17 fails on current kernels ("vdso: Unexpected rt vDSO area
-# bounds"); CRIU 4.x built from a newer Debian release's source package works. The source is
+# bounds"); 4.1.1 dumps processes but not their TCP sockets on Linux >= 6.16 ("Can't get 1:16 opt:
+# Operation not supported", SO_PASSCRED is restricted to unix/netlink sockets since 6.16; fixed in
+# CRIU 4.2), and every inference server listens on TCP. 4.2.1 built from Debian testing's source
+# package works. The source is
 # fetched with `apt-get source` from a deb-src entry derived at run time from this machine's own
 # apt sources (no host is written into the repo), into a private apt state so the system's
 # sources and lists are left as they are. The orig tarball's SHA-256 is checked against the .dsc.
@@ -11,16 +14,17 @@
 # REPO/.carry/criu/ so it can be carried to another machine: `LD_LIBRARY_PATH=.carry/criu`.
 #
 # Idempotent: does nothing (beyond refreshing .carry/criu) when /usr/local/sbin/criu already
-# reports >= 4.0 and `criu check` passes. Needs root and a Debian bookworm-like system.
+# reports >= 4.2 and `criu check` passes. Needs root and a Debian bookworm-like system.
 #
-# Env: CRIU_SUITE (default: trixie), CRIU_WORK (build dir, default: /var/tmp/cryo-criu-build),
+# Env: CRIU_SUITE (default: forky, Debian testing), CRIU_WORK (build dir, default: /var/tmp/cryo-criu-build),
 #      CRIU_FORCE=1 to rebuild even when a good criu is installed.
 set -euo pipefail
 
-SUITE="${CRIU_SUITE:-trixie}"
+SUITE="${CRIU_SUITE:-forky}"
 WORK="${CRIU_WORK:-/var/tmp/cryo-criu-build}"
 PREFIX_BIN=/usr/local/sbin/criu
 NEED_MAJOR=4
+NEED_MINOR=2
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CARRY="$REPO/.carry/criu"
 
@@ -29,12 +33,14 @@ say() { echo "install-criu: $*" >&2; }
 
 [ "$(id -u)" -eq 0 ] || die "must run as root (apt-get and install into /usr/local/sbin)"
 
-# Prints the major version of the criu binary $1, or nothing if it does not run.
+# Prints the version of the criu binary $1 as MAJOR*100+MINOR, or nothing if it does not run.
 criu_major() {
     local v
-    v="$("$1" --version 2>/dev/null | sed -n 's/^Version: *\([0-9][0-9]*\)\..*/\1/p' | head -n1)" || true
-    echo "$v"
+    v="$("$1" --version 2>/dev/null | sed -n 's/^Version: *\([0-9][0-9]*\)\.\([0-9][0-9]*\).*/\1 \2/p' | head -n1)" || true
+    [ -n "$v" ] && set -- $v && echo $(( $1 * 100 + $2 ))
+    return 0
 }
+NEED=$(( NEED_MAJOR * 100 + NEED_MINOR ))
 
 # The library closure of criu minus glibc and the loader, which every target has.
 refresh_carry() {
@@ -54,7 +60,7 @@ good_installed() {
     [ -x "$PREFIX_BIN" ] || return 1
     local major
     major="$(criu_major "$PREFIX_BIN")"
-    [ -n "$major" ] && [ "$major" -ge "$NEED_MAJOR" ] || return 1
+    [ -n "$major" ] && [ "$major" -ge "$NEED" ] || return 1
     "$PREFIX_BIN" check >/dev/null 2>&1 || return 1
 }
 
@@ -122,7 +128,8 @@ fi
 ver="$(sed -n 's/^Version: *//p' "$meta" | head -n1)"
 say "criu source $ver, checksums from $(basename "$meta")"
 case "$ver" in
-    [0-9]*) [ "${ver%%.*}" -ge "$NEED_MAJOR" ] || die "suite $SUITE has criu $ver, need >= $NEED_MAJOR.0 (set CRIU_SUITE)";;
+    [0-9]*) vmaj="${ver%%.*}"; vmin="${ver#*.}"; vmin="${vmin%%[!0-9]*}"
+            [ $(( vmaj * 100 + vmin )) -ge "$NEED" ] || die "suite $SUITE has criu $ver, need >= $NEED_MAJOR.$NEED_MINOR (set CRIU_SUITE)";;
     *) die "bad version '$ver' in $meta";;
 esac
 
@@ -139,7 +146,7 @@ say "sha256 ok: $(basename "$orig") $got"
 # --- build dependencies (from the system's own suite) ----------------------------------------
 say "installing build dependencies"
 export DEBIAN_FRONTEND=noninteractive
-DEPS=(gcc make pkg-config libc6-dev libprotobuf-c-dev libprotobuf-dev protobuf-c-compiler libnl-3-dev
+DEPS=(gcc make pkg-config libc6-dev libprotobuf-c-dev libprotobuf-dev protobuf-c-compiler protobuf-compiler libnl-3-dev
       libnet1-dev libcap-dev libbsd-dev uuid-dev iproute2 iptables)
 missing=()
 for p in "${DEPS[@]}"; do
@@ -169,7 +176,7 @@ built="$WORK/build/criu/criu"
 
 install -D -m 0755 "$built" "$PREFIX_BIN"
 major="$(criu_major "$PREFIX_BIN")"
-[ -n "$major" ] && [ "$major" -ge "$NEED_MAJOR" ] || die "$PREFIX_BIN does not report version >= $NEED_MAJOR.0"
+[ -n "$major" ] && [ "$major" -ge "$NEED" ] || die "$PREFIX_BIN does not report version >= $NEED_MAJOR.$NEED_MINOR"
 "$PREFIX_BIN" check >>"$LOG" 2>&1 || { tail -n 20 "$LOG" >&2; die "'criu check' failed (log: $LOG)"; }
 refresh_carry
 say "$("$PREFIX_BIN" --version | head -n1) installed at $PREFIX_BIN in $(( $(date +%s) - start ))s (log: $LOG)"

@@ -3,7 +3,7 @@
 //!
 //! # Design
 //! [`Criu::locate`] finds the binary (`explicit`, `$CRYO_CRIU`, `/usr/local/sbin/criu`, `PATH`)
-//! and refuses a missing one ([`CriuError::NotFound`]) or one older than 4.0
+//! and refuses a missing one ([`CriuError::NotFound`]) or one older than 4.2
 //! ([`CriuError::TooOld`]: bookworm's 3.17 fails on current kernels). Each operation starts one
 //! `criu swrk` worker and speaks protobuf to it over a `SOCK_SEQPACKET` socketpair; the messages
 //! are prost code generated from CRIU's vendored `rpc.proto` and committed (see the `rpc`
@@ -21,7 +21,7 @@
 //! with their [`image::Manifest`].
 //!
 //! # Limitations
-//! Needs root and CRIU >= 4.0 (`scripts/install-criu.sh`). Without `shell_job`, the dumped root
+//! Needs root and CRIU >= 4.2 (`scripts/install-criu.sh`). Without `shell_job`, the dumped root
 //! must lead its own session, and its stdio must not be a terminal outside the tree. The caller
 //! reaps: a dumped child of the caller stays a zombie holding its pid (and blocks a restore with
 //! that pid) until waited for; a restored root is the caller's child. A restore needs every pid

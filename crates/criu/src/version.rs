@@ -20,10 +20,12 @@ pub struct CriuVersion {
 }
 
 impl CriuVersion {
-    /// The oldest CRIU cryo works with: bookworm's 3.17 fails on current kernels (vDSO bounds).
+    /// The oldest CRIU cryo works with: bookworm's 3.17 fails on current kernels (vDSO bounds),
+    /// and 4.1 cannot dump TCP sockets on Linux >= 6.16 (SO_PASSCRED became unix/netlink only),
+    /// which every inference server holds.
     pub const MIN: CriuVersion = CriuVersion {
         major: 4,
-        minor: 0,
+        minor: 2,
         sublevel: 0,
     };
 

@@ -1,5 +1,5 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-//! Dump and restore with the real CRIU (root, CRIU >= 4.0 from scripts/install-criu.sh).
+//! Dump and restore with the real CRIU (root, CRIU >= 4.2 from scripts/install-criu.sh).
 //! A missing or old CRIU fails these tests; it never skips them.
 
 use std::fs;
@@ -23,7 +23,7 @@ fn criu() -> Criu {
         nix::unistd::geteuid().is_root(),
         "these tests drive CRIU and must run as root"
     );
-    Criu::locate(None).unwrap_or_else(|e| panic!("{e} (CRIU >= 4.0 is required for these tests)"))
+    Criu::locate(None).unwrap_or_else(|e| panic!("{e} (CRIU >= 4.2 is required for these tests)"))
 }
 
 /// A shell that counts in memory and writes the count to `out` on SIGUSR1, in its own session
@@ -296,7 +296,16 @@ fn old_criu_is_too_old() {
     }
     let msg = err.to_string();
     assert_eq!(msg.lines().count(), 1, "{msg}");
-    assert!(msg.contains("3.17") && msg.contains(">= 4.0"), "{msg}");
+    assert!(msg.contains("3.17") && msg.contains(">= 4.2"), "{msg}");
+}
+
+/// 4.1 dumps processes but not their TCP sockets on Linux >= 6.16: refused too.
+#[test]
+fn criu_4_1_is_too_old() {
+    let t = tempfile::tempdir().unwrap();
+    let fake = fake_criu(t.path(), "Version: 4.1.1");
+    let err = Criu::locate(Some(&fake)).unwrap_err();
+    assert!(matches!(err, CriuError::TooOld { .. }), "{err:?}");
 }
 
 #[test]

@@ -1,1 +1,69 @@
-//! cryo-sim (being written).
+//! The simulated GPU: a driver daemon that owns "device memory", a sim worker that uses it like an
+//! inference server uses a real GPU, and the client backend of the `cryo-gpu` traits.
+//!
+//! # Design
+//! Faithful to the measured behaviour of the real driver (`shared/gpu-facts.md`), so every layer
+//! above is tested without a GPU, real CRIU included:
+//! - The **driver daemon** ([`daemon`]) listens on `DIR/driver.sock`. A worker's context is one
+//!   connected unix socket to it (its `/dev/nvidia*`); the daemon holds that context's device
+//!   memory (a heap buffer) and tears the context down when it sees EOF, i.e. when the last
+//!   duplicate of the worker's end is closed. Tearing down a context that came from a restore while
+//!   it is live records a [`ledger::Wedge`] in `DIR/ledger.jsonl`.
+//! - The **worker** ([`worker`]) keeps its own checkpoint state (RUNNING/LOCKED/CHECKPOINTED),
+//!   as a real CUDA process does, and runs a *restore thread* listening on an abstract unix socket
+//!   `@cryo-sim/<daemon-id>/<nonce>`. Every checkpoint-API call is carried out by that thread; the
+//!   daemon finds it for a pid through `/proc/PID/fd` and `/proc/net/unix`.
+//! - The **client** ([`client`]) implements `CheckpointDriver` and `GpuInspector` by sending one
+//!   request per connection to `driver.sock`; driver errors come back as the real `CUresult` codes.
+//!
+//! # Limitations
+//! One context per process. A call on a process whose restore thread cannot run (all threads
+//! stopped) waits for it: a lock until [`proto::LOCK_GRACE`] past its timeout (then
+//! `CUDA_ERROR_NOT_READY`), other calls up to [`proto::WORKER_CALL_GRACE`]
+//! (`CUDA_ERROR_UNKNOWN`); a process that dies meanwhile answers as a dead one would. The way a
+//! process died is read from `/proc/PID/stat` when its context is torn down: a process already
+//! reaped by then is recorded as "unknown". CRIU 4.1.1 cannot dump TCP sockets on Linux >= 6.16
+//! (checkpoint-restore/criu#2705): there, run the worker with `--http-unix PATH` to dump it.
+
+pub mod cli;
+pub mod client;
+pub mod daemon;
+pub mod ledger;
+pub mod memory;
+mod procfs;
+pub mod proto;
+pub mod size;
+mod sys;
+pub mod worker;
+
+use std::path::PathBuf;
+
+pub use cli::{SimCommand, SimError};
+pub use client::{connect, SimClient, SimClientError, SimControl};
+pub use ledger::Wedge;
+
+/// Where the simulated driver lives unless told otherwise (`--sim-dir`, `CRYO_SIM_DIR`).
+pub fn default_dir() -> PathBuf {
+    PathBuf::from("/run/cryo-sim")
+}
+
+/// The daemon's control socket inside its directory.
+pub fn socket_path(dir: &std::path::Path) -> PathBuf {
+    dir.join("driver.sock")
+}
+
+/// The wedge ledger inside the daemon's directory.
+pub fn ledger_path(dir: &std::path::Path) -> PathBuf {
+    dir.join("ledger.jsonl")
+}
+
+/// A short id naming one daemon directory, so that the restore threads of workers of different
+/// daemons (tests run many side by side) are told apart. Stable across daemon restarts.
+pub fn daemon_id(dir: &std::path::Path) -> String {
+    let canon = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in canon.as_os_str().as_encoded_bytes() {
+        h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}

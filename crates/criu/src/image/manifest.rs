@@ -168,7 +168,7 @@ impl Manifest {
     }
 
     /// The SHA-256 that `manifest_sha256` must hold.
-    pub(crate) fn self_digest(&self) -> Result<String, serde_json::Error> {
+    pub fn self_digest(&self) -> Result<String, serde_json::Error> {
         let mut blank = self.clone();
         blank.manifest_sha256 = String::new();
         let bytes = serde_json::to_vec_pretty(&blank)?;

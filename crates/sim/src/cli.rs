@@ -1,0 +1,189 @@
+//! `cryo sim ...`: start the simulated driver and workers by hand, read the ledger, inject faults.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand, ValueEnum};
+use cryo_gpu::{GpuUuid, Pid};
+
+use crate::client::{SimClientError, SimControl};
+use crate::daemon::{DaemonConfig, DaemonError};
+use crate::proto::Fault;
+use crate::size::parse_size;
+use crate::worker::{WorkerConfig, WorkerError};
+
+/// The simulated GPU's commands.
+#[derive(Debug, Clone, Subcommand)]
+pub enum SimCommand {
+    /// Run the simulated GPU driver daemon (until killed).
+    Driver(DriverArgs),
+    /// Run a sim worker: an inference-like HTTP server on loopback using simulated device memory.
+    Worker(WorkerArgs),
+    /// Print the wedge ledger: live restored contexts that were torn down.
+    Ledger {
+        /// The driver's directory.
+        #[arg(long, env = "CRYO_SIM_DIR", default_value_os_t = crate::default_dir())]
+        dir: PathBuf,
+        /// One JSON array instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Inject a fault into a worker through the driver.
+    Inject {
+        /// The driver's directory.
+        #[arg(long, env = "CRYO_SIM_DIR", default_value_os_t = crate::default_dir())]
+        dir: PathBuf,
+        /// The worker.
+        #[arg(long)]
+        pid: Pid,
+        /// What to inject.
+        #[arg(value_enum)]
+        what: FaultArg,
+    },
+}
+
+/// Faults `cryo sim inject` knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FaultArg {
+    /// A kernel faults: sticky `CUDA_ERROR_ILLEGAL_ADDRESS` (lock then fails at once).
+    Sticky,
+}
+
+/// `cryo sim driver`.
+#[derive(Debug, Clone, Args)]
+pub struct DriverArgs {
+    /// Directory for `driver.sock` and `ledger.jsonl` (created if missing).
+    #[arg(long, env = "CRYO_SIM_DIR", default_value_os_t = crate::default_dir())]
+    pub dir: PathBuf,
+    /// Number of simulated GPUs.
+    #[arg(long, default_value_t = 2)]
+    pub gpus: u32,
+    /// Device memory of each GPU (bytes, or e.g. 16GiB).
+    #[arg(long, value_parser = parse_size, default_value = "16GiB")]
+    pub gpu_memory: u64,
+    /// Product name NVML reports.
+    #[arg(long, default_value = "cryo simulated GPU")]
+    pub gpu_name: String,
+    /// UUIDs of the GPUs in index order (repeat the flag); the rest are derived from the directory.
+    #[arg(long = "gpu-uuid")]
+    pub gpu_uuids: Vec<GpuUuid>,
+}
+
+/// `cryo sim worker`.
+#[derive(Debug, Clone, Args)]
+pub struct WorkerArgs {
+    /// The driver's directory.
+    #[arg(long, env = "CRYO_SIM_DIR", default_value_os_t = crate::default_dir())]
+    pub dir: PathBuf,
+    /// NVML index of the GPU to use.
+    #[arg(long, default_value_t = 0)]
+    pub gpu: u32,
+    /// Device memory to allocate (bytes, or e.g. 512MiB, 4GiB).
+    #[arg(long, value_parser = parse_size, default_value = "256MiB")]
+    pub memory: u64,
+    /// Seed of the "model weights" in device memory.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// TCP port on 127.0.0.1 (0: any free one).
+    #[arg(long, default_value_t = 0)]
+    pub port: u16,
+    /// Serve HTTP on this unix socket instead of TCP (CRIU 4.1.1 cannot dump TCP sockets on
+    /// Linux >= 6.16: checkpoint-restore/criu#2705).
+    #[arg(long, conflicts_with = "port")]
+    pub http_unix: Option<PathBuf>,
+    /// Written atomically once serving: `{"pid":..,"port":..,"unix":..}`.
+    #[arg(long)]
+    pub ready_file: Option<PathBuf>,
+    /// Send stdout and stderr here (a plain file, so CRIU can dump the worker).
+    #[arg(long)]
+    pub log_file: Option<PathBuf>,
+}
+
+/// A `cryo sim` command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// The daemon failed.
+    #[error(transparent)]
+    Daemon(#[from] DaemonError),
+    /// The worker failed.
+    #[error(transparent)]
+    Worker(#[from] WorkerError),
+    /// Talking to the daemon failed.
+    #[error(transparent)]
+    Client(#[from] SimClientError),
+    /// Writing the output failed.
+    #[error("cannot write the output: {0}")]
+    Output(std::io::Error),
+}
+
+impl SimCommand {
+    /// Runs the command; `driver` and `worker` return only when they fail.
+    pub fn run(self) -> Result<(), SimError> {
+        match self {
+            SimCommand::Driver(a) => {
+                init_logging();
+                crate::daemon::run(DaemonConfig {
+                    dir: a.dir,
+                    gpus: a.gpus,
+                    gpu_memory: a.gpu_memory,
+                    gpu_name: a.gpu_name,
+                    gpu_uuids: a.gpu_uuids,
+                })?;
+                Ok(())
+            }
+            SimCommand::Worker(a) => {
+                crate::worker::detach(a.log_file.as_deref())?;
+                init_logging();
+                crate::worker::run(WorkerConfig {
+                    dir: a.dir,
+                    gpu: a.gpu,
+                    memory: a.memory,
+                    seed: a.seed,
+                    port: a.port,
+                    http_unix: a.http_unix,
+                    ready_file: a.ready_file,
+                })?;
+                Ok(())
+            }
+            SimCommand::Ledger { dir, json } => {
+                let wedges = SimControl::new(&dir).ledger()?;
+                let mut out = std::io::stdout().lock();
+                let text = if json {
+                    serde_json::to_string_pretty(&wedges).map_err(|e| SimError::Output(e.into()))?
+                        + "\n"
+                } else if wedges.is_empty() {
+                    "no wedges\n".to_string()
+                } else {
+                    let mut t =
+                        String::from("TIME                            PID      GPU  DEATH\n");
+                    for w in &wedges {
+                        t += &format!(
+                            "{:<31} {:<8} {:<4} {}\n",
+                            w.time, w.pid, w.gpu_index, w.death
+                        );
+                    }
+                    t
+                };
+                out.write_all(text.as_bytes()).map_err(SimError::Output)
+            }
+            SimCommand::Inject { dir, pid, what } => {
+                let fault = match what {
+                    FaultArg::Sticky => Fault::Sticky,
+                };
+                SimControl::new(&dir).inject(pid, fault)?;
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Logs to stderr, `info` unless `RUST_LOG` says otherwise; a subscriber already set (by the
+/// `cryo` binary) wins.
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}

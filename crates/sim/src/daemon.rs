@@ -1,0 +1,564 @@
+//! The driver daemon: owns device memory, serves contexts, relays checkpoint-API calls to the
+//! workers' restore threads, answers NVML-style queries, and keeps the wedge ledger.
+//!
+//! # Design
+//! One thread per connection. The first message says what the connection is: a context
+//! (`OpenContext`; the connection then lives as long as the worker's context fd) or a one-shot
+//! request. The context table holds only bookkeeping (pid, GPU, size, whether it came from a
+//! restore, the inode of the worker's end); the memory itself belongs to the context's thread.
+
+use std::collections::HashMap;
+use std::io::{self, BufReader, Write};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use cryo_gpu::{CuResult, GpuInfo, GpuProcess, GpuUuid, Pid};
+
+use crate::ledger::{self, Wedge};
+use crate::proto::{
+    self, ApiCall, CtxReply, CtxRequest, GpuSel, Init, OpenContext, Reply, Request, WorkerOp,
+    WorkerRequest,
+};
+use crate::{memory, procfs};
+
+/// What `cryo sim driver` was asked to simulate.
+#[derive(Debug, Clone)]
+pub struct DaemonConfig {
+    /// Directory of `driver.sock` and `ledger.jsonl`.
+    pub dir: PathBuf,
+    /// Number of GPUs.
+    pub gpus: u32,
+    /// Device memory per GPU, bytes.
+    pub gpu_memory: u64,
+    /// Product name.
+    pub gpu_name: String,
+    /// UUIDs of the first GPUs (the rest are derived from the directory).
+    pub gpu_uuids: Vec<GpuUuid>,
+}
+
+/// The daemon could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// The directory could not be created.
+    #[error("cannot create the simulated driver's directory {path}: {source}")]
+    Dir {
+        /// The directory.
+        path: String,
+        /// The error.
+        source: io::Error,
+    },
+    /// Another daemon answers on the socket.
+    #[error("a simulated GPU driver is already running at {socket}")]
+    AlreadyRunning {
+        /// The socket.
+        socket: String,
+    },
+    /// The socket could not be bound.
+    #[error("cannot listen on {socket}: {source}")]
+    Listen {
+        /// The socket.
+        socket: String,
+        /// The error.
+        source: io::Error,
+    },
+    /// Bad GPU count.
+    #[error("--gpus must be between 1 and 64, not {0}")]
+    GpuCount(u32),
+    /// More UUIDs than GPUs, or the same UUID twice.
+    #[error("bad --gpu-uuid list for {gpus} GPUs: {reason}")]
+    Uuids {
+        /// GPU count.
+        gpus: u32,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+#[derive(Debug)]
+struct GpuSpec {
+    uuid: GpuUuid,
+    name: String,
+    total: u64,
+}
+
+#[derive(Debug, Clone)]
+struct CtxMeta {
+    id: u64,
+    pid: Pid,
+    gpu: usize,
+    bytes: u64,
+    restored: bool,
+    inode: u64,
+}
+
+#[derive(Debug)]
+struct Daemon {
+    id: String,
+    ledger: PathBuf,
+    gpus: Vec<GpuSpec>,
+    contexts: Mutex<HashMap<u64, CtxMeta>>,
+    next_ctx: AtomicU64,
+}
+
+/// Runs the daemon until the process is killed.
+pub fn run(cfg: DaemonConfig) -> Result<(), DaemonError> {
+    let (daemon, listener, socket) = start(cfg)?;
+    tracing::info!(socket = %socket.display(), gpus = daemon.gpus.len(), "simulated GPU driver listening");
+    for conn in listener.incoming() {
+        match conn {
+            Ok(s) => {
+                let d = daemon.clone();
+                std::thread::spawn(move || d.serve(s));
+            }
+            Err(err) => tracing::warn!(%err, "accept failed"),
+        }
+    }
+    Ok(())
+}
+
+fn start(cfg: DaemonConfig) -> Result<(Arc<Daemon>, UnixListener, PathBuf), DaemonError> {
+    if cfg.gpus == 0 || cfg.gpus > 64 {
+        return Err(DaemonError::GpuCount(cfg.gpus));
+    }
+    if cfg.gpu_uuids.len() > cfg.gpus as usize {
+        return Err(DaemonError::Uuids {
+            gpus: cfg.gpus,
+            reason: format!("{} UUIDs given", cfg.gpu_uuids.len()),
+        });
+    }
+    std::fs::create_dir_all(&cfg.dir).map_err(|source| DaemonError::Dir {
+        path: cfg.dir.display().to_string(),
+        source,
+    })?;
+    let id = crate::daemon_id(&cfg.dir);
+    let mut gpus = Vec::new();
+    for i in 0..cfg.gpus {
+        let uuid = cfg
+            .gpu_uuids
+            .get(i as usize)
+            .cloned()
+            .unwrap_or_else(|| derived_uuid(&id, i));
+        if gpus.iter().any(|g: &GpuSpec| g.uuid == uuid) {
+            return Err(DaemonError::Uuids {
+                gpus: cfg.gpus,
+                reason: format!("{uuid} given twice"),
+            });
+        }
+        gpus.push(GpuSpec {
+            uuid,
+            name: cfg.gpu_name.clone(),
+            total: cfg.gpu_memory,
+        });
+    }
+    let socket = crate::socket_path(&cfg.dir);
+    let sock_str = socket.display().to_string();
+    if UnixStream::connect(&socket).is_ok() {
+        return Err(DaemonError::AlreadyRunning { socket: sock_str });
+    }
+    // Nothing answers: a stale socket of a dead daemon.
+    let _ = std::fs::remove_file(&socket);
+    let listener = UnixListener::bind(&socket).map_err(|source| DaemonError::Listen {
+        socket: sock_str,
+        source,
+    })?;
+    let daemon = Arc::new(Daemon {
+        id,
+        ledger: crate::ledger_path(&cfg.dir),
+        gpus,
+        contexts: Mutex::new(HashMap::new()),
+        next_ctx: AtomicU64::new(1),
+    });
+    Ok((daemon, listener, socket))
+}
+
+/// Waits until the restore thread's answer is readable; `Some(reply)` when it will not come: the
+/// deadline passed, or the process died meanwhile (answered as a call on it now would be).
+fn wait_answer(s: &UnixStream, pid: Pid, deadline: Duration, is_lock: bool) -> Option<Reply> {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    let start = Instant::now();
+    loop {
+        let mut fds = [PollFd::new(s.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::from(50u16)) {
+            Ok(n) if n > 0 => return None,
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(err) => {
+                return Some(Reply::Error(format!(
+                    "cannot wait for the restore thread of pid {pid}: {err}"
+                )))
+            }
+        }
+        if procfs::liveness(pid) != procfs::Liveness::Alive {
+            return dead_answer(pid);
+        }
+        if start.elapsed() >= deadline {
+            tracing::warn!(pid, ?deadline, "restore thread did not answer in time");
+            return Some(Reply::Cuda(if is_lock {
+                CuResult::NOT_READY
+            } else {
+                CuResult::UNKNOWN
+            }));
+        }
+    }
+}
+
+/// The answer for a process whose restore thread hung up because it is dying: what a call on it
+/// will answer once it is dead. `None` when it stays alive.
+fn dead_answer(pid: Pid) -> Option<Reply> {
+    // A dying process closes its files before it turns into a zombie: give it a moment.
+    let deadline = Instant::now() + Duration::from_secs(1);
+    loop {
+        match procfs::liveness(pid) {
+            procfs::Liveness::Gone => return Some(Reply::Cuda(CuResult::INVALID_VALUE)),
+            procfs::Liveness::Zombie => return Some(Reply::Cuda(CuResult::NOT_INITIALIZED)),
+            procfs::Liveness::Alive if Instant::now() >= deadline => return None,
+            procfs::Liveness::Alive => std::thread::sleep(Duration::from_millis(5)),
+        }
+    }
+}
+
+/// A stable UUID per (directory, index), so restarts of a daemon keep their GPUs.
+fn derived_uuid(id: &str, index: u32) -> GpuUuid {
+    let h = u64::from_str_radix(id, 16).unwrap_or(0);
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&h.to_be_bytes());
+    b[8..].copy_from_slice(&(0x5157_0000_0000_0000u64 | u64::from(index)).to_be_bytes());
+    GpuUuid::from_bytes(b)
+}
+
+impl Daemon {
+    fn table(&self) -> MutexGuard<'_, HashMap<u64, CtxMeta>> {
+        // A panic elsewhere must not take NVML down with it: the table stays consistent because
+        // every change is one insert or remove.
+        self.contexts.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn serve(&self, mut s: UnixStream) {
+        let req: Request = match proto::recv(&mut s) {
+            Ok(Some(r)) => r,
+            Ok(None) => return,
+            Err(err) => {
+                let _ = proto::send(&mut s, &Reply::Error(format!("bad request: {err}")));
+                return;
+            }
+        };
+        let reply = match req {
+            Request::OpenContext(open) => return self.context(s, open),
+            Request::Hello => Reply::Hello {
+                driver_version: format!("cryo-sim {}", env!("CARGO_PKG_VERSION")),
+                daemon_id: self.id.clone(),
+            },
+            Request::Call { pid, call } => {
+                let lock_timeout = matches!(call, ApiCall::Lock { .. });
+                let deadline = call.deadline();
+                self.worker_call(pid, WorkerOp::Api(call), deadline, lock_timeout)
+            }
+            Request::Inject { pid, fault } => self.worker_call(
+                pid,
+                WorkerOp::Inject(fault),
+                proto::WORKER_CALL_GRACE,
+                false,
+            ),
+            Request::Gpus => Reply::Gpus(self.gpus()),
+            Request::Processes => Reply::Processes(self.processes()),
+            Request::DriverFds { pid } => self.driver_fds(pid),
+        };
+        if let Err(err) = proto::send(&mut s, &reply) {
+            tracing::debug!(%err, "client went away before the answer");
+        }
+    }
+
+    fn gpus(&self) -> Vec<GpuInfo> {
+        let table = self.table();
+        self.gpus
+            .iter()
+            .enumerate()
+            .map(|(i, g)| {
+                let used: u64 = table.values().filter(|c| c.gpu == i).map(|c| c.bytes).sum();
+                GpuInfo {
+                    index: i as u32,
+                    uuid: g.uuid.clone(),
+                    name: g.name.clone(),
+                    memory_total: g.total,
+                    memory_free: g.total.saturating_sub(used),
+                }
+            })
+            .collect()
+    }
+
+    fn processes(&self) -> Vec<GpuProcess> {
+        let mut out: Vec<GpuProcess> = self
+            .table()
+            .values()
+            .map(|c| GpuProcess {
+                pid: c.pid,
+                gpu_index: c.gpu as u32,
+                gpu_uuid: self.gpus[c.gpu].uuid.clone(),
+                used_memory: c.bytes,
+            })
+            .collect();
+        out.sort_by_key(|p| (p.pid, p.gpu_index));
+        out
+    }
+
+    fn driver_fds(&self, pid: Pid) -> Reply {
+        let fds = match procfs::socket_fds(pid) {
+            Ok(f) => f,
+            Err(err) => {
+                return Reply::Error(format!("cannot read the fd table of pid {pid}: {err}"))
+            }
+        };
+        let table = self.table();
+        let mut out: Vec<i32> = fds
+            .into_iter()
+            .filter(|(_, ino)| table.values().any(|c| c.inode == *ino))
+            .map(|(fd, _)| fd)
+            .collect();
+        out.sort_unstable();
+        Reply::Fds(out)
+    }
+
+    /// Finds `pid`'s restore thread and has it carry out `req`.
+    fn worker_call(&self, pid: Pid, op: WorkerOp, deadline: Duration, is_lock: bool) -> Reply {
+        if !procfs::exists(pid) {
+            return Reply::Cuda(CuResult::INVALID_VALUE);
+        }
+        let fds = match procfs::socket_fds(pid) {
+            Ok(f) => f,
+            Err(_) if !procfs::exists(pid) => return Reply::Cuda(CuResult::INVALID_VALUE),
+            Err(err) => {
+                return Reply::Error(format!("cannot read the fd table of pid {pid}: {err}"))
+            }
+        };
+        let listening = match procfs::listening_unix(&format!("@cryo-sim/{}/", self.id)) {
+            Ok(l) => l,
+            Err(err) => return Reply::Error(format!("cannot read /proc/net/unix: {err}")),
+        };
+        let Some(name) = fds.iter().find_map(|(_, ino)| listening.get(ino)) else {
+            return Reply::Cuda(CuResult::NOT_INITIALIZED);
+        };
+        let addr = match SocketAddr::from_abstract_name(name.trim_start_matches('@').as_bytes()) {
+            Ok(a) => a,
+            Err(err) => {
+                return Reply::Error(format!("bad restore-thread socket name {name}: {err}"))
+            }
+        };
+        let mut s = match UnixStream::connect_addr(&addr) {
+            Ok(s) => s,
+            // Closed between the lookup and now: the process is going away.
+            Err(_) => return Reply::Cuda(CuResult::NOT_INITIALIZED),
+        };
+        if let Err(err) = s.set_read_timeout(Some(deadline)).and_then(|()| {
+            proto::send(
+                &mut s,
+                &WorkerRequest {
+                    op,
+                    expires_unix_ms: proto::unix_ms()
+                        .saturating_add(u64::try_from(deadline.as_millis()).unwrap_or(u64::MAX)),
+                },
+            )
+        }) {
+            return Reply::Error(format!(
+                "cannot reach the restore thread of pid {pid}: {err}"
+            ));
+        }
+        if let Some(early) = wait_answer(&s, pid, deadline, is_lock) {
+            return early;
+        }
+        match proto::recv_some::<Reply>(&mut s) {
+            Ok(r) => {
+                // Answer only once the restore thread closed its end: a caller that dumps the
+                // process with CRIU next must not find a connected socket to us in it.
+                let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+                let _ = io::Read::read(&mut s, &mut [0u8; 1]);
+                r
+            }
+            Err(err) => dead_answer(pid).unwrap_or_else(|| {
+                Reply::Error(format!("restore thread of pid {pid} failed: {err}"))
+            }),
+        }
+    }
+
+    fn resolve(&self, sel: &GpuSel) -> Option<usize> {
+        match sel {
+            GpuSel::Index(i) => Some(*i as usize).filter(|i| *i < self.gpus.len()),
+            GpuSel::Uuid(u) => self.gpus.iter().position(|g| &g.uuid == u),
+        }
+    }
+
+    /// Serves one context from open to teardown.
+    fn context(&self, mut s: UnixStream, open: OpenContext) {
+        let pid = match nix::sys::socket::getsockopt(&s, nix::sys::socket::sockopt::PeerCredentials)
+        {
+            Ok(c) => c.pid(),
+            Err(err) => {
+                let _ = proto::send(&mut s, &Reply::Error(format!("no peer credentials: {err}")));
+                return;
+            }
+        };
+        let Some(gpu) = self.resolve(&open.gpu) else {
+            let _ = proto::send(&mut s, &Reply::Cuda(CuResult::INVALID_VALUE));
+            return;
+        };
+        let restored = open.init == Init::Upload;
+        let ctx_id = self.next_ctx.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut table = self.table();
+            let used: u64 = table
+                .values()
+                .filter(|c| c.gpu == gpu)
+                .map(|c| c.bytes)
+                .sum();
+            if used.saturating_add(open.bytes) > self.gpus[gpu].total {
+                drop(table);
+                tracing::info!(
+                    pid,
+                    gpu,
+                    bytes = open.bytes,
+                    used,
+                    "context refused: out of device memory"
+                );
+                let _ = proto::send(&mut s, &Reply::Cuda(CuResult::OUT_OF_MEMORY));
+                return;
+            }
+            table.insert(
+                ctx_id,
+                CtxMeta {
+                    id: ctx_id,
+                    pid,
+                    gpu,
+                    bytes: open.bytes,
+                    restored,
+                    inode: open.inode,
+                },
+            );
+        }
+        let meta = CtxMeta {
+            id: ctx_id,
+            pid,
+            gpu,
+            bytes: open.bytes,
+            restored,
+            inode: open.inode,
+        };
+        tracing::debug!(pid, gpu, bytes = open.bytes, restored, "context opened");
+        let released = self.context_loop(&mut s, &open, &meta);
+        self.table().remove(&ctx_id);
+        if !released && meta.restored {
+            self.wedge(&meta);
+        } else {
+            tracing::debug!(pid, released, "context closed");
+        }
+    }
+
+    /// Returns whether the context was released by a checkpoint before its fd closed.
+    fn context_loop(&self, s: &mut UnixStream, open: &OpenContext, meta: &CtxMeta) -> bool {
+        let Ok(len) = usize::try_from(open.bytes) else {
+            return false;
+        };
+        let mut r = match s.try_clone() {
+            Ok(c) => BufReader::with_capacity(1 << 20, c),
+            Err(err) => {
+                tracing::warn!(%err, "cannot clone a context socket");
+                return false;
+            }
+        };
+        crate::sys::grow_socket_buffers(s);
+        let mut mem = vec![0u8; len];
+        crate::sys::advise_huge_pages(&mut mem);
+        match open.init {
+            Init::Seed(seed) => memory::fill(&mut mem, seed),
+            Init::Upload => {
+                if proto::send(
+                    s,
+                    &Reply::Opened {
+                        gpu_index: meta.gpu as u32,
+                        gpu_uuid: self.gpus[meta.gpu].uuid.clone(),
+                    },
+                )
+                .is_err()
+                {
+                    return false;
+                }
+                if io::Read::read_exact(&mut r, &mut mem).is_err() {
+                    return false;
+                }
+                if proto::send(s, &CtxReply::Uploaded).is_err() {
+                    return false;
+                }
+            }
+        }
+        if open.init != Init::Upload
+            && proto::send(
+                s,
+                &Reply::Opened {
+                    gpu_index: meta.gpu as u32,
+                    gpu_uuid: self.gpus[meta.gpu].uuid.clone(),
+                },
+            )
+            .is_err()
+        {
+            return false;
+        }
+        let mut released = false;
+        loop {
+            let req: CtxRequest = match proto::recv(&mut r) {
+                Ok(Some(q)) => q,
+                Ok(None) => return released,
+                Err(err) => {
+                    tracing::debug!(pid = meta.pid, %err, "context socket failed");
+                    return released;
+                }
+            };
+            let sent = match (req, released) {
+                (_, true) => {
+                    proto::send(s, &CtxReply::Error("context released by checkpoint".into()))
+                }
+                (CtxRequest::Read(words), false) => proto::send(
+                    s,
+                    &CtxReply::Words(words.iter().map(|w| memory::read_word(&mem, *w)).collect()),
+                ),
+                (CtxRequest::Hash, false) => proto::send(s, &CtxReply::Hash(memory::hash(&mem))),
+                (CtxRequest::Download, false) => {
+                    proto::send(s, &CtxReply::Download(mem.len() as u64))
+                        .and_then(|()| s.write_all(&mem))
+                }
+                (CtxRequest::Release, false) => {
+                    // Checkpoint frees device memory now, even while duplicates of the fd live.
+                    mem = Vec::new();
+                    released = true;
+                    self.table().remove(&meta.id);
+                    proto::send(s, &CtxReply::Released)
+                }
+            };
+            if let Err(err) = sent {
+                tracing::debug!(pid = meta.pid, %err, "context socket failed");
+                return released;
+            }
+        }
+    }
+
+    fn wedge(&self, meta: &CtxMeta) {
+        let death = procfs::death(meta.pid);
+        let time = time::OffsetDateTime::now_utc()
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_else(|_| "unknown".to_string());
+        let w = Wedge {
+            time,
+            pid: meta.pid,
+            gpu_index: meta.gpu as u32,
+            gpu_uuid: self.gpus[meta.gpu].uuid.clone(),
+            used_memory: meta.bytes,
+            death,
+            restored: true,
+        };
+        tracing::warn!(pid = w.pid, gpu = %w.gpu_uuid, death = %w.death, "WEDGE: a live restored context was torn down");
+        if let Err(err) = ledger::append(&self.ledger, &w) {
+            tracing::error!(%err, "cannot record a wedge");
+        }
+    }
+}

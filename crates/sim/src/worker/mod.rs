@@ -1,0 +1,209 @@
+//! The sim worker: an inference-like HTTP server whose answers depend on its simulated device
+//! memory, with the restore thread that carries out checkpoint-API calls on it.
+//!
+//! # Design
+//! [`state::Worker`] holds the process's checkpoint state, as the CUDA driver's state lives inside
+//! a real CUDA process: a CRIU image of a checkpointed worker carries it and can be restored any
+//! number of times. Application threads make "GPU calls" through a gate that lock closes.
+//! Once checkpointed the worker holds only a listening TCP socket on loopback, the restore
+//! thread's listening abstract socket and plain files: nothing CRIU cannot dump.
+//!
+//! # Limitations
+//! GPU work queued by `/busy` is modelled as a deadline, not as kernels running in the daemon.
+
+mod http;
+mod restore;
+pub(crate) mod state;
+
+use std::io;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use cryo_gpu::CuResult;
+
+use self::state::{OpenError, Worker};
+
+/// What `cryo sim worker` was asked to run.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// The driver's directory.
+    pub dir: PathBuf,
+    /// NVML index of the GPU.
+    pub gpu: u32,
+    /// Device memory, bytes.
+    pub memory: u64,
+    /// Seed of device memory.
+    pub seed: u64,
+    /// TCP port on 127.0.0.1 (0: any).
+    pub port: u16,
+    /// Serve on this unix socket instead of TCP.
+    pub http_unix: Option<PathBuf>,
+    /// Where to write `{"pid":..,"port":..}` once serving.
+    pub ready_file: Option<PathBuf>,
+}
+
+/// The worker could not start or serve.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// Too little device memory asked for.
+    #[error("--memory {0} is too small: at least 4096 bytes")]
+    MemoryTooSmall(u64),
+    /// The restore thread's socket could not be set up.
+    #[error("cannot listen on the restore thread's socket {name}: {source}")]
+    RestoreSocket {
+        /// Abstract socket name.
+        name: String,
+        /// The error.
+        source: io::Error,
+    },
+    /// The driver is not running.
+    #[error("no simulated GPU driver is running at {socket} ({source}); start one with `cryo sim driver --dir {dir}`")]
+    Driver {
+        /// Its socket.
+        socket: String,
+        /// Its directory.
+        dir: String,
+        /// Why connecting failed.
+        source: io::Error,
+    },
+    /// The driver refused the context.
+    #[error("cannot open a context of {bytes} bytes on GPU {gpu}: {code} ({})", code.description())]
+    Context {
+        /// GPU index.
+        gpu: u32,
+        /// Size asked for.
+        bytes: u64,
+        /// The driver's answer.
+        code: CuResult,
+    },
+    /// Talking to the driver failed.
+    #[error("simulated GPU driver at {socket}: {reason}")]
+    Protocol {
+        /// Its socket.
+        socket: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The HTTP server could not start.
+    #[error("cannot listen on {listen}: {reason}")]
+    Http {
+        /// Address asked for.
+        listen: String,
+        /// Why.
+        reason: String,
+    },
+    /// The ready file could not be written.
+    #[error("cannot write the ready file {path}: {source}")]
+    ReadyFile {
+        /// The file.
+        path: String,
+        /// The error.
+        source: io::Error,
+    },
+    /// The log file could not be opened or installed as stdout/stderr.
+    #[error("cannot log to {path}: {source}")]
+    Log {
+        /// The file.
+        path: String,
+        /// The error.
+        source: io::Error,
+    },
+}
+
+/// Detaches the worker from whoever started it, so that nothing CRIU cannot dump stays open:
+/// stdin becomes `/dev/null`, stdout and stderr go to `log` (append) when given, and every other
+/// inherited fd (a jobserver pipe, a parent's socket) is closed.
+pub fn detach(log: Option<&Path>) -> Result<(), WorkerError> {
+    use std::os::fd::AsRawFd;
+    let inherited: Vec<i32> = std::fs::read_dir("/proc/self/fd")
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                .filter(|fd| *fd > 2)
+                .collect()
+        })
+        .unwrap_or_default();
+    for fd in inherited {
+        // The directory's own fd is gone already: EBADF is expected for it.
+        let _ = nix::unistd::close(fd);
+    }
+    let null = std::fs::File::open("/dev/null").map_err(|source| WorkerError::Log {
+        path: "/dev/null".into(),
+        source,
+    })?;
+    nix::unistd::dup2(null.as_raw_fd(), 0).map_err(|e| WorkerError::Log {
+        path: "/dev/null".into(),
+        source: e.into(),
+    })?;
+    let Some(path) = log else { return Ok(()) };
+    let err = |source| WorkerError::Log {
+        path: path.display().to_string(),
+        source,
+    };
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(err)?;
+    for target in [1, 2] {
+        nix::unistd::dup2(f.as_raw_fd(), target).map_err(|e| err(e.into()))?;
+    }
+    Ok(())
+}
+
+/// Runs the worker until it is killed (or `/fault?exit=1`).
+pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
+    if cfg.memory < 4096 {
+        return Err(WorkerError::MemoryTooSmall(cfg.memory));
+    }
+    let worker = Arc::new(Worker::new(cfg.dir.clone(), cfg.memory, cfg.seed));
+    restore::start(worker.clone(), &crate::daemon_id(&cfg.dir))?;
+    worker.open_fresh(cfg.gpu).map_err(|e| match e {
+        OpenError::Connect(source) => WorkerError::Driver {
+            socket: crate::socket_path(&cfg.dir).display().to_string(),
+            dir: cfg.dir.display().to_string(),
+            source,
+        },
+        OpenError::Cuda(code) => WorkerError::Context {
+            gpu: cfg.gpu,
+            bytes: cfg.memory,
+            code,
+        },
+        OpenError::Protocol(reason) => WorkerError::Protocol {
+            socket: crate::socket_path(&cfg.dir).display().to_string(),
+            reason,
+        },
+    })?;
+    let server = match &cfg.http_unix {
+        Some(path) => tiny_http::Server::http_unix(path).map_err(|e| WorkerError::Http {
+            listen: path.display().to_string(),
+            reason: e.to_string(),
+        })?,
+        None => tiny_http::Server::http(SocketAddrV4::new(Ipv4Addr::LOCALHOST, cfg.port)).map_err(
+            |e| WorkerError::Http {
+                listen: format!("127.0.0.1:{}", cfg.port),
+                reason: e.to_string(),
+            },
+        )?,
+    };
+    let port = server.server_addr().to_ip().map_or(0, |a| a.port());
+    if let Some(path) = &cfg.ready_file {
+        write_ready(path, port, cfg.http_unix.as_deref()).map_err(|source| {
+            WorkerError::ReadyFile {
+                path: path.display().to_string(),
+                source,
+            }
+        })?;
+    }
+    tracing::info!(pid = std::process::id(), port, unix = ?cfg.http_unix, bytes = cfg.memory, gpu = cfg.gpu, "sim worker serving");
+    http::serve(worker, Arc::new(server));
+    Ok(())
+}
+
+fn write_ready(path: &Path, port: u16, unix: Option<&Path>) -> io::Result<()> {
+    let body =
+        serde_json::json!({ "pid": std::process::id(), "port": port, "unix": unix }).to_string();
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, body)?;
+    std::fs::rename(&tmp, path)
+}

@@ -1,0 +1,166 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! Teardown of contexts and the wedge ledger: only a live context that came from a restore wedges.
+
+mod common;
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::time::Duration;
+
+use common::{cycle, suspend, Sim};
+
+#[test]
+fn sigkill_of_a_live_restored_worker_records_a_wedge() {
+    let sim = Sim::start();
+    let w = sim.worker("16MiB", 1, 5);
+    cycle(&sim, w.pid);
+    assert!(sim.ledger().is_empty());
+    w.sigkill();
+    let ledger = sim.wait_ledger(1);
+    assert_eq!(ledger.len(), 1, "{ledger:?}");
+    let wedge = &ledger[0];
+    assert_eq!(wedge.pid, w.pid);
+    assert!(wedge.death.contains("SIGKILL"), "{wedge:?}");
+    assert!(wedge.restored);
+    assert_eq!(wedge.gpu_index, 1);
+    assert_eq!(wedge.gpu_uuid, sim.gpu.inspect.gpus().unwrap()[1].uuid);
+    assert_eq!(wedge.used_memory, 16 << 20);
+    assert!(!sim.listed(w.pid));
+
+    let out = std::process::Command::new(common::BIN)
+        .args(["ledger", "--json", "--dir"])
+        .arg(sim.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let printed: Vec<cryo_sim::Wedge> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(printed, ledger);
+}
+
+#[test]
+fn a_restored_worker_exiting_after_a_fatal_cuda_error_records_a_wedge() {
+    let sim = Sim::start();
+    let w = sim.worker("8MiB", 0, 5);
+    cycle(&sim, w.pid);
+    let (status, body) = w.http("POST", "/fault?exit=1", "");
+    assert_eq!(status, 200, "{body}");
+    let ledger = sim.wait_ledger(1);
+    assert_eq!(ledger[0].pid, w.pid);
+    assert_eq!(ledger[0].death, "exited with status 1");
+}
+
+#[test]
+fn a_locked_restored_worker_killed_records_a_wedge() {
+    let sim = Sim::start();
+    let w = sim.worker("8MiB", 0, 5);
+    suspend(&sim, w.pid);
+    sim.gpu.driver.restore(w.pid, &[]).unwrap();
+    w.sigkill();
+    let ledger = sim.wait_ledger(1);
+    assert_eq!(ledger[0].pid, w.pid);
+    assert!(ledger[0].death.contains("SIGKILL"), "{:?}", ledger[0]);
+}
+
+#[test]
+fn a_fresh_worker_killed_records_no_wedge() {
+    let sim = Sim::start();
+    let mut w = sim.worker("8MiB", 0, 5);
+    w.sigkill();
+    sim.wait_unlisted(w.pid);
+    w.child.wait().unwrap();
+    assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
+    // The daemon did tear it down (and would have said so).
+    assert!(
+        sim.daemon_log().contains("context closed"),
+        "{}",
+        sim.daemon_log()
+    );
+}
+
+#[test]
+fn a_checkpointed_restored_worker_killed_records_no_wedge() {
+    let sim = Sim::start();
+    let mut w = sim.worker("8MiB", 0, 5);
+    cycle(&sim, w.pid);
+    suspend(&sim, w.pid);
+    w.sigkill();
+    w.child.wait().unwrap();
+    // A live one killed after it proves the daemon is watching: its wedge is the only one.
+    let live = sim.worker("8MiB", 0, 6);
+    cycle(&sim, live.pid);
+    live.sigkill();
+    let ledger = sim.wait_ledger(1);
+    assert_eq!(ledger.len(), 1, "{ledger:?}");
+    assert_eq!(ledger[0].pid, live.pid);
+}
+
+fn pin(pid: i32, fds: &[i32]) -> Vec<OwnedFd> {
+    let pidfd = rustix::process::pidfd_open(
+        rustix::process::Pid::from_raw(pid).unwrap(),
+        rustix::process::PidfdFlags::empty(),
+    )
+    .unwrap();
+    fds.iter()
+        .map(|fd| {
+            rustix::process::pidfd_getfd(&pidfd, *fd, rustix::process::PidfdGetfdFlags::empty())
+                .unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn pinned_context_fds_keep_a_dead_restored_worker_listed_until_closed() {
+    let sim = Sim::start();
+    let w = sim.worker("16MiB", 0, 5);
+    cycle(&sim, w.pid);
+    let fds = sim.gpu.inspect.driver_fds(w.pid).unwrap();
+    assert_eq!(fds.len(), 1);
+    let pins = pin(w.pid, &fds);
+    // The pins are driver fds of this process now.
+    let mine = sim
+        .gpu
+        .inspect
+        .driver_fds(std::process::id() as i32)
+        .unwrap();
+    assert!(
+        pins.iter().all(|p| mine.contains(&p.as_raw_fd())),
+        "{mine:?}"
+    );
+
+    w.sigkill();
+    w.wait_zombie();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        sim.listed(w.pid),
+        "a pinned context must stay listed after its process died"
+    );
+    assert_eq!(
+        sim.gpu.inspect.process_memory(w.pid).unwrap(),
+        Some(16 << 20)
+    );
+    assert!(sim.ledger().is_empty(), "no teardown while pinned");
+
+    drop(pins);
+    let ledger = sim.wait_ledger(1);
+    assert_eq!(ledger[0].pid, w.pid);
+    assert!(ledger[0].death.contains("SIGKILL"), "{:?}", ledger[0]);
+    assert!(!sim.listed(w.pid));
+}
+
+#[test]
+fn checkpoint_frees_device_memory_even_while_pinned() {
+    let sim = Sim::start();
+    let w = sim.worker("16MiB", 0, 5);
+    cycle(&sim, w.pid);
+    let pins = pin(w.pid, &sim.gpu.inspect.driver_fds(w.pid).unwrap());
+    suspend(&sim, w.pid);
+    assert!(!sim.listed(w.pid));
+    sim.gpu.driver.restore(w.pid, &[]).unwrap();
+    sim.gpu.driver.unlock(w.pid).unwrap();
+    assert_eq!(w.verify()["ok"], true);
+    // The old context was released: closing its pins is no teardown.
+    drop(pins);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(sim.listed(w.pid));
+    suspend(&sim, w.pid);
+    assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
+}
