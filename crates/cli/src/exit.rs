@@ -5,6 +5,7 @@
 //! | 0 | success |
 //! | 1 | error: the driver refused, the process is in the wrong state, a system call failed |
 //! | 2 | usage: malformed arguments (clap's own errors, `--gpu-map` indices this host lacks); nothing was done |
+//! | 3 | refused (`cryo stop`): a CUDA process could not be suspended; nothing in the target was killed |
 //!
 //! The `cuda-checkpoint` front end keeps NVIDIA's convention instead: 0 on success, else the
 //! driver's `CUresult` (modulo 256 as the kernel truncates it, never 0) and 1 for errors that carry
@@ -20,6 +21,9 @@ pub const SUCCESS: u8 = 0;
 pub const FAILURE: u8 = 1;
 /// Malformed arguments; nothing was done.
 pub const USAGE: u8 = 2;
+
+/// `cryo stop` refused: a CUDA process could not be suspended, nothing was killed.
+pub const REFUSED: u8 = 3;
 
 /// An error in the command line found after parsing (when resolving it against the system).
 #[derive(Debug, thiserror::Error)]

@@ -16,6 +16,8 @@ mod backend;
 mod commands;
 mod compat;
 mod exit;
+mod journal;
+mod progress;
 mod target;
 
 use std::ffi::OsString;

@@ -17,7 +17,11 @@ fn demo_runs_green() {
         "restore",
         "unlock",
         "ask again",
-        "suspend, then kill",
+        "cryo stop",
+        "restored: yes (journal)",
+        "timeline",
+        "checkpointed",
+        "killed",
         "wedge ledger",
     ] {
         assert!(o.contains(step), "step {step:?} missing:\n{o}");

@@ -13,7 +13,9 @@
 //! - [`signals`]: which signals count as fatal (no handler installed, default action kills).
 //! - `sys`: the raw syscalls, the only `unsafe` code.
 //!
-//! The policy that suspends, journals and fences plugs in through [`policy::Policy`].
+//! The policy that suspends, journals and fences ([`guard::Guard`]) plugs in through
+//! [`policy::Policy`]; [`control`] is its unix socket (status, attach/detach around a CRIU dump,
+//! the operator's release of pins).
 //!
 //! # Kernel behaviour this relies on
 //! - A `PTRACE_EVENT_EXIT` stop is reported for every death, SIGKILL and memcg OOM kill included,
@@ -33,6 +35,8 @@
 //! See [`tracer`]. Lowering `oom_score_adj` needs `CAP_SYS_RESOURCE`
 //! ([`procfs::OomAdjError::NotPermitted`] says so).
 
+pub mod control;
+pub mod guard;
 pub mod memory;
 pub mod pidfd;
 pub mod policy;
@@ -44,6 +48,7 @@ pub mod tracer;
 /// A process or thread id (host pid namespace), as in `cryo_gpu::Pid`.
 pub type Pid = i32;
 
+pub use guard::{Endgame, Guard, GuardConfig, GuardStatus, MemoryWatch, StartReport};
 pub use pidfd::{PidFd, PidFdError};
 pub use policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Target};
 pub use tracer::{AttachError, DetachError, SpawnError, Tracer, TracerGone, TracerStats};

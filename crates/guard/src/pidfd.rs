@@ -44,6 +44,12 @@ impl PidFd {
         Ok(Self { pid, fd })
     }
 
+    /// Wraps a pidfd opened elsewhere (a duplicate of a `cryo_proc::ProcHandle`'s, so both name
+    /// the process that handle checked by start time).
+    pub fn from_owned(pid: Pid, fd: OwnedFd) -> Self {
+        Self { pid, fd }
+    }
+
     /// The pid this pidfd was opened for.
     pub fn pid(&self) -> Pid {
         self.pid

@@ -1,1 +1,62 @@
-//! cryo-journal (being written).
+//! cryo's journal: an append-only, checksummed, fsync'd event log on the node, and the timeline
+//! that `cryo timeline` prints from it.
+//!
+//! Every step of stop, freeze, thaw and guard is journaled before it acts (an intent) and after
+//! (an outcome), so after a crash or a power cut cryo knows what was in flight
+//! ([`in_flight_stops`]) and which live processes came from a restore ([`Origins`]).
+//!
+//! # Design
+//! - One file, `DIR/journal.log`, of frames: a 16-byte header (magic `CRJ1`, payload length,
+//!   CRC32C of the payload, CRC32C of the header) and a JSON [`Record`] `{seq, time, event}`.
+//! - **Writers** ([`Journal`]; `cryo stop`, `cryo thaw`, the guard, possibly at once in several
+//!   processes) take an exclusive `flock` for each append, check what was appended since they
+//!   last looked (checksums, last `seq`), cut a torn tail left by a writer that died mid-append,
+//!   append one frame with a single `write` on an `O_APPEND` file, `fdatasync`, and unlock. The
+//!   kernel drops the lock of a killed writer, so a crash never blocks the others. A cut is
+//!   itself journaled ([`Event::JournalRepaired`]).
+//! - **Readers** ([`read`], [`Reader`]) take no lock and never write: they stop at the first
+//!   partial or bad frame that no valid frame follows (it may be a record being written now)
+//!   and report it as [`Scan::tail`], not as an error.
+//! - **Damage in the middle** (a bad frame with a valid frame after it, e.g. a flipped bit) is
+//!   never misread: both checksums must match before a payload is parsed. The reader reports it
+//!   as a [`Corruption`] with its offset and resynchronises on the next intact frame (magic,
+//!   header checksum and payload checksum all valid), so one damaged record does not hide the
+//!   rest. Writers keep such damage in place (cutting there would throw away good records).
+//!
+//! # Limitations
+//! - A damaged *last* frame cannot be told from a torn write: a writer cuts it (and journals the
+//!   cut with its offset and size). A record damaged that way is lost.
+//! - The file grows without bound; there is no rotation or compaction yet (records are ~150
+//!   bytes; a busy node writes a few MB a year).
+//! - Each writer scans the whole file once when it opens the journal; later appends read only
+//!   what other writers appended since.
+//! - Processes are identified by pid and start time read from `/proc` in cryo's pid namespace.
+
+mod error;
+mod event;
+mod frame;
+mod procid;
+mod query;
+mod reader;
+mod timeline;
+mod writer;
+
+use std::path::PathBuf;
+
+pub use error::{AppendError, FileError, OpenError, ReadError, SinceError};
+pub use event::{Event, Phase, Record};
+pub use frame::{Corruption, FrameFault, Tail, MAX_PAYLOAD};
+pub use procid::{ProcId, ProcIdError};
+pub use query::{in_flight_stops, last_steps, Filter, InFlight, Origin, Origins, StopStep};
+pub use reader::{read, Reader, Scan};
+pub use timeline::{parse_since, parse_since_at, render_json, render_timeline};
+pub use writer::Journal;
+
+/// Name of the journal file inside the journal directory.
+pub const FILE_NAME: &str = "journal.log";
+
+/// The journal directory when none is configured (`/var/lib/cryo/journal`). The CLI puts it
+/// under `--state-dir` / `CRYO_STATE_DIR` when those are given.
+pub fn default_dir() -> PathBuf {
+    PathBuf::from("/var/lib/cryo/journal")
+}

@@ -12,11 +12,25 @@
 //! Refusal is a result, not an error: when a CUDA process cannot be suspended, nothing in the
 //! target is killed and every process is left in a safe state (unlocked and serving, or
 //! checkpointed).
+//!
+//! # Limitations
+//! Test hooks: [`failpoint`] (`CRYO_FAILPOINT=stop-before-kill`) makes `stop` stall after the
+//! suspension is verified and before anything is killed, so crash recovery can be tested.
 
+pub mod failpoint;
+pub mod fence;
+pub mod freeze;
+pub mod health;
 pub mod progress;
 pub mod stop;
 pub mod suspend;
+pub mod thaw;
 
+pub use freeze::{freeze, FreezeError, FreezeOptions, FreezeReport};
+pub use health::HealthCheck;
 pub use progress::{NoProgress, Progress};
-pub use stop::{stop, EndSignal, ProcReport, Refusal, RefusalReason, StopError, StopOptions, StopReport, Target};
+pub use stop::{
+    stop, EndSignal, ProcReport, Refusal, RefusalReason, StopError, StopOptions, StopReport, Target,
+};
 pub use suspend::{suspend, SuspendOptions, SuspendOutcome, Suspended};
+pub use thaw::{thaw, PrecheckError, ThawError, ThawOptions, ThawReport};

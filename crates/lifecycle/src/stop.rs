@@ -20,6 +20,7 @@ use cryo_journal::{Event, Journal, Origin, Origins};
 use cryo_proc::{ProcError, ProcHandle};
 use rustix::process::Signal;
 
+use crate::failpoint;
 use crate::progress::Progress;
 use crate::suspend::{id, suspend, SuspendFailure, SuspendOptions, Suspended};
 
@@ -148,6 +149,9 @@ pub enum StopError {
     /// The journal could not be read.
     #[error("cannot read the journal: {0}")]
     JournalRead(#[from] cryo_journal::ReadError),
+    /// The inspection API (NVML) could not list processes.
+    #[error("cannot list GPU processes: {0}")]
+    Inspect(String),
     /// A process did not exit after SIGKILL.
     #[error("pid {0} did not exit after SIGKILL")]
     NotExited(Pid),
@@ -194,7 +198,9 @@ pub fn stop(
 ) -> Result<StopReport, StopError> {
     let start = Instant::now();
     let handles = resolve(target)?;
-    journal.append(Event::StopRequested { target: describe(target) })?;
+    journal.append(Event::StopRequested {
+        target: describe(target),
+    })?;
 
     // Which processes hold CUDA state: those the driver answers a state for.
     let mut cuda = Vec::new();
@@ -202,13 +208,23 @@ pub fn stop(
     for h in &handles {
         match gpu.driver.state(h.pid()) {
             Ok(_) => cuda.push(h),
-            Err(e) if matches!(e.code(), Some(CuResult::NOT_INITIALIZED) | Some(CuResult::INVALID_VALUE)) && h.is_alive() => {
+            Err(e)
+                if matches!(
+                    e.code(),
+                    Some(CuResult::NOT_INITIALIZED) | Some(CuResult::INVALID_VALUE)
+                ) && h.is_alive() =>
+            {
                 plain.push(h)
             }
             Err(e) if !h.is_alive() => {
                 tracing::debug!(pid = h.pid(), error = %e, "exited before it could be classified");
             }
-            Err(error) => return Err(StopError::Driver { pid: h.pid(), error }),
+            Err(error) => {
+                return Err(StopError::Driver {
+                    pid: h.pid(),
+                    error,
+                })
+            }
         }
     }
 
@@ -234,21 +250,30 @@ pub fn stop(
 
     let mut refusals = Vec::new();
     let mut unsafe_kills = Vec::new();
+    let mut to_suspend: Vec<&ProcHandle> = cuda.clone();
     if opts.fresh {
         // Declared never restored: tearing down its context is the ordinary, safe kind of exit.
-        for h in &cuda {
+        // The journal wins over the declaration: a process cryo itself restored is suspended
+        // whatever the operator says, since being wrong that way wedges the host.
+        to_suspend.retain(|h| origin(h) == Some(true));
+        for h in cuda.iter().filter(|h| origin(h) != Some(true)) {
             journal.append(Event::FreshDeclared { pid: id(h) })?;
+            unsafe_kills.push(h.pid());
         }
-        unsafe_kills.extend(cuda.iter().map(|h| h.pid()));
-    } else if !cuda.is_empty() {
-        for outcome in suspend(gpu, &cuda, &opts.suspend, Some(journal), progress) {
+    }
+    if !to_suspend.is_empty() {
+        for outcome in suspend(gpu, &to_suspend, &opts.suspend, Some(journal), progress) {
             match outcome.result {
                 Ok(s) => {
                     if let Some(r) = reports.iter_mut().find(|r| r.pid == outcome.pid) {
                         r.suspended = Some(s);
                     }
                 }
-                Err(f) => refusals.push(Refusal { pid: outcome.pid, hint: f.hint().to_string(), reason: f }),
+                Err(f) => refusals.push(Refusal {
+                    pid: outcome.pid,
+                    hint: f.hint().to_string(),
+                    reason: f,
+                }),
             }
         }
     }
@@ -256,15 +281,30 @@ pub fn stop(
     if !refusals.is_empty() {
         for r in &refusals {
             if let Some(h) = handles.iter().find(|h| h.pid() == r.pid) {
-                journal.append(Event::Refused { pid: id(h), reason: r.reason.reason(), hint: r.hint.clone() })?;
+                journal.append(Event::Refused {
+                    pid: id(h),
+                    reason: r.reason.reason(),
+                    hint: r.hint.clone(),
+                })?;
             }
         }
         if !opts.unsafe_kill {
-            journal.append(Event::StopCompleted { target: describe(target), killed: Vec::new(), ms: elapsed_ms(start) })?;
-            return Ok(StopReport { processes: reports, refusals, unsafe_kills, elapsed_ms: elapsed_ms(start) });
+            journal.append(Event::StopCompleted {
+                target: describe(target),
+                killed: Vec::new(),
+                ms: elapsed_ms(start),
+            })?;
+            return Ok(StopReport {
+                processes: reports,
+                refusals,
+                unsafe_kills,
+                elapsed_ms: elapsed_ms(start),
+            });
         }
         unsafe_kills.extend(refusals.iter().map(|r| r.pid));
     }
+
+    failpoint::stall_if(failpoint::STOP_BEFORE_KILL);
 
     // CUDA processes first, then the rest: a parent that dies first could take its children's
     // state with it in ways the driver does not expect.
@@ -275,9 +315,20 @@ pub fn stop(
             match gpu.driver.state(h.pid()) {
                 Ok(ProcessState::Checkpointed) => {}
                 Ok(other) if h.is_alive() => {
-                    let reason = SuspendFailure::Driver { step: "kill", error: format!("state changed to {other} after verification") };
-                    journal.append(Event::Refused { pid: id(h), reason: reason.reason(), hint: "run the stop again".into() })?;
-                    refusals.push(Refusal { pid: h.pid(), hint: "run the stop again".into(), reason });
+                    let reason = SuspendFailure::Driver {
+                        step: "kill",
+                        error: format!("state changed to {other} after verification"),
+                    };
+                    journal.append(Event::Refused {
+                        pid: id(h),
+                        reason: reason.reason(),
+                        hint: "run the stop again".into(),
+                    })?;
+                    refusals.push(Refusal {
+                        pid: h.pid(),
+                        hint: "run the stop again".into(),
+                        reason,
+                    });
                     continue;
                 }
                 _ => {}
@@ -290,21 +341,45 @@ pub fn stop(
     }
 
     // After exit, NVML must attribute nothing to them: otherwise someone holds their driver files.
-    let listed = gpu.inspect.processes().map_err(|e| StopError::Driver {
-        pid: 0,
-        error: cryo_gpu::DriverError::Sim { endpoint: "inspect".into(), reason: e.to_string() },
-    })?;
-    for h in &handles {
-        let bytes: u64 = listed.iter().filter(|p| p.pid == h.pid()).map(|p| p.used_memory).sum();
-        if listed.iter().any(|p| p.pid == h.pid()) && !h.is_alive() {
-            return Err(StopError::MemoryAfterExit { pid: h.pid(), bytes });
+    // The driver releases a context shortly after the process's files close (a plain kill of a
+    // fresh process), so this polls until the verification deadline.
+    let deadline = Instant::now() + opts.suspend.verify_timeout;
+    loop {
+        let listed = gpu
+            .inspect
+            .processes()
+            .map_err(|e| StopError::Inspect(e.to_string()))?;
+        let held = handles.iter().filter(|h| !h.is_alive()).find_map(|h| {
+            let mine: Vec<_> = listed.iter().filter(|p| p.pid == h.pid()).collect();
+            (!mine.is_empty()).then(|| (h.pid(), mine.iter().map(|p| p.used_memory).sum::<u64>()))
+        });
+        match held {
+            None => break,
+            Some((pid, bytes)) if Instant::now() >= deadline => {
+                return Err(StopError::MemoryAfterExit { pid, bytes })
+            }
+            Some(_) => std::thread::sleep(Duration::from_millis(20)),
         }
     }
-    journal.append(Event::StopCompleted { target: describe(target), killed: handles.iter().filter(|h| !h.is_alive()).map(|h| id(h)).collect(), ms: elapsed_ms(start) })?;
-    Ok(StopReport { processes: reports, refusals, unsafe_kills, elapsed_ms: elapsed_ms(start) })
+    journal.append(Event::StopCompleted {
+        target: describe(target),
+        killed: handles.iter().filter(|h| !h.is_alive()).map(id).collect(),
+        ms: elapsed_ms(start),
+    })?;
+    Ok(StopReport {
+        processes: reports,
+        refusals,
+        unsafe_kills,
+        elapsed_ms: elapsed_ms(start),
+    })
 }
 
-fn end_one(h: &ProcHandle, opts: &StopOptions, journal: &Journal, unsafe_kill: bool) -> Result<(), StopError> {
+fn end_one(
+    h: &ProcHandle,
+    opts: &StopOptions,
+    journal: &Journal,
+    unsafe_kill: bool,
+) -> Result<(), StopError> {
     if !h.is_alive() {
         return Ok(());
     }
@@ -316,7 +391,10 @@ fn end_one(h: &ProcHandle, opts: &StopOptions, journal: &Journal, unsafe_kill: b
     if unsafe_kill {
         journal.append(Event::UnsafeKill { pid: id(h) })?;
     }
-    journal.append(Event::KillStarted { pid: id(h), signal: first as i32 })?;
+    journal.append(Event::KillStarted {
+        pid: id(h),
+        signal: first as i32,
+    })?;
     if let Err(e) = h.signal(first) {
         if h.is_alive() {
             return Err(e.into());
@@ -324,7 +402,10 @@ fn end_one(h: &ProcHandle, opts: &StopOptions, journal: &Journal, unsafe_kill: b
     }
     if let EndSignal::Term { grace } = opts.signal {
         if !h.wait_exit(grace) {
-            journal.append(Event::KillStarted { pid: id(h), signal: Signal::Kill as i32 })?;
+            journal.append(Event::KillStarted {
+                pid: id(h),
+                signal: Signal::Kill as i32,
+            })?;
             if let Err(e) = h.signal(Signal::Kill) {
                 if h.is_alive() {
                     return Err(e.into());
@@ -343,10 +424,19 @@ fn describe(target: &Target) -> String {
     match target {
         Target::Tree(p) => format!("tree of pid {p}"),
         Target::Cgroup(p) => format!("cgroup {}", p.display()),
-        Target::Pids(p) => format!("pids {}", p.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(",")),
+        Target::Pids(p) => format!(
+            "pids {}",
+            p.iter()
+                .map(|p| p.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        ),
     }
 }
 
 fn elapsed_ms(start: Instant) -> u64 {
     u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX)
 }
+
+#[cfg(test)]
+mod tests;

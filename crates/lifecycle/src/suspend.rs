@@ -1,5 +1,6 @@
 //! Suspension: lock, checkpoint and verify a set of CUDA processes, all or nothing.
 
+use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -43,12 +44,23 @@ pub struct Suspended {
     pub state_before: ProcessState,
     /// Device memory NVML listed before acting, bytes.
     pub device_memory: u64,
-    /// Time spent in lock, when this run locked it.
+    /// Time spent in lock, when this run locked it (JSON: `lock_ms`).
+    #[serde(rename = "lock_ms", serialize_with = "opt_ms")]
     pub lock: Option<Duration>,
-    /// Time spent in checkpoint, when this run checkpointed it.
+    /// Time spent in checkpoint, when this run checkpointed it (JSON: `checkpoint_ms`).
+    #[serde(rename = "checkpoint_ms", serialize_with = "opt_ms")]
     pub checkpoint: Option<Duration>,
-    /// Time from checkpoint return to NVML no longer listing the pid.
+    /// Time from checkpoint return to NVML no longer listing the pid (JSON: `verify_ms`).
+    #[serde(rename = "verify_ms", serialize_with = "opt_ms")]
     pub verify: Option<Duration>,
+}
+
+/// Durations in JSON as milliseconds (fractional), `null` when absent.
+fn opt_ms<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_some(&(d.as_secs_f64() * 1e3)),
+        None => s.serialize_none(),
+    }
 }
 
 /// Why a process could not be suspended.
@@ -89,14 +101,24 @@ impl SuspendFailure {
     /// A short reason for humans.
     pub fn reason(&self) -> String {
         match self {
-            SuspendFailure::LockTimedOut { attempts, timeout_ms } => {
+            SuspendFailure::LockTimedOut {
+                attempts,
+                timeout_ms,
+            } => {
                 format!("lock timed out with GPU work in flight ({attempts} attempts of {timeout_ms} ms, CUDA_ERROR_NOT_READY)")
             }
-            SuspendFailure::StickyError { code } => format!("the CUDA context has a sticky error ({code}): the driver cannot lock it"),
-            SuspendFailure::DriverFailedState => "the driver reports the process FAILED".to_string(),
+            SuspendFailure::StickyError { code } => {
+                format!("the CUDA context has a sticky error ({code}): the driver cannot lock it")
+            }
+            SuspendFailure::DriverFailedState => {
+                "the driver reports the process FAILED".to_string()
+            }
             SuspendFailure::Driver { step, error } => format!("{step} failed: {error}"),
             SuspendFailure::MemoryStillListed { bytes } => {
-                format!("NVML still lists {} of device memory after checkpoint", human_bytes(*bytes))
+                format!(
+                    "NVML still lists {} of device memory after checkpoint",
+                    human_bytes(*bytes)
+                )
             }
             SuspendFailure::Exited => "the process exited while being suspended".to_string(),
         }
@@ -141,12 +163,30 @@ pub fn suspend(
     journal: Option<&Journal>,
     progress: &dyn Progress,
 ) -> Vec<SuspendOutcome> {
-    let memory_before: Vec<u64> =
-        procs.iter().map(|p| gpu.inspect.process_memory(p.pid()).ok().flatten().unwrap_or(0)).collect();
+    let memory_before: Vec<u64> = procs
+        .iter()
+        .map(|p| {
+            gpu.inspect
+                .process_memory(p.pid())
+                .ok()
+                .flatten()
+                .unwrap_or(0)
+        })
+        .collect();
     let mut rows: Vec<Row> = procs
         .iter()
         .zip(memory_before)
-        .map(|(p, mem)| Row { handle: p, state: gpu.driver.state(p.pid()), mem, lock: None, ckpt: None, verify: None, failure: None, locked_here: false, ckpt_here: false })
+        .map(|(p, mem)| Row {
+            handle: p,
+            state: gpu.driver.state(p.pid()),
+            mem,
+            lock: None,
+            ckpt: None,
+            verify: None,
+            failure: None,
+            locked_here: false,
+            ckpt_here: false,
+        })
         .collect();
 
     for row in &mut rows {
@@ -160,7 +200,10 @@ pub fn suspend(
     // Lock phase, in parallel.
     if rows.iter().all(|r| r.failure.is_none()) {
         thread::scope(|s| {
-            for row in rows.iter_mut().filter(|r| matches!(r.state, Ok(ProcessState::Running))) {
+            for row in rows
+                .iter_mut()
+                .filter(|r| matches!(r.state, Ok(ProcessState::Running)))
+            {
                 s.spawn(move || lock_one(gpu, row, opts, journal, progress));
             }
         });
@@ -168,7 +211,10 @@ pub fn suspend(
     // Checkpoint phase, in parallel: concurrent checkpoints are much faster than serial ones.
     if rows.iter().all(|r| r.failure.is_none()) {
         thread::scope(|s| {
-            for row in rows.iter_mut().filter(|r| r.locked_here || matches!(r.state, Ok(ProcessState::Locked))) {
+            for row in rows
+                .iter_mut()
+                .filter(|r| r.locked_here || matches!(r.state, Ok(ProcessState::Locked)))
+            {
                 s.spawn(move || checkpoint_one(gpu, row, journal, progress));
             }
         });
@@ -225,12 +271,23 @@ fn record(journal: Option<&Journal>, event: Event) {
 
 fn classify(step: &'static str, e: &DriverError) -> SuspendFailure {
     match e.code() {
-        Some(code) if code.is_sticky() => SuspendFailure::StickyError { code: code.to_string() },
-        _ => SuspendFailure::Driver { step, error: e.to_string() },
+        Some(code) if code.is_sticky() => SuspendFailure::StickyError {
+            code: code.to_string(),
+        },
+        _ => SuspendFailure::Driver {
+            step,
+            error: e.to_string(),
+        },
     }
 }
 
-fn lock_one(gpu: &Gpu, row: &mut Row<'_>, opts: &SuspendOptions, journal: Option<&Journal>, progress: &dyn Progress) {
+fn lock_one(
+    gpu: &Gpu,
+    row: &mut Row<'_>,
+    opts: &SuspendOptions,
+    journal: Option<&Journal>,
+    progress: &dyn Progress,
+) {
     let pid = row.handle.pid();
     progress.begin(pid, "lock", 0);
     let start = Instant::now();
@@ -240,24 +297,50 @@ fn lock_one(gpu: &Gpu, row: &mut Row<'_>, opts: &SuspendOptions, journal: Option
             row.failure = Some(SuspendFailure::Exited);
             break;
         }
-        record(journal, Event::LockStarted { pid: id(row.handle) });
+        record(
+            journal,
+            Event::LockStarted {
+                pid: id(row.handle),
+            },
+        );
         match gpu.driver.lock(pid, Some(opts.lock_timeout)) {
             Ok(()) => {
                 let took = start.elapsed();
                 row.lock = Some(took);
                 row.locked_here = true;
-                record(journal, Event::Locked { pid: id(row.handle), ms: ms(took) });
+                record(
+                    journal,
+                    Event::Locked {
+                        pid: id(row.handle),
+                        ms: ms(took),
+                    },
+                );
                 progress.end(pid, "lock", true, &format!("{} ms", took.as_millis()));
                 return;
             }
             Err(e) if e.code() == Some(CuResult::NOT_READY) && attempt < attempts => {
-                record(journal, Event::LockFailed { pid: id(row.handle), error: e.to_string() });
+                record(
+                    journal,
+                    Event::LockFailed {
+                        pid: id(row.handle),
+                        error: e.to_string(),
+                    },
+                );
                 tracing::warn!(pid, attempt, "lock timed out with work in flight; retrying");
             }
             Err(e) => {
-                record(journal, Event::LockFailed { pid: id(row.handle), error: e.to_string() });
+                record(
+                    journal,
+                    Event::LockFailed {
+                        pid: id(row.handle),
+                        error: e.to_string(),
+                    },
+                );
                 row.failure = Some(if e.code() == Some(CuResult::NOT_READY) {
-                    SuspendFailure::LockTimedOut { attempts, timeout_ms: ms(opts.lock_timeout) }
+                    SuspendFailure::LockTimedOut {
+                        attempts,
+                        timeout_ms: ms(opts.lock_timeout),
+                    }
                 } else {
                     classify("lock", &e)
                 });
@@ -265,37 +348,82 @@ fn lock_one(gpu: &Gpu, row: &mut Row<'_>, opts: &SuspendOptions, journal: Option
             }
         }
     }
-    progress.end(pid, "lock", false, &row.failure.as_ref().map(|f| f.reason()).unwrap_or_default());
+    progress.end(
+        pid,
+        "lock",
+        false,
+        &row.failure.as_ref().map(|f| f.reason()).unwrap_or_default(),
+    );
 }
 
-fn checkpoint_one(gpu: &Gpu, row: &mut Row<'_>, journal: Option<&Journal>, progress: &dyn Progress) {
+fn checkpoint_one(
+    gpu: &Gpu,
+    row: &mut Row<'_>,
+    journal: Option<&Journal>,
+    progress: &dyn Progress,
+) {
     let pid = row.handle.pid();
     let rss_before = rss_bytes(pid).unwrap_or(0);
     progress.begin(pid, "checkpoint", row.mem);
-    record(journal, Event::CheckpointStarted { pid: id(row.handle) });
+    record(
+        journal,
+        Event::CheckpointStarted {
+            pid: id(row.handle),
+        },
+    );
     let start = Instant::now();
     let result = thread::scope(|s| {
-        let call = s.spawn(|| gpu.driver.checkpoint(pid));
+        let (tx, rx) = mpsc::channel();
+        let call = s.spawn(move || {
+            let r = gpu.driver.checkpoint(pid);
+            // The receiver only goes away once this thread is joined.
+            let _ = tx.send(());
+            r
+        });
         // The driver gives no progress; the process's resident memory grows by its device memory
-        // as the checkpoint moves it, which is the best estimate there is.
-        while !call.is_finished() {
-            thread::sleep(Duration::from_millis(100));
+        // as the checkpoint moves it, which is the best estimate there is. The wait wakes as soon
+        // as the call returns, so sampling adds no latency to the checkpoint.
+        while let Err(mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(Duration::from_millis(100))
+        {
             if let Some(rss) = rss_bytes(pid) {
                 progress.advance(pid, rss.saturating_sub(rss_before).min(row.mem));
             }
         }
-        call.join().unwrap_or_else(|_| Err(DriverError::Sim { endpoint: "checkpoint".into(), reason: "checkpoint thread panicked".into() }))
+        call.join().unwrap_or_else(|_| {
+            Err(DriverError::Sim {
+                endpoint: "checkpoint".into(),
+                reason: "checkpoint thread panicked".into(),
+            })
+        })
     });
     let took = start.elapsed();
     match result {
         Ok(()) => {
             row.ckpt = Some(took);
             row.ckpt_here = true;
-            record(journal, Event::Checkpointed { pid: id(row.handle), ms: ms(took), bytes: row.mem });
-            progress.end(pid, "checkpoint", true, &format!("{} ms, {}", took.as_millis(), human_bytes(row.mem)));
+            record(
+                journal,
+                Event::Checkpointed {
+                    pid: id(row.handle),
+                    ms: ms(took),
+                    bytes: row.mem,
+                },
+            );
+            progress.end(
+                pid,
+                "checkpoint",
+                true,
+                &format!("{} ms, {}", took.as_millis(), human_bytes(row.mem)),
+            );
         }
         Err(e) => {
-            record(journal, Event::CheckpointFailed { pid: id(row.handle), error: e.to_string() });
+            record(
+                journal,
+                Event::CheckpointFailed {
+                    pid: id(row.handle),
+                    error: e.to_string(),
+                },
+            );
             let f = classify("checkpoint", &e);
             progress.end(pid, "checkpoint", false, &f.reason());
             row.failure = Some(f);
@@ -312,22 +440,40 @@ fn verify_all(gpu: &Gpu, rows: &mut [Row<'_>], timeout: Duration, journal: Optio
             Ok(l) => l,
             Err(e) => {
                 for &i in &pending {
-                    rows[i].failure = Some(SuspendFailure::Driver { step: "verify", error: e.to_string() });
+                    rows[i].failure = Some(SuspendFailure::Driver {
+                        step: "verify",
+                        error: e.to_string(),
+                    });
                 }
                 return;
             }
         };
         pending.retain(|&i| {
             let pid = rows[i].handle.pid();
-            let bytes: u64 = listed.iter().filter(|p| p.pid == pid).map(|p| p.used_memory).sum();
+            let bytes: u64 = listed
+                .iter()
+                .filter(|p| p.pid == pid)
+                .map(|p| p.used_memory)
+                .sum();
             let still = listed.iter().any(|p| p.pid == pid);
             if !still {
                 rows[i].verify = Some(start.elapsed());
-                record(journal, Event::Verified { pid: id(rows[i].handle) });
+                record(
+                    journal,
+                    Event::Verified {
+                        pid: id(rows[i].handle),
+                    },
+                );
                 return false;
             }
             if Instant::now() >= deadline {
-                record(journal, Event::VerifyFailed { pid: id(rows[i].handle), bytes_left: bytes });
+                record(
+                    journal,
+                    Event::VerifyFailed {
+                        pid: id(rows[i].handle),
+                        bytes_left: bytes,
+                    },
+                );
                 rows[i].failure = Some(SuspendFailure::MemoryStillListed { bytes });
                 return false;
             }
@@ -344,14 +490,32 @@ fn roll_back(gpu: &Gpu, rows: &mut [Row<'_>], resume: bool, journal: Option<&Jou
     for row in rows.iter_mut() {
         let pid = row.handle.pid();
         if row.ckpt_here && resume {
-            match gpu.driver.restore(pid, &[]).and_then(|()| gpu.driver.unlock(pid)) {
-                Ok(()) => record(journal, Event::Resumed { pid: id(row.handle) }),
-                Err(e) => tracing::error!(pid, error = %e, "cannot bring the process back after a failed suspension; it stays CHECKPOINTED (safe)"),
+            match gpu
+                .driver
+                .restore(pid, &[])
+                .and_then(|()| gpu.driver.unlock(pid))
+            {
+                Ok(()) => record(
+                    journal,
+                    Event::Resumed {
+                        pid: id(row.handle),
+                    },
+                ),
+                Err(e) => {
+                    tracing::error!(pid, error = %e, "cannot bring the process back after a failed suspension; it stays CHECKPOINTED (safe)")
+                }
             }
         } else if row.locked_here && !row.ckpt_here {
             match gpu.driver.unlock(pid) {
-                Ok(()) => record(journal, Event::Unlocked { pid: id(row.handle) }),
-                Err(e) => tracing::error!(pid, error = %e, "cannot unlock the process after a failed suspension"),
+                Ok(()) => record(
+                    journal,
+                    Event::Unlocked {
+                        pid: id(row.handle),
+                    },
+                ),
+                Err(e) => {
+                    tracing::error!(pid, error = %e, "cannot unlock the process after a failed suspension")
+                }
             }
         }
     }
@@ -366,7 +530,10 @@ pub(crate) fn rss_bytes(pid: Pid) -> Option<u64> {
 
 /// The journal's identity of a process held by a handle.
 pub fn id(h: &ProcHandle) -> ProcId {
-    ProcId { pid: h.pid(), start_time: h.start_time() }
+    ProcId {
+        pid: h.pid(),
+        start_time: h.start_time(),
+    }
 }
 
 fn ms(d: Duration) -> u64 {

@@ -37,3 +37,26 @@ pub(crate) fn grow_socket_buffers(s: &UnixStream) {
         let _ = setsockopt(s, sockopt::RcvBuf, &SOCKET_BUFFER);
     }
 }
+
+/// Dies of a real SIGSEGV (`SEGV_ACCERR`, raised by the kernel on a write to an inaccessible
+/// page), as a worker with a memory bug does; for the guard's tests (`POST /segv`).
+pub(crate) fn segfault() -> ! {
+    let len = std::num::NonZeroUsize::new(4096).unwrap_or(std::num::NonZeroUsize::MIN);
+    // SAFETY: a fresh anonymous mapping that nothing else refers to.
+    let page = unsafe {
+        nix::sys::mman::mmap_anonymous(
+            None,
+            len,
+            nix::sys::mman::ProtFlags::PROT_NONE,
+            nix::sys::mman::MapFlags::MAP_PRIVATE,
+        )
+    };
+    if let Ok(p) = page {
+        // SAFETY: deliberately faults: the page is PROT_NONE, so the kernel raises SIGSEGV before
+        // any byte is written; nothing in this process observes a write.
+        unsafe { p.cast::<u8>().as_ptr().write_volatile(1) };
+    }
+    // Unreachable unless the mapping failed; still die of SIGSEGV.
+    let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSEGV);
+    std::process::abort()
+}

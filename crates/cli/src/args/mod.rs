@@ -6,20 +6,29 @@
 //! process is looked at. Resolving against the system (which backend, which GPU index is which
 //! UUID, whether a pid exists) happens in `backend.rs` and the handlers in `commands/`.
 
+pub mod freeze;
 pub mod gpu;
 pub mod gpu_map;
+pub mod guard;
 pub mod size;
+pub mod stop;
 
 use std::ffi::OsString;
 use std::path::PathBuf;
 
 use clap::{ArgAction, Args, Parser, Subcommand};
 
+pub use freeze::{BenchFreezeArgs, FreezeArgs, ThawArgs};
 pub use gpu::{GpuArgs, GpuCommand};
 pub use gpu_map::GpuMap;
+pub use guard::{BenchGuardArgs, GuardArgs, StatusArgs};
 pub use size::ByteSize;
+pub use stop::{BenchArgs, BenchCommand, BenchStopArgs, SignalArg, StopArgs, TimelineArgs};
 
 use crate::backend::GpuChoice;
+
+/// `--state-dir` when neither the flag nor `CRYO_STATE_DIR` is given.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/cryo";
 
 /// Printed at the end of `cryo --help`.
 const AFTER_HELP: &str = "\
@@ -27,6 +36,7 @@ Exit codes:
   0  success
   1  error (the driver refused, the process is in the wrong state, a system call failed...)
   2  usage error (malformed arguments; nothing was done)
+  3  `cryo stop` refused: a CUDA process could not be suspended; nothing was killed
 
 `cryo cuda-checkpoint ...` (or cryo installed under the name `cuda-checkpoint`) follows NVIDIA's
 conventions instead: exit 0 on success, else the driver's CUresult (modulo 256, never 0).";
@@ -54,12 +64,12 @@ pub struct GlobalArgs {
     /// Directory of the simulated GPU driver (its control socket and wedge ledger).
     #[arg(long, env = "CRYO_SIM_DIR", value_name = "PATH", default_value_os_t = cryo_sim::default_dir())]
     pub sim_dir: PathBuf,
-    /// Directory of cryo's persistent state (journal, images).
+    /// Directory of cryo's persistent state: the journal is in STATE_DIR/journal.
     #[arg(
         long,
         env = "CRYO_STATE_DIR",
         value_name = "PATH",
-        default_value = "/var/lib/cryo"
+        default_value = DEFAULT_STATE_DIR
     )]
     pub state_dir: PathBuf,
     /// Log to stderr (-v debug, -vv trace).
@@ -81,6 +91,21 @@ pub enum Command {
     Demo(DemoArgs),
     /// Installs cryo under the name `cuda-checkpoint` (a symlink), for CRIU's cuda plugin and scripts.
     InstallCompat(InstallCompatArgs),
+    /// Stops a worker safely: suspends every CUDA process (lock, checkpoint, NVML check), then kills.
+    Stop(StopArgs),
+    /// Prints the journal as an incident timeline (UTC).
+    Timeline(TimelineArgs),
+    /// Benchmarks on a private simulated GPU.
+    Bench(BenchArgs),
+    /// Freezes a worker's process tree into an image (CUDA suspend + CRIU dump), published atomically.
+    Freeze(FreezeArgs),
+    /// Restores a frozen worker from its image, after checking the image and this host.
+    Thaw(ThawArgs),
+    /// Guards restored workers against disorderly deaths (fatal signals, OOM kills, kill -9):
+    /// suspends on a fatal signal, else pins the context at exit and fences the GPU.
+    Guard(GuardArgs),
+    /// Quarantined GPUs and what the running guard watches and pins.
+    Status(StatusArgs),
 }
 
 /// `cryo cuda-checkpoint ARGS...`: parsed by the compat front end, not by clap.

@@ -5,15 +5,15 @@ use std::ffi::OsString;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use cryo_gpu::{CuResult, DriverError, Pid};
+use cryo_gpu::{CuResult, DriverError, Pid, ProcessState};
 
 use crate::backend::{self, GpuChoice};
 use crate::compat::{self, Outcome, Request};
 use crate::target;
 
 /// Runs the front end on `args` (without `argv[0]`); returns the exit status.
-pub fn run(choice: GpuChoice, sim_dir: &Path, args: Vec<OsString>) -> u8 {
-    let outcome = outcome(choice, sim_dir, args);
+pub fn run(choice: GpuChoice, sim_dir: &Path, state_dir: &Path, args: Vec<OsString>) -> u8 {
+    let outcome = outcome(choice, sim_dir, state_dir, args);
     // Output errors (a closed pipe) cannot be reported anywhere better than the status.
     let _ = std::io::stdout().write_all(outcome.stdout.as_bytes());
     let _ = std::io::stderr().write_all(outcome.stderr.as_bytes());
@@ -35,10 +35,13 @@ pub fn run_as_argv0(args: Vec<OsString>) -> u8 {
     let sim_dir = std::env::var_os("CRYO_SIM_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(cryo_sim::default_dir);
-    run(choice, &sim_dir, args)
+    let state_dir = std::env::var_os("CRYO_STATE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(crate::args::DEFAULT_STATE_DIR));
+    run(choice, &sim_dir, &state_dir, args)
 }
 
-fn outcome(choice: GpuChoice, sim_dir: &Path, args: Vec<OsString>) -> Outcome {
+fn outcome(choice: GpuChoice, sim_dir: &Path, state_dir: &Path, args: Vec<OsString>) -> Outcome {
     let args: Vec<String> = args
         .into_iter()
         .map(|a| a.to_string_lossy().into_owned())
@@ -89,9 +92,24 @@ fn outcome(choice: GpuChoice, sim_dir: &Path, args: Vec<OsString>) -> Outcome {
             }
         }
     };
+    // A toggle restores only what it finds checkpointed.
+    let restores = match op {
+        compat::Operation::Action(compat::Action::Restore) => {
+            Some("cuda-checkpoint --action restore")
+        }
+        compat::Operation::Toggle
+            if matches!(gpu.driver.state(pid), Ok(ProcessState::Checkpointed)) =>
+        {
+            Some("cuda-checkpoint --toggle")
+        }
+        _ => None,
+    };
     let out = compat::execute(gpu.driver.as_ref(), op, pid, timeout_ms, &map);
     if out.status == crate::exit::SUCCESS && !handle.is_alive() {
         return no_such_process(op, pid);
+    }
+    if let (Some(how), crate::exit::SUCCESS) = (restores, out.status) {
+        crate::journal::record_restore(state_dir, pid, how);
     }
     out
 }

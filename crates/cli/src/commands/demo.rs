@@ -4,8 +4,10 @@
 //! Always the simulated GPU, even on a host with a real one: the demo starts its own driver
 //! daemon (`cryo sim driver`) and sim worker (`cryo sim worker`) as child processes of this binary
 //! in a temporary directory, so it needs nothing installed and touches nothing else. The demo is
-//! a list of [`Step`]s run in order over one [`Demo`] state; later issues add steps (freeze, thaw,
-//! stop, timeline) by appending to [`steps`]. A step that fails ends the demo with an error and a
+//! a list of [`Step`]s run in order over one [`Demo`] state; later issues add steps (freeze, thaw)
+//! by appending to [`steps`]. The restore is journaled in a state directory of the demo's own, the
+//! worker is ended by `cryo stop` (in-process), and the journal is printed as `cryo timeline`
+//! would at the end. A step that fails ends the demo with an error and a
 //! non-zero exit; the children are suspended (if live) and killed on the way out.
 //!
 //! # Limitations
@@ -82,8 +84,8 @@ pub fn steps() -> Vec<Step> {
             run: Demo::ask_again,
         },
         Step {
-            title: "suspend, then kill",
-            run: Demo::suspend_and_kill,
+            title: "cryo stop",
+            run: Demo::stop,
         },
         Step {
             title: "wedge ledger",
@@ -123,11 +125,23 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
             }
         }
     }
+    if result.is_ok() {
+        match demo.timeline() {
+            Ok(t) => {
+                println!(
+                    "timeline (cryo timeline --state-dir {}):",
+                    demo.dir.join("state").display()
+                );
+                print!("{t}");
+            }
+            Err(e) => result = Err(e),
+        }
+    }
     demo.shut_down();
     if args.keep {
         let kept = tmp.keep();
         println!(
-            "kept {} (driver.log, worker.log, ledger.jsonl)",
+            "kept {} (driver.log, worker.log, ledger.jsonl, state/journal)",
             kept.display()
         );
     }
@@ -355,7 +369,13 @@ impl Demo {
                 gpu.driver.lock(pid, Some(Duration::from_secs(30)))
             }
             (ProcessState::Locked, ProcessState::Checkpointed) => gpu.driver.checkpoint(pid),
-            (ProcessState::Checkpointed, ProcessState::Locked) => gpu.driver.restore(pid, &[]),
+            (ProcessState::Checkpointed, ProcessState::Locked) => {
+                let r = gpu.driver.restore(pid, &[]);
+                if r.is_ok() {
+                    crate::journal::record_restore(&self.dir.join("state"), pid, "cryo demo");
+                }
+                r
+            }
             (ProcessState::Locked, ProcessState::Running) => gpu.driver.unlock(pid),
             _ => bail!("no single driver call leads from {from} to {to}"),
         };
@@ -374,31 +394,71 @@ impl Demo {
         })
     }
 
-    /// The safe teardown of a restored worker: suspend (lock + checkpoint), check with NVML that
-    /// its device memory is gone, and only then kill it.
-    fn suspend_and_kill(&mut self) -> anyhow::Result<String> {
+    /// The safe teardown of a restored worker, as operators run it: `cryo stop` (lock, checkpoint,
+    /// NVML shows no memory, then SIGKILL), journaled.
+    fn stop(&mut self) -> anyhow::Result<String> {
         let gpu = self.gpu()?.clone();
         let pid = self.pid;
-        gpu.driver
-            .lock(pid, Some(Duration::from_secs(30)))
-            .context("locking before the kill")?;
-        gpu.driver
-            .checkpoint(pid)
-            .context("checkpointing before the kill")?;
-        if let Some(mem) = gpu.inspect.process_memory(pid)? {
+        let journal = cryo_journal::Journal::open(self.journal_dir())
+            .context("opening the demo's journal")?;
+        let report = cryo_lifecycle::stop(
+            &gpu,
+            &cryo_lifecycle::Target::Tree(pid),
+            &cryo_lifecycle::StopOptions::default(),
+            &journal,
+            &cryo_lifecycle::NoProgress,
+        )
+        .context("cryo stop")?;
+        if let Some(r) = report.refusals.first() {
             bail!(
-                "pid {pid} still holds {} after checkpoint; not killing it",
-                human(mem)
+                "cryo stop refused pid {}: {} ({})",
+                r.pid,
+                r.reason.reason(),
+                r.hint
             );
         }
-        let mut w = self.worker.take().context("no worker to kill")?;
-        w.kill().context("killing the worker")?;
+        ensure!(
+            report.stopped(),
+            "cryo stop left processes running: {:?}",
+            report.processes
+        );
+        let mut w = self.worker.take().context("no worker to reap")?;
         let status = w.wait().context("waiting for the worker")?;
         ensure!(
             status.signal() == Some(9),
             "the worker ended with {status}, not by SIGKILL"
         );
-        Ok("lock + checkpoint, NVML: no memory, then SIGKILL".to_string())
+        let p = report
+            .processes
+            .iter()
+            .find(|p| p.pid == pid)
+            .context("the worker is not in the stop's report")?;
+        let s = p
+            .suspended
+            .as_ref()
+            .context("the worker was not suspended")?;
+        Ok(format!(
+            "restored: {}; lock + checkpoint, NVML: no memory after {} ms, SIGKILL",
+            match p.restored {
+                Some(true) => "yes (journal)",
+                Some(false) => "no",
+                None => "unknown",
+            },
+            s.verify.map_or(0, |d| d.as_millis())
+        ))
+    }
+
+    fn journal_dir(&self) -> PathBuf {
+        crate::journal::dir(&self.dir.join("state"))
+    }
+
+    /// The journal of the demo, as `cryo timeline` prints it.
+    fn timeline(&self) -> anyhow::Result<String> {
+        let scan = cryo_journal::read(self.journal_dir()).context("reading the demo's journal")?;
+        Ok(cryo_journal::render_timeline(
+            &scan.records,
+            &cryo_journal::Filter::default(),
+        ))
     }
 
     fn ledger_empty(&mut self) -> anyhow::Result<String> {

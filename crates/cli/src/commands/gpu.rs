@@ -49,13 +49,28 @@ fn ls(ctx: &Context, o: &OutputArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&gpus)?);
         return Ok(());
     }
+    // The guard's fence: a quarantined GPU holds a pinned live context and takes no thaw.
+    let fenced = cryo_lifecycle::fence::Fence::new(&ctx.global.state_dir)
+        .list()
+        .unwrap_or_else(|e| {
+            eprintln!("cryo: warning: cannot read the GPU quarantine: {e}");
+            Vec::new()
+        });
     println!(
         "{:<5}  {:<40}  {:<24}  {:>10}  {:>10}",
         "INDEX", "UUID", "NAME", "TOTAL", "FREE"
     );
     for g in &gpus {
+        let mark = if fenced
+            .iter()
+            .any(|q| q.gpu.eq_ignore_ascii_case(g.uuid.as_str()))
+        {
+            "  QUARANTINED"
+        } else {
+            ""
+        };
         println!(
-            "{:<5}  {:<40}  {:<24}  {:>10}  {:>10}",
+            "{:<5}  {:<40}  {:<24}  {:>10}  {:>10}{mark}",
             g.index,
             g.uuid,
             g.name,
@@ -194,6 +209,9 @@ fn act(
     let elapsed = start.elapsed();
     result.map_err(|e| explain(e, pid, Some((action, timeout))))?;
     target::check_still_alive(&handle)?;
+    if action == Action::Restore {
+        crate::journal::record_restore(&ctx.global.state_dir, pid, "cryo gpu restore");
+    }
     let after = gpu.driver.state(pid).ok();
     print_action(
         p.json,

@@ -112,6 +112,25 @@ fn handle(w: &Worker, mut req: Request) {
             }
             Err(e) => call_error(e),
         },
+        // For the guard's tests: a real segmentation fault, answered first so the client
+        // sees it was accepted.
+        (Method::Post, "/segv") => {
+            let _ = req.respond(json(200, serde_json::json!({ "segv": true })));
+            tracing::error!("segfaulting on request");
+            crate::sys::segfault();
+        }
+        // For the guard's tests: grow host memory by N MiB (touched), as a leaking server does.
+        (Method::Post, "/alloc") => match query(req.url(), "mib").map(str::parse::<usize>) {
+            Some(Ok(mib)) => {
+                let mut v = vec![0u8; mib << 20];
+                for i in (0..v.len()).step_by(4096) {
+                    v[i] = 1;
+                }
+                std::mem::forget(v);
+                json(200, serde_json::json!({ "allocated_mib": mib }))
+            }
+            _ => json(400, serde_json::json!({ "error": "expected ?mib=N" })),
+        },
         _ => json(
             404,
             serde_json::json!({ "error": format!("no endpoint {} {}", req.method(), path) }),

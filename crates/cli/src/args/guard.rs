@@ -1,0 +1,112 @@
+//! Arguments of `cryo guard`, `cryo status` and `cryo bench guard`.
+
+use clap::{Args, Subcommand, ValueEnum};
+
+use super::ByteSize;
+
+/// `cryo guard`: without a subcommand, runs the guard until SIGTERM.
+#[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct GuardArgs {
+    /// Talk to the running guard instead of starting one.
+    #[command(subcommand)]
+    pub command: Option<GuardCommand>,
+    /// How to run.
+    #[command(flatten)]
+    pub run: GuardRunArgs,
+}
+
+/// `cryo guard` (run) options.
+#[derive(Debug, Clone, Args)]
+pub struct GuardRunArgs {
+    /// Also guard this process (restored by another tool); repeat for several.
+    #[arg(long = "pid", value_parser = super::parse_pid)]
+    pub pids: Vec<cryo_gpu::Pid>,
+    /// What to do once a GPU is quarantined: `hold` keeps the pins and waits for the operator;
+    /// `drain` stops every other GPU process of the node (suspend-before-kill) and runs
+    /// --restart-cmd.
+    #[arg(long, value_enum, default_value_t = EndgameArg::Hold)]
+    pub endgame: EndgameArg,
+    /// The operator's command for `--endgame drain` (run with `sh -c`; `CRYO_QUARANTINED_GPUS`
+    /// names the fenced GPUs).
+    #[arg(long, requires = "endgame")]
+    pub restart_cmd: Option<String>,
+    /// Lock timeout of the suspension tried on a fatal signal, in ms (the signal is held that long).
+    #[arg(long, default_value_t = 10_000)]
+    pub lock_timeout_ms: u64,
+    /// `oom_score_adj` for guarded processes (lower: the OOM killer prefers other processes).
+    #[arg(long, default_value_t = -900, allow_hyphen_values = true)]
+    pub oom_score_adj: i32,
+    /// Suspend and stop a guarded worker when its memory cgroup's free room falls below its
+    /// device memory plus this margin (a checkpoint needs that much host memory).
+    #[arg(long, default_value = "64MiB")]
+    pub memory_margin: ByteSize,
+    /// Also act when the cgroup's memory PSI `some avg10` reaches this percentage.
+    #[arg(long)]
+    pub psi_avg10: Option<f64>,
+    /// Do not watch memory (an OOM kill is then only caught at the exit stop).
+    #[arg(long)]
+    pub no_memory_watch: bool,
+    /// How often to read the journal for new restores, in ms.
+    #[arg(long, default_value_t = 200)]
+    pub poll_ms: u64,
+}
+
+/// `--endgame`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum EndgameArg {
+    /// Keep the pins, wait for the operator.
+    Hold,
+    /// Stop every other GPU process, then run --restart-cmd.
+    Drain,
+}
+
+/// Requests to the running guard (its socket `STATE_DIR/guard.sock`, root only).
+#[derive(Debug, Subcommand)]
+pub enum GuardCommand {
+    /// Closes the pins on a GPU and lifts its quarantine. On affected hosts the driver then tears
+    /// the held contexts down, which is what wedges the machine: do it only in a controlled
+    /// window (after draining the node, or before a reboot).
+    Release {
+        /// The GPU (UUID).
+        #[arg(long)]
+        gpu: String,
+        /// Required: says you read the above.
+        #[arg(long)]
+        i_understand_this_may_wedge_the_host: bool,
+    },
+    /// Stops guarding a process (before a CRIU dump; `cryo freeze` does it itself).
+    Detach {
+        /// The process.
+        #[arg(long, value_parser = super::parse_pid)]
+        pid: cryo_gpu::Pid,
+    },
+    /// Guards a process (after a `detach`, or one restored by another tool).
+    Attach {
+        /// The process.
+        #[arg(long, value_parser = super::parse_pid)]
+        pid: cryo_gpu::Pid,
+    },
+}
+
+/// `cryo status`.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `cryo bench guard`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchGuardArgs {
+    /// Requests per measurement (with and without the guard).
+    #[arg(long, default_value_t = 2000)]
+    pub requests: usize,
+    /// Fatal-signal suspensions to time (and as many bare suspensions).
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
+    /// Device memory of the bench worker.
+    #[arg(long, default_value = "256MiB")]
+    pub memory: ByteSize,
+}

@@ -1,0 +1,123 @@
+//! `cryo stop`, `cryo timeline` and `cryo bench`: arguments only, validated without system calls.
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand, ValueEnum};
+
+use super::{parse_pid, ByteSize};
+
+/// Printed after `cryo stop --help`.
+pub const STOP_AFTER_HELP: &str = "\
+Every CUDA process of the target is locked (in parallel), checkpointed (in parallel) and checked
+through NVML to hold no device memory; only then is anything killed (CUDA processes first, then the
+others). If any CUDA process cannot be suspended, nothing is killed.
+
+Exit codes:
+  0  every process of the target has ended
+  1  error (the target could not be resolved, the driver or journal failed...); nothing was killed
+     unless the error says so
+  3  refused: a CUDA process could not be suspended (the message names the pid, why, and what to
+     do); nothing in the target was killed, and every process was left serving or checkpointed
+
+A stop that died half-way (after checkpoint, before kill) is finished by running it again.
+CRYO_FAILPOINT=stop-before-kill is a test hook: the stop stalls once everything is verified.";
+
+/// `cryo stop`.
+#[derive(Debug, Clone, Args)]
+#[command(after_help = STOP_AFTER_HELP)]
+pub struct StopArgs {
+    /// The processes: one pid stops it and its whole process tree; several pids stop exactly
+    /// those.
+    #[arg(value_name = "PID", value_parser = parse_pid, required_unless_present = "cgroup", conflicts_with = "cgroup")]
+    pub pids: Vec<cryo_gpu::Pid>,
+    /// Stop every process of this cgroup (a directory under /sys/fs/cgroup), as a container is
+    /// stopped.
+    #[arg(long, value_name = "PATH")]
+    pub cgroup: Option<PathBuf>,
+    /// Timeout of one lock attempt, in milliseconds (the wait for GPU work in flight).
+    #[arg(long, value_name = "MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub timeout: u64,
+    /// Lock attempts before refusing because work stays in flight.
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub lock_attempts: u32,
+    /// How long NVML may keep listing a checkpointed process's memory, in milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = 10_000)]
+    pub verify_timeout: u64,
+    /// How to end the suspended processes. KILL (the default) is right for CUDA workers: a
+    /// checkpointed process cannot make CUDA calls, so a SIGTERM handler touching the GPU hangs.
+    #[arg(long, value_enum, default_value_t = SignalArg::Kill)]
+    pub signal: SignalArg,
+    /// With --signal TERM: seconds to wait before SIGKILL.
+    #[arg(long, value_name = "S", default_value_t = 10)]
+    pub grace: u64,
+    /// Kill even the processes that could not be suspended. On affected hosts (restored CUDA
+    /// contexts torn down while live) this is the path that WEDGES THE HOST about 35 s later.
+    /// Only for hosts known not to wedge, or when losing the host is accepted.
+    #[arg(long = "unsafe")]
+    pub unsafe_kill: bool,
+    /// Declare that the processes were never restored, so a plain kill of their CUDA contexts is
+    /// safe. Processes the journal knows as restored are suspended anyway.
+    #[arg(long)]
+    pub fresh: bool,
+    /// Print the result as one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `--signal`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[value(rename_all = "UPPER")]
+pub enum SignalArg {
+    /// SIGKILL at once.
+    Kill,
+    /// SIGTERM, then SIGKILL after --grace seconds.
+    Term,
+}
+
+/// `cryo timeline`.
+#[derive(Debug, Clone, Args)]
+pub struct TimelineArgs {
+    /// Only events at or after T: RFC 3339 (`2026-11-30T02:41:07Z`) or a duration ago (`10m`, `2h`).
+    #[arg(long, value_name = "T")]
+    pub since: Option<String>,
+    /// Only events naming this pid.
+    #[arg(long, value_name = "N", value_parser = parse_pid)]
+    pub pid: Option<cryo_gpu::Pid>,
+    /// One JSON record per line, as stored.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `cryo bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// What to measure.
+    #[command(subcommand)]
+    pub command: BenchCommand,
+}
+
+/// `cryo bench <what>`.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// `cryo stop` against the operators' procedure (one cuda-checkpoint process per action per
+    /// pid, serially, plus polling the process listing), for 1, 2 and 4 restored workers, on a
+    /// private simulated GPU.
+    Stop(BenchStopArgs),
+    /// `cryo freeze` and `cryo thaw` against the `criu` command line plus one `cryo cuda-checkpoint`
+    /// process per action, for 1 GiB and 4 GiB workers (needs root and CRIU).
+    Freeze(super::BenchFreezeArgs),
+    /// The guard's cost on a worker's request latency (p50/p99, guarded vs not) and the time from
+    /// a fatal signal to a suspended exit against a bare suspension, on a private simulated GPU.
+    Guard(super::BenchGuardArgs),
+}
+
+/// `cryo bench stop`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchStopArgs {
+    /// Device memory of each worker.
+    #[arg(long, default_value = "256MiB")]
+    pub memory: ByteSize,
+    /// Print the rows as JSON.
+    #[arg(long)]
+    pub json: bool,
+}

@@ -1,0 +1,367 @@
+//! `cryo bench stop`: `cryo stop` against the procedure it replaces, on a private simulated GPU.
+//!
+//! # Design
+//! One run starts its own simulated driver (a child `cryo sim driver` in a temporary directory)
+//! and, for 1, 2 and 4 workers, measures two arms on fresh sets of workers, each worker first
+//! taken through lock, checkpoint, restore and unlock through the GPU API so that it is a
+//! *restored* worker (the simulated driver records a wedge if one is torn down live):
+//! - **cryo stop**: the `cryo stop PID...` binary, as an operator or a preStop hook runs it;
+//! - **procedure**: the operators' hook, one `cryo cuda-checkpoint` process per action per pid,
+//!   serially (`--action lock --timeout 30000`, then `--action checkpoint`), then the process
+//!   listing (`cryo gpu ps --json`, as `nvidia-smi` is read) polled once a second until no pid
+//!   is listed, then SIGKILL.
+//!
+//! The arms alternate which goes first from row to row. Both are timed from the first process
+//! started to the last worker reaped. The wedge ledger must stay empty, or the benchmark fails.
+//! Only the ratio means anything: absolute times depend on the host.
+//!
+//! # Limitations
+//! The simulated driver runs on the CPU: its checkpoint is a memory copy between two processes,
+//! far faster per byte than the real driver's, so exec and polling costs weigh more here than on a
+//! GPU. One sample per row.
+
+use std::fs::{self, File};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, ensure, Context as _};
+use cryo_gpu::{Gpu, Pid};
+use cryo_sim::SimControl;
+use serde::Serialize;
+
+use crate::args::size::human;
+use crate::args::{BenchArgs, BenchCommand, BenchStopArgs};
+use crate::exit;
+
+/// Runs `cryo bench ...`.
+pub fn run(args: &BenchArgs) -> anyhow::Result<u8> {
+    match &args.command {
+        BenchCommand::Stop(a) => stop(a).map(|()| exit::SUCCESS),
+        BenchCommand::Freeze(a) => super::bench_freeze::run(a).map(|()| exit::SUCCESS),
+        BenchCommand::Guard(a) => super::bench_guard::run(a).map(|()| exit::SUCCESS),
+    }
+}
+
+/// One row of the result.
+#[derive(Debug, Serialize)]
+struct Row {
+    workers: usize,
+    memory_bytes: u64,
+    cryo_stop_ms: f64,
+    procedure_ms: f64,
+    /// procedure / cryo stop: above 1, `cryo stop` is faster.
+    ratio: f64,
+}
+
+fn stop(args: &BenchStopArgs) -> anyhow::Result<()> {
+    let memory = args.memory.0;
+    ensure!(memory > 0, "--memory must be more than 0 bytes");
+    let tmp = tempfile::Builder::new()
+        .prefix("cryo-bench-")
+        .tempdir()
+        .context("creating the benchmark's directory")?;
+    let mut bench = Bench::start(tmp.path(), memory)?;
+    if !args.json {
+        println!(
+            "cryo bench stop: restored workers of {} device memory each, simulated GPU",
+            human(memory)
+        );
+        println!(
+            "{:>7}  {:>12}  {:>12}  {:>6}",
+            "workers", "cryo stop", "procedure", "ratio"
+        );
+    }
+    let mut rows = Vec::new();
+    for (i, n) in [1usize, 2, 4].into_iter().enumerate() {
+        let (mut cryo_ms, mut proc_ms) = (0.0, 0.0);
+        for arm in [i % 2, 1 - i % 2] {
+            bench.restored_workers(n)?;
+            let took = if arm == 0 {
+                bench.cryo_stop()?
+            } else {
+                bench.procedure()?
+            };
+            bench.ledger_empty()?;
+            if arm == 0 {
+                cryo_ms = took;
+            } else {
+                proc_ms = took;
+            }
+        }
+        let row = Row {
+            workers: n,
+            memory_bytes: memory,
+            cryo_stop_ms: cryo_ms,
+            procedure_ms: proc_ms,
+            ratio: proc_ms / cryo_ms,
+        };
+        if !args.json {
+            println!(
+                "{:>7}  {:>9.1} ms  {:>9.1} ms  {:>5.2}x",
+                row.workers, row.cryo_stop_ms, row.procedure_ms, row.ratio
+            );
+        }
+        rows.push(row);
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        println!("ratio = procedure / cryo stop; wedge ledger empty after every arm");
+    }
+    Ok(())
+}
+
+struct Worker {
+    pid: Pid,
+    child: Child,
+}
+
+struct Bench {
+    dir: PathBuf,
+    state: PathBuf,
+    exe: PathBuf,
+    memory: u64,
+    driver: Child,
+    gpu: Option<Gpu>,
+    started: usize,
+    /// The workers of the arm under way (suspended and killed on drop if the benchmark fails).
+    live: Vec<Worker>,
+}
+
+impl Bench {
+    fn start(dir: &Path, memory: u64) -> anyhow::Result<Bench> {
+        let exe = std::env::current_exe().context("finding this binary")?;
+        let log = File::create(dir.join("driver.log")).context("creating driver.log")?;
+        // Four workers alternate over two GPUs; leave room for all of them.
+        let gpu_memory = memory.saturating_mul(4).max(256 << 20);
+        let driver = Command::new(&exe)
+            .args([
+                "sim",
+                "driver",
+                "--gpus",
+                "2",
+                "--gpu-memory",
+                &gpu_memory.to_string(),
+                "--dir",
+            ])
+            .arg(dir)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().context("duplicating driver.log")?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {} sim driver", exe.display()))?;
+        let mut bench = Bench {
+            dir: dir.to_path_buf(),
+            state: dir.join("state"),
+            exe,
+            memory,
+            driver,
+            gpu: None,
+            started: 0,
+            live: Vec::new(),
+        };
+        SimControl::new(dir)
+            .wait_up(Duration::from_secs(10))
+            .context("waiting for the simulated driver")?;
+        bench.gpu = Some(cryo_sim::connect(dir).context("connecting to the simulated GPU")?);
+        Ok(bench)
+    }
+
+    fn gpu(&self) -> anyhow::Result<&Gpu> {
+        self.gpu
+            .as_ref()
+            .ok_or_else(|| anyhow!("the simulated GPU is not connected"))
+    }
+
+    /// Starts `n` new workers (into `live`), each restored once through the GPU API and journaled
+    /// as restored.
+    fn restored_workers(&mut self, n: usize) -> anyhow::Result<()> {
+        for i in 0..n {
+            let w = self.worker(i % 2)?;
+            self.live.push(w);
+        }
+        let gpu = self.gpu()?;
+        for w in &self.live {
+            let (d, pid) = (&gpu.driver, w.pid);
+            d.lock(pid, Some(Duration::from_secs(30)))
+                .and_then(|()| d.checkpoint(pid))
+                .and_then(|()| d.restore(pid, &[]))
+                .and_then(|()| d.unlock(pid))
+                .with_context(|| format!("restoring worker {pid} before the measurement"))?;
+            crate::journal::record_restore(&self.state, pid, "cryo bench");
+        }
+        Ok(())
+    }
+
+    fn worker(&mut self, gpu: usize) -> anyhow::Result<Worker> {
+        let k = self.started;
+        self.started += 1;
+        let ready = self.dir.join(format!("worker{k}.ready"));
+        let child = Command::new(&self.exe)
+            .args([
+                "sim",
+                "worker",
+                "--gpu",
+                &gpu.to_string(),
+                "--memory",
+                &self.memory.to_string(),
+                "--dir",
+            ])
+            .arg(&self.dir)
+            .arg("--ready-file")
+            .arg(&ready)
+            .arg("--log-file")
+            .arg(self.dir.join(format!("worker{k}.log")))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting a sim worker")?;
+        let mut w = Worker { pid: 0, child };
+        let deadline = Instant::now() + Duration::from_secs(300);
+        let info: serde_json::Value = loop {
+            if let Ok(text) = fs::read_to_string(&ready) {
+                break serde_json::from_str(&text)
+                    .with_context(|| format!("reading {}", ready.display()))?;
+            }
+            if let Ok(Some(status)) = w.child.try_wait() {
+                bail!("sim worker {k} exited ({status}) before serving");
+            }
+            if Instant::now() >= deadline {
+                let _ = w.child.kill();
+                let _ = w.child.wait();
+                bail!("sim worker {k} did not start serving within 300 s");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        w.pid = info["pid"]
+            .as_i64()
+            .and_then(|p| Pid::try_from(p).ok())
+            .context("no pid in the ready file")?;
+        Ok(w)
+    }
+
+    fn cryo(&self) -> Command {
+        let mut c = Command::new(&self.exe);
+        c.args(["--gpu", "sim", "--sim-dir"])
+            .arg(&self.dir)
+            .arg("--state-dir")
+            .arg(&self.state);
+        c.env_remove("CRYO_FAILPOINT").stdin(Stdio::null());
+        c
+    }
+
+    /// `cryo stop PID...`, timed until every worker is reaped.
+    fn cryo_stop(&mut self) -> anyhow::Result<f64> {
+        let start = Instant::now();
+        let out = self
+            .cryo()
+            .arg("stop")
+            .args(self.live.iter().map(|w| w.pid.to_string()))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .output()
+            .context("running cryo stop")?;
+        ensure!(
+            out.status.success(),
+            "cryo stop failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for w in &mut self.live {
+            w.child.wait().context("reaping a worker")?;
+        }
+        let took = start.elapsed();
+        self.live.clear();
+        Ok(took.as_secs_f64() * 1e3)
+    }
+
+    /// The operators' procedure, timed until every worker is reaped.
+    fn procedure(&mut self) -> anyhow::Result<f64> {
+        let start = Instant::now();
+        for w in &self.live {
+            let pid = w.pid.to_string();
+            for action in [
+                &["--action", "lock", "--timeout", "30000"][..],
+                &["--action", "checkpoint"],
+            ] {
+                let out = self
+                    .cryo()
+                    .arg("cuda-checkpoint")
+                    .args(action)
+                    .args(["--pid", &pid])
+                    .output()
+                    .context("running cryo cuda-checkpoint")?;
+                ensure!(
+                    out.status.success(),
+                    "cuda-checkpoint {} on {pid} failed: {}",
+                    action[1],
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+        }
+        // Once a second, as an operator's script runs nvidia-smi, until no pid is listed.
+        loop {
+            let out = self
+                .cryo()
+                .args(["gpu", "ps", "--json"])
+                .stderr(Stdio::null())
+                .output()
+                .context("running cryo gpu ps")?;
+            ensure!(out.status.success(), "cryo gpu ps failed ({})", out.status);
+            let rows: Vec<serde_json::Value> =
+                serde_json::from_slice(&out.stdout).context("reading cryo gpu ps --json")?;
+            if !rows
+                .iter()
+                .any(|r| self.live.iter().any(|w| r["pid"] == w.pid))
+            {
+                break;
+            }
+            ensure!(
+                start.elapsed() < Duration::from_secs(300),
+                "the workers stayed listed for 300 s"
+            );
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        for w in &mut self.live {
+            w.child.kill().context("killing a worker")?;
+            w.child.wait().context("reaping a worker")?;
+        }
+        let took = start.elapsed();
+        self.live.clear();
+        Ok(took.as_secs_f64() * 1e3)
+    }
+
+    fn ledger_empty(&self) -> anyhow::Result<()> {
+        let control = SimControl::new(&self.dir);
+        control.wait_up(Duration::from_secs(5))?;
+        let wedges = control.ledger().context("reading the wedge ledger")?;
+        if let Some(w) = wedges.first() {
+            bail!(
+                "{} wedge(s) recorded: pid {} on GPU {} ({}): the benchmark is invalid",
+                wedges.len(),
+                w.pid,
+                w.gpu_index,
+                w.death
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Bench {
+    /// A benchmark that failed half-way leaves restored workers: suspend them before the kill.
+    fn drop(&mut self) {
+        for w in &mut self.live {
+            if let Some(gpu) = &self.gpu {
+                let _ = gpu.driver.lock(w.pid, Some(Duration::from_secs(10)));
+                let _ = gpu.driver.checkpoint(w.pid);
+            }
+            let _ = w.child.kill();
+            let _ = w.child.wait();
+        }
+        let _ = self.driver.kill();
+        let _ = self.driver.wait();
+    }
+}

@@ -1,0 +1,398 @@
+//! `cryo bench freeze`: `cryo freeze`/`cryo thaw` against the same work done by hand with the
+//! `criu` command line and one `cryo cuda-checkpoint` process per action, on a private simulated GPU.
+//!
+//! # Design
+//! One run starts its own simulated driver (one GPU, room for one worker of the largest size) in
+//! a temporary directory, and for each size measures two arms on fresh workers (one worker at a
+//! time, images removed between arms, to bound memory and disk):
+//! - **cryo**: `cryo freeze PID --image A`, then `cryo thaw A --health-url ...` (manifest,
+//!   checksums, prechecks, health check included);
+//! - **cli**: freeze = `cuda-checkpoint --action lock`, `--action checkpoint`, `criu dump`;
+//!   thaw = `criu restore -d`, `cuda-checkpoint --action restore`, `--action unlock`, then the
+//!   health endpoint polled until it answers.
+//!
+//! Freeze is timed from the first process started to the dump's exit; thaw from the first
+//! process started to the first answered health request (for cryo also reported by cryo itself as
+//! `first_answer_ms`). The arms alternate which goes first from row to row. Every worker is
+//! stopped with `cryo stop` and the wedge ledger must stay empty. Only ratios mean anything.
+//!
+//! # Limitations
+//! Needs root and CRIU. One sample per row. The simulated checkpoint is a memory copy between two
+//! processes; on a real GPU the driver's checkpoint dominates both arms.
+
+use std::fs::{self, File};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context as _};
+use cryo_sim::SimControl;
+use serde::Serialize;
+
+use crate::args::size::human;
+use crate::args::BenchFreezeArgs;
+
+/// One row of the result.
+#[derive(Debug, Serialize)]
+struct Row {
+    memory_bytes: u64,
+    image_bytes: u64,
+    cryo_freeze_ms: f64,
+    cli_freeze_ms: f64,
+    /// cli / cryo: above 1, cryo is faster.
+    freeze_ratio: f64,
+    cryo_thaw_ms: f64,
+    cli_thaw_ms: f64,
+    /// cli / cryo: above 1, cryo is faster.
+    thaw_ratio: f64,
+    /// `cryo thaw`: from the request to the first answered health request, as cryo reports it.
+    first_answer_ms: f64,
+}
+
+/// Runs the benchmark.
+pub fn run(args: &BenchFreezeArgs) -> anyhow::Result<()> {
+    ensure!(!args.sizes.is_empty(), "--sizes needs at least one size");
+    let criu = cryo_criu::Criu::locate(None)?;
+    // Thawed workers are children of the short-lived `cryo thaw` / `criu restore -d`: adopt them.
+    rustix::process::set_child_subreaper(Some(rustix::process::getpid()))
+        .context("becoming a child subreaper")?;
+    let mut b = tempfile::Builder::new();
+    b.prefix("cryo-bench-freeze-");
+    let tmp = match &args.dir {
+        Some(d) => b.tempdir_in(d),
+        None => b.tempdir(),
+    }
+    .context("creating the benchmark's directory")?;
+    let max = args.sizes.iter().map(|s| s.0).max().unwrap_or(0);
+    let bench = Bench::start(tmp.path(), criu.path().to_path_buf(), max)?;
+    if !args.json {
+        println!(
+            "cryo freeze/thaw against criu + cuda-checkpoint processes (simulated GPU, {})",
+            criu.path().display()
+        );
+        println!(
+            "{:>9}  {:>10} {:>10} {:>6}  {:>10} {:>10} {:>6}  {:>12}",
+            "memory",
+            "cryo frz",
+            "cli frz",
+            "ratio",
+            "cryo thaw",
+            "cli thaw",
+            "ratio",
+            "first answer"
+        );
+    }
+    let mut rows = Vec::new();
+    for (i, size) in args.sizes.iter().enumerate() {
+        let (cryo, cli) = if i % 2 == 0 {
+            let c = bench.cryo_arm(size.0)?;
+            (c, bench.cli_arm(size.0)?)
+        } else {
+            let l = bench.cli_arm(size.0)?;
+            (bench.cryo_arm(size.0)?, l)
+        };
+        let row = Row {
+            memory_bytes: size.0,
+            image_bytes: cryo.image_bytes,
+            cryo_freeze_ms: cryo.freeze_ms,
+            cli_freeze_ms: cli.freeze_ms,
+            freeze_ratio: cli.freeze_ms / cryo.freeze_ms,
+            cryo_thaw_ms: cryo.thaw_ms,
+            cli_thaw_ms: cli.thaw_ms,
+            thaw_ratio: cli.thaw_ms / cryo.thaw_ms,
+            first_answer_ms: cryo.first_answer_ms,
+        };
+        if !args.json {
+            println!(
+                "{:>9}  {:>7.0} ms {:>7.0} ms {:>5.2}x  {:>7.0} ms {:>7.0} ms {:>5.2}x  {:>9.0} ms",
+                human(row.memory_bytes),
+                row.cryo_freeze_ms,
+                row.cli_freeze_ms,
+                row.freeze_ratio,
+                row.cryo_thaw_ms,
+                row.cli_thaw_ms,
+                row.thaw_ratio,
+                row.first_answer_ms
+            );
+        }
+        rows.push(row);
+    }
+    bench.ledger_empty()?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        println!("ratio = cli / cryo (above 1: cryo faster); cryo also hashes, verifies and prechecks the image; wedge ledger empty");
+    }
+    Ok(())
+}
+
+struct Arm {
+    freeze_ms: f64,
+    thaw_ms: f64,
+    first_answer_ms: f64,
+    image_bytes: u64,
+}
+
+struct Bench {
+    dir: PathBuf,
+    exe: PathBuf,
+    criu: PathBuf,
+    driver: std::process::Child,
+    started: std::cell::Cell<usize>,
+}
+
+impl Drop for Bench {
+    fn drop(&mut self) {
+        let _ = self.driver.kill();
+        let _ = self.driver.wait();
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+impl Bench {
+    fn start(dir: &Path, criu: PathBuf, max: u64) -> anyhow::Result<Bench> {
+        // A private copy: CRIU refuses to restore a process whose executable changed on disk.
+        let exe = dir.join("cryo");
+        fs::copy(
+            std::env::current_exe().context("finding this binary")?,
+            &exe,
+        )
+        .context("copying cryo")?;
+        let log = File::create(dir.join("driver.log")).context("creating driver.log")?;
+        let driver = Command::new(&exe)
+            .args([
+                "sim",
+                "driver",
+                "--gpus",
+                "1",
+                "--gpu-memory",
+                &(max + (64 << 20)).to_string(),
+                "--dir",
+            ])
+            .arg(dir)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("starting the simulated driver")?;
+        let b = Bench {
+            dir: dir.to_path_buf(),
+            exe,
+            criu,
+            driver,
+            started: std::cell::Cell::new(0),
+        };
+        SimControl::new(dir)
+            .wait_up(Duration::from_secs(10))
+            .context("waiting for the simulated driver")?;
+        Ok(b)
+    }
+
+    fn cryo(&self) -> Command {
+        let mut c = Command::new(&self.exe);
+        c.env("CRYO_GPU", "sim")
+            .env("CRYO_SIM_DIR", &self.dir)
+            .env("CRYO_STATE_DIR", self.dir.join("state"))
+            .env("CRYO_CRIU", &self.criu)
+            .env_remove("CRYO_FAILPOINT")
+            .stdin(Stdio::null());
+        c
+    }
+
+    fn run(&self, mut c: Command, what: &str) -> anyhow::Result<String> {
+        let out = c
+            .stderr(Stdio::piped())
+            .stdout(Stdio::piped())
+            .output()
+            .with_context(|| format!("running {what}"))?;
+        if !out.status.success() {
+            bail!(
+                "{what} failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// A worker in its own session serving on a unix socket; returns its child, pid and socket.
+    fn worker(&self, memory: u64) -> anyhow::Result<(std::process::Child, i32, PathBuf)> {
+        let k = self.started.get();
+        self.started.set(k + 1);
+        let ready = self.dir.join(format!("w{k}.ready"));
+        let sock = self.dir.join(format!("w{k}.sock"));
+        let child = Command::new("setsid")
+            .arg(&self.exe)
+            .args(["sim", "worker", "--memory", &memory.to_string(), "--dir"])
+            .arg(&self.dir)
+            .arg("--http-unix")
+            .arg(&sock)
+            .arg("--ready-file")
+            .arg(&ready)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting a sim worker under setsid")?;
+        let deadline = Instant::now() + Duration::from_secs(300);
+        loop {
+            if let Ok(t) = fs::read_to_string(&ready) {
+                let v: serde_json::Value =
+                    serde_json::from_str(&t).context("parsing the ready file")?;
+                let pid = v["pid"]
+                    .as_i64()
+                    .and_then(|p| i32::try_from(p).ok())
+                    .context("no pid in the ready file")?;
+                return Ok((child, pid, sock));
+            }
+            ensure!(Instant::now() < deadline, "the sim worker did not start");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn stop(&self, pid: i32) -> anyhow::Result<()> {
+        let mut c = self.cryo();
+        c.args(["stop", &pid.to_string()]);
+        self.run(c, "cryo stop")?;
+        reap(pid);
+        Ok(())
+    }
+
+    fn cryo_arm(&self, memory: u64) -> anyhow::Result<Arm> {
+        let (mut child, pid, sock) = self.worker(memory)?;
+        let image = self.dir.join("cryo-img");
+        let t = Instant::now();
+        let mut c = self.cryo();
+        c.args(["freeze", &pid.to_string(), "--image"]).arg(&image);
+        self.run(c, "cryo freeze")?;
+        let freeze_ms = ms(t.elapsed());
+        child.wait().context("reaping the frozen worker")?;
+        let image_bytes = dir_bytes(&image);
+
+        let t = Instant::now();
+        let mut c = self.cryo();
+        c.arg("thaw").arg(&image).args([
+            "--json",
+            "--health-url",
+            &format!("unix:{}:/health", sock.display()),
+        ]);
+        let out = self.run(c, "cryo thaw")?;
+        let thaw_ms = ms(t.elapsed());
+        let v: serde_json::Value =
+            serde_json::from_str(&out).context("parsing cryo thaw --json")?;
+        let first_answer_ms = v["first_answer_ms"].as_f64().unwrap_or(f64::NAN);
+        self.stop(pid)?;
+        fs::remove_dir_all(&image).context("removing the image")?;
+        Ok(Arm {
+            freeze_ms,
+            thaw_ms,
+            first_answer_ms,
+            image_bytes,
+        })
+    }
+
+    fn compat(&self, action: &str, pid: i32) -> anyhow::Result<()> {
+        let mut c = self.cryo();
+        c.args([
+            "cuda-checkpoint",
+            "--action",
+            action,
+            "--pid",
+            &pid.to_string(),
+        ]);
+        if action == "lock" {
+            c.args(["--timeout", "30000"]);
+        }
+        self.run(c, &format!("cuda-checkpoint --action {action}"))
+            .map(|_| ())
+    }
+
+    fn criu_cmd(&self) -> Command {
+        let mut c = Command::new(&self.criu);
+        // A carried CRIU build brings its libraries beside it.
+        if let Some(d) = self.criu.parent() {
+            c.env("LD_LIBRARY_PATH", d);
+        }
+        c.stdin(Stdio::null());
+        c
+    }
+
+    fn cli_arm(&self, memory: u64) -> anyhow::Result<Arm> {
+        let (mut child, pid, sock) = self.worker(memory)?;
+        let image = self.dir.join("cli-img");
+        fs::create_dir(&image).context("creating the CLI arm's image directory")?;
+        let t = Instant::now();
+        self.compat("lock", pid)?;
+        self.compat("checkpoint", pid)?;
+        let mut c = self.criu_cmd();
+        c.args(["dump", "-t", &pid.to_string(), "-D"])
+            .arg(&image)
+            .args(["-o", "dump.log"]);
+        self.run(c, "criu dump")?;
+        let freeze_ms = ms(t.elapsed());
+        child.wait().context("reaping the frozen worker")?;
+
+        let t = Instant::now();
+        let mut c = self.criu_cmd();
+        c.args(["restore", "-d", "-D"])
+            .arg(&image)
+            .args(["-o", "restore.log"]);
+        self.run(c, "criu restore")?;
+        self.compat("restore", pid)?;
+        self.compat("unlock", pid)?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let check = cryo_lifecycle::HealthCheck::Url(format!("unix:{}:/health", sock.display()));
+        check
+            .wait(deadline.saturating_duration_since(Instant::now()))
+            .context("the CLI arm's worker never answered")?;
+        let thaw_ms = ms(t.elapsed());
+        crate::journal::record_restore(
+            &self.dir.join("state"),
+            pid,
+            "cryo bench freeze (criu restore)",
+        );
+        self.stop(pid)?;
+        fs::remove_dir_all(&image).context("removing the image")?;
+        Ok(Arm {
+            freeze_ms,
+            thaw_ms,
+            first_answer_ms: thaw_ms,
+            image_bytes: 0,
+        })
+    }
+
+    fn ledger_empty(&self) -> anyhow::Result<()> {
+        let ledger = fs::read_to_string(self.dir.join("ledger.jsonl")).unwrap_or_default();
+        ensure!(
+            ledger.trim().is_empty(),
+            "the wedge ledger is not empty: {ledger}"
+        );
+        Ok(())
+    }
+}
+
+fn reap(pid: i32) {
+    let Some(p) = rustix::process::Pid::from_raw(pid) else {
+        return;
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        match rustix::process::waitpid(Some(p), rustix::process::WaitOptions::NOHANG) {
+            Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+            _ => return,
+        }
+    }
+}
+
+fn dir_bytes(dir: &Path) -> u64 {
+    fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}

@@ -1,0 +1,87 @@
+//! `cryo freeze`: the handler. The procedure is `cryo_lifecycle::freeze`; this file finds CRIU,
+//! shows progress and reports (text or JSON, exit codes: 0 published, 3 refused, 1 error).
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use cryo_criu::Criu;
+use cryo_journal::Journal;
+use cryo_lifecycle::{FreezeError, FreezeOptions, SuspendOptions};
+
+use super::Context;
+use crate::args::size::human;
+use crate::args::FreezeArgs;
+use crate::exit;
+
+/// Runs `cryo freeze`; returns the exit code.
+pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
+    // CRIU first: a missing or old CRIU is one clear line before anything is touched.
+    let criu = Criu::locate(None)?;
+    crate::target::open_process(args.pid)?;
+    let gpu = ctx.gpu()?;
+    let dir = crate::journal::dir(&ctx.global.state_dir);
+    let journal =
+        Journal::open(&dir).with_context(|| format!("opening the journal in {}", dir.display()))?;
+    let opts = FreezeOptions {
+        image: args.image.clone(),
+        leave_running: args.leave_running,
+        replace: args.replace,
+        suspend: SuspendOptions {
+            lock_timeout: Duration::from_millis(args.timeout),
+            resume_on_failure: true,
+            ..SuspendOptions::default()
+        },
+    };
+    let progress = crate::progress::for_stderr();
+    let result = cryo_lifecycle::freeze(&gpu, &criu, args.pid, &opts, &journal, progress.as_ref());
+    drop(progress);
+    let report = match result {
+        Ok(r) => r,
+        Err(e @ FreezeError::Refused(_)) => {
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::json!({ "outcome": "refused", "error": e.to_string() })
+                );
+            }
+            eprintln!("cryo: {e}; the worker keeps serving");
+            return Ok(exit::REFUSED);
+        }
+        Err(e) => {
+            return Err(anyhow::Error::new(e).context(format!(
+                "freezing pid {} into {}",
+                args.pid,
+                args.image.display()
+            )))
+        }
+    };
+    if args.json {
+        let mut v = serde_json::to_value(&report)?;
+        v["outcome"] = "published".into();
+        println!("{v}");
+    } else {
+        let m = &report.manifest;
+        println!(
+            "frozen pid {} ({} processes, {} CUDA) into {}: {} image, {} of device memory",
+            m.root_pid,
+            m.processes.len(),
+            report.suspended.len(),
+            report.image.display(),
+            human(m.total_bytes),
+            human(report.suspended.iter().map(|s| s.device_memory).sum()),
+        );
+        println!(
+            "  suspend {} ms, dump {} ms, publish {} ms, total {} ms; {}",
+            report.suspend_ms,
+            report.dump_ms,
+            report.publish_ms,
+            report.elapsed_ms,
+            if report.left_running {
+                "the worker keeps running (restored in place)"
+            } else {
+                "the worker is gone (its contexts were suspended first)"
+            }
+        );
+    }
+    Ok(exit::SUCCESS)
+}

@@ -1,0 +1,146 @@
+//! `cryo guard`: runs the guard (until SIGTERM, and not while it holds pins), or talks to it.
+//!
+//! # Design
+//! The guard ([`cryo_guard::Guard`]) runs in this process: it re-attaches to every live restored
+//! process of the journal, attaches `--pid` ones, then polls the journal for new restores and
+//! checks memory every `--poll-ms`. Its control socket (`STATE_DIR/guard.sock`, root only) serves
+//! `cryo status`, `cryo guard release|attach|detach` and `cryo freeze` (which detaches before a
+//! CRIU dump). SIGTERM/SIGINT/SIGHUP end it, detaching from every worker, unless it holds pins:
+//! then it refuses (closing pins is `cryo guard release`, never a side effect).
+//!
+//! # Limitations
+//! SIGKILL of the guard closes its pins (the kernel closes its files): on affected hosts that is
+//! the wedge the pins held off. Its tracees are detached by the kernel; a thread held at a fatal
+//! signal at that moment loses the signal.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use cryo_guard::{Endgame, Guard, GuardConfig, MemoryWatch};
+
+use super::Context;
+use crate::args::guard::{EndgameArg, GuardArgs, GuardCommand, GuardRunArgs};
+
+/// `cryo guard ...`.
+pub fn run(ctx: &Context, args: &GuardArgs) -> anyhow::Result<u8> {
+    let state = &ctx.global.state_dir;
+    match &args.command {
+        None => serve(ctx, &args.run).map(|()| crate::exit::SUCCESS),
+        Some(GuardCommand::Release {
+            gpu,
+            i_understand_this_may_wedge_the_host,
+        }) => {
+            if !i_understand_this_may_wedge_the_host {
+                bail!(crate::exit::UsageError(format!(
+                    "closing the pins on {gpu} lets the driver tear down a live restored context, which wedges affected hosts; \
+                     drain the node first, then repeat with --i-understand-this-may-wedge-the-host"
+                )));
+            }
+            eprintln!("cryo: WARNING: closing the pins on {gpu}: on affected hosts the machine may wedge within ~35 s");
+            let pids = cryo_guard::control::release(state, gpu).context("releasing pins")?;
+            println!(
+                "released pins of {} process(es) on {gpu}: {pids:?}; quarantine lifted",
+                pids.len()
+            );
+            Ok(crate::exit::SUCCESS)
+        }
+        Some(GuardCommand::Detach { pid }) => {
+            if cryo_guard::control::detach(state, *pid).context("asking the guard to detach")? {
+                println!("guard detached from {pid}");
+            } else {
+                println!("no guard is running");
+            }
+            Ok(crate::exit::SUCCESS)
+        }
+        Some(GuardCommand::Attach { pid }) => {
+            if !cryo_guard::control::attach(state, *pid).context("asking the guard to attach")? {
+                bail!("no guard is running (start `cryo guard --pid {pid}`)");
+            }
+            println!("guard attached to {pid}");
+            Ok(crate::exit::SUCCESS)
+        }
+    }
+}
+
+fn config(ctx: &Context, a: &GuardRunArgs) -> GuardConfig {
+    let mut cfg = GuardConfig::new(&ctx.global.state_dir);
+    cfg.journal_dir = crate::journal::dir(&ctx.global.state_dir);
+    cfg.endgame = match a.endgame {
+        EndgameArg::Hold => Endgame::Hold,
+        EndgameArg::Drain => Endgame::Drain {
+            restart_cmd: a.restart_cmd.clone(),
+        },
+    };
+    cfg.suspend.lock_timeout = Duration::from_millis(a.lock_timeout_ms);
+    cfg.oom_score_adj = a.oom_score_adj;
+    cfg.memory = (!a.no_memory_watch).then(|| MemoryWatch {
+        margin: a.memory_margin.0,
+        psi_some_avg10: a.psi_avg10,
+        interval: Duration::from_millis(a.poll_ms),
+    });
+    cfg
+}
+
+fn serve(ctx: &Context, a: &GuardRunArgs) -> anyhow::Result<()> {
+    if a.restart_cmd.is_some() && a.endgame != EndgameArg::Drain {
+        bail!(crate::exit::UsageError(
+            "--restart-cmd needs --endgame drain".into()
+        ));
+    }
+    cryo_guard::sys::install_terminate_flag().context("installing the SIGTERM handler")?;
+    let gpu = ctx.gpu()?;
+    let (guard, report) = Guard::start(gpu, config(ctx, a)).context("starting the guard")?;
+    let guard = Arc::new(guard);
+    for id in &report.attached {
+        eprintln!("cryo guard: re-attached to restored pid {id}");
+    }
+    for (id, why) in &report.lost {
+        eprintln!("cryo guard: LOST track of pid {id}: {why}");
+    }
+    for pid in &a.pids {
+        guard
+            .attach_pid(*pid)
+            .with_context(|| format!("guarding pid {pid}"))?;
+        eprintln!("cryo guard: guarding pid {pid}");
+    }
+    cryo_guard::control::serve(Arc::clone(&guard), &ctx.global.state_dir)
+        .context("opening the guard's control socket")?;
+    eprintln!(
+        "cryo guard: running (tracer tid {}); control socket {}",
+        guard.tracer_tid(),
+        cryo_guard::control::socket_path(&ctx.global.state_dir).display()
+    );
+    let poll = Duration::from_millis(a.poll_ms.max(10));
+    let mut warned_pins = None::<Instant>;
+    loop {
+        if cryo_guard::sys::terminate_requested() {
+            if !guard.has_pins() {
+                break;
+            }
+            if warned_pins.is_none_or(|t| t.elapsed() > Duration::from_secs(30)) {
+                eprintln!("cryo guard: refusing to stop: it holds pinned contexts (closing them may wedge the host); use `cryo guard release` first");
+                warned_pins = Some(Instant::now());
+            }
+        }
+        match guard.poll_journal() {
+            Ok(ids) => {
+                for id in ids {
+                    eprintln!("cryo guard: guarding restored pid {id}");
+                }
+            }
+            Err(err) => eprintln!("cryo guard: cannot read the journal: {err}"),
+        }
+        for id in guard.check_memory() {
+            eprintln!("cryo guard: memory pressure: suspended and stopped pid {id}");
+        }
+        std::thread::sleep(poll);
+    }
+    eprintln!(
+        "cryo guard: stopping; detaching from {} process(es)",
+        guard.guarded().len()
+    );
+    let _ = std::fs::remove_file(cryo_guard::control::socket_path(&ctx.global.state_dir));
+    guard.shutdown();
+    Ok(())
+}

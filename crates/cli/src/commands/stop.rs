@@ -1,0 +1,250 @@
+//! `cryo stop`: the handler. The procedure itself is `cryo_lifecycle::stop`; this file turns the
+//! arguments into a target and options, shows progress, and reports (text or JSON, exit codes).
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use cryo_journal::Journal;
+use cryo_lifecycle::{EndSignal, ProcReport, StopOptions, StopReport, SuspendOptions, Target};
+use serde::Serialize;
+
+use super::Context;
+use crate::args::size::human;
+use crate::args::{SignalArg, StopArgs};
+use crate::exit;
+
+/// What `--json` prints: the lifecycle's report plus the verdict.
+#[derive(Debug, Serialize)]
+struct JsonReport<'a> {
+    /// `stopped` or `refused`.
+    outcome: &'static str,
+    /// The exit code `cryo stop` returns.
+    exit_code: u8,
+    #[serde(flatten)]
+    report: &'a StopReport,
+}
+
+/// The target the arguments name.
+pub fn target(args: &StopArgs) -> Target {
+    match (&args.cgroup, args.pids.as_slice()) {
+        (Some(path), _) => Target::Cgroup(path.clone()),
+        (None, [one]) => Target::Tree(*one),
+        (None, many) => Target::Pids(many.to_vec()),
+    }
+}
+
+/// The lifecycle's options the arguments ask for.
+pub fn options(args: &StopArgs) -> StopOptions {
+    StopOptions {
+        suspend: SuspendOptions {
+            lock_timeout: Duration::from_millis(args.timeout),
+            lock_attempts: args.lock_attempts,
+            verify_timeout: Duration::from_millis(args.verify_timeout),
+            // A stop leaves what it could not finish checkpointed (safe); it does not resume it.
+            resume_on_failure: false,
+        },
+        signal: match args.signal {
+            SignalArg::Kill => EndSignal::Kill,
+            SignalArg::Term => EndSignal::Term {
+                grace: Duration::from_secs(args.grace),
+            },
+        },
+        unsafe_kill: args.unsafe_kill,
+        fresh: args.fresh,
+        ..StopOptions::default()
+    }
+}
+
+/// Runs `cryo stop`; returns the exit code (0 stopped, 3 refused).
+pub fn run(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
+    let target = target(args);
+    let gpu = ctx.gpu()?;
+    let dir = crate::journal::dir(&ctx.global.state_dir);
+    let journal =
+        Journal::open(&dir).with_context(|| format!("opening the journal in {}", dir.display()))?;
+    let progress = crate::progress::for_stderr();
+    let result = cryo_lifecycle::stop(&gpu, &target, &options(args), &journal, progress.as_ref());
+    // Finish the bars before anything else is printed.
+    drop(progress);
+    let report = result.with_context(|| format!("stopping {}", describe(&target)))?;
+    let code = exit_code(&report);
+    if args.json {
+        let outcome = if code == exit::SUCCESS {
+            "stopped"
+        } else {
+            "refused"
+        };
+        println!(
+            "{}",
+            serde_json::to_string(&JsonReport {
+                outcome,
+                exit_code: code,
+                report: &report
+            })?
+        );
+    } else {
+        print_text(&report, args.unsafe_kill);
+    }
+    Ok(code)
+}
+
+/// 0 when every process has ended, 3 when a refusal left some alive.
+pub fn exit_code(report: &StopReport) -> u8 {
+    if report.processes.iter().all(|p| p.ended) {
+        exit::SUCCESS
+    } else if !report.refusals.is_empty() {
+        exit::REFUSED
+    } else {
+        exit::FAILURE
+    }
+}
+
+fn print_text(report: &StopReport, unsafe_kill: bool) {
+    for p in &report.processes {
+        println!("{}", process_line(p, report.unsafe_kills.contains(&p.pid)));
+    }
+    for r in &report.refusals {
+        eprintln!("cryo: refused: pid {}: {}", r.pid, r.reason.reason());
+        eprintln!("cryo:   what to do: {}", r.hint);
+    }
+    let ended = report.processes.iter().filter(|p| p.ended).count();
+    let total = report.processes.len();
+    if !report.refusals.is_empty() && ended < total {
+        let none = if ended == 0 {
+            "nothing in the target was killed".to_string()
+        } else {
+            format!("{ended} of {total} processes had already ended")
+        };
+        eprintln!(
+            "cryo: stop refused: {none}; every CUDA process is serving or checkpointed (safe)"
+        );
+    } else {
+        if unsafe_kill && !report.unsafe_kills.is_empty() {
+            eprintln!(
+                "cryo: warning: --unsafe: pids {:?} were killed without being suspended",
+                report.unsafe_kills
+            );
+        }
+        println!("stopped {total} processes in {} ms", report.elapsed_ms);
+    }
+}
+
+fn process_line(p: &ProcReport, unsuspended: bool) -> String {
+    let origin = match p.restored {
+        Some(true) => "restored",
+        Some(false) => "fresh",
+        None => "origin unknown (treated as restored)",
+    };
+    let mut steps = Vec::new();
+    if let Some(s) = &p.suspended {
+        steps.push(format!("was {}", s.state_before));
+        if let Some(d) = s.lock {
+            steps.push(format!("locked in {} ms", d.as_millis()));
+        }
+        if let Some(d) = s.checkpoint {
+            steps.push(format!(
+                "checkpointed {} in {} ms",
+                human(s.device_memory),
+                d.as_millis()
+            ));
+        }
+        if let Some(d) = s.verify {
+            steps.push(format!("NVML: no memory after {} ms", d.as_millis()));
+        }
+    } else if p.cuda && unsuspended {
+        steps.push("killed without suspension".to_string());
+    }
+    steps.push(if p.ended {
+        "ended".to_string()
+    } else {
+        "still running".to_string()
+    });
+    let kind = if p.cuda {
+        format!("CUDA, {origin}")
+    } else {
+        "no CUDA context".to_string()
+    };
+    format!(
+        "pid {:<8} {:<16} {kind}: {}",
+        p.pid,
+        p.comm,
+        steps.join(", ")
+    )
+}
+
+fn describe(target: &Target) -> String {
+    match target {
+        Target::Tree(p) => format!("the process tree of pid {p}"),
+        Target::Cgroup(p) => format!("cgroup {}", p.display()),
+        Target::Pids(p) => format!("pids {p:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::args::{Cli, Command};
+
+    fn stop_args(argv: &[&str]) -> StopArgs {
+        let cli = Cli::try_parse_from(argv).unwrap();
+        let Command::Stop(a) = cli.command else {
+            panic!("not stop")
+        };
+        a
+    }
+
+    #[test]
+    fn one_pid_is_a_tree_several_are_exact() {
+        assert_eq!(
+            target(&stop_args(&["cryo", "stop", "12"])),
+            Target::Tree(12)
+        );
+        assert_eq!(
+            target(&stop_args(&["cryo", "stop", "12", "13"])),
+            Target::Pids(vec![12, 13])
+        );
+        assert_eq!(
+            target(&stop_args(&[
+                "cryo",
+                "stop",
+                "--cgroup",
+                "/sys/fs/cgroup/x"
+            ])),
+            Target::Cgroup("/sys/fs/cgroup/x".into())
+        );
+    }
+
+    #[test]
+    fn defaults_and_term() {
+        let o = options(&stop_args(&["cryo", "stop", "1"]));
+        assert_eq!(o.suspend.lock_timeout, Duration::from_secs(30));
+        assert_eq!(o.suspend.lock_attempts, 3);
+        assert_eq!(o.signal, EndSignal::Kill);
+        assert!(!o.unsafe_kill && !o.fresh && !o.suspend.resume_on_failure);
+        let o = options(&stop_args(&[
+            "cryo", "stop", "1", "--signal", "TERM", "--grace", "1",
+        ]));
+        assert_eq!(
+            o.signal,
+            EndSignal::Term {
+                grace: Duration::from_secs(1)
+            }
+        );
+    }
+
+    #[test]
+    fn bad_command_lines_are_usage_errors() {
+        for bad in [
+            &["cryo", "stop"][..],
+            &["cryo", "stop", "0"],
+            &["cryo", "stop", "1", "--cgroup", "/x"],
+            &["cryo", "stop", "1", "--signal", "HUP"],
+            &["cryo", "stop", "1", "--lock-attempts", "0"],
+            &["cryo", "stop", "1", "--timeout", "0"],
+        ] {
+            assert!(Cli::try_parse_from(bad).is_err(), "{bad:?}");
+        }
+    }
+}

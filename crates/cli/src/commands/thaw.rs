@@ -1,0 +1,100 @@
+//! `cryo thaw`: the handler. The procedure is `cryo_lifecycle::thaw`; this file resolves
+//! `--gpu-map` and the quarantine, shows progress and reports (exit codes: 0 serving, 3 refused
+//! before anything ran, 1 error).
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use cryo_criu::Criu;
+use cryo_gpu::GpuUuid;
+use cryo_journal::Journal;
+use cryo_lifecycle::fence::Fence;
+use cryo_lifecycle::{HealthCheck, StopOptions, ThawError, ThawOptions};
+
+use super::Context;
+use crate::args::size::human;
+use crate::args::ThawArgs;
+use crate::exit::{self, UsageError};
+
+/// Runs `cryo thaw`; returns the exit code.
+pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
+    let requested = Instant::now();
+    let health = match (&args.health_url, &args.health_cmd) {
+        (Some(u), _) => Some(HealthCheck::Url(u.clone())),
+        (None, Some(c)) => Some(HealthCheck::Cmd(c.clone())),
+        (None, None) => None,
+    };
+    if let Some(h) = &health {
+        h.validate().map_err(|e| UsageError(e.to_string()))?;
+    }
+    let criu = Criu::locate(None)?;
+    let gpu = ctx.gpu()?;
+    let gpu_map = match &args.gpu_map {
+        None => Vec::new(),
+        Some(m) => {
+            let gpus = gpu.inspect.gpus().context("listing GPUs")?;
+            m.resolve(&gpus)
+                .map_err(|e| UsageError(format!("--gpu-map: {e}")))?
+        }
+    };
+    let fence = Fence::new(&ctx.global.state_dir);
+    let quarantined: Vec<GpuUuid> = fence
+        .list()
+        .with_context(|| format!("reading the GPU quarantine {}", fence.path().display()))?
+        .into_iter()
+        .filter_map(|q| q.gpu.parse().ok())
+        .collect();
+    let dir = crate::journal::dir(&ctx.global.state_dir);
+    let journal =
+        Journal::open(&dir).with_context(|| format!("opening the journal in {}", dir.display()))?;
+    let opts = ThawOptions {
+        gpu_map,
+        quarantined,
+        health,
+        health_timeout: Duration::from_secs(args.health_timeout),
+        stop: StopOptions::default(),
+        requested,
+    };
+    let progress = crate::progress::for_stderr();
+    let result = cryo_lifecycle::thaw(&gpu, &criu, &args.image, &opts, &journal, progress.as_ref());
+    drop(progress);
+    let report = match result {
+        Ok(r) => r,
+        Err(e @ (ThawError::Image(_) | ThawError::Precheck(_))) => {
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::json!({ "outcome": "refused", "error": e.to_string() })
+                );
+            }
+            eprintln!("cryo: {e}; nothing was restored");
+            return Ok(exit::REFUSED);
+        }
+        Err(e) => {
+            return Err(anyhow::Error::new(e).context(format!("thawing {}", args.image.display())))
+        }
+    };
+    if args.json {
+        let mut v = serde_json::to_value(&report)?;
+        v["outcome"] = "serving".into();
+        println!("{v}");
+    } else {
+        let bytes: u64 = report.gpu.iter().map(|g| g.bytes).sum();
+        println!(
+            "thawed {} into pid {} ({} processes, {} CUDA, {} of device memory)",
+            report.image.display(),
+            report.root_pid,
+            report.pids.len(),
+            report.gpu.len(),
+            human(bytes)
+        );
+        println!(
+            "  verify {} ms, criu restore {} ms, GPU restore+unlock {} ms, total {} ms",
+            report.verify_ms, report.criu_ms, report.gpu_restore_ms, report.elapsed_ms
+        );
+        if let Some(ms) = report.first_answer_ms {
+            println!("  first answered health request {ms} ms after the thaw request");
+        }
+    }
+    Ok(exit::SUCCESS)
+}

@@ -1,0 +1,634 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! `cryo guard` on the simulated GPU, as root: the termination matrix on a guarded restored
+//! worker, restart of the guard, fresh workers left alone, the fence.
+//!
+//! Every cell checks, before anything is released: the wedge ledger is empty, the journal names
+//! the path taken (suspended: `FatalSignal` + `Verified`, no `Pinned`; or `Pinned` +
+//! `GpuQuarantined`), and the fence holds exactly the GPUs it should. A pinned cell then ends
+//! through the operator's path (`cryo guard release`), and the test asserts that this release is
+//! what records the wedge: the pins were holding a live restored context (on an affected host,
+//! the release is the dangerous act, which is why it needs an explicit flag). Nothing is hidden:
+//! a wedge before the release fails the test.
+
+mod common;
+
+use std::fs;
+use std::io::Write;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{cryo, http, Sim};
+
+mod sig {
+    pub const SIGQUIT: i32 = 3;
+    pub const SIGABRT: i32 = 6;
+    pub const SIGBUS: i32 = 7;
+    pub const SIGKILL: i32 = 9;
+    pub const SIGTERM: i32 = 15;
+}
+use cryo_journal::{Event, ProcId};
+use cryo_lifecycle::fence::Fence;
+
+/// A `cryo --gpu sim --sim-dir SIM --state-dir STATE` command.
+fn cryo_at(sim: &Path, state: &Path) -> Command {
+    let mut c = cryo();
+    c.args(["--gpu", "sim", "--sim-dir"])
+        .arg(sim)
+        .arg("--state-dir")
+        .arg(state);
+    c
+}
+
+fn ok(mut c: Command) -> String {
+    let out = c.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{c:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn eventually(what: &str, timeout: Duration, f: impl Fn() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A running `cryo guard`; SIGKILLed on drop.
+struct GuardProc {
+    child: Child,
+    log: PathBuf,
+}
+
+impl GuardProc {
+    fn start(sim: &Path, state: &Path, extra: &[&str]) -> GuardProc {
+        let log = state.join(format!("guard-{}.log", Instant::now().elapsed().as_nanos()));
+        fs::create_dir_all(state).unwrap();
+        let f = fs::File::create(&log).unwrap();
+        let child = cryo_at(sim, state)
+            .arg("guard")
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(f.try_clone().unwrap())
+            .stderr(f)
+            .spawn()
+            .unwrap();
+        let g = GuardProc { child, log };
+        let state = state.to_path_buf();
+        eventually("the guard's socket", Duration::from_secs(20), || {
+            cryo_guard::control::status(&state).ok().flatten().is_some()
+        });
+        g
+    }
+
+    fn log(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for GuardProc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A sim worker in its own process group, a child of the test; suspended (if live) then killed
+/// on drop.
+struct TestWorker {
+    pid: i32,
+    port: u16,
+    child: Child,
+    sim: PathBuf,
+}
+
+impl TestWorker {
+    fn start(sim: &Path, memory: &str, cgroup: Option<&Path>) -> TestWorker {
+        let ready = sim.join(format!(
+            "w-{}.ready",
+            Instant::now().elapsed().as_nanos() ^ u128::from(std::process::id())
+        ));
+        let _ = fs::remove_file(&ready);
+        let mut c = cryo();
+        c.args(["sim", "worker", "--memory", memory, "--dir"])
+            .arg(sim)
+            .arg("--ready-file")
+            .arg(&ready);
+        c.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0);
+        let child = c.spawn().unwrap();
+        let pid = child.id() as i32;
+        if let Some(cg) = cgroup {
+            // Moved before it allocates its device-memory mirror; its threads follow.
+            fs::OpenOptions::new()
+                .write(true)
+                .open(cg.join("cgroup.procs"))
+                .unwrap()
+                .write_all(pid.to_string().as_bytes())
+                .unwrap();
+        }
+        eventually("the sim worker", Duration::from_secs(60), || ready.exists());
+        let info: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(&ready).unwrap()).unwrap();
+        TestWorker {
+            pid,
+            port: info["port"].as_u64().unwrap() as u16,
+            child,
+            sim: sim.to_path_buf(),
+        }
+    }
+
+    /// Checkpoint and restore through `cryo gpu`, which journals `RestoreCompleted`.
+    fn make_restored(&self, state: &Path) {
+        let pid = self.pid.to_string();
+        for action in ["lock", "checkpoint", "restore", "unlock"] {
+            ok({
+                let mut c = cryo_at(&self.sim, state);
+                c.args(["gpu", action, "--pid", &pid]);
+                c
+            });
+        }
+    }
+
+    fn wait_exit(&mut self) -> std::process::ExitStatus {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st;
+            }
+            assert!(Instant::now() < deadline, "worker {} did not die", self.pid);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for TestWorker {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let pid = self.pid.to_string();
+            for args in [
+                vec!["--action", "lock", "--pid", &pid, "--timeout", "5000"],
+                vec!["--action", "checkpoint", "--pid", &pid],
+            ] {
+                let _ = cryo()
+                    .args(["--gpu", "sim", "--sim-dir"])
+                    .arg(&self.sim)
+                    .arg("cuda-checkpoint")
+                    .args(&args)
+                    .output();
+            }
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn tracer_pid(pid: i32) -> i32 {
+    let s = fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("TracerPid:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+fn records(state: &Path) -> Vec<Event> {
+    cryo_journal::read(state.join("journal"))
+        .unwrap()
+        .records
+        .into_iter()
+        .map(|r| r.event)
+        .collect()
+}
+
+fn names(events: &[Event], id: ProcId) -> Vec<&'static str> {
+    events
+        .iter()
+        .filter(|e| e.pids().contains(&id))
+        .map(|e| e.label())
+        .collect()
+}
+
+fn wait_attached(state: &Path, id: ProcId, times: usize) {
+    eventually(
+        "GuardAttached in the journal",
+        Duration::from_secs(20),
+        || {
+            records(state)
+                .iter()
+                .filter(|e| matches!(e, Event::GuardAttached { pid } if *pid == id))
+                .count()
+                >= times
+        },
+    );
+}
+
+/// A v1 memory cgroup for one test.
+struct TestCgroup(PathBuf);
+
+impl TestCgroup {
+    fn new(tag: &str, limit: u64) -> Self {
+        let root = PathBuf::from("/sys/fs/cgroup/memory");
+        assert!(
+            root.join("memory.oom_control").exists(),
+            "this test needs the cgroup v1 memory controller at {}",
+            root.display()
+        );
+        let dir = root.join(format!("cryo-guard-cli-{tag}-{}", std::process::id()));
+        fs::create_dir(&dir).unwrap();
+        fs::write(dir.join("memory.limit_in_bytes"), limit.to_string()).unwrap();
+        if dir.join("memory.memsw.limit_in_bytes").exists() {
+            fs::write(dir.join("memory.memsw.limit_in_bytes"), limit.to_string()).unwrap();
+        }
+        Self(dir)
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        for _ in 0..500 {
+            if fs::remove_dir(&self.0).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        eprintln!("could not remove {}", self.0.display());
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Death {
+    Signal(i32),
+    Segv,
+    Exit1,
+    Oom,
+    GroupKill,
+}
+
+fn cell(death: Death, sticky: bool) {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let gpu0 = cryo_sim::connect(sim.path())
+        .unwrap()
+        .inspect
+        .gpus()
+        .unwrap()[0]
+        .uuid
+        .to_string();
+    let _guard = GuardProc::start(sim.path(), &state, &["--no-memory-watch"]);
+    let cg = (death == Death::Oom).then(|| TestCgroup::new(&format!("{sticky}"), 160 << 20));
+    let mut w = TestWorker::start(sim.path(), "16MiB", cg.as_ref().map(|c| c.0.as_path()));
+    w.make_restored(&state);
+    let id = ProcId::of(w.pid).unwrap();
+    wait_attached(&state, id, 1);
+    assert_ne!(tracer_pid(w.pid), 0, "the restored worker is not traced");
+    if sticky {
+        assert_eq!(http(w.port, "POST", "/fault", "").0, 200);
+    }
+    match death {
+        Death::Signal(sig) => {
+            let p = rustix::process::Pid::from_raw(w.pid).unwrap();
+            rustix::process::kill_process(p, signal(sig)).unwrap();
+            if sig == sig::SIGBUS {
+                // Rust's runtime handles SIGBUS (stack-overflow detection): a *sent* SIGBUS
+                // only resets the handler to SIG_DFL. The second one is fatal and is the one
+                // the guard holds.
+                std::thread::sleep(Duration::from_millis(300));
+                let _ = rustix::process::kill_process(p, signal(sig));
+            }
+        }
+        Death::GroupKill => rustix::process::kill_process_group(
+            rustix::process::Pid::from_raw(w.pid).unwrap(),
+            rustix::process::Signal::Kill,
+        )
+        .unwrap(),
+        Death::Segv => {
+            let _ = std::panic::catch_unwind(|| http(w.port, "POST", "/segv", ""));
+        }
+        Death::Exit1 => {
+            let _ = std::panic::catch_unwind(|| http(w.port, "POST", "/fault?exit=1", ""));
+        }
+        Death::Oom => {
+            let _ = std::panic::catch_unwind(|| http(w.port, "POST", "/alloc?mib=400", ""));
+        }
+    }
+    let status = w.wait_exit();
+    // Let the driver see any fd close that would tear the context down.
+    std::thread::sleep(Duration::from_millis(300));
+    let ledger = sim.ledger();
+    assert!(
+        ledger.trim().is_empty(),
+        "{death:?} sticky={sticky}: wedge before any release: {ledger}"
+    );
+    eventually(
+        "the guard to journal the exit",
+        Duration::from_secs(10),
+        || names(&records(&state), id).contains(&"exited"),
+    );
+    let events = records(&state);
+    let path = names(&events, id);
+    let suspendable =
+        !sticky && (matches!(death, Death::Signal(s) if s != sig::SIGKILL) || death == Death::Segv);
+    let fence = Fence::new(&state);
+    if suspendable {
+        assert!(
+            path.contains(&"FATAL SIGNAL")
+                && path.contains(&"verified")
+                && !path.contains(&"pinned"),
+            "{death:?}: expected the suspended path, journal says {path:?} (status {status:?})"
+        );
+        assert!(
+            fence.list().unwrap().is_empty(),
+            "nothing to fence after a suspension"
+        );
+    } else {
+        assert!(
+            path.contains(&"pinned"),
+            "{death:?} sticky={sticky}: expected pinned, journal says {path:?} (status {status:?})"
+        );
+        assert!(
+            events
+                .iter()
+                .any(|e| matches!(e, Event::GpuQuarantined { gpu, .. } if *gpu == gpu0)),
+            "no GpuQuarantined for {gpu0}"
+        );
+        let q = fence.get(&gpu0).unwrap().expect("GPU 0 is not quarantined");
+        assert!(q.pids.contains(&w.pid));
+        if sticky
+            && death != Death::Signal(sig::SIGKILL)
+            && death != Death::GroupKill
+            && death != Death::Oom
+            && death != Death::Exit1
+        {
+            assert!(
+                path.contains(&"REFUSED"),
+                "a fatal signal on a sticky context must journal the refused suspension: {path:?}"
+            );
+        }
+        let st = cryo_guard::control::status(&state).unwrap().unwrap();
+        assert!(
+            st.pins
+                .iter()
+                .any(|p| p.pid == w.pid && p.gpus == vec![gpu0.clone()]),
+            "{st:?}"
+        );
+        // Visible to the operator.
+        let ls = ok({
+            let mut c = cryo_at(sim.path(), &state);
+            c.args(["gpu", "ls"]);
+            c
+        });
+        assert!(
+            ls.lines()
+                .any(|l| l.contains(&gpu0) && l.contains("QUARANTINED")),
+            "{ls}"
+        );
+        assert!(ok({
+            let mut c = cryo_at(sim.path(), &state);
+            c.arg("status");
+            c
+        })
+        .contains(&gpu0));
+        // Closing pins needs the explicit flag.
+        let refused = cryo_at(sim.path(), &state)
+            .args(["guard", "release", "--gpu", &gpu0])
+            .output()
+            .unwrap();
+        assert_eq!(
+            refused.status.code(),
+            Some(2),
+            "release without the flag must be a usage error"
+        );
+        assert!(sim.ledger().trim().is_empty());
+        ok({
+            let mut c = cryo_at(sim.path(), &state);
+            c.args([
+                "guard",
+                "release",
+                "--gpu",
+                &gpu0,
+                "--i-understand-this-may-wedge-the-host",
+            ]);
+            c
+        });
+        assert!(!fence.is_quarantined(&gpu0).unwrap());
+        // The release is what tears the held context down: the ledger names exactly that.
+        eventually(
+            "the release's teardown in the ledger",
+            Duration::from_secs(10),
+            || !sim.ledger().trim().is_empty(),
+        );
+        let wedges = cryo_sim::SimControl::new(sim.path()).ledger().unwrap();
+        assert_eq!(wedges.len(), 1, "{wedges:?}");
+        assert!(records(&state)
+            .iter()
+            .any(|e| matches!(e, Event::PinsReleased { pid } if *pid == id)));
+    }
+}
+
+fn signal(sig: i32) -> rustix::process::Signal {
+    rustix::process::Signal::from_raw(sig).unwrap()
+}
+
+macro_rules! matrix {
+    ($($name:ident: $death:expr, $sticky:expr;)*) => {$(
+        #[test]
+        fn $name() {
+            cell($death, $sticky);
+        }
+    )*};
+}
+
+matrix! {
+    sigterm_healthy_is_suspended: Death::Signal(sig::SIGTERM), false;
+    sigterm_sticky_is_pinned: Death::Signal(sig::SIGTERM), true;
+    sigkill_healthy_is_pinned: Death::Signal(sig::SIGKILL), false;
+    sigkill_sticky_is_pinned: Death::Signal(sig::SIGKILL), true;
+    segv_healthy_is_suspended: Death::Segv, false;
+    segv_sticky_is_pinned: Death::Segv, true;
+    sigabrt_healthy_is_suspended: Death::Signal(sig::SIGABRT), false;
+    sigabrt_sticky_is_pinned: Death::Signal(sig::SIGABRT), true;
+    sigbus_healthy_is_suspended: Death::Signal(sig::SIGBUS), false;
+    sigbus_sticky_is_pinned: Death::Signal(sig::SIGBUS), true;
+    sigquit_healthy_is_suspended: Death::Signal(sig::SIGQUIT), false;
+    sigquit_sticky_is_pinned: Death::Signal(sig::SIGQUIT), true;
+    exit1_after_fatal_error_is_pinned: Death::Exit1, true;
+    oom_kill_healthy_is_pinned: Death::Oom, false;
+    oom_kill_sticky_is_pinned: Death::Oom, true;
+    group_kill_healthy_is_pinned: Death::GroupKill, false;
+    group_kill_sticky_is_pinned: Death::GroupKill, true;
+}
+
+#[test]
+fn fresh_worker_is_not_traced() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let _guard = GuardProc::start(sim.path(), &state, &["--no-memory-watch"]);
+    let w = TestWorker::start(sim.path(), "16MiB", None);
+    // Several journal polls go by.
+    std::thread::sleep(Duration::from_millis(1000));
+    assert_eq!(tracer_pid(w.pid), 0, "a fresh worker must not be traced");
+    assert!(!records(&state)
+        .iter()
+        .any(|e| matches!(e, Event::GuardAttached { .. })));
+}
+
+#[test]
+fn killed_guard_restarts_and_reattaches() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let mut guard = GuardProc::start(sim.path(), &state, &["--no-memory-watch"]);
+    let mut w = TestWorker::start(sim.path(), "16MiB", None);
+    w.make_restored(&state);
+    let id = ProcId::of(w.pid).unwrap();
+    wait_attached(&state, id, 1);
+    guard.kill();
+    eventually("the kernel to detach", Duration::from_secs(5), || {
+        tracer_pid(w.pid) == 0
+    });
+    let guard2 = GuardProc::start(sim.path(), &state, &["--no-memory-watch"]);
+    wait_attached(&state, id, 2);
+    assert_ne!(tracer_pid(w.pid), 0);
+    assert!(
+        guard2
+            .log()
+            .contains(&format!("re-attached to restored pid {}", w.pid)),
+        "{}",
+        guard2.log()
+    );
+    // Still protected: a SIGTERM now takes the suspended path.
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(w.pid).unwrap(),
+        rustix::process::Signal::Term,
+    )
+    .unwrap();
+    w.wait_exit();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(sim.ledger().trim().is_empty(), "{}", sim.ledger());
+    assert!(names(&records(&state), id).contains(&"verified"));
+}
+
+#[test]
+fn restarted_guard_reports_what_died_unwatched() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let mut guard = GuardProc::start(sim.path(), &state, &["--no-memory-watch"]);
+    let mut w = TestWorker::start(sim.path(), "16MiB", None);
+    w.make_restored(&state);
+    let id = ProcId::of(w.pid).unwrap();
+    wait_attached(&state, id, 1);
+    guard.kill();
+    // Dies safely (suspended first) while no guard watches.
+    let pid = w.pid.to_string();
+    ok({
+        let mut c = cryo_at(sim.path(), &state);
+        c.args(["stop", &pid]);
+        c
+    });
+    w.wait_exit();
+    let _guard2 = GuardProc::start(sim.path(), &state, &["--no-memory-watch"]);
+    let ev = records(&state);
+    // `cryo stop` journaled its kill, so the guard knows how it ended: not lost.
+    assert!(
+        !ev.iter()
+            .any(|e| matches!(e, Event::GuardLost { pid } if *pid == id)),
+        "{:?}",
+        names(&ev, id)
+    );
+    assert!(sim.ledger().trim().is_empty());
+}
+
+#[test]
+fn detach_and_attach_through_the_socket() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let _guard = GuardProc::start(sim.path(), &state, &["--no-memory-watch"]);
+    let w = TestWorker::start(sim.path(), "16MiB", None);
+    w.make_restored(&state);
+    let id = ProcId::of(w.pid).unwrap();
+    wait_attached(&state, id, 1);
+    assert!(cryo_guard::control::detach(&state, w.pid).unwrap());
+    assert_eq!(tracer_pid(w.pid), 0, "detached for a CRIU dump");
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(
+        tracer_pid(w.pid),
+        0,
+        "the journal poll must not re-attach a detached process"
+    );
+    assert!(cryo_guard::control::attach(&state, w.pid).unwrap());
+    assert_ne!(tracer_pid(w.pid), 0);
+}
+
+#[test]
+fn memory_watch_suspends_and_stops_before_the_oom_killer() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let _guard = GuardProc::start(
+        sim.path(),
+        &state,
+        &["--memory-margin", "16MiB", "--poll-ms", "50"],
+    );
+    let cg = TestCgroup::new("watch", 200 << 20);
+    let mut w = TestWorker::start(sim.path(), "32MiB", Some(&cg.0));
+    w.make_restored(&state);
+    let id = ProcId::of(w.pid).unwrap();
+    wait_attached(&state, id, 1);
+    // Grow in steps: the watch acts while a checkpoint still fits.
+    for _ in 0..40 {
+        if w.child.try_wait().unwrap().is_some() {
+            break;
+        }
+        let _ = std::panic::catch_unwind(|| http(w.port, "POST", "/alloc?mib=8", ""));
+        std::thread::sleep(Duration::from_millis(150));
+    }
+    w.wait_exit();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(sim.ledger().trim().is_empty(), "{}", sim.ledger());
+    let path = names(&records(&state), id);
+    assert!(
+        path.contains(&"verified") && path.contains(&"killed") && !path.contains(&"pinned"),
+        "{path:?}"
+    );
+    assert!(Fence::new(&state).list().unwrap().is_empty());
+}
+
+#[test]
+fn bench_guard_smoke() {
+    let out = cryo()
+        .args([
+            "bench",
+            "guard",
+            "--requests",
+            "20",
+            "--rounds",
+            "1",
+            "--memory",
+            "8MiB",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("ratio guarded/unguarded") && text.contains("ratio guard/bare"),
+        "{text}"
+    );
+}

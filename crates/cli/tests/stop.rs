@@ -1,0 +1,631 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! `cryo stop` and `cryo timeline` against the simulated GPU. Every test has its own simulated
+//! driver and state directory. After a test that expects safety the wedge ledger is empty; after
+//! a refusal every process is still alive and serving.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use cryo_journal::{Event, Journal, ProcId};
+
+/// A state directory (the journal is in `STATE/journal`).
+fn state() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("cryo-stop-state-")
+        .tempdir()
+        .unwrap()
+}
+
+/// `cryo --gpu sim --sim-dir SIM --state-dir STATE ARGS...`.
+fn cryo_st(sim: &Sim, st: &Path) -> Command {
+    let mut c = cryo();
+    c.args(["--gpu", "sim", "--sim-dir"])
+        .arg(sim.path())
+        .arg("--state-dir")
+        .arg(st);
+    c
+}
+
+fn run(sim: &Sim, st: &Path, args: &[&str]) -> Output {
+    cryo_st(sim, st).args(args).output().unwrap()
+}
+
+fn ok(o: &Output) {
+    assert!(
+        o.status.success(),
+        "status {:?}\nstdout: {}\nstderr: {}",
+        o.status,
+        stdout(o),
+        stderr(o)
+    );
+}
+
+/// `cryo stop ... --json`, parsed.
+fn stop_json(sim: &Sim, st: &Path, args: &[&str]) -> (Output, serde_json::Value) {
+    let mut a = vec!["stop"];
+    a.extend_from_slice(args);
+    a.push("--json");
+    let out = run(sim, st, &a);
+    let v = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "--json output does not parse ({e}): {}\n{}",
+            stdout(&out),
+            stderr(&out)
+        )
+    });
+    (out, v)
+}
+
+/// Whether `pid` is alive (a zombie is not).
+fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => {
+            let state = s
+                .rsplit_once(')')
+                .unwrap()
+                .1
+                .split_whitespace()
+                .next()
+                .unwrap();
+            state != "Z" && state != "X"
+        }
+        Err(_) => false,
+    }
+}
+
+/// Alive and answering its health check.
+fn serving(pid: i32, port: u16) {
+    assert!(alive(pid), "pid {pid} is not alive");
+    let (status, body) = http(port, "GET", "/health", "");
+    assert_eq!(status, 200, "pid {pid} does not serve: {body}");
+}
+
+fn ledger_empty(sim: &Sim) {
+    // One round trip to the daemon, so it has handled every teardown it saw before this.
+    let out = cryo()
+        .args(["sim", "ledger", "--json", "--dir"])
+        .arg(sim.path())
+        .output()
+        .unwrap();
+    ok(&out);
+    assert!(
+        sim.ledger().trim().is_empty(),
+        "wedges recorded: {}",
+        sim.ledger()
+    );
+}
+
+/// Lock, checkpoint, restore, unlock through `cryo gpu` (journaled in `st`).
+fn restore_via_gpu(sim: &Sim, st: &Path, pid: i32) {
+    let p = pid.to_string();
+    for action in ["lock", "checkpoint", "restore", "unlock"] {
+        ok(&run(sim, st, &["gpu", action, "--pid", &p]));
+    }
+    assert_eq!(sim.state(pid), "running");
+}
+
+fn journal_types(st: &Path, pid: i32) -> Vec<String> {
+    let scan = cryo_journal::read(st.join("journal")).unwrap();
+    scan.records
+        .iter()
+        .filter(|r| r.event.pids().iter().any(|p| p.pid == pid))
+        .map(|r| {
+            serde_json::to_value(&r.event).unwrap()["type"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect()
+}
+
+fn proc_row(v: &serde_json::Value, pid: i32) -> &serde_json::Value {
+    v["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["pid"] == pid)
+        .unwrap_or_else(|| panic!("pid {pid} not in {v}"))
+}
+
+#[test]
+fn stops_a_fresh_worker() {
+    let mut sim = Sim::start();
+    let st = state();
+    let (pid, _) = sim.worker("8MiB");
+    let (out, v) = stop_json(&sim, st.path(), &[&pid.to_string()]);
+    ok(&out);
+    assert_eq!(v["outcome"], "stopped");
+    assert_eq!(v["exit_code"], 0);
+    let row = proc_row(&v, pid);
+    assert_eq!(row["cuda"], true);
+    assert!(row["restored"].is_null(), "origin should be unknown: {row}");
+    assert_eq!(row["suspended"]["state_before"], "running");
+    assert!(row["suspended"]["checkpoint_ms"].is_number(), "{row}");
+    assert_eq!(row["ended"], true);
+    assert!(!alive(pid));
+    ledger_empty(&sim);
+}
+
+#[test]
+fn stops_a_restored_worker_known_from_the_journal() {
+    let mut sim = Sim::start();
+    let st = state();
+    let (pid, port) = sim.worker("8MiB");
+    restore_via_gpu(&sim, st.path(), pid);
+    serving(pid, port);
+    assert!(journal_types(st.path(), pid).contains(&"restore_completed".to_string()));
+    let out = run(&sim, st.path(), &["stop", &pid.to_string()]);
+    ok(&out);
+    assert!(stdout(&out).contains("CUDA, restored"), "{}", stdout(&out));
+    assert!(
+        stdout(&out).contains("stopped 1 processes"),
+        "{}",
+        stdout(&out)
+    );
+    assert!(!alive(pid));
+    ledger_empty(&sim);
+}
+
+#[test]
+fn toggle_through_the_cuda_checkpoint_front_end_is_journaled_as_a_restore() {
+    let mut sim = Sim::start();
+    let st = state();
+    let (pid, _) = sim.worker("4MiB");
+    let p = pid.to_string();
+    ok(&run(
+        &sim,
+        st.path(),
+        &["cuda-checkpoint", "--toggle", "--pid", &p],
+    ));
+    assert_eq!(sim.state(pid), "checkpointed");
+    assert!(
+        journal_types(st.path(), pid).is_empty(),
+        "a checkpoint is not a restore"
+    );
+    ok(&run(
+        &sim,
+        st.path(),
+        &["cuda-checkpoint", "--toggle", "--pid", &p],
+    ));
+    assert_eq!(sim.state(pid), "running");
+    let scan = cryo_journal::read(st.path().join("journal")).unwrap();
+    assert!(
+        scan.records.iter().any(|r| matches!(&r.event, Event::RestoreCompleted { pid: id, image } if id.pid == pid && image.contains("toggle"))),
+        "{:?}",
+        scan.records
+    );
+    let (out, v) = stop_json(&sim, st.path(), &[&p]);
+    ok(&out);
+    assert_eq!(proc_row(&v, pid)["restored"], true);
+    ledger_empty(&sim);
+}
+
+#[test]
+fn restore_with_an_unwritable_state_dir_warns_but_succeeds() {
+    let mut sim = Sim::start();
+    let (pid, _) = sim.worker("1MiB");
+    let p = pid.to_string();
+    let bad = Path::new("/proc/cryo-no-such-dir");
+    ok(&run(&sim, bad, &["gpu", "lock", "--pid", &p]));
+    ok(&run(&sim, bad, &["gpu", "checkpoint", "--pid", &p]));
+    let out = run(&sim, bad, &["gpu", "restore", "--pid", &p]);
+    ok(&out);
+    assert!(
+        stderr(&out).contains("warning") && stderr(&out).contains("journal"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(sim.state(pid), "locked");
+    ok(&run(&sim, bad, &["gpu", "unlock", "--pid", &p]));
+}
+
+/// Starts `sh -c 'worker & worker & wait'`; returns the shell and the two workers' pids.
+fn tree(sim: &Sim) -> (std::process::Child, i32, i32) {
+    let dir = sim.path().to_str().unwrap();
+    let w = |n: u32| {
+        format!("{CRYO} sim worker --memory 4MiB --gpu {n} --dir {dir} --ready-file {dir}/tree{n}.ready --log-file {dir}/tree{n}.log")
+    };
+    let script = format!("{} & {} & wait", w(0), w(1));
+    let sh = Command::new("sh")
+        .arg("-c")
+        .arg(&script)
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    let read = |n: u32| -> i32 {
+        let path = sim.path().join(format!("tree{n}.ready"));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(t) = std::fs::read_to_string(&path) {
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&t) {
+                    return v["pid"].as_i64().unwrap() as i32;
+                }
+            }
+            assert!(Instant::now() < deadline, "tree worker {n} did not start");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    let (a, b) = (read(0), read(1));
+    (sh, a, b)
+}
+
+#[test]
+fn stops_a_tree_with_a_parent_and_two_cuda_children() {
+    let sim = Sim::start();
+    let st = state();
+    let (mut sh, a, b) = tree(&sim);
+    restore_via_gpu(&sim, st.path(), a);
+    restore_via_gpu(&sim, st.path(), b);
+    let shpid = sh.id() as i32;
+    let (out, v) = stop_json(&sim, st.path(), &[&shpid.to_string()]);
+    ok(&out);
+    assert_eq!(v["processes"].as_array().unwrap().len(), 3, "{v}");
+    assert_eq!(proc_row(&v, shpid)["cuda"], false);
+    for pid in [a, b] {
+        let row = proc_row(&v, pid);
+        assert_eq!(
+            (row["cuda"].as_bool(), row["restored"].as_bool()),
+            (Some(true), Some(true)),
+            "{row}"
+        );
+        assert!(row["suspended"].is_object(), "{row}");
+        assert!(!alive(pid));
+    }
+    sh.wait().unwrap();
+    ledger_empty(&sim);
+}
+
+#[test]
+fn lock_waits_for_work_in_flight_then_succeeds() {
+    let mut sim = Sim::start();
+    let st = state();
+    let (pid, port) = sim.worker("4MiB");
+    restore_via_gpu(&sim, st.path(), pid);
+    let (status, body) = http(port, "POST", "/busy?ms=1500", "");
+    assert_eq!(status, 200, "{body}");
+    let (out, v) = stop_json(&sim, st.path(), &[&pid.to_string()]);
+    ok(&out);
+    assert!(proc_row(&v, pid)["suspended"]["lock_ms"].is_number());
+    assert!(!alive(pid));
+    ledger_empty(&sim);
+}
+
+#[test]
+fn lock_timeout_is_refused_and_nothing_is_killed() {
+    let mut sim = Sim::start();
+    let st = state();
+    let (pid, port) = sim.worker("4MiB");
+    let (other, other_port) = sim.worker("4MiB");
+    restore_via_gpu(&sim, st.path(), pid);
+    restore_via_gpu(&sim, st.path(), other);
+    let (status, _) = http(port, "POST", "/busy?ms=8000", "");
+    assert_eq!(status, 200);
+    let (p, o) = (pid.to_string(), other.to_string());
+    let out = run(
+        &sim,
+        st.path(),
+        &["stop", &p, &o, "--timeout", "200", "--lock-attempts", "2"],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{}\n{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    let err = stderr(&out);
+    assert!(
+        err.contains(&format!("refused: pid {pid}")) && err.contains("lock timed out"),
+        "{err}"
+    );
+    assert!(
+        err.contains("what to do") && err.contains("--timeout"),
+        "{err}"
+    );
+    assert!(err.contains("nothing in the target was killed"), "{err}");
+    // Both stay alive and serving; the one that could be locked was unlocked again.
+    for (pid, port) in [(pid, port), (other, other_port)] {
+        serving(pid, port);
+        assert_eq!(sim.state(pid), "running");
+    }
+    assert!(journal_types(st.path(), pid).contains(&"refused".to_string()));
+    assert!(journal_types(st.path(), other).contains(&"unlocked".to_string()));
+    ledger_empty(&sim);
+    // Once the work drains, the same stop goes through.
+    let out = run(&sim, st.path(), &["stop", &p, &o]);
+    ok(&out);
+    assert!(!alive(pid) && !alive(other));
+    ledger_empty(&sim);
+}
+
+#[test]
+fn sticky_error_is_refused_nothing_killed_ledger_empty() {
+    let mut sim = Sim::start();
+    let st = state();
+    let (pid, port) = sim.worker("4MiB");
+    let inject = cryo()
+        .args(["sim", "inject", "--dir"])
+        .arg(sim.path())
+        .args(["--pid", &pid.to_string(), "sticky"])
+        .output()
+        .unwrap();
+    ok(&inject);
+    let (out, v) = stop_json(&sim, st.path(), &[&pid.to_string()]);
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    assert_eq!(v["outcome"], "refused");
+    let refusal = &v["refusals"][0];
+    assert_eq!(refusal["pid"], pid);
+    assert_eq!(refusal["reason"]["kind"], "sticky_error", "{refusal}");
+    assert!(
+        refusal["hint"].as_str().unwrap().contains("guard"),
+        "{refusal}"
+    );
+    serving(pid, port);
+    ledger_empty(&sim);
+    // --unsafe is the only way through (this worker was never restored, so the sim does not wedge).
+    let out = run(&sim, st.path(), &["stop", &pid.to_string(), "--unsafe"]);
+    ok(&out);
+    assert!(
+        stderr(&out).contains("without being suspended"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!alive(pid));
+    assert!(journal_types(st.path(), pid).contains(&"unsafe_kill".to_string()));
+    ledger_empty(&sim);
+}
+
+#[test]
+fn fresh_flag_kills_plainly_but_not_a_journaled_restore() {
+    let mut sim = Sim::start();
+    let st = state();
+    let (fresh, _) = sim.worker("4MiB");
+    let (restored, _) = sim.worker("4MiB");
+    restore_via_gpu(&sim, st.path(), restored);
+    let (out, v) = stop_json(
+        &sim,
+        st.path(),
+        &[&fresh.to_string(), &restored.to_string(), "--fresh"],
+    );
+    ok(&out);
+    assert!(proc_row(&v, fresh)["suspended"].is_null(), "{v}");
+    assert!(
+        proc_row(&v, restored)["suspended"].is_object(),
+        "the journal's restore must win over --fresh: {v}"
+    );
+    assert_eq!(v["unsafe_kills"], serde_json::json!([fresh]));
+    ledger_empty(&sim);
+}
+
+#[test]
+fn an_already_checkpointed_worker_is_only_verified_and_killed() {
+    let mut sim = Sim::start();
+    let st = state();
+    let (pid, _) = sim.worker("4MiB");
+    let p = pid.to_string();
+    ok(&run(&sim, st.path(), &["gpu", "lock", "--pid", &p]));
+    ok(&run(&sim, st.path(), &["gpu", "checkpoint", "--pid", &p]));
+    let (out, v) = stop_json(&sim, st.path(), &[&p]);
+    ok(&out);
+    let s = &proc_row(&v, pid)["suspended"];
+    assert_eq!(s["state_before"], "checkpointed");
+    assert!(
+        s["lock_ms"].is_null() && s["checkpoint_ms"].is_null(),
+        "{s}"
+    );
+    assert!(!alive(pid));
+    ledger_empty(&sim);
+}
+
+#[test]
+fn a_pid_that_is_gone_is_an_error_and_nothing_is_killed() {
+    let mut sim = Sim::start();
+    let st = state();
+    let (pid, port) = sim.worker("1MiB");
+    let mut gone = Command::new("true").spawn().unwrap();
+    let g = gone.id() as i32;
+    gone.wait().unwrap();
+    let out = run(&sim, st.path(), &["stop", &g.to_string()]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains(&g.to_string()), "{}", stderr(&out));
+    let out = run(&sim, st.path(), &["stop", &pid.to_string(), &g.to_string()]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    serving(pid, port);
+    assert_eq!(sim.state(pid), "running");
+    ledger_empty(&sim);
+}
+
+#[test]
+fn a_reused_pid_is_not_taken_for_the_journaled_process() {
+    let mut sim = Sim::start();
+    let st = state();
+    let elsewhere = state();
+    let (pid, _) = sim.worker("4MiB");
+    // Restored for real (the sim marks its context restored), journaled in another state dir.
+    restore_via_gpu(&sim, elsewhere.path(), pid);
+    // This journal says pid was a restored process that started at another time, and that
+    // process was declared fresh: neither may be applied to the process holding the pid now.
+    let now = ProcId::of(pid).unwrap();
+    let old = ProcId {
+        pid,
+        start_time: now.start_time.saturating_sub(1000),
+    };
+    let j = Journal::open(st.path().join("journal")).unwrap();
+    j.append(Event::FreshDeclared { pid: old }).unwrap();
+    let (out, v) = stop_json(&sim, st.path(), &[&pid.to_string()]);
+    ok(&out);
+    let row = proc_row(&v, pid);
+    assert!(
+        row["restored"].is_null(),
+        "another process's record was applied: {row}"
+    );
+    assert!(row["suspended"].is_object(), "{row}");
+    assert!(!alive(pid));
+    ledger_empty(&sim);
+}
+
+#[test]
+fn stop_killed_between_checkpoint_and_kill_completes_on_rerun() {
+    let mut sim = Sim::start();
+    let st = state();
+    let (pid, _) = sim.worker("4MiB");
+    restore_via_gpu(&sim, st.path(), pid);
+    let mut first = cryo_st(&sim, st.path())
+        .args(["stop", &pid.to_string()])
+        .env("CRYO_FAILPOINT", "stop-before-kill")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !journal_types(st.path(), pid).contains(&"verified".to_string()) {
+        assert!(
+            first.try_wait().unwrap().is_none(),
+            "cryo stop ended before the failpoint"
+        );
+        assert!(Instant::now() < deadline, "no Verified record within 60 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    first.kill().unwrap();
+    first.wait().unwrap();
+    assert!(alive(pid));
+    assert_eq!(sim.state(pid), "checkpointed");
+    let scan = cryo_journal::read(st.path().join("journal")).unwrap();
+    let inflight = cryo_journal::in_flight_stops(&scan.records);
+    assert!(
+        inflight.keys().any(|p| p.pid == pid),
+        "the journal does not show the stop in flight"
+    );
+    let (out, v) = stop_json(&sim, st.path(), &[&pid.to_string()]);
+    ok(&out);
+    assert_eq!(
+        proc_row(&v, pid)["suspended"]["state_before"],
+        "checkpointed"
+    );
+    assert!(!alive(pid));
+    ledger_empty(&sim);
+}
+
+#[test]
+fn timeline_shows_each_step_of_the_stop() {
+    let mut sim = Sim::start();
+    let st = state();
+    let (pid, _) = sim.worker("4MiB");
+    let (other, _) = sim.worker("1MiB");
+    restore_via_gpu(&sim, st.path(), pid);
+    ok(&run(&sim, st.path(), &["stop", &pid.to_string()]));
+    ok(&run(&sim, st.path(), &["stop", &other.to_string()]));
+    let p = pid.to_string();
+    let out = run(&sim, st.path(), &["timeline", "--pid", &p, "--json"]);
+    ok(&out);
+    let types: Vec<String> = stdout(&out)
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["event"]["type"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    let pos = |t: &str| {
+        types
+            .iter()
+            .position(|x| x == t)
+            .unwrap_or_else(|| panic!("{t} missing from {types:?}"))
+    };
+    assert!(pos("restore_completed") < pos("locked"));
+    assert!(
+        pos("locked") < pos("checkpointed")
+            && pos("checkpointed") < pos("verified")
+            && pos("verified") < pos("killed"),
+        "{types:?}"
+    );
+    let text = stdout(&run(
+        &sim,
+        st.path(),
+        &["timeline", "--pid", &p, "--since", "1h"],
+    ));
+    for label in [
+        "restore completed",
+        "locked",
+        "checkpointed",
+        "verified",
+        "killed",
+    ] {
+        assert!(text.contains(label), "{label} missing:\n{text}");
+    }
+    assert!(
+        text.lines()
+            .all(|l| l.contains(&format!("pid {pid}")) || l.contains(" - ")),
+        "{text}"
+    );
+    assert!(
+        text.lines()
+            .all(|l| l.get(..24).is_some_and(|t| t.ends_with('Z'))),
+        "not UTC:\n{text}"
+    );
+    let all = stdout(&run(&sim, st.path(), &["timeline"]));
+    assert!(all.contains(&format!("pid {other}")), "{all}");
+    let future = run(
+        &sim,
+        st.path(),
+        &["timeline", "--since", "2099-01-01T00:00:00Z"],
+    );
+    ok(&future);
+    assert!(stdout(&future).is_empty());
+    assert_eq!(
+        run(&sim, st.path(), &["timeline", "--since", "yesterday-ish"])
+            .status
+            .code(),
+        Some(2)
+    );
+    ledger_empty(&sim);
+}
+
+#[test]
+fn term_with_grace() {
+    let mut sim = Sim::start();
+    let st = state();
+    let (pid, _) = sim.worker("4MiB");
+    restore_via_gpu(&sim, st.path(), pid);
+    let (out, _) = stop_json(
+        &sim,
+        st.path(),
+        &[&pid.to_string(), "--signal", "TERM", "--grace", "1"],
+    );
+    ok(&out);
+    assert!(!alive(pid));
+    let scan = cryo_journal::read(st.path().join("journal")).unwrap();
+    assert!(
+        scan.records
+            .iter()
+            .any(|r| matches!(r.event, Event::KillStarted { pid: p, signal: 15 } if p.pid == pid)),
+        "no SIGTERM in the journal"
+    );
+    ledger_empty(&sim);
+}
+
+#[test]
+fn bench_stop_runs_with_tiny_workers() {
+    let out = cryo()
+        .args(["bench", "stop", "--memory", "8MiB"])
+        .output()
+        .unwrap();
+    ok(&out);
+    let o = stdout(&out);
+    assert!(o.contains("ratio"), "{o}");
+    let rows: Vec<&str> = o.lines().filter(|l| l.trim_end().ends_with('x')).collect();
+    assert_eq!(rows.len(), 3, "{o}");
+    let json = cryo()
+        .args(["bench", "stop", "--memory", "1MiB", "--json"])
+        .output()
+        .unwrap();
+    ok(&json);
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(v.as_array().unwrap().len(), 3);
+    assert!(v[2]["ratio"].as_f64().unwrap() > 0.0);
+}

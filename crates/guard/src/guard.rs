@@ -1,0 +1,831 @@
+//! The guard's policy: suspend on a fatal signal, pin and fence at the exit stop, endgames.
+//!
+//! # Design
+//! [`Guard`] owns a [`Tracer`] whose [`Policy`] is the guard's shared state:
+//! - **Fatal signal** (the signalled thread held, the others running): journal `FatalSignal`,
+//!   suspend the process through [`cryo_lifecycle::suspend`] (lock, checkpoint, NVML verified,
+//!   each step journaled), then deliver the signal: the process dies with its context suspended.
+//!   A suspension that is impossible (sticky error, lock timeout, driver FAILED) is journaled as
+//!   `Refused` and the signal is delivered anyway; the exit stop handles it.
+//! - **Exit stop** (every death: the above, SIGKILL, OOM kill, `exit_group`): the driver cannot
+//!   act any more, so the driver is not asked for a state. The context counts as live when NVML
+//!   lists the pid (or, NVML failing, when driver fds are open). Live: every driver fd
+//!   ([`cryo_gpu::GpuInspector::driver_fds`]) is duplicated, `Pinned` is journaled per GPU, the GPU
+//!   is quarantined ([`cryo_lifecycle::fence`]) and `GpuQuarantined` journaled, all before the
+//!   process is released. The duplicates stay in this process; the context is never torn down
+//!   until an operator releases them ([`Guard::release`]). Not live (suspended): nothing is held.
+//! - **Endgame** after a quarantine: [`Endgame::Hold`] waits for the operator;
+//!   [`Endgame::Drain`] stops every other GPU process of the node through
+//!   [`cryo_lifecycle::stop`] (suspend-before-kill), then runs the operator's command.
+//! - **Memory**: guarded processes get a low `oom_score_adj` (refused without
+//!   `CAP_SYS_RESOURCE`, which is reported per process), and [`Guard::check_memory`] suspends and
+//!   stops a guarded worker whose memory cgroup has less headroom than its device memory plus a
+//!   margin (a checkpoint moves device memory into host memory, so it must happen while there is
+//!   room for it), or whose PSI `some avg10` passes a threshold.
+//!
+//! Processes are named by [`cryo_proc::ProcHandle`] (pidfd + start time): the same pidfd, duplicated,
+//! is what the tracer attaches through, so the handle used for suspension and the one traced
+//! cannot name different processes.
+//!
+//! # Limitations
+//! - When the guard process dies, its pins close: on affected hosts that is the wedge the pins
+//!   were holding off. A guard with pins refuses to stop on SIGTERM (see the CLI).
+//! - A process whose context is live but whose driver fds cannot be duplicated is still fenced,
+//!   but its context is torn down when it exits (journaled loudly).
+//! - The memory check polls (every `MemoryWatch::interval`); a sudden allocation larger than the
+//!   headroom still ends in an OOM kill, which the exit stop catches.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::fd::{AsFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use cryo_gpu::Gpu;
+use cryo_journal::{Event, Journal, ProcId, Reader, Record};
+use cryo_lifecycle::fence::{Fence, FenceError};
+use cryo_lifecycle::{NoProgress, StopOptions, SuspendOptions};
+use cryo_proc::ProcHandle;
+use serde::{Deserialize, Serialize};
+
+use crate::memory::{CgroupVersion, MemoryCgroup};
+use crate::pidfd::PidFd;
+use crate::policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Target};
+use crate::tracer::{AttachError, DetachError, SpawnError, Tracer, TracerGone};
+use crate::{procfs, signals, Pid};
+
+/// What happens after a GPU is quarantined.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endgame {
+    /// Keep the pins and wait for the operator (the default).
+    Hold,
+    /// Stop every other GPU process of the node (suspend-before-kill), then run `restart_cmd`
+    /// through `sh -c` (with `CRYO_QUARANTINED_GPUS` set), e.g. to drain and reboot the node.
+    Drain {
+        /// The operator's command.
+        restart_cmd: Option<String>,
+    },
+}
+
+/// When to suspend and stop a guarded worker before the OOM killer acts.
+#[derive(Debug, Clone)]
+pub struct MemoryWatch {
+    /// Act when the cgroup's free room falls below the process's device memory plus this.
+    pub margin: u64,
+    /// Also act when PSI `some avg10` (percent) of its pressure source reaches this; `None`: off.
+    pub psi_some_avg10: Option<f64>,
+    /// How often to look.
+    pub interval: Duration,
+}
+
+/// How the guard runs.
+#[derive(Debug, Clone)]
+pub struct GuardConfig {
+    /// cryo's state directory (the fence lives here, and the control socket).
+    pub state_dir: PathBuf,
+    /// The journal directory.
+    pub journal_dir: PathBuf,
+    /// The endgame.
+    pub endgame: Endgame,
+    /// How a fatal signal's suspension is tried (lock timeout: the held signal waits that long).
+    pub suspend: SuspendOptions,
+    /// `oom_score_adj` given to guarded processes (lower: the OOM killer prefers others).
+    pub oom_score_adj: i32,
+    /// Memory watching; `None`: off.
+    pub memory: Option<MemoryWatch>,
+}
+
+impl GuardConfig {
+    /// Defaults for a state directory: hold, lock timeout 10 s (one retry), oom_score_adj -900,
+    /// memory watch with a 64 MiB margin every 250 ms.
+    pub fn new(state_dir: impl AsRef<Path>) -> Self {
+        let state_dir = state_dir.as_ref().to_path_buf();
+        Self {
+            journal_dir: state_dir.join("journal"),
+            state_dir,
+            endgame: Endgame::Hold,
+            suspend: SuspendOptions {
+                lock_timeout: Duration::from_secs(10),
+                lock_attempts: 2,
+                verify_timeout: Duration::from_secs(10),
+                resume_on_failure: false,
+            },
+            oom_score_adj: -900,
+            memory: Some(MemoryWatch {
+                margin: 64 << 20,
+                psi_some_avg10: None,
+                interval: Duration::from_millis(250),
+            }),
+        }
+    }
+}
+
+/// Starting the guard failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The journal could not be opened.
+    #[error("cannot open the journal: {0}")]
+    Journal(#[from] cryo_journal::OpenError),
+    /// The journal could not be read.
+    #[error("cannot read the journal: {0}")]
+    JournalRead(#[from] cryo_journal::ReadError),
+    /// The tracer could not start.
+    #[error(transparent)]
+    Tracer(#[from] SpawnError),
+}
+
+/// Guarding one process failed.
+#[derive(Debug, thiserror::Error)]
+pub enum GuardAttachError {
+    /// The process is gone or its pid now names another process.
+    #[error(transparent)]
+    Proc(#[from] cryo_proc::ProcError),
+    /// Its identity could not be read.
+    #[error(transparent)]
+    Id(#[from] cryo_journal::ProcIdError),
+    /// Duplicating its pidfd failed.
+    #[error("duplicating the pidfd of {pid} failed: {source}")]
+    Dup {
+        /// The process.
+        pid: Pid,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// ptrace refused.
+    #[error(transparent)]
+    Attach(#[from] AttachError),
+    /// The journal could not be written.
+    #[error("cannot write the journal: {0}")]
+    Journal(#[from] cryo_journal::AppendError),
+}
+
+/// Releasing pins failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReleaseError {
+    /// The fence store failed.
+    #[error(transparent)]
+    Fence(#[from] FenceError),
+    /// Nothing is pinned or quarantined for that GPU.
+    #[error("GPU {0} is neither pinned by this guard nor quarantined")]
+    NotPinned(String),
+}
+
+/// One guarded process, as `cryo status` shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct GuardedInfo {
+    /// Pid.
+    pub pid: Pid,
+    /// Start time (clock ticks), with the pid its identity.
+    pub start_time: u64,
+    /// `journal` (restored by cryo) or `pid` (named by the operator).
+    pub source: String,
+    /// The `oom_score_adj` set, or why it could not be.
+    pub oom_score_adj: String,
+}
+
+/// One pinned context, as `cryo status` shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PinInfo {
+    /// The dead process whose context is held.
+    pub pid: Pid,
+    /// Its start time.
+    pub start_time: u64,
+    /// The GPUs its context is on.
+    pub gpus: Vec<String>,
+    /// Its fd numbers that were duplicated.
+    pub fds: Vec<RawFd>,
+    /// How it died.
+    pub cause: String,
+}
+
+/// The guard's state, for `cryo status` and the control socket.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct GuardStatus {
+    /// The guard's pid.
+    pub guard_pid: u32,
+    /// The tracer thread (`TracerPid` of tracees).
+    pub tracer_tid: Pid,
+    /// Guarded processes.
+    pub guarded: Vec<GuardedInfo>,
+    /// Processes detached on request (for a CRIU dump) and not re-attached yet.
+    pub paused: Vec<Pid>,
+    /// Contexts held open.
+    pub pins: Vec<PinInfo>,
+    /// `hold` or `drain`.
+    pub endgame: String,
+}
+
+/// What the guard found when it started.
+#[derive(Debug, Clone, Default)]
+pub struct StartReport {
+    /// Restored processes it attached to.
+    pub attached: Vec<ProcId>,
+    /// Processes it had guarded (or that are restored) and could not guard now, with why.
+    pub lost: Vec<(ProcId, String)>,
+}
+
+struct Watched {
+    id: ProcId,
+    handle: Arc<ProcHandle>,
+    source: &'static str,
+    oom: String,
+}
+
+struct Pin {
+    id: ProcId,
+    gpus: Vec<String>,
+    cause: String,
+    held: PinnedFds,
+}
+
+struct Inner {
+    gpu: Gpu,
+    journal: Journal,
+    fence: Fence,
+    cfg: GuardConfig,
+    watched: Mutex<BTreeMap<Pid, Watched>>,
+    paused: Mutex<BTreeSet<Pid>>,
+    pins: Mutex<Vec<Pin>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic elsewhere must not stop the guard: the data is still the best there is.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn describe(cause: ExitCause) -> String {
+    match cause {
+        ExitCause::Exited(code) => format!("exited with status {code}"),
+        ExitCause::Signaled { signal, .. } => format!("killed by {}", signals::name(signal)),
+    }
+}
+
+impl Inner {
+    fn record(&self, event: Event) {
+        // Acting matters more than the log: a full disk must not stop a suspension or a pin.
+        if let Err(err) = self.journal.append(event) {
+            tracing::error!(%err, "cannot write the journal");
+        }
+    }
+
+    fn id_of(&self, pid: Pid) -> ProcId {
+        lock(&self.watched)
+            .get(&pid)
+            .map(|w| w.id)
+            .unwrap_or_else(|| ProcId::of(pid).unwrap_or(ProcId { pid, start_time: 0 }))
+    }
+
+    fn quarantine(&self, id: ProcId, gpus: &[String], reason: &str) {
+        for gpu in gpus {
+            if let Err(err) = self.fence.quarantine(gpu, reason, &[id.pid]) {
+                tracing::error!(%err, gpu, "cannot record the quarantine");
+            }
+            self.record(Event::GpuQuarantined {
+                gpu: gpu.clone(),
+                reason: reason.to_string(),
+            });
+        }
+    }
+
+    fn run_endgame(self: &Arc<Self>) {
+        let Endgame::Drain { restart_cmd } = self.cfg.endgame.clone() else {
+            return;
+        };
+        let inner = Arc::clone(self);
+        let spawned = std::thread::Builder::new()
+            .name("cryo-guard-drain".into())
+            .spawn(move || inner.drain(restart_cmd.as_deref()));
+        if let Err(err) = spawned {
+            tracing::error!(%err, "cannot start the drain endgame");
+        }
+    }
+
+    fn drain(&self, restart_cmd: Option<&str>) {
+        let pinned: BTreeSet<Pid> = lock(&self.pins).iter().map(|p| p.id.pid).collect();
+        let others: BTreeSet<Pid> = match self.gpu.inspect.processes() {
+            Ok(list) => list
+                .into_iter()
+                .map(|p| p.pid)
+                .filter(|p| !pinned.contains(p))
+                .collect(),
+            Err(err) => {
+                tracing::error!(%err, "drain: cannot list GPU processes; nothing stopped");
+                return;
+            }
+        };
+        let mut all_stopped = true;
+        for pid in others {
+            let target = cryo_lifecycle::Target::Pids(vec![pid]);
+            match cryo_lifecycle::stop(
+                &self.gpu,
+                &target,
+                &StopOptions::default(),
+                &self.journal,
+                &NoProgress,
+            ) {
+                Ok(r) if r.stopped() => tracing::warn!(pid, "drain: stopped (suspended first)"),
+                Ok(r) => {
+                    all_stopped = false;
+                    tracing::error!(pid, refusals = ?r.refusals, "drain: refused; left running");
+                }
+                Err(err) => {
+                    all_stopped = false;
+                    tracing::error!(pid, %err, "drain: stop failed");
+                }
+            }
+        }
+        let Some(cmd) = restart_cmd else { return };
+        if !all_stopped {
+            tracing::error!("drain: some GPU processes could not be stopped safely; running the restart command anyway");
+        }
+        let gpus: Vec<String> = self
+            .fence
+            .list()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|q| q.gpu)
+            .collect();
+        match std::process::Command::new("sh")
+            .arg("-c")
+            .arg(cmd)
+            .env("CRYO_QUARANTINED_GPUS", gpus.join(","))
+            .status()
+        {
+            Ok(st) => tracing::warn!(%st, cmd, "drain: restart command finished"),
+            Err(err) => tracing::error!(%err, cmd, "drain: cannot run the restart command"),
+        }
+    }
+}
+
+/// The policy is the shared state itself (the tracer holds it as `Arc<dyn Policy>`).
+struct PolicyHandle(Arc<Inner>);
+
+impl Policy for PolicyHandle {
+    fn on_fatal_signal(&self, target: &Target, signal: &FatalSignal) -> Decision {
+        let inner = &self.0;
+        let pid = target.pid();
+        let id = inner.id_of(pid);
+        inner.record(Event::FatalSignal {
+            pid: id,
+            signal: signal.signal,
+        });
+        let handle = lock(&inner.watched)
+            .get(&pid)
+            .map(|w| Arc::clone(&w.handle));
+        let Some(handle) = handle else {
+            tracing::error!(
+                pid,
+                "fatal signal for a process without a handle; delivering"
+            );
+            return Decision::Deliver;
+        };
+        let outcome = cryo_lifecycle::suspend(
+            &inner.gpu,
+            &[&handle],
+            &inner.cfg.suspend,
+            Some(&inner.journal),
+            &NoProgress,
+        );
+        match outcome.into_iter().next().map(|o| o.result) {
+            Some(Ok(s)) => {
+                tracing::warn!(pid, signal = %signals::name(signal.signal), state_before = %s.state_before, "suspended before delivering a fatal signal");
+            }
+            Some(Err(f)) => {
+                tracing::error!(pid, reason = %f.reason(), "cannot suspend before a fatal signal; the exit stop will pin");
+                inner.record(Event::Refused {
+                    pid: id,
+                    reason: f.reason(),
+                    hint: "the guard pins the context's driver fds at the exit stop and fences the GPU".into(),
+                });
+            }
+            None => {}
+        }
+        Decision::Deliver
+    }
+
+    fn fds_to_pin(&self, target: &Target) -> Vec<RawFd> {
+        let pid = target.pid();
+        match self.0.gpu.inspect.driver_fds(pid) {
+            Ok(fds) => fds,
+            Err(err) => {
+                // Unsure which fds are the driver's: hold them all rather than lose a context.
+                tracing::error!(pid, %err, "cannot list driver fds; pinning every fd");
+                procfs::fd_numbers(pid).unwrap_or_default()
+            }
+        }
+    }
+
+    fn on_exit_stop(&self, target: &Target, _tid: Pid, cause: ExitCause, pinned: PinnedFds) {
+        let inner = &self.0;
+        let pid = target.pid();
+        let id = inner.id_of(pid);
+        let (listed, gpus) = match inner.gpu.inspect.processes() {
+            Ok(list) => {
+                let mut gpus: Vec<String> = list
+                    .iter()
+                    .filter(|p| p.pid == pid)
+                    .map(|p| p.gpu_uuid.to_string())
+                    .collect();
+                gpus.dedup();
+                (!gpus.is_empty(), gpus)
+            }
+            Err(err) => {
+                tracing::error!(pid, %err, "NVML query failed at the exit stop; treating open driver fds as a live context");
+                (!pinned.fds.is_empty(), Vec::new())
+            }
+        };
+        if !listed {
+            // Suspended (or never had a context): its teardown is the safe kind.
+            return;
+        }
+        let how = describe(cause);
+        let fds: Vec<RawFd> = pinned.fds.iter().map(|(n, _)| *n).collect();
+        for err in &pinned.failed {
+            tracing::error!(pid, %err, "could not pin a driver fd");
+        }
+        let gpus = if gpus.is_empty() {
+            vec!["unknown".to_string()]
+        } else {
+            gpus
+        };
+        let reason = if fds.is_empty() {
+            format!("pid {pid} {how} with a live restored context and none of its driver fds could be pinned")
+        } else {
+            format!(
+                "pid {pid} {how} with a live restored context; {} driver fds pinned by the guard",
+                fds.len()
+            )
+        };
+        if !fds.is_empty() {
+            for gpu in &gpus {
+                inner.record(Event::Pinned {
+                    pid: id,
+                    gpu: gpu.clone(),
+                    fds: fds.clone(),
+                });
+            }
+        }
+        inner.quarantine(id, &gpus, &reason);
+        tracing::error!(pid, %how, ?gpus, "context pinned and GPU quarantined");
+        if !fds.is_empty() {
+            lock(&inner.pins).push(Pin {
+                id,
+                gpus,
+                cause: how,
+                held: pinned,
+            });
+        }
+        inner.run_endgame();
+    }
+
+    fn on_gone(&self, target: &Target, cause: ExitCause) {
+        let pid = target.pid();
+        let w = lock(&self.0.watched).remove(&pid);
+        let id = w.map_or_else(|| self.0.id_of(pid), |w| w.id);
+        self.0.record(Event::ProcessExited {
+            pid: id,
+            how: describe(cause),
+        });
+    }
+}
+
+/// The running guard. Dropping it detaches from everything (and closes pins: see the crate docs).
+pub struct Guard {
+    inner: Arc<Inner>,
+    tracer: Tracer,
+    reader: Mutex<Reader>,
+}
+
+impl std::fmt::Debug for Guard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Guard")
+            .field("tracer", &self.tracer)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Guard {
+    /// Starts the tracer, re-attaches to every live restored process of the journal, and
+    /// journals `GuardLost` for the ones it had guarded and lost track of (dead without the guard
+    /// seeing it, or impossible to attach now).
+    pub fn start(gpu: Gpu, cfg: GuardConfig) -> Result<(Self, StartReport), StartError> {
+        let journal = Journal::open(&cfg.journal_dir)?;
+        let inner = Arc::new(Inner {
+            gpu,
+            journal,
+            fence: Fence::new(&cfg.state_dir),
+            watched: Mutex::new(BTreeMap::new()),
+            paused: Mutex::new(BTreeSet::new()),
+            pins: Mutex::new(Vec::new()),
+            cfg,
+        });
+        let tracer = Tracer::spawn(Arc::new(PolicyHandle(Arc::clone(&inner))))?;
+        let mut reader = Reader::new(&inner.cfg.journal_dir);
+        let records = reader.read_new()?.records;
+        let guard = Guard {
+            inner,
+            tracer,
+            reader: Mutex::new(reader),
+        };
+        let report = guard.adopt(&records);
+        Ok((guard, report))
+    }
+
+    fn adopt(&self, records: &[Record]) -> StartReport {
+        let mut report = StartReport::default();
+        let origins = cryo_journal::Origins::from_records(records);
+        for id in origins.live_restored() {
+            match self.attach(id, "journal") {
+                Ok(()) => report.attached.push(id),
+                Err(e) => {
+                    self.inner.record(Event::GuardLost { pid: id });
+                    report.lost.push((id, format!("cannot attach: {e}")));
+                }
+            }
+        }
+        // Guarded before, dead now, and no record of how it ended: it died unwatched.
+        let mut open: BTreeSet<ProcId> = BTreeSet::new();
+        for r in records {
+            match &r.event {
+                Event::GuardAttached { pid } => {
+                    open.insert(*pid);
+                }
+                Event::GuardLost { pid }
+                | Event::ProcessExited { pid, .. }
+                | Event::Pinned { pid, .. }
+                | Event::Killed { pid } => {
+                    open.remove(pid);
+                }
+                _ => {}
+            }
+        }
+        for id in open {
+            if !id.is_alive_same() {
+                self.inner.record(Event::GuardLost { pid: id });
+                report
+                    .lost
+                    .push((id, "exited while no guard was watching".into()));
+            }
+        }
+        report
+    }
+
+    /// Guards `id`: attaches, lowers its `oom_score_adj`, journals `GuardAttached`.
+    fn attach(&self, id: ProcId, source: &'static str) -> Result<(), GuardAttachError> {
+        if lock(&self.inner.watched)
+            .get(&id.pid)
+            .is_some_and(|w| w.id == id)
+        {
+            return Ok(());
+        }
+        let handle = ProcHandle::open_expected(id.pid, id.start_time)?;
+        let dup = handle
+            .pidfd()
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|source| GuardAttachError::Dup {
+                pid: id.pid,
+                source,
+            })?;
+        let pidfd = PidFd::from_owned(id.pid, dup);
+        let oom = match procfs::set_oom_score_adj(&pidfd, self.inner.cfg.oom_score_adj) {
+            Ok(()) => self.inner.cfg.oom_score_adj.to_string(),
+            Err(e) => {
+                tracing::warn!(pid = id.pid, err = %e, "oom_score_adj not set");
+                format!("not set: {e}")
+            }
+        };
+        // Registered before attaching: a fatal signal can arrive the moment the seize lands.
+        lock(&self.inner.watched).insert(
+            id.pid,
+            Watched {
+                id,
+                handle: Arc::new(handle),
+                source,
+                oom,
+            },
+        );
+        if let Err(e) = self.tracer.attach_pidfd(pidfd) {
+            lock(&self.inner.watched).remove(&id.pid);
+            return Err(e.into());
+        }
+        lock(&self.inner.paused).remove(&id.pid);
+        self.inner
+            .journal
+            .append(Event::GuardAttached { pid: id })?;
+        tracing::info!(pid = id.pid, source, "guarding");
+        Ok(())
+    }
+
+    /// Guards a process restored by other tools (`cryo guard --pid N`, or `attach` on the socket).
+    pub fn attach_pid(&self, pid: Pid) -> Result<ProcId, GuardAttachError> {
+        let id = ProcId::of(pid)?;
+        self.attach(id, "pid")?;
+        Ok(id)
+    }
+
+    /// Stops guarding `pid` until [`Guard::attach_pid`] (before a CRIU dump: CRIU cannot dump a
+    /// traced process). The journal poll does not re-attach it meanwhile.
+    pub fn detach(&self, pid: Pid) -> Result<(), DetachError> {
+        lock(&self.inner.paused).insert(pid);
+        match self.tracer.detach(pid) {
+            Ok(()) => {
+                if let Some(w) = lock(&self.inner.watched).remove(&pid) {
+                    self.inner.record(Event::GuardLost { pid: w.id });
+                }
+                Ok(())
+            }
+            Err(e) => {
+                lock(&self.inner.paused).remove(&pid);
+                Err(e)
+            }
+        }
+    }
+
+    /// Reads the journal's new records and guards every process a new `RestoreCompleted` names.
+    pub fn poll_journal(&self) -> Result<Vec<ProcId>, cryo_journal::ReadError> {
+        let records = lock(&self.reader).read_new()?.records;
+        let mut attached = Vec::new();
+        for r in &records {
+            if let Event::RestoreCompleted { pid, .. } = &r.event {
+                if lock(&self.inner.paused).contains(&pid.pid) || !pid.is_alive_same() {
+                    continue;
+                }
+                match self.attach(*pid, "journal") {
+                    Ok(()) => attached.push(*pid),
+                    Err(e) => {
+                        tracing::error!(pid = pid.pid, err = %e, "cannot guard a restored process");
+                        self.inner.record(Event::GuardLost { pid: *pid });
+                    }
+                }
+            }
+        }
+        Ok(attached)
+    }
+
+    /// The operator's release of the contexts pinned on `gpu`: closes the duplicates (on
+    /// affected hosts the driver then tears the contexts down, which is what wedges them) and
+    /// lifts the quarantine. Returns the processes whose pins were closed.
+    pub fn release(&self, gpu: &str) -> Result<Vec<ProcId>, ReleaseError> {
+        let taken: Vec<Pin> = {
+            let mut pins = lock(&self.inner.pins);
+            let (take, keep) = std::mem::take(&mut *pins)
+                .into_iter()
+                .partition(|p| p.gpus.iter().any(|g| g.eq_ignore_ascii_case(gpu)));
+            *pins = keep;
+            take
+        };
+        let lifted = self.inner.fence.release(gpu)?;
+        if taken.is_empty() && lifted.is_none() {
+            return Err(ReleaseError::NotPinned(gpu.to_string()));
+        }
+        let mut released = Vec::new();
+        for p in taken {
+            tracing::warn!(
+                pid = p.id.pid,
+                gpu,
+                fds = p.held.fds.len(),
+                "closing pins on the operator's request"
+            );
+            drop(p.held);
+            self.inner.record(Event::PinsReleased { pid: p.id });
+            released.push(p.id);
+        }
+        Ok(released)
+    }
+
+    /// Whether any context is pinned.
+    pub fn has_pins(&self) -> bool {
+        !lock(&self.inner.pins).is_empty()
+    }
+
+    /// The processes guarded now.
+    pub fn guarded(&self) -> Vec<ProcId> {
+        lock(&self.inner.watched).values().map(|w| w.id).collect()
+    }
+
+    /// The tracer thread id (`TracerPid` of every tracee).
+    pub fn tracer_tid(&self) -> Pid {
+        self.tracer.tracer_tid()
+    }
+
+    /// A snapshot for `cryo status`.
+    pub fn status(&self) -> GuardStatus {
+        let guarded = lock(&self.inner.watched)
+            .values()
+            .map(|w| GuardedInfo {
+                pid: w.id.pid,
+                start_time: w.id.start_time,
+                source: w.source.to_string(),
+                oom_score_adj: w.oom.clone(),
+            })
+            .collect();
+        let pins = lock(&self.inner.pins)
+            .iter()
+            .map(|p| PinInfo {
+                pid: p.id.pid,
+                start_time: p.id.start_time,
+                gpus: p.gpus.clone(),
+                fds: p.held.fds.iter().map(|(n, _)| *n).collect(),
+                cause: p.cause.clone(),
+            })
+            .collect();
+        GuardStatus {
+            guard_pid: std::process::id(),
+            tracer_tid: self.tracer.tracer_tid(),
+            guarded,
+            paused: lock(&self.inner.paused).iter().copied().collect(),
+            pins,
+            endgame: match &self.inner.cfg.endgame {
+                Endgame::Hold => "hold".into(),
+                Endgame::Drain { .. } => "drain".into(),
+            },
+        }
+    }
+
+    /// One pass of the memory watch: suspends and stops (through [`cryo_lifecycle::stop`]) each
+    /// guarded process whose cgroup is about to run out of room. Returns the processes stopped.
+    pub fn check_memory(&self) -> Vec<ProcId> {
+        let Some(watch) = self.inner.cfg.memory.clone() else {
+            return Vec::new();
+        };
+        let ids: Vec<ProcId> = lock(&self.inner.watched).values().map(|w| w.id).collect();
+        let mut stopped = Vec::new();
+        for id in ids {
+            let Some(why) = memory_trigger(&self.inner.gpu, id.pid, &watch) else {
+                continue;
+            };
+            tracing::warn!(pid = id.pid, %why, "memory pressure: suspending and stopping before the OOM killer acts");
+            let target = cryo_lifecycle::Target::Pids(vec![id.pid]);
+            match cryo_lifecycle::stop(
+                &self.inner.gpu,
+                &target,
+                &StopOptions::default(),
+                &self.inner.journal,
+                &NoProgress,
+            ) {
+                Ok(r) if r.stopped() => stopped.push(id),
+                Ok(r) => {
+                    tracing::error!(pid = id.pid, refusals = ?r.refusals, "memory pressure: could not suspend; the exit stop will pin")
+                }
+                Err(err) => tracing::error!(pid = id.pid, %err, "memory pressure: stop failed"),
+            }
+        }
+        stopped
+    }
+
+    /// Detaches from everything and journals `GuardLost` for each (they are unguarded from now
+    /// on). Pins stay held while this value lives; callers check [`Guard::has_pins`] first.
+    pub fn shutdown(&self) {
+        for id in self.guarded() {
+            if let Err(err) = self.detach(id.pid) {
+                tracing::error!(pid = id.pid, %err, "cannot detach");
+            }
+        }
+    }
+
+    /// Whether the tracer still runs.
+    pub fn tracer_alive(&self) -> Result<(), TracerGone> {
+        self.tracer.traced().map(|_| ())
+    }
+}
+
+/// Why `pid` must be suspended now, if it must.
+fn memory_trigger(gpu: &Gpu, pid: Pid, watch: &MemoryWatch) -> Option<String> {
+    let cg = MemoryCgroup::of_pid(pid).ok()?;
+    let (usage, limit) = match cg.version {
+        CgroupVersion::V1 => (
+            read_u64(&cg.dir.join("memory.usage_in_bytes")),
+            read_u64(&cg.dir.join("memory.limit_in_bytes")),
+        ),
+        CgroupVersion::V2 => (
+            read_u64(&cg.dir.join("memory.current")),
+            read_u64(&cg.dir.join("memory.max")),
+        ),
+    };
+    if let (Some(usage), Some(limit)) = (usage, limit) {
+        // v1 says "no limit" with a huge page-rounded number.
+        if limit < (1 << 60) {
+            let device = gpu.inspect.process_memory(pid).ok().flatten().unwrap_or(0);
+            let room = limit.saturating_sub(usage);
+            if device > 0 && room < device.saturating_add(watch.margin) {
+                return Some(format!("{room} bytes left in {} (limit {limit}), checkpoint needs {device} + margin {}", cg.dir.display(), watch.margin));
+            }
+        }
+    }
+    if let Some(threshold) = watch.psi_some_avg10 {
+        if let Ok(psi) = cg.pressure() {
+            if psi.some.avg10 >= threshold {
+                return Some(format!(
+                    "memory PSI some avg10 {:.1}% >= {threshold}%",
+                    psi.some.avg10
+                ));
+            }
+        }
+    }
+    None
+}
+
+fn read_u64(path: &Path) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}

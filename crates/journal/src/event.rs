@@ -1,0 +1,470 @@
+//! What the journal records: [`Record`]s holding typed [`Event`]s.
+
+use std::time::SystemTime;
+
+use serde::{Deserialize, Serialize};
+
+use crate::ProcId;
+
+/// One journal entry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Record {
+    /// Position in the journal, from 1, without gaps; assigned by the writer under the lock.
+    pub seq: u64,
+    /// When it was appended (UTC; stored as RFC 3339 with nanoseconds).
+    #[serde(with = "rfc3339")]
+    pub time: SystemTime,
+    /// What happened.
+    pub event: Event,
+}
+
+/// Everything cryo journals. Steps that act come in pairs: an intent (`*Started`, `StopRequested`),
+/// written before acting, and an outcome, written after; a crash between them leaves the intent as
+/// the last step of that process (see [`crate::in_flight_stops`]).
+///
+/// To add an event: add the variant (fields named as they should read in JSON), then the arms the
+/// compiler asks for in [`Event::pids`], [`Event::label`], [`Event::detail`], [`Event::phase`].
+/// Readers of an older build see an unknown variant as [`Event::Unknown`] instead of failing.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum Event {
+    // ---- stop ----
+    /// `cryo stop` was asked to stop `target` (how the operator named it: `pid 4242`, a cgroup...).
+    StopRequested {
+        /// The target as given.
+        target: String,
+    },
+    /// About to lock the process's CUDA context.
+    LockStarted {
+        /// The process.
+        pid: ProcId,
+    },
+    /// Lock succeeded.
+    Locked {
+        /// The process.
+        pid: ProcId,
+        /// How long the lock took.
+        ms: u64,
+    },
+    /// Lock failed (timeout, sticky error...); the process is still RUNNING.
+    LockFailed {
+        /// The process.
+        pid: ProcId,
+        /// The driver's error.
+        error: String,
+    },
+    /// About to checkpoint the (locked) process's device memory into host memory.
+    CheckpointStarted {
+        /// The process.
+        pid: ProcId,
+    },
+    /// Checkpoint succeeded.
+    Checkpointed {
+        /// The process.
+        pid: ProcId,
+        /// How long it took.
+        ms: u64,
+        /// Device memory moved (as NVML reported it before).
+        bytes: u64,
+    },
+    /// Checkpoint failed.
+    CheckpointFailed {
+        /// The process.
+        pid: ProcId,
+        /// The driver's error.
+        error: String,
+    },
+    /// NVML shows no device memory for the process any more.
+    Verified {
+        /// The process.
+        pid: ProcId,
+    },
+    /// NVML still showed device memory at the deadline.
+    VerifyFailed {
+        /// The process.
+        pid: ProcId,
+        /// Device memory still attributed to it.
+        bytes_left: u64,
+    },
+    /// About to send `signal` to the process.
+    KillStarted {
+        /// The process.
+        pid: ProcId,
+        /// Signal number.
+        signal: i32,
+    },
+    /// The process has exited (seen through its pidfd).
+    Killed {
+        /// The process.
+        pid: ProcId,
+    },
+    /// cryo refused to end the process (and so every process of its target).
+    Refused {
+        /// The process that could not be made safe.
+        pid: ProcId,
+        /// Why.
+        reason: String,
+        /// What the operator can do.
+        hint: String,
+    },
+    /// `cryo stop` finished.
+    StopCompleted {
+        /// The target as given.
+        target: String,
+        /// Processes ended.
+        killed: Vec<ProcId>,
+        /// Wall time of the whole stop.
+        ms: u64,
+    },
+    /// The process is about to be killed without having been suspended (`--unsafe` or `--fresh`).
+    UnsafeKill {
+        /// The process.
+        pid: ProcId,
+    },
+    /// A suspension failed elsewhere in the target: this process, locked by it, was unlocked
+    /// again and is serving.
+    Unlocked {
+        /// The process.
+        pid: ProcId,
+    },
+    /// A suspension failed elsewhere in the target: this process, checkpointed by it, was
+    /// restored and unlocked again and is serving.
+    Resumed {
+        /// The process.
+        pid: ProcId,
+    },
+    /// The operator declared the process never restored (`--fresh`).
+    FreshDeclared {
+        /// The process.
+        pid: ProcId,
+    },
+
+    // ---- freeze ----
+    /// About to freeze a process tree into `image`.
+    FreezeStarted {
+        /// Image directory or name.
+        image: String,
+    },
+    /// The image was published (complete, checksummed, renamed into place).
+    ImagePublished {
+        /// Image directory or name.
+        image: String,
+        /// Size of the image.
+        bytes: u64,
+    },
+    /// Freeze failed.
+    FreezeFailed {
+        /// Image directory or name.
+        image: String,
+        /// What went wrong.
+        error: String,
+    },
+
+    // ---- thaw ----
+    /// About to restore `image`.
+    ThawStarted {
+        /// Image directory or name.
+        image: String,
+    },
+    /// A process of `image` was restored (CRIU and GPU): from now on it is a *restored* process.
+    RestoreCompleted {
+        /// The restored process (its new identity on this host).
+        pid: ProcId,
+        /// Image directory or name.
+        image: String,
+    },
+    /// The restored worker answered its health check.
+    HealthOk {
+        /// The process.
+        pid: ProcId,
+        /// How long the check took.
+        ms: u64,
+    },
+    /// Thaw finished.
+    ThawCompleted {
+        /// Image directory or name.
+        image: String,
+        /// Every restored process.
+        pids: Vec<ProcId>,
+        /// Wall time of the whole thaw.
+        ms: u64,
+    },
+    /// Thaw failed.
+    ThawFailed {
+        /// Image directory or name.
+        image: String,
+        /// What went wrong.
+        error: String,
+    },
+
+    // ---- guard ----
+    /// The guard watches the process.
+    GuardAttached {
+        /// The process.
+        pid: ProcId,
+    },
+    /// The process received a fatal signal (intercepted by the guard).
+    FatalSignal {
+        /// The process.
+        pid: ProcId,
+        /// Signal number.
+        signal: i32,
+    },
+    /// The process's driver fds are held open by cryo so its context is not torn down.
+    Pinned {
+        /// The process.
+        pid: ProcId,
+        /// GPU (UUID) whose context is pinned.
+        gpu: String,
+        /// Fd numbers (in the process) that were duplicated.
+        fds: Vec<i32>,
+    },
+    /// The GPU was fenced.
+    GpuQuarantined {
+        /// GPU UUID.
+        gpu: String,
+        /// Why.
+        reason: String,
+    },
+    /// The pins of the process were released (controlled endgame).
+    PinsReleased {
+        /// The process.
+        pid: ProcId,
+    },
+    /// The guard lost the process (detached or the guard itself failed).
+    GuardLost {
+        /// The process.
+        pid: ProcId,
+    },
+    /// A process the guard watched has exited (seen by the guard, after whatever it did).
+    ProcessExited {
+        /// The process.
+        pid: ProcId,
+        /// How it ended (`killed by SIGSEGV`, `exited with status 1`).
+        how: String,
+    },
+
+    // ---- the journal itself ----
+    /// A writer cut a torn or corrupt tail (after a crash of a writer or a power cut).
+    JournalRepaired {
+        /// Offset where the cut bytes began.
+        offset: u64,
+        /// How many bytes were cut.
+        bytes: u64,
+    },
+
+    /// An event of a newer cryo that this build does not know.
+    #[serde(other)]
+    Unknown,
+}
+
+/// Whether an event is written before an action or after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Written before acting: if it is a process's last step, the action may be half done.
+    Intent,
+    /// Written after acting.
+    Outcome,
+    /// Neither (declarations, repairs, unknown events).
+    Note,
+}
+
+impl Event {
+    /// The process this event is mainly about, if any.
+    pub fn proc(&self) -> Option<ProcId> {
+        use Event::*;
+        match self {
+            LockStarted { pid }
+            | Locked { pid, .. }
+            | LockFailed { pid, .. }
+            | CheckpointStarted { pid }
+            | Checkpointed { pid, .. }
+            | CheckpointFailed { pid, .. }
+            | Verified { pid }
+            | VerifyFailed { pid, .. }
+            | KillStarted { pid, .. }
+            | Killed { pid }
+            | Refused { pid, .. }
+            | FreshDeclared { pid }
+            | UnsafeKill { pid }
+            | Unlocked { pid }
+            | Resumed { pid }
+            | RestoreCompleted { pid, .. }
+            | HealthOk { pid, .. }
+            | GuardAttached { pid }
+            | FatalSignal { pid, .. }
+            | Pinned { pid, .. }
+            | PinsReleased { pid }
+            | GuardLost { pid }
+            | ProcessExited { pid, .. } => Some(*pid),
+            StopRequested { .. }
+            | StopCompleted { .. }
+            | FreezeStarted { .. }
+            | ImagePublished { .. }
+            | FreezeFailed { .. }
+            | ThawStarted { .. }
+            | ThawCompleted { .. }
+            | ThawFailed { .. }
+            | GpuQuarantined { .. }
+            | JournalRepaired { .. }
+            | Unknown => None,
+        }
+    }
+
+    /// Every process the event names (for `--pid` filtering).
+    pub fn pids(&self) -> Vec<ProcId> {
+        match self {
+            Event::StopCompleted { killed, .. } => killed.clone(),
+            Event::ThawCompleted { pids, .. } => pids.clone(),
+            other => other.proc().into_iter().collect(),
+        }
+    }
+
+    /// Intent, outcome or note.
+    pub fn phase(&self) -> Phase {
+        use Event::*;
+        match self {
+            StopRequested { .. }
+            | LockStarted { .. }
+            | CheckpointStarted { .. }
+            | KillStarted { .. }
+            | UnsafeKill { .. }
+            | FreezeStarted { .. }
+            | ThawStarted { .. } => Phase::Intent,
+            Locked { .. }
+            | LockFailed { .. }
+            | Checkpointed { .. }
+            | CheckpointFailed { .. }
+            | Verified { .. }
+            | VerifyFailed { .. }
+            | Killed { .. }
+            | Refused { .. }
+            | Unlocked { .. }
+            | Resumed { .. }
+            | StopCompleted { .. }
+            | ImagePublished { .. }
+            | FreezeFailed { .. }
+            | RestoreCompleted { .. }
+            | HealthOk { .. }
+            | ThawCompleted { .. }
+            | ThawFailed { .. }
+            | GuardAttached { .. }
+            | FatalSignal { .. }
+            | Pinned { .. }
+            | GpuQuarantined { .. }
+            | PinsReleased { .. }
+            | GuardLost { .. }
+            | ProcessExited { .. } => Phase::Outcome,
+            FreshDeclared { .. } | JournalRepaired { .. } | Unknown => Phase::Note,
+        }
+    }
+
+    /// Short lower-case name for the timeline (`checkpointed`, `lock started`).
+    pub fn label(&self) -> &'static str {
+        use Event::*;
+        match self {
+            StopRequested { .. } => "stop requested",
+            LockStarted { .. } => "lock started",
+            Locked { .. } => "locked",
+            LockFailed { .. } => "lock failed",
+            CheckpointStarted { .. } => "checkpoint started",
+            Checkpointed { .. } => "checkpointed",
+            CheckpointFailed { .. } => "checkpoint failed",
+            Verified { .. } => "verified",
+            VerifyFailed { .. } => "verify failed",
+            KillStarted { .. } => "kill started",
+            Killed { .. } => "killed",
+            Refused { .. } => "REFUSED",
+            StopCompleted { .. } => "stop completed",
+            FreshDeclared { .. } => "declared fresh",
+            UnsafeKill { .. } => "UNSAFE KILL (not suspended)",
+            Unlocked { .. } => "unlocked (stop refused)",
+            Resumed { .. } => "resumed (suspension refused)",
+            FreezeStarted { .. } => "freeze started",
+            ImagePublished { .. } => "image published",
+            FreezeFailed { .. } => "freeze failed",
+            ThawStarted { .. } => "thaw started",
+            RestoreCompleted { .. } => "restore completed",
+            HealthOk { .. } => "health ok",
+            ThawCompleted { .. } => "thaw completed",
+            ThawFailed { .. } => "thaw failed",
+            GuardAttached { .. } => "guard attached",
+            FatalSignal { .. } => "FATAL SIGNAL",
+            Pinned { .. } => "pinned",
+            GpuQuarantined { .. } => "GPU QUARANTINED",
+            PinsReleased { .. } => "pins released",
+            GuardLost { .. } => "GUARD LOST",
+            ProcessExited { .. } => "exited",
+            JournalRepaired { .. } => "journal repaired",
+            Unknown => "unknown event",
+        }
+    }
+
+    /// The event's values as the timeline shows them (`1830 ms, 5.8 GB`); empty when none.
+    pub fn detail(&self) -> String {
+        use crate::timeline::{fmt_bytes, fmt_signal};
+        use Event::*;
+        match self {
+            StopRequested { target } => format!("target {target}"),
+            Locked { ms, .. } | HealthOk { ms, .. } => format!("{ms} ms"),
+            LockFailed { error, .. } | CheckpointFailed { error, .. } => error.clone(),
+            Checkpointed { ms, bytes, .. } => format!("{ms} ms, {}", fmt_bytes(*bytes)),
+            Verified { .. } => "no device memory left".to_owned(),
+            VerifyFailed { bytes_left, .. } => {
+                format!("{} still on the GPU", fmt_bytes(*bytes_left))
+            }
+            KillStarted { signal, .. } | FatalSignal { signal, .. } => fmt_signal(*signal),
+            Refused { reason, hint, .. } => format!("{reason} (hint: {hint})"),
+            StopCompleted { target, killed, ms } => {
+                format!("target {target}, {} ended, {ms} ms", killed.len())
+            }
+            FreezeStarted { image } | ThawStarted { image } | RestoreCompleted { image, .. } => {
+                format!("image {image}")
+            }
+            ImagePublished { image, bytes } => format!("image {image}, {}", fmt_bytes(*bytes)),
+            FreezeFailed { image, error } | ThawFailed { image, error } => {
+                format!("image {image}: {error}")
+            }
+            ThawCompleted { image, pids, ms } => {
+                let list: Vec<String> = pids.iter().map(|p| p.pid.to_string()).collect();
+                format!("image {image}, pids [{}], {ms} ms", list.join(", "))
+            }
+            Pinned { gpu, fds, .. } => format!("GPU {gpu}, {} fds", fds.len()),
+            GpuQuarantined { gpu, reason } => format!("GPU {gpu}: {reason}"),
+            ProcessExited { how, .. } => how.clone(),
+            JournalRepaired { offset, bytes } => {
+                format!("cut {bytes} torn bytes at offset {offset}")
+            }
+            LockStarted { .. }
+            | CheckpointStarted { .. }
+            | Killed { .. }
+            | FreshDeclared { .. }
+            | UnsafeKill { .. }
+            | Unlocked { .. }
+            | Resumed { .. }
+            | GuardAttached { .. }
+            | PinsReleased { .. }
+            | GuardLost { .. }
+            | Unknown => String::new(),
+        }
+    }
+}
+
+/// `SystemTime` as an RFC 3339 UTC string with nanoseconds (`2026-11-30T02:41:07.123456789Z`).
+mod rfc3339 {
+    use std::time::SystemTime;
+
+    use serde::{de::Error as _, ser::Error as _, Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
+        let text = crate::timeline::fmt_utc(*t, true)
+            .ok_or_else(|| S::Error::custom(format!("time {t:?} is outside years 1970..9999")))?;
+        s.serialize_str(&text)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<SystemTime, D::Error> {
+        let text = String::deserialize(d)?;
+        humantime::parse_rfc3339(&text).map_err(D::Error::custom)
+    }
+}

@@ -1,0 +1,136 @@
+//! Process identity that survives pid reuse: a pid plus the process's start time.
+
+use std::fmt;
+use std::io;
+
+use serde::{Deserialize, Serialize};
+
+/// A process as the journal names it: its pid and its start time in clock ticks since boot
+/// (`/proc/PID/stat` field 22), so that a later process that reuses the pid is not taken for the
+/// one recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ProcId {
+    /// Host pid.
+    pub pid: i32,
+    /// Start time in clock ticks after boot.
+    pub start_time: u64,
+}
+
+/// Reading a process's identity failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcIdError {
+    /// The process does not exist (or is already reaped).
+    #[error("pid {pid} does not exist")]
+    NoSuchProcess {
+        /// The pid asked for.
+        pid: i32,
+    },
+    /// `/proc/PID/stat` could not be read.
+    #[error("cannot read /proc/{pid}/stat: {source}")]
+    Read {
+        /// The pid asked for.
+        pid: i32,
+        /// The error.
+        source: io::Error,
+    },
+    /// `/proc/PID/stat` did not have the expected shape.
+    #[error("cannot parse /proc/{pid}/stat: {reason}")]
+    BadStat {
+        /// The pid asked for.
+        pid: i32,
+        /// What was wrong.
+        reason: &'static str,
+    },
+}
+
+impl ProcId {
+    /// The identity of the process that holds `pid` now.
+    pub fn of(pid: i32) -> Result<ProcId, ProcIdError> {
+        let (_, start_time) = read_stat(pid)?;
+        Ok(ProcId { pid, start_time })
+    }
+
+    /// Whether the pid still names this very process (same start time) and it has not exited
+    /// (a zombie counts as gone: its memory and fds, GPU context included, are already released).
+    pub fn is_alive_same(&self) -> bool {
+        match read_stat(self.pid) {
+            Ok((state, start)) => start == self.start_time && state != 'Z' && state != 'X',
+            Err(_) => false,
+        }
+    }
+}
+
+impl fmt::Display for ProcId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.pid)
+    }
+}
+
+/// State letter and start time of `pid`.
+fn read_stat(pid: i32) -> Result<(char, u64), ProcIdError> {
+    if pid <= 0 {
+        return Err(ProcIdError::NoSuchProcess { pid });
+    }
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|source| {
+        if source.kind() == io::ErrorKind::NotFound {
+            ProcIdError::NoSuchProcess { pid }
+        } else {
+            ProcIdError::Read { pid, source }
+        }
+    })?;
+    parse_stat(&text).map_err(|reason| ProcIdError::BadStat { pid, reason })
+}
+
+/// Parses the state (field 3) and start time (field 22) of a `/proc/PID/stat` line. `comm` may hold
+/// spaces and parentheses, so fields are counted after its last `)`.
+fn parse_stat(text: &str) -> Result<(char, u64), &'static str> {
+    let close = text.rfind(')').ok_or("no ')' after comm")?;
+    let mut fields = text[close + 1..].split_ascii_whitespace();
+    let state = fields
+        .next()
+        .and_then(|s| s.chars().next())
+        .ok_or("no state field")?;
+    // Field 3 was the state; field 22 is 19 further on.
+    let start = fields.nth(18).ok_or("no starttime field")?;
+    let start = start.parse().map_err(|_| "starttime is not a number")?;
+    Ok((state, start))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_comm_with_parens_and_spaces() {
+        let line = "42 (a) b (c)) S 1 42 42 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 10";
+        assert_eq!(parse_stat(line), Ok(('S', 987654)));
+    }
+
+    #[test]
+    fn own_process_is_alive_and_a_changed_start_time_is_not() {
+        let me = ProcId::of(std::process::id() as i32).unwrap();
+        assert!(me.is_alive_same());
+        let other = ProcId {
+            start_time: me.start_time + 1,
+            ..me
+        };
+        assert!(!other.is_alive_same());
+    }
+
+    #[test]
+    fn exited_child_is_not_alive() {
+        let mut child = std::process::Command::new("sleep").arg("100").spawn().unwrap();
+        let id = ProcId::of(child.id() as i32).unwrap();
+        assert!(id.is_alive_same());
+        child.kill().unwrap();
+        // Not reaped yet: the zombie must already count as gone.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while id.is_alive_same() {
+            assert!(std::time::Instant::now() < deadline, "killed child never became a zombie");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(ProcId::of(id.pid).unwrap(), id, "the zombie still holds its pid");
+        child.wait().unwrap();
+        assert!(!id.is_alive_same());
+    }
+}

@@ -1,0 +1,213 @@
+//! The writer: one framed record per append, under an exclusive `flock`, then `fdatasync`.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError};
+use std::time::SystemTime;
+
+use rustix::fs::{flock, FlockOperation};
+
+use crate::error::{AppendError, FileError, OpenError};
+use crate::frame::{self, scan};
+use crate::{Event, Record, FILE_NAME};
+
+/// An open journal, for appending. Cheap to share between threads (`&self` appends); any number
+/// of processes may hold one on the same directory at once.
+#[derive(Debug)]
+pub struct Journal {
+    dir: PathBuf,
+    path: PathBuf,
+    state: Mutex<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    file: File,
+    /// End of the last valid frame as this writer last saw it; `None` after an error, which
+    /// forces a full scan at the next append.
+    end: Option<u64>,
+    last_seq: u64,
+}
+
+impl Journal {
+    /// Opens (creating if needed) the journal in `dir`, and cuts a torn tail if a writer died
+    /// mid-append; the cut is itself journaled as [`Event::JournalRepaired`].
+    pub fn open(dir: impl AsRef<Path>) -> Result<Journal, OpenError> {
+        let dir = dir.as_ref().to_path_buf();
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o750)
+            .create(&dir)
+            .map_err(|source| OpenError::CreateDir {
+                path: dir.clone(),
+                source,
+            })?;
+        let path = dir.join(FILE_NAME);
+        let file = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(true)
+            .mode(0o640)
+            .open(&path)
+            .map_err(|source| OpenError::OpenFile {
+                path: path.clone(),
+                source,
+            })?;
+        // Make the file's directory entry durable, or a power cut could lose the whole journal.
+        File::open(&dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|source| OpenError::SyncDir {
+                path: dir.clone(),
+                source,
+            })?;
+        let journal = Journal {
+            dir,
+            path,
+            state: Mutex::new(State {
+                file,
+                end: None,
+                last_seq: 0,
+            }),
+        };
+        journal.locked(|st| -> Result<(), OpenError> {
+            if let Some(repair) = journal.sync_tail(st)? {
+                journal.write_record(st, repair)?;
+            }
+            Ok(())
+        })?;
+        Ok(journal)
+    }
+
+    /// The journal's directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The journal file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Appends `event` and returns the record as written, once it is on stable storage
+    /// (`fdatasync` returned). Blocks while another writer (thread or process) appends.
+    pub fn append(&self, event: Event) -> Result<Record, AppendError> {
+        self.locked(|st| {
+            if let Some(repair) = self.sync_tail(st)? {
+                self.write_record(st, repair)?;
+            }
+            self.write_record(st, event)
+        })
+    }
+
+    /// Runs `f` holding both the in-process mutex (threads share one open file, and `flock`
+    /// does not exclude holders of the same open file) and the `flock` (other processes).
+    fn locked<T, E: From<FileError>>(
+        &self,
+        f: impl FnOnce(&mut State) -> Result<T, E>,
+    ) -> Result<T, E> {
+        // A panic mid-append leaves nothing in `State` that the next `sync_tail` (which
+        // re-reads the file under the lock) does not correct.
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        flock(&st.file, FlockOperation::LockExclusive).map_err(|e| FileError {
+            what: "cannot lock",
+            path: self.path.clone(),
+            source: e.into(),
+        })?;
+        let out = f(&mut st);
+        if let Err(err) = flock(&st.file, FlockOperation::Unlock) {
+            tracing::warn!(%err, path = %self.path.display(), "cannot unlock the journal");
+        }
+        out
+    }
+
+    fn io_err(&self, what: &'static str) -> impl FnOnce(io::Error) -> FileError + '_ {
+        move |source| FileError {
+            what,
+            path: self.path.clone(),
+            source,
+        }
+    }
+
+    /// Under the lock: validates what other writers appended since our last look, learns the
+    /// last seq, and cuts a torn tail. Returns the repair event to journal, if it cut anything.
+    fn sync_tail(&self, st: &mut State) -> Result<Option<Event>, FileError> {
+        let size = st
+            .file
+            .metadata()
+            .map_err(self.io_err("cannot stat"))?
+            .len();
+        let from = match st.end {
+            Some(end) if end == size => return Ok(None),
+            Some(end) if end < size => end,
+            _ => {
+                st.last_seq = 0;
+                0
+            }
+        };
+        let mut buf = vec![0u8; usize::try_from(size - from).unwrap_or(usize::MAX)];
+        st.file
+            .read_exact_at(&mut buf, from)
+            .map_err(self.io_err("cannot read"))?;
+        let found = scan(&buf, from);
+        for c in &found.corruptions {
+            tracing::error!(path = %self.path.display(), "{c}; the records after it are kept");
+        }
+        if let Some(last) = found.records.iter().map(|r| r.seq).max() {
+            st.last_seq = st.last_seq.max(last);
+        }
+        let mut repair = None;
+        if let Some(tail) = &found.tail {
+            tracing::warn!(
+                path = %self.path.display(),
+                offset = tail.offset,
+                bytes = tail.len,
+                fault = %tail.fault,
+                "cutting the torn tail of the journal"
+            );
+            st.file
+                .set_len(tail.offset)
+                .map_err(self.io_err("cannot truncate"))?;
+            st.file.sync_data().map_err(self.io_err("cannot fdatasync"))?;
+            repair = Some(Event::JournalRepaired {
+                offset: tail.offset,
+                bytes: tail.len,
+            });
+        }
+        st.end = Some(found.valid_end);
+        Ok(repair)
+    }
+
+    /// Under the lock, with the tail known good: writes one frame and syncs it.
+    fn write_record(&self, st: &mut State, event: Event) -> Result<Record, AppendError> {
+        let record = Record {
+            seq: st.last_seq + 1,
+            time: SystemTime::now(),
+            event,
+        };
+        let payload = serde_json::to_vec(&record).map_err(AppendError::Encode)?;
+        let frame = frame::encode(&payload).ok_or(AppendError::TooLarge {
+            len: payload.len(),
+            max: frame::MAX_PAYLOAD,
+        })?;
+        // One write() of the whole frame (O_APPEND), so a concurrent reader sees it grow from
+        // the front and a kill leaves at most a prefix of it.
+        let written = (&st.file)
+            .write_all(&frame)
+            .map_err(self.io_err("cannot write"))
+            .and_then(|()| st.file.sync_data().map_err(self.io_err("cannot fdatasync")));
+        match written {
+            Ok(()) => {
+                st.end = st.end.map(|e| e + frame.len() as u64);
+                st.last_seq = record.seq;
+                Ok(record)
+            }
+            Err(e) => {
+                // A partial frame may be on disk: the next append rescans and cuts it.
+                st.end = None;
+                Err(e.into())
+            }
+        }
+    }
+}

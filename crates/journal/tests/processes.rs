@@ -1,0 +1,346 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! The journal with real writer processes: killed mid-write, racing each other, read while they
+//! write. Children are this test binary re-executed into `child_writer` (an ignored test that
+//! acts only when `CRYO_JOURNAL_CHILD` is set).
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use cryo_journal::{in_flight_stops, read, Event, Journal, ProcId, Reader, Record, StopStep};
+
+const CHILD: &str = "CRYO_JOURNAL_CHILD";
+
+/// The payload a child writes as its `n`th record: self-describing, so a reader can tell a
+/// misread from the real thing.
+fn reason(tag: &str, n: u64, len: usize) -> String {
+    let fill = char::from(b'a' + (n % 26) as u8);
+    let head = format!("{tag}:{n}:{len}:");
+    let mut s = head.clone();
+    s.extend(std::iter::repeat_n(fill, len.saturating_sub(head.len())));
+    s
+}
+
+/// Checks a record a child wrote; returns (tag, n).
+fn check_child_record(r: &Record) -> (String, u64) {
+    let Event::Refused { reason: text, .. } = &r.event else {
+        panic!("unexpected event {:?}", r.event);
+    };
+    let mut parts = text.splitn(4, ':');
+    let tag = parts.next().unwrap().to_owned();
+    let n: u64 = parts.next().unwrap().parse().unwrap();
+    let len: usize = parts.next().unwrap().parse().unwrap();
+    assert_eq!(*text, reason(&tag, n, len), "record {} misread", r.seq);
+    (tag, n)
+}
+
+fn seqs_contiguous(records: &[Record]) {
+    for (i, r) in records.iter().enumerate() {
+        assert_eq!(r.seq, i as u64 + 1, "seq gap or duplicate at index {i}");
+    }
+}
+
+#[test]
+#[ignore = "helper process re-executed by the other tests of this file"]
+fn child_writer() {
+    let mode = std::env::var(CHILD).expect("run only by the other tests (CRYO_JOURNAL_CHILD)");
+    let dir = std::env::var("CRYO_JOURNAL_DIR").unwrap();
+    let tag = std::env::var("CRYO_JOURNAL_TAG").unwrap();
+    let count: u64 = std::env::var("CRYO_JOURNAL_COUNT").unwrap().parse().unwrap();
+    let len: usize = std::env::var("CRYO_JOURNAL_LEN").unwrap().parse().unwrap();
+    let journal = Journal::open(&dir).unwrap();
+    let me = ProcId::of(std::process::id() as i32).unwrap();
+    let mut out = std::io::stdout().lock();
+    match mode.as_str() {
+        "write" => {
+            for n in 0..count {
+                let r = journal
+                    .append(Event::Refused {
+                        pid: me,
+                        reason: reason(&tag, n, len),
+                        hint: String::new(),
+                    })
+                    .unwrap();
+                writeln!(out, "acked {}", r.seq).unwrap();
+                out.flush().unwrap();
+            }
+        }
+        "intent" => {
+            journal
+                .append(Event::StopRequested {
+                    target: format!("pid {}", me.pid),
+                })
+                .unwrap();
+            journal.append(Event::LockStarted { pid: me }).unwrap();
+            journal.append(Event::Locked { pid: me, ms: 3 }).unwrap();
+            journal.append(Event::CheckpointStarted { pid: me }).unwrap();
+            writeln!(out, "acked ready").unwrap();
+            out.flush().unwrap();
+            thread::sleep(Duration::from_secs(600));
+        }
+        other => panic!("unknown child mode {other}"),
+    }
+}
+
+/// Spawns a child writer; its `acked` lines arrive on the returned channel.
+fn spawn(mode: &str, dir: &Path, tag: &str, count: u64, len: usize) -> (Child, mpsc::Receiver<String>) {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_writer", "--include-ignored", "--nocapture", "--test-threads=1"])
+        .env(CHILD, mode)
+        .env("CRYO_JOURNAL_DIR", dir)
+        .env("CRYO_JOURNAL_TAG", tag)
+        .env("CRYO_JOURNAL_COUNT", count.to_string())
+        .env("CRYO_JOURNAL_LEN", len.to_string())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            // Keep draining even when nobody listens, or the child dies of EPIPE.
+            if let Some(rest) = line.strip_prefix("acked ") {
+                let _ = tx.send(rest.to_owned());
+            }
+        }
+    });
+    (child, rx)
+}
+
+fn wait_ok(child: &mut Child) {
+    let status = child.wait().unwrap();
+    assert!(status.success(), "child writer failed: {status}");
+}
+
+/// Kills the child while it is inside the `write` of a frame (the file has grown past the last
+/// complete frame but not to the end of the one being written), or after `deadline`.
+fn kill_mid_write(child: &mut Child, path: &Path, mut end: u64, deadline: Instant) -> bool {
+    let file = loop {
+        if let Ok(f) = File::open(path) {
+            break f;
+        }
+    };
+    let mut header = [0u8; 16];
+    while Instant::now() < deadline {
+        let size = file.metadata().unwrap().len();
+        if size == end {
+            continue;
+        }
+        if size - end < 16 {
+            child.kill().unwrap();
+            return true;
+        }
+        file.read_exact_at(&mut header, end).unwrap();
+        let len = u64::from(u32::from_le_bytes(header[4..8].try_into().unwrap()));
+        let frame_end = end + 16 + len;
+        if size < frame_end {
+            child.kill().unwrap();
+            return true;
+        }
+        end = frame_end;
+    }
+    child.kill().unwrap();
+    false
+}
+
+#[test]
+fn torn_tail_after_kill_9_is_cut_and_complete_records_survive() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(cryo_journal::FILE_NAME);
+    let parent = Journal::open(dir.path()).unwrap();
+    let mut torn_seen = 0;
+    let mut rounds = 0;
+    let mut acked_all: Vec<u64> = Vec::new();
+    while rounds < 40 && torn_seen < 3 {
+        rounds += 1;
+        let start = parent
+            .append(Event::StopRequested {
+                target: format!("round {rounds}"),
+            })
+            .unwrap();
+        let _ = start;
+        let end = std::fs::metadata(&path).unwrap().len();
+        // 768 KiB records: copying one into the page cache takes long enough to be caught.
+        let (mut child, acks) = spawn("write", dir.path(), "kill", 1_000_000, 768 * 1024);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        assert!(kill_mid_write(&mut child, &path, end, deadline), "child never wrote");
+        child.wait().unwrap();
+        acked_all.extend(acks.iter().map(|s| s.parse::<u64>().unwrap()));
+
+        // What a reader sees before any writer repairs: a consistent prefix, never an error.
+        let before = read(dir.path()).unwrap();
+        assert!(before.corruptions.is_empty(), "{:?}", before.corruptions);
+        seqs_contiguous(&before.records);
+        let torn = before.tail.clone();
+        if torn.is_some() {
+            torn_seen += 1;
+        }
+        for r in &before.records {
+            if matches!(r.event, Event::Refused { .. }) {
+                check_child_record(r);
+            }
+        }
+        let last = before.records.last().unwrap().seq;
+        for a in &acked_all {
+            assert!(*a <= last, "acknowledged record {a} lost (last is {last})");
+        }
+
+        // A writer cuts the torn bytes (on its next append) and journals the cut.
+        let rec = parent.append(Event::Killed { pid: ProcId { pid: 1, start_time: 1 } }).unwrap();
+        let after = read(dir.path()).unwrap();
+        assert!(after.tail.is_none() && after.corruptions.is_empty());
+        seqs_contiguous(&after.records);
+        assert_eq!(after.records.last().unwrap(), &rec);
+        assert_eq!(&after.records[..before.records.len()], &before.records[..]);
+        match &torn {
+            Some(t) => {
+                assert_eq!(after.records.len(), before.records.len() + 2);
+                assert_eq!(
+                    after.records[before.records.len()].event,
+                    Event::JournalRepaired { offset: t.offset, bytes: t.len }
+                );
+            }
+            None => assert_eq!(after.records.len(), before.records.len() + 1),
+        }
+    }
+    println!("{rounds} kills, {torn_seen} left a torn tail");
+    assert!(torn_seen > 0, "no kill in {rounds} rounds landed inside a write");
+
+    // A fresh writer process also opens the repaired journal cleanly.
+    let reopened = Journal::open(dir.path()).unwrap();
+    let r = reopened.append(Event::GuardLost { pid: ProcId { pid: 2, start_time: 2 } }).unwrap();
+    assert_eq!(r.seq, read(dir.path()).unwrap().records.len() as u64);
+}
+
+#[test]
+fn open_cuts_a_torn_tail_left_by_a_killed_writer() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(cryo_journal::FILE_NAME);
+    Journal::open(dir.path()).unwrap();
+    let mut torn = None;
+    for _ in 0..40 {
+        let end = std::fs::metadata(&path).unwrap().len();
+        let (mut child, _acks) = spawn("write", dir.path(), "open", 1_000_000, 768 * 1024);
+        assert!(kill_mid_write(&mut child, &path, end, Instant::now() + Duration::from_secs(20)));
+        child.wait().unwrap();
+        torn = read(dir.path()).unwrap().tail;
+        if torn.is_some() {
+            break;
+        }
+    }
+    let torn = torn.expect("no kill landed inside a write in 40 tries");
+    let n = read(dir.path()).unwrap().records.len();
+    Journal::open(dir.path()).unwrap();
+    let after = read(dir.path()).unwrap();
+    assert!(after.tail.is_none());
+    assert_eq!(after.records.len(), n + 1);
+    assert_eq!(
+        after.records[n].event,
+        Event::JournalRepaired { offset: torn.offset, bytes: torn.len }
+    );
+}
+
+#[test]
+fn two_writer_processes_keep_every_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = 200;
+    let (mut a, _) = spawn("write", dir.path(), "a", n, 300);
+    let (mut b, _) = spawn("write", dir.path(), "b", n, 5000);
+    // And a writer thread in this process too.
+    let journal = Journal::open(dir.path()).unwrap();
+    let me = ProcId::of(std::process::id() as i32).unwrap();
+    for i in 0..n {
+        journal
+            .append(Event::Refused { pid: me, reason: reason("c", i, 100), hint: String::new() })
+            .unwrap();
+    }
+    wait_ok(&mut a);
+    wait_ok(&mut b);
+    let scan = read(dir.path()).unwrap();
+    assert!(scan.corruptions.is_empty() && scan.tail.is_none());
+    assert_eq!(scan.records.len() as u64, 3 * n);
+    seqs_contiguous(&scan.records);
+    for tag in ["a", "b", "c"] {
+        let ns: Vec<u64> = scan
+            .records
+            .iter()
+            .map(check_child_record)
+            .filter(|(t, _)| t == tag)
+            .map(|(_, n)| n)
+            .collect();
+        assert_eq!(ns, (0..n).collect::<Vec<_>>(), "records of writer {tag}");
+    }
+}
+
+#[test]
+fn reader_sees_a_consistent_prefix_while_a_process_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = 300;
+    let (mut child, _) = spawn("write", dir.path(), "w", n, 200 * 1024);
+    let mut follower = Reader::new(dir.path());
+    let mut followed: Vec<Record> = Vec::new();
+    let mut last_len = 0;
+    let mut tails = 0;
+    let mut reads = 0;
+    loop {
+        let done = child.try_wait().unwrap().is_some();
+        let whole = read(dir.path()).unwrap();
+        assert!(whole.corruptions.is_empty(), "{:?}", whole.corruptions);
+        seqs_contiguous(&whole.records);
+        assert!(whole.records.len() >= last_len, "records disappeared");
+        last_len = whole.records.len();
+        whole.records.iter().for_each(|r| drop(check_child_record(r)));
+        tails += usize::from(whole.tail.is_some());
+        let new = follower.read_new().unwrap();
+        assert!(new.corruptions.is_empty());
+        followed.extend(new.records);
+        seqs_contiguous(&followed);
+        reads += 1;
+        if done {
+            break;
+        }
+    }
+    wait_ok(&mut child);
+    followed.extend(follower.read_new().unwrap().records);
+    assert_eq!(followed.len() as u64, n);
+    seqs_contiguous(&followed);
+    println!("{reads} reads while writing, {tails} saw a partial frame at the end");
+}
+
+#[test]
+fn crash_between_intent_and_outcome_is_in_flight() {
+    let dir = tempfile::tempdir().unwrap();
+    // A stop that finished, for another process.
+    let journal = Journal::open(dir.path()).unwrap();
+    let done = ProcId { pid: 77, start_time: 5 };
+    for e in [
+        Event::LockStarted { pid: done },
+        Event::Locked { pid: done, ms: 1 },
+        Event::CheckpointStarted { pid: done },
+        Event::Checkpointed { pid: done, ms: 2, bytes: 3 },
+        Event::Verified { pid: done },
+        Event::KillStarted { pid: done, signal: 9 },
+        Event::Killed { pid: done },
+    ] {
+        journal.append(e).unwrap();
+    }
+    let (mut child, acks) = spawn("intent", dir.path(), "i", 0, 0);
+    assert_eq!(acks.recv_timeout(Duration::from_secs(60)).unwrap(), "ready");
+    let id = ProcId::of(child.id() as i32).unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!id.is_alive_same());
+
+    let scan = read(dir.path()).unwrap();
+    let flying = in_flight_stops(&scan.records);
+    assert_eq!(flying.len(), 1, "{flying:?}");
+    let f = &flying[&id];
+    assert_eq!(f.step, StopStep::CheckpointStarted);
+    assert_eq!(f.record.event, Event::CheckpointStarted { pid: id });
+}

@@ -1,0 +1,539 @@
+//! `cryo freeze`: suspend every CUDA process of a tree, CRIU-dump the tree into a staged image,
+//! publish it atomically.
+//!
+//! # Design
+//! 1. Resolve the tree to pidfd handles; refuse what CRIU cannot dump cleanly (a root that does
+//!    not lead its own session, a process traced by someone else, e.g. `cryo guard`).
+//! 2. Record from NVML, *before* the checkpoint, which GPUs each CUDA process uses and how much
+//!    device memory (the manifest's per-pid GPU UUIDs and sizes; after the checkpoint NVML lists
+//!    nothing).
+//! 3. Stage the image directory next to the final one ([`Staging::create`]), then suspend all
+//!    CUDA processes ([`suspend`] with `resume_on_failure`: a refused freeze leaves the worker
+//!    serving).
+//! 4. CRIU dump into the staging directory. Without `leave_running` CRIU kills the tree: every
+//!    context was suspended and verified, so that teardown is the safe kind; each exit is
+//!    confirmed through its pidfd. With `leave_running` the processes are restored and unlocked
+//!    in place and journaled as *restored* (their contexts went through a driver restore, so they
+//!    get the restored processes' protection).
+//! 5. Publish: hash and fsync every file, write the manifest, rename into place.
+//!
+//! A crash at any point leaves at the image path either nothing or a whole image (the staging
+//! directory is removed by the next freeze of the same path), and the worker RUNNING (before the
+//! suspension), CHECKPOINTED (alive, or killed by CRIU after a complete dump): never a live
+//! context torn down.
+//!
+//! # Limitations
+//! The root must lead its own session (start workers with `setsid`); no `shell_job`. Processes
+//! traced by another process are refused rather than detached: cryo cannot yet ask `cryo guard`
+//! to let go of a process.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use cryo_criu::image::{
+    DeviceUse, ImageError, ImageMeta, Manifest, ProcessEntry, ProcessGpu, Staging,
+};
+use cryo_criu::{Criu, CriuError, DumpOpts};
+use cryo_gpu::{Gpu, Pid, ProcessState};
+use cryo_journal::{Event, Journal};
+use cryo_proc::{ProcError, ProcHandle};
+
+use crate::failpoint;
+use crate::progress::Progress;
+use crate::stop::{resolve, StopError, Target};
+use crate::suspend::{id, suspend, SuspendFailure, SuspendOptions, Suspended};
+
+/// Failpoint: the dump is complete in the staging directory, nothing is published yet.
+pub const FREEZE_BEFORE_PUBLISH: &str = "freeze-before-publish";
+
+/// Options of a freeze.
+#[derive(Debug, Clone)]
+pub struct FreezeOptions {
+    /// Where the image is published (a directory that must not exist unless `replace`).
+    pub image: PathBuf,
+    /// Keep the tree running afterwards (restored and unlocked in place).
+    pub leave_running: bool,
+    /// Replace an existing image at `image` (atomically).
+    pub replace: bool,
+    /// How to suspend. `resume_on_failure` is forced on: a refused freeze leaves the worker serving.
+    pub suspend: SuspendOptions,
+}
+
+/// What a freeze did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct FreezeReport {
+    /// The published image.
+    pub image: PathBuf,
+    /// Its manifest.
+    pub manifest: Manifest,
+    /// Every CUDA process's suspension.
+    pub suspended: Vec<Suspended>,
+    /// Time to lock, checkpoint and verify every CUDA process, ms.
+    pub suspend_ms: u64,
+    /// Time CRIU took, ms.
+    pub dump_ms: u64,
+    /// Time to hash, fsync and publish, ms.
+    pub publish_ms: u64,
+    /// Whether the tree is still running (`leave_running`).
+    pub left_running: bool,
+    /// Wall time of the whole freeze, ms.
+    pub elapsed_ms: u64,
+}
+
+/// A CUDA process that could not be suspended: nothing was dumped, the tree keeps serving.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct FreezeRefusal {
+    /// The process.
+    pub pid: Pid,
+    /// Why.
+    pub reason: SuspendFailure,
+}
+
+/// The freeze did not happen, or did not finish.
+#[derive(Debug, thiserror::Error)]
+pub enum FreezeError {
+    /// The tree could not be resolved.
+    #[error(transparent)]
+    Resolve(#[from] StopError),
+    /// A process could not be read.
+    #[error(transparent)]
+    Proc(#[from] ProcError),
+    /// The root does not lead its own session: CRIU cannot restore the session without the
+    /// terminal side (`shell_job`), which cryo does not use.
+    #[error("pid {pid} does not lead its own session (session {sid}): start the worker with `setsid` so CRIU can dump it as a whole")]
+    NotSessionLeader {
+        /// The root.
+        pid: Pid,
+        /// Its session.
+        sid: Pid,
+    },
+    /// A process is traced (by `cryo guard`, a debugger...): CRIU needs to seize it itself.
+    #[error("pid {pid} is traced by pid {tracer} (cryo guard or a debugger); detach it before freezing (CRIU must trace it itself)")]
+    Traced {
+        /// The traced process.
+        pid: Pid,
+        /// Its tracer.
+        tracer: Pid,
+    },
+    /// The driver could not tell which processes use CUDA.
+    #[error("cannot ask the driver about pid {pid}: {error}")]
+    Driver {
+        /// The process.
+        pid: Pid,
+        /// The driver's error.
+        error: cryo_gpu::DriverError,
+    },
+    /// NVML could not be asked.
+    #[error("cannot inspect the GPUs: {0}")]
+    Inspect(#[from] cryo_gpu::InspectError),
+    /// Some CUDA process could not be suspended; the tree keeps running, nothing was dumped.
+    #[error("freeze refused: {}", describe_refusals(.0))]
+    Refused(Vec<FreezeRefusal>),
+    /// The staging directory or the publication failed.
+    #[error("image: {0}")]
+    Image(#[from] ImageError),
+    /// CRIU failed. The processes are left CHECKPOINTED (alive) when the dump did not kill them.
+    #[error("{0}")]
+    Criu(#[from] CriuError),
+    /// A process CRIU should have killed is still alive after the dump.
+    #[error("pid {0} is still alive after the dump; it stays CHECKPOINTED (safe to `cryo stop`)")]
+    NotExited(Pid),
+    /// With `leave_running`, restoring a process in place failed: it stays CHECKPOINTED.
+    #[error("the image is published, but pid {pid} could not be brought back in place ({error}); it stays CHECKPOINTED (safe to `cryo stop`)")]
+    Resume {
+        /// The process.
+        pid: Pid,
+        /// The driver's error.
+        error: cryo_gpu::DriverError,
+    },
+    /// The journal could not be written before acting.
+    #[error("cannot write the journal: {0}")]
+    Journal(#[from] cryo_journal::AppendError),
+}
+
+fn describe_refusals(r: &[FreezeRefusal]) -> String {
+    r.iter()
+        .map(|r| format!("pid {}: {}", r.pid, r.reason.reason()))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Freezes the tree rooted at `root` into `opts.image`. See the module docs.
+pub fn freeze(
+    gpu: &Gpu,
+    criu: &Criu,
+    root: Pid,
+    opts: &FreezeOptions,
+    journal: &Journal,
+    progress: &dyn Progress,
+) -> Result<FreezeReport, FreezeError> {
+    let start = Instant::now();
+    let image = opts.image.display().to_string();
+    let handles = resolve(&Target::Tree(root))?;
+    check_dumpable(root, &handles)?;
+
+    let mut cuda: Vec<&ProcHandle> = Vec::new();
+    for h in &handles {
+        match gpu.driver.state(h.pid()) {
+            Ok(_) => cuda.push(h),
+            Err(e)
+                if matches!(
+                    e.code(),
+                    Some(cryo_gpu::CuResult::NOT_INITIALIZED)
+                        | Some(cryo_gpu::CuResult::INVALID_VALUE)
+                ) => {}
+            Err(error) => {
+                return Err(FreezeError::Driver {
+                    pid: h.pid(),
+                    error,
+                })
+            }
+        }
+    }
+    // What NVML lists before the checkpoint is all the manifest will ever know about device use.
+    let listed = gpu.inspect.processes()?;
+    let gpus = gpu.inspect.gpus()?;
+    let mut entries = Vec::with_capacity(handles.len());
+    for h in &handles {
+        let mut e = ProcessEntry::from_proc(h.pid()).map_err(|source| ProcError::Os {
+            what: "reading /proc/PID",
+            pid: h.pid(),
+            source,
+        })?;
+        if cuda.iter().any(|c| c.pid() == h.pid()) {
+            let devices = listed
+                .iter()
+                .filter(|p| p.pid == h.pid())
+                .map(|p| DeviceUse {
+                    uuid: p.gpu_uuid.clone(),
+                    memory_bytes: p.used_memory,
+                })
+                .collect();
+            e.gpu = Some(ProcessGpu {
+                state: ProcessState::Checkpointed,
+                devices,
+            });
+        }
+        entries.push(e);
+    }
+    let used: Vec<_> = entries
+        .iter()
+        .filter_map(|e| e.gpu.as_ref())
+        .flat_map(|g| g.devices.iter().map(|d| d.uuid.clone()))
+        .collect();
+    let gpu_model = gpus
+        .iter()
+        .find(|g| used.contains(&g.uuid))
+        .map(|g| g.name.clone());
+    let driver_version = if cuda.is_empty() {
+        None
+    } else {
+        Some(gpu.inspect.driver_version()?)
+    };
+
+    journal.append(Event::FreezeStarted {
+        image: image.clone(),
+    })?;
+    let result = freeze_inner(
+        gpu,
+        criu,
+        root,
+        opts,
+        journal,
+        progress,
+        &handles,
+        &cuda,
+        entries,
+        gpu_model,
+        driver_version,
+        start,
+    );
+    match &result {
+        Ok(r) => {
+            journal.append(Event::ImagePublished {
+                image,
+                bytes: r.manifest.total_bytes,
+            })?;
+        }
+        Err(e) => {
+            if let Err(j) = journal.append(Event::FreezeFailed {
+                image,
+                error: e.to_string(),
+            }) {
+                tracing::error!(error = %j, "cannot journal the failed freeze");
+            }
+        }
+    }
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+fn freeze_inner(
+    gpu: &Gpu,
+    criu: &Criu,
+    root: Pid,
+    opts: &FreezeOptions,
+    journal: &Journal,
+    progress: &dyn Progress,
+    handles: &[ProcHandle],
+    cuda: &[&ProcHandle],
+    entries: Vec<ProcessEntry>,
+    gpu_model: Option<String>,
+    driver_version: Option<String>,
+    start: Instant,
+) -> Result<FreezeReport, FreezeError> {
+    let staging = Staging::create(&opts.image)?;
+
+    let t = Instant::now();
+    let mut sopts = opts.suspend.clone();
+    sopts.resume_on_failure = true;
+    let mut suspended = Vec::new();
+    let mut refusals = Vec::new();
+    if !cuda.is_empty() {
+        for o in suspend(gpu, cuda, &sopts, Some(journal), progress) {
+            match o.result {
+                Ok(s) => suspended.push(s),
+                Err(reason) => refusals.push(FreezeRefusal { pid: o.pid, reason }),
+            }
+        }
+    }
+    if !refusals.is_empty() {
+        return Err(FreezeError::Refused(refusals));
+    }
+    let suspend_ms = ms(t.elapsed());
+
+    let t = Instant::now();
+    let dump_opts = DumpOpts {
+        leave_running: opts.leave_running,
+        ..DumpOpts::default()
+    };
+    // After the checkpoint, device memory is part of each process's resident memory.
+    let expected: u64 = handles
+        .iter()
+        .filter_map(|h| crate::suspend::rss_bytes(h.pid()))
+        .sum();
+    let dumped = with_dir_progress(progress, root, "dump", expected, staging.path(), || {
+        criu.dump(root, staging.path(), &dump_opts)
+    });
+    let detail = format!(
+        "{} ms, {}",
+        t.elapsed().as_millis(),
+        crate::suspend::human_bytes(dir_bytes(staging.path()))
+    );
+    progress.end(root, "dump", dumped.is_ok(), &detail);
+    if let Err(e) = dumped {
+        // CRIU kills the tree only after a complete dump: on failure it is alive and suspended.
+        // Resume it so the freeze leaves it as it found it.
+        resume_in_place(gpu, cuda, journal, &image_name(opts), false);
+        return Err(keep_log(e, &opts.image).into());
+    }
+    if !opts.leave_running {
+        for h in handles {
+            if !h.wait_exit(Duration::from_secs(10)) {
+                return Err(FreezeError::NotExited(h.pid()));
+            }
+            reap_if_ours(h.pid());
+        }
+    }
+    let dump_ms = ms(t.elapsed());
+
+    failpoint::stall_if(FREEZE_BEFORE_PUBLISH);
+
+    let t = Instant::now();
+    let meta = ImageMeta {
+        root_pid: root,
+        processes: entries,
+        gpu_model,
+        driver_version,
+        criu_version: criu.version(),
+    };
+    progress.begin(root, "publish", 0);
+    let published = staging.publish(meta, opts.replace);
+    progress.end(root, "publish", published.is_ok(), "");
+    let publish_ms = ms(t.elapsed());
+    let manifest = match published {
+        Ok(m) => m,
+        Err(e) => {
+            if opts.leave_running {
+                resume_in_place(gpu, cuda, journal, &image_name(opts), false);
+            }
+            return Err(e.into());
+        }
+    };
+
+    if opts.leave_running {
+        if let Some((pid, error)) = resume_in_place(gpu, cuda, journal, &image_name(opts), true) {
+            return Err(FreezeError::Resume { pid, error });
+        }
+    }
+    Ok(FreezeReport {
+        image: opts.image.clone(),
+        manifest,
+        suspended,
+        suspend_ms,
+        dump_ms,
+        publish_ms,
+        left_running: opts.leave_running,
+        elapsed_ms: ms(start.elapsed()),
+    })
+}
+
+/// The staging directory (and CRIU's log in it) goes when the freeze fails: keep the log beside
+/// the image path as `NAME.dump.log`, and point the error at it.
+fn keep_log(e: CriuError, image: &Path) -> CriuError {
+    match e {
+        CriuError::Failed { op, log, lines } => {
+            let name = image
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let kept = image.with_file_name(format!("{name}.dump.log"));
+            let log = match std::fs::copy(&log, &kept) {
+                Ok(_) => kept,
+                Err(_) => log,
+            };
+            CriuError::Failed { op, log, lines }
+        }
+        other => other,
+    }
+}
+
+fn image_name(opts: &FreezeOptions) -> String {
+    opts.image.display().to_string()
+}
+
+/// Restores and unlocks `procs` in place. `as_restored`: journal them as restored (their context
+/// went through a driver restore after a dump: the safe answer is to treat them as restored).
+/// Returns the first failure; every other process is still attempted.
+fn resume_in_place(
+    gpu: &Gpu,
+    procs: &[&ProcHandle],
+    journal: &Journal,
+    image: &str,
+    as_restored: bool,
+) -> Option<(Pid, cryo_gpu::DriverError)> {
+    let mut first = None;
+    for h in procs {
+        let pid = h.pid();
+        if !matches!(gpu.driver.state(pid), Ok(ProcessState::Checkpointed)) {
+            continue;
+        }
+        if as_restored {
+            // Journaled before the context comes back: from the restore on it is a restored one.
+            if let Err(e) = journal.append(Event::RestoreCompleted {
+                pid: id(h),
+                image: image.to_string(),
+            }) {
+                tracing::error!(pid, error = %e, "cannot journal the restore in place");
+            }
+        }
+        match gpu
+            .driver
+            .restore(pid, &[])
+            .and_then(|()| gpu.driver.unlock(pid))
+        {
+            Ok(()) => {
+                if !as_restored {
+                    let _ = journal.append(Event::Resumed { pid: id(h) });
+                }
+            }
+            Err(e) => {
+                tracing::error!(pid, error = %e, "cannot bring the process back; it stays CHECKPOINTED (safe)");
+                first.get_or_insert((pid, e));
+            }
+        }
+    }
+    first
+}
+
+/// Refuses trees CRIU would dump badly: a root outside its own session, a traced process.
+fn check_dumpable(root: Pid, handles: &[ProcHandle]) -> Result<(), FreezeError> {
+    let sid = session_of(root)?;
+    if sid != root {
+        return Err(FreezeError::NotSessionLeader { pid: root, sid });
+    }
+    for h in handles {
+        let tracer = tracer_of(h.pid())?;
+        if tracer != 0 {
+            return Err(FreezeError::Traced {
+                pid: h.pid(),
+                tracer,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The session id of `pid` (`/proc/PID/stat`, field 6).
+pub fn session_of(pid: Pid) -> Result<Pid, ProcError> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map_err(|_| ProcError::NoSuchProcess(pid))?;
+    text.rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(3))
+        .and_then(|s| s.parse().ok())
+        .ok_or(ProcError::BadStat {
+            pid,
+            reason: "no session field",
+        })
+}
+
+/// `TracerPid` of `pid` (0: not traced).
+pub fn tracer_of(pid: Pid) -> Result<Pid, ProcError> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .map_err(|_| ProcError::NoSuchProcess(pid))?;
+    Ok(text
+        .lines()
+        .find_map(|l| l.strip_prefix("TracerPid:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0))
+}
+
+/// Reaps `pid` if it is a zombie child of ours (a worker the caller spawned); a zombie keeps its
+/// pid, and a restore of the image needs that pid free.
+fn reap_if_ours(pid: Pid) {
+    if let Some(p) = rustix::process::Pid::from_raw(pid) {
+        // ECHILD for anything not ours: nothing to do.
+        let _ = rustix::process::waitpid(Some(p), rustix::process::WaitOptions::NOHANG);
+    }
+}
+
+/// Runs `f` while reporting the bytes found in `dir` as progress of `step` (begun here; the
+/// caller ends it).
+pub(crate) fn with_dir_progress<T>(
+    progress: &dyn Progress,
+    pid: Pid,
+    step: &'static str,
+    total: u64,
+    dir: &Path,
+    f: impl FnOnce() -> T,
+) -> T {
+    progress.begin(pid, step, total);
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !done.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(100));
+                progress.advance(pid, dir_bytes(dir));
+            }
+        });
+        let out = f();
+        done.store(true, Ordering::Relaxed);
+        out
+    })
+}
+
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}

@@ -1,0 +1,689 @@
+//! `cryo thaw`: verify an image, check that this host can take it, CRIU-restore the tree, restore
+//! and unlock its CUDA processes, health-check the worker.
+//!
+//! # Design
+//! Nothing runs before the image is verified (manifest digest, every file's size and SHA-256) and
+//! the prechecks pass ([`precheck`], pure): every target GPU (after `--gpu-map`) exists, is the
+//! image's GPU model, is not quarantined, and has the free device memory the image needs (a restore
+//! that fails on memory leaves the process stuck in CHECKPOINTED for good, NVIDIA/cuda-checkpoint#44);
+//! the driver is compatible (same major version); every pid, pgid and sid of the image is free.
+//!
+//! Then: CRIU restore (the tree comes back CHECKPOINTED, as a child of the caller), GPU restore of
+//! every CUDA process in parallel with its UUID pairs, `RestoreCompleted` journaled for every
+//! process (from then on they are *restored*), unlock, health check. Any failure after the CRIU
+//! restore ends in [`crate::stop`] of the restored tree: suspended (lock, checkpoint, verified)
+//! first, then killed. A live restored context is never torn down.
+//!
+//! # Limitations
+//! The restored root is the caller's child (CRIU's `rst_sibling`): a long-lived caller reaps it;
+//! the `cryo` CLI exits and leaves it to its reaper (init or a subreaper), as a detached worker.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use cryo_criu::image::{self, ImageError, Manifest};
+use cryo_criu::{pids_in_use, Criu, CriuError, RestoreOpts};
+use cryo_gpu::Gpu;
+use cryo_gpu::{GpuInfo, GpuPair, GpuUuid, Pid};
+use cryo_journal::{Event, Journal};
+use cryo_proc::ProcHandle;
+
+use crate::health::{HealthCheck, HealthError};
+use crate::progress::Progress;
+use crate::stop::{stop, StopOptions, Target};
+use crate::suspend::{human_bytes, id};
+
+/// Options of a thaw.
+#[derive(Debug, Clone)]
+pub struct ThawOptions {
+    /// GPU pairs (OLD from the image, NEW on this host), resolved to UUIDs.
+    pub gpu_map: Vec<GpuPair>,
+    /// GPUs that must not receive a worker (the guard's quarantine).
+    pub quarantined: Vec<GpuUuid>,
+    /// How to tell the worker serves; `None`: success once unlocked.
+    pub health: Option<HealthCheck>,
+    /// How long the health check may take.
+    pub health_timeout: Duration,
+    /// How to remove the restored tree safely when a step after the CRIU restore fails.
+    pub stop: StopOptions,
+    /// When the thaw was requested (times are reported from there).
+    pub requested: Instant,
+}
+
+/// One restored CUDA process.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RestoredGpu {
+    /// The process.
+    pub pid: Pid,
+    /// The GPUs it landed on.
+    pub gpus: Vec<GpuUuid>,
+    /// Device memory restored (as in the manifest), bytes.
+    pub bytes: u64,
+    /// Time of its GPU restore, ms.
+    pub restore_ms: u64,
+}
+
+/// What a thaw did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ThawReport {
+    /// The image.
+    pub image: PathBuf,
+    /// The restored root.
+    pub root_pid: Pid,
+    /// Every restored process.
+    pub pids: Vec<Pid>,
+    /// The CUDA processes.
+    pub gpu: Vec<RestoredGpu>,
+    /// Verification of the image, ms.
+    pub verify_ms: u64,
+    /// CRIU restore, ms.
+    pub criu_ms: u64,
+    /// GPU restore of every CUDA process (in parallel) and unlock, ms.
+    pub gpu_restore_ms: u64,
+    /// From the request to the first healthy answer, ms (`None` without a health check).
+    pub first_answer_ms: Option<u64>,
+    /// From the request to the end, ms.
+    pub elapsed_ms: u64,
+}
+
+/// This host cannot take the image; nothing was run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PrecheckError {
+    /// Pids of the image are taken (the original still running, or its leftovers).
+    #[error("pids {} of the image are in use on this host (is the original still running? stop it first)", fmt_pids(.0))]
+    PidsInUse(Vec<Pid>),
+    /// A GPU the image used is not on this host and not mapped.
+    #[error(
+        "the image ran on GPU {0}, which this host does not have; map it with --gpu-map {0}=NEW"
+    )]
+    NoSuchGpu(GpuUuid),
+    /// `--gpu-map` names a GPU the image did not use.
+    #[error("--gpu-map maps GPU {0}, which the image does not use (it used {1})")]
+    UnusedMapping(GpuUuid, String),
+    /// A target GPU is another model.
+    #[error("the image was frozen on {image:?} GPUs; GPU {gpu} is a {found:?}")]
+    Model {
+        /// The image's GPU model.
+        image: String,
+        /// The target GPU.
+        gpu: GpuUuid,
+        /// Its model.
+        found: String,
+    },
+    /// The driver is not compatible.
+    #[error("the image was frozen under driver {image:?}, this host runs {found:?} (another major version)")]
+    Driver {
+        /// At freeze.
+        image: String,
+        /// Here.
+        found: String,
+    },
+    /// A target GPU is quarantined.
+    #[error("GPU {0} is quarantined (see `cryo guard`); pick another with --gpu-map")]
+    Quarantined(GpuUuid),
+    /// Not enough free device memory on a target GPU.
+    #[error("GPU {gpu} has {} free, the image needs {}: a restore short of memory leaves the worker stuck CHECKPOINTED", human_bytes(*.free), human_bytes(*.needed))]
+    Memory {
+        /// The GPU.
+        gpu: GpuUuid,
+        /// Bytes needed.
+        needed: u64,
+        /// Bytes free.
+        free: u64,
+    },
+    /// GPU pairs map two images' GPUs onto one, or similar.
+    #[error("two GPUs of the image land on GPU {0}")]
+    Overlap(GpuUuid),
+}
+
+fn fmt_pids(p: &[Pid]) -> String {
+    p.iter()
+        .map(|p| p.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The thaw failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ThawError {
+    /// The image is not usable (names the file and the reason); nothing was run.
+    #[error("image refused: {0}")]
+    Image(#[from] ImageError),
+    /// This host cannot take the image; nothing was run.
+    #[error("thaw refused: {0}")]
+    Precheck(#[from] PrecheckError),
+    /// The GPUs could not be inspected; nothing was run.
+    #[error("cannot inspect the GPUs: {0}")]
+    Inspect(#[from] cryo_gpu::InspectError),
+    /// The journal could not be written; nothing was run.
+    #[error("cannot write the journal: {0}")]
+    Journal(#[from] cryo_journal::AppendError),
+    /// CRIU could not restore the tree (CRIU removes what it half-restored; no context is live).
+    #[error("{0}")]
+    Criu(#[from] CriuError),
+    /// A step after the CRIU restore failed; the restored tree was suspended and removed (or,
+    /// if that failed too, left as `cleanup` says).
+    #[error("{step} failed: {error}; the restored tree was {cleanup}")]
+    AfterRestore {
+        /// The step.
+        step: &'static str,
+        /// What went wrong.
+        error: String,
+        /// What happened to the restored tree.
+        cleanup: String,
+    },
+}
+
+/// Per CUDA process: the pairs to hand the driver (only remapped GPUs), where it lands, bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuPlan {
+    /// The process.
+    pub pid: Pid,
+    /// Pairs for the driver's restore.
+    pub pairs: Vec<GpuPair>,
+    /// Target GPUs.
+    pub targets: Vec<GpuUuid>,
+    /// Device memory, bytes.
+    pub bytes: u64,
+}
+
+/// Decides whether this host can take `manifest`, and how each CUDA process lands. Pure:
+/// `gpus`, `driver_version`, `quarantined` and `in_use` describe this host.
+pub fn precheck(
+    manifest: &Manifest,
+    gpus: &[GpuInfo],
+    driver_version: Option<&str>,
+    map: &[GpuPair],
+    quarantined: &[GpuUuid],
+    in_use: &[Pid],
+) -> Result<Vec<GpuPlan>, PrecheckError> {
+    if !in_use.is_empty() {
+        return Err(PrecheckError::PidsInUse(in_use.to_vec()));
+    }
+    let used = manifest.gpu_uuids();
+    for p in map {
+        if !used.contains(&p.old) {
+            let list = used
+                .iter()
+                .map(|u| u.to_string())
+                .collect::<Vec<_>>()
+                .join(", ");
+            return Err(PrecheckError::UnusedMapping(
+                p.old.clone(),
+                if list.is_empty() { "none".into() } else { list },
+            ));
+        }
+    }
+    let target = |old: &GpuUuid| {
+        map.iter()
+            .find(|p| p.old == *old)
+            .map_or_else(|| old.clone(), |p| p.new.clone())
+    };
+    let mut need: BTreeMap<GpuUuid, u64> = BTreeMap::new();
+    let mut sources: BTreeMap<GpuUuid, GpuUuid> = BTreeMap::new();
+    for old in &used {
+        let new = target(old);
+        if let Some(prev) = sources.insert(new.clone(), old.clone()) {
+            if prev != *old {
+                return Err(PrecheckError::Overlap(new));
+            }
+        }
+        let Some(info) = gpus.iter().find(|g| g.uuid == new) else {
+            return Err(PrecheckError::NoSuchGpu(old.clone()));
+        };
+        if let Some(model) = &manifest.gpu_model {
+            if info.name != *model {
+                return Err(PrecheckError::Model {
+                    image: model.clone(),
+                    gpu: new,
+                    found: info.name.clone(),
+                });
+            }
+        }
+        if quarantined.contains(&new) {
+            return Err(PrecheckError::Quarantined(new));
+        }
+    }
+    if let (Some(image), Some(found)) = (&manifest.driver_version, driver_version) {
+        if major(image) != major(found) {
+            return Err(PrecheckError::Driver {
+                image: image.clone(),
+                found: found.to_string(),
+            });
+        }
+    }
+    let mut plans = Vec::new();
+    for (p, g) in manifest.cuda_processes() {
+        let mut plan = GpuPlan {
+            pid: p.pid,
+            pairs: Vec::new(),
+            targets: Vec::new(),
+            bytes: 0,
+        };
+        for d in &g.devices {
+            let new = target(&d.uuid);
+            if new != d.uuid {
+                plan.pairs.push(GpuPair {
+                    old: d.uuid.clone(),
+                    new: new.clone(),
+                });
+            }
+            *need.entry(new.clone()).or_default() += d.memory_bytes;
+            plan.targets.push(new);
+            plan.bytes += d.memory_bytes;
+        }
+        plans.push(plan);
+    }
+    for (uuid, needed) in need {
+        let free = gpus
+            .iter()
+            .find(|g| g.uuid == uuid)
+            .map_or(0, |g| g.memory_free);
+        if needed > free {
+            return Err(PrecheckError::Memory {
+                gpu: uuid,
+                needed,
+                free,
+            });
+        }
+    }
+    Ok(plans)
+}
+
+/// `580.159.04` -> `580`; `cryo-sim 0.1.0` -> `cryo-sim 0`.
+fn major(v: &str) -> &str {
+    v.split('.').next().unwrap_or(v)
+}
+
+/// Thaws the image at `dir`. See the module docs.
+pub fn thaw(
+    gpu: &Gpu,
+    criu: &Criu,
+    dir: &Path,
+    opts: &ThawOptions,
+    journal: &Journal,
+    progress: &dyn Progress,
+) -> Result<ThawReport, ThawError> {
+    let t = Instant::now();
+    let manifest = image::verify(dir)?;
+    let verify_ms = ms(t.elapsed());
+    let gpus = gpu.inspect.gpus()?;
+    let driver = if manifest.cuda_processes().next().is_some() {
+        Some(gpu.inspect.driver_version()?)
+    } else {
+        None
+    };
+    let plans = precheck(
+        &manifest,
+        &gpus,
+        driver.as_deref(),
+        &opts.gpu_map,
+        &opts.quarantined,
+        &pids_in_use(&manifest.pids()),
+    )?;
+
+    let image = dir.display().to_string();
+    journal.append(Event::ThawStarted {
+        image: image.clone(),
+    })?;
+    let result = thaw_inner(
+        gpu, criu, dir, &manifest, &plans, opts, journal, progress, verify_ms,
+    );
+    match &result {
+        Ok(r) => {
+            let pids = r
+                .pids
+                .iter()
+                .filter_map(|p| cryo_journal::ProcId::of(*p).ok())
+                .collect();
+            journal.append(Event::ThawCompleted {
+                image,
+                pids,
+                ms: r.elapsed_ms,
+            })?;
+        }
+        Err(e) => {
+            if let Err(j) = journal.append(Event::ThawFailed {
+                image,
+                error: e.to_string(),
+            }) {
+                tracing::error!(error = %j, "cannot journal the failed thaw");
+            }
+        }
+    }
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+fn thaw_inner(
+    gpu: &Gpu,
+    criu: &Criu,
+    dir: &Path,
+    manifest: &Manifest,
+    plans: &[GpuPlan],
+    opts: &ThawOptions,
+    journal: &Journal,
+    progress: &dyn Progress,
+    verify_ms: u64,
+) -> Result<ThawReport, ThawError> {
+    let image = dir.display().to_string();
+    let t = Instant::now();
+    progress.begin(manifest.root_pid, "criu restore", manifest.total_bytes);
+    let restored = criu.restore(dir, &RestoreOpts::default());
+    progress.end(
+        manifest.root_pid,
+        "criu restore",
+        restored.is_ok(),
+        &format!("{} ms", t.elapsed().as_millis()),
+    );
+    let root = restored?;
+    let criu_ms = ms(t.elapsed());
+
+    // From here on, every failure removes the tree safely.
+    let handles: Vec<ProcHandle> = manifest
+        .pids()
+        .into_iter()
+        .filter_map(|p| ProcHandle::open(p).ok())
+        .collect();
+    let fail = |step: &'static str, error: String| -> ThawError {
+        let cleanup = remove_safely(gpu, &handles, opts, journal, progress);
+        ThawError::AfterRestore {
+            step,
+            error,
+            cleanup,
+        }
+    };
+    if handles.len() != manifest.processes.len() {
+        return Err(fail(
+            "criu restore",
+            format!(
+                "{} of {} processes came back",
+                handles.len(),
+                manifest.processes.len()
+            ),
+        ));
+    }
+    let handle = |pid: Pid| handles.iter().find(|h| h.pid() == pid);
+    for h in handles
+        .iter()
+        .filter(|h| !plans.iter().any(|p| p.pid == h.pid()))
+    {
+        journal.append(Event::RestoreCompleted {
+            pid: id(h),
+            image: image.clone(),
+        })?;
+    }
+
+    let t = Instant::now();
+    let results: Vec<(Pid, Result<u64, String>)> = std::thread::scope(|s| {
+        let jobs: Vec<_> = plans
+            .iter()
+            .map(|plan| {
+                s.spawn(move || {
+                    progress.begin(plan.pid, "gpu restore", plan.bytes);
+                    let t = Instant::now();
+                    let r = gpu
+                        .driver
+                        .restore(plan.pid, &plan.pairs)
+                        .map(|()| ms(t.elapsed()))
+                        .map_err(|e| e.to_string());
+                    progress.end(
+                        plan.pid,
+                        "gpu restore",
+                        r.is_ok(),
+                        &format!(
+                            "{} ms, {}",
+                            t.elapsed().as_millis(),
+                            human_bytes(plan.bytes)
+                        ),
+                    );
+                    (plan.pid, r)
+                })
+            })
+            .collect();
+        jobs.into_iter()
+            .zip(plans)
+            .map(|(j, plan)| {
+                j.join()
+                    .unwrap_or_else(|_| (plan.pid, Err("restore thread panicked".into())))
+            })
+            .collect()
+    });
+    let mut gpu_report = Vec::new();
+    let mut failure = None;
+    for ((pid, r), plan) in results.into_iter().zip(plans) {
+        match r {
+            Ok(restore_ms) => {
+                // Its context is live again (LOCKED): from now on it is a restored process.
+                if let Some(h) = handle(pid) {
+                    journal.append(Event::RestoreCompleted {
+                        pid: id(h),
+                        image: image.clone(),
+                    })?;
+                }
+                gpu_report.push(RestoredGpu {
+                    pid,
+                    gpus: plan.targets.clone(),
+                    bytes: plan.bytes,
+                    restore_ms,
+                });
+            }
+            Err(e) => {
+                failure.get_or_insert(format!("pid {pid}: {e}"));
+            }
+        }
+    }
+    if let Some(e) = failure {
+        return Err(fail("GPU restore", e));
+    }
+    for plan in plans {
+        if let Err(e) = gpu.driver.unlock(plan.pid) {
+            return Err(fail("unlock", format!("pid {}: {e}", plan.pid)));
+        }
+    }
+    let gpu_restore_ms = ms(t.elapsed());
+
+    let first_answer_ms = match &opts.health {
+        None => None,
+        Some(check) => match check.wait(opts.health_timeout) {
+            Ok(at) => {
+                let check_ms = ms(at.duration_since(t));
+                if let Some(h) = handle(root) {
+                    journal.append(Event::HealthOk {
+                        pid: id(h),
+                        ms: check_ms,
+                    })?;
+                }
+                Some(ms(at.duration_since(opts.requested)))
+            }
+            Err(e @ HealthError::Timeout { .. }) | Err(e @ HealthError::BadUrl(_)) => {
+                return Err(fail("health check", e.to_string()))
+            }
+        },
+    };
+    Ok(ThawReport {
+        image: dir.to_path_buf(),
+        root_pid: root,
+        pids: handles.iter().map(ProcHandle::pid).collect(),
+        gpu: gpu_report,
+        verify_ms,
+        criu_ms,
+        gpu_restore_ms,
+        first_answer_ms,
+        elapsed_ms: ms(opts.requested.elapsed()),
+    })
+}
+
+/// Suspends and kills the restored tree through the stop path; says what became of it.
+fn remove_safely(
+    gpu: &Gpu,
+    handles: &[ProcHandle],
+    opts: &ThawOptions,
+    journal: &Journal,
+    progress: &dyn Progress,
+) -> String {
+    let alive: Vec<Pid> = handles
+        .iter()
+        .filter(|h| h.is_alive())
+        .map(ProcHandle::pid)
+        .collect();
+    if alive.is_empty() {
+        return "already gone".into();
+    }
+    let out = match stop(
+        gpu,
+        &Target::Pids(alive.clone()),
+        &opts.stop,
+        journal,
+        progress,
+    ) {
+        Ok(r) if r.stopped() => "suspended and removed".to_string(),
+        Ok(r) => format!(
+            "NOT removed: {} (left alive and safe; run `cryo stop` on pids {})",
+            r.refusals
+                .iter()
+                .map(|x| format!("pid {}: {}", x.pid, x.reason.reason()))
+                .collect::<Vec<_>>()
+                .join("; "),
+            fmt_pids(&alive)
+        ),
+        Err(e) => format!(
+            "NOT removed: {e} (run `cryo stop` on pids {})",
+            fmt_pids(&alive)
+        ),
+    };
+    for h in handles {
+        if !h.is_alive() {
+            if let Some(p) = rustix::process::Pid::from_raw(h.pid()) {
+                let _ = rustix::process::waitpid(Some(p), rustix::process::WaitOptions::NOHANG);
+            }
+        }
+    }
+    out
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cryo_criu::image::{DeviceUse, ProcessEntry, ProcessGpu};
+    use cryo_gpu::ProcessState;
+
+    const A: &str = "GPU-aaaaaaaa-0000-0000-0000-000000000000";
+    const B: &str = "GPU-bbbbbbbb-0000-0000-0000-000000000000";
+
+    fn u(s: &str) -> GpuUuid {
+        s.parse().unwrap()
+    }
+
+    fn gpus(free: u64) -> Vec<GpuInfo> {
+        [A, B]
+            .iter()
+            .enumerate()
+            .map(|(i, x)| GpuInfo {
+                index: i as u32,
+                uuid: u(x),
+                name: "M".into(),
+                memory_total: free,
+                memory_free: free,
+            })
+            .collect()
+    }
+
+    fn manifest(bytes: u64) -> Manifest {
+        let json = serde_json::json!({
+            "format_version": 1, "cryo_version": "0", "created": "x", "root_pid": 10,
+            "processes": [], "gpu_model": "M", "driver_version": "580.1",
+            "criu_version": {"major": 4, "minor": 1, "sublevel": 1},
+            "total_bytes": 0, "files": [], "manifest_sha256": ""
+        });
+        let mut m: Manifest = serde_json::from_value(json).unwrap();
+        m.processes.push(ProcessEntry {
+            pid: 10,
+            ppid: 1,
+            comm: "w".into(),
+            cmdline: vec![],
+            gpu: Some(ProcessGpu {
+                state: ProcessState::Checkpointed,
+                devices: vec![DeviceUse {
+                    uuid: u(A),
+                    memory_bytes: bytes,
+                }],
+            }),
+        });
+        m
+    }
+
+    #[test]
+    fn same_gpu_needs_no_pairs() {
+        let plans = precheck(&manifest(100), &gpus(1000), Some("580.2"), &[], &[], &[]).unwrap();
+        assert_eq!(
+            plans,
+            vec![GpuPlan {
+                pid: 10,
+                pairs: vec![],
+                targets: vec![u(A)],
+                bytes: 100
+            }]
+        );
+    }
+
+    #[test]
+    fn map_moves_the_context() {
+        let map = [GpuPair {
+            old: u(A),
+            new: u(B),
+        }];
+        let plans = precheck(&manifest(100), &gpus(1000), Some("580.2"), &map, &[], &[]).unwrap();
+        assert_eq!(plans[0].pairs, map.to_vec());
+        assert_eq!(plans[0].targets, vec![u(B)]);
+    }
+
+    #[test]
+    fn refusals() {
+        let m = manifest(100);
+        assert_eq!(
+            precheck(&m, &gpus(1000), Some("580.2"), &[], &[], &[10]),
+            Err(PrecheckError::PidsInUse(vec![10]))
+        );
+        assert!(matches!(
+            precheck(&m, &gpus(50), Some("580.2"), &[], &[], &[]),
+            Err(PrecheckError::Memory {
+                needed: 100,
+                free: 50,
+                ..
+            })
+        ));
+        assert!(matches!(
+            precheck(&m, &gpus(1000), Some("590.1"), &[], &[], &[]),
+            Err(PrecheckError::Driver { .. })
+        ));
+        assert_eq!(
+            precheck(&m, &gpus(1000), Some("580.2"), &[], &[u(A)], &[]),
+            Err(PrecheckError::Quarantined(u(A)))
+        );
+        let mut other = gpus(1000);
+        other[0].name = "N".into();
+        assert!(matches!(
+            precheck(&m, &other, Some("580.2"), &[], &[], &[]),
+            Err(PrecheckError::Model { .. })
+        ));
+        let map = [GpuPair {
+            old: u(B),
+            new: u(A),
+        }];
+        assert!(matches!(
+            precheck(&m, &gpus(1000), Some("580.2"), &map, &[], &[]),
+            Err(PrecheckError::UnusedMapping(..))
+        ));
+        let only_b = vec![gpus(1000).remove(1)];
+        assert_eq!(
+            precheck(&m, &only_b, Some("580.2"), &[], &[], &[]),
+            Err(PrecheckError::NoSuchGpu(u(A)))
+        );
+    }
+}
