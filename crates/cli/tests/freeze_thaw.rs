@@ -41,8 +41,14 @@ struct Env {
 
 struct W {
     pid: i32,
-    sock: PathBuf,
     child: Option<Child>,
+}
+
+/// Where a worker serves HTTP.
+#[derive(Clone)]
+enum Ep {
+    Tcp(u16),
+    Unix(PathBuf),
 }
 
 impl Env {
@@ -92,12 +98,17 @@ impl Env {
     }
 
     /// A sim worker on `gpu` with `memory`, in its own session, serving on a unix socket.
-    fn worker(&mut self, memory: &str, gpu: u32) -> (i32, PathBuf) {
+    fn worker(&mut self, memory: &str, gpu: u32) -> (i32, Ep) {
+        self.worker_on(memory, gpu, false)
+    }
+
+    /// A sim worker serving on loopback TCP (`tcp`) or on a unix socket.
+    fn worker_on(&mut self, memory: &str, gpu: u32, tcp: bool) -> (i32, Ep) {
         let n = self.workers.len();
         let ready = self.path().join(format!("w{n}.ready"));
         let sock = self.path().join(format!("w{n}.sock"));
-        let child = Command::new("setsid")
-            .arg(&self.bin)
+        let mut cmd = Command::new("setsid");
+        cmd.arg(&self.bin)
             .args([
                 "sim",
                 "worker",
@@ -108,12 +119,14 @@ impl Env {
                 "--dir",
             ])
             .arg(self.path())
-            .arg("--http-unix")
-            .arg(&sock)
             .arg("--ready-file")
             .arg(&ready)
             .arg("--log-file")
-            .arg(self.path().join(format!("w{n}.log")))
+            .arg(self.path().join(format!("w{n}.log")));
+        if !tcp {
+            cmd.arg("--http-unix").arg(&sock);
+        }
+        let child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -135,10 +148,14 @@ impl Env {
         );
         self.workers.push(W {
             pid,
-            sock: sock.clone(),
             child: Some(child),
         });
-        (pid, sock)
+        let ep = if tcp {
+            Ep::Tcp(info["port"].as_u64().unwrap() as u16)
+        } else {
+            Ep::Unix(sock)
+        };
+        (pid, ep)
     }
 
     fn cmd(&self) -> Command {
@@ -287,8 +304,11 @@ fn manifest(image: &Path) -> serde_json::Value {
     serde_json::from_slice(&fs::read(image.join("manifest.json")).unwrap()).unwrap()
 }
 
-fn http(sock: &Path, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut s = UnixStream::connect(sock).unwrap();
+fn http(ep: &Ep, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s: Box<dyn ReadWrite> = match ep {
+        Ep::Tcp(port) => Box::new(std::net::TcpStream::connect(("127.0.0.1", *port)).unwrap()),
+        Ep::Unix(sock) => Box::new(UnixStream::connect(sock).unwrap()),
+    };
     write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
@@ -300,7 +320,10 @@ fn http(sock: &Path, method: &str, path: &str, body: &str) -> (u16, String) {
 }
 
 /// What the worker answers: completions for a few prompts and the device-memory check.
-fn answers(sock: &Path) -> Vec<String> {
+trait ReadWrite: Read + Write {}
+impl<T: Read + Write> ReadWrite for T {}
+
+fn answers(sock: &Ep) -> Vec<String> {
     let mut out = Vec::new();
     for prompt in ["hello", "the quick brown fox", "scale to zero"] {
         let (st, body) = http(
@@ -328,14 +351,18 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-fn health(sock: &Path) -> String {
-    format!("unix:{}:/health", sock.display())
+fn health(ep: &Ep) -> String {
+    match ep {
+        Ep::Tcp(port) => format!("http://127.0.0.1:{port}/health"),
+        Ep::Unix(sock) => format!("unix:{}:/health", sock.display()),
+    }
 }
 
 #[test]
 fn freeze_thaw_serves_the_same_answers_twice_and_refuses_while_the_original_runs() {
     let mut env = Env::start("1GiB");
-    let (pid, sock) = env.worker("300MiB", 0);
+    // Served on TCP, as inference servers are (CRIU >= 4.2 dumps TCP sockets on Linux >= 6.16).
+    let (pid, sock) = env.worker_on("300MiB", 0, true);
     let before = answers(&sock);
     let image = env.path().join("img");
     env.freeze(pid, &image);

@@ -88,6 +88,7 @@ enum HealthAttempt {
     Fatal(HealthError),
 }
 
+#[derive(Debug, PartialEq, Eq)]
 enum Endpoint {
     Tcp(String),
     Unix(std::path::PathBuf),
@@ -192,13 +193,23 @@ mod tests {
     fn urls_are_parsed() {
         assert_eq!(
             parse_url("http://127.0.0.1:8080/health").unwrap(),
-            ("127.0.0.1:8080".into(), "/health".into())
+            (Endpoint::Tcp("127.0.0.1:8080".into()), "/health".into())
         );
         assert_eq!(
             parse_url("http://localhost").unwrap(),
-            ("localhost:80".into(), "/".into())
+            (Endpoint::Tcp("localhost:80".into()), "/".into())
         );
-        for bad in ["https://x/", "127.0.0.1:80", "http:///x"] {
+        assert_eq!(
+            parse_url("unix:/run/w.sock:/health").unwrap(),
+            (Endpoint::Unix("/run/w.sock".into()), "/health".into())
+        );
+        for bad in [
+            "https://x/",
+            "127.0.0.1:80",
+            "http:///x",
+            "unix:/run/w.sock",
+            "unix::/h",
+        ] {
             assert!(parse_url(bad).is_err(), "{bad}");
         }
     }

@@ -47,6 +47,10 @@ struct Row {
     thaw_ratio: f64,
     /// `cryo thaw`: from the request to the first answered health request, as cryo reports it.
     first_answer_ms: f64,
+    /// `cryo freeze`'s own steps: suspend, dump, publish (hash + fsync + rename), ms.
+    cryo_freeze_steps: [f64; 3],
+    /// `cryo thaw`'s own steps: verify (checksums), CRIU restore, GPU restore + unlock, ms.
+    cryo_thaw_steps: [f64; 3],
 }
 
 /// Runs the benchmark.
@@ -101,6 +105,8 @@ pub fn run(args: &BenchFreezeArgs) -> anyhow::Result<()> {
             cli_thaw_ms: cli.thaw_ms,
             thaw_ratio: cli.thaw_ms / cryo.thaw_ms,
             first_answer_ms: cryo.first_answer_ms,
+            cryo_freeze_steps: cryo.freeze_steps,
+            cryo_thaw_steps: cryo.thaw_steps,
         };
         if !args.json {
             println!(
@@ -114,6 +120,9 @@ pub fn run(args: &BenchFreezeArgs) -> anyhow::Result<()> {
                 row.thaw_ratio,
                 row.first_answer_ms
             );
+            let [s, d, p] = row.cryo_freeze_steps;
+            let [v, c, g] = row.cryo_thaw_steps;
+            println!("{:>9}  cryo freeze: suspend {s:.0} + dump {d:.0} + publish {p:.0} ms; cryo thaw: verify {v:.0} + criu {c:.0} + GPU {g:.0} ms", "");
         }
         rows.push(row);
     }
@@ -127,6 +136,8 @@ pub fn run(args: &BenchFreezeArgs) -> anyhow::Result<()> {
 }
 
 struct Arm {
+    freeze_steps: [f64; 3],
+    thaw_steps: [f64; 3],
     freeze_ms: f64,
     thaw_ms: f64,
     first_answer_ms: f64,
@@ -265,9 +276,13 @@ impl Bench {
         let image = self.dir.join("cryo-img");
         let t = Instant::now();
         let mut c = self.cryo();
-        c.args(["freeze", &pid.to_string(), "--image"]).arg(&image);
-        self.run(c, "cryo freeze")?;
+        c.args(["freeze", "--json", &pid.to_string(), "--image"])
+            .arg(&image);
+        let out = self.run(c, "cryo freeze")?;
         let freeze_ms = ms(t.elapsed());
+        let f: serde_json::Value =
+            serde_json::from_str(&out).context("parsing cryo freeze --json")?;
+        let freeze_steps = steps(&f, ["suspend_ms", "dump_ms", "publish_ms"]);
         child.wait().context("reaping the frozen worker")?;
         let image_bytes = dir_bytes(&image);
 
@@ -283,9 +298,12 @@ impl Bench {
         let v: serde_json::Value =
             serde_json::from_str(&out).context("parsing cryo thaw --json")?;
         let first_answer_ms = v["first_answer_ms"].as_f64().unwrap_or(f64::NAN);
+        let thaw_steps = steps(&v, ["verify_ms", "criu_ms", "gpu_restore_ms"]);
         self.stop(pid)?;
         fs::remove_dir_all(&image).context("removing the image")?;
         Ok(Arm {
+            freeze_steps,
+            thaw_steps,
             freeze_ms,
             thaw_ms,
             first_answer_ms,
@@ -356,6 +374,8 @@ impl Bench {
         self.stop(pid)?;
         fs::remove_dir_all(&image).context("removing the image")?;
         Ok(Arm {
+            freeze_steps: [f64::NAN; 3],
+            thaw_steps: [f64::NAN; 3],
             freeze_ms,
             thaw_ms,
             first_answer_ms: thaw_ms,
@@ -395,4 +415,8 @@ fn dir_bytes(dir: &Path) -> u64 {
                 .sum()
         })
         .unwrap_or(0)
+}
+
+fn steps(v: &serde_json::Value, keys: [&str; 3]) -> [f64; 3] {
+    keys.map(|k| v[k].as_f64().unwrap_or(f64::NAN))
 }

@@ -84,6 +84,18 @@ pub fn steps() -> Vec<Step> {
             run: Demo::ask_again,
         },
         Step {
+            title: "cryo freeze",
+            run: Demo::freeze,
+        },
+        Step {
+            title: "cryo thaw",
+            run: Demo::thaw,
+        },
+        Step {
+            title: "ask after thaw",
+            run: Demo::ask_again,
+        },
+        Step {
             title: "cryo stop",
             run: Demo::stop,
         },
@@ -161,6 +173,8 @@ pub struct Demo {
     port: u16,
     prompt: String,
     first_answer: Option<String>,
+    /// The worker came back from `cryo thaw`: our child (CRIU's `rst_sibling`), but no `Child`.
+    thawed: bool,
 }
 
 impl Demo {
@@ -175,6 +189,7 @@ impl Demo {
             port: 0,
             prompt: "The capital of France is".to_string(),
             first_answer: None,
+            thawed: false,
         }
     }
 
@@ -219,9 +234,17 @@ impl Demo {
     }
 
     fn start_worker(&mut self) -> anyhow::Result<String> {
-        let exe = std::env::current_exe().context("finding this binary")?;
+        // A private copy of the binary (CRIU refuses to restore a process whose executable changed
+        // on disk), in its own session (CRIU dumps a tree that leads its session).
+        let exe = self.dir.join("cryo-worker");
+        fs::copy(
+            std::env::current_exe().context("finding this binary")?,
+            &exe,
+        )
+        .context("copying the worker's binary")?;
         let ready = self.dir.join("worker.ready");
-        let child = Command::new(&exe)
+        let child = Command::new("setsid")
+            .arg(&exe)
             .args([
                 "sim",
                 "worker",
@@ -422,11 +445,10 @@ impl Demo {
             "cryo stop left processes running: {:?}",
             report.processes
         );
-        let mut w = self.worker.take().context("no worker to reap")?;
-        let status = w.wait().context("waiting for the worker")?;
+        let signal = self.reap_worker()?;
         ensure!(
-            status.signal() == Some(9),
-            "the worker ended with {status}, not by SIGKILL"
+            signal == Some(9),
+            "the worker ended with signal {signal:?}, not by SIGKILL"
         );
         let p = report
             .processes
@@ -446,6 +468,100 @@ impl Demo {
             },
             s.verify.map_or(0, |d| d.as_millis())
         ))
+    }
+
+    /// `cryo freeze`: suspend, CRIU dump, publish the image; the worker is gone afterwards.
+    fn freeze(&mut self) -> anyhow::Result<String> {
+        let criu = cryo_criu::Criu::locate(None).context(
+            "the freeze and thaw steps need root and CRIU >= 4.2 (scripts/install-criu.sh)",
+        )?;
+        let gpu = self.gpu()?.clone();
+        let journal = cryo_journal::Journal::open(self.journal_dir())
+            .context("opening the demo's journal")?;
+        let opts = cryo_lifecycle::FreezeOptions {
+            image: self.dir.join("image"),
+            leave_running: false,
+            replace: false,
+            suspend: cryo_lifecycle::SuspendOptions::default(),
+        };
+        let r = cryo_lifecycle::freeze(
+            &gpu,
+            &criu,
+            self.pid,
+            &opts,
+            &journal,
+            &cryo_lifecycle::NoProgress,
+        )
+        .context("cryo freeze")?;
+        // CRIU ended the (suspended) worker after the dump, and the freeze reaped our child.
+        drop(self.worker.take());
+        Ok(format!(
+            "image of {} (CRIU {}), suspend {} ms, dump {} ms, publish {} ms",
+            human(r.manifest.total_bytes),
+            criu.version(),
+            r.suspend_ms,
+            r.dump_ms,
+            r.publish_ms
+        ))
+    }
+
+    /// `cryo thaw`: verify, precheck, CRIU restore, GPU restore, unlock, health check.
+    fn thaw(&mut self) -> anyhow::Result<String> {
+        let criu = cryo_criu::Criu::locate(None).context("the thaw step needs CRIU")?;
+        let gpu = self.gpu()?.clone();
+        let journal = cryo_journal::Journal::open(self.journal_dir())
+            .context("opening the demo's journal")?;
+        let opts = cryo_lifecycle::ThawOptions {
+            gpu_map: Vec::new(),
+            quarantined: Vec::new(),
+            health: Some(cryo_lifecycle::HealthCheck::Url(format!(
+                "http://127.0.0.1:{}/health",
+                self.port
+            ))),
+            health_timeout: Duration::from_secs(60),
+            stop: cryo_lifecycle::StopOptions::default(),
+            requested: Instant::now(),
+        };
+        let r = cryo_lifecycle::thaw(
+            &gpu,
+            &criu,
+            &self.dir.join("image"),
+            &opts,
+            &journal,
+            &cryo_lifecycle::NoProgress,
+        )
+        .context("cryo thaw")?;
+        self.thawed = true;
+        ensure!(
+            r.root_pid == self.pid,
+            "thawed as pid {}, not {}",
+            r.root_pid,
+            self.pid
+        );
+        Ok(format!(
+            "pid {} back, criu {} ms, GPU {} ms, first answer {} ms after the request",
+            r.root_pid,
+            r.criu_ms,
+            r.gpu_restore_ms,
+            r.first_answer_ms.unwrap_or(0)
+        ))
+    }
+
+    /// Waits for the worker to end; the signal that ended it.
+    fn reap_worker(&mut self) -> anyhow::Result<Option<i32>> {
+        if let Some(mut w) = self.worker.take() {
+            let status = w.wait().context("waiting for the worker")?;
+            return Ok(status.signal());
+        }
+        ensure!(self.thawed, "no worker to reap");
+        self.thawed = false;
+        let pid = rustix::process::Pid::from_raw(self.pid).context("bad pid")?;
+        let status = rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::empty())
+            .context("waiting for the thawed worker")?
+            .context("no status for the thawed worker")?;
+        Ok(status
+            .terminating_signal()
+            .and_then(|s| i32::try_from(s).ok()))
     }
 
     fn journal_dir(&self) -> PathBuf {
@@ -481,6 +597,22 @@ impl Demo {
 
     /// Ends the children: a live worker is suspended first, as the invariant demands.
     fn shut_down(&mut self) {
+        if self.thawed && self.worker.is_none() {
+            self.thawed = false;
+            if let (Some(gpu), Ok(journal)) =
+                (&self.gpu, cryo_journal::Journal::open(self.journal_dir()))
+            {
+                // Suspend-before-kill; if it refuses, the worker is left alive (and safe).
+                let _ = cryo_lifecycle::stop(
+                    gpu,
+                    &cryo_lifecycle::Target::Pids(vec![self.pid]),
+                    &cryo_lifecycle::StopOptions::default(),
+                    &journal,
+                    &cryo_lifecycle::NoProgress,
+                );
+            }
+            let _ = self.reap_worker();
+        }
         if let Some(mut w) = self.worker.take() {
             if let Some(gpu) = &self.gpu {
                 let pid = self.pid;
