@@ -92,7 +92,9 @@ pub enum ReadError {
 
 /// A `--since` value was neither an RFC 3339 time nor a relative duration.
 #[derive(Debug, thiserror::Error)]
-#[error("invalid time {input:?}: expected RFC 3339 (2026-11-30T02:41:07Z) or a duration ago (10m, 2h)")]
+#[error(
+    "invalid time {input:?}: expected RFC 3339 (2026-11-30T02:41:07Z) or a duration ago (10m, 2h)"
+)]
 pub struct SinceError {
     /// The value given.
     pub input: String,

@@ -255,7 +255,8 @@ mod tests {
                 bad[i] ^= bit;
                 let s = scan(&bad, 0);
                 let hit = starts.iter().rposition(|&st| st <= i).unwrap();
-                let expect: Vec<Record> = (1..=4).filter(|&k| k != hit as u64 + 1).map(rec).collect();
+                let expect: Vec<Record> =
+                    (1..=4).filter(|&k| k != hit as u64 + 1).map(rec).collect();
                 assert_eq!(s.records, expect, "flip at {i}");
                 if hit == 3 {
                     assert!(s.corruptions.is_empty());

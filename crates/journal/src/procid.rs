@@ -119,17 +119,27 @@ mod tests {
 
     #[test]
     fn exited_child_is_not_alive() {
-        let mut child = std::process::Command::new("sleep").arg("100").spawn().unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("100")
+            .spawn()
+            .unwrap();
         let id = ProcId::of(child.id() as i32).unwrap();
         assert!(id.is_alive_same());
         child.kill().unwrap();
         // Not reaped yet: the zombie must already count as gone.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while id.is_alive_same() {
-            assert!(std::time::Instant::now() < deadline, "killed child never became a zombie");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "killed child never became a zombie"
+            );
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
-        assert_eq!(ProcId::of(id.pid).unwrap(), id, "the zombie still holds its pid");
+        assert_eq!(
+            ProcId::of(id.pid).unwrap(),
+            id,
+            "the zombie still holds its pid"
+        );
         child.wait().unwrap();
         assert!(!id.is_alive_same());
     }

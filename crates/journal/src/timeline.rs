@@ -8,7 +8,10 @@ use crate::{Filter, Record};
 
 /// One line per kept record, in UTC, like an incident timeline:
 /// `2026-11-30T02:41:07.123Z  pid 4242   checkpointed  1830 ms, 5.8 GB`.
-pub fn render_timeline<'a>(records: impl IntoIterator<Item = &'a Record>, filter: &Filter) -> String {
+pub fn render_timeline<'a>(
+    records: impl IntoIterator<Item = &'a Record>,
+    filter: &Filter,
+) -> String {
     let mut out = String::new();
     for r in records.into_iter().filter(|r| filter.matches(r)) {
         let time = fmt_utc(r.time, false).unwrap_or_else(|| format!("{:?}", r.time));
@@ -51,8 +54,7 @@ pub fn parse_since_at(input: &str, now: SystemTime) -> Result<SystemTime, SinceE
     let err = || SinceError {
         input: input.to_owned(),
     };
-    if let Ok(t) =
-        time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339)
+    if let Ok(t) = time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339)
     {
         let nanos = t.unix_timestamp_nanos();
         return if nanos >= 0 {

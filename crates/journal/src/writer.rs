@@ -169,7 +169,9 @@ impl Journal {
             st.file
                 .set_len(tail.offset)
                 .map_err(self.io_err("cannot truncate"))?;
-            st.file.sync_data().map_err(self.io_err("cannot fdatasync"))?;
+            st.file
+                .sync_data()
+                .map_err(self.io_err("cannot fdatasync"))?;
             repair = Some(Event::JournalRepaired {
                 offset: tail.offset,
                 bytes: tail.len,

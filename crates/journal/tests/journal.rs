@@ -5,42 +5,95 @@ use std::os::unix::fs::FileExt;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use cryo_journal::{
-    in_flight_stops, last_steps, parse_since_at, read, render_json, render_timeline, Event,
-    Filter, FrameFault, Journal, Origin, Origins, ProcId, Record, StopStep, FILE_NAME,
+    in_flight_stops, last_steps, parse_since_at, read, render_json, render_timeline, Event, Filter,
+    FrameFault, Journal, Origin, Origins, ProcId, Record, StopStep, FILE_NAME,
 };
 
 fn p(pid: i32) -> ProcId {
-    ProcId { pid, start_time: 1000 + pid as u64 }
+    ProcId {
+        pid,
+        start_time: 1000 + pid as u64,
+    }
 }
 
 fn every_kind(pid: ProcId) -> Vec<Event> {
     vec![
-        Event::StopRequested { target: format!("pid {}", pid.pid) },
+        Event::StopRequested {
+            target: format!("pid {}", pid.pid),
+        },
         Event::LockStarted { pid },
         Event::Locked { pid, ms: 12 },
-        Event::LockFailed { pid, error: "CUDA_ERROR_NOT_READY".into() },
+        Event::LockFailed {
+            pid,
+            error: "CUDA_ERROR_NOT_READY".into(),
+        },
         Event::CheckpointStarted { pid },
-        Event::Checkpointed { pid, ms: 1830, bytes: 5_800_000_000 },
-        Event::CheckpointFailed { pid, error: "CUDA_ERROR_ILLEGAL_STATE".into() },
+        Event::Checkpointed {
+            pid,
+            ms: 1830,
+            bytes: 5_800_000_000,
+        },
+        Event::CheckpointFailed {
+            pid,
+            error: "CUDA_ERROR_ILLEGAL_STATE".into(),
+        },
         Event::Verified { pid },
-        Event::VerifyFailed { pid, bytes_left: 1 << 20 },
+        Event::VerifyFailed {
+            pid,
+            bytes_left: 1 << 20,
+        },
         Event::KillStarted { pid, signal: 9 },
         Event::Killed { pid },
-        Event::Refused { pid, reason: "lock timed out".into(), hint: "retry \"later\"\n".into() },
-        Event::StopCompleted { target: "pid 1".into(), killed: vec![pid, p(2)], ms: 4100 },
+        Event::Refused {
+            pid,
+            reason: "lock timed out".into(),
+            hint: "retry \"later\"\n".into(),
+        },
+        Event::StopCompleted {
+            target: "pid 1".into(),
+            killed: vec![pid, p(2)],
+            ms: 4100,
+        },
         Event::FreshDeclared { pid },
-        Event::FreezeStarted { image: "/img/a".into() },
-        Event::ImagePublished { image: "/img/a".into(), bytes: 42 },
-        Event::FreezeFailed { image: "/img/a".into(), error: "criu".into() },
-        Event::ThawStarted { image: "/img/a".into() },
-        Event::RestoreCompleted { pid, image: "/img/a".into() },
+        Event::FreezeStarted {
+            image: "/img/a".into(),
+        },
+        Event::ImagePublished {
+            image: "/img/a".into(),
+            bytes: 42,
+        },
+        Event::FreezeFailed {
+            image: "/img/a".into(),
+            error: "criu".into(),
+        },
+        Event::ThawStarted {
+            image: "/img/a".into(),
+        },
+        Event::RestoreCompleted {
+            pid,
+            image: "/img/a".into(),
+        },
         Event::HealthOk { pid, ms: 35 },
-        Event::ThawCompleted { image: "/img/a".into(), pids: vec![pid], ms: 3400 },
-        Event::ThawFailed { image: "/img/a".into(), error: "no memory".into() },
+        Event::ThawCompleted {
+            image: "/img/a".into(),
+            pids: vec![pid],
+            ms: 3400,
+        },
+        Event::ThawFailed {
+            image: "/img/a".into(),
+            error: "no memory".into(),
+        },
         Event::GuardAttached { pid },
         Event::FatalSignal { pid, signal: 11 },
-        Event::Pinned { pid, gpu: "GPU-1234".into(), fds: vec![5, 6, 7] },
-        Event::GpuQuarantined { gpu: "GPU-1234".into(), reason: "pinned context".into() },
+        Event::Pinned {
+            pid,
+            gpu: "GPU-1234".into(),
+            fds: vec![5, 6, 7],
+        },
+        Event::GpuQuarantined {
+            gpu: "GPU-1234".into(),
+            reason: "pinned context".into(),
+        },
         Event::PinsReleased { pid },
         Event::GuardLost { pid },
     ]
@@ -58,7 +111,10 @@ fn round_trip_of_every_event() {
     let scan = read(dir.path().join("nested/journal")).unwrap();
     assert!(scan.corruptions.is_empty() && scan.tail.is_none());
     assert_eq!(scan.records, written);
-    assert_eq!(scan.records.iter().map(|r| r.seq).collect::<Vec<_>>(), (1..=28).collect::<Vec<_>>());
+    assert_eq!(
+        scan.records.iter().map(|r| r.seq).collect::<Vec<_>>(),
+        (1..=28).collect::<Vec<_>>()
+    );
     // A second writer continues the sequence.
     let j = Journal::open(dir.path().join("nested/journal")).unwrap();
     assert_eq!(j.append(Event::Killed { pid: p(1) }).unwrap().seq, 29);
@@ -88,13 +144,23 @@ fn ten(dir: &std::path::Path) -> (Journal, Vec<Record>, Vec<u64>) {
     let mut recs = Vec::new();
     for i in 0..10 {
         starts.push(std::fs::metadata(dir.join(FILE_NAME)).unwrap().len());
-        recs.push(j.append(Event::Locked { pid: p(i), ms: i as u64 }).unwrap());
+        recs.push(
+            j.append(Event::Locked {
+                pid: p(i),
+                ms: i as u64,
+            })
+            .unwrap(),
+        );
     }
     (j, recs, starts)
 }
 
 fn flip(dir: &std::path::Path, offset: u64) {
-    let f = std::fs::OpenOptions::new().read(true).write(true).open(dir.join(FILE_NAME)).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join(FILE_NAME))
+        .unwrap();
     let mut b = [0u8; 1];
     f.read_exact_at(&mut b, offset).unwrap();
     b[0] ^= 0x20;
@@ -112,7 +178,12 @@ fn flipped_byte_in_the_middle_is_reported_with_its_offset_and_skipped() {
         let c = &scan.corruptions[0];
         assert_eq!(c.offset, starts[4], "{what}");
         assert_eq!(c.len, starts[5] - starts[4], "{what}");
-        let expect: Vec<Record> = recs.iter().enumerate().filter(|(i, _)| *i != 4).map(|(_, r)| r.clone()).collect();
+        let expect: Vec<Record> = recs
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != 4)
+            .map(|(_, r)| r.clone())
+            .collect();
         assert_eq!(scan.records, expect, "{what}: records around the damage");
         assert!(scan.tail.is_none());
         let fault = &c.fault;
@@ -142,11 +213,20 @@ fn flipped_byte_in_the_last_record_is_cut_as_a_torn_tail() {
     let scan = read(dir.path()).unwrap();
     assert_eq!(scan.records, recs[..9]);
     let tail = scan.tail.unwrap();
-    assert_eq!((tail.offset, tail.fault), (starts[9], FrameFault::BadPayloadChecksum));
+    assert_eq!(
+        (tail.offset, tail.fault),
+        (starts[9], FrameFault::BadPayloadChecksum)
+    );
     let j = Journal::open(dir.path()).unwrap();
     let scan = read(dir.path()).unwrap();
     assert_eq!(scan.records.len(), 10);
-    assert_eq!(scan.records[9].event, Event::JournalRepaired { offset: starts[9], bytes: tail.len });
+    assert_eq!(
+        scan.records[9].event,
+        Event::JournalRepaired {
+            offset: starts[9],
+            bytes: tail.len
+        }
+    );
     assert_eq!(scan.records[9].seq, 10);
     assert_eq!(j.append(Event::Killed { pid: p(1) }).unwrap().seq, 11);
 }
@@ -177,21 +257,54 @@ fn at(ms: u64) -> SystemTime {
 }
 
 fn rec(seq: u64, ms: u64, event: Event) -> Record {
-    Record { seq, time: at(ms), event }
+    Record {
+        seq,
+        time: at(ms),
+        event,
+    }
 }
 
 #[test]
 fn timeline_reads_like_an_incident_timeline() {
     let w = p(4242);
     let recs = vec![
-        rec(1, 0, Event::RestoreCompleted { pid: w, image: "/img/llama".into() }),
+        rec(
+            1,
+            0,
+            Event::RestoreCompleted {
+                pid: w,
+                image: "/img/llama".into(),
+            },
+        ),
         rec(2, 900, Event::HealthOk { pid: w, ms: 35 }),
-        rec(3, 60_000, Event::StopRequested { target: "pid 4242".into() }),
+        rec(
+            3,
+            60_000,
+            Event::StopRequested {
+                target: "pid 4242".into(),
+            },
+        ),
         rec(4, 60_012, Event::Locked { pid: w, ms: 12 }),
-        rec(5, 61_842, Event::Checkpointed { pid: w, ms: 1830, bytes: 5_800_000_000 }),
+        rec(
+            5,
+            61_842,
+            Event::Checkpointed {
+                pid: w,
+                ms: 1830,
+                bytes: 5_800_000_000,
+            },
+        ),
         rec(6, 61_900, Event::Verified { pid: w }),
         rec(7, 61_950, Event::Killed { pid: w }),
-        rec(8, 62_000, Event::Refused { pid: p(7), reason: "sticky error".into(), hint: "use --unsafe".into() }),
+        rec(
+            8,
+            62_000,
+            Event::Refused {
+                pid: p(7),
+                reason: "sticky error".into(),
+                hint: "use --unsafe".into(),
+            },
+        ),
     ];
     let text = render_timeline(&recs, &Filter::default());
     let expect = "\
@@ -206,12 +319,18 @@ fn timeline_reads_like_an_incident_timeline() {
 ";
     assert_eq!(text, expect);
 
-    let only = Filter { since: Some(at(61_000)), pid: Some(4242) };
+    let only = Filter {
+        since: Some(at(61_000)),
+        pid: Some(4242),
+    };
     let text = render_timeline(&recs, &only);
     assert_eq!(text.lines().count(), 3, "{text}");
 
     let json = render_json(&recs, &only);
-    let lines: Vec<serde_json::Value> = json.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<serde_json::Value> = json
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(lines.len(), 3);
     assert_eq!(lines[0]["seq"], 5);
     assert_eq!(lines[0]["time"], "2026-11-30T02:42:08.965000000Z");
@@ -226,11 +345,26 @@ fn timeline_reads_like_an_incident_timeline() {
 #[test]
 fn since_accepts_rfc3339_and_durations_ago() {
     let now = at(0);
-    assert_eq!(parse_since_at("2026-11-30T02:41:07.123Z", now).unwrap(), at(0));
-    assert_eq!(parse_since_at("2026-11-30T03:41:07.123+01:00", now).unwrap(), at(0));
-    assert_eq!(parse_since_at("10m", now).unwrap(), now - Duration::from_secs(600));
-    assert_eq!(parse_since_at(" 2h ", now).unwrap(), now - Duration::from_secs(7200));
-    assert_eq!(parse_since_at("1h 30m", now).unwrap(), now - Duration::from_secs(5400));
+    assert_eq!(
+        parse_since_at("2026-11-30T02:41:07.123Z", now).unwrap(),
+        at(0)
+    );
+    assert_eq!(
+        parse_since_at("2026-11-30T03:41:07.123+01:00", now).unwrap(),
+        at(0)
+    );
+    assert_eq!(
+        parse_since_at("10m", now).unwrap(),
+        now - Duration::from_secs(600)
+    );
+    assert_eq!(
+        parse_since_at(" 2h ", now).unwrap(),
+        now - Duration::from_secs(7200)
+    );
+    assert_eq!(
+        parse_since_at("1h 30m", now).unwrap(),
+        now - Duration::from_secs(5400)
+    );
     for bad in ["", "yesterday", "2026-11-30", "10 parsecs"] {
         let err = parse_since_at(bad, now).unwrap_err();
         assert!(err.to_string().contains(&format!("{bad:?}")));
@@ -240,16 +374,38 @@ fn since_accepts_rfc3339_and_durations_ago() {
 #[test]
 fn origins_know_restored_and_fresh_processes() {
     let me = ProcId::of(std::process::id() as i32).unwrap();
-    let gone = ProcId { pid: me.pid, start_time: me.start_time + 1 };
+    let gone = ProcId {
+        pid: me.pid,
+        start_time: me.start_time + 1,
+    };
     let recs = vec![
-        rec(1, 0, Event::RestoreCompleted { pid: me, image: "/img/a".into() }),
-        rec(2, 1, Event::RestoreCompleted { pid: gone, image: "/img/b".into() }),
+        rec(
+            1,
+            0,
+            Event::RestoreCompleted {
+                pid: me,
+                image: "/img/a".into(),
+            },
+        ),
+        rec(
+            2,
+            1,
+            Event::RestoreCompleted {
+                pid: gone,
+                image: "/img/b".into(),
+            },
+        ),
         rec(3, 2, Event::FreshDeclared { pid: p(5) }),
         // A declaration never overrides a restore.
         rec(4, 3, Event::FreshDeclared { pid: me }),
     ];
     let o = Origins::from_records(&recs);
-    assert_eq!(o.of(&me), Origin::Restored { image: "/img/a".into() });
+    assert_eq!(
+        o.of(&me),
+        Origin::Restored {
+            image: "/img/a".into()
+        }
+    );
     assert_eq!(o.of(&p(5)), Origin::Fresh);
     assert_eq!(o.of(&p(6)), Origin::Unknown);
     assert_eq!(o.live_restored(), vec![me]);
@@ -263,15 +419,37 @@ fn origins_know_restored_and_fresh_processes() {
 fn in_flight_gives_the_last_stop_step_of_unfinished_processes() {
     let (a, b, c) = (p(1), p(2), p(3));
     let recs = vec![
-        rec(1, 0, Event::StopRequested { target: "cgroup /x".into() }),
+        rec(
+            1,
+            0,
+            Event::StopRequested {
+                target: "cgroup /x".into(),
+            },
+        ),
         rec(2, 1, Event::LockStarted { pid: a }),
         rec(3, 2, Event::LockStarted { pid: b }),
         rec(4, 3, Event::LockStarted { pid: c }),
         rec(5, 4, Event::Locked { pid: a, ms: 1 }),
         rec(6, 5, Event::Locked { pid: b, ms: 1 }),
-        rec(7, 6, Event::Checkpointed { pid: a, ms: 1, bytes: 1 }),
+        rec(
+            7,
+            6,
+            Event::Checkpointed {
+                pid: a,
+                ms: 1,
+                bytes: 1,
+            },
+        ),
         rec(8, 7, Event::Verified { pid: a }),
-        rec(9, 8, Event::Refused { pid: c, reason: "x".into(), hint: "y".into() }),
+        rec(
+            9,
+            8,
+            Event::Refused {
+                pid: c,
+                reason: "x".into(),
+                hint: "y".into(),
+            },
+        ),
         rec(10, 9, Event::HealthOk { pid: b, ms: 1 }),
     ];
     let f = in_flight_stops(&recs);

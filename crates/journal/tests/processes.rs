@@ -51,7 +51,10 @@ fn child_writer() {
     let mode = std::env::var(CHILD).expect("run only by the other tests (CRYO_JOURNAL_CHILD)");
     let dir = std::env::var("CRYO_JOURNAL_DIR").unwrap();
     let tag = std::env::var("CRYO_JOURNAL_TAG").unwrap();
-    let count: u64 = std::env::var("CRYO_JOURNAL_COUNT").unwrap().parse().unwrap();
+    let count: u64 = std::env::var("CRYO_JOURNAL_COUNT")
+        .unwrap()
+        .parse()
+        .unwrap();
     let len: usize = std::env::var("CRYO_JOURNAL_LEN").unwrap().parse().unwrap();
     let journal = Journal::open(&dir).unwrap();
     let me = ProcId::of(std::process::id() as i32).unwrap();
@@ -78,7 +81,9 @@ fn child_writer() {
                 .unwrap();
             journal.append(Event::LockStarted { pid: me }).unwrap();
             journal.append(Event::Locked { pid: me, ms: 3 }).unwrap();
-            journal.append(Event::CheckpointStarted { pid: me }).unwrap();
+            journal
+                .append(Event::CheckpointStarted { pid: me })
+                .unwrap();
             writeln!(out, "acked ready").unwrap();
             out.flush().unwrap();
             thread::sleep(Duration::from_secs(600));
@@ -87,10 +92,45 @@ fn child_writer() {
     }
 }
 
+/// A child process, killed and reaped when dropped (a failing test leaves none behind).
+struct Kid(Child);
+
+impl std::ops::Deref for Kid {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Kid {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Kid {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Spawns a child writer; its `acked` lines arrive on the returned channel.
-fn spawn(mode: &str, dir: &Path, tag: &str, count: u64, len: usize) -> (Child, mpsc::Receiver<String>) {
+fn spawn(
+    mode: &str,
+    dir: &Path,
+    tag: &str,
+    count: u64,
+    len: usize,
+) -> (Kid, mpsc::Receiver<String>) {
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_writer", "--include-ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "child_writer",
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD, mode)
         .env("CRYO_JOURNAL_DIR", dir)
         .env("CRYO_JOURNAL_TAG", tag)
@@ -105,12 +145,13 @@ fn spawn(mode: &str, dir: &Path, tag: &str, count: u64, len: usize) -> (Child, m
         for line in BufReader::new(stdout).lines() {
             let Ok(line) = line else { break };
             // Keep draining even when nobody listens, or the child dies of EPIPE.
-            if let Some(rest) = line.strip_prefix("acked ") {
-                let _ = tx.send(rest.to_owned());
+            // libtest prints "test child_writer ... " before the first line.
+            if let Some(i) = line.find("acked ") {
+                let _ = tx.send(line[i + "acked ".len()..].to_owned());
             }
         }
     });
-    (child, rx)
+    (Kid(child), rx)
 }
 
 fn wait_ok(child: &mut Child) {
@@ -169,7 +210,10 @@ fn torn_tail_after_kill_9_is_cut_and_complete_records_survive() {
         // 768 KiB records: copying one into the page cache takes long enough to be caught.
         let (mut child, acks) = spawn("write", dir.path(), "kill", 1_000_000, 768 * 1024);
         let deadline = Instant::now() + Duration::from_secs(20);
-        assert!(kill_mid_write(&mut child, &path, end, deadline), "child never wrote");
+        assert!(
+            kill_mid_write(&mut child, &path, end, deadline),
+            "child never wrote"
+        );
         child.wait().unwrap();
         acked_all.extend(acks.iter().map(|s| s.parse::<u64>().unwrap()));
 
@@ -192,7 +236,14 @@ fn torn_tail_after_kill_9_is_cut_and_complete_records_survive() {
         }
 
         // A writer cuts the torn bytes (on its next append) and journals the cut.
-        let rec = parent.append(Event::Killed { pid: ProcId { pid: 1, start_time: 1 } }).unwrap();
+        let rec = parent
+            .append(Event::Killed {
+                pid: ProcId {
+                    pid: 1,
+                    start_time: 1,
+                },
+            })
+            .unwrap();
         let after = read(dir.path()).unwrap();
         assert!(after.tail.is_none() && after.corruptions.is_empty());
         seqs_contiguous(&after.records);
@@ -203,18 +254,31 @@ fn torn_tail_after_kill_9_is_cut_and_complete_records_survive() {
                 assert_eq!(after.records.len(), before.records.len() + 2);
                 assert_eq!(
                     after.records[before.records.len()].event,
-                    Event::JournalRepaired { offset: t.offset, bytes: t.len }
+                    Event::JournalRepaired {
+                        offset: t.offset,
+                        bytes: t.len
+                    }
                 );
             }
             None => assert_eq!(after.records.len(), before.records.len() + 1),
         }
     }
     println!("{rounds} kills, {torn_seen} left a torn tail");
-    assert!(torn_seen > 0, "no kill in {rounds} rounds landed inside a write");
+    assert!(
+        torn_seen > 0,
+        "no kill in {rounds} rounds landed inside a write"
+    );
 
     // A fresh writer process also opens the repaired journal cleanly.
     let reopened = Journal::open(dir.path()).unwrap();
-    let r = reopened.append(Event::GuardLost { pid: ProcId { pid: 2, start_time: 2 } }).unwrap();
+    let r = reopened
+        .append(Event::GuardLost {
+            pid: ProcId {
+                pid: 2,
+                start_time: 2,
+            },
+        })
+        .unwrap();
     assert_eq!(r.seq, read(dir.path()).unwrap().records.len() as u64);
 }
 
@@ -227,7 +291,12 @@ fn open_cuts_a_torn_tail_left_by_a_killed_writer() {
     for _ in 0..40 {
         let end = std::fs::metadata(&path).unwrap().len();
         let (mut child, _acks) = spawn("write", dir.path(), "open", 1_000_000, 768 * 1024);
-        assert!(kill_mid_write(&mut child, &path, end, Instant::now() + Duration::from_secs(20)));
+        assert!(kill_mid_write(
+            &mut child,
+            &path,
+            end,
+            Instant::now() + Duration::from_secs(20)
+        ));
         child.wait().unwrap();
         torn = read(dir.path()).unwrap().tail;
         if torn.is_some() {
@@ -242,7 +311,10 @@ fn open_cuts_a_torn_tail_left_by_a_killed_writer() {
     assert_eq!(after.records.len(), n + 1);
     assert_eq!(
         after.records[n].event,
-        Event::JournalRepaired { offset: torn.offset, bytes: torn.len }
+        Event::JournalRepaired {
+            offset: torn.offset,
+            bytes: torn.len
+        }
     );
 }
 
@@ -257,7 +329,11 @@ fn two_writer_processes_keep_every_record() {
     let me = ProcId::of(std::process::id() as i32).unwrap();
     for i in 0..n {
         journal
-            .append(Event::Refused { pid: me, reason: reason("c", i, 100), hint: String::new() })
+            .append(Event::Refused {
+                pid: me,
+                reason: reason("c", i, 100),
+                hint: String::new(),
+            })
             .unwrap();
     }
     wait_ok(&mut a);
@@ -295,7 +371,10 @@ fn reader_sees_a_consistent_prefix_while_a_process_writes() {
         seqs_contiguous(&whole.records);
         assert!(whole.records.len() >= last_len, "records disappeared");
         last_len = whole.records.len();
-        whole.records.iter().for_each(|r| drop(check_child_record(r)));
+        whole
+            .records
+            .iter()
+            .for_each(|r| drop(check_child_record(r)));
         tails += usize::from(whole.tail.is_some());
         let new = follower.read_new().unwrap();
         assert!(new.corruptions.is_empty());
@@ -318,14 +397,24 @@ fn crash_between_intent_and_outcome_is_in_flight() {
     let dir = tempfile::tempdir().unwrap();
     // A stop that finished, for another process.
     let journal = Journal::open(dir.path()).unwrap();
-    let done = ProcId { pid: 77, start_time: 5 };
+    let done = ProcId {
+        pid: 77,
+        start_time: 5,
+    };
     for e in [
         Event::LockStarted { pid: done },
         Event::Locked { pid: done, ms: 1 },
         Event::CheckpointStarted { pid: done },
-        Event::Checkpointed { pid: done, ms: 2, bytes: 3 },
+        Event::Checkpointed {
+            pid: done,
+            ms: 2,
+            bytes: 3,
+        },
         Event::Verified { pid: done },
-        Event::KillStarted { pid: done, signal: 9 },
+        Event::KillStarted {
+            pid: done,
+            signal: 9,
+        },
         Event::Killed { pid: done },
     ] {
         journal.append(e).unwrap();
