@@ -128,7 +128,13 @@ fn dump_publish_verify_restore_keeps_pid_and_memory() {
     let pid = child.id() as i32;
     let before = count_at_least(pid, t.path(), 20);
 
-    let tree = tree_pids(pid);
+    // The trap that reported the count forks `mv`: wait until it is gone.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut tree = tree_pids(pid);
+    while tree.len() != 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+        tree = tree_pids(pid);
+    }
     assert_eq!(tree.len(), 2, "bash and its sleep: {tree:?}");
     let entries_before: Vec<ProcessEntry> = tree
         .iter()
