@@ -15,6 +15,7 @@ mod args;
 mod backend;
 mod commands;
 mod compat;
+mod defer;
 mod exit;
 mod journal;
 mod progress;

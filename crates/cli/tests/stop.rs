@@ -629,3 +629,51 @@ fn bench_stop_runs_with_tiny_workers() {
     assert_eq!(v.as_array().unwrap().len(), 3);
     assert!(v[2]["ratio"].as_f64().unwrap() > 0.0);
 }
+
+/// SIGTERM (a preStop timeout, a supervisor) while the stop waits for work in flight: the stop
+/// finishes first, then cryo dies of the deferred signal. Nothing is left locked.
+#[test]
+fn sigterm_during_a_stop_is_deferred_until_it_is_done() {
+    let mut sim = Sim::start();
+    let st = state();
+    let (pid, port) = sim.worker("4MiB");
+    restore_via_gpu(&sim, st.path(), pid);
+    let (status, body) = http(port, "POST", "/busy?ms=1500", "");
+    assert_eq!(status, 200, "{body}");
+    let mut child = cryo_st(&sim, st.path())
+        .args(["stop", &pid.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Wait until the lock is under way, then ask cryo to terminate.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !journal_types(st.path(), pid)
+        .iter()
+        .any(|t| t == "lock_started")
+    {
+        assert!(Instant::now() < deadline, "the stop never started locking");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = child.wait().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        status.signal(),
+        Some(15),
+        "cryo ends by the deferred SIGTERM: {status:?}"
+    );
+    let types = journal_types(st.path(), pid);
+    for step in ["locked", "checkpointed", "verified", "killed"] {
+        assert!(
+            types.iter().any(|t| t == step),
+            "{step} missing from {types:?}"
+        );
+    }
+    assert!(!alive(pid));
+    ledger_empty(&sim);
+}

@@ -16,6 +16,8 @@ use crate::exit;
 
 /// Runs `cryo freeze`; returns the exit code.
 pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
+    // Before any thread exists, so every thread of the command inherits the mask.
+    let _deferred = crate::defer::termination();
     // CRIU first: a missing or old CRIU is one clear line before anything is touched.
     let criu = Criu::locate(None)?;
     crate::target::open_process(args.pid)?;

@@ -57,6 +57,8 @@ pub fn options(args: &StopArgs) -> StopOptions {
 
 /// Runs `cryo stop`; returns the exit code (0 stopped, 3 refused).
 pub fn run(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
+    // Before any thread exists, so every thread of the command inherits the mask.
+    let _deferred = crate::defer::termination();
     let target = target(args);
     let gpu = ctx.gpu()?;
     let dir = crate::journal::dir(&ctx.global.state_dir);

@@ -18,6 +18,8 @@ use crate::exit::{self, UsageError};
 
 /// Runs `cryo thaw`; returns the exit code.
 pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
+    // Before any thread exists, so every thread of the command inherits the mask.
+    let _deferred = crate::defer::termination();
     let requested = Instant::now();
     let health = match (&args.health_url, &args.health_cmd) {
         (Some(u), _) => Some(HealthCheck::Url(u.clone())),
