@@ -87,6 +87,9 @@ pub struct BenchFreezeArgs {
     /// Where the images go (a temporary directory under it; default: the system's temp dir).
     #[arg(long, value_name = "DIR")]
     pub dir: Option<PathBuf>,
+    /// Counted rounds per size, after one warm-up round; the arm that goes first alternates.
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = super::stop::parse_rounds)]
+    pub rounds: usize,
     /// Print the rows as JSON.
     #[arg(long)]
     pub json: bool,

@@ -100,13 +100,18 @@ pub struct StatusArgs {
 /// `cryo bench guard`.
 #[derive(Debug, Clone, Args)]
 pub struct BenchGuardArgs {
-    /// Requests per measurement (with and without the guard).
+    /// Requests per arm (with and without the guard), sent in 20 batches per arm that alternate
+    /// between the arms on the same worker.
     #[arg(long, default_value_t = 2000)]
     pub requests: usize,
-    /// Fatal-signal suspensions to time (and as many bare suspensions).
-    #[arg(long, default_value_t = 5)]
+    /// Fatal-signal suspensions to time (and as many bare suspensions), after one warm-up round;
+    /// the arm that goes first alternates.
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = super::stop::parse_rounds)]
     pub rounds: usize,
     /// Device memory of the bench worker.
     #[arg(long, default_value = "256MiB")]
     pub memory: ByteSize,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
 }

@@ -117,7 +117,18 @@ pub struct BenchStopArgs {
     /// Device memory of each worker.
     #[arg(long, default_value = "256MiB")]
     pub memory: ByteSize,
+    /// Counted rounds per row, after one warm-up round; the arm that goes first alternates.
+    #[arg(long, value_name = "N", default_value_t = 7, value_parser = parse_rounds)]
+    pub rounds: usize,
     /// Print the rows as JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `--rounds` of the benchmarks: counted rounds, 1 to 1000.
+pub(crate) fn parse_rounds(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n @ 1..=1000) => Ok(n),
+        _ => Err(format!("{s:?} is not a number of rounds from 1 to 1000")),
+    }
 }

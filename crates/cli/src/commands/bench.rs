@@ -1,4 +1,5 @@
-//! `cryo bench stop`: `cryo stop` against the procedure it replaces, on a private simulated GPU.
+//! `cryo bench stop`: `cryo stop` against the procedure it replaces, on a private simulated GPU,
+//! and the measurement helpers the three benchmarks share (rounds, medians, load average).
 //!
 //! # Design
 //! One run starts its own simulated driver (a child `cryo sim driver` in a temporary directory)
@@ -11,14 +12,25 @@
 //!   listing (`cryo gpu ps --json`, as `nvidia-smi` is read) polled once a second until no pid
 //!   is listed, then SIGKILL.
 //!
-//! The arms alternate which goes first from row to row. Both are timed from the first process
-//! started to the last worker reaped. The wedge ledger must stay empty, or the benchmark fails.
-//! Only the ratio means anything: absolute times depend on the host.
+//! Both arms are timed from the first process started to the last worker reaped. Each row runs
+//! one warm-up round (both arms, not counted: it pays for first touches of guest memory, page
+//! cache and the like), then `--rounds` counted rounds; the arm that goes first alternates from
+//! round to round (A B, B A, A B...), and every arm gets fresh workers. A row prints each arm's
+//! median and min-max over the counted rounds and the ratio of the medians. The wedge ledger must
+//! stay empty after every arm, or the benchmark fails. The host's load average is printed at the
+//! start and the end so a reader can judge how noisy the host was.
 //!
-//! # Limitations
-//! The simulated driver runs on the CPU: its checkpoint is a memory copy between two processes,
-//! far faster per byte than the real driver's, so exec and polling costs weigh more here than on a
-//! GPU. One sample per row.
+//! # What the numbers mean, and limitations
+//! Only ratios mean anything: absolute times depend on the host. The simulated driver runs on the
+//! CPU: its checkpoint is a memory copy between two processes, far faster per byte than the real
+//! driver's, so exec and polling costs weigh more here than on a GPU, where the driver's own
+//! checkpoint time dominates both arms (`gpu-facts.md`: one process gains little, a tree gains by
+//! parallelism). On a small VM the copy is bound by faulting in fresh pages, whose cost swings
+//! with the host (the simulated driver and worker already ask for transparent huge pages, as the
+//! real driver's fast path does, and get them; what remains is the VM's own first touch of guest
+//! memory, which the warm-up round pays for in part): a min-max range wider than the gap between
+//! the medians means the run cannot tell the arms apart. With three rounds the median is the
+//! middle sample, not a distribution.
 
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
@@ -43,15 +55,102 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<u8> {
     }
 }
 
-/// One row of the result.
+/// The samples of one arm over the counted rounds.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Samples(pub(super) Vec<f64>);
+
+impl Samples {
+    pub(super) fn push(&mut self, v: f64) {
+        self.0.push(v);
+    }
+
+    fn sorted(&self) -> Vec<f64> {
+        let mut v = self.0.clone();
+        v.sort_by(f64::total_cmp);
+        v
+    }
+
+    /// The median (the mean of the middle two for an even count); NaN without samples.
+    pub(super) fn median(&self) -> f64 {
+        let v = self.sorted();
+        match v.len() {
+            0 => f64::NAN,
+            n if n % 2 == 1 => v[n / 2],
+            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+        }
+    }
+
+    pub(super) fn min(&self) -> f64 {
+        self.sorted().first().copied().unwrap_or(f64::NAN)
+    }
+
+    pub(super) fn max(&self) -> f64 {
+        self.sorted().last().copied().unwrap_or(f64::NAN)
+    }
+
+    /// `median (min-max)`, in the unit the samples are in, no decimals.
+    pub(super) fn cell(&self) -> String {
+        format!("{:.0} ({:.0}-{:.0})", self.median(), self.min(), self.max())
+    }
+
+    /// `median (min-max)` with one decimal, for small values.
+    pub(super) fn cell1(&self) -> String {
+        format!("{:.1} ({:.1}-{:.1})", self.median(), self.min(), self.max())
+    }
+}
+
+impl Serialize for Samples {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(s)
+    }
+}
+
+/// Whether arm A goes first in round `round` (0 is the warm-up): A B, B A, A B, ...
+pub(super) fn a_first(round: usize) -> bool {
+    round.is_multiple_of(2)
+}
+
+/// The host's 1, 5 and 15 minute load averages (`/proc/loadavg`); NaN where unreadable, since a
+/// benchmark should not fail for want of a noise indicator.
+pub(super) fn load_average() -> [f64; 3] {
+    let text = fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let mut it = text
+        .split_whitespace()
+        .map(|f| f.parse::<f64>().unwrap_or(f64::NAN));
+    [(); 3].map(|()| it.next().unwrap_or(f64::NAN))
+}
+
+/// `load average at start: 0.77 1.20 1.28 (1, 5, 15 min; 2 CPUs)`.
+pub(super) fn load_line(when: &str, l: [f64; 3]) -> String {
+    let cpus = std::thread::available_parallelism().map_or(0, std::num::NonZeroUsize::get);
+    format!(
+        "load average at {when}: {:.2} {:.2} {:.2} (1, 5, 15 min; {cpus} CPUs)",
+        l[0], l[1], l[2]
+    )
+}
+
+/// One row of the result: medians over the counted rounds, and every sample.
 #[derive(Debug, Serialize)]
 struct Row {
     workers: usize,
     memory_bytes: u64,
+    rounds: usize,
+    /// Median, ms.
     cryo_stop_ms: f64,
+    /// Median, ms.
     procedure_ms: f64,
-    /// procedure / cryo stop: above 1, `cryo stop` is faster.
+    /// Median procedure / median cryo stop: above 1, `cryo stop` is faster.
     ratio: f64,
+    samples: RowSamples,
+    /// The host's load average before and after the row.
+    load_before: [f64; 3],
+    load_after: [f64; 3],
+}
+
+#[derive(Debug, Default, Serialize)]
+struct RowSamples {
+    cryo_stop_ms: Samples,
+    procedure_ms: Samples,
 }
 
 fn stop(args: &BenchStopArgs) -> anyhow::Result<()> {
@@ -62,44 +161,62 @@ fn stop(args: &BenchStopArgs) -> anyhow::Result<()> {
         .tempdir()
         .context("creating the benchmark's directory")?;
     let mut bench = Bench::start(tmp.path(), memory)?;
+    let load_start = load_average();
     if !args.json {
         println!(
-            "cryo bench stop: restored workers of {} device memory each, simulated GPU",
-            human(memory)
+            "cryo bench stop: restored workers of {} device memory each, simulated GPU; \
+             {} rounds per row after 1 warm-up, arm order alternating (ABBA), fresh workers per arm",
+            human(memory),
+            args.rounds
         );
+        println!("{}", load_line("start", load_start));
         println!(
-            "{:>7}  {:>12}  {:>12}  {:>6}",
-            "workers", "cryo stop", "procedure", "ratio"
+            "{:>7}  {:>24}  {:>24}  {:>6}",
+            "workers", "cryo stop ms (min-max)", "procedure ms (min-max)", "ratio"
         );
     }
     let mut rows = Vec::new();
-    for (i, n) in [1usize, 2, 4].into_iter().enumerate() {
-        let (mut cryo_ms, mut proc_ms) = (0.0, 0.0);
-        for arm in [i % 2, 1 - i % 2] {
-            bench.restored_workers(n)?;
-            let took = if arm == 0 {
-                bench.cryo_stop()?
-            } else {
-                bench.procedure()?
-            };
-            bench.ledger_empty()?;
-            if arm == 0 {
-                cryo_ms = took;
-            } else {
-                proc_ms = took;
+    for n in [1usize, 2, 4] {
+        let load_before = load_average();
+        let mut s = RowSamples::default();
+        for round in 0..=args.rounds {
+            let order = if a_first(round) { [0, 1] } else { [1, 0] };
+            for arm in order {
+                bench.restored_workers(n)?;
+                let took = if arm == 0 {
+                    bench.cryo_stop()?
+                } else {
+                    bench.procedure()?
+                };
+                bench.ledger_empty()?;
+                if round == 0 {
+                    continue;
+                }
+                if arm == 0 {
+                    s.cryo_stop_ms.push(took);
+                } else {
+                    s.procedure_ms.push(took);
+                }
             }
         }
         let row = Row {
             workers: n,
             memory_bytes: memory,
-            cryo_stop_ms: cryo_ms,
-            procedure_ms: proc_ms,
-            ratio: proc_ms / cryo_ms,
+            rounds: args.rounds,
+            cryo_stop_ms: s.cryo_stop_ms.median(),
+            procedure_ms: s.procedure_ms.median(),
+            ratio: s.procedure_ms.median() / s.cryo_stop_ms.median(),
+            load_before,
+            load_after: load_average(),
+            samples: s,
         };
         if !args.json {
             println!(
-                "{:>7}  {:>9.1} ms  {:>9.1} ms  {:>5.2}x",
-                row.workers, row.cryo_stop_ms, row.procedure_ms, row.ratio
+                "{:>7}  {:>24}  {:>24}  {:>5.2}x",
+                row.workers,
+                row.samples.cryo_stop_ms.cell1(),
+                row.samples.procedure_ms.cell1(),
+                row.ratio
             );
         }
         rows.push(row);
@@ -107,7 +224,11 @@ fn stop(args: &BenchStopArgs) -> anyhow::Result<()> {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
-        println!("ratio = procedure / cryo stop; wedge ledger empty after every arm");
+        println!(
+            "ratio = median procedure / median cryo stop (above 1: cryo stop faster); \
+             wedge ledger empty after every arm"
+        );
+        println!("{}", load_line("end", load_average()));
     }
     Ok(())
 }

@@ -13,12 +13,22 @@
 //!
 //! Freeze is timed from the first process started to the dump's exit; thaw from the first
 //! process started to the first answered health request (for cryo also reported by cryo itself as
-//! `first_answer_ms`). The arms alternate which goes first from row to row. Every worker is
-//! stopped with `cryo stop` and the wedge ledger must stay empty. Only ratios mean anything.
+//! `first_answer_ms`). The run starts with one warm-up round of both arms at the smallest size,
+//! not counted (it pays for the page cache of both binaries and CRIU's libraries and the first
+//! touches of some guest memory; at the largest size it would add a minute to a default run);
+//! then every size gets `--rounds` counted rounds, the arm that goes first alternating from round
+//! to round (A B, B A, ...). Each cell is the median over the rounds with the min-max beside it;
+//! ratios are ratios of medians. Every worker is stopped with `cryo stop`
+//! and the wedge ledger must stay empty. The host's load average is printed at the start and end.
 //!
-//! # Limitations
-//! Needs root and CRIU. One sample per row. The simulated checkpoint is a memory copy between two
-//! processes; on a real GPU the driver's checkpoint dominates both arms.
+//! # What the numbers mean, and limitations
+//! Needs root and CRIU. Only ratios mean anything, and only where the min-max ranges of the two
+//! arms do not overlap much. cryo does more than the CLI arm: it hashes and fsyncs the image and
+//! verifies the checksums before restoring, which costs time proportional to the image; that is
+//! the price of a crash-safe image, not overhead to hide. The simulated checkpoint is a memory
+//! copy between two processes, bound on a small VM by faulting in fresh pages, so the suspend and
+//! GPU-restore steps swing with the host; on a real GPU the driver's checkpoint dominates both
+//! arms. Images go to the temporary directory (`--dir`): its disk speed is part of every number.
 
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
@@ -29,28 +39,58 @@ use anyhow::{bail, ensure, Context as _};
 use cryo_sim::SimControl;
 use serde::Serialize;
 
+use super::bench::{a_first, load_average, load_line, Samples};
 use crate::args::size::human;
 use crate::args::BenchFreezeArgs;
 
-/// One row of the result.
+/// One row of the result: medians over the counted rounds (ms), and every sample.
 #[derive(Debug, Serialize)]
 struct Row {
     memory_bytes: u64,
     image_bytes: u64,
+    rounds: usize,
     cryo_freeze_ms: f64,
     cli_freeze_ms: f64,
-    /// cli / cryo: above 1, cryo is faster.
+    /// cli / cryo (medians): above 1, cryo is faster.
     freeze_ratio: f64,
     cryo_thaw_ms: f64,
     cli_thaw_ms: f64,
-    /// cli / cryo: above 1, cryo is faster.
+    /// cli / cryo (medians): above 1, cryo is faster.
     thaw_ratio: f64,
     /// `cryo thaw`: from the request to the first answered health request, as cryo reports it.
     first_answer_ms: f64,
-    /// `cryo freeze`'s own steps: suspend, dump, publish (hash + fsync + rename), ms.
+    /// `cryo freeze`'s own steps (medians): suspend, dump, publish (hash + fsync + rename), ms.
     cryo_freeze_steps: [f64; 3],
-    /// `cryo thaw`'s own steps: verify (checksums), CRIU restore, GPU restore + unlock, ms.
+    /// `cryo thaw`'s own steps (medians): verify (checksums), CRIU restore, GPU restore + unlock.
     cryo_thaw_steps: [f64; 3],
+    samples: RowSamples,
+    load_before: [f64; 3],
+    load_after: [f64; 3],
+}
+
+#[derive(Debug, Default, Serialize)]
+struct RowSamples {
+    cryo_freeze_ms: Samples,
+    cli_freeze_ms: Samples,
+    cryo_thaw_ms: Samples,
+    cli_thaw_ms: Samples,
+    first_answer_ms: Samples,
+    cryo_freeze_steps: [Samples; 3],
+    cryo_thaw_steps: [Samples; 3],
+}
+
+impl RowSamples {
+    fn add(&mut self, cryo: &Arm, cli: &Arm) {
+        self.cryo_freeze_ms.push(cryo.freeze_ms);
+        self.cli_freeze_ms.push(cli.freeze_ms);
+        self.cryo_thaw_ms.push(cryo.thaw_ms);
+        self.cli_thaw_ms.push(cli.thaw_ms);
+        self.first_answer_ms.push(cryo.first_answer_ms);
+        for i in 0..3 {
+            self.cryo_freeze_steps[i].push(cryo.freeze_steps[i]);
+            self.cryo_thaw_steps[i].push(cryo.thaw_steps[i]);
+        }
+    }
 }
 
 /// Runs the benchmark.
@@ -68,71 +108,105 @@ pub fn run(args: &BenchFreezeArgs) -> anyhow::Result<()> {
     }
     .context("creating the benchmark's directory")?;
     let max = args.sizes.iter().map(|s| s.0).max().unwrap_or(0);
+    let min = args.sizes.iter().map(|s| s.0).min().unwrap_or(0);
     let bench = Bench::start(tmp.path(), criu.path().to_path_buf(), max)?;
+    let load_start = load_average();
     if !args.json {
         println!(
             "cryo freeze/thaw against criu + cuda-checkpoint processes (simulated GPU, {})",
             criu.path().display()
         );
         println!(
-            "{:>9}  {:>10} {:>10} {:>6}  {:>10} {:>10} {:>6}  {:>12}",
-            "memory",
-            "cryo frz",
-            "cli frz",
-            "ratio",
-            "cryo thaw",
-            "cli thaw",
-            "ratio",
-            "first answer"
+            "{} rounds per size after 1 warm-up round at {}, arm order alternating (ABBA), \
+             fresh worker per arm; cells: median (min-max) ms",
+            args.rounds,
+            human(min)
         );
+        println!("{}", load_line("start", load_start));
     }
+    // Warm-up, not counted.
+    bench.cryo_arm(min)?;
+    bench.cli_arm(min)?;
     let mut rows = Vec::new();
-    for (i, size) in args.sizes.iter().enumerate() {
-        let (cryo, cli) = if i % 2 == 0 {
-            let c = bench.cryo_arm(size.0)?;
-            (c, bench.cli_arm(size.0)?)
-        } else {
-            let l = bench.cli_arm(size.0)?;
-            (bench.cryo_arm(size.0)?, l)
-        };
+    for size in &args.sizes {
+        let load_before = load_average();
+        let mut s = RowSamples::default();
+        let mut image_bytes = 0;
+        for round in 1..=args.rounds {
+            let (cryo, cli) = if a_first(round) {
+                let c = bench.cryo_arm(size.0)?;
+                (c, bench.cli_arm(size.0)?)
+            } else {
+                let l = bench.cli_arm(size.0)?;
+                (bench.cryo_arm(size.0)?, l)
+            };
+            image_bytes = cryo.image_bytes;
+            s.add(&cryo, &cli);
+        }
         let row = Row {
             memory_bytes: size.0,
-            image_bytes: cryo.image_bytes,
-            cryo_freeze_ms: cryo.freeze_ms,
-            cli_freeze_ms: cli.freeze_ms,
-            freeze_ratio: cli.freeze_ms / cryo.freeze_ms,
-            cryo_thaw_ms: cryo.thaw_ms,
-            cli_thaw_ms: cli.thaw_ms,
-            thaw_ratio: cli.thaw_ms / cryo.thaw_ms,
-            first_answer_ms: cryo.first_answer_ms,
-            cryo_freeze_steps: cryo.freeze_steps,
-            cryo_thaw_steps: cryo.thaw_steps,
+            image_bytes,
+            rounds: args.rounds,
+            cryo_freeze_ms: s.cryo_freeze_ms.median(),
+            cli_freeze_ms: s.cli_freeze_ms.median(),
+            freeze_ratio: s.cli_freeze_ms.median() / s.cryo_freeze_ms.median(),
+            cryo_thaw_ms: s.cryo_thaw_ms.median(),
+            cli_thaw_ms: s.cli_thaw_ms.median(),
+            thaw_ratio: s.cli_thaw_ms.median() / s.cryo_thaw_ms.median(),
+            first_answer_ms: s.first_answer_ms.median(),
+            cryo_freeze_steps: s.cryo_freeze_steps.each_ref().map(Samples::median),
+            cryo_thaw_steps: s.cryo_thaw_steps.each_ref().map(Samples::median),
+            load_before,
+            load_after: load_average(),
+            samples: s,
         };
         if !args.json {
-            println!(
-                "{:>9}  {:>7.0} ms {:>7.0} ms {:>5.2}x  {:>7.0} ms {:>7.0} ms {:>5.2}x  {:>9.0} ms",
-                human(row.memory_bytes),
-                row.cryo_freeze_ms,
-                row.cli_freeze_ms,
-                row.freeze_ratio,
-                row.cryo_thaw_ms,
-                row.cli_thaw_ms,
-                row.thaw_ratio,
-                row.first_answer_ms
-            );
-            let [s, d, p] = row.cryo_freeze_steps;
-            let [v, c, g] = row.cryo_thaw_steps;
-            println!("{:>9}  cryo freeze: suspend {s:.0} + dump {d:.0} + publish {p:.0} ms; cryo thaw: verify {v:.0} + criu {c:.0} + GPU {g:.0} ms", "");
+            print_row(&row);
         }
         rows.push(row);
+        bench.ledger_empty()?;
     }
-    bench.ledger_empty()?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
-        println!("ratio = cli / cryo (above 1: cryo faster); cryo also hashes, verifies and prechecks the image; wedge ledger empty");
+        println!(
+            "ratio = median cli / median cryo (above 1: cryo faster); cryo also hashes, fsyncs, \
+             verifies and prechecks the image; wedge ledger empty"
+        );
+        println!("{}", load_line("end", load_average()));
     }
     Ok(())
+}
+
+fn print_row(row: &Row) {
+    let s = &row.samples;
+    println!(
+        "{}: image {}",
+        human(row.memory_bytes),
+        human(row.image_bytes)
+    );
+    println!(
+        "  freeze: cryo {:>20}  cli {:>20}  ratio {:.2}x",
+        s.cryo_freeze_ms.cell(),
+        s.cli_freeze_ms.cell(),
+        row.freeze_ratio
+    );
+    println!(
+        "  thaw:   cryo {:>20}  cli {:>20}  ratio {:.2}x",
+        s.cryo_thaw_ms.cell(),
+        s.cli_thaw_ms.cell(),
+        row.thaw_ratio
+    );
+    println!(
+        "  thaw request to first answered request (cryo): {}",
+        s.first_answer_ms.cell()
+    );
+    let [sp, d, p] = row.cryo_freeze_steps;
+    let [v, c, g] = row.cryo_thaw_steps;
+    println!(
+        "  cryo's steps (medians): freeze = suspend {sp:.0} + dump {d:.0} + publish {p:.0} ms; \
+         thaw = verify {v:.0} + criu {c:.0} + GPU {g:.0} ms"
+    );
 }
 
 struct Arm {

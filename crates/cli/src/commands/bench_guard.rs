@@ -2,13 +2,28 @@
 //! suspension, on a private simulated GPU (loopback HTTP).
 //!
 //! # Design
-//! 1. One restored sim worker serves completions; blocks of requests alternate between unguarded
-//!    and guarded (attach/detach between blocks), so both sides see the same machine state; p50
-//!    and p99 of each side and their ratio are printed.
-//! 2. For each round, a fresh restored worker is guarded and sent SIGTERM; the time from the
-//!    signal to the worker having exited with its context suspended (journal `Verified`, NVML
-//!    empty) is set against a bare suspension (`cryo_lifecycle::suspend`) of another fresh
-//!    restored worker of the same size.
+//! 1. **Latency.** One restored sim worker serves completions (one new connection per request,
+//!    as a load balancer's health or short requests do). After one warm-up batch per arm (not
+//!    counted), 20 batches per arm alternate on that same worker, the guard attached before a
+//!    guarded batch and detached after it, the arm that goes first alternating from pair to pair
+//!    (A B, B A, ...): both arms see the same worker, the same memory and the same host noise.
+//!    p50 and p99 of each arm over all its requests, and the guarded/unguarded ratios.
+//! 2. **Fatal signal.** Per round, a fresh restored worker is guarded and sent SIGTERM; the time
+//!    from the signal to the worker having exited with its context suspended (journal `Verified`,
+//!    NVML empty) is set against a bare suspension (`cryo_lifecycle::suspend`) of another fresh
+//!    restored worker of the same size. One warm-up round of each, then `--rounds` rounds with the
+//!    arm order alternating; median (min-max) of each and the ratio of the medians.
+//!
+//! The wedge ledger must stay empty. The host's load average is printed at the start and end.
+//!
+//! # What the numbers mean, and limitations
+//! The guard traces with ptrace but stops a worker only on signals, clones and exits, none of
+//! which a request causes (the worker answers on a fixed pool of threads), so the latency ratio
+//! is expected to be 1 within noise; the p99 of N requests is decided by the N/100 slowest ones,
+//! so on a shared 2-core VM it moves by several percent between runs and a p99 ratio within a few
+//! percent of 1 is "no measurable overhead", not a precise cost. The fatal-signal arm includes
+//! what a bare suspension does not: the tracer's stop, the journal's fsyncs and the death
+//! itself; the simulated checkpoint is a memory copy whose speed swings with page-fault costs.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -21,10 +36,13 @@ use cryo_guard::{Guard, GuardConfig};
 use cryo_journal::Event;
 use cryo_lifecycle::{NoProgress, SuspendOptions};
 use cryo_proc::ProcHandle;
+use serde::Serialize;
 
+use super::bench::{a_first, load_average, load_line, Samples};
 use crate::args::guard::BenchGuardArgs;
 
-const BLOCKS: usize = 10;
+/// Batches per arm in the latency measurement.
+const BATCHES: usize = 20;
 
 struct Sim {
     dir: PathBuf,
@@ -138,6 +156,152 @@ fn us(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// One arm's request latencies, µs.
+#[derive(Debug, Serialize)]
+struct Latency {
+    requests: usize,
+    p50_us: f64,
+    p99_us: f64,
+}
+
+impl Latency {
+    fn of(mut v: Vec<Duration>) -> Latency {
+        v.sort_unstable();
+        Latency {
+            requests: v.len(),
+            p50_us: us(pct(&v, 0.5)),
+            p99_us: us(pct(&v, 0.99)),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct LatencyResult {
+    batches_per_arm: usize,
+    unguarded: Latency,
+    guarded: Latency,
+    p50_ratio: f64,
+    p99_ratio: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct SignalResult {
+    rounds: usize,
+    memory_bytes: u64,
+    /// Median, ms.
+    via_guard_ms: f64,
+    /// Median, ms.
+    bare_suspend_ms: f64,
+    /// Median via the guard / median bare suspension.
+    ratio: f64,
+    via_guard_samples_ms: Samples,
+    bare_suspend_samples_ms: Samples,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    latency: LatencyResult,
+    fatal_signal: SignalResult,
+    load_start: [f64; 3],
+    load_end: [f64; 3],
+}
+
+/// Sends one batch of requests, with the guard attached around it when `guarded`.
+fn batch(
+    guard: &Guard,
+    pid: i32,
+    port: u16,
+    guarded: bool,
+    n: usize,
+    tag: usize,
+    out: &mut Vec<Duration>,
+) -> anyhow::Result<()> {
+    if guarded {
+        guard.attach_pid(pid).context("attaching")?;
+    }
+    for i in 0..n {
+        out.push(request(port, &format!("prompt {tag} {i}"))?);
+    }
+    if guarded {
+        guard.detach(pid).context("detaching")?;
+    }
+    Ok(())
+}
+
+fn latency(guard: &Guard, pid: i32, port: u16, requests: usize) -> anyhow::Result<LatencyResult> {
+    let per_batch = (requests / BATCHES).max(1);
+    // Warm-up, one batch per arm: not counted.
+    let mut scratch = Vec::new();
+    batch(guard, pid, port, false, per_batch, 0, &mut scratch)?;
+    batch(guard, pid, port, true, per_batch, 1, &mut scratch)?;
+    let (mut bare, mut guarded) = (Vec::new(), Vec::new());
+    for pair in 0..BATCHES {
+        let order = if a_first(pair) {
+            [false, true]
+        } else {
+            [true, false]
+        };
+        for (k, on) in order.into_iter().enumerate() {
+            let out = if on { &mut guarded } else { &mut bare };
+            batch(guard, pid, port, on, per_batch, 2 + 2 * pair + k, out)?;
+        }
+    }
+    let (bare, guarded) = (Latency::of(bare), Latency::of(guarded));
+    Ok(LatencyResult {
+        batches_per_arm: BATCHES,
+        p50_ratio: guarded.p50_us / bare.p50_us.max(1e-9),
+        p99_ratio: guarded.p99_us / bare.p99_us.max(1e-9),
+        unguarded: bare,
+        guarded,
+    })
+}
+
+/// A fresh restored worker suspended bare; ms.
+fn bare_round(sim: &mut Sim, gpu: &cryo_gpu::Gpu, memory: u64) -> anyhow::Result<f64> {
+    let (p, _) = sim.restored_worker(gpu, memory)?;
+    let h = ProcHandle::open(p)?;
+    let t = Instant::now();
+    let outcome =
+        cryo_lifecycle::suspend(gpu, &[&h], &SuspendOptions::default(), None, &NoProgress);
+    let took = t.elapsed();
+    if outcome.iter().any(|o| o.result.is_err()) {
+        bail!("bare suspension failed: {outcome:?}");
+    }
+    Ok(ms(took))
+}
+
+/// A fresh restored worker, guarded, sent SIGTERM; ms from the signal to its death after a
+/// verified suspension.
+fn guard_round(
+    sim: &mut Sim,
+    gpu: &cryo_gpu::Gpu,
+    guard: &Guard,
+    journal_dir: &Path,
+    memory: u64,
+) -> anyhow::Result<f64> {
+    let (p, _) = sim.restored_worker(gpu, memory)?;
+    let id = guard.attach_pid(p)?;
+    let h = ProcHandle::open(p)?;
+    let t = Instant::now();
+    h.signal(rustix::process::Signal::Term)?;
+    if !h.wait_exit(Duration::from_secs(60)) {
+        bail!("pid {p} did not die of SIGTERM under the guard");
+    }
+    let died = t.elapsed();
+    let recs = cryo_journal::read(journal_dir)?.records;
+    if !recs
+        .iter()
+        .any(|r| matches!(&r.event, Event::Verified { pid } if *pid == id))
+    {
+        bail!("pid {p} died without a verified suspension: the guard's path failed");
+    }
+    Ok(ms(died))
+}
+
 /// `cryo bench guard`.
 pub fn run(a: &BenchGuardArgs) -> anyhow::Result<()> {
     let tmp = tempfile::Builder::new()
@@ -150,58 +314,34 @@ pub fn run(a: &BenchGuardArgs) -> anyhow::Result<()> {
     let mut cfg = GuardConfig::new(&state);
     cfg.memory = None;
     let (guard, _) = Guard::start(gpu.clone(), cfg).context("starting the guard")?;
+    let load_start = load_average();
+    if !a.json {
+        println!("{}", load_line("start", load_start));
+    }
 
-    // 1. Latency, guarded and not, in alternating blocks.
+    // 1. Latency, guarded and not, in alternating batches on one worker.
     let (pid, port) = sim.restored_worker(&gpu, a.memory.0)?;
-    let per_block = (a.requests / BLOCKS).max(1);
-    let (mut bare, mut guarded) = (Vec::new(), Vec::new());
-    for _ in 0..per_block.min(50) {
-        request(port, "warm up")?;
+    let lat = latency(&guard, pid, port, a.requests)?;
+    if !a.json {
+        println!(
+            "request latency over loopback, one worker, {} requests per arm in {} alternating \
+             batches per arm (ABBA, guard attached/detached around each guarded batch), after 1 \
+             warm-up batch per arm:",
+            lat.unguarded.requests, lat.batches_per_arm
+        );
+        for (name, l) in [("unguarded", &lat.unguarded), ("guarded", &lat.guarded)] {
+            println!(
+                "  {:<10} p50 {:>8.1} us  p99 {:>8.1} us",
+                format!("{name}:"),
+                l.p50_us,
+                l.p99_us
+            );
+        }
+        println!(
+            "  ratio guarded/unguarded: p50 {:.3}  p99 {:.3}",
+            lat.p50_ratio, lat.p99_ratio
+        );
     }
-    for b in 0..BLOCKS * 2 {
-        let on = b % 2 == 1;
-        if on {
-            guard.attach_pid(pid).context("attaching")?;
-        }
-        for i in 0..per_block {
-            let d = request(port, &format!("prompt {b} {i}"))?;
-            if on {
-                guarded.push(d)
-            } else {
-                bare.push(d)
-            }
-        }
-        if on {
-            guard.detach(pid).context("detaching")?;
-        }
-    }
-    bare.sort_unstable();
-    guarded.sort_unstable();
-    let (b50, b99, g50, g99) = (
-        pct(&bare, 0.5),
-        pct(&bare, 0.99),
-        pct(&guarded, 0.5),
-        pct(&guarded, 0.99),
-    );
-    println!(
-        "request latency over loopback, {} requests each side, {BLOCKS} alternating blocks:",
-        bare.len()
-    );
-    println!(
-        "  unguarded: p50 {:>8.1} us  p99 {:>8.1} us",
-        us(b50),
-        us(b99)
-    );
-    println!(
-        "  guarded:   p50 {:>8.1} us  p99 {:>8.1} us",
-        us(g50),
-        us(g99)
-    );
-    println!(
-        "  ratio guarded/unguarded: p50 {:.3}  p99 {:.3}",
-        us(g50) / us(b50).max(1e-9),
-        us(g99) / us(b99).max(1e-9)
-    );
 
     // Suspended before the bench ends, so that killing it is safe.
     let h = ProcHandle::open(pid)?;
@@ -212,61 +352,71 @@ pub fn run(a: &BenchGuardArgs) -> anyhow::Result<()> {
         bail!("cannot suspend the latency worker");
     }
 
-    // 2. Fatal signal to suspended, against a bare suspension.
+    // 2. Fatal signal to suspended, against a bare suspension; round 0 is the warm-up.
     let journal_dir = state.join("journal");
-    let mut via_guard = Vec::new();
-    let mut bare_suspend = Vec::new();
-    for _ in 0..a.rounds {
-        let (p, _) = sim.restored_worker(&gpu, a.memory.0)?;
-        let h = ProcHandle::open(p)?;
-        let t = Instant::now();
-        let outcome =
-            cryo_lifecycle::suspend(&gpu, &[&h], &SuspendOptions::default(), None, &NoProgress);
-        if outcome.iter().any(|o| o.result.is_err()) {
-            bail!("bare suspension failed: {outcome:?}");
+    let (mut via_guard, mut bare) = (Samples::default(), Samples::default());
+    for round in 0..=a.rounds {
+        let order = if a_first(round) {
+            [true, false]
+        } else {
+            [false, true]
+        };
+        for use_guard in order {
+            let took = if use_guard {
+                guard_round(&mut sim, &gpu, &guard, &journal_dir, a.memory.0)?
+            } else {
+                bare_round(&mut sim, &gpu, a.memory.0)?
+            };
+            if round == 0 {
+                continue;
+            }
+            if use_guard {
+                via_guard.push(took);
+            } else {
+                bare.push(took);
+            }
         }
-        bare_suspend.push(t.elapsed());
-
-        let (p, _) = sim.restored_worker(&gpu, a.memory.0)?;
-        let id = guard.attach_pid(p)?;
-        let h = ProcHandle::open(p)?;
-        let t = Instant::now();
-        h.signal(rustix::process::Signal::Term)?;
-        if !h.wait_exit(Duration::from_secs(60)) {
-            bail!("pid {p} did not die of SIGTERM under the guard");
-        }
-        let died = t.elapsed();
-        let recs = cryo_journal::read(&journal_dir)?.records;
-        if !recs
-            .iter()
-            .any(|r| matches!(&r.event, Event::Verified { pid } if *pid == id))
-        {
-            bail!("pid {p} died without a verified suspension: the guard's path failed");
-        }
-        via_guard.push(died);
     }
-    let mean =
-        |v: &[Duration]| v.iter().sum::<Duration>() / u32::try_from(v.len().max(1)).unwrap_or(1);
-    println!(
-        "fatal signal (SIGTERM) to dead-with-context-suspended, {} rounds, {} of device memory:",
-        a.rounds,
-        crate::args::ByteSize(a.memory.0)
-    );
-    println!(
-        "  via the guard:    mean {:>8.2} ms",
-        mean(&via_guard).as_secs_f64() * 1e3
-    );
-    println!(
-        "  bare suspension:  mean {:>8.2} ms",
-        mean(&bare_suspend).as_secs_f64() * 1e3
-    );
-    println!(
-        "  ratio guard/bare: {:.3}",
-        mean(&via_guard).as_secs_f64() / mean(&bare_suspend).as_secs_f64().max(1e-9)
-    );
+    let sig = SignalResult {
+        rounds: a.rounds,
+        memory_bytes: a.memory.0,
+        via_guard_ms: via_guard.median(),
+        bare_suspend_ms: bare.median(),
+        ratio: via_guard.median() / bare.median().max(1e-9),
+        via_guard_samples_ms: via_guard,
+        bare_suspend_samples_ms: bare,
+    };
     let wedges = cryo_sim::SimControl::new(&sim_dir).ledger()?;
     if !wedges.is_empty() {
         bail!("the wedge ledger is not empty: {wedges:?}");
+    }
+    let report = Report {
+        latency: lat,
+        fatal_signal: sig,
+        load_start,
+        load_end: load_average(),
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        let sig = &report.fatal_signal;
+        println!(
+            "fatal signal (SIGTERM) to dead-with-context-suspended, {} rounds after 1 warm-up, \
+             arm order alternating, fresh worker of {} device memory per arm:",
+            sig.rounds,
+            crate::args::ByteSize(sig.memory_bytes)
+        );
+        println!(
+            "  via the guard:    {} ms, median (min-max)",
+            sig.via_guard_samples_ms.cell1()
+        );
+        println!(
+            "  bare suspension:  {} ms, median (min-max)",
+            sig.bare_suspend_samples_ms.cell1()
+        );
+        println!("  ratio guard/bare: {:.3} (medians)", sig.ratio);
+        println!("wedge ledger empty");
+        println!("{}", load_line("end", report.load_end));
     }
     guard.shutdown();
     drop(guard);
