@@ -210,7 +210,9 @@ impl Env {
         let out = self.cryo(&["stop", &pid.to_string()]);
         assert!(
             out.status.success(),
-            "cryo stop {pid} failed: {}",
+            "cryo stop {pid} failed ({}): {}{}",
+            out.status,
+            stdout(&out),
             stderr(&out)
         );
         // Our own worker (never frozen) is reaped through its Child, a thawed one by pid.

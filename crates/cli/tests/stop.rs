@@ -621,7 +621,9 @@ fn bench_stop_runs_with_tiny_workers() {
     let rows: Vec<&str> = o.lines().filter(|l| l.trim_end().ends_with('x')).collect();
     assert_eq!(rows.len(), 3, "{o}");
     let json = cryo()
-        .args(["bench", "stop", "--memory", "1MiB", "--rounds", "1", "--json"])
+        .args([
+            "bench", "stop", "--memory", "1MiB", "--rounds", "1", "--json",
+        ])
         .output()
         .unwrap();
     ok(&json);

@@ -52,7 +52,7 @@ use crate::memory::{CgroupVersion, MemoryCgroup};
 use crate::pidfd::PidFd;
 use crate::policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Target};
 use crate::tracer::{AttachError, DetachError, SpawnError, Tracer, TracerGone};
-use crate::{procfs, signals, Pid};
+use crate::{procfs, Pid};
 
 /// What happens after a GPU is quarantined.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -246,6 +246,9 @@ struct Inner {
     watched: Mutex<BTreeMap<Pid, Watched>>,
     paused: Mutex<BTreeSet<Pid>>,
     pins: Mutex<Vec<Pin>>,
+    /// Whether the operator was told that this host refuses `oom_score_adj` (once is enough:
+    /// every later process gets the same answer, shown per process in `cryo status`).
+    oom_warned: std::sync::atomic::AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -256,7 +259,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 fn describe(cause: ExitCause) -> String {
     match cause {
         ExitCause::Exited(code) => format!("exited with status {code}"),
-        ExitCause::Signaled { signal, .. } => format!("killed by {}", signals::name(signal)),
+        ExitCause::Signaled { signal, .. } => {
+            format!("killed by {}", cryo_proc::signal_name(signal))
+        }
     }
 }
 
@@ -388,7 +393,7 @@ impl Policy for PolicyHandle {
         );
         match outcome.into_iter().next().map(|o| o.result) {
             Some(Ok(s)) => {
-                tracing::warn!(pid, signal = %signals::name(signal.signal), state_before = %s.state_before, "suspended before delivering a fatal signal");
+                tracing::warn!(pid, signal = %cryo_proc::signal_name(signal.signal), state_before = %s.state_before, "suspended before delivering a fatal signal");
             }
             Some(Err(f)) => {
                 tracing::error!(pid, reason = %f.reason(), "cannot suspend before a fatal signal; the exit stop will pin");
@@ -517,6 +522,7 @@ impl Guard {
             watched: Mutex::new(BTreeMap::new()),
             paused: Mutex::new(BTreeSet::new()),
             pins: Mutex::new(Vec::new()),
+            oom_warned: std::sync::atomic::AtomicBool::new(false),
             cfg,
         });
         let tracer = Tracer::spawn(Arc::new(PolicyHandle(Arc::clone(&inner))))?;
@@ -591,7 +597,15 @@ impl Guard {
         let oom = match procfs::set_oom_score_adj(&pidfd, self.inner.cfg.oom_score_adj) {
             Ok(()) => self.inner.cfg.oom_score_adj.to_string(),
             Err(e) => {
-                tracing::warn!(pid = id.pid, err = %e, "oom_score_adj not set");
+                if self
+                    .inner
+                    .oom_warned
+                    .swap(true, std::sync::atomic::Ordering::Relaxed)
+                {
+                    tracing::debug!(pid = id.pid, err = %e, "oom_score_adj not set");
+                } else {
+                    tracing::warn!(pid = id.pid, err = %e, "oom_score_adj not set (this host refuses it; `cryo status` shows it per process)");
+                }
                 format!("not set: {e}")
             }
         };

@@ -7,6 +7,8 @@
 //! (abort handlers, Python's faulthandler) is caught on the second delivery. A synchronous fault
 //! (SEGV, BUS, ILL, FPE) that is blocked or ignored is reset to `SIG_DFL` by the kernel before it
 //! is queued, so the masks read at the stop already say "default".
+//!
+//! Signal names come from [`cryo_proc::signal_name`].
 
 /// Signal numbers whose default action terminates the process (with or without a core dump).
 /// SIGKILL is left out: it never reaches a signal-delivery-stop, the exit stop catches it.
@@ -59,46 +61,6 @@ pub fn is_stop_signal(signal: i32) -> bool {
     )
 }
 
-/// `SIGTERM`, `SIGRTMIN+3`...: a name for logs and journals.
-pub fn name(signal: i32) -> String {
-    let fixed = match signal {
-        libc::SIGHUP => "SIGHUP",
-        libc::SIGINT => "SIGINT",
-        libc::SIGQUIT => "SIGQUIT",
-        libc::SIGILL => "SIGILL",
-        libc::SIGTRAP => "SIGTRAP",
-        libc::SIGABRT => "SIGABRT",
-        libc::SIGBUS => "SIGBUS",
-        libc::SIGFPE => "SIGFPE",
-        libc::SIGKILL => "SIGKILL",
-        libc::SIGUSR1 => "SIGUSR1",
-        libc::SIGSEGV => "SIGSEGV",
-        libc::SIGUSR2 => "SIGUSR2",
-        libc::SIGPIPE => "SIGPIPE",
-        libc::SIGALRM => "SIGALRM",
-        libc::SIGTERM => "SIGTERM",
-        libc::SIGSTKFLT => "SIGSTKFLT",
-        libc::SIGCHLD => "SIGCHLD",
-        libc::SIGCONT => "SIGCONT",
-        libc::SIGSTOP => "SIGSTOP",
-        libc::SIGTSTP => "SIGTSTP",
-        libc::SIGTTIN => "SIGTTIN",
-        libc::SIGTTOU => "SIGTTOU",
-        libc::SIGURG => "SIGURG",
-        libc::SIGXCPU => "SIGXCPU",
-        libc::SIGXFSZ => "SIGXFSZ",
-        libc::SIGVTALRM => "SIGVTALRM",
-        libc::SIGPROF => "SIGPROF",
-        libc::SIGWINCH => "SIGWINCH",
-        libc::SIGIO => "SIGIO",
-        libc::SIGPWR => "SIGPWR",
-        libc::SIGSYS => "SIGSYS",
-        n if (32..=64).contains(&n) => return format!("SIGRT{n}"),
-        n => return format!("signal {n}"),
-    };
-    fixed.to_string()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -117,6 +79,5 @@ mod tests {
         assert!(is_fatal(libc::SIGRTMIN() + 1, 0, 0));
         assert!(is_fatal(64, 0, 0));
         assert!(!is_fatal(65, 0, 0));
-        assert_eq!(name(libc::SIGSEGV), "SIGSEGV");
     }
 }

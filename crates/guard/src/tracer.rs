@@ -810,7 +810,7 @@ impl Engine {
             code: info.map_or(0, |i| i.code),
             sender: info.and_then(|i| i.sender),
         };
-        tracing::info!(pid, tid, signal = %signals::name(signal), "holding a fatal signal");
+        tracing::info!(pid, tid, signal = %cryo_proc::signal_name(signal), "holding a fatal signal");
         let token = self.hold(tid);
         let Some(target) = self.procs.get(&pid).map(|p| p.target.clone()) else {
             return;

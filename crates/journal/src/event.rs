@@ -403,7 +403,7 @@ impl Event {
 
     /// The event's values as the timeline shows them (`1830 ms, 5.8 GB`); empty when none.
     pub fn detail(&self) -> String {
-        use crate::timeline::{fmt_bytes, fmt_signal};
+        use crate::timeline::fmt_bytes;
         use Event::*;
         match self {
             StopRequested { target } => format!("target {target}"),
@@ -414,7 +414,9 @@ impl Event {
             VerifyFailed { bytes_left, .. } => {
                 format!("{} still on the GPU", fmt_bytes(*bytes_left))
             }
-            KillStarted { signal, .. } | FatalSignal { signal, .. } => fmt_signal(*signal),
+            KillStarted { signal, .. } | FatalSignal { signal, .. } => {
+                cryo_proc::signal_name(*signal)
+            }
             Refused { reason, hint, .. } => format!("{reason} (hint: {hint})"),
             StopCompleted { target, killed, ms } => {
                 format!("target {target}, {} ended, {ms} ms", killed.len())

@@ -46,17 +46,15 @@ pub enum ProcIdError {
 impl ProcId {
     /// The identity of the process that holds `pid` now.
     pub fn of(pid: i32) -> Result<ProcId, ProcIdError> {
-        let (_, start_time) = read_stat(pid)?;
+        let start_time = read_stat(pid)?.start_time;
         Ok(ProcId { pid, start_time })
     }
 
     /// Whether the pid still names this very process (same start time) and it has not exited
     /// (a zombie counts as gone: its memory and fds, GPU context included, are already released).
     pub fn is_alive_same(&self) -> bool {
-        match read_stat(self.pid) {
-            Ok((state, start)) => start == self.start_time && state != 'Z' && state != 'X',
-            Err(_) => false,
-        }
+        read_stat(self.pid)
+            .is_ok_and(|st| st.start_time == self.start_time && st.state != 'Z' && st.state != 'X')
     }
 }
 
@@ -66,45 +64,23 @@ impl fmt::Display for ProcId {
     }
 }
 
-/// State letter and start time of `pid`.
-fn read_stat(pid: i32) -> Result<(char, u64), ProcIdError> {
-    if pid <= 0 {
-        return Err(ProcIdError::NoSuchProcess { pid });
-    }
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|source| {
-        if source.kind() == io::ErrorKind::NotFound {
-            ProcIdError::NoSuchProcess { pid }
-        } else {
+/// `/proc/PID/stat`, read by `cryo-proc`, with its errors in this crate's terms.
+fn read_stat(pid: i32) -> Result<cryo_proc::Stat, ProcIdError> {
+    use cryo_proc::ProcError;
+    cryo_proc::stat(pid).map_err(|e| match e {
+        ProcError::BadStat { pid, reason } => ProcIdError::BadStat { pid, reason },
+        ProcError::Os { source, .. } | ProcError::Cgroup { source, .. } => {
             ProcIdError::Read { pid, source }
         }
-    })?;
-    parse_stat(&text).map_err(|reason| ProcIdError::BadStat { pid, reason })
-}
-
-/// Parses the state (field 3) and start time (field 22) of a `/proc/PID/stat` line. `comm` may hold
-/// spaces and parentheses, so fields are counted after its last `)`.
-fn parse_stat(text: &str) -> Result<(char, u64), &'static str> {
-    let close = text.rfind(')').ok_or("no ')' after comm")?;
-    let mut fields = text[close + 1..].split_ascii_whitespace();
-    let state = fields
-        .next()
-        .and_then(|s| s.chars().next())
-        .ok_or("no state field")?;
-    // Field 3 was the state; field 22 is 19 further on.
-    let start = fields.nth(18).ok_or("no starttime field")?;
-    let start = start.parse().map_err(|_| "starttime is not a number")?;
-    Ok((state, start))
+        ProcError::NoSuchProcess(_) | ProcError::Reused { .. } => {
+            ProcIdError::NoSuchProcess { pid }
+        }
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_comm_with_parens_and_spaces() {
-        let line = "42 (a) b (c)) S 1 42 42 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 10";
-        assert_eq!(parse_stat(line), Ok(('S', 987654)));
-    }
 
     #[test]
     fn own_process_is_alive_and_a_changed_start_time_is_not() {

@@ -100,29 +100,3 @@ pub(crate) fn fmt_bytes(n: u64) -> String {
     }
     format!("{v:.1} {unit}")
 }
-
-/// `SIGKILL`, or `signal 42` for numbers without a common name.
-pub(crate) fn fmt_signal(sig: i32) -> String {
-    let name = match sig {
-        1 => "SIGHUP",
-        2 => "SIGINT",
-        3 => "SIGQUIT",
-        4 => "SIGILL",
-        5 => "SIGTRAP",
-        6 => "SIGABRT",
-        7 => "SIGBUS",
-        8 => "SIGFPE",
-        9 => "SIGKILL",
-        10 => "SIGUSR1",
-        11 => "SIGSEGV",
-        12 => "SIGUSR2",
-        13 => "SIGPIPE",
-        14 => "SIGALRM",
-        15 => "SIGTERM",
-        24 => "SIGXCPU",
-        25 => "SIGXFSZ",
-        31 => "SIGSYS",
-        _ => return format!("signal {sig}"),
-    };
-    name.to_owned()
-}

@@ -1,10 +1,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 //! The journal with real writer processes: killed mid-write, racing each other, read while they
-//! write. Children are this test binary re-executed into `child_writer` (an ignored test that
-//! acts only when `CRYO_JOURNAL_CHILD` is set).
+//! write. Children are the crate's helper binary `cryo-journal-testee`.
 
+use std::ffi::OsStr;
 use std::fs::File;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -13,8 +13,6 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use cryo_journal::{in_flight_stops, read, Event, Journal, ProcId, Reader, Record, StopStep};
-
-const CHILD: &str = "CRYO_JOURNAL_CHILD";
 
 /// The payload a child writes as its `n`th record: self-describing, so a reader can tell a
 /// misread from the real thing.
@@ -45,53 +43,6 @@ fn seqs_contiguous(records: &[Record]) {
     }
 }
 
-#[test]
-#[ignore = "helper process re-executed by the other tests of this file"]
-fn child_writer() {
-    let mode = std::env::var(CHILD).expect("run only by the other tests (CRYO_JOURNAL_CHILD)");
-    let dir = std::env::var("CRYO_JOURNAL_DIR").unwrap();
-    let tag = std::env::var("CRYO_JOURNAL_TAG").unwrap();
-    let count: u64 = std::env::var("CRYO_JOURNAL_COUNT")
-        .unwrap()
-        .parse()
-        .unwrap();
-    let len: usize = std::env::var("CRYO_JOURNAL_LEN").unwrap().parse().unwrap();
-    let journal = Journal::open(&dir).unwrap();
-    let me = ProcId::of(std::process::id() as i32).unwrap();
-    let mut out = std::io::stdout().lock();
-    match mode.as_str() {
-        "write" => {
-            for n in 0..count {
-                let r = journal
-                    .append(Event::Refused {
-                        pid: me,
-                        reason: reason(&tag, n, len),
-                        hint: String::new(),
-                    })
-                    .unwrap();
-                writeln!(out, "acked {}", r.seq).unwrap();
-                out.flush().unwrap();
-            }
-        }
-        "intent" => {
-            journal
-                .append(Event::StopRequested {
-                    target: format!("pid {}", me.pid),
-                })
-                .unwrap();
-            journal.append(Event::LockStarted { pid: me }).unwrap();
-            journal.append(Event::Locked { pid: me, ms: 3 }).unwrap();
-            journal
-                .append(Event::CheckpointStarted { pid: me })
-                .unwrap();
-            writeln!(out, "acked ready").unwrap();
-            out.flush().unwrap();
-            thread::sleep(Duration::from_secs(600));
-        }
-        other => panic!("unknown child mode {other}"),
-    }
-}
-
 /// A child process, killed and reaped when dropped (a failing test leaves none behind).
 struct Kid(Child);
 
@@ -115,27 +66,11 @@ impl Drop for Kid {
     }
 }
 
-/// Spawns a child writer; its `acked` lines arrive on the returned channel.
-fn spawn(
-    mode: &str,
-    dir: &Path,
-    tag: &str,
-    count: u64,
-    len: usize,
-) -> (Kid, mpsc::Receiver<String>) {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "child_writer",
-            "--include-ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD, mode)
-        .env("CRYO_JOURNAL_DIR", dir)
-        .env("CRYO_JOURNAL_TAG", tag)
-        .env("CRYO_JOURNAL_COUNT", count.to_string())
-        .env("CRYO_JOURNAL_LEN", len.to_string())
+/// Starts `cryo-journal-testee ARGS...`; its stdout lines arrive on the returned channel, which
+/// disconnects when the child closes its stdout (exits).
+fn testee(args: &[&OsStr]) -> (Kid, mpsc::Receiver<String>) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cryo-journal-testee"))
+        .args(args)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -145,13 +80,46 @@ fn spawn(
         for line in BufReader::new(stdout).lines() {
             let Ok(line) = line else { break };
             // Keep draining even when nobody listens, or the child dies of EPIPE.
-            // libtest prints "test child_writer ... " before the first line.
-            if let Some(i) = line.find("acked ") {
-                let _ = tx.send(line[i + "acked ".len()..].to_owned());
-            }
+            let _ = tx.send(line);
         }
     });
     (Kid(child), rx)
+}
+
+/// Spawns a child writer appending `count` records of `len` bytes tagged `tag`; the seqs it
+/// acknowledged arrive on the returned channel.
+fn spawn_writer(dir: &Path, tag: &str, count: u64, len: usize) -> (Kid, mpsc::Receiver<String>) {
+    let (count, len) = (count.to_string(), len.to_string());
+    let (kid, lines) = testee(&[
+        "write".as_ref(),
+        dir.as_os_str(),
+        tag.as_ref(),
+        count.as_ref(),
+        len.as_ref(),
+    ]);
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        for line in lines {
+            if let Some(seq) = line.strip_prefix("acked ") {
+                let _ = tx.send(seq.to_owned());
+            }
+        }
+    });
+    (kid, rx)
+}
+
+/// Upper bound on waiting for a child's `ready`: a hang guard, not a timing assertion.
+const PATIENCE: Duration = Duration::from_secs(600);
+
+/// Where a stuck child is stuck, for the failure message.
+fn stuck(pid: u32) -> String {
+    let read = |f: &str| std::fs::read_to_string(format!("/proc/{pid}/{f}")).unwrap_or_default();
+    format!(
+        "stat {:?}, wchan {:?}, stack {:?}",
+        read("stat"),
+        read("wchan"),
+        read("stack")
+    )
 }
 
 fn wait_ok(child: &mut Child) {
@@ -208,7 +176,7 @@ fn torn_tail_after_kill_9_is_cut_and_complete_records_survive() {
         let _ = start;
         let end = std::fs::metadata(&path).unwrap().len();
         // 768 KiB records: copying one into the page cache takes long enough to be caught.
-        let (mut child, acks) = spawn("write", dir.path(), "kill", 1_000_000, 768 * 1024);
+        let (mut child, acks) = spawn_writer(dir.path(), "kill", 1_000_000, 768 * 1024);
         let deadline = Instant::now() + Duration::from_secs(20);
         assert!(
             kill_mid_write(&mut child, &path, end, deadline),
@@ -290,7 +258,7 @@ fn open_cuts_a_torn_tail_left_by_a_killed_writer() {
     let mut torn = None;
     for _ in 0..40 {
         let end = std::fs::metadata(&path).unwrap().len();
-        let (mut child, _acks) = spawn("write", dir.path(), "open", 1_000_000, 768 * 1024);
+        let (mut child, _acks) = spawn_writer(dir.path(), "open", 1_000_000, 768 * 1024);
         assert!(kill_mid_write(
             &mut child,
             &path,
@@ -322,8 +290,8 @@ fn open_cuts_a_torn_tail_left_by_a_killed_writer() {
 fn two_writer_processes_keep_every_record() {
     let dir = tempfile::tempdir().unwrap();
     let n = 200;
-    let (mut a, _) = spawn("write", dir.path(), "a", n, 300);
-    let (mut b, _) = spawn("write", dir.path(), "b", n, 5000);
+    let (mut a, _) = spawn_writer(dir.path(), "a", n, 300);
+    let (mut b, _) = spawn_writer(dir.path(), "b", n, 5000);
     // And a writer thread in this process too.
     let journal = Journal::open(dir.path()).unwrap();
     let me = ProcId::of(std::process::id() as i32).unwrap();
@@ -358,7 +326,7 @@ fn two_writer_processes_keep_every_record() {
 fn reader_sees_a_consistent_prefix_while_a_process_writes() {
     let dir = tempfile::tempdir().unwrap();
     let n = 300;
-    let (mut child, _) = spawn("write", dir.path(), "w", n, 200 * 1024);
+    let (mut child, _) = spawn_writer(dir.path(), "w", n, 200 * 1024);
     let mut follower = Reader::new(dir.path());
     let mut followed: Vec<Record> = Vec::new();
     let mut last_len = 0;
@@ -419,8 +387,19 @@ fn crash_between_intent_and_outcome_is_in_flight() {
     ] {
         journal.append(e).unwrap();
     }
-    let (mut child, acks) = spawn("intent", dir.path(), "i", 0, 0);
-    assert_eq!(acks.recv_timeout(Duration::from_secs(60)).unwrap(), "ready");
+    let (mut child, lines) = testee(&["intent".as_ref(), dir.path().as_os_str()]);
+    // The wait ends when the child says `ready` or exits; PATIENCE only catches a hang (four
+    // fdatasyncs can take long on a loaded host, which is no failure).
+    match lines.recv_timeout(PATIENCE) {
+        Ok(line) => assert_eq!(line, "ready"),
+        Err(mpsc::RecvTimeoutError::Disconnected) => {
+            panic!("the intent writer exited early: {}", child.wait().unwrap())
+        }
+        Err(mpsc::RecvTimeoutError::Timeout) => panic!(
+            "the intent writer is stuck before `ready`: {}",
+            stuck(child.id())
+        ),
+    }
     let id = ProcId::of(child.id() as i32).unwrap();
     child.kill().unwrap();
     child.wait().unwrap();

@@ -467,15 +467,7 @@ fn check_dumpable(root: Pid, handles: &[ProcHandle]) -> Result<(), FreezeError> 
 
 /// The session id of `pid` (`/proc/PID/stat`, field 6).
 pub fn session_of(pid: Pid) -> Result<Pid, ProcError> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map_err(|_| ProcError::NoSuchProcess(pid))?;
-    text.rsplit_once(')')
-        .and_then(|(_, rest)| rest.split_whitespace().nth(3))
-        .and_then(|s| s.parse().ok())
-        .ok_or(ProcError::BadStat {
-            pid,
-            reason: "no session field",
-        })
+    Ok(cryo_proc::stat(pid)?.session)
 }
 
 /// `TracerPid` of `pid` (0: not traced).

@@ -361,6 +361,13 @@ pub fn stop(
             Some(_) => std::thread::sleep(Duration::from_millis(20)),
         }
     }
+    // A process that exited on its own meanwhile (it was never classified, or died while we
+    // looked at it) has ended too: the target is stopped when every one of them is gone.
+    for r in reports.iter_mut() {
+        if let Some(h) = handles.iter().find(|h| h.pid() == r.pid) {
+            r.ended = !h.is_alive();
+        }
+    }
     journal.append(Event::StopCompleted {
         target: describe(target),
         killed: handles.iter().filter(|h| !h.is_alive()).map(id).collect(),

@@ -79,6 +79,8 @@ pub struct Stat {
     pub state: char,
     /// Parent pid.
     pub ppid: Pid,
+    /// Session id.
+    pub session: Pid,
     /// Start time in clock ticks since boot: with the pid, identifies a process.
     pub start_time: u64,
     /// Exit code as `waitpid` would report it; meaningful only for a zombie.
@@ -89,11 +91,19 @@ pub struct Stat {
 pub fn stat(pid: Pid) -> Result<Stat, ProcError> {
     let text = match fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(ProcError::NoSuchProcess(pid)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(ProcError::NoSuchProcess(pid))
+        }
         Err(e) if e.raw_os_error() == Some(rustix::io::Errno::SRCH.raw_os_error()) => {
             return Err(ProcError::NoSuchProcess(pid))
         }
-        Err(source) => return Err(ProcError::Os { what: "reading /proc/PID/stat", pid, source }),
+        Err(source) => {
+            return Err(ProcError::Os {
+                what: "reading /proc/PID/stat",
+                pid,
+                source,
+            })
+        }
     };
     parse_stat(pid, &text)
 }
@@ -103,15 +113,35 @@ fn parse_stat(pid: Pid, text: &str) -> Result<Stat, ProcError> {
     // comm may itself contain spaces and parentheses: it ends at the last ')'.
     let open = text.find('(').ok_or_else(|| bad("no '('"))?;
     let close = text.rfind(')').ok_or_else(|| bad("no ')'"))?;
-    let comm = text.get(open + 1..close).ok_or_else(|| bad("bad comm"))?.to_string();
-    let rest: Vec<&str> = text.get(close + 1..).ok_or_else(|| bad("truncated"))?.split_whitespace().collect();
+    let comm = text
+        .get(open + 1..close)
+        .ok_or_else(|| bad("bad comm"))?
+        .to_string();
+    let rest: Vec<&str> = text
+        .get(close + 1..)
+        .ok_or_else(|| bad("truncated"))?
+        .split_whitespace()
+        .collect();
     // rest[0] is field 3 (state); field N is rest[N - 3].
-    let field = |n: usize| rest.get(n - 3).copied().ok_or_else(|| bad("too few fields"));
+    let field = |n: usize| {
+        rest.get(n - 3)
+            .copied()
+            .ok_or_else(|| bad("too few fields"))
+    };
     let state = field(3)?.chars().next().ok_or_else(|| bad("empty state"))?;
     let ppid = field(4)?.parse().map_err(|_| bad("bad ppid"))?;
+    let session = field(6)?.parse().map_err(|_| bad("bad session"))?;
     let start_time = field(22)?.parse().map_err(|_| bad("bad starttime"))?;
     let exit_code = rest.get(52 - 3).and_then(|s| s.parse().ok());
-    Ok(Stat { pid, comm, state, ppid, start_time, exit_code })
+    Ok(Stat {
+        pid,
+        comm,
+        state,
+        ppid,
+        session,
+        start_time,
+        exit_code,
+    })
 }
 
 /// A process held through a pidfd.
@@ -131,11 +161,20 @@ impl ProcHandle {
             if e == rustix::io::Errno::SRCH {
                 ProcError::NoSuchProcess(pid)
             } else {
-                ProcError::Os { what: "pidfd_open", pid, source: e.into() }
+                ProcError::Os {
+                    what: "pidfd_open",
+                    pid,
+                    source: e.into(),
+                }
             }
         })?;
         let st = stat(pid)?;
-        let handle = ProcHandle { pid, start_time: st.start_time, comm: st.comm, pidfd };
+        let handle = ProcHandle {
+            pid,
+            start_time: st.start_time,
+            comm: st.comm,
+            pidfd,
+        };
         // The stat read belongs to the pidfd's process only if that process was still alive after
         // the read: then the pid cannot have been reused in between.
         if !handle.is_alive() {
@@ -148,7 +187,11 @@ impl ProcHandle {
     pub fn open_expected(pid: Pid, start_time: u64) -> Result<Self, ProcError> {
         let h = Self::open(pid)?;
         if h.start_time != start_time {
-            return Err(ProcError::Reused { pid, expected: start_time, found: h.start_time });
+            return Err(ProcError::Reused {
+                pid,
+                expected: start_time,
+                found: h.start_time,
+            });
         }
         Ok(h)
     }
@@ -207,7 +250,11 @@ impl ProcHandle {
         match pidfd_send_signal(self.pidfd.as_fd(), signal) {
             Ok(()) => Ok(()),
             Err(e) if e == rustix::io::Errno::SRCH => Err(ProcError::NoSuchProcess(self.pid)),
-            Err(e) => Err(ProcError::Os { what: "pidfd_send_signal", pid: self.pid, source: e.into() }),
+            Err(e) => Err(ProcError::Os {
+                what: "pidfd_send_signal",
+                pid: self.pid,
+                source: e.into(),
+            }),
         }
     }
 }
@@ -216,9 +263,19 @@ impl ProcHandle {
 pub fn tree(root: Pid) -> Result<Vec<Pid>, ProcError> {
     stat(root)?;
     let mut children: BTreeMap<Pid, Vec<Pid>> = BTreeMap::new();
-    let entries = fs::read_dir("/proc").map_err(|source| ProcError::Os { what: "listing /proc", pid: root, source })?;
+    let entries = fs::read_dir("/proc").map_err(|source| ProcError::Os {
+        what: "listing /proc",
+        pid: root,
+        source,
+    })?;
     for entry in entries.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<Pid>().ok()) else { continue };
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<Pid>().ok())
+        else {
+            continue;
+        };
         // Processes vanish while we scan; that is not an error.
         if let Ok(st) = stat(pid) {
             children.entry(st.ppid).or_default().push(pid);
@@ -237,53 +294,75 @@ pub fn tree(root: Pid) -> Result<Vec<Pid>, ProcError> {
 
 /// Every process in a cgroup (`path` is the cgroup directory, v1 or v2).
 pub fn cgroup_procs(path: &Path) -> Result<Vec<Pid>, ProcError> {
-    let file = if path.ends_with("cgroup.procs") { path.to_path_buf() } else { path.join("cgroup.procs") };
-    let text = fs::read_to_string(&file).map_err(|source| ProcError::Cgroup { path: file.clone(), source })?;
+    let file = if path.ends_with("cgroup.procs") {
+        path.to_path_buf()
+    } else {
+        path.join("cgroup.procs")
+    };
+    let text = fs::read_to_string(&file).map_err(|source| ProcError::Cgroup {
+        path: file.clone(),
+        source,
+    })?;
     let mut pids: Vec<Pid> = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
     pids.sort_unstable();
     pids.dedup();
     Ok(pids)
 }
 
-/// How a process that is now a zombie ended, in words (`killed by SIGKILL`, `exited with status 1`).
+/// How a process that is now a zombie ended, in words (`killed by SIGKILL`, `exited with status 1`),
+/// from its wait status (`/proc/PID/stat` field 52 of a zombie).
 pub fn describe_wait_status(status: i32) -> String {
     let sig = status & 0x7f;
     if sig == 0 {
         format!("exited with status {}", (status >> 8) & 0xff)
     } else {
-        let name = Signal::from_raw(sig).map(signal_name).unwrap_or("unknown signal");
-        let core = if status & 0x80 != 0 { " (core dumped)" } else { "" };
-        format!("killed by {name}{core}")
+        let core = if status & 0x80 != 0 {
+            " (core dumped)"
+        } else {
+            ""
+        };
+        format!("killed by {}{core}", signal_name(sig))
     }
 }
 
-/// The conventional name of a signal (`SIGKILL`).
-pub fn signal_name(sig: Signal) -> &'static str {
-    match sig {
-        Signal::Hup => "SIGHUP",
-        Signal::Int => "SIGINT",
-        Signal::Quit => "SIGQUIT",
-        Signal::Ill => "SIGILL",
-        Signal::Trap => "SIGTRAP",
-        Signal::Abort => "SIGABRT",
-        Signal::Bus => "SIGBUS",
-        Signal::Fpe => "SIGFPE",
-        Signal::Kill => "SIGKILL",
-        Signal::Usr1 => "SIGUSR1",
-        Signal::Segv => "SIGSEGV",
-        Signal::Usr2 => "SIGUSR2",
-        Signal::Pipe => "SIGPIPE",
-        Signal::Alarm => "SIGALRM",
-        Signal::Term => "SIGTERM",
-        Signal::Child => "SIGCHLD",
-        Signal::Cont => "SIGCONT",
-        Signal::Stop => "SIGSTOP",
-        Signal::Tstp => "SIGTSTP",
-        Signal::Xcpu => "SIGXCPU",
-        Signal::Xfsz => "SIGXFSZ",
-        Signal::Sys => "SIGSYS",
-        _ => "signal",
-    }
+/// `SIGTERM`, `SIGRT34`, `signal 99`: a signal's name for logs, journals and messages.
+pub fn signal_name(signal: i32) -> String {
+    let fixed = match signal {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGSTKFLT => "SIGSTKFLT",
+        libc::SIGCHLD => "SIGCHLD",
+        libc::SIGCONT => "SIGCONT",
+        libc::SIGSTOP => "SIGSTOP",
+        libc::SIGTSTP => "SIGTSTP",
+        libc::SIGTTIN => "SIGTTIN",
+        libc::SIGTTOU => "SIGTTOU",
+        libc::SIGURG => "SIGURG",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        libc::SIGVTALRM => "SIGVTALRM",
+        libc::SIGPROF => "SIGPROF",
+        libc::SIGWINCH => "SIGWINCH",
+        libc::SIGIO => "SIGIO",
+        libc::SIGPWR => "SIGPWR",
+        libc::SIGSYS => "SIGSYS",
+        n if (32..=64).contains(&n) => return format!("SIGRT{n}"),
+        n => return format!("signal {n}"),
+    };
+    fixed.to_string()
 }
 
 #[cfg(test)]
@@ -298,6 +377,7 @@ mod tests {
         assert_eq!(st.comm, "a) b (c)");
         assert_eq!(st.state, 'S');
         assert_eq!(st.ppid, 7);
+        assert_eq!(st.session, 42);
         assert_eq!(st.start_time, 987654);
         assert_eq!(st.exit_code, Some(256));
     }
@@ -311,7 +391,10 @@ mod tests {
         h.signal(Signal::Kill).unwrap();
         assert!(h.wait_exit(Duration::from_secs(5)));
         child.wait().unwrap();
-        assert!(matches!(h.signal(Signal::Kill), Err(ProcError::NoSuchProcess(_))));
+        assert!(matches!(
+            h.signal(Signal::Kill),
+            Err(ProcError::NoSuchProcess(_))
+        ));
     }
 
     #[test]
@@ -323,12 +406,18 @@ mod tests {
         assert!(matches!(err, ProcError::Reused { .. }));
         child.kill().unwrap();
         child.wait().unwrap();
-        assert!(matches!(ProcHandle::open(pid), Err(ProcError::NoSuchProcess(_))));
+        assert!(matches!(
+            ProcHandle::open(pid),
+            Err(ProcError::NoSuchProcess(_))
+        ));
     }
 
     #[test]
     fn tree_lists_descendants_parent_first() {
-        let mut child = Command::new("sh").args(["-c", "sleep 30 & sleep 30 & wait"]).spawn().unwrap();
+        let mut child = Command::new("sh")
+            .args(["-c", "sleep 30 & sleep 30 & wait"])
+            .spawn()
+            .unwrap();
         let root = child.id() as Pid;
         let mut pids = Vec::new();
         for _ in 0..100 {
@@ -352,6 +441,12 @@ mod tests {
     fn wait_status_words() {
         assert_eq!(describe_wait_status(9), "killed by SIGKILL");
         assert_eq!(describe_wait_status(1 << 8), "exited with status 1");
-        assert_eq!(describe_wait_status(11 | 0x80), "killed by SIGSEGV (core dumped)");
+        assert_eq!(
+            describe_wait_status(11 | 0x80),
+            "killed by SIGSEGV (core dumped)"
+        );
+        assert_eq!(describe_wait_status(0), "exited with status 0");
+        assert_eq!(signal_name(libc::SIGSEGV), "SIGSEGV");
+        assert_eq!(signal_name(99), "signal 99");
     }
 }

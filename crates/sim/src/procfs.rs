@@ -1,5 +1,5 @@
 //! What the daemon reads from `/proc`: a process's socket fds, listening unix sockets, and how a
-//! process died.
+//! process died (`/proc/PID/stat` through `cryo-proc`).
 
 use std::collections::HashMap;
 use std::io;
@@ -25,12 +25,10 @@ pub enum Liveness {
 
 /// Reads `pid`'s state from `/proc/PID/stat`.
 pub fn liveness(pid: Pid) -> Liveness {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+    match cryo_proc::stat(pid) {
         Err(_) => Liveness::Gone,
-        Ok(stat) => match parse_stat(&stat) {
-            Some(('Z' | 'X', _)) => Liveness::Zombie,
-            _ => Liveness::Alive,
-        },
+        Ok(st) if matches!(st.state, 'Z' | 'X') => Liveness::Zombie,
+        Ok(_) => Liveness::Alive,
     }
 }
 
@@ -89,13 +87,11 @@ pub fn listening_unix(prefix: &str) -> io::Result<HashMap<u64, String>> {
 pub fn death(pid: Pid) -> String {
     let deadline = Instant::now() + Duration::from_secs(1);
     loop {
-        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        match cryo_proc::stat(pid) {
             Err(_) => return "unknown".to_string(),
-            Ok(stat) => {
-                if let Some((state, exit_code)) = parse_stat(&stat) {
-                    if state == 'Z' || state == 'X' {
-                        return describe_wait_status(exit_code);
-                    }
+            Ok(st) => {
+                if let (Some(status), 'Z' | 'X') = (st.exit_code, st.state) {
+                    return cryo_proc::describe_wait_status(status);
                 }
             }
         }
@@ -106,46 +102,12 @@ pub fn death(pid: Pid) -> String {
     }
 }
 
-/// `(state, exit_code)` from a `/proc/PID/stat` line (exit_code is field 52, a wait status).
-fn parse_stat(stat: &str) -> Option<(char, i32)> {
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let state = fields.first()?.chars().next()?;
-    let exit_code = fields.get(49)?.parse().ok()?;
-    Some((state, exit_code))
-}
-
-fn describe_wait_status(status: i32) -> String {
-    let sig = status & 0x7f;
-    if sig != 0 {
-        match nix::sys::signal::Signal::try_from(sig) {
-            Ok(s) => format!("killed by {}", s.as_str()),
-            Err(_) => format!("killed by signal {sig}"),
-        }
-    } else {
-        format!("exited with status {}", (status >> 8) & 0xff)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn wait_statuses_read_as_operators_say_them() {
-        assert_eq!(describe_wait_status(9), "killed by SIGKILL");
-        assert_eq!(describe_wait_status(1 << 8), "exited with status 1");
-        assert_eq!(describe_wait_status(0), "exited with status 0");
-    }
-
-    #[test]
-    fn stat_lines_parse_even_with_odd_names() {
-        let mut line = "123 (a) b) Z 1".to_string();
-        for _ in 0..47 {
-            line.push_str(" 0");
-        }
-        line.push_str(" 9\n");
-        assert_eq!(parse_stat(&line), Some(('Z', 9)));
+    fn own_socket_fds_are_listed() {
         assert!(socket_fds(std::process::id() as Pid).is_ok());
     }
 }

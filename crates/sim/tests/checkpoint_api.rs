@@ -447,6 +447,17 @@ fn a_call_on_a_process_that_dies_meanwhile_answers_at_once() {
     let sim = Sim::start();
     let w = sim.worker("8MiB", 0, 1);
     kill(nix::unistd::Pid::from_raw(w.pid), Signal::SIGSTOP).unwrap();
+    // SIGSTOP acts asynchronously: wait until every thread is stopped, or the restore thread
+    // could still answer the lock on a loaded machine.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !all_threads_stopped(w.pid) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "pid {} never stopped",
+            w.pid
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let pid = w.pid;
     let killer = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(300));
@@ -459,4 +470,17 @@ fn a_call_on_a_process_that_dies_meanwhile_answers_at_once() {
         code(r),
         CuResult::NOT_INITIALIZED | CuResult::INVALID_VALUE
     ));
+}
+
+/// Whether every thread of `pid` is in the stopped state (`T`).
+fn all_threads_stopped(pid: i32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|t| {
+        std::fs::read_to_string(t.path().join("stat"))
+            .ok()
+            .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| rest.starts_with('T')))
+            .unwrap_or(false)
+    })
 }

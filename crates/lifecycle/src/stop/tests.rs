@@ -23,7 +23,7 @@ struct FakeProc {
 
 /// A driver that knows the pids it is told about, and lists RUNNING/LOCKED ones with 1 MiB.
 #[derive(Debug, Clone, Default)]
-struct Fake(Arc<Mutex<HashMap<Pid, FakeProc>>>);
+struct Fake(Arc<Mutex<HashMap<Pid, FakeProc>>>, Arc<Mutex<Option<Pid>>>);
 
 impl Fake {
     fn add(&self, pid: Pid, sticky: bool) {
@@ -70,6 +70,18 @@ impl Fake {
 
 impl CheckpointDriver for Fake {
     fn state(&self, pid: Pid) -> Result<ProcessState, DriverError> {
+        if *self.1.lock().unwrap() == Some(pid) {
+            // The process dies on its own just as the driver is asked about it.
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            while running(pid) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            return Err(DriverError::Cuda {
+                call: "state",
+                pid,
+                code: CuResult::INVALID_VALUE,
+            });
+        }
         self.0
             .lock()
             .unwrap()
@@ -316,4 +328,21 @@ fn an_already_checkpointed_process_is_verified_and_killed() {
     assert_eq!(s.state_before, ProcessState::Checkpointed);
     assert!(s.lock.is_none() && s.checkpoint.is_none() && s.verify.is_some());
     assert!(!procs.alive(0));
+}
+
+/// A process of the target that exits on its own while the stop looks at it has ended too: the
+/// stop succeeds (regression: it was reported as not ended, exit 3 without a refusal).
+#[test]
+fn a_process_that_exits_on_its_own_meanwhile_counts_as_ended() {
+    let mut procs = Procs::spawn(2);
+    let fake = Fake::default();
+    fake.add(procs.pid(0), false);
+    *fake.1.lock().unwrap() = Some(procs.pid(1));
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let target = Target::Pids(vec![procs.pid(0), procs.pid(1)]);
+    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    assert!(report.stopped(), "{report:?}");
+    assert!(report.processes.iter().all(|p| p.ended), "{report:?}");
+    assert!(!procs.alive(0) && !procs.alive(1));
 }
