@@ -565,7 +565,7 @@ fn not_enough_free_device_memory_is_refused_before_criu_runs() {
     let out = env.thaw(&image, &[]);
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(3), "{err}");
-    assert!(err.contains("free, the image needs 160.0 MiB"), "{err}");
+    assert!(err.contains("free, the image needs 160 MiB"), "{err}");
     assert!(!exists(pid));
     // On the other GPU it fits.
     let out = env.thaw(&image, &["--gpu-map", "0=1"]);

@@ -83,20 +83,21 @@ pub(crate) fn fmt_utc(t: SystemTime, nanos: bool) -> Option<String> {
     })
 }
 
-/// Decimal units, one decimal: `5.8 GB`, `512 B`.
-pub(crate) fn fmt_bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["kB", "MB", "GB", "TB", "PB"];
-    if n < 1000 {
-        return format!("{n} B");
+/// Sizes for people, in the binary units NVML and `nvidia-smi` use: `1.5 GiB`, `512 MiB`, `12 B`.
+/// Every size cryo prints goes through here, so the timeline and the commands agree.
+pub fn fmt_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < UNITS.len() {
+        v /= 1024.0;
+        i += 1;
     }
-    let mut v = n as f64 / 1000.0;
-    let mut unit = UNITS[0];
-    for u in &UNITS[1..] {
-        if v < 999.95 {
-            break;
-        }
-        v /= 1000.0;
-        unit = u;
+    if i == 0 {
+        format!("{bytes} B")
+    } else if v.fract() == 0.0 {
+        format!("{v:.0} {}", UNITS[i])
+    } else {
+        format!("{v:.1} {}", UNITS[i])
     }
-    format!("{v:.1} {unit}")
 }

@@ -312,7 +312,7 @@ fn timeline_reads_like_an_incident_timeline() {
 2026-11-30T02:41:08.023Z  pid 4242    health ok           35 ms
 2026-11-30T02:42:07.123Z  -           stop requested      target pid 4242
 2026-11-30T02:42:07.135Z  pid 4242    locked              12 ms
-2026-11-30T02:42:08.965Z  pid 4242    checkpointed        1830 ms, 5.8 GB
+2026-11-30T02:42:08.965Z  pid 4242    checkpointed        1830 ms, 5.4 GiB
 2026-11-30T02:42:09.023Z  pid 4242    verified            no device memory left
 2026-11-30T02:42:09.073Z  pid 4242    killed
 2026-11-30T02:42:09.123Z  pid 7       REFUSED             sticky error (hint: use --unsafe)

@@ -261,8 +261,34 @@ pub fn stop(
             unsafe_kills.push(h.pid());
         }
     }
-    if !to_suspend.is_empty() {
-        for outcome in suspend(gpu, &to_suspend, &opts.suspend, Some(journal), progress) {
+    // A process that exits on its own during the suspension (a dying worker, CRIU ending a
+    // dumped tree) has left the target; the others are suspended again without it. Suspension is
+    // all or nothing, so such an exit rolled the others back: a few rounds at most, each cheap
+    // since what was checkpointed stays checkpointed.
+    for round in 1..=3 {
+        if to_suspend.is_empty() {
+            break;
+        }
+        let outcomes = suspend(gpu, &to_suspend, &opts.suspend, Some(journal), progress);
+        let exited: Vec<Pid> = outcomes
+            .iter()
+            .filter(|o| matches!(o.result, Err(SuspendFailure::Exited)))
+            .map(|o| o.pid)
+            .collect();
+        let others_failed = outcomes
+            .iter()
+            .any(|o| matches!(&o.result, Err(f) if *f != SuspendFailure::Exited));
+        if !exited.is_empty() && !others_failed && round < 3 {
+            for h in to_suspend.iter().filter(|h| exited.contains(&h.pid())) {
+                journal.append(Event::ProcessExited {
+                    pid: id(h),
+                    how: "exited on its own during the stop".into(),
+                })?;
+            }
+            to_suspend.retain(|h| !exited.contains(&h.pid()));
+            continue;
+        }
+        for outcome in outcomes {
             match outcome.result {
                 Ok(s) => {
                     if let Some(r) = reports.iter_mut().find(|r| r.pid == outcome.pid) {
@@ -276,6 +302,7 @@ pub fn stop(
                 }),
             }
         }
+        break;
     }
 
     if !refusals.is_empty() {

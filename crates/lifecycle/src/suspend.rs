@@ -193,7 +193,7 @@ pub fn suspend(
         match &row.state {
             Ok(ProcessState::Failed) => row.failure = Some(SuspendFailure::DriverFailedState),
             Ok(_) => {}
-            Err(e) => row.failure = Some(classify("get state", e)),
+            Err(e) => row.failure = Some(classify("get state", e, row.handle)),
         }
     }
 
@@ -239,7 +239,7 @@ pub fn suspend(
                     checkpoint: r.ckpt,
                     verify: r.verify,
                 }),
-                (None, Err(e)) => Err(classify("get state", &e)),
+                (None, Err(e)) => Err(classify("get state", &e, r.handle)),
             };
             SuspendOutcome { pid, result }
         })
@@ -269,7 +269,16 @@ fn record(journal: Option<&Journal>, event: Event) {
     }
 }
 
-fn classify(step: &'static str, e: &DriverError) -> SuspendFailure {
+fn classify(step: &'static str, e: &DriverError, h: &ProcHandle) -> SuspendFailure {
+    // The driver stops knowing a process as it exits ("not a CUDA process", "no such process"):
+    // for one it knew a moment ago, that means it is going away, which is not a driver failure.
+    if matches!(
+        e.code(),
+        Some(CuResult::NOT_INITIALIZED) | Some(CuResult::INVALID_VALUE)
+    ) && h.wait_exit(Duration::from_secs(1))
+    {
+        return SuspendFailure::Exited;
+    }
     match e.code() {
         Some(code) if code.is_sticky() => SuspendFailure::StickyError {
             code: code.to_string(),
@@ -342,7 +351,7 @@ fn lock_one(
                         timeout_ms: ms(opts.lock_timeout),
                     }
                 } else {
-                    classify("lock", &e)
+                    classify("lock", &e, row.handle)
                 });
                 break;
             }
@@ -424,7 +433,7 @@ fn checkpoint_one(
                     error: e.to_string(),
                 },
             );
-            let f = classify("checkpoint", &e);
+            let f = classify("checkpoint", &e, row.handle);
             progress.end(pid, "checkpoint", false, &f.reason());
             row.failure = Some(f);
         }
@@ -540,18 +549,5 @@ fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// `5.8 GB` style sizes, as NVML users read them.
-pub fn human_bytes(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
-}
+/// Sizes for people (one formatter for every size cryo prints).
+pub use cryo_journal::fmt_bytes as human_bytes;

@@ -21,23 +21,8 @@ impl fmt::Display for ByteSize {
     }
 }
 
-/// `1.5 GiB`, `512 MiB`, `12 B`.
-pub fn human(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i + 1 < UNITS.len() {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{bytes} B")
-    } else if v.fract() == 0.0 {
-        format!("{v:.0} {}", UNITS[i])
-    } else {
-        format!("{v:.1} {}", UNITS[i])
-    }
-}
+/// `1.5 GiB`, `512 MiB`, `12 B`: the formatter every size cryo prints goes through.
+pub use cryo_journal::fmt_bytes as human;
 
 #[cfg(test)]
 mod tests {

@@ -23,7 +23,11 @@ struct FakeProc {
 
 /// A driver that knows the pids it is told about, and lists RUNNING/LOCKED ones with 1 MiB.
 #[derive(Debug, Clone, Default)]
-struct Fake(Arc<Mutex<HashMap<Pid, FakeProc>>>, Arc<Mutex<Option<Pid>>>);
+struct Fake(
+    Arc<Mutex<HashMap<Pid, FakeProc>>>,
+    /// A process that dies on its own when this driver call reaches it.
+    Arc<Mutex<Option<(Pid, &'static str)>>>,
+);
 
 impl Fake {
     fn add(&self, pid: Pid, sticky: bool) {
@@ -45,6 +49,22 @@ impl Fake {
             inspect: Arc::new(self.clone()),
         }
     }
+    /// Kills `pid` and answers as the driver does for a process that is gone, when `pid` is the
+    /// one set to die at `call`.
+    fn vanish(&self, pid: Pid, call: &'static str) -> Result<(), DriverError> {
+        if *self.1.lock().unwrap() != Some((pid, call)) {
+            return Ok(());
+        }
+        let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        while running(pid) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Err(DriverError::Cuda {
+            call,
+            pid,
+            code: CuResult::INVALID_VALUE,
+        })
+    }
     fn step(
         &self,
         pid: Pid,
@@ -52,6 +72,7 @@ impl Fake {
         from: ProcessState,
         to: ProcessState,
     ) -> Result<(), DriverError> {
+        self.vanish(pid, call)?;
         let mut m = self.0.lock().unwrap();
         let err = |code| Err(DriverError::Cuda { call, pid, code });
         let Some(p) = m.get_mut(&pid) else {
@@ -70,18 +91,7 @@ impl Fake {
 
 impl CheckpointDriver for Fake {
     fn state(&self, pid: Pid) -> Result<ProcessState, DriverError> {
-        if *self.1.lock().unwrap() == Some(pid) {
-            // The process dies on its own just as the driver is asked about it.
-            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-            while running(pid) {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            return Err(DriverError::Cuda {
-                call: "state",
-                pid,
-                code: CuResult::INVALID_VALUE,
-            });
-        }
+        self.vanish(pid, "state")?;
         self.0
             .lock()
             .unwrap()
@@ -337,7 +347,7 @@ fn a_process_that_exits_on_its_own_meanwhile_counts_as_ended() {
     let mut procs = Procs::spawn(2);
     let fake = Fake::default();
     fake.add(procs.pid(0), false);
-    *fake.1.lock().unwrap() = Some(procs.pid(1));
+    *fake.1.lock().unwrap() = Some((procs.pid(1), "state"));
     let dir = tempfile::tempdir().unwrap();
     let journal = Journal::open(dir.path()).unwrap();
     let target = Target::Pids(vec![procs.pid(0), procs.pid(1)]);
@@ -345,4 +355,29 @@ fn a_process_that_exits_on_its_own_meanwhile_counts_as_ended() {
     assert!(report.stopped(), "{report:?}");
     assert!(report.processes.iter().all(|p| p.ended), "{report:?}");
     assert!(!procs.alive(0) && !procs.alive(1));
+}
+
+/// A CUDA process that dies on its own while being locked (a dying worker; CRIU ending a dumped
+/// tree) leaves the target; the others are still suspended and stopped, and the journal says so.
+#[test]
+fn a_cuda_process_that_dies_during_the_suspension_does_not_block_the_others() {
+    let mut procs = Procs::spawn(3);
+    let fake = Fake::default();
+    fake.add(procs.pid(0), false);
+    fake.add(procs.pid(1), false);
+    *fake.1.lock().unwrap() = Some((procs.pid(1), "lock"));
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let target = Target::Pids(vec![procs.pid(0), procs.pid(1), procs.pid(2)]);
+    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    assert!(report.stopped(), "{report:?}");
+    assert!(report.refusals.is_empty());
+    assert_eq!(fake.state_of(procs.pid(0)), ProcessState::Checkpointed);
+    for i in 0..3 {
+        assert!(!procs.alive(i), "process {i} still alive");
+    }
+    let records = cryo_journal::read(dir.path()).unwrap().records;
+    assert!(records
+        .iter()
+        .any(|r| matches!(r.event, Event::ProcessExited { pid, .. } if pid.pid == procs.pid(1))));
 }
