@@ -769,3 +769,27 @@ fn bench_freeze_runs_tiny() {
         assert!(row[k].as_f64().unwrap() > 0.0, "{k}: {row}");
     }
 }
+
+/// A directory that is no image is refused (exit 3, nothing run) before the driver is looked for.
+#[test]
+fn a_directory_that_is_no_image_is_refused_before_the_driver() {
+    criu_present();
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(CRYO)
+        .args([
+            "--gpu",
+            "sim",
+            "--sim-dir",
+            "/nonexistent-cryo-sim",
+            "--state-dir",
+        ])
+        .arg(dir.path().join("state"))
+        .arg("thaw")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.contains("manifest.json: missing"), "{err}");
+    assert!(!err.contains("simulated GPU driver"), "{err}");
+}

@@ -679,3 +679,26 @@ fn sigterm_during_a_stop_is_deferred_until_it_is_done() {
     assert!(!alive(pid));
     ledger_empty(&sim);
 }
+
+/// A target that does not exist is reported as such, before any question to a driver (here
+/// there is none running at all).
+#[test]
+fn a_missing_target_is_named_before_the_driver_is_looked_for() {
+    let st = state();
+    let out = cryo()
+        .args([
+            "--gpu",
+            "sim",
+            "--sim-dir",
+            "/nonexistent-cryo-sim",
+            "--state-dir",
+        ])
+        .arg(st.path())
+        .args(["stop", "999999999"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("pid 999999999 does not exist"), "{err}");
+    assert!(!err.contains("simulated GPU driver"), "{err}");
+}

@@ -60,6 +60,9 @@ pub fn run(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
     // Before any thread exists, so every thread of the command inherits the mask.
     let _deferred = crate::defer::termination();
     let target = target(args);
+    // A target that does not exist is the operator's first problem, before any driver question.
+    cryo_lifecycle::stop::resolve(&target)
+        .with_context(|| format!("stopping {}", describe(&target)))?;
     let gpu = ctx.gpu()?;
     let dir = crate::journal::dir(&ctx.global.state_dir);
     let journal =

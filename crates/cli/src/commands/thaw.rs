@@ -30,6 +30,12 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
         h.validate().map_err(|e| UsageError(e.to_string()))?;
     }
     let criu = Criu::locate(None)?;
+    // A cheap first look at the image (the full verification, every checksum, runs in the thaw
+    // itself): a directory that is no image is refused before the driver is looked for.
+    let manifest = args.image.join(cryo_criu::image::MANIFEST_FILE);
+    if let Err(e) = cryo_criu::image::read_manifest(&manifest) {
+        return Ok(refused(&ThawError::Image(e), args.json));
+    }
     let gpu = ctx.gpu()?;
     let gpu_map = match &args.gpu_map {
         None => Vec::new(),
@@ -63,14 +69,7 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
     let report = match result {
         Ok(r) => r,
         Err(e @ (ThawError::Image(_) | ThawError::Precheck(_))) => {
-            if args.json {
-                println!(
-                    "{}",
-                    serde_json::json!({ "outcome": "refused", "error": e.to_string() })
-                );
-            }
-            eprintln!("cryo: {e}; nothing was restored");
-            return Ok(exit::REFUSED);
+            return Ok(refused(&e, args.json));
         }
         Err(e) => {
             return Err(anyhow::Error::new(e).context(format!("thawing {}", args.image.display())))
@@ -99,4 +98,16 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
         }
     }
     Ok(exit::SUCCESS)
+}
+
+/// Reports a thaw refused before anything ran; returns the exit code.
+fn refused(e: &ThawError, json: bool) -> u8 {
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({ "outcome": "refused", "error": e.to_string() })
+        );
+    }
+    eprintln!("cryo: {e}; nothing was restored");
+    exit::REFUSED
 }
