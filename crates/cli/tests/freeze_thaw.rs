@@ -619,8 +619,19 @@ fn after_killed_freeze(env: &mut Env, pid: i32, image: &Path) {
         assert!(Instant::now() < deadline, "CRIU never let go of pid {pid}");
         std::thread::sleep(Duration::from_millis(20));
     }
+    // CRIU that finished its dump ends the (suspended) tree right after letting go of it.
+    let out = env.cryo(&["gpu", "state", "--pid", &pid.to_string()]);
+    if !out.status.success() && stderr(&out).contains("not a CUDA process") {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while alive(pid) {
+            assert!(
+                Instant::now() < deadline,
+                "pid {pid} lost its CUDA state but lives on"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
     if alive(pid) {
-        let out = env.cryo(&["gpu", "state", "--pid", &pid.to_string()]);
         let state = stdout(&out);
         assert!(
             state.contains("running") || state.contains("checkpointed"),
