@@ -15,7 +15,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-const CRYO: &str = env!("CARGO_BIN_EXE_cryo");
+mod common;
+
+use common::{start_driver, stderr, stdout, wait_ready, CRYO};
 
 fn criu_present() {
     let c = cryo_criu::Criu::locate(None);
@@ -61,29 +63,7 @@ impl Env {
             .unwrap();
         let bin = dir.path().join("cryo-worker");
         fs::copy(CRYO, &bin).unwrap();
-        let log = fs::File::create(dir.path().join("driver.log")).unwrap();
-        let driver = Command::new(CRYO)
-            .args([
-                "sim",
-                "driver",
-                "--gpus",
-                "2",
-                "--gpu-memory",
-                gpu_memory,
-                "--dir",
-            ])
-            .arg(dir.path())
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        let sock = dir.path().join("driver.sock");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while UnixStream::connect(&sock).is_err() {
-            assert!(Instant::now() < deadline, "sim driver did not come up");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let driver = start_driver(dir.path(), "2", gpu_memory);
         Env {
             dir,
             bin,
@@ -132,14 +112,7 @@ impl Env {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(120);
-        let info: serde_json::Value = loop {
-            if let Ok(t) = fs::read_to_string(&ready) {
-                break serde_json::from_str(&t).unwrap();
-            }
-            assert!(Instant::now() < deadline, "sim worker did not start");
-            std::thread::sleep(Duration::from_millis(10));
-        };
+        let info = wait_ready(&ready, Duration::from_secs(120));
         let pid = info["pid"].as_i64().unwrap() as i32;
         assert_eq!(
             pid,
@@ -343,14 +316,6 @@ fn answers(sock: &Ep) -> Vec<String> {
     assert_eq!(v["ok"], true, "device memory corrupt: {verify}");
     out.push(verify);
     out
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 fn health(ep: &Ep) -> String {

@@ -32,7 +32,7 @@
 //! the medians means the run cannot tell the arms apart. With three rounds the median is the
 //! middle sample, not a distribution.
 
-use std::fs::{self, File};
+use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -42,6 +42,7 @@ use cryo_gpu::{Gpu, Pid};
 use cryo_sim::SimControl;
 use serde::Serialize;
 
+use super::private_sim::{retire, DriverOptions, PrivateSim, WorkerOptions};
 use crate::args::size::human;
 use crate::args::{BenchArgs, BenchCommand, BenchStopArgs};
 use crate::exit;
@@ -243,48 +244,38 @@ struct Bench {
     state: PathBuf,
     exe: PathBuf,
     memory: u64,
-    driver: Child,
     gpu: Option<Gpu>,
     started: usize,
     /// The workers of the arm under way (suspended and killed on drop if the benchmark fails).
     live: Vec<Worker>,
+    // Dropped after `Bench::drop` has ended the workers.
+    sim: PrivateSim,
 }
 
 impl Bench {
     fn start(dir: &Path, memory: u64) -> anyhow::Result<Bench> {
         let exe = std::env::current_exe().context("finding this binary")?;
-        let log = File::create(dir.join("driver.log")).context("creating driver.log")?;
         // Four workers alternate over two GPUs; leave room for all of them.
         let gpu_memory = memory.saturating_mul(4).max(256 << 20);
-        let driver = Command::new(&exe)
-            .args([
-                "sim",
-                "driver",
-                "--gpus",
-                "2",
-                "--gpu-memory",
-                &gpu_memory.to_string(),
-                "--dir",
-            ])
-            .arg(dir)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().context("duplicating driver.log")?)
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("starting {} sim driver", exe.display()))?;
+        let sim = PrivateSim::start(
+            dir,
+            &DriverOptions {
+                exe: &exe,
+                gpus: Some(2),
+                gpu_memory: gpu_memory.to_string(),
+                log: true,
+            },
+        )?;
         let mut bench = Bench {
             dir: dir.to_path_buf(),
             state: dir.join("state"),
             exe,
             memory,
-            driver,
             gpu: None,
             started: 0,
             live: Vec::new(),
+            sim,
         };
-        SimControl::new(dir)
-            .wait_up(Duration::from_secs(10))
-            .context("waiting for the simulated driver")?;
         bench.gpu = Some(cryo_sim::connect(dir).context("connecting to the simulated GPU")?);
         Ok(bench)
     }
@@ -318,49 +309,20 @@ impl Bench {
     fn worker(&mut self, gpu: usize) -> anyhow::Result<Worker> {
         let k = self.started;
         self.started += 1;
-        let ready = self.dir.join(format!("worker{k}.ready"));
-        let child = Command::new(&self.exe)
-            .args([
-                "sim",
-                "worker",
-                "--gpu",
-                &gpu.to_string(),
-                "--memory",
-                &self.memory.to_string(),
-                "--dir",
-            ])
-            .arg(&self.dir)
-            .arg("--ready-file")
-            .arg(&ready)
-            .arg("--log-file")
-            .arg(self.dir.join(format!("worker{k}.log")))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting a sim worker")?;
-        let mut w = Worker { pid: 0, child };
-        let deadline = Instant::now() + Duration::from_secs(300);
-        let info: serde_json::Value = loop {
-            if let Ok(text) = fs::read_to_string(&ready) {
-                break serde_json::from_str(&text)
-                    .with_context(|| format!("reading {}", ready.display()))?;
-            }
-            if let Ok(Some(status)) = w.child.try_wait() {
-                bail!("sim worker {k} exited ({status}) before serving");
-            }
-            if Instant::now() >= deadline {
-                let _ = w.child.kill();
-                let _ = w.child.wait();
-                bail!("sim worker {k} did not start serving within 300 s");
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        w.pid = info["pid"]
-            .as_i64()
-            .and_then(|p| Pid::try_from(p).ok())
-            .context("no pid in the ready file")?;
-        Ok(w)
+        let w = self.sim.spawn_worker(&WorkerOptions {
+            exe: &self.exe,
+            setsid: false,
+            gpu: Some(gpu),
+            memory: self.memory,
+            http_unix: None,
+            ready: self.dir.join(format!("worker{k}.ready")),
+            log: Some(self.dir.join(format!("worker{k}.log"))),
+            timeout: Duration::from_secs(300),
+        })?;
+        Ok(Worker {
+            pid: w.pid,
+            child: w.child,
+        })
     }
 
     fn cryo(&self) -> Command {
@@ -475,14 +437,7 @@ impl Drop for Bench {
     /// A benchmark that failed half-way leaves restored workers: suspend them before the kill.
     fn drop(&mut self) {
         for w in &mut self.live {
-            if let Some(gpu) = &self.gpu {
-                let _ = gpu.driver.lock(w.pid, Some(Duration::from_secs(10)));
-                let _ = gpu.driver.checkpoint(w.pid);
-            }
-            let _ = w.child.kill();
-            let _ = w.child.wait();
+            retire(self.gpu.as_ref(), w.pid, &mut w.child);
         }
-        let _ = self.driver.kill();
-        let _ = self.driver.wait();
     }
 }

@@ -30,16 +30,16 @@
 //! GPU-restore steps swing with the host; on a real GPU the driver's checkpoint dominates both
 //! arms. Images go to the temporary directory (`--dir`): its disk speed is part of every number.
 
-use std::fs::{self, File};
+use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context as _};
-use cryo_sim::SimControl;
 use serde::Serialize;
 
 use super::bench::{a_first, load_average, load_line, Samples};
+use super::private_sim::{private_exe, DriverOptions, PrivateSim, WorkerOptions};
 use crate::args::size::human;
 use crate::args::BenchFreezeArgs;
 
@@ -222,15 +222,8 @@ struct Bench {
     dir: PathBuf,
     exe: PathBuf,
     criu: PathBuf,
-    driver: std::process::Child,
+    sim: PrivateSim,
     started: std::cell::Cell<usize>,
-}
-
-impl Drop for Bench {
-    fn drop(&mut self) {
-        let _ = self.driver.kill();
-        let _ = self.driver.wait();
-    }
 }
 
 fn ms(d: Duration) -> f64 {
@@ -240,40 +233,23 @@ fn ms(d: Duration) -> f64 {
 impl Bench {
     fn start(dir: &Path, criu: PathBuf, max: u64) -> anyhow::Result<Bench> {
         // A private copy: CRIU refuses to restore a process whose executable changed on disk.
-        let exe = dir.join("cryo");
-        fs::copy(
-            std::env::current_exe().context("finding this binary")?,
-            &exe,
-        )
-        .context("copying cryo")?;
-        let log = File::create(dir.join("driver.log")).context("creating driver.log")?;
-        let driver = Command::new(&exe)
-            .args([
-                "sim",
-                "driver",
-                "--gpus",
-                "1",
-                "--gpu-memory",
-                &(max + (64 << 20)).to_string(),
-                "--dir",
-            ])
-            .arg(dir)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .context("starting the simulated driver")?;
-        let b = Bench {
+        let exe = private_exe(dir, "cryo", "cryo")?;
+        let sim = PrivateSim::start(
+            dir,
+            &DriverOptions {
+                exe: &exe,
+                gpus: Some(1),
+                gpu_memory: (max + (64 << 20)).to_string(),
+                log: true,
+            },
+        )?;
+        Ok(Bench {
             dir: dir.to_path_buf(),
             exe,
             criu,
-            driver,
+            sim,
             started: std::cell::Cell::new(0),
-        };
-        SimControl::new(dir)
-            .wait_up(Duration::from_secs(10))
-            .context("waiting for the simulated driver")?;
-        Ok(b)
+        })
     }
 
     fn cryo(&self) -> Command {
@@ -306,35 +282,18 @@ impl Bench {
     fn worker(&self, memory: u64) -> anyhow::Result<(std::process::Child, i32, PathBuf)> {
         let k = self.started.get();
         self.started.set(k + 1);
-        let ready = self.dir.join(format!("w{k}.ready"));
         let sock = self.dir.join(format!("w{k}.sock"));
-        let child = Command::new("setsid")
-            .arg(&self.exe)
-            .args(["sim", "worker", "--memory", &memory.to_string(), "--dir"])
-            .arg(&self.dir)
-            .arg("--http-unix")
-            .arg(&sock)
-            .arg("--ready-file")
-            .arg(&ready)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting a sim worker under setsid")?;
-        let deadline = Instant::now() + Duration::from_secs(300);
-        loop {
-            if let Ok(t) = fs::read_to_string(&ready) {
-                let v: serde_json::Value =
-                    serde_json::from_str(&t).context("parsing the ready file")?;
-                let pid = v["pid"]
-                    .as_i64()
-                    .and_then(|p| i32::try_from(p).ok())
-                    .context("no pid in the ready file")?;
-                return Ok((child, pid, sock));
-            }
-            ensure!(Instant::now() < deadline, "the sim worker did not start");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let w = self.sim.spawn_worker(&WorkerOptions {
+            exe: &self.exe,
+            setsid: true,
+            gpu: None,
+            memory,
+            http_unix: Some(&sock),
+            ready: self.dir.join(format!("w{k}.ready")),
+            log: None,
+            timeout: Duration::from_secs(300),
+        })?;
+        Ok((w.child, w.pid, sock))
     }
 
     fn stop(&self, pid: i32) -> anyhow::Result<()> {

@@ -28,7 +28,7 @@
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
@@ -39,6 +39,7 @@ use cryo_proc::ProcHandle;
 use serde::Serialize;
 
 use super::bench::{a_first, load_average, load_line, Samples};
+use super::private_sim::{DriverOptions, PrivateSim, WorkerOptions};
 use crate::args::guard::BenchGuardArgs;
 
 /// Batches per arm in the latency measurement.
@@ -46,71 +47,48 @@ const BATCHES: usize = 20;
 
 struct Sim {
     dir: PathBuf,
-    driver: Child,
+    exe: PathBuf,
+    // Dropped after `workers`: fields drop in declaration order.
     workers: Vec<(i32, Child)>,
+    sim: PrivateSim,
 }
 
 impl Sim {
     fn start(dir: &Path) -> anyhow::Result<Sim> {
         let exe = std::env::current_exe().context("finding the cryo binary")?;
-        let driver = Command::new(&exe)
-            .args([
-                "sim",
-                "driver",
-                "--gpus",
-                "1",
-                "--gpu-memory",
-                "64GiB",
-                "--dir",
-            ])
-            .arg(dir)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting the simulated driver")?;
-        let sim = Sim {
+        let sim = PrivateSim::start(
+            dir,
+            &DriverOptions {
+                exe: &exe,
+                gpus: Some(1),
+                gpu_memory: "64GiB".to_string(),
+                log: false,
+            },
+        )?;
+        Ok(Sim {
             dir: dir.to_path_buf(),
-            driver,
+            exe,
             workers: Vec::new(),
-        };
-        cryo_sim::SimControl::new(dir)
-            .wait_up(Duration::from_secs(10))
-            .context("waiting for the simulated driver")?;
-        Ok(sim)
+            sim,
+        })
     }
 
     /// A sim worker made "restored" (checkpointed and restored through the driver); pid and port.
     fn restored_worker(&mut self, gpu: &cryo_gpu::Gpu, memory: u64) -> anyhow::Result<(i32, u16)> {
-        let exe = std::env::current_exe().context("finding the cryo binary")?;
         let n = self.workers.len();
-        let ready = self.dir.join(format!("w{n}.ready"));
-        let child = Command::new(&exe)
-            .args(["sim", "worker", "--memory", &memory.to_string(), "--dir"])
-            .arg(&self.dir)
-            .arg("--ready-file")
-            .arg(&ready)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting a sim worker")?;
-        let pid = i32::try_from(child.id()).context("pid")?;
-        self.workers.push((pid, child));
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let info: serde_json::Value = loop {
-            if let Ok(t) = std::fs::read_to_string(&ready) {
-                break serde_json::from_str(&t).context("reading the worker's ready file")?;
-            }
-            if Instant::now() > deadline {
-                bail!("the sim worker did not start");
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        let port = info["port"]
-            .as_u64()
-            .and_then(|p| u16::try_from(p).ok())
-            .context("no port in the ready file")?;
+        let w = self.sim.spawn_worker(&WorkerOptions {
+            exe: &self.exe,
+            setsid: false,
+            gpu: None,
+            memory,
+            http_unix: None,
+            ready: self.dir.join(format!("w{n}.ready")),
+            log: None,
+            timeout: Duration::from_secs(60),
+        })?;
+        let (pid, port) = (w.pid, w.tcp_port());
+        self.workers.push((pid, w.child));
+        let port = port?;
         gpu.driver.lock(pid, Some(Duration::from_secs(10)))?;
         gpu.driver.checkpoint(pid)?;
         gpu.driver.restore(pid, &[])?;
@@ -127,8 +105,6 @@ impl Drop for Sim {
             let _ = c.kill();
             let _ = c.wait();
         }
-        let _ = self.driver.kill();
-        let _ = self.driver.wait();
     }
 }
 

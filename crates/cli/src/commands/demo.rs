@@ -15,16 +15,16 @@
 
 mod http;
 
-use std::fs::{self, File};
 use std::os::unix::process::ExitStatusExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Context as _};
 use cryo_gpu::{Gpu, Pid, ProcessState};
 use cryo_sim::SimControl;
 
+use super::private_sim::{private_exe, retire, DriverOptions, PrivateSim, WorkerOptions};
 use crate::args::size::human;
 use crate::args::DemoArgs;
 
@@ -166,7 +166,7 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
 pub struct Demo {
     dir: PathBuf,
     memory: u64,
-    driver: Option<Child>,
+    driver: Option<PrivateSim>,
     gpu: Option<Gpu>,
     worker: Option<Child>,
     pid: Pid,
@@ -201,28 +201,19 @@ impl Demo {
 
     fn start_driver(&mut self) -> anyhow::Result<String> {
         let exe = std::env::current_exe().context("finding this binary")?;
-        let log = File::create(self.dir.join("driver.log")).context("creating driver.log")?;
         // Room for the worker on one GPU, whatever --memory says.
         let gpu_memory = (self.memory * 2).max(16 << 30);
-        let child = Command::new(&exe)
-            .args([
-                "sim",
-                "driver",
-                "--gpu-memory",
-                &gpu_memory.to_string(),
-                "--dir",
-            ])
-            .arg(&self.dir)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().context("duplicating driver.log")?)
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("starting {} sim driver", exe.display()))?;
-        let pid = child.id();
-        self.driver = Some(child);
-        SimControl::new(&self.dir)
-            .wait_up(Duration::from_secs(10))
-            .map_err(|e| anyhow!(e).context(log_tail(&self.dir.join("driver.log"))))?;
+        let sim = PrivateSim::start(
+            &self.dir,
+            &DriverOptions {
+                exe: &exe,
+                gpus: None,
+                gpu_memory: gpu_memory.to_string(),
+                log: true,
+            },
+        )?;
+        let pid = sim.pid();
+        self.driver = Some(sim);
         let gpu = cryo_sim::connect(&self.dir).context("connecting to the simulated GPU")?;
         let gpus = gpu.inspect.gpus().context("listing the simulated GPUs")?;
         self.gpu = Some(gpu);
@@ -236,66 +227,26 @@ impl Demo {
     fn start_worker(&mut self) -> anyhow::Result<String> {
         // A private copy of the binary (CRIU refuses to restore a process whose executable changed
         // on disk), in its own session (CRIU dumps a tree that leads its session).
-        let exe = self.dir.join("cryo-worker");
-        fs::copy(
-            std::env::current_exe().context("finding this binary")?,
-            &exe,
-        )
-        .context("copying the worker's binary")?;
-        let ready = self.dir.join("worker.ready");
-        let child = Command::new("setsid")
-            .arg(&exe)
-            .args([
-                "sim",
-                "worker",
-                "--gpu",
-                "0",
-                "--memory",
-                &self.memory.to_string(),
-                "--dir",
-            ])
-            .arg(&self.dir)
-            .arg("--ready-file")
-            .arg(&ready)
-            .arg("--log-file")
-            .arg(self.dir.join("worker.log"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .with_context(|| format!("starting {} sim worker", exe.display()))?;
-        self.worker = Some(child);
+        let exe = private_exe(&self.dir, "cryo-worker", "the worker's binary")?;
+        let driver = self
+            .driver
+            .as_ref()
+            .context("the simulated GPU is not started")?;
         // Filling several GiB of device memory takes a while.
-        let deadline = Instant::now() + Duration::from_secs(300);
-        let info: serde_json::Value = loop {
-            if let Ok(text) = fs::read_to_string(&ready) {
-                break serde_json::from_str(&text)
-                    .with_context(|| format!("reading {}", ready.display()))?;
-            }
-            if let Some(status) = self
-                .worker
-                .as_mut()
-                .and_then(|w| w.try_wait().ok().flatten())
-            {
-                bail!(
-                    "the sim worker exited ({status}) before serving; {}",
-                    log_tail(&self.dir.join("worker.log"))
-                );
-            }
-            ensure!(
-                Instant::now() < deadline,
-                "the sim worker did not start serving within 300 s"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        self.pid = info["pid"]
-            .as_i64()
-            .and_then(|p| Pid::try_from(p).ok())
-            .context("no pid in the ready file")?;
-        self.port = info["port"]
-            .as_u64()
-            .and_then(|p| u16::try_from(p).ok())
-            .context("no port in the ready file")?;
+        let w = driver.spawn_worker(&WorkerOptions {
+            exe: &exe,
+            setsid: true,
+            gpu: Some(0),
+            memory: self.memory,
+            http_unix: None,
+            ready: self.dir.join("worker.ready"),
+            log: Some(self.dir.join("worker.log")),
+            timeout: Duration::from_secs(300),
+        })?;
+        self.pid = w.pid;
+        let port = w.tcp_port();
+        self.worker = Some(w.child);
+        self.port = port?;
         Ok(format!(
             "pid {} on 127.0.0.1:{}, {} of device memory on GPU 0",
             self.pid,
@@ -614,22 +565,9 @@ impl Demo {
             let _ = self.reap_worker();
         }
         if let Some(mut w) = self.worker.take() {
-            if let Some(gpu) = &self.gpu {
-                let pid = self.pid;
-                if matches!(gpu.driver.state(pid), Ok(ProcessState::Running)) {
-                    let _ = gpu.driver.lock(pid, Some(Duration::from_secs(10)));
-                }
-                if matches!(gpu.driver.state(pid), Ok(ProcessState::Locked)) {
-                    let _ = gpu.driver.checkpoint(pid);
-                }
-            }
-            let _ = w.kill();
-            let _ = w.wait();
+            retire(self.gpu.as_ref(), self.pid, &mut w);
         }
-        if let Some(mut d) = self.driver.take() {
-            let _ = d.kill();
-            let _ = d.wait();
-        }
+        drop(self.driver.take());
     }
 }
 
@@ -667,14 +605,6 @@ fn fmt_duration(d: Duration) -> String {
     } else {
         format!("{:.2} s", ms / 1e3)
     }
-}
-
-/// The end of a child's log, for an error message.
-fn log_tail(path: &Path) -> String {
-    let text = fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().rev().take(5).collect();
-    let tail: Vec<&str> = lines.into_iter().rev().collect();
-    format!("{} ends with: {}", path.display(), tail.join(" | "))
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@ pub mod freeze;
 pub mod gpu;
 pub mod guard;
 pub mod install_compat;
+mod private_sim;
 pub mod sim;
 pub mod status;
 pub mod stop;

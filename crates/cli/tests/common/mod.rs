@@ -39,33 +39,7 @@ impl Sim {
             .prefix("cryo-cli-test-")
             .tempdir()
             .unwrap();
-        let log = fs::File::create(dir.path().join("driver.log")).unwrap();
-        let driver = cryo()
-            .args([
-                "sim",
-                "driver",
-                "--gpus",
-                "2",
-                "--gpu-memory",
-                "1GiB",
-                "--dir",
-            ])
-            .arg(dir.path())
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("cannot start cryo sim driver");
-        let sock = dir.path().join("driver.sock");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::os::unix::net::UnixStream::connect(&sock).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "cryo sim driver did not come up: {}",
-                fs::read_to_string(dir.path().join("driver.log")).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let driver = start_driver(dir.path(), "2", "1GiB");
         Sim {
             dir,
             driver,
@@ -93,14 +67,7 @@ impl Sim {
             .stderr(Stdio::null())
             .spawn()
             .expect("cannot start cryo sim worker");
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let info: serde_json::Value = loop {
-            if let Ok(t) = fs::read_to_string(&ready) {
-                break serde_json::from_str(&t).unwrap();
-            }
-            assert!(Instant::now() < deadline, "sim worker did not start");
-            std::thread::sleep(Duration::from_millis(10));
-        };
+        let info = wait_ready(&ready, Duration::from_secs(60));
         let pid = info["pid"].as_i64().unwrap() as i32;
         let port = info["port"].as_u64().unwrap() as u16;
         self.workers.push(Worker { pid, port, child });
@@ -150,6 +117,51 @@ impl Sim {
 
     pub fn ledger_path(&self) -> PathBuf {
         self.path().join("ledger.jsonl")
+    }
+}
+
+/// `cryo sim driver --gpus GPUS --gpu-memory MEMORY` in `dir`, its output in `driver.log`, once
+/// its socket accepts connections.
+pub fn start_driver(dir: &Path, gpus: &str, gpu_memory: &str) -> Child {
+    let log = fs::File::create(dir.join("driver.log")).unwrap();
+    let driver = cryo()
+        .args([
+            "sim",
+            "driver",
+            "--gpus",
+            gpus,
+            "--gpu-memory",
+            gpu_memory,
+            "--dir",
+        ])
+        .arg(dir)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .expect("cannot start cryo sim driver");
+    let sock = dir.join("driver.sock");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "cryo sim driver did not come up: {}",
+            fs::read_to_string(dir.join("driver.log")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    driver
+}
+
+/// The contents of a sim worker's ready file, once it is there.
+pub fn wait_ready(ready: &Path, timeout: Duration) -> serde_json::Value {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(t) = fs::read_to_string(ready) {
+            return serde_json::from_str(&t).unwrap();
+        }
+        assert!(Instant::now() < deadline, "sim worker did not start");
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 

@@ -1,0 +1,236 @@
+//! A private simulated GPU for the demo and the benchmarks: a child `cryo sim driver` in a
+//! directory of the caller's, and sim workers started against it.
+//!
+//! # Design
+//! [`PrivateSim`] owns the driver process: it is killed and reaped on drop. Workers are handed to
+//! the caller as [`SimWorker`]s, since each caller ends them its own way (`cryo stop`, a freeze,
+//! a kill after a suspension); [`retire`] is the best-effort suspend-then-kill for a failure path.
+//! What differs between callers is a parameter: the binary (a private copy where CRIU will restore
+//! the worker: CRIU refuses a process whose executable changed on disk), whether the driver logs
+//! to `driver.log`, and for workers `setsid` (CRIU dumps a tree that leads its session), the GPU,
+//! a unix socket instead of TCP, a log file and how long to wait.
+//!
+//! # Limitations
+//! The driver is killed without any care for its workers: callers suspend or end restored workers
+//! before dropping the [`PrivateSim`].
+
+use std::fs::{self, File};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context as _};
+use cryo_gpu::{Gpu, Pid, ProcessState};
+use cryo_sim::SimControl;
+
+/// A `cryo sim driver` child serving in `dir`.
+pub(super) struct PrivateSim {
+    dir: PathBuf,
+    driver: Child,
+}
+
+/// How to start the driver.
+pub(super) struct DriverOptions<'a> {
+    /// The binary to run (`std::env::current_exe()`, or a private copy).
+    pub exe: &'a Path,
+    /// `--gpus N`; the driver's default when `None`.
+    pub gpus: Option<u32>,
+    /// `--gpu-memory`, as the command line takes it.
+    pub gpu_memory: String,
+    /// The driver's output to `dir/driver.log` (else discarded).
+    pub log: bool,
+}
+
+/// How to start one sim worker.
+pub(super) struct WorkerOptions<'a> {
+    /// The binary to run.
+    pub exe: &'a Path,
+    /// Under `setsid`, so that the worker leads its own session.
+    pub setsid: bool,
+    /// `--gpu N`; the worker's default when `None`.
+    pub gpu: Option<usize>,
+    /// `--memory`, bytes.
+    pub memory: u64,
+    /// `--http-unix SOCKET` instead of a TCP port.
+    pub http_unix: Option<&'a Path>,
+    /// `--ready-file`.
+    pub ready: PathBuf,
+    /// `--log-file`.
+    pub log: Option<PathBuf>,
+    /// How long it may take to fill its memory and answer.
+    pub timeout: Duration,
+}
+
+/// A started sim worker: the caller's child.
+pub(super) struct SimWorker {
+    pub child: Child,
+    pub pid: Pid,
+    /// The TCP port, where it serves on one.
+    pub port: Option<u16>,
+}
+
+impl SimWorker {
+    /// The TCP port, or an error naming the ready file's lack.
+    pub fn tcp_port(&self) -> anyhow::Result<u16> {
+        self.port.context("no port in the ready file")
+    }
+}
+
+/// A private copy of this binary at `dir/name`, for processes CRIU will restore.
+pub(super) fn private_exe(dir: &Path, name: &str, what: &str) -> anyhow::Result<PathBuf> {
+    let exe = dir.join(name);
+    fs::copy(
+        std::env::current_exe().context("finding this binary")?,
+        &exe,
+    )
+    .with_context(|| format!("copying {what}"))?;
+    Ok(exe)
+}
+
+impl PrivateSim {
+    /// Starts the driver in `dir` and waits (10 s at most) until it answers.
+    pub fn start(dir: &Path, o: &DriverOptions<'_>) -> anyhow::Result<PrivateSim> {
+        let mut c = Command::new(o.exe);
+        c.args(["sim", "driver"]);
+        if let Some(n) = o.gpus {
+            c.args(["--gpus", &n.to_string()]);
+        }
+        c.args(["--gpu-memory", &o.gpu_memory, "--dir"])
+            .arg(dir)
+            .stdin(Stdio::null());
+        let log = dir.join("driver.log");
+        if o.log {
+            let f = File::create(&log).context("creating driver.log")?;
+            c.stdout(f.try_clone().context("duplicating driver.log")?)
+                .stderr(f);
+        } else {
+            c.stdout(Stdio::null()).stderr(Stdio::null());
+        }
+        let driver = c
+            .spawn()
+            .with_context(|| format!("starting {} sim driver", o.exe.display()))?;
+        let sim = PrivateSim {
+            dir: dir.to_path_buf(),
+            driver,
+        };
+        SimControl::new(dir)
+            .wait_up(Duration::from_secs(10))
+            .map_err(|e| {
+                let e = anyhow!(e).context("waiting for the simulated driver");
+                if o.log {
+                    e.context(log_tail(&log))
+                } else {
+                    e
+                }
+            })?;
+        Ok(sim)
+    }
+
+    /// The driver's pid.
+    pub fn pid(&self) -> u32 {
+        self.driver.id()
+    }
+
+    /// Starts a worker and waits for its ready file; a worker that does not get there is killed
+    /// (it never held a restored context).
+    pub fn spawn_worker(&self, o: &WorkerOptions<'_>) -> anyhow::Result<SimWorker> {
+        let mut c = if o.setsid {
+            let mut c = Command::new("setsid");
+            c.arg(o.exe);
+            c
+        } else {
+            Command::new(o.exe)
+        };
+        c.args(["sim", "worker"]);
+        if let Some(g) = o.gpu {
+            c.args(["--gpu", &g.to_string()]);
+        }
+        c.args(["--memory", &o.memory.to_string(), "--dir"])
+            .arg(&self.dir);
+        if let Some(s) = o.http_unix {
+            c.arg("--http-unix").arg(s);
+        }
+        c.arg("--ready-file").arg(&o.ready);
+        if let Some(l) = &o.log {
+            c.arg("--log-file").arg(l);
+        }
+        let mut child = c
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| {
+                let under = if o.setsid { " under setsid" } else { "" };
+                format!("starting {} sim worker{under}", o.exe.display())
+            })?;
+        match wait_ready(&mut child, o) {
+            Ok((pid, port)) => Ok(SimWorker { child, pid, port }),
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for PrivateSim {
+    fn drop(&mut self) {
+        let _ = self.driver.kill();
+        let _ = self.driver.wait();
+    }
+}
+
+fn wait_ready(child: &mut Child, o: &WorkerOptions<'_>) -> anyhow::Result<(Pid, Option<u16>)> {
+    let deadline = Instant::now() + o.timeout;
+    let info: serde_json::Value = loop {
+        if let Ok(text) = fs::read_to_string(&o.ready) {
+            break serde_json::from_str(&text)
+                .with_context(|| format!("reading {}", o.ready.display()))?;
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            let tail = o
+                .log
+                .as_deref()
+                .map(|l| format!("; {}", log_tail(l)))
+                .unwrap_or_default();
+            bail!("the sim worker exited ({status}) before serving{tail}");
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "the sim worker did not start serving within {} s",
+                o.timeout.as_secs()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let pid = info["pid"]
+        .as_i64()
+        .and_then(|p| Pid::try_from(p).ok())
+        .context("no pid in the ready file")?;
+    let port = info["port"].as_u64().and_then(|p| u16::try_from(p).ok());
+    Ok((pid, port))
+}
+
+/// Ends a worker on a failure path: a running or locked context is suspended first, as the
+/// invariant demands, then the worker is killed and reaped.
+pub(super) fn retire(gpu: Option<&Gpu>, pid: Pid, child: &mut Child) {
+    if let Some(gpu) = gpu {
+        if matches!(gpu.driver.state(pid), Ok(ProcessState::Running)) {
+            let _ = gpu.driver.lock(pid, Some(Duration::from_secs(10)));
+        }
+        if matches!(gpu.driver.state(pid), Ok(ProcessState::Locked)) {
+            let _ = gpu.driver.checkpoint(pid);
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// The end of a child's log, for an error message.
+pub(super) fn log_tail(path: &Path) -> String {
+    let text = fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().rev().take(5).collect();
+    let tail: Vec<&str> = lines.into_iter().rev().collect();
+    format!("{} ends with: {}", path.display(), tail.join(" | "))
+}
