@@ -2,8 +2,8 @@
 //! retried until a deadline.
 //!
 //! A worker serving on a unix socket is named `unix:SOCKET:/PATH` (`unix:/run/w.sock:/health`):
-//! CRIU 4.1.1 cannot dump TCP sockets on Linux >= 6.16 (`getsockopt(SO_PASSCRED)` is refused for
-//! them), so workers meant to be frozen there serve on unix sockets.
+//! sidecar-style workers do, and so must workers frozen with a CRIU older than 4.2 on Linux >=
+//! 6.16, which cannot dump TCP sockets there (`getsockopt(SO_PASSCRED)` is refused for them).
 //!
 //! # Limitations
 //! Plain `http://` only (the worker is on loopback or the node's network); no TLS, no redirects.

@@ -87,7 +87,7 @@ pub struct WorkerArgs {
     /// TCP port on 127.0.0.1 (0: any free one).
     #[arg(long, default_value_t = 0)]
     pub port: u16,
-    /// Serve HTTP on this unix socket instead of TCP (CRIU 4.1.1 cannot dump TCP sockets on
+    /// Serve HTTP on this unix socket instead of TCP (CRIU before 4.2 cannot dump TCP sockets on
     /// Linux >= 6.16: checkpoint-restore/criu#2705).
     #[arg(long, conflicts_with = "port")]
     pub http_unix: Option<PathBuf>,

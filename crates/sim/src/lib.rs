@@ -22,8 +22,9 @@
 //! `CUDA_ERROR_NOT_READY`), other calls up to [`proto::WORKER_CALL_GRACE`]
 //! (`CUDA_ERROR_UNKNOWN`); a process that dies meanwhile answers as a dead one would. The way a
 //! process died is read from `/proc/PID/stat` when its context is torn down: a process already
-//! reaped by then is recorded as "unknown". CRIU 4.1.1 cannot dump TCP sockets on Linux >= 6.16
-//! (checkpoint-restore/criu#2705): there, run the worker with `--http-unix PATH` to dump it.
+//! reaped by then is recorded as "unknown". CRIU before 4.2 cannot dump TCP sockets on Linux >=
+//! 6.16 (checkpoint-restore/criu#2705); cryo requires 4.2 (`scripts/install-criu.sh`), and the
+//! worker can also serve on a unix socket (`--http-unix PATH`).
 
 pub mod cli;
 pub mod client;
