@@ -115,6 +115,11 @@ struct TestWorker {
 
 impl TestWorker {
     fn start(sim: &Path, memory: &str, cgroup: Option<&Path>) -> TestWorker {
+        Self::start_on(sim, memory, cgroup, 0)
+    }
+
+    /// Like [`TestWorker::start`], on the sim GPU with index `gpu`.
+    fn start_on(sim: &Path, memory: &str, cgroup: Option<&Path>, gpu: u32) -> TestWorker {
         let ready = sim.join(format!(
             "w-{}.ready",
             Instant::now().elapsed().as_nanos() ^ u128::from(std::process::id())
@@ -124,7 +129,8 @@ impl TestWorker {
         c.args(["sim", "worker", "--memory", memory, "--dir"])
             .arg(sim)
             .arg("--ready-file")
-            .arg(&ready);
+            .arg(&ready)
+            .args(["--gpu", &gpu.to_string()]);
         c.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -604,6 +610,166 @@ fn memory_watch_suspends_and_stops_before_the_oom_killer() {
         "{path:?}"
     );
     assert!(Fence::new(&state).list().unwrap().is_empty());
+}
+
+#[test]
+fn drain_endgame_stops_the_others_safely_then_runs_the_restart_command() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let gpus: Vec<String> = cryo_sim::connect(sim.path())
+        .unwrap()
+        .inspect
+        .gpus()
+        .unwrap()
+        .iter()
+        .map(|g| g.uuid.to_string())
+        .collect();
+    let (gpu0, gpu1) = (gpus[0].clone(), gpus[1].clone());
+    // Appended, so that a second run of the command shows as a second line.
+    let out = sim.path().join("restart.out");
+    let cmd = format!("echo $CRYO_QUARANTINED_GPUS >> '{}'", out.display());
+    let _guard = GuardProc::start(
+        sim.path(),
+        &state,
+        &[
+            "--no-memory-watch",
+            "--endgame",
+            "drain",
+            "--restart-cmd",
+            &cmd,
+        ],
+    );
+    let mut a = TestWorker::start_on(sim.path(), "16MiB", None, 0);
+    let mut b = TestWorker::start_on(sim.path(), "16MiB", None, 1);
+    a.make_restored(&state);
+    b.make_restored(&state);
+    let mut c = TestWorker::start_on(sim.path(), "16MiB", None, 1);
+    let (ida, idb) = (ProcId::of(a.pid).unwrap(), ProcId::of(b.pid).unwrap());
+    let idc = ProcId::of(c.pid).unwrap();
+    wait_attached(&state, ida, 1);
+    wait_attached(&state, idb, 1);
+    assert_ne!(tracer_pid(a.pid), 0, "restored worker A is not traced");
+    assert_ne!(tracer_pid(b.pid), 0, "restored worker B is not traced");
+    assert_eq!(
+        tracer_pid(c.pid),
+        0,
+        "the fresh worker C must not be traced"
+    );
+
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(a.pid).unwrap(),
+        rustix::process::Signal::Kill,
+    )
+    .unwrap();
+    a.wait_exit();
+    // The drain ends the other GPU processes of the node, B (restored) and C (fresh).
+    let sb = b.wait_exit();
+    let sc = c.wait_exit();
+    eventually("the restart command", Duration::from_secs(30), || {
+        fs::read_to_string(&out).is_ok_and(|s| s.ends_with('\n'))
+    });
+    // Let the driver see any fd close that would tear a context down, and a second run show.
+    std::thread::sleep(Duration::from_millis(300));
+    let ledger = sim.ledger();
+    assert!(
+        ledger.trim().is_empty(),
+        "wedge before any release: {ledger}"
+    );
+
+    let written = fs::read_to_string(&out).unwrap();
+    assert_eq!(
+        written,
+        format!("{gpu0}\n"),
+        "the restart command must run once, naming exactly the quarantined GPU"
+    );
+    eventually(
+        "the guard to journal the exits",
+        Duration::from_secs(10),
+        || {
+            let ev = records(&state);
+            names(&ev, ida).contains(&"exited") && names(&ev, idb).contains(&"exited")
+        },
+    );
+    let events = records(&state);
+    let (pa, pb, pc) = (
+        names(&events, ida),
+        names(&events, idb),
+        names(&events, idc),
+    );
+    assert!(
+        pa.contains(&"pinned"),
+        "A: expected pinned, journal says {pa:?}"
+    );
+    for step in ["locked", "checkpointed", "verified", "killed"] {
+        assert!(
+            pb.contains(&step),
+            "B must be suspended before it dies ({step} missing): {pb:?} (status {sb:?})"
+        );
+        assert!(
+            pc.contains(&step),
+            "C must be stopped safely ({step} missing): {pc:?} (status {sc:?})"
+        );
+    }
+    let order = |p: &[&str], what: &str| p.iter().position(|s| *s == what).unwrap();
+    assert!(
+        order(&pb, "verified") < order(&pb, "killed"),
+        "B killed before it was verified suspended: {pb:?}"
+    );
+    assert!(
+        !pb.contains(&"pinned") && !pc.contains(&"pinned"),
+        "B: {pb:?}, C: {pc:?}"
+    );
+
+    let fence = Fence::new(&state);
+    let q = fence.get(&gpu0).unwrap().expect("GPU 0 is not quarantined");
+    assert!(q.pids.contains(&a.pid));
+    assert!(
+        !fence.is_quarantined(&gpu1).unwrap(),
+        "GPU 1 held only safely stopped workers"
+    );
+    let status: serde_json::Value = serde_json::from_str(&ok({
+        let mut c = cryo_at(sim.path(), &state);
+        c.args(["status", "--json"]);
+        c
+    }))
+    .unwrap();
+    let quarantined: Vec<&str> = status["quarantined"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| q["gpu"].as_str().unwrap())
+        .collect();
+    assert_eq!(quarantined, vec![gpu0.as_str()], "{status}");
+    assert_eq!(status["guard"]["endgame"], "drain", "{status}");
+    let pins = status["guard"]["pins"].as_array().unwrap();
+    assert_eq!(pins.len(), 1, "{status}");
+    assert_eq!(pins[0]["pid"], a.pid, "{status}");
+    assert_eq!(pins[0]["gpus"], serde_json::json!([gpu0]), "{status}");
+
+    // The operator's release: the explicit flag, then the teardown it causes.
+    assert!(sim.ledger().trim().is_empty());
+    ok({
+        let mut c = cryo_at(sim.path(), &state);
+        c.args([
+            "guard",
+            "release",
+            "--gpu",
+            &gpu0,
+            "--i-understand-this-may-wedge-the-host",
+        ]);
+        c
+    });
+    assert!(!fence.is_quarantined(&gpu0).unwrap());
+    eventually(
+        "the release's teardown in the ledger",
+        Duration::from_secs(10),
+        || !sim.ledger().trim().is_empty(),
+    );
+    let wedges = cryo_sim::SimControl::new(sim.path()).ledger().unwrap();
+    assert_eq!(wedges.len(), 1, "{wedges:?}");
+    assert!(records(&state)
+        .iter()
+        .any(|e| matches!(e, Event::PinsReleased { pid } if *pid == ida)));
 }
 
 #[test]
