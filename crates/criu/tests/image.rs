@@ -2,7 +2,10 @@
 //! Staging, publishing and verifying image directories (no CRIU needed).
 
 use std::fs;
+use std::num::NonZeroU64;
 use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
 
 use cryo_criu::image::{
     self, clean_stale, verify, DeviceUse, ImageError, ImageMeta, ProcessEntry, ProcessGpu, Staging,
@@ -190,16 +193,14 @@ fn newer_format_and_missing_manifest_are_refused() {
     let dir = published(t.path(), "img");
     let mp = dir.join(MANIFEST_FILE);
     let text = fs::read_to_string(&mp).unwrap();
-    fs::write(
-        &mp,
-        text.replace("\"format_version\": 1", "\"format_version\": 9"),
-    )
-    .unwrap();
+    let current = format!("\"format_version\": {}", image::FORMAT_VERSION);
+    assert!(text.contains(&current));
+    fs::write(&mp, text.replace(&current, "\"format_version\": 9")).unwrap();
     assert!(matches!(
         verify(&dir),
         Err(ImageError::UnsupportedFormat {
             found: 9,
-            supported: 1,
+            supported: image::FORMAT_VERSION,
             ..
         })
     ));
@@ -301,4 +302,315 @@ fn dropped_staging_is_removed() {
     fs::write(p.join("x"), b"x").unwrap();
     drop(st);
     assert!(!p.exists());
+}
+
+/// Bytes that differ from chunk to chunk (a constant fill would give equal chunk digests).
+fn varied(len: usize) -> Vec<u8> {
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x.to_le_bytes()[0]
+        })
+        .collect()
+}
+
+const CHUNK: u64 = 4096;
+/// Six chunks, the last one 100 bytes.
+const CHUNKED_LEN: u64 = 5 * CHUNK + 100;
+
+/// An image whose `pages-2.img` spans several chunks of [`CHUNK`] bytes.
+fn published_chunked(parent: &Path) -> PathBuf {
+    let dir = parent.join("img");
+    let st = Staging::create(&dir)
+        .unwrap()
+        .with_chunk_size(NonZeroU64::new(CHUNK).unwrap());
+    fs::write(st.path().join("pages-2.img"), varied(CHUNKED_LEN as usize)).unwrap();
+    fs::write(st.path().join("one-chunk.img"), varied(CHUNK as usize)).unwrap();
+    fs::write(st.path().join("core-4242.img"), b"core").unwrap();
+    fs::write(st.path().join("empty.img"), b"").unwrap();
+    let m = st.publish(meta(), false).unwrap();
+    assert_eq!(m.chunk_size, Some(CHUNK));
+    let chunks = |n: &str| m.files.iter().find(|f| f.name == n).unwrap().chunks.len();
+    assert_eq!(chunks("pages-2.img"), 6);
+    assert_eq!(chunks("one-chunk.img"), 0);
+    assert_eq!(chunks("core-4242.img"), 0);
+    assert_eq!(chunks("empty.img"), 0);
+    dir
+}
+
+#[test]
+fn flipped_byte_in_the_last_chunk_names_the_file_and_the_range() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = published_chunked(t.path());
+    assert_eq!(verify(&dir).unwrap().format_version, image::FORMAT_VERSION);
+    let p = dir.join("pages-2.img");
+    let mut b = fs::read(&p).unwrap();
+    b[CHUNKED_LEN as usize - 50] ^= 0x01;
+    fs::write(&p, b).unwrap();
+    let err = verify(&dir).unwrap_err();
+    match &err {
+        ImageError::ChunkChecksum { file, offset, end } => {
+            assert_eq!(file_name(file), "pages-2.img");
+            assert_eq!((*offset, *end), (5 * CHUNK, CHUNKED_LEN));
+        }
+        other => panic!("expected a chunk checksum error, got {other:?}"),
+    }
+    let msg = err.to_string();
+    assert!(msg.contains("pages-2.img"), "{msg}");
+    assert!(
+        msg.contains(&format!("{}..{}", 5 * CHUNK, CHUNKED_LEN)),
+        "{msg}"
+    );
+}
+
+#[test]
+fn flipped_byte_in_a_middle_chunk_names_that_chunk() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = published_chunked(t.path());
+    let p = dir.join("pages-2.img");
+    let mut b = fs::read(&p).unwrap();
+    b[2 * CHUNK as usize + 7] ^= 0x80;
+    fs::write(&p, b).unwrap();
+    assert!(
+        matches!(verify(&dir), Err(ImageError::ChunkChecksum { file, offset, end })
+            if file_name(&file) == "pages-2.img" && (offset, end) == (2 * CHUNK, 3 * CHUNK))
+    );
+}
+
+#[test]
+fn truncated_multi_chunk_file_is_refused_with_sizes() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = published_chunked(t.path());
+    let p = dir.join("pages-2.img");
+    fs::File::options()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len(2 * CHUNK + 1)
+        .unwrap();
+    match verify(&dir) {
+        Err(ImageError::Truncated {
+            file,
+            expected,
+            found,
+        }) => {
+            assert_eq!(file_name(&file), "pages-2.img");
+            assert_eq!((expected, found), (CHUNKED_LEN, 2 * CHUNK + 1));
+        }
+        other => panic!("expected truncated, got {other:?}"),
+    }
+}
+
+#[test]
+fn chunk_list_that_does_not_cover_the_file_is_a_bad_manifest() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = published_chunked(t.path());
+    let mp = dir.join(MANIFEST_FILE);
+    let mut m = image::read_manifest(&mp).unwrap();
+    let f = m
+        .files
+        .iter_mut()
+        .find(|f| f.name == "pages-2.img")
+        .unwrap();
+    f.chunks.pop();
+    m.manifest_sha256 = m.self_digest().unwrap();
+    fs::write(&mp, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    let err = verify(&dir).unwrap_err();
+    assert!(
+        matches!(&err, ImageError::BadManifest { reason, .. } if reason.contains("pages-2.img")),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn manifest_sha256_is_what_sha256sum_prints() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = published_chunked(t.path());
+    let m = verify(&dir).unwrap();
+    for f in &m.files {
+        let out = Command::new("sha256sum")
+            .arg(dir.join(&f.name))
+            .output()
+            .expect("sha256sum (coreutils) is needed by this test");
+        assert!(out.status.success(), "{out:?}");
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert_eq!(
+            text.split_whitespace().next(),
+            Some(f.sha256.as_str()),
+            "{}",
+            f.name
+        );
+    }
+}
+
+/// `manifest.json` exactly as format 1 (cryo before chunk digests) wrote it for the files of
+/// [`published`].
+const FORMAT_1_MANIFEST: &str = r#"{
+  "format_version": 1,
+  "cryo_version": "0.1.0",
+  "created": "2026-11-30T03:27:51.319765238Z",
+  "root_pid": 4242,
+  "processes": [
+    {
+      "pid": 4242,
+      "ppid": 1,
+      "comm": "worker",
+      "cmdline": [
+        "worker",
+        "--port",
+        "8000"
+      ],
+      "gpu": {
+        "state": "checkpointed",
+        "devices": [
+          {
+            "uuid": "GPU-00000000-0000-0000-0000-000000000001",
+            "memory_bytes": 1073741824
+          }
+        ]
+      }
+    },
+    {
+      "pid": 4243,
+      "ppid": 4242,
+      "comm": "helper",
+      "cmdline": [
+        "helper"
+      ],
+      "gpu": null
+    }
+  ],
+  "gpu_model": "Sim GPU",
+  "driver_version": "595.0-sim",
+  "criu_version": {
+    "major": 4,
+    "minor": 1,
+    "sublevel": 1
+  },
+  "total_bytes": 300008,
+  "files": [
+    {
+      "name": "core-4242.img",
+      "size": 4,
+      "sha256": "0d45f5fd462b8c70bffb10021ac1bcff3f58f29b1faf7568595095427d42812c"
+    },
+    {
+      "name": "dump.log",
+      "size": 4,
+      "sha256": "9b75290f6a6359a2a3471022cbba4b724e45105b313ae8f6c103a2f79e82a857"
+    },
+    {
+      "name": "empty.img",
+      "size": 0,
+      "sha256": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+    },
+    {
+      "name": "pages-1.img",
+      "size": 300000,
+      "sha256": "08f166476de183f7a1b2874d544d37912aaf8d19b92013e1aafe233ba231024a"
+    }
+  ],
+  "manifest_sha256": "5201386d4e2cf54bc606a6453a84a924bfb142f66c9d81d2213c61b434606308"
+}"#;
+
+fn format_1_image(parent: &Path) -> PathBuf {
+    let dir = parent.join("old");
+    fs::create_dir(&dir).unwrap();
+    fs::write(dir.join("pages-1.img"), vec![7u8; 300_000]).unwrap();
+    fs::write(dir.join("core-4242.img"), b"core").unwrap();
+    fs::write(dir.join("dump.log"), b"log\n").unwrap();
+    fs::write(dir.join("empty.img"), b"").unwrap();
+    fs::write(dir.join(MANIFEST_FILE), FORMAT_1_MANIFEST).unwrap();
+    dir
+}
+
+#[test]
+fn image_of_the_previous_format_still_verifies() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = format_1_image(t.path());
+    let m = verify(&dir).unwrap();
+    assert_eq!(m.format_version, 1);
+    assert_eq!(m.chunk_size, None);
+    assert!(m.files.iter().all(|f| f.chunks.is_empty()));
+    assert_eq!(m.root_pid, 4242);
+    let p = dir.join("pages-1.img");
+    let mut b = fs::read(&p).unwrap();
+    b[299_999] ^= 0x01;
+    fs::write(&p, b).unwrap();
+    assert!(
+        matches!(verify(&dir), Err(ImageError::Checksum { file }) if file_name(&file) == "pages-1.img")
+    );
+}
+
+/// Rewrites the image's manifest as format 1 (whole-file checksums only), the verify baseline.
+fn downgrade_to_format_1(dir: &Path) {
+    let mp = dir.join(MANIFEST_FILE);
+    let mut m = image::read_manifest(&mp).unwrap();
+    m.format_version = 1;
+    m.chunk_size = None;
+    for f in &mut m.files {
+        f.chunks.clear();
+    }
+    m.manifest_sha256 = m.self_digest().unwrap();
+    fs::write(&mp, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+}
+
+/// Verify of one big pages file: chunked (this format) against whole-file (format 1, the
+/// baseline), and publish against one plain SHA-256 pass, in the same run. Both verifications
+/// must pass; the ratios are printed, no timing is asserted. 64 MiB by default so that every run
+/// checks a file of several 16 MiB chunks; `CRYO_BENCH_BYTES=1073741824 cargo test --release -p
+/// cryo-criu --test image bench -- --nocapture` for the numbers in the docs.
+#[test]
+fn bench_verify_one_big_file() {
+    let bytes: usize = std::env::var("CRYO_BENCH_BYTES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(64 << 20);
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("img");
+    let st = Staging::create(&dir)
+        .unwrap()
+        .with_chunk_size(NonZeroU64::new(16 << 20).unwrap());
+    let pages = st.path().join("pages-1.img");
+    fs::write(&pages, varied(bytes)).unwrap();
+    // Flushed first, so both timings below are hashing from the page cache, not writeback.
+    fs::File::open(&pages).unwrap().sync_all().unwrap();
+
+    let t0 = Instant::now();
+    let mut f = fs::File::open(&pages).unwrap();
+    let mut h = <sha2::Sha256 as sha2::Digest>::new();
+    std::io::copy(&mut f, &mut h).unwrap();
+    f.sync_all().unwrap();
+    let plain = t0.elapsed();
+    let t0 = Instant::now();
+    st.publish(meta(), false).unwrap();
+    let publish = t0.elapsed();
+    println!(
+        "publish {bytes} bytes: {publish:?} (whole + chunk hashes, fsync); one plain SHA-256 pass + fsync: \
+         {plain:?}; ratio {:.2}",
+        publish.as_secs_f64() / plain.as_secs_f64()
+    );
+
+    let best = |dir: &Path| {
+        (0..3)
+            .map(|_| {
+                let t0 = Instant::now();
+                verify(dir).unwrap();
+                t0.elapsed()
+            })
+            .min()
+            .unwrap()
+    };
+    let chunked = best(&dir);
+    downgrade_to_format_1(&dir);
+    let whole = best(&dir);
+    println!(
+        "verify {bytes} bytes on {} threads: chunked {chunked:?}, whole-file (format 1) {whole:?}; \
+         speed-up {:.2}x",
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+        whole.as_secs_f64() / chunked.as_secs_f64()
+    );
 }

@@ -10,8 +10,15 @@ use crate::version::CriuVersion;
 
 /// The manifest's file name inside an image directory.
 pub const MANIFEST_FILE: &str = "manifest.json";
-/// The manifest format this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The manifest format this build writes. 2 added [`Manifest::chunk_size`] and
+/// [`FileEntry::chunks`].
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest manifest format this build still reads (1: whole-file checksums only).
+pub const OLDEST_FORMAT_VERSION: u32 = 1;
+/// The chunk size [`super::Staging::publish`] uses unless told otherwise: big enough that the
+/// chunk list of a 20 GiB file stays small (320 digests), small enough that one big pages
+/// file spreads over every core at verify.
+pub const DEFAULT_CHUNK_SIZE: u64 = 64 << 20;
 
 /// `manifest.json`. Written last, just before the image is published; `files` lists every
 /// other file of the image.
@@ -36,6 +43,11 @@ pub struct Manifest {
     pub criu_version: CriuVersion,
     /// Sum of the sizes of `files`, bytes.
     pub total_bytes: u64,
+    /// Bytes per chunk of [`FileEntry::chunks`]; `None` in format 1, which has no chunks.
+    /// Absent rather than null when `None`, so a format-1 manifest re-serializes byte for byte
+    /// and its self-digest still matches.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk_size: Option<u64>,
     /// Every file of the image but the manifest, sorted by name.
     pub files: Vec<FileEntry>,
     /// SHA-256 (hex) of this manifest serialized with this field empty: catches an edit of the
@@ -116,8 +128,13 @@ pub struct FileEntry {
     pub name: String,
     /// Its size, bytes.
     pub size: u64,
-    /// Its SHA-256, lower-case hex.
+    /// Its SHA-256, lower-case hex: what `sha256sum` prints.
     pub sha256: String,
+    /// SHA-256 (lower-case hex) of each [`Manifest::chunk_size`] bytes of the file, in order
+    /// (the last chunk may be shorter); empty for a file of at most one chunk, whose `sha256`
+    /// is its check. Lets verification hash one big file on many cores.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub chunks: Vec<String>,
 }
 
 /// What the caller knows about a freeze; [`super::Staging::publish`] adds the rest.

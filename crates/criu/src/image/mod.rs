@@ -15,6 +15,14 @@
 //! Images are flat directories of regular files (what CRIU writes); anything else is refused.
 //! The replaced old image is removed after the exchange; if that removal is interrupted, the
 //! leftover is a staging-named directory and goes with the next [`clean_stale`].
+//!
+//! # Checksums
+//! The manifest holds each file's SHA-256 (what `sha256sum` prints) and, for files of more
+//! than one chunk ([`DEFAULT_CHUNK_SIZE`]), the SHA-256 of each chunk. Publish computes both in
+//! one read of each file. [`verify`] checks sizes, then hashes the chunks of all files on all
+//! cores (a 20 GB GPU worker is one pages file, and verify runs before every thaw); it does not
+//! hash big files whole again: the chunks cover every byte, and the manifest's self-digest
+//! covers the chunk list. Format-1 manifests (no chunks) are still read and verified whole-file.
 
 mod hash;
 mod manifest;
@@ -22,6 +30,7 @@ mod manifest;
 use std::collections::BTreeSet;
 use std::fs::{self, File};
 use std::io::Write;
+use std::num::NonZeroU64;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
@@ -29,8 +38,8 @@ use nix::fcntl::{renameat2, Flock, FlockArg, RenameFlags};
 use time::format_description::well_known::Rfc3339;
 
 pub use manifest::{
-    DeviceUse, FileEntry, ImageMeta, Manifest, ProcessEntry, ProcessGpu, FORMAT_VERSION,
-    MANIFEST_FILE,
+    DeviceUse, FileEntry, ImageMeta, Manifest, ProcessEntry, ProcessGpu, DEFAULT_CHUNK_SIZE,
+    FORMAT_VERSION, MANIFEST_FILE, OLDEST_FORMAT_VERSION,
 };
 
 /// What marks a staging directory: `NAME.tmp-<random>`.
@@ -86,7 +95,10 @@ pub enum ImageError {
         reason: String,
     },
     /// The manifest is of a format this build does not read.
-    #[error("{}: manifest format {found}, this cryo reads format {supported}", .file.display())]
+    #[error(
+        "{}: manifest format {found}, this cryo reads formats {OLDEST_FORMAT_VERSION} to {supported}",
+        .file.display()
+    )]
     UnsupportedFormat {
         /// The manifest.
         file: PathBuf,
@@ -126,6 +138,19 @@ pub enum ImageError {
     Checksum {
         /// The file.
         file: PathBuf,
+    },
+    /// One chunk of a file does not match its SHA-256 in the manifest.
+    #[error(
+        "{}: checksum mismatch in bytes {offset}..{end} (content differs from the manifest)",
+        .file.display()
+    )]
+    ChunkChecksum {
+        /// The file.
+        file: PathBuf,
+        /// First byte of the chunk.
+        offset: u64,
+        /// One past its last byte.
+        end: u64,
     },
     /// A file the manifest does not list.
     #[error("{}: not listed in the manifest", .file.display())]
@@ -221,6 +246,7 @@ pub struct Staging {
     tmp: Option<tempfile::TempDir>,
     path: PathBuf,
     dir: PathBuf,
+    chunk_size: u64,
     _lock: Flock<File>,
 }
 
@@ -251,6 +277,7 @@ impl Staging {
                         tmp: Some(tmp),
                         path,
                         dir: dir.to_path_buf(),
+                        chunk_size: DEFAULT_CHUNK_SIZE,
                         _lock: lock,
                     })
                 }
@@ -266,6 +293,13 @@ impl Staging {
         &self.path
     }
 
+    /// Sets the chunk size of the manifest's per-chunk checksums (default
+    /// [`DEFAULT_CHUNK_SIZE`]); tests use small ones to get many chunks from small files.
+    pub fn with_chunk_size(mut self, bytes: NonZeroU64) -> Staging {
+        self.chunk_size = bytes.get();
+        self
+    }
+
     /// The directory the image will be published at.
     pub fn final_dir(&self) -> &Path {
         &self.dir
@@ -278,12 +312,14 @@ impl Staging {
     pub fn publish(mut self, meta: ImageMeta, replace: bool) -> Result<Manifest, ImageError> {
         let names = self.list()?;
         let mut files = Vec::with_capacity(names.len());
-        for (name, r) in names.iter().zip(hash::hash_files(&self.path, &names, true)) {
+        let hashed = hash::hash_files(&self.path, &names, true, self.chunk_size);
+        for (name, r) in names.iter().zip(hashed) {
             let h = r.map_err(|(p, e)| io(&p)(e))?;
             files.push(FileEntry {
                 name: name.clone(),
                 size: h.size,
                 sha256: h.sha256,
+                chunks: h.chunks,
             });
         }
         let created = time::OffsetDateTime::now_utc()
@@ -299,6 +335,7 @@ impl Staging {
             driver_version: meta.driver_version,
             criu_version: meta.criu_version,
             total_bytes: files.iter().map(|f| f.size).sum(),
+            chunk_size: Some(self.chunk_size),
             files,
             manifest_sha256: String::new(),
         };
@@ -401,8 +438,9 @@ impl Staging {
 }
 
 /// Checks the image at `dir` against its manifest and returns the manifest: format version,
-/// the manifest's own digest, every listed file present with its size and SHA-256, nothing
-/// unlisted. Each failure names the file and the reason.
+/// the manifest's own digest, every listed file present with its size and SHA-256 (per chunk
+/// where the manifest has chunk digests, all chunks of all files in parallel), nothing
+/// unlisted. Each failure names the file and the reason (and the byte range for a chunk).
 pub fn verify(dir: &Path) -> Result<Manifest, ImageError> {
     let (_, name) = split(dir)?;
     if is_staging_name(&name) {
@@ -434,6 +472,7 @@ pub fn verify(dir: &Path) -> Result<Manifest, ImageError> {
             manifest.total_bytes
         )));
     }
+    check_chunk_layout(&manifest).map_err(bad)?;
 
     for entry in fs::read_dir(dir).map_err(io(dir))? {
         let entry = entry.map_err(io(dir))?;
@@ -443,6 +482,7 @@ pub fn verify(dir: &Path) -> Result<Manifest, ImageError> {
             return Err(ImageError::Unlisted { file: entry.path() });
         }
     }
+    let mut paths = Vec::with_capacity(manifest.files.len());
     for f in &manifest.files {
         let path = dir.join(&f.name);
         let md = match fs::symlink_metadata(&path) {
@@ -473,27 +513,104 @@ pub fn verify(dir: &Path) -> Result<Manifest, ImageError> {
                 found,
             });
         }
+        paths.push(path);
     }
-    let names: Vec<String> = manifest.files.iter().map(|f| f.name.clone()).collect();
-    for (f, r) in manifest
-        .files
-        .iter()
-        .zip(hash::hash_files(dir, &names, false))
-    {
-        let h = r.map_err(|(p, e)| io(&p)(e))?;
+    let spans = spans(&manifest);
+    if let Err((i, e)) = hash::check_spans(&paths, &spans) {
+        let s = &spans[i];
+        let f = &manifest.files[s.file];
         let file = dir.join(&f.name);
-        if h.size != f.size {
-            return Err(ImageError::Truncated {
+        return Err(match e {
+            hash::SpanError::Mismatch if s.len == f.size => ImageError::Checksum { file },
+            hash::SpanError::Mismatch => ImageError::ChunkChecksum {
+                file,
+                offset: s.offset,
+                end: s.offset + s.len,
+            },
+            hash::SpanError::Short { found } => ImageError::Truncated {
                 file,
                 expected: f.size,
-                found: h.size,
-            });
-        }
-        if !h.sha256.eq_ignore_ascii_case(&f.sha256) {
-            return Err(ImageError::Checksum { file });
-        }
+                found,
+            },
+            hash::SpanError::Long => ImageError::Oversized {
+                found: fs::metadata(&file).map_or(f.size + 1, |m| m.len()),
+                file,
+                expected: f.size,
+            },
+            hash::SpanError::Io(e) => io(&file)(e),
+        });
     }
     Ok(manifest)
+}
+
+/// Whether the chunk lists fit the sizes: format 1 has none; format 2 has a chunk size and, for
+/// every file longer than one chunk, one digest per chunk (so the chunks cover every byte).
+fn check_chunk_layout(m: &Manifest) -> Result<(), String> {
+    let Some(chunk) = m.chunk_size else {
+        if m.format_version >= 2 {
+            return Err(format!("format {} without chunk_size", m.format_version));
+        }
+        return match m.files.iter().find(|f| !f.chunks.is_empty()) {
+            Some(f) => Err(format!(
+                "file {:?} has chunk digests but no chunk_size",
+                f.name
+            )),
+            None => Ok(()),
+        };
+    };
+    if m.format_version < 2 {
+        return Err(format!("format {} with a chunk_size", m.format_version));
+    }
+    if chunk == 0 {
+        return Err("chunk_size 0".into());
+    }
+    for f in &m.files {
+        let want = if f.size <= chunk {
+            0
+        } else {
+            f.size.div_ceil(chunk)
+        };
+        if f.chunks.len() as u64 != want {
+            return Err(format!(
+                "file {:?}: {} chunk digests, its {} bytes in chunks of {chunk} need {want}",
+                f.name,
+                f.chunks.len(),
+                f.size
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// What verify hashes: every chunk of files that have chunk digests, the whole of the others.
+fn spans(m: &Manifest) -> Vec<hash::Span<'_>> {
+    let mut out = Vec::new();
+    for (i, f) in m.files.iter().enumerate() {
+        let chunk = m.chunk_size.filter(|_| !f.chunks.is_empty());
+        let Some(chunk) = chunk else {
+            out.push(hash::Span {
+                file: i,
+                offset: 0,
+                len: f.size,
+                sha256: &f.sha256,
+                last: true,
+            });
+            continue;
+        };
+        let mut offset = 0;
+        for (k, digest) in f.chunks.iter().enumerate() {
+            let len = chunk.min(f.size.saturating_sub(offset));
+            out.push(hash::Span {
+                file: i,
+                offset,
+                len,
+                sha256: digest,
+                last: k + 1 == f.chunks.len(),
+            });
+            offset += len;
+        }
+    }
+    out
 }
 
 /// Reads and checks `manifest.json` without looking at the other files.
@@ -518,7 +635,7 @@ pub fn read_manifest(mpath: &Path) -> Result<Manifest, ImageError> {
         .get("format_version")
         .and_then(serde_json::Value::as_u64)
         .ok_or_else(|| bad("no format_version".into()))?;
-    if found != u64::from(FORMAT_VERSION) {
+    if !(u64::from(OLDEST_FORMAT_VERSION)..=u64::from(FORMAT_VERSION)).contains(&found) {
         return Err(ImageError::UnsupportedFormat {
             file: mpath.to_path_buf(),
             found,
