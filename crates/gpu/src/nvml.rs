@@ -83,16 +83,20 @@ fn used_bytes(m: UsedGpuMemory) -> u64 {
     }
 }
 
+/// The UUID of device `index`, as NVML prints it.
+fn device_uuid(d: &nvml_wrapper::Device<'_>, index: u32) -> Result<GpuUuid, InspectError> {
+    let text = d
+        .uuid()
+        .map_err(|e| nvml_err(&format!("GPU {index} uuid"), e))?;
+    parse_uuid(index, text)
+}
+
 impl GpuInspector for NvmlInspector {
     fn gpus(&self) -> Result<Vec<GpuInfo>, InspectError> {
         (0..self.count()?)
             .map(|index| {
                 let d = self.device(index)?;
-                let uuid = parse_uuid(
-                    index,
-                    d.uuid()
-                        .map_err(|e| nvml_err(&format!("GPU {index} uuid"), e))?,
-                )?;
+                let uuid = device_uuid(&d, index)?;
                 let name = d
                     .name()
                     .map_err(|e| nvml_err(&format!("GPU {index} name"), e))?;
@@ -114,11 +118,7 @@ impl GpuInspector for NvmlInspector {
         let mut out = Vec::new();
         for index in 0..self.count()? {
             let d = self.device(index)?;
-            let uuid = parse_uuid(
-                index,
-                d.uuid()
-                    .map_err(|e| nvml_err(&format!("GPU {index} uuid"), e))?,
-            )?;
+            let uuid = device_uuid(&d, index)?;
             let procs = d
                 .running_compute_processes()
                 .map_err(|e| nvml_err(&format!("GPU {index} compute processes"), e))?;
