@@ -38,6 +38,7 @@ fn try_record_restore(state_dir: &Path, pid: Pid, how: &str) -> anyhow::Result<(
         .append(Event::RestoreCompleted {
             pid: proc,
             image: how.to_string(),
+            ms: None,
         })
         .context("appending to the journal")?;
     Ok(())

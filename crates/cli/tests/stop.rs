@@ -194,7 +194,7 @@ fn toggle_through_the_cuda_checkpoint_front_end_is_journaled_as_a_restore() {
     assert_eq!(sim.state(pid), "running");
     let scan = cryo_journal::read(st.path().join("journal")).unwrap();
     assert!(
-        scan.records.iter().any(|r| matches!(&r.event, Event::RestoreCompleted { pid: id, image } if id.pid == pid && image.contains("toggle"))),
+        scan.records.iter().any(|r| matches!(&r.event, Event::RestoreCompleted { pid: id, image, .. } if id.pid == pid && image.contains("toggle"))),
         "{:?}",
         scan.records
     );

@@ -79,6 +79,9 @@ pub enum Event {
     Verified {
         /// The process.
         pid: ProcId,
+        /// How long after the checkpoint NVML stopped listing it (absent in older journals).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ms: Option<u64>,
     },
     /// NVML still showed device memory at the deadline.
     VerifyFailed {
@@ -116,17 +119,26 @@ pub enum Event {
         killed: Vec<ProcId>,
         /// Wall time of the whole stop.
         ms: u64,
+        /// Processes cryo refused to end (each has its own [`Event::Refused`]); when not empty,
+        /// the stop was refused (nothing ended) unless it was forced with `--unsafe`. Absent in
+        /// older journals.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        refused: Vec<ProcId>,
     },
     /// The process is about to be killed without having been suspended (`--unsafe` or `--fresh`).
     UnsafeKill {
         /// The process.
         pid: ProcId,
     },
-    /// A suspension failed elsewhere in the target: this process, locked by it, was unlocked
+    /// The process's context was unlocked and runs again: after its restore (thaw), or because
+    /// a suspension failed elsewhere in its target and this process, locked by it, was unlocked
     /// again and is serving.
     Unlocked {
         /// The process.
         pid: ProcId,
+        /// How long the unlock took (absent in older journals).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ms: Option<u64>,
     },
     /// A suspension failed elsewhere in the target: this process, checkpointed by it, was
     /// restored and unlocked again and is serving.
@@ -145,6 +157,15 @@ pub enum Event {
     FreezeStarted {
         /// Image directory or name.
         image: String,
+    },
+    /// CRIU dumped the tree into the staging directory (not published yet).
+    Dumped {
+        /// Image directory or name.
+        image: String,
+        /// How long CRIU took (and the tree took to exit, unless left running).
+        ms: u64,
+        /// Size of what CRIU wrote.
+        bytes: u64,
     },
     /// The image was published (complete, checksummed, renamed into place).
     ImagePublished {
@@ -167,12 +188,23 @@ pub enum Event {
         /// Image directory or name.
         image: String,
     },
+    /// CRIU restored the process tree of `image` (its CUDA contexts are still CHECKPOINTED).
+    CriuRestored {
+        /// Image directory or name.
+        image: String,
+        /// How long CRIU took.
+        ms: u64,
+    },
     /// A process of `image` was restored (CRIU and GPU): from now on it is a *restored* process.
     RestoreCompleted {
         /// The restored process (its new identity on this host).
         pid: ProcId,
         /// Image directory or name.
         image: String,
+        /// How long the driver's restore of its context took; absent when there was none
+        /// (a process without CUDA state), when it was not measured, and in older journals.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ms: Option<u64>,
     },
     /// The restored worker answered its health check.
     HealthOk {
@@ -281,14 +313,14 @@ impl Event {
             | CheckpointStarted { pid }
             | Checkpointed { pid, .. }
             | CheckpointFailed { pid, .. }
-            | Verified { pid }
+            | Verified { pid, .. }
             | VerifyFailed { pid, .. }
             | KillStarted { pid, .. }
             | Killed { pid }
             | Refused { pid, .. }
             | FreshDeclared { pid }
             | UnsafeKill { pid }
-            | Unlocked { pid }
+            | Unlocked { pid, .. }
             | Resumed { pid }
             | RestoreCompleted { pid, .. }
             | HealthOk { pid, .. }
@@ -301,9 +333,11 @@ impl Event {
             StopRequested { .. }
             | StopCompleted { .. }
             | FreezeStarted { .. }
+            | Dumped { .. }
             | ImagePublished { .. }
             | FreezeFailed { .. }
             | ThawStarted { .. }
+            | CriuRestored { .. }
             | ThawCompleted { .. }
             | ThawFailed { .. }
             | GpuQuarantined { .. }
@@ -315,7 +349,9 @@ impl Event {
     /// Every process the event names (for `--pid` filtering).
     pub fn pids(&self) -> Vec<ProcId> {
         match self {
-            Event::StopCompleted { killed, .. } => killed.clone(),
+            Event::StopCompleted {
+                killed, refused, ..
+            } => killed.iter().chain(refused).copied().collect(),
             Event::ThawCompleted { pids, .. } => pids.clone(),
             other => other.proc().into_iter().collect(),
         }
@@ -343,8 +379,10 @@ impl Event {
             | Unlocked { .. }
             | Resumed { .. }
             | StopCompleted { .. }
+            | Dumped { .. }
             | ImagePublished { .. }
             | FreezeFailed { .. }
+            | CriuRestored { .. }
             | RestoreCompleted { .. }
             | HealthOk { .. }
             | ThawCompleted { .. }
@@ -382,9 +420,11 @@ impl Event {
             Unlocked { .. } => "unlocked (stop refused)",
             Resumed { .. } => "resumed (suspension refused)",
             FreezeStarted { .. } => "freeze started",
+            Dumped { .. } => "dumped",
             ImagePublished { .. } => "image published",
             FreezeFailed { .. } => "freeze failed",
             ThawStarted { .. } => "thaw started",
+            CriuRestored { .. } => "criu restored",
             RestoreCompleted { .. } => "restore completed",
             HealthOk { .. } => "health ok",
             ThawCompleted { .. } => "thaw completed",
@@ -410,7 +450,7 @@ impl Event {
             Locked { ms, .. } | HealthOk { ms, .. } => format!("{ms} ms"),
             LockFailed { error, .. } | CheckpointFailed { error, .. } => error.clone(),
             Checkpointed { ms, bytes, .. } => format!("{ms} ms, {}", fmt_bytes(*bytes)),
-            Verified { .. } => "no device memory left".to_owned(),
+            Verified { ms: None, .. } => "no device memory left".to_owned(),
             VerifyFailed { bytes_left, .. } => {
                 format!("{} still on the GPU", fmt_bytes(*bytes_left))
             }
@@ -418,12 +458,32 @@ impl Event {
                 cryo_proc::signal_name(*signal)
             }
             Refused { reason, hint, .. } => format!("{reason} (hint: {hint})"),
-            StopCompleted { target, killed, ms } => {
-                format!("target {target}, {} ended, {ms} ms", killed.len())
+            StopCompleted {
+                target,
+                killed,
+                ms,
+                refused,
+            } => {
+                let refused = match refused.len() {
+                    0 => String::new(),
+                    n => format!(", {n} refused"),
+                };
+                format!("target {target}, {} ended{refused}, {ms} ms", killed.len())
             }
+            Verified { ms: Some(ms), .. } => format!("no device memory left, {ms} ms"),
+            Unlocked { ms: Some(ms), .. } => format!("{ms} ms"),
+            RestoreCompleted {
+                image,
+                ms: Some(ms),
+                ..
+            } => format!("image {image}, {ms} ms"),
             FreezeStarted { image } | ThawStarted { image } | RestoreCompleted { image, .. } => {
                 format!("image {image}")
             }
+            Dumped { image, ms, bytes } => {
+                format!("image {image}, {ms} ms, {}", fmt_bytes(*bytes))
+            }
+            CriuRestored { image, ms } => format!("image {image}, {ms} ms"),
             ImagePublished { image, bytes } => format!("image {image}, {}", fmt_bytes(*bytes)),
             FreezeFailed { image, error } | ThawFailed { image, error } => {
                 format!("image {image}: {error}")
@@ -443,7 +503,7 @@ impl Event {
             | Killed { .. }
             | FreshDeclared { .. }
             | UnsafeKill { .. }
-            | Unlocked { .. }
+            | Unlocked { ms: None, .. }
             | Resumed { .. }
             | GuardAttached { .. }
             | PinsReleased { .. }

@@ -55,7 +55,7 @@ impl Origins {
         let mut out = Origins::default();
         for r in records {
             match &r.event {
-                Event::RestoreCompleted { pid, image } => {
+                Event::RestoreCompleted { pid, image, .. } => {
                     out.restored.insert(*pid, image.clone());
                 }
                 Event::FreshDeclared { pid } => {

@@ -37,7 +37,7 @@ fn every_kind(pid: ProcId) -> Vec<Event> {
             pid,
             error: "CUDA_ERROR_ILLEGAL_STATE".into(),
         },
-        Event::Verified { pid },
+        Event::Verified { pid, ms: Some(40) },
         Event::VerifyFailed {
             pid,
             bytes_left: 1 << 20,
@@ -53,10 +53,16 @@ fn every_kind(pid: ProcId) -> Vec<Event> {
             target: "pid 1".into(),
             killed: vec![pid, p(2)],
             ms: 4100,
+            refused: vec![p(3)],
         },
         Event::FreshDeclared { pid },
         Event::FreezeStarted {
             image: "/img/a".into(),
+        },
+        Event::Dumped {
+            image: "/img/a".into(),
+            ms: 2100,
+            bytes: 42,
         },
         Event::ImagePublished {
             image: "/img/a".into(),
@@ -69,10 +75,16 @@ fn every_kind(pid: ProcId) -> Vec<Event> {
         Event::ThawStarted {
             image: "/img/a".into(),
         },
+        Event::CriuRestored {
+            image: "/img/a".into(),
+            ms: 900,
+        },
         Event::RestoreCompleted {
             pid,
             image: "/img/a".into(),
+            ms: Some(310),
         },
+        Event::Unlocked { pid, ms: Some(2) },
         Event::HealthOk { pid, ms: 35 },
         Event::ThawCompleted {
             image: "/img/a".into(),
@@ -113,11 +125,11 @@ fn round_trip_of_every_event() {
     assert_eq!(scan.records, written);
     assert_eq!(
         scan.records.iter().map(|r| r.seq).collect::<Vec<_>>(),
-        (1..=28).collect::<Vec<_>>()
+        (1..=31).collect::<Vec<_>>()
     );
     // A second writer continues the sequence.
     let j = Journal::open(dir.path().join("nested/journal")).unwrap();
-    assert_eq!(j.append(Event::Killed { pid: p(1) }).unwrap().seq, 29);
+    assert_eq!(j.append(Event::Killed { pid: p(1) }).unwrap().seq, 32);
 }
 
 #[test]
@@ -135,6 +147,54 @@ fn unknown_event_from_a_newer_cryo_reads_as_unknown() {
     .unwrap();
     assert_eq!(r.event, Event::Unknown);
     assert_eq!(r.seq, 3);
+}
+
+#[test]
+fn records_of_older_journals_read_without_the_newer_fields() {
+    // As a cryo before durations were journaled for verify, restore and unlock wrote them.
+    let old = [
+        r#"{"seq":1,"time":"2026-11-30T02:41:07Z","event":{"type":"verified","pid":{"pid":7,"start_time":9}}}"#,
+        r#"{"seq":2,"time":"2026-11-30T02:41:07Z","event":{"type":"restore_completed","pid":{"pid":7,"start_time":9},"image":"/img"}}"#,
+        r#"{"seq":3,"time":"2026-11-30T02:41:07Z","event":{"type":"unlocked","pid":{"pid":7,"start_time":9}}}"#,
+        r#"{"seq":4,"time":"2026-11-30T02:41:07Z","event":{"type":"stop_completed","target":"pid 7","killed":[],"ms":5}}"#,
+    ];
+    let events: Vec<Event> = old
+        .iter()
+        .map(|t| serde_json::from_str::<Record>(t).unwrap().event)
+        .collect();
+    let pid = ProcId {
+        pid: 7,
+        start_time: 9,
+    };
+    assert_eq!(
+        events,
+        vec![
+            Event::Verified { pid, ms: None },
+            Event::RestoreCompleted {
+                pid,
+                image: "/img".into(),
+                ms: None
+            },
+            Event::Unlocked { pid, ms: None },
+            Event::StopCompleted {
+                target: "pid 7".into(),
+                killed: vec![],
+                ms: 5,
+                refused: vec![],
+            },
+        ]
+    );
+    // And records without the new values are written as before, so older readers see no change.
+    for (text, event) in old.iter().zip(events) {
+        let r = Record {
+            seq: serde_json::from_str::<Record>(text).unwrap().seq,
+            time: serde_json::from_str::<Record>(text).unwrap().time,
+            event,
+        };
+        let again: serde_json::Value = serde_json::to_value(&r).unwrap();
+        let orig: serde_json::Value = serde_json::from_str(text).unwrap();
+        assert_eq!(again["event"], orig["event"]);
+    }
 }
 
 /// Appends 10 records and returns the frame start offsets.
@@ -274,6 +334,7 @@ fn timeline_reads_like_an_incident_timeline() {
             Event::RestoreCompleted {
                 pid: w,
                 image: "/img/llama".into(),
+                ms: None,
             },
         ),
         rec(2, 900, Event::HealthOk { pid: w, ms: 35 }),
@@ -294,7 +355,7 @@ fn timeline_reads_like_an_incident_timeline() {
                 bytes: 5_800_000_000,
             },
         ),
-        rec(6, 61_900, Event::Verified { pid: w }),
+        rec(6, 61_900, Event::Verified { pid: w, ms: None }),
         rec(7, 61_950, Event::Killed { pid: w }),
         rec(
             8,
@@ -385,6 +446,7 @@ fn origins_know_restored_and_fresh_processes() {
             Event::RestoreCompleted {
                 pid: me,
                 image: "/img/a".into(),
+                ms: None,
             },
         ),
         rec(
@@ -393,6 +455,7 @@ fn origins_know_restored_and_fresh_processes() {
             Event::RestoreCompleted {
                 pid: gone,
                 image: "/img/b".into(),
+                ms: None,
             },
         ),
         rec(3, 2, Event::FreshDeclared { pid: p(5) }),
@@ -440,7 +503,7 @@ fn in_flight_gives_the_last_stop_step_of_unfinished_processes() {
                 bytes: 1,
             },
         ),
-        rec(8, 7, Event::Verified { pid: a }),
+        rec(8, 7, Event::Verified { pid: a, ms: None }),
         rec(
             9,
             8,

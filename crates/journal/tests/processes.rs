@@ -378,7 +378,10 @@ fn crash_between_intent_and_outcome_is_in_flight() {
             ms: 2,
             bytes: 3,
         },
-        Event::Verified { pid: done },
+        Event::Verified {
+            pid: done,
+            ms: None,
+        },
         Event::KillStarted {
             pid: done,
             signal: 9,

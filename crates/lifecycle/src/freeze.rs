@@ -316,10 +316,11 @@ fn freeze_inner(
     let dumped = with_dir_progress(progress, root, "dump", expected, staging.path(), || {
         criu.dump(root, staging.path(), &dump_opts)
     });
+    let dumped_bytes = dir_bytes(staging.path());
     let detail = format!(
         "{} ms, {}",
         t.elapsed().as_millis(),
-        crate::suspend::human_bytes(dir_bytes(staging.path()))
+        crate::suspend::human_bytes(dumped_bytes)
     );
     progress.end(root, "dump", dumped.is_ok(), &detail);
     if let Err(e) = dumped {
@@ -337,6 +338,15 @@ fn freeze_inner(
         }
     }
     let dump_ms = ms(t.elapsed());
+    // A record for the timeline and metrics only: the dump is done (and the tree gone unless
+    // left running), so failing the freeze over it would lose the image.
+    if let Err(e) = journal.append(Event::Dumped {
+        image: image_name(opts),
+        ms: dump_ms,
+        bytes: dumped_bytes,
+    }) {
+        tracing::error!(error = %e, "cannot journal the dump");
+    }
 
     failpoint::stall_if(FREEZE_BEFORE_PUBLISH);
 
@@ -424,6 +434,7 @@ fn resume_in_place(
             if let Err(e) = journal.append(Event::RestoreCompleted {
                 pid: id(h),
                 image: image.to_string(),
+                ms: None,
             }) {
                 tracing::error!(pid, error = %e, "cannot journal the restore in place");
             }

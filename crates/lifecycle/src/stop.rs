@@ -320,6 +320,7 @@ pub fn stop(
                 target: describe(target),
                 killed: Vec::new(),
                 ms: elapsed_ms(start),
+                refused: refused_ids(&handles, &refusals),
             })?;
             return Ok(StopReport {
                 processes: reports,
@@ -399,6 +400,7 @@ pub fn stop(
         target: describe(target),
         killed: handles.iter().filter(|h| !h.is_alive()).map(id).collect(),
         ms: elapsed_ms(start),
+        refused: refused_ids(&handles, &refusals),
     })?;
     Ok(StopReport {
         processes: reports,
@@ -406,6 +408,15 @@ pub fn stop(
         unsafe_kills,
         elapsed_ms: elapsed_ms(start),
     })
+}
+
+/// The journal's identities of the refused processes.
+fn refused_ids(handles: &[ProcHandle], refusals: &[Refusal]) -> Vec<cryo_journal::ProcId> {
+    handles
+        .iter()
+        .filter(|h| refusals.iter().any(|r| r.pid == h.pid()))
+        .map(id)
+        .collect()
 }
 
 fn end_one(

@@ -466,11 +466,13 @@ fn verify_all(gpu: &Gpu, rows: &mut [Row<'_>], timeout: Duration, journal: Optio
                 .sum();
             let still = listed.iter().any(|p| p.pid == pid);
             if !still {
-                rows[i].verify = Some(start.elapsed());
+                let took = start.elapsed();
+                rows[i].verify = Some(took);
                 record(
                     journal,
                     Event::Verified {
                         pid: id(rows[i].handle),
+                        ms: Some(ms(took)),
                     },
                 );
                 return false;
@@ -515,11 +517,13 @@ fn roll_back(gpu: &Gpu, rows: &mut [Row<'_>], resume: bool, journal: Option<&Jou
                 }
             }
         } else if row.locked_here && !row.ckpt_here {
+            let start = Instant::now();
             match gpu.driver.unlock(pid) {
                 Ok(()) => record(
                     journal,
                     Event::Unlocked {
                         pid: id(row.handle),
+                        ms: Some(ms(start.elapsed())),
                     },
                 ),
                 Err(e) => {

@@ -379,6 +379,13 @@ fn thaw_inner(
     );
     let root = restored?;
     let criu_ms = ms(t.elapsed());
+    // For the timeline and metrics only: not worth failing a restore that happened.
+    if let Err(e) = journal.append(Event::CriuRestored {
+        image: image.clone(),
+        ms: criu_ms,
+    }) {
+        tracing::error!(error = %e, "cannot journal the CRIU restore");
+    }
 
     // From here on, every failure removes the tree safely.
     let handles: Vec<ProcHandle> = manifest
@@ -412,6 +419,7 @@ fn thaw_inner(
         journal.append(Event::RestoreCompleted {
             pid: id(h),
             image: image.clone(),
+            ms: None,
         })?;
     }
 
@@ -460,6 +468,7 @@ fn thaw_inner(
                     journal.append(Event::RestoreCompleted {
                         pid: id(h),
                         image: image.clone(),
+                        ms: Some(restore_ms),
                     })?;
                 }
                 gpu_report.push(RestoredGpu {
@@ -478,8 +487,18 @@ fn thaw_inner(
         return Err(fail("GPU restore", e));
     }
     for plan in plans {
+        let t = Instant::now();
         if let Err(e) = gpu.driver.unlock(plan.pid) {
             return Err(fail("unlock", format!("pid {}: {e}", plan.pid)));
+        }
+        // The process runs again: a journal that cannot take the record must not fail the thaw.
+        if let Some(h) = handle(plan.pid) {
+            if let Err(e) = journal.append(Event::Unlocked {
+                pid: id(h),
+                ms: Some(ms(t.elapsed())),
+            }) {
+                tracing::error!(pid = plan.pid, error = %e, "cannot journal the unlock");
+            }
         }
     }
     let gpu_restore_ms = ms(t.elapsed());

@@ -271,7 +271,7 @@ fn guard_round(
     let recs = cryo_journal::read(journal_dir)?.records;
     if !recs
         .iter()
-        .any(|r| matches!(&r.event, Event::Verified { pid } if *pid == id))
+        .any(|r| matches!(&r.event, Event::Verified { pid, .. } if *pid == id))
     {
         bail!("pid {p} died without a verified suspension: the guard's path failed");
     }

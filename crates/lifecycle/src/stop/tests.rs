@@ -231,7 +231,7 @@ fn one_process_that_cannot_be_suspended_stops_nothing() {
         .any(|r| matches!(r.event, Event::Refused { pid, .. } if pid.pid == procs.pid(1))));
     assert!(records
         .iter()
-        .any(|r| matches!(r.event, Event::Unlocked { pid } if pid.pid == procs.pid(0))));
+        .any(|r| matches!(r.event, Event::Unlocked { pid, .. } if pid.pid == procs.pid(0))));
     assert!(!records
         .iter()
         .any(|r| matches!(r.event, Event::KillStarted { .. })));
@@ -287,6 +287,7 @@ fn fresh_does_not_override_a_journaled_restore() {
         .append(Event::RestoreCompleted {
             pid: restored,
             image: "test".into(),
+            ms: None,
         })
         .unwrap();
     let target = Target::Pids(vec![procs.pid(0), procs.pid(1)]);
