@@ -17,7 +17,6 @@ mod commands;
 mod compat;
 mod defer;
 mod exit;
-mod journal;
 mod progress;
 mod target;
 

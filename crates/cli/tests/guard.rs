@@ -29,7 +29,7 @@ mod sig {
     pub const SIGTERM: i32 = 15;
 }
 use cryo_journal::{Event, ProcId};
-use cryo_lifecycle::fence::Fence;
+use cryo_state::StateDir;
 
 /// A `cryo --gpu sim --sim-dir SIM --state-dir STATE` command.
 fn cryo_at(sim: &Path, state: &Path) -> Command {
@@ -83,7 +83,10 @@ impl GuardProc {
         let g = GuardProc { child, log };
         let state = state.to_path_buf();
         eventually("the guard's socket", Duration::from_secs(20), || {
-            cryo_guard::control::status(&state).ok().flatten().is_some()
+            cryo_guard::control::status(&StateDir::new(&state))
+                .ok()
+                .flatten()
+                .is_some()
         });
         g
     }
@@ -349,7 +352,7 @@ fn cell(death: Death, sticky: bool) {
     let path = names(&events, id);
     let suspendable =
         !sticky && (matches!(death, Death::Signal(s) if s != sig::SIGKILL) || death == Death::Segv);
-    let fence = Fence::new(&state);
+    let fence = StateDir::new(&state).fence();
     if suspendable {
         assert!(
             path.contains(&"FATAL SIGNAL")
@@ -385,7 +388,9 @@ fn cell(death: Death, sticky: bool) {
                 "a fatal signal on a sticky context must journal the refused suspension: {path:?}"
             );
         }
-        let st = cryo_guard::control::status(&state).unwrap().unwrap();
+        let st = cryo_guard::control::status(&StateDir::new(&state))
+            .unwrap()
+            .unwrap();
         assert!(
             st.pins
                 .iter()
@@ -567,7 +572,7 @@ fn detach_and_attach_through_the_socket() {
     w.make_restored(&state);
     let id = ProcId::of(w.pid).unwrap();
     wait_attached(&state, id, 1);
-    assert!(cryo_guard::control::detach(&state, w.pid).unwrap());
+    assert!(cryo_guard::control::detach(&StateDir::new(&state), w.pid).unwrap());
     assert_eq!(tracer_pid(w.pid), 0, "detached for a CRIU dump");
     std::thread::sleep(Duration::from_millis(600));
     assert_eq!(
@@ -575,7 +580,7 @@ fn detach_and_attach_through_the_socket() {
         0,
         "the journal poll must not re-attach a detached process"
     );
-    assert!(cryo_guard::control::attach(&state, w.pid).unwrap());
+    assert!(cryo_guard::control::attach(&StateDir::new(&state), w.pid).unwrap());
     assert_ne!(tracer_pid(w.pid), 0);
 }
 
@@ -609,7 +614,7 @@ fn memory_watch_suspends_and_stops_before_the_oom_killer() {
         path.contains(&"verified") && path.contains(&"killed") && !path.contains(&"pinned"),
         "{path:?}"
     );
-    assert!(Fence::new(&state).list().unwrap().is_empty());
+    assert!(StateDir::new(&state).fence().list().unwrap().is_empty());
 }
 
 #[test]
@@ -720,7 +725,7 @@ fn drain_endgame_stops_the_others_safely_then_runs_the_restart_command() {
         "B: {pb:?}, C: {pc:?}"
     );
 
-    let fence = Fence::new(&state);
+    let fence = StateDir::new(&state).fence();
     let q = fence.get(&gpu0).unwrap().expect("GPU 0 is not quarantined");
     assert!(q.pids.contains(&a.pid));
     assert!(

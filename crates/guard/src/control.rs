@@ -19,24 +19,18 @@
 use std::io::{self, BufRead, BufReader, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use cryo_state::StateDir;
 use serde_json::{json, Value};
 
 use crate::guard::{Guard, GuardStatus};
 use crate::Pid;
 
-/// The socket's file name inside the state directory.
-pub const SOCKET_NAME: &str = "guard.sock";
 /// The word `release` requires.
 pub const RELEASE_CONFIRMATION: &str = "i-understand-this-may-wedge-the-host";
-
-/// The socket of the guard using `state_dir`.
-pub fn socket_path(state_dir: &Path) -> PathBuf {
-    state_dir.join(SOCKET_NAME)
-}
 
 /// Serving the control socket failed.
 #[derive(Debug, thiserror::Error)]
@@ -55,13 +49,13 @@ pub enum ServeError {
 }
 
 /// Binds the socket and serves it on a thread of its own for as long as the process lives.
-pub fn serve(guard: Arc<Guard>, state_dir: &Path) -> Result<(), ServeError> {
-    let path = socket_path(state_dir);
+pub fn serve(guard: Arc<Guard>, state: &StateDir) -> Result<(), ServeError> {
+    let path = state.guard_socket();
     let listen_err = |source| ServeError::Listen {
         path: path.clone(),
         source,
     };
-    std::fs::create_dir_all(state_dir).map_err(listen_err)?;
+    std::fs::create_dir_all(state.root()).map_err(listen_err)?;
     if UnixStream::connect(&path).is_ok() {
         return Err(ServeError::AlreadyRunning(path));
     }
@@ -160,9 +154,9 @@ pub enum ControlError {
     Refused(String),
 }
 
-/// Sends one request line to the guard of `state_dir`; its JSON answer when `ok`.
-pub fn request(state_dir: &Path, line: &str) -> Result<Value, ControlError> {
-    let path = socket_path(state_dir);
+/// Sends one request line to the guard of `state`; its JSON answer when `ok`.
+pub fn request(state: &StateDir, line: &str) -> Result<Value, ControlError> {
+    let path = state.guard_socket();
     let mut s = UnixStream::connect(&path).map_err(|e| match e.kind() {
         io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused => {
             ControlError::NotRunning(path.clone())
@@ -193,8 +187,8 @@ pub fn request(state_dir: &Path, line: &str) -> Result<Value, ControlError> {
 }
 
 /// The running guard's status; `Ok(None)` when no guard runs.
-pub fn status(state_dir: &Path) -> Result<Option<GuardStatus>, ControlError> {
-    match request(state_dir, "status") {
+pub fn status(state: &StateDir) -> Result<Option<GuardStatus>, ControlError> {
+    match request(state, "status") {
         Ok(v) => serde_json::from_value(v["status"].clone())
             .map(Some)
             .map_err(|e| ControlError::BadAnswer(e.to_string())),
@@ -205,8 +199,8 @@ pub fn status(state_dir: &Path) -> Result<Option<GuardStatus>, ControlError> {
 
 /// Asks the guard to stop watching `pid` (before `criu dump`). `Ok(false)`: no guard runs, so
 /// nothing traces it.
-pub fn detach(state_dir: &Path, pid: Pid) -> Result<bool, ControlError> {
-    match request(state_dir, &format!("detach {pid}")) {
+pub fn detach(state: &StateDir, pid: Pid) -> Result<bool, ControlError> {
+    match request(state, &format!("detach {pid}")) {
         Ok(_) => Ok(true),
         Err(ControlError::NotRunning(_)) => Ok(false),
         // Not traced by the guard: nothing to do for the dump either.
@@ -216,8 +210,8 @@ pub fn detach(state_dir: &Path, pid: Pid) -> Result<bool, ControlError> {
 }
 
 /// Asks the guard to watch `pid` again (after a failed or dumped-and-kept freeze).
-pub fn attach(state_dir: &Path, pid: Pid) -> Result<bool, ControlError> {
-    match request(state_dir, &format!("attach {pid}")) {
+pub fn attach(state: &StateDir, pid: Pid) -> Result<bool, ControlError> {
+    match request(state, &format!("attach {pid}")) {
         Ok(_) => Ok(true),
         Err(ControlError::NotRunning(_)) => Ok(false),
         Err(e) => Err(e),
@@ -225,8 +219,8 @@ pub fn attach(state_dir: &Path, pid: Pid) -> Result<bool, ControlError> {
 }
 
 /// Asks the guard to close the pins on `gpu`; the pids released.
-pub fn release(state_dir: &Path, gpu: &str) -> Result<Vec<Pid>, ControlError> {
-    let v = request(state_dir, &format!("release {gpu} {RELEASE_CONFIRMATION}"))?;
+pub fn release(state: &StateDir, gpu: &str) -> Result<Vec<Pid>, ControlError> {
+    let v = request(state, &format!("release {gpu} {RELEASE_CONFIRMATION}"))?;
     Ok(v["released"]
         .as_array()
         .map(|a| {

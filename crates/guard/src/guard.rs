@@ -37,15 +37,16 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::{AsFd, RawFd};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use cryo_gpu::Gpu;
 use cryo_journal::{Event, Journal, ProcId, Reader, Record};
-use cryo_lifecycle::fence::{Fence, FenceError};
 use cryo_lifecycle::{NoProgress, StopOptions, SuspendOptions};
 use cryo_proc::ProcHandle;
+use cryo_state::fence::{Fence, FenceError};
+use cryo_state::StateDir;
 use serde::{Deserialize, Serialize};
 
 use crate::memory::{CgroupVersion, MemoryCgroup};
@@ -81,10 +82,8 @@ pub struct MemoryWatch {
 /// How the guard runs.
 #[derive(Debug, Clone)]
 pub struct GuardConfig {
-    /// cryo's state directory (the fence lives here, and the control socket).
-    pub state_dir: PathBuf,
-    /// The journal directory.
-    pub journal_dir: PathBuf,
+    /// cryo's state directory: the journal, the fence and the control socket live there.
+    pub state: StateDir,
     /// The endgame.
     pub endgame: Endgame,
     /// How a fatal signal's suspension is tried (lock timeout: the held signal waits that long).
@@ -98,11 +97,9 @@ pub struct GuardConfig {
 impl GuardConfig {
     /// Defaults for a state directory: hold, lock timeout 10 s (one retry), oom_score_adj -900,
     /// memory watch with a 64 MiB margin every 250 ms.
-    pub fn new(state_dir: impl AsRef<Path>) -> Self {
-        let state_dir = state_dir.as_ref().to_path_buf();
+    pub fn new(state: StateDir) -> Self {
         Self {
-            journal_dir: state_dir.join("journal"),
-            state_dir,
+            state,
             endgame: Endgame::Hold,
             suspend: SuspendOptions {
                 lock_timeout: Duration::from_secs(10),
@@ -514,11 +511,11 @@ impl Guard {
     /// journals `GuardLost` for the ones it had guarded and lost track of (dead without the guard
     /// seeing it, or impossible to attach now).
     pub fn start(gpu: Gpu, cfg: GuardConfig) -> Result<(Self, StartReport), StartError> {
-        let journal = Journal::open(&cfg.journal_dir)?;
+        let journal = cfg.state.open_journal()?;
         let inner = Arc::new(Inner {
             gpu,
             journal,
-            fence: Fence::new(&cfg.state_dir),
+            fence: cfg.state.fence(),
             watched: Mutex::new(BTreeMap::new()),
             paused: Mutex::new(BTreeSet::new()),
             pins: Mutex::new(Vec::new()),
@@ -526,7 +523,7 @@ impl Guard {
             cfg,
         });
         let tracer = Tracer::spawn(Arc::new(PolicyHandle(Arc::clone(&inner))))?;
-        let mut reader = Reader::new(&inner.cfg.journal_dir);
+        let mut reader = inner.cfg.state.journal_reader();
         let records = reader.read_new()?.records;
         let guard = Guard {
             inner,

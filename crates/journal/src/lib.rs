@@ -41,8 +41,6 @@ mod reader;
 mod timeline;
 mod writer;
 
-use std::path::PathBuf;
-
 pub use error::{AppendError, FileError, OpenError, ReadError, SinceError};
 pub use event::{Event, Phase, Record};
 pub use frame::{Corruption, FrameFault, Tail, MAX_PAYLOAD};
@@ -54,9 +52,3 @@ pub use writer::Journal;
 
 /// Name of the journal file inside the journal directory.
 pub const FILE_NAME: &str = "journal.log";
-
-/// The journal directory when none is configured (`/var/lib/cryo/journal`). The CLI puts it
-/// under `--state-dir` / `CRYO_STATE_DIR` when those are given.
-pub fn default_dir() -> PathBuf {
-    PathBuf::from("/var/lib/cryo/journal")
-}

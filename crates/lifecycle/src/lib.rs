@@ -18,10 +18,10 @@
 //! suspension is verified and before anything is killed, so crash recovery can be tested.
 
 pub mod failpoint;
-pub mod fence;
 pub mod freeze;
 pub mod health;
 pub mod progress;
+pub mod restore;
 pub mod stop;
 pub mod suspend;
 pub mod thaw;
@@ -29,6 +29,7 @@ pub mod thaw;
 pub use freeze::{freeze, FreezeError, FreezeOptions, FreezeReport};
 pub use health::HealthCheck;
 pub use progress::{NoProgress, Progress};
+pub use restore::{record_restored, RecordError};
 pub use stop::{
     stop, EndSignal, ProcReport, Refusal, RefusalReason, StopError, StopOptions, StopReport, Target,
 };

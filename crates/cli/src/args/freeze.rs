@@ -1,11 +1,10 @@
-//! `cryo freeze`, `cryo thaw` and `cryo bench freeze`: arguments only, validated without system
-//! calls.
+//! `cryo freeze` and `cryo thaw`: arguments only, validated without system calls.
 
 use std::path::PathBuf;
 
 use clap::Args;
 
-use super::{parse_pid, ByteSize, GpuMap};
+use super::{parse_pid, GpuMap};
 
 /// Printed after `cryo freeze --help`.
 pub const FREEZE_AFTER_HELP: &str = "\
@@ -74,23 +73,6 @@ pub struct ThawArgs {
     #[arg(long, value_name = "S", default_value_t = 60)]
     pub health_timeout: u64,
     /// Print the result as one JSON object on stdout.
-    #[arg(long)]
-    pub json: bool,
-}
-
-/// `cryo bench freeze`.
-#[derive(Debug, Clone, Args)]
-pub struct BenchFreezeArgs {
-    /// Device memory of the workers, one row each.
-    #[arg(long, value_delimiter = ',', default_value = "1GiB,4GiB")]
-    pub sizes: Vec<ByteSize>,
-    /// Where the images go (a temporary directory under it; default: the system's temp dir).
-    #[arg(long, value_name = "DIR")]
-    pub dir: Option<PathBuf>,
-    /// Counted rounds per size, after one warm-up round; the arm that goes first alternates.
-    #[arg(long, value_name = "N", default_value_t = 3, value_parser = super::stop::parse_rounds)]
-    pub rounds: usize,
-    /// Print the rows as JSON.
     #[arg(long)]
     pub json: bool,
 }

@@ -1,4 +1,4 @@
-//! Arguments of `cryo guard`, `cryo status` and `cryo bench guard`.
+//! Arguments of `cryo guard` and `cryo status`.
 
 use clap::{Args, Subcommand, ValueEnum};
 
@@ -93,25 +93,6 @@ pub enum GuardCommand {
 #[derive(Debug, Args)]
 pub struct StatusArgs {
     /// Print JSON.
-    #[arg(long)]
-    pub json: bool,
-}
-
-/// `cryo bench guard`.
-#[derive(Debug, Clone, Args)]
-pub struct BenchGuardArgs {
-    /// Requests per arm (with and without the guard), sent in 20 batches per arm that alternate
-    /// between the arms on the same worker.
-    #[arg(long, default_value_t = 2000)]
-    pub requests: usize,
-    /// Fatal-signal suspensions to time (and as many bare suspensions), after one warm-up round;
-    /// the arm that goes first alternates.
-    #[arg(long, value_name = "N", default_value_t = 5, value_parser = super::stop::parse_rounds)]
-    pub rounds: usize,
-    /// Device memory of the bench worker.
-    #[arg(long, default_value = "256MiB")]
-    pub memory: ByteSize,
-    /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
 }

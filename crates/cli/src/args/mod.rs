@@ -18,17 +18,14 @@ use std::path::PathBuf;
 
 use clap::{ArgAction, Args, Parser, Subcommand};
 
-pub use freeze::{BenchFreezeArgs, FreezeArgs, ThawArgs};
+pub use freeze::{FreezeArgs, ThawArgs};
 pub use gpu::{GpuArgs, GpuCommand};
 pub use gpu_map::GpuMap;
-pub use guard::{BenchGuardArgs, GuardArgs, StatusArgs};
+pub use guard::{GuardArgs, StatusArgs};
 pub use size::ByteSize;
-pub use stop::{BenchArgs, BenchCommand, BenchStopArgs, SignalArg, StopArgs, TimelineArgs};
+pub use stop::{SignalArg, StopArgs, TimelineArgs};
 
 use crate::backend::GpuChoice;
-
-/// `--state-dir` when neither the flag nor `CRYO_STATE_DIR` is given.
-pub const DEFAULT_STATE_DIR: &str = "/var/lib/cryo";
 
 /// Printed at the end of `cryo --help`.
 const AFTER_HELP: &str = "\
@@ -64,12 +61,13 @@ pub struct GlobalArgs {
     /// Directory of the simulated GPU driver (its control socket and wedge ledger).
     #[arg(long, env = "CRYO_SIM_DIR", value_name = "PATH", default_value_os_t = cryo_sim::default_dir())]
     pub sim_dir: PathBuf,
-    /// Directory of cryo's persistent state: the journal is in STATE_DIR/journal.
+    /// Directory of cryo's persistent state: the journal (STATE_DIR/journal), the GPU
+    /// quarantine, the guard's socket.
     #[arg(
         long,
         env = "CRYO_STATE_DIR",
         value_name = "PATH",
-        default_value = DEFAULT_STATE_DIR
+        default_value = cryo_state::DEFAULT_ROOT
     )]
     pub state_dir: PathBuf,
     /// Log to stderr (-v debug, -vv trace).
@@ -88,7 +86,7 @@ pub enum Command {
     /// The simulated GPU: driver daemon and sim workers.
     Sim(SimArgs),
     /// Shows the checkpoint/restore cycle on a simulated GPU and worker (always simulated).
-    Demo(DemoArgs),
+    Demo(cryo_bench::DemoArgs),
     /// Installs cryo under the name `cuda-checkpoint` (a symlink), for CRIU's cuda plugin and scripts.
     InstallCompat(InstallCompatArgs),
     /// Stops a worker safely: suspends every CUDA process (lock, checkpoint, NVML check), then kills.
@@ -96,7 +94,7 @@ pub enum Command {
     /// Prints the journal as an incident timeline (UTC).
     Timeline(TimelineArgs),
     /// Benchmarks on a private simulated GPU.
-    Bench(BenchArgs),
+    Bench(cryo_bench::BenchArgs),
     /// Freezes a worker's process tree into an image (CUDA suspend + CRIU dump), published atomically.
     Freeze(FreezeArgs),
     /// Restores a frozen worker from its image, after checking the image and this host.
@@ -122,17 +120,6 @@ pub struct SimArgs {
     /// The simulated GPU's own commands.
     #[command(subcommand)]
     pub command: cryo_sim::cli::SimCommand,
-}
-
-/// `cryo demo`.
-#[derive(Debug, Args)]
-pub struct DemoArgs {
-    /// Device memory of the demo worker (`512MiB`, `2GiB`, `1000000` bytes...).
-    #[arg(long, default_value = "512MiB")]
-    pub memory: ByteSize,
-    /// Keep the demo's temporary directory (driver socket, ledger, logs) and print its path.
-    #[arg(long)]
-    pub keep: bool,
 }
 
 /// `cryo install-compat`.

@@ -1,10 +1,10 @@
-//! `cryo stop`, `cryo timeline` and `cryo bench`: arguments only, validated without system calls.
+//! `cryo stop` and `cryo timeline`: arguments only, validated without system calls.
 
 use std::path::PathBuf;
 
-use clap::{Args, Subcommand, ValueEnum};
+use clap::{Args, ValueEnum};
 
-use super::{parse_pid, ByteSize};
+use super::parse_pid;
 
 /// Printed after `cryo stop --help`.
 pub const STOP_AFTER_HELP: &str = "\
@@ -86,49 +86,4 @@ pub struct TimelineArgs {
     /// One JSON record per line, as stored.
     #[arg(long)]
     pub json: bool,
-}
-
-/// `cryo bench`.
-#[derive(Debug, Args)]
-pub struct BenchArgs {
-    /// What to measure.
-    #[command(subcommand)]
-    pub command: BenchCommand,
-}
-
-/// `cryo bench <what>`.
-#[derive(Debug, Subcommand)]
-pub enum BenchCommand {
-    /// `cryo stop` against the operators' procedure (one cuda-checkpoint process per action per
-    /// pid, serially, plus polling the process listing), for 1, 2 and 4 restored workers, on a
-    /// private simulated GPU.
-    Stop(BenchStopArgs),
-    /// `cryo freeze` and `cryo thaw` against the `criu` command line plus one `cryo cuda-checkpoint`
-    /// process per action, for 1 GiB and 4 GiB workers (needs root and CRIU).
-    Freeze(super::BenchFreezeArgs),
-    /// The guard's cost on a worker's request latency (p50/p99, guarded vs not) and the time from
-    /// a fatal signal to a suspended exit against a bare suspension, on a private simulated GPU.
-    Guard(super::BenchGuardArgs),
-}
-
-/// `cryo bench stop`.
-#[derive(Debug, Clone, Args)]
-pub struct BenchStopArgs {
-    /// Device memory of each worker.
-    #[arg(long, default_value = "256MiB")]
-    pub memory: ByteSize,
-    /// Counted rounds per row, after one warm-up round; the arm that goes first alternates.
-    #[arg(long, value_name = "N", default_value_t = 7, value_parser = parse_rounds)]
-    pub rounds: usize,
-    /// Print the rows as JSON.
-    #[arg(long)]
-    pub json: bool,
-}
-
-/// `--rounds` of the benchmarks: counted rounds, 1 to 1000.
-pub(crate) fn parse_rounds(s: &str) -> Result<usize, String> {
-    match s.parse::<usize>() {
-        Ok(n @ 1..=1000) => Ok(n),
-        _ => Err(format!("{s:?} is not a number of rounds from 1 to 1000")),
-    }
 }

@@ -6,14 +6,15 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use cryo_gpu::{CuResult, DriverError, Pid, ProcessState};
+use cryo_state::StateDir;
 
 use crate::backend::{self, GpuChoice};
 use crate::compat::{self, Outcome, Request};
 use crate::target;
 
 /// Runs the front end on `args` (without `argv[0]`); returns the exit status.
-pub fn run(choice: GpuChoice, sim_dir: &Path, state_dir: &Path, args: Vec<OsString>) -> u8 {
-    let outcome = outcome(choice, sim_dir, state_dir, args);
+pub fn run(choice: GpuChoice, sim_dir: &Path, state: &StateDir, args: Vec<OsString>) -> u8 {
+    let outcome = outcome(choice, sim_dir, state, args);
     // Output errors (a closed pipe) cannot be reported anywhere better than the status.
     let _ = std::io::stdout().write_all(outcome.stdout.as_bytes());
     let _ = std::io::stderr().write_all(outcome.stderr.as_bytes());
@@ -35,13 +36,13 @@ pub fn run_as_argv0(args: Vec<OsString>) -> u8 {
     let sim_dir = std::env::var_os("CRYO_SIM_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(cryo_sim::default_dir);
-    let state_dir = std::env::var_os("CRYO_STATE_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(crate::args::DEFAULT_STATE_DIR));
-    run(choice, &sim_dir, &state_dir, args)
+    let state = std::env::var_os("CRYO_STATE_DIR")
+        .map(StateDir::new)
+        .unwrap_or_default();
+    run(choice, &sim_dir, &state, args)
 }
 
-fn outcome(choice: GpuChoice, sim_dir: &Path, state_dir: &Path, args: Vec<OsString>) -> Outcome {
+fn outcome(choice: GpuChoice, sim_dir: &Path, state: &StateDir, args: Vec<OsString>) -> Outcome {
     let args: Vec<String> = args
         .into_iter()
         .map(|a| a.to_string_lossy().into_owned())
@@ -109,7 +110,7 @@ fn outcome(choice: GpuChoice, sim_dir: &Path, state_dir: &Path, args: Vec<OsStri
         return no_such_process(op, pid);
     }
     if let (Some(how), crate::exit::SUCCESS) = (restores, out.status) {
-        crate::journal::record_restore(state_dir, pid, how);
+        super::record_restore(state, &handle, how);
     }
     out
 }

@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use cryo_criu::Criu;
-use cryo_journal::Journal;
 use cryo_lifecycle::{FreezeError, FreezeOptions, SuspendOptions};
 
 use super::Context;
@@ -22,9 +21,7 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
     let criu = Criu::locate(None)?;
     crate::target::open_process(args.pid)?;
     let gpu = ctx.gpu()?;
-    let dir = crate::journal::dir(&ctx.global.state_dir);
-    let journal =
-        Journal::open(&dir).with_context(|| format!("opening the journal in {}", dir.display()))?;
+    let journal = ctx.state.open_journal().context("opening the journal")?;
     let opts = FreezeOptions {
         image: args.image.clone(),
         leave_running: args.leave_running,
@@ -35,7 +32,7 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
             ..SuspendOptions::default()
         },
     };
-    let detached = detach_guard(&ctx.global.state_dir, args.pid)?;
+    let detached = detach_guard(&ctx.state, args.pid)?;
     let progress = crate::progress::for_stderr();
     let result = cryo_lifecycle::freeze(&gpu, &criu, args.pid, &opts, &journal, progress.as_ref());
     drop(progress);
@@ -44,7 +41,7 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
         .iter()
         .filter(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
     {
-        if let Err(e) = cryo_guard::control::attach(&ctx.global.state_dir, *pid) {
+        if let Err(e) = cryo_guard::control::attach(&ctx.state, *pid) {
             eprintln!("cryo: warning: cannot hand pid {pid} back to the guard: {e}; run `cryo guard attach {pid}`");
         }
     }
@@ -103,7 +100,7 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
 /// process of the tree it traces. Returns the pids it let go of. A process traced by anything else
 /// is refused later by the freeze, naming its tracer.
 fn detach_guard(
-    state_dir: &std::path::Path,
+    state: &cryo_state::StateDir,
     root: cryo_gpu::Pid,
 ) -> anyhow::Result<Vec<cryo_gpu::Pid>> {
     let mut detached = Vec::new();
@@ -113,7 +110,7 @@ fn detach_guard(
         if cryo_lifecycle::freeze::tracer_of(pid).unwrap_or(0) == 0 {
             continue;
         }
-        if cryo_guard::control::detach(state_dir, pid)
+        if cryo_guard::control::detach(state, pid)
             .with_context(|| format!("asking the guard to detach from pid {pid}"))?
         {
             detached.push(pid);

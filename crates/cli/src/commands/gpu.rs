@@ -50,12 +50,10 @@ fn ls(ctx: &Context, o: &OutputArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     // The guard's fence: a quarantined GPU holds a pinned live context and takes no thaw.
-    let fenced = cryo_lifecycle::fence::Fence::new(&ctx.global.state_dir)
-        .list()
-        .unwrap_or_else(|e| {
-            eprintln!("cryo: warning: cannot read the GPU quarantine: {e}");
-            Vec::new()
-        });
+    let fenced = ctx.state.fence().list().unwrap_or_else(|e| {
+        eprintln!("cryo: warning: cannot read the GPU quarantine: {e}");
+        Vec::new()
+    });
     println!(
         "{:<5}  {:<40}  {:<24}  {:>10}  {:>10}",
         "INDEX", "UUID", "NAME", "TOTAL", "FREE"
@@ -210,7 +208,7 @@ fn act(
     result.map_err(|e| explain(e, pid, Some((action, timeout))))?;
     target::check_still_alive(&handle)?;
     if action == Action::Restore {
-        crate::journal::record_restore(&ctx.global.state_dir, pid, "cryo gpu restore");
+        super::record_restore(&ctx.state, &handle, "cryo gpu restore");
     }
     let after = gpu.driver.state(pid).ok();
     print_action(

@@ -24,7 +24,7 @@ use crate::args::guard::{EndgameArg, GuardArgs, GuardCommand, GuardRunArgs};
 
 /// `cryo guard ...`.
 pub fn run(ctx: &Context, args: &GuardArgs) -> anyhow::Result<u8> {
-    let state = &ctx.global.state_dir;
+    let state = &ctx.state;
     match &args.command {
         None => serve(ctx, &args.run).map(|()| crate::exit::SUCCESS),
         Some(GuardCommand::Release {
@@ -64,8 +64,7 @@ pub fn run(ctx: &Context, args: &GuardArgs) -> anyhow::Result<u8> {
 }
 
 fn config(ctx: &Context, a: &GuardRunArgs) -> GuardConfig {
-    let mut cfg = GuardConfig::new(&ctx.global.state_dir);
-    cfg.journal_dir = crate::journal::dir(&ctx.global.state_dir);
+    let mut cfg = GuardConfig::new(ctx.state.clone());
     cfg.endgame = match a.endgame {
         EndgameArg::Hold => Endgame::Hold,
         EndgameArg::Drain => Endgame::Drain {
@@ -104,12 +103,12 @@ fn serve(ctx: &Context, a: &GuardRunArgs) -> anyhow::Result<()> {
             .with_context(|| format!("guarding pid {pid}"))?;
         eprintln!("cryo guard: guarding pid {pid}");
     }
-    cryo_guard::control::serve(Arc::clone(&guard), &ctx.global.state_dir)
+    cryo_guard::control::serve(Arc::clone(&guard), &ctx.state)
         .context("opening the guard's control socket")?;
     eprintln!(
         "cryo guard: running (tracer tid {}); control socket {}",
         guard.tracer_tid(),
-        cryo_guard::control::socket_path(&ctx.global.state_dir).display()
+        ctx.state.guard_socket().display()
     );
     let poll = Duration::from_millis(a.poll_ms.max(10));
     let mut warned_pins = None::<Instant>;
@@ -140,7 +139,7 @@ fn serve(ctx: &Context, a: &GuardRunArgs) -> anyhow::Result<()> {
         "cryo guard: stopping; detaching from {} process(es)",
         guard.guarded().len()
     );
-    let _ = std::fs::remove_file(cryo_guard::control::socket_path(&ctx.global.state_dir));
+    let _ = std::fs::remove_file(ctx.state.guard_socket());
     guard.shutdown();
     Ok(())
 }

@@ -1,22 +1,20 @@
 //! One handler per command; [`dispatch`] is all `main` calls.
 
-pub mod bench;
-pub mod bench_freeze;
-pub mod bench_guard;
 pub mod cuda_checkpoint;
-pub mod demo;
 pub mod freeze;
 pub mod gpu;
 pub mod guard;
 pub mod install_compat;
-mod private_sim;
 pub mod sim;
 pub mod status;
 pub mod stop;
 pub mod thaw;
 pub mod timeline;
 
+use anyhow::Context as _;
 use cryo_gpu::Gpu;
+use cryo_proc::ProcHandle;
+use cryo_state::StateDir;
 
 use crate::args::{Cli, Command, GlobalArgs};
 use crate::backend;
@@ -26,6 +24,8 @@ use crate::backend;
 pub struct Context {
     /// `--gpu`, `--sim-dir`, `--state-dir`, `-v`.
     pub global: GlobalArgs,
+    /// `--state-dir`.
+    pub state: StateDir,
 }
 
 impl Context {
@@ -39,24 +39,44 @@ impl Context {
 
 /// Runs the command; the exit status on success (the `cuda-checkpoint` front end has its own).
 pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
-    let ctx = Context { global: cli.global };
+    let ctx = Context {
+        state: StateDir::new(&cli.global.state_dir),
+        global: cli.global,
+    };
     match cli.command {
         Command::Gpu(g) => gpu::run(&ctx, g.command).map(|()| crate::exit::SUCCESS),
         Command::CudaCheckpoint(a) => Ok(cuda_checkpoint::run(
             ctx.global.gpu,
             &ctx.global.sim_dir,
-            &ctx.global.state_dir,
+            &ctx.state,
             a.args,
         )),
         Command::Sim(s) => sim::run(s.command).map(|()| crate::exit::SUCCESS),
-        Command::Demo(d) => demo::run(&d).map(|()| crate::exit::SUCCESS),
+        Command::Demo(d) => cryo_bench::demo(&d, &this_binary()?).map(|()| crate::exit::SUCCESS),
         Command::InstallCompat(i) => install_compat::run(&i).map(|()| crate::exit::SUCCESS),
         Command::Stop(a) => stop::run(&ctx, &a),
         Command::Timeline(a) => timeline::run(&ctx, &a).map(|()| crate::exit::SUCCESS),
-        Command::Bench(b) => bench::run(&b),
+        Command::Bench(b) => cryo_bench::bench(&b, &this_binary()?).map(|()| crate::exit::SUCCESS),
         Command::Freeze(a) => freeze::run(&ctx, &a),
         Command::Thaw(a) => thaw::run(&ctx, &a),
         Command::Guard(a) => guard::run(&ctx, &a),
         Command::Status(a) => status::run(&ctx, &a).map(|()| crate::exit::SUCCESS),
+    }
+}
+
+/// The `cryo` binary running now (the demo and the benchmarks run it as an operator would).
+fn this_binary() -> anyhow::Result<std::path::PathBuf> {
+    std::env::current_exe().context("finding the cryo binary")
+}
+
+/// Journals that the process `handle` holds was restored (`how`: the command that did it). The
+/// driver action already happened, so a journal that cannot be written is a warning on stderr,
+/// never a failed restore (and an unrecorded process is treated as restored anyway).
+pub fn record_restore(state: &StateDir, handle: &ProcHandle, how: &str) {
+    if let Err(e) = cryo_lifecycle::record_restored(state, handle, how) {
+        eprintln!(
+            "cryo: warning: pid {} was restored, but the journal could not record it ({e}); cryo will treat it as restored anyway",
+            handle.pid()
+        );
     }
 }

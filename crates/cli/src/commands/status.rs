@@ -1,15 +1,14 @@
 //! `cryo status`: quarantined GPUs (the fence) and what the running guard watches and pins.
 
 use anyhow::Context as _;
-use cryo_lifecycle::fence::Fence;
 
 use super::Context;
 use crate::args::guard::StatusArgs;
 
 /// `cryo status`.
 pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
-    let state = &ctx.global.state_dir;
-    let fence = Fence::new(state);
+    let state = &ctx.state;
+    let fence = state.fence();
     let quarantined = fence
         .list()
         .with_context(|| format!("reading the GPU quarantine {}", fence.path().display()))?;

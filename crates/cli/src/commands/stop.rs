@@ -4,7 +4,6 @@
 use std::time::Duration;
 
 use anyhow::Context as _;
-use cryo_journal::Journal;
 use cryo_lifecycle::{EndSignal, ProcReport, StopOptions, StopReport, SuspendOptions, Target};
 use serde::Serialize;
 
@@ -64,9 +63,7 @@ pub fn run(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
     cryo_lifecycle::stop::resolve(&target)
         .with_context(|| format!("stopping {}", describe(&target)))?;
     let gpu = ctx.gpu()?;
-    let dir = crate::journal::dir(&ctx.global.state_dir);
-    let journal =
-        Journal::open(&dir).with_context(|| format!("opening the journal in {}", dir.display()))?;
+    let journal = ctx.state.open_journal().context("opening the journal")?;
     let progress = crate::progress::for_stderr();
     let result = cryo_lifecycle::stop(&gpu, &target, &options(args), &journal, progress.as_ref());
     // Finish the bars before anything else is printed.

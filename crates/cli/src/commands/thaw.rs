@@ -7,8 +7,6 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use cryo_criu::Criu;
 use cryo_gpu::GpuUuid;
-use cryo_journal::Journal;
-use cryo_lifecycle::fence::Fence;
 use cryo_lifecycle::{HealthCheck, StopOptions, ThawError, ThawOptions};
 
 use super::Context;
@@ -45,16 +43,14 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
                 .map_err(|e| UsageError(format!("--gpu-map: {e}")))?
         }
     };
-    let fence = Fence::new(&ctx.global.state_dir);
+    let fence = ctx.state.fence();
     let quarantined: Vec<GpuUuid> = fence
         .list()
         .with_context(|| format!("reading the GPU quarantine {}", fence.path().display()))?
         .into_iter()
         .filter_map(|q| q.gpu.parse().ok())
         .collect();
-    let dir = crate::journal::dir(&ctx.global.state_dir);
-    let journal =
-        Journal::open(&dir).with_context(|| format!("opening the journal in {}", dir.display()))?;
+    let journal = ctx.state.open_journal().context("opening the journal")?;
     let opts = ThawOptions {
         gpu_map,
         quarantined,

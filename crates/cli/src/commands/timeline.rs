@@ -18,8 +18,10 @@ pub fn run(ctx: &Context, args: &TimelineArgs) -> anyhow::Result<()> {
         since,
         pid: args.pid,
     };
-    let dir = crate::journal::dir(&ctx.global.state_dir);
-    let scan = cryo_journal::read(&dir)
+    let dir = ctx.state.journal_dir();
+    let scan = ctx
+        .state
+        .read_journal()
         .with_context(|| format!("reading the journal in {}", dir.display()))?;
     for c in &scan.corruptions {
         eprintln!("cryo: warning: {c}; the records there are lost, the rest are shown");

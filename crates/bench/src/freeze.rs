@@ -38,10 +38,13 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context as _};
 use serde::Serialize;
 
-use super::bench::{a_first, load_average, load_line, Samples};
-use super::private_sim::{private_exe, DriverOptions, PrivateSim, WorkerOptions};
-use crate::args::size::human;
+use cryo_journal::fmt_bytes as human;
+use cryo_proc::ProcHandle;
+use cryo_state::StateDir;
+
 use crate::args::BenchFreezeArgs;
+use crate::measure::{a_first, load_average, load_line, Samples};
+use crate::private_sim::{private_exe, DriverOptions, PrivateSim, WorkerOptions};
 
 /// One row of the result: medians over the counted rounds (ms), and every sample.
 #[derive(Debug, Serialize)]
@@ -93,8 +96,8 @@ impl RowSamples {
     }
 }
 
-/// Runs the benchmark.
-pub fn run(args: &BenchFreezeArgs) -> anyhow::Result<()> {
+/// Runs `cryo bench freeze` with the binary `cryo`.
+pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
     ensure!(!args.sizes.is_empty(), "--sizes needs at least one size");
     let criu = cryo_criu::Criu::locate(None)?;
     // Thawed workers are children of the short-lived `cryo thaw` / `criu restore -d`: adopt them.
@@ -107,9 +110,9 @@ pub fn run(args: &BenchFreezeArgs) -> anyhow::Result<()> {
         None => b.tempdir(),
     }
     .context("creating the benchmark's directory")?;
-    let max = args.sizes.iter().map(|s| s.0).max().unwrap_or(0);
-    let min = args.sizes.iter().map(|s| s.0).min().unwrap_or(0);
-    let bench = Bench::start(tmp.path(), criu.path().to_path_buf(), max)?;
+    let max = args.sizes.iter().copied().max().unwrap_or(0);
+    let min = args.sizes.iter().copied().min().unwrap_or(0);
+    let bench = Bench::start(tmp.path(), criu.path().to_path_buf(), max, cryo)?;
     let load_start = load_average();
     if !args.json {
         println!(
@@ -134,17 +137,17 @@ pub fn run(args: &BenchFreezeArgs) -> anyhow::Result<()> {
         let mut image_bytes = 0;
         for round in 1..=args.rounds {
             let (cryo, cli) = if a_first(round) {
-                let c = bench.cryo_arm(size.0)?;
-                (c, bench.cli_arm(size.0)?)
+                let c = bench.cryo_arm(*size)?;
+                (c, bench.cli_arm(*size)?)
             } else {
-                let l = bench.cli_arm(size.0)?;
-                (bench.cryo_arm(size.0)?, l)
+                let l = bench.cli_arm(*size)?;
+                (bench.cryo_arm(*size)?, l)
             };
             image_bytes = cryo.image_bytes;
             s.add(&cryo, &cli);
         }
         let row = Row {
-            memory_bytes: size.0,
+            memory_bytes: *size,
             image_bytes,
             rounds: args.rounds,
             cryo_freeze_ms: s.cryo_freeze_ms.median(),
@@ -231,9 +234,9 @@ fn ms(d: Duration) -> f64 {
 }
 
 impl Bench {
-    fn start(dir: &Path, criu: PathBuf, max: u64) -> anyhow::Result<Bench> {
+    fn start(dir: &Path, criu: PathBuf, max: u64, cryo: &Path) -> anyhow::Result<Bench> {
         // A private copy: CRIU refuses to restore a process whose executable changed on disk.
-        let exe = private_exe(dir, "cryo", "cryo")?;
+        let exe = private_exe(cryo, dir, "cryo", "cryo")?;
         let sim = PrivateSim::start(
             dir,
             &DriverOptions {
@@ -399,11 +402,13 @@ impl Bench {
             .wait(deadline.saturating_duration_since(Instant::now()))
             .context("the CLI arm's worker never answered")?;
         let thaw_ms = ms(t.elapsed());
-        crate::journal::record_restore(
-            &self.dir.join("state"),
-            pid,
+        let handle = ProcHandle::open(pid)?;
+        cryo_lifecycle::record_restored(
+            &StateDir::new(self.dir.join("state")),
+            &handle,
             "cryo bench freeze (criu restore)",
-        );
+        )
+        .with_context(|| format!("journaling the restore of worker {pid}"))?;
         self.stop(pid)?;
         fs::remove_dir_all(&image).context("removing the image")?;
         Ok(Arm {

@@ -16,7 +16,7 @@
 mod http;
 
 use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::time::{Duration, Instant};
 
@@ -24,9 +24,12 @@ use anyhow::{anyhow, bail, ensure, Context as _};
 use cryo_gpu::{Gpu, Pid, ProcessState};
 use cryo_sim::SimControl;
 
-use super::private_sim::{private_exe, retire, DriverOptions, PrivateSim, WorkerOptions};
-use crate::args::size::human;
+use cryo_journal::fmt_bytes as human;
+use cryo_proc::ProcHandle;
+use cryo_state::StateDir;
+
 use crate::args::DemoArgs;
+use crate::private_sim::{private_exe, retire, DriverOptions, PrivateSim, WorkerOptions};
 
 /// One step: a title and what it does; it returns the line to show.
 pub struct Step {
@@ -106,13 +109,13 @@ pub fn steps() -> Vec<Step> {
     ]
 }
 
-/// Runs the demo.
-pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
+/// Runs the demo; `cryo` is the binary its simulated driver and worker run from.
+pub fn run(args: &DemoArgs, cryo: &Path) -> anyhow::Result<()> {
     let tmp = tempfile::Builder::new()
         .prefix("cryo-demo-")
         .tempdir()
         .context("creating the demo's directory")?;
-    let mut demo = Demo::new(tmp.path().to_path_buf(), args.memory.0);
+    let mut demo = Demo::new(tmp.path().to_path_buf(), args.memory, cryo);
     println!("cryo demo: checkpoint and restore of an inference worker, on the simulated GPU");
     println!(
         "(the demo always uses a simulated driver and worker of its own, in {})",
@@ -142,7 +145,7 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
             Ok(t) => {
                 println!(
                     "timeline (cryo timeline --state-dir {}):",
-                    demo.dir.join("state").display()
+                    demo.state.root().display()
                 );
                 print!("{t}");
             }
@@ -165,6 +168,10 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
 /// What the steps share.
 pub struct Demo {
     dir: PathBuf,
+    /// The demo's own state directory (`DIR/state`): its journal.
+    state: StateDir,
+    /// The `cryo` binary.
+    cryo: PathBuf,
     memory: u64,
     driver: Option<PrivateSim>,
     gpu: Option<Gpu>,
@@ -178,8 +185,10 @@ pub struct Demo {
 }
 
 impl Demo {
-    fn new(dir: PathBuf, memory: u64) -> Self {
+    fn new(dir: PathBuf, memory: u64, cryo: &Path) -> Self {
         Demo {
+            state: StateDir::new(dir.join("state")),
+            cryo: cryo.to_path_buf(),
             dir,
             memory,
             driver: None,
@@ -200,7 +209,7 @@ impl Demo {
     }
 
     fn start_driver(&mut self) -> anyhow::Result<String> {
-        let exe = std::env::current_exe().context("finding this binary")?;
+        let exe = self.cryo.clone();
         // Room for the worker on one GPU, whatever --memory says.
         let gpu_memory = (self.memory * 2).max(16 << 30);
         let sim = PrivateSim::start(
@@ -227,7 +236,7 @@ impl Demo {
     fn start_worker(&mut self) -> anyhow::Result<String> {
         // A private copy of the binary (CRIU refuses to restore a process whose executable changed
         // on disk), in its own session (CRIU dumps a tree that leads its session).
-        let exe = private_exe(&self.dir, "cryo-worker", "the worker's binary")?;
+        let exe = private_exe(&self.cryo, &self.dir, "cryo-worker", "the worker's binary")?;
         let driver = self
             .driver
             .as_ref()
@@ -346,7 +355,9 @@ impl Demo {
             (ProcessState::Checkpointed, ProcessState::Locked) => {
                 let r = gpu.driver.restore(pid, &[]);
                 if r.is_ok() {
-                    crate::journal::record_restore(&self.dir.join("state"), pid, "cryo demo");
+                    let handle = ProcHandle::open(pid)?;
+                    cryo_lifecycle::record_restored(&self.state, &handle, "cryo demo")
+                        .context("journaling the restore")?;
                 }
                 r
             }
@@ -373,7 +384,9 @@ impl Demo {
     fn stop(&mut self) -> anyhow::Result<String> {
         let gpu = self.gpu()?.clone();
         let pid = self.pid;
-        let journal = cryo_journal::Journal::open(self.journal_dir())
+        let journal = self
+            .state
+            .open_journal()
             .context("opening the demo's journal")?;
         let report = cryo_lifecycle::stop(
             &gpu,
@@ -427,7 +440,9 @@ impl Demo {
             "the freeze and thaw steps need root and CRIU >= 4.2 (scripts/install-criu.sh)",
         )?;
         let gpu = self.gpu()?.clone();
-        let journal = cryo_journal::Journal::open(self.journal_dir())
+        let journal = self
+            .state
+            .open_journal()
             .context("opening the demo's journal")?;
         let opts = cryo_lifecycle::FreezeOptions {
             image: self.dir.join("image"),
@@ -460,7 +475,9 @@ impl Demo {
     fn thaw(&mut self) -> anyhow::Result<String> {
         let criu = cryo_criu::Criu::locate(None).context("the thaw step needs CRIU")?;
         let gpu = self.gpu()?.clone();
-        let journal = cryo_journal::Journal::open(self.journal_dir())
+        let journal = self
+            .state
+            .open_journal()
             .context("opening the demo's journal")?;
         let opts = cryo_lifecycle::ThawOptions {
             gpu_map: Vec::new(),
@@ -515,13 +532,12 @@ impl Demo {
             .and_then(|s| i32::try_from(s).ok()))
     }
 
-    fn journal_dir(&self) -> PathBuf {
-        crate::journal::dir(&self.dir.join("state"))
-    }
-
     /// The journal of the demo, as `cryo timeline` prints it.
     fn timeline(&self) -> anyhow::Result<String> {
-        let scan = cryo_journal::read(self.journal_dir()).context("reading the demo's journal")?;
+        let scan = self
+            .state
+            .read_journal()
+            .context("reading the demo's journal")?;
         Ok(cryo_journal::render_timeline(
             &scan.records,
             &cryo_journal::Filter::default(),
@@ -550,9 +566,7 @@ impl Demo {
     fn shut_down(&mut self) {
         if self.thawed && self.worker.is_none() {
             self.thawed = false;
-            if let (Some(gpu), Ok(journal)) =
-                (&self.gpu, cryo_journal::Journal::open(self.journal_dir()))
-            {
+            if let (Some(gpu), Ok(journal)) = (&self.gpu, self.state.open_journal()) {
                 // Suspend-before-kill; if it refuses, the worker is left alive (and safe).
                 let _ = cryo_lifecycle::stop(
                     gpu,

@@ -24,13 +24,13 @@ use cryo_gpu::{Gpu, Pid, ProcessState};
 use cryo_sim::SimControl;
 
 /// A `cryo sim driver` child serving in `dir`.
-pub(super) struct PrivateSim {
+pub(crate) struct PrivateSim {
     dir: PathBuf,
     driver: Child,
 }
 
 /// How to start the driver.
-pub(super) struct DriverOptions<'a> {
+pub(crate) struct DriverOptions<'a> {
     /// The binary to run (`std::env::current_exe()`, or a private copy).
     pub exe: &'a Path,
     /// `--gpus N`; the driver's default when `None`.
@@ -42,7 +42,7 @@ pub(super) struct DriverOptions<'a> {
 }
 
 /// How to start one sim worker.
-pub(super) struct WorkerOptions<'a> {
+pub(crate) struct WorkerOptions<'a> {
     /// The binary to run.
     pub exe: &'a Path,
     /// Under `setsid`, so that the worker leads its own session.
@@ -62,7 +62,7 @@ pub(super) struct WorkerOptions<'a> {
 }
 
 /// A started sim worker: the caller's child.
-pub(super) struct SimWorker {
+pub(crate) struct SimWorker {
     pub child: Child,
     pub pid: Pid,
     /// The TCP port, where it serves on one.
@@ -76,14 +76,15 @@ impl SimWorker {
     }
 }
 
-/// A private copy of this binary at `dir/name`, for processes CRIU will restore.
-pub(super) fn private_exe(dir: &Path, name: &str, what: &str) -> anyhow::Result<PathBuf> {
+/// A private copy of the binary `cryo` at `dir/name`, for processes CRIU will restore.
+pub(crate) fn private_exe(
+    cryo: &Path,
+    dir: &Path,
+    name: &str,
+    what: &str,
+) -> anyhow::Result<PathBuf> {
     let exe = dir.join(name);
-    fs::copy(
-        std::env::current_exe().context("finding this binary")?,
-        &exe,
-    )
-    .with_context(|| format!("copying {what}"))?;
+    fs::copy(cryo, &exe).with_context(|| format!("copying {what}"))?;
     Ok(exe)
 }
 
@@ -214,7 +215,7 @@ fn wait_ready(child: &mut Child, o: &WorkerOptions<'_>) -> anyhow::Result<(Pid, 
 
 /// Ends a worker on a failure path: a running or locked context is suspended first, as the
 /// invariant demands, then the worker is killed and reaped.
-pub(super) fn retire(gpu: Option<&Gpu>, pid: Pid, child: &mut Child) {
+pub(crate) fn retire(gpu: Option<&Gpu>, pid: Pid, child: &mut Child) {
     if let Some(gpu) = gpu {
         if matches!(gpu.driver.state(pid), Ok(ProcessState::Running)) {
             let _ = gpu.driver.lock(pid, Some(Duration::from_secs(10)));
@@ -228,7 +229,7 @@ pub(super) fn retire(gpu: Option<&Gpu>, pid: Pid, child: &mut Child) {
 }
 
 /// The end of a child's log, for an error message.
-pub(super) fn log_tail(path: &Path) -> String {
+pub(crate) fn log_tail(path: &Path) -> String {
     let text = fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().rev().take(5).collect();
     let tail: Vec<&str> = lines.into_iter().rev().collect();

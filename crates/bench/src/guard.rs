@@ -38,9 +38,11 @@ use cryo_lifecycle::{NoProgress, SuspendOptions};
 use cryo_proc::ProcHandle;
 use serde::Serialize;
 
-use super::bench::{a_first, load_average, load_line, Samples};
-use super::private_sim::{DriverOptions, PrivateSim, WorkerOptions};
-use crate::args::guard::BenchGuardArgs;
+use cryo_state::StateDir;
+
+use crate::args::BenchGuardArgs;
+use crate::measure::{a_first, load_average, load_line, Samples};
+use crate::private_sim::{DriverOptions, PrivateSim, WorkerOptions};
 
 /// Batches per arm in the latency measurement.
 const BATCHES: usize = 20;
@@ -54,8 +56,8 @@ struct Sim {
 }
 
 impl Sim {
-    fn start(dir: &Path) -> anyhow::Result<Sim> {
-        let exe = std::env::current_exe().context("finding the cryo binary")?;
+    fn start(dir: &Path, cryo: &Path) -> anyhow::Result<Sim> {
+        let exe = cryo.to_path_buf();
         let sim = PrivateSim::start(
             dir,
             &DriverOptions {
@@ -256,7 +258,7 @@ fn guard_round(
     sim: &mut Sim,
     gpu: &cryo_gpu::Gpu,
     guard: &Guard,
-    journal_dir: &Path,
+    state: &StateDir,
     memory: u64,
 ) -> anyhow::Result<f64> {
     let (p, _) = sim.restored_worker(gpu, memory)?;
@@ -268,7 +270,7 @@ fn guard_round(
         bail!("pid {p} did not die of SIGTERM under the guard");
     }
     let died = t.elapsed();
-    let recs = cryo_journal::read(journal_dir)?.records;
+    let recs = state.read_journal()?.records;
     if !recs
         .iter()
         .any(|r| matches!(&r.event, Event::Verified { pid, .. } if *pid == id))
@@ -278,16 +280,16 @@ fn guard_round(
     Ok(ms(died))
 }
 
-/// `cryo bench guard`.
-pub fn run(a: &BenchGuardArgs) -> anyhow::Result<()> {
+/// Runs `cryo bench guard` with the binary `cryo`.
+pub fn run(a: &BenchGuardArgs, cryo: &Path) -> anyhow::Result<()> {
     let tmp = tempfile::Builder::new()
         .prefix("cryo-bench-guard-")
         .tempdir()?;
     let sim_dir = tmp.path().join("sim");
-    let state = tmp.path().join("state");
-    let mut sim = Sim::start(&sim_dir)?;
+    let state = StateDir::new(tmp.path().join("state"));
+    let mut sim = Sim::start(&sim_dir, cryo)?;
     let gpu = cryo_sim::connect(&sim_dir)?;
-    let mut cfg = GuardConfig::new(&state);
+    let mut cfg = GuardConfig::new(state.clone());
     cfg.memory = None;
     let (guard, _) = Guard::start(gpu.clone(), cfg).context("starting the guard")?;
     let load_start = load_average();
@@ -296,7 +298,7 @@ pub fn run(a: &BenchGuardArgs) -> anyhow::Result<()> {
     }
 
     // 1. Latency, guarded and not, in alternating batches on one worker.
-    let (pid, port) = sim.restored_worker(&gpu, a.memory.0)?;
+    let (pid, port) = sim.restored_worker(&gpu, a.memory)?;
     let lat = latency(&guard, pid, port, a.requests)?;
     if !a.json {
         println!(
@@ -329,7 +331,6 @@ pub fn run(a: &BenchGuardArgs) -> anyhow::Result<()> {
     }
 
     // 2. Fatal signal to suspended, against a bare suspension; round 0 is the warm-up.
-    let journal_dir = state.join("journal");
     let (mut via_guard, mut bare) = (Samples::default(), Samples::default());
     for round in 0..=a.rounds {
         let order = if a_first(round) {
@@ -339,9 +340,9 @@ pub fn run(a: &BenchGuardArgs) -> anyhow::Result<()> {
         };
         for use_guard in order {
             let took = if use_guard {
-                guard_round(&mut sim, &gpu, &guard, &journal_dir, a.memory.0)?
+                guard_round(&mut sim, &gpu, &guard, &state, a.memory)?
             } else {
-                bare_round(&mut sim, &gpu, a.memory.0)?
+                bare_round(&mut sim, &gpu, a.memory)?
             };
             if round == 0 {
                 continue;
@@ -355,7 +356,7 @@ pub fn run(a: &BenchGuardArgs) -> anyhow::Result<()> {
     }
     let sig = SignalResult {
         rounds: a.rounds,
-        memory_bytes: a.memory.0,
+        memory_bytes: a.memory,
         via_guard_ms: via_guard.median(),
         bare_suspend_ms: bare.median(),
         ratio: via_guard.median() / bare.median().max(1e-9),
@@ -380,7 +381,7 @@ pub fn run(a: &BenchGuardArgs) -> anyhow::Result<()> {
             "fatal signal (SIGTERM) to dead-with-context-suspended, {} rounds after 1 warm-up, \
              arm order alternating, fresh worker of {} device memory per arm:",
             sig.rounds,
-            crate::args::ByteSize(sig.memory_bytes)
+            cryo_journal::fmt_bytes(sig.memory_bytes)
         );
         println!(
             "  via the guard:    {} ms, median (min-max)",

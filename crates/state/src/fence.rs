@@ -21,9 +21,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use cryo_gpu::Pid;
 use serde::{Deserialize, Serialize};
 
-/// File name of the quarantine store inside the state directory.
-pub const FILE_NAME: &str = "quarantine.json";
-const LOCK_NAME: &str = "quarantine.lock";
+use crate::StateDir;
 
 /// One quarantined GPU.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -69,20 +67,20 @@ pub enum FenceError {
 /// The quarantine store of one state directory.
 #[derive(Debug, Clone)]
 pub struct Fence {
-    dir: PathBuf,
+    state: StateDir,
 }
 
 impl Fence {
-    /// The store under `state_dir` (nothing is touched until a call).
-    pub fn new(state_dir: impl AsRef<Path>) -> Self {
+    /// The store of `state` (nothing is touched until a call); also [`StateDir::fence`].
+    pub fn new(state: &StateDir) -> Self {
         Self {
-            dir: state_dir.as_ref().to_path_buf(),
+            state: state.clone(),
         }
     }
 
     /// The store's file.
     pub fn path(&self) -> PathBuf {
-        self.dir.join(FILE_NAME)
+        self.state.quarantine_file()
     }
 
     /// Every quarantined GPU (empty when the store does not exist).
@@ -157,8 +155,9 @@ impl Fence {
     }
 
     fn update(&self, change: impl FnOnce(&mut File)) -> Result<(), FenceError> {
-        fs::create_dir_all(&self.dir).map_err(io_err("creating", &self.dir))?;
-        let lock_path = self.dir.join(LOCK_NAME);
+        let dir = self.state.root();
+        fs::create_dir_all(dir).map_err(io_err("creating", dir))?;
+        let lock_path = self.state.quarantine_lock();
         let lock = fs::OpenOptions::new()
             .create(true)
             .truncate(false)
@@ -176,7 +175,7 @@ impl Fence {
         let mut file = self.read()?;
         change(&mut file);
         let path = self.path();
-        let tmp = self.dir.join(format!("{FILE_NAME}.tmp"));
+        let tmp = path.with_extension("json.tmp");
         let text = serde_json::to_vec_pretty(&file).map_err(|source| FenceError::Parse {
             path: path.clone(),
             source,
@@ -187,9 +186,9 @@ impl Fence {
             f.sync_all().map_err(io_err("syncing", &tmp))?;
         }
         fs::rename(&tmp, &path).map_err(io_err("renaming into place", &path))?;
-        fs::File::open(&self.dir)
+        fs::File::open(dir)
             .and_then(|d| d.sync_all())
-            .map_err(io_err("syncing", &self.dir))?;
+            .map_err(io_err("syncing", dir))?;
         drop(lock);
         Ok(())
     }
@@ -211,7 +210,8 @@ mod tests {
     #[test]
     fn quarantine_list_release_round_trip() {
         let dir = tempfile::tempdir().unwrap();
-        let fence = Fence::new(dir.path().join("state"));
+        let state = StateDir::new(dir.path().join("state"));
+        let fence = state.fence();
         assert!(fence.list().unwrap().is_empty());
         assert!(!fence.is_quarantined(A).unwrap());
         fence.quarantine(A, "pid 7 died of SIGKILL", &[7]).unwrap();
@@ -226,25 +226,26 @@ mod tests {
         assert_eq!(a.pids, vec![7, 8]);
         // A second handle on the same directory (another process) sees the same state.
         assert_eq!(
-            Fence::new(dir.path().join("state")).list().unwrap().len(),
+            StateDir::new(dir.path().join("state"))
+                .fence()
+                .list()
+                .unwrap()
+                .len(),
             2
         );
         assert_eq!(fence.release(A).unwrap().unwrap().pids, vec![7, 8]);
         assert!(fence.release(A).unwrap().is_none());
         assert!(!fence.is_quarantined(A).unwrap());
         assert!(fence.is_quarantined(B).unwrap());
-        assert!(!dir
-            .path()
-            .join("state")
-            .join(format!("{FILE_NAME}.tmp"))
-            .exists());
+        assert!(!state.quarantine_file().with_extension("json.tmp").exists());
     }
 
     #[test]
     fn a_damaged_store_is_an_error_not_an_empty_fence() {
         let dir = tempfile::tempdir().unwrap();
-        fs::write(dir.path().join(FILE_NAME), b"{not json").unwrap();
-        let fence = Fence::new(dir.path());
+        let state = StateDir::new(dir.path());
+        fs::write(state.quarantine_file(), b"{not json").unwrap();
+        let fence = state.fence();
         assert!(matches!(
             fence.is_quarantined(A),
             Err(FenceError::Parse { .. })

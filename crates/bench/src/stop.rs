@@ -32,7 +32,6 @@
 //! the medians means the run cannot tell the arms apart. With three rounds the median is the
 //! middle sample, not a distribution.
 
-use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -42,93 +41,13 @@ use cryo_gpu::{Gpu, Pid};
 use cryo_sim::SimControl;
 use serde::Serialize;
 
-use super::private_sim::{retire, DriverOptions, PrivateSim, WorkerOptions};
-use crate::args::size::human;
-use crate::args::{BenchArgs, BenchCommand, BenchStopArgs};
-use crate::exit;
+use cryo_journal::fmt_bytes as human;
+use cryo_proc::ProcHandle;
+use cryo_state::StateDir;
 
-/// Runs `cryo bench ...`.
-pub fn run(args: &BenchArgs) -> anyhow::Result<u8> {
-    match &args.command {
-        BenchCommand::Stop(a) => stop(a).map(|()| exit::SUCCESS),
-        BenchCommand::Freeze(a) => super::bench_freeze::run(a).map(|()| exit::SUCCESS),
-        BenchCommand::Guard(a) => super::bench_guard::run(a).map(|()| exit::SUCCESS),
-    }
-}
-
-/// The samples of one arm over the counted rounds.
-#[derive(Debug, Clone, Default)]
-pub(super) struct Samples(pub(super) Vec<f64>);
-
-impl Samples {
-    pub(super) fn push(&mut self, v: f64) {
-        self.0.push(v);
-    }
-
-    fn sorted(&self) -> Vec<f64> {
-        let mut v = self.0.clone();
-        v.sort_by(f64::total_cmp);
-        v
-    }
-
-    /// The median (the mean of the middle two for an even count); NaN without samples.
-    pub(super) fn median(&self) -> f64 {
-        let v = self.sorted();
-        match v.len() {
-            0 => f64::NAN,
-            n if n % 2 == 1 => v[n / 2],
-            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-        }
-    }
-
-    pub(super) fn min(&self) -> f64 {
-        self.sorted().first().copied().unwrap_or(f64::NAN)
-    }
-
-    pub(super) fn max(&self) -> f64 {
-        self.sorted().last().copied().unwrap_or(f64::NAN)
-    }
-
-    /// `median (min-max)`, in the unit the samples are in, no decimals.
-    pub(super) fn cell(&self) -> String {
-        format!("{:.0} ({:.0}-{:.0})", self.median(), self.min(), self.max())
-    }
-
-    /// `median (min-max)` with one decimal, for small values.
-    pub(super) fn cell1(&self) -> String {
-        format!("{:.1} ({:.1}-{:.1})", self.median(), self.min(), self.max())
-    }
-}
-
-impl Serialize for Samples {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.0.serialize(s)
-    }
-}
-
-/// Whether arm A goes first in round `round` (0 is the warm-up): A B, B A, A B, ...
-pub(super) fn a_first(round: usize) -> bool {
-    round.is_multiple_of(2)
-}
-
-/// The host's 1, 5 and 15 minute load averages (`/proc/loadavg`); NaN where unreadable, since a
-/// benchmark should not fail for want of a noise indicator.
-pub(super) fn load_average() -> [f64; 3] {
-    let text = fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    let mut it = text
-        .split_whitespace()
-        .map(|f| f.parse::<f64>().unwrap_or(f64::NAN));
-    [(); 3].map(|()| it.next().unwrap_or(f64::NAN))
-}
-
-/// `load average at start: 0.77 1.20 1.28 (1, 5, 15 min; 2 CPUs)`.
-pub(super) fn load_line(when: &str, l: [f64; 3]) -> String {
-    let cpus = std::thread::available_parallelism().map_or(0, std::num::NonZeroUsize::get);
-    format!(
-        "load average at {when}: {:.2} {:.2} {:.2} (1, 5, 15 min; {cpus} CPUs)",
-        l[0], l[1], l[2]
-    )
-}
+use crate::args::BenchStopArgs;
+use crate::measure::{a_first, load_average, load_line, Samples};
+use crate::private_sim::{retire, DriverOptions, PrivateSim, WorkerOptions};
 
 /// One row of the result: medians over the counted rounds, and every sample.
 #[derive(Debug, Serialize)]
@@ -154,14 +73,15 @@ struct RowSamples {
     procedure_ms: Samples,
 }
 
-fn stop(args: &BenchStopArgs) -> anyhow::Result<()> {
-    let memory = args.memory.0;
+/// Runs `cryo bench stop` with the binary `cryo`.
+pub fn run(args: &BenchStopArgs, cryo: &Path) -> anyhow::Result<()> {
+    let memory = args.memory;
     ensure!(memory > 0, "--memory must be more than 0 bytes");
     let tmp = tempfile::Builder::new()
         .prefix("cryo-bench-")
         .tempdir()
         .context("creating the benchmark's directory")?;
-    let mut bench = Bench::start(tmp.path(), memory)?;
+    let mut bench = Bench::start(tmp.path(), memory, cryo)?;
     let load_start = load_average();
     if !args.json {
         println!(
@@ -241,7 +161,7 @@ struct Worker {
 
 struct Bench {
     dir: PathBuf,
-    state: PathBuf,
+    state: StateDir,
     exe: PathBuf,
     memory: u64,
     gpu: Option<Gpu>,
@@ -253,8 +173,8 @@ struct Bench {
 }
 
 impl Bench {
-    fn start(dir: &Path, memory: u64) -> anyhow::Result<Bench> {
-        let exe = std::env::current_exe().context("finding this binary")?;
+    fn start(dir: &Path, memory: u64, cryo: &Path) -> anyhow::Result<Bench> {
+        let exe = cryo.to_path_buf();
         // Four workers alternate over two GPUs; leave room for all of them.
         let gpu_memory = memory.saturating_mul(4).max(256 << 20);
         let sim = PrivateSim::start(
@@ -268,7 +188,7 @@ impl Bench {
         )?;
         let mut bench = Bench {
             dir: dir.to_path_buf(),
-            state: dir.join("state"),
+            state: StateDir::new(dir.join("state")),
             exe,
             memory,
             gpu: None,
@@ -301,7 +221,9 @@ impl Bench {
                 .and_then(|()| d.restore(pid, &[]))
                 .and_then(|()| d.unlock(pid))
                 .with_context(|| format!("restoring worker {pid} before the measurement"))?;
-            crate::journal::record_restore(&self.state, pid, "cryo bench");
+            let handle = ProcHandle::open(pid)?;
+            cryo_lifecycle::record_restored(&self.state, &handle, "cryo bench")
+                .with_context(|| format!("journaling the restore of worker {pid}"))?;
         }
         Ok(())
     }
@@ -330,7 +252,7 @@ impl Bench {
         c.args(["--gpu", "sim", "--sim-dir"])
             .arg(&self.dir)
             .arg("--state-dir")
-            .arg(&self.state);
+            .arg(self.state.root());
         c.env_remove("CRYO_FAILPOINT").stdin(Stdio::null());
         c
     }

@@ -1,0 +1,99 @@
+//! `cryo bench` and `cryo demo`: arguments only, validated without system calls (the CLI embeds
+//! them in its own command line).
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+use cryo_sim::size::parse_size;
+
+/// `cryo demo`.
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Device memory of the demo worker (`512MiB`, `2GiB`, `1000000` bytes...).
+    #[arg(long, default_value = "512MiB", value_parser = parse_size)]
+    pub memory: u64,
+    /// Keep the demo's temporary directory (driver socket, ledger, logs) and print its path.
+    #[arg(long)]
+    pub keep: bool,
+}
+
+/// `cryo bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// What to measure.
+    #[command(subcommand)]
+    pub command: BenchCommand,
+}
+
+/// `cryo bench <what>`.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// `cryo stop` against the operators' procedure (one cuda-checkpoint process per action per
+    /// pid, serially, plus polling the process listing), for 1, 2 and 4 restored workers, on a
+    /// private simulated GPU.
+    Stop(BenchStopArgs),
+    /// `cryo freeze` and `cryo thaw` against the `criu` command line plus one `cryo cuda-checkpoint`
+    /// process per action, for 1 GiB and 4 GiB workers (needs root and CRIU).
+    Freeze(BenchFreezeArgs),
+    /// The guard's cost on a worker's request latency (p50/p99, guarded vs not) and the time from
+    /// a fatal signal to a suspended exit against a bare suspension, on a private simulated GPU.
+    Guard(BenchGuardArgs),
+}
+
+/// `cryo bench stop`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchStopArgs {
+    /// Device memory of each worker.
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    pub memory: u64,
+    /// Counted rounds per row, after one warm-up round; the arm that goes first alternates.
+    #[arg(long, value_name = "N", default_value_t = 7, value_parser = parse_rounds)]
+    pub rounds: usize,
+    /// Print the rows as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `--rounds` of the benchmarks: counted rounds, 1 to 1000.
+fn parse_rounds(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n @ 1..=1000) => Ok(n),
+        _ => Err(format!("{s:?} is not a number of rounds from 1 to 1000")),
+    }
+}
+
+/// `cryo bench freeze`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchFreezeArgs {
+    /// Device memory of the workers, one row each.
+    #[arg(long, value_delimiter = ',', default_value = "1GiB,4GiB", value_parser = parse_size)]
+    pub sizes: Vec<u64>,
+    /// Where the images go (a temporary directory under it; default: the system's temp dir).
+    #[arg(long, value_name = "DIR")]
+    pub dir: Option<PathBuf>,
+    /// Counted rounds per size, after one warm-up round; the arm that goes first alternates.
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = parse_rounds)]
+    pub rounds: usize,
+    /// Print the rows as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `cryo bench guard`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchGuardArgs {
+    /// Requests per arm (with and without the guard), sent in 20 batches per arm that alternate
+    /// between the arms on the same worker.
+    #[arg(long, default_value_t = 2000)]
+    pub requests: usize,
+    /// Fatal-signal suspensions to time (and as many bare suspensions), after one warm-up round;
+    /// the arm that goes first alternates.
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = parse_rounds)]
+    pub rounds: usize,
+    /// Device memory of the bench worker.
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    pub memory: u64,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+}

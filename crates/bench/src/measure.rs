@@ -1,0 +1,80 @@
+//! What the three benchmarks share: samples over rounds (median, min-max), the alternating arm
+//! order, and the host's load average as a noise indicator.
+
+use std::fs;
+
+use serde::Serialize;
+
+/// The samples of one arm over the counted rounds.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Samples(pub(crate) Vec<f64>);
+
+impl Samples {
+    pub(crate) fn push(&mut self, v: f64) {
+        self.0.push(v);
+    }
+
+    fn sorted(&self) -> Vec<f64> {
+        let mut v = self.0.clone();
+        v.sort_by(f64::total_cmp);
+        v
+    }
+
+    /// The median (the mean of the middle two for an even count); NaN without samples.
+    pub(crate) fn median(&self) -> f64 {
+        let v = self.sorted();
+        match v.len() {
+            0 => f64::NAN,
+            n if n % 2 == 1 => v[n / 2],
+            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+        }
+    }
+
+    pub(crate) fn min(&self) -> f64 {
+        self.sorted().first().copied().unwrap_or(f64::NAN)
+    }
+
+    pub(crate) fn max(&self) -> f64 {
+        self.sorted().last().copied().unwrap_or(f64::NAN)
+    }
+
+    /// `median (min-max)`, in the unit the samples are in, no decimals.
+    pub(crate) fn cell(&self) -> String {
+        format!("{:.0} ({:.0}-{:.0})", self.median(), self.min(), self.max())
+    }
+
+    /// `median (min-max)` with one decimal, for small values.
+    pub(crate) fn cell1(&self) -> String {
+        format!("{:.1} ({:.1}-{:.1})", self.median(), self.min(), self.max())
+    }
+}
+
+impl Serialize for Samples {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(s)
+    }
+}
+
+/// Whether arm A goes first in round `round` (0 is the warm-up): A B, B A, A B, ...
+pub(crate) fn a_first(round: usize) -> bool {
+    round.is_multiple_of(2)
+}
+
+/// The host's 1, 5 and 15 minute load averages (`/proc/loadavg`); NaN where unreadable, since a
+/// benchmark should not fail for want of a noise indicator.
+pub(crate) fn load_average() -> [f64; 3] {
+    let text = fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let mut it = text
+        .split_whitespace()
+        .map(|f| f.parse::<f64>().unwrap_or(f64::NAN));
+    [(); 3].map(|()| it.next().unwrap_or(f64::NAN))
+}
+
+/// `load average at start: 0.77 1.20 1.28 (1, 5, 15 min; 2 CPUs)`.
+pub(crate) fn load_line(when: &str, l: [f64; 3]) -> String {
+    let cpus = std::thread::available_parallelism().map_or(0, std::num::NonZeroUsize::get);
+    format!(
+        "load average at {when}: {:.2} {:.2} {:.2} (1, 5, 15 min; {cpus} CPUs)",
+        l[0], l[1], l[2]
+    )
+}

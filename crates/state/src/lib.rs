@@ -1,0 +1,139 @@
+//! cryo's state directory: where every file cryo keeps on a node lives, in one type.
+//!
+//! # Design
+//! [`StateDir`] is the only place that knows the layout under the state directory (`--state-dir`,
+//! env `CRYO_STATE_DIR`, default [`DEFAULT_ROOT`]). Every user (the CLI, the guard, the lifecycle
+//! procedures, later the node agent) is handed a `StateDir` and asks it for a path or a store;
+//! nobody joins file names onto the root by hand.
+//!
+//! | path | what | who writes it |
+//! | --- | --- | --- |
+//! | `journal/journal.log` | the event log ([`cryo_journal`]) | every command that acts, the guard |
+//! | `quarantine.json`, `quarantine.lock` | the fence: GPUs that take no thaw | the guard, `cryo guard release` |
+//! | `guard.sock` | the running guard's control socket (root only) | `cryo guard` |
+//! | `cryod.sock` | the node agent's API socket (issue 10) | `cryod` |
+//! | `pins.sock` | the pin holder's socket: pinned driver fds that outlive the agent (issue 10) | the pin holder |
+//! | `standby/` | warm-pool (standby) state (issue 12) | `cryod` |
+//!
+//! The crate sits above `cryo-gpu`, `cryo-proc` and `cryo-journal` and below `cryo-lifecycle`, so
+//! that the lifecycle, the guard and the CLI all reach it without importing one another.
+//!
+//! # Limitations
+//! A unix socket path must fit in 108 bytes: a state directory deeper than about 90 bytes cannot
+//! host the sockets (binding them fails with a clear error from the kernel).
+
+pub mod fence;
+
+use std::path::{Path, PathBuf};
+
+use cryo_journal::{Journal, OpenError, ReadError, Reader, Scan};
+
+/// The state directory when neither `--state-dir` nor `CRYO_STATE_DIR` is given.
+pub const DEFAULT_ROOT: &str = "/var/lib/cryo";
+
+/// The layout of one state directory. Cheap to clone; touches nothing until a call opens a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateDir {
+    root: PathBuf,
+}
+
+impl Default for StateDir {
+    fn default() -> Self {
+        Self::new(DEFAULT_ROOT)
+    }
+}
+
+impl StateDir {
+    /// The state directory at `root`.
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self { root: root.into() }
+    }
+
+    /// The directory itself.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The journal's directory (`journal/`).
+    pub fn journal_dir(&self) -> PathBuf {
+        self.root.join("journal")
+    }
+
+    /// Opens the journal for appending (creating the directories if needed).
+    pub fn open_journal(&self) -> Result<Journal, OpenError> {
+        Journal::open(self.journal_dir())
+    }
+
+    /// Reads every record of the journal (no lock, nothing written).
+    pub fn read_journal(&self) -> Result<Scan, ReadError> {
+        cryo_journal::read(self.journal_dir())
+    }
+
+    /// A reader that follows the journal as it grows.
+    pub fn journal_reader(&self) -> Reader {
+        Reader::new(self.journal_dir())
+    }
+
+    /// The quarantine store (`quarantine.json`, locked through `quarantine.lock`).
+    pub fn fence(&self) -> fence::Fence {
+        fence::Fence::new(self)
+    }
+
+    /// The quarantine file.
+    pub fn quarantine_file(&self) -> PathBuf {
+        self.root.join("quarantine.json")
+    }
+
+    /// The lock file writers of the quarantine take.
+    pub fn quarantine_lock(&self) -> PathBuf {
+        self.root.join("quarantine.lock")
+    }
+
+    /// The running guard's control socket.
+    pub fn guard_socket(&self) -> PathBuf {
+        self.root.join("guard.sock")
+    }
+
+    /// The node agent's API socket (`cryod`, issue 10).
+    pub fn agent_socket(&self) -> PathBuf {
+        self.root.join("cryod.sock")
+    }
+
+    /// The pin holder's socket: the minimal process that keeps pinned driver fds open across an
+    /// agent restart (issue 10).
+    pub fn pin_holder_socket(&self) -> PathBuf {
+        self.root.join("pins.sock")
+    }
+
+    /// The warm pool's standby state (issue 12).
+    pub fn standby_dir(&self) -> PathBuf {
+        self.root.join("standby")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_path_is_under_the_root_and_distinct() {
+        let s = StateDir::new("/st");
+        let paths = [
+            s.journal_dir(),
+            s.quarantine_file(),
+            s.quarantine_lock(),
+            s.guard_socket(),
+            s.agent_socket(),
+            s.pin_holder_socket(),
+            s.standby_dir(),
+        ];
+        for p in &paths {
+            assert_eq!(p.parent(), Some(Path::new("/st")), "{}", p.display());
+        }
+        let mut unique = paths.to_vec();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(unique.len(), paths.len());
+        assert_eq!(StateDir::default().root(), Path::new(DEFAULT_ROOT));
+    }
+}
