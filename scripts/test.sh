@@ -11,6 +11,10 @@ fi
 
 bash scripts/install-criu.sh
 
+# ---- telemetry (issue 11): rsyslog, promtool and systemd-analyze for the telemetry tests ----
+bash scripts/install-test-deps.sh
+# ---- end telemetry ----
+
 if ! cargo nextest --version >/dev/null 2>&1; then
   echo "scripts/test.sh: cargo-nextest not found; installing it" >&2
   cargo install --locked cargo-nextest

@@ -1,0 +1,60 @@
+//! cryo's observability: what an operator sees of a node from elsewhere, including after the
+//! node wedged silently and must be power cycled (its journal survives on its disk but cannot be
+//! read until the host is back).
+//!
+//! - [`Metrics`]: Prometheus metrics derived from journal records ([`Metrics::observe`]), plus
+//!   [`LiveGauges`] set by the owner of live state; [`JournalFeed`] keeps them fed from the
+//!   journal, [`MetricsServer`] answers `GET /metrics` on a TCP listener (loopback by default).
+//! - [`Forwarder`]: every journal record pushed off the host as it is written, as RFC 5424 syslog
+//!   over TCP ([`SyslogFormat`]), caught up from a durable offset ([`OffsetFile`]) after the
+//!   collector or the forwarder was down.
+//! - [`Follow`]: records of the journal from a given `seq` on, waking on each append: the
+//!   building block of the forwarder, the metrics feed and the agent's `GET /v1/events?follow=1`
+//!   NDJSON stream ([`ndjson_line`]).
+//!
+//! # Design
+//! One source of truth: the journal. Everything here reads it with the journal's lock-free
+//! reader, in threads of its own, so nothing here can block or slow an append, and the
+//! standalone CLI's work is counted and forwarded as well as the agent's. The agent (`cryod`)
+//! wires these pieces: it starts a [`JournalFeed`] and a [`MetricsServer`] on one [`Metrics`]
+//! built [`Metrics::with_live_gauges`], sets the gauges from its guard and fence, starts a
+//! [`Forwarder`] when a collector is configured (and [`Metrics::watch_forwarder`]), and serves
+//! [`Follow`] as NDJSON.
+//!
+//! Metrics use the `prometheus` crate, whose text format (0.0.4) is what `promtool check metrics`
+//! lints; `prometheus-client` writes OpenMetrics, whose counters (`# TYPE x counter` then
+//! `x_total`) the classic text parser of promtool reads as untyped families without help.
+//!
+//! # Limitations
+//! - Syslog over plain TCP only (no TLS, no RELP); delivery is at least once up to the
+//!   collector's kernel (see [`forward`]).
+//! - Metrics are computed from the whole journal at start: a journal of many years takes a
+//!   moment to read (records are ~200 bytes; a busy node writes a few MB a year).
+
+mod error;
+pub mod follow;
+pub mod forward;
+mod metrics;
+mod offset;
+mod server;
+mod sys;
+pub mod syslog;
+
+pub use error::{ConnectError, FollowError, ForwardError, MetricsError, OffsetError, ServeError};
+pub use follow::{ndjson_line, Follow, Wake};
+pub use forward::{ForwardConfig, ForwardShared, ForwardStatus, Forwarder};
+pub use metrics::{LiveGauges, Metrics, CONTENT_TYPE, DURATION_BUCKETS, PREFIX};
+pub use offset::{Offset, OffsetFile};
+pub use server::{JournalFeed, MetricsServer, DEFAULT_LISTEN};
+pub use syslog::{severity, Severity, SyslogFormat};
+
+use cryo_journal::Event;
+
+/// The event's type as the journal stores it (`checkpointed`, `gpu_quarantined`; `unknown` for
+/// an event of a newer cryo).
+pub fn event_type(event: &Event) -> String {
+    serde_json::to_value(event)
+        .ok()
+        .and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_owned))
+        .unwrap_or_else(|| "unknown".to_owned())
+}

@@ -1,0 +1,296 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! The syslog forwarder against a real rsyslog (Debian's package, a private instance on a
+//! loopback port of its own): every record in order with the journal's content; a collector
+//! stopped during a burst and started again gets what it missed; a forwarder restarted resumes
+//! from its stored offset; an offset of another journal is not trusted.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cryo_journal::{Event, Journal, ProcId, Record};
+use cryo_telemetry::{ForwardConfig, Forwarder, Offset, OffsetFile, SyslogFormat};
+use support::rsyslog::{Received, Rsyslog};
+
+const LONG: Duration = Duration::from_secs(60);
+
+fn p(pid: i32) -> ProcId {
+    ProcId { pid, start_time: 7 }
+}
+
+fn cfg(state: &std::path::Path, collector: &str) -> ForwardConfig {
+    let mut c = ForwardConfig::new(
+        state.join("journal"),
+        state.join("syslog.offset"),
+        collector,
+    );
+    c.format = SyslogFormat {
+        hostname: "node-a.example".into(),
+        ..SyslogFormat::default()
+    };
+    // Reconnect quickly in tests.
+    c.retry_max = Duration::from_millis(200);
+    c
+}
+
+/// Every seq of `got`, checking that each first copy comes in journal order.
+fn first_copies(got: &[Received]) -> BTreeMap<u64, usize> {
+    let mut count = BTreeMap::new();
+    let mut last_new = 0;
+    for r in got {
+        let n = count.entry(r.seq).or_insert(0);
+        if *n == 0 {
+            assert!(
+                r.seq > last_new,
+                "seq {} first arrived after {last_new}",
+                r.seq
+            );
+            last_new = r.seq;
+        }
+        *n += 1;
+    }
+    count
+}
+
+#[test]
+fn rsyslog_receives_every_record_in_order_with_the_journal_content() {
+    let state = tempfile::tempdir().unwrap();
+    let rs = Rsyslog::start();
+    let j = Journal::open(state.path().join("journal")).unwrap();
+    let mut written: Vec<Record> = Vec::new();
+    written.push(
+        j.append(Event::StopRequested {
+            target: "pid 4242".into(),
+        })
+        .unwrap(),
+    );
+    written.push(
+        j.append(Event::Locked {
+            pid: p(4242),
+            ms: 12,
+        })
+        .unwrap(),
+    );
+    let fwd = Forwarder::start(cfg(state.path(), &rs.addr())).unwrap();
+    written.push(
+        j.append(Event::Refused {
+            pid: p(4242),
+            reason: "lock timed out] \"twice\"".into(),
+            hint: "retry\nlater é".into(),
+        })
+        .unwrap(),
+    );
+    written.push(
+        j.append(Event::Pinned {
+            pid: p(4242),
+            gpu: "GPU-0".into(),
+            fds: vec![5, 6],
+        })
+        .unwrap(),
+    );
+    let n = written.len();
+    let got = rs.wait_for(LONG, "every record", |g| g.len() >= n);
+    assert_eq!(got.len(), n, "{got:#?}");
+    for (r, w) in got.iter().zip(&written) {
+        assert_eq!(r.seq, w.seq);
+        assert_eq!(
+            format!("{}\n", r.msg),
+            cryo_telemetry::ndjson_line(w),
+            "MSG is the record as cryo timeline --json prints it"
+        );
+        assert_eq!(r.msgid, cryo_telemetry::event_type(&w.event));
+        assert_eq!(r.hostname, "node-a.example");
+        assert_eq!(r.app_name, "cryo");
+        assert_eq!(r.procid, std::process::id().to_string());
+        assert!(r.structured_data.starts_with(&format!(
+            "[cryo@32473 seq=\"{}\" type=\"{}\"",
+            w.seq, r.msgid
+        )));
+    }
+    assert_eq!(got[2].pri, "28", "daemon.warning for a refusal");
+    assert_eq!(got[3].pri, "26", "daemon.crit for a pin");
+    assert!(
+        got[2]
+            .structured_data
+            .contains(r#"reason="lock timed out\] \"twice\"""#),
+        "{}",
+        got[2].structured_data
+    );
+    let st = fwd.status();
+    assert!(st.connected);
+    assert_eq!(st.delivered_seq, n as u64);
+    fwd.stop();
+    let stored = OffsetFile::new(state.path().join("syslog.offset"))
+        .load()
+        .unwrap();
+    assert_eq!(stored.seq, n as u64);
+}
+
+/// The collector is stopped (SIGTERM, as a service manager does) in the middle of a burst and
+/// started again: every record arrives.
+#[test]
+fn collector_stopped_during_a_burst_receives_what_it_missed() {
+    catch_up(Rsyslog::stop);
+}
+
+/// The collector crashes (SIGKILL) in the middle of a burst and is started again: every record
+/// arrives.
+#[test]
+fn collector_killed_during_a_burst_receives_what_it_missed() {
+    catch_up(Rsyslog::kill);
+}
+
+/// Every record arrives after the outage, each first copy in journal order; the duplicates are
+/// resends of records sent before the outage (at least once), never of later ones.
+fn catch_up(down: fn(&mut Rsyslog)) {
+    const TOTAL: u64 = 1500;
+    let state = tempfile::tempdir().unwrap();
+    let mut rs = Rsyslog::start();
+    let j = Arc::new(Journal::open(state.path().join("journal")).unwrap());
+    let fwd = Forwarder::start(cfg(state.path(), &rs.addr())).unwrap();
+
+    let appended = Arc::new(AtomicU64::new(0));
+    let writer = std::thread::spawn({
+        let (j, appended) = (Arc::clone(&j), Arc::clone(&appended));
+        move || {
+            for i in 1..=TOTAL {
+                j.append(Event::Checkpointed {
+                    pid: p(i as i32),
+                    ms: i,
+                    bytes: i << 20,
+                })
+                .unwrap();
+                appended.store(i, Ordering::Relaxed);
+                // Paced, so that the outage falls in the middle of the burst.
+                std::thread::sleep(Duration::from_micros(300));
+            }
+        }
+    });
+
+    rs.wait_for(LONG, "the first 300 records", |g| {
+        g.iter().any(|r| r.seq >= 300)
+    });
+    down(&mut rs);
+    let at_down = appended.load(Ordering::Relaxed);
+    let received_before = rs.received().iter().map(|r| r.seq).max().unwrap_or(0);
+    // The journal goes on while the collector is down.
+    support::eventually(
+        LONG,
+        "200 records appended while the collector is down",
+        || (appended.load(Ordering::Relaxed) >= at_down + 200).then_some(()),
+    );
+    let at_up = appended.load(Ordering::Relaxed);
+    rs.restart();
+    writer.join().unwrap();
+
+    let got = rs.wait_for(LONG, "every record after the restart", |g| {
+        let seen: std::collections::BTreeSet<u64> = g.iter().map(|r| r.seq).collect();
+        seen.len() as u64 == TOTAL
+    });
+    let count = first_copies(&got);
+    assert_eq!(count.len() as u64, TOTAL);
+    assert_eq!(*count.keys().next().unwrap(), 1);
+    assert_eq!(*count.keys().last().unwrap(), TOTAL);
+    let dups: u64 = count.values().map(|n| *n as u64 - 1).sum();
+    let last_dup = count
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(s, _)| *s)
+        .max()
+        .unwrap_or(0);
+    let st = fwd.status();
+    assert!(
+        dups <= st.resent_total,
+        "{dups} duplicates but {} resends",
+        st.resent_total
+    );
+    assert!(
+        last_dup <= received_before,
+        "seq {last_dup} arrived twice, though the collector only had up to {received_before} before the outage"
+    );
+    assert!(st.connections_total >= 2, "{st:?}");
+    assert!(got.iter().all(|r| r.msgid == "checkpointed"));
+    eprintln!(
+        "catch-up: {TOTAL} records; collector had {received_before} when it went down, the journal \
+         {at_down}; {} appended while it was down; after the restart every record arrived: \
+         {dups} duplicates (resends {}), {} connections",
+        at_up - at_down,
+        st.resent_total,
+        st.connections_total
+    );
+}
+
+#[test]
+fn a_restarted_forwarder_resumes_from_its_offset() {
+    let state = tempfile::tempdir().unwrap();
+    let rs = Rsyslog::start();
+    let j = Journal::open(state.path().join("journal")).unwrap();
+    for i in 1..=10 {
+        j.append(Event::Locked { pid: p(i), ms: 1 }).unwrap();
+    }
+    let fwd = Forwarder::start(cfg(state.path(), &rs.addr())).unwrap();
+    rs.wait_for(LONG, "ten records", |g| g.len() >= 10);
+    // Wait until delivery is known (acknowledged), then stop cleanly.
+    support::eventually(LONG, "delivery of ten", || {
+        (fwd.status().delivered_seq == 10).then_some(())
+    });
+    fwd.stop();
+    for i in 11..=15 {
+        j.append(Event::Locked { pid: p(i), ms: 1 }).unwrap();
+    }
+    let fwd = Forwarder::start(cfg(state.path(), &rs.addr())).unwrap();
+    let got = rs.wait_for(LONG, "fifteen records", |g| g.iter().any(|r| r.seq == 15));
+    let seqs: Vec<u64> = got.iter().map(|r| r.seq).collect();
+    assert_eq!(
+        seqs,
+        (1..=15).collect::<Vec<_>>(),
+        "nothing sent twice after a clean stop"
+    );
+    drop(fwd);
+}
+
+#[test]
+fn an_offset_of_another_journal_is_not_trusted() {
+    let state = tempfile::tempdir().unwrap();
+    let rs = Rsyslog::start();
+    // An offset left by a journal that had 500 records (this one has 3).
+    OffsetFile::new(state.path().join("syslog.offset"))
+        .store(&Offset {
+            seq: 500,
+            journal_first: Some("2020-01-01T00:00:00.000000000Z".into()),
+        })
+        .unwrap();
+    let j = Journal::open(state.path().join("journal")).unwrap();
+    for i in 1..=3 {
+        j.append(Event::Killed { pid: p(i) }).unwrap();
+    }
+    let _fwd = Forwarder::start(cfg(state.path(), &rs.addr())).unwrap();
+    let got = rs.wait_for(LONG, "three records", |g| g.len() >= 3);
+    assert_eq!(got.iter().map(|r| r.seq).collect::<Vec<_>>(), [1, 2, 3]);
+}
+
+#[test]
+fn a_collector_that_is_not_there_is_retried_without_blocking_appends() {
+    let state = tempfile::tempdir().unwrap();
+    // A port nothing listens on: bind one, note it, close it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let j = Journal::open(state.path().join("journal")).unwrap();
+    let fwd = Forwarder::start(cfg(state.path(), &format!("127.0.0.1:{port}"))).unwrap();
+    for i in 1..=50 {
+        j.append(Event::Killed { pid: p(i) }).unwrap();
+    }
+    let st = support::eventually(LONG, "a connection error", || {
+        let s = fwd.status();
+        s.last_error.is_some().then_some(s)
+    });
+    assert!(!st.connected);
+    assert_eq!(st.delivered_seq, 0);
+    assert!(st.last_error.unwrap().contains("refused"));
+}
