@@ -14,6 +14,7 @@
 //! | `cryod.sock` | the node agent's API socket (issue 10) | `cryod` |
 //! | `pins.sock` | the pin holder's socket: pinned driver fds that outlive the agent (issue 10) | the pin holder |
 //! | `standby/` | warm-pool (standby) state (issue 12) | `cryod` |
+//! | `syslog.offset` | the syslog forwarder's position in the journal (issue 11) | the forwarder |
 //!
 //! The crate sits above `cryo-gpu`, `cryo-proc` and `cryo-journal` and below `cryo-lifecycle`, so
 //! that the lifecycle, the guard and the CLI all reach it without importing one another.
@@ -109,6 +110,11 @@ impl StateDir {
     pub fn standby_dir(&self) -> PathBuf {
         self.root.join("standby")
     }
+
+    /// The syslog forwarder's durable position in the journal (`cryo-telemetry`).
+    pub fn syslog_offset_file(&self) -> PathBuf {
+        self.root.join("syslog.offset")
+    }
 }
 
 #[cfg(test)]
@@ -126,6 +132,7 @@ mod tests {
             s.agent_socket(),
             s.pin_holder_socket(),
             s.standby_dir(),
+            s.syslog_offset_file(),
         ];
         for p in &paths {
             assert_eq!(p.parent(), Some(Path::new("/st")), "{}", p.display());

@@ -38,6 +38,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use cryo_journal::Record;
+use cryo_state::StateDir;
 use rustix::event::{poll, PollFd, PollFlags};
 use rustix::net::RecvFlags;
 
@@ -72,15 +73,13 @@ pub struct ForwardConfig {
 }
 
 impl ForwardConfig {
-    /// Defaults: connect 5 s, write 10 s, ack 30 s, retry 100 ms doubling to 10 s, replay 5 s.
-    pub fn new(
-        journal_dir: impl Into<PathBuf>,
-        offset_file: impl Into<PathBuf>,
-        collector: impl Into<String>,
-    ) -> ForwardConfig {
+    /// Forwards the journal of `state` to `collector` (`HOST:PORT`), keeping the offset in
+    /// `state`. Defaults: connect 5 s, write 10 s, ack 30 s, retry 100 ms doubling to 10 s,
+    /// replay 5 s.
+    pub fn new(state: &StateDir, collector: impl Into<String>) -> ForwardConfig {
         ForwardConfig {
-            journal_dir: journal_dir.into(),
-            offset_file: offset_file.into(),
+            journal_dir: state.journal_dir(),
+            offset_file: state.syslog_offset_file(),
             collector: collector.into(),
             format: SyslogFormat::default(),
             connect_timeout: Duration::from_secs(5),

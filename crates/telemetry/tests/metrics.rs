@@ -226,8 +226,7 @@ fn forwarder_state_is_exposed() {
         .unwrap()
         .port();
     let fwd = Forwarder::start(ForwardConfig::new(
-        dir.path().join("journal"),
-        dir.path().join("syslog.offset"),
+        &cryo_state::StateDir::new(dir.path()),
         format!("127.0.0.1:{port}"),
     ))
     .unwrap();

@@ -22,11 +22,7 @@ fn p(pid: i32) -> ProcId {
 }
 
 fn cfg(state: &std::path::Path, collector: &str) -> ForwardConfig {
-    let mut c = ForwardConfig::new(
-        state.join("journal"),
-        state.join("syslog.offset"),
-        collector,
-    );
+    let mut c = ForwardConfig::new(&cryo_state::StateDir::new(state), collector);
     c.format = SyslogFormat {
         hostname: "node-a.example".into(),
         ..SyslogFormat::default()
