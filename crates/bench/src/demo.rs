@@ -456,6 +456,7 @@ impl Demo {
             self.pid,
             &opts,
             &journal,
+            &cryo_lifecycle::NoWatcher,
             &cryo_lifecycle::NoProgress,
         )
         .context("cryo freeze")?;
@@ -481,7 +482,6 @@ impl Demo {
             .context("opening the demo's journal")?;
         let opts = cryo_lifecycle::ThawOptions {
             gpu_map: Vec::new(),
-            quarantined: Vec::new(),
             health: Some(cryo_lifecycle::HealthCheck::Url(format!(
                 "http://127.0.0.1:{}/health",
                 self.port
@@ -496,6 +496,7 @@ impl Demo {
             &self.dir.join("image"),
             &opts,
             &journal,
+            &self.state.fence(),
             &cryo_lifecycle::NoProgress,
         )
         .context("cryo thaw")?;

@@ -198,14 +198,16 @@ fn batch(
     tag: usize,
     out: &mut Vec<Duration>,
 ) -> anyhow::Result<()> {
-    if guarded {
-        guard.attach_pid(pid).context("attaching")?;
-    }
+    let id = if guarded {
+        Some(guard.attach_pid(pid).context("attaching")?)
+    } else {
+        None
+    };
     for i in 0..n {
         out.push(request(port, &format!("prompt {tag} {i}"))?);
     }
-    if guarded {
-        guard.detach(pid).context("detaching")?;
+    if let Some(id) = id {
+        guard.detach(id).context("detaching")?;
     }
     Ok(())
 }

@@ -520,6 +520,79 @@ fn damaged_or_foreign_images_are_refused_before_criu_runs() {
 }
 
 #[test]
+fn a_quarantine_that_fences_the_gpu_or_cannot_be_trusted_refuses_the_thaw() {
+    let mut env = Env::start("1GiB");
+    let (pid, _) = env.worker("32MiB", 0);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+    let gpu0 = env.gpus()[0]["uuid"].as_str().unwrap().to_string();
+    let quarantine = env.path().join("state").join("quarantine.json");
+    let entry = |gpu: &str| {
+        format!(
+            r#"{{"gpus": [{{"gpu": "{gpu}", "reason": "pid 7 died", "pids": [7], "since_unix": 1}}]}}"#
+        )
+    };
+    let write = |text: &str, mode: u32| {
+        fs::write(&quarantine, text).unwrap();
+        fs::set_permissions(
+            &quarantine,
+            std::os::unix::fs::PermissionsExt::from_mode(mode),
+        )
+        .unwrap();
+    };
+    // Its GPU is fenced (a file of the first format, as an older guard wrote it).
+    write(&entry(&gpu0), 0o644);
+    assert_refused(
+        &mut env,
+        &image,
+        pid,
+        &[&format!("GPU {gpu0} is quarantined")],
+    );
+    // The guard could not tell which GPU a pinned context is on: every GPU is fenced.
+    write(&entry("unknown"), 0o644);
+    assert_refused(
+        &mut env,
+        &image,
+        pid,
+        &["every GPU of this node is quarantined: pid 7 died"],
+    );
+    // What cannot be read or trusted fences everything too, as an error (exit 1), never as an
+    // empty quarantine.
+    for (text, mode, expect) in [
+        (
+            "{not json".to_string(),
+            0o644,
+            "is not a valid quarantine list",
+        ),
+        (entry("GPU-123"), 0o644, "neither a GPU UUID"),
+        (
+            entry(&gpu0.replace("GPU-", "GPU-x")),
+            0o644,
+            "neither a GPU UUID",
+        ),
+        (
+            r#"{"gpus": []}"#.to_string(),
+            0o666,
+            "writable by group or others",
+        ),
+    ] {
+        write(&text, mode);
+        let out = env.thaw(&image, &[]);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{text}: {err}");
+        assert!(err.contains("cannot read the GPU quarantine"), "{err}");
+        assert!(err.contains(expect), "expected {expect:?} in: {err}");
+        assert!(!exists(pid), "a process was created despite the quarantine");
+    }
+    // Lifted: the same image thaws.
+    fs::remove_file(&quarantine).unwrap();
+    let out = env.thaw(&image, &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    env.stop(pid);
+    assert_eq!(env.ledger(), "");
+}
+
+#[test]
 fn not_enough_free_device_memory_is_refused_before_criu_runs() {
     let mut env = Env::start("256MiB");
     let (pid, _) = env.worker("160MiB", 0);

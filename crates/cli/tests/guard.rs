@@ -28,6 +28,7 @@ mod sig {
     pub const SIGKILL: i32 = 9;
     pub const SIGTERM: i32 = 15;
 }
+use cryo_guard::control::{Detach, GuardClient};
 use cryo_journal::{Event, ProcId};
 use cryo_state::StateDir;
 
@@ -83,7 +84,8 @@ impl GuardProc {
         let g = GuardProc { child, log };
         let state = state.to_path_buf();
         eventually("the guard's socket", Duration::from_secs(20), || {
-            cryo_guard::control::status(&StateDir::new(&state))
+            GuardClient::new(&StateDir::new(&state))
+                .status()
                 .ok()
                 .flatten()
                 .is_some()
@@ -375,7 +377,10 @@ fn cell(death: Death, sticky: bool) {
                 .any(|e| matches!(e, Event::GpuQuarantined { gpu, .. } if *gpu == gpu0)),
             "no GpuQuarantined for {gpu0}"
         );
-        let q = fence.get(&gpu0).unwrap().expect("GPU 0 is not quarantined");
+        let q = fence
+            .get(&gpu0.parse().unwrap())
+            .unwrap()
+            .expect("GPU 0 is not quarantined");
         assert!(q.pids.contains(&w.pid));
         if sticky
             && death != Death::Signal(sig::SIGKILL)
@@ -388,13 +393,14 @@ fn cell(death: Death, sticky: bool) {
                 "a fatal signal on a sticky context must journal the refused suspension: {path:?}"
             );
         }
-        let st = cryo_guard::control::status(&StateDir::new(&state))
+        let st = GuardClient::new(&StateDir::new(&state))
+            .status()
             .unwrap()
             .unwrap();
         assert!(
             st.pins
                 .iter()
-                .any(|p| p.pid == w.pid && p.gpus == vec![gpu0.clone()]),
+                .any(|p| p.pid == w.pid && p.gpus == vec![gpu0.parse().unwrap()]),
             "{st:?}"
         );
         // Visible to the operator.
@@ -436,7 +442,7 @@ fn cell(death: Death, sticky: bool) {
             ]);
             c
         });
-        assert!(!fence.is_quarantined(&gpu0).unwrap());
+        assert!(!fence.fences(&gpu0.parse().unwrap()).unwrap());
         // The release is what tears the held context down: the ledger names exactly that.
         eventually(
             "the release's teardown in the ledger",
@@ -572,7 +578,10 @@ fn detach_and_attach_through_the_socket() {
     w.make_restored(&state);
     let id = ProcId::of(w.pid).unwrap();
     wait_attached(&state, id, 1);
-    assert!(cryo_guard::control::detach(&StateDir::new(&state), w.pid).unwrap());
+    assert_eq!(
+        GuardClient::new(&StateDir::new(&state)).detach(id).unwrap(),
+        Detach::Detached
+    );
     assert_eq!(tracer_pid(w.pid), 0, "detached for a CRIU dump");
     std::thread::sleep(Duration::from_millis(600));
     assert_eq!(
@@ -580,7 +589,7 @@ fn detach_and_attach_through_the_socket() {
         0,
         "the journal poll must not re-attach a detached process"
     );
-    assert!(cryo_guard::control::attach(&StateDir::new(&state), w.pid).unwrap());
+    assert!(GuardClient::new(&StateDir::new(&state)).attach(id).unwrap());
     assert_ne!(tracer_pid(w.pid), 0);
 }
 
@@ -726,10 +735,13 @@ fn drain_endgame_stops_the_others_safely_then_runs_the_restart_command() {
     );
 
     let fence = StateDir::new(&state).fence();
-    let q = fence.get(&gpu0).unwrap().expect("GPU 0 is not quarantined");
+    let q = fence
+        .get(&gpu0.parse().unwrap())
+        .unwrap()
+        .expect("GPU 0 is not quarantined");
     assert!(q.pids.contains(&a.pid));
     assert!(
-        !fence.is_quarantined(&gpu1).unwrap(),
+        !fence.fences(&gpu1.parse().unwrap()).unwrap(),
         "GPU 1 held only safely stopped workers"
     );
     let status: serde_json::Value = serde_json::from_str(&ok({
@@ -764,7 +776,7 @@ fn drain_endgame_stops_the_others_safely_then_runs_the_restart_command() {
         ]);
         c
     });
-    assert!(!fence.is_quarantined(&gpu0).unwrap());
+    assert!(!fence.fences(&gpu0.parse().unwrap()).unwrap());
     eventually(
         "the release's teardown in the ledger",
         Duration::from_secs(10),
@@ -802,4 +814,39 @@ fn bench_guard_smoke() {
         text.contains("ratio guarded/unguarded") && text.contains("ratio guard/bare"),
         "{text}"
     );
+}
+
+#[test]
+fn the_control_socket_answers_root_only_even_when_anyone_can_connect() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let _guard = GuardProc::start(sim.path(), &state, &["--no-memory-watch"]);
+    // Someone made the socket reachable by every user: the peer-credential check is what stands.
+    let open = |p: &Path, mode| {
+        fs::set_permissions(p, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap()
+    };
+    open(sim.path(), 0o755);
+    open(&StateDir::new(&state).guard_socket(), 0o666);
+    // A copy of cryo that an unprivileged user can run, wherever the build lives.
+    let exe = sim.path().join("cryo-as-nobody");
+    fs::copy(common::CRYO, &exe).unwrap();
+    open(&exe, 0o755);
+    let out = Command::new(&exe)
+        .args(["--state-dir"])
+        .arg(&state)
+        .arg("status")
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("guard: cannot ask it: the guard says: only root may control the guard (peer uid 65534)"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Root still is answered.
+    let mut status = cryo_at(sim.path(), &state);
+    status.arg("status");
+    assert!(ok(status).contains("guard: running"));
 }

@@ -11,7 +11,7 @@
 //!   act any more, so the driver is not asked for a state. The context counts as live when NVML
 //!   lists the pid (or, NVML failing, when driver fds are open). Live: every driver fd
 //!   ([`cryo_gpu::GpuInspector::driver_fds`]) is duplicated, `Pinned` is journaled per GPU, the GPU
-//!   is quarantined ([`cryo_lifecycle::fence`]) and `GpuQuarantined` journaled, all before the
+//!   is quarantined ([`cryo_state::fence`]) and `GpuQuarantined` journaled, all before the
 //!   process is released. The duplicates stay in this process; the context is never torn down
 //!   until an operator releases them ([`Guard::release`]). Not live (suspended): nothing is held.
 //! - **Endgame** after a quarantine: [`Endgame::Hold`] waits for the operator;
@@ -45,13 +45,13 @@ use cryo_gpu::Gpu;
 use cryo_journal::{Event, Journal, ProcId, Reader, Record};
 use cryo_lifecycle::{NoProgress, StopOptions, SuspendOptions};
 use cryo_proc::ProcHandle;
-use cryo_state::fence::{Fence, FenceError};
+use cryo_state::fence::{Fence, FenceError, FencedGpu};
 use cryo_state::StateDir;
 use serde::{Deserialize, Serialize};
 
 use crate::memory::{CgroupVersion, MemoryCgroup};
 use crate::pidfd::PidFd;
-use crate::policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Target};
+use crate::policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee};
 use crate::tracer::{AttachError, DetachError, SpawnError, Tracer, TracerGone};
 use crate::{procfs, Pid};
 
@@ -156,6 +156,20 @@ pub enum GuardAttachError {
     Journal(#[from] cryo_journal::AppendError),
 }
 
+/// Detaching from one process failed.
+#[derive(Debug, thiserror::Error)]
+pub enum GuardDetachError {
+    /// The guard does not trace it (or its pid names another process now).
+    #[error("process {pid} is not traced by this guard")]
+    NotTraced {
+        /// The pid.
+        pid: Pid,
+    },
+    /// The tracer could not detach.
+    #[error(transparent)]
+    Tracer(DetachError),
+}
+
 /// Releasing pins failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ReleaseError {
@@ -164,7 +178,7 @@ pub enum ReleaseError {
     Fence(#[from] FenceError),
     /// Nothing is pinned or quarantined for that GPU.
     #[error("GPU {0} is neither pinned by this guard nor quarantined")]
-    NotPinned(String),
+    NotPinned(FencedGpu),
 }
 
 /// One guarded process, as `cryo status` shows it.
@@ -187,8 +201,8 @@ pub struct PinInfo {
     pub pid: Pid,
     /// Its start time.
     pub start_time: u64,
-    /// The GPUs its context is on.
-    pub gpus: Vec<String>,
+    /// The GPUs its context is on (`unknown`: NVML could not say).
+    pub gpus: Vec<FencedGpu>,
     /// Its fd numbers that were duplicated.
     pub fds: Vec<RawFd>,
     /// How it died.
@@ -230,7 +244,7 @@ struct Watched {
 
 struct Pin {
     id: ProcId,
-    gpus: Vec<String>,
+    gpus: Vec<FencedGpu>,
     cause: String,
     held: PinnedFds,
 }
@@ -241,7 +255,9 @@ struct Inner {
     fence: Fence,
     cfg: GuardConfig,
     watched: Mutex<BTreeMap<Pid, Watched>>,
-    paused: Mutex<BTreeSet<Pid>>,
+    /// Detached on request (for a CRIU dump), by identity: a process restored later under the same
+    /// pid is another process and is guarded.
+    paused: Mutex<BTreeSet<ProcId>>,
     pins: Mutex<Vec<Pin>>,
     /// Whether the operator was told that this host refuses `oom_score_adj` (once is enough:
     /// every later process gets the same answer, shown per process in `cryo status`).
@@ -277,13 +293,13 @@ impl Inner {
             .unwrap_or_else(|| ProcId::of(pid).unwrap_or(ProcId { pid, start_time: 0 }))
     }
 
-    fn quarantine(&self, id: ProcId, gpus: &[String], reason: &str) {
+    fn quarantine(&self, id: ProcId, gpus: &[FencedGpu], reason: &str) {
         for gpu in gpus {
             if let Err(err) = self.fence.quarantine(gpu, reason, &[id.pid]) {
-                tracing::error!(%err, gpu, "cannot record the quarantine");
+                tracing::error!(%err, %gpu, "cannot record the quarantine");
             }
             self.record(Event::GpuQuarantined {
-                gpu: gpu.clone(),
+                gpu: gpu.to_string(),
                 reason: reason.to_string(),
             });
         }
@@ -345,7 +361,7 @@ impl Inner {
             .list()
             .unwrap_or_default()
             .into_iter()
-            .map(|q| q.gpu)
+            .map(|q| q.gpu.to_string())
             .collect();
         match std::process::Command::new("sh")
             .arg("-c")
@@ -363,7 +379,7 @@ impl Inner {
 struct PolicyHandle(Arc<Inner>);
 
 impl Policy for PolicyHandle {
-    fn on_fatal_signal(&self, target: &Target, signal: &FatalSignal) -> Decision {
+    fn on_fatal_signal(&self, target: &Tracee, signal: &FatalSignal) -> Decision {
         let inner = &self.0;
         let pid = target.pid();
         let id = inner.id_of(pid);
@@ -405,7 +421,7 @@ impl Policy for PolicyHandle {
         Decision::Deliver
     }
 
-    fn fds_to_pin(&self, target: &Target) -> Vec<RawFd> {
+    fn fds_to_pin(&self, target: &Tracee) -> Vec<RawFd> {
         let pid = target.pid();
         match self.0.gpu.inspect.driver_fds(pid) {
             Ok(fds) => fds,
@@ -417,16 +433,16 @@ impl Policy for PolicyHandle {
         }
     }
 
-    fn on_exit_stop(&self, target: &Target, _tid: Pid, cause: ExitCause, pinned: PinnedFds) {
+    fn on_exit_stop(&self, target: &Tracee, _tid: Pid, cause: ExitCause, pinned: PinnedFds) {
         let inner = &self.0;
         let pid = target.pid();
         let id = inner.id_of(pid);
         let (listed, gpus) = match inner.gpu.inspect.processes() {
             Ok(list) => {
-                let mut gpus: Vec<String> = list
+                let mut gpus: Vec<FencedGpu> = list
                     .iter()
                     .filter(|p| p.pid == pid)
-                    .map(|p| p.gpu_uuid.to_string())
+                    .map(|p| FencedGpu::Gpu(p.gpu_uuid.clone()))
                     .collect();
                 gpus.dedup();
                 (!gpus.is_empty(), gpus)
@@ -445,8 +461,9 @@ impl Policy for PolicyHandle {
         for err in &pinned.failed {
             tracing::error!(pid, %err, "could not pin a driver fd");
         }
+        // Which GPU the context is on is unknown: fence them all (thaw refuses every GPU).
         let gpus = if gpus.is_empty() {
-            vec!["unknown".to_string()]
+            vec![FencedGpu::Unknown]
         } else {
             gpus
         };
@@ -462,7 +479,7 @@ impl Policy for PolicyHandle {
             for gpu in &gpus {
                 inner.record(Event::Pinned {
                     pid: id,
-                    gpu: gpu.clone(),
+                    gpu: gpu.to_string(),
                     fds: fds.clone(),
                 });
             }
@@ -480,7 +497,7 @@ impl Policy for PolicyHandle {
         inner.run_endgame();
     }
 
-    fn on_gone(&self, target: &Target, cause: ExitCause) {
+    fn on_gone(&self, target: &Tracee, cause: ExitCause) {
         let pid = target.pid();
         let w = lock(&self.0.watched).remove(&pid);
         let id = w.map_or_else(|| self.0.id_of(pid), |w| w.id);
@@ -620,7 +637,7 @@ impl Guard {
             lock(&self.inner.watched).remove(&id.pid);
             return Err(e.into());
         }
-        lock(&self.inner.paused).remove(&id.pid);
+        lock(&self.inner.paused).remove(&id);
         self.inner
             .journal
             .append(Event::GuardAttached { pid: id })?;
@@ -631,14 +648,27 @@ impl Guard {
     /// Guards a process restored by other tools (`cryo guard --pid N`, or `attach` on the socket).
     pub fn attach_pid(&self, pid: Pid) -> Result<ProcId, GuardAttachError> {
         let id = ProcId::of(pid)?;
-        self.attach(id, "pid")?;
+        self.attach_id(id)?;
         Ok(id)
+    }
+
+    /// Guards the process `id` names, if its pid still names it (`attach` on the socket, a freeze
+    /// handing a process back).
+    pub fn attach_id(&self, id: ProcId) -> Result<(), GuardAttachError> {
+        self.attach(id, "pid")
     }
 
     /// Stops guarding `pid` until [`Guard::attach_pid`] (before a CRIU dump: CRIU cannot dump a
     /// traced process). The journal poll does not re-attach it meanwhile.
-    pub fn detach(&self, pid: Pid) -> Result<(), DetachError> {
-        lock(&self.inner.paused).insert(pid);
+    pub fn detach(&self, id: ProcId) -> Result<(), GuardDetachError> {
+        let pid = id.pid;
+        if lock(&self.inner.watched)
+            .get(&pid)
+            .is_some_and(|w| w.id != id)
+        {
+            return Err(GuardDetachError::NotTraced { pid });
+        }
+        lock(&self.inner.paused).insert(id);
         match self.tracer.detach(pid) {
             Ok(()) => {
                 if let Some(w) = lock(&self.inner.watched).remove(&pid) {
@@ -647,8 +677,11 @@ impl Guard {
                 Ok(())
             }
             Err(e) => {
-                lock(&self.inner.paused).remove(&pid);
-                Err(e)
+                lock(&self.inner.paused).remove(&id);
+                Err(match e {
+                    DetachError::NotTraced { pid } => GuardDetachError::NotTraced { pid },
+                    e => GuardDetachError::Tracer(e),
+                })
             }
         }
     }
@@ -656,10 +689,11 @@ impl Guard {
     /// Reads the journal's new records and guards every process a new `RestoreCompleted` names.
     pub fn poll_journal(&self) -> Result<Vec<ProcId>, cryo_journal::ReadError> {
         let records = lock(&self.reader).read_new()?.records;
+        lock(&self.inner.paused).retain(ProcId::is_alive_same);
         let mut attached = Vec::new();
         for r in &records {
             if let Event::RestoreCompleted { pid, .. } = &r.event {
-                if lock(&self.inner.paused).contains(&pid.pid) || !pid.is_alive_same() {
+                if lock(&self.inner.paused).contains(pid) || !pid.is_alive_same() {
                     continue;
                 }
                 match self.attach(*pid, "journal") {
@@ -677,24 +711,24 @@ impl Guard {
     /// The operator's release of the contexts pinned on `gpu`: closes the duplicates (on
     /// affected hosts the driver then tears the contexts down, which is what wedges them) and
     /// lifts the quarantine. Returns the processes whose pins were closed.
-    pub fn release(&self, gpu: &str) -> Result<Vec<ProcId>, ReleaseError> {
+    pub fn release(&self, gpu: &FencedGpu) -> Result<Vec<ProcId>, ReleaseError> {
         let taken: Vec<Pin> = {
             let mut pins = lock(&self.inner.pins);
             let (take, keep) = std::mem::take(&mut *pins)
                 .into_iter()
-                .partition(|p| p.gpus.iter().any(|g| g.eq_ignore_ascii_case(gpu)));
+                .partition(|p| p.gpus.contains(gpu));
             *pins = keep;
             take
         };
         let lifted = self.inner.fence.release(gpu)?;
         if taken.is_empty() && lifted.is_none() {
-            return Err(ReleaseError::NotPinned(gpu.to_string()));
+            return Err(ReleaseError::NotPinned(gpu.clone()));
         }
         let mut released = Vec::new();
         for p in taken {
             tracing::warn!(
                 pid = p.id.pid,
-                gpu,
+                %gpu,
                 fds = p.held.fds.len(),
                 "closing pins on the operator's request"
             );
@@ -745,7 +779,7 @@ impl Guard {
             guard_pid: std::process::id(),
             tracer_tid: self.tracer.tracer_tid(),
             guarded,
-            paused: lock(&self.inner.paused).iter().copied().collect(),
+            paused: lock(&self.inner.paused).iter().map(|p| p.pid).collect(),
             pins,
             endgame: match &self.inner.cfg.endgame {
                 Endgame::Hold => "hold".into(),
@@ -789,7 +823,7 @@ impl Guard {
     /// on). Pins stay held while this value lives; callers check [`Guard::has_pins`] first.
     pub fn shutdown(&self) {
         for id in self.guarded() {
-            if let Err(err) = self.detach(id.pid) {
+            if let Err(err) = self.detach(id) {
                 tracing::error!(pid = id.pid, %err, "cannot detach");
             }
         }
@@ -839,4 +873,20 @@ fn memory_trigger(gpu: &Gpu, pid: Pid, watch: &MemoryWatch) -> Option<String> {
 
 fn read_u64(path: &Path) -> Option<u64> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// The node agent asks its in-process guard to let go of a process around a CRIU dump.
+impl cryo_lifecycle::Watcher for Guard {
+    fn detach(&self, pid: ProcId) -> Result<bool, cryo_lifecycle::WatcherError> {
+        match Guard::detach(self, pid) {
+            Ok(()) => Ok(true),
+            Err(GuardDetachError::NotTraced { .. }) => Ok(false),
+            Err(e) => Err(cryo_lifecycle::WatcherError::new(e)),
+        }
+    }
+
+    fn attach(&self, pid: ProcId) -> Result<(), cryo_lifecycle::WatcherError> {
+        self.attach_id(pid)
+            .map_err(cryo_lifecycle::WatcherError::new)
+    }
 }

@@ -50,5 +50,5 @@ pub type Pid = i32;
 
 pub use guard::{Endgame, Guard, GuardConfig, GuardStatus, MemoryWatch, StartReport};
 pub use pidfd::{PidFd, PidFdError};
-pub use policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Target};
+pub use policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee};
 pub use tracer::{AttachError, DetachError, SpawnError, Tracer, TracerGone, TracerStats};

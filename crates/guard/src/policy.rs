@@ -8,11 +8,11 @@ use crate::Pid;
 
 /// A traced process: its pid and the pidfd taken before it was attached.
 #[derive(Debug, Clone)]
-pub struct Target {
+pub struct Tracee {
     pub(crate) pidfd: Arc<PidFd>,
 }
 
-impl Target {
+impl Tracee {
     /// The process id (thread-group id).
     pub fn pid(&self) -> Pid {
         self.pidfd.pid()
@@ -87,19 +87,19 @@ pub trait Policy: Send + Sync + 'static {
     /// is held at its signal-delivery-stop until this returns. If the process is killed meanwhile
     /// (by the policy itself after suspending it, say), the held stop is gone, the return value is
     /// ignored and [`Policy::on_exit_stop`] follows.
-    fn on_fatal_signal(&self, target: &Target, signal: &FatalSignal) -> Decision;
+    fn on_fatal_signal(&self, target: &Tracee, signal: &FatalSignal) -> Decision;
 
     /// The process is dying (its thread-group leader reached its exit stop: SIGKILL, OOM kill,
     /// `exit_group`, a fatal signal let through). Which of its fds to duplicate before it goes
     /// (for example `GpuInspector::driver_fds`). The fd table is intact at this point.
-    fn fds_to_pin(&self, target: &Target) -> Vec<RawFd>;
+    fn fds_to_pin(&self, target: &Tracee) -> Vec<RawFd>;
 
     /// The duplicates of [`Policy::fds_to_pin`]'s fds have been taken; the leader is still held at
     /// its exit stop and exits once this returns. Keep `pinned` to keep the files open.
-    fn on_exit_stop(&self, target: &Target, tid: Pid, cause: ExitCause, pinned: PinnedFds);
+    fn on_exit_stop(&self, target: &Tracee, tid: Pid, cause: ExitCause, pinned: PinnedFds);
 
     /// The process has been reaped by the kernel (its leader's final wait status).
-    fn on_gone(&self, target: &Target, cause: ExitCause) {
+    fn on_gone(&self, target: &Tracee, cause: ExitCause) {
         let _ = (target, cause);
     }
 }

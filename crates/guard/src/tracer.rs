@@ -46,7 +46,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::pidfd::{PidFd, PidFdError};
-use crate::policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Target};
+use crate::policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee};
 use crate::procfs::{self, ProcError};
 use crate::signals;
 use crate::sys::{self, status};
@@ -155,7 +155,7 @@ fn bump(c: &AtomicU64) {
 enum Command {
     Attach {
         pidfd: PidFd,
-        reply: Sender<Result<Target, AttachError>>,
+        reply: Sender<Result<Tracee, AttachError>>,
     },
     Detach {
         pid: Pid,
@@ -263,12 +263,12 @@ impl Tracer {
 
     /// Attaches to every thread of `pid`. The pidfd is opened first, so if `pid` is reused
     /// meanwhile the attach fails instead of tracing a stranger.
-    pub fn attach(&self, pid: Pid) -> Result<Target, AttachError> {
+    pub fn attach(&self, pid: Pid) -> Result<Tracee, AttachError> {
         self.attach_pidfd(PidFd::open(pid)?)
     }
 
     /// Attaches to every thread of the pidfd's process.
-    pub fn attach_pidfd(&self, pidfd: PidFd) -> Result<Target, AttachError> {
+    pub fn attach_pidfd(&self, pidfd: PidFd) -> Result<Tracee, AttachError> {
         self.mailbox
             .call(|reply| Command::Attach { pidfd, reply })?
     }
@@ -332,7 +332,7 @@ impl Drop for Tracer {
 }
 
 struct Proc {
-    target: Target,
+    target: Tracee,
     threads: BTreeSet<Pid>,
     /// `Some` while detaching; the inner reply is absent for detaches nobody waits on.
     detach: Option<Option<Sender<Result<(), DetachError>>>>,
@@ -472,7 +472,7 @@ impl Engine {
         }
     }
 
-    fn attach(&mut self, pidfd: PidFd) -> Result<Target, AttachError> {
+    fn attach(&mut self, pidfd: PidFd) -> Result<Tracee, AttachError> {
         let pid = pidfd.pid();
         if self.shutting_down {
             return Err(TracerGone.into());
@@ -480,7 +480,7 @@ impl Engine {
         if self.procs.contains_key(&pid) {
             return Err(AttachError::AlreadyTraced { pid });
         }
-        let target = Target {
+        let target = Tracee {
             pidfd: Arc::new(pidfd),
         };
         let mut seized = BTreeSet::new();

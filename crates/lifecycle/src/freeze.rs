@@ -2,8 +2,10 @@
 //! publish it atomically.
 //!
 //! # Design
-//! 1. Resolve the tree to pidfd handles; refuse what CRIU cannot dump cleanly (a root that does
-//!    not lead its own session, a process traced by someone else, e.g. `cryo guard`).
+//! 1. Resolve the tree to pidfd handles; ask the [`Watcher`] (the guard) to let go of the
+//!    processes it traces (CRIU must trace them itself; whatever stays alive is handed back at the
+//!    end, whatever the outcome); refuse what CRIU cannot dump cleanly (a root that does not lead
+//!    its own session, a process traced by anyone else, e.g. a debugger).
 //! 2. Record from NVML, *before* the checkpoint, which GPUs each CUDA process uses and how much
 //!    device memory (the manifest's per-pid GPU UUIDs and sizes; after the checkpoint NVML lists
 //!    nothing).
@@ -24,8 +26,7 @@
 //!
 //! # Limitations
 //! The root must lead its own session (start workers with `setsid`); no `shell_job`. Processes
-//! traced by another process are refused rather than detached: cryo cannot yet ask `cryo guard`
-//! to let go of a process.
+//! traced by anything but the watcher are refused rather than detached.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -43,6 +44,7 @@ use crate::failpoint;
 use crate::progress::Progress;
 use crate::stop::{resolve, StopError, Target};
 use crate::suspend::{id, suspend, SuspendFailure, SuspendOptions, Suspended};
+use crate::watcher::{Watcher, WatcherError};
 
 /// Failpoint: the dump is complete in the staging directory, nothing is published yet.
 pub const FREEZE_BEFORE_PUBLISH: &str = "freeze-before-publish";
@@ -116,6 +118,14 @@ pub enum FreezeError {
         /// Its tracer.
         tracer: Pid,
     },
+    /// The watcher (the guard) could not let go of a process it traces.
+    #[error("cannot get pid {pid} released by the guard that traces it: {source}")]
+    Detach {
+        /// The traced process.
+        pid: Pid,
+        /// The watcher's error.
+        source: WatcherError,
+    },
     /// The driver could not tell which processes use CUDA.
     #[error("cannot ask the driver about pid {pid}: {error}")]
     Driver {
@@ -159,22 +169,80 @@ fn describe_refusals(r: &[FreezeRefusal]) -> String {
         .join("; ")
 }
 
-/// Freezes the tree rooted at `root` into `opts.image`. See the module docs.
+/// Freezes the tree rooted at `root` into `opts.image`; `watcher` (the guard, if any) lets go of
+/// the processes it traces for the dump and gets back the ones still alive after. See the module
+/// docs.
 pub fn freeze(
     gpu: &Gpu,
     criu: &Criu,
     root: Pid,
     opts: &FreezeOptions,
     journal: &Journal,
+    watcher: &dyn Watcher,
+    progress: &dyn Progress,
+) -> Result<FreezeReport, FreezeError> {
+    let handles = resolve(&Target::Tree(root))?;
+    let released = detach_traced(watcher, &handles)?;
+    let result = freeze_tree(gpu, criu, root, &handles, opts, journal, progress);
+    // A refused or failed freeze, or --leave-running: what is still alive goes back under watch.
+    reattach(watcher, &released);
+    result
+}
+
+/// Asks `watcher` to let go of every process of `handles` that is traced; the ones it let go of.
+fn detach_traced(
+    watcher: &dyn Watcher,
+    handles: &[ProcHandle],
+) -> Result<Vec<cryo_journal::ProcId>, FreezeError> {
+    let mut released = Vec::new();
+    for h in handles {
+        if tracer_of(h.pid()).unwrap_or(0) == 0 {
+            continue;
+        }
+        match watcher.detach(id(h)) {
+            Ok(true) => released.push(id(h)),
+            Ok(false) => {}
+            Err(source) => {
+                reattach(watcher, &released);
+                return Err(FreezeError::Detach {
+                    pid: h.pid(),
+                    source,
+                });
+            }
+        }
+    }
+    Ok(released)
+}
+
+/// Hands the processes of `released` that are still alive back to `watcher`.
+fn reattach(watcher: &dyn Watcher, released: &[cryo_journal::ProcId]) {
+    for p in released.iter().filter(|p| p.is_alive_same()) {
+        if let Err(error) = watcher.attach(*p) {
+            tracing::error!(
+                pid = p.pid,
+                %error,
+                "cannot hand the process back to the guard; run `cryo guard attach --pid {}`",
+                p.pid
+            );
+        }
+    }
+}
+
+fn freeze_tree(
+    gpu: &Gpu,
+    criu: &Criu,
+    root: Pid,
+    handles: &[ProcHandle],
+    opts: &FreezeOptions,
+    journal: &Journal,
     progress: &dyn Progress,
 ) -> Result<FreezeReport, FreezeError> {
     let start = Instant::now();
     let image = opts.image.display().to_string();
-    let handles = resolve(&Target::Tree(root))?;
-    check_dumpable(root, &handles)?;
+    check_dumpable(root, handles)?;
 
     let mut cuda: Vec<&ProcHandle> = Vec::new();
-    for h in &handles {
+    for h in handles {
         match gpu.driver.state(h.pid()) {
             Ok(_) => cuda.push(h),
             Err(e)
@@ -195,7 +263,7 @@ pub fn freeze(
     let listed = gpu.inspect.processes()?;
     let gpus = gpu.inspect.gpus()?;
     let mut entries = Vec::with_capacity(handles.len());
-    for h in &handles {
+    for h in handles {
         let mut e = ProcessEntry::from_proc(h.pid()).map_err(|source| ProcError::Os {
             what: "reading /proc/PID",
             pid: h.pid(),
@@ -242,7 +310,7 @@ pub fn freeze(
         opts,
         journal,
         progress,
-        &handles,
+        handles,
         &cuda,
         entries,
         gpu_model,

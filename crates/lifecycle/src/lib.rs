@@ -25,6 +25,7 @@ pub mod restore;
 pub mod stop;
 pub mod suspend;
 pub mod thaw;
+pub mod watcher;
 
 pub use freeze::{freeze, FreezeError, FreezeOptions, FreezeReport};
 pub use health::HealthCheck;
@@ -35,3 +36,4 @@ pub use stop::{
 };
 pub use suspend::{suspend, SuspendOptions, SuspendOutcome, Suspended};
 pub use thaw::{thaw, PrecheckError, ThawError, ThawOptions, ThawReport};
+pub use watcher::{NoWatcher, Watcher, WatcherError};

@@ -1,4 +1,4 @@
-//! The record of a restore done outside [`crate::thaw`]: `cryo gpu restore`, the
+//! The record of a restore done outside [`crate::thaw()`]: `cryo gpu restore`, the
 //! `cuda-checkpoint` front end (`--action restore`, or a toggle out of CHECKPOINTED), the demo and
 //! the benchmarks.
 //!

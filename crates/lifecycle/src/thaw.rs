@@ -3,8 +3,10 @@
 //!
 //! # Design
 //! Nothing runs before the image is verified (manifest digest, every file's size and SHA-256) and
-//! the prechecks pass ([`precheck`], pure): every target GPU (after `--gpu-map`) exists, is the
-//! image's GPU model, is not quarantined, and has the free device memory the image needs (a restore
+//! the prechecks pass ([`precheck`], pure): the node's fence (read here, every time: a quarantine
+//! file that cannot be read or trusted refuses the thaw) has no entry for an unknown GPU, and every
+//! target GPU (after `--gpu-map`) exists, is the image's GPU model, is not quarantined, and has
+//! the free device memory the image needs (a restore
 //! that fails on memory leaves the process stuck in CHECKPOINTED for good, NVIDIA/cuda-checkpoint#44);
 //! the driver is compatible (same major version); every pid, pgid and sid of the image is free.
 //!
@@ -28,6 +30,7 @@ use cryo_gpu::Gpu;
 use cryo_gpu::{GpuInfo, GpuPair, GpuUuid, Pid};
 use cryo_journal::{Event, Journal};
 use cryo_proc::ProcHandle;
+use cryo_state::fence::{Fence, FenceError, FencedGpu, Quarantine};
 
 use crate::health::{HealthCheck, HealthError};
 use crate::progress::Progress;
@@ -39,8 +42,6 @@ use crate::suspend::{human_bytes, id};
 pub struct ThawOptions {
     /// GPU pairs (OLD from the image, NEW on this host), resolved to UUIDs.
     pub gpu_map: Vec<GpuPair>,
-    /// GPUs that must not receive a worker (the guard's quarantine).
-    pub quarantined: Vec<GpuUuid>,
     /// How to tell the worker serves; `None`: success once unlocked.
     pub health: Option<HealthCheck>,
     /// How long the health check may take.
@@ -122,6 +123,12 @@ pub enum PrecheckError {
     /// A target GPU is quarantined.
     #[error("GPU {0} is quarantined (see `cryo guard`); pick another with --gpu-map")]
     Quarantined(GpuUuid),
+    /// The guard pinned a context whose GPU it could not tell: every GPU of the node is fenced.
+    #[error("every GPU of this node is quarantined: {reason} (see `cryo status`; `cryo guard release --gpu unknown` lifts it)")]
+    NodeFenced {
+        /// The quarantine entry's reason.
+        reason: String,
+    },
     /// Not enough free device memory on a target GPU.
     #[error("GPU {gpu} has {} free, the image needs {}: a restore short of memory leaves the worker stuck CHECKPOINTED", human_bytes(*.free), human_bytes(*.needed))]
     Memory {
@@ -153,6 +160,9 @@ pub enum ThawError {
     /// This host cannot take the image; nothing was run.
     #[error("thaw refused: {0}")]
     Precheck(#[from] PrecheckError),
+    /// The node's quarantine could not be read or is not trusted; nothing was run.
+    #[error("cannot read the GPU quarantine, so every GPU counts as fenced: {0}")]
+    Fence(#[from] FenceError),
     /// The GPUs could not be inspected; nothing was run.
     #[error("cannot inspect the GPUs: {0}")]
     Inspect(#[from] cryo_gpu::InspectError),
@@ -189,15 +199,20 @@ pub struct GpuPlan {
 }
 
 /// Decides whether this host can take `manifest`, and how each CUDA process lands. Pure:
-/// `gpus`, `driver_version`, `quarantined` and `in_use` describe this host.
+/// `gpus`, `driver_version`, `fenced` (the quarantine's entries) and `in_use` describe this host.
 pub fn precheck(
     manifest: &Manifest,
     gpus: &[GpuInfo],
     driver_version: Option<&str>,
     map: &[GpuPair],
-    quarantined: &[GpuUuid],
+    fenced: &[Quarantine],
     in_use: &[Pid],
 ) -> Result<Vec<GpuPlan>, PrecheckError> {
+    if let Some(q) = fenced.iter().find(|q| q.gpu == FencedGpu::Unknown) {
+        return Err(PrecheckError::NodeFenced {
+            reason: q.reason.clone(),
+        });
+    }
     if !in_use.is_empty() {
         return Err(PrecheckError::PidsInUse(in_use.to_vec()));
     }
@@ -241,7 +256,7 @@ pub fn precheck(
                 });
             }
         }
-        if quarantined.contains(&new) {
+        if fenced.iter().any(|q| q.gpu.covers(&new)) {
             return Err(PrecheckError::Quarantined(new));
         }
     }
@@ -296,18 +311,20 @@ fn major(v: &str) -> &str {
     v.split('.').next().unwrap_or(v)
 }
 
-/// Thaws the image at `dir`. See the module docs.
+/// Thaws the image at `dir`, unless `fence` fences its GPUs. See the module docs.
 pub fn thaw(
     gpu: &Gpu,
     criu: &Criu,
     dir: &Path,
     opts: &ThawOptions,
     journal: &Journal,
+    fence: &Fence,
     progress: &dyn Progress,
 ) -> Result<ThawReport, ThawError> {
     let t = Instant::now();
     let manifest = image::verify(dir)?;
     let verify_ms = ms(t.elapsed());
+    let fenced = fence.list()?;
     let gpus = gpu.inspect.gpus()?;
     let driver = if manifest.cuda_processes().next().is_some() {
         Some(gpu.inspect.driver_version()?)
@@ -319,7 +336,7 @@ pub fn thaw(
         &gpus,
         driver.as_deref(),
         &opts.gpu_map,
-        &opts.quarantined,
+        &fenced,
         &pids_in_use(&manifest.pids()),
     )?;
 
@@ -599,6 +616,15 @@ mod tests {
         s.parse().unwrap()
     }
 
+    fn fenced(gpu: FencedGpu) -> Quarantine {
+        Quarantine {
+            gpu,
+            reason: "r".into(),
+            pids: vec![7],
+            since_unix: 0,
+        }
+    }
+
     fn gpus(free: u64) -> Vec<GpuInfo> {
         [A, B]
             .iter()
@@ -682,8 +708,51 @@ mod tests {
             Err(PrecheckError::Driver { .. })
         ));
         assert_eq!(
-            precheck(&m, &gpus(1000), Some("580.2"), &[], &[u(A)], &[]),
+            precheck(
+                &m,
+                &gpus(1000),
+                Some("580.2"),
+                &[],
+                &[fenced(FencedGpu::Gpu(u(A)))],
+                &[]
+            ),
             Err(PrecheckError::Quarantined(u(A)))
+        );
+        // Another GPU's quarantine does not refuse it; one whose GPU is unknown refuses every thaw.
+        assert!(precheck(
+            &m,
+            &gpus(1000),
+            Some("580.2"),
+            &[],
+            &[fenced(FencedGpu::Gpu(u(B)))],
+            &[]
+        )
+        .is_ok());
+        assert_eq!(
+            precheck(
+                &m,
+                &gpus(1000),
+                Some("580.2"),
+                &[],
+                &[fenced(FencedGpu::Unknown)],
+                &[]
+            ),
+            Err(PrecheckError::NodeFenced { reason: "r".into() })
+        );
+        let no_gpu = Manifest {
+            processes: Vec::new(),
+            ..manifest(0)
+        };
+        assert_eq!(
+            precheck(
+                &no_gpu,
+                &gpus(1000),
+                None,
+                &[],
+                &[fenced(FencedGpu::Unknown)],
+                &[]
+            ),
+            Err(PrecheckError::NodeFenced { reason: "r".into() })
         );
         let mut other = gpus(1000);
         other[0].name = "N".into();

@@ -85,6 +85,12 @@ impl StateDir {
         self.root.join("quarantine.json")
     }
 
+    /// Where a quarantine file that could not be trusted is moved by the writer that found it
+    /// (`quarantine.json.bad-NANOS`, nanoseconds since the Unix epoch when it was found).
+    pub fn quarantine_set_aside(&self, unix_nanos: u128) -> PathBuf {
+        self.root.join(format!("quarantine.json.bad-{unix_nanos}"))
+    }
+
     /// The lock file writers of the quarantine take.
     pub fn quarantine_lock(&self) -> PathBuf {
         self.root.join("quarantine.lock")
@@ -128,6 +134,7 @@ mod tests {
             s.journal_dir(),
             s.quarantine_file(),
             s.quarantine_lock(),
+            s.quarantine_set_aside(1),
             s.guard_socket(),
             s.agent_socket(),
             s.pin_holder_socket(),

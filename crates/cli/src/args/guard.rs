@@ -68,9 +68,10 @@ pub enum GuardCommand {
     /// the held contexts down, which is what wedges the machine: do it only in a controlled
     /// window (after draining the node, or before a reboot).
     Release {
-        /// The GPU (UUID).
+        /// The GPU (UUID), or `unknown` for the quarantine of contexts whose GPU the guard could
+        /// not tell (it fences every GPU).
         #[arg(long)]
-        gpu: String,
+        gpu: cryo_state::fence::FencedGpu,
         /// Required: says you read the above.
         #[arg(long)]
         i_understand_this_may_wedge_the_host: bool,

@@ -1,11 +1,12 @@
-//! `cryo freeze`: the handler. The procedure is `cryo_lifecycle::freeze`; this file finds CRIU,
-//! asks `cryo guard` to let go of the tree (CRIU must trace it itself) and takes it back after,
-//! shows progress and reports (text or JSON, exit codes: 0 published, 3 refused, 1 error).
+//! `cryo freeze`: the handler. The procedure is `cryo_lifecycle::freeze` (which asks the running
+//! guard, through its socket, to let go of the tree around the dump); this file finds CRIU, shows
+//! progress and reports (text or JSON, exit codes: 0 published, 3 refused, 1 error).
 
 use std::time::Duration;
 
 use anyhow::Context as _;
 use cryo_criu::Criu;
+use cryo_guard::control::GuardClient;
 use cryo_lifecycle::{FreezeError, FreezeOptions, SuspendOptions};
 
 use super::Context;
@@ -32,19 +33,19 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
             ..SuspendOptions::default()
         },
     };
-    let detached = detach_guard(&ctx.state, args.pid)?;
     let progress = crate::progress::for_stderr();
-    let result = cryo_lifecycle::freeze(&gpu, &criu, args.pid, &opts, &journal, progress.as_ref());
+    // CRIU must trace the tree itself: the running guard (if any) lets go of it for the dump.
+    let guard = GuardClient::new(&ctx.state);
+    let result = cryo_lifecycle::freeze(
+        &gpu,
+        &criu,
+        args.pid,
+        &opts,
+        &journal,
+        &guard,
+        progress.as_ref(),
+    );
     drop(progress);
-    // Whatever is still alive (a refused or failed freeze, --leave-running) goes back under the guard.
-    for pid in detached
-        .iter()
-        .filter(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
-    {
-        if let Err(e) = cryo_guard::control::attach(&ctx.state, *pid) {
-            eprintln!("cryo: warning: cannot hand pid {pid} back to the guard: {e}; run `cryo guard attach {pid}`");
-        }
-    }
     let report = match result {
         Ok(r) => r,
         Err(e @ FreezeError::Refused(_)) => {
@@ -94,34 +95,4 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
         );
     }
     Ok(exit::SUCCESS)
-}
-
-/// CRIU must trace the tree itself: asks the running guard (`cryo guard`) to let go of every
-/// process of the tree it traces. Returns the pids it let go of. A process traced by anything else
-/// is refused later by the freeze, naming its tracer.
-fn detach_guard(
-    state: &cryo_state::StateDir,
-    root: cryo_gpu::Pid,
-) -> anyhow::Result<Vec<cryo_gpu::Pid>> {
-    let mut detached = Vec::new();
-    for pid in
-        cryo_proc::tree(root).with_context(|| format!("listing the process tree of pid {root}"))?
-    {
-        if cryo_lifecycle::freeze::tracer_of(pid).unwrap_or(0) == 0 {
-            continue;
-        }
-        if cryo_guard::control::detach(state, pid)
-            .with_context(|| format!("asking the guard to detach from pid {pid}"))?
-        {
-            detached.push(pid);
-            // The detach is carried out by the guard's tracer thread: give it a moment.
-            let deadline = std::time::Instant::now() + Duration::from_secs(2);
-            while cryo_lifecycle::freeze::tracer_of(pid).unwrap_or(0) != 0
-                && std::time::Instant::now() < deadline
-            {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-        }
-    }
-    Ok(detached)
 }

@@ -59,10 +59,7 @@ fn ls(ctx: &Context, o: &OutputArgs) -> anyhow::Result<()> {
         "INDEX", "UUID", "NAME", "TOTAL", "FREE"
     );
     for g in &gpus {
-        let mark = if fenced
-            .iter()
-            .any(|q| q.gpu.eq_ignore_ascii_case(g.uuid.as_str()))
-        {
+        let mark = if fenced.iter().any(|q| q.gpu.covers(&g.uuid)) {
             "  QUARANTINED"
         } else {
             ""

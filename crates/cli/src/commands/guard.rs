@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
+use cryo_guard::control::{Detach, GuardClient};
 use cryo_guard::{Endgame, Guard, GuardConfig, MemoryWatch};
 
 use super::Context;
@@ -38,7 +39,12 @@ pub fn run(ctx: &Context, args: &GuardArgs) -> anyhow::Result<u8> {
                 )));
             }
             eprintln!("cryo: WARNING: closing the pins on {gpu}: on affected hosts the machine may wedge within ~35 s");
-            let pids = cryo_guard::control::release(state, gpu).context("releasing pins")?;
+            let pids: Vec<_> = GuardClient::new(state)
+                .release(gpu)
+                .context("releasing pins")?
+                .into_iter()
+                .map(|p| p.pid)
+                .collect();
             println!(
                 "released pins of {} process(es) on {gpu}: {pids:?}; quarantine lifted",
                 pids.len()
@@ -46,15 +52,22 @@ pub fn run(ctx: &Context, args: &GuardArgs) -> anyhow::Result<u8> {
             Ok(crate::exit::SUCCESS)
         }
         Some(GuardCommand::Detach { pid }) => {
-            if cryo_guard::control::detach(state, *pid).context("asking the guard to detach")? {
-                println!("guard detached from {pid}");
-            } else {
-                println!("no guard is running");
+            let id = GuardClient::identify(*pid)?;
+            match GuardClient::new(state)
+                .detach(id)
+                .context("asking the guard to detach")?
+            {
+                Detach::Detached | Detach::NotTraced => println!("guard detached from {pid}"),
+                Detach::NoGuard => println!("no guard is running"),
             }
             Ok(crate::exit::SUCCESS)
         }
         Some(GuardCommand::Attach { pid }) => {
-            if !cryo_guard::control::attach(state, *pid).context("asking the guard to attach")? {
+            let id = GuardClient::identify(*pid)?;
+            if !GuardClient::new(state)
+                .attach(id)
+                .context("asking the guard to attach")?
+            {
                 bail!("no guard is running (start `cryo guard --pid {pid}`)");
             }
             println!("guard attached to {pid}");

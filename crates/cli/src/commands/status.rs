@@ -12,7 +12,7 @@ pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
     let quarantined = fence
         .list()
         .with_context(|| format!("reading the GPU quarantine {}", fence.path().display()))?;
-    let guard = match cryo_guard::control::status(state) {
+    let guard = match cryo_guard::control::GuardClient::new(state).status() {
         Ok(s) => Ok(s),
         Err(e) => Err(e.to_string()),
     };
@@ -62,18 +62,19 @@ pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
                 println!(
                     "  PINNED context of dead pid {} on {} ({} fds): {}",
                     p.pid,
-                    p.gpus.join(","),
+                    p.gpus
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join(","),
                     p.fds.len(),
                     p.cause
                 );
             }
-            let pinned_gpus: Vec<&str> = s
-                .pins
-                .iter()
-                .flat_map(|p| p.gpus.iter().map(String::as_str))
-                .collect();
-            for q in &quarantined {
-                if !pinned_gpus.contains(&q.gpu.as_str()) {
+            // An entry with pids names contexts some guard pinned (an entry without, a quarantine
+            // file that could not be trusted).
+            for q in quarantined.iter().filter(|q| !q.pids.is_empty()) {
+                if !s.pins.iter().any(|p| p.gpus.contains(&q.gpu)) {
                     println!("  WARNING: {} is quarantined but this guard holds no pins for it (a previous guard died?)", q.gpu);
                 }
             }

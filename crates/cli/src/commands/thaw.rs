@@ -1,12 +1,11 @@
-//! `cryo thaw`: the handler. The procedure is `cryo_lifecycle::thaw`; this file resolves
-//! `--gpu-map` and the quarantine, shows progress and reports (exit codes: 0 serving, 3 refused
+//! `cryo thaw`: the handler. The procedure is `cryo_lifecycle::thaw` (which reads the quarantine
+//! itself); this file resolves `--gpu-map`, shows progress and reports (exit codes: 0 serving, 3 refused
 //! before anything ran, 1 error).
 
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use cryo_criu::Criu;
-use cryo_gpu::GpuUuid;
 use cryo_lifecycle::{HealthCheck, StopOptions, ThawError, ThawOptions};
 
 use super::Context;
@@ -43,24 +42,24 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
                 .map_err(|e| UsageError(format!("--gpu-map: {e}")))?
         }
     };
-    let fence = ctx.state.fence();
-    let quarantined: Vec<GpuUuid> = fence
-        .list()
-        .with_context(|| format!("reading the GPU quarantine {}", fence.path().display()))?
-        .into_iter()
-        .filter_map(|q| q.gpu.parse().ok())
-        .collect();
     let journal = ctx.state.open_journal().context("opening the journal")?;
     let opts = ThawOptions {
         gpu_map,
-        quarantined,
         health,
         health_timeout: Duration::from_secs(args.health_timeout),
         stop: StopOptions::default(),
         requested,
     };
     let progress = crate::progress::for_stderr();
-    let result = cryo_lifecycle::thaw(&gpu, &criu, &args.image, &opts, &journal, progress.as_ref());
+    let result = cryo_lifecycle::thaw(
+        &gpu,
+        &criu,
+        &args.image,
+        &opts,
+        &journal,
+        &ctx.state.fence(),
+        progress.as_ref(),
+    );
     drop(progress);
     let report = match result {
         Ok(r) => r,

@@ -11,7 +11,7 @@ use std::os::fd::RawFd;
 use std::process::{Command, ExitCode};
 use std::sync::Arc;
 
-use cryo_guard::{sys, Decision, ExitCause, FatalSignal, Pid, PinnedFds, Policy, Target, Tracer};
+use cryo_guard::{sys, Decision, ExitCause, FatalSignal, Pid, PinnedFds, Policy, Tracee, Tracer};
 
 fn say(line: &str) {
     let mut out = std::io::stdout().lock();
@@ -124,17 +124,17 @@ struct TestGuardPolicy {
 }
 
 impl Policy for TestGuardPolicy {
-    fn on_fatal_signal(&self, _: &Target, signal: &FatalSignal) -> Decision {
+    fn on_fatal_signal(&self, _: &Tracee, signal: &FatalSignal) -> Decision {
         if self.hold {
             say(&format!("held {} {}", signal.tid, signal.signal));
             park_forever();
         }
         Decision::Deliver
     }
-    fn fds_to_pin(&self, _: &Target) -> Vec<RawFd> {
+    fn fds_to_pin(&self, _: &Tracee) -> Vec<RawFd> {
         Vec::new()
     }
-    fn on_exit_stop(&self, _: &Target, _: Pid, _: ExitCause, _: PinnedFds) {}
+    fn on_exit_stop(&self, _: &Tracee, _: Pid, _: ExitCause, _: PinnedFds) {}
 }
 
 fn guard(pid: &str, hold: bool) -> ExitCode {

@@ -9,7 +9,7 @@ use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use cryo_guard::{
-    procfs, Decision, ExitCause, FatalSignal, Pid, PidFd, PinnedFds, Policy, Target, TracerStats,
+    procfs, Decision, ExitCause, FatalSignal, Pid, PidFd, PinnedFds, Policy, Tracee, TracerStats,
 };
 
 /// Upper bound on any single wait in these tests: a hang guard, not a timing assertion.
@@ -136,7 +136,7 @@ pub enum Ev {
     Gone(ExitCause),
 }
 
-type Hook = Box<dyn Fn(&Target, &FatalSignal) + Send + Sync>;
+type Hook = Box<dyn Fn(&Tracee, &FatalSignal) + Send + Sync>;
 
 /// Records every callback; decides with `decision`; pins `pin`; keeps the pins.
 pub struct Recorder {
@@ -209,7 +209,7 @@ impl Recorder {
 }
 
 impl Policy for Recorder {
-    fn on_fatal_signal(&self, target: &Target, signal: &FatalSignal) -> Decision {
+    fn on_fatal_signal(&self, target: &Tracee, signal: &FatalSignal) -> Decision {
         if let Some(hook) = self.hook.lock().unwrap().as_ref() {
             hook(target, signal);
         }
@@ -217,11 +217,11 @@ impl Policy for Recorder {
         *self.decision.lock().unwrap()
     }
 
-    fn fds_to_pin(&self, _: &Target) -> Vec<RawFd> {
+    fn fds_to_pin(&self, _: &Tracee) -> Vec<RawFd> {
         self.pin.lock().unwrap().clone()
     }
 
-    fn on_exit_stop(&self, target: &Target, tid: Pid, cause: ExitCause, pinned: PinnedFds) {
+    fn on_exit_stop(&self, target: &Tracee, tid: Pid, cause: ExitCause, pinned: PinnedFds) {
         // The leader is held right here: it must still show its fd table.
         assert!(procfs::fd_numbers(target.pid()).is_ok());
         let fds = pinned.fds.iter().map(|(n, _)| *n).collect();
@@ -235,7 +235,7 @@ impl Policy for Recorder {
         });
     }
 
-    fn on_gone(&self, _: &Target, cause: ExitCause) {
+    fn on_gone(&self, _: &Tracee, cause: ExitCause) {
         self.push(Ev::Gone(cause));
     }
 }
