@@ -104,6 +104,18 @@ pub enum Command {
     Guard(GuardArgs),
     /// Quarantined GPUs and what the running guard watches and pins.
     Status(StatusArgs),
+    /// Prometheus metrics derived from the journal: printed once, or served at /metrics.
+    Metrics(MetricsArgs),
+}
+
+/// `cryo metrics`.
+#[derive(Debug, Args)]
+pub struct MetricsArgs {
+    /// Serve `GET /metrics` on this address (`HOST:PORT`; port 0 picks one) and follow the
+    /// journal, until killed, instead of printing once. The agent serves the same with its live
+    /// gauges; this is for hosts and tests without it.
+    #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = cryo_telemetry::DEFAULT_LISTEN)]
+    pub listen: Option<String>,
 }
 
 /// `cryo cuda-checkpoint ARGS...`: parsed by the compat front end, not by clap.

@@ -5,6 +5,7 @@ pub mod freeze;
 pub mod gpu;
 pub mod guard;
 pub mod install_compat;
+pub mod metrics;
 pub mod sim;
 pub mod status;
 pub mod stop;
@@ -61,6 +62,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Thaw(a) => thaw::run(&ctx, &a),
         Command::Guard(a) => guard::run(&ctx, &a),
         Command::Status(a) => status::run(&ctx, &a).map(|()| crate::exit::SUCCESS),
+        Command::Metrics(a) => metrics::run(&ctx, &a).map(|()| crate::exit::SUCCESS),
     }
 }
 

@@ -4,13 +4,17 @@
 //! binds a port the kernel picks (`port="0"` with `listenPortFileName`), so concurrent test runs
 //! never collide; the system's rsyslog and its configuration are not touched. Every message is
 //! written as one JSON object per line (`jsonmesg`).
+//!
+//! With `tools.rs`, self-contained (std, tempfile, serde_json, rustix): the CLI's tests include
+//! both.
+#![allow(dead_code)]
 
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::which;
+use super::tools::which;
 
 /// A running (or stopped) private rsyslog.
 pub struct Rsyslog {

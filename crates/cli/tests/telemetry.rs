@@ -1,0 +1,419 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! Telemetry after real work of the `cryo` binary on the simulated GPU (and real CRIU, as root):
+//! the metrics after a stop, a freeze/thaw and a guard pin pass `promtool check metrics` and
+//! equal what `cryo timeline --json` says; a private rsyslog receives every event of a stop in
+//! order, each with the content `cryo timeline --json` prints.
+
+mod common;
+
+// The external tools' harness lives with the telemetry crate's tests.
+#[path = "../../telemetry/tests/support/rsyslog.rs"]
+mod rsyslog;
+#[path = "../../telemetry/tests/support/tools.rs"]
+mod tools;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{cryo, start_driver, stderr, stdout, wait_ready, Sim, CRYO};
+use cryo_state::StateDir;
+use rsyslog::Rsyslog;
+use tools::{promtool_check, sample};
+
+const LONG: Duration = Duration::from_secs(60);
+
+fn cryo_at(sim: &Path, state: &Path) -> Command {
+    let mut c = cryo();
+    c.args(["--gpu", "sim", "--sim-dir"])
+        .arg(sim)
+        .arg("--state-dir")
+        .arg(state);
+    c
+}
+
+fn ok(mut c: Command) -> String {
+    let out = c.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{c:?} failed ({}): {}{}",
+        out.status,
+        stdout(&out),
+        stderr(&out)
+    );
+    stdout(&out)
+}
+
+fn eventually(what: &str, f: impl Fn() -> bool) {
+    let deadline = Instant::now() + LONG;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `cryo timeline --json`, one parsed record per line, and the raw lines.
+fn timeline(sim: &Path, state: &Path) -> (Vec<serde_json::Value>, Vec<String>) {
+    let text = ok({
+        let mut c = cryo_at(sim, state);
+        c.args(["timeline", "--json"]);
+        c
+    });
+    let lines: Vec<String> = text.lines().map(str::to_owned).collect();
+    let values = lines
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    (values, lines)
+}
+
+/// Lock, checkpoint, restore, unlock through `cryo gpu` (journals the restore).
+fn make_restored(sim: &Path, state: &Path, pid: i32) {
+    for action in ["lock", "checkpoint", "restore", "unlock"] {
+        ok({
+            let mut c = cryo_at(sim, state);
+            c.args(["gpu", action, "--pid", &pid.to_string()]);
+            c
+        });
+    }
+}
+
+/// A `cryo guard` (no memory watch); SIGKILLed on drop.
+struct GuardProc(Child);
+
+impl GuardProc {
+    fn start(sim: &Path, state: &Path) -> GuardProc {
+        fs::create_dir_all(state).unwrap();
+        let log = fs::File::create(state.join("guard.log")).unwrap();
+        let child = cryo_at(sim, state)
+            .args(["guard", "--no-memory-watch"])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let st = StateDir::new(state);
+        eventually("the guard's socket", || {
+            cryo_guard::control::status(&st).ok().flatten().is_some()
+        });
+        GuardProc(child)
+    }
+}
+
+impl Drop for GuardProc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn types(records: &[serde_json::Value]) -> Vec<String> {
+    records
+        .iter()
+        .map(|r| r["event"]["type"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Freezes and thaws a worker (real CRIU), stops the thawed worker, pins a guarded worker
+/// killed with SIGKILL: then `cryo metrics`, printed and served, passes promtool and every value
+/// equals what the journal says.
+#[test]
+fn metrics_after_a_stop_a_freeze_thaw_and_a_pin_match_the_journal() {
+    let c = cryo_criu::Criu::locate(None);
+    assert!(
+        c.is_ok(),
+        "CRIU is required (scripts/install-criu.sh): {:?}",
+        c.err()
+    );
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "this test needs root (CRIU, ptrace)"
+    );
+    nix::sys::prctl::set_child_subreaper(true).unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("cryo-telemetry-")
+        .tempdir()
+        .unwrap();
+    let sim = dir.path();
+    let state = sim.join("state");
+    let _driver = KillOnDrop(start_driver(sim, "2", "1GiB"));
+
+    // Freeze and thaw: a worker from a private copy of the binary, in its own session, serving
+    // on a unix socket (see freeze_thaw.rs for why).
+    let bin = sim.join("cryo-worker");
+    fs::copy(CRYO, &bin).unwrap();
+    let ready = sim.join("fw.ready");
+    let mut worker = Command::new("setsid")
+        .arg(&bin)
+        .args(["sim", "worker", "--memory", "32MiB", "--dir"])
+        .arg(sim)
+        .arg("--ready-file")
+        .arg(&ready)
+        .arg("--http-unix")
+        .arg(sim.join("fw.sock"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = wait_ready(&ready, LONG)["pid"].as_i64().unwrap() as i32;
+    let image = sim.join("image");
+    ok({
+        let mut c = cryo_at(sim, &state);
+        c.args(["freeze", "--image"])
+            .arg(&image)
+            .arg(pid.to_string());
+        c
+    });
+    // CRIU ended the frozen tree; reap it so that its pid is free for the thaw.
+    worker.wait().unwrap();
+    ok({
+        let mut c = cryo_at(sim, &state);
+        c.arg("thaw").arg(&image);
+        c
+    });
+    // Stop the thawed (restored) worker: suspended, verified, killed.
+    ok({
+        let mut c = cryo_at(sim, &state);
+        c.args(["stop", &pid.to_string()]);
+        c
+    });
+    let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None);
+
+    // A guard pin: a restored worker killed with SIGKILL is pinned at its exit stop.
+    let guard = GuardProc::start(sim, &state);
+    let mut sim_workers = SimWorker::start(sim, "guarded");
+    make_restored(sim, &state, sim_workers.pid);
+    eventually("the guard to attach", || {
+        types(&timeline(sim, &state).0).contains(&"guard_attached".to_owned())
+    });
+    sim_workers.child.kill().unwrap();
+    let _ = sim_workers.child.wait();
+    eventually("the pin in the journal", || {
+        types(&timeline(sim, &state).0).contains(&"gpu_quarantined".to_owned())
+    });
+
+    let (records, _) = timeline(sim, &state);
+    let text = ok({
+        let mut c = cryo_at(sim, &state);
+        c.arg("metrics");
+        c
+    });
+    promtool_check(&text);
+    check_against_journal(&text, &records);
+
+    // Served: the same values over HTTP, and a later record shows up.
+    let mut server = cryo_at(sim, &state)
+        .args(["metrics", "--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut url = String::new();
+    BufReader::new(server.stdout.take().unwrap())
+        .read_line(&mut url)
+        .unwrap();
+    let server = KillOnDrop(server);
+    let addr = url
+        .trim()
+        .strip_prefix("http://")
+        .and_then(|u| u.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("unexpected first line {url:?}"))
+        .to_owned();
+    let body = get_metrics(&addr);
+    promtool_check(&body);
+    check_against_journal(&body, &records);
+    // The server follows the journal: a stop done now is in a later scrape.
+    let before = sample(&body, "cryo_stops_total{outcome=\"completed\"}").unwrap();
+    let mut fresh = SimWorker::start(sim, "fresh");
+    ok({
+        let mut c = cryo_at(sim, &state);
+        c.args(["stop", "--fresh", &fresh.pid.to_string()]);
+        c
+    });
+    let _ = fresh.child.wait();
+    eventually("the new stop in /metrics", || {
+        sample(
+            &get_metrics(&addr),
+            "cryo_stops_total{outcome=\"completed\"}",
+        ) == Some(before + 1.0)
+    });
+    drop(guard);
+    drop(server);
+}
+
+/// Every metric the journal determines, checked against the records.
+fn check_against_journal(text: &str, records: &[serde_json::Value]) {
+    let v = |s: &str| sample(text, s).unwrap_or_else(|| panic!("{s} missing:\n{text}"));
+    let of = |t: &str| -> Vec<&serde_json::Value> {
+        records
+            .iter()
+            .filter(|r| r["event"]["type"] == t)
+            .map(|r| &r["event"])
+            .collect()
+    };
+    let mut by_type: BTreeMap<String, f64> = BTreeMap::new();
+    for t in types(records) {
+        *by_type.entry(t).or_default() += 1.0;
+    }
+    for (t, n) in &by_type {
+        assert_eq!(
+            v(&format!("cryo_journal_appends_total{{type=\"{t}\"}}")),
+            *n,
+            "{t}"
+        );
+    }
+    assert_eq!(v("cryo_journal_last_seq"), records.len() as f64);
+
+    // Histograms: count and sum of each duration the journal holds.
+    for (metric, ty) in [
+        ("lock", "locked"),
+        ("checkpoint", "checkpointed"),
+        ("verify", "verified"),
+        ("restore", "restore_completed"),
+        ("unlock", "unlocked"),
+        ("dump", "dumped"),
+        ("criu_restore", "criu_restored"),
+        ("stop", "stop_completed"),
+        ("thaw", "thaw_completed"),
+    ] {
+        let ms: Vec<f64> = of(ty)
+            .iter()
+            .filter_map(|e| e["ms"].as_u64())
+            .map(|m| m as f64 / 1000.0)
+            .collect();
+        assert!(
+            !ms.is_empty(),
+            "the scenario journaled no {ty} with a duration"
+        );
+        let name = format!("cryo_{metric}_duration_seconds");
+        assert_eq!(v(&format!("{name}_count")), ms.len() as f64, "{name}");
+        let sum: f64 = ms.iter().sum();
+        assert!(
+            (v(&format!("{name}_sum")) - sum).abs() < 1e-6,
+            "{name}: sum {sum}"
+        );
+    }
+    let stops = of("stop_completed");
+    let refused = stops
+        .iter()
+        .filter(|e| e["refused"].as_array().is_some_and(|a| !a.is_empty()))
+        .count();
+    assert_eq!(
+        v("cryo_stops_total{outcome=\"completed\"}"),
+        (stops.len() - refused) as f64
+    );
+    assert_eq!(v("cryo_refusals_total"), of("refused").len() as f64);
+    assert_eq!(v("cryo_freezes_total{outcome=\"published\"}"), 1.0);
+    assert_eq!(v("cryo_thaws_total{outcome=\"completed\"}"), 1.0);
+    assert_eq!(v("cryo_pins_total"), of("pinned").len() as f64);
+    assert!(v("cryo_pins_total") >= 1.0);
+    assert_eq!(
+        v("cryo_gpu_quarantines_total"),
+        of("gpu_quarantined").len() as f64
+    );
+    assert_eq!(
+        v("cryo_signals_held_total"),
+        of("fatal_signal").len() as f64
+    );
+    let bytes: u64 = of("checkpointed")
+        .iter()
+        .map(|e| e["bytes"].as_u64().unwrap())
+        .sum();
+    assert_eq!(v("cryo_checkpointed_bytes_total"), bytes as f64);
+}
+
+fn get_metrics(addr: &str) -> String {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let (head, body) = out.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    body.to_owned()
+}
+
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A sim worker child of the test (TCP), for the guard.
+struct SimWorker {
+    pid: i32,
+    child: Child,
+}
+
+impl SimWorker {
+    fn start(sim: &Path, name: &str) -> SimWorker {
+        let ready: PathBuf = sim.join(format!("{name}.ready"));
+        let child = cryo()
+            .args(["sim", "worker", "--memory", "16MiB", "--dir"])
+            .arg(sim)
+            .arg("--ready-file")
+            .arg(&ready)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        wait_ready(&ready, LONG);
+        SimWorker {
+            pid: child.id() as i32,
+            child,
+        }
+    }
+}
+
+/// A stop forwarded to a real rsyslog: every record, in journal order, each message's MSG the
+/// line `cryo timeline --json` prints for it.
+#[test]
+fn rsyslog_receives_every_event_of_a_stop_as_the_timeline_shows_it() {
+    let mut sim = Sim::start();
+    let state = sim.path().join("state");
+    let rs = Rsyslog::start();
+    let fwd = cryo_telemetry::Forwarder::start(cryo_telemetry::ForwardConfig::new(
+        &StateDir::new(&state),
+        rs.addr(),
+    ))
+    .unwrap();
+    let (pid, _) = sim.worker("16MiB");
+    make_restored(sim.path(), &state, pid);
+    ok({
+        let mut c = cryo_at(sim.path(), &state);
+        c.args(["stop", &pid.to_string()]);
+        c
+    });
+    let (records, lines) = timeline(sim.path(), &state);
+    let t = types(&records);
+    for step in [
+        "stop_requested",
+        "locked",
+        "checkpointed",
+        "verified",
+        "killed",
+        "stop_completed",
+    ] {
+        assert!(t.contains(&step.to_owned()), "{step} missing from {t:?}");
+    }
+    let got = rs.wait_for(LONG, "every record of the stop", |g| g.len() >= lines.len());
+    assert_eq!(got.len(), lines.len(), "no record twice without an outage");
+    for (i, (r, line)) in got.iter().zip(&lines).enumerate() {
+        assert_eq!(&r.msg, line, "message {i}");
+        assert_eq!(r.seq, records[i]["seq"].as_u64().unwrap());
+        assert_eq!(r.msgid, t[i]);
+        assert_eq!(r.app_name, "cryo");
+    }
+    drop(fwd);
+}
