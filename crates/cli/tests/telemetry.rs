@@ -97,7 +97,11 @@ impl GuardProc {
             .unwrap();
         let st = StateDir::new(state);
         eventually("the guard's socket", || {
-            cryo_guard::control::status(&st).ok().flatten().is_some()
+            cryo_guard::control::GuardClient::new(&st)
+                .status()
+                .ok()
+                .flatten()
+                .is_some()
         });
         GuardProc(child)
     }
