@@ -20,5 +20,12 @@ if ! cargo nextest --version >/dev/null 2>&1; then
   cargo install --locked cargo-nextest
 fi
 
+# ---- kube (issue 13): a real kube-apiserver + etcd on loopback for crates/kube's tests ----
+# (built once from Debian's source into /var/tmp/cryo-k8s: ~4-4.5 min cold, then instant; stops
+# itself when this script exits; the tests read CRYO_TEST_KUBECONFIG and fail when it is missing)
+bash scripts/install-k8s.sh
+eval "$(bash scripts/k8s-cluster.sh start "$(mktemp -u /tmp/cryo-k8s-test.XXXXXX)" --until-exit-of $$)"
+# ---- end kube ----
+
 cargo build --workspace --all-targets
 cargo nextest run --workspace --no-fail-fast "$@"
