@@ -144,6 +144,17 @@ fn parse_stat(pid: Pid, text: &str) -> Result<Stat, ProcError> {
     })
 }
 
+/// One line of `/proc/PID/cgroup`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CgroupEntry {
+    /// Hierarchy id (0 for the cgroup v2 unified hierarchy).
+    pub hierarchy: u32,
+    /// Controllers bound to the hierarchy (`memory`, `cpu,cpuacct`, `name=systemd`; empty for v2).
+    pub controllers: String,
+    /// The cgroup's path inside the hierarchy.
+    pub path: String,
+}
+
 /// A process held through a pidfd.
 #[derive(Debug)]
 pub struct ProcHandle {
@@ -242,6 +253,76 @@ impl ProcHandle {
             Ok(n) => n > 0 && fds[0].revents().intersects(PollFlags::IN | PollFlags::HUP),
             // EINTR: report "not yet"; callers loop on their own deadline.
             Err(_) => false,
+        }
+    }
+
+    /// The cgroups of this process, one entry per line of `/proc/PID/cgroup`
+    /// (`hierarchy:controllers:path`; on cgroup v2 the single line `0::path`). Paths are as the
+    /// kernel shows them to the reader, relative to the reader's cgroup namespace.
+    pub fn cgroups(&self) -> Result<Vec<CgroupEntry>, ProcError> {
+        let text = self.read_proc_file("cgroup", "reading /proc/PID/cgroup")?;
+        Ok(text
+            .lines()
+            .filter_map(|l| {
+                let mut f = l.splitn(3, ':');
+                Some(CgroupEntry {
+                    hierarchy: f.next()?.parse().ok()?,
+                    controllers: f.next()?.to_owned(),
+                    path: f.next()?.to_owned(),
+                })
+            })
+            .collect())
+    }
+
+    /// The environment this process started with (`/proc/PID/environ`), as `NAME=VALUE` pairs in
+    /// order; bytes that are not UTF-8 are replaced.
+    pub fn environ(&self) -> Result<Vec<(String, String)>, ProcError> {
+        let path = format!("/proc/{}/environ", self.pid);
+        let bytes = fs::read(&path)
+            .map_err(|source| self.read_error("reading /proc/PID/environ", source))?;
+        self.check_read_was_ours()?;
+        Ok(bytes
+            .split(|b| *b == 0)
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                let e = String::from_utf8_lossy(e);
+                match e.split_once('=') {
+                    Some((k, v)) => (k.to_owned(), v.to_owned()),
+                    None => (e.into_owned(), String::new()),
+                }
+            })
+            .collect())
+    }
+
+    /// Reads `/proc/PID/NAME`; the content is this process's only if it is still alive after the read.
+    fn read_proc_file(&self, name: &str, what: &'static str) -> Result<String, ProcError> {
+        let text = fs::read_to_string(format!("/proc/{}/{name}", self.pid))
+            .map_err(|source| self.read_error(what, source))?;
+        self.check_read_was_ours()?;
+        Ok(text)
+    }
+
+    fn read_error(&self, what: &'static str, source: std::io::Error) -> ProcError {
+        if source.kind() == std::io::ErrorKind::NotFound
+            || source.raw_os_error() == Some(rustix::io::Errno::SRCH.raw_os_error())
+        {
+            ProcError::NoSuchProcess(self.pid)
+        } else {
+            ProcError::Os {
+                what,
+                pid: self.pid,
+                source,
+            }
+        }
+    }
+
+    /// After a read of `/proc/PID/...`: if the process is alive now, the pid was not reused
+    /// during the read, so what was read is this process's.
+    fn check_read_was_ours(&self) -> Result<(), ProcError> {
+        if self.is_alive() {
+            Ok(())
+        } else {
+            Err(ProcError::NoSuchProcess(self.pid))
         }
     }
 
@@ -448,5 +529,43 @@ mod tests {
         assert_eq!(describe_wait_status(0), "exited with status 0");
         assert_eq!(signal_name(libc::SIGSEGV), "SIGSEGV");
         assert_eq!(signal_name(99), "signal 99");
+    }
+
+    #[test]
+    fn cgroups_and_environ_of_a_live_process_and_none_of_a_dead_one() {
+        let mut child = Command::new("sleep")
+            .arg("60")
+            .env("CRYO_PROC_TEST", "a=b")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as Pid;
+        // environ is the new program's only once it has exec'd, and the kernel sets the command
+        // name before the environment
+        let t0 = Instant::now();
+        while stat(pid).unwrap().comm != "sleep"
+            || ProcHandle::open(pid).unwrap().environ().unwrap().is_empty()
+        {
+            assert!(t0.elapsed() < Duration::from_secs(10), "sleep did not exec");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let h = ProcHandle::open(pid).unwrap();
+        let cg = h.cgroups().unwrap();
+        assert!(!cg.is_empty());
+        assert_eq!(
+            cg,
+            ProcHandle::open(std::process::id() as Pid)
+                .unwrap()
+                .cgroups()
+                .unwrap()
+        );
+        let env = h.environ().unwrap();
+        assert!(
+            env.contains(&("CRYO_PROC_TEST".to_owned(), "a=b".to_owned())),
+            "{env:?}"
+        );
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(matches!(h.cgroups(), Err(ProcError::NoSuchProcess(_))));
+        assert!(matches!(h.environ(), Err(ProcError::NoSuchProcess(_))));
     }
 }
