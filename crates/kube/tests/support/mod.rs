@@ -1,0 +1,194 @@
+//! A real kube-apiserver for the tests, started by `scripts/k8s-cluster.sh` (scripts/test.sh
+//! does). Missing is a loud failure, never a skip.
+
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use cryo_kube::NodeClient;
+use k8s_openapi::api::core::v1::{Namespace, Node};
+use kube::api::{ObjectMeta, PostParams};
+use kube::{Api, Client};
+
+fn env_path(var: &str) -> PathBuf {
+    match std::env::var_os(var) {
+        Some(v) => PathBuf::from(v),
+        None => panic!(
+            "{var} is not set: the Kubernetes tests need a real API server. Start one with\n  \
+             bash scripts/install-k8s.sh && eval \"$(bash scripts/k8s-cluster.sh start /tmp/cryo-k8s-$$)\"\n\
+             (scripts/test.sh does both) and stop it with scripts/k8s-cluster.sh stop DIR"
+        ),
+    }
+}
+
+/// The admin kubeconfig.
+pub fn admin_kubeconfig() -> PathBuf {
+    env_path("CRYO_TEST_KUBECONFIG")
+}
+
+/// The agent's kubeconfig (its ServiceAccount's identity).
+pub fn agent_kubeconfig() -> PathBuf {
+    env_path("CRYO_TEST_AGENT_KUBECONFIG")
+}
+
+/// The repository's `deploy/`.
+pub fn deploy_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy")
+}
+
+/// A name no other test (of this run or another) uses.
+pub fn unique(prefix: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!(
+        "{prefix}-{}-{}-{:x}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed),
+        nanos & 0xffff
+    )
+}
+
+/// Runs the cluster's kubectl with the admin kubeconfig (or `kubeconfig`), `stdin` fed; returns
+/// (success, stdout, stderr).
+pub fn kubectl(
+    args: &[&str],
+    stdin: Option<&str>,
+    kubeconfig: Option<&Path>,
+) -> (bool, String, String) {
+    let bin = env_path("CRYO_TEST_KUBECTL");
+    let kc = kubeconfig
+        .map(Path::to_path_buf)
+        .unwrap_or_else(admin_kubeconfig);
+    let mut cmd = Command::new(&bin);
+    cmd.arg("--kubeconfig").arg(&kc).args(args);
+    cmd.stdin(if stdin.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    })
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("running {}: {e}", bin.display()));
+    if let Some(s) = stdin {
+        use std::io::Write;
+        child.stdin.take().unwrap().write_all(s.as_bytes()).unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// kubectl that must succeed.
+pub fn kubectl_ok(args: &[&str], stdin: Option<&str>) -> String {
+    let (ok, out, err) = kubectl(args, stdin, None);
+    assert!(ok, "kubectl {args:?} failed:\n{out}\n{err}");
+    out
+}
+
+/// Polls `f` until it is true (the positive event), failing after `within`.
+pub async fn eventually<F: FnMut() -> bool>(what: &str, within: Duration, mut f: F) {
+    let start = Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < within,
+            "{what}: not true after {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The admin client.
+pub async fn admin() -> Client {
+    let kc = kube::config::Kubeconfig::read_from(admin_kubeconfig()).unwrap();
+    let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .unwrap();
+    Client::try_from(cfg).unwrap()
+}
+
+/// The deploy/ namespace, ServiceAccount and ClusterRole applied for real (server-side apply:
+/// idempotent, and safe when tests in parallel do it at once), and the role in force for the
+/// agent's identity.
+pub async fn ensure_agent_rbac() {
+    let d = deploy_dir();
+    let ns = d.join("namespace.yaml");
+    let rbac = d.join("rbac.yaml");
+    kubectl_ok(
+        &[
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            "--field-manager",
+            "cryo-tests",
+            "-f",
+            ns.to_str().unwrap(),
+            "-f",
+            rbac.to_str().unwrap(),
+        ],
+        None,
+    );
+    let agent = agent_kubeconfig();
+    // RBAC reaches the authorizer through a watch: wait for it.
+    eventually(
+        "the agent's ClusterRole in force",
+        Duration::from_secs(30),
+        || {
+            let (_, out, _) = kubectl(
+                &["auth", "can-i", "patch", "nodes/status"],
+                None,
+                Some(&agent),
+            );
+            out.trim() == "yes"
+        },
+    )
+    .await;
+}
+
+/// A client for `node` as the agent (its ServiceAccount).
+pub async fn agent(node: &str) -> NodeClient {
+    ensure_agent_rbac().await;
+    NodeClient::from_kubeconfig(&agent_kubeconfig(), node)
+        .await
+        .unwrap()
+}
+
+/// Creates a Node object named `name` (there is no kubelet: it is only an API object).
+pub async fn create_node(admin: &Client, name: &str) -> Node {
+    let node = Node {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Api::<Node>::all(admin.clone())
+        .create(&PostParams::default(), &node)
+        .await
+        .unwrap()
+}
+
+/// Creates a namespace named `name`.
+pub async fn create_namespace(admin: &Client, name: &str) {
+    let ns = Namespace {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Api::<Namespace>::all(admin.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+        .unwrap();
+}
