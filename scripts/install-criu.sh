@@ -74,17 +74,8 @@ start=$(date +%s)
 command -v apt-get >/dev/null || die "apt-get not found: this script needs a Debian system"
 
 # --- the mirror URI, from the system's own sources -------------------------------------------
-uri=""
-if [ -r /etc/apt/sources.list.d/debian.sources ]; then
-    # deb822: the first URIs of a stanza that is not the security archive.
-    uri="$(awk '/^URIs:/ && $2 !~ /security/ { print $2; exit }' /etc/apt/sources.list.d/debian.sources)"
-fi
-if [ -z "$uri" ]; then
-    # one-line format: first "deb [opts] URI suite main" that is not a security mirror.
-    uri="$(cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null \
-        | sed -n 's/^deb\(-src\)\?[[:space:]]\+\(\[[^]]*\][[:space:]]\+\)\?\([^[:space:]]\+\)[[:space:]].*/\3/p' \
-        | grep -v security | head -n1 || true)"
-fi
+. "$REPO/scripts/lib/debian.sh"
+uri="$(debian_mirror_uri)"
 [ -n "$uri" ] || die "could not find a Debian mirror URI in /etc/apt/sources.list{,.d/*}"
 say "deb-src $uri $SUITE main (derived from the system sources)"
 
@@ -148,10 +139,7 @@ say "installing build dependencies"
 export DEBIAN_FRONTEND=noninteractive
 DEPS=(gcc make pkg-config libc6-dev libprotobuf-c-dev libprotobuf-dev protobuf-c-compiler protobuf-compiler libnl-3-dev
       libnet1-dev libcap-dev libbsd-dev uuid-dev iproute2 iptables)
-missing=()
-for p in "${DEPS[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p")
-done
+mapfile -t missing < <(debian_missing_packages "${DEPS[@]}")
 if [ "${#missing[@]}" -eq 0 ]; then
     say "build dependencies already installed"
 else

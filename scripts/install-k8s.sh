@@ -28,6 +28,7 @@
 set -euo pipefail
 
 BASE="${CRYO_K8S_BASE:-/var/tmp/cryo-k8s}"
+. "$(dirname "${BASH_SOURCE[0]}")/lib/debian.sh"
 BIN="$BASE/bin"
 WORK="$BASE/work"
 STAMP="$BIN/VERSIONS"
@@ -92,12 +93,7 @@ if [ "${CRYO_K8S_FORCE:-0}" != 1 ] && [ -x "$BIN/kube-apiserver" ] \
     && "$BIN/kube-apiserver" --version 2>/dev/null | grep -q '^Kubernetes v1\.20\.'; then
     say "kube-apiserver already built: $("$BIN/kube-apiserver" --version)"
 else
-    uri="$(awk '/^URIs:/ && $2 !~ /security/ { print $2; exit }' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)"
-    if [ -z "$uri" ]; then
-        uri="$(cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null \
-            | sed -n 's/^deb\(-src\)\?[[:space:]]\+\(\[[^]]*\][[:space:]]\+\)\?\([^[:space:]]\+\)[[:space:]].*/\3/p' \
-            | grep -v security | head -n1 || true)"
-    fi
+    uri="$(debian_mirror_uri)"
     [ -n "$uri" ] || die "could not find a Debian mirror URI in the system's apt sources"
     suite="$(. /etc/os-release && echo "${VERSION_CODENAME:-}")"
     [ -n "$suite" ] || die "no VERSION_CODENAME in /etc/os-release"
@@ -132,12 +128,10 @@ else
     say "kubernetes source $ver, sha256 ok: $(basename "$orig")"
 
     DEPS=(golang-go make rsync golang-github-modern-go-reflect2-dev)
-    missing=()
-    for p in "${DEPS[@]}"; do
-        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p")
-    done
+    mapfile -t missing < <(debian_missing_packages "${DEPS[@]}")
     if [ "${#missing[@]}" -gt 0 ]; then
         say "apt-get install ${missing[*]}"
+        apt-get update >>"$LOG" 2>&1 || { tail -n 20 "$LOG" >&2; die "apt-get update failed (log: $LOG)"; }
         apt-get install -y --no-install-recommends "${missing[@]}" >>"$LOG" 2>&1 \
             || { tail -n 20 "$LOG" >&2; die "apt-get install of build dependencies failed (log: $LOG)"; }
     fi

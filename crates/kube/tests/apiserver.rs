@@ -9,18 +9,13 @@
 
 mod support;
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime};
 
 use cryo_journal::{Event, ProcId};
 use cryo_kube::events::{step_of, subject_of, Locate, Subject};
 use cryo_kube::{FencedGpu, GpuRef, NodeClient, PodUid, Posted, CONDITION_TYPE, TAINT_KEY};
-use k8s_openapi::api::core::v1::{
-    Container, ContainerState, ContainerStateRunning, ContainerStatus, Event as KEvent, Node, Pod,
-    PodSpec, PodStatus, ResourceRequirements, Taint,
-};
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use kube::api::{DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use k8s_openapi::api::core::v1::{Container, Event as KEvent, Node, NodeCondition, Taint};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use support::*;
 
@@ -47,6 +42,13 @@ async fn events_of(admin: &Client, ns: &str, name: &str, kind: &str) -> Vec<KEve
         .await
         .unwrap()
         .items
+}
+
+fn fence_condition(n: Node) -> Option<NodeCondition> {
+    n.status?
+        .conditions?
+        .into_iter()
+        .find(|c| c.type_ == CONDITION_TYPE)
 }
 
 fn taints(n: &Node) -> Vec<Taint> {
@@ -86,14 +88,7 @@ async fn fence_taint_condition_and_event_then_release() {
         t.iter().any(|t| t.key == "nvidia.com/gpu"),
         "the other taint was lost: {t:?}"
     );
-    let cond = n
-        .status
-        .unwrap()
-        .conditions
-        .unwrap()
-        .into_iter()
-        .find(|c| c.type_ == CONDITION_TYPE)
-        .unwrap();
+    let cond = fence_condition(n).unwrap();
     assert_eq!(cond.status, "True");
     let msg = cond.message.unwrap();
     assert!(
@@ -181,80 +176,8 @@ async fn an_unknown_gpu_fences_the_node_all_the_same() {
     agent.reconcile_fence(&[unknown]).await.unwrap();
     let n = Api::<Node>::all(admin.clone()).get(&name).await.unwrap();
     assert!(taints(&n).iter().any(|t| t.key == TAINT_KEY));
-    let cond = n
-        .status
-        .unwrap()
-        .conditions
-        .unwrap()
-        .into_iter()
-        .find(|c| c.type_ == CONDITION_TYPE)
-        .unwrap();
+    let cond = fence_condition(n).unwrap();
     assert!(cond.message.unwrap().contains("unknown GPU"));
-}
-
-fn gpu_pod(name: &str, node: &str, grace: i64) -> Pod {
-    Pod {
-        metadata: ObjectMeta {
-            name: Some(name.to_owned()),
-            labels: Some(BTreeMap::from([("app".to_owned(), name.to_owned())])),
-            ..Default::default()
-        },
-        spec: Some(PodSpec {
-            node_name: Some(node.to_owned()),
-            termination_grace_period_seconds: Some(grace),
-            containers: vec![Container {
-                name: "vllm".into(),
-                image: Some("vllm/vllm-openai:v0.6.4".into()),
-                resources: Some(ResourceRequirements {
-                    limits: Some(BTreeMap::from([(
-                        "nvidia.com/gpu".into(),
-                        Quantity("1".into()),
-                    )])),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }],
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-fn cpu_pod(name: &str, node: &str) -> Pod {
-    let mut p = gpu_pod(name, node, 30);
-    p.spec.as_mut().unwrap().containers[0].resources = None;
-    p
-}
-
-/// Sets the pod's status as a kubelet running `containers` (name, containerd ID) would.
-async fn set_running(admin: &Client, ns: &str, name: &str, containers: &[(&str, &str)]) {
-    let statuses: Vec<ContainerStatus> = containers
-        .iter()
-        .map(|(n, id)| ContainerStatus {
-            name: (*n).to_owned(),
-            container_id: Some(format!("containerd://{id}")),
-            image: "img".into(),
-            image_id: "img".into(),
-            ready: true,
-            restart_count: 0,
-            state: Some(ContainerState {
-                running: Some(ContainerStateRunning::default()),
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
-        .collect();
-    let status = PodStatus {
-        phase: Some("Running".into()),
-        qos_class: Some("BestEffort".into()),
-        container_statuses: Some(statuses),
-        ..Default::default()
-    };
-    let p = serde_json::json!({ "status": status });
-    Api::<Pod>::namespaced(admin.clone(), ns)
-        .patch_status(name, &PatchParams::default(), &Patch::Merge(&p))
-        .await
-        .unwrap();
 }
 
 struct NoProcs;
@@ -266,12 +189,12 @@ impl Locate for NoProcs {
 
 #[tokio::test]
 async fn a_stop_posts_events_on_its_pod_and_a_flood_is_aggregated() {
-    let admin = admin().await;
-    let node = unique("events-node");
-    let ns = unique("events-ns");
-    create_node(&admin, &node).await;
-    create_namespace(&admin, &ns).await;
-    let pods = Api::<Pod>::namespaced(admin.clone(), &ns);
+    let Scene {
+        admin,
+        node,
+        ns,
+        pods,
+    } = Scene::new("events").await;
     let pod = pods
         .create(&PostParams::default(), &gpu_pod("worker", &node, 120))
         .await
@@ -359,12 +282,12 @@ async fn a_stop_posts_events_on_its_pod_and_a_flood_is_aggregated() {
 
 #[tokio::test]
 async fn drain_cordons_and_evicts_the_other_gpu_pods_only() {
-    let admin = admin().await;
-    let node = unique("drain-node");
-    let ns = unique("drain-ns");
-    create_node(&admin, &node).await;
-    create_namespace(&admin, &ns).await;
-    let pods = Api::<Pod>::namespaced(admin.clone(), &ns);
+    let Scene {
+        admin,
+        node,
+        ns,
+        pods,
+    } = Scene::new("drain").await;
     let pp = PostParams::default();
     let evict_me = pods
         .create(&pp, &gpu_pod("evict-me", &node, 120))
@@ -392,7 +315,7 @@ async fn drain_cordons_and_evicts_the_other_gpu_pods_only() {
     );
     kubectl_ok(&["create", "-f", "-"], Some(&pdb));
     // Running: a Pending pod is evicted whatever its PDB says
-    set_running(&admin, &ns, "protected", &[("vllm", A)]).await;
+    set_running(&pods, "protected", &[("vllm", A)]).await;
 
     let agent = agent(&node).await;
     assert!(agent.cordon().await.unwrap());
@@ -533,12 +456,7 @@ async fn manifests_pass_a_server_dry_run() {
 
 #[tokio::test]
 async fn a_pods_grace_period_is_read_from_the_api() {
-    let admin = admin().await;
-    let node = unique("grace-node");
-    let ns = unique("grace-ns");
-    create_node(&admin, &node).await;
-    create_namespace(&admin, &ns).await;
-    let pods = Api::<Pod>::namespaced(admin.clone(), &ns);
+    let Scene { node, pods, .. } = Scene::new("grace").await;
     let p = pods
         .create(&PostParams::default(), &gpu_pod("w", &node, 90))
         .await
@@ -566,12 +484,7 @@ async fn a_pods_grace_period_is_read_from_the_api() {
 #[tokio::test]
 async fn pod_container_cgroups_and_the_caller_check_use_the_pod_status() {
     // pure cgroup trees here; tests/cgroup_root.rs does it with a real cgroup
-    let admin = admin().await;
-    let node = unique("cg-node");
-    let ns = unique("cg-ns");
-    create_node(&admin, &node).await;
-    create_namespace(&admin, &ns).await;
-    let pods = Api::<Pod>::namespaced(admin.clone(), &ns);
+    let Scene { node, ns, pods, .. } = Scene::new("cg").await;
     let mut pod = gpu_pod("w", &node, 60);
     pod.spec.as_mut().unwrap().containers.push(Container {
         name: "sidecar".into(),
@@ -580,7 +493,7 @@ async fn pod_container_cgroups_and_the_caller_check_use_the_pod_status() {
     });
     let p = pods.create(&PostParams::default(), &pod).await.unwrap();
     let uid = p.metadata.uid.clone().unwrap();
-    set_running(&admin, &ns, "w", &[("vllm", A), ("sidecar", B)]).await;
+    set_running(&pods, "w", &[("vllm", A), ("sidecar", B)]).await;
 
     // a cgroup v2 tree laid out as containerd with the systemd driver lays it out
     let t = tempfile::tempdir().unwrap();

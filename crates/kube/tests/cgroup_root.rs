@@ -18,8 +18,7 @@ use cryo_kube::identity::identity_from_cgroups;
 use cryo_kube::{CallerError, CgroupFs, QosClass};
 use cryo_proc::ProcHandle;
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
-use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
-use kube::Api;
+use kube::api::{ObjectMeta, PostParams};
 use support::*;
 
 const A: &str = "a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8f90";
@@ -103,12 +102,7 @@ impl Drop for Tree {
 #[tokio::test]
 async fn a_callers_container_is_found_from_its_real_cgroup_and_it_may_stop_only_itself() {
     require_root();
-    let admin = admin().await;
-    let node = unique("cgroot-node");
-    let ns = unique("cgroot-ns");
-    create_node(&admin, &node).await;
-    create_namespace(&admin, &ns).await;
-    let pods = Api::<Pod>::namespaced(admin.clone(), &ns);
+    let Scene { node, ns, pods, .. } = Scene::new("cgroot").await;
     let pod = Pod {
         metadata: ObjectMeta {
             name: Some("w".into()),
@@ -140,16 +134,7 @@ async fn a_callers_container_is_found_from_its_real_cgroup_and_it_may_stop_only_
         .metadata
         .uid
         .unwrap();
-    let status = serde_json::json!({ "status": {
-        "phase": "Running", "qosClass": "BestEffort",
-        "containerStatuses": [
-            { "name": "vllm", "containerID": format!("containerd://{A}"), "image": "i", "imageID": "i",
-              "ready": true, "restartCount": 0, "state": { "running": {} } },
-            { "name": "sidecar", "containerID": format!("containerd://{B}"), "image": "i", "imageID": "i",
-              "ready": true, "restartCount": 0, "state": { "running": {} } } ] } });
-    pods.patch_status("w", &PatchParams::default(), &Patch::Merge(&status))
-        .await
-        .unwrap();
+    set_running(&pods, "w", &[("vllm", A), ("sidecar", B)]).await;
 
     // the cgroupfs driver's layout, under a private top so parallel runs never meet
     let mut tree = Tree::new();

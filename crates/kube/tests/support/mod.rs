@@ -9,8 +9,14 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use cryo_kube::NodeClient;
-use k8s_openapi::api::core::v1::{Namespace, Node};
-use kube::api::{ObjectMeta, PostParams};
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    Container, ContainerState, ContainerStateRunning, ContainerStatus, Namespace, Node, Pod,
+    PodSpec, PodStatus, ResourceRequirements,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 
 fn env_path(var: &str) -> PathBuf {
@@ -189,6 +195,100 @@ pub async fn create_namespace(admin: &Client, name: &str) {
     };
     Api::<Namespace>::all(admin.clone())
         .create(&PostParams::default(), &ns)
+        .await
+        .unwrap();
+}
+
+/// A node and a namespace of one test, and the admin's view of its pods.
+pub struct Scene {
+    /// The admin client.
+    pub admin: Client,
+    /// The node's name.
+    pub node: String,
+    /// The namespace.
+    pub ns: String,
+    /// Pods in the namespace.
+    pub pods: Api<Pod>,
+}
+
+impl Scene {
+    /// A new node and namespace named after `prefix`.
+    pub async fn new(prefix: &str) -> Scene {
+        let admin = admin().await;
+        let node = unique(&format!("{prefix}-node"));
+        let ns = unique(&format!("{prefix}-ns"));
+        create_node(&admin, &node).await;
+        create_namespace(&admin, &ns).await;
+        let pods = Api::namespaced(admin.clone(), &ns);
+        Scene {
+            admin,
+            node,
+            ns,
+            pods,
+        }
+    }
+}
+
+pub fn gpu_pod(name: &str, node: &str, grace: i64) -> Pod {
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            labels: Some(BTreeMap::from([("app".to_owned(), name.to_owned())])),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            node_name: Some(node.to_owned()),
+            termination_grace_period_seconds: Some(grace),
+            containers: vec![Container {
+                name: "vllm".into(),
+                image: Some("vllm/vllm-openai:v0.6.4".into()),
+                resources: Some(ResourceRequirements {
+                    limits: Some(BTreeMap::from([(
+                        "nvidia.com/gpu".into(),
+                        Quantity("1".into()),
+                    )])),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+pub fn cpu_pod(name: &str, node: &str) -> Pod {
+    let mut p = gpu_pod(name, node, 30);
+    p.spec.as_mut().unwrap().containers[0].resources = None;
+    p
+}
+
+/// Sets the pod's status as a kubelet running `containers` (name, containerd ID) would.
+pub async fn set_running(pods: &Api<Pod>, name: &str, containers: &[(&str, &str)]) {
+    let statuses: Vec<ContainerStatus> = containers
+        .iter()
+        .map(|(n, id)| ContainerStatus {
+            name: (*n).to_owned(),
+            container_id: Some(format!("containerd://{id}")),
+            image: "img".into(),
+            image_id: "img".into(),
+            ready: true,
+            restart_count: 0,
+            state: Some(ContainerState {
+                running: Some(ContainerStateRunning::default()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .collect();
+    let status = PodStatus {
+        phase: Some("Running".into()),
+        qos_class: Some("BestEffort".into()),
+        container_statuses: Some(statuses),
+        ..Default::default()
+    };
+    let p = serde_json::json!({ "status": status });
+    pods.patch_status(name, &PatchParams::default(), &Patch::Merge(&p))
         .await
         .unwrap();
 }
