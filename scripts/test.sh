@@ -24,7 +24,8 @@ fi
 # (built once from Debian's source into /var/tmp/cryo-k8s: ~4-4.5 min cold, then instant; stops
 # itself when this script exits; the tests read CRYO_TEST_KUBECONFIG and fail when it is missing)
 bash scripts/install-k8s.sh
-eval "$(bash scripts/k8s-cluster.sh start "$(mktemp -u /tmp/cryo-k8s-test.XXXXXX)" --until-exit-of $$)"
+k8s_env="$(bash scripts/k8s-cluster.sh start "$(mktemp -u /tmp/cryo-k8s-test.XXXXXX)" --until-exit-of $$)"
+eval "$k8s_env"
 # ---- end kube ----
 
 cargo build --workspace --all-targets

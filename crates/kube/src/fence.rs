@@ -21,9 +21,7 @@ use kube::api::{Patch, PatchParams};
 
 use crate::client::{now, ApiError, NodeClient, Posted};
 use crate::events::EventType;
-use crate::quarantine::FencedGpu;
-#[cfg(test)]
-use crate::quarantine::GpuRef;
+use cryo_state::fence::{FencedGpu, Quarantine};
 
 /// The taint's key.
 pub const TAINT_KEY: &str = "cryo.dev/gpu-fenced";
@@ -66,14 +64,18 @@ impl FencePlan {
 }
 
 /// The condition message: every fenced GPU and why, bounded.
-pub fn condition_message(fenced: &[FencedGpu]) -> String {
+pub fn condition_message(fenced: &[Quarantine]) -> String {
     let mut msg = format!(
         "{} GPU{} fenced by cryo: ",
         fenced.len(),
         if fenced.len() == 1 { "" } else { "s" }
     );
     for (i, f) in fenced.iter().enumerate() {
-        let item = format!("{}{}: {}", if i > 0 { "; " } else { "" }, f.gpu, f.reason);
+        let gpu = match &f.gpu {
+            FencedGpu::Gpu(g) => g.to_string(),
+            FencedGpu::Unknown => "unknown GPU (all GPUs of the node)".to_owned(),
+        };
+        let item = format!("{}{gpu}: {}", if i > 0 { "; " } else { "" }, f.reason);
         if msg.len() + item.len() > MAX_MESSAGE {
             msg.push_str(&format!("; and {} more", fenced.len() - i));
             break;
@@ -93,7 +95,7 @@ fn fence_taint() -> Taint {
 }
 
 /// What to change so that `node` shows `fenced` (empty: no fence).
-pub fn plan(node: &Node, fenced: &[FencedGpu], now: Timestamp) -> FencePlan {
+pub fn plan(node: &Node, fenced: &[Quarantine], now: Timestamp) -> FencePlan {
     let taints: Vec<Taint> = node
         .spec
         .as_ref()
@@ -220,9 +222,9 @@ pub struct FenceOutcome {
 const FENCE_TRIES: u32 = 8;
 
 impl NodeClient {
-    /// Makes the node show `fenced` (the quarantine file's content; empty: released): the taint,
+    /// Makes the node show `fenced` (the quarantine file's entries; empty: released): the taint,
     /// the condition, an Event when what the node shows changes. Idempotent.
-    pub async fn reconcile_fence(&self, fenced: &[FencedGpu]) -> Result<FenceOutcome, FenceError> {
+    pub async fn reconcile_fence(&self, fenced: &[Quarantine]) -> Result<FenceOutcome, FenceError> {
         let err = |source| FenceError::Api {
             node: self.node.clone(),
             source,
@@ -296,14 +298,16 @@ mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{NodeSpec, NodeStatus};
 
-    fn g(n: u8) -> FencedGpu {
-        FencedGpu {
-            gpu: GpuRef::Uuid(
+    fn g(n: u8) -> Quarantine {
+        Quarantine {
+            gpu: FencedGpu::Gpu(
                 format!("GPU-{n:08x}-0000-0000-0000-000000000000")
                     .parse()
                     .unwrap(),
             ),
             reason: format!("pid {n} killed by SIGKILL, context pinned"),
+            pids: vec![i32::from(n)],
+            since_unix: 1,
         }
     }
 
@@ -391,14 +395,16 @@ mod tests {
 
     #[test]
     fn unknown_gpu_and_bounded_message() {
-        let unknown = FencedGpu {
-            gpu: GpuRef::Unknown,
+        let unknown = Quarantine {
+            gpu: FencedGpu::Unknown,
             reason: "NVML did not name the GPU".into(),
+            pids: vec![7],
+            since_unix: 1,
         };
         let m = condition_message(&[g(1), unknown]);
         assert!(m.contains("unknown GPU"), "{m}");
         assert!(m.contains("GPU-00000001"), "{m}");
-        let many: Vec<FencedGpu> = (0..200).map(g).collect();
+        let many: Vec<Quarantine> = (0..200).map(g).collect();
         let m = condition_message(&many);
         assert!(m.len() <= MAX_MESSAGE + 32, "{}", m.len());
         assert!(m.ends_with("more"), "{m}");

@@ -31,7 +31,6 @@ pub mod fence;
 pub mod gpus;
 pub mod grace;
 pub mod identity;
-pub mod quarantine;
 
 pub use caller::{authorize, caller_identity, Caller, CallerError, CgroupLocator};
 pub use cgroup::{CgroupFs, CgroupVersion, ContainerCgroup, QosClass, ResolveError};
@@ -41,4 +40,3 @@ pub use events::{step_of, subject_of, Correlator, EventType, Locate, Step, Subje
 pub use fence::{FenceError, FenceOutcome, CONDITION_TYPE, TAINT_KEY};
 pub use gpus::{gpu_map, Assigned, GpuMapError};
 pub use identity::{CgroupIdentity, ContainerId, PodUid, Runtime};
-pub use quarantine::{FencedGpu, GpuRef};

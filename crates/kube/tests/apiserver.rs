@@ -13,7 +13,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use cryo_journal::{Event, ProcId};
 use cryo_kube::events::{step_of, subject_of, Locate, Subject};
-use cryo_kube::{FencedGpu, GpuRef, NodeClient, PodUid, Posted, CONDITION_TYPE, TAINT_KEY};
+use cryo_kube::{NodeClient, PodUid, Posted, CONDITION_TYPE, TAINT_KEY};
+use cryo_state::fence::{FencedGpu, Quarantine};
 use k8s_openapi::api::core::v1::{Container, Event as KEvent, Node, NodeCondition, Taint};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
@@ -22,14 +23,16 @@ use support::*;
 const A: &str = "a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8f90";
 const B: &str = "b1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8f90";
 
-fn gpu(n: u8) -> FencedGpu {
-    FencedGpu {
-        gpu: GpuRef::Uuid(
+fn gpu(n: u8) -> Quarantine {
+    Quarantine {
+        gpu: FencedGpu::Gpu(
             format!("GPU-{n:08x}-aaaa-bbbb-cccc-000000000000")
                 .parse()
                 .unwrap(),
         ),
         reason: format!("pid 42{n} killed by SIGKILL, context pinned"),
+        pids: vec![420 + i32::from(n)],
+        since_unix: 1,
     }
 }
 
@@ -169,9 +172,11 @@ async fn an_unknown_gpu_fences_the_node_all_the_same() {
     let name = unique("fence-unknown");
     create_node(&admin, &name).await;
     let agent = agent(&name).await;
-    let unknown = FencedGpu {
-        gpu: GpuRef::Unknown,
+    let unknown = Quarantine {
+        gpu: FencedGpu::Unknown,
         reason: "NVML did not name the GPU of pid 7".into(),
+        pids: vec![7],
+        since_unix: 1,
     };
     agent.reconcile_fence(&[unknown]).await.unwrap();
     let n = Api::<Node>::all(admin.clone()).get(&name).await.unwrap();
