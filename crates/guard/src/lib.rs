@@ -15,7 +15,8 @@
 //!
 //! The policy that suspends, journals and fences ([`guard::Guard`]) plugs in through
 //! [`policy::Policy`]; [`control`] is its unix socket (status, attach/detach around a CRIU dump,
-//! the operator's release of pins).
+//! the operator's release of pins); [`service::run`] is a guard's whole life (start, socket,
+//! journal poll, memory watch, a stop that never drops pins), for `cryo guard` and the agent.
 //!
 //! # Kernel behaviour this relies on
 //! - A `PTRACE_EVENT_EXIT` stop is reported for every death, SIGKILL and memcg OOM kill included,
@@ -41,6 +42,7 @@ pub mod memory;
 pub mod pidfd;
 pub mod policy;
 pub mod procfs;
+pub mod service;
 pub mod signals;
 pub mod sys;
 pub mod tracer;
@@ -51,4 +53,5 @@ pub type Pid = i32;
 pub use guard::{Endgame, Guard, GuardConfig, GuardStatus, MemoryWatch, StartReport};
 pub use pidfd::{PidFd, PidFdError};
 pub use policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee};
+pub use service::{run, Notice, RunError, RunOptions};
 pub use tracer::{AttachError, DetachError, SpawnError, Tracer, TracerGone, TracerStats};

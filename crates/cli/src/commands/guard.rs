@@ -1,24 +1,24 @@
 //! `cryo guard`: runs the guard (until SIGTERM, and not while it holds pins), or talks to it.
 //!
 //! # Design
-//! The guard ([`cryo_guard::Guard`]) runs in this process: it re-attaches to every live restored
-//! process of the journal, attaches `--pid` ones, then polls the journal for new restores and
-//! checks memory every `--poll-ms`. Its control socket (`STATE_DIR/guard.sock`, root only) serves
-//! `cryo status`, `cryo guard release|attach|detach` and `cryo freeze` (which detaches before a
-//! CRIU dump). SIGTERM/SIGINT/SIGHUP end it, detaching from every worker, unless it holds pins:
-//! then it refuses (closing pins is `cryo guard release`, never a side effect).
+//! The guard runs in this process, in the foreground: [`cryo_guard::run`] re-attaches to every
+//! live restored process of the journal, attaches `--pid` ones, then polls the journal for new
+//! restores and checks memory every `--poll-ms`; this file prints what it reports. Its control
+//! socket (`STATE_DIR/guard.sock`, root only) serves `cryo status`, `cryo guard
+//! release|attach|detach` and `cryo freeze` (which detaches before a CRIU dump).
+//! SIGTERM/SIGINT/SIGHUP end it, detaching from every worker, unless it holds pins: then it
+//! refuses (closing pins is `cryo guard release`, never a side effect).
 //!
 //! # Limitations
 //! SIGKILL of the guard closes its pins (the kernel closes its files): on affected hosts that is
 //! the wedge the pins held off. Its tracees are detached by the kernel; a thread held at a fatal
 //! signal at that moment loses the signal.
 
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use cryo_guard::control::{Detach, GuardClient};
-use cryo_guard::{Endgame, Guard, GuardConfig, MemoryWatch};
+use cryo_guard::{Endgame, GuardConfig, MemoryWatch, RunOptions};
 
 use super::Context;
 use crate::args::guard::{EndgameArg, GuardArgs, GuardCommand, GuardRunArgs};
@@ -102,57 +102,16 @@ fn serve(ctx: &Context, a: &GuardRunArgs) -> anyhow::Result<()> {
     }
     cryo_guard::sys::install_terminate_flag().context("installing the SIGTERM handler")?;
     let gpu = ctx.gpu()?;
-    let (guard, report) = Guard::start(gpu, config(ctx, a)).context("starting the guard")?;
-    let guard = Arc::new(guard);
-    for id in &report.attached {
-        eprintln!("cryo guard: re-attached to restored pid {id}");
-    }
-    for (id, why) in &report.lost {
-        eprintln!("cryo guard: LOST track of pid {id}: {why}");
-    }
-    for pid in &a.pids {
-        guard
-            .attach_pid(*pid)
-            .with_context(|| format!("guarding pid {pid}"))?;
-        eprintln!("cryo guard: guarding pid {pid}");
-    }
-    cryo_guard::control::serve(Arc::clone(&guard), &ctx.state)
-        .context("opening the guard's control socket")?;
-    eprintln!(
-        "cryo guard: running (tracer tid {}); control socket {}",
-        guard.tracer_tid(),
-        ctx.state.guard_socket().display()
-    );
-    let poll = Duration::from_millis(a.poll_ms.max(10));
-    let mut warned_pins = None::<Instant>;
-    loop {
-        if cryo_guard::sys::terminate_requested() {
-            if !guard.has_pins() {
-                break;
-            }
-            if warned_pins.is_none_or(|t| t.elapsed() > Duration::from_secs(30)) {
-                eprintln!("cryo guard: refusing to stop: it holds pinned contexts (closing them may wedge the host); use `cryo guard release` first");
-                warned_pins = Some(Instant::now());
-            }
-        }
-        match guard.poll_journal() {
-            Ok(ids) => {
-                for id in ids {
-                    eprintln!("cryo guard: guarding restored pid {id}");
-                }
-            }
-            Err(err) => eprintln!("cryo guard: cannot read the journal: {err}"),
-        }
-        for id in guard.check_memory() {
-            eprintln!("cryo guard: memory pressure: suspended and stopped pid {id}");
-        }
-        std::thread::sleep(poll);
-    }
-    eprintln!(
-        "cryo guard: stopping; detaching from {} process(es)",
-        guard.guarded().len()
-    );
-    let _ = std::fs::remove_file(ctx.state.guard_socket());
-    guard.shutdown();
+    let opts = RunOptions {
+        pids: a.pids.clone(),
+        poll: Duration::from_millis(a.poll_ms),
+    };
+    cryo_guard::run(
+        gpu,
+        config(ctx, a),
+        &opts,
+        &cryo_guard::sys::terminate_requested,
+        &mut |notice| eprintln!("cryo guard: {notice}"),
+    )?;
     Ok(())
 }

@@ -1,0 +1,182 @@
+//! The guard as a service: the whole life of a guard, from start to a stop that never drops pins.
+//!
+//! # Design
+//! [`run`] starts the guard ([`Guard::start`]: re-attaches to every live restored process of the
+//! journal), guards the processes named in [`RunOptions::pids`], serves the control socket, then
+//! follows the journal for new restores and watches memory every [`RunOptions::poll`], until
+//! `stop()` says so. While the guard holds pins it refuses to stop (closing them is the
+//! operator's `cryo guard release`, never a side effect) and says so every 30 s. On the way out
+//! it removes its socket and detaches from every process.
+//!
+//! `cryo guard` runs it in the foreground with its termination flag as `stop`; the node agent
+//! will run it on a thread of its own. Nothing here prints: what happens is handed to the
+//! caller as [`Notice`]s (their `Display` is the wording `cryo guard` prints).
+//!
+//! # Limitations
+//! The journal poll and the memory watch share one loop: a memory-pressure stop delays the next
+//! journal poll by as long as the stop takes.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cryo_gpu::Gpu;
+use cryo_journal::ProcId;
+
+use crate::control::{self, ServeError};
+use crate::guard::{Guard, GuardAttachError, GuardConfig, StartError};
+use crate::Pid;
+
+/// How often a guard that holds pins repeats that it refuses to stop.
+const REFUSAL_REPEAT: Duration = Duration::from_secs(30);
+
+/// What [`run`] guards besides the journal's restored processes, and how often it looks.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Processes restored by other tools (`cryo guard --pid`).
+    pub pids: Vec<Pid>,
+    /// How often to read the journal for new restores and to look at memory (at least 10 ms).
+    pub poll: Duration,
+}
+
+/// Something the running guard did or found, for the caller to print or log.
+#[derive(Debug)]
+pub enum Notice {
+    /// At start: a restored process of the journal is guarded again.
+    Reattached(ProcId),
+    /// At start: a process it had guarded (or that is restored) is not guarded, and why.
+    Lost {
+        /// The process.
+        pid: ProcId,
+        /// Why.
+        why: String,
+    },
+    /// A process of [`RunOptions::pids`] is guarded.
+    Guarding(ProcId),
+    /// The guard runs and its control socket answers.
+    Running {
+        /// The tracer thread (`TracerPid` of every guarded process).
+        tracer_tid: Pid,
+        /// The control socket.
+        socket: PathBuf,
+    },
+    /// A new restore in the journal is guarded.
+    GuardingRestored(ProcId),
+    /// The journal could not be read this time (the next poll tries again).
+    JournalUnreadable(cryo_journal::ReadError),
+    /// The memory watch suspended and stopped a guarded process before the OOM killer could.
+    MemoryStopped(ProcId),
+    /// Asked to stop while holding pins: it keeps running.
+    RefusingToStop,
+    /// Stopping: detaching from this many processes.
+    Stopping {
+        /// How many processes it still guarded.
+        guarded: usize,
+    },
+}
+
+impl fmt::Display for Notice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Notice::Reattached(id) => write!(f, "re-attached to restored pid {id}"),
+            Notice::Lost { pid, why } => write!(f, "LOST track of pid {pid}: {why}"),
+            Notice::Guarding(id) => write!(f, "guarding pid {id}"),
+            Notice::Running { tracer_tid, socket } => write!(
+                f,
+                "running (tracer tid {tracer_tid}); control socket {}",
+                socket.display()
+            ),
+            Notice::GuardingRestored(id) => write!(f, "guarding restored pid {id}"),
+            Notice::JournalUnreadable(e) => write!(f, "cannot read the journal: {e}"),
+            Notice::MemoryStopped(id) => {
+                write!(f, "memory pressure: suspended and stopped pid {id}")
+            }
+            Notice::RefusingToStop => f.write_str(
+                "refusing to stop: it holds pinned contexts (closing them may wedge the host); \
+                 use `cryo guard release` first",
+            ),
+            Notice::Stopping { guarded } => {
+                write!(f, "stopping; detaching from {guarded} process(es)")
+            }
+        }
+    }
+}
+
+/// The guard could not start (nothing is left running).
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The guard itself could not start.
+    #[error("starting the guard: {0}")]
+    Start(#[from] StartError),
+    /// A process of [`RunOptions::pids`] could not be guarded.
+    #[error("guarding pid {pid}: {source}")]
+    Attach {
+        /// The pid.
+        pid: Pid,
+        /// Why.
+        source: GuardAttachError,
+    },
+    /// The control socket could not be served.
+    #[error("opening the guard's control socket: {0}")]
+    Control(#[from] ServeError),
+}
+
+/// Runs a guard until `stop()` returns true and it holds no pins. See the module docs.
+pub fn run(
+    gpu: Gpu,
+    cfg: GuardConfig,
+    opts: &RunOptions,
+    stop: &dyn Fn() -> bool,
+    notify: &mut dyn FnMut(Notice),
+) -> Result<(), RunError> {
+    let state = cfg.state.clone();
+    let (guard, report) = Guard::start(gpu, cfg)?;
+    let guard = Arc::new(guard);
+    for id in report.attached {
+        notify(Notice::Reattached(id));
+    }
+    for (pid, why) in report.lost {
+        notify(Notice::Lost { pid, why });
+    }
+    for pid in &opts.pids {
+        let id = guard
+            .attach_pid(*pid)
+            .map_err(|source| RunError::Attach { pid: *pid, source })?;
+        notify(Notice::Guarding(id));
+    }
+    control::serve(Arc::clone(&guard), &state)?;
+    notify(Notice::Running {
+        tracer_tid: guard.tracer_tid(),
+        socket: state.guard_socket(),
+    });
+    let poll = opts.poll.max(Duration::from_millis(10));
+    let mut refused_at = None::<Instant>;
+    loop {
+        if stop() {
+            if !guard.has_pins() {
+                break;
+            }
+            if refused_at.is_none_or(|t| t.elapsed() > REFUSAL_REPEAT) {
+                notify(Notice::RefusingToStop);
+                refused_at = Some(Instant::now());
+            }
+        }
+        match guard.poll_journal() {
+            Ok(ids) => ids
+                .into_iter()
+                .for_each(|id| notify(Notice::GuardingRestored(id))),
+            Err(e) => notify(Notice::JournalUnreadable(e)),
+        }
+        for id in guard.check_memory() {
+            notify(Notice::MemoryStopped(id));
+        }
+        std::thread::sleep(poll);
+    }
+    notify(Notice::Stopping {
+        guarded: guard.guarded().len(),
+    });
+    let _ = std::fs::remove_file(state.guard_socket());
+    guard.shutdown();
+    Ok(())
+}
