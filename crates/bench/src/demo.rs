@@ -388,9 +388,12 @@ impl Demo {
             .state
             .open_journal()
             .context("opening the demo's journal")?;
+        let tree = cryo_lifecycle::Target::Tree(pid)
+            .resolve()
+            .context("cryo stop")?;
         let report = cryo_lifecycle::stop(
             &gpu,
-            &cryo_lifecycle::Target::Tree(pid),
+            &tree,
             &cryo_lifecycle::StopOptions::default(),
             &journal,
             &cryo_lifecycle::NoProgress,
@@ -450,10 +453,13 @@ impl Demo {
             replace: false,
             suspend: cryo_lifecycle::SuspendOptions::default(),
         };
+        let tree = cryo_lifecycle::Target::Tree(self.pid)
+            .resolve()
+            .context("cryo freeze")?;
         let r = cryo_lifecycle::freeze(
             &gpu,
             &criu,
-            self.pid,
+            &tree,
             &opts,
             &journal,
             &cryo_lifecycle::NoWatcher,
@@ -567,11 +573,14 @@ impl Demo {
     fn shut_down(&mut self) {
         if self.thawed && self.worker.is_none() {
             self.thawed = false;
-            if let (Some(gpu), Ok(journal)) = (&self.gpu, self.state.open_journal()) {
+            let target = cryo_lifecycle::Target::Pids(vec![self.pid]).resolve();
+            if let (Some(gpu), Ok(journal), Ok(target)) =
+                (&self.gpu, self.state.open_journal(), target)
+            {
                 // Suspend-before-kill; if it refuses, the worker is left alive (and safe).
                 let _ = cryo_lifecycle::stop(
                     gpu,
-                    &cryo_lifecycle::Target::Pids(vec![self.pid]),
+                    &target,
                     &cryo_lifecycle::StopOptions::default(),
                     &journal,
                     &cryo_lifecycle::NoProgress,

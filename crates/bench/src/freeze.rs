@@ -320,7 +320,7 @@ impl Bench {
             serde_json::from_str(&out).context("parsing cryo freeze --json")?;
         let freeze_steps = steps(&f, ["suspend_ms", "dump_ms", "publish_ms"]);
         child.wait().context("reaping the frozen worker")?;
-        let image_bytes = dir_bytes(&image);
+        let image_bytes = cryo_criu::image::dir_bytes(&image);
 
         let t = Instant::now();
         let mut c = self.cryo();
@@ -442,17 +442,6 @@ fn reap(pid: i32) {
             _ => return,
         }
     }
-}
-
-fn dir_bytes(dir: &Path) -> u64 {
-    fs::read_dir(dir)
-        .map(|rd| {
-            rd.flatten()
-                .filter_map(|e| e.metadata().ok())
-                .map(|m| m.len())
-                .sum()
-        })
-        .unwrap_or(0)
 }
 
 fn steps(v: &serde_json::Value, keys: [&str; 3]) -> [f64; 3] {

@@ -17,8 +17,8 @@ mod commands;
 mod compat;
 mod defer;
 mod exit;
+mod process;
 mod progress;
-mod target;
 
 use std::ffi::OsString;
 use std::path::Path;

@@ -43,7 +43,7 @@ use std::time::Duration;
 
 use cryo_gpu::Gpu;
 use cryo_journal::{Event, Journal, ProcId, Reader, Record};
-use cryo_lifecycle::{NoProgress, StopOptions, SuspendOptions};
+use cryo_lifecycle::{NoProgress, ResolveError, Resolved, StopOptions, SuspendOptions, Target};
 use cryo_proc::ProcHandle;
 use cryo_state::fence::{Fence, FenceError, FencedGpu};
 use cryo_state::StateDir;
@@ -154,6 +154,17 @@ pub enum GuardAttachError {
     /// The journal could not be written.
     #[error("cannot write the journal: {0}")]
     Journal(#[from] cryo_journal::AppendError),
+}
+
+/// A stop the guard started (drain, memory watch) could not be carried out.
+#[derive(Debug, thiserror::Error)]
+enum InnerStopError {
+    /// The process could not be opened.
+    #[error(transparent)]
+    Resolve(#[from] ResolveError),
+    /// The stop failed.
+    #[error(transparent)]
+    Stop(#[from] cryo_lifecycle::StopError),
 }
 
 /// Detaching from one process failed.
@@ -305,6 +316,20 @@ impl Inner {
         }
     }
 
+    /// Stops `target` through the lifecycle (suspend-before-kill, every step journaled).
+    fn stop(
+        &self,
+        target: Result<Resolved, ResolveError>,
+    ) -> Result<cryo_lifecycle::StopReport, InnerStopError> {
+        Ok(cryo_lifecycle::stop(
+            &self.gpu,
+            &target?,
+            &StopOptions::default(),
+            &self.journal,
+            &NoProgress,
+        )?)
+    }
+
     fn run_endgame(self: &Arc<Self>) {
         let Endgame::Drain { restart_cmd } = self.cfg.endgame.clone() else {
             return;
@@ -333,14 +358,7 @@ impl Inner {
         };
         let mut all_stopped = true;
         for pid in others {
-            let target = cryo_lifecycle::Target::Pids(vec![pid]);
-            match cryo_lifecycle::stop(
-                &self.gpu,
-                &target,
-                &StopOptions::default(),
-                &self.journal,
-                &NoProgress,
-            ) {
+            match self.stop(Target::Pids(vec![pid]).resolve()) {
                 Ok(r) if r.stopped() => tracing::warn!(pid, "drain: stopped (suspended first)"),
                 Ok(r) => {
                     all_stopped = false;
@@ -801,14 +819,11 @@ impl Guard {
                 continue;
             };
             tracing::warn!(pid = id.pid, %why, "memory pressure: suspending and stopping before the OOM killer acts");
-            let target = cryo_lifecycle::Target::Pids(vec![id.pid]);
-            match cryo_lifecycle::stop(
-                &self.inner.gpu,
-                &target,
-                &StopOptions::default(),
-                &self.inner.journal,
-                &NoProgress,
-            ) {
+            // The very process guarded, not whatever holds its pid now.
+            let target = ProcHandle::open_expected(id.pid, id.start_time)
+                .map(|h| Resolved::from_handles(Target::Pids(vec![id.pid]), vec![h]))
+                .map_err(ResolveError::from);
+            match self.inner.stop(target) {
                 Ok(r) if r.stopped() => stopped.push(id),
                 Ok(r) => {
                     tracing::error!(pid = id.pid, refusals = ?r.refusals, "memory pressure: could not suspend; the exit stop will pin")

@@ -2,7 +2,7 @@
 //! publish it atomically.
 //!
 //! # Design
-//! 1. Resolve the tree to pidfd handles; ask the [`Watcher`] (the guard) to let go of the
+//! 1. The tree comes resolved to pidfd handles (the caller resolved it once); ask the [`Watcher`] (the guard) to let go of the
 //!    processes it traces (CRIU must trace them itself; whatever stays alive is handed back at the
 //!    end, whatever the outcome); refuse what CRIU cannot dump cleanly (a root that does not lead
 //!    its own session, a process traced by anyone else, e.g. a debugger).
@@ -42,8 +42,8 @@ use cryo_proc::{ProcError, ProcHandle};
 
 use crate::failpoint;
 use crate::progress::Progress;
-use crate::stop::{resolve, StopError, Target};
 use crate::suspend::{id, suspend, SuspendFailure, SuspendOptions, Suspended};
+use crate::target::Resolved;
 use crate::watcher::{Watcher, WatcherError};
 
 /// Failpoint: the dump is complete in the staging directory, nothing is published yet.
@@ -95,9 +95,9 @@ pub struct FreezeRefusal {
 /// The freeze did not happen, or did not finish.
 #[derive(Debug, thiserror::Error)]
 pub enum FreezeError {
-    /// The tree could not be resolved.
-    #[error(transparent)]
-    Resolve(#[from] StopError),
+    /// The target is not a process tree.
+    #[error("a freeze takes a process tree, not {0}")]
+    NotATree(String),
     /// A process could not be read.
     #[error(transparent)]
     Proc(#[from] ProcError),
@@ -169,21 +169,25 @@ fn describe_refusals(r: &[FreezeRefusal]) -> String {
         .join("; ")
 }
 
-/// Freezes the tree rooted at `root` into `opts.image`; `watcher` (the guard, if any) lets go of
-/// the processes it traces for the dump and gets back the ones still alive after. See the module
-/// docs.
+/// Freezes `tree` (a resolved [`crate::Target::Tree`]) into `opts.image`; `watcher` (the guard, if
+/// any) lets go of the processes it traces for the dump and gets back the ones still alive after.
+/// See the module docs.
 pub fn freeze(
     gpu: &Gpu,
     criu: &Criu,
-    root: Pid,
+    tree: &Resolved,
     opts: &FreezeOptions,
     journal: &Journal,
     watcher: &dyn Watcher,
     progress: &dyn Progress,
 ) -> Result<FreezeReport, FreezeError> {
-    let handles = resolve(&Target::Tree(root))?;
-    let released = detach_traced(watcher, &handles)?;
-    let result = freeze_tree(gpu, criu, root, &handles, opts, journal, progress);
+    let root = tree
+        .root()
+        .ok_or_else(|| FreezeError::NotATree(tree.target().to_string()))?
+        .pid();
+    let handles = tree.handles();
+    let released = detach_traced(watcher, handles)?;
+    let result = freeze_tree(gpu, criu, root, handles, opts, journal, progress);
     // A refused or failed freeze, or --leave-running: what is still alive goes back under watch.
     reattach(watcher, &released);
     result
@@ -384,7 +388,7 @@ fn freeze_inner(
     let dumped = with_dir_progress(progress, root, "dump", expected, staging.path(), || {
         criu.dump(root, staging.path(), &dump_opts)
     });
-    let dumped_bytes = dir_bytes(staging.path());
+    let dumped_bytes = cryo_criu::image::dir_bytes(staging.path());
     let detail = format!(
         "{} ms, {}",
         t.elapsed().as_millis(),
@@ -585,24 +589,13 @@ pub(crate) fn with_dir_progress<T>(
         s.spawn(|| {
             while !done.load(Ordering::Relaxed) {
                 std::thread::sleep(Duration::from_millis(100));
-                progress.advance(pid, dir_bytes(dir));
+                progress.advance(pid, cryo_criu::image::dir_bytes(dir));
             }
         });
         let out = f();
         done.store(true, Ordering::Relaxed);
         out
     })
-}
-
-fn dir_bytes(dir: &Path) -> u64 {
-    std::fs::read_dir(dir)
-        .map(|rd| {
-            rd.flatten()
-                .filter_map(|e| e.metadata().ok())
-                .map(|m| m.len())
-                .sum()
-        })
-        .unwrap_or(0)
 }
 
 fn ms(d: Duration) -> u64 {

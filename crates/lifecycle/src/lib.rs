@@ -24,6 +24,7 @@ pub mod progress;
 pub mod restore;
 pub mod stop;
 pub mod suspend;
+pub mod target;
 pub mod thaw;
 pub mod watcher;
 
@@ -32,8 +33,9 @@ pub use health::HealthCheck;
 pub use progress::{NoProgress, Progress};
 pub use restore::{record_restored, RecordError};
 pub use stop::{
-    stop, EndSignal, ProcReport, Refusal, RefusalReason, StopError, StopOptions, StopReport, Target,
+    stop, EndSignal, ProcReport, Refusal, RefusalReason, StopError, StopOptions, StopReport,
 };
 pub use suspend::{suspend, SuspendOptions, SuspendOutcome, Suspended};
+pub use target::{ResolveError, Resolved, Target};
 pub use thaw::{thaw, PrecheckError, ThawError, ThawOptions, ThawReport};
 pub use watcher::{NoWatcher, Watcher, WatcherError};

@@ -1,7 +1,8 @@
 //! `cryo stop`: suspend-before-kill for every CUDA process of a target, verified through NVML.
 //!
 //! # Design
-//! 1. Resolve the target (a process tree, a cgroup, or a list of pids) to pidfd handles.
+//! 1. The target (a process tree, a cgroup, or a list of pids) comes resolved to pidfd handles
+//!    ([`crate::target`]): the caller resolved it once, before any question to a driver.
 //! 2. Ask the driver which of them are CUDA processes (the driver answers a state for them).
 //! 3. Suspend them all ([`crate::suspend`]): lock in parallel, checkpoint in parallel, verify.
 //! 4. Only if every one is suspended: end the CUDA processes, then the others, confirming every
@@ -12,7 +13,6 @@
 //! for `unsafe_kill`. A stop that died half-way is resumed by running it again: the driver's state
 //! says what is left to do.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use cryo_gpu::{CuResult, Gpu, Pid, ProcessState};
@@ -23,17 +23,7 @@ use rustix::process::Signal;
 use crate::failpoint;
 use crate::progress::Progress;
 use crate::suspend::{id, suspend, SuspendFailure, SuspendOptions, Suspended};
-
-/// What to stop.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Target {
-    /// A process and every descendant.
-    Tree(Pid),
-    /// Every process of a cgroup (how a container is stopped).
-    Cgroup(PathBuf),
-    /// Exactly these processes.
-    Pids(Vec<Pid>),
-}
+use crate::target::Resolved;
 
 /// How to end the processes once suspended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -129,12 +119,9 @@ impl StopReport {
 /// The stop could not be carried out at all (nothing was killed).
 #[derive(Debug, thiserror::Error)]
 pub enum StopError {
-    /// The target could not be resolved.
+    /// A process could not be signalled.
     #[error(transparent)]
     Proc(#[from] ProcError),
-    /// The target has no processes.
-    #[error("the target has no processes")]
-    Empty,
     /// The driver could not tell which processes use CUDA.
     #[error("cannot ask the driver about pid {pid}: {error}")]
     Driver {
@@ -165,47 +152,25 @@ pub enum StopError {
     },
 }
 
-/// Resolves a target to handles, opened at once so no pid can be reused under us.
-pub fn resolve(target: &Target) -> Result<Vec<ProcHandle>, StopError> {
-    let pids = match target {
-        Target::Tree(root) => cryo_proc::tree(*root)?,
-        Target::Cgroup(path) => cryo_proc::cgroup_procs(path)?,
-        Target::Pids(p) => p.clone(),
-    };
-    let mut handles = Vec::with_capacity(pids.len());
-    for pid in pids {
-        match ProcHandle::open(pid) {
-            Ok(h) => handles.push(h),
-            // A tree member that exited while we walked is simply not part of the stop; a pid the
-            // operator named explicitly must exist.
-            Err(ProcError::NoSuchProcess(_)) if !matches!(target, Target::Pids(_)) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    if handles.is_empty() {
-        return Err(StopError::Empty);
-    }
-    Ok(handles)
-}
-
 /// Stops `target`. See the module docs for the order of things and what a refusal leaves behind.
 pub fn stop(
     gpu: &Gpu,
-    target: &Target,
+    target: &Resolved,
     opts: &StopOptions,
     journal: &Journal,
     progress: &dyn Progress,
 ) -> Result<StopReport, StopError> {
     let start = Instant::now();
-    let handles = resolve(target)?;
+    let handles = target.handles();
+    let described = target.target().to_string();
     journal.append(Event::StopRequested {
-        target: describe(target),
+        target: described.clone(),
     })?;
 
     // Which processes hold CUDA state: those the driver answers a state for.
     let mut cuda = Vec::new();
     let mut plain = Vec::new();
-    for h in &handles {
+    for h in handles {
         match gpu.driver.state(h.pid()) {
             Ok(_) => cuda.push(h),
             Err(e)
@@ -317,10 +282,10 @@ pub fn stop(
         }
         if !opts.unsafe_kill {
             journal.append(Event::StopCompleted {
-                target: describe(target),
+                target: described.clone(),
                 killed: Vec::new(),
                 ms: elapsed_ms(start),
-                refused: refused_ids(&handles, &refusals),
+                refused: refused_ids(handles, &refusals),
             })?;
             return Ok(StopReport {
                 processes: reports,
@@ -397,10 +362,10 @@ pub fn stop(
         }
     }
     journal.append(Event::StopCompleted {
-        target: describe(target),
+        target: described.clone(),
         killed: handles.iter().filter(|h| !h.is_alive()).map(id).collect(),
         ms: elapsed_ms(start),
-        refused: refused_ids(&handles, &refusals),
+        refused: refused_ids(handles, &refusals),
     })?;
     Ok(StopReport {
         processes: reports,
@@ -463,20 +428,6 @@ fn end_one(
     }
     journal.append(Event::Killed { pid: id(h) })?;
     Ok(())
-}
-
-fn describe(target: &Target) -> String {
-    match target {
-        Target::Tree(p) => format!("tree of pid {p}"),
-        Target::Cgroup(p) => format!("cgroup {}", p.display()),
-        Target::Pids(p) => format!(
-            "pids {}",
-            p.iter()
-                .map(|p| p.to_string())
-                .collect::<Vec<_>>()
-                .join(",")
-        ),
-    }
 }
 
 fn elapsed_ms(start: Instant) -> u64 {

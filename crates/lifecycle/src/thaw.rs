@@ -34,8 +34,9 @@ use cryo_state::fence::{Fence, FenceError, FencedGpu, Quarantine};
 
 use crate::health::{HealthCheck, HealthError};
 use crate::progress::Progress;
-use crate::stop::{stop, StopOptions, Target};
+use crate::stop::{stop, StopOptions};
 use crate::suspend::{human_bytes, id};
+use crate::target::{Resolved, Target};
 
 /// Options of a thaw.
 #[derive(Debug, Clone)]
@@ -405,13 +406,17 @@ fn thaw_inner(
     }
 
     // From here on, every failure removes the tree safely.
-    let handles: Vec<ProcHandle> = manifest
-        .pids()
-        .into_iter()
-        .filter_map(|p| ProcHandle::open(p).ok())
-        .collect();
+    let restored = Resolved::from_handles(
+        Target::Pids(manifest.pids()),
+        manifest
+            .pids()
+            .into_iter()
+            .filter_map(|p| ProcHandle::open(p).ok())
+            .collect(),
+    );
+    let handles = restored.handles();
     let fail = |step: &'static str, error: String| -> ThawError {
-        let cleanup = remove_safely(gpu, &handles, opts, journal, progress);
+        let cleanup = remove_safely(gpu, &restored, opts, journal, progress);
         ThawError::AfterRestore {
             step,
             error,
@@ -554,11 +559,12 @@ fn thaw_inner(
 /// Suspends and kills the restored tree through the stop path; says what became of it.
 fn remove_safely(
     gpu: &Gpu,
-    handles: &[ProcHandle],
+    restored: &Resolved,
     opts: &ThawOptions,
     journal: &Journal,
     progress: &dyn Progress,
 ) -> String {
+    let handles = restored.handles();
     let alive: Vec<Pid> = handles
         .iter()
         .filter(|h| h.is_alive())
@@ -567,13 +573,7 @@ fn remove_safely(
     if alive.is_empty() {
         return "already gone".into();
     }
-    let out = match stop(
-        gpu,
-        &Target::Pids(alive.clone()),
-        &opts.stop,
-        journal,
-        progress,
-    ) {
+    let out = match stop(gpu, restored, &opts.stop, journal, progress) {
         Ok(r) if r.stopped() => "suspended and removed".to_string(),
         Ok(r) => format!(
             "NOT removed: {} (left alive and safe; run `cryo stop` on pids {})",

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use cryo_criu::Criu;
 use cryo_guard::control::GuardClient;
-use cryo_lifecycle::{FreezeError, FreezeOptions, SuspendOptions};
+use cryo_lifecycle::{FreezeError, FreezeOptions, Resolved, SuspendOptions};
 
 use super::Context;
 use crate::args::size::human;
@@ -20,7 +20,10 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
     let _deferred = crate::defer::termination();
     // CRIU first: a missing or old CRIU is one clear line before anything is touched.
     let criu = Criu::locate(None)?;
-    crate::target::open_process(args.pid)?;
+    // Resolved once: the root must be a process (not a thread), and the freeze acts on exactly
+    // the tree found now.
+    let tree = Resolved::tree(crate::process::open_process(args.pid)?)
+        .with_context(|| format!("listing the process tree of pid {}", args.pid))?;
     let gpu = ctx.gpu()?;
     let journal = ctx.state.open_journal().context("opening the journal")?;
     let opts = FreezeOptions {
@@ -39,7 +42,7 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
     let result = cryo_lifecycle::freeze(
         &gpu,
         &criu,
-        args.pid,
+        &tree,
         &opts,
         &journal,
         &guard,

@@ -19,7 +19,7 @@ use crate::args::size::human;
 use crate::args::GpuCommand;
 use crate::compat::Action;
 use crate::exit::UsageError;
-use crate::target;
+use crate::process;
 
 /// Runs one `cryo gpu` command.
 pub fn run(ctx: &Context, cmd: GpuCommand) -> anyhow::Result<()> {
@@ -127,13 +127,13 @@ fn ps(ctx: &Context, o: &OutputArgs) -> anyhow::Result<()> {
 }
 
 fn state(ctx: &Context, p: &PidArgs) -> anyhow::Result<()> {
-    let handle = target::open_process(p.pid)?;
+    let handle = process::open_process(p.pid)?;
     let gpu = ctx.gpu()?;
     let s = gpu
         .driver
         .state(p.pid)
         .map_err(|e| explain(e, p.pid, None))?;
-    target::check_still_alive(&handle)?;
+    process::check_still_alive(&handle)?;
     if p.json {
         println!("{}", serde_json::json!({ "pid": p.pid, "state": s }));
     } else {
@@ -143,13 +143,13 @@ fn state(ctx: &Context, p: &PidArgs) -> anyhow::Result<()> {
 }
 
 fn restore_tid(ctx: &Context, p: &PidArgs) -> anyhow::Result<()> {
-    let handle = target::open_process(p.pid)?;
+    let handle = process::open_process(p.pid)?;
     let gpu = ctx.gpu()?;
     let tid = gpu
         .driver
         .restore_thread_id(p.pid)
         .map_err(|e| explain(e, p.pid, None))?;
-    target::check_still_alive(&handle)?;
+    process::check_still_alive(&handle)?;
     if p.json {
         println!(
             "{}",
@@ -179,7 +179,7 @@ fn act(
     map: Option<&crate::args::GpuMap>,
 ) -> anyhow::Result<()> {
     let pid = p.pid;
-    let handle = target::open_process(pid)?;
+    let handle = process::open_process(pid)?;
     let gpu = ctx.gpu()?;
     let before = gpu.driver.state(pid).map_err(|e| explain(e, pid, None))?;
     precheck(action, pid, before).map_err(|m| anyhow!(m))?;
@@ -203,7 +203,7 @@ fn act(
     };
     let elapsed = start.elapsed();
     result.map_err(|e| explain(e, pid, Some((action, timeout))))?;
-    target::check_still_alive(&handle)?;
+    process::check_still_alive(&handle)?;
     if action == Action::Restore {
         super::record_restore(&ctx.state, &handle, "cryo gpu restore");
     }

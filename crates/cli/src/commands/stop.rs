@@ -59,13 +59,15 @@ pub fn run(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
     // Before any thread exists, so every thread of the command inherits the mask.
     let _deferred = crate::defer::termination();
     let target = target(args);
-    // A target that does not exist is the operator's first problem, before any driver question.
-    cryo_lifecycle::stop::resolve(&target)
+    // Resolved once, here: a target that does not exist is the operator's first problem, before
+    // any driver question, and the stop acts on exactly the processes found now.
+    let resolved = target
+        .resolve()
         .with_context(|| format!("stopping {}", describe(&target)))?;
     let gpu = ctx.gpu()?;
     let journal = ctx.state.open_journal().context("opening the journal")?;
     let progress = crate::progress::for_stderr();
-    let result = cryo_lifecycle::stop(&gpu, &target, &options(args), &journal, progress.as_ref());
+    let result = cryo_lifecycle::stop(&gpu, &resolved, &options(args), &journal, progress.as_ref());
     // Finish the bars before anything else is printed.
     drop(progress);
     let report = result.with_context(|| format!("stopping {}", describe(&target)))?;

@@ -613,6 +613,19 @@ fn spans(m: &Manifest) -> Vec<hash::Span<'_>> {
     out
 }
 
+/// The bytes of the files directly in `dir` (an image, published or being dumped); 0 for what
+/// cannot be read. For progress and reports, never for a decision.
+pub fn dir_bytes(dir: &Path) -> u64 {
+    fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
 /// Reads and checks `manifest.json` without looking at the other files.
 pub fn read_manifest(mpath: &Path) -> Result<Manifest, ImageError> {
     let bytes = match fs::read(mpath) {

@@ -14,6 +14,7 @@ use cryo_journal::{Event, Journal};
 
 use super::*;
 use crate::NoProgress;
+use crate::Target;
 
 #[derive(Debug, Clone, Copy)]
 struct FakeProc {
@@ -211,7 +212,9 @@ fn one_process_that_cannot_be_suspended_stops_nothing() {
     fake.add(procs.pid(1), true);
     let dir = tempfile::tempdir().unwrap();
     let journal = Journal::open(dir.path()).unwrap();
-    let target = Target::Pids(vec![procs.pid(0), procs.pid(1), procs.pid(2)]);
+    let target = Target::Pids(vec![procs.pid(0), procs.pid(1), procs.pid(2)])
+        .resolve()
+        .unwrap();
     let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
     assert_eq!(report.refusals.len(), 1);
     assert_eq!(report.refusals[0].pid, procs.pid(1));
@@ -244,7 +247,9 @@ fn suspends_cuda_processes_then_kills_everything() {
     fake.add(procs.pid(0), false);
     let dir = tempfile::tempdir().unwrap();
     let journal = Journal::open(dir.path()).unwrap();
-    let target = Target::Pids(vec![procs.pid(0), procs.pid(1)]);
+    let target = Target::Pids(vec![procs.pid(0), procs.pid(1)])
+        .resolve()
+        .unwrap();
     let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
     assert!(report.stopped(), "{report:?}");
     assert_eq!(fake.state_of(procs.pid(0)), ProcessState::Checkpointed);
@@ -290,7 +295,9 @@ fn fresh_does_not_override_a_journaled_restore() {
             ms: None,
         })
         .unwrap();
-    let target = Target::Pids(vec![procs.pid(0), procs.pid(1)]);
+    let target = Target::Pids(vec![procs.pid(0), procs.pid(1)])
+        .resolve()
+        .unwrap();
     let report = stop(
         &fake.gpu(),
         &target,
@@ -328,7 +335,7 @@ fn an_already_checkpointed_process_is_verified_and_killed() {
     let journal = Journal::open(dir.path()).unwrap();
     let report = stop(
         &fake.gpu(),
-        &Target::Tree(procs.pid(0)),
+        &Target::Tree(procs.pid(0)).resolve().unwrap(),
         &opts(),
         &journal,
         &NoProgress,
@@ -351,7 +358,9 @@ fn a_process_that_exits_on_its_own_meanwhile_counts_as_ended() {
     *fake.1.lock().unwrap() = Some((procs.pid(1), "state"));
     let dir = tempfile::tempdir().unwrap();
     let journal = Journal::open(dir.path()).unwrap();
-    let target = Target::Pids(vec![procs.pid(0), procs.pid(1)]);
+    let target = Target::Pids(vec![procs.pid(0), procs.pid(1)])
+        .resolve()
+        .unwrap();
     let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
     assert!(report.stopped(), "{report:?}");
     assert!(report.processes.iter().all(|p| p.ended), "{report:?}");
@@ -369,7 +378,9 @@ fn a_cuda_process_that_dies_during_the_suspension_does_not_block_the_others() {
     *fake.1.lock().unwrap() = Some((procs.pid(1), "lock"));
     let dir = tempfile::tempdir().unwrap();
     let journal = Journal::open(dir.path()).unwrap();
-    let target = Target::Pids(vec![procs.pid(0), procs.pid(1), procs.pid(2)]);
+    let target = Target::Pids(vec![procs.pid(0), procs.pid(1), procs.pid(2)])
+        .resolve()
+        .unwrap();
     let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
     assert!(report.stopped(), "{report:?}");
     assert!(report.refusals.is_empty());

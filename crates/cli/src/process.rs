@@ -1,6 +1,7 @@
-//! The process a command acts on: looked up in `/proc` and held through a pidfd before any driver
-//! call, so that a pid that does not exist, names a thread, or is reused mid-call is reported
-//! rather than acted upon blindly.
+//! The one process an operator command names (`cryo gpu ...`, the `cuda-checkpoint` front end, the
+//! root of `cryo freeze`): looked up in `/proc` and held through a pidfd before any driver call,
+//! so that a pid that does not exist, names a thread, or is reused mid-call is reported rather
+//! than acted upon blindly. What a procedure acts on as a whole is a `cryo_lifecycle::Target`.
 
 use std::fs;
 use std::io;

@@ -1,0 +1,137 @@
+//! What a procedure acts on: a process tree, a cgroup, or exactly some processes, resolved once
+//! to pidfd handles.
+//!
+//! # Design
+//! A [`Target`] is what the operator named; [`Target::resolve`] opens a pidfd for every process
+//! of it at once, and the [`Resolved`] handles are what every later step uses (the stop, the
+//! freeze, the checks before them): no pid is looked up twice, and none can be reused under the
+//! procedure. A tree member or cgroup member that exits while it is listed is simply not part of
+//! it; a pid named explicitly, and the root of a tree, must exist. A caller that already holds the
+//! root (and checked it is a process, not a thread) builds the tree from it: [`Resolved::tree`].
+
+use std::fmt;
+use std::path::PathBuf;
+
+use cryo_gpu::Pid;
+use cryo_proc::{ProcError, ProcHandle};
+
+/// What to act on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// A process and every descendant.
+    Tree(Pid),
+    /// Every process of a cgroup (how a container is stopped).
+    Cgroup(PathBuf),
+    /// Exactly these processes.
+    Pids(Vec<Pid>),
+}
+
+/// `tree of pid 12`, `cgroup /sys/fs/cgroup/x`, `pids 12,13`: how the journal names a target.
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Target::Tree(p) => write!(f, "tree of pid {p}"),
+            Target::Cgroup(p) => write!(f, "cgroup {}", p.display()),
+            Target::Pids(p) => {
+                f.write_str("pids ")?;
+                for (i, pid) in p.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str(",")?;
+                    }
+                    write!(f, "{pid}")?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The target could not be resolved (nothing was done to it).
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    /// A process could not be looked up or opened.
+    #[error(transparent)]
+    Proc(#[from] ProcError),
+    /// The target has no processes.
+    #[error("the target has no processes")]
+    Empty,
+}
+
+/// A target with a pidfd for each of its processes, opened at once.
+#[derive(Debug)]
+pub struct Resolved {
+    target: Target,
+    handles: Vec<ProcHandle>,
+}
+
+impl Target {
+    /// Opens every process of the target (see the module docs).
+    pub fn resolve(&self) -> Result<Resolved, ResolveError> {
+        let pids = match self {
+            Target::Tree(root) => return Resolved::tree(ProcHandle::open(*root)?),
+            Target::Cgroup(path) => cryo_proc::cgroup_procs(path)?,
+            Target::Pids(p) => p.clone(),
+        };
+        let mut handles = Vec::with_capacity(pids.len());
+        for pid in pids {
+            match ProcHandle::open(pid) {
+                Ok(h) => handles.push(h),
+                // A cgroup member that exited while we listed is simply not part of the target;
+                // a pid named explicitly must exist.
+                Err(ProcError::NoSuchProcess(_)) if matches!(self, Target::Cgroup(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if handles.is_empty() {
+            return Err(ResolveError::Empty);
+        }
+        Ok(Resolved {
+            target: self.clone(),
+            handles,
+        })
+    }
+}
+
+impl Resolved {
+    /// The tree under `root`, a process the caller already holds (and checked).
+    pub fn tree(root: ProcHandle) -> Result<Resolved, ResolveError> {
+        let pids = cryo_proc::tree(root.pid())?;
+        let mut handles = Vec::with_capacity(pids.len());
+        for pid in pids.into_iter().filter(|p| *p != root.pid()) {
+            match ProcHandle::open(pid) {
+                Ok(h) => handles.push(h),
+                // A member that exited while we walked is simply not part of the tree.
+                Err(ProcError::NoSuchProcess(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        handles.insert(0, root);
+        Ok(Resolved {
+            target: Target::Tree(handles[0].pid()),
+            handles,
+        })
+    }
+
+    /// Handles already open (a procedure's own processes), named as `target`.
+    pub fn from_handles(target: Target, handles: Vec<ProcHandle>) -> Self {
+        Self { target, handles }
+    }
+
+    /// What was named.
+    pub fn target(&self) -> &Target {
+        &self.target
+    }
+
+    /// Every process, the root of a tree first.
+    pub fn handles(&self) -> &[ProcHandle] {
+        &self.handles
+    }
+
+    /// The root of a tree (`None` for another kind of target).
+    pub fn root(&self) -> Option<&ProcHandle> {
+        match self.target {
+            Target::Tree(root) => self.handles.iter().find(|h| h.pid() == root),
+            _ => None,
+        }
+    }
+}
