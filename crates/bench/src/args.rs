@@ -38,6 +38,9 @@ pub enum BenchCommand {
     /// The guard's cost on a worker's request latency (p50/p99, guarded vs not) and the time from
     /// a fatal signal to a suspended exit against a bare suspension, on a private simulated GPU.
     Guard(BenchGuardArgs),
+    /// The journal's append latency with a syslog forwarder whose collector is dead (refused,
+    /// or accepting and never reading) or live, against no forwarder, in the same run.
+    Telemetry(BenchTelemetryArgs),
 }
 
 /// `cryo bench stop`.
@@ -62,6 +65,14 @@ fn parse_rounds(s: &str) -> Result<usize, String> {
     }
 }
 
+/// `--batch` of `cryo bench telemetry`: 1 to 10000 appends.
+fn parse_batch(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n @ 1..=10_000) => Ok(n),
+        _ => Err(format!("{s:?} is not a batch size from 1 to 10000")),
+    }
+}
+
 /// `cryo bench freeze`.
 #[derive(Debug, Clone, Args)]
 pub struct BenchFreezeArgs {
@@ -74,6 +85,24 @@ pub struct BenchFreezeArgs {
     /// Counted rounds per size, after one warm-up round; the arm that goes first alternates.
     #[arg(long, value_name = "N", default_value_t = 3, value_parser = parse_rounds)]
     pub rounds: usize,
+    /// Print the rows as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `cryo bench telemetry`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchTelemetryArgs {
+    /// Timed appends per arm (each one fdatasync'd, as cryo appends).
+    #[arg(long, default_value_t = 2000)]
+    pub appends: usize,
+    /// Appends per batch; the arms take turns batch by batch, the order alternating.
+    #[arg(long, default_value_t = 20, value_parser = parse_batch)]
+    pub batch: usize,
+    /// Where the bench journals go (a temporary directory under it; default: the system's temp
+    /// dir). Put it on the file system of the state directory to measure that one.
+    #[arg(long, value_name = "DIR")]
+    pub dir: Option<PathBuf>,
     /// Print the rows as JSON.
     #[arg(long)]
     pub json: bool,

@@ -10,6 +10,8 @@
 //! - `stop`: `cryo stop` against the operators' procedure (one `cuda-checkpoint` per action).
 //! - `freeze`: `cryo freeze`/`thaw` against the `criu` command line plus `cuda-checkpoint`.
 //! - `guard`: the guard's cost on request latency, and signal-to-suspended time.
+//! - `telemetry`: the journal's append latency with a syslog forwarder and a dead, stalled or
+//!   live collector, against none (no simulated GPU needed).
 //! - `demo`: the checkpoint/restore cycle step by step, with timings (the README's main job).
 //!
 //! Every benchmark prints ratios against a baseline measured in the same run (`measure`), never
@@ -28,6 +30,7 @@ mod guard;
 mod measure;
 mod private_sim;
 mod stop;
+mod telemetry;
 
 use std::path::Path;
 
@@ -39,6 +42,7 @@ pub fn bench(args: &BenchArgs, cryo: &Path) -> anyhow::Result<()> {
         BenchCommand::Stop(a) => stop::run(a, cryo),
         BenchCommand::Freeze(a) => freeze::run(a, cryo),
         BenchCommand::Guard(a) => guard::run(a, cryo),
+        BenchCommand::Telemetry(a) => telemetry::run(a),
     }
 }
 

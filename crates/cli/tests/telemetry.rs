@@ -421,3 +421,36 @@ fn rsyslog_receives_every_event_of_a_stop_as_the_timeline_shows_it() {
     }
     drop(fwd);
 }
+
+/// `cryo bench telemetry` runs and reports every arm against its baseline; the forwarder of the
+/// live arm sent every record.
+#[test]
+fn bench_telemetry_smoke() {
+    let out = cryo()
+        .args([
+            "bench",
+            "telemetry",
+            "--appends",
+            "40",
+            "--batch",
+            "10",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    let arms: Vec<&str> = rows.iter().map(|r| r["arm"].as_str().unwrap()).collect();
+    assert_eq!(arms, ["none", "refused", "stalled", "live"]);
+    assert_eq!(rows[0]["p50_ratio"], 1.0);
+    for r in rows {
+        assert!(r["p99_ratio"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert_eq!(
+        rows[1]["sent"], 0,
+        "nothing is sent to a collector that refuses"
+    );
+    // 4 batches of 10 and a warm-up batch.
+    assert_eq!(rows[3]["sent"], 50, "the live collector got every record");
+}
