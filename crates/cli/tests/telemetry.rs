@@ -14,7 +14,7 @@ mod tools;
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -331,17 +331,9 @@ fn check_against_journal(text: &str, records: &[serde_json::Value]) {
 }
 
 fn get_metrics(addr: &str) -> String {
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    write!(
-        s,
-        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let (head, body) = out.split_once("\r\n\r\n").unwrap();
+    let (head, body) = tools::http_get(addr, "/metrics");
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    body.to_owned()
+    body
 }
 
 struct KillOnDrop(Child);

@@ -16,7 +16,8 @@
 //!   sees some records twice after an outage (never one missing); each message carries the
 //!   record's `seq` (structured data and MSG) to drop duplicates by.
 //! - **Reconnects** back off exponentially from [`ForwardConfig::retry_min`] to
-//!   [`ForwardConfig::retry_max`]. A connection whose oldest unacknowledged byte waits longer than
+//!   [`ForwardConfig::retry_max`], also after connections that end within 2 s (a collector that
+//!   accepts and drops every connection is not hammered). A connection whose oldest unacknowledged byte waits longer than
 //!   [`ForwardConfig::ack_timeout`] (a collector host that vanished without a reset) is dropped
 //!   and made again. Failures are logged once per outage, not once per attempt.
 //!
@@ -208,6 +209,8 @@ const MAX_REMEMBERED_ACKS: usize = 65_536;
 const ACK_POLL: Duration = Duration::from_millis(10);
 /// How long an idle forwarder sleeps between looks at its replay window.
 const IDLE_WAIT: Duration = Duration::from_secs(1);
+/// A connection up this long resets the reconnect back-off.
+const STABLE: Duration = Duration::from_secs(2);
 /// The position is stored at most this often while records flow (and whenever idle).
 const STORE_EVERY: Duration = Duration::from_millis(200);
 
@@ -217,6 +220,8 @@ struct Conn {
     written: u64,
     /// (seq, end offset of its frame in the stream, when written), oldest first.
     inflight: VecDeque<(u64, u64, Instant)>,
+    /// When it was made.
+    since: Instant,
 }
 
 struct Run {
@@ -296,17 +301,27 @@ impl Run {
         let mut retry = self.cfg.retry_min;
         let mut failing = false;
         let mut conn: Option<Conn> = None;
+        // Whether the last connection ended before it was up for STABLE: then the next attempt
+        // backs off too (a collector that accepts and closes at once, or resets every connection,
+        // is not hammered; its kernel may even have acknowledged what it then threw away).
+        let mut fruitless = false;
         loop {
             if self.stop_requested(Duration::ZERO) {
                 break;
             }
             let Some(c) = conn.as_mut() else {
+                if fruitless {
+                    fruitless = false;
+                    if self.stop_requested(retry) {
+                        break;
+                    }
+                    retry = (retry * 2).min(self.cfg.retry_max);
+                }
                 match connect(&self.cfg) {
                     Ok(c) => {
                         tracing::info!(collector = %self.cfg.collector, after = follow.after(), "connected to the syslog collector");
                         self.shared.connected.store(true, Ordering::Relaxed);
                         self.shared.connections.fetch_add(1, Ordering::Relaxed);
-                        retry = self.cfg.retry_min;
                         failing = false;
                         conn = Some(c);
                     }
@@ -329,12 +344,17 @@ impl Run {
             };
 
             if let Err(err) = self.send_new(&mut follow, c) {
+                fruitless = c.since.elapsed() < STABLE;
                 self.lose(&mut conn, &mut follow, &format!("write failed: {err}"));
                 continue;
             }
             if let Err(err) = self.acknowledge(c) {
+                fruitless = c.since.elapsed() < STABLE;
                 self.lose(&mut conn, &mut follow, &err);
                 continue;
+            }
+            if c.since.elapsed() >= STABLE {
+                retry = self.cfg.retry_min;
             }
             self.store_if_due(false);
 
@@ -343,6 +363,7 @@ impl Run {
             match follow.wait(&[c.stream.as_fd(), self.stop.as_fd()], wait) {
                 Ok(Wake::Other(0)) => {
                     if peer_closed(&c.stream) {
+                        fruitless = c.since.elapsed() < STABLE;
                         self.lose(
                             &mut conn,
                             &mut follow,
@@ -538,6 +559,7 @@ fn connect(cfg: &ForwardConfig) -> Result<Conn, ConnectError> {
                     stream,
                     written: 0,
                     inflight: VecDeque::new(),
+                    since: Instant::now(),
                 });
             }
             Err(source) => last = Some(ConnectError::Connect { addr, source }),

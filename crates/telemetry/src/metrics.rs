@@ -276,37 +276,39 @@ struct ForwarderCollector {
 
 impl ForwarderCollector {
     fn new(shared: Arc<ForwardShared>) -> Result<ForwarderCollector, MetricsError> {
-        // The registry adds the prefix.
-        let name = |n: &str| n.to_owned();
-        let err = |n: &str| {
-            let n = n.to_owned();
-            move |source| MetricsError::Register { name: n, source }
+        // Names without the prefix: the registry adds it.
+        let gauge = |name: &str, help: &str| {
+            IntGauge::new(name, help).map_err(|source| MetricsError::Register {
+                name: name.to_owned(),
+                source,
+            })
         };
-        let connected = IntGauge::new(
-            name("syslog_connected"),
+        let counter = |name: &str, help: &str| {
+            IntCounter::new(name, help).map_err(|source| MetricsError::Register {
+                name: name.to_owned(),
+                source,
+            })
+        };
+        let connected = gauge(
+            "syslog_connected",
             "Whether the syslog forwarder is connected to its collector (1) or not (0).",
-        )
-        .map_err(err("syslog_connected"))?;
-        let delivered = IntGauge::new(
-            name("syslog_delivered_seq"),
+        )?;
+        let delivered = gauge(
+            "syslog_delivered_seq",
             "Journal seq up to which the collector acknowledged every record.",
-        )
-        .map_err(err("syslog_delivered_seq"))?;
-        let sent = IntCounter::new(
-            name("syslog_sent_total"),
+        )?;
+        let sent = counter(
+            "syslog_sent_total",
             "Syslog messages written to the collector, resends included.",
-        )
-        .map_err(err("syslog_sent_total"))?;
-        let resent = IntCounter::new(
-            name("syslog_resent_total"),
+        )?;
+        let resent = counter(
+            "syslog_resent_total",
             "Syslog messages written again after a connection ended (at-least-once delivery).",
-        )
-        .map_err(err("syslog_resent_total"))?;
-        let connections = IntCounter::new(
-            name("syslog_connections_total"),
+        )?;
+        let connections = counter(
+            "syslog_connections_total",
             "Connections made to the syslog collector.",
-        )
-        .map_err(err("syslog_connections_total"))?;
+        )?;
         let descs = [
             connected.desc(),
             delivered.desc(),

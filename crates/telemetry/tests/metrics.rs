@@ -4,8 +4,6 @@
 
 mod support;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -170,16 +168,7 @@ fn live_gauges_are_set_by_their_owner() {
 }
 
 fn get(addr: std::net::SocketAddr, path: &str) -> (String, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let (head, body) = out.split_once("\r\n\r\n").unwrap();
-    (head.to_string(), body.to_string())
+    support::tools::http_get(&addr.to_string(), path)
 }
 
 #[test]
@@ -220,14 +209,9 @@ fn served_over_http_while_following_the_journal() {
 #[test]
 fn forwarder_state_is_exposed() {
     let dir = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
     let fwd = Forwarder::start(ForwardConfig::new(
         &cryo_state::StateDir::new(dir.path()),
-        format!("127.0.0.1:{port}"),
+        support::tools::refused_addr(),
     ))
     .unwrap();
     let m = Metrics::new().unwrap();

@@ -271,14 +271,8 @@ fn an_offset_of_another_journal_is_not_trusted() {
 #[test]
 fn a_collector_that_is_not_there_is_retried_without_blocking_appends() {
     let state = tempfile::tempdir().unwrap();
-    // A port nothing listens on: bind one, note it, close it.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
     let j = Journal::open(state.path().join("journal")).unwrap();
-    let fwd = Forwarder::start(cfg(state.path(), &format!("127.0.0.1:{port}"))).unwrap();
+    let fwd = Forwarder::start(cfg(state.path(), &support::tools::refused_addr())).unwrap();
     for i in 1..=50 {
         j.append(Event::Killed { pid: p(i) }).unwrap();
     }
@@ -289,4 +283,35 @@ fn a_collector_that_is_not_there_is_retried_without_blocking_appends() {
     assert!(!st.connected);
     assert_eq!(st.delivered_seq, 0);
     assert!(st.last_error.unwrap().contains("refused"));
+}
+
+/// A collector that accepts every connection and closes it at once (or resets it) is not
+/// hammered: each fruitless connection waits longer than the one before.
+#[test]
+fn a_collector_that_drops_every_connection_is_retried_with_backoff() {
+    let state = tempfile::tempdir().unwrap();
+    let j = Journal::open(state.path().join("journal")).unwrap();
+    j.append(Event::Killed { pid: p(1) }).unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let mut c = cfg(state.path(), &addr);
+    c.retry_min = Duration::from_millis(100);
+    c.retry_max = Duration::from_secs(10);
+    let _fwd = Forwarder::start(c).unwrap();
+    let mut at = Vec::new();
+    for _ in 0..5 {
+        let (conn, _) = listener.accept().unwrap();
+        at.push(std::time::Instant::now());
+        drop(conn);
+    }
+    for (k, w) in at.windows(2).enumerate().skip(1) {
+        let gap = w[1] - w[0];
+        // 100 ms doubling from the second drop on; only lower bounds (a slow host only waits
+        // longer).
+        let least = Duration::from_millis(100 << (k - 1)) * 9 / 10;
+        assert!(
+            gap >= least,
+            "reconnect {k} after {gap:?}, expected at least {least:?}: {at:?}"
+        );
+    }
 }

@@ -50,3 +50,25 @@ pub fn sample(text: &str, series: &str) -> Option<f64> {
         (name == series).then(|| value.parse().ok())?
     })
 }
+
+/// `HOST:PORT` on loopback where nothing listens (a port bound, noted and closed): a collector
+/// that refuses connections.
+pub fn refused_addr() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
+/// `GET path` on `addr` over HTTP/1.1: (status line and headers, body).
+pub fn http_get(addr: &str, path: &str) -> (String, String) {
+    use std::io::{Read as _, Write as _};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let (head, body) = out.split_once("\r\n\r\n").unwrap();
+    (head.to_string(), body.to_string())
+}
