@@ -16,10 +16,9 @@
 //! One source of truth: the journal. Everything here reads it with the journal's lock-free
 //! reader, in threads of its own, so nothing here can block or slow an append, and the
 //! standalone CLI's work is counted and forwarded as well as the agent's. The agent (`cryod`)
-//! wires these pieces: it starts a [`JournalFeed`] and a [`MetricsServer`] on one [`Metrics`]
-//! built [`Metrics::with_live_gauges`], sets the gauges from its guard and fence, starts a
-//! [`Forwarder`] when a collector is configured (and [`Metrics::watch_forwarder`]), and serves
-//! [`Follow`] as NDJSON.
+//! wires these pieces with [`Telemetry::start`] (a [`JournalFeed`] and a [`MetricsServer`] on one
+//! [`Metrics`] with [`LiveGauges`], a [`Forwarder`] when a collector is configured), sets the
+//! gauges from its guard and fence, and serves [`Follow`] as NDJSON.
 //!
 //! Metrics use the `prometheus` crate, whose text format (0.0.4) is what `promtool check metrics`
 //! lints; `prometheus-client` writes OpenMetrics, whose counters (`# TYPE x counter` then
@@ -37,6 +36,7 @@ pub mod forward;
 mod metrics;
 mod offset;
 mod server;
+mod service;
 mod sys;
 pub mod syslog;
 
@@ -46,6 +46,7 @@ pub use forward::{ForwardConfig, ForwardShared, ForwardStatus, Forwarder};
 pub use metrics::{LiveGauges, Metrics, CONTENT_TYPE, DURATION_BUCKETS, PREFIX};
 pub use offset::{Offset, OffsetFile};
 pub use server::{JournalFeed, MetricsServer, DEFAULT_LISTEN};
+pub use service::{StartError, Telemetry, TelemetryConfig};
 pub use syslog::{severity, Severity, SyslogFormat};
 
 use cryo_journal::Event;

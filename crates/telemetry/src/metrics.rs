@@ -117,17 +117,23 @@ impl Metrics {
 
     /// The journal-derived metrics and the [`LiveGauges`] (for the owner of the live state).
     pub fn with_live_gauges() -> Result<Metrics, MetricsError> {
+        Ok(Metrics::and_live_gauges()?.0)
+    }
+
+    /// [`Metrics::with_live_gauges`], and the gauges themselves (handles to the same values).
+    pub fn and_live_gauges() -> Result<(Metrics, LiveGauges), MetricsError> {
         let mut m = Metrics::new()?;
         let r = Reg(&m.registry);
-        m.live = Some(LiveGauges {
+        let live = LiveGauges {
             pins_held: r.gauge(
                 "pins_held",
                 "Driver fds of dead restored processes that cryo holds open now.",
             )?,
             guarded_processes: r.gauge("guarded_processes", "Processes the guard watches now.")?,
             gpus_quarantined: r.gauge("gpus_quarantined", "GPUs in quarantine now.")?,
-        });
-        Ok(m)
+        };
+        m.live = Some(live.clone());
+        Ok((m, live))
     }
 
     /// The live gauges, if registered.

@@ -223,3 +223,28 @@ fn forwarder_state_is_exposed() {
     assert_eq!(sample(&text, "cryo_syslog_delivered_seq"), Some(0.0));
     assert_eq!(sample(&text, "cryo_syslog_connections_total"), Some(0.0));
 }
+
+/// The agent's wiring in one call: journal totals, live gauges, forwarder state, one listener.
+#[test]
+fn telemetry_starts_every_piece_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = cryo_state::StateDir::new(dir.path());
+    drop(busy_journal(&state.journal_dir()));
+    let t = cryo_telemetry::Telemetry::start(
+        &state,
+        &cryo_telemetry::TelemetryConfig {
+            metrics_listen: Some("127.0.0.1:0".into()),
+            syslog: Some(support::tools::refused_addr()),
+        },
+    )
+    .unwrap();
+    t.live().pins_held.set(2);
+    let addr = t.metrics_addr().unwrap();
+    assert!(addr.ip().is_loopback());
+    let (_, body) = get(addr, "/metrics");
+    promtool_check(&body);
+    assert_eq!(sample(&body, "cryo_journal_last_seq"), Some(19.0));
+    assert_eq!(sample(&body, "cryo_pins_held"), Some(2.0));
+    assert_eq!(sample(&body, "cryo_syslog_connected"), Some(0.0));
+    assert!(t.forwarder().is_some());
+}
