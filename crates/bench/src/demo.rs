@@ -21,7 +21,8 @@ use std::process::Child;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Context as _};
-use cryo_gpu::{Gpu, Pid, ProcessState};
+use cryo_gpu::{Gpu, ProcessState};
+use cryo_proc::Pid;
 use cryo_sim::SimControl;
 
 use cryo_journal::fmt_bytes as human;

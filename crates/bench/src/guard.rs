@@ -267,7 +267,7 @@ fn guard_round(
     let id = guard.attach_pid(p)?;
     let h = ProcHandle::open(p)?;
     let t = Instant::now();
-    h.signal(rustix::process::Signal::Term)?;
+    h.signal(cryo_proc::Signal::SIGTERM)?;
     if !h.wait_exit(Duration::from_secs(60)) {
         bail!("pid {p} did not die of SIGTERM under the guard");
     }

@@ -1,8 +1,6 @@
 //! What the three benchmarks share: samples over rounds (median, min-max), the alternating arm
 //! order, and the host's load average as a noise indicator.
 
-use std::fs;
-
 use serde::Serialize;
 
 /// The samples of one arm over the counted rounds.
@@ -60,14 +58,10 @@ pub(crate) fn a_first(round: usize) -> bool {
     round.is_multiple_of(2)
 }
 
-/// The host's 1, 5 and 15 minute load averages (`/proc/loadavg`); NaN where unreadable, since a
-/// benchmark should not fail for want of a noise indicator.
+/// The host's 1, 5 and 15 minute load averages; NaN where unreadable, since a benchmark should
+/// not fail for want of a noise indicator.
 pub(crate) fn load_average() -> [f64; 3] {
-    let text = fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    let mut it = text
-        .split_whitespace()
-        .map(|f| f.parse::<f64>().unwrap_or(f64::NAN));
-    [(); 3].map(|()| it.next().unwrap_or(f64::NAN))
+    cryo_proc::load_average().unwrap_or([f64::NAN; 3])
 }
 
 /// `load average at start: 0.77 1.20 1.28 (1, 5, 15 min; 2 CPUs)`.

@@ -20,7 +20,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _};
-use cryo_gpu::{Gpu, Pid, ProcessState};
+use cryo_gpu::{Gpu, ProcessState};
+use cryo_proc::Pid;
 use cryo_sim::SimControl;
 
 /// A `cryo sim driver` child serving in `dir`.

@@ -37,7 +37,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Context as _};
-use cryo_gpu::{Gpu, Pid};
+use cryo_gpu::Gpu;
+use cryo_proc::Pid;
 use cryo_sim::SimControl;
 use serde::Serialize;
 

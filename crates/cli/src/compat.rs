@@ -34,7 +34,8 @@
 
 use std::time::Duration;
 
-use cryo_gpu::{CheckpointDriver, CuResult, DriverError, GpuPair, Pid, ProcessState};
+use cryo_gpu::{CheckpointDriver, CuResult, DriverError, GpuPair, ProcessState};
+use cryo_proc::Pid;
 
 use crate::args::GpuMap;
 use crate::exit;

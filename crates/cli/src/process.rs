@@ -1,42 +1,16 @@
 //! The one process an operator command names (`cryo gpu ...`, the `cuda-checkpoint` front end, the
-//! root of `cryo freeze`): looked up in `/proc` and held through a pidfd before any driver call,
+//! root of `cryo freeze`): looked up (`cryo_proc`) and held through a pidfd before any driver call,
 //! so that a pid that does not exist, names a thread, or is reused mid-call is reported rather
 //! than acted upon blindly. What a procedure acts on as a whole is a `cryo_lifecycle::Target`.
 
-use std::fs;
-use std::io;
-
 use anyhow::{bail, Context as _};
-use cryo_gpu::Pid;
+use cryo_proc::Pid;
 use cryo_proc::ProcHandle;
-
-/// The thread group (process) `pid` belongs to: itself for a process, its process for a thread.
-/// `None` when `/proc/PID` does not exist.
-pub fn tgid_of(pid: Pid) -> io::Result<Option<Pid>> {
-    let status = match fs::read_to_string(format!("/proc/{pid}/status")) {
-        Ok(s) => s,
-        Err(e) if e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(3) => {
-            return Ok(None)
-        }
-        Err(e) => return Err(e),
-    };
-    let tgid = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Tgid:"))
-        .and_then(|v| v.trim().parse().ok())
-        .ok_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("/proc/{pid}/status has no Tgid line"),
-            )
-        })?;
-    Ok(Some(tgid))
-}
 
 /// Opens the process `pid` names for an operator command: it must exist and be a process, not a
 /// thread of one.
 pub fn open_process(pid: Pid) -> anyhow::Result<ProcHandle> {
-    match tgid_of(pid).with_context(|| format!("looking up pid {pid}"))? {
+    match cryo_proc::tgid(pid).with_context(|| format!("looking up pid {pid}"))? {
         None => bail!("pid {pid} does not exist"),
         Some(tgid) if tgid != pid => {
             bail!("pid {pid} is a thread of process {tgid}; use --pid {tgid}")
@@ -65,7 +39,6 @@ mod tests {
     #[test]
     fn a_process_is_its_own_thread_group() {
         let me = std::process::id() as Pid;
-        assert_eq!(tgid_of(me).unwrap(), Some(me));
         assert!(open_process(me).is_ok());
     }
 
@@ -80,7 +53,6 @@ mod tests {
         });
         let tid = rx.recv().unwrap();
         let me = std::process::id() as Pid;
-        assert_eq!(tgid_of(tid).unwrap(), Some(me));
         let err = open_process(tid).unwrap_err().to_string();
         assert_eq!(
             err,
@@ -95,7 +67,6 @@ mod tests {
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let pid = child.id() as Pid;
         child.wait().unwrap();
-        assert_eq!(tgid_of(pid).unwrap(), None);
         assert_eq!(
             open_process(pid).unwrap_err().to_string(),
             format!("pid {pid} does not exist")

@@ -6,8 +6,8 @@ use std::io::IsTerminal;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use cryo_gpu::Pid;
 use cryo_lifecycle::Progress;
+use cryo_proc::Pid;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::args::size::human;

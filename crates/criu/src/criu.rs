@@ -4,7 +4,7 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
-use cryo_gpu::Pid;
+use cryo_proc::Pid;
 
 use crate::error::{CriuError, CriuOp};
 use crate::rpc::{CriuOpts, CriuReq, CriuReqType, Swrk};

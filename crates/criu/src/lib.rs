@@ -26,22 +26,19 @@
 //! reaps: a dumped child of the caller stays a zombie holding its pid (and blocks a restore with
 //! that pid) until waited for; a restored root is the caller's child. A restore needs every pid
 //! of the image free, also as a process group or session id of a leftover of the dumped tree
-//! that init has not reaped yet: [`pids_in_use`] says which are still taken. No timeout on CRIU
+//! that init has not reaped yet: [`cryo_proc::pids_in_use`] says which are still taken. No timeout on CRIU
 //! itself: a hung CRIU hangs the call.
 
 mod criu;
 mod error;
 pub mod image;
-mod pids;
 mod rpc;
 mod version;
 
 pub use criu::{
     error_lines, Criu, DumpOpts, RestoreOpts, CRIU_ENV, DEFAULT_CRIU, DUMP_LOG, RESTORE_LOG,
 };
-pub use cryo_gpu::Pid;
 pub use error::{CriuError, CriuOp};
 pub use image::{ImageError, Manifest};
-pub use pids::pids_in_use;
 pub use rpc::RpcError;
 pub use version::CriuVersion;

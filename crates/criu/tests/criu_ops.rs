@@ -101,7 +101,7 @@ fn tree_pids(pid: i32) -> Vec<i32> {
 fn wait_pids_free(pids: &[i32]) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let busy = cryo_criu::pids_in_use(pids);
+        let busy = cryo_proc::pids_in_use(pids);
         if busy.is_empty() {
             return;
         }
@@ -138,7 +138,7 @@ fn dump_publish_verify_restore_keeps_pid_and_memory() {
     assert_eq!(tree.len(), 2, "bash and its sleep: {tree:?}");
     let entries_before: Vec<ProcessEntry> = tree
         .iter()
-        .map(|p| ProcessEntry::from_proc(*p).unwrap())
+        .map(|p| ProcessEntry::of(&cryo_proc::ProcHandle::open(*p).unwrap()).unwrap())
         .collect();
     assert_eq!(entries_before[0].comm, "bash");
     assert_eq!(entries_before[0].ppid, std::process::id() as i32);

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use crate::Pid;
+use cryo_proc::Pid;
 
 /// A `CUresult` returned by the CUDA driver (or by the simulated one, which uses the same codes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -172,16 +172,37 @@ impl DriverError {
 /// Inspection (NVML-style) failed.
 #[derive(Debug, thiserror::Error)]
 pub enum InspectError {
-    /// NVML could not be loaded or initialised.
-    #[error("cannot use NVML: {0}")]
-    Nvml(String),
+    /// An NVML call failed (or NVML could not be loaded or initialised).
+    #[error("cannot use NVML ({what}): {source}")]
+    Nvml {
+        /// What was asked (`loading libnvidia-ml.so.1`, `GPU 0 memory`).
+        what: String,
+        /// NVML's error.
+        source: nvml_wrapper::error::NvmlError,
+    },
+    /// NVML named a GPU by something that is not a UUID.
+    #[error("NVML: GPU {index}: {source}")]
+    BadUuid {
+        /// The GPU's index.
+        index: u32,
+        /// What was wrong.
+        source: crate::types::BadUuid,
+    },
+    /// NVML listed a pid outside the kernel's range.
+    #[error("NVML: GPU {index} lists pid {pid}, which is not a pid")]
+    BadPid {
+        /// The GPU's index.
+        index: u32,
+        /// What NVML said.
+        pid: u32,
+    },
     /// A process's fd table could not be read.
     #[error("cannot read the fd table of pid {pid}: {source}")]
     Fds {
         /// Target process.
         pid: Pid,
-        /// The I/O error.
-        source: std::io::Error,
+        /// Why.
+        source: cryo_proc::ProcError,
     },
     /// The simulated driver could not be reached or answered nonsense.
     #[error("simulated GPU driver at {endpoint}: {reason}")]

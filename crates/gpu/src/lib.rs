@@ -6,7 +6,7 @@
 //! - [`CheckpointDriver`]: the CUDA driver's process checkpoint API
 //!   (`cuCheckpointProcess{GetState,Lock,Checkpoint,Restore,Unlock,GetRestoreThreadId}`).
 //! - [`GpuInspector`]: what NVML shows (GPUs, per-pid device memory) plus which of a process's fds
-//!   are driver files (what fd pinning must hold).
+//!   are driver files (what fd pinning must hold; recognised by `cryo_proc::DriverFiles`).
 //!
 //! Backends: [`cuda`] (libcuda loaded at run time), [`nvml`] (libnvidia-ml loaded at run time) and
 //! the simulated GPU in the `cryo-sim` crate. Errors from the driver keep the driver's own name
@@ -25,8 +25,7 @@ pub use types::{GpuInfo, GpuPair, GpuProcess, GpuUuid, ProcessState};
 
 use std::time::Duration;
 
-/// A process id as the kernel and the driver see it (host pid namespace).
-pub type Pid = i32;
+use cryo_proc::Pid;
 
 /// The CUDA driver's process checkpoint API. Every method acts on another process, identified by
 /// pid, exactly as the driver does; callers that did not spawn the process must hold a pidfd

@@ -4,8 +4,9 @@
 //! - NVML is what tells a suspend apart from a kill that would tear a live context down: after
 //!   a checkpoint the pid is no longer in `nvmlDeviceGetComputeRunningProcesses`. One query takes
 //!   ~0.03 ms, so callers may poll it.
-//! - [`driver_fds`] reads `/proc/PID/fd` directly (no NVML): it names the `/dev/nvidia*` fds that
-//!   fd pinning must duplicate to keep a dying process's context alive.
+//! - [`GpuInspector::driver_fds`] asks no NVML: the process's fd table (`cryo_proc`) names the
+//!   `/dev/nvidia*` fds ([`cryo_proc::DriverFiles::Nvidia`]) that fd pinning must duplicate to keep
+//!   a dying process's context alive.
 //!
 //! # Limitations
 //! - NVML reports host pids; a caller inside a pid namespace must translate (NSpid).
@@ -13,8 +14,6 @@
 //! - Graphics contexts are not listed, only compute ones.
 
 use std::ffi::OsStr;
-use std::io;
-use std::path::Path;
 
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
@@ -24,9 +23,6 @@ use crate::{GpuInfo, GpuInspector, GpuProcess, GpuUuid, InspectError, Pid};
 
 /// NVML's SONAME, as the NVIDIA driver installs it.
 pub const LIBNVML: &str = "libnvidia-ml.so.1";
-
-/// Where the real driver's device files live; an fd linking under this prefix is a driver fd.
-pub const NVIDIA_DEV_PREFIX: &str = "/dev/nvidia";
 
 /// NVML, initialised.
 pub struct NvmlInspector {
@@ -39,8 +35,11 @@ impl std::fmt::Debug for NvmlInspector {
     }
 }
 
-fn nvml_err(what: &str, e: NvmlError) -> InspectError {
-    InspectError::Nvml(format!("{what}: {e}"))
+fn nvml_err(what: &str, source: NvmlError) -> InspectError {
+    InspectError::Nvml {
+        what: what.to_string(),
+        source,
+    }
 }
 
 impl NvmlInspector {
@@ -73,7 +72,7 @@ impl NvmlInspector {
 
 fn parse_uuid(index: u32, s: String) -> Result<GpuUuid, InspectError> {
     s.parse()
-        .map_err(|e| InspectError::Nvml(format!("GPU {index}: {e}")))
+        .map_err(|source| InspectError::BadUuid { index, source })
 }
 
 fn used_bytes(m: UsedGpuMemory) -> u64 {
@@ -123,9 +122,8 @@ impl GpuInspector for NvmlInspector {
                 .running_compute_processes()
                 .map_err(|e| nvml_err(&format!("GPU {index} compute processes"), e))?;
             for p in procs {
-                let pid = Pid::try_from(p.pid).map_err(|_| {
-                    InspectError::Nvml(format!("GPU {index}: pid {} out of range", p.pid))
-                })?;
+                let pid =
+                    Pid::try_from(p.pid).map_err(|_| InspectError::BadPid { index, pid: p.pid })?;
                 out.push(GpuProcess {
                     pid,
                     gpu_index: index,
@@ -150,44 +148,8 @@ impl GpuInspector for NvmlInspector {
 
 /// The fds of `pid` that are NVIDIA device files (`/dev/nvidia*`), in ascending order.
 pub fn driver_fds(pid: Pid) -> Result<Vec<i32>, InspectError> {
-    fds_linking_under(Path::new("/proc"), pid, NVIDIA_DEV_PREFIX)
-}
-
-/// The fds in `PROC/PID/fd` whose link target starts with `prefix`, ascending. An fd closed
-/// between listing and reading its link is skipped (the table changes under us); any other
-/// error is reported.
-pub fn fds_linking_under(
-    proc_root: &Path,
-    pid: Pid,
-    prefix: &str,
-) -> Result<Vec<i32>, InspectError> {
-    let fail = |source: io::Error| InspectError::Fds { pid, source };
-    let dir = proc_root.join(pid.to_string()).join("fd");
-    let mut fds = Vec::new();
-    for entry in std::fs::read_dir(&dir).map_err(fail)? {
-        let entry = entry.map_err(fail)?;
-        let Some(fd) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        let target = match std::fs::read_link(entry.path()) {
-            Ok(t) => t,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(fail(e)),
-        };
-        if target
-            .as_os_str()
-            .as_encoded_bytes()
-            .starts_with(prefix.as_bytes())
-        {
-            fds.push(fd);
-        }
-    }
-    fds.sort_unstable();
-    Ok(fds)
+    let fds = cryo_proc::fds(pid).map_err(|source| InspectError::Fds { pid, source })?;
+    Ok(cryo_proc::driver_fds(&fds, cryo_proc::DriverFiles::Nvidia))
 }
 
 #[cfg(test)]
@@ -199,7 +161,7 @@ mod tests {
     fn loading_nvml_from_a_missing_library_names_it() {
         let err = NvmlInspector::load_from("/nonexistent/libnvidia-ml.so.1").unwrap_err();
         let msg = err.to_string();
-        assert!(matches!(err, InspectError::Nvml(_)), "{err:?}");
+        assert!(matches!(err, InspectError::Nvml { .. }), "{err:?}");
         assert!(msg.contains("/nonexistent/libnvidia-ml.so.1"), "{msg}");
     }
 
@@ -211,7 +173,7 @@ mod tests {
 
     #[test]
     fn nvml_load_matches_whether_a_driver_is_present() {
-        let driver = Path::new("/proc/driver/nvidia").exists();
+        let driver = std::path::Path::new("/proc/driver/nvidia").exists();
         match NvmlInspector::load() {
             Ok(n) => {
                 assert!(driver, "NVML loaded without an NVIDIA kernel driver");
@@ -225,7 +187,7 @@ mod tests {
     }
 
     #[test]
-    fn a_plain_process_has_no_nvidia_fds_and_fd_tables_are_read() {
+    fn a_plain_process_has_no_nvidia_fds() {
         // A fresh child: this test binary may itself hold NVML's fds on a GPU machine.
         let mut child = std::process::Command::new("sleep")
             .arg("30")
@@ -236,45 +198,18 @@ mod tests {
         child.kill().unwrap();
         child.wait().unwrap();
         assert_eq!(found.unwrap(), Vec::<i32>::new());
-        let me = Pid::try_from(std::process::id()).unwrap();
-        let f = std::fs::File::open("/proc/self/stat").unwrap();
-        let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
-        let proc_fds = fds_linking_under(Path::new("/proc"), me, "/proc/").unwrap();
-        assert!(
-            proc_fds.contains(&fd),
-            "fd {fd} of /proc/self/stat not in {proc_fds:?}"
-        );
-        let stdio = fds_linking_under(Path::new("/proc"), me, "").unwrap();
-        assert!(
-            stdio.contains(&fd) && stdio.windows(2).all(|w| w[0] < w[1]),
-            "{stdio:?}"
-        );
-    }
-
-    #[test]
-    fn nvidia_fds_are_found_in_a_fake_proc_tree() {
-        let root = tempfile::tempdir().unwrap();
-        let fd_dir = root.path().join("4242").join("fd");
-        std::fs::create_dir_all(&fd_dir).unwrap();
-        for (fd, target) in [
-            ("0", "/dev/null"),
-            ("3", "/dev/nvidiactl"),
-            ("12", "/dev/nvidia0"),
-            ("7", "/dev/nvidia-uvm"),
-            ("9", "socket:[123]"),
-            ("5", "/home/dev/nvidia0"),
-        ] {
-            std::os::unix::fs::symlink(target, fd_dir.join(fd)).unwrap();
-        }
-        let fds = fds_linking_under(root.path(), 4242, NVIDIA_DEV_PREFIX).unwrap();
-        assert_eq!(fds, vec![3, 7, 12]);
     }
 
     #[test]
     fn missing_process_is_an_fds_error_naming_the_pid() {
-        let root = tempfile::tempdir().unwrap();
-        let err = fds_linking_under(root.path(), 77, NVIDIA_DEV_PREFIX).unwrap_err();
-        assert!(matches!(err, InspectError::Fds { pid: 77, .. }), "{err:?}");
-        assert!(err.to_string().contains("pid 77"), "{err}");
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = Pid::try_from(child.id()).unwrap();
+        child.wait().unwrap();
+        let err = driver_fds(pid).unwrap_err();
+        assert!(
+            matches!(err, InspectError::Fds { pid: p, .. } if p == pid),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains(&format!("pid {pid}")), "{err}");
     }
 }

@@ -5,7 +5,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::Pid;
+use cryo_proc::Pid;
 
 /// `CUprocessState`, as `cuCheckpointProcessGetState` reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -39,7 +39,7 @@ use cryo_state::StateDir;
 use serde::{Deserialize, Serialize};
 
 use crate::guard::{Guard, GuardDetachError, GuardStatus, ReleaseError};
-use crate::Pid;
+use cryo_proc::Pid;
 
 /// The longest request line the server reads.
 pub const MAX_REQUEST_BYTES: u64 = 64 << 10;
@@ -299,7 +299,7 @@ pub enum ControlError {
         /// The pid.
         pid: Pid,
         /// Why.
-        source: cryo_journal::ProcIdError,
+        source: cryo_proc::ProcError,
     },
 }
 

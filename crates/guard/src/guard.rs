@@ -36,7 +36,7 @@
 //!   headroom still ends in an OOM kill, which the exit stop catches.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::fd::{AsFd, RawFd};
+use std::os::fd::RawFd;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -44,16 +44,14 @@ use std::time::Duration;
 use cryo_gpu::Gpu;
 use cryo_journal::{Event, Journal, ProcId, Reader, Record};
 use cryo_lifecycle::{NoProgress, ResolveError, Resolved, StopOptions, SuspendOptions, Target};
-use cryo_proc::ProcHandle;
+use cryo_proc::{Pid, ProcHandle};
 use cryo_state::fence::{Fence, FenceError, FencedGpu};
 use cryo_state::StateDir;
 use serde::{Deserialize, Serialize};
 
 use crate::memory::{CgroupVersion, MemoryCgroup};
-use crate::pidfd::PidFd;
 use crate::policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee};
 use crate::tracer::{AttachError, DetachError, SpawnError, Tracer, TracerGone};
-use crate::{procfs, Pid};
 
 /// What happens after a GPU is quarantined.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -137,17 +135,6 @@ pub enum GuardAttachError {
     /// The process is gone or its pid now names another process.
     #[error(transparent)]
     Proc(#[from] cryo_proc::ProcError),
-    /// Its identity could not be read.
-    #[error(transparent)]
-    Id(#[from] cryo_journal::ProcIdError),
-    /// Duplicating its pidfd failed.
-    #[error("duplicating the pidfd of {pid} failed: {source}")]
-    Dup {
-        /// The process.
-        pid: Pid,
-        /// The error.
-        source: std::io::Error,
-    },
     /// ptrace refused.
     #[error(transparent)]
     Attach(#[from] AttachError),
@@ -446,7 +433,11 @@ impl Policy for PolicyHandle {
             Err(err) => {
                 // Unsure which fds are the driver's: hold them all rather than lose a context.
                 tracing::error!(pid, %err, "cannot list driver fds; pinning every fd");
-                procfs::fd_numbers(pid).unwrap_or_default()
+                target
+                    .handle()
+                    .fds()
+                    .map(|fds| fds.iter().map(|f| f.fd).collect())
+                    .unwrap_or_default()
             }
         }
     }
@@ -617,16 +608,8 @@ impl Guard {
             return Ok(());
         }
         let handle = ProcHandle::open_expected(id.pid, id.start_time)?;
-        let dup = handle
-            .pidfd()
-            .as_fd()
-            .try_clone_to_owned()
-            .map_err(|source| GuardAttachError::Dup {
-                pid: id.pid,
-                source,
-            })?;
-        let pidfd = PidFd::from_owned(id.pid, dup);
-        let oom = match procfs::set_oom_score_adj(&pidfd, self.inner.cfg.oom_score_adj) {
+        let traced = handle.try_clone()?;
+        let oom = match handle.set_oom_score_adj(self.inner.cfg.oom_score_adj) {
             Ok(()) => self.inner.cfg.oom_score_adj.to_string(),
             Err(e) => {
                 if self
@@ -651,7 +634,7 @@ impl Guard {
                 oom,
             },
         );
-        if let Err(e) = self.tracer.attach_pidfd(pidfd) {
+        if let Err(e) = self.tracer.attach_handle(traced) {
             lock(&self.inner.watched).remove(&id.pid);
             return Err(e.into());
         }
@@ -815,7 +798,7 @@ impl Guard {
         let ids: Vec<ProcId> = lock(&self.inner.watched).values().map(|w| w.id).collect();
         let mut stopped = Vec::new();
         for id in ids {
-            let Some(why) = memory_trigger(&self.inner.gpu, id.pid, &watch) else {
+            let Some(why) = memory_trigger(&self.inner.gpu, id, &watch) else {
                 continue;
             };
             tracing::warn!(pid = id.pid, %why, "memory pressure: suspending and stopping before the OOM killer acts");
@@ -851,8 +834,10 @@ impl Guard {
 }
 
 /// Why `pid` must be suspended now, if it must.
-fn memory_trigger(gpu: &Gpu, pid: Pid, watch: &MemoryWatch) -> Option<String> {
-    let cg = MemoryCgroup::of_pid(pid).ok()?;
+fn memory_trigger(gpu: &Gpu, id: ProcId, watch: &MemoryWatch) -> Option<String> {
+    let pid = id.pid;
+    let handle = ProcHandle::open_expected(id.pid, id.start_time).ok()?;
+    let cg = MemoryCgroup::of(&handle).ok()?;
     let (usage, limit) = match cg.version {
         CgroupVersion::V1 => (
             read_u64(&cg.dir.join("memory.usage_in_bytes")),

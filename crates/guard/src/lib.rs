@@ -7,8 +7,9 @@
 //!   [`policy::Policy`], and at the leader's exit stop (SIGKILL, OOM kill, `exit_group`) takes
 //!   duplicates of the fds the policy names (`pidfd_getfd`) and hands them over before letting the
 //!   process exit. Policy callbacks run off the tracer thread.
-//! - [`pidfd::PidFd`]: every action on a process that is not our child goes through a pidfd.
-//! - [`procfs`]: threads, fds, signal masks, `oom_score_adj`.
+//! - Every action on a process that is not our child goes through a [`cryo_proc::ProcHandle`]
+//!   (pidfd), and every read of `/proc` through `cryo_proc` (threads, fds, signal masks,
+//!   `oom_score_adj`, cgroups).
 //! - [`memory`]: PSI and cgroup OOM-kill counters, cgroup v1 and v2.
 //! - [`signals`]: which signals count as fatal (no handler installed, default action kills).
 //! - `sys`: the raw syscalls, the only `unsafe` code.
@@ -28,30 +29,24 @@
 //!   kills). Threads in group-stop stay stopped.
 //! - A traced process that is not the guard's child is reported to the tracer first when it dies,
 //!   then handed to its real parent; until that parent reaps it, it is a zombie and its pidfd
-//!   still accepts signal 0 ([`PidFd::is_alive`] says "not reaped").
+//!   still accepts signal 0 ([`cryo_proc::ProcHandle::liveness`] says `Zombie`, not `Gone`).
 //! - Lowering `oom_score_adj` and PSI trigger windows that are not multiples of 2 s both need
 //!   `CAP_SYS_RESOURCE` (which the development container lacks).
 //!
 //! # Limitations
 //! See [`tracer`]. Lowering `oom_score_adj` needs `CAP_SYS_RESOURCE`
-//! ([`procfs::OomAdjError::NotPermitted`] says so).
+//! ([`cryo_proc::OomAdjError::NotPermitted`] says so).
 
 pub mod control;
 pub mod guard;
 pub mod memory;
-pub mod pidfd;
 pub mod policy;
-pub mod procfs;
 pub mod service;
 pub mod signals;
 pub mod sys;
 pub mod tracer;
 
-/// A process or thread id (host pid namespace), as in `cryo_gpu::Pid`.
-pub type Pid = i32;
-
 pub use guard::{Endgame, Guard, GuardConfig, GuardStatus, MemoryWatch, StartReport};
-pub use pidfd::{PidFd, PidFdError};
 pub use policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee};
 pub use service::{run, Notice, RunError, RunOptions};
 pub use tracer::{AttachError, DetachError, SpawnError, Tracer, TracerGone, TracerStats};

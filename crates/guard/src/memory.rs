@@ -1,22 +1,25 @@
 //! Memory pressure and OOM-kill counters, for acting before the OOM killer does.
 //!
 //! # Design
-//! Two cgroup layouts are supported, chosen per process from `/proc/PID/cgroup` and
-//! `/proc/self/mountinfo`:
+//! Two cgroup layouts are supported, chosen per process from its cgroups
+//! ([`cryo_proc::ProcHandle::cgroup_dirs`]):
 //! - **v2** (the memory controller on the unified hierarchy): OOM kills from `memory.events`
 //!   (`oom_kill N`), pressure from the cgroup's `memory.pressure`.
 //! - **v1** (a `memory` controller hierarchy, as on hybrid hosts): OOM kills from
 //!   `memory.oom_control` (`oom_kill N`, Linux 4.13+). v1 has no PSI file; pressure then comes
 //!   from the process's cgroup on the unified hierarchy if one is mounted (PSI is a core cgroup2
-//!   file that exists without the memory controller), else from the system-wide
-//!   `/proc/pressure/memory`.
+//!   file that exists without the memory controller), else from the system-wide one
+//!   ([`cryo_proc::SYSTEM_MEMORY_PRESSURE`]).
 //!
 //! [`PsiTrigger`] arms a kernel PSI trigger (`some|full STALL_US WINDOW_US`) and waits for it with
 //! `poll(POLLPRI)`, which is how a watcher reacts within one window instead of polling averages.
 //!
+//! Finding the cgroup is `cryo_proc`'s (it goes through `/proc`); reading the files inside it is
+//! the cgroup filesystem's API and this module's: only the memory watch acts on them, and the PSI
+//! trigger is part of how it waits.
+//!
 //! # Limitations
-//! Paths in `/proc/PID/cgroup` are joined to the mount point as they are; a cgroup namespace whose
-//! root differs from the mount's root is not translated.
+//! See [`cryo_proc::Cgroups`] for cgroup namespaces.
 
 use std::fs;
 use std::io::{self, Write};
@@ -24,8 +27,9 @@ use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use cryo_proc::{Pid, ProcError, ProcHandle};
+
 use crate::sys;
-use crate::Pid;
 
 /// Finding or reading a memory cgroup failed.
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +43,9 @@ pub enum CgroupError {
     /// {path} has no `{key}` line
     #[error("{path} has no `{key}` line")]
     MissingKey { path: PathBuf, key: &'static str },
+    /// The process's cgroups could not be looked up.
+    #[error(transparent)]
+    Proc(#[from] ProcError),
 }
 
 fn read(path: &Path) -> Result<String, CgroupError> {
@@ -60,7 +67,7 @@ pub enum CgroupVersion {
 pub enum PressureSource {
     /// A cgroup2 `memory.pressure` file (the process's own cgroup).
     Cgroup(PathBuf),
-    /// `/proc/pressure/memory`: the whole machine.
+    /// The whole machine's ([`cryo_proc::SYSTEM_MEMORY_PRESSURE`]).
     System,
 }
 
@@ -69,7 +76,7 @@ impl PressureSource {
     pub fn path(&self) -> &Path {
         match self {
             Self::Cgroup(p) => p,
-            Self::System => Path::new("/proc/pressure/memory"),
+            Self::System => Path::new(cryo_proc::SYSTEM_MEMORY_PRESSURE),
         }
     }
 }
@@ -84,83 +91,27 @@ pub struct MemoryCgroup {
     pub pressure: PressureSource,
 }
 
-struct Mounts {
-    v1_memory: Option<PathBuf>,
-    v2: Option<PathBuf>,
-}
-
-fn mounts() -> Result<Mounts, CgroupError> {
-    let text = read(Path::new("/proc/self/mountinfo"))?;
-    let mut m = Mounts {
-        v1_memory: None,
-        v2: None,
-    };
-    for line in text.lines() {
-        // "ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTS [OPTIONAL...] - FSTYPE SOURCE SUPEROPTS"
-        let Some((left, right)) = line.split_once(" - ") else {
-            continue;
-        };
-        let Some(mountpoint) = left.split(' ').nth(4) else {
-            continue;
-        };
-        let mut r = right.split(' ');
-        let fstype = r.next().unwrap_or("");
-        let superopts = r.nth(1).unwrap_or("");
-        if fstype == "cgroup2" && m.v2.is_none() {
-            m.v2 = Some(PathBuf::from(mountpoint));
-        } else if fstype == "cgroup"
-            && m.v1_memory.is_none()
-            && superopts.split(',').any(|o| o == "memory")
-        {
-            m.v1_memory = Some(PathBuf::from(mountpoint));
-        }
-    }
-    Ok(m)
-}
-
-fn join(mount: &Path, cg_path: &str) -> PathBuf {
-    mount.join(cg_path.trim_start_matches('/'))
-}
-
 impl MemoryCgroup {
-    /// The memory cgroup `pid` is in: v1 when a v1 `memory` hierarchy holds it, else v2 when the
+    /// The memory cgroup of `process`: v1 when a v1 `memory` hierarchy holds it, else v2 when the
     /// unified hierarchy has the memory controller for it.
-    pub fn of_pid(pid: Pid) -> Result<Self, CgroupError> {
-        let text = read(&PathBuf::from(format!("/proc/{pid}/cgroup")))?;
-        let mounts = mounts()?;
-        let mut v1_path = None;
-        let mut v2_path = None;
-        for line in text.lines() {
-            let mut parts = line.splitn(3, ':');
-            let (Some(id), Some(ctrls), Some(path)) = (parts.next(), parts.next(), parts.next())
-            else {
-                continue;
-            };
-            if id == "0" && ctrls.is_empty() {
-                v2_path = Some(path.to_string());
-            } else if ctrls.split(',').any(|c| c == "memory") {
-                v1_path = Some(path.to_string());
-            }
-        }
-        let v2_dir = match (&mounts.v2, &v2_path) {
-            (Some(m), Some(p)) => Some(join(m, p)),
-            _ => None,
-        };
-        let v2_pressure = v2_dir
+    pub fn of(process: &ProcHandle) -> Result<Self, CgroupError> {
+        let pid = process.pid();
+        let cgroups = process.cgroup_dirs()?;
+        let v2_pressure = cgroups
+            .unified
             .as_ref()
             .map(|d| d.join("memory.pressure"))
             .filter(|p| p.exists());
-        if let (Some(m), Some(p)) = (&mounts.v1_memory, &v1_path) {
-            let dir = join(m, p);
+        if let Some(dir) = cgroups.v1("memory") {
             if dir.join("memory.oom_control").exists() {
                 return Ok(Self {
                     version: CgroupVersion::V1,
-                    dir,
+                    dir: dir.to_path_buf(),
                     pressure: v2_pressure.map_or(PressureSource::System, PressureSource::Cgroup),
                 });
             }
         }
-        if let Some(dir) = v2_dir.filter(|d| d.join("memory.events").exists()) {
+        if let Some(dir) = cgroups.unified.filter(|d| d.join("memory.events").exists()) {
             return Ok(Self {
                 version: CgroupVersion::V2,
                 pressure: PressureSource::Cgroup(dir.join("memory.pressure")),
@@ -248,7 +199,7 @@ impl Psi {
         })
     }
 
-    /// The machine's memory pressure (`/proc/pressure/memory`).
+    /// The machine's memory pressure.
     pub fn system() -> Result<Self, CgroupError> {
         Self::read(PressureSource::System.path())
     }

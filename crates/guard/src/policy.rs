@@ -3,24 +3,23 @@
 use std::os::fd::{OwnedFd, RawFd};
 use std::sync::Arc;
 
-use crate::pidfd::{PidFd, PidFdError};
-use crate::Pid;
+use cryo_proc::{Pid, ProcError, ProcHandle};
 
-/// A traced process: its pid and the pidfd taken before it was attached.
+/// A traced process: the handle (pidfd) taken before it was attached.
 #[derive(Debug, Clone)]
 pub struct Tracee {
-    pub(crate) pidfd: Arc<PidFd>,
+    pub(crate) handle: Arc<ProcHandle>,
 }
 
 impl Tracee {
     /// The process id (thread-group id).
     pub fn pid(&self) -> Pid {
-        self.pidfd.pid()
+        self.handle.pid()
     }
 
-    /// The pidfd naming exactly this process (signal it, take its fds).
-    pub fn pidfd(&self) -> &PidFd {
-        &self.pidfd
+    /// The handle naming exactly this process (signal it, take its fds, read it).
+    pub fn handle(&self) -> &ProcHandle {
+        &self.handle
     }
 }
 
@@ -76,7 +75,7 @@ pub struct PinnedFds {
     /// `(fd number in the target, our duplicate)`.
     pub fds: Vec<(RawFd, OwnedFd)>,
     /// The fds that could not be taken.
-    pub failed: Vec<PidFdError>,
+    pub failed: Vec<ProcError>,
 }
 
 /// The decisions the tracer leaves to its owner. Every method runs on a thread of its own, never

@@ -26,7 +26,7 @@ use cryo_journal::ProcId;
 
 use crate::control::{self, ServeError};
 use crate::guard::{Guard, GuardAttachError, GuardConfig, StartError};
-use crate::Pid;
+use cryo_proc::Pid;
 
 /// How often a guard that holds pins repeats that it refuses to stop.
 const REFUSAL_REPEAT: Duration = Duration::from_secs(30);

@@ -3,7 +3,7 @@
 //! is one call, checks the return at once and maps it to `io::Error`.
 
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::Once;
 
 /// A kernel thread id or process id.
@@ -21,41 +21,6 @@ fn check(ret: libc::c_long) -> io::Result<libc::c_long> {
     } else {
         Ok(ret)
     }
-}
-
-fn owned_fd(ret: libc::c_long) -> io::Result<OwnedFd> {
-    let fd = RawFd::try_from(check(ret)?).map_err(|_| io::Error::from_raw_os_error(libc::EBADF))?;
-    // SAFETY: the kernel just returned this fd to us; nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-/// `pidfd_open(pid, 0)`.
-pub fn pidfd_open(pid: Tid) -> io::Result<OwnedFd> {
-    // SAFETY: two integer arguments, no memory passed.
-    let ret = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    owned_fd(ret)
-}
-
-/// `pidfd_getfd(pidfd, target_fd, 0)`: a duplicate of `target_fd` of the pidfd's process.
-pub fn pidfd_getfd(pidfd: BorrowedFd<'_>, target_fd: RawFd) -> io::Result<OwnedFd> {
-    // SAFETY: integer arguments only; `pidfd` is a live fd borrowed for the call.
-    let ret = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), target_fd, 0) };
-    owned_fd(ret)
-}
-
-/// `pidfd_send_signal(pidfd, sig, NULL, 0)`; `sig == 0` only checks that the process lives.
-pub fn pidfd_send_signal(pidfd: BorrowedFd<'_>, sig: i32) -> io::Result<()> {
-    // SAFETY: a null siginfo pointer is allowed (the kernel fills in a kill()-like one).
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            pidfd.as_raw_fd(),
-            sig,
-            std::ptr::null::<libc::siginfo_t>(),
-            0,
-        )
-    };
-    check(ret).map(drop)
 }
 
 /// `gettid()`.

@@ -45,12 +45,11 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::pidfd::{PidFd, PidFdError};
+use cryo_proc::{Pid, ProcError, ProcHandle};
+
 use crate::policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee};
-use crate::procfs::{self, ProcError};
 use crate::signals;
 use crate::sys::{self, status};
-use crate::Pid;
 
 /// How long a caller waits for an answer before signalling the tracer thread again.
 const KICK_RETRY: Duration = Duration::from_millis(20);
@@ -76,9 +75,9 @@ pub enum SpawnError {
 /// Attaching to a process failed; on every error nothing stays attached.
 #[derive(Debug, thiserror::Error)]
 pub enum AttachError {
-    /// opening a pidfd failed: {0}
+    /// The process could not be opened (gone, or a thread id).
     #[error(transparent)]
-    PidFd(#[from] PidFdError),
+    Proc(#[from] ProcError),
     /// process {pid} is already traced by this guard
     #[error("process {pid} is already traced by this guard")]
     AlreadyTraced { pid: Pid },
@@ -154,7 +153,7 @@ fn bump(c: &AtomicU64) {
 
 enum Command {
     Attach {
-        pidfd: PidFd,
+        handle: ProcHandle,
         reply: Sender<Result<Tracee, AttachError>>,
     },
     Detach {
@@ -264,13 +263,13 @@ impl Tracer {
     /// Attaches to every thread of `pid`. The pidfd is opened first, so if `pid` is reused
     /// meanwhile the attach fails instead of tracing a stranger.
     pub fn attach(&self, pid: Pid) -> Result<Tracee, AttachError> {
-        self.attach_pidfd(PidFd::open(pid)?)
+        self.attach_handle(ProcHandle::open(pid)?)
     }
 
-    /// Attaches to every thread of the pidfd's process.
-    pub fn attach_pidfd(&self, pidfd: PidFd) -> Result<Tracee, AttachError> {
+    /// Attaches to every thread of the handle's process.
+    pub fn attach_handle(&self, handle: ProcHandle) -> Result<Tracee, AttachError> {
         self.mailbox
-            .call(|reply| Command::Attach { pidfd, reply })?
+            .call(|reply| Command::Attach { handle, reply })?
     }
 
     /// Detaches from every thread of `pid` (before a CRIU dump: CRIU cannot dump a traced
@@ -422,8 +421,8 @@ impl Engine {
 
     fn command(&mut self, cmd: Command) {
         match cmd {
-            Command::Attach { pidfd, reply } => {
-                let r = self.attach(pidfd);
+            Command::Attach { handle, reply } => {
+                let r = self.attach(handle);
                 let _ = reply.send(r);
             }
             Command::Detach { pid, reply } => self.detach(pid, reply),
@@ -472,8 +471,8 @@ impl Engine {
         }
     }
 
-    fn attach(&mut self, pidfd: PidFd) -> Result<Tracee, AttachError> {
-        let pid = pidfd.pid();
+    fn attach(&mut self, handle: ProcHandle) -> Result<Tracee, AttachError> {
+        let pid = handle.pid();
         if self.shutting_down {
             return Err(TracerGone.into());
         }
@@ -481,13 +480,13 @@ impl Engine {
             return Err(AttachError::AlreadyTraced { pid });
         }
         let target = Tracee {
-            pidfd: Arc::new(pidfd),
+            handle: Arc::new(handle),
         };
         let mut seized = BTreeSet::new();
-        let result = self.seize_all(pid, &mut seized);
+        let result = self.seize_all(target.handle(), &mut seized);
         let result = result.and_then(|()| {
             for &tid in &seized {
-                match procfs::task_status(tid) {
+                match cryo_proc::status(tid) {
                     Ok(s) if s.tgid != pid => {
                         return Err(AttachError::WrongProcess {
                             pid,
@@ -500,7 +499,7 @@ impl Engine {
             }
             // The pidfd was opened before listing: if its process still exists, the pid was not
             // reused and every thread seized is that process's.
-            if target.pidfd.is_alive() {
+            if target.handle.liveness() != cryo_proc::Liveness::Gone {
                 Ok(())
             } else {
                 Err(AttachError::Gone { pid })
@@ -535,10 +534,16 @@ impl Engine {
         }
     }
 
-    fn seize_all(&self, pid: Pid, seized: &mut BTreeSet<Pid>) -> Result<(), AttachError> {
+    fn seize_all(
+        &self,
+        handle: &ProcHandle,
+        seized: &mut BTreeSet<Pid>,
+    ) -> Result<(), AttachError> {
+        let pid = handle.pid();
         for _ in 0..ATTACH_ROUNDS {
-            let tids =
-                procfs::task_ids(pid).map_err(|source| AttachError::ListThreads { pid, source })?;
+            let tids = handle
+                .tasks()
+                .map_err(|source| AttachError::ListThreads { pid, source })?;
             let new: Vec<Pid> = tids
                 .into_iter()
                 .filter(|t| !seized.contains(t) && !self.threads.contains_key(t))
@@ -558,7 +563,7 @@ impl Engine {
                     // Exited since listed.
                     Err(e) if errno(&e) == libc::ESRCH => {}
                     // Already ours: a thread cloned by a thread seized a moment ago.
-                    Err(_) if procfs::task_status(tid).is_ok_and(|s| s.tracer_pid == self.me) => {
+                    Err(_) if cryo_proc::status(tid).is_ok_and(|s| s.tracer_pid == self.me) => {
                         seized.insert(tid);
                     }
                     Err(source) => return Err(AttachError::Seize { pid, tid, source }),
@@ -726,7 +731,7 @@ impl Engine {
 
     /// A stop of a thread not on record: a clone reported before its parent's clone event.
     fn adopt(&mut self, tid: Pid, signal: i32, event: i32) -> Option<Pid> {
-        let tgid = procfs::task_status(tid).ok().map(|s| s.tgid);
+        let tgid = cryo_proc::tgid(tid).ok().flatten();
         match tgid {
             Some(pid) if self.procs.contains_key(&pid) => {
                 self.add_thread(pid, tid);
@@ -792,7 +797,7 @@ impl Engine {
             self.release(pid, tid, signal);
             return;
         }
-        let fatal = match procfs::task_status(tid) {
+        let fatal = match cryo_proc::status(tid) {
             Ok(s) => signals::is_fatal(signal, s.sig_caught, s.sig_ignored),
             // Unreadable: err on the side of holding; the policy sees the signal anyway.
             Err(_) => signals::default_terminates(signal),
@@ -862,7 +867,7 @@ impl Engine {
             move || {
                 let fds = catch_unwind(AssertUnwindSafe(|| policy.fds_to_pin(&target)))
                     .unwrap_or_default();
-                let (fds, failed) = target.pidfd().get_fds(&fds);
+                let (fds, failed) = target.handle().get_fds(&fds);
                 let pinned = PinnedFds {
                     target: pid,
                     fds,

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use common::{testee, Ev, Lines, Recorder, Victim};
 use cryo_guard::memory::{CgroupVersion, MemoryCgroup, PressureSource, Psi, PsiTrigger, Stall};
-use cryo_guard::procfs::{self, OomAdjError};
 use cryo_guard::{ExitCause, Tracer};
+use cryo_proc::{OomAdjError, ProcHandle};
 
 /// A minimal guard in its own process (`cryo-guard-testee guard PID`), our direct child.
 struct GuardProcess {
@@ -49,15 +49,15 @@ fn killed_guard_leaves_its_tracee_running() {
     let mut v = Victim::spawn();
     let guard = GuardProcess::start(v.pid, false);
     let guard_pid = i32::try_from(guard.child.id()).unwrap();
-    for tid in procfs::task_ids(v.pid).unwrap() {
-        let tracer = procfs::task_status(tid).unwrap().tracer_pid;
+    for tid in v.pidfd.tasks().unwrap() {
+        let tracer = cryo_proc::status(tid).unwrap().tracer_pid;
         assert_ne!(tracer, 0);
-        assert_eq!(procfs::task_status(tracer).unwrap().tgid, guard_pid);
+        assert_eq!(cryo_proc::status(tracer).unwrap().tgid, guard_pid);
     }
     guard.kill();
     // The guard is reaped, so its exit (and the kernel's detach of its tracees) is complete.
-    for tid in procfs::task_ids(v.pid).unwrap() {
-        assert_eq!(procfs::task_status(tid).unwrap().tracer_pid, 0);
+    for tid in v.pidfd.tasks().unwrap() {
+        assert_eq!(cryo_proc::status(tid).unwrap().tracer_pid, 0);
     }
     v.ping();
     v.signal(libc::SIGUSR1);
@@ -73,14 +73,14 @@ fn killed_guard_drops_a_held_signal() {
     v.signal(libc::SIGTERM);
     let held = guard.lines.expect("held ");
     assert_eq!(held, format!("{} {}", v.pid, libc::SIGTERM));
-    assert_eq!(procfs::task_status(v.pid).unwrap().state, 't');
+    assert_eq!(cryo_proc::status(v.pid).unwrap().state, 't');
     guard.kill();
-    let st = procfs::task_status(v.pid).unwrap();
+    let st = cryo_proc::status(v.pid).unwrap();
     assert_eq!(st.tracer_pid, 0);
     assert_eq!(st.sig_pending, 0, "SIGTERM is not pending any more");
     // Alive and serving: the SIGTERM was lost, not delivered.
     v.ping();
-    assert_ne!(procfs::task_status(v.pid).unwrap().state, 'Z');
+    assert_ne!(cryo_proc::status(v.pid).unwrap().state, 'Z');
 }
 
 /// A v1 memory cgroup made for one test and removed after it.
@@ -132,7 +132,7 @@ fn memcg_oom_kill_is_seen_at_the_exit_stop() {
     let mut v = Victim::spawn();
     let cg = TestCgroup::new(64 << 20);
     cg.add(v.pid);
-    let memcg = MemoryCgroup::of_pid(v.pid).unwrap();
+    let memcg = MemoryCgroup::of(&v.pidfd).unwrap();
     assert_eq!(memcg.version, CgroupVersion::V1);
     assert_eq!(memcg.dir, cg.0);
     assert_eq!(memcg.oom_kills().unwrap(), 0);
@@ -156,18 +156,18 @@ fn memcg_oom_kill_is_seen_at_the_exit_stop() {
 #[test]
 fn oom_score_adj_is_set_or_refused_loudly() {
     let v = Victim::spawn();
-    procfs::set_oom_score_adj(&v.pidfd, 500).unwrap();
-    assert_eq!(procfs::oom_score_adj(v.pid).unwrap(), 500);
+    v.pidfd.set_oom_score_adj(500).unwrap();
+    assert_eq!(v.pidfd.oom_score_adj().unwrap(), 500);
     assert!(matches!(
-        procfs::set_oom_score_adj(&v.pidfd, 5000),
+        v.pidfd.set_oom_score_adj(5000),
         Err(OomAdjError::Range { .. })
     ));
     // Lowering needs CAP_SYS_RESOURCE: either it works, or the error says the machine refuses.
-    match procfs::set_oom_score_adj(&v.pidfd, -900) {
-        Ok(()) => assert_eq!(procfs::oom_score_adj(v.pid).unwrap(), -900),
+    match v.pidfd.set_oom_score_adj(-900) {
+        Ok(()) => assert_eq!(v.pidfd.oom_score_adj().unwrap(), -900),
         Err(e @ OomAdjError::NotPermitted { .. }) => {
             eprintln!("NOTE: {e}");
-            assert_eq!(procfs::oom_score_adj(v.pid).unwrap(), 500);
+            assert_eq!(v.pidfd.oom_score_adj().unwrap(), 500);
         }
         Err(e) => panic!("{e}"),
     }
@@ -176,7 +176,7 @@ fn oom_score_adj_is_set_or_refused_loudly() {
 #[test]
 fn memory_cgroup_and_pressure_of_this_process() {
     let me = common::my_pid();
-    let memcg = MemoryCgroup::of_pid(me).unwrap();
+    let memcg = MemoryCgroup::of(&ProcHandle::open(me).unwrap()).unwrap();
     eprintln!("memory cgroup of the test process: {memcg:?}");
     assert!(memcg.dir.is_dir());
     memcg.oom_kills().unwrap();

@@ -9,7 +9,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
 use common::{my_pid, stats_eventually, thread_state, Ev, Recorder, Victim};
-use cryo_guard::{procfs, AttachError, Decision, DetachError, ExitCause, Tracer};
+use cryo_guard::{AttachError, Decision, DetachError, ExitCause, Tracer};
 
 fn tracer() -> (Arc<Recorder>, Tracer) {
     let rec = Arc::new(Recorder::default());
@@ -125,7 +125,7 @@ fn sigkill_is_seen_at_the_exit_stop_and_pinned_fds_outlive_the_process() {
         other => panic!("unexpected events {other:?}"),
     });
     // Dead: a zombie (our tracer has seen its end; its real parent may not have reaped it yet).
-    assert!(procfs::task_status(v.pid).map_or(true, |s| s.state == 'Z'));
+    assert!(cryo_proc::status(v.pid).map_or(true, |s| s.state == 'Z'));
     // The process is reaped, yet its end of the socket is still open: our duplicate holds it.
     ours.set_nonblocking(true).unwrap();
     let mut buf = [0u8; 16];
@@ -170,7 +170,7 @@ fn new_threads_are_followed() {
     let tid: i32 = v.lines.expect("tid ").parse().unwrap();
     assert!(tracer.threads(v.pid).unwrap().unwrap().contains(&tid));
     assert_eq!(
-        procfs::task_status(tid).unwrap().tracer_pid,
+        cryo_proc::status(tid).unwrap().tracer_pid,
         tracer.tracer_tid()
     );
     v.send("thread-segv");
@@ -223,12 +223,12 @@ fn detach_and_reattach() {
     let (rec, tracer) = tracer();
     let mut v = Victim::spawn();
     tracer.attach(v.pid).unwrap();
-    let traced_by = |tid| procfs::task_status(tid).unwrap().tracer_pid;
-    for tid in procfs::task_ids(v.pid).unwrap() {
+    let traced_by = |tid| cryo_proc::status(tid).unwrap().tracer_pid;
+    for tid in v.pidfd.tasks().unwrap() {
         assert_eq!(traced_by(tid), tracer.tracer_tid());
     }
     tracer.detach(v.pid).unwrap();
-    for tid in procfs::task_ids(v.pid).unwrap() {
+    for tid in v.pidfd.tasks().unwrap() {
         assert_eq!(traced_by(tid), 0);
     }
     assert!(tracer.traced().unwrap().is_empty());
@@ -274,7 +274,7 @@ fn attach_errors() {
     let mut child = std::process::Command::new("true").spawn().unwrap();
     let dead = i32::try_from(child.id()).unwrap();
     child.wait().unwrap();
-    assert!(matches!(tracer.attach(dead), Err(AttachError::PidFd(_))));
+    assert!(matches!(tracer.attach(dead), Err(AttachError::Proc(_))));
 }
 
 #[test]
@@ -283,6 +283,6 @@ fn shutdown_detaches_everything() {
     let mut v = Victim::spawn();
     tracer.attach(v.pid).unwrap();
     tracer.shutdown().unwrap();
-    assert_eq!(procfs::task_status(v.pid).unwrap().tracer_pid, 0);
+    assert_eq!(cryo_proc::status(v.pid).unwrap().tracer_pid, 0);
     v.ping();
 }

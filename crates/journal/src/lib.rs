@@ -44,7 +44,7 @@ mod writer;
 pub use error::{AppendError, FileError, OpenError, ReadError, SinceError};
 pub use event::{Event, Phase, Record};
 pub use frame::{Corruption, FrameFault, Tail, MAX_PAYLOAD};
-pub use procid::{ProcId, ProcIdError};
+pub use procid::ProcId;
 pub use query::{in_flight_stops, last_steps, Filter, InFlight, Origin, Origins, StopStep};
 pub use reader::{read, Reader, Scan};
 pub use timeline::{fmt_bytes, parse_since, parse_since_at, render_json, render_timeline};

@@ -1,59 +1,32 @@
 //! Process identity that survives pid reuse: a pid plus the process's start time.
 
 use std::fmt;
-use std::io;
 
+use cryo_proc::{Pid, ProcError};
 use serde::{Deserialize, Serialize};
 
 /// A process as the journal names it: its pid and its start time in clock ticks since boot
-/// (`/proc/PID/stat` field 22), so that a later process that reuses the pid is not taken for the
+/// (`stat` field 22), so that a later process that reuses the pid is not taken for the
 /// one recorded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct ProcId {
     /// Host pid.
-    pub pid: i32,
+    pub pid: Pid,
     /// Start time in clock ticks after boot.
     pub start_time: u64,
 }
 
-/// Reading a process's identity failed.
-#[derive(Debug, thiserror::Error)]
-pub enum ProcIdError {
-    /// The process does not exist (or is already reaped).
-    #[error("pid {pid} does not exist")]
-    NoSuchProcess {
-        /// The pid asked for.
-        pid: i32,
-    },
-    /// `/proc/PID/stat` could not be read.
-    #[error("cannot read /proc/{pid}/stat: {source}")]
-    Read {
-        /// The pid asked for.
-        pid: i32,
-        /// The error.
-        source: io::Error,
-    },
-    /// `/proc/PID/stat` did not have the expected shape.
-    #[error("cannot parse /proc/{pid}/stat: {reason}")]
-    BadStat {
-        /// The pid asked for.
-        pid: i32,
-        /// What was wrong.
-        reason: &'static str,
-    },
-}
-
 impl ProcId {
     /// The identity of the process that holds `pid` now.
-    pub fn of(pid: i32) -> Result<ProcId, ProcIdError> {
-        let start_time = read_stat(pid)?.start_time;
+    pub fn of(pid: Pid) -> Result<ProcId, ProcError> {
+        let start_time = cryo_proc::stat(pid)?.start_time;
         Ok(ProcId { pid, start_time })
     }
 
     /// Whether the pid still names this very process (same start time) and it has not exited
     /// (a zombie counts as gone: its memory and fds, GPU context included, are already released).
     pub fn is_alive_same(&self) -> bool {
-        read_stat(self.pid)
+        cryo_proc::stat(self.pid)
             .is_ok_and(|st| st.start_time == self.start_time && st.state != 'Z' && st.state != 'X')
     }
 }
@@ -62,20 +35,6 @@ impl fmt::Display for ProcId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.pid)
     }
-}
-
-/// `/proc/PID/stat`, read by `cryo-proc`, with its errors in this crate's terms.
-fn read_stat(pid: i32) -> Result<cryo_proc::Stat, ProcIdError> {
-    use cryo_proc::ProcError;
-    cryo_proc::stat(pid).map_err(|e| match e {
-        ProcError::BadStat { pid, reason } => ProcIdError::BadStat { pid, reason },
-        ProcError::Os { source, .. } | ProcError::Cgroup { source, .. } => {
-            ProcIdError::Read { pid, source }
-        }
-        ProcError::NoSuchProcess(_) | ProcError::Reused { .. } => {
-            ProcIdError::NoSuchProcess { pid }
-        }
-    })
 }
 
 #[cfg(test)]

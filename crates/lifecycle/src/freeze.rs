@@ -36,8 +36,9 @@ use cryo_criu::image::{
     DeviceUse, ImageError, ImageMeta, Manifest, ProcessEntry, ProcessGpu, Staging,
 };
 use cryo_criu::{Criu, CriuError, DumpOpts};
-use cryo_gpu::{Gpu, Pid, ProcessState};
+use cryo_gpu::{Gpu, ProcessState};
 use cryo_journal::{Event, Journal};
+use cryo_proc::Pid;
 use cryo_proc::{ProcError, ProcHandle};
 
 use crate::failpoint;
@@ -200,7 +201,7 @@ fn detach_traced(
 ) -> Result<Vec<cryo_journal::ProcId>, FreezeError> {
     let mut released = Vec::new();
     for h in handles {
-        if tracer_of(h.pid()).unwrap_or(0) == 0 {
+        if !matches!(h.tracer(), Ok(Some(_))) {
             continue;
         }
         match watcher.detach(id(h)) {
@@ -268,11 +269,7 @@ fn freeze_tree(
     let gpus = gpu.inspect.gpus()?;
     let mut entries = Vec::with_capacity(handles.len());
     for h in handles {
-        let mut e = ProcessEntry::from_proc(h.pid()).map_err(|source| ProcError::Os {
-            what: "reading /proc/PID",
-            pid: h.pid(),
-            source,
-        })?;
+        let mut e = ProcessEntry::of(h)?;
         if cuda.iter().any(|c| c.pid() == h.pid()) {
             let devices = listed
                 .iter()
@@ -381,10 +378,7 @@ fn freeze_inner(
         ..DumpOpts::default()
     };
     // After the checkpoint, device memory is part of each process's resident memory.
-    let expected: u64 = handles
-        .iter()
-        .filter_map(|h| crate::suspend::rss_bytes(h.pid()))
-        .sum();
+    let expected: u64 = handles.iter().filter_map(|h| h.rss().ok()).sum();
     let dumped = with_dir_progress(progress, root, "dump", expected, staging.path(), || {
         criu.dump(root, staging.path(), &dump_opts)
     });
@@ -532,13 +526,14 @@ fn resume_in_place(
 
 /// Refuses trees CRIU would dump badly: a root outside its own session, a traced process.
 fn check_dumpable(root: Pid, handles: &[ProcHandle]) -> Result<(), FreezeError> {
-    let sid = session_of(root)?;
-    if sid != root {
-        return Err(FreezeError::NotSessionLeader { pid: root, sid });
-    }
     for h in handles {
-        let tracer = tracer_of(h.pid())?;
-        if tracer != 0 {
+        if h.pid() == root {
+            let sid = h.stat()?.session;
+            if sid != root {
+                return Err(FreezeError::NotSessionLeader { pid: root, sid });
+            }
+        }
+        if let Some(tracer) = h.tracer()? {
             return Err(FreezeError::Traced {
                 pid: h.pid(),
                 tracer,
@@ -546,22 +541,6 @@ fn check_dumpable(root: Pid, handles: &[ProcHandle]) -> Result<(), FreezeError> 
         }
     }
     Ok(())
-}
-
-/// The session id of `pid` (`/proc/PID/stat`, field 6).
-pub fn session_of(pid: Pid) -> Result<Pid, ProcError> {
-    Ok(cryo_proc::stat(pid)?.session)
-}
-
-/// `TracerPid` of `pid` (0: not traced).
-pub fn tracer_of(pid: Pid) -> Result<Pid, ProcError> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .map_err(|_| ProcError::NoSuchProcess(pid))?;
-    Ok(text
-        .lines()
-        .find_map(|l| l.strip_prefix("TracerPid:"))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0))
 }
 
 /// Reaps `pid` if it is a zombie child of ours (a worker the caller spawned); a zombie keeps its

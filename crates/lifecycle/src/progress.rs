@@ -1,6 +1,6 @@
 //! Progress of long operations, rendered by the caller (a bar on a terminal, lines otherwise).
 
-use cryo_gpu::Pid;
+use cryo_proc::Pid;
 
 /// Receives progress of a suspension. Called from worker threads.
 pub trait Progress: Sync {

@@ -15,10 +15,9 @@
 
 use std::time::{Duration, Instant};
 
-use cryo_gpu::{CuResult, Gpu, Pid, ProcessState};
+use cryo_gpu::{CuResult, Gpu, ProcessState};
 use cryo_journal::{Event, Journal, Origin, Origins};
-use cryo_proc::{ProcError, ProcHandle};
-use rustix::process::Signal;
+use cryo_proc::{Pid, ProcError, ProcHandle, Signal};
 
 use crate::failpoint;
 use crate::progress::Progress;
@@ -138,7 +137,7 @@ pub enum StopError {
     JournalRead(#[from] cryo_journal::ReadError),
     /// The inspection API (NVML) could not list processes.
     #[error("cannot list GPU processes: {0}")]
-    Inspect(String),
+    Inspect(#[from] cryo_gpu::InspectError),
     /// A process did not exit after SIGKILL.
     #[error("pid {0} did not exit after SIGKILL")]
     NotExited(Pid),
@@ -338,10 +337,7 @@ pub fn stop(
     // fresh process), so this polls until the verification deadline.
     let deadline = Instant::now() + opts.suspend.verify_timeout;
     loop {
-        let listed = gpu
-            .inspect
-            .processes()
-            .map_err(|e| StopError::Inspect(e.to_string()))?;
+        let listed = gpu.inspect.processes()?;
         let held = handles.iter().filter(|h| !h.is_alive()).find_map(|h| {
             let mine: Vec<_> = listed.iter().filter(|p| p.pid == h.pid()).collect();
             (!mine.is_empty()).then(|| (h.pid(), mine.iter().map(|p| p.used_memory).sum::<u64>()))
@@ -395,8 +391,8 @@ fn end_one(
     }
     let pid = h.pid();
     let first = match opts.signal {
-        EndSignal::Kill => Signal::Kill,
-        EndSignal::Term { .. } => Signal::Term,
+        EndSignal::Kill => Signal::SIGKILL,
+        EndSignal::Term { .. } => Signal::SIGTERM,
     };
     if unsafe_kill {
         journal.append(Event::UnsafeKill { pid: id(h) })?;
@@ -414,9 +410,9 @@ fn end_one(
         if !h.wait_exit(grace) {
             journal.append(Event::KillStarted {
                 pid: id(h),
-                signal: Signal::Kill as i32,
+                signal: Signal::SIGKILL as i32,
             })?;
-            if let Err(e) = h.signal(Signal::Kill) {
+            if let Err(e) = h.signal(Signal::SIGKILL) {
                 if h.is_alive() {
                     return Err(e.into());
                 }

@@ -4,8 +4,9 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use cryo_gpu::{CuResult, DriverError, Gpu, Pid, ProcessState};
+use cryo_gpu::{CuResult, DriverError, Gpu, ProcessState};
 use cryo_journal::{Event, Journal, ProcId};
+use cryo_proc::Pid;
 use cryo_proc::ProcHandle;
 
 use crate::progress::Progress;
@@ -95,6 +96,11 @@ pub enum SuspendFailure {
     },
     /// The process exited while being suspended.
     Exited,
+    /// The thread carrying a driver call panicked: the call's outcome is unknown.
+    Panicked {
+        /// The step (`checkpoint`).
+        step: &'static str,
+    },
 }
 
 impl SuspendFailure {
@@ -121,6 +127,9 @@ impl SuspendFailure {
                 )
             }
             SuspendFailure::Exited => "the process exited while being suspended".to_string(),
+            SuspendFailure::Panicked { step } => {
+                format!("the {step} call panicked in cryo; its outcome is unknown")
+            }
         }
     }
 
@@ -139,6 +148,7 @@ impl SuspendFailure {
                 "do not kill it: check nvidia-smi; another tool may hold the process's driver fds; run the stop again"
             }
             SuspendFailure::Exited => "check the journal and the wedge/host state: the process ended on its own",
+            SuspendFailure::Panicked { .. } => "do not kill it: check its state with `cryo gpu state`, run the stop again, and report the panic (stderr has it)",
         }
     }
 }
@@ -372,7 +382,7 @@ fn checkpoint_one(
     progress: &dyn Progress,
 ) {
     let pid = row.handle.pid();
-    let rss_before = rss_bytes(pid).unwrap_or(0);
+    let rss_before = row.handle.rss().unwrap_or(0);
     progress.begin(pid, "checkpoint", row.mem);
     record(
         journal,
@@ -394,20 +404,27 @@ fn checkpoint_one(
         // as the call returns, so sampling adds no latency to the checkpoint.
         while let Err(mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(Duration::from_millis(100))
         {
-            if let Some(rss) = rss_bytes(pid) {
+            if let Ok(rss) = row.handle.rss() {
                 progress.advance(pid, rss.saturating_sub(rss_before).min(row.mem));
             }
         }
-        call.join().unwrap_or_else(|_| {
-            Err(DriverError::Sim {
-                endpoint: "checkpoint".into(),
-                reason: "checkpoint thread panicked".into(),
-            })
-        })
+        call.join()
     });
     let took = start.elapsed();
     match result {
-        Ok(()) => {
+        Err(_panic) => {
+            let f = SuspendFailure::Panicked { step: "checkpoint" };
+            record(
+                journal,
+                Event::CheckpointFailed {
+                    pid: id(row.handle),
+                    error: f.reason(),
+                },
+            );
+            progress.end(pid, "checkpoint", false, &f.reason());
+            row.failure = Some(f);
+        }
+        Ok(Ok(())) => {
             row.ckpt = Some(took);
             row.ckpt_here = true;
             record(
@@ -425,7 +442,7 @@ fn checkpoint_one(
                 &format!("{} ms, {}", took.as_millis(), human_bytes(row.mem)),
             );
         }
-        Err(e) => {
+        Ok(Err(e)) => {
             record(
                 journal,
                 Event::CheckpointFailed {
@@ -532,13 +549,6 @@ fn roll_back(gpu: &Gpu, rows: &mut [Row<'_>], resume: bool, journal: Option<&Jou
             }
         }
     }
-}
-
-/// Resident memory of `pid`, bytes.
-pub(crate) fn rss_bytes(pid: Pid) -> Option<u64> {
-    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
-    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
-    Some(pages * rustix::param::page_size() as u64)
 }
 
 /// The journal's identity of a process held by a handle.

@@ -12,7 +12,7 @@
 use std::fmt;
 use std::path::PathBuf;
 
-use cryo_gpu::Pid;
+use cryo_proc::Pid;
 use cryo_proc::{ProcError, ProcHandle};
 
 /// What to act on.

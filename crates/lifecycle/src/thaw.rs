@@ -25,10 +25,12 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use cryo_criu::image::{self, ImageError, Manifest};
-use cryo_criu::{pids_in_use, Criu, CriuError, RestoreOpts};
+use cryo_criu::{Criu, CriuError, RestoreOpts};
 use cryo_gpu::Gpu;
-use cryo_gpu::{GpuInfo, GpuPair, GpuUuid, Pid};
+use cryo_gpu::{GpuInfo, GpuPair, GpuUuid};
 use cryo_journal::{Event, Journal};
+use cryo_proc::pids_in_use;
+use cryo_proc::Pid;
 use cryo_proc::ProcHandle;
 use cryo_state::fence::{Fence, FenceError, FencedGpu, Quarantine};
 

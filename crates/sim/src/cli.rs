@@ -4,7 +4,8 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand, ValueEnum};
-use cryo_gpu::{GpuUuid, Pid};
+use cryo_gpu::GpuUuid;
+use cryo_proc::Pid;
 
 use crate::client::{SimClientError, SimControl};
 use crate::daemon::{DaemonConfig, DaemonError};

@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 
 use cryo_gpu::{
     BackendKind, CheckpointDriver, CuResult, DriverError, Gpu, GpuInfo, GpuInspector, GpuPair,
-    GpuProcess, InspectError, Pid, ProcessState,
+    GpuProcess, InspectError, ProcessState,
 };
+use cryo_proc::Pid;
 
 use crate::ledger::{self, LedgerError, Wedge};
 use crate::proto::{self, ApiCall, ApiDone, Fault, Reply, Request};

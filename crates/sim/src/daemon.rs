@@ -7,7 +7,7 @@
 //! request. The context table holds only bookkeeping (pid, GPU, size, whether it came from a
 //! restore, the inode of the worker's end); the memory itself belongs to the context's thread.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{self, BufReader, Write};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
@@ -16,14 +16,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use cryo_gpu::{CuResult, GpuInfo, GpuProcess, GpuUuid, Pid};
+use cryo_gpu::{CuResult, GpuInfo, GpuProcess, GpuUuid};
+use cryo_proc::Pid;
 
 use crate::ledger::{self, Wedge};
 use crate::proto::{
     self, ApiCall, CtxReply, CtxRequest, GpuSel, Init, OpenContext, Reply, Request, WorkerOp,
     WorkerRequest,
 };
-use crate::{memory, procfs};
+use cryo_proc::{DriverFiles, FdTarget, Liveness};
+
+use crate::memory;
 
 /// What `cryo sim driver` was asked to simulate.
 #[derive(Debug, Clone)]
@@ -192,7 +195,7 @@ fn wait_answer(s: &UnixStream, pid: Pid, deadline: Duration, is_lock: bool) -> O
                 )))
             }
         }
-        if procfs::liveness(pid) != procfs::Liveness::Alive {
+        if cryo_proc::liveness(pid) != Liveness::Alive {
             return dead_answer(pid);
         }
         if start.elapsed() >= deadline {
@@ -212,12 +215,32 @@ fn dead_answer(pid: Pid) -> Option<Reply> {
     // A dying process closes its files before it turns into a zombie: give it a moment.
     let deadline = Instant::now() + Duration::from_secs(1);
     loop {
-        match procfs::liveness(pid) {
-            procfs::Liveness::Gone => return Some(Reply::Cuda(CuResult::INVALID_VALUE)),
-            procfs::Liveness::Zombie => return Some(Reply::Cuda(CuResult::NOT_INITIALIZED)),
-            procfs::Liveness::Alive if Instant::now() >= deadline => return None,
-            procfs::Liveness::Alive => std::thread::sleep(Duration::from_millis(5)),
+        match cryo_proc::liveness(pid) {
+            Liveness::Gone => return Some(Reply::Cuda(CuResult::INVALID_VALUE)),
+            Liveness::Zombie => return Some(Reply::Cuda(CuResult::NOT_INITIALIZED)),
+            Liveness::Alive if Instant::now() >= deadline => return None,
+            Liveness::Alive => std::thread::sleep(Duration::from_millis(5)),
         }
+    }
+}
+
+/// How `pid` died, read from its zombie's stat (waiting briefly for it to become one: the kernel
+/// closes a dying process's files before it turns into a zombie).
+fn death(pid: Pid) -> String {
+    let deadline = Instant::now() + Duration::from_secs(1);
+    loop {
+        match cryo_proc::stat(pid) {
+            Err(_) => return "unknown".to_string(),
+            Ok(st) => {
+                if let (Some(status), 'Z' | 'X') = (st.exit_code, st.state) {
+                    return cryo_proc::describe_wait_status(status);
+                }
+            }
+        }
+        if Instant::now() >= deadline {
+            return "closed its context while alive".to_string();
+        }
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
@@ -306,39 +329,36 @@ impl Daemon {
     }
 
     fn driver_fds(&self, pid: Pid) -> Reply {
-        let fds = match procfs::socket_fds(pid) {
+        let fds = match cryo_proc::fds(pid) {
             Ok(f) => f,
-            Err(err) => {
-                return Reply::Error(format!("cannot read the fd table of pid {pid}: {err}"))
-            }
+            Err(err) => return Reply::Error(format!("cannot read the fd table: {err}")),
         };
-        let table = self.table();
-        let mut out: Vec<i32> = fds
-            .into_iter()
-            .filter(|(_, ino)| table.values().any(|c| c.inode == *ino))
-            .map(|(fd, _)| fd)
-            .collect();
-        out.sort_unstable();
-        Reply::Fds(out)
+        let contexts: HashSet<u64> = self.table().values().map(|c| c.inode).collect();
+        Reply::Fds(cryo_proc::driver_fds(
+            &fds,
+            DriverFiles::SimContexts(&contexts),
+        ))
     }
 
     /// Finds `pid`'s restore thread and has it carry out `req`.
     fn worker_call(&self, pid: Pid, op: WorkerOp, deadline: Duration, is_lock: bool) -> Reply {
-        if !procfs::exists(pid) {
+        let gone = || cryo_proc::liveness(pid) == Liveness::Gone;
+        if gone() {
             return Reply::Cuda(CuResult::INVALID_VALUE);
         }
-        let fds = match procfs::socket_fds(pid) {
+        let fds = match cryo_proc::fds(pid) {
             Ok(f) => f,
-            Err(_) if !procfs::exists(pid) => return Reply::Cuda(CuResult::INVALID_VALUE),
-            Err(err) => {
-                return Reply::Error(format!("cannot read the fd table of pid {pid}: {err}"))
-            }
+            Err(_) if gone() => return Reply::Cuda(CuResult::INVALID_VALUE),
+            Err(err) => return Reply::Error(format!("cannot read the fd table: {err}")),
         };
-        let listening = match procfs::listening_unix(&format!("@cryo-sim/{}/", self.id)) {
+        let listening = match cryo_proc::unix_listeners(&format!("@cryo-sim/{}/", self.id)) {
             Ok(l) => l,
-            Err(err) => return Reply::Error(format!("cannot read /proc/net/unix: {err}")),
+            Err(err) => return Reply::Error(err.to_string()),
         };
-        let Some(name) = fds.iter().find_map(|(_, ino)| listening.get(ino)) else {
+        let Some(name) = fds.iter().find_map(|f| match f.target {
+            FdTarget::Socket(inode) => listening.get(&inode),
+            _ => None,
+        }) else {
             return Reply::Cuda(CuResult::NOT_INITIALIZED);
         };
         let addr = match SocketAddr::from_abstract_name(name.trim_start_matches('@').as_bytes()) {
@@ -543,7 +563,7 @@ impl Daemon {
     }
 
     fn wedge(&self, meta: &CtxMeta) {
-        let death = procfs::death(meta.pid);
+        let death = death(meta.pid);
         let time = time::OffsetDateTime::now_utc()
             .format(&time::format_description::well_known::Rfc3339)
             .unwrap_or_else(|_| "unknown".to_string());

@@ -5,7 +5,8 @@ use std::fs::OpenOptions;
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 
-use cryo_gpu::{GpuUuid, Pid};
+use cryo_gpu::GpuUuid;
+use cryo_proc::Pid;
 use serde::{Deserialize, Serialize};
 
 /// One teardown of a live restored context.

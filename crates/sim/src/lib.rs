@@ -31,7 +31,6 @@ pub mod client;
 pub mod daemon;
 pub mod ledger;
 pub mod memory;
-mod procfs;
 pub mod proto;
 pub mod size;
 mod sys;

@@ -6,7 +6,8 @@
 use std::io::{self, Read, Write};
 use std::time::Duration;
 
-use cryo_gpu::{CuResult, GpuInfo, GpuPair, GpuProcess, GpuUuid, Pid, ProcessState};
+use cryo_gpu::{CuResult, GpuInfo, GpuPair, GpuProcess, GpuUuid, ProcessState};
+use cryo_proc::Pid;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 

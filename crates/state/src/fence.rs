@@ -49,7 +49,8 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use cryo_gpu::{GpuUuid, Pid};
+use cryo_gpu::GpuUuid;
+use cryo_proc::Pid;
 use rustix::fs::{Mode, OFlags};
 use serde::{Deserialize, Serialize};
 

@@ -23,7 +23,7 @@ may be traced (by `cryo guard` or a debugger). Needs root and CRIU >= 4.0
 pub struct FreezeArgs {
     /// Root of the process tree to freeze (the worker; it and every descendant are frozen).
     #[arg(value_name = "PID", value_parser = parse_pid)]
-    pub pid: cryo_gpu::Pid,
+    pub pid: cryo_proc::Pid,
     /// Image directory to publish (must not exist, unless --replace).
     #[arg(long, value_name = "DIR")]
     pub image: PathBuf,

@@ -46,7 +46,7 @@ pub struct OutputArgs {
 pub struct PidArgs {
     /// The process (host pid).
     #[arg(short, long, value_parser = parse_pid)]
-    pub pid: cryo_gpu::Pid,
+    pub pid: cryo_proc::Pid,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,

@@ -21,7 +21,7 @@ pub struct GuardArgs {
 pub struct GuardRunArgs {
     /// Also guard this process (restored by another tool); repeat for several.
     #[arg(long = "pid", value_parser = super::parse_pid)]
-    pub pids: Vec<cryo_gpu::Pid>,
+    pub pids: Vec<cryo_proc::Pid>,
     /// What to do once a GPU is quarantined: `hold` keeps the pins and waits for the operator;
     /// `drain` stops every other GPU process of the node (suspend-before-kill) and runs
     /// --restart-cmd.
@@ -80,13 +80,13 @@ pub enum GuardCommand {
     Detach {
         /// The process.
         #[arg(long, value_parser = super::parse_pid)]
-        pid: cryo_gpu::Pid,
+        pid: cryo_proc::Pid,
     },
     /// Guards a process (after a `detach`, or one restored by another tool).
     Attach {
         /// The process.
         #[arg(long, value_parser = super::parse_pid)]
-        pid: cryo_gpu::Pid,
+        pid: cryo_proc::Pid,
     },
 }
 

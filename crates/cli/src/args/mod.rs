@@ -146,8 +146,8 @@ pub struct InstallCompatArgs {
 }
 
 /// A pid as given on the command line: a positive integer.
-pub fn parse_pid(s: &str) -> Result<cryo_gpu::Pid, String> {
-    match s.parse::<cryo_gpu::Pid>() {
+pub fn parse_pid(s: &str) -> Result<cryo_proc::Pid, String> {
+    match s.parse::<cryo_proc::Pid>() {
         Ok(p) if p > 0 => Ok(p),
         _ => Err(format!("{s:?} is not a process id (a positive integer)")),
     }

@@ -29,7 +29,7 @@ pub struct StopArgs {
     /// The processes: one pid stops it and its whole process tree; several pids stop exactly
     /// those.
     #[arg(value_name = "PID", value_parser = parse_pid, required_unless_present = "cgroup", conflicts_with = "cgroup")]
-    pub pids: Vec<cryo_gpu::Pid>,
+    pub pids: Vec<cryo_proc::Pid>,
     /// Stop every process of this cgroup (a directory under /sys/fs/cgroup), as a container is
     /// stopped.
     #[arg(long, value_name = "PATH")]
@@ -82,7 +82,7 @@ pub struct TimelineArgs {
     pub since: Option<String>,
     /// Only events naming this pid.
     #[arg(long, value_name = "N", value_parser = parse_pid)]
-    pub pid: Option<cryo_gpu::Pid>,
+    pub pid: Option<cryo_proc::Pid>,
     /// One JSON record per line, as stored.
     #[arg(long)]
     pub json: bool,

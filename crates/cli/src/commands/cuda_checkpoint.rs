@@ -5,12 +5,12 @@ use std::ffi::OsString;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use cryo_gpu::{CuResult, DriverError, Pid, ProcessState};
+use cryo_gpu::{CuResult, DriverError, ProcessState};
+use cryo_proc::Pid;
 use cryo_state::StateDir;
 
 use crate::backend::{self, GpuChoice};
 use crate::compat::{self, Outcome, Request};
-use crate::process;
 
 /// Runs the front end on `args` (without `argv[0]`); returns the exit status.
 pub fn run(choice: GpuChoice, sim_dir: &Path, state: &StateDir, args: Vec<OsString>) -> u8 {
@@ -58,7 +58,7 @@ fn outcome(choice: GpuChoice, sim_dir: &Path, state: &StateDir, args: Vec<OsStri
         Err(e) => return Outcome::usage(&e),
     };
     // A tid stands for its process, as with the real driver (CRIU passes the restore tid).
-    let pid = match process::tgid_of(pid) {
+    let pid = match cryo_proc::tgid(pid) {
         Ok(Some(tgid)) => tgid,
         Ok(None) => return no_such_process(op, pid),
         Err(e) => {

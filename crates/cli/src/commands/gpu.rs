@@ -10,7 +10,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context as _};
-use cryo_gpu::{CuResult, DriverError, GpuProcess, Pid, ProcessState};
+use cryo_gpu::{CuResult, DriverError, GpuProcess, ProcessState};
+use cryo_proc::Pid;
 use serde::Serialize;
 
 use super::Context;

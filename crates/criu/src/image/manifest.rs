@@ -2,7 +2,8 @@
 
 use std::collections::BTreeSet;
 
-use cryo_gpu::{GpuUuid, Pid, ProcessState};
+use cryo_gpu::{GpuUuid, ProcessState};
+use cryo_proc::{Pid, ProcError, ProcHandle};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -63,38 +64,24 @@ pub struct ProcessEntry {
     pub pid: Pid,
     /// Its parent's pid.
     pub ppid: Pid,
-    /// `/proc/PID/comm`.
+    /// Its command name (`comm`).
     pub comm: String,
-    /// `/proc/PID/cmdline`, split at NULs.
+    /// Its command line, split at NULs.
     pub cmdline: Vec<String>,
     /// Its CUDA state, `None` for a process without a CUDA context.
     pub gpu: Option<ProcessGpu>,
 }
 
 impl ProcessEntry {
-    /// Reads pid, ppid, comm and cmdline from `/proc/PID` (without GPU side: the caller adds it).
-    pub fn from_proc(pid: Pid) -> std::io::Result<ProcessEntry> {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-        let bad =
-            || std::io::Error::new(std::io::ErrorKind::InvalidData, format!("/proc/{pid}/stat"));
-        let (head, rest) = stat.rsplit_once(')').ok_or_else(bad)?;
-        let comm = head.split_once('(').ok_or_else(bad)?.1.to_string();
-        let ppid = rest
-            .split_whitespace()
-            .nth(1)
-            .and_then(|v| v.parse().ok())
-            .ok_or_else(bad)?;
-        let raw = std::fs::read(format!("/proc/{pid}/cmdline"))?;
-        let cmdline = raw
-            .split(|b| *b == 0)
-            .filter(|a| !a.is_empty())
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
+    /// What the manifest records of `process` now: pid, ppid, comm and cmdline (without the GPU
+    /// side: the caller adds it).
+    pub fn of(process: &ProcHandle) -> Result<ProcessEntry, ProcError> {
+        let stat = process.stat()?;
         Ok(ProcessEntry {
-            pid,
-            ppid,
-            comm,
-            cmdline,
+            pid: process.pid(),
+            ppid: stat.ppid,
+            comm: stat.comm,
+            cmdline: process.cmdline()?,
             gpu: None,
         })
     }

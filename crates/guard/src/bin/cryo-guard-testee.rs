@@ -11,7 +11,8 @@ use std::os::fd::RawFd;
 use std::process::{Command, ExitCode};
 use std::sync::Arc;
 
-use cryo_guard::{sys, Decision, ExitCause, FatalSignal, Pid, PinnedFds, Policy, Tracee, Tracer};
+use cryo_guard::{sys, Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee, Tracer};
+use cryo_proc::Pid;
 
 fn say(line: &str) {
     let mut out = std::io::stdout().lock();

@@ -8,9 +8,8 @@ use std::sync::mpsc::{self, Receiver};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use cryo_guard::{
-    procfs, Decision, ExitCause, FatalSignal, Pid, PidFd, PinnedFds, Policy, Tracee, TracerStats,
-};
+use cryo_guard::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee, TracerStats};
+use cryo_proc::{Pid, ProcHandle, Signal};
 
 /// Upper bound on any single wait in these tests: a hang guard, not a timing assertion.
 pub const PATIENCE: Duration = Duration::from_secs(60);
@@ -60,7 +59,7 @@ impl Lines {
 pub struct Victim {
     pub pid: Pid,
     pub helper: Pid,
-    pub pidfd: PidFd,
+    pub pidfd: ProcHandle,
     stdin: ChildStdin,
     pub lines: Lines,
 }
@@ -84,7 +83,7 @@ impl Victim {
         drop(cmd);
         assert!(launcher.wait().unwrap().success());
         let pid: Pid = lines.expect("pid ").parse().unwrap();
-        let pidfd = PidFd::open(pid).unwrap();
+        let pidfd = ProcHandle::open(pid).unwrap();
         let helper: Pid = lines.expect("helper ").parse().unwrap();
         lines.expect("ready");
         Self {
@@ -107,13 +106,13 @@ impl Victim {
     }
 
     pub fn signal(&self, sig: i32) {
-        self.pidfd.send_signal(sig).unwrap();
+        self.pidfd.signal(Signal::try_from(sig).unwrap()).unwrap();
     }
 }
 
 impl Drop for Victim {
     fn drop(&mut self) {
-        let _ = self.pidfd.send_signal(libc::SIGKILL);
+        let _ = self.pidfd.signal(Signal::SIGKILL);
     }
 }
 
@@ -223,7 +222,7 @@ impl Policy for Recorder {
 
     fn on_exit_stop(&self, target: &Tracee, tid: Pid, cause: ExitCause, pinned: PinnedFds) {
         // The leader is held right here: it must still show its fd table.
-        assert!(procfs::fd_numbers(target.pid()).is_ok());
+        assert!(target.handle().fds().is_ok());
         let fds = pinned.fds.iter().map(|(n, _)| *n).collect();
         let failed = pinned.failed.len();
         self.pinned.lock().unwrap().push(pinned);

@@ -8,9 +8,10 @@ use std::time::Duration;
 
 use cryo_gpu::{
     BackendKind, CheckpointDriver, CuResult, DriverError, Gpu, GpuInfo, GpuInspector, GpuPair,
-    GpuProcess, GpuUuid, InspectError, Pid, ProcessState,
+    GpuProcess, GpuUuid, InspectError, ProcessState,
 };
 use cryo_journal::{Event, Journal};
+use cryo_proc::Pid;
 
 use super::*;
 use crate::NoProgress;

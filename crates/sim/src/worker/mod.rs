@@ -116,15 +116,10 @@ pub enum WorkerError {
 /// inherited fd (a jobserver pipe, a parent's socket) is closed.
 pub fn detach(log: Option<&Path>) -> Result<(), WorkerError> {
     use std::os::fd::AsRawFd;
-    let inherited: Vec<i32> = std::fs::read_dir("/proc/self/fd")
-        .map(|d| {
-            d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-                .filter(|fd| *fd > 2)
-                .collect()
-        })
-        .unwrap_or_default();
-    for fd in inherited {
-        // The directory's own fd is gone already: EBADF is expected for it.
+    let me = cryo_proc::Pid::try_from(std::process::id()).unwrap_or(0);
+    let inherited = cryo_proc::fds(me).unwrap_or_default();
+    for fd in inherited.iter().map(|f| f.fd).filter(|fd| *fd > 2) {
+        // The listing's own directory fd is gone already: EBADF is expected for it.
         let _ = nix::unistd::close(fd);
     }
     let null = std::fs::File::open("/dev/null").map_err(|source| WorkerError::Log {

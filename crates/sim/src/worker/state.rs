@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use cryo_gpu::{CuResult, GpuPair, GpuUuid, Pid, ProcessState};
+use cryo_gpu::{CuResult, GpuPair, GpuUuid, ProcessState};
+use cryo_proc::Pid;
 
 use crate::memory;
 use crate::proto::{

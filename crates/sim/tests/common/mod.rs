@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use cryo_gpu::{CuResult, DriverError, Gpu, Pid};
+use cryo_gpu::{CuResult, DriverError, Gpu};
+use cryo_proc::Pid;
 use cryo_sim::{SimControl, Wedge};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_cryo-sim");

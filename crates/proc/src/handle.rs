@@ -1,0 +1,549 @@
+//! [`ProcHandle`]: a process held through a pidfd.
+
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
+use std::time::{Duration, Instant};
+
+use procfs::process::Process;
+use rustix::event::{poll, PollFd, PollFlags};
+use rustix::process::{pidfd_getfd, pidfd_open, Pid as RPid, PidfdFlags, PidfdGetfdFlags};
+
+use crate::cgroup::{CgroupEntry, Cgroups};
+use crate::fds::{driver_fds, DriverFiles, Fd};
+use crate::read::{self, Stat, Status};
+use crate::{OomAdjError, Pid, ProcError, Signal};
+
+/// Whether a process still runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Liveness {
+    /// It has not exited.
+    Alive,
+    /// It has exited and is not reaped yet: no fd table, no threads, but its pid is still taken
+    /// (and a tracer sees it first: its real parent reaps it later).
+    Zombie,
+    /// Reaped (or never existed): its pid may name another process now.
+    Gone,
+}
+
+/// A process held through a pidfd.
+#[derive(Debug)]
+pub struct ProcHandle {
+    pid: Pid,
+    start_time: u64,
+    comm: String,
+    pidfd: OwnedFd,
+}
+
+impl ProcHandle {
+    /// Opens the process that holds `pid` now. A pid that names a thread, or a process that has
+    /// already exited (a zombie), is [`ProcError::NoSuchProcess`].
+    pub fn open(pid: Pid) -> Result<Self, ProcError> {
+        let rpid = RPid::from_raw(pid).ok_or(ProcError::NoSuchProcess(pid))?;
+        let pidfd = pidfd_open(rpid, PidfdFlags::empty()).map_err(|e| match e {
+            // ENOENT (EINVAL before Linux 6.9): a thread id, not a process.
+            rustix::io::Errno::SRCH | rustix::io::Errno::NOENT | rustix::io::Errno::INVAL => {
+                ProcError::NoSuchProcess(pid)
+            }
+            e => ProcError::os("pidfd_open", pid, e.into()),
+        })?;
+        let st = read::stat(pid)?;
+        let handle = ProcHandle {
+            pid,
+            start_time: st.start_time,
+            comm: st.comm,
+            pidfd,
+        };
+        // The stat read belongs to the pidfd's process only if that process was still alive after
+        // the read: then the pid cannot have been reused in between.
+        if !handle.is_alive() {
+            return Err(ProcError::NoSuchProcess(pid));
+        }
+        Ok(handle)
+    }
+
+    /// Opens `pid` only if it is still the process that started at `start_time`.
+    pub fn open_expected(pid: Pid, start_time: u64) -> Result<Self, ProcError> {
+        let h = Self::open(pid)?;
+        if h.start_time != start_time {
+            return Err(ProcError::Reused {
+                pid,
+                expected: start_time,
+                found: h.start_time,
+            });
+        }
+        Ok(h)
+    }
+
+    /// A second handle on the same process (a duplicate of the pidfd), for a component that must
+    /// own one (the guard's tracer) while another keeps this one.
+    pub fn try_clone(&self) -> Result<Self, ProcError> {
+        let pidfd = self
+            .pidfd
+            .try_clone()
+            .map_err(|e| ProcError::os("duplicating the pidfd", self.pid, e))?;
+        Ok(ProcHandle {
+            pid: self.pid,
+            start_time: self.start_time,
+            comm: self.comm.clone(),
+            pidfd,
+        })
+    }
+
+    /// The pid.
+    pub fn pid(&self) -> Pid {
+        self.pid
+    }
+
+    /// Start time in clock ticks since boot.
+    pub fn start_time(&self) -> u64 {
+        self.start_time
+    }
+
+    /// Command name, as it was when the handle was opened.
+    pub fn comm(&self) -> &str {
+        &self.comm
+    }
+
+    /// The pidfd.
+    pub fn pidfd(&self) -> BorrowedFd<'_> {
+        self.pidfd.as_fd()
+    }
+
+    /// Whether the process has not exited yet (a zombie counts as exited).
+    pub fn is_alive(&self) -> bool {
+        !self.poll_exit(Duration::ZERO)
+    }
+
+    /// Alive, a zombie (exited, not reaped), or gone (reaped: its pid is free for reuse).
+    pub fn liveness(&self) -> Liveness {
+        if self.is_alive() {
+            Liveness::Alive
+        } else if crate::sys::pidfd_send_signal(self.pidfd(), 0).is_ok() {
+            Liveness::Zombie
+        } else {
+            Liveness::Gone
+        }
+    }
+
+    /// Waits up to `timeout` for the process to exit; true when it has.
+    pub fn wait_exit(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if self.poll_exit(left) {
+                return true;
+            }
+            if left.is_zero() {
+                return false;
+            }
+        }
+    }
+
+    fn poll_exit(&self, timeout: Duration) -> bool {
+        let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+        let mut fds = [PollFd::new(&self.pidfd, PollFlags::IN)];
+        match poll(&mut fds, ms) {
+            Ok(n) => n > 0 && fds[0].revents().intersects(PollFlags::IN | PollFlags::HUP),
+            // EINTR: report "not yet"; callers loop on their own deadline.
+            Err(_) => false,
+        }
+    }
+
+    /// Sends `signal` to this process (never to a process that reused its pid).
+    pub fn signal(&self, signal: Signal) -> Result<(), ProcError> {
+        crate::sys::pidfd_send_signal(self.pidfd(), signal as i32)
+            .map_err(|e| ProcError::os("pidfd_send_signal", self.pid, e))
+    }
+
+    /// A duplicate of fd `fd` of this process (`pidfd_getfd`). Needs ptrace-attach rights over
+    /// the process; works at the exit stop, where the fd table is still intact.
+    pub fn get_fd(&self, fd: RawFd) -> Result<OwnedFd, ProcError> {
+        pidfd_getfd(self.pidfd(), fd, PidfdGetfdFlags::empty()).map_err(|e| ProcError::GetFd {
+            pid: self.pid,
+            fd,
+            source: e.into(),
+        })
+    }
+
+    /// Duplicates of each fd in `fds`: what could be taken and what failed (an fd closed since
+    /// it was listed fails with `EBADF`).
+    pub fn get_fds(&self, fds: &[RawFd]) -> (Vec<(RawFd, OwnedFd)>, Vec<ProcError>) {
+        let mut got = Vec::with_capacity(fds.len());
+        let mut failed = Vec::new();
+        for &fd in fds {
+            match self.get_fd(fd) {
+                Ok(dup) => got.push((fd, dup)),
+                Err(e) => failed.push(e),
+            }
+        }
+        (got, failed)
+    }
+
+    /// `/proc/PID`, opened while this handle's process was not yet reaped, so that everything read
+    /// through it is that process's and never a later holder of the pid's.
+    fn dir(&self) -> Result<Process, ProcError> {
+        let dir = read::process(self.pid)?;
+        if self.liveness() == Liveness::Gone {
+            return Err(ProcError::NoSuchProcess(self.pid));
+        }
+        Ok(dir)
+    }
+
+    /// `/proc/PID/stat` now.
+    pub fn stat(&self) -> Result<Stat, ProcError> {
+        let s = self
+            .dir()?
+            .stat()
+            .map_err(|e| ProcError::read(self.pid, "stat", e))?;
+        Ok(s.into())
+    }
+
+    /// `/proc/PID/status` now (state, tgid, tracer, pid namespaces, signal masks).
+    pub fn status(&self) -> Result<Status, ProcError> {
+        let s = self
+            .dir()?
+            .status()
+            .map_err(|e| ProcError::read(self.pid, "status", e))?;
+        Ok(s.into())
+    }
+
+    /// `/proc/PID/task/TID/status` of one of its threads.
+    pub fn thread_status(&self, tid: Pid) -> Result<Status, ProcError> {
+        let task = self
+            .dir()?
+            .task_from_tid(tid)
+            .map_err(|e| ProcError::read(tid, "task", e))?;
+        let s = task
+            .status()
+            .map_err(|e| ProcError::read(tid, "status", e))?;
+        Ok(s.into())
+    }
+
+    /// The thread id tracing it, `None` when it is not traced.
+    pub fn tracer(&self) -> Result<Option<Pid>, ProcError> {
+        let t = self.status()?.tracer_pid;
+        Ok((t != 0).then_some(t))
+    }
+
+    /// Its thread group id: the pid itself (a pidfd names a process, never a lone thread).
+    pub fn tgid(&self) -> Result<Pid, ProcError> {
+        Ok(self.status()?.tgid)
+    }
+
+    /// Resident memory, bytes.
+    pub fn rss(&self) -> Result<u64, ProcError> {
+        let pages = self
+            .dir()?
+            .statm()
+            .map_err(|e| ProcError::read(self.pid, "statm", e))?
+            .resident;
+        Ok(pages.saturating_mul(procfs::page_size()))
+    }
+
+    /// Its command line, split at NULs (empty for a zombie or a kernel thread).
+    pub fn cmdline(&self) -> Result<Vec<String>, ProcError> {
+        self.dir()?
+            .cmdline()
+            .map_err(|e| ProcError::read(self.pid, "cmdline", e))
+    }
+
+    /// Its open fds, ascending.
+    pub fn fds(&self) -> Result<Vec<Fd>, ProcError> {
+        read::fds_of(&self.dir()?, self.pid)
+    }
+
+    /// The numbers of its fds that are `files` (see [`DriverFiles`]), ascending.
+    pub fn driver_fds(&self, files: DriverFiles<'_>) -> Result<Vec<RawFd>, ProcError> {
+        Ok(driver_fds(&self.fds()?, files))
+    }
+
+    /// Its thread ids, ascending.
+    pub fn tasks(&self) -> Result<Vec<Pid>, ProcError> {
+        read::tasks_of(&self.dir()?, self.pid)
+    }
+
+    /// Its cgroups, one entry per line of `/proc/PID/cgroup` (`hierarchy:controllers:path`; on
+    /// cgroup v2 the single line `0::path`), as the kernel shows them to the reader.
+    pub fn cgroups(&self) -> Result<Vec<CgroupEntry>, ProcError> {
+        let memberships = self
+            .dir()?
+            .cgroups()
+            .map_err(|e| ProcError::read(self.pid, "cgroup", e))?;
+        Ok(memberships.into_iter().map(CgroupEntry::from).collect())
+    }
+
+    /// The directories of its cgroups, joined to the cgroup mounts this process sees.
+    pub fn cgroup_dirs(&self) -> Result<Cgroups, ProcError> {
+        Cgroups::resolve(self.pid, &self.cgroups()?)
+    }
+
+    /// The environment it started with (`/proc/PID/environ`), as `NAME=VALUE` pairs in order;
+    /// bytes that are not UTF-8 are replaced.
+    pub fn environ(&self) -> Result<Vec<(String, String)>, ProcError> {
+        let mut bytes = Vec::new();
+        self.dir()?
+            .open_relative("environ")
+            .map_err(|e| ProcError::read(self.pid, "environ", e))?
+            .read_to_end(&mut bytes)
+            .map_err(|e| ProcError::read(self.pid, "environ", e.into()))?;
+        Ok(bytes
+            .split(|b| *b == 0)
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                let e = String::from_utf8_lossy(e);
+                match e.split_once('=') {
+                    Some((k, v)) => (k.to_owned(), v.to_owned()),
+                    None => (e.into_owned(), String::new()),
+                }
+            })
+            .collect())
+    }
+
+    /// `/proc/PID/oom_score_adj`.
+    pub fn oom_score_adj(&self) -> Result<i32, ProcError> {
+        self.dir()?
+            .oom_score_adj()
+            .map(i32::from)
+            .map_err(|e| ProcError::read(self.pid, "oom_score_adj", e))
+    }
+
+    /// Sets `oom_score_adj` (lower: the OOM killer prefers others). Written through the process's
+    /// `/proc/PID` directory fd, so it lands on this process even if the pid is reused.
+    pub fn set_oom_score_adj(&self, value: i32) -> Result<(), OomAdjError> {
+        let pid = self.pid;
+        if !(-1000..=1000).contains(&value) {
+            return Err(OomAdjError::Range { value });
+        }
+        use rustix::fs::{openat, Mode, OFlags, CWD};
+        let classify = |source: std::io::Error| match source.raw_os_error() {
+            Some(libc::EPERM | libc::EACCES) => OomAdjError::NotPermitted { pid, value, source },
+            Some(libc::ESRCH | libc::ENOENT) => OomAdjError::Gone { pid },
+            _ => OomAdjError::Io { pid, source },
+        };
+        let dir = openat(
+            CWD,
+            format!("/proc/{pid}"),
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| classify(e.into()))?;
+        // The directory is this process's only if it was not reaped before it was opened.
+        if self.liveness() == Liveness::Gone {
+            return Err(OomAdjError::Gone { pid });
+        }
+        let file = openat(
+            &dir,
+            "oom_score_adj",
+            OFlags::WRONLY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| classify(e.into()))?;
+        std::fs::File::from(file)
+            .write_all(value.to_string().as_bytes())
+            .map_err(classify)
+    }
+}
+
+impl AsFd for ProcHandle {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.pidfd.as_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+
+    #[test]
+    fn handle_signals_and_sees_exit_then_reap() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let h = ProcHandle::open(child.id() as Pid).unwrap();
+        assert!(h.is_alive());
+        assert_eq!(h.liveness(), Liveness::Alive);
+        assert!(!h.wait_exit(Duration::from_millis(50)));
+        h.signal(Signal::SIGKILL).unwrap();
+        assert!(h.wait_exit(Duration::from_secs(5)));
+        assert_eq!(h.liveness(), Liveness::Zombie);
+        // A zombie still accepts signals (nothing happens); it is not "gone" yet.
+        h.signal(Signal::SIGKILL).unwrap();
+        child.wait().unwrap();
+        assert_eq!(h.liveness(), Liveness::Gone);
+        assert!(matches!(
+            h.signal(Signal::SIGKILL),
+            Err(ProcError::NoSuchProcess(_))
+        ));
+        assert!(matches!(h.status(), Err(ProcError::NoSuchProcess(_))));
+    }
+
+    #[test]
+    fn reused_pid_is_refused() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let pid = child.id() as Pid;
+        let h = ProcHandle::open(pid).unwrap();
+        let err = ProcHandle::open_expected(pid, h.start_time() + 1).unwrap_err();
+        assert!(matches!(err, ProcError::Reused { .. }));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(matches!(
+            ProcHandle::open(pid),
+            Err(ProcError::NoSuchProcess(_))
+        ));
+    }
+
+    /// Spawns `sleep` with exactly `pid` (root: through `ns_last_pid`); `None` when another
+    /// process took the pid first.
+    fn spawn_with_pid(pid: Pid) -> Option<std::process::Child> {
+        std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string())
+            .expect("setting ns_last_pid (the tests run as root)");
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        if child.id() as Pid == pid {
+            return Some(child);
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        None
+    }
+
+    #[test]
+    fn a_handle_never_reaches_the_process_that_reused_its_pid() {
+        for _ in 0..50 {
+            let mut old = Command::new("sleep").arg("30").spawn().unwrap();
+            let pid = old.id() as Pid;
+            let h = ProcHandle::open(pid).unwrap();
+            old.kill().unwrap();
+            old.wait().unwrap();
+            let Some(mut new) = spawn_with_pid(pid) else {
+                continue;
+            };
+            // The pid names `new` now; the handle still names the reaped `old`.
+            assert_eq!(h.liveness(), Liveness::Gone);
+            assert!(matches!(
+                h.signal(Signal::SIGKILL),
+                Err(ProcError::NoSuchProcess(_))
+            ));
+            assert!(matches!(h.status(), Err(ProcError::NoSuchProcess(_))));
+            assert!(matches!(h.fds(), Err(ProcError::NoSuchProcess(_))));
+            assert!(matches!(h.get_fd(0), Err(ProcError::GetFd { .. })));
+            assert!(matches!(
+                h.set_oom_score_adj(900),
+                Err(OomAdjError::Gone { .. })
+            ));
+            assert!(matches!(
+                ProcHandle::open_expected(pid, h.start_time()),
+                Err(ProcError::Reused { .. })
+            ));
+            // And `new` was left alone.
+            let n = ProcHandle::open(pid).unwrap();
+            assert!(n.is_alive());
+            let mine = ProcHandle::open(std::process::id() as Pid).unwrap();
+            assert_eq!(n.oom_score_adj().unwrap(), mine.oom_score_adj().unwrap());
+            new.kill().unwrap();
+            new.wait().unwrap();
+            return;
+        }
+        panic!("no pid could be reused in 50 tries");
+    }
+
+    #[test]
+    fn a_thread_is_not_a_process() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::spawn(move || {
+            tx.send(rustix::thread::gettid().as_raw_nonzero().get())
+                .unwrap();
+            done_rx.recv().ok();
+        });
+        let tid = rx.recv().unwrap();
+        let me = std::process::id() as Pid;
+        assert!(matches!(ProcHandle::open(tid), Err(ProcError::NoSuchProcess(p)) if p == tid));
+        assert_eq!(read::tgid(tid).unwrap(), Some(me));
+        let h = ProcHandle::open(me).unwrap();
+        assert!(h.tasks().unwrap().contains(&tid));
+        assert_eq!(h.thread_status(tid).unwrap().tgid, me);
+        done_tx.send(()).unwrap();
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn reads_of_a_live_process() {
+        let mut child = Command::new("sleep")
+            .arg("30")
+            .stdin(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let h = ProcHandle::open(child.id() as Pid).unwrap();
+        assert_eq!(h.comm(), "sleep");
+        // Right after exec the new command line can read empty for a moment.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while h.cmdline().unwrap().is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(h.cmdline().unwrap(), ["sleep", "30"]);
+        assert_eq!(h.tracer().unwrap(), None);
+        assert_eq!(h.tgid().unwrap(), h.pid());
+        assert_eq!(h.stat().unwrap().ppid, std::process::id() as Pid);
+        assert!(h.rss().unwrap() > 0);
+        assert_eq!(
+            h.driver_fds(DriverFiles::Nvidia).unwrap(),
+            Vec::<RawFd>::new()
+        );
+        assert!(h.fds().unwrap().iter().any(|f| f.fd == 0));
+        let dup = h.get_fd(0).unwrap();
+        drop(dup);
+        let clone = h.try_clone().unwrap();
+        assert_eq!((clone.pid(), clone.start_time()), (h.pid(), h.start_time()));
+        let cg = h.cgroup_dirs().unwrap();
+        assert!(cg.unified.is_some() || !cg.v1.is_empty(), "{cg:?}");
+        h.set_oom_score_adj(500).unwrap();
+        assert_eq!(h.oom_score_adj().unwrap(), 500);
+        assert!(matches!(
+            h.set_oom_score_adj(5000),
+            Err(OomAdjError::Range { value: 5000 })
+        ));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(matches!(
+            h.set_oom_score_adj(100),
+            Err(OomAdjError::Gone { .. })
+        ));
+    }
+
+    #[test]
+    fn cgroups_and_environ_of_a_live_process_and_none_of_a_dead_one() {
+        let mut child = Command::new("sleep")
+            .arg("60")
+            .env("CRYO_PROC_TEST", "a=b")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as Pid;
+        // environ is the new program's only once it has exec'd, and the kernel sets the command
+        // name before the environment
+        let t0 = Instant::now();
+        while read::stat(pid).unwrap().comm != "sleep"
+            || ProcHandle::open(pid).unwrap().environ().unwrap().is_empty()
+        {
+            assert!(t0.elapsed() < Duration::from_secs(10), "sleep did not exec");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let h = ProcHandle::open(pid).unwrap();
+        let cg = h.cgroups().unwrap();
+        assert!(!cg.is_empty());
+        assert_eq!(
+            cg,
+            ProcHandle::open(std::process::id() as Pid)
+                .unwrap()
+                .cgroups()
+                .unwrap()
+        );
+        let env = h.environ().unwrap();
+        assert!(
+            env.contains(&("CRYO_PROC_TEST".to_owned(), "a=b".to_owned())),
+            "{env:?}"
+        );
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(matches!(h.cgroups(), Err(ProcError::NoSuchProcess(_))));
+        assert!(matches!(h.environ(), Err(ProcError::NoSuchProcess(_))));
+    }
+}

@@ -1,0 +1,373 @@
+//! Reads of `/proc` by bare pid (see the crate docs for who may use them) and of system-wide files.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+
+use procfs::process::Process;
+
+use crate::fds::Fd;
+use crate::handle::Liveness;
+use crate::{Pid, ProcError};
+
+/// The fields of `/proc/PID/stat` cryo uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stat {
+    /// Process id.
+    pub pid: Pid,
+    /// Command name (`comm`).
+    pub comm: String,
+    /// State letter (`R`, `S`, `Z`, `t`...).
+    pub state: char,
+    /// Parent pid.
+    pub ppid: Pid,
+    /// Process group id.
+    pub pgrp: Pid,
+    /// Session id.
+    pub session: Pid,
+    /// Start time in clock ticks since boot: with the pid, identifies a process.
+    pub start_time: u64,
+    /// Resident pages.
+    pub rss_pages: u64,
+    /// Exit code as `waitpid` would report it; meaningful only for a zombie.
+    pub exit_code: Option<i32>,
+}
+
+impl From<procfs::process::Stat> for Stat {
+    fn from(s: procfs::process::Stat) -> Self {
+        Stat {
+            pid: s.pid,
+            comm: s.comm,
+            state: s.state,
+            ppid: s.ppid,
+            pgrp: s.pgrp,
+            session: s.session,
+            start_time: s.starttime,
+            rss_pages: s.rss,
+            exit_code: s.exit_code,
+        }
+    }
+}
+
+/// The fields of `/proc/PID/status` (or of one thread, `/proc/TID/status`) cryo uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Status {
+    /// `State:` letter (`t` = ptrace stop, `T` = stopped, `Z` zombie...).
+    pub state: char,
+    /// The thread group (process) this task belongs to.
+    pub tgid: Pid,
+    /// The task's own id (a thread id for a thread).
+    pub pid: Pid,
+    /// Parent pid.
+    pub ppid: Pid,
+    /// 0 when untraced; else the tracer *thread* id.
+    pub tracer_pid: Pid,
+    /// The task's id in each pid namespace it is in, outermost (ours) first.
+    pub nspid: Vec<Pid>,
+    /// Signals pending for this thread (not the shared queue), bit `n-1` for signal `n`.
+    pub sig_pending: u64,
+    /// Signals set to `SIG_IGN`.
+    pub sig_ignored: u64,
+    /// Signals with a handler installed; shared by all threads.
+    pub sig_caught: u64,
+}
+
+impl From<procfs::process::Status> for Status {
+    fn from(s: procfs::process::Status) -> Self {
+        Status {
+            state: s.state.chars().next().unwrap_or('?'),
+            tgid: s.tgid,
+            pid: s.pid,
+            ppid: s.ppid,
+            tracer_pid: s.tracerpid,
+            nspid: s.nspid.unwrap_or_else(|| vec![s.pid]),
+            sig_pending: s.sigpnd,
+            sig_ignored: s.sigign,
+            sig_caught: s.sigcgt,
+        }
+    }
+}
+
+pub(crate) fn process(pid: Pid) -> Result<Process, ProcError> {
+    if pid <= 0 {
+        return Err(ProcError::NoSuchProcess(pid));
+    }
+    Process::new(pid).map_err(|e| ProcError::read(pid, "", e))
+}
+
+/// Reads `/proc/PID/stat`.
+pub fn stat(pid: Pid) -> Result<Stat, ProcError> {
+    let s = process(pid)?
+        .stat()
+        .map_err(|e| ProcError::read(pid, "stat", e))?;
+    Ok(s.into())
+}
+
+/// Reads `/proc/TID/status` (any thread id works, listed in `/proc` or not).
+pub fn status(tid: Pid) -> Result<Status, ProcError> {
+    let s = process(tid)?
+        .status()
+        .map_err(|e| ProcError::read(tid, "status", e))?;
+    Ok(s.into())
+}
+
+/// The thread group (process) `pid` belongs to: itself for a process, its process for a thread.
+/// `None` when no such process or thread exists.
+pub fn tgid(pid: Pid) -> Result<Option<Pid>, ProcError> {
+    match status(pid) {
+        Ok(s) => Ok(Some(s.tgid)),
+        Err(ProcError::NoSuchProcess(_)) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether `pid` runs, is a zombie, or is gone. A bare pid can be reused: holders of a
+/// [`crate::ProcHandle`] ask it instead.
+pub fn liveness(pid: Pid) -> Liveness {
+    match stat(pid) {
+        Err(_) => Liveness::Gone,
+        Ok(st) if matches!(st.state, 'Z' | 'X') => Liveness::Zombie,
+        Ok(_) => Liveness::Alive,
+    }
+}
+
+/// The open fds of `pid` (`/proc/PID/fd`), ascending. An fd closed between listing and reading
+/// its link is left out (the table changes under us).
+pub fn fds(pid: Pid) -> Result<Vec<Fd>, ProcError> {
+    fds_of(&process(pid)?, pid)
+}
+
+pub(crate) fn fds_of(p: &Process, pid: Pid) -> Result<Vec<Fd>, ProcError> {
+    let mut out = Vec::new();
+    for info in p.fd().map_err(|e| ProcError::read(pid, "fd", e))? {
+        match info {
+            Ok(i) => out.push(Fd {
+                fd: i.fd,
+                target: i.target,
+            }),
+            Err(procfs::ProcError::NotFound(_)) => {}
+            Err(e) => return Err(ProcError::read(pid, "fd", e)),
+        }
+    }
+    out.sort_unstable_by_key(|f| f.fd);
+    Ok(out)
+}
+
+pub(crate) fn tasks_of(p: &Process, pid: Pid) -> Result<Vec<Pid>, ProcError> {
+    let mut out = Vec::new();
+    for task in p.tasks().map_err(|e| ProcError::read(pid, "task", e))? {
+        match task {
+            Ok(t) => out.push(t.tid),
+            Err(procfs::ProcError::NotFound(_)) => {}
+            Err(e) => return Err(ProcError::read(pid, "task", e)),
+        }
+    }
+    out.sort_unstable();
+    Ok(out)
+}
+
+/// Every process in the tree rooted at `root`, parents before children (root first).
+pub fn tree(root: Pid) -> Result<Vec<Pid>, ProcError> {
+    stat(root)?;
+    let mut children: BTreeMap<Pid, Vec<Pid>> = BTreeMap::new();
+    let all = procfs::process::all_processes()
+        .map_err(|source| ProcError::ReadSystem { file: "", source })?;
+    for p in all.flatten() {
+        // Processes vanish while we scan; that is not an error.
+        if let Ok(st) = p.stat() {
+            children.entry(st.ppid).or_default().push(st.pid);
+        }
+    }
+    let mut out = Vec::new();
+    let mut queue = VecDeque::from([root]);
+    while let Some(p) = queue.pop_front() {
+        out.push(p);
+        if let Some(kids) = children.get_mut(&p) {
+            kids.sort_unstable();
+            queue.extend(kids.iter().copied());
+        }
+    }
+    Ok(out)
+}
+
+/// The pids of `wanted` that the kernel still has allocated: as a process or thread id, or as
+/// the process group or session id of any process. CRIU restores every process with its
+/// original pid and fails with `EEXIST` ("Can't fork for N: File exists") on any of these. A
+/// dumped tree's pids stay taken until its last member is reaped, including members reparented
+/// to an init that reaps lazily, so thaw prechecks and tests wait on this, not on the root's exit.
+pub fn pids_in_use(wanted: &[Pid]) -> Vec<Pid> {
+    let wanted: BTreeSet<Pid> = wanted.iter().copied().collect();
+    let Ok(all) = procfs::process::all_processes() else {
+        // Without /proc nothing can be ruled out: report everything as taken.
+        return wanted.into_iter().collect();
+    };
+    let mut busy = BTreeSet::new();
+    for p in all.flatten() {
+        let pid = p.pid();
+        if wanted.contains(&pid) {
+            busy.insert(pid);
+        }
+        if let Ok(st) = p.stat() {
+            busy.extend(
+                [st.pgrp, st.session]
+                    .into_iter()
+                    .filter(|id| wanted.contains(id)),
+            );
+        }
+        if let Ok(tasks) = tasks_of(&p, pid) {
+            busy.extend(tasks.into_iter().filter(|t| wanted.contains(t)));
+        }
+    }
+    busy.into_iter().collect()
+}
+
+/// The largest pid the kernel hands out (`/proc/sys/kernel/pid_max`).
+pub fn pid_max() -> Result<Pid, ProcError> {
+    procfs::sys::kernel::pid_max().map_err(|source| ProcError::ReadSystem {
+        file: "sys/kernel/pid_max",
+        source,
+    })
+}
+
+/// Listening unix sockets (in cryo's network namespace) whose name starts with `prefix`
+/// (abstract names start with `@`): inode -> name.
+pub fn unix_listeners(prefix: &str) -> Result<HashMap<u64, String>, ProcError> {
+    let entries = procfs::net::unix().map_err(|source| ProcError::ReadSystem {
+        file: "net/unix",
+        source,
+    })?;
+    Ok(entries
+        .into_iter()
+        // A listening socket is unconnected; the connections it accepted show its name too, but
+        // connected.
+        .filter(|e| e.state == procfs::net::UnixState::UNCONNECTED)
+        .filter_map(|e| {
+            let name = e.path?.to_str()?.to_string();
+            name.starts_with(prefix).then_some((e.inode, name))
+        })
+        .collect())
+}
+
+/// The machine's memory pressure (PSI) file, for readers and triggers.
+pub const SYSTEM_MEMORY_PRESSURE: &str = "/proc/pressure/memory";
+
+/// The host's 1, 5 and 15 minute load averages (`/proc/loadavg`).
+pub fn load_average() -> Result<[f64; 3], ProcError> {
+    use procfs::Current;
+    let l = procfs::LoadAverage::current().map_err(|source| ProcError::ReadSystem {
+        file: "loadavg",
+        source,
+    })?;
+    Ok([l.one.into(), l.five.into(), l.fifteen.into()])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+    use std::time::Duration;
+
+    fn me() -> Pid {
+        Pid::try_from(std::process::id()).unwrap()
+    }
+
+    #[test]
+    fn own_stat_status_and_fds() {
+        let st = stat(me()).unwrap();
+        assert_eq!(st.pid, me());
+        assert_eq!(st.ppid, nix::unistd::getppid().as_raw());
+        let s = status(me()).unwrap();
+        assert_eq!((s.tgid, s.pid), (me(), me()));
+        assert_eq!(s.nspid.first(), Some(&me()));
+        assert_eq!(tgid(me()).unwrap(), Some(me()));
+        let fds = fds(me()).unwrap();
+        assert!(fds.windows(2).all(|w| w[0].fd < w[1].fd));
+        assert!(fds.iter().any(|f| f.fd == 0));
+        assert_eq!(liveness(me()), Liveness::Alive);
+    }
+
+    #[test]
+    fn a_missing_pid_is_no_such_process() {
+        let mut child = Command::new("true").spawn().unwrap();
+        let pid = child.id() as Pid;
+        child.wait().unwrap();
+        assert!(matches!(stat(pid), Err(ProcError::NoSuchProcess(p)) if p == pid));
+        assert!(matches!(fds(pid), Err(ProcError::NoSuchProcess(_))));
+        assert_eq!(tgid(pid).unwrap(), None);
+        assert_eq!(liveness(pid), Liveness::Gone);
+        assert!(matches!(stat(0), Err(ProcError::NoSuchProcess(0))));
+    }
+
+    #[test]
+    fn a_zombie_is_a_zombie_until_reaped() {
+        let mut child = Command::new("true").spawn().unwrap();
+        let pid = child.id() as Pid;
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while liveness(pid) != Liveness::Zombie {
+            assert!(std::time::Instant::now() < deadline, "never a zombie");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(stat(pid).unwrap().exit_code, Some(0));
+        child.wait().unwrap();
+        assert_eq!(liveness(pid), Liveness::Gone);
+    }
+
+    #[test]
+    fn tree_lists_descendants_parent_first() {
+        let mut child = Command::new("sh")
+            .args(["-c", "sleep 30 & sleep 30 & wait"])
+            .spawn()
+            .unwrap();
+        let root = child.id() as Pid;
+        let mut pids = Vec::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while pids.len() != 3 && std::time::Instant::now() < deadline {
+            pids = tree(root).unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(pids.len(), 3, "{pids:?}");
+        assert_eq!(pids[0], root);
+        for p in &pids[1..] {
+            assert_eq!(stat(*p).unwrap().ppid, root);
+            crate::ProcHandle::open(*p)
+                .unwrap()
+                .signal(crate::Signal::SIGKILL)
+                .unwrap();
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    #[test]
+    fn own_pid_group_and_session_are_in_use_and_a_pid_past_the_max_is_not() {
+        let pgrp = nix::unistd::getpgrp().as_raw();
+        let sid = nix::unistd::getsid(None).unwrap().as_raw();
+        let busy = pids_in_use(&[me(), pgrp, sid]);
+        assert!(busy.contains(&me()) && busy.contains(&pgrp) && busy.contains(&sid));
+        assert!(pids_in_use(&[pid_max().unwrap() + 1]).is_empty());
+    }
+
+    #[test]
+    fn listening_unix_sockets_are_found_by_name_and_their_connections_are_not() {
+        let name = format!("cryo-proc-test/{}", me());
+        let addr = <std::os::unix::net::SocketAddr as std::os::linux::net::SocketAddrExt>::from_abstract_name(name.as_bytes()).unwrap();
+        let l = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
+        let _c = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
+        let _s = l.accept().unwrap();
+        let found = unix_listeners(&format!("@{name}")).unwrap();
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found.values().next().unwrap(), &format!("@{name}"));
+        let own: Vec<u64> = fds(me())
+            .unwrap()
+            .into_iter()
+            .filter_map(|f| match f.target {
+                crate::FdTarget::Socket(i) => Some(i),
+                _ => None,
+            })
+            .collect();
+        assert!(own.contains(found.keys().next().unwrap()));
+    }
+
+    #[test]
+    fn load_average_reads() {
+        assert!(load_average().unwrap().iter().all(|l| *l >= 0.0));
+    }
+}
