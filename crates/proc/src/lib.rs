@@ -23,6 +23,11 @@
 //! those.
 //!
 //! # Limitations
+//! A recorded identity (pid + start time, as the journal keeps it) has clock-tick resolution
+//! (10 ms at the usual `CLK_TCK` of 100): a pid reused within the same tick is not told apart by
+//! [`ProcHandle::open_expected`]. A held handle is not affected: its pidfd never names another
+//! process.
+//!
 //! Pids are host pids (the namespace cryo runs in; [`Status::nspid`] gives the others). Exit
 //! statuses of processes that are not our children are not available through a pidfd; callers that
 //! need how a process died read its zombie's [`Stat::exit_code`] while they can.
