@@ -5,8 +5,9 @@
 //! loads, `cuInit` succeeds and at least one device is present (then NVML must load too: a host
 //! with a GPU but no NVML is an error, never a silent switch to the simulated GPU); otherwise it
 //! takes the simulated GPU at `--sim-dir`. The choice is resolved only by commands that need a
-//! GPU, after their arguments are validated, and is announced in one line on stderr (except by
-//! the `cuda-checkpoint` front end, whose output CRIU parses).
+//! GPU, after their arguments are validated. What `auto` chose, and why, is said once on stderr
+//! (except by the `cuda-checkpoint` front end, whose output CRIU parses); a backend the user
+//! named is used without a word.
 //!
 //! # Limitations
 //! `auto` cannot tell "no driver" from "a broken driver": both fall back to the simulated GPU,
@@ -51,23 +52,36 @@ pub enum BackendError {
     },
 }
 
-/// A backend and the line that says how it was chosen.
+/// A backend and, when `auto` chose it, the line that says which and why.
 #[derive(Debug)]
 pub struct Resolved {
     /// The backend.
     pub gpu: Gpu,
-    /// `using the real CUDA driver (API 13000, 1 GPU)` or `using the simulated GPU at ...`.
-    pub note: String,
+    /// `--gpu auto: using the real CUDA driver (API 13000, 1 GPUs)` or `--gpu auto: using the
+    /// simulated GPU at DIR (no real GPU: ...)`; `None` when the user named the backend.
+    pub note: Option<String>,
 }
 
 /// Resolves `choice` against the system.
 pub fn resolve(choice: GpuChoice, sim_dir: &Path) -> Result<Resolved, BackendError> {
     match choice {
-        GpuChoice::Cuda => real("cuda"),
-        GpuChoice::Sim => sim(sim_dir, "--gpu sim".to_string()),
+        GpuChoice::Cuda => real("cuda").map(|(gpu, _)| Resolved { gpu, note: None }),
+        GpuChoice::Sim => Ok(Resolved {
+            gpu: sim(sim_dir, "--gpu sim".to_string())?,
+            note: None,
+        }),
         GpuChoice::Auto => match probe() {
-            Ok(()) => real("auto"),
-            Err(why) => sim(sim_dir, format!("--gpu auto: no real GPU ({why})")),
+            Ok(()) => real("auto").map(|(gpu, what)| Resolved {
+                gpu,
+                note: Some(format!("--gpu auto: using {what}")),
+            }),
+            Err(why) => Ok(Resolved {
+                gpu: sim(sim_dir, format!("--gpu auto: no real GPU ({why})"))?,
+                note: Some(format!(
+                    "--gpu auto: using the simulated GPU at {} (no real GPU: {why})",
+                    sim_dir.display()
+                )),
+            }),
         },
     }
 }
@@ -82,26 +96,23 @@ fn probe() -> Result<(), String> {
     }
 }
 
-fn real(choice: &'static str) -> Result<Resolved, BackendError> {
+/// The real backend, and what it is in words.
+fn real(choice: &'static str) -> Result<(Gpu, String), BackendError> {
     let gpu = cryo_gpu::cuda::backend().map_err(|source| BackendError::Cuda { choice, source })?;
     let (version, count) = match CudaDriver::load() {
         Ok(d) => (d.api_version(), d.device_count().unwrap_or(0)),
         Err(_) => (0, 0),
     };
-    Ok(Resolved {
+    Ok((
         gpu,
-        note: format!("using the real CUDA driver (API {version}, {count} GPUs)"),
-    })
+        format!("the real CUDA driver (API {version}, {count} GPUs)"),
+    ))
 }
 
-fn sim(dir: &Path, why: String) -> Result<Resolved, BackendError> {
-    let gpu = cryo_sim::connect(dir).map_err(|source| BackendError::Sim {
+fn sim(dir: &Path, why: String) -> Result<Gpu, BackendError> {
+    cryo_sim::connect(dir).map_err(|source| BackendError::Sim {
         dir: dir.to_path_buf(),
-        why: why.clone(),
+        why,
         source,
-    })?;
-    Ok(Resolved {
-        gpu,
-        note: format!("using the simulated GPU at {} ({why})", dir.display()),
     })
 }

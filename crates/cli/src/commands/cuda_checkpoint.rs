@@ -82,7 +82,7 @@ fn outcome(choice: GpuChoice, sim_dir: &Path, state: &StateDir, args: Vec<OsStri
     };
     let gpu = match backend::resolve(choice, sim_dir) {
         Ok(r) => {
-            tracing::debug!(note = %r.note, "backend");
+            tracing::debug!(note = ?r.note, "backend");
             r.gpu
         }
         Err(e) => {

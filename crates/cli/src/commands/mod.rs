@@ -27,13 +27,23 @@ pub struct Context {
     pub global: GlobalArgs,
     /// `--state-dir`.
     pub state: StateDir,
+    /// Whether `auto`'s choice was said already.
+    announced: std::sync::atomic::AtomicBool,
 }
 
 impl Context {
-    /// Resolves the backend and says which on stderr (one line).
+    /// Resolves the backend; says on stderr which one `auto` chose (once per command), nothing
+    /// when the user named it.
     pub fn gpu(&self) -> anyhow::Result<Gpu> {
         let r = backend::resolve(self.global.gpu, &self.global.sim_dir)?;
-        eprintln!("cryo: {}", r.note);
+        if let Some(note) = r.note {
+            if !self
+                .announced
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+            {
+                eprintln!("cryo: {note}");
+            }
+        }
         Ok(r.gpu)
     }
 }
@@ -43,6 +53,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
     let ctx = Context {
         state: StateDir::new(&cli.global.state_dir),
         global: cli.global,
+        announced: Default::default(),
     };
     match cli.command {
         Command::Gpu(g) => gpu::run(&ctx, g.command).map(|()| crate::exit::SUCCESS),
