@@ -572,18 +572,19 @@ fn connect(cfg: &ForwardConfig) -> Result<Conn, ConnectError> {
 }
 
 /// Whether the collector closed or reset the connection (it never sends anything else; what it
-/// sends anyway is read and dropped).
+/// sends anyway is read and dropped, at most 64 KiB a call, so a collector that talks without
+/// end cannot keep the forwarder from sending).
 fn peer_closed(stream: &TcpStream) -> bool {
-    let mut buf = [0u8; 1024];
-    loop {
+    let mut buf = [0u8; 4096];
+    for _ in 0..16 {
         match rustix::net::recv(stream, &mut buf, RecvFlags::DONTWAIT) {
             Ok(0) => return true,
-            Ok(_) => continue,
+            Ok(_) | Err(rustix::io::Errno::INTR) => continue,
             Err(rustix::io::Errno::AGAIN) => return false,
-            Err(rustix::io::Errno::INTR) => continue,
             Err(_) => return true,
         }
     }
+    false
 }
 
 /// A record's time as the journal stores it.

@@ -315,3 +315,42 @@ fn a_collector_that_drops_every_connection_is_retried_with_backoff() {
         );
     }
 }
+
+/// A collector that sends without end (nothing a syslog receiver should do) still gets every
+/// record: what it sends is read and dropped a bounded amount at a time.
+#[test]
+fn a_chatty_collector_does_not_stall_forwarding() {
+    use std::io::{Read as _, Write as _};
+    let state = tempfile::tempdir().unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let j = Journal::open(state.path().join("journal")).unwrap();
+    j.append(Event::Killed { pid: p(1) }).unwrap();
+    let _fwd = Forwarder::start(cfg(state.path(), &addr)).unwrap();
+    let (mut conn, _) = listener.accept().unwrap();
+    conn.set_read_timeout(Some(LONG)).unwrap();
+    let mut writer = conn.try_clone().unwrap();
+    let chatter = std::thread::spawn(move || {
+        let noise = [b'x'; 65536];
+        while writer.write_all(&noise).is_ok() {}
+    });
+    let mut got = Vec::new();
+    let mut buf = [0u8; 65536];
+    let mut read_until = |what: &str, got: &mut Vec<u8>| {
+        while !String::from_utf8_lossy(got).contains(what) {
+            let n = conn
+                .read(&mut buf)
+                .unwrap_or_else(|e| panic!("waiting for {what}: {e}"));
+            assert!(n > 0, "the forwarder closed the connection");
+            got.extend_from_slice(&buf[..n]);
+        }
+    };
+    read_until("seq=\"1\"", &mut got);
+    // Appended while the collector talks: the forwarder must still get to them.
+    for i in 2..=100 {
+        j.append(Event::Killed { pid: p(i) }).unwrap();
+    }
+    read_until("seq=\"100\"", &mut got);
+    conn.shutdown(std::net::Shutdown::Both).unwrap();
+    chatter.join().unwrap();
+}
