@@ -29,6 +29,11 @@
 //!   collector's kernel (see [`forward`]).
 //! - Metrics are computed from the whole journal at start: a journal of many years takes a
 //!   moment to read (records are ~200 bytes; a busy node writes a few MB a year).
+//! - A journal file replaced under a running [`JournalFeed`] (restored from a backup, started
+//!   anew) is followed from its first record, and its records are counted on top of the old
+//!   file's (the `prometheus` crate cannot reset a histogram); a restart recounts.
+//! - Metrics of a forwarder and of event types this build does not know: unknown events count
+//!   as `type="unknown"` and are forwarded with their seq and time only.
 
 mod error;
 pub mod follow;
