@@ -8,6 +8,11 @@
 //! printed its result. SIGKILL cannot be deferred; every command is written so that a SIGKILL at
 //! any point still leaves every process safe, and a rerun finishes the work.
 //!
+//! This is a signal *mask*, not a handler: blocked signals keep their default action and act the
+//! moment the mask is lifted, which is the point. signal-hook installs handlers (it is what the
+//! guard's termination flag uses); it has nothing for masks, so this stays on nix's
+//! `pthread_sigmask`.
+//!
 //! # Limitations
 //! The mask is per thread: it must be taken before the command spawns any thread, which then
 //! inherit it.

@@ -48,5 +48,5 @@ pub mod tracer;
 
 pub use guard::{Endgame, Guard, GuardConfig, GuardStatus, MemoryWatch, StartReport};
 pub use policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee};
-pub use service::{run, Notice, RunError, RunOptions};
+pub use service::{run, termination_flag, Notice, RunError, RunOptions};
 pub use tracer::{AttachError, DetachError, SpawnError, Tracer, TracerGone, TracerStats};

@@ -122,6 +122,17 @@ pub enum RunError {
     Control(#[from] ServeError),
 }
 
+/// A flag that SIGTERM, SIGINT and SIGHUP set instead of killing the process (a guard holding pins
+/// must not die of a stray signal); hand `|| flag.load(..)` to [`run`] as its `stop`.
+pub fn termination_flag() -> std::io::Result<Arc<std::sync::atomic::AtomicBool>> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for sig in [SIGTERM, SIGINT, SIGHUP] {
+        signal_hook::flag::register(sig, Arc::clone(&flag))?;
+    }
+    Ok(flag)
+}
+
 /// Runs a guard until `stop()` returns true and it holds no pins. See the module docs.
 pub fn run(
     gpu: Gpu,

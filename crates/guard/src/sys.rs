@@ -137,7 +137,8 @@ pub fn kick_signal() -> i32 {
 extern "C" fn on_kick(_: libc::c_int) {}
 
 /// Installs a no-op handler for [`kick_signal`] without `SA_RESTART`, so that a blocked `waitpid`
-/// returns `EINTR`. Idempotent.
+/// returns `EINTR`. Idempotent. Hand-written because that is the point of it: signal-hook installs
+/// its handlers with `SA_RESTART`, which would resume the `waitpid` instead of waking the tracer.
 pub fn install_kick_handler() -> io::Result<()> {
     static ONCE: Once = Once::new();
     let mut result = Ok(());
@@ -200,32 +201,4 @@ pub mod status {
     pub fn stopped(s: i32) -> Option<(i32, i32)> {
         libc::WIFSTOPPED(s).then(|| (libc::WSTOPSIG(s), (s >> 16) & 0xffff))
     }
-}
-
-static TERMINATE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-extern "C" fn on_terminate(_: libc::c_int) {
-    TERMINATE.store(true, std::sync::atomic::Ordering::SeqCst);
-}
-
-/// Makes SIGTERM, SIGINT and SIGHUP set a flag instead of killing the process (a guard holding
-/// pins must not die of a stray signal); [`terminate_requested`] reads it.
-pub fn install_terminate_flag() -> io::Result<()> {
-    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
-        // SAFETY: sigaction is plain data; all-zero means no flags and an empty mask.
-        let mut act: libc::sigaction = unsafe { std::mem::zeroed() };
-        act.sa_sigaction = on_terminate as extern "C" fn(libc::c_int) as usize;
-        act.sa_flags = libc::SA_RESTART;
-        // SAFETY: `act` is fully initialised; the handler only stores to an atomic.
-        let ret = unsafe { libc::sigaction(sig, &act, std::ptr::null_mut()) };
-        if ret < 0 {
-            return Err(io::Error::last_os_error());
-        }
-    }
-    Ok(())
-}
-
-/// Whether a termination signal arrived since [`install_terminate_flag`].
-pub fn terminate_requested() -> bool {
-    TERMINATE.load(std::sync::atomic::Ordering::SeqCst)
 }

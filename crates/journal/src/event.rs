@@ -520,13 +520,15 @@ mod rfc3339 {
     use serde::{de::Error as _, ser::Error as _, Deserialize, Deserializer, Serializer};
 
     pub(super) fn serialize<S: Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
-        let text = crate::timeline::fmt_utc(*t, true)
+        let text = crate::timeline::fmt_utc(*t, crate::timeline::Subsec::Nanos)
             .ok_or_else(|| S::Error::custom(format!("time {t:?} is outside years 1970..9999")))?;
         s.serialize_str(&text)
     }
 
     pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<SystemTime, D::Error> {
         let text = String::deserialize(d)?;
-        humantime::parse_rfc3339(&text).map_err(D::Error::custom)
+        time::OffsetDateTime::parse(&text, &time::format_description::well_known::Rfc3339)
+            .map(SystemTime::from)
+            .map_err(D::Error::custom)
     }
 }

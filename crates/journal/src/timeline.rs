@@ -14,7 +14,7 @@ pub fn render_timeline<'a>(
 ) -> String {
     let mut out = String::new();
     for r in records.into_iter().filter(|r| filter.matches(r)) {
-        let time = fmt_utc(r.time, false).unwrap_or_else(|| format!("{:?}", r.time));
+        let time = fmt_utc(r.time, Subsec::Millis).unwrap_or_else(|| format!("{:?}", r.time));
         let who = match r.event.proc() {
             Some(p) => format!("pid {}", p.pid),
             None => "-".to_owned(),
@@ -64,23 +64,76 @@ pub fn parse_since_at(input: &str, now: SystemTime) -> Result<SystemTime, SinceE
             Err(err())
         };
     }
-    let ago = humantime::parse_duration(text).map_err(|_| err())?;
+    let ago = parse_ago(text).ok_or_else(err)?;
     now.checked_sub(ago).ok_or_else(err)
 }
 
-/// `t` in RFC 3339 UTC, with milliseconds or nanoseconds; `None` outside years 1970..=9999.
-pub(crate) fn fmt_utc(t: SystemTime, nanos: bool) -> Option<String> {
-    // humantime panics outside this range.
-    const YEAR_10000: u64 = 253_402_300_800;
-    let secs = t.duration_since(UNIX_EPOCH).ok()?.as_secs();
-    if secs >= YEAR_10000 {
+/// `10m`, `2h`, `1h 30m`, `90s`, `2d`: numbers with units (`s`, `m`, `h`, `d`, `w` and their
+/// words), summed. The `time` crate parses instants, not durations like these; this is the one
+/// thing cryo needs that it lacks.
+fn parse_ago(text: &str) -> Option<Duration> {
+    let mut rest = text.trim();
+    if rest.is_empty() {
         return None;
     }
-    Some(if nanos {
-        humantime::format_rfc3339_nanos(t).to_string()
-    } else {
-        humantime::format_rfc3339_millis(t).to_string()
-    })
+    let mut total = Duration::ZERO;
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let n: u64 = rest.get(..digits)?.parse().ok()?;
+        rest = rest.get(digits..)?.trim_start();
+        let letters = rest
+            .find(|c: char| !c.is_ascii_alphabetic())
+            .unwrap_or(rest.len());
+        let unit: u64 = match rest.get(..letters)? {
+            "s" | "sec" | "secs" | "second" | "seconds" => 1,
+            "m" | "min" | "mins" | "minute" | "minutes" => 60,
+            "h" | "hr" | "hrs" | "hour" | "hours" => 3600,
+            "d" | "day" | "days" => 86_400,
+            "w" | "week" | "weeks" => 604_800,
+            _ => return None,
+        };
+        total = total.checked_add(Duration::from_secs(n.checked_mul(unit)?))?;
+        rest = rest.get(letters..)?.trim_start();
+    }
+    Some(total)
+}
+
+/// How many digits of the second's fraction [`fmt_utc`] writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Subsec {
+    /// `.123`
+    Millis,
+    /// `.123456`
+    Micros,
+    /// `.123456789`
+    Nanos,
+}
+
+/// `t` in RFC 3339 UTC with a fixed number of fraction digits (`2026-11-30T02:41:07.123Z`), as
+/// the timeline, the journal's records and the syslog forwarder write it; `None` outside years
+/// 1970..=9999, which RFC 3339 cannot write.
+pub fn fmt_utc(t: SystemTime, digits: Subsec) -> Option<String> {
+    use time::macros::format_description;
+    const YEAR_10000: u64 = 253_402_300_800;
+    let since = t.duration_since(UNIX_EPOCH).ok()?;
+    if since.as_secs() >= YEAR_10000 {
+        return None;
+    }
+    let at = time::OffsetDateTime::UNIX_EPOCH.checked_add(since.try_into().ok()?)?;
+    match digits {
+        Subsec::Millis => at.format(format_description!(
+            "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
+        )),
+        Subsec::Micros => at.format(format_description!(
+            "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:6]Z"
+        )),
+        Subsec::Nanos => at.format(format_description!(
+            "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:9]Z"
+        )),
+    }
+    .ok()
 }
 
 /// Sizes for people, in the binary units NVML and `nvidia-smi` use: `1.5 GiB`, `512 MiB`, `12 B`.

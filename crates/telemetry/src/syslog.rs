@@ -203,14 +203,8 @@ fn header_field(value: &str, max: usize) -> String {
 
 /// The record's time with microseconds, or `-` outside the years RFC 3339 can write.
 fn rfc5424_time(record: &Record) -> String {
-    let Ok(since) = record.time.duration_since(std::time::UNIX_EPOCH) else {
-        return "-".to_owned();
-    };
-    // humantime panics from year 10000 on.
-    if since.as_secs() >= 253_402_300_800 {
-        return "-".to_owned();
-    }
-    humantime::format_rfc3339_micros(record.time).to_string()
+    cryo_journal::fmt_utc(record.time, cryo_journal::Subsec::Micros)
+        .unwrap_or_else(|| "-".to_owned())
 }
 
 #[cfg(test)]

@@ -100,7 +100,7 @@ fn serve(ctx: &Context, a: &GuardRunArgs) -> anyhow::Result<()> {
             "--restart-cmd needs --endgame drain".into()
         ));
     }
-    cryo_guard::sys::install_terminate_flag().context("installing the SIGTERM handler")?;
+    let terminate = cryo_guard::termination_flag().context("installing the SIGTERM handler")?;
     let gpu = ctx.gpu()?;
     let opts = RunOptions {
         pids: a.pids.clone(),
@@ -110,7 +110,7 @@ fn serve(ctx: &Context, a: &GuardRunArgs) -> anyhow::Result<()> {
         gpu,
         config(ctx, a),
         &opts,
-        &cryo_guard::sys::terminate_requested,
+        &|| terminate.load(std::sync::atomic::Ordering::SeqCst),
         &mut |notice| eprintln!("cryo guard: {notice}"),
     )?;
     Ok(())

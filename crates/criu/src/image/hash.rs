@@ -8,9 +8,10 @@ use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 
+use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
 /// Bytes read per call; one buffer per worker thread.
@@ -31,10 +32,10 @@ pub(crate) struct Hashed {
 /// One file's outcome; the error carries the path.
 pub(crate) type HashResult = Result<Hashed, (PathBuf, std::io::Error)>;
 
-/// Runs `work(i, buffer)` for every `i < jobs` on up to `cap` threads (bounded by
-/// `available_parallelism`), taking jobs in `order`. Once a result is `failed`, no new job
-/// starts: the caller reports one failure, and a corrupt image is refused without reading the
-/// rest. Results are by job index; `None` for a job that did not run.
+/// Runs `work(i, buffer)` for every `i` of `order` on a rayon pool of up to `cap` threads
+/// (bounded by `available_parallelism`), one job at a time per thread, taken in `order`. Once a
+/// result is `failed`, no new job starts: the caller reports one failure, and a corrupt image is
+/// refused without reading the rest. Results are by job index; `None` for a job that did not run.
 fn parallel<T: Send>(
     order: &[usize],
     cap: usize,
@@ -46,38 +47,39 @@ fn parallel<T: Send>(
         .min(cap)
         .min(order.len())
         .max(1);
-    let next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
-    let mut results: Vec<Option<T>> = (0..order.len()).map(|_| None).collect();
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|_| {
-                s.spawn(|| {
-                    let mut buf = vec![0u8; BUF];
-                    let mut done = Vec::new();
-                    while !stop.load(Ordering::Relaxed) {
-                        let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed)) else {
-                            break;
-                        };
-                        let r = work(i, &mut buf);
-                        if failed(&r) {
-                            stop.store(true, Ordering::Relaxed);
-                        }
-                        done.push((i, r));
+    let run = || -> Vec<(usize, T)> {
+        order
+            .par_iter()
+            // One job per task: the biggest (first) jobs start first on every thread.
+            .with_max_len(1)
+            .map_init(
+                || vec![0u8; BUF],
+                |buf, &i| {
+                    if stop.load(Ordering::Relaxed) {
+                        return None;
                     }
-                    done
-                })
-            })
-            .collect();
-        for h in handles {
-            // A panicked worker's jobs stay `None`; the caller reports them.
-            for (i, r) in h.join().unwrap_or_default() {
-                if let Some(slot) = results.get_mut(i) {
-                    *slot = Some(r);
-                }
-            }
+                    let r = work(i, buf);
+                    if failed(&r) {
+                        stop.store(true, Ordering::Relaxed);
+                    }
+                    Some((i, r))
+                },
+            )
+            .flatten()
+            .collect()
+    };
+    let done = match rayon::ThreadPoolBuilder::new().num_threads(threads).build() {
+        Ok(pool) => pool.install(run),
+        // No threads to be had: the work still gets done, on this one.
+        Err(_) => run(),
+    };
+    let mut results: Vec<Option<T>> = (0..order.len()).map(|_| None).collect();
+    for (i, r) in done {
+        if let Some(slot) = results.get_mut(i) {
+            *slot = Some(r);
         }
-    });
+    }
     results
 }
 
@@ -296,7 +298,7 @@ pub(crate) fn check_spans(files: &[PathBuf], spans: &[Span<'_>]) -> Result<(), (
     if ran_all {
         return Ok(());
     }
-    // Only a panicked worker leaves jobs unrun without a failure to report.
+    // Jobs are skipped only after a failure, which is returned above.
     Err((
         0,
         SpanError::Io(std::io::Error::other("a verify worker did not report")),
