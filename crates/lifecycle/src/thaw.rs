@@ -709,53 +709,23 @@ mod tests {
             precheck(&m, &gpus(1000), Some("590.1"), &[], &[], &[]),
             Err(PrecheckError::Driver { .. })
         ));
+        // Fenced: its GPU, or every GPU (an entry whose GPU the guard could not tell), even for
+        // an image without CUDA processes; another GPU's quarantine does not refuse it.
+        let fenced_by = |m: &Manifest, gpu: FencedGpu| {
+            precheck(m, &gpus(1000), Some("580.2"), &[], &[fenced(gpu)], &[])
+        };
         assert_eq!(
-            precheck(
-                &m,
-                &gpus(1000),
-                Some("580.2"),
-                &[],
-                &[fenced(FencedGpu::Gpu(u(A)))],
-                &[]
-            ),
+            fenced_by(&m, FencedGpu::Gpu(u(A))),
             Err(PrecheckError::Quarantined(u(A)))
         );
-        // Another GPU's quarantine does not refuse it; one whose GPU is unknown refuses every thaw.
-        assert!(precheck(
-            &m,
-            &gpus(1000),
-            Some("580.2"),
-            &[],
-            &[fenced(FencedGpu::Gpu(u(B)))],
-            &[]
-        )
-        .is_ok());
-        assert_eq!(
-            precheck(
-                &m,
-                &gpus(1000),
-                Some("580.2"),
-                &[],
-                &[fenced(FencedGpu::Unknown)],
-                &[]
-            ),
-            Err(PrecheckError::NodeFenced { reason: "r".into() })
-        );
+        assert!(fenced_by(&m, FencedGpu::Gpu(u(B))).is_ok());
+        let node_fenced = Err(PrecheckError::NodeFenced { reason: "r".into() });
+        assert_eq!(fenced_by(&m, FencedGpu::Unknown), node_fenced);
         let no_gpu = Manifest {
             processes: Vec::new(),
             ..manifest(0)
         };
-        assert_eq!(
-            precheck(
-                &no_gpu,
-                &gpus(1000),
-                None,
-                &[],
-                &[fenced(FencedGpu::Unknown)],
-                &[]
-            ),
-            Err(PrecheckError::NodeFenced { reason: "r".into() })
-        );
+        assert_eq!(fenced_by(&no_gpu, FencedGpu::Unknown), node_fenced);
         let mut other = gpus(1000);
         other[0].name = "N".into();
         assert!(matches!(
