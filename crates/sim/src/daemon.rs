@@ -6,6 +6,12 @@
 //! (`OpenContext`; the connection then lives as long as the worker's context fd) or a one-shot
 //! request. The context table holds only bookkeeping (pid, GPU, size, whether it came from a
 //! restore, the inode of the worker's end); the memory itself belongs to the context's thread.
+//!
+//! NVML-style queries ([`Request::Processes`], [`Request::Gpus`]) first settle every context whose
+//! worker end is closed (the last duplicate gone): they wait until its thread has torn it down,
+//! wedge recorded in the ledger included. So an answer given after a process died reflects that
+//! death, as the real driver frees a context when its device files are released; tests rely on
+//! one such round trip, not on a sleep, before they read the ledger.
 
 use std::collections::{HashMap, HashSet};
 use std::io::{self, BufReader, Write};
@@ -13,7 +19,7 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cryo_gpu::{CuResult, GpuInfo, GpuProcess, GpuUuid};
@@ -96,6 +102,8 @@ struct CtxMeta {
     bytes: u64,
     restored: bool,
     inode: u64,
+    /// The daemon's end of the context socket (a duplicate), to see that the worker's end closed.
+    sock: Option<Arc<UnixStream>>,
 }
 
 #[derive(Debug)]
@@ -104,6 +112,8 @@ struct Daemon {
     ledger: PathBuf,
     gpus: Vec<GpuSpec>,
     contexts: Mutex<HashMap<u64, CtxMeta>>,
+    /// Signalled whenever a context leaves the table.
+    removed: Condvar,
     next_ctx: AtomicU64,
 }
 
@@ -173,6 +183,7 @@ fn start(cfg: DaemonConfig) -> Result<(Arc<Daemon>, UnixListener, PathBuf), Daem
         ledger: crate::ledger_path(&cfg.dir),
         gpus,
         contexts: Mutex::new(HashMap::new()),
+        removed: Condvar::new(),
         next_ctx: AtomicU64::new(1),
     });
     Ok((daemon, listener, socket))
@@ -286,13 +297,47 @@ impl Daemon {
                 proto::WORKER_CALL_GRACE,
                 false,
             ),
-            Request::Gpus => Reply::Gpus(self.gpus()),
-            Request::Processes => Reply::Processes(self.processes()),
+            Request::Gpus => {
+                self.settle();
+                Reply::Gpus(self.gpus())
+            }
+            Request::Processes => {
+                self.settle();
+                Reply::Processes(self.processes())
+            }
             Request::DriverFds { pid } => self.driver_fds(pid),
         };
         if let Err(err) = proto::send(&mut s, &reply) {
             tracing::debug!(%err, "client went away before the answer");
         }
+    }
+
+    /// Waits until every context whose worker end is closed has been torn down by its thread
+    /// (ledger written, table entry removed). Bounded: a thread that never gets there (it cannot)
+    /// does not hang the query.
+    fn settle(&self) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut table = self.table();
+        loop {
+            let closing = table
+                .values()
+                .any(|c| c.sock.as_deref().is_some_and(crate::sys::peer_closed));
+            let left = deadline.saturating_duration_since(Instant::now());
+            if !closing || left.is_zero() {
+                return;
+            }
+            table = self
+                .removed
+                .wait_timeout(table, left.min(Duration::from_millis(50)))
+                .map(|(t, _)| t)
+                .unwrap_or_else(|p| p.into_inner().0);
+        }
+    }
+
+    /// Removes a context from the table and wakes whoever settles.
+    fn remove(&self, id: u64) {
+        self.table().remove(&id);
+        self.removed.notify_all();
     }
 
     fn gpus(&self) -> Vec<GpuInfo> {
@@ -386,6 +431,7 @@ impl Daemon {
                 "cannot reach the restore thread of pid {pid}: {err}"
             ));
         }
+        tracing::debug!(pid, "call handed to the restore thread");
         if let Some(early) = wait_answer(&s, pid, deadline, is_lock) {
             return early;
         }
@@ -426,6 +472,7 @@ impl Daemon {
         };
         let restored = open.init == Init::Upload;
         let ctx_id = self.next_ctx.fetch_add(1, Ordering::Relaxed);
+        let sock = s.try_clone().ok().map(Arc::new);
         {
             let mut table = self.table();
             let used: u64 = table
@@ -454,6 +501,7 @@ impl Daemon {
                     bytes: open.bytes,
                     restored,
                     inode: open.inode,
+                    sock,
                 },
             );
         }
@@ -464,15 +512,18 @@ impl Daemon {
             bytes: open.bytes,
             restored,
             inode: open.inode,
+            sock: None,
         };
         tracing::debug!(pid, gpu, bytes = open.bytes, restored, "context opened");
         let released = self.context_loop(&mut s, &open, &meta);
-        self.table().remove(&ctx_id);
+        // The wedge is in the ledger before the context leaves the listing: whoever sees it
+        // unlisted (or settles a query on it) can read the ledger as final for this death.
         if !released && meta.restored {
             self.wedge(&meta);
         } else {
             tracing::debug!(pid, released, "context closed");
         }
+        self.remove(ctx_id);
     }
 
     /// Returns whether the context was released by a checkpoint before its fd closed.
@@ -551,7 +602,7 @@ impl Daemon {
                     // Checkpoint frees device memory now, even while duplicates of the fd live.
                     mem = Vec::new();
                     released = true;
-                    self.table().remove(&meta.id);
+                    self.remove(meta.id);
                     proto::send(s, &CtxReply::Released)
                 }
             };

@@ -38,6 +38,20 @@ pub(crate) fn grow_socket_buffers(s: &UnixStream) {
     }
 }
 
+/// Whether the peer of a connected unix stream socket has closed its end (every duplicate of
+/// it): `POLLHUP` without waiting (the kernel sets it on a stream socket whose peer is released).
+pub(crate) fn peer_closed(s: &UnixStream) -> bool {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    let mut fds = [PollFd::new(s.as_fd(), PollFlags::POLLIN)];
+    match poll(&mut fds, PollTimeout::ZERO) {
+        Ok(n) if n > 0 => fds[0]
+            .revents()
+            .is_some_and(|r| r.contains(PollFlags::POLLHUP)),
+        _ => false,
+    }
+}
+
 /// Dies of a real SIGSEGV (`SEGV_ACCERR`, raised by the kernel on a write to an inaccessible
 /// page), as a worker with a memory bug does; for the guard's tests (`POST /segv`).
 pub(crate) fn segfault() -> ! {

@@ -66,10 +66,18 @@ fn handle(w: &Worker, mut req: Request) {
     let path = req.url().split('?').next().unwrap_or("").to_string();
     let mut exit_after = false;
     let resp = match (req.method(), path.as_str()) {
-        (Method::Get, "/health") => json(
-            200,
-            serde_json::json!({ "ok": true, "pid": std::process::id() }),
-        ),
+        (Method::Get, "/health") => {
+            let (queued, waiting) = w.load();
+            json(
+                200,
+                serde_json::json!({
+                    "ok": true,
+                    "pid": std::process::id(),
+                    "queued_ms": u64::try_from(queued.as_millis()).unwrap_or(u64::MAX),
+                    "gpu_calls_waiting": waiting,
+                }),
+            )
+        }
         (Method::Post, "/v1/completions") => {
             let mut prompt = Vec::new();
             match req.as_reader().read_to_end(&mut prompt) {

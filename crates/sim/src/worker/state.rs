@@ -44,6 +44,8 @@ struct State {
     gate_closed: bool,
     /// Application GPU calls in progress.
     inflight: u32,
+    /// Application GPU calls waiting at the closed gate.
+    waiting: u32,
     /// Queued GPU work runs until then.
     busy_until: Instant,
     sticky: Option<CuResult>,
@@ -95,6 +97,7 @@ impl Worker {
                 phase: ProcessState::Running,
                 gate_closed: false,
                 inflight: 0,
+                waiting: 0,
                 busy_until: Instant::now(),
                 sticky: None,
                 stuck: false,
@@ -178,16 +181,32 @@ impl Worker {
         Ok((Context { s }, uuid))
     }
 
+    /// Waits while the gate is closed (the process is locked), counted in `waiting`.
+    fn pass_gate<'a>(&self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        st.waiting += 1;
+        while st.gate_closed {
+            st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        st.waiting -= 1;
+        st
+    }
+
+    /// `(queued GPU work left, GPU calls waiting at the gate)`, for `GET /health`.
+    pub(crate) fn load(&self) -> (Duration, u32) {
+        let st = self.st();
+        (
+            st.busy_until.saturating_duration_since(Instant::now()),
+            st.waiting,
+        )
+    }
+
     /// Runs an application GPU call: waits while locked, fails on a sticky error.
     pub(crate) fn gpu_call<T>(
         &self,
         f: impl FnOnce(&mut Context) -> io::Result<T>,
     ) -> Result<T, CallError> {
         {
-            let mut st = self.st();
-            while st.gate_closed {
-                st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
-            }
+            let mut st = self.pass_gate(self.st());
             if let Some(code) = st.sticky {
                 return Err(CallError::Sticky(code));
             }
@@ -224,10 +243,7 @@ impl Worker {
 
     /// Queues `ms` of GPU work.
     pub(crate) fn enqueue(&self, ms: u64) -> Result<(), CallError> {
-        let mut st = self.st();
-        while st.gate_closed {
-            st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
-        }
+        let mut st = self.pass_gate(self.st());
         if let Some(code) = st.sticky {
             return Err(CallError::Sticky(code));
         }
@@ -238,10 +254,7 @@ impl Worker {
 
     /// A kernel faults: the context's error is sticky from now on.
     pub(crate) fn fault(&self) -> Result<(), CallError> {
-        let mut st = self.st();
-        while st.gate_closed {
-            st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
-        }
+        let mut st = self.pass_gate(self.st());
         st.sticky = Some(CuResult::ILLEGAL_ADDRESS);
         Ok(())
     }
