@@ -9,15 +9,16 @@
 //! thawed workers (children of the short-lived `cryo thaw`) are reparented to it and reaped here.
 
 use std::fs;
-use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output, Stdio};
 
 mod common;
 
-use common::{start_driver, stderr, stdout, wait_ready, CRYO};
+use common::{eventually, procs, program, stderr, stdout, Program, Worker, WorkerSpec, CRYO};
+use cryo_testkit::http::{http, Endpoint as Ep};
+use cryo_testkit::sim::Sim;
+use cryo_testkit::PATIENCE;
 
 fn criu_present() {
     let c = cryo_criu::Criu::locate(None);
@@ -33,48 +34,30 @@ fn criu_present() {
 }
 
 struct Env {
-    dir: tempfile::TempDir,
-    bin: PathBuf,
-    driver: Child,
-    workers: Vec<W>,
+    sim: Sim,
+    /// A private copy of `cryo` the workers run from.
+    bin: Program,
+    workers: Vec<Worker>,
     /// Pids (thawed workers) to stop and reap at the end.
     thawed: Vec<i32>,
-}
-
-struct W {
-    pid: i32,
-    child: Option<Child>,
-}
-
-/// Where a worker serves HTTP.
-#[derive(Clone)]
-enum Ep {
-    Tcp(u16),
-    Unix(PathBuf),
 }
 
 impl Env {
     fn start(gpu_memory: &str) -> Env {
         criu_present();
         nix::sys::prctl::set_child_subreaper(true).unwrap();
-        let dir = tempfile::Builder::new()
-            .prefix("cryo-ft-")
-            .tempdir()
-            .unwrap();
-        let bin = dir.path().join("cryo-worker");
-        fs::copy(CRYO, &bin).unwrap();
-        let driver = start_driver(dir.path(), "2", gpu_memory);
+        let sim = Sim::start_with(&program(), &["--gpus", "2", "--gpu-memory", gpu_memory]);
+        let bin = program().copied_to(&sim.path().join("cryo-worker"));
         Env {
-            dir,
+            sim,
             bin,
-            driver,
             workers: Vec::new(),
             thawed: Vec::new(),
         }
     }
 
     fn path(&self) -> &Path {
-        self.dir.path()
+        self.sim.path()
     }
 
     /// A sim worker on `gpu` with `memory`, in its own session, serving on a unix socket.
@@ -84,51 +67,14 @@ impl Env {
 
     /// A sim worker serving on loopback TCP (`tcp`) or on a unix socket.
     fn worker_on(&mut self, memory: &str, gpu: u32, tcp: bool) -> (i32, Ep) {
-        let n = self.workers.len();
-        let ready = self.path().join(format!("w{n}.ready"));
-        let sock = self.path().join(format!("w{n}.sock"));
-        let mut cmd = Command::new("setsid");
-        cmd.arg(&self.bin)
-            .args([
-                "sim",
-                "worker",
-                "--memory",
-                memory,
-                "--gpu",
-                &gpu.to_string(),
-                "--dir",
-            ])
-            .arg(self.path())
-            .arg("--ready-file")
-            .arg(&ready)
-            .arg("--log-file")
-            .arg(self.path().join(format!("w{n}.log")));
-        if !tcp {
-            cmd.arg("--http-unix").arg(&sock);
-        }
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let info = wait_ready(&ready, Duration::from_secs(120));
-        let pid = info["pid"].as_i64().unwrap() as i32;
-        assert_eq!(
-            pid,
-            child.id() as i32,
-            "setsid must exec the worker in place"
-        );
-        self.workers.push(W {
-            pid,
-            child: Some(child),
-        });
-        let ep = if tcp {
-            Ep::Tcp(info["port"].as_u64().unwrap() as u16)
-        } else {
-            Ep::Unix(sock)
-        };
-        (pid, ep)
+        let spec = WorkerSpec::new(memory)
+            .gpu(gpu)
+            .setsid()
+            .program(self.bin.clone());
+        let w = self.sim.spawn(if tcp { spec } else { spec.http_unix() });
+        let out = (w.pid, w.endpoint.clone());
+        self.workers.push(w);
+        out
     }
 
     fn cmd(&self) -> Command {
@@ -161,9 +107,7 @@ impl Env {
     /// Reaps a worker we spawned that CRIU killed after the dump.
     fn reap_worker(&mut self, pid: i32) {
         if let Some(w) = self.workers.iter_mut().find(|w| w.pid == pid) {
-            if let Some(mut c) = w.child.take() {
-                c.wait().unwrap();
-            }
+            w.reap();
         }
     }
 
@@ -192,19 +136,17 @@ impl Env {
         match self
             .workers
             .iter_mut()
-            .find(|w| w.pid == pid)
-            .and_then(|w| w.child.take())
+            .find(|w| w.pid == pid && w.is_ours())
         {
-            Some(mut c) => {
-                c.wait().unwrap();
-            }
-            None => reap(pid),
+            Some(w) => w.reap(),
+            None => procs::reap(pid),
         }
         self.thawed.retain(|p| *p != pid);
     }
 
-    fn ledger(&self) -> String {
-        fs::read_to_string(self.path().join("ledger.jsonl")).unwrap_or_default()
+    /// The wedge ledger after a round trip through the driver (every death seen is in it).
+    fn ledger(&self) -> Vec<cryo_sim::Wedge> {
+        self.sim.settled_ledger()
     }
 
     fn gpus(&self) -> serde_json::Value {
@@ -220,55 +162,22 @@ impl Drop for Env {
     fn drop(&mut self) {
         // Everything still alive is stopped safely (suspend, verify, kill).
         let mut pids: Vec<i32> = self.thawed.clone();
-        pids.extend(
-            self.workers
-                .iter()
-                .filter(|w| w.child.is_some())
-                .map(|w| w.pid),
-        );
+        pids.extend(self.workers.iter().filter(|w| w.is_ours()).map(|w| w.pid));
         for pid in pids {
-            if Path::new(&format!("/proc/{pid}")).exists() {
+            if procs::alive(pid) {
                 let _ = self.cryo(&["stop", &pid.to_string()]);
             }
-            reap(pid);
-        }
-        for w in &mut self.workers {
-            if let Some(mut c) = w.child.take() {
-                let _ = c.wait();
+            if !self.workers.iter().any(|w| w.pid == pid && w.is_ours()) {
+                procs::reap(pid);
             }
-        }
-        let _ = self.driver.kill();
-        let _ = self.driver.wait();
-    }
-}
-
-fn reap(pid: i32) {
-    let p = nix::unistd::Pid::from_raw(pid);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        match nix::sys::wait::waitpid(p, Some(nix::sys::wait::WaitPidFlag::WNOHANG)) {
-            Ok(nix::sys::wait::WaitStatus::StillAlive) if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(10))
-            }
-            _ => return,
         }
     }
 }
 
-fn alive(pid: i32) -> bool {
-    fs::read_to_string(format!("/proc/{pid}/stat"))
-        .is_ok_and(|s| !s.rsplit_once(')').unwrap().1.trim_start().starts_with('Z'))
-}
+use procs::alive;
 
 fn tracer(pid: i32) -> i32 {
-    fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("TracerPid:"))
-                .and_then(|v| v.trim().parse().ok())
-        })
-        .unwrap_or(0)
+    procs::tracer_pid(pid)
 }
 
 fn exists(pid: i32) -> bool {
@@ -278,25 +187,6 @@ fn exists(pid: i32) -> bool {
 fn manifest(image: &Path) -> serde_json::Value {
     serde_json::from_slice(&fs::read(image.join("manifest.json")).unwrap()).unwrap()
 }
-
-fn http(ep: &Ep, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut s: Box<dyn ReadWrite> = match ep {
-        Ep::Tcp(port) => Box::new(std::net::TcpStream::connect(("127.0.0.1", *port)).unwrap()),
-        Ep::Unix(sock) => Box::new(UnixStream::connect(sock).unwrap()),
-    };
-    write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let (head, body) = out.split_once("\r\n\r\n").unwrap();
-    (
-        head.split_whitespace().nth(1).unwrap().parse().unwrap(),
-        body.to_string(),
-    )
-}
-
-/// What the worker answers: completions for a few prompts and the device-memory check.
-trait ReadWrite: Read + Write {}
-impl<T: Read + Write> ReadWrite for T {}
 
 fn answers(sock: &Ep) -> Vec<String> {
     let mut out = Vec::new();
@@ -319,10 +209,7 @@ fn answers(sock: &Ep) -> Vec<String> {
 }
 
 fn health(ep: &Ep) -> String {
-    match ep {
-        Ep::Tcp(port) => format!("http://127.0.0.1:{port}/health"),
-        Ep::Unix(sock) => format!("unix:{}:/health", sock.display()),
-    }
+    ep.url("/health")
 }
 
 #[test]
@@ -385,7 +272,7 @@ fn freeze_thaw_serves_the_same_answers_twice_and_refuses_while_the_original_runs
     ] {
         assert!(timeline.contains(step), "{step} missing from\n{timeline}");
     }
-    assert_eq!(env.ledger(), "");
+    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
 }
 
 #[test]
@@ -421,7 +308,7 @@ fn thaw_onto_the_other_gpu_with_gpu_map() {
     assert_eq!(mine.len(), 1, "{ps}");
     assert_eq!(mine[0]["gpu_uuid"], g1.as_str(), "{ps}");
     env.stop(pid);
-    assert_eq!(env.ledger(), "");
+    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
 }
 
 fn copy_image(from: &Path, to: &Path) {
@@ -516,7 +403,7 @@ fn damaged_or_foreign_images_are_refused_before_criu_runs() {
     let out = env.thaw(&image, &[]);
     assert!(out.status.success(), "{}", stderr(&out));
     env.stop(pid);
-    assert_eq!(env.ledger(), "");
+    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
 }
 
 #[test]
@@ -589,7 +476,7 @@ fn a_quarantine_that_fences_the_gpu_or_cannot_be_trusted_refuses_the_thaw() {
     let out = env.thaw(&image, &[]);
     assert!(out.status.success(), "{}", stderr(&out));
     env.stop(pid);
-    assert_eq!(env.ledger(), "");
+    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
 }
 
 #[test]
@@ -611,7 +498,7 @@ fn not_enough_free_device_memory_is_refused_before_criu_runs() {
     env.stop(pid);
     answers(&other_sock);
     env.stop(other);
-    assert_eq!(env.ledger(), "");
+    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
 }
 
 #[test]
@@ -634,7 +521,7 @@ fn leave_running_keeps_serving_and_counts_as_restored() {
     let timeline = stdout(&env.cryo(&["timeline", "--pid", &pid.to_string()]));
     assert!(timeline.contains("restore completed"), "{timeline}");
     env.stop(pid);
-    assert_eq!(env.ledger(), "");
+    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
 }
 
 /// The staging directories beside `image`.
@@ -652,22 +539,19 @@ fn staging(image: &Path) -> Vec<PathBuf> {
 fn after_killed_freeze(env: &mut Env, pid: i32, image: &Path) {
     assert!(!image.exists(), "an image was published by a killed freeze");
     // An orphaned CRIU finishes or fails on its own: wait until it lets go of the worker.
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while alive(pid) && tracer(pid) != 0 {
-        assert!(Instant::now() < deadline, "CRIU never let go of pid {pid}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    eventually(
+        PATIENCE * 2,
+        &format!("CRIU to let go of pid {pid}"),
+        || !alive(pid) || tracer(pid) == 0,
+    );
     // CRIU that finished its dump ends the (suspended) tree right after letting go of it.
     let out = env.cryo(&["gpu", "state", "--pid", &pid.to_string()]);
     if !out.status.success() && stderr(&out).contains("not a CUDA process") {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while alive(pid) {
-            assert!(
-                Instant::now() < deadline,
-                "pid {pid} lost its CUDA state but lives on"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        eventually(
+            PATIENCE,
+            &format!("pid {pid}, which lost its CUDA state, to end"),
+            || !alive(pid),
+        );
     }
     if alive(pid) {
         let state = stdout(&out);
@@ -680,7 +564,7 @@ fn after_killed_freeze(env: &mut Env, pid: i32, image: &Path) {
     } else {
         env.reap_worker(pid);
     }
-    assert_eq!(env.ledger(), "", "a context was torn down live");
+    assert!(env.ledger().is_empty(), "a context was torn down live");
 }
 
 #[test]
@@ -700,14 +584,11 @@ fn killing_cryo_during_the_dump_publishes_nothing_and_tears_nothing_down() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !staging(&image)
-        .iter()
-        .any(|s| s.join("inventory.img").exists() || s.join("dump.log").exists())
-    {
-        assert!(Instant::now() < deadline, "the dump never started");
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    eventually(PATIENCE, "the dump to start", || {
+        staging(&image)
+            .iter()
+            .any(|s| s.join("inventory.img").exists() || s.join("dump.log").exists())
+    });
     freeze.kill().unwrap();
     freeze.wait().unwrap();
     after_killed_freeze(&mut env, pid, &image);
@@ -751,7 +632,7 @@ fn killing_cryo_during_the_dump_publishes_nothing_and_tears_nothing_down() {
     let out = env.thaw(&image, &[]);
     assert!(out.status.success(), "{}", stderr(&out));
     env.stop(pid);
-    assert_eq!(env.ledger(), "");
+    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
 }
 
 #[test]

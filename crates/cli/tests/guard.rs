@@ -13,13 +13,16 @@
 mod common;
 
 use std::fs;
-use std::io::Write;
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
 
-use common::{cryo, http, Sim};
+use common::{
+    cryo, eventually, http, make_restored, ok, procs, GuardProc, Sim, Worker, WorkerSpec, PATIENCE,
+};
+use cryo_testkit::cgroup::TestCgroup;
+use procs::tracer_pid;
 
 mod sig {
     pub const SIGQUIT: i32 = 3;
@@ -32,189 +35,13 @@ use cryo_guard::control::{Detach, GuardClient};
 use cryo_journal::{Event, ProcId};
 use cryo_state::StateDir;
 
-/// A `cryo --gpu sim --sim-dir SIM --state-dir STATE` command.
-fn cryo_at(sim: &Path, state: &Path) -> Command {
-    let mut c = cryo();
-    c.args(["--gpu", "sim", "--sim-dir"])
-        .arg(sim)
-        .arg("--state-dir")
-        .arg(state);
-    c
-}
-
-fn ok(mut c: Command) -> String {
-    let out = c.output().unwrap();
-    assert!(
-        out.status.success(),
-        "{c:?} failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn eventually(what: &str, timeout: Duration, f: impl Fn() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// A running `cryo guard`; SIGKILLed on drop.
-struct GuardProc {
-    child: Child,
-    log: PathBuf,
-}
-
-impl GuardProc {
-    fn start(sim: &Path, state: &Path, extra: &[&str]) -> GuardProc {
-        let log = state.join(format!("guard-{}.log", Instant::now().elapsed().as_nanos()));
-        fs::create_dir_all(state).unwrap();
-        let f = fs::File::create(&log).unwrap();
-        let child = cryo_at(sim, state)
-            .arg("guard")
-            .args(extra)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(f.try_clone().unwrap())
-            .stderr(f)
-            .spawn()
-            .unwrap();
-        let g = GuardProc { child, log };
-        let state = state.to_path_buf();
-        eventually("the guard's socket", Duration::from_secs(20), || {
-            GuardClient::new(&StateDir::new(&state))
-                .status()
-                .ok()
-                .flatten()
-                .is_some()
-        });
-        g
-    }
-
-    fn log(&self) -> String {
-        fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for GuardProc {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// A sim worker in its own process group, a child of the test; suspended (if live) then killed
-/// on drop.
-struct TestWorker {
-    pid: i32,
-    port: u16,
-    child: Child,
-    sim: PathBuf,
-}
-
-impl TestWorker {
-    fn start(sim: &Path, memory: &str, cgroup: Option<&Path>) -> TestWorker {
-        Self::start_on(sim, memory, cgroup, 0)
-    }
-
-    /// Like [`TestWorker::start`], on the sim GPU with index `gpu`.
-    fn start_on(sim: &Path, memory: &str, cgroup: Option<&Path>, gpu: u32) -> TestWorker {
-        let ready = sim.join(format!(
-            "w-{}.ready",
-            Instant::now().elapsed().as_nanos() ^ u128::from(std::process::id())
-        ));
-        let _ = fs::remove_file(&ready);
-        let mut c = cryo();
-        c.args(["sim", "worker", "--memory", memory, "--dir"])
-            .arg(sim)
-            .arg("--ready-file")
-            .arg(&ready)
-            .args(["--gpu", &gpu.to_string()]);
-        c.stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0);
-        let child = c.spawn().unwrap();
-        let pid = child.id() as i32;
-        if let Some(cg) = cgroup {
-            // Moved before it allocates its device-memory mirror; its threads follow.
-            fs::OpenOptions::new()
-                .write(true)
-                .open(cg.join("cgroup.procs"))
-                .unwrap()
-                .write_all(pid.to_string().as_bytes())
-                .unwrap();
-        }
-        eventually("the sim worker", Duration::from_secs(60), || ready.exists());
-        let info: serde_json::Value =
-            serde_json::from_str(&fs::read_to_string(&ready).unwrap()).unwrap();
-        TestWorker {
-            pid,
-            port: info["port"].as_u64().unwrap() as u16,
-            child,
-            sim: sim.to_path_buf(),
-        }
-    }
-
-    /// Checkpoint and restore through `cryo gpu`, which journals `RestoreCompleted`.
-    fn make_restored(&self, state: &Path) {
-        let pid = self.pid.to_string();
-        for action in ["lock", "checkpoint", "restore", "unlock"] {
-            ok({
-                let mut c = cryo_at(&self.sim, state);
-                c.args(["gpu", action, "--pid", &pid]);
-                c
-            });
-        }
-    }
-
-    fn wait_exit(&mut self) -> std::process::ExitStatus {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                return st;
-            }
-            assert!(Instant::now() < deadline, "worker {} did not die", self.pid);
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
-impl Drop for TestWorker {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            let pid = self.pid.to_string();
-            for args in [
-                vec!["--action", "lock", "--pid", &pid, "--timeout", "5000"],
-                vec!["--action", "checkpoint", "--pid", &pid],
-            ] {
-                let _ = cryo()
-                    .args(["--gpu", "sim", "--sim-dir"])
-                    .arg(&self.sim)
-                    .arg("cuda-checkpoint")
-                    .args(&args)
-                    .output();
-            }
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
-fn tracer_pid(pid: i32) -> i32 {
-    let s = fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    s.lines()
-        .find_map(|l| l.strip_prefix("TracerPid:"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap()
+/// A sim worker on GPU `gpu` in its own process group (a group kill reaches it alone).
+fn worker(sim: &Sim, memory: &str, gpu: u32, cgroup: Option<&TestCgroup>) -> Worker {
+    let spec = WorkerSpec::new(memory).gpu(gpu).process_group();
+    sim.spawn(match cgroup {
+        Some(cg) => spec.cgroup(cg.path()),
+        None => spec,
+    })
 }
 
 fn records(state: &Path) -> Vec<Event> {
@@ -235,50 +62,22 @@ fn names(events: &[Event], id: ProcId) -> Vec<&'static str> {
 }
 
 fn wait_attached(state: &Path, id: ProcId, times: usize) {
-    eventually(
-        "GuardAttached in the journal",
-        Duration::from_secs(20),
-        || {
-            records(state)
-                .iter()
-                .filter(|e| matches!(e, Event::GuardAttached { pid } if *pid == id))
-                .count()
-                >= times
-        },
-    );
+    eventually(PATIENCE, "GuardAttached in the journal", || {
+        records(state)
+            .iter()
+            .filter(|e| matches!(e, Event::GuardAttached { pid } if *pid == id))
+            .count()
+            >= times
+    });
 }
 
-/// A v1 memory cgroup for one test.
-struct TestCgroup(PathBuf);
-
-impl TestCgroup {
-    fn new(tag: &str, limit: u64) -> Self {
-        let root = PathBuf::from("/sys/fs/cgroup/memory");
-        assert!(
-            root.join("memory.oom_control").exists(),
-            "this test needs the cgroup v1 memory controller at {}",
-            root.display()
-        );
-        let dir = root.join(format!("cryo-guard-cli-{tag}-{}", std::process::id()));
-        fs::create_dir(&dir).unwrap();
-        fs::write(dir.join("memory.limit_in_bytes"), limit.to_string()).unwrap();
-        if dir.join("memory.memsw.limit_in_bytes").exists() {
-            fs::write(dir.join("memory.memsw.limit_in_bytes"), limit.to_string()).unwrap();
-        }
-        Self(dir)
-    }
-}
-
-impl Drop for TestCgroup {
-    fn drop(&mut self) {
-        for _ in 0..500 {
-            if fs::remove_dir(&self.0).is_ok() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        eprintln!("could not remove {}", self.0.display());
-    }
+/// A restored worker the guard has attached to: proof that the guard polled the journal after
+/// everything the test did before.
+fn attached_canary(sim: &Sim, state: &Path) -> Worker {
+    let canary = worker(sim, "4MiB", 0, None);
+    make_restored(sim, state, canary.pid);
+    wait_attached(state, ProcId::of(canary.pid).unwrap(), 1);
+    canary
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -300,10 +99,10 @@ fn cell(death: Death, sticky: bool) {
         .unwrap()[0]
         .uuid
         .to_string();
-    let _guard = GuardProc::start(sim.path(), &state, &["--no-memory-watch"]);
-    let cg = (death == Death::Oom).then(|| TestCgroup::new(&format!("{sticky}"), 160 << 20));
-    let mut w = TestWorker::start(sim.path(), "16MiB", cg.as_ref().map(|c| c.0.as_path()));
-    w.make_restored(&state);
+    let _guard = GuardProc::start(&sim, &state, &["--no-memory-watch"]);
+    let cg = (death == Death::Oom).then(|| TestCgroup::new("guard-cli-oom", 160 << 20));
+    let mut w = worker(&sim, "16MiB", 0, cg.as_ref());
+    make_restored(&sim, &state, w.pid);
     let id = ProcId::of(w.pid).unwrap();
     wait_attached(&state, id, 1);
     assert_ne!(tracer_pid(w.pid), 0, "the restored worker is not traced");
@@ -318,7 +117,9 @@ fn cell(death: Death, sticky: bool) {
                 // Rust's runtime handles SIGBUS (stack-overflow detection): a *sent* SIGBUS
                 // only resets the handler to SIG_DFL. The second one is fatal and is the one
                 // the guard holds.
-                std::thread::sleep(Duration::from_millis(300));
+                eventually(PATIENCE, "the SIGBUS handler to be reset", || {
+                    !procs::catches(w.pid, sig)
+                });
                 let _ = rustix::process::kill_process(p, signal(sig));
             }
         }
@@ -338,18 +139,16 @@ fn cell(death: Death, sticky: bool) {
         }
     }
     let status = w.wait_exit();
-    // Let the driver see any fd close that would tear the context down.
-    std::thread::sleep(Duration::from_millis(300));
-    let ledger = sim.ledger();
+    // The exit is observed: one round trip through the driver and every fd close it caused is
+    // in the ledger.
+    let ledger = sim.settled_ledger();
     assert!(
-        ledger.trim().is_empty(),
-        "{death:?} sticky={sticky}: wedge before any release: {ledger}"
+        ledger.is_empty(),
+        "{death:?} sticky={sticky}: wedge before any release: {ledger:?}"
     );
-    eventually(
-        "the guard to journal the exit",
-        Duration::from_secs(10),
-        || names(&records(&state), id).contains(&"exited"),
-    );
+    eventually(PATIENCE, "the guard to journal the exit", || {
+        names(&records(&state), id).contains(&"exited")
+    });
     let events = records(&state);
     let path = names(&events, id);
     let suspendable =
@@ -405,7 +204,7 @@ fn cell(death: Death, sticky: bool) {
         );
         // Visible to the operator.
         let ls = ok({
-            let mut c = cryo_at(sim.path(), &state);
+            let mut c = sim.cmd_at(&state);
             c.args(["gpu", "ls"]);
             c
         });
@@ -415,13 +214,14 @@ fn cell(death: Death, sticky: bool) {
             "{ls}"
         );
         assert!(ok({
-            let mut c = cryo_at(sim.path(), &state);
+            let mut c = sim.cmd_at(&state);
             c.arg("status");
             c
         })
         .contains(&gpu0));
         // Closing pins needs the explicit flag.
-        let refused = cryo_at(sim.path(), &state)
+        let refused = sim
+            .cmd_at(&state)
             .args(["guard", "release", "--gpu", &gpu0])
             .output()
             .unwrap();
@@ -430,9 +230,9 @@ fn cell(death: Death, sticky: bool) {
             Some(2),
             "release without the flag must be a usage error"
         );
-        assert!(sim.ledger().trim().is_empty());
+        assert!(sim.settled_ledger().is_empty());
         ok({
-            let mut c = cryo_at(sim.path(), &state);
+            let mut c = sim.cmd_at(&state);
             c.args([
                 "guard",
                 "release",
@@ -444,12 +244,10 @@ fn cell(death: Death, sticky: bool) {
         });
         assert!(!fence.fences(&gpu0.parse().unwrap()).unwrap());
         // The release is what tears the held context down: the ledger names exactly that.
-        eventually(
-            "the release's teardown in the ledger",
-            Duration::from_secs(10),
-            || !sim.ledger().trim().is_empty(),
-        );
-        let wedges = cryo_sim::SimControl::new(sim.path()).ledger().unwrap();
+        eventually(PATIENCE, "the release's teardown in the ledger", || {
+            !sim.ledger().is_empty()
+        });
+        let wedges = sim.settled_ledger();
         assert_eq!(wedges.len(), 1, "{wedges:?}");
         assert!(records(&state)
             .iter()
@@ -494,30 +292,35 @@ matrix! {
 fn fresh_worker_is_not_traced() {
     let sim = Sim::start();
     let state = sim.path().join("state");
-    let _guard = GuardProc::start(sim.path(), &state, &["--no-memory-watch"]);
-    let w = TestWorker::start(sim.path(), "16MiB", None);
-    // Several journal polls go by.
-    std::thread::sleep(Duration::from_millis(1000));
+    let _guard = GuardProc::start(&sim, &state, &["--no-memory-watch"]);
+    let w = worker(&sim, "16MiB", 0, None);
+    // The guard attaches to a worker restored after the fresh one started: it has polled since.
+    let canary = attached_canary(&sim, &state);
     assert_eq!(tracer_pid(w.pid), 0, "a fresh worker must not be traced");
-    assert!(!records(&state)
+    let fresh = ProcId::of(w.pid).unwrap();
+    let attached: Vec<ProcId> = records(&state)
         .iter()
-        .any(|e| matches!(e, Event::GuardAttached { .. })));
+        .filter_map(|e| match e {
+            Event::GuardAttached { pid } => Some(*pid),
+            _ => None,
+        })
+        .collect();
+    assert!(!attached.contains(&fresh), "{attached:?}");
+    assert_eq!(attached, vec![ProcId::of(canary.pid).unwrap()]);
 }
 
 #[test]
 fn killed_guard_restarts_and_reattaches() {
     let sim = Sim::start();
     let state = sim.path().join("state");
-    let mut guard = GuardProc::start(sim.path(), &state, &["--no-memory-watch"]);
-    let mut w = TestWorker::start(sim.path(), "16MiB", None);
-    w.make_restored(&state);
+    let mut guard = GuardProc::start(&sim, &state, &["--no-memory-watch"]);
+    let mut w = worker(&sim, "16MiB", 0, None);
+    make_restored(&sim, &state, w.pid);
     let id = ProcId::of(w.pid).unwrap();
     wait_attached(&state, id, 1);
     guard.kill();
-    eventually("the kernel to detach", Duration::from_secs(5), || {
-        tracer_pid(w.pid) == 0
-    });
-    let guard2 = GuardProc::start(sim.path(), &state, &["--no-memory-watch"]);
+    eventually(PATIENCE, "the kernel to detach", || tracer_pid(w.pid) == 0);
+    let guard2 = GuardProc::start(&sim, &state, &["--no-memory-watch"]);
     wait_attached(&state, id, 2);
     assert_ne!(tracer_pid(w.pid), 0);
     assert!(
@@ -534,8 +337,7 @@ fn killed_guard_restarts_and_reattaches() {
     )
     .unwrap();
     w.wait_exit();
-    std::thread::sleep(Duration::from_millis(300));
-    assert!(sim.ledger().trim().is_empty(), "{}", sim.ledger());
+    sim.assert_no_wedge();
     assert!(names(&records(&state), id).contains(&"verified"));
 }
 
@@ -543,21 +345,21 @@ fn killed_guard_restarts_and_reattaches() {
 fn restarted_guard_reports_what_died_unwatched() {
     let sim = Sim::start();
     let state = sim.path().join("state");
-    let mut guard = GuardProc::start(sim.path(), &state, &["--no-memory-watch"]);
-    let mut w = TestWorker::start(sim.path(), "16MiB", None);
-    w.make_restored(&state);
+    let mut guard = GuardProc::start(&sim, &state, &["--no-memory-watch"]);
+    let mut w = worker(&sim, "16MiB", 0, None);
+    make_restored(&sim, &state, w.pid);
     let id = ProcId::of(w.pid).unwrap();
     wait_attached(&state, id, 1);
     guard.kill();
     // Dies safely (suspended first) while no guard watches.
     let pid = w.pid.to_string();
     ok({
-        let mut c = cryo_at(sim.path(), &state);
+        let mut c = sim.cmd_at(&state);
         c.args(["stop", &pid]);
         c
     });
     w.wait_exit();
-    let _guard2 = GuardProc::start(sim.path(), &state, &["--no-memory-watch"]);
+    let _guard2 = GuardProc::start(&sim, &state, &["--no-memory-watch"]);
     let ev = records(&state);
     // `cryo stop` journaled its kill, so the guard knows how it ended: not lost.
     assert!(
@@ -566,16 +368,16 @@ fn restarted_guard_reports_what_died_unwatched() {
         "{:?}",
         names(&ev, id)
     );
-    assert!(sim.ledger().trim().is_empty());
+    sim.assert_no_wedge();
 }
 
 #[test]
 fn detach_and_attach_through_the_socket() {
     let sim = Sim::start();
     let state = sim.path().join("state");
-    let _guard = GuardProc::start(sim.path(), &state, &["--no-memory-watch"]);
-    let w = TestWorker::start(sim.path(), "16MiB", None);
-    w.make_restored(&state);
+    let _guard = GuardProc::start(&sim, &state, &["--no-memory-watch"]);
+    let w = worker(&sim, "16MiB", 0, None);
+    make_restored(&sim, &state, w.pid);
     let id = ProcId::of(w.pid).unwrap();
     wait_attached(&state, id, 1);
     assert_eq!(
@@ -583,7 +385,8 @@ fn detach_and_attach_through_the_socket() {
         Detach::Detached
     );
     assert_eq!(tracer_pid(w.pid), 0, "detached for a CRIU dump");
-    std::thread::sleep(Duration::from_millis(600));
+    // A worker restored after the detach is attached: the guard has polled the journal since.
+    let _canary = attached_canary(&sim, &state);
     assert_eq!(
         tracer_pid(w.pid),
         0,
@@ -598,26 +401,29 @@ fn memory_watch_suspends_and_stops_before_the_oom_killer() {
     let sim = Sim::start();
     let state = sim.path().join("state");
     let _guard = GuardProc::start(
-        sim.path(),
+        &sim,
         &state,
         &["--memory-margin", "16MiB", "--poll-ms", "50"],
     );
-    let cg = TestCgroup::new("watch", 200 << 20);
-    let mut w = TestWorker::start(sim.path(), "32MiB", Some(&cg.0));
-    w.make_restored(&state);
+    let cg = TestCgroup::new("guard-cli-watch", 200 << 20);
+    let mut w = worker(&sim, "32MiB", 0, Some(&cg));
+    make_restored(&sim, &state, w.pid);
     let id = ProcId::of(w.pid).unwrap();
     wait_attached(&state, id, 1);
     // Grow in steps: the watch acts while a checkpoint still fits.
     for _ in 0..40 {
-        if w.child.try_wait().unwrap().is_some() {
+        if w.has_exited() {
             break;
         }
         let _ = std::panic::catch_unwind(|| http(w.port, "POST", "/alloc?mib=8", ""));
         std::thread::sleep(Duration::from_millis(150));
     }
     w.wait_exit();
-    std::thread::sleep(Duration::from_millis(300));
-    assert!(sim.ledger().trim().is_empty(), "{}", sim.ledger());
+    sim.assert_no_wedge();
+    // The stop journals the kill once it has seen the exit, after the test may have.
+    eventually(PATIENCE, "the stop to journal the kill", || {
+        names(&records(&state), id).contains(&"killed")
+    });
     let path = names(&records(&state), id);
     assert!(
         path.contains(&"verified") && path.contains(&"killed") && !path.contains(&"pinned"),
@@ -642,8 +448,8 @@ fn drain_endgame_stops_the_others_safely_then_runs_the_restart_command() {
     // Appended, so that a second run of the command shows as a second line.
     let out = sim.path().join("restart.out");
     let cmd = format!("echo $CRYO_QUARANTINED_GPUS >> '{}'", out.display());
-    let _guard = GuardProc::start(
-        sim.path(),
+    let guard = GuardProc::start(
+        &sim,
         &state,
         &[
             "--no-memory-watch",
@@ -653,11 +459,11 @@ fn drain_endgame_stops_the_others_safely_then_runs_the_restart_command() {
             &cmd,
         ],
     );
-    let mut a = TestWorker::start_on(sim.path(), "16MiB", None, 0);
-    let mut b = TestWorker::start_on(sim.path(), "16MiB", None, 1);
-    a.make_restored(&state);
-    b.make_restored(&state);
-    let mut c = TestWorker::start_on(sim.path(), "16MiB", None, 1);
+    let mut a = worker(&sim, "16MiB", 0, None);
+    let mut b = worker(&sim, "16MiB", 1, None);
+    make_restored(&sim, &state, a.pid);
+    make_restored(&sim, &state, b.pid);
+    let mut c = worker(&sim, "16MiB", 1, None);
     let (ida, idb) = (ProcId::of(a.pid).unwrap(), ProcId::of(b.pid).unwrap());
     let idc = ProcId::of(c.pid).unwrap();
     wait_attached(&state, ida, 1);
@@ -679,30 +485,22 @@ fn drain_endgame_stops_the_others_safely_then_runs_the_restart_command() {
     // The drain ends the other GPU processes of the node, B (restored) and C (fresh).
     let sb = b.wait_exit();
     let sc = c.wait_exit();
-    eventually("the restart command", Duration::from_secs(30), || {
-        fs::read_to_string(&out).is_ok_and(|s| s.ends_with('\n'))
+    // Every death is observed: one round trip and every fd close it caused is in the ledger.
+    let ledger = sim.settled_ledger();
+    assert!(ledger.is_empty(), "wedge before any release: {ledger:?}");
+    eventually(PATIENCE, "the guard to journal the exits", || {
+        let ev = records(&state);
+        names(&ev, ida).contains(&"exited") && names(&ev, idb).contains(&"exited")
     });
-    // Let the driver see any fd close that would tear a context down, and a second run show.
-    std::thread::sleep(Duration::from_millis(300));
-    let ledger = sim.ledger();
-    assert!(
-        ledger.trim().is_empty(),
-        "wedge before any release: {ledger}"
-    );
-
+    // The drain ran to its end (one pin, one drain): the command's output is complete.
+    eventually(PATIENCE, "the drain to finish", || {
+        guard.log().contains("drain: restart command finished")
+    });
     let written = fs::read_to_string(&out).unwrap();
     assert_eq!(
         written,
         format!("{gpu0}\n"),
         "the restart command must run once, naming exactly the quarantined GPU"
-    );
-    eventually(
-        "the guard to journal the exits",
-        Duration::from_secs(10),
-        || {
-            let ev = records(&state);
-            names(&ev, ida).contains(&"exited") && names(&ev, idb).contains(&"exited")
-        },
     );
     let events = records(&state);
     let (pa, pb, pc) = (
@@ -745,7 +543,7 @@ fn drain_endgame_stops_the_others_safely_then_runs_the_restart_command() {
         "GPU 1 held only safely stopped workers"
     );
     let status: serde_json::Value = serde_json::from_str(&ok({
-        let mut c = cryo_at(sim.path(), &state);
+        let mut c = sim.cmd_at(&state);
         c.args(["status", "--json"]);
         c
     }))
@@ -764,9 +562,9 @@ fn drain_endgame_stops_the_others_safely_then_runs_the_restart_command() {
     assert_eq!(pins[0]["gpus"], serde_json::json!([gpu0]), "{status}");
 
     // The operator's release: the explicit flag, then the teardown it causes.
-    assert!(sim.ledger().trim().is_empty());
+    assert!(sim.settled_ledger().is_empty());
     ok({
-        let mut c = cryo_at(sim.path(), &state);
+        let mut c = sim.cmd_at(&state);
         c.args([
             "guard",
             "release",
@@ -777,12 +575,10 @@ fn drain_endgame_stops_the_others_safely_then_runs_the_restart_command() {
         c
     });
     assert!(!fence.fences(&gpu0.parse().unwrap()).unwrap());
-    eventually(
-        "the release's teardown in the ledger",
-        Duration::from_secs(10),
-        || !sim.ledger().trim().is_empty(),
-    );
-    let wedges = cryo_sim::SimControl::new(sim.path()).ledger().unwrap();
+    eventually(PATIENCE, "the release's teardown in the ledger", || {
+        !sim.ledger().is_empty()
+    });
+    let wedges = sim.settled_ledger();
     assert_eq!(wedges.len(), 1, "{wedges:?}");
     assert!(records(&state)
         .iter()
@@ -820,7 +616,7 @@ fn bench_guard_smoke() {
 fn the_control_socket_answers_root_only_even_when_anyone_can_connect() {
     let sim = Sim::start();
     let state = sim.path().join("state");
-    let _guard = GuardProc::start(sim.path(), &state, &["--no-memory-watch"]);
+    let _guard = GuardProc::start(&sim, &state, &["--no-memory-watch"]);
     // Someone made the socket reachable by every user: the peer-credential check is what stands.
     let open = |p: &Path, mode| {
         fs::set_permissions(p, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap()
@@ -846,7 +642,7 @@ fn the_control_socket_answers_root_only_even_when_anyone_can_connect() {
         String::from_utf8_lossy(&out.stderr)
     );
     // Root still is answered.
-    let mut status = cryo_at(sim.path(), &state);
+    let mut status = sim.cmd_at(&state);
     status.arg("status");
     assert!(ok(status).contains("guard: running"));
 }

@@ -7,7 +7,6 @@ mod common;
 
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
 
 use common::*;
 use cryo_journal::{Event, Journal, ProcId};
@@ -20,14 +19,8 @@ fn state() -> tempfile::TempDir {
         .unwrap()
 }
 
-/// `cryo --gpu sim --sim-dir SIM --state-dir STATE ARGS...`.
 fn cryo_st(sim: &Sim, st: &Path) -> Command {
-    let mut c = cryo();
-    c.args(["--gpu", "sim", "--sim-dir"])
-        .arg(sim.path())
-        .arg("--state-dir")
-        .arg(st);
-    c
+    sim.cmd_at(st)
 }
 
 fn run(sim: &Sim, st: &Path, args: &[&str]) -> Output {
@@ -60,22 +53,7 @@ fn stop_json(sim: &Sim, st: &Path, args: &[&str]) -> (Output, serde_json::Value)
     (out, v)
 }
 
-/// Whether `pid` is alive (a zombie is not).
-fn alive(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(s) => {
-            let state = s
-                .rsplit_once(')')
-                .unwrap()
-                .1
-                .split_whitespace()
-                .next()
-                .unwrap();
-            state != "Z" && state != "X"
-        }
-        Err(_) => false,
-    }
-}
+use procs::alive;
 
 /// Alive and answering its health check.
 fn serving(pid: i32, port: u16) {
@@ -85,18 +63,7 @@ fn serving(pid: i32, port: u16) {
 }
 
 fn ledger_empty(sim: &Sim) {
-    // One round trip to the daemon, so it has handled every teardown it saw before this.
-    let out = cryo()
-        .args(["sim", "ledger", "--json", "--dir"])
-        .arg(sim.path())
-        .output()
-        .unwrap();
-    ok(&out);
-    assert!(
-        sim.ledger().trim().is_empty(),
-        "wedges recorded: {}",
-        sim.ledger()
-    );
+    sim.assert_no_wedge();
 }
 
 /// Lock, checkpoint, restore, unlock through `cryo gpu` (journaled in `st`).
@@ -238,16 +205,11 @@ fn tree(sim: &Sim) -> (std::process::Child, i32, i32) {
         .unwrap();
     let read = |n: u32| -> i32 {
         let path = sim.path().join(format!("tree{n}.ready"));
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Ok(t) = std::fs::read_to_string(&path) {
-                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&t) {
-                    return v["pid"].as_i64().unwrap() as i32;
-                }
-            }
-            assert!(Instant::now() < deadline, "tree worker {n} did not start");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        eventually(PATIENCE, &format!("tree worker {n}"), || {
+            let t = std::fs::read_to_string(&path).ok()?;
+            let v: serde_json::Value = serde_json::from_str(&t).ok()?;
+            Some(v["pid"].as_i64().unwrap() as i32)
+        })
     };
     let (a, b) = (read(0), read(1));
     (sh, a, b)
@@ -481,15 +443,13 @@ fn stop_killed_between_checkpoint_and_kill_completes_on_rerun() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !journal_types(st.path(), pid).contains(&"verified".to_string()) {
+    eventually(PATIENCE, "a Verified record", || {
         assert!(
             first.try_wait().unwrap().is_none(),
             "cryo stop ended before the failpoint"
         );
-        assert!(Instant::now() < deadline, "no Verified record within 60 s");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+        journal_types(st.path(), pid).contains(&"verified".to_string())
+    });
     first.kill().unwrap();
     first.wait().unwrap();
     assert!(alive(pid));
@@ -649,14 +609,11 @@ fn sigterm_during_a_stop_is_deferred_until_it_is_done() {
         .spawn()
         .unwrap();
     // Wait until the lock is under way, then ask cryo to terminate.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !journal_types(st.path(), pid)
-        .iter()
-        .any(|t| t == "lock_started")
-    {
-        assert!(Instant::now() < deadline, "the stop never started locking");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    eventually(PATIENCE, "the stop to start locking", || {
+        journal_types(st.path(), pid)
+            .iter()
+            .any(|t| t == "lock_started")
+    });
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(child.id() as i32),
         nix::sys::signal::Signal::SIGTERM,

@@ -13,52 +13,24 @@ mod rsyslog;
 mod tools;
 
 use std::collections::BTreeMap;
-use std::fs;
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::{Child, Stdio};
+use std::time::Duration;
 
-use common::{cryo, start_driver, stderr, stdout, wait_ready, Sim, CRYO};
+use common::{
+    cryo, eventually, make_restored, ok, program, stderr, GuardProc, Sim, WorkerSpec, PATIENCE,
+};
 use cryo_state::StateDir;
 use rsyslog::Rsyslog;
 use tools::{promtool_check, sample};
 
-const LONG: Duration = Duration::from_secs(60);
-
-fn cryo_at(sim: &Path, state: &Path) -> Command {
-    let mut c = cryo();
-    c.args(["--gpu", "sim", "--sim-dir"])
-        .arg(sim)
-        .arg("--state-dir")
-        .arg(state);
-    c
-}
-
-fn ok(mut c: Command) -> String {
-    let out = c.output().unwrap();
-    assert!(
-        out.status.success(),
-        "{c:?} failed ({}): {}{}",
-        out.status,
-        stdout(&out),
-        stderr(&out)
-    );
-    stdout(&out)
-}
-
-fn eventually(what: &str, f: impl Fn() -> bool) {
-    let deadline = Instant::now() + LONG;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
+const LONG: Duration = PATIENCE;
 
 /// `cryo timeline --json`, one parsed record per line, and the raw lines.
-fn timeline(sim: &Path, state: &Path) -> (Vec<serde_json::Value>, Vec<String>) {
+fn timeline(sim: &Sim, state: &Path) -> (Vec<serde_json::Value>, Vec<String>) {
     let text = ok({
-        let mut c = cryo_at(sim, state);
+        let mut c = sim.cmd_at(state);
         c.args(["timeline", "--json"]);
         c
     });
@@ -68,50 +40,6 @@ fn timeline(sim: &Path, state: &Path) -> (Vec<serde_json::Value>, Vec<String>) {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     (values, lines)
-}
-
-/// Lock, checkpoint, restore, unlock through `cryo gpu` (journals the restore).
-fn make_restored(sim: &Path, state: &Path, pid: i32) {
-    for action in ["lock", "checkpoint", "restore", "unlock"] {
-        ok({
-            let mut c = cryo_at(sim, state);
-            c.args(["gpu", action, "--pid", &pid.to_string()]);
-            c
-        });
-    }
-}
-
-/// A `cryo guard` (no memory watch); SIGKILLed on drop.
-struct GuardProc(Child);
-
-impl GuardProc {
-    fn start(sim: &Path, state: &Path) -> GuardProc {
-        fs::create_dir_all(state).unwrap();
-        let log = fs::File::create(state.join("guard.log")).unwrap();
-        let child = cryo_at(sim, state)
-            .args(["guard", "--no-memory-watch"])
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        let st = StateDir::new(state);
-        eventually("the guard's socket", || {
-            cryo_guard::control::GuardClient::new(&st)
-                .status()
-                .ok()
-                .flatten()
-                .is_some()
-        });
-        GuardProc(child)
-    }
-}
-
-impl Drop for GuardProc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 fn types(records: &[serde_json::Value]) -> Vec<String> {
@@ -137,72 +65,53 @@ fn metrics_after_a_stop_a_freeze_thaw_and_a_pin_match_the_journal() {
         "this test needs root (CRIU, ptrace)"
     );
     nix::sys::prctl::set_child_subreaper(true).unwrap();
-    let dir = tempfile::Builder::new()
-        .prefix("cryo-telemetry-")
-        .tempdir()
-        .unwrap();
-    let sim = dir.path();
-    let state = sim.join("state");
-    let _driver = KillOnDrop(start_driver(sim, "2", "1GiB"));
+    let sim = Sim::start();
+    let state = sim.path().join("state");
 
     // Freeze and thaw: a worker from a private copy of the binary, in its own session, serving
     // on a unix socket (see freeze_thaw.rs for why).
-    let bin = sim.join("cryo-worker");
-    fs::copy(CRYO, &bin).unwrap();
-    let ready = sim.join("fw.ready");
-    let mut worker = Command::new("setsid")
-        .arg(&bin)
-        .args(["sim", "worker", "--memory", "32MiB", "--dir"])
-        .arg(sim)
-        .arg("--ready-file")
-        .arg(&ready)
-        .arg("--http-unix")
-        .arg(sim.join("fw.sock"))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let pid = wait_ready(&ready, LONG)["pid"].as_i64().unwrap() as i32;
-    let image = sim.join("image");
+    let bin = program().copied_to(&sim.path().join("cryo-worker"));
+    let mut worker = sim.spawn(WorkerSpec::new("32MiB").setsid().http_unix().program(bin));
+    let pid = worker.pid;
+    let image = sim.path().join("image");
     ok({
-        let mut c = cryo_at(sim, &state);
+        let mut c = sim.cmd_at(&state);
         c.args(["freeze", "--image"])
             .arg(&image)
             .arg(pid.to_string());
         c
     });
     // CRIU ended the frozen tree; reap it so that its pid is free for the thaw.
-    worker.wait().unwrap();
+    worker.reap();
     ok({
-        let mut c = cryo_at(sim, &state);
+        let mut c = sim.cmd_at(&state);
         c.arg("thaw").arg(&image);
         c
     });
     // Stop the thawed (restored) worker: suspended, verified, killed.
     ok({
-        let mut c = cryo_at(sim, &state);
+        let mut c = sim.cmd_at(&state);
         c.args(["stop", &pid.to_string()]);
         c
     });
     let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None);
 
     // A guard pin: a restored worker killed with SIGKILL is pinned at its exit stop.
-    let guard = GuardProc::start(sim, &state);
-    let mut sim_workers = SimWorker::start(sim, "guarded");
-    make_restored(sim, &state, sim_workers.pid);
-    eventually("the guard to attach", || {
-        types(&timeline(sim, &state).0).contains(&"guard_attached".to_owned())
+    let guard = GuardProc::start(&sim, &state, &["--no-memory-watch"]);
+    let mut guarded = sim.spawn(WorkerSpec::new("16MiB"));
+    make_restored(&sim, &state, guarded.pid);
+    eventually(PATIENCE, "the guard to attach", || {
+        types(&timeline(&sim, &state).0).contains(&"guard_attached".to_owned())
     });
-    sim_workers.child.kill().unwrap();
-    let _ = sim_workers.child.wait();
-    eventually("the pin in the journal", || {
-        types(&timeline(sim, &state).0).contains(&"gpu_quarantined".to_owned())
+    guarded.sigkill();
+    guarded.wait_exit();
+    eventually(PATIENCE, "the pin in the journal", || {
+        types(&timeline(&sim, &state).0).contains(&"gpu_quarantined".to_owned())
     });
 
-    let (records, _) = timeline(sim, &state);
+    let (records, _) = timeline(&sim, &state);
     let text = ok({
-        let mut c = cryo_at(sim, &state);
+        let mut c = sim.cmd_at(&state);
         c.arg("metrics");
         c
     });
@@ -210,7 +119,8 @@ fn metrics_after_a_stop_a_freeze_thaw_and_a_pin_match_the_journal() {
     check_against_journal(&text, &records);
 
     // Served: the same values over HTTP, and a later record shows up.
-    let mut server = cryo_at(sim, &state)
+    let mut server = sim
+        .cmd_at(&state)
         .args(["metrics", "--listen", "127.0.0.1:0"])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -232,14 +142,14 @@ fn metrics_after_a_stop_a_freeze_thaw_and_a_pin_match_the_journal() {
     check_against_journal(&body, &records);
     // The server follows the journal: a stop done now is in a later scrape.
     let before = sample(&body, "cryo_stops_total{outcome=\"completed\"}").unwrap();
-    let mut fresh = SimWorker::start(sim, "fresh");
+    let mut fresh = sim.spawn(WorkerSpec::new("16MiB"));
     ok({
-        let mut c = cryo_at(sim, &state);
+        let mut c = sim.cmd_at(&state);
         c.args(["stop", "--fresh", &fresh.pid.to_string()]);
         c
     });
-    let _ = fresh.child.wait();
-    eventually("the new stop in /metrics", || {
+    fresh.wait_exit();
+    eventually(PATIENCE, "the new stop in /metrics", || {
         sample(
             &get_metrics(&addr),
             "cryo_stops_total{outcome=\"completed\"}",
@@ -345,33 +255,6 @@ impl Drop for KillOnDrop {
     }
 }
 
-/// A sim worker child of the test (TCP), for the guard.
-struct SimWorker {
-    pid: i32,
-    child: Child,
-}
-
-impl SimWorker {
-    fn start(sim: &Path, name: &str) -> SimWorker {
-        let ready: PathBuf = sim.join(format!("{name}.ready"));
-        let child = cryo()
-            .args(["sim", "worker", "--memory", "16MiB", "--dir"])
-            .arg(sim)
-            .arg("--ready-file")
-            .arg(&ready)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        wait_ready(&ready, LONG);
-        SimWorker {
-            pid: child.id() as i32,
-            child,
-        }
-    }
-}
-
 /// A stop forwarded to a real rsyslog: every record, in journal order, each message's MSG the
 /// line `cryo timeline --json` prints for it.
 #[test]
@@ -385,13 +268,13 @@ fn rsyslog_receives_every_event_of_a_stop_as_the_timeline_shows_it() {
     ))
     .unwrap();
     let (pid, _) = sim.worker("16MiB");
-    make_restored(sim.path(), &state, pid);
+    make_restored(&sim, &state, pid);
     ok({
-        let mut c = cryo_at(sim.path(), &state);
+        let mut c = sim.cmd_at(&state);
         c.args(["stop", &pid.to_string()]);
         c
     });
-    let (records, lines) = timeline(sim.path(), &state);
+    let (records, lines) = timeline(&sim, &state);
     let t = types(&records);
     for step in [
         "stop_requested",

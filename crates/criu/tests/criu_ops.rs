@@ -7,10 +7,10 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use cryo_criu::image::{verify, ImageMeta, ProcessEntry, Staging};
 use cryo_criu::{Criu, CriuError, CriuOp, CriuVersion, DumpOpts, RestoreOpts};
+use cryo_testkit::{eventually, PATIENCE};
 use nix::sys::signal::{kill, killpg, Signal};
 use nix::sys::wait::{waitpid, WaitStatus};
 use nix::unistd::Pid as NixPid;
@@ -51,37 +51,27 @@ fn spawn_counter(dir: &Path) -> std::process::Child {
     let child = cmd.spawn().unwrap();
     // SIGUSR1 before the trap is set would kill the shell.
     let ready = dir.join("count.ready");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !ready.exists() {
-        assert!(Instant::now() < deadline, "counter never got ready");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    eventually(PATIENCE, "the counter to get ready", || ready.exists());
     child
 }
 
 /// Asks the counter for its count until it is at least `min`.
 fn count_at_least(pid: i32, dir: &Path, min: u64) -> u64 {
     let out = dir.join("count");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
+    eventually(PATIENCE, &format!("counter {pid} to reach {min}"), || {
         let _ = fs::remove_file(&out);
         kill(NixPid::from_raw(pid), Signal::SIGUSR1).unwrap();
-        let asked = Instant::now();
-        while !out.exists() && asked.elapsed() < Duration::from_secs(2) {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        if let Ok(s) = fs::read_to_string(&out) {
-            let n: u64 = s.trim().parse().unwrap();
-            if n >= min {
-                return n;
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "counter {pid} never reached {min}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+        // The answer to this request: the trap writes the file and renames it into place.
+        let n: u64 = eventually(PATIENCE, "the counter's answer", || {
+            fs::read_to_string(&out).ok()
+        })
+        .trim()
+        .parse()
+        .unwrap();
+        // The trap forks `mv` to publish the answer: it is over once bash has only its sleep.
+        eventually(PATIENCE, "the trap's mv to end", || tree_pids(pid).len() == 2);
+        (n >= min).then_some(n)
+    })
 }
 
 /// `pid` and its descendants.
@@ -99,15 +89,9 @@ fn tree_pids(pid: i32) -> Vec<i32> {
 
 /// The killed tree's other members are reaped by init, at its own pace.
 fn wait_pids_free(pids: &[i32]) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let busy = cryo_proc::pids_in_use(pids);
-        if busy.is_empty() {
-            return;
-        }
-        assert!(Instant::now() < deadline, "pids {busy:?} still in use");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    eventually(PATIENCE, &format!("pids {pids:?} to be free"), || {
+        cryo_proc::pids_in_use(pids).is_empty()
+    });
 }
 
 fn entries(dir: &Path) -> Vec<String> {
@@ -129,13 +113,10 @@ fn dump_publish_verify_restore_keeps_pid_and_memory() {
     let before = count_at_least(pid, t.path(), 20);
 
     // The trap that reported the count forks `mv`: wait until it is gone.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut tree = tree_pids(pid);
-    while tree.len() != 2 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
-        tree = tree_pids(pid);
-    }
-    assert_eq!(tree.len(), 2, "bash and its sleep: {tree:?}");
+    let tree = eventually(PATIENCE, "bash and its sleep alone in the tree", || {
+        let tree = tree_pids(pid);
+        (tree.len() == 2).then_some(tree)
+    });
     let entries_before: Vec<ProcessEntry> = tree
         .iter()
         .map(|p| ProcessEntry::of(&cryo_proc::ProcHandle::open(*p).unwrap()).unwrap())

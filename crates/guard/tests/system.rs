@@ -3,8 +3,6 @@
 
 mod common;
 
-use std::io::Write;
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,6 +11,7 @@ use common::{testee, Ev, Lines, Recorder, Victim};
 use cryo_guard::memory::{CgroupVersion, MemoryCgroup, PressureSource, Psi, PsiTrigger, Stall};
 use cryo_guard::{ExitCause, Tracer};
 use cryo_proc::{OomAdjError, ProcHandle};
+use cryo_testkit::cgroup::TestCgroup;
 
 /// A minimal guard in its own process (`cryo-guard-testee guard PID`), our direct child.
 struct GuardProcess {
@@ -83,58 +82,16 @@ fn killed_guard_drops_a_held_signal() {
     assert_ne!(cryo_proc::status(v.pid).unwrap().state, 'Z');
 }
 
-/// A v1 memory cgroup made for one test and removed after it.
-struct TestCgroup(PathBuf);
-
-impl TestCgroup {
-    fn new(limit: u64) -> Self {
-        let root = PathBuf::from("/sys/fs/cgroup/memory");
-        assert!(
-            root.join("memory.oom_control").exists(),
-            "this test needs the cgroup v1 memory controller at {}",
-            root.display()
-        );
-        let dir = root.join(format!("cryo-guard-test-{}", std::process::id()));
-        std::fs::create_dir(&dir).unwrap();
-        std::fs::write(dir.join("memory.limit_in_bytes"), limit.to_string()).unwrap();
-        let memsw = dir.join("memory.memsw.limit_in_bytes");
-        if memsw.exists() {
-            std::fs::write(memsw, limit.to_string()).unwrap();
-        }
-        Self(dir)
-    }
-
-    fn add(&self, pid: i32) {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(self.0.join("cgroup.procs"))
-            .unwrap();
-        f.write_all(pid.to_string().as_bytes()).unwrap();
-    }
-}
-
-impl Drop for TestCgroup {
-    fn drop(&mut self) {
-        for _ in 0..200 {
-            if std::fs::remove_dir(&self.0).is_ok() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        eprintln!("could not remove {}", self.0.display());
-    }
-}
-
 #[test]
 fn memcg_oom_kill_is_seen_at_the_exit_stop() {
     let rec = Arc::new(Recorder::default());
     let tracer = Tracer::spawn(rec.clone()).unwrap();
     let mut v = Victim::spawn();
-    let cg = TestCgroup::new(64 << 20);
+    let cg = TestCgroup::new("guard-oom", 64 << 20);
     cg.add(v.pid);
     let memcg = MemoryCgroup::of(&v.pidfd).unwrap();
     assert_eq!(memcg.version, CgroupVersion::V1);
-    assert_eq!(memcg.dir, cg.0);
+    assert_eq!(memcg.dir, cg.path());
     assert_eq!(memcg.oom_kills().unwrap(), 0);
     *rec.pin.lock().unwrap() = vec![0, 1];
     tracer.attach(v.pid).unwrap();

@@ -8,8 +8,9 @@ use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
-use common::{my_pid, stats_eventually, thread_state, Ev, Recorder, Victim};
+use common::{my_pid, procs, stats_eventually, thread_state, Ev, Recorder, Victim};
 use cryo_guard::{AttachError, Decision, DetachError, ExitCause, Tracer};
+use cryo_testkit::{eventually, PATIENCE};
 
 fn tracer() -> (Arc<Recorder>, Tracer) {
     let rec = Arc::new(Recorder::default());
@@ -213,8 +214,22 @@ fn group_stop_and_continue_work_under_the_tracer() {
     v.signal(libc::SIGSTOP);
     // Both threads reach group-stop and are parked with PTRACE_LISTEN.
     stats_eventually(&tracer, "group-stops", |s| s.group_stops >= 2);
+    // Really stopped, as the kernel sees it: every thread in a stop, none running. A seized
+    // tracee parked in its group-stop with PTRACE_LISTEN shows `t` (measured on Linux 6.18); an
+    // untraced one `T`. A tracer that resumed the threads instead would leave them `S`/`R`.
+    let threads = procs::thread_states(v.pid);
+    assert!(threads.len() >= 2, "{threads:?}");
+    assert!(
+        threads.iter().all(|(_, s)| matches!(s, 'T' | 't')),
+        "not every thread is stopped: {threads:?}"
+    );
     v.signal(libc::SIGCONT);
     v.ping();
+    eventually(PATIENCE, "every thread to run again", || {
+        procs::thread_states(v.pid)
+            .iter()
+            .all(|(_, s)| !matches!(s, 'T' | 't'))
+    });
     assert!(rec.fatals().is_empty());
 }
 

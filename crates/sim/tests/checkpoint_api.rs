@@ -3,17 +3,18 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{code, suspend, Sim};
+use common::code;
 use cryo_gpu::{CuResult, GpuPair, ProcessState};
+use cryo_testkit::{eventually, procs, PATIENCE};
 
 const MIB: u64 = 1 << 20;
 
 #[test]
 fn lock_checkpoint_restore_unlock_keeps_the_answers() {
-    let sim = Sim::start();
-    let w = sim.worker("256MiB", 0, 7);
+    let sim = common::sim();
+    let w = common::worker(&sim, "256MiB", 0, 7);
     let d = &sim.gpu.driver;
     let before = w.complete("the quick brown fox");
     assert_eq!(
@@ -93,13 +94,13 @@ fn lock_checkpoint_restore_unlock_keeps_the_answers() {
 
 #[test]
 fn restore_moves_the_context_to_the_gpu_of_a_uuid_pair() {
-    let sim = Sim::start();
+    let sim = common::sim();
     let gpus = sim.gpu.inspect.gpus().unwrap();
     assert_eq!(gpus.len(), 2);
     assert_ne!(gpus[0].uuid, gpus[1].uuid);
-    let w = sim.worker("32MiB", 0, 3);
+    let w = common::worker(&sim, "32MiB", 0, 3);
     let before = w.complete("hello");
-    suspend(&sim, w.pid);
+    sim.suspend(w.pid);
     let pair = GpuPair {
         old: gpus[0].uuid.clone(),
         new: gpus[1].uuid.clone(),
@@ -118,10 +119,10 @@ fn restore_moves_the_context_to_the_gpu_of_a_uuid_pair() {
 
 #[test]
 fn restore_onto_an_unknown_uuid_is_refused_and_changes_nothing() {
-    let sim = Sim::start();
+    let sim = common::sim();
     let gpus = sim.gpu.inspect.gpus().unwrap();
-    let w = sim.worker("8MiB", 0, 3);
-    suspend(&sim, w.pid);
+    let w = common::worker(&sim, "8MiB", 0, 3);
+    sim.suspend(w.pid);
     let pair = GpuPair {
         old: gpus[0].uuid.clone(),
         new: "GPU-00000000-0000-0000-0000-00000000dead".parse().unwrap(),
@@ -141,50 +142,48 @@ fn restore_onto_an_unknown_uuid_is_refused_and_changes_nothing() {
 
 #[test]
 fn lock_waits_for_queued_work_and_blocks_gpu_calls() {
-    let sim = Sim::start();
-    let w = sim.worker("8MiB", 0, 1);
+    let sim = common::sim();
+    let w = common::worker(&sim, "8MiB", 0, 1);
     let (status, body) = w.http("POST", "/busy?ms=1500", "");
     assert_eq!(status, 200, "{body}");
-    let t = Instant::now();
+    assert!(w.health()["queued_ms"].as_u64().unwrap() > 0);
     sim.gpu
         .driver
         .lock(w.pid, Some(Duration::from_secs(30)))
         .unwrap();
-    // Not a speed check: a lock cannot succeed before the queued work is done.
-    assert!(
-        t.elapsed() >= Duration::from_millis(1400),
-        "lock returned after {:?}",
-        t.elapsed()
-    );
+    // A lock cannot succeed before the queued work is done.
+    assert_eq!(w.health()["queued_ms"], 0, "locked with GPU work queued");
     assert_eq!(sim.gpu.driver.state(w.pid).unwrap(), ProcessState::Locked);
 
-    // A GPU call made while locked waits for unlock.
-    let port = w.port;
+    // A GPU call made while locked waits at the gate until unlock.
+    let ep = w.endpoint.clone();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        tx.send(common::http(port, "POST", "/v1/completions", "blocked"))
-            .unwrap()
+        tx.send(cryo_testkit::http::http(
+            ep,
+            "POST",
+            "/v1/completions",
+            "blocked",
+        ))
+        .unwrap()
     });
-    assert!(
-        rx.recv_timeout(Duration::from_millis(500)).is_err(),
-        "a GPU call ran while locked"
-    );
-    assert_eq!(
-        w.http("GET", "/health", "").0,
-        200,
-        "non-GPU endpoints answer while locked"
-    );
+    eventually(PATIENCE, "the GPU call to reach the gate", || {
+        w.health()["gpu_calls_waiting"] == 1
+    });
+    assert!(rx.try_recv().is_err(), "a GPU call ran while locked");
+    assert_eq!(sim.gpu.driver.state(w.pid).unwrap(), ProcessState::Locked);
     sim.gpu.driver.unlock(w.pid).unwrap();
     let (status, _) = rx
-        .recv_timeout(Duration::from_secs(20))
+        .recv_timeout(PATIENCE)
         .expect("the blocked call finishes after unlock");
     assert_eq!(status, 200);
+    assert_eq!(w.health()["gpu_calls_waiting"], 0);
 }
 
 #[test]
 fn lock_times_out_with_not_ready_and_leaves_the_process_running() {
-    let sim = Sim::start();
-    let w = sim.worker("8MiB", 0, 1);
+    let sim = common::sim();
+    let w = common::worker(&sim, "8MiB", 0, 1);
     assert_eq!(w.http("POST", "/busy?ms=5000", "").0, 200);
     let r = sim.gpu.driver.lock(w.pid, Some(Duration::from_millis(300)));
     assert_eq!(code(r), CuResult::NOT_READY);
@@ -196,8 +195,8 @@ fn lock_times_out_with_not_ready_and_leaves_the_process_running() {
 
 #[test]
 fn a_sticky_error_makes_lock_fail_with_illegal_address() {
-    let sim = Sim::start();
-    let w = sim.worker("8MiB", 0, 1);
+    let sim = common::sim();
+    let w = common::worker(&sim, "8MiB", 0, 1);
     let (status, body) = w.http("POST", "/fault", "");
     assert_eq!(status, 200, "{body}");
     assert_eq!(
@@ -212,9 +211,9 @@ fn a_sticky_error_makes_lock_fail_with_illegal_address() {
 
 #[test]
 fn sticky_errors_can_be_injected_through_the_daemon_also_after_a_restore() {
-    let sim = Sim::start();
-    let w = sim.worker("8MiB", 0, 1);
-    common::cycle(&sim, w.pid);
+    let sim = common::sim();
+    let w = common::worker(&sim, "8MiB", 0, 1);
+    sim.cycle(w.pid);
     sim.control.inject_sticky(w.pid).unwrap();
     assert_eq!(
         code(sim.gpu.driver.lock(w.pid, None)),
@@ -223,7 +222,7 @@ fn sticky_errors_can_be_injected_through_the_daemon_also_after_a_restore() {
     assert_eq!(sim.gpu.driver.state(w.pid).unwrap(), ProcessState::Running);
 
     // And through the command line.
-    let w2 = sim.worker("8MiB", 1, 2);
+    let w2 = common::worker(&sim, "8MiB", 1, 2);
     let out = std::process::Command::new(common::BIN)
         .args(["inject", "--dir"])
         .arg(sim.path())
@@ -243,10 +242,10 @@ fn sticky_errors_can_be_injected_through_the_daemon_also_after_a_restore() {
 
 #[test]
 fn a_restore_without_device_memory_fails_and_leaves_the_process_stuck() {
-    let sim = Sim::start_with(&["--gpus", "1", "--gpu-memory", "48MiB"]);
-    let a = sim.worker("32MiB", 0, 1);
-    suspend(&sim, a.pid);
-    let b = sim.worker("32MiB", 0, 2);
+    let sim = common::sim_with(&["--gpus", "1", "--gpu-memory", "48MiB"]);
+    let a = common::worker(&sim, "32MiB", 0, 1);
+    sim.suspend(a.pid);
+    let b = common::worker(&sim, "32MiB", 0, 2);
     assert_eq!(
         code(sim.gpu.driver.restore(a.pid, &[])),
         CuResult::OUT_OF_MEMORY
@@ -271,8 +270,8 @@ fn a_restore_without_device_memory_fails_and_leaves_the_process_stuck() {
 
 #[test]
 fn wrong_transitions_answer_illegal_state_and_change_nothing() {
-    let sim = Sim::start();
-    let w = sim.worker("8MiB", 0, 1);
+    let sim = common::sim();
+    let w = common::worker(&sim, "8MiB", 0, 1);
     let d = &sim.gpu.driver;
     let state = || d.state(w.pid).unwrap();
     assert_eq!(code(d.checkpoint(w.pid)), CuResult::ILLEGAL_STATE);
@@ -299,7 +298,7 @@ fn wrong_transitions_answer_illegal_state_and_change_nothing() {
 
 #[test]
 fn pids_without_cuda_or_without_a_process_get_the_drivers_codes() {
-    let sim = Sim::start();
+    let sim = common::sim();
     let d = &sim.gpu.driver;
     let me = std::process::id() as i32;
     assert_eq!(code(d.state(me)), CuResult::NOT_INITIALIZED);
@@ -318,8 +317,8 @@ fn pids_without_cuda_or_without_a_process_get_the_drivers_codes() {
     assert_eq!(code(d.state(i32::MAX)), CuResult::INVALID_VALUE);
     assert_eq!(code(d.unlock(-5)), CuResult::INVALID_VALUE);
     // A worker of another daemon is not a CUDA process for this one.
-    let other = Sim::start();
-    let w = other.worker("8MiB", 0, 1);
+    let other = common::sim();
+    let w = common::worker(&other, "8MiB", 0, 1);
     assert_eq!(code(d.state(w.pid)), CuResult::NOT_INITIALIZED);
     assert_eq!(
         other.gpu.driver.state(w.pid).unwrap(),
@@ -339,7 +338,7 @@ fn a_missing_daemon_is_a_clear_error() {
 
 #[test]
 fn a_worker_asking_for_more_than_the_gpu_has_fails_to_start() {
-    let sim = Sim::start_with(&["--gpus", "1", "--gpu-memory", "16MiB"]);
+    let sim = common::sim_with(&["--gpus", "1", "--gpu-memory", "16MiB"]);
     let out = std::process::Command::new(common::BIN)
         .args(["worker", "--memory", "32MiB", "--dir"])
         .arg(sim.path())
@@ -354,26 +353,25 @@ fn a_worker_asking_for_more_than_the_gpu_has_fails_to_start() {
 /// connected sockets. A checkpointed worker must hold none of them.
 #[test]
 fn a_checkpointed_worker_holds_only_files_and_listening_sockets() {
-    let sim = Sim::start();
-    let w = sim.worker("8MiB", 0, 1);
+    let sim = common::sim();
+    let w = common::worker(&sim, "8MiB", 0, 1);
     let _ = w.complete("warm up every thread");
-    suspend(&sim, w.pid);
+    sim.suspend(w.pid);
     // tiny_http closes a finished connection's socket just after the client saw the answer: a
     // TCP connection may linger a moment. Anything else must be gone when checkpoint returns.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        match unusual_fds(w.pid) {
-            Ok(sockets) => {
-                assert_eq!(
-                    sockets, 2,
-                    "the HTTP listener and the restore thread's listener"
-                );
-                break;
-            }
-            Err((tcp, e)) => assert!(tcp && Instant::now() < deadline, "{e}"),
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let sockets = eventually(
+        PATIENCE,
+        "lingering TCP connections to close",
+        || match unusual_fds(w.pid) {
+            Ok(sockets) => Some(sockets),
+            Err((true, _)) => None,
+            Err((false, e)) => panic!("{e}"),
+        },
+    );
+    assert_eq!(
+        sockets, 2,
+        "the HTTP listener and the restore thread's listener"
+    );
 }
 
 /// `Ok(number of sockets)` when every fd is a plain file or a listening socket; else whether the
@@ -428,59 +426,54 @@ fn unusual_fds(pid: i32) -> Result<usize, (bool, String)> {
 #[test]
 fn a_stopped_process_cannot_be_locked_and_the_late_call_is_dropped() {
     use nix::sys::signal::{kill, Signal};
-    let sim = Sim::start();
-    let w = sim.worker("8MiB", 0, 1);
+    let sim = common::sim();
+    let w = common::worker(&sim, "8MiB", 0, 1);
     let pid = nix::unistd::Pid::from_raw(w.pid);
     kill(pid, Signal::SIGSTOP).unwrap();
+    eventually(PATIENCE, "every thread to stop", || {
+        procs::all_threads_in(w.pid, &['T'])
+    });
     let r = sim.gpu.driver.lock(w.pid, Some(Duration::from_millis(200)));
     kill(pid, Signal::SIGCONT).unwrap();
     assert_eq!(code(r), CuResult::NOT_READY);
-    // The restore thread sees the stale call after SIGCONT and must not lock behind our back.
-    std::thread::sleep(Duration::from_millis(300));
+    // The restore thread serves its calls one after the other: this one is answered only after
+    // it has taken the stale lock off its queue, so it sees what that call left behind.
     assert_eq!(sim.gpu.driver.state(w.pid).unwrap(), ProcessState::Running);
+    assert!(
+        w.log()
+            .contains("dropping a checkpoint-API call whose caller gave up"),
+        "the stale lock never reached the restore thread: {}",
+        w.log()
+    );
     let _ = w.complete("not locked");
 }
 
 #[test]
 fn a_call_on_a_process_that_dies_meanwhile_answers_at_once() {
     use nix::sys::signal::{kill, Signal};
-    let sim = Sim::start();
-    let w = sim.worker("8MiB", 0, 1);
+    let sim = common::sim();
+    let w = common::worker(&sim, "8MiB", 0, 1);
     kill(nix::unistd::Pid::from_raw(w.pid), Signal::SIGSTOP).unwrap();
     // SIGSTOP acts asynchronously: wait until every thread is stopped, or the restore thread
     // could still answer the lock on a loaded machine.
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !all_threads_stopped(w.pid) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "pid {} never stopped",
-            w.pid
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let pid = w.pid;
-    let killer = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(300));
-        kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL).unwrap();
+    eventually(PATIENCE, "every thread to stop", || {
+        procs::all_threads_in(w.pid, &['T'])
     });
+    let gpu = sim.gpu.clone();
+    let pid = w.pid;
     // No timeout: without the death check this would wait for ever.
-    let r = sim.gpu.driver.lock(w.pid, None);
-    killer.join().unwrap();
-    assert!(matches!(
-        code(r),
-        CuResult::NOT_INITIALIZED | CuResult::INVALID_VALUE
-    ));
-}
-
-/// Whether every thread of `pid` is in the stopped state (`T`).
-fn all_threads_stopped(pid: i32) -> bool {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return false;
-    };
-    tasks.flatten().all(|t| {
-        std::fs::read_to_string(t.path().join("stat"))
-            .ok()
-            .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| rest.starts_with('T')))
-            .unwrap_or(false)
-    })
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(code(gpu.driver.lock(pid, None))).unwrap());
+    eventually(PATIENCE, "the lock to reach the stopped process", || {
+        // The log's fields carry colour codes: the message and the pid are looked for apart.
+        sim.daemon_log().lines().any(|l| {
+            l.contains("call handed to the restore thread") && l.contains(&pid.to_string())
+        })
+    });
+    kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL).unwrap();
+    let answer = rx.recv_timeout(PATIENCE).expect("the lock never answered");
+    assert!(
+        matches!(answer, CuResult::NOT_INITIALIZED | CuResult::INVALID_VALUE),
+        "{answer}"
+    );
 }

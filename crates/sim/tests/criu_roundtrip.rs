@@ -4,12 +4,11 @@
 
 mod common;
 
+use common::WorkerSpec;
+use cryo_gpu::ProcessState;
+use cryo_testkit::procs;
 use std::path::Path;
 use std::process::Command;
-use std::time::Duration;
-
-use common::{suspend, wait_for, Sim, Worker};
-use cryo_gpu::ProcessState;
 
 fn criu(args: &[&str], log_dir: &Path, what: &str) {
     let out = Command::new("criu")
@@ -36,10 +35,11 @@ fn plain_criu_dumps_a_checkpointed_worker_serving_tcp() {
 
 fn round_trip(http_unix: bool) {
     let _ = nix::sys::prctl::set_child_subreaper(true);
-    let sim = Sim::start();
-    let mut w = Worker::spawn_via(Some("setsid"), http_unix, sim.path(), "64MiB", 0, 9);
+    let sim = common::sim();
+    let spec = WorkerSpec::new("64MiB").seed(9).setsid();
+    let mut w = sim.spawn(if http_unix { spec.http_unix() } else { spec });
     let before = w.complete("frozen");
-    suspend(&sim, w.pid);
+    sim.suspend(w.pid);
     let img = sim.path().join("img");
     std::fs::create_dir(&img).unwrap();
     let img_s = img.to_str().unwrap();
@@ -49,7 +49,7 @@ fn round_trip(http_unix: bool) {
         &img,
         "dump",
     );
-    w.child.wait().unwrap();
+    w.reap();
 
     for round in 0..2 {
         let log = format!("restore-{round}");
@@ -77,14 +77,9 @@ fn round_trip(http_unix: bool) {
         assert_eq!(w.complete("frozen"), before, "round {round}");
         assert_eq!(w.verify()["ok"], true, "round {round}");
         // Suspend before kill: no wedge.
-        suspend(&sim, w.pid);
+        sim.suspend(w.pid);
         w.sigkill();
-        let p = nix::unistd::Pid::from_raw(w.pid);
-        wait_for(
-            Duration::from_secs(20),
-            "restored worker to be reaped",
-            || nix::sys::wait::waitpid(p, None).ok().map(|_| ()),
-        );
+        procs::reap(w.pid);
     }
     assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
 }

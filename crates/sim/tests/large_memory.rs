@@ -5,15 +5,14 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::Sim;
 use cryo_gpu::ProcessState;
 
 #[test]
 fn a_two_gib_worker_checkpoints_and_restores() {
     const GIB: u64 = 1 << 30;
-    let sim = Sim::start();
+    let sim = common::sim();
     let t = Instant::now();
-    let w = sim.worker("2GiB", 0, 11);
+    let w = common::worker(&sim, "2GiB", 0, 11);
     let start = t.elapsed();
     let before = w.complete("large");
     assert_eq!(

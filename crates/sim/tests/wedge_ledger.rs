@@ -4,15 +4,12 @@
 mod common;
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::time::Duration;
-
-use common::{cycle, suspend, Sim};
 
 #[test]
 fn sigkill_of_a_live_restored_worker_records_a_wedge() {
-    let sim = Sim::start();
-    let w = sim.worker("16MiB", 1, 5);
-    cycle(&sim, w.pid);
+    let sim = common::sim();
+    let w = common::worker(&sim, "16MiB", 1, 5);
+    sim.cycle(w.pid);
     assert!(sim.ledger().is_empty());
     w.sigkill();
     let ledger = sim.wait_ledger(1);
@@ -38,9 +35,9 @@ fn sigkill_of_a_live_restored_worker_records_a_wedge() {
 
 #[test]
 fn a_restored_worker_exiting_after_a_fatal_cuda_error_records_a_wedge() {
-    let sim = Sim::start();
-    let w = sim.worker("8MiB", 0, 5);
-    cycle(&sim, w.pid);
+    let sim = common::sim();
+    let w = common::worker(&sim, "8MiB", 0, 5);
+    sim.cycle(w.pid);
     let (status, body) = w.http("POST", "/fault?exit=1", "");
     assert_eq!(status, 200, "{body}");
     let ledger = sim.wait_ledger(1);
@@ -50,9 +47,9 @@ fn a_restored_worker_exiting_after_a_fatal_cuda_error_records_a_wedge() {
 
 #[test]
 fn a_locked_restored_worker_killed_records_a_wedge() {
-    let sim = Sim::start();
-    let w = sim.worker("8MiB", 0, 5);
-    suspend(&sim, w.pid);
+    let sim = common::sim();
+    let w = common::worker(&sim, "8MiB", 0, 5);
+    sim.suspend(w.pid);
     sim.gpu.driver.restore(w.pid, &[]).unwrap();
     w.sigkill();
     let ledger = sim.wait_ledger(1);
@@ -62,11 +59,12 @@ fn a_locked_restored_worker_killed_records_a_wedge() {
 
 #[test]
 fn a_fresh_worker_killed_records_no_wedge() {
-    let sim = Sim::start();
-    let mut w = sim.worker("8MiB", 0, 5);
+    let sim = common::sim();
+    let mut w = common::worker(&sim, "8MiB", 0, 5);
     w.sigkill();
-    sim.wait_unlisted(w.pid);
-    w.child.wait().unwrap();
+    w.wait_exit();
+    // One NVML query after the death: the daemon has torn the context down before answering.
+    assert!(!sim.listed(w.pid));
     assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
     // The daemon did tear it down (and would have said so).
     assert!(
@@ -78,15 +76,16 @@ fn a_fresh_worker_killed_records_no_wedge() {
 
 #[test]
 fn a_checkpointed_restored_worker_killed_records_no_wedge() {
-    let sim = Sim::start();
-    let mut w = sim.worker("8MiB", 0, 5);
-    cycle(&sim, w.pid);
-    suspend(&sim, w.pid);
+    let sim = common::sim();
+    let mut w = common::worker(&sim, "8MiB", 0, 5);
+    sim.cycle(w.pid);
+    sim.suspend(w.pid);
     w.sigkill();
-    w.child.wait().unwrap();
+    w.wait_exit();
+    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
     // A live one killed after it proves the daemon is watching: its wedge is the only one.
-    let live = sim.worker("8MiB", 0, 6);
-    cycle(&sim, live.pid);
+    let live = common::worker(&sim, "8MiB", 0, 6);
+    sim.cycle(live.pid);
     live.sigkill();
     let ledger = sim.wait_ledger(1);
     assert_eq!(ledger.len(), 1, "{ledger:?}");
@@ -109,9 +108,9 @@ fn pin(pid: i32, fds: &[i32]) -> Vec<OwnedFd> {
 
 #[test]
 fn pinned_context_fds_keep_a_dead_restored_worker_listed_until_closed() {
-    let sim = Sim::start();
-    let w = sim.worker("16MiB", 0, 5);
-    cycle(&sim, w.pid);
+    let sim = common::sim();
+    let w = common::worker(&sim, "16MiB", 0, 5);
+    sim.cycle(w.pid);
     let fds = sim.gpu.inspect.driver_fds(w.pid).unwrap();
     assert_eq!(fds.len(), 1);
     let pins = pin(w.pid, &fds);
@@ -127,8 +126,9 @@ fn pinned_context_fds_keep_a_dead_restored_worker_listed_until_closed() {
     );
 
     w.sigkill();
+    // A zombie has closed its files; the NVML query settles every context whose fds are all
+    // closed before it answers.
     w.wait_zombie();
-    std::thread::sleep(Duration::from_millis(200));
     assert!(
         sim.listed(w.pid),
         "a pinned context must stay listed after its process died"
@@ -148,19 +148,19 @@ fn pinned_context_fds_keep_a_dead_restored_worker_listed_until_closed() {
 
 #[test]
 fn checkpoint_frees_device_memory_even_while_pinned() {
-    let sim = Sim::start();
-    let w = sim.worker("16MiB", 0, 5);
-    cycle(&sim, w.pid);
+    let sim = common::sim();
+    let w = common::worker(&sim, "16MiB", 0, 5);
+    sim.cycle(w.pid);
     let pins = pin(w.pid, &sim.gpu.inspect.driver_fds(w.pid).unwrap());
-    suspend(&sim, w.pid);
+    sim.suspend(w.pid);
     assert!(!sim.listed(w.pid));
     sim.gpu.driver.restore(w.pid, &[]).unwrap();
     sim.gpu.driver.unlock(w.pid).unwrap();
     assert_eq!(w.verify()["ok"], true);
-    // The old context was released: closing its pins is no teardown.
+    // The old context was released: closing its pins is no teardown (the query settles it).
     drop(pins);
-    std::thread::sleep(Duration::from_millis(200));
     assert!(sim.listed(w.pid));
-    suspend(&sim, w.pid);
+    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
+    sim.suspend(w.pid);
     assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
 }

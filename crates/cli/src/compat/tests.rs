@@ -1,6 +1,6 @@
 //! The compat front end against NVIDIA's documented syntax and CRIU's cuda plugin invocations.
 
-use std::sync::Mutex;
+use cryo_testkit::fake::{Call, FakeGpu};
 
 use super::*;
 
@@ -155,105 +155,25 @@ fn malformed_command_lines_are_refused() {
     );
 }
 
-/// A recording fake driver with one process.
-struct Fake {
-    state: Mutex<ProcessState>,
-    calls: Mutex<Vec<String>>,
-    fail: Mutex<Option<(&'static str, CuResult)>>,
+/// The fake driver with one CUDA process in `state`: this test process (certainly alive).
+fn fake(state: ProcessState) -> (FakeGpu, Pid) {
+    let me = Pid::try_from(std::process::id()).unwrap();
+    let d = FakeGpu::new();
+    d.add(me).set_state(me, state);
+    (d, me)
 }
 
-impl Fake {
-    fn new(state: ProcessState) -> Self {
-        Fake {
-            state: Mutex::new(state),
-            calls: Mutex::new(vec![]),
-            fail: Mutex::new(None),
-        }
-    }
-    fn failing(self, call: &'static str, code: CuResult) -> Self {
-        *self.fail.lock().unwrap() = Some((call, code));
-        self
-    }
-    fn calls(&self) -> Vec<String> {
-        self.calls.lock().unwrap().clone()
-    }
-    fn step(
-        &self,
-        call: &'static str,
-        pid: Pid,
-        from: ProcessState,
-        to: ProcessState,
-    ) -> Result<(), DriverError> {
-        self.calls.lock().unwrap().push(call.to_string());
-        if let Some((c, code)) = *self.fail.lock().unwrap() {
-            if c == call {
-                return Err(DriverError::Cuda { call, pid, code });
-            }
-        }
-        let mut s = self.state.lock().unwrap();
-        if *s != from {
-            return Err(DriverError::Cuda {
-                call,
-                pid,
-                code: CuResult::ILLEGAL_STATE,
-            });
-        }
-        *s = to;
-        Ok(())
-    }
-}
-
-impl CheckpointDriver for Fake {
-    fn state(&self, pid: Pid) -> Result<ProcessState, DriverError> {
-        self.calls.lock().unwrap().push("state".into());
-        if pid != 7 {
-            return Err(DriverError::Cuda {
-                call: "state",
-                pid,
-                code: CuResult::INVALID_VALUE,
-            });
-        }
-        Ok(*self.state.lock().unwrap())
-    }
-    fn lock(&self, pid: Pid, timeout: Option<Duration>) -> Result<(), DriverError> {
-        self.calls
-            .lock()
-            .unwrap()
-            .push(format!("timeout={timeout:?}"));
-        self.step("lock", pid, ProcessState::Running, ProcessState::Locked)
-    }
-    fn checkpoint(&self, pid: Pid) -> Result<(), DriverError> {
-        self.step(
-            "checkpoint",
-            pid,
-            ProcessState::Locked,
-            ProcessState::Checkpointed,
-        )
-    }
-    fn restore(&self, pid: Pid, pairs: &[GpuPair]) -> Result<(), DriverError> {
-        self.calls
-            .lock()
-            .unwrap()
-            .push(format!("pairs={}", pairs.len()));
-        self.step(
-            "restore",
-            pid,
-            ProcessState::Checkpointed,
-            ProcessState::Locked,
-        )
-    }
-    fn unlock(&self, pid: Pid) -> Result<(), DriverError> {
-        self.step("unlock", pid, ProcessState::Locked, ProcessState::Running)
-    }
-    fn restore_thread_id(&self, _pid: Pid) -> Result<Pid, DriverError> {
-        Ok(4321)
-    }
+/// A pid that names no process any more.
+fn gone() -> Pid {
+    let mut c = std::process::Command::new("true").spawn().unwrap();
+    c.wait().unwrap();
+    Pid::try_from(c.id()).unwrap()
 }
 
 #[test]
 fn get_state_prints_the_word_alone() {
-    let d = Fake::new(ProcessState::Running);
-    let o = execute(&d, Operation::GetState, 7, None, &[]);
+    let (d, me) = fake(ProcessState::Running);
+    let o = execute(&d, Operation::GetState, me, None, &[]);
     assert_eq!(
         o,
         Outcome {
@@ -262,30 +182,25 @@ fn get_state_prints_the_word_alone() {
             status: 0
         }
     );
-    let d = Fake::new(ProcessState::Checkpointed);
+    let (d, me) = fake(ProcessState::Checkpointed);
     assert_eq!(
-        execute(&d, Operation::GetState, 7, None, &[]).stdout,
+        execute(&d, Operation::GetState, me, None, &[]).stdout,
         "checkpointed\n"
     );
 }
 
 #[test]
 fn restore_tid_prints_a_number_criu_can_strtol() {
-    let o = execute(
-        &Fake::new(ProcessState::Running),
-        Operation::GetRestoreTid,
-        7,
-        None,
-        &[],
-    );
-    assert_eq!(o.stdout.trim().parse::<i32>().unwrap(), 4321);
+    let (d, me) = fake(ProcessState::Running);
+    let o = execute(&d, Operation::GetRestoreTid, me, None, &[]);
+    assert_eq!(o.stdout.trim().parse::<i32>().unwrap(), me);
     assert!(o.stderr.is_empty());
 }
 
 #[test]
 fn actions_print_nothing_on_success() {
-    let d = Fake::new(ProcessState::Running);
-    let o = execute(&d, Operation::Action(Action::Lock), 7, Some(30000), &[]);
+    let (d, me) = fake(ProcessState::Running);
+    let o = execute(&d, Operation::Action(Action::Lock), me, Some(30000), &[]);
     assert_eq!(
         o,
         Outcome {
@@ -294,95 +209,103 @@ fn actions_print_nothing_on_success() {
             status: 0
         }
     );
-    assert!(d.calls().contains(&"timeout=Some(30s)".to_string()));
+    assert_eq!(d.lock_timeouts(), [Some(Duration::from_secs(30))]);
 }
 
 #[test]
 fn lock_timeout_zero_means_no_limit() {
-    let d = Fake::new(ProcessState::Running);
-    execute(&d, Operation::Action(Action::Lock), 7, Some(0), &[]);
-    assert!(d.calls().contains(&"timeout=None".to_string()));
+    let (d, me) = fake(ProcessState::Running);
+    execute(&d, Operation::Action(Action::Lock), me, Some(0), &[]);
+    assert_eq!(d.lock_timeouts(), [None]);
 }
 
 #[test]
 fn driver_errors_exit_with_the_cuda_code() {
-    let d = Fake::new(ProcessState::Running);
-    let o = execute(&d, Operation::Action(Action::Checkpoint), 7, None, &[]);
+    let (d, me) = fake(ProcessState::Running);
+    let o = execute(&d, Operation::Action(Action::Checkpoint), me, None, &[]);
     assert_eq!(o.status, exit::cuda_status(CuResult::ILLEGAL_STATE));
-    assert_eq!(o.stderr, "Could not checkpoint on process ID 7: \"the operation is not permitted in the current state\"\n");
+    assert_eq!(o.stderr, format!("Could not checkpoint on process ID {me}: \"the operation is not permitted in the current state\"\n"));
     assert!(o.stdout.is_empty());
 
-    let o = execute(&d, Operation::GetState, 99, None, &[]);
+    let dead = gone();
+    let o = execute(&d, Operation::GetState, dead, None, &[]);
     assert_eq!(o.status, 1);
     assert_eq!(
         o.stderr,
-        "Could not get state of process ID 99: \"invalid argument\"\n"
+        format!("Could not get state of process ID {dead}: \"invalid argument\"\n")
     );
 
-    let d = Fake::new(ProcessState::Checkpointed).failing("restore", CuResult::OUT_OF_MEMORY);
-    let o = execute(&d, Operation::Action(Action::Restore), 7, None, &[]);
+    let (d, me) = fake(ProcessState::Checkpointed);
+    d.fail_next(Call::Restore, CuResult::OUT_OF_MEMORY);
+    let o = execute(&d, Operation::Action(Action::Restore), me, None, &[]);
     assert_eq!(
         o.stderr,
-        "Could not restore on process ID 7: \"out of memory\"\n"
+        format!("Could not restore on process ID {me}: \"out of memory\"\n")
     );
     assert_eq!(o.status, 2);
 }
 
 #[test]
 fn toggle_suspends_a_running_process_and_resumes_a_checkpointed_one() {
-    let d = Fake::new(ProcessState::Running);
-    assert_eq!(execute(&d, Operation::Toggle, 7, Some(100), &[]).status, 0);
-    assert_eq!(*d.state.lock().unwrap(), ProcessState::Checkpointed);
+    let (d, me) = fake(ProcessState::Running);
+    assert_eq!(execute(&d, Operation::Toggle, me, Some(100), &[]).status, 0);
+    assert_eq!(d.state_of(me), ProcessState::Checkpointed);
     let pair = GpuPair {
         old: A.parse().unwrap(),
         new: B.parse().unwrap(),
     };
-    assert_eq!(execute(&d, Operation::Toggle, 7, None, &[pair]).status, 0);
-    assert_eq!(*d.state.lock().unwrap(), ProcessState::Running);
     assert_eq!(
-        d.calls(),
+        execute(&d, Operation::Toggle, me, None, std::slice::from_ref(&pair)).status,
+        0
+    );
+    assert_eq!(d.state_of(me), ProcessState::Running);
+    let calls: Vec<Call> = d.calls().into_iter().map(|(_, c)| c).collect();
+    assert_eq!(
+        calls,
         [
-            "state",
-            "timeout=Some(100ms)",
-            "lock",
-            "checkpoint",
-            "state",
-            "pairs=1",
-            "restore",
-            "unlock"
+            Call::State,
+            Call::Lock,
+            Call::Checkpoint,
+            Call::State,
+            Call::Restore,
+            Call::Unlock
         ]
     );
+    assert_eq!(d.lock_timeouts(), [Some(Duration::from_millis(100))]);
+    assert_eq!(d.restore_pairs(), [vec![pair]]);
 }
 
 #[test]
 fn toggle_refuses_a_locked_process() {
-    let d = Fake::new(ProcessState::Locked);
-    let o = execute(&d, Operation::Toggle, 7, None, &[]);
+    let (d, me) = fake(ProcessState::Locked);
+    let o = execute(&d, Operation::Toggle, me, None, &[]);
     assert_eq!(o.status, exit::cuda_status(CuResult::ILLEGAL_STATE));
     assert!(
         o.stderr
-            .starts_with("Error toggling CUDA in process ID 7: "),
+            .starts_with(&format!("Error toggling CUDA in process ID {me}: ")),
         "{}",
         o.stderr
     );
-    assert_eq!(*d.state.lock().unwrap(), ProcessState::Locked);
+    assert_eq!(d.state_of(me), ProcessState::Locked);
 }
 
 #[test]
 fn toggle_unlocks_again_when_checkpoint_fails() {
-    let d = Fake::new(ProcessState::Running).failing("checkpoint", CuResult::UNKNOWN);
-    let o = execute(&d, Operation::Toggle, 7, None, &[]);
+    let (d, me) = fake(ProcessState::Running);
+    d.fail_next(Call::Checkpoint, CuResult::UNKNOWN);
+    let o = execute(&d, Operation::Toggle, me, None, &[]);
     assert_eq!(o.status, exit::cuda_status(CuResult::UNKNOWN));
-    assert_eq!(*d.state.lock().unwrap(), ProcessState::Running);
+    assert_eq!(d.state_of(me), ProcessState::Running);
 }
 
 #[test]
 fn lock_timeout_reports_not_ready() {
-    let d = Fake::new(ProcessState::Running).failing("lock", CuResult::NOT_READY);
-    let o = execute(&d, Operation::Action(Action::Lock), 7, Some(10), &[]);
+    let (d, me) = fake(ProcessState::Running);
+    d.fail_next(Call::Lock, CuResult::NOT_READY);
+    let o = execute(&d, Operation::Action(Action::Lock), me, Some(10), &[]);
     assert_eq!(
         o.stderr,
-        "Could not lock on process ID 7: \"device not ready\"\n"
+        format!("Could not lock on process ID {me}: \"device not ready\"\n")
     );
     assert_eq!(o.status, (600 & 0xff) as u8);
 }

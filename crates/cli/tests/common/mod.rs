@@ -1,98 +1,84 @@
-//! A simulated GPU driver and sim workers started through the `cryo` binary under test, in a
-//! temporary directory; everything is suspended (if live) and killed on drop.
-#![allow(dead_code)]
+//! The test kit's simulated GPU run from the `cryo` binary under test (`cryo sim driver`,
+//! `cryo sim worker`), and the `cryo` command lines the tests run against it.
+#![allow(dead_code, unused_imports)]
 
-use std::fs;
-use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::ops::Deref;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+pub use cryo_testkit::http::{http, Endpoint};
+pub use cryo_testkit::sim::{Program, Worker, WorkerSpec};
+pub use cryo_testkit::{eventually, procs, PATIENCE};
 
 pub const CRYO: &str = env!("CARGO_BIN_EXE_cryo");
+
+/// The simulated GPU's commands through the `cryo` binary.
+pub fn program() -> Program {
+    Program::cryo(CRYO)
+}
 
 /// A `cryo` command with no inherited cryo settings.
 pub fn cryo() -> Command {
     let mut c = Command::new(CRYO);
-    c.env_remove("CRYO_GPU")
-        .env_remove("CRYO_SIM_DIR")
-        .env_remove("CRYO_STATE_DIR")
-        .env_remove("RUST_LOG");
+    cryo_testkit::sim::clean_env(&mut c);
     c
 }
 
+/// A simulated driver (2 GPUs of 1 GiB) and the workers started through it.
 pub struct Sim {
-    pub dir: tempfile::TempDir,
-    driver: Child,
+    core: cryo_testkit::sim::Sim,
     workers: Vec<Worker>,
 }
 
-pub struct Worker {
-    pub pid: i32,
-    pub port: u16,
-    child: Child,
+impl Deref for Sim {
+    type Target = cryo_testkit::sim::Sim;
+    fn deref(&self) -> &Self::Target {
+        &self.core
+    }
 }
 
 impl Sim {
     pub fn start() -> Sim {
-        let dir = tempfile::Builder::new()
-            .prefix("cryo-cli-test-")
-            .tempdir()
-            .unwrap();
-        let driver = start_driver(dir.path(), "2", "1GiB");
         Sim {
-            dir,
-            driver,
+            core: cryo_testkit::sim::Sim::start_with(
+                &program(),
+                &["--gpus", "2", "--gpu-memory", "1GiB"],
+            ),
             workers: Vec::new(),
         }
     }
 
-    pub fn path(&self) -> &Path {
-        self.dir.path()
-    }
-
     /// Starts a sim worker with `memory` of device memory; returns its pid and port.
     pub fn worker(&mut self, memory: &str) -> (i32, u16) {
-        let n = self.workers.len();
-        let ready = self.path().join(format!("worker{n}.ready"));
-        let child = cryo()
-            .args(["sim", "worker", "--memory", memory, "--dir"])
-            .arg(self.path())
-            .arg("--ready-file")
-            .arg(&ready)
-            .arg("--log-file")
-            .arg(self.path().join(format!("worker{n}.log")))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("cannot start cryo sim worker");
-        let info = wait_ready(&ready, Duration::from_secs(60));
-        let pid = info["pid"].as_i64().unwrap() as i32;
-        let port = info["port"].as_u64().unwrap() as u16;
-        self.workers.push(Worker { pid, port, child });
-        (pid, port)
+        let w = self.core.worker(memory);
+        let out = (w.pid, w.port);
+        self.workers.push(w);
+        out
     }
 
     /// `cryo --gpu sim --sim-dir DIR ARGS...`.
     pub fn cryo(&self, args: &[&str]) -> Output {
-        cryo()
-            .arg("--gpu")
-            .arg("sim")
-            .arg("--sim-dir")
-            .arg(self.path())
-            .args(args)
-            .output()
-            .unwrap()
+        self.cmd().args(args).output().unwrap()
+    }
+
+    /// `cryo --gpu sim --sim-dir DIR` (more arguments to come).
+    pub fn cmd(&self) -> Command {
+        let mut c = cryo();
+        c.args(["--gpu", "sim", "--sim-dir"]).arg(self.path());
+        c
+    }
+
+    /// `cryo --gpu sim --sim-dir DIR --state-dir STATE` (more arguments to come).
+    pub fn cmd_at(&self, state: &Path) -> Command {
+        let mut c = self.cmd();
+        c.arg("--state-dir").arg(state);
+        c
     }
 
     /// `cryo cuda-checkpoint ARGS...` against this driver.
     pub fn compat(&self, args: &[&str]) -> Output {
-        cryo()
-            .arg("--gpu")
-            .arg("sim")
-            .arg("--sim-dir")
-            .arg(self.path())
+        self.cmd()
             .arg("cuda-checkpoint")
             .args(args)
             .output()
@@ -110,100 +96,89 @@ impl Sim {
         String::from_utf8(out.stdout).unwrap().trim().to_string()
     }
 
-    /// The wedge ledger (must stay empty).
-    pub fn ledger(&self) -> String {
-        fs::read_to_string(self.path().join("ledger.jsonl")).unwrap_or_default()
-    }
-
-    pub fn ledger_path(&self) -> PathBuf {
-        self.path().join("ledger.jsonl")
+    /// Asserts that no live restored context was torn down by any death so far (one round trip
+    /// through the driver first, so every death the test has seen is in the ledger).
+    pub fn assert_no_wedge(&self) {
+        let l = self.settled_ledger();
+        assert!(l.is_empty(), "wedges recorded: {l:?}");
     }
 }
 
-/// `cryo sim driver --gpus GPUS --gpu-memory MEMORY` in `dir`, its output in `driver.log`, once
-/// its socket accepts connections.
-pub fn start_driver(dir: &Path, gpus: &str, gpu_memory: &str) -> Child {
-    let log = fs::File::create(dir.join("driver.log")).unwrap();
-    let driver = cryo()
-        .args([
-            "sim",
-            "driver",
-            "--gpus",
-            gpus,
-            "--gpu-memory",
-            gpu_memory,
-            "--dir",
-        ])
-        .arg(dir)
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .expect("cannot start cryo sim driver");
-    let sock = dir.join("driver.sock");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "cryo sim driver did not come up: {}",
-            fs::read_to_string(dir.join("driver.log")).unwrap_or_default()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    driver
+/// Runs `c`, asserts it succeeded, returns its stdout.
+pub fn ok(mut c: Command) -> String {
+    let out = c.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{c:?} failed ({}): {}{}",
+        out.status,
+        stdout(&out),
+        stderr(&out)
+    );
+    stdout(&out)
 }
 
-/// The contents of a sim worker's ready file, once it is there.
-pub fn wait_ready(ready: &Path, timeout: Duration) -> serde_json::Value {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Ok(t) = fs::read_to_string(ready) {
-            return serde_json::from_str(&t).unwrap();
-        }
-        assert!(Instant::now() < deadline, "sim worker did not start");
-        std::thread::sleep(Duration::from_millis(10));
+/// Lock, checkpoint, restore, unlock through `cryo gpu`, which journals `RestoreCompleted` in
+/// `state`: `pid` is now a live restored process cryo knows as such.
+pub fn make_restored(sim: &Sim, state: &Path, pid: i32) {
+    for action in ["lock", "checkpoint", "restore", "unlock"] {
+        ok({
+            let mut c = sim.cmd_at(state);
+            c.args(["gpu", action, "--pid", &pid.to_string()]);
+            c
+        });
     }
 }
 
-impl Drop for Sim {
+/// A running `cryo guard` with its log in the state directory; SIGKILLed on drop.
+pub struct GuardProc {
+    child: Child,
+    log: PathBuf,
+}
+
+impl GuardProc {
+    /// `cryo guard EXTRA...`, once its control socket answers.
+    pub fn start(sim: &Sim, state: &Path, extra: &[&str]) -> GuardProc {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let log = state.join(format!("guard-{}.log", N.fetch_add(1, Ordering::Relaxed)));
+        std::fs::create_dir_all(state).unwrap();
+        let f = std::fs::File::create(&log).unwrap();
+        let child = sim
+            .cmd_at(state)
+            .arg("guard")
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(f.try_clone().unwrap())
+            .stderr(f)
+            .spawn()
+            .unwrap();
+        let st = cryo_state::StateDir::new(state);
+        eventually(PATIENCE, "the guard's socket", || {
+            cryo_guard::control::GuardClient::new(&st)
+                .status()
+                .ok()
+                .flatten()
+                .is_some()
+        });
+        GuardProc { child, log }
+    }
+
+    /// What it logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGKILL, and reap.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for GuardProc {
     fn drop(&mut self) {
-        for w in &mut self.workers {
-            // Suspend before kill, as everything in cryo does.
-            let pid = w.pid.to_string();
-            let _ = self_compat(
-                self.dir.path(),
-                &["--action", "lock", "--pid", &pid, "--timeout", "5000"],
-            );
-            let _ = self_compat(self.dir.path(), &["--action", "checkpoint", "--pid", &pid]);
-            let _ = w.child.kill();
-            let _ = w.child.wait();
-        }
-        let _ = self.driver.kill();
-        let _ = self.driver.wait();
+        self.kill();
     }
-}
-
-fn self_compat(dir: &Path, args: &[&str]) -> Output {
-    cryo()
-        .args(["--gpu", "sim", "--sim-dir"])
-        .arg(dir)
-        .arg("cuda-checkpoint")
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-/// One HTTP request to a worker; returns (status, body).
-pub fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let (head, body) = out.split_once("\r\n\r\n").unwrap();
-    (
-        head.split_whitespace().nth(1).unwrap().parse().unwrap(),
-        body.to_string(),
-    )
 }
 
 pub fn stdout(o: &Output) -> String {

@@ -6,13 +6,12 @@ use std::os::fd::{OwnedFd, RawFd};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver};
 use std::sync::{Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use cryo_guard::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee, TracerStats};
 use cryo_proc::{Pid, ProcHandle, Signal};
 
-/// Upper bound on any single wait in these tests: a hang guard, not a timing assertion.
-pub const PATIENCE: Duration = Duration::from_secs(60);
+pub use cryo_testkit::{eventually, procs, PATIENCE};
 
 pub fn testee() -> &'static str {
     env!("CARGO_BIN_EXE_cryo-guard-testee")
@@ -116,11 +115,9 @@ impl Drop for Victim {
     }
 }
 
-/// `State` letter of one thread (`/proc/PID/task/TID/stat`'s third field).
+/// `State` letter of one thread.
 pub fn thread_state(pid: Pid, tid: Pid) -> char {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).unwrap();
-    let after = stat.rsplit_once(')').unwrap().1;
-    after.trim_start().chars().next().unwrap()
+    procs::thread_state(pid, tid).unwrap()
 }
 
 #[derive(Debug)]
@@ -239,15 +236,6 @@ impl Policy for Recorder {
     }
 }
 
-/// Polls `f` until it holds (a hang guard for state the kernel changes asynchronously).
-pub fn eventually(what: &str, f: impl Fn() -> bool) {
-    let deadline = Instant::now() + PATIENCE;
-    while !f() {
-        assert!(Instant::now() < deadline, "never happened: {what}");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
 pub fn stats_eventually(tracer: &cryo_guard::Tracer, what: &str, f: impl Fn(&TracerStats) -> bool) {
-    eventually(what, || f(&tracer.stats()));
+    eventually(PATIENCE, what, || f(&tracer.stats()));
 }

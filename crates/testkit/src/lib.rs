@@ -1,0 +1,42 @@
+//! cryo's one test kit, used by every crate's tests (and only by tests: no library depends on it
+//! except as a dev-dependency).
+//!
+//! # Design
+//! - [`eventually`]: the one way to wait for something the system does asynchronously. A test
+//!   waits for the positive event that must come first (a journal entry, an exit, a round trip
+//!   through the simulated driver), never sleeps and then asserts that nothing happened.
+//!   [`PATIENCE`] bounds every wait: a hang guard, not a timing assertion.
+//! - [`sim`]: a simulated GPU driver daemon in a temporary directory and sim workers, started
+//!   from whichever binary the test crate has (`cryo-sim`, or `cryo sim`).
+//! - [`http`]: one HTTP/1.1 request to a worker on loopback TCP or on a unix socket.
+//! - [`fake`]: [`fake::FakeGpu`], an in-process driver implementing the `cryo-gpu` traits
+//!   (`CheckpointDriver`, `GpuInspector`) with state scripting and error injection
+//!   ([`fake::FakeGpu::fail_next`], hangs, a process that dies when a call reaches it, memory
+//!   that NVML keeps listing); it records every call and every live restored context torn down.
+//! - [`cgroup`]: a memory cgroup per test with a unique name (several test runs share a machine).
+//! - [`procs`]: plain processes to act on, and what `/proc` says about a process.
+//!
+//! # Layering
+//! The kit may depend on every library; a library depends on it only as a dev-dependency. Cargo
+//! accepts the cycle that makes (`cryo-sim`'s tests use the kit, the kit uses `cryo-sim`): an
+//! integration test links the one `cryo-sim` library the kit was built against. A crate's own
+//! unit tests (`#[cfg(test)]` inside `src/`) see a second copy of their crate through the kit, so
+//! they may use the kit only with types of crates below them (`cryo-gpu`, `cryo-criu`).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+pub mod cgroup;
+pub mod fake;
+pub mod http;
+pub mod procs;
+pub mod sim;
+mod wait;
+
+pub use wait::{eventually, Ready, PATIENCE};
+
+/// The driver's code of a call that must have failed with one.
+pub fn cu_code<T: std::fmt::Debug>(r: Result<T, cryo_gpu::DriverError>) -> cryo_gpu::CuResult {
+    match r {
+        Err(cryo_gpu::DriverError::Cuda { code, .. }) => code,
+        other => panic!("expected a CUDA error, got {other:?}"),
+    }
+}

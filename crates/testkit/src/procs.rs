@@ -1,0 +1,139 @@
+//! Plain processes to act on, and what `/proc` says about a process.
+
+use std::process::{Child, Command, ExitStatus, Stdio};
+
+use cryo_proc::Pid;
+
+use crate::{eventually, PATIENCE};
+
+/// The state letter of `pid` (`R`, `S`, `T`, `t`, `Z`...), `None` once it is reaped.
+pub fn state(pid: Pid) -> Option<char> {
+    cryo_proc::stat(pid).ok().map(|s| s.state)
+}
+
+/// Not exited: it exists and is not a zombie.
+pub fn alive(pid: Pid) -> bool {
+    state(pid).is_some_and(|s| s != 'Z' && s != 'X')
+}
+
+/// Who traces `pid` (0: nobody, or it is gone).
+pub fn tracer_pid(pid: Pid) -> Pid {
+    cryo_proc::status(pid).map_or(0, |s| s.tracer_pid)
+}
+
+/// Whether `pid` has a handler installed for `signal` (`SigCgt`).
+pub fn catches(pid: Pid, signal: i32) -> bool {
+    cryo_proc::status(pid).is_ok_and(|s| s.sig_caught & (1u64 << (signal - 1)) != 0)
+}
+
+/// `(tid, state letter)` of every thread of `pid`.
+pub fn thread_states(pid: Pid) -> Vec<(Pid, char)> {
+    let Ok(h) = cryo_proc::ProcHandle::open(pid) else {
+        return Vec::new();
+    };
+    h.tasks()
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|tid| Some((tid, h.thread_status(tid).ok()?.state)))
+        .collect()
+}
+
+/// The state letter of one thread.
+pub fn thread_state(pid: Pid, tid: Pid) -> Option<char> {
+    thread_states(pid)
+        .into_iter()
+        .find(|(t, _)| *t == tid)
+        .map(|(_, s)| s)
+}
+
+/// Whether every thread of `pid` is in one of `states` (and it has threads).
+pub fn all_threads_in(pid: Pid, states: &[char]) -> bool {
+    let threads = thread_states(pid);
+    !threads.is_empty() && threads.iter().all(|(_, s)| states.contains(s))
+}
+
+/// Waits for a child of ours to exit and returns its status.
+pub fn wait_exit(child: &mut Child) -> ExitStatus {
+    let pid = child.id();
+    eventually(PATIENCE, &format!("pid {pid} to exit"), || {
+        child.try_wait().unwrap()
+    })
+}
+
+/// Reaps `pid` once it has exited, when it is a child of ours (thawed workers are reparented to a
+/// subreaper test). Returns at once for a pid that is not our child.
+pub fn reap(pid: Pid) {
+    use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+    let p = nix::unistd::Pid::from_raw(pid);
+    eventually(PATIENCE, &format!("pid {pid} to be reaped"), || {
+        !matches!(
+            waitpid(p, Some(WaitPidFlag::WNOHANG)),
+            Ok(WaitStatus::StillAlive)
+        )
+    });
+}
+
+/// Plain processes (`sleep`) that are certainly not CUDA processes; SIGKILLed and reaped on drop.
+#[derive(Debug)]
+pub struct Procs(Vec<Child>);
+
+impl Procs {
+    /// `n` sleepers, children of the test.
+    pub fn spawn(n: usize) -> Procs {
+        Procs((0..n).map(|_| sleeper(false)).collect())
+    }
+
+    /// One sleeper that leads its own session (what CRIU can dump without `shell_job`).
+    pub fn session_leader() -> Procs {
+        Procs(vec![sleeper(true)])
+    }
+
+    /// The pid of the `i`th.
+    pub fn pid(&self, i: usize) -> Pid {
+        self.0[i].id() as Pid
+    }
+
+    /// Every pid.
+    pub fn pids(&self) -> Vec<Pid> {
+        (0..self.0.len()).map(|i| self.pid(i)).collect()
+    }
+
+    /// Whether the `i`th has not exited (reaping it if it has).
+    pub fn alive(&mut self, i: usize) -> bool {
+        self.0[i].try_wait().unwrap().is_none()
+    }
+}
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn sleeper(session: bool) -> Child {
+    // `setsid` execs in place: a child of ours is never a process-group leader.
+    let mut c = if session {
+        let mut c = Command::new("setsid");
+        c.arg("sleep");
+        c
+    } else {
+        Command::new("sleep")
+    };
+    let child = c
+        .arg("600")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    if session {
+        let pid = child.id() as Pid;
+        eventually(PATIENCE, "setsid to exec sleep", || {
+            cryo_proc::stat(pid).is_ok_and(|s| s.session == pid && s.comm == "sleep")
+        });
+    }
+    child
+}

@@ -1,0 +1,476 @@
+//! A simulated GPU driver daemon per test, in its own temporary directory, and sim workers.
+//!
+//! The daemon and the workers are separate processes exec'd from the binary the test crate has:
+//! [`Program::cryo_sim`] (`cryo-sim driver`, `cryo-sim worker`, in `cryo-sim`'s tests) or
+//! [`Program::cryo`] (`cryo sim driver`, in the CLI's tests). Everything is killed on drop; a
+//! worker still alive is suspended first (lock, checkpoint), as everything in cryo does.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use cryo_gpu::Gpu;
+use cryo_proc::Pid;
+use cryo_sim::{SimControl, Wedge};
+
+use crate::http::{http, Endpoint};
+use crate::{eventually, procs, PATIENCE};
+
+/// The binary that runs the simulated GPU's commands, and the words before them.
+#[derive(Debug, Clone)]
+pub struct Program {
+    bin: PathBuf,
+    prefix: Vec<&'static str>,
+}
+
+impl Program {
+    /// `cryo-sim COMMAND` (`env!("CARGO_BIN_EXE_cryo-sim")` in `cryo-sim`'s tests).
+    pub fn cryo_sim(bin: impl Into<PathBuf>) -> Self {
+        Program {
+            bin: bin.into(),
+            prefix: Vec::new(),
+        }
+    }
+
+    /// `cryo sim COMMAND` (`env!("CARGO_BIN_EXE_cryo")` in the CLI's tests).
+    pub fn cryo(bin: impl Into<PathBuf>) -> Self {
+        Program {
+            bin: bin.into(),
+            prefix: vec!["sim"],
+        }
+    }
+
+    /// The same commands from another copy of the binary (CRIU refuses to restore a process
+    /// whose executable changed, and `target/` is rebuilt under running tests).
+    pub fn copied_to(&self, path: &Path) -> Self {
+        std::fs::copy(&self.bin, path).unwrap();
+        Program {
+            bin: path.to_path_buf(),
+            prefix: self.prefix.clone(),
+        }
+    }
+
+    /// `BIN [sim] COMMAND`, with no cryo settings inherited from the test's environment.
+    pub fn command(&self, command: &str) -> Command {
+        let mut c = Command::new(&self.bin);
+        clean_env(&mut c);
+        c.args(&self.prefix).arg(command);
+        c
+    }
+
+    /// The binary.
+    pub fn bin(&self) -> &Path {
+        &self.bin
+    }
+}
+
+/// Removes every cryo setting a developer's shell may carry (`CRYO_GPU`, `CRYO_SIM_DIR`...).
+pub fn clean_env(c: &mut Command) {
+    for var in [
+        "CRYO_GPU",
+        "CRYO_SIM_DIR",
+        "CRYO_STATE_DIR",
+        "CRYO_FAILPOINT",
+        "CRYO_CRIU",
+        "RUST_LOG",
+    ] {
+        c.env_remove(var);
+    }
+}
+
+/// A driver daemon in its own directory; killed on drop.
+#[derive(Debug)]
+pub struct Sim {
+    dir: tempfile::TempDir,
+    daemon: Child,
+    program: Program,
+    /// The driver and NVML through the client backend.
+    pub gpu: Gpu,
+    /// Ledger and fault injection.
+    pub control: SimControl,
+}
+
+impl Sim {
+    /// Two GPUs of 16 GiB.
+    pub fn start(program: &Program) -> Sim {
+        Sim::start_with(program, &["--gpus", "2", "--gpu-memory", "16GiB"])
+    }
+
+    /// With these `driver` arguments (`--gpus N --gpu-memory SIZE`...).
+    pub fn start_with(program: &Program, args: &[&str]) -> Sim {
+        let dir = tempfile::Builder::new()
+            .prefix("cryo-sim-test-")
+            .tempdir()
+            .unwrap();
+        let log = std::fs::File::create(dir.path().join("driver.log")).unwrap();
+        let daemon = program
+            .command("driver")
+            .arg("--dir")
+            .arg(dir.path())
+            .args(args)
+            .env("RUST_LOG", "debug")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let control = SimControl::new(dir.path());
+        if let Err(e) = control.wait_up(PATIENCE) {
+            panic!(
+                "the simulated driver did not come up ({e}): {}",
+                std::fs::read_to_string(dir.path().join("driver.log")).unwrap_or_default()
+            );
+        }
+        let gpu = cryo_sim::connect(dir.path()).unwrap();
+        Sim {
+            dir,
+            daemon,
+            program: program.clone(),
+            gpu,
+            control,
+        }
+    }
+
+    /// The daemon's directory (`--sim-dir`).
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The program it was started from.
+    pub fn program(&self) -> &Program {
+        &self.program
+    }
+
+    /// A worker with `memory` of device memory on GPU 0 (seed 1).
+    pub fn worker(&self, memory: &str) -> Worker {
+        self.spawn(WorkerSpec::new(memory))
+    }
+
+    /// A worker as `spec` says.
+    pub fn spawn(&self, spec: WorkerSpec) -> Worker {
+        Worker::spawn(self, spec)
+    }
+
+    /// The wedge ledger as it is now. Read it after [`Sim::settled_ledger`] to see deaths.
+    pub fn ledger(&self) -> Vec<Wedge> {
+        self.control.ledger().unwrap()
+    }
+
+    /// The ledger, final for every process that has died before this call: one NVML query
+    /// first, which the daemon answers only after tearing down every context whose fds are all
+    /// closed (wedge recorded). Call it once the deaths are observed (an exit, a zombie).
+    pub fn settled_ledger(&self) -> Vec<Wedge> {
+        self.gpu.inspect.processes().unwrap();
+        self.ledger()
+    }
+
+    /// Waits until the ledger has `n` wedges.
+    pub fn wait_ledger(&self, n: usize) -> Vec<Wedge> {
+        eventually(PATIENCE, &format!("{n} wedges in the ledger"), || {
+            let l = self.ledger();
+            (l.len() >= n).then_some(l)
+        })
+    }
+
+    /// Whether NVML lists `pid` (a round trip: settled as [`Sim::settled_ledger`] says).
+    pub fn listed(&self, pid: Pid) -> bool {
+        self.gpu
+            .inspect
+            .processes()
+            .unwrap()
+            .iter()
+            .any(|p| p.pid == pid)
+    }
+
+    /// Lock (10 s) and checkpoint `pid` through the driver.
+    pub fn suspend(&self, pid: Pid) {
+        self.gpu
+            .driver
+            .lock(pid, Some(Duration::from_secs(10)))
+            .unwrap();
+        self.gpu.driver.checkpoint(pid).unwrap();
+    }
+
+    /// Lock, checkpoint, restore, unlock: `pid` is now a live *restored* process.
+    pub fn cycle(&self, pid: Pid) {
+        self.suspend(pid);
+        self.gpu.driver.restore(pid, &[]).unwrap();
+        self.gpu.driver.unlock(pid).unwrap();
+    }
+
+    /// The daemon's log (debug level).
+    pub fn daemon_log(&self) -> String {
+        std::fs::read_to_string(self.path().join("driver.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        let _ = self.daemon.kill();
+        let _ = self.daemon.wait();
+    }
+}
+
+/// How to start a worker.
+#[derive(Debug, Clone)]
+pub struct WorkerSpec {
+    memory: String,
+    gpu: u32,
+    seed: u64,
+    setsid: bool,
+    http_unix: bool,
+    process_group: bool,
+    cgroup: Option<PathBuf>,
+    program: Option<Program>,
+}
+
+impl WorkerSpec {
+    /// `memory` of device memory, GPU 0, seed 1, TCP, a plain child of the test.
+    pub fn new(memory: &str) -> Self {
+        WorkerSpec {
+            memory: memory.to_string(),
+            gpu: 0,
+            seed: 1,
+            setsid: false,
+            http_unix: false,
+            process_group: false,
+            cgroup: None,
+            program: None,
+        }
+    }
+
+    /// On the GPU with this NVML index.
+    pub fn gpu(mut self, index: u32) -> Self {
+        self.gpu = index;
+        self
+    }
+
+    /// Device memory filled from this seed.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Leading its own session (`setsid`, which execs in place: same pid), as CRIU needs.
+    pub fn setsid(mut self) -> Self {
+        self.setsid = true;
+        self
+    }
+
+    /// Serving HTTP on a unix socket in the sim directory instead of TCP.
+    pub fn http_unix(mut self) -> Self {
+        self.http_unix = true;
+        self
+    }
+
+    /// In its own process group (a group kill reaches it alone).
+    pub fn process_group(mut self) -> Self {
+        self.process_group = true;
+        self
+    }
+
+    /// Moved into this cgroup right after it starts, before it allocates its memory.
+    pub fn cgroup(mut self, dir: &Path) -> Self {
+        self.cgroup = Some(dir.to_path_buf());
+        self
+    }
+
+    /// Exec'd from this program instead of the daemon's.
+    pub fn program(mut self, program: Program) -> Self {
+        self.program = Some(program);
+        self
+    }
+}
+
+/// A sim worker; suspended (if live) then SIGKILLed and reaped on drop.
+#[derive(Debug)]
+pub struct Worker {
+    child: Option<Child>,
+    /// Its pid.
+    pub pid: Pid,
+    /// Where it serves HTTP.
+    pub endpoint: Endpoint,
+    /// Its TCP port (0 when it serves on a unix socket).
+    pub port: u16,
+    log: PathBuf,
+    gpu: Gpu,
+}
+
+impl Worker {
+    fn spawn(sim: &Sim, spec: WorkerSpec) -> Worker {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let tag = format!(
+            "worker-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        );
+        let ready = sim.path().join(format!("{tag}.ready"));
+        let log = sim.path().join(format!("{tag}.log"));
+        let program = spec.program.as_ref().unwrap_or(&sim.program);
+        let mut cmd = if spec.setsid {
+            let mut c = Command::new("setsid");
+            clean_env(&mut c);
+            c.arg(program.bin()).args(&program.prefix).arg("worker");
+            c
+        } else {
+            program.command("worker")
+        };
+        let unix = spec
+            .http_unix
+            .then(|| sim.path().join(format!("{tag}.sock")));
+        if let Some(u) = &unix {
+            cmd.arg("--http-unix").arg(u);
+        }
+        cmd.arg("--dir")
+            .arg(sim.path())
+            .args(["--gpu", &spec.gpu.to_string()])
+            .args(["--memory", &spec.memory])
+            .args(["--seed", &spec.seed.to_string()])
+            .arg("--ready-file")
+            .arg(&ready)
+            .arg("--log-file")
+            .arg(&log)
+            .env("RUST_LOG", "debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if spec.process_group {
+            std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let pid = child.id() as Pid;
+        if let Some(cg) = &spec.cgroup {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(cg.join("cgroup.procs"))
+                .and_then(|mut f| std::io::Write::write_all(&mut f, pid.to_string().as_bytes()))
+                .unwrap_or_else(|e| panic!("cannot move pid {pid} into {}: {e}", cg.display()));
+        }
+        let info: serde_json::Value = eventually(PATIENCE, "the worker's ready file", || {
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!(
+                    "worker exited with {status}: {}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
+            std::fs::read(&ready)
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+        });
+        assert_eq!(
+            info["pid"].as_i64(),
+            Some(i64::from(pid)),
+            "the worker must run as the spawned pid (setsid execs in place)"
+        );
+        let port = info["port"].as_u64().unwrap_or(0) as u16;
+        Worker {
+            child: Some(child),
+            pid,
+            endpoint: match unix {
+                Some(u) => Endpoint::Unix(u),
+                None => Endpoint::Tcp(port),
+            },
+            port,
+            log,
+            gpu: sim.gpu.clone(),
+        }
+    }
+
+    /// One HTTP request to it: `(status, body)`.
+    pub fn http(&self, method: &str, path: &str, body: &str) -> (u16, String) {
+        http(&self.endpoint, method, path, body)
+    }
+
+    /// A completion (device memory sampled at prompt-derived offsets).
+    pub fn complete(&self, prompt: &str) -> String {
+        let (status, body) = self.http("POST", "/v1/completions", prompt);
+        assert_eq!(status, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        v["text"].as_str().unwrap().to_string()
+    }
+
+    /// `GET /verify`: all of device memory hashed against the seed.
+    pub fn verify(&self) -> serde_json::Value {
+        let (status, body) = self.http("GET", "/verify", "");
+        assert_eq!(status, 200, "{body}");
+        serde_json::from_str(&body).unwrap()
+    }
+
+    /// `GET /health`: also the GPU work queued and the GPU calls waiting at a locked gate.
+    pub fn health(&self) -> serde_json::Value {
+        let (status, body) = self.http("GET", "/health", "");
+        assert_eq!(status, 200, "{body}");
+        serde_json::from_str(&body).unwrap()
+    }
+
+    /// Resident memory, bytes.
+    pub fn rss(&self) -> u64 {
+        cryo_proc::ProcHandle::open(self.pid)
+            .and_then(|h| h.rss())
+            .unwrap()
+    }
+
+    /// SIGKILL (the caller waits for what it expects next).
+    pub fn sigkill(&self) {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.pid),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap();
+    }
+
+    /// Waits until the (unreaped) worker is a zombie: its files are closed by then.
+    pub fn wait_zombie(&self) {
+        eventually(PATIENCE, "the worker to become a zombie", || {
+            procs::state(self.pid) == Some('Z')
+        });
+    }
+
+    /// Waits for it to exit and reaps it.
+    pub fn wait_exit(&mut self) -> ExitStatus {
+        let child = self.child.as_mut().expect("the worker was reaped already");
+        procs::wait_exit(child)
+    }
+
+    /// Whether it has exited (reaping it then).
+    pub fn has_exited(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_none_or(|c| c.try_wait().unwrap().is_some())
+    }
+
+    /// Reaps it after something else ended it (CRIU after a dump); no-op once reaped.
+    pub fn reap(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.wait().unwrap();
+        }
+    }
+
+    /// Whether this handle still owns the (unreaped) child.
+    pub fn is_ours(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// Its log (stdout and stderr, debug level).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        // Suspend before kill, as everything in cryo does; a stopped process cannot answer.
+        if child.try_wait().ok().flatten().is_none()
+            && !procs::all_threads_in(self.pid, &['T', 't'])
+        {
+            let _ = self.gpu.driver.lock(self.pid, Some(Duration::from_secs(5)));
+            let _ = self.gpu.driver.checkpoint(self.pid);
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
