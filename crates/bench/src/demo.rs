@@ -21,6 +21,7 @@ use std::process::Child;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Context as _};
+use cryo_criu::Criu as _;
 use cryo_gpu::{Gpu, ProcessState};
 use cryo_proc::Pid;
 use cryo_sim::SimControl;
@@ -440,7 +441,7 @@ impl Demo {
 
     /// `cryo freeze`: suspend, CRIU dump, publish the image; the worker is gone afterwards.
     fn freeze(&mut self) -> anyhow::Result<String> {
-        let criu = cryo_criu::Criu::locate(None).context(
+        let criu = cryo_criu::CriuRpc::locate(None).context(
             "the freeze and thaw steps need root and CRIU >= 4.2 (scripts/install-criu.sh)",
         )?;
         let gpu = self.gpu()?.clone();
@@ -481,7 +482,7 @@ impl Demo {
 
     /// `cryo thaw`: verify, precheck, CRIU restore, GPU restore, unlock, health check.
     fn thaw(&mut self) -> anyhow::Result<String> {
-        let criu = cryo_criu::Criu::locate(None).context("the thaw step needs CRIU")?;
+        let criu = cryo_criu::CriuRpc::locate(None).context("the thaw step needs CRIU")?;
         let gpu = self.gpu()?.clone();
         let journal = self
             .state

@@ -99,7 +99,7 @@ impl RowSamples {
 /// Runs `cryo bench freeze` with the binary `cryo`.
 pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
     ensure!(!args.sizes.is_empty(), "--sizes needs at least one size");
-    let criu = cryo_criu::Criu::locate(None)?;
+    let criu = cryo_criu::CriuRpc::locate(None)?;
     // Thawed workers are children of the short-lived `cryo thaw` / `criu restore -d`: adopt them.
     rustix::process::set_child_subreaper(Some(rustix::process::getpid()))
         .context("becoming a child subreaper")?;

@@ -21,7 +21,7 @@ use cryo_testkit::sim::Sim;
 use cryo_testkit::PATIENCE;
 
 fn criu_present() {
-    let c = cryo_criu::Criu::locate(None);
+    let c = cryo_criu::CriuRpc::locate(None);
     assert!(
         c.is_ok(),
         "CRIU is required for these tests (run scripts/install-criu.sh as root): {:?}",

@@ -91,21 +91,45 @@ impl Default for RestoreOpts {
     }
 }
 
-/// A CRIU binary that was found and is recent enough.
+/// What cryo needs from CRIU, as a seam: dump a process tree into a directory, restore one
+/// from it, and say which CRIU it is. [`CriuRpc`] is the real one (`criu swrk`); the lifecycle
+/// takes `&dyn Criu`, so its freeze and thaw logic is also tested against a fake, without root.
+pub trait Criu: std::fmt::Debug + Send + Sync {
+    /// The version (recorded in image manifests).
+    fn version(&self) -> CriuVersion;
+
+    /// Dumps the process tree rooted at `pid` into `images_dir` (which must exist), with CRIU's
+    /// log in `images_dir/dump.log`. Unless `opts.leave_running`, the tree is killed after a
+    /// successful dump, never before; after a failure it is left as it was. The caller reaps
+    /// its own children among them.
+    fn dump(&self, pid: Pid, images_dir: &Path, opts: &DumpOpts) -> Result<(), CriuError>;
+
+    /// Restores the tree imaged in `images_dir` and returns the pid of its root (the pid it had
+    /// when dumped). The restored root is a child of the calling process.
+    fn restore(&self, images_dir: &Path, opts: &RestoreOpts) -> Result<Pid, CriuError>;
+
+    /// The ones of `pids` a restore could not have: taken on this host as a pid, a process
+    /// group or a session id ([`cryo_proc::pids_in_use`]).
+    fn pids_in_use(&self, pids: &[Pid]) -> Vec<Pid> {
+        cryo_proc::pids_in_use(pids)
+    }
+}
+
+/// A CRIU binary that was found and is recent enough, driven through `criu swrk` RPC.
 #[derive(Debug, Clone)]
-pub struct Criu {
+pub struct CriuRpc {
     bin: PathBuf,
     lib_dir: Option<PathBuf>,
     version: CriuVersion,
 }
 
-impl Criu {
+impl CriuRpc {
     /// Finds CRIU and checks its version. Looks at `explicit`, else `$CRYO_CRIU`, else
     /// `/usr/local/sbin/criu`, else `criu` on `PATH`. An explicit path or `$CRYO_CRIU` that does
     /// not exist is [`CriuError::NotFound`], not a reason to look elsewhere. A binary whose
     /// directory also holds shared libraries (a carried build: `.carry/criu/`) runs with that
     /// directory in `LD_LIBRARY_PATH`.
-    pub fn locate(explicit: Option<&Path>) -> Result<Criu, CriuError> {
+    pub fn locate(explicit: Option<&Path>) -> Result<CriuRpc, CriuError> {
         let env = std::env::var_os(CRIU_ENV).filter(|v| !v.is_empty());
         let bin = match (explicit, env) {
             (Some(p), _) => Self::exists(p.to_path_buf())?,
@@ -116,7 +140,7 @@ impl Criu {
     }
 
     /// Uses the binary at `bin` (no search), checking its version.
-    pub fn at(bin: PathBuf) -> Result<Criu, CriuError> {
+    pub fn at(bin: PathBuf) -> Result<CriuRpc, CriuError> {
         let bin = Self::exists(bin)?;
         let lib_dir = bin.parent().filter(|d| has_libs(d)).map(Path::to_path_buf);
         let version = CriuVersion::of_binary(&bin, lib_dir.as_deref())?;
@@ -127,7 +151,7 @@ impl Criu {
                 needed: CriuVersion::MIN,
             });
         }
-        Ok(Criu {
+        Ok(CriuRpc {
             bin,
             lib_dir,
             version,
@@ -171,15 +195,19 @@ impl Criu {
         &self.bin
     }
 
-    /// Its version.
-    pub fn version(&self) -> CriuVersion {
+    fn call(&self, op: CriuOp, req: &CriuReq) -> Result<crate::rpc::CriuResp, CriuError> {
+        Swrk::start(&self.bin, self.lib_dir.as_deref())
+            .and_then(|s| s.call(req))
+            .map_err(|source| CriuError::Rpc { op, source })
+    }
+}
+
+impl Criu for CriuRpc {
+    fn version(&self) -> CriuVersion {
         self.version
     }
 
-    /// Dumps the process tree rooted at `pid` into `images_dir` (which must exist), with CRIU's
-    /// log in `images_dir/dump.log`. Unless `opts.leave_running`, the tree is killed by CRIU
-    /// after a successful dump; the caller reaps its own children among them.
-    pub fn dump(&self, pid: Pid, images_dir: &Path, opts: &DumpOpts) -> Result<(), CriuError> {
+    fn dump(&self, pid: Pid, images_dir: &Path, opts: &DumpOpts) -> Result<(), CriuError> {
         let op = CriuOp::Dump;
         let dir = open_dir(op, images_dir)?;
         let req = CriuReq {
@@ -210,10 +238,9 @@ impl Criu {
         }
     }
 
-    /// Restores the tree imaged in `images_dir` and returns the pid of its root (the pid it had
-    /// when dumped). The restored root is a child of the calling process: CRIU's worker exits
-    /// right after, and the caller reaps (or, exiting, hands the tree to its reaper).
-    pub fn restore(&self, images_dir: &Path, opts: &RestoreOpts) -> Result<Pid, CriuError> {
+    /// CRIU's worker exits right after the restore; the caller reaps (or, exiting, hands the
+    /// tree to its reaper).
+    fn restore(&self, images_dir: &Path, opts: &RestoreOpts) -> Result<Pid, CriuError> {
         let op = CriuOp::Restore;
         let dir = open_dir(op, images_dir)?;
         let (work_path, temp) = match &opts.work_dir {
@@ -275,12 +302,6 @@ impl Criu {
                 Err(err)
             }
         }
-    }
-
-    fn call(&self, op: CriuOp, req: &CriuReq) -> Result<crate::rpc::CriuResp, CriuError> {
-        Swrk::start(&self.bin, self.lib_dir.as_deref())
-            .and_then(|s| s.call(req))
-            .map_err(|source| CriuError::Rpc { op, source })
     }
 }
 

@@ -2,13 +2,15 @@
 //! image directories they live in.
 //!
 //! # Design
-//! [`Criu::locate`] finds the binary (`explicit`, `$CRYO_CRIU`, `/usr/local/sbin/criu`, `PATH`)
+//! [`CriuRpc::locate`] finds the binary (`explicit`, `$CRYO_CRIU`, `/usr/local/sbin/criu`, `PATH`)
 //! and refuses a missing one ([`CriuError::NotFound`]) or one older than 4.2
 //! ([`CriuError::TooOld`]: bookworm's 3.17 fails on current kernels). Each operation starts one
 //! `criu swrk` worker and speaks protobuf to it over a `SOCK_SEQPACKET` socketpair; the messages
 //! are prost code generated from CRIU's vendored `rpc.proto` and committed (see the `rpc`
 //! module), so building needs no `protoc`. `rust-criu` was not used: its restore does not return
 //! the restored pid, and it hands CRIU its socket without `O_CLOEXEC` in the parent.
+//!
+//! [`Criu`] is the seam the lifecycle uses (`&dyn Criu`); [`CriuRpc`] implements it.
 //!
 //! A failed operation is [`CriuError::Failed`] with CRIU's own `Error (...)` lines from its log.
 //! Dumps log to `dump.log` in the image directory (part of the image); restores log to a work
@@ -36,7 +38,8 @@ mod rpc;
 mod version;
 
 pub use criu::{
-    error_lines, Criu, DumpOpts, RestoreOpts, CRIU_ENV, DEFAULT_CRIU, DUMP_LOG, RESTORE_LOG,
+    error_lines, Criu, CriuRpc, DumpOpts, RestoreOpts, CRIU_ENV, DEFAULT_CRIU, DUMP_LOG,
+    RESTORE_LOG,
 };
 pub use error::{CriuError, CriuOp};
 pub use image::{ImageError, Manifest};

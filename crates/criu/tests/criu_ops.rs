@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use cryo_criu::image::{verify, ImageMeta, ProcessEntry, Staging};
-use cryo_criu::{Criu, CriuError, CriuOp, CriuVersion, DumpOpts, RestoreOpts};
+use cryo_criu::{Criu, CriuError, CriuOp, CriuRpc, CriuVersion, DumpOpts, RestoreOpts};
 use cryo_testkit::{eventually, PATIENCE};
 use nix::sys::signal::{kill, killpg, Signal};
 use nix::sys::wait::{waitpid, WaitStatus};
@@ -18,12 +18,13 @@ use nix::unistd::Pid as NixPid;
 /// CRIU tests run one at a time: each restore needs its image's pids free.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn criu() -> Criu {
+fn criu() -> CriuRpc {
     assert!(
         nix::unistd::geteuid().is_root(),
         "these tests drive CRIU and must run as root"
     );
-    Criu::locate(None).unwrap_or_else(|e| panic!("{e} (CRIU >= 4.2 is required for these tests)"))
+    CriuRpc::locate(None)
+        .unwrap_or_else(|e| panic!("{e} (CRIU >= 4.2 is required for these tests)"))
 }
 
 /// A shell that counts in memory and writes the count to `out` on SIGUSR1, in its own session
@@ -69,7 +70,9 @@ fn count_at_least(pid: i32, dir: &Path, min: u64) -> u64 {
         .parse()
         .unwrap();
         // The trap forks `mv` to publish the answer: it is over once bash has only its sleep.
-        eventually(PATIENCE, "the trap's mv to end", || tree_pids(pid).len() == 2);
+        eventually(PATIENCE, "the trap's mv to end", || {
+            tree_pids(pid).len() == 2
+        });
         (n >= min).then_some(n)
     })
 }
@@ -268,7 +271,7 @@ fn fake_criu(dir: &Path, version_line: &str) -> PathBuf {
 fn old_criu_is_too_old() {
     let t = tempfile::tempdir().unwrap();
     let fake = fake_criu(t.path(), "Version: 3.17");
-    let err = Criu::locate(Some(&fake)).unwrap_err();
+    let err = CriuRpc::locate(Some(&fake)).unwrap_err();
     match &err {
         CriuError::TooOld {
             path,
@@ -291,7 +294,7 @@ fn old_criu_is_too_old() {
 fn criu_4_1_is_too_old() {
     let t = tempfile::tempdir().unwrap();
     let fake = fake_criu(t.path(), "Version: 4.1.1");
-    let err = Criu::locate(Some(&fake)).unwrap_err();
+    let err = CriuRpc::locate(Some(&fake)).unwrap_err();
     assert!(matches!(err, CriuError::TooOld { .. }), "{err:?}");
 }
 
@@ -299,16 +302,16 @@ fn criu_4_1_is_too_old() {
 fn recent_fake_criu_is_accepted_and_garbage_is_not() {
     let t = tempfile::tempdir().unwrap();
     let fake = fake_criu(t.path(), "Version: 4.2");
-    assert_eq!(Criu::at(fake).unwrap().version().to_string(), "4.2");
+    assert_eq!(CriuRpc::at(fake).unwrap().version().to_string(), "4.2");
     let t2 = tempfile::tempdir().unwrap();
     let junk = fake_criu(t2.path(), "hello");
-    assert!(matches!(Criu::at(junk), Err(CriuError::Version { .. })));
+    assert!(matches!(CriuRpc::at(junk), Err(CriuError::Version { .. })));
 }
 
 #[test]
 fn missing_criu_is_not_found() {
     let p = PathBuf::from("/nonexistent/cryo-test/criu");
-    let err = Criu::locate(Some(&p)).unwrap_err();
+    let err = CriuRpc::locate(Some(&p)).unwrap_err();
     assert!(
         matches!(&err, CriuError::NotFound { tried } if tried == &vec![p.clone()]),
         "{err:?}"

@@ -175,7 +175,7 @@ fn describe_refusals(r: &[FreezeRefusal]) -> String {
 /// See the module docs.
 pub fn freeze(
     gpu: &Gpu,
-    criu: &Criu,
+    criu: &dyn Criu,
     tree: &Resolved,
     opts: &FreezeOptions,
     journal: &Journal,
@@ -235,7 +235,7 @@ fn reattach(watcher: &dyn Watcher, released: &[cryo_journal::ProcId]) {
 
 fn freeze_tree(
     gpu: &Gpu,
-    criu: &Criu,
+    criu: &dyn Criu,
     root: Pid,
     handles: &[ProcHandle],
     opts: &FreezeOptions,
@@ -340,7 +340,7 @@ fn freeze_tree(
 #[allow(clippy::too_many_arguments)]
 fn freeze_inner(
     gpu: &Gpu,
-    criu: &Criu,
+    criu: &dyn Criu,
     root: Pid,
     opts: &FreezeOptions,
     journal: &Journal,
@@ -580,3 +580,6 @@ pub(crate) fn with_dir_progress<T>(
 fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
+
+#[cfg(test)]
+mod tests;

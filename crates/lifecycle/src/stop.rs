@@ -298,29 +298,46 @@ pub fn stop(
 
     failpoint::stall_if(failpoint::STOP_BEFORE_KILL);
 
+    // Last look before any kill: something else may have restored a process since it was
+    // verified (a concurrent thaw or toggle). Then this is a refusal like any other, and nothing
+    // in the target is killed. Each process gets one more look right before its own kill.
+    let changed: Vec<(&ProcHandle, ProcessState)> = cuda
+        .iter()
+        .filter(|h| !unsafe_kills.contains(&h.pid()))
+        .filter_map(|h| match gpu.driver.state(h.pid()) {
+            Ok(ProcessState::Checkpointed) => None,
+            Ok(other) if h.is_alive() => Some((*h, other)),
+            _ => None,
+        })
+        .collect();
+    if !changed.is_empty() {
+        for (h, state) in changed {
+            refusals.push(late_refusal(h, state, journal)?);
+        }
+        journal.append(Event::StopCompleted {
+            target: described.clone(),
+            killed: Vec::new(),
+            ms: elapsed_ms(start),
+            refused: refused_ids(handles, &refusals),
+        })?;
+        return Ok(StopReport {
+            processes: reports,
+            refusals,
+            unsafe_kills,
+            elapsed_ms: elapsed_ms(start),
+        });
+    }
+
     // CUDA processes first, then the rest: a parent that dies first could take its children's
     // state with it in ways the driver does not expect.
     for h in cuda.iter().chain(plain.iter()) {
         let suspended = !unsafe_kills.contains(&h.pid()) && cuda.iter().any(|c| c.pid() == h.pid());
         if suspended {
-            // Last look: something else may have restored it since we verified.
+            // One more look right before its own kill.
             match gpu.driver.state(h.pid()) {
                 Ok(ProcessState::Checkpointed) => {}
                 Ok(other) if h.is_alive() => {
-                    let reason = SuspendFailure::Driver {
-                        step: "kill",
-                        error: format!("state changed to {other} after verification"),
-                    };
-                    journal.append(Event::Refused {
-                        pid: id(h),
-                        reason: reason.reason(),
-                        hint: "run the stop again".into(),
-                    })?;
-                    refusals.push(Refusal {
-                        pid: h.pid(),
-                        hint: "run the stop again".into(),
-                        reason,
-                    });
+                    refusals.push(late_refusal(h, other, journal)?);
                     continue;
                 }
                 _ => {}
@@ -378,6 +395,29 @@ fn refused_ids(handles: &[ProcHandle], refusals: &[Refusal]) -> Vec<cryo_journal
         .filter(|h| refusals.iter().any(|r| r.pid == h.pid()))
         .map(id)
         .collect()
+}
+
+/// A process whose state changed after it was verified suspended: refused, and journaled so.
+fn late_refusal(
+    h: &ProcHandle,
+    state: ProcessState,
+    journal: &Journal,
+) -> Result<Refusal, StopError> {
+    let reason = SuspendFailure::Driver {
+        step: "kill",
+        error: format!("state changed to {state} after verification"),
+    };
+    let hint = "something else restored it meanwhile; run the stop again".to_string();
+    journal.append(Event::Refused {
+        pid: id(h),
+        reason: reason.reason(),
+        hint: hint.clone(),
+    })?;
+    Ok(Refusal {
+        pid: h.pid(),
+        hint,
+        reason,
+    })
 }
 
 fn end_one(

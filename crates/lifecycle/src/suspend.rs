@@ -565,3 +565,6 @@ fn ms(d: Duration) -> u64 {
 
 /// Sizes for people (one formatter for every size cryo prints).
 pub use cryo_journal::fmt_bytes as human_bytes;
+
+#[cfg(test)]
+mod tests;

@@ -29,7 +29,6 @@ use cryo_criu::{Criu, CriuError, RestoreOpts};
 use cryo_gpu::Gpu;
 use cryo_gpu::{GpuInfo, GpuPair, GpuUuid};
 use cryo_journal::{Event, Journal};
-use cryo_proc::pids_in_use;
 use cryo_proc::Pid;
 use cryo_proc::ProcHandle;
 use cryo_state::fence::{Fence, FenceError, FencedGpu, Quarantine};
@@ -317,7 +316,7 @@ fn major(v: &str) -> &str {
 /// Thaws the image at `dir`, unless `fence` fences its GPUs. See the module docs.
 pub fn thaw(
     gpu: &Gpu,
-    criu: &Criu,
+    criu: &dyn Criu,
     dir: &Path,
     opts: &ThawOptions,
     journal: &Journal,
@@ -340,7 +339,7 @@ pub fn thaw(
         driver.as_deref(),
         &opts.gpu_map,
         &fenced,
-        &pids_in_use(&manifest.pids()),
+        &criu.pids_in_use(&manifest.pids()),
     )?;
 
     let image = dir.display().to_string();
@@ -378,7 +377,7 @@ pub fn thaw(
 #[allow(clippy::too_many_arguments)]
 fn thaw_inner(
     gpu: &Gpu,
-    criu: &Criu,
+    criu: &dyn Criu,
     dir: &Path,
     manifest: &Manifest,
     plans: &[GpuPlan],
@@ -745,5 +744,184 @@ mod tests {
             precheck(&m, &only_b, Some("580.2"), &[], &[], &[]),
             Err(PrecheckError::NoSuchGpu(u(A)))
         );
+    }
+
+    /// The failure paths after the CRIU restore, with the fake driver and CRIU: the restored tree
+    /// (some contexts already live again) is suspended, verified and only then killed.
+    mod after_restore {
+        use cryo_criu::image::{ImageMeta, ProcessEntry, ProcessGpu, Staging};
+        use cryo_criu::CriuVersion;
+        use cryo_gpu::{CuResult, GpuInspector, ProcessState};
+        use cryo_journal::Journal;
+        use cryo_testkit::fake::{Call, FakeGpu, DEFAULT_BYTES, GPUS, MODEL};
+        use cryo_testkit::fake_criu::FakeCriu;
+        use cryo_testkit::procs::{self, Procs};
+
+        use super::*;
+        use crate::NoProgress;
+
+        struct Scene {
+            procs: Procs,
+            fake: FakeGpu,
+            criu: FakeCriu,
+            dir: tempfile::TempDir,
+            journal: Journal,
+        }
+
+        /// Two processes "in an image": both CUDA processes, CHECKPOINTED, as CRIU brings them back.
+        fn scene() -> Scene {
+            let procs = Procs::spawn(2);
+            let fake = FakeGpu::new();
+            for p in procs.pids() {
+                fake.add(p).set_state(p, ProcessState::Checkpointed);
+            }
+            let criu = FakeCriu::watching(&fake);
+            criu.restores(&procs.pids());
+            let dir = tempfile::tempdir().unwrap();
+            let staging = Staging::create(&dir.path().join("img")).unwrap();
+            std::fs::write(staging.path().join("pages-1.img"), b"pages").unwrap();
+            let processes = procs
+                .pids()
+                .into_iter()
+                .map(|p| {
+                    let mut e = ProcessEntry::of(&ProcHandle::open(p).unwrap()).unwrap();
+                    e.gpu = Some(ProcessGpu {
+                        state: ProcessState::Checkpointed,
+                        devices: vec![DeviceUse {
+                            uuid: GPUS[0].parse().unwrap(),
+                            memory_bytes: DEFAULT_BYTES,
+                        }],
+                    });
+                    e
+                })
+                .collect();
+            staging
+                .publish(
+                    ImageMeta {
+                        root_pid: procs.pid(0),
+                        processes,
+                        gpu_model: Some(MODEL.into()),
+                        driver_version: Some(fake.driver_version().unwrap()),
+                        criu_version: CriuVersion::MIN,
+                    },
+                    false,
+                )
+                .unwrap();
+            let journal = Journal::open(dir.path().join("journal")).unwrap();
+            Scene {
+                procs,
+                fake,
+                criu,
+                dir,
+                journal,
+            }
+        }
+
+        impl Scene {
+            fn thaw(&self) -> Result<ThawReport, ThawError> {
+                let opts = ThawOptions {
+                    gpu_map: Vec::new(),
+                    health: None,
+                    health_timeout: Duration::from_secs(1),
+                    stop: StopOptions {
+                        suspend: crate::SuspendOptions {
+                            verify_timeout: Duration::from_millis(300),
+                            ..crate::SuspendOptions::default()
+                        },
+                        ..StopOptions::default()
+                    },
+                    requested: Instant::now(),
+                };
+                let fence = cryo_state::StateDir::new(self.dir.path()).fence();
+                thaw(
+                    &self.fake.gpu(),
+                    &self.criu,
+                    &self.dir.path().join("img"),
+                    &opts,
+                    &self.journal,
+                    &fence,
+                    &NoProgress,
+                )
+            }
+
+            fn steps(&self, pid: Pid) -> Vec<&'static str> {
+                cryo_journal::read(self.journal.dir())
+                    .unwrap()
+                    .records
+                    .iter()
+                    .filter(|r| r.event.pids().iter().any(|p| p.pid == pid))
+                    .map(|r| r.event.label())
+                    .collect()
+            }
+
+            /// Both gone, and each live context was suspended (checkpointed, verified) before its
+            /// kill: the fake records no live restored context torn down.
+            fn assert_removed_safely(&self, err: ThawError, step: &str) {
+                match &err {
+                    ThawError::AfterRestore {
+                        step: s, cleanup, ..
+                    } => {
+                        assert_eq!(*s, step, "{err}");
+                        assert_eq!(cleanup, "suspended and removed", "{err}");
+                    }
+                    other => panic!("expected a failure after the restore, got {other}"),
+                }
+                for p in self.procs.pids() {
+                    assert!(!procs::alive(p), "pid {p} outlived the failed thaw");
+                    assert_eq!(self.fake.state_of(p), ProcessState::Checkpointed);
+                }
+                assert!(self.fake.wedges().is_empty(), "{:?}", self.fake.wedges());
+            }
+        }
+
+        /// One GPU restore fails while the other succeeds: the one whose context is live again
+        /// (LOCKED) is checkpointed and verified before it is killed, the other killed as it is.
+        #[test]
+        fn a_gpu_restore_failure_ends_in_a_safe_stop() {
+            let s = scene();
+            let (p0, p1) = (s.procs.pid(0), s.procs.pid(1));
+            s.fake
+                .fail_next_on(p1, Call::Restore, CuResult::OUT_OF_MEMORY);
+            let err = s.thaw().unwrap_err();
+            assert!(
+                err.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY"),
+                "{err}"
+            );
+            s.assert_removed_safely(err, "GPU restore");
+            assert_eq!(s.criu.restore_count(), 1);
+            let steps = s.steps(p0);
+            let at = |what: &str| steps.iter().position(|x| *x == what);
+            assert!(
+                at("checkpointed") < at("killed") && at("verified") < at("killed"),
+                "{steps:?}"
+            );
+            assert!(at("checkpointed").is_some(), "{steps:?}");
+        }
+
+        /// The unlock fails after every GPU restore succeeded: every restored process (one of them
+        /// RUNNING again) is suspended before the kill.
+        #[test]
+        fn an_unlock_failure_ends_in_a_safe_stop() {
+            let s = scene();
+            s.fake
+                .fail_next_on(s.procs.pid(1), Call::Unlock, CuResult::UNKNOWN);
+            let err = s.thaw().unwrap_err();
+            s.assert_removed_safely(err, "unlock");
+            for p in s.procs.pids() {
+                assert!(s.steps(p).contains(&"verified"), "{:?}", s.steps(p));
+            }
+        }
+
+        /// The fake CRIU works: a thaw with nothing injected restores, unlocks and serves.
+        #[test]
+        fn a_thaw_with_no_failure_unlocks_every_process() {
+            let s = scene();
+            let report = s.thaw().unwrap();
+            assert_eq!(report.gpu.len(), 2);
+            for p in s.procs.pids() {
+                assert!(procs::alive(p));
+                assert_eq!(s.fake.state_of(p), ProcessState::Running);
+            }
+        }
     }
 }

@@ -80,6 +80,7 @@ struct Inner {
     calls: Vec<(Pid, Call)>,
     lock_timeouts: Vec<Option<Duration>>,
     restore_pairs: Vec<Vec<GpuPair>>,
+    scripted: Vec<(Pid, Call, usize, ProcessState)>,
 }
 
 /// A call held by [`FakeGpu::hang_next`] until [`Hang::release`].
@@ -203,6 +204,13 @@ impl FakeGpu {
         self.with(pid, |p| p.keep_listed = true)
     }
 
+    /// When the `nth` (1-based) `call` on `pid` arrives, the process is first put in `state`, as
+    /// if something else had acted on it in between (a concurrent restore, a driver fault).
+    pub fn set_state_at(&self, pid: Pid, call: Call, nth: usize, state: ProcessState) -> &Self {
+        self.inner().scripted.push((pid, call, nth, state));
+        self
+    }
+
     /// The next `call` (on any pid) answers `code` and changes nothing.
     pub fn fail_next(&self, call: Call, code: CuResult) -> &Self {
         self.inner()
@@ -240,6 +248,12 @@ impl FakeGpu {
     /// The state the driver holds for `pid`.
     pub fn state_of(&self, pid: Pid) -> ProcessState {
         self.inner().procs[&pid].state
+    }
+
+    /// The state the driver holds for `pid`, `None` for a pid it does not know; no call is
+    /// recorded (what a test or a fake CRIU looks at).
+    pub fn driver_state(&self, pid: Pid) -> Option<ProcessState> {
+        self.inner().procs.get(&pid).map(|p| p.state)
     }
 
     /// Every call so far, in order.
@@ -289,6 +303,18 @@ impl FakeGpu {
         let injected = {
             let mut g = self.inner();
             g.calls.push((pid, call));
+            let n = g.calls.iter().filter(|c| **c == (pid, call)).count();
+            let scripted: Vec<ProcessState> = g
+                .scripted
+                .iter()
+                .filter(|(p, c, nth, _)| (*p, *c, *nth) == (pid, call, n))
+                .map(|s| s.3)
+                .collect();
+            for state in scripted {
+                if let Some(p) = g.procs.get_mut(&pid) {
+                    p.state = state;
+                }
+            }
             let i = g
                 .injected
                 .iter()

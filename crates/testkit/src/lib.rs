@@ -13,6 +13,9 @@
 //!   (`CheckpointDriver`, `GpuInspector`) with state scripting and error injection
 //!   ([`fake::FakeGpu::fail_next`], hangs, a process that dies when a call reaches it, memory
 //!   that NVML keeps listing); it records every call and every live restored context torn down.
+//! - [`fake_criu`]: [`fake_criu::FakeCriu`], the `cryo-criu` seam (`Criu`) in process: dumps
+//!   that kill the tree after a complete dump, failures on demand, and a record of the driver
+//!   state of every process at the moment it was dumped.
 //! - [`cgroup`]: a memory cgroup per test with a unique name (several test runs share a machine).
 //! - [`procs`]: plain processes to act on, and what `/proc` says about a process.
 //!
@@ -26,6 +29,7 @@
 
 pub mod cgroup;
 pub mod fake;
+pub mod fake_criu;
 pub mod http;
 pub mod procs;
 pub mod sim;

@@ -73,19 +73,48 @@ pub fn reap(pid: Pid) {
     });
 }
 
-/// Plain processes (`sleep`) that are certainly not CUDA processes; SIGKILLed and reaped on drop.
+/// Plain processes (`sleep`) that are certainly not CUDA processes; SIGKILLed (with their
+/// process group, for a tree) and reaped on drop.
 #[derive(Debug)]
-pub struct Procs(Vec<Child>);
+pub struct Procs(Vec<Child>, bool);
 
 impl Procs {
     /// `n` sleepers, children of the test.
     pub fn spawn(n: usize) -> Procs {
-        Procs((0..n).map(|_| sleeper(false)).collect())
+        Procs((0..n).map(|_| sleeper(false)).collect(), false)
     }
 
     /// One sleeper that leads its own session (what CRIU can dump without `shell_job`).
     pub fn session_leader() -> Procs {
-        Procs(vec![sleeper(true)])
+        Procs(vec![sleeper(true)], false)
+    }
+
+    /// A tree that leads its own session: a `sleep` with `children` `sleep` children (what
+    /// CRIU dumps as a whole). [`Procs::pids`] gives the root only; [`Procs::tree`] all.
+    pub fn session_tree(children: usize) -> Procs {
+        let script = format!("{}exec sleep 600", "sleep 600 & ".repeat(children));
+        let root = Command::new("setsid")
+            .args(["sh", "-c", &script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let pid = root.id() as Pid;
+        eventually(PATIENCE, "the session tree", || {
+            cryo_proc::stat(pid).is_ok_and(|s| s.session == pid && s.comm == "sleep")
+                && cryo_proc::tree(pid).is_ok_and(|t| {
+                    t.len() == children + 1
+                        && t.iter()
+                            .all(|p| cryo_proc::stat(*p).is_ok_and(|s| s.comm == "sleep"))
+                })
+        });
+        Procs(vec![root], true)
+    }
+
+    /// Every process of the tree of the first one (root first).
+    pub fn tree(&self) -> Vec<Pid> {
+        cryo_proc::tree(self.pid(0)).unwrap()
     }
 
     /// The pid of the `i`th.
@@ -106,6 +135,13 @@ impl Procs {
 
 impl Drop for Procs {
     fn drop(&mut self) {
+        if self.1 {
+            // Its own session, so its own process group: the children go with it.
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(self.pid(0)),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
         for c in &mut self.0 {
             let _ = c.kill();
             let _ = c.wait();

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use anyhow::Context as _;
-use cryo_criu::Criu;
+use cryo_criu::CriuRpc;
 use cryo_guard::control::GuardClient;
 use cryo_lifecycle::{FreezeError, FreezeOptions, Resolved, SuspendOptions};
 
@@ -19,7 +19,7 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
     // Before any thread exists, so every thread of the command inherits the mask.
     let _deferred = crate::defer::termination();
     // CRIU first: a missing or old CRIU is one clear line before anything is touched.
-    let criu = Criu::locate(None)?;
+    let criu = CriuRpc::locate(None)?;
     // Resolved once: the root must be a process (not a thread), and the freeze acts on exactly
     // the tree found now.
     let tree = Resolved::tree(crate::process::open_process(args.pid)?)

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use cryo_criu::Criu;
+use cryo_criu::CriuRpc;
 use cryo_lifecycle::{HealthCheck, StopOptions, ThawError, ThawOptions};
 
 use super::Context;
@@ -26,7 +26,7 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
     if let Some(h) = &health {
         h.validate().map_err(|e| UsageError(e.to_string()))?;
     }
-    let criu = Criu::locate(None)?;
+    let criu = CriuRpc::locate(None)?;
     // A cheap first look at the image (the full verification, every checksum, runs in the thaw
     // itself): a directory that is no image is refused before the driver is looked for.
     let manifest = args.image.join(cryo_criu::image::MANIFEST_FILE);

@@ -211,3 +211,64 @@ fn a_cuda_process_that_dies_during_the_suspension_does_not_block_the_others() {
         .iter()
         .any(|r| matches!(r.event, Event::ProcessExited { pid, .. } if pid.pid == procs.pid(1))));
 }
+
+/// The last look before the kill: a process that something restored after the verification
+/// (a concurrent thaw or toggle) is refused, and then nothing in the target is killed: not the
+/// other processes either, as for any refusal.
+#[test]
+fn a_late_change_found_at_the_last_look_kills_nothing() {
+    let mut procs = Procs::spawn(2);
+    let fake = FakeGpu::new();
+    fake.add(procs.pid(0));
+    // State calls on it: classification, suspension, then the last look before any kill.
+    fake.set_state_at(procs.pid(0), Call::State, 3, ProcessState::Running);
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let target = Target::Pids(vec![procs.pid(0), procs.pid(1)])
+        .resolve()
+        .unwrap();
+    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    assert_eq!(report.refusals.len(), 1, "{report:?}");
+    assert_eq!(report.refusals[0].pid, procs.pid(0));
+    assert!(
+        matches!(&report.refusals[0].reason, SuspendFailure::Driver { step: "kill", error } if error.contains("running")),
+        "{report:?}"
+    );
+    assert!(!report.stopped());
+    assert!(
+        procs.alive(0) && procs.alive(1),
+        "a late refusal killed part of the target"
+    );
+    let records = cryo_journal::read(dir.path()).unwrap().records;
+    assert!(!records
+        .iter()
+        .any(|r| matches!(r.event, Event::KillStarted { .. })));
+    assert!(records
+        .iter()
+        .any(|r| matches!(r.event, Event::Refused { pid, .. } if pid.pid == procs.pid(0))));
+}
+
+/// A refused stop kills nothing, whichever way the suspension failed (here NVML keeps listing
+/// the process's memory after the checkpoint), and leaves what it checkpointed CHECKPOINTED.
+#[test]
+fn memory_still_listed_refuses_the_stop_and_kills_nothing() {
+    let mut procs = Procs::spawn(2);
+    let fake = FakeGpu::new();
+    fake.add(procs.pid(0))
+        .add(procs.pid(1))
+        .keep_listed(procs.pid(1));
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let target = Target::Pids(vec![procs.pid(0), procs.pid(1)])
+        .resolve()
+        .unwrap();
+    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    assert_eq!(report.refusals.len(), 1, "{report:?}");
+    assert!(matches!(
+        report.refusals[0].reason,
+        SuspendFailure::MemoryStillListed { .. }
+    ));
+    assert!(procs.alive(0) && procs.alive(1));
+    assert_eq!(fake.state_of(procs.pid(0)), ProcessState::Checkpointed);
+    assert_eq!(fake.state_of(procs.pid(1)), ProcessState::Checkpointed);
+}

@@ -1,0 +1,191 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! `freeze` against the fake driver and the fake CRIU, without root: a refusal dumps nothing,
+//! a failed dump resumes every process in place, CRIU only ever sees suspended processes.
+
+use std::path::PathBuf;
+
+use cryo_criu::CriuError;
+use cryo_gpu::ProcessState;
+use cryo_journal::Journal;
+use cryo_proc::Pid;
+use cryo_testkit::fake::FakeGpu;
+use cryo_testkit::fake_criu::FakeCriu;
+use cryo_testkit::procs::{self, Procs};
+
+use super::*;
+use crate::watcher::NoWatcher;
+use crate::NoProgress;
+
+struct Scene {
+    tree: Procs,
+    pids: Vec<Pid>,
+    fake: FakeGpu,
+    criu: FakeCriu,
+    dir: tempfile::TempDir,
+    journal: Journal,
+}
+
+/// A session-leading tree of a root and one child, both CUDA processes of the fake driver.
+fn scene() -> Scene {
+    let tree = Procs::session_tree(1);
+    let pids = tree.tree();
+    let fake = FakeGpu::new();
+    for p in &pids {
+        fake.add(*p);
+    }
+    let criu = FakeCriu::watching(&fake);
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path().join("journal")).unwrap();
+    Scene {
+        tree,
+        pids,
+        fake,
+        criu,
+        dir,
+        journal,
+    }
+}
+
+impl Scene {
+    fn image(&self) -> PathBuf {
+        self.dir.path().join("img")
+    }
+
+    fn freeze(&self, leave_running: bool) -> Result<FreezeReport, FreezeError> {
+        let opts = FreezeOptions {
+            image: self.image(),
+            leave_running,
+            replace: false,
+            suspend: SuspendOptions {
+                verify_timeout: std::time::Duration::from_millis(300),
+                ..SuspendOptions::default()
+            },
+        };
+        freeze(
+            &self.fake.gpu(),
+            &self.criu,
+            &crate::Target::Tree(self.tree.pid(0)).resolve().unwrap(),
+            &opts,
+            &self.journal,
+            &NoWatcher,
+            &NoProgress,
+        )
+    }
+
+    fn steps(&self, pid: Pid) -> Vec<&'static str> {
+        cryo_journal::read(self.journal.dir())
+            .unwrap()
+            .records
+            .iter()
+            .filter(|r| r.event.pids().iter().any(|p| p.pid == pid))
+            .map(|r| r.event.label())
+            .collect()
+    }
+
+    /// Nothing at the image path, and no staging directory left beside it.
+    fn assert_no_image(&self) {
+        assert!(!self.image().exists(), "an image was published");
+        let left: Vec<_> = std::fs::read_dir(self.dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("img.tmp-"))
+            .collect();
+        assert!(left.is_empty(), "staging left behind: {left:?}");
+    }
+}
+
+/// A process that cannot be suspended refuses the freeze: CRIU never runs, and the tree keeps
+/// serving (what was locked is unlocked, what was checkpointed is resumed).
+#[test]
+fn a_refused_freeze_dumps_nothing_and_leaves_the_tree_serving() {
+    let s = scene();
+    s.fake.make_sticky(s.pids[1]);
+    let err = s.freeze(false).unwrap_err();
+    match &err {
+        FreezeError::Refused(r) => {
+            assert_eq!(r.len(), 1, "{r:?}");
+            assert_eq!(r[0].pid, s.pids[1]);
+        }
+        other => panic!("expected a refusal, got {other}"),
+    }
+    assert!(s.criu.dumps().is_empty(), "CRIU ran for a refused freeze");
+    for p in &s.pids {
+        assert!(procs::alive(*p));
+        assert_eq!(s.fake.state_of(*p), ProcessState::Running, "pid {p}");
+    }
+    s.assert_no_image();
+}
+
+/// CRIU fails after the suspension: every process is restored and unlocked in place, CRIU's
+/// log is kept beside the image path, nothing is published.
+#[test]
+fn a_failed_dump_resumes_every_process_in_place() {
+    let s = scene();
+    s.criu.fail_next_dump("cannot dump the tree");
+    let err = s.freeze(false).unwrap_err();
+    assert!(
+        matches!(&err, FreezeError::Criu(CriuError::Failed { .. })),
+        "{err}"
+    );
+    assert!(err.to_string().contains("cannot dump the tree"), "{err}");
+    let dumps = s.criu.dumps();
+    assert_eq!(dumps.len(), 1);
+    for p in &s.pids {
+        assert!(procs::alive(*p));
+        assert_eq!(s.fake.state_of(*p), ProcessState::Running, "pid {p}");
+        assert!(s.steps(*p).contains(&"resumed (suspension refused)"));
+    }
+    s.assert_no_image();
+    let kept = s.dir.path().join("img.dump.log");
+    assert!(
+        std::fs::read_to_string(&kept)
+            .unwrap()
+            .contains("cannot dump the tree"),
+        "CRIU's log is not kept at {}",
+        kept.display()
+    );
+}
+
+/// CRIU only ever sees suspended CUDA processes; after the dump the tree is gone and the image
+/// names every process.
+#[test]
+fn criu_dumps_only_suspended_processes_and_the_image_is_published() {
+    let s = scene();
+    let report = s.freeze(false).unwrap();
+    let dumps = s.criu.dumps();
+    assert_eq!(dumps.len(), 1);
+    for (pid, state) in &dumps[0].states {
+        assert_eq!(
+            *state,
+            Some(ProcessState::Checkpointed),
+            "CRIU dumped pid {pid} in state {state:?}"
+        );
+    }
+    assert_eq!(dumps[0].states.len(), s.pids.len());
+    for p in &s.pids {
+        assert!(!procs::alive(*p), "pid {p} outlived its dump");
+    }
+    let mut pids = report.manifest.pids();
+    pids.sort_unstable();
+    let mut want = s.pids.clone();
+    want.sort_unstable();
+    assert_eq!(pids, want);
+    assert!(s.image().join("manifest.json").exists());
+    assert!(s.fake.wedges().is_empty());
+}
+
+/// `leave_running`: the tree is restored and unlocked in place, and journaled as restored
+/// before its contexts come back (from then on they get a restored process's protection).
+#[test]
+fn leave_running_resumes_in_place_as_restored() {
+    let s = scene();
+    s.freeze(true).unwrap();
+    for p in &s.pids {
+        assert!(procs::alive(*p));
+        assert_eq!(s.fake.state_of(*p), ProcessState::Running);
+        let steps = s.steps(*p);
+        assert!(steps.contains(&"restore completed"), "{steps:?}");
+    }
+    assert!(s.criu.dumps()[0].leave_running);
+    assert!(s.image().join("manifest.json").exists());
+}

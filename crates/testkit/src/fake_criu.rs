@@ -1,0 +1,171 @@
+//! A fake CRIU: the `cryo_criu::Criu` seam in process, for the lifecycle's freeze logic.
+//!
+//! A dump writes a few small image files and, unless asked to leave the tree running, SIGKILLs
+//! every process of the tree afterwards, as CRIU does after a complete dump (never before). It
+//! records, for every dump, the driver state each process of the tree had at that moment (from
+//! the [`FakeGpu`] it watches): CRIU must only ever see suspended CUDA processes. A failure is
+//! injected with [`FakeCriu::fail_next_dump`]: CRIU's log then holds the error line, nothing is
+//! killed. A restore needs the image's pids, which only CRIU can hand out: the fake "restores"
+//! processes the test started itself ([`FakeCriu::restores`]), which count as free until then.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cryo_criu::{Criu, CriuError, CriuOp, CriuVersion, DumpOpts, RestoreOpts, DUMP_LOG};
+use cryo_gpu::ProcessState;
+use cryo_proc::Pid;
+
+use crate::fake::FakeGpu;
+use crate::{eventually, procs, PATIENCE};
+
+/// One dump the fake CRIU was asked for.
+#[derive(Debug, Clone)]
+pub struct Dump {
+    /// The tree's root.
+    pub root: Pid,
+    /// The images directory.
+    pub dir: PathBuf,
+    /// `leave_running` as asked.
+    pub leave_running: bool,
+    /// Every process of the tree and its driver state when CRIU dumped it (`None`: not a CUDA
+    /// process).
+    pub states: Vec<(Pid, Option<ProcessState>)>,
+    /// Whether the dump succeeded.
+    pub ok: bool,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    dumps: Vec<Dump>,
+    fail_next: Option<String>,
+    /// The processes a restore brings back (root first), and how many restores ran.
+    image: Vec<Pid>,
+    restores: usize,
+}
+
+/// The fake CRIU; clones share one record.
+#[derive(Debug, Clone)]
+pub struct FakeCriu {
+    inner: Arc<Mutex<Inner>>,
+    gpu: FakeGpu,
+}
+
+impl FakeCriu {
+    /// A CRIU that asks `gpu` for the state of every process it dumps.
+    pub fn watching(gpu: &FakeGpu) -> Self {
+        FakeCriu {
+            inner: Arc::default(),
+            gpu: gpu.clone(),
+        }
+    }
+
+    fn inner(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The next dump fails with `line` as CRIU's error, the tree left as it was.
+    pub fn fail_next_dump(&self, line: &str) -> &Self {
+        self.inner().fail_next = Some(line.to_string());
+        self
+    }
+
+    /// A restore brings back `pids` (root first): processes the test started, which the fake
+    /// reports free until then, as the image's pids are on a host where it was not restored.
+    pub fn restores(&self, pids: &[Pid]) -> &Self {
+        self.inner().image = pids.to_vec();
+        self
+    }
+
+    /// How many restores ran.
+    pub fn restore_count(&self) -> usize {
+        self.inner().restores
+    }
+
+    /// Every dump so far.
+    pub fn dumps(&self) -> Vec<Dump> {
+        self.inner().dumps.clone()
+    }
+}
+
+impl Criu for FakeCriu {
+    fn version(&self) -> CriuVersion {
+        CriuVersion::MIN
+    }
+
+    fn dump(&self, pid: Pid, images_dir: &Path, opts: &DumpOpts) -> Result<(), CriuError> {
+        let tree = cryo_proc::tree(pid)
+            .unwrap_or_else(|e| panic!("CRIU cannot see the tree of {pid}: {e}"));
+        let states = tree
+            .iter()
+            .map(|p| (*p, self.gpu.driver_state(*p)))
+            .collect();
+        let failure = self.inner().fail_next.take();
+        let log = images_dir.join(DUMP_LOG);
+        let write = |name: &str, text: &str| {
+            std::fs::write(images_dir.join(name), text).map_err(|source| CriuError::Dir {
+                op: CriuOp::Dump,
+                path: images_dir.to_path_buf(),
+                source,
+            })
+        };
+        let mut dump = Dump {
+            root: pid,
+            dir: images_dir.to_path_buf(),
+            leave_running: opts.leave_running,
+            states,
+            ok: failure.is_none(),
+        };
+        if let Some(line) = failure {
+            write(DUMP_LOG, &format!("(00.000001) Error (fake.c:1): {line}\n"))?;
+            self.inner().dumps.push(dump);
+            return Err(CriuError::Failed {
+                op: CriuOp::Dump,
+                log,
+                lines: vec![format!("Error (fake.c:1): {line}")],
+            });
+        }
+        write(DUMP_LOG, "(00.000001) Dumping finished successfully\n")?;
+        write("inventory.img", "fake inventory\n")?;
+        for p in &tree {
+            write(&format!("core-{p}.img"), &format!("fake core of {p}\n"))?;
+        }
+        if !opts.leave_running {
+            for p in &tree {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(*p),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            for p in &tree {
+                eventually(PATIENCE, "the dumped tree to die", || !procs::alive(*p));
+            }
+        }
+        dump.ok = true;
+        self.inner().dumps.push(dump);
+        Ok(())
+    }
+
+    fn restore(&self, images_dir: &Path, _opts: &RestoreOpts) -> Result<Pid, CriuError> {
+        let mut g = self.inner();
+        g.restores += 1;
+        match g.image.first() {
+            Some(root) => Ok(*root),
+            None => Err(CriuError::Failed {
+                op: CriuOp::Restore,
+                log: images_dir.join("restore.log"),
+                lines: vec!["the fake CRIU was given nothing to restore".into()],
+            }),
+        }
+    }
+
+    fn pids_in_use(&self, pids: &[Pid]) -> Vec<Pid> {
+        let g = self.inner();
+        if g.restores > 0 {
+            return cryo_proc::pids_in_use(pids);
+        }
+        cryo_proc::pids_in_use(pids)
+            .into_iter()
+            .filter(|p| !g.image.contains(p))
+            .collect()
+    }
+}
