@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
-use cryo_sim::size::parse_size;
+use cryo_units::parse_size;
 
 /// `cryo demo`.
 #[derive(Debug, Args)]

@@ -26,9 +26,9 @@ use cryo_gpu::{Gpu, ProcessState};
 use cryo_proc::Pid;
 use cryo_sim::SimControl;
 
-use cryo_journal::fmt_bytes as human;
 use cryo_proc::ProcHandle;
 use cryo_state::StateDir;
+use cryo_units::fmt_bytes;
 
 use crate::args::DemoArgs;
 use crate::private_sim::{private_exe, retire, DriverOptions, PrivateSim, WorkerOptions};
@@ -231,7 +231,8 @@ impl Demo {
         Ok(format!(
             "driver pid {pid}, {} GPUs of {} each",
             gpus.len(),
-            gpus.first().map_or("?".into(), |g| human(g.memory_total))
+            gpus.first()
+                .map_or("?".into(), |g| fmt_bytes(g.memory_total))
         ))
     }
 
@@ -262,7 +263,7 @@ impl Demo {
             "pid {} on 127.0.0.1:{}, {} of device memory on GPU 0",
             self.pid,
             self.port,
-            human(self.memory)
+            fmt_bytes(self.memory)
         ))
     }
 
@@ -318,7 +319,7 @@ impl Demo {
         Ok(format!(
             "pid {} holds {} of device memory",
             self.pid,
-            human(mem)
+            fmt_bytes(mem)
         ))
     }
 
@@ -329,7 +330,7 @@ impl Demo {
             .process_memory(self.pid)
             .context("querying device memory")?
         {
-            bail!("NVML still lists pid {} with {}", self.pid, human(mem));
+            bail!("NVML still lists pid {} with {}", self.pid, fmt_bytes(mem));
         }
         let free = gpu
             .inspect
@@ -340,7 +341,7 @@ impl Demo {
         Ok(format!(
             "pid {} is gone from the GPU (GPU 0 free: {})",
             self.pid,
-            human(free)
+            fmt_bytes(free)
         ))
     }
 
@@ -372,10 +373,10 @@ impl Demo {
         Ok(match to {
             ProcessState::Checkpointed => format!(
                 "{from} -> {now} ({} moved into the worker)",
-                human(self.memory)
+                fmt_bytes(self.memory)
             ),
             _ if from == ProcessState::Checkpointed => {
-                format!("{from} -> {now} ({} back on GPU 0)", human(self.memory))
+                format!("{from} -> {now} ({} back on GPU 0)", fmt_bytes(self.memory))
             }
             _ => format!("{from} -> {now}"),
         })
@@ -472,7 +473,7 @@ impl Demo {
         drop(self.worker.take());
         Ok(format!(
             "image of {} (CRIU {}), suspend {} ms, dump {} ms, publish {} ms",
-            human(r.manifest.total_bytes),
+            fmt_bytes(r.manifest.total_bytes),
             criu.version(),
             r.suspend_ms,
             r.dump_ms,

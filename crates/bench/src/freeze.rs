@@ -38,9 +38,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context as _};
 use serde::Serialize;
 
-use cryo_journal::fmt_bytes as human;
 use cryo_proc::ProcHandle;
 use cryo_state::StateDir;
+use cryo_units::fmt_bytes;
 
 use crate::args::BenchFreezeArgs;
 use crate::measure::{a_first, load_average, load_line, Samples};
@@ -123,7 +123,7 @@ pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
             "{} rounds per size after 1 warm-up round at {}, arm order alternating (ABBA), \
              fresh worker per arm; cells: median (min-max) ms",
             args.rounds,
-            human(min)
+            fmt_bytes(min)
         );
         println!("{}", load_line("start", load_start));
     }
@@ -185,8 +185,8 @@ fn print_row(row: &Row) {
     let s = &row.samples;
     println!(
         "{}: image {}",
-        human(row.memory_bytes),
-        human(row.image_bytes)
+        fmt_bytes(row.memory_bytes),
+        fmt_bytes(row.image_bytes)
     );
     println!(
         "  freeze: cryo {:>20}  cli {:>20}  ratio {:.2}x",

@@ -383,7 +383,7 @@ pub fn run(a: &BenchGuardArgs, cryo: &Path) -> anyhow::Result<()> {
             "fatal signal (SIGTERM) to dead-with-context-suspended, {} rounds after 1 warm-up, \
              arm order alternating, fresh worker of {} device memory per arm:",
             sig.rounds,
-            cryo_journal::fmt_bytes(sig.memory_bytes)
+            cryo_units::fmt_bytes(sig.memory_bytes)
         );
         println!(
             "  via the guard:    {} ms, median (min-max)",

@@ -42,9 +42,9 @@ use cryo_proc::Pid;
 use cryo_sim::SimControl;
 use serde::Serialize;
 
-use cryo_journal::fmt_bytes as human;
 use cryo_proc::ProcHandle;
 use cryo_state::StateDir;
+use cryo_units::fmt_bytes;
 
 use crate::args::BenchStopArgs;
 use crate::measure::{a_first, load_average, load_line, Samples};
@@ -88,7 +88,7 @@ pub fn run(args: &BenchStopArgs, cryo: &Path) -> anyhow::Result<()> {
         println!(
             "cryo bench stop: restored workers of {} device memory each, simulated GPU; \
              {} rounds per row after 1 warm-up, arm order alternating (ABBA), fresh workers per arm",
-            human(memory),
+            fmt_bytes(memory),
             args.rounds
         );
         println!("{}", load_line("start", load_start));

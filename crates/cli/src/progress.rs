@@ -10,7 +10,7 @@ use cryo_lifecycle::Progress;
 use cryo_proc::Pid;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::args::size::human;
+use cryo_units::fmt_bytes;
 
 /// The display for this stderr: bars on a terminal, lines otherwise.
 pub fn for_stderr() -> Box<dyn Progress> {
@@ -28,7 +28,7 @@ pub struct Lines;
 impl Progress for Lines {
     fn begin(&self, pid: Pid, step: &'static str, total: u64) {
         if total > 0 {
-            eprintln!("cryo: pid {pid}: {step} of {} started", human(total));
+            eprintln!("cryo: pid {pid}: {step} of {} started", fmt_bytes(total));
         }
     }
     fn advance(&self, _: Pid, _: u64) {}

@@ -443,7 +443,7 @@ impl Event {
 
     /// The event's values as the timeline shows them (`1830 ms, 5.8 GB`); empty when none.
     pub fn detail(&self) -> String {
-        use crate::timeline::fmt_bytes;
+        use cryo_units::fmt_bytes;
         use Event::*;
         match self {
             StopRequested { target } => format!("target {target}"),

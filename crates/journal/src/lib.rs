@@ -47,9 +47,7 @@ pub use frame::{Corruption, FrameFault, Tail, MAX_PAYLOAD};
 pub use procid::ProcId;
 pub use query::{in_flight_stops, last_steps, Filter, InFlight, Origin, Origins, StopStep};
 pub use reader::{read, Reader, Scan};
-pub use timeline::{
-    fmt_bytes, fmt_utc, parse_since, parse_since_at, render_json, render_timeline, Subsec,
-};
+pub use timeline::{fmt_utc, parse_since, parse_since_at, render_json, render_timeline, Subsec};
 pub use writer::Journal;
 
 /// Name of the journal file inside the journal directory.

@@ -135,22 +135,3 @@ pub fn fmt_utc(t: SystemTime, digits: Subsec) -> Option<String> {
     }
     .ok()
 }
-
-/// Sizes for people, in the binary units NVML and `nvidia-smi` use: `1.5 GiB`, `512 MiB`, `12 B`.
-/// Every size cryo prints goes through here, so the timeline and the commands agree.
-pub fn fmt_bytes(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i + 1 < UNITS.len() {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{bytes} B")
-    } else if v.fract() == 0.0 {
-        format!("{v:.0} {}", UNITS[i])
-    } else {
-        format!("{v:.1} {}", UNITS[i])
-    }
-}

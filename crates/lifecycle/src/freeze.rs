@@ -386,7 +386,7 @@ fn freeze_inner(
     let detail = format!(
         "{} ms, {}",
         t.elapsed().as_millis(),
-        crate::suspend::human_bytes(dumped_bytes)
+        cryo_units::fmt_bytes(dumped_bytes)
     );
     progress.end(root, "dump", dumped.is_ok(), &detail);
     if let Err(e) = dumped {

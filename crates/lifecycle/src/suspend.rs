@@ -123,7 +123,7 @@ impl SuspendFailure {
             SuspendFailure::MemoryStillListed { bytes } => {
                 format!(
                     "NVML still lists {} of device memory after checkpoint",
-                    human_bytes(*bytes)
+                    cryo_units::fmt_bytes(*bytes)
                 )
             }
             SuspendFailure::Exited => "the process exited while being suspended".to_string(),
@@ -439,7 +439,11 @@ fn checkpoint_one(
                 pid,
                 "checkpoint",
                 true,
-                &format!("{} ms, {}", took.as_millis(), human_bytes(row.mem)),
+                &format!(
+                    "{} ms, {}",
+                    took.as_millis(),
+                    cryo_units::fmt_bytes(row.mem)
+                ),
             );
         }
         Ok(Err(e)) => {
@@ -562,9 +566,6 @@ pub fn id(h: &ProcHandle) -> ProcId {
 fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
-
-/// Sizes for people (one formatter for every size cryo prints).
-pub use cryo_journal::fmt_bytes as human_bytes;
 
 #[cfg(test)]
 mod tests;

@@ -36,8 +36,9 @@ use cryo_state::fence::{Fence, FenceError, FencedGpu, Quarantine};
 use crate::health::{HealthCheck, HealthError};
 use crate::progress::Progress;
 use crate::stop::{stop, StopOptions};
-use crate::suspend::{human_bytes, id};
+use crate::suspend::id;
 use crate::target::{Resolved, Target};
+use cryo_units::fmt_bytes;
 
 /// Options of a thaw.
 #[derive(Debug, Clone)]
@@ -132,7 +133,7 @@ pub enum PrecheckError {
         reason: String,
     },
     /// Not enough free device memory on a target GPU.
-    #[error("GPU {gpu} has {} free, the image needs {}: a restore short of memory leaves the worker stuck CHECKPOINTED", human_bytes(*.free), human_bytes(*.needed))]
+    #[error("GPU {gpu} has {} free, the image needs {}: a restore short of memory leaves the worker stuck CHECKPOINTED", fmt_bytes(*.free), fmt_bytes(*.needed))]
     Memory {
         /// The GPU.
         gpu: GpuUuid,
@@ -463,11 +464,7 @@ fn thaw_inner(
                         plan.pid,
                         "gpu restore",
                         r.is_ok(),
-                        &format!(
-                            "{} ms, {}",
-                            t.elapsed().as_millis(),
-                            human_bytes(plan.bytes)
-                        ),
+                        &format!("{} ms, {}", t.elapsed().as_millis(), fmt_bytes(plan.bytes)),
                     );
                     (plan.pid, r)
                 })

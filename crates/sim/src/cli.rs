@@ -10,8 +10,8 @@ use cryo_proc::Pid;
 use crate::client::{SimClientError, SimControl};
 use crate::daemon::{DaemonConfig, DaemonError};
 use crate::proto::Fault;
-use crate::size::parse_size;
 use crate::worker::{WorkerConfig, WorkerError};
+use cryo_units::parse_size;
 
 /// The simulated GPU's commands.
 #[derive(Debug, Clone, Subcommand)]

@@ -32,7 +32,6 @@ pub mod daemon;
 pub mod ledger;
 pub mod memory;
 pub mod proto;
-pub mod size;
 mod sys;
 pub mod worker;
 

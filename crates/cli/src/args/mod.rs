@@ -10,7 +10,6 @@ pub mod freeze;
 pub mod gpu;
 pub mod gpu_map;
 pub mod guard;
-pub mod size;
 pub mod stop;
 
 use std::ffi::OsString;
@@ -18,11 +17,11 @@ use std::path::PathBuf;
 
 use clap::{ArgAction, Args, Parser, Subcommand};
 
+pub use cryo_units::ByteSize;
 pub use freeze::{FreezeArgs, ThawArgs};
 pub use gpu::{GpuArgs, GpuCommand};
 pub use gpu_map::GpuMap;
 pub use guard::{GuardArgs, StatusArgs};
-pub use size::ByteSize;
 pub use stop::{SignalArg, StopArgs, TimelineArgs};
 
 use crate::backend::GpuChoice;

@@ -10,9 +10,9 @@ use cryo_guard::control::GuardClient;
 use cryo_lifecycle::{FreezeError, FreezeOptions, Resolved, SuspendOptions};
 
 use super::Context;
-use crate::args::size::human;
 use crate::args::FreezeArgs;
 use crate::exit;
+use cryo_units::fmt_bytes;
 
 /// Runs `cryo freeze`; returns the exit code.
 pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
@@ -81,8 +81,8 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
             m.processes.len(),
             report.suspended.len(),
             report.image.display(),
-            human(m.total_bytes),
-            human(report.suspended.iter().map(|s| s.device_memory).sum()),
+            fmt_bytes(m.total_bytes),
+            fmt_bytes(report.suspended.iter().map(|s| s.device_memory).sum()),
         );
         println!(
             "  suspend {} ms, dump {} ms, publish {} ms, total {} ms; {}",

@@ -16,11 +16,11 @@ use serde::Serialize;
 
 use super::Context;
 use crate::args::gpu::{LockArgs, OutputArgs, PidArgs, RestoreArgs};
-use crate::args::size::human;
 use crate::args::GpuCommand;
 use crate::compat::Action;
 use crate::exit::UsageError;
 use crate::process;
+use cryo_units::fmt_bytes;
 
 /// Runs one `cryo gpu` command.
 pub fn run(ctx: &Context, cmd: GpuCommand) -> anyhow::Result<()> {
@@ -70,8 +70,8 @@ fn ls(ctx: &Context, o: &OutputArgs) -> anyhow::Result<()> {
             g.index,
             g.uuid,
             g.name,
-            human(g.memory_total),
-            human(g.memory_free)
+            fmt_bytes(g.memory_total),
+            fmt_bytes(g.memory_free)
         );
     }
     Ok(())
@@ -121,7 +121,7 @@ fn ps(ctx: &Context, o: &OutputArgs) -> anyhow::Result<()> {
             p.pid,
             p.gpu_index,
             p.gpu_uuid,
-            human(p.used_memory)
+            fmt_bytes(p.used_memory)
         );
     }
     Ok(())

@@ -8,9 +8,9 @@ use cryo_lifecycle::{EndSignal, ProcReport, StopOptions, StopReport, SuspendOpti
 use serde::Serialize;
 
 use super::Context;
-use crate::args::size::human;
 use crate::args::{SignalArg, StopArgs};
 use crate::exit;
+use cryo_units::fmt_bytes;
 
 /// What `--json` prints: the lifecycle's report plus the verdict.
 #[derive(Debug, Serialize)]
@@ -148,7 +148,7 @@ fn process_line(p: &ProcReport, unsuspended: bool) -> String {
         if let Some(d) = s.checkpoint {
             steps.push(format!(
                 "checkpointed {} in {} ms",
-                human(s.device_memory),
+                fmt_bytes(s.device_memory),
                 d.as_millis()
             ));
         }

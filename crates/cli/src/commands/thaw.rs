@@ -9,9 +9,9 @@ use cryo_criu::CriuRpc;
 use cryo_lifecycle::{HealthCheck, StopOptions, ThawError, ThawOptions};
 
 use super::Context;
-use crate::args::size::human;
 use crate::args::ThawArgs;
 use crate::exit::{self, UsageError};
+use cryo_units::fmt_bytes;
 
 /// Runs `cryo thaw`; returns the exit code.
 pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
@@ -82,7 +82,7 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
             report.root_pid,
             report.pids.len(),
             report.gpu.len(),
-            human(bytes)
+            fmt_bytes(bytes)
         );
         println!(
             "  verify {} ms, criu restore {} ms, GPU restore+unlock {} ms, total {} ms",
