@@ -79,7 +79,16 @@ fn criu_dump_and_restore_sequence() {
         gpus[0]["uuid"].as_str().unwrap(),
         gpus[1]["uuid"].as_str().unwrap(),
     );
-    let map = format!("{g0}={g1},{g1}={g0}");
+    // The driver takes a map only with a pair for every GPU the process used, and nothing else
+    // (the simulated driver's reading of NVIDIA's rule): a machine-wide swap is refused as is.
+    let swap = format!("{g0}={g1},{g1}={g0}");
+    let out = sim.compat(&["--action", "restore", "--pid", &p, "--device-map", &swap]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert_eq!(
+        stderr(&out),
+        format!("Could not restore on process ID {p}: \"invalid argument\"\n")
+    );
+    let map = format!("{g0}={g1}");
     for args in [
         vec!["--action", "restore", "--pid", &p, "--device-map", &map],
         vec!["--action", "unlock", "--pid", &p],

@@ -11,7 +11,9 @@
 //! the driver is compatible (same major version); every pid, pgid and sid of the image is free.
 //!
 //! Then: CRIU restore (the tree comes back CHECKPOINTED, as a child of the caller), GPU restore of
-//! every CUDA process in parallel with its UUID pairs, `RestoreCompleted` journaled for every
+//! every CUDA process in parallel with its UUID pairs (a complete list for a process whose GPUs
+//! the map names: one pair for each GPU it used, identity pairs included, as the driver demands;
+//! none otherwise; a map that lands two of the image's GPUs on one is refused before anything runs), `RestoreCompleted` journaled for every
 //! process (from then on they are *restored*), unlock, health check. Any failure after the CRIU
 //! restore ends in [`crate::stop`] of the restored tree: suspended (lock, checkpoint, verified)
 //! first, then killed. A live restored context is never torn down.
@@ -188,7 +190,8 @@ pub enum ThawError {
     },
 }
 
-/// Per CUDA process: the pairs to hand the driver (only remapped GPUs), where it lands, bytes.
+/// Per CUDA process: the pairs to hand the driver (none, or one for every GPU it used when the
+/// map names any of them), where it lands, bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuPlan {
     /// The process.
@@ -279,9 +282,15 @@ pub fn precheck(
             targets: Vec::new(),
             bytes: 0,
         };
+        // Once any pair is given, the driver wants one for every GPU the process used (NVIDIA's
+        // documentation), identity pairs for those that stay; none when the map names none.
+        let mapped = g
+            .devices
+            .iter()
+            .any(|d| map.iter().any(|m| m.old == d.uuid));
         for d in &g.devices {
             let new = target(&d.uuid);
-            if new != d.uuid {
+            if mapped {
                 plan.pairs.push(GpuPair {
                     old: d.uuid.clone(),
                     new: new.clone(),
@@ -609,6 +618,8 @@ mod tests {
 
     const A: &str = "GPU-aaaaaaaa-0000-0000-0000-000000000000";
     const B: &str = "GPU-bbbbbbbb-0000-0000-0000-000000000000";
+    const C: &str = "GPU-cccccccc-0000-0000-0000-000000000000";
+    const D: &str = "GPU-dddddddd-0000-0000-0000-000000000000";
 
     fn u(s: &str) -> GpuUuid {
         s.parse().unwrap()
@@ -684,6 +695,113 @@ mod tests {
         let plans = precheck(&manifest(100), &gpus(1000), Some("580.2"), &map, &[], &[]).unwrap();
         assert_eq!(plans[0].pairs, map.to_vec());
         assert_eq!(plans[0].targets, vec![u(B)]);
+    }
+
+    /// A process on GPUs A and B (and C, D for the host); `map` over four GPUs.
+    fn two_gpu_manifest() -> Manifest {
+        let mut m = manifest(100);
+        m.processes[0]
+            .gpu
+            .as_mut()
+            .unwrap()
+            .devices
+            .push(DeviceUse {
+                uuid: u(B),
+                memory_bytes: 50,
+            });
+        m.processes.push(ProcessEntry {
+            pid: 11,
+            ppid: 10,
+            comm: "w".into(),
+            cmdline: vec![],
+            gpu: Some(ProcessGpu {
+                state: ProcessState::Checkpointed,
+                devices: vec![DeviceUse {
+                    uuid: u(D),
+                    memory_bytes: 10,
+                }],
+            }),
+        });
+        m
+    }
+
+    fn four_gpus() -> Vec<GpuInfo> {
+        [A, B, C, D]
+            .iter()
+            .enumerate()
+            .map(|(i, x)| GpuInfo {
+                index: i as u32,
+                uuid: u(x),
+                name: "M".into(),
+                memory_total: 1000,
+                memory_free: 1000,
+            })
+            .collect()
+    }
+
+    fn p(old: &str, new: &str) -> GpuPair {
+        GpuPair {
+            old: u(old),
+            new: u(new),
+        }
+    }
+
+    #[test]
+    fn a_process_whose_gpus_are_mapped_gets_a_pair_for_every_gpu_it_used() {
+        let plans = precheck(
+            &two_gpu_manifest(),
+            &four_gpus(),
+            Some("580.2"),
+            &[p(A, C)],
+            &[],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            plans[0].pairs,
+            vec![p(A, C), p(B, B)],
+            "B stays: identity pair"
+        );
+        assert_eq!(plans[0].targets, vec![u(C), u(B)]);
+        assert_eq!(plans[1].pairs, vec![], "the map names none of its GPUs");
+        assert_eq!(plans[1].targets, vec![u(D)]);
+        // An identity map is still a map: the process gets its complete list.
+        let plans = precheck(
+            &two_gpu_manifest(),
+            &four_gpus(),
+            Some("580.2"),
+            &[p(D, D)],
+            &[],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(plans[0].pairs, vec![]);
+        assert_eq!(plans[1].pairs, vec![p(D, D)]);
+    }
+
+    #[test]
+    fn a_map_that_sends_two_gpus_onto_one_is_refused() {
+        let m = two_gpu_manifest();
+        for map in [vec![p(A, C), p(B, C)], vec![p(A, B)], vec![p(A, D)]] {
+            assert!(
+                matches!(
+                    precheck(&m, &four_gpus(), Some("580.2"), &map, &[], &[]),
+                    Err(PrecheckError::Overlap(_))
+                ),
+                "{map:?}"
+            );
+        }
+        // A swap is fine.
+        let plans = precheck(
+            &m,
+            &four_gpus(),
+            Some("580.2"),
+            &[p(A, B), p(B, A)],
+            &[],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(plans[0].pairs, vec![p(A, B), p(B, A)]);
     }
 
     #[test]

@@ -9,7 +9,7 @@ use cryo_proc::Pid;
 
 use crate::client::{SimClientError, SimControl};
 use crate::daemon::{DaemonConfig, DaemonError};
-use crate::proto::Fault;
+use crate::proto::{CallKind, Fault, HangRule};
 use crate::worker::{WorkerConfig, WorkerError};
 use cryo_units::parse_size;
 
@@ -29,25 +29,80 @@ pub enum SimCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Inject a fault into a worker through the driver.
+    /// Inject a fault into a worker, or a hang into the driver.
     Inject {
         /// The driver's directory.
         #[arg(long, env = "CRYO_SIM_DIR", default_value_os_t = crate::default_dir())]
         dir: PathBuf,
-        /// The worker.
-        #[arg(long)]
-        pid: Pid,
+        /// The process (a worker for `sticky`; for `hang`, only calls on it hang).
+        #[arg(long, global = true)]
+        pid: Option<Pid>,
         /// What to inject.
-        #[arg(value_enum)]
-        what: FaultArg,
+        #[command(subcommand)]
+        what: InjectArgs,
     },
 }
 
-/// Faults `cryo sim inject` knows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum FaultArg {
-    /// A kernel faults: sticky `CUDA_ERROR_ILLEGAL_ADDRESS` (lock then fails at once).
+/// What `cryo sim inject` injects.
+#[derive(Debug, Clone, Subcommand)]
+pub enum InjectArgs {
+    /// A kernel of the worker (`--pid`) faults: sticky `CUDA_ERROR_ILLEGAL_ADDRESS` (lock then
+    /// fails at once).
     Sticky,
+    /// Driver calls of this kind (on `--pid` only, if given) get no answer until `cryo sim
+    /// inject release` (or until their caller gives up): a driver that hangs.
+    Hang {
+        /// Which calls.
+        #[arg(long, value_enum)]
+        call: CallArg,
+        /// Hold only this many calls (default: every one until released).
+        #[arg(long)]
+        times: Option<u32>,
+    },
+    /// Let every held call go on, and stop holding new ones; prints how many were held.
+    Release,
+}
+
+/// Kinds of driver calls, for `cryo sim inject hang --call`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CallArg {
+    /// `cuCheckpointProcessGetState`.
+    State,
+    /// `cuCheckpointProcessLock`.
+    Lock,
+    /// `cuCheckpointProcessCheckpoint`.
+    Checkpoint,
+    /// `cuCheckpointProcessRestore`.
+    Restore,
+    /// `cuCheckpointProcessUnlock`.
+    Unlock,
+    /// `cuCheckpointProcessGetRestoreThreadId`.
+    RestoreTid,
+    /// NVML: the GPUs.
+    Gpus,
+    /// NVML: the processes.
+    Processes,
+    /// The driver fds of a process.
+    DriverFds,
+    /// Every call.
+    Any,
+}
+
+impl From<CallArg> for CallKind {
+    fn from(c: CallArg) -> Self {
+        match c {
+            CallArg::State => CallKind::State,
+            CallArg::Lock => CallKind::Lock,
+            CallArg::Checkpoint => CallKind::Checkpoint,
+            CallArg::Restore => CallKind::Restore,
+            CallArg::Unlock => CallKind::Unlock,
+            CallArg::RestoreTid => CallKind::RestoreTid,
+            CallArg::Gpus => CallKind::Gpus,
+            CallArg::Processes => CallKind::Processes,
+            CallArg::DriverFds => CallKind::DriverFds,
+            CallArg::Any => CallKind::Any,
+        }
+    }
 }
 
 /// `cryo sim driver`.
@@ -77,9 +132,19 @@ pub struct WorkerArgs {
     #[arg(long, env = "CRYO_SIM_DIR", default_value_os_t = crate::default_dir())]
     pub dir: PathBuf,
     /// NVML index of the GPU to use.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, conflicts_with = "gpus")]
     pub gpu: u32,
-    /// Device memory to allocate (bytes, or e.g. 512MiB, 4GiB).
+    /// A context on each of these GPUs (NVML indices, e.g. 0,1), all in this process.
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    pub gpus: Vec<u32>,
+    /// With --gpus: one child process (rank) per GPU under this one, as a tensor-parallel server.
+    #[arg(long, requires = "gpus")]
+    pub process_per_gpu: bool,
+    /// Only initialise the driver (as `cuInit` does: a driver fd, no context, no device memory);
+    /// with --process-per-gpu, the launcher does so.
+    #[arg(long, conflicts_with = "gpu")]
+    pub init_only: bool,
+    /// Device memory to allocate per context (bytes, or e.g. 512MiB, 4GiB).
     #[arg(long, value_parser = parse_size, default_value = "256MiB")]
     pub memory: u64,
     /// Seed of the "model weights" in device memory.
@@ -115,6 +180,9 @@ pub enum SimError {
     /// Writing the output failed.
     #[error("cannot write the output: {0}")]
     Output(std::io::Error),
+    /// An injection that acts on a process was not told which.
+    #[error("`cryo sim inject {0}` needs --pid")]
+    NeedsPid(&'static str),
 }
 
 impl SimCommand {
@@ -135,9 +203,16 @@ impl SimCommand {
             SimCommand::Worker(a) => {
                 crate::worker::detach(a.log_file.as_deref())?;
                 init_logging();
+                let gpus = match (a.gpus.is_empty(), a.init_only) {
+                    (false, _) => a.gpus,
+                    (true, true) => Vec::new(),
+                    (true, false) => vec![a.gpu],
+                };
                 crate::worker::run(WorkerConfig {
                     dir: a.dir,
-                    gpu: a.gpu,
+                    gpus,
+                    process_per_gpu: a.process_per_gpu,
+                    init_only: a.init_only,
                     memory: a.memory,
                     seed: a.seed,
                     port: a.port,
@@ -168,10 +243,22 @@ impl SimCommand {
                 out.write_all(text.as_bytes()).map_err(SimError::Output)
             }
             SimCommand::Inject { dir, pid, what } => {
-                let fault = match what {
-                    FaultArg::Sticky => Fault::Sticky,
-                };
-                SimControl::new(&dir).inject(pid, fault)?;
+                let control = SimControl::new(&dir);
+                match what {
+                    InjectArgs::Sticky => {
+                        control.inject(pid.ok_or(SimError::NeedsPid("sticky"))?, Fault::Sticky)?
+                    }
+                    InjectArgs::Hang { call, times } => control.hang(HangRule {
+                        call: call.into(),
+                        pid,
+                        times,
+                    })?,
+                    InjectArgs::Release => {
+                        let held = control.release()?;
+                        writeln!(std::io::stdout(), "{held} calls were held")
+                            .map_err(SimError::Output)?;
+                    }
+                }
                 Ok(())
             }
         }

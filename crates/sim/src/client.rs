@@ -17,7 +17,7 @@ use cryo_gpu::{
 use cryo_proc::Pid;
 
 use crate::ledger::{self, LedgerError, Wedge};
-use crate::proto::{self, ApiCall, ApiDone, Fault, Reply, Request};
+use crate::proto::{self, ApiCall, ApiDone, Fault, HangRule, Reply, Request};
 
 /// The simulated driver could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -295,6 +295,31 @@ impl SimControl {
                 pid,
                 code,
             }),
+            other => Err(self.client.unexpected(&other)),
+        }
+    }
+
+    /// From now on, calls that `rule` matches get no answer until [`SimControl::release`] (or
+    /// until their caller hangs up, which drops them): a driver call that does not return.
+    pub fn hang(&self, rule: HangRule) -> Result<(), SimClientError> {
+        match self.client.request(&Request::Hang(rule))? {
+            Reply::Injected => Ok(()),
+            other => Err(self.client.unexpected(&other)),
+        }
+    }
+
+    /// Lets every held call go on and clears the hang rules; returns how many calls were held.
+    pub fn release(&self) -> Result<u32, SimClientError> {
+        match self.client.request(&Request::Release)? {
+            Reply::Held(n) => Ok(n),
+            other => Err(self.client.unexpected(&other)),
+        }
+    }
+
+    /// How many calls injected hangs hold right now (wait for it to know a call is held).
+    pub fn held(&self) -> Result<u32, SimClientError> {
+        match self.client.request(&Request::Held)? {
+            Reply::Held(n) => Ok(n),
             other => Err(self.client.unexpected(&other)),
         }
     }

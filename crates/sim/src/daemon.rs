@@ -27,8 +27,8 @@ use cryo_proc::Pid;
 
 use crate::ledger::{self, Wedge};
 use crate::proto::{
-    self, ApiCall, CtxReply, CtxRequest, GpuSel, Init, OpenContext, Reply, Request, WorkerOp,
-    WorkerRequest,
+    self, ApiCall, ApiDone, CallKind, CtxReply, CtxRequest, GpuSel, HangRule, Init, OpenContext,
+    Reply, Request, WorkerOp, WorkerRequest,
 };
 use cryo_proc::{DriverFiles, FdTarget, Liveness};
 
@@ -114,7 +114,107 @@ struct Daemon {
     contexts: Mutex<HashMap<u64, CtxMeta>>,
     /// Signalled whenever a context leaves the table.
     removed: Condvar,
+    /// Driver fds without a context (`OpenDriver`): id -> (pid, inode of the worker's end).
+    drivers: Mutex<HashMap<u64, (Pid, u64)>>,
     next_ctx: AtomicU64,
+    hangs: Hangs,
+}
+
+/// A process's restore thread, found through its listening socket.
+#[derive(Debug)]
+struct RestoreThread {
+    addr: SocketAddr,
+    tid: Pid,
+}
+
+/// Injected hangs: calls that rules match are held until released or their caller hangs up.
+#[derive(Debug, Default)]
+struct Hangs {
+    state: Mutex<HangState>,
+    changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct HangState {
+    rules: Vec<HangRule>,
+    /// Calls held now.
+    held: u32,
+    /// Bumped by every release: a held call goes on once it changes.
+    generation: u64,
+}
+
+/// A pid as its thread group (a thread id stands for its process).
+fn group_of(pid: Pid) -> Pid {
+    cryo_proc::tgid(pid).ok().flatten().unwrap_or(pid)
+}
+
+impl Hangs {
+    fn state(&self) -> MutexGuard<'_, HangState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn add(&self, mut rule: HangRule) {
+        rule.pid = rule.pid.map(group_of);
+        if rule.times != Some(0) {
+            self.state().rules.push(rule);
+        }
+    }
+
+    /// Releases every held call and clears the rules; returns how many calls were held.
+    fn release(&self) -> u32 {
+        let mut st = self.state();
+        st.rules.clear();
+        st.generation += 1;
+        self.changed.notify_all();
+        st.held
+    }
+
+    fn held(&self) -> u32 {
+        self.state().held
+    }
+
+    /// Holds a call of `kind` on `pid` while a rule matches it, until released. `false` when the
+    /// caller hung up meanwhile (the call is then dropped: it never reached the driver).
+    fn hold(&self, kind: CallKind, pid: Option<Pid>, caller: &UnixStream) -> bool {
+        let mut st = self.state();
+        if st.rules.is_empty() {
+            return true;
+        }
+        let pid = pid.map(group_of);
+        let Some(i) = st
+            .rules
+            .iter()
+            .position(|r| r.call.covers(kind) && (r.pid.is_none() || r.pid == pid))
+        else {
+            return true;
+        };
+        if let Some(n) = st.rules[i].times.as_mut() {
+            *n -= 1;
+            if *n == 0 {
+                st.rules.remove(i);
+            }
+        }
+        let generation = st.generation;
+        st.held += 1;
+        tracing::info!(?kind, ?pid, "call held by an injected hang");
+        let went_on = loop {
+            // A caller that gave up is dropped even if a release came meanwhile.
+            if crate::sys::peer_closed(caller) {
+                break false;
+            }
+            if st.generation != generation {
+                break true;
+            }
+            st = self
+                .changed
+                .wait_timeout(st, Duration::from_millis(50))
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+        };
+        st.held -= 1;
+        tracing::info!(?kind, ?pid, went_on, "held call ends");
+        went_on
+    }
 }
 
 /// Runs the daemon until the process is killed.
@@ -184,40 +284,11 @@ fn start(cfg: DaemonConfig) -> Result<(Arc<Daemon>, UnixListener, PathBuf), Daem
         gpus,
         contexts: Mutex::new(HashMap::new()),
         removed: Condvar::new(),
+        drivers: Mutex::new(HashMap::new()),
         next_ctx: AtomicU64::new(1),
+        hangs: Hangs::default(),
     });
     Ok((daemon, listener, socket))
-}
-
-/// Waits until the restore thread's answer is readable; `Some(reply)` when it will not come: the
-/// deadline passed, or the process died meanwhile (answered as a call on it now would be).
-fn wait_answer(s: &UnixStream, pid: Pid, deadline: Duration, is_lock: bool) -> Option<Reply> {
-    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-    use std::os::fd::AsFd;
-    let start = Instant::now();
-    loop {
-        let mut fds = [PollFd::new(s.as_fd(), PollFlags::POLLIN)];
-        match poll(&mut fds, PollTimeout::from(50u16)) {
-            Ok(n) if n > 0 => return None,
-            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
-            Err(err) => {
-                return Some(Reply::Error(format!(
-                    "cannot wait for the restore thread of pid {pid}: {err}"
-                )))
-            }
-        }
-        if cryo_proc::liveness(pid) != Liveness::Alive {
-            return dead_answer(pid);
-        }
-        if start.elapsed() >= deadline {
-            tracing::warn!(pid, ?deadline, "restore thread did not answer in time");
-            return Some(Reply::Cuda(if is_lock {
-                CuResult::NOT_READY
-            } else {
-                CuResult::UNKNOWN
-            }));
-        }
-    }
 }
 
 /// The answer for a process whose restore thread hung up because it is dying: what a call on it
@@ -280,23 +351,39 @@ impl Daemon {
                 return;
             }
         };
+        if let Some((kind, pid)) = CallKind::of(&req) {
+            if !self.hangs.hold(kind, pid, &s) {
+                return;
+            }
+        }
         let reply = match req {
             Request::OpenContext(open) => return self.context(s, open),
+            Request::OpenDriver { inode } => return self.driver_open(s, inode),
             Request::Hello => Reply::Hello {
                 driver_version: format!("cryo-sim {}", env!("CARGO_PKG_VERSION")),
                 daemon_id: self.id.clone(),
             },
-            Request::Call { pid, call } => {
-                let lock_timeout = matches!(call, ApiCall::Lock { .. });
-                let deadline = call.deadline();
-                self.worker_call(pid, WorkerOp::Api(call), deadline, lock_timeout)
+            Request::Call { pid, call } => match self.api_call(&s, pid, call) {
+                Some(r) => r,
+                None => return,
+            },
+            Request::Inject { pid, fault } => {
+                let answer = match self.restore_thread(pid) {
+                    Ok(t) => self.relay(&s, pid, &t, WorkerOp::Inject(fault)),
+                    Err(reply) => Some(reply),
+                };
+                match answer {
+                    Some(r) => r,
+                    None => return,
+                }
             }
-            Request::Inject { pid, fault } => self.worker_call(
-                pid,
-                WorkerOp::Inject(fault),
-                proto::WORKER_CALL_GRACE,
-                false,
-            ),
+            Request::Hang(rule) => {
+                tracing::info!(?rule, "injected hang");
+                self.hangs.add(rule);
+                Reply::Injected
+            }
+            Request::Release => Reply::Held(self.hangs.release()),
+            Request::Held => Reply::Held(self.hangs.held()),
             Request::Gpus => {
                 self.settle();
                 Reply::Gpus(self.gpus())
@@ -378,62 +465,111 @@ impl Daemon {
             Ok(f) => f,
             Err(err) => return Reply::Error(format!("cannot read the fd table: {err}")),
         };
-        let contexts: HashSet<u64> = self.table().values().map(|c| c.inode).collect();
+        let mut contexts: HashSet<u64> = self.table().values().map(|c| c.inode).collect();
+        contexts.extend(self.drivers().values().map(|(_, inode)| *inode));
         Reply::Fds(cryo_proc::driver_fds(
             &fds,
             DriverFiles::SimContexts(&contexts),
         ))
     }
 
-    /// Finds `pid`'s restore thread and has it carry out `req`.
-    fn worker_call(&self, pid: Pid, op: WorkerOp, deadline: Duration, is_lock: bool) -> Reply {
+    /// `pid`'s restore thread, or what the driver answers when there is none: a pid that does
+    /// not exist is `CUDA_ERROR_INVALID_VALUE`; a process without one (never initialised CUDA, a
+    /// zombie whose files are closed, a child that inherited its parent's socket across `fork`)
+    /// is `CUDA_ERROR_NOT_INITIALIZED`.
+    fn restore_thread(&self, pid: Pid) -> Result<RestoreThread, Reply> {
         let gone = || cryo_proc::liveness(pid) == Liveness::Gone;
         if gone() {
-            return Reply::Cuda(CuResult::INVALID_VALUE);
+            return Err(Reply::Cuda(CuResult::INVALID_VALUE));
         }
         let fds = match cryo_proc::fds(pid) {
             Ok(f) => f,
-            Err(_) if gone() => return Reply::Cuda(CuResult::INVALID_VALUE),
-            Err(err) => return Reply::Error(format!("cannot read the fd table: {err}")),
+            Err(_) if gone() => return Err(Reply::Cuda(CuResult::INVALID_VALUE)),
+            Err(err) => return Err(Reply::Error(format!("cannot read the fd table: {err}"))),
         };
-        let listening = match cryo_proc::unix_listeners(&format!("@cryo-sim/{}/", self.id)) {
-            Ok(l) => l,
-            Err(err) => return Reply::Error(err.to_string()),
-        };
+        let listening = cryo_proc::unix_listeners(&format!("@cryo-sim/{}/", self.id))
+            .map_err(|err| Reply::Error(err.to_string()))?;
         let Some(name) = fds.iter().find_map(|f| match f.target {
             FdTarget::Socket(inode) => listening.get(&inode),
             _ => None,
         }) else {
-            return Reply::Cuda(CuResult::NOT_INITIALIZED);
+            return Err(Reply::Cuda(CuResult::NOT_INITIALIZED));
         };
-        let addr = match SocketAddr::from_abstract_name(name.trim_start_matches('@').as_bytes()) {
-            Ok(a) => a,
-            Err(err) => {
-                return Reply::Error(format!("bad restore-thread socket name {name}: {err}"))
-            }
+        let Some(tid) = proto::restore_tid_of(name) else {
+            return Err(Reply::Error(format!(
+                "malformed restore-thread socket name {name}"
+            )));
         };
-        let mut s = match UnixStream::connect_addr(&addr) {
+        // The thread must belong to this process: a child forked without exec holds its
+        // parent's socket but not its CUDA state.
+        let group = |p| cryo_proc::tgid(p).ok().flatten();
+        match (group(pid), group(tid)) {
+            (Some(a), Some(b)) if a == b => {}
+            (None, _) => return Err(Reply::Cuda(CuResult::INVALID_VALUE)),
+            _ => return Err(Reply::Cuda(CuResult::NOT_INITIALIZED)),
+        }
+        let addr = SocketAddr::from_abstract_name(name.trim_start_matches('@').as_bytes())
+            .map_err(|err| Reply::Error(format!("bad restore-thread socket name {name}: {err}")))?;
+        Ok(RestoreThread { addr, tid })
+    }
+
+    /// A checkpoint-API call. `None`: the caller hung up before the answer.
+    fn api_call(&self, caller: &UnixStream, pid: Pid, call: ApiCall) -> Option<Reply> {
+        let thread = match self.restore_thread(pid) {
+            Ok(t) => t,
+            Err(reply) => return Some(reply),
+        };
+        if call == ApiCall::RestoreTid {
+            // The driver knows its thread without asking it: this works on a frozen process.
+            return Some(Reply::Api(ApiDone::Tid(thread.tid)));
+        }
+        self.relay(caller, pid, &thread, WorkerOp::Api(call))
+    }
+
+    /// Has `pid`'s restore thread carry out `op`. Waits as long as it takes: a thread that cannot
+    /// run (the process is stopped, frozen, or traced and held) leaves the call unanswered until
+    /// the caller gives up (`None`; the request stays queued and the thread carries it out when
+    /// it runs again) or the process dies (answered as a call on the dead process is).
+    fn relay(
+        &self,
+        caller: &UnixStream,
+        pid: Pid,
+        thread: &RestoreThread,
+        op: WorkerOp,
+    ) -> Option<Reply> {
+        let mut s = match UnixStream::connect_addr(&thread.addr) {
             Ok(s) => s,
             // Closed between the lookup and now: the process is going away.
-            Err(_) => return Reply::Cuda(CuResult::NOT_INITIALIZED),
+            Err(_) => return Some(Reply::Cuda(CuResult::NOT_INITIALIZED)),
         };
-        if let Err(err) = s.set_read_timeout(Some(deadline)).and_then(|()| {
-            proto::send(
-                &mut s,
-                &WorkerRequest {
-                    op,
-                    expires_unix_ms: proto::unix_ms()
-                        .saturating_add(u64::try_from(deadline.as_millis()).unwrap_or(u64::MAX)),
-                },
-            )
-        }) {
-            return Reply::Error(format!(
+        if let Err(err) = proto::send(&mut s, &WorkerRequest { op }) {
+            return Some(Reply::Error(format!(
                 "cannot reach the restore thread of pid {pid}: {err}"
-            ));
+            )));
         }
         tracing::debug!(pid, "call handed to the restore thread");
-        if let Some(early) = wait_answer(&s, pid, deadline, is_lock) {
-            return early;
+        loop {
+            match crate::sys::readable(&s, Duration::from_millis(50)) {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(err) => {
+                    return Some(Reply::Error(format!(
+                        "cannot wait for the restore thread of pid {pid}: {err}"
+                    )))
+                }
+            }
+            if cryo_proc::liveness(pid) != Liveness::Alive {
+                if let Some(answer) = dead_answer(pid) {
+                    return Some(answer);
+                }
+            }
+            if crate::sys::peer_closed(caller) {
+                tracing::info!(
+                    pid,
+                    "caller gave up on a call its restore thread has not taken yet"
+                );
+                return None;
+            }
         }
         match proto::recv_some::<Reply>(&mut s) {
             Ok(r) => {
@@ -441,12 +577,42 @@ impl Daemon {
                 // process with CRIU next must not find a connected socket to us in it.
                 let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
                 let _ = io::Read::read(&mut s, &mut [0u8; 1]);
-                r
+                Some(r)
             }
-            Err(err) => dead_answer(pid).unwrap_or_else(|| {
+            Err(err) => Some(dead_answer(pid).unwrap_or_else(|| {
                 Reply::Error(format!("restore thread of pid {pid} failed: {err}"))
-            }),
+            })),
         }
+    }
+
+    /// A driver fd without a context (`cuInit`'s `/dev/nvidiactl`), open until its last
+    /// duplicate closes.
+    fn driver_open(&self, mut s: UnixStream, inode: u64) {
+        let pid = match nix::sys::socket::getsockopt(&s, nix::sys::socket::sockopt::PeerCredentials)
+        {
+            Ok(c) => c.pid(),
+            Err(err) => {
+                let _ = proto::send(&mut s, &Reply::Error(format!("no peer credentials: {err}")));
+                return;
+            }
+        };
+        let id = self.next_ctx.fetch_add(1, Ordering::Relaxed);
+        self.drivers().insert(id, (pid, inode));
+        tracing::debug!(pid, "driver opened without a context");
+        if proto::send(&mut s, &Reply::DriverOpened).is_ok() {
+            // Nothing is asked on such an fd; wait for the last duplicate to close.
+            while let Ok(Some(_)) = proto::recv::<CtxRequest>(&mut s) {
+                if proto::send(&mut s, &CtxReply::Error("no context on this fd".into())).is_err() {
+                    break;
+                }
+            }
+        }
+        self.drivers().remove(&id);
+        tracing::debug!(pid, "driver fd closed");
+    }
+
+    fn drivers(&self) -> MutexGuard<'_, HashMap<u64, (Pid, u64)>> {
+        self.drivers.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn resolve(&self, sel: &GpuSel) -> Option<usize> {

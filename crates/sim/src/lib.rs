@@ -11,16 +11,34 @@
 //!   it is live records a [`ledger::Wedge`] in `DIR/ledger.jsonl`.
 //! - The **worker** ([`worker`]) keeps its own checkpoint state (RUNNING/LOCKED/CHECKPOINTED),
 //!   as a real CUDA process does, and runs a *restore thread* listening on an abstract unix socket
-//!   `@cryo-sim/<daemon-id>/<nonce>`. Every checkpoint-API call is carried out by that thread; the
-//!   daemon finds it for a pid through `/proc/PID/fd` and `/proc/net/unix`.
+//!   `@cryo-sim/<daemon-id>/<pid>-<tid>-<nonce>`. Every checkpoint-API call but one is carried
+//!   out by that thread; the daemon finds it for a pid through `/proc/PID/fd` and
+//!   `/proc/net/unix`, and answers `GetRestoreThreadId` itself from the name (the real driver
+//!   answers it for a frozen process: CRIU's cuda plugin relies on that). A worker holds contexts
+//!   on one or several GPUs, or only a driver fd (`--init-only`), or is a tree of one process
+//!   per GPU.
 //! - The **client** ([`client`]) implements `CheckpointDriver` and `GpuInspector` by sending one
 //!   request per connection to `driver.sock`; driver errors come back as the real `CUresult` codes.
 //!
+//! # Strict where the real driver is unknown
+//! - A call whose restore thread cannot run (the process is stopped by a signal or a debugger,
+//!   or frozen) gets no answer, lock with a timeout included, until the caller gives up or the
+//!   process dies (then answered as for the dead process); the call stays queued and takes effect
+//!   when the thread runs again, even though nobody waits for it any more. Callers need deadlines
+//!   of their own and must look at the state afterwards.
+//! - A pid that does not exist: `CUDA_ERROR_INVALID_VALUE`. A process without a restore thread (no
+//!   CUDA, or a zombie: its files are closed, even while pins keep its context alive and NVML
+//!   lists it): `CUDA_ERROR_NOT_INITIALIZED`, the codes a caller may read as "no CUDA state",
+//!   so only evidence from the kernel and NVML tells such a zombie apart.
+//! - A process that only initialised the driver (`--init-only`) is a CUDA process to the API
+//!   (RUNNING, lock and checkpoint work, checkpoint closes its driver fd, restore reopens it) and
+//!   invisible to NVML.
+//! - Restore takes no GPU pairs or a complete list (one for every GPU of the process, identity
+//!   pairs included, onto distinct GPUs); anything else is `CUDA_ERROR_INVALID_VALUE`.
+//! - Injected hangs ([`proto::HangRule`]): any driver or NVML call can be made to hang.
+//!
 //! # Limitations
-//! One context per process. A call on a process whose restore thread cannot run (all threads
-//! stopped) waits for it: a lock until [`proto::LOCK_GRACE`] past its timeout (then
-//! `CUDA_ERROR_NOT_READY`), other calls up to [`proto::WORKER_CALL_GRACE`]
-//! (`CUDA_ERROR_UNKNOWN`); a process that dies meanwhile answers as a dead one would. The way a
+//! The daemon and its workers share a pid and network namespace. The way a
 //! process died is read from `/proc/PID/stat` when its context is torn down: a process already
 //! reaped by then is recorded as "unknown". CRIU before 4.2 cannot dump TCP sockets on Linux >=
 //! 6.16 (checkpoint-restore/criu#2705); cryo requires 4.2 (`scripts/install-criu.sh`), and the

@@ -4,19 +4,11 @@
 //! (checkpoint download, restore upload) follows its header as raw bytes on the same stream.
 
 use std::io::{self, Read, Write};
-use std::time::Duration;
 
 use cryo_gpu::{CuResult, GpuInfo, GpuPair, GpuProcess, GpuUuid, ProcessState};
 use cryo_proc::Pid;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-
-/// How long the daemon waits for a worker's restore thread to answer a call other than lock,
-/// checkpoint and restore before giving up on it (its threads may be stopped).
-pub const WORKER_CALL_GRACE: Duration = Duration::from_secs(30);
-
-/// How long past a lock's own timeout the daemon waits for the restore thread.
-pub const LOCK_GRACE: Duration = Duration::from_secs(2);
 
 /// Largest JSON message accepted (bulk data does not count).
 const MAX_MESSAGE: u32 = 16 << 20;
@@ -29,6 +21,12 @@ pub enum Request {
     Hello,
     /// Open a context: the connection becomes the context fd.
     OpenContext(OpenContext),
+    /// Open the driver without a context (what `cuInit` does: `/dev/nvidiactl`): the connection
+    /// becomes a driver fd that holds no device memory.
+    OpenDriver {
+        /// Inode of the worker's end of this socket.
+        inode: u64,
+    },
     /// A checkpoint-API call on a process, carried out by its restore thread.
     Call {
         /// Target process.
@@ -52,6 +50,68 @@ pub enum Request {
         /// What to inject.
         fault: Fault,
     },
+    /// From now on, calls that `rule` matches get no answer until released (or their caller
+    /// hangs up): a driver call that does not return.
+    Hang(HangRule),
+    /// Lets every held call go on (and clears every hang rule).
+    Release,
+    /// How many calls are held right now.
+    Held,
+}
+
+/// Which calls an injected hang holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HangRule {
+    /// The kind of call.
+    pub call: CallKind,
+    /// Only calls on this process (a thread id stands for its process); `None`: on any.
+    pub pid: Option<Pid>,
+    /// Hold this many matching calls, then let the next ones through; `None`: all of them.
+    pub times: Option<u32>,
+}
+
+/// A kind of driver call, as a hang rule names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CallKind {
+    /// `cuCheckpointProcessGetState`.
+    State,
+    /// `cuCheckpointProcessLock`.
+    Lock,
+    /// `cuCheckpointProcessCheckpoint`.
+    Checkpoint,
+    /// `cuCheckpointProcessRestore`.
+    Restore,
+    /// `cuCheckpointProcessUnlock`.
+    Unlock,
+    /// `cuCheckpointProcessGetRestoreThreadId`.
+    RestoreTid,
+    /// NVML: the GPUs.
+    Gpus,
+    /// NVML: the processes.
+    Processes,
+    /// The driver fds of a process.
+    DriverFds,
+    /// Every call above.
+    Any,
+}
+
+impl CallKind {
+    /// What a request is, for hang rules: its kind and the process it acts on.
+    pub fn of(req: &Request) -> Option<(CallKind, Option<Pid>)> {
+        Some(match req {
+            Request::Call { pid, call } => (call.kind(), Some(*pid)),
+            Request::Gpus => (CallKind::Gpus, None),
+            Request::Processes => (CallKind::Processes, None),
+            Request::DriverFds { pid } => (CallKind::DriverFds, Some(*pid)),
+            _ => return None,
+        })
+    }
+
+    /// Whether a rule for `self` covers a call of kind `kind`.
+    pub fn covers(self, kind: CallKind) -> bool {
+        self == CallKind::Any || self == kind
+    }
 }
 
 /// A context being opened by a worker.
@@ -124,17 +184,15 @@ impl ApiCall {
         }
     }
 
-    /// How long the daemon waits for the restore thread's answer.
-    pub fn deadline(&self) -> Duration {
+    /// Its kind, for hang rules.
+    pub fn kind(&self) -> CallKind {
         match self {
-            ApiCall::Lock {
-                timeout_ms: Some(ms),
-            } => Duration::from_millis(*ms) + LOCK_GRACE,
-            // A lock without limit waits for the work, however long; a restore uploads GiBs.
-            ApiCall::Lock { timeout_ms: None } | ApiCall::Restore { .. } | ApiCall::Checkpoint => {
-                Duration::from_secs(3600)
-            }
-            _ => WORKER_CALL_GRACE,
+            ApiCall::State => CallKind::State,
+            ApiCall::Lock { .. } => CallKind::Lock,
+            ApiCall::Checkpoint => CallKind::Checkpoint,
+            ApiCall::Restore { .. } => CallKind::Restore,
+            ApiCall::Unlock => CallKind::Unlock,
+            ApiCall::RestoreTid => CallKind::RestoreTid,
         }
     }
 }
@@ -185,8 +243,12 @@ pub enum Reply {
     Processes(Vec<GpuProcess>),
     /// Fd numbers.
     Fds(Vec<i32>),
-    /// Fault injected.
+    /// Fault injected (or hang rule set).
     Injected,
+    /// The driver fd of `OpenDriver` is open.
+    DriverOpened,
+    /// Calls held by injected hangs (answer to `Held`, and to `Release`: those it let go).
+    Held(u32),
     /// The driver answered with an error code.
     Cuda(CuResult),
     /// Something outside the driver model went wrong (bad request, I/O).
@@ -225,14 +287,12 @@ pub enum CtxReply {
     Error(String),
 }
 
-/// A request to a worker's restore thread.
+/// A request to a worker's restore thread. It is carried out whenever the thread gets to it,
+/// even if the caller has given up waiting meanwhile (as a queued driver request would be).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct WorkerRequest {
     /// What to do.
     pub op: WorkerOp,
-    /// Wall-clock time (ms since the epoch) after which the daemon no longer waits for the
-    /// answer: a thread that was stopped past it must not carry the call out (nobody would know).
-    pub expires_unix_ms: u64,
 }
 
 /// What a restore thread is asked to do.
@@ -245,11 +305,23 @@ pub enum WorkerOp {
     Inject(Fault),
 }
 
-/// Milliseconds since the epoch, now.
-pub fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+/// The abstract socket name (without the leading `@`) a restore thread listens on:
+/// `cryo-sim/<daemon-id>/<pid>-<tid>-<nonce>`. It carries the thread's id, as the real driver
+/// knows its restore thread from the moment `cuInit` created it, so the daemon answers
+/// `cuCheckpointProcessGetRestoreThreadId` without the thread's help (CRIU's cuda plugin asks it
+/// of a frozen process).
+pub fn restore_socket_name(daemon_id: &str, pid: Pid, tid: Pid, nonce: u32) -> String {
+    format!("cryo-sim/{daemon_id}/{pid}-{tid}-{nonce:08x}")
+}
+
+/// The restore thread's id in a name made by [`restore_socket_name`] (with or without `@`).
+pub fn restore_tid_of(name: &str) -> Option<Pid> {
+    let last = name.rsplit('/').next()?;
+    let mut parts = last.split('-');
+    let _pid: Pid = parts.next()?.parse().ok()?;
+    let tid: Pid = parts.next()?.parse().ok()?;
+    u32::from_str_radix(parts.next()?, 16).ok()?;
+    parts.next().is_none().then_some(tid)
 }
 
 /// Writes one message.
@@ -288,4 +360,46 @@ pub fn recv<T: DeserializeOwned>(r: &mut impl Read) -> io::Result<Option<T>> {
 /// Reads one message; EOF is an error.
 pub fn recv_some<T: DeserializeOwned>(r: &mut impl Read) -> io::Result<T> {
     recv(r)?.ok_or_else(|| io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restore_socket_names_carry_the_thread_id() {
+        let n = restore_socket_name("00ff", 41, 43, 0xabc);
+        assert_eq!(n, "cryo-sim/00ff/41-43-00000abc");
+        assert_eq!(restore_tid_of(&n), Some(43));
+        assert_eq!(restore_tid_of(&format!("@{n}")), Some(43));
+        for bad in [
+            "cryo-sim/00ff/41-00000abc",
+            "cryo-sim/00ff/41-x-00000abc",
+            "cryo-sim/00ff/41-43-zz",
+            "cryo-sim/00ff/41-43-1-2",
+            "",
+        ] {
+            assert_eq!(restore_tid_of(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn hang_rules_name_calls() {
+        let call = |c: ApiCall| CallKind::of(&Request::Call { pid: 5, call: c });
+        assert_eq!(
+            call(ApiCall::Lock { timeout_ms: None }),
+            Some((CallKind::Lock, Some(5)))
+        );
+        assert_eq!(
+            call(ApiCall::RestoreTid),
+            Some((CallKind::RestoreTid, Some(5)))
+        );
+        assert_eq!(
+            CallKind::of(&Request::Processes),
+            Some((CallKind::Processes, None))
+        );
+        assert_eq!(CallKind::of(&Request::Hello), None);
+        assert!(CallKind::Any.covers(CallKind::Gpus));
+        assert!(!CallKind::Lock.covers(CallKind::Unlock));
+    }
 }

@@ -52,6 +52,33 @@ pub(crate) fn peer_closed(s: &UnixStream) -> bool {
     }
 }
 
+/// Waits up to `wait` for `s` to be readable (data or EOF); `Ok(false)` when it is not yet.
+pub(crate) fn readable(s: &UnixStream, wait: std::time::Duration) -> std::io::Result<bool> {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    let ms = u16::try_from(wait.as_millis()).unwrap_or(u16::MAX);
+    let mut fds = [PollFd::new(s.as_fd(), PollFlags::POLLIN)];
+    match poll(&mut fds, PollTimeout::from(ms)) {
+        Ok(n) => Ok(n > 0),
+        Err(nix::errno::Errno::EINTR) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// `fork()`: `Ok(None)` in the child, `Ok(Some(child pid))` in the parent. Only for a process
+/// that has one thread (the caller checks): the child is then a full copy that may run any code.
+pub(crate) fn fork() -> std::io::Result<Option<u32>> {
+    // SAFETY: the caller has checked that this process has a single thread, so no lock or
+    // allocator state of another thread can be caught half-way in the child.
+    match unsafe { nix::unistd::fork() } {
+        Ok(nix::unistd::ForkResult::Child) => Ok(None),
+        Ok(nix::unistd::ForkResult::Parent { child }) => {
+            Ok(Some(u32::try_from(child.as_raw()).unwrap_or(0)))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Dies of a real SIGSEGV (`SEGV_ACCERR`, raised by the kernel on a write to an inaccessible
 /// page), as a worker with a memory bug does; for the guard's tests (`POST /segv`).
 pub(crate) fn segfault() -> ! {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::code;
 use cryo_gpu::{CuResult, GpuPair, ProcessState};
-use cryo_testkit::{eventually, procs, PATIENCE};
+use cryo_testkit::{eventually, PATIENCE};
 
 const MIB: u64 = 1 << 20;
 
@@ -421,59 +421,4 @@ fn unusual_fds(pid: i32) -> Result<usize, (bool, String)> {
         }
     }
     Ok(sockets)
-}
-
-#[test]
-fn a_stopped_process_cannot_be_locked_and_the_late_call_is_dropped() {
-    use nix::sys::signal::{kill, Signal};
-    let sim = common::sim();
-    let w = common::worker(&sim, "8MiB", 0, 1);
-    let pid = nix::unistd::Pid::from_raw(w.pid);
-    kill(pid, Signal::SIGSTOP).unwrap();
-    eventually(PATIENCE, "every thread to stop", || {
-        procs::all_threads_in(w.pid, &['T'])
-    });
-    let r = sim.gpu.driver.lock(w.pid, Some(Duration::from_millis(200)));
-    kill(pid, Signal::SIGCONT).unwrap();
-    assert_eq!(code(r), CuResult::NOT_READY);
-    // The restore thread serves its calls one after the other: this one is answered only after
-    // it has taken the stale lock off its queue, so it sees what that call left behind.
-    assert_eq!(sim.gpu.driver.state(w.pid).unwrap(), ProcessState::Running);
-    assert!(
-        w.log()
-            .contains("dropping a checkpoint-API call whose caller gave up"),
-        "the stale lock never reached the restore thread: {}",
-        w.log()
-    );
-    let _ = w.complete("not locked");
-}
-
-#[test]
-fn a_call_on_a_process_that_dies_meanwhile_answers_at_once() {
-    use nix::sys::signal::{kill, Signal};
-    let sim = common::sim();
-    let w = common::worker(&sim, "8MiB", 0, 1);
-    kill(nix::unistd::Pid::from_raw(w.pid), Signal::SIGSTOP).unwrap();
-    // SIGSTOP acts asynchronously: wait until every thread is stopped, or the restore thread
-    // could still answer the lock on a loaded machine.
-    eventually(PATIENCE, "every thread to stop", || {
-        procs::all_threads_in(w.pid, &['T'])
-    });
-    let gpu = sim.gpu.clone();
-    let pid = w.pid;
-    // No timeout: without the death check this would wait for ever.
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || tx.send(code(gpu.driver.lock(pid, None))).unwrap());
-    eventually(PATIENCE, "the lock to reach the stopped process", || {
-        // The log's fields carry colour codes: the message and the pid are looked for apart.
-        sim.daemon_log().lines().any(|l| {
-            l.contains("call handed to the restore thread") && l.contains(&pid.to_string())
-        })
-    });
-    kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL).unwrap();
-    let answer = rx.recv_timeout(PATIENCE).expect("the lock never answered");
-    assert!(
-        matches!(answer, CuResult::NOT_INITIALIZED | CuResult::INVALID_VALUE),
-        "{answer}"
-    );
 }

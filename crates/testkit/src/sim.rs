@@ -217,6 +217,10 @@ impl Drop for Sim {
 pub struct WorkerSpec {
     memory: String,
     gpu: u32,
+    /// `--gpus`: a context on each (or one rank each with `process_per_gpu`).
+    gpus: Vec<u32>,
+    process_per_gpu: bool,
+    init_only: bool,
     seed: u64,
     setsid: bool,
     http_unix: bool,
@@ -231,6 +235,9 @@ impl WorkerSpec {
         WorkerSpec {
             memory: memory.to_string(),
             gpu: 0,
+            gpus: Vec::new(),
+            process_per_gpu: false,
+            init_only: false,
             seed: 1,
             setsid: false,
             http_unix: false,
@@ -243,6 +250,26 @@ impl WorkerSpec {
     /// On the GPU with this NVML index.
     pub fn gpu(mut self, index: u32) -> Self {
         self.gpu = index;
+        self
+    }
+
+    /// A context on each of these GPUs, in one process (`--gpus`).
+    pub fn gpus(mut self, indices: &[u32]) -> Self {
+        self.gpus = indices.to_vec();
+        self
+    }
+
+    /// With [`WorkerSpec::gpus`]: a tree, one rank process per GPU under a launcher
+    /// (`--process-per-gpu`); [`Worker::children`] are the ranks.
+    pub fn process_per_gpu(mut self) -> Self {
+        self.process_per_gpu = true;
+        self
+    }
+
+    /// Only initialise the driver, no context (`--init-only`: a launcher that called `cuInit`);
+    /// with [`WorkerSpec::process_per_gpu`], the launcher does so.
+    pub fn init_only(mut self) -> Self {
+        self.init_only = true;
         self
     }
 
@@ -283,6 +310,26 @@ impl WorkerSpec {
     }
 }
 
+impl WorkerSpec {
+    /// `--gpu N`, `--gpus LIST [--process-per-gpu]` and `--init-only` as the spec says.
+    fn gpu_args(&self) -> Vec<String> {
+        let mut a = Vec::new();
+        if !self.gpus.is_empty() {
+            let list: Vec<String> = self.gpus.iter().map(u32::to_string).collect();
+            a.extend(["--gpus".to_string(), list.join(",")]);
+            if self.process_per_gpu {
+                a.push("--process-per-gpu".into());
+            }
+        } else if !self.init_only {
+            a.extend(["--gpu".to_string(), self.gpu.to_string()]);
+        }
+        if self.init_only {
+            a.push("--init-only".into());
+        }
+        a
+    }
+}
+
 /// A sim worker; suspended (if live) then SIGKILLed and reaped on drop.
 #[derive(Debug)]
 pub struct Worker {
@@ -295,6 +342,8 @@ pub struct Worker {
     pub port: u16,
     log: PathBuf,
     gpu: Gpu,
+    /// The ranks of a tree (`--process-per-gpu`), in rank order.
+    children: Vec<Pid>,
 }
 
 impl Worker {
@@ -324,7 +373,7 @@ impl Worker {
         }
         cmd.arg("--dir")
             .arg(sim.path())
-            .args(["--gpu", &spec.gpu.to_string()])
+            .args(spec.gpu_args())
             .args(["--memory", &spec.memory])
             .args(["--seed", &spec.seed.to_string()])
             .arg("--ready-file")
@@ -364,8 +413,18 @@ impl Worker {
             "the worker must run as the spawned pid (setsid execs in place)"
         );
         let port = info["port"].as_u64().unwrap_or(0) as u16;
+        let children = info["children"]
+            .as_array()
+            .map(|c| {
+                c.iter()
+                    .filter_map(|p| p.as_i64())
+                    .map(|p| p as Pid)
+                    .collect()
+            })
+            .unwrap_or_default();
         Worker {
             child: Some(child),
+            children,
             pid,
             endpoint: match unix {
                 Some(u) => Endpoint::Unix(u),
@@ -375,6 +434,11 @@ impl Worker {
             log,
             gpu: sim.gpu.clone(),
         }
+    }
+
+    /// The ranks of a tree ([`WorkerSpec::process_per_gpu`]), in rank order; empty otherwise.
+    pub fn children(&self) -> &[Pid] {
+        &self.children
     }
 
     /// One HTTP request to it: `(status, body)`.
@@ -463,12 +527,14 @@ impl Drop for Worker {
         let Some(mut child) = self.child.take() else {
             return;
         };
-        // Suspend before kill, as everything in cryo does; a stopped process cannot answer.
-        if child.try_wait().ok().flatten().is_none()
-            && !procs::all_threads_in(self.pid, &['T', 't'])
-        {
-            let _ = self.gpu.driver.lock(self.pid, Some(Duration::from_secs(5)));
-            let _ = self.gpu.driver.checkpoint(self.pid);
+        // Suspend before kill, as everything in cryo does (the ranks of a tree too: they exit
+        // when their launcher goes); a stopped process cannot answer.
+        let running = child.try_wait().ok().flatten().is_none();
+        for pid in std::iter::once(self.pid).chain(self.children.iter().copied()) {
+            if running && procs::alive(pid) && !procs::all_threads_in(pid, &['T', 't']) {
+                let _ = self.gpu.driver.lock(pid, Some(Duration::from_secs(5)));
+                let _ = self.gpu.driver.checkpoint(pid);
+            }
         }
         let _ = child.kill();
         let _ = child.wait();

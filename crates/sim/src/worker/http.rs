@@ -1,7 +1,10 @@
-//! The worker's HTTP endpoints (tiny_http: plain threads, no runtime, nothing CRIU-hostile).
+//! The worker's HTTP endpoints (tiny_http: plain threads, no runtime, nothing CRIU-hostile), over
+//! a [`Backend`]: the process's own contexts ([`Worker`]) or the ranks of a tree
+//! ([`super::tree::Tree`]).
 
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
 use tiny_http::{Header, Method, Request, Response, Server};
 
 use super::state::{CallError, Worker};
@@ -10,17 +13,123 @@ use crate::memory;
 /// Threads answering requests (a lock test needs calls blocked at the gate while others answer).
 const HANDLERS: usize = 4;
 
-/// Words a completion samples.
+/// Words a completion samples per rank.
 const SAMPLES: u64 = 8;
 
+/// The content check of device memory, over every rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Verified {
+    /// `(actual, expected)` content hash per context, in rank order.
+    pub hashes: Vec<(u64, u64)>,
+    /// Device memory checked, bytes.
+    pub bytes: u64,
+}
+
+impl Verified {
+    fn ok(&self) -> bool {
+        self.hashes.iter().all(|(a, e)| a == e)
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let hex = |f: fn(&(u64, u64)) -> u64| {
+            self.hashes
+                .iter()
+                .map(|h| format!("{:016x}", f(h)))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        serde_json::json!({
+            "ok": self.ok(),
+            "hash": hex(|h| h.0),
+            "expected": hex(|h| h.1),
+            "bytes": self.bytes,
+            "ranks": self.hashes.len(),
+        })
+    }
+}
+
+/// What the endpoints act on.
+pub(crate) trait Backend: Send + Sync + 'static {
+    /// The completion of `prompt`: depends on device memory at prompt-derived offsets, so lost or
+    /// corrupted memory changes it.
+    fn complete(&self, prompt: &[u8]) -> Result<String, CallError>;
+    /// Hashes all of device memory against the seeds.
+    fn verify(&self) -> Result<Verified, CallError>;
+    /// Queues `ms` of GPU work (on every rank).
+    fn enqueue(&self, ms: u64) -> Result<(), CallError>;
+    /// A kernel of rank `rank` faults (sticky `CUDA_ERROR_ILLEGAL_ADDRESS`).
+    fn fault(&self, rank: usize) -> Result<(), CallError>;
+    /// Extra fields of `GET /health`.
+    fn health(&self) -> serde_json::Value;
+}
+
+impl Backend for Worker {
+    fn complete(&self, prompt: &[u8]) -> Result<String, CallError> {
+        let h = prompt_hash(prompt);
+        let mut acc = h;
+        let mut text = String::new();
+        if self.ranks() == 0 {
+            // No device memory: a launcher answers from the prompt alone.
+            text.push_str(&format!("{:016x}", memory::word(acc, 0)));
+        }
+        let nwords = (self.bytes() / 8).max(1);
+        for rank in 0..self.ranks() {
+            let base = h.wrapping_add(rank as u64);
+            let offsets: Vec<u64> = (0..SAMPLES)
+                .map(|j| memory::word(base, j) % nwords)
+                .collect();
+            for (j, word) in self.read_words(rank, offsets)?.iter().enumerate() {
+                acc = memory::word(acc ^ word, j as u64);
+                text.push_str(&format!("{acc:016x}"));
+            }
+        }
+        Ok(text)
+    }
+
+    fn verify(&self) -> Result<Verified, CallError> {
+        let hashes = Worker::verify(self)?;
+        Ok(Verified {
+            bytes: self.bytes() * hashes.len() as u64,
+            hashes,
+        })
+    }
+
+    fn enqueue(&self, ms: u64) -> Result<(), CallError> {
+        Worker::enqueue(self, ms)
+    }
+
+    fn fault(&self, _rank: usize) -> Result<(), CallError> {
+        // A sticky error poisons the process: lock fails for all of it.
+        Worker::fault(self)
+    }
+
+    fn health(&self) -> serde_json::Value {
+        let (queued, waiting) = self.load();
+        serde_json::json!({
+            "queued_ms": u64::try_from(queued.as_millis()).unwrap_or(u64::MAX),
+            "gpu_calls_waiting": waiting,
+            "ranks": self.ranks(),
+        })
+    }
+}
+
+/// FNV-1a of the prompt.
+fn prompt_hash(prompt: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in prompt {
+        h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
 /// Serves until the process ends.
-pub(super) fn serve(worker: Arc<Worker>, server: Arc<Server>) {
+pub(super) fn serve(backend: Arc<dyn Backend>, server: Arc<Server>) {
     let mut handles = Vec::new();
     for _ in 0..HANDLERS {
-        let (w, s) = (worker.clone(), server.clone());
+        let (b, s) = (backend.clone(), server.clone());
         handles.push(std::thread::spawn(move || loop {
             match s.recv() {
-                Ok(req) => handle(&w, req),
+                Ok(req) => handle(b.as_ref(), req),
                 Err(err) => tracing::warn!(%err, "http: receive failed"),
             }
         }));
@@ -52,6 +161,7 @@ fn call_error(e: CallError) -> Response<std::io::Cursor<Vec<u8>>> {
             500,
             serde_json::json!({ "error": format!("GPU driver: {err}") }),
         ),
+        CallError::Rank(err) => json(502, serde_json::json!({ "error": err })),
     }
 }
 
@@ -62,21 +172,17 @@ fn query<'a>(url: &'a str, key: &str) -> Option<&'a str> {
         .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
 }
 
-fn handle(w: &Worker, mut req: Request) {
+fn handle(w: &dyn Backend, mut req: Request) {
     let path = req.url().split('?').next().unwrap_or("").to_string();
     let mut exit_after = false;
     let resp = match (req.method(), path.as_str()) {
         (Method::Get, "/health") => {
-            let (queued, waiting) = w.load();
-            json(
-                200,
-                serde_json::json!({
-                    "ok": true,
-                    "pid": std::process::id(),
-                    "queued_ms": u64::try_from(queued.as_millis()).unwrap_or(u64::MAX),
-                    "gpu_calls_waiting": waiting,
-                }),
-            )
+            let mut body = serde_json::json!({ "ok": true, "pid": std::process::id() });
+            if let (Some(b), serde_json::Value::Object(extra)) = (body.as_object_mut(), w.health())
+            {
+                b.extend(extra);
+            }
+            json(200, body)
         }
         (Method::Post, "/v1/completions") => {
             let mut prompt = Vec::new();
@@ -85,22 +191,14 @@ fn handle(w: &Worker, mut req: Request) {
                     400,
                     serde_json::json!({ "error": format!("cannot read the prompt: {err}") }),
                 ),
-                Ok(_) => match complete(w, &prompt) {
+                Ok(_) => match w.complete(&prompt) {
                     Ok(text) => json(200, serde_json::json!({ "text": text })),
                     Err(e) => call_error(e),
                 },
             }
         }
         (Method::Get, "/verify") => match w.verify() {
-            Ok((actual, expected)) => json(
-                200,
-                serde_json::json!({
-                    "ok": actual == expected,
-                    "hash": format!("{actual:016x}"),
-                    "expected": format!("{expected:016x}"),
-                    "bytes": w.bytes(),
-                }),
-            ),
+            Ok(v) => json(200, v.json()),
             Err(e) => call_error(e),
         },
         (Method::Post, "/busy") => match query(req.url(), "ms").map(str::parse::<u64>) {
@@ -110,16 +208,21 @@ fn handle(w: &Worker, mut req: Request) {
             },
             _ => json(400, serde_json::json!({ "error": "expected ?ms=N" })),
         },
-        (Method::Post, "/fault") => match w.fault() {
-            Ok(()) => {
-                exit_after = query(req.url(), "exit") == Some("1");
-                json(
-                    200,
-                    serde_json::json!({ "fault": "CUDA_ERROR_ILLEGAL_ADDRESS", "exiting": exit_after }),
-                )
+        (Method::Post, "/fault") => {
+            match query(req.url(), "rank").map_or(Ok(0), str::parse::<usize>) {
+                Err(_) => json(400, serde_json::json!({ "error": "expected ?rank=N" })),
+                Ok(rank) => match w.fault(rank) {
+                    Ok(()) => {
+                        exit_after = query(req.url(), "exit") == Some("1");
+                        json(
+                            200,
+                            serde_json::json!({ "fault": "CUDA_ERROR_ILLEGAL_ADDRESS", "rank": rank, "exiting": exit_after }),
+                        )
+                    }
+                    Err(e) => call_error(e),
+                },
             }
-            Err(e) => call_error(e),
-        },
+        }
         // For the guard's tests: a real segmentation fault, answered first so the client
         // sees it was accepted.
         (Method::Post, "/segv") => {
@@ -151,23 +254,4 @@ fn handle(w: &Worker, mut req: Request) {
         tracing::error!("fatal CUDA error (CUDA_ERROR_ILLEGAL_ADDRESS): exiting");
         std::process::exit(1);
     }
-}
-
-/// The answer depends on the prompt and on device memory at prompt-derived offsets, so lost or
-/// corrupted memory changes it.
-fn complete(w: &Worker, prompt: &[u8]) -> Result<String, CallError> {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in prompt {
-        h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
-    }
-    let nwords = (w.bytes() / 8).max(1);
-    let offsets: Vec<u64> = (0..SAMPLES).map(|j| memory::word(h, j) % nwords).collect();
-    let words = w.read_words(offsets)?;
-    let mut acc = h;
-    let mut text = String::new();
-    for (j, word) in words.iter().enumerate() {
-        acc = memory::word(acc ^ word, j as u64);
-        text.push_str(&format!("{acc:016x}"));
-    }
-    Ok(text)
 }

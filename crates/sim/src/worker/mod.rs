@@ -8,12 +8,20 @@
 //! Once checkpointed the worker holds only a listening TCP socket on loopback, the restore
 //! thread's listening abstract socket and plain files: nothing CRIU cannot dump.
 //!
+//! Shapes (`cryo sim worker`): one context (`--gpu N`); one process with a context on each of
+//! several GPUs (`--gpus 0,1`: NVML lists it on each, checkpoint and restore take all of them or
+//! none); a launcher that only initialised the driver (`--init-only`: a driver fd, a restore
+//! thread, no context, no device memory); a tree with one rank process per GPU
+//! (`--gpus 0,1 --process-per-gpu`, [`tree`]), whose launcher is plain or, with `--init-only`,
+//! initialised the driver.
+//!
 //! # Limitations
 //! GPU work queued by `/busy` is modelled as a deadline, not as kernels running in the daemon.
 
 mod http;
 mod restore;
 pub(crate) mod state;
+mod tree;
 
 use std::io;
 use std::net::{Ipv4Addr, SocketAddrV4};
@@ -22,6 +30,7 @@ use std::sync::Arc;
 
 use cryo_gpu::CuResult;
 
+use self::http::Backend;
 use self::state::{OpenError, Worker};
 
 /// What `cryo sim worker` was asked to run.
@@ -29,9 +38,14 @@ use self::state::{OpenError, Worker};
 pub struct WorkerConfig {
     /// The driver's directory.
     pub dir: PathBuf,
-    /// NVML index of the GPU.
-    pub gpu: u32,
-    /// Device memory, bytes.
+    /// NVML indices of the GPUs, one context each (in one process, or one rank process each
+    /// with `process_per_gpu`). Empty only with `init_only` and no ranks.
+    pub gpus: Vec<u32>,
+    /// One child process per GPU under a launcher, instead of one process with every context.
+    pub process_per_gpu: bool,
+    /// The process (the launcher of a tree) only initialises the driver: no context.
+    pub init_only: bool,
+    /// Device memory per context, bytes.
     pub memory: u64,
     /// Seed of device memory.
     pub seed: u64,
@@ -57,6 +71,23 @@ pub enum WorkerError {
         /// The error.
         source: io::Error,
     },
+    /// The restore thread could not be started.
+    #[error("cannot start the restore thread: {0}")]
+    RestoreThread(io::Error),
+    /// The GPUs asked for do not make a worker.
+    #[error("{0}")]
+    Shape(&'static str),
+    /// The ranks of a tree could not be forked.
+    #[error("cannot fork the ranks: {0}")]
+    Fork(io::Error),
+    /// A rank of a tree did not start.
+    #[error("rank {rank} did not start: {reason}")]
+    Rank {
+        /// Its rank.
+        rank: usize,
+        /// Why.
+        reason: String,
+    },
     /// The driver is not running.
     #[error("no simulated GPU driver is running at {socket} ({source}); start one with `cryo sim driver --dir {dir}`")]
     Driver {
@@ -68,10 +99,10 @@ pub enum WorkerError {
         source: io::Error,
     },
     /// The driver refused the context.
-    #[error("cannot open a context of {bytes} bytes on GPU {gpu}: {code} ({})", code.description())]
+    #[error("cannot open a context of {bytes} bytes on GPUs {gpus:?}: {code} ({})", code.description())]
     Context {
-        /// GPU index.
-        gpu: u32,
+        /// GPU indices.
+        gpus: Vec<u32>,
         /// Size asked for.
         bytes: u64,
         /// The driver's answer.
@@ -146,21 +177,16 @@ pub fn detach(log: Option<&Path>) -> Result<(), WorkerError> {
     Ok(())
 }
 
-/// Runs the worker until it is killed (or `/fault?exit=1`).
-pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
-    if cfg.memory < 4096 {
-        return Err(WorkerError::MemoryTooSmall(cfg.memory));
-    }
-    let worker = Arc::new(Worker::new(cfg.dir.clone(), cfg.memory, cfg.seed));
-    restore::start(worker.clone(), &crate::daemon_id(&cfg.dir))?;
-    worker.open_fresh(cfg.gpu).map_err(|e| match e {
+/// What opening the driver or a context failed with, as the worker reports it.
+pub(super) fn open_error(cfg: &WorkerConfig, e: OpenError) -> WorkerError {
+    match e {
         OpenError::Connect(source) => WorkerError::Driver {
             socket: crate::socket_path(&cfg.dir).display().to_string(),
             dir: cfg.dir.display().to_string(),
             source,
         },
         OpenError::Cuda(code) => WorkerError::Context {
-            gpu: cfg.gpu,
+            gpus: cfg.gpus.clone(),
             bytes: cfg.memory,
             code,
         },
@@ -168,7 +194,38 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
             socket: crate::socket_path(&cfg.dir).display().to_string(),
             reason,
         },
-    })?;
+    }
+}
+
+/// Runs the worker until it is killed (or `/fault?exit=1`).
+pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
+    if cfg.process_per_gpu && cfg.gpus.is_empty() {
+        return Err(WorkerError::Shape("--process-per-gpu needs --gpus"));
+    }
+    if !cfg.process_per_gpu && cfg.init_only != cfg.gpus.is_empty() {
+        return Err(WorkerError::Shape(
+            "--init-only holds no context: it takes no GPU (except as the launcher of --process-per-gpu)",
+        ));
+    }
+    if !cfg.gpus.is_empty() && cfg.memory < 4096 {
+        return Err(WorkerError::MemoryTooSmall(cfg.memory));
+    }
+    // Ranks are forked before this process starts any thread.
+    let (backend, extra): (Arc<dyn Backend>, serde_json::Value) = if cfg.process_per_gpu {
+        let t = tree::start(&cfg)?;
+        let extra = tree::ready_extra(&t);
+        (Arc::new(t), extra)
+    } else {
+        let ctx_gpus = if cfg.init_only {
+            Vec::new()
+        } else {
+            cfg.gpus.clone()
+        };
+        let worker = Arc::new(Worker::new(cfg.dir.clone(), cfg.memory, cfg.seed, ctx_gpus));
+        restore::start(worker.clone(), &crate::daemon_id(&cfg.dir))?;
+        worker.open_fresh().map_err(|e| open_error(&cfg, e))?;
+        (worker, serde_json::json!({}))
+    };
     let server = match &cfg.http_unix {
         Some(path) => tiny_http::Server::http_unix(path).map_err(|e| WorkerError::Http {
             listen: path.display().to_string(),
@@ -183,21 +240,29 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     };
     let port = server.server_addr().to_ip().map_or(0, |a| a.port());
     if let Some(path) = &cfg.ready_file {
-        write_ready(path, port, cfg.http_unix.as_deref()).map_err(|source| {
+        write_ready(path, port, cfg.http_unix.as_deref(), extra).map_err(|source| {
             WorkerError::ReadyFile {
                 path: path.display().to_string(),
                 source,
             }
         })?;
     }
-    tracing::info!(pid = std::process::id(), port, unix = ?cfg.http_unix, bytes = cfg.memory, gpu = cfg.gpu, "sim worker serving");
-    http::serve(worker, Arc::new(server));
+    tracing::info!(pid = std::process::id(), port, unix = ?cfg.http_unix, bytes = cfg.memory, gpus = ?cfg.gpus, tree = cfg.process_per_gpu, init_only = cfg.init_only, "sim worker serving");
+    http::serve(backend, Arc::new(server));
     Ok(())
 }
 
-fn write_ready(path: &Path, port: u16, unix: Option<&Path>) -> io::Result<()> {
-    let body =
-        serde_json::json!({ "pid": std::process::id(), "port": port, "unix": unix }).to_string();
+fn write_ready(
+    path: &Path,
+    port: u16,
+    unix: Option<&Path>,
+    extra: serde_json::Value,
+) -> io::Result<()> {
+    let mut body = serde_json::json!({ "pid": std::process::id(), "port": port, "unix": unix });
+    if let (Some(b), serde_json::Value::Object(extra)) = (body.as_object_mut(), extra) {
+        b.extend(extra);
+    }
+    let body = body.to_string();
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, body)?;
     std::fs::rename(&tmp, path)

@@ -1,4 +1,9 @@
 //! The worker's checkpoint state and its GPU calls.
+//!
+//! A worker holds one context per GPU it was started on (its *ranks*, in order), or none at all
+//! when it only initialised the driver (`--init-only`: a launcher that called `cuInit`, holding a
+//! driver fd and no device memory). Checkpoint and restore act on every context at once and are
+//! all-or-nothing, as the driver's are.
 
 use std::io::{self, Write};
 use std::os::fd::AsRawFd;
@@ -35,6 +40,8 @@ pub(crate) enum CallError {
     NoContext,
     /// The driver connection broke.
     Io(io::Error),
+    /// A rank of a tree did not answer (its process is gone, or the channel broke).
+    Rank(String),
 }
 
 #[derive(Debug)]
@@ -52,9 +59,10 @@ struct State {
     /// A restore failed for lack of device memory: the process can never be restored
     /// (NVIDIA/cuda-checkpoint#44).
     stuck: bool,
-    gpu_uuid: Option<GpuUuid>,
-    /// Device memory while checkpointed.
-    host_copy: Option<Vec<u8>>,
+    /// The GPU of each context, in rank order (what a restore's pairs must cover).
+    gpu_uuids: Vec<GpuUuid>,
+    /// Device memory of each context while checkpointed.
+    host_copy: Option<Vec<Vec<u8>>>,
     restore_tid: Pid,
 }
 
@@ -75,24 +83,63 @@ impl Context {
 #[derive(Debug)]
 pub(crate) struct Worker {
     dir: PathBuf,
+    /// Device memory of each context.
     bytes: u64,
     seed: u64,
+    /// NVML indices of the GPUs to open contexts on at start; empty: driver only (`cuInit`).
+    gpus: Vec<u32>,
     st: Mutex<State>,
     cv: Condvar,
-    ctx: Mutex<Option<Context>>,
-    expected: OnceLock<u64>,
+    /// The contexts, in rank order; empty while checkpointed.
+    ctx: Mutex<Vec<Context>>,
+    /// The driver fd of a worker without contexts; closed while checkpointed.
+    driver: Mutex<Option<UnixStream>>,
+    expected: OnceLock<Vec<u64>>,
 }
 
 fn protocol(what: &str, reply: impl std::fmt::Debug) -> io::Error {
     io::Error::other(format!("unexpected answer to {what}: {reply:?}"))
 }
 
+/// The seed of rank `rank`'s device memory (rank 0 keeps the worker's seed).
+pub(crate) fn rank_seed(seed: u64, rank: usize) -> u64 {
+    seed.wrapping_add(rank as u64)
+}
+
+/// Where each context of a process checkpointed on `used` lands with `pairs`, checked as the
+/// driver's documentation demands: no pairs, or a pair for *every* GPU the process used (each
+/// once), onto distinct GPUs. Anything else is `CUDA_ERROR_INVALID_VALUE` (NVIDIA documents the
+/// rule, not the code: that one is the safe guess) and changes nothing.
+pub(crate) fn restore_targets(
+    used: &[GpuUuid],
+    pairs: &[GpuPair],
+) -> Result<Vec<GpuUuid>, CuResult> {
+    if pairs.is_empty() {
+        return Ok(used.to_vec());
+    }
+    let mut targets = Vec::with_capacity(used.len());
+    for old in used {
+        let mut found = pairs.iter().filter(|p| p.old == *old);
+        match (found.next(), found.next()) {
+            (Some(p), None) => targets.push(p.new.clone()),
+            _ => return Err(CuResult::INVALID_VALUE),
+        }
+    }
+    let distinct: std::collections::HashSet<&GpuUuid> = targets.iter().collect();
+    if pairs.len() != used.len() || distinct.len() != targets.len() {
+        return Err(CuResult::INVALID_VALUE);
+    }
+    Ok(targets)
+}
+
 impl Worker {
-    pub(crate) fn new(dir: PathBuf, bytes: u64, seed: u64) -> Self {
+    /// A worker with a context of `bytes` on each of `gpus` (none: the driver only).
+    pub(crate) fn new(dir: PathBuf, bytes: u64, seed: u64, gpus: Vec<u32>) -> Self {
         Worker {
             dir,
             bytes,
             seed,
+            gpus,
             st: Mutex::new(State {
                 phase: ProcessState::Running,
                 gate_closed: false,
@@ -101,12 +148,13 @@ impl Worker {
                 busy_until: Instant::now(),
                 sticky: None,
                 stuck: false,
-                gpu_uuid: None,
+                gpu_uuids: Vec::new(),
                 host_copy: None,
                 restore_tid: 0,
             }),
             cv: Condvar::new(),
-            ctx: Mutex::new(None),
+            ctx: Mutex::new(Vec::new()),
+            driver: Mutex::new(None),
             expected: OnceLock::new(),
         }
     }
@@ -115,24 +163,68 @@ impl Worker {
         self.st.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn ctx(&self) -> MutexGuard<'_, Option<Context>> {
+    fn ctx(&self) -> MutexGuard<'_, Vec<Context>> {
         self.ctx.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn driver(&self) -> MutexGuard<'_, Option<UnixStream>> {
+        self.driver.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Device memory of each context.
     pub(crate) fn bytes(&self) -> u64 {
         self.bytes
+    }
+
+    /// How many contexts (ranks) it has; 0 for a driver-only worker.
+    pub(crate) fn ranks(&self) -> usize {
+        self.gpus.len()
     }
 
     pub(crate) fn set_restore_tid(&self, tid: Pid) {
         self.st().restore_tid = tid;
     }
 
-    /// Opens the first context, filled from the seed.
-    pub(crate) fn open_fresh(&self, gpu: u32) -> Result<(), OpenError> {
-        let (ctx, uuid) = self.open(GpuSel::Index(gpu), Init::Seed(self.seed), None)?;
-        *self.ctx() = Some(ctx);
-        self.st().gpu_uuid = Some(uuid);
+    /// Opens the driver and the first contexts, filled from the seeds.
+    pub(crate) fn open_fresh(&self) -> Result<(), OpenError> {
+        if self.gpus.is_empty() {
+            *self.driver() = Some(self.open_driver()?);
+            return Ok(());
+        }
+        let mut opened = Vec::new();
+        let mut uuids = Vec::new();
+        for (rank, gpu) in self.gpus.iter().enumerate() {
+            let init = Init::Seed(rank_seed(self.seed, rank));
+            let (ctx, uuid) = self.open(GpuSel::Index(*gpu), init, None)?;
+            opened.push(ctx);
+            uuids.push(uuid);
+        }
+        *self.ctx() = opened;
+        self.st().gpu_uuids = uuids;
         Ok(())
+    }
+
+    fn connect(&self) -> Result<(UnixStream, u64), OpenError> {
+        let s = UnixStream::connect(crate::socket_path(&self.dir)).map_err(OpenError::Connect)?;
+        crate::sys::grow_socket_buffers(&s);
+        let inode = nix::sys::stat::fstat(s.as_raw_fd())
+            .map_err(|e| OpenError::Protocol(e.to_string()))?
+            .st_ino;
+        Ok((s, inode))
+    }
+
+    /// What `cuInit` opens: a driver fd without a context.
+    fn open_driver(&self) -> Result<UnixStream, OpenError> {
+        let (mut s, inode) = self.connect()?;
+        let perr = |e: io::Error| OpenError::Protocol(e.to_string());
+        proto::send(&mut s, &Request::OpenDriver { inode }).map_err(perr)?;
+        match proto::recv_some(&mut s).map_err(perr)? {
+            Reply::DriverOpened => Ok(s),
+            Reply::Cuda(code) => Err(OpenError::Cuda(code)),
+            other => Err(OpenError::Protocol(format!(
+                "unexpected answer to open: {other:?}"
+            ))),
+        }
     }
 
     fn open(
@@ -141,13 +233,8 @@ impl Worker {
         init: Init,
         upload: Option<&[u8]>,
     ) -> Result<(Context, GpuUuid), OpenError> {
-        let mut s =
-            UnixStream::connect(crate::socket_path(&self.dir)).map_err(OpenError::Connect)?;
-        crate::sys::grow_socket_buffers(&s);
+        let (mut s, inode) = self.connect()?;
         let perr = |e: io::Error| OpenError::Protocol(e.to_string());
-        let inode = nix::sys::stat::fstat(s.as_raw_fd())
-            .map_err(|e| perr(e.into()))?
-            .st_ino;
         proto::send(
             &mut s,
             &Request::OpenContext(OpenContext {
@@ -203,7 +290,7 @@ impl Worker {
     /// Runs an application GPU call: waits while locked, fails on a sticky error.
     pub(crate) fn gpu_call<T>(
         &self,
-        f: impl FnOnce(&mut Context) -> io::Result<T>,
+        f: impl FnOnce(&mut [Context]) -> io::Result<T>,
     ) -> Result<T, CallError> {
         {
             let mut st = self.pass_gate(self.st());
@@ -212,33 +299,51 @@ impl Worker {
             }
             st.inflight += 1;
         }
-        let r = match self.ctx().as_mut() {
-            Some(c) => f(c).map_err(CallError::Io),
-            None => Err(CallError::NoContext),
+        let r = {
+            let mut ctx = self.ctx();
+            if ctx.is_empty() {
+                Err(CallError::NoContext)
+            } else {
+                f(&mut ctx).map_err(CallError::Io)
+            }
         };
         self.st().inflight -= 1;
         self.cv.notify_all();
         r
     }
 
-    /// Reads device-memory words (a "kernel" sampling the weights).
-    pub(crate) fn read_words(&self, words: Vec<u64>) -> Result<Vec<u64>, CallError> {
-        self.gpu_call(|c| match c.request(&CtxRequest::Read(words))? {
-            CtxReply::Words(w) => Ok(w),
-            other => Err(protocol("read", other)),
+    /// Reads device-memory words of rank `rank` (a "kernel" sampling the weights).
+    pub(crate) fn read_words(&self, rank: usize, words: Vec<u64>) -> Result<Vec<u64>, CallError> {
+        self.gpu_call(|c| {
+            let ctx = c
+                .get_mut(rank)
+                .ok_or_else(|| io::Error::other(format!("no rank {rank}")))?;
+            match ctx.request(&CtxRequest::Read(words))? {
+                CtxReply::Words(w) => Ok(w),
+                other => Err(protocol("read", other)),
+            }
         })
     }
 
-    /// `(actual, expected)` content hash of device memory.
-    pub(crate) fn verify(&self) -> Result<(u64, u64), CallError> {
-        let actual = self.gpu_call(|c| match c.request(&CtxRequest::Hash)? {
-            CtxReply::Hash(h) => Ok(h),
-            other => Err(protocol("hash", other)),
+    /// `(actual, expected)` content hash of each context's device memory, in rank order.
+    pub(crate) fn verify(&self) -> Result<Vec<(u64, u64)>, CallError> {
+        if self.gpus.is_empty() {
+            return Ok(Vec::new());
+        }
+        let actual = self.gpu_call(|c| {
+            c.iter_mut()
+                .map(|ctx| match ctx.request(&CtxRequest::Hash)? {
+                    CtxReply::Hash(h) => Ok(h),
+                    other => Err(protocol("hash", other)),
+                })
+                .collect::<io::Result<Vec<u64>>>()
         })?;
-        let expected = *self
-            .expected
-            .get_or_init(|| memory::expected_hash(self.seed, self.bytes));
-        Ok((actual, expected))
+        let expected = self.expected.get_or_init(|| {
+            (0..self.gpus.len())
+                .map(|r| memory::expected_hash(rank_seed(self.seed, r), self.bytes))
+                .collect()
+        });
+        Ok(actual.into_iter().zip(expected.iter().copied()).collect())
     }
 
     /// Queues `ms` of GPU work.
@@ -318,18 +423,37 @@ impl Worker {
         if st.phase != ProcessState::Locked {
             return Err(CuResult::ILLEGAL_STATE);
         }
+        if self.gpus.is_empty() {
+            // Nothing on a GPU: the driver fd is released, as every driver fd is by checkpoint.
+            *self.driver() = None;
+            st.host_copy = Some(Vec::new());
+            st.phase = ProcessState::Checkpointed;
+            return Ok(ApiDone::Done);
+        }
         let mut slot = self.ctx();
-        let Some(ctx) = slot.as_mut() else {
+        if slot.is_empty() {
             return Err(CuResult::ILLEGAL_STATE);
-        };
-        let copy = download(ctx).map_err(|err| {
-            tracing::error!(%err, "checkpoint failed");
-            CuResult::UNKNOWN
-        })?;
-        // Closing our end: only duplicates held elsewhere (pins) keep the socket open now, and
+        }
+        // All or nothing: every context is copied before any is released.
+        let mut copies = Vec::with_capacity(slot.len());
+        for ctx in slot.iter_mut() {
+            copies.push(download(ctx).map_err(|err| {
+                tracing::error!(%err, "checkpoint failed while copying device memory");
+                CuResult::UNKNOWN
+            })?);
+        }
+        for ctx in slot.iter_mut() {
+            if let Err(err) = release(ctx) {
+                // Some contexts are gone, some not: the driver gives up on such a process.
+                tracing::error!(%err, "checkpoint failed while releasing a context");
+                st.phase = ProcessState::Failed;
+                return Err(CuResult::UNKNOWN);
+            }
+        }
+        // Closing our ends: only duplicates held elsewhere (pins) keep the sockets open now, and
         // the daemon has already freed the memory.
-        *slot = None;
-        st.host_copy = Some(copy);
+        slot.clear();
+        st.host_copy = Some(copies);
         st.phase = ProcessState::Checkpointed;
         Ok(ApiDone::Done)
     }
@@ -342,34 +466,64 @@ impl Worker {
         if st.phase != ProcessState::Checkpointed {
             return Err(CuResult::ILLEGAL_STATE);
         }
-        let Some(old) = st.gpu_uuid.clone() else {
+        let targets = restore_targets(&st.gpu_uuids, pairs)?;
+        if self.gpus.is_empty() {
+            return match self.open_driver() {
+                Ok(s) => {
+                    *self.driver() = Some(s);
+                    st.host_copy = None;
+                    st.phase = ProcessState::Locked;
+                    Ok(ApiDone::Done)
+                }
+                Err(err) => {
+                    tracing::error!(?err, "restore failed");
+                    Err(CuResult::OPERATING_SYSTEM)
+                }
+            };
+        }
+        let Some(copies) = st.host_copy.as_deref() else {
             return Err(CuResult::ILLEGAL_STATE);
         };
-        let target = pairs
-            .iter()
-            .find(|p| p.old == old)
-            .map_or(old, |p| p.new.clone());
-        let Some(copy) = st.host_copy.as_deref() else {
-            return Err(CuResult::ILLEGAL_STATE);
-        };
-        match self.open(GpuSel::Uuid(target), Init::Upload, Some(copy)) {
-            Ok((ctx, uuid)) => {
-                *self.ctx() = Some(ctx);
-                st.gpu_uuid = Some(uuid);
-                st.host_copy = None;
-                st.phase = ProcessState::Locked;
-                Ok(ApiDone::Done)
-            }
-            Err(OpenError::Cuda(CuResult::OUT_OF_MEMORY)) => {
-                st.stuck = true;
-                Err(CuResult::OUT_OF_MEMORY)
-            }
-            Err(OpenError::Cuda(code)) => Err(code),
-            Err(err) => {
-                tracing::error!(?err, "restore failed");
-                Err(CuResult::OPERATING_SYSTEM)
+        // All or nothing: a context that cannot be opened undoes the ones that were.
+        let mut opened = Vec::with_capacity(targets.len());
+        let mut uuids = Vec::with_capacity(targets.len());
+        let mut failure = None;
+        for (target, copy) in targets.into_iter().zip(copies) {
+            match self.open(GpuSel::Uuid(target), Init::Upload, Some(copy)) {
+                Ok((ctx, uuid)) => {
+                    opened.push(ctx);
+                    uuids.push(uuid);
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
             }
         }
+        if let Some(err) = failure {
+            for mut ctx in opened {
+                // Released before closed: an undone restore is no live restored context.
+                if let Err(e) = release(&mut ctx) {
+                    tracing::error!(%e, "cannot release a context of a failed restore");
+                }
+            }
+            return match err {
+                OpenError::Cuda(CuResult::OUT_OF_MEMORY) => {
+                    st.stuck = true;
+                    Err(CuResult::OUT_OF_MEMORY)
+                }
+                OpenError::Cuda(code) => Err(code),
+                err => {
+                    tracing::error!(?err, "restore failed");
+                    Err(CuResult::OPERATING_SYSTEM)
+                }
+            };
+        }
+        *self.ctx() = opened;
+        st.gpu_uuids = uuids;
+        st.host_copy = None;
+        st.phase = ProcessState::Locked;
+        Ok(ApiDone::Done)
     }
 
     fn unlock(&self) -> Result<ApiDone, CuResult> {
@@ -393,8 +547,61 @@ fn download(ctx: &mut Context) -> io::Result<Vec<u8>> {
     let mut copy = vec![0u8; n];
     crate::sys::advise_huge_pages(&mut copy);
     io::Read::read_exact(&mut ctx.s, &mut copy)?;
+    Ok(copy)
+}
+
+fn release(ctx: &mut Context) -> io::Result<()> {
     match ctx.request(&CtxRequest::Release)? {
-        CtxReply::Released => Ok(copy),
+        CtxReply::Released => Ok(()),
         other => Err(protocol("release", other)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn u(n: u8) -> GpuUuid {
+        GpuUuid::from_bytes([n; 16])
+    }
+
+    fn pair(o: u8, n: u8) -> GpuPair {
+        GpuPair {
+            old: u(o),
+            new: u(n),
+        }
+    }
+
+    #[test]
+    fn restore_takes_no_pairs_or_a_complete_list() {
+        let used = [u(1), u(2)];
+        assert_eq!(restore_targets(&used, &[]), Ok(vec![u(1), u(2)]));
+        assert_eq!(
+            restore_targets(&used, &[pair(2, 2), pair(1, 3)]),
+            Ok(vec![u(3), u(2)])
+        );
+        assert_eq!(
+            restore_targets(&used, &[pair(1, 2), pair(2, 1)]),
+            Ok(vec![u(2), u(1)])
+        );
+        for bad in [
+            vec![pair(1, 3)],                         // GPU 2 left out
+            vec![pair(1, 3), pair(2, 3)],             // two onto one
+            vec![pair(1, 3), pair(2, 2), pair(4, 5)], // a GPU the process did not use
+            vec![pair(1, 3), pair(1, 4), pair(2, 2)], // GPU 1 twice
+            vec![pair(1, 2)],                         // onto the other's GPU, other missing
+        ] {
+            assert_eq!(
+                restore_targets(&used, &bad),
+                Err(CuResult::INVALID_VALUE),
+                "{bad:?}"
+            );
+        }
+        // A process without contexts takes no pairs.
+        assert_eq!(restore_targets(&[], &[]), Ok(vec![]));
+        assert_eq!(
+            restore_targets(&[], &[pair(1, 1)]),
+            Err(CuResult::INVALID_VALUE)
+        );
     }
 }

@@ -1,0 +1,389 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! Where the real driver's answer is unknown, the simulated one is strict (issue 9): processes
+//! that cannot run their restore thread (stopped, traced, frozen), zombies, pids that do not
+//! exist, a launcher that only called `cuInit`, injected hangs, and the restore thread id that
+//! the driver knows without asking the thread (CRIU's cuda plugin asks it of a frozen process).
+
+mod common;
+
+use std::io::ErrorKind;
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use common::{code, Sim, WorkerSpec};
+use cryo_gpu::{CuResult, ProcessState};
+use cryo_proc::Pid;
+use cryo_sim::proto::{self, ApiCall, ApiDone, CallKind, HangRule, Reply, Request};
+use cryo_testkit::{eventually, procs, PATIENCE};
+use nix::sys::ptrace;
+use nix::sys::signal::{kill, Signal};
+use nix::sys::wait::{waitpid, WaitPidFlag};
+use nix::unistd::Pid as NixPid;
+
+/// One request with a caller-side deadline: `None` when no answer came within `limit` (the
+/// connection is then closed, as a caller that gives up closes it).
+fn request_within(sim: &Sim, req: &Request, limit: Duration) -> Option<Reply> {
+    let mut s = UnixStream::connect(cryo_sim::socket_path(sim.path())).unwrap();
+    proto::send(&mut s, req).unwrap();
+    s.set_read_timeout(Some(limit)).unwrap();
+    match proto::recv::<Reply>(&mut s) {
+        Ok(Some(r)) => Some(r),
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => None,
+        other => panic!("unexpected answer {other:?}"),
+    }
+}
+
+fn call_within(sim: &Sim, pid: Pid, call: ApiCall, limit: Duration) -> Option<Reply> {
+    request_within(sim, &Request::Call { pid, call }, limit)
+}
+
+fn stop(pid: Pid) {
+    kill(NixPid::from_raw(pid), Signal::SIGSTOP).unwrap();
+    // SIGSTOP acts asynchronously: wait until every thread has stopped.
+    eventually(PATIENCE, "every thread to stop", || {
+        procs::all_threads_in(pid, &['T'])
+    });
+}
+
+/// A process frozen as CRIU and debuggers freeze one: every thread seized and interrupted.
+struct Frozen {
+    tids: Vec<Pid>,
+    running: Vec<Pid>,
+}
+
+impl Frozen {
+    fn new(pid: Pid) -> Frozen {
+        let tids = cryo_proc::ProcHandle::open(pid).unwrap().tasks().unwrap();
+        for t in &tids {
+            ptrace::seize(NixPid::from_raw(*t), ptrace::Options::empty()).unwrap();
+            ptrace::interrupt(NixPid::from_raw(*t)).unwrap();
+            waitpid(NixPid::from_raw(*t), Some(WaitPidFlag::__WALL)).unwrap();
+        }
+        assert!(
+            procs::all_threads_in(pid, &['t']),
+            "{:?}",
+            procs::thread_states(pid)
+        );
+        Frozen {
+            tids,
+            running: Vec::new(),
+        }
+    }
+
+    /// Lets this one thread run again (CRIU's cuda plugin resumes the restore thread alone).
+    fn resume(&mut self, tid: Pid) {
+        ptrace::cont(NixPid::from_raw(tid), None).unwrap();
+        self.running.push(tid);
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        for t in &self.running {
+            let _ = ptrace::interrupt(NixPid::from_raw(*t));
+            let _ = waitpid(NixPid::from_raw(*t), Some(WaitPidFlag::__WALL));
+        }
+        for t in &self.tids {
+            let _ = ptrace::detach(NixPid::from_raw(*t), None);
+        }
+    }
+}
+
+fn tid_of(reply: Option<Reply>) -> Pid {
+    match reply {
+        Some(Reply::Api(ApiDone::Tid(t))) => t,
+        other => panic!("expected a restore tid, got {other:?}"),
+    }
+}
+
+#[test]
+fn the_restore_tid_of_a_stopped_or_frozen_process_is_answered_without_its_thread() {
+    let sim = common::sim();
+    let w = common::worker(&sim, "8MiB", 0, 1);
+    let tid = sim.gpu.driver.restore_thread_id(w.pid).unwrap();
+    assert_ne!(tid, w.pid);
+    assert_eq!(cryo_proc::tgid(tid).unwrap(), Some(w.pid));
+    // Any thread id stands for its process (NVIDIA/cuda-checkpoint#41).
+    assert_eq!(sim.gpu.driver.restore_thread_id(tid).unwrap(), tid);
+    assert_eq!(
+        sim.gpu.driver.state(tid).unwrap(),
+        ProcessState::Running,
+        "the restore tid stands for its process (CRIU asks --get-state of it)"
+    );
+
+    stop(w.pid);
+    assert_eq!(
+        tid_of(call_within(&sim, w.pid, ApiCall::RestoreTid, PATIENCE)),
+        tid
+    );
+    kill(NixPid::from_raw(w.pid), Signal::SIGCONT).unwrap();
+
+    let frozen = Frozen::new(w.pid);
+    assert_eq!(
+        tid_of(call_within(&sim, w.pid, ApiCall::RestoreTid, PATIENCE)),
+        tid
+    );
+    drop(frozen);
+    assert_eq!(w.complete("thawed"), w.complete("thawed"));
+}
+
+/// CRIU's cuda plugin: every thread frozen, the restore thread alone resumed, then lock and
+/// checkpoint through it; the other threads never ran meanwhile.
+#[test]
+fn a_frozen_process_whose_restore_thread_alone_runs_can_be_suspended_and_restored() {
+    let sim = common::sim();
+    let w = common::worker(&sim, "16MiB", 0, 4);
+    let before = w.complete("frozen");
+    let d = &sim.gpu.driver;
+    d.lock(w.pid, Some(Duration::from_secs(10))).unwrap();
+    let mut frozen = Frozen::new(w.pid);
+    let tid = tid_of(call_within(&sim, w.pid, ApiCall::RestoreTid, PATIENCE));
+    frozen.resume(tid);
+    d.checkpoint(w.pid).unwrap();
+    assert!(!sim.listed(w.pid));
+    assert!(sim.gpu.inspect.driver_fds(w.pid).unwrap().is_empty());
+    d.restore(w.pid, &[]).unwrap();
+    d.unlock(w.pid).unwrap();
+    let others: Vec<char> = cryo_proc::ProcHandle::open(w.pid)
+        .unwrap()
+        .tasks()
+        .unwrap()
+        .into_iter()
+        .filter(|t| *t != tid)
+        .map(|t| cryo_proc::stat(t).unwrap().state)
+        .collect();
+    assert!(others.iter().all(|s| *s == 't'), "{others:?}");
+    drop(frozen);
+    assert_eq!(w.complete("frozen"), before);
+    sim.suspend(w.pid);
+    assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
+}
+
+/// A stopped process cannot run its restore thread: no answer at all, not even a lock's
+/// NOT_READY after its timeout, until the caller gives up; the call stays queued and takes
+/// effect when the process runs again, although nobody waits for it any more.
+#[test]
+fn calls_on_a_stopped_process_hang_and_take_effect_late() {
+    let sim = common::sim();
+    let w = common::worker(&sim, "8MiB", 0, 1);
+    stop(w.pid);
+    // Longer than the lock's own timeout and any grace a driver could add to it.
+    let lock = ApiCall::Lock {
+        timeout_ms: Some(100),
+    };
+    assert!(
+        call_within(&sim, w.pid, lock, Duration::from_secs(4)).is_none(),
+        "a lock on a stopped process must not be answered"
+    );
+    assert!(call_within(&sim, w.pid, ApiCall::State, Duration::from_secs(1)).is_none());
+    kill(NixPid::from_raw(w.pid), Signal::SIGCONT).unwrap();
+    // The late lock locked the process behind its caller's back.
+    eventually(PATIENCE, "the late lock to take effect", || {
+        sim.gpu.driver.state(w.pid).unwrap() == ProcessState::Locked
+    });
+    sim.gpu.driver.unlock(w.pid).unwrap();
+    assert_eq!(w.verify()["ok"], true);
+}
+
+#[test]
+fn a_call_on_a_stopped_process_that_dies_is_answered_as_for_the_dead() {
+    let sim = common::sim();
+    let w = common::worker(&sim, "8MiB", 0, 1);
+    stop(w.pid);
+    let pid = w.pid;
+    let call = std::thread::spawn({
+        let dir = sim.path().to_path_buf();
+        move || {
+            // No deadline: only the death can end it.
+            let client = cryo_sim::SimClient::new(&dir);
+            client.request(&Request::Call {
+                pid,
+                call: ApiCall::Lock { timeout_ms: None },
+            })
+        }
+    });
+    eventually(PATIENCE, "the lock to reach the restore thread", || {
+        sim.daemon_log()
+            .contains("call handed to the restore thread")
+    });
+    w.sigkill();
+    match call.join().unwrap().unwrap() {
+        Reply::Cuda(c) => assert!(
+            c == CuResult::NOT_INITIALIZED || c == CuResult::INVALID_VALUE,
+            "{c}"
+        ),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A zombie has closed its files, its restore thread is gone: "no CUDA state" codes, even while
+/// a pinned duplicate keeps its context alive and NVML lists it. Only NVML and the kernel tell.
+#[test]
+fn zombies_and_missing_pids_get_the_no_cuda_codes_even_with_a_live_context() {
+    let sim = common::sim();
+    let mut w = common::worker(&sim, "8MiB", 0, 1);
+    let fds = sim.gpu.inspect.driver_fds(w.pid).unwrap();
+    let pin = cryo_proc::ProcHandle::open(w.pid)
+        .unwrap()
+        .get_fd(fds[0])
+        .unwrap();
+    w.sigkill();
+    w.wait_zombie();
+    assert!(sim.listed(w.pid), "the pinned context stays listed");
+    let d = &sim.gpu.driver;
+    assert_eq!(code(d.state(w.pid)), CuResult::NOT_INITIALIZED);
+    assert_eq!(code(d.restore_thread_id(w.pid)), CuResult::NOT_INITIALIZED);
+    assert_eq!(
+        code(d.lock(w.pid, Some(Duration::from_millis(100)))),
+        CuResult::NOT_INITIALIZED
+    );
+    drop(pin);
+    w.reap();
+    for r in [
+        d.state(w.pid).map(drop),
+        d.restore_thread_id(w.pid).map(drop),
+        d.lock(w.pid, None),
+        d.checkpoint(w.pid),
+        d.restore(w.pid, &[]),
+        d.unlock(w.pid),
+    ] {
+        assert_eq!(code(r), CuResult::INVALID_VALUE);
+    }
+    // It was never restored: closing the pin tore down an ordinary context.
+    eventually(PATIENCE, "the context to be torn down", || {
+        !sim.listed(w.pid)
+    });
+    assert!(sim.settled_ledger().is_empty());
+}
+
+/// A launcher that only called `cuInit`: a driver fd, a restore thread, no context, nothing in
+/// NVML. To the checkpoint API it is a CUDA process; checkpoint releases its driver fd.
+#[test]
+fn an_init_only_process_is_a_cuda_process_without_device_memory() {
+    let sim = common::sim();
+    let w = sim.spawn(WorkerSpec::new("4KiB").init_only());
+    let d = &sim.gpu.driver;
+    assert!(!sim.listed(w.pid), "no context, nothing for NVML");
+    assert_eq!(sim.gpu.inspect.driver_fds(w.pid).unwrap().len(), 1);
+    assert_eq!(d.state(w.pid).unwrap(), ProcessState::Running);
+    let tid = d.restore_thread_id(w.pid).unwrap();
+    assert_eq!(cryo_proc::tgid(tid).unwrap(), Some(w.pid));
+    let before = w.complete("launcher");
+    assert_eq!(w.verify()["ok"], true);
+    assert_eq!(w.verify()["bytes"], 0);
+
+    d.lock(w.pid, Some(Duration::from_secs(5))).unwrap();
+    d.checkpoint(w.pid).unwrap();
+    assert_eq!(d.state(w.pid).unwrap(), ProcessState::Checkpointed);
+    assert!(sim.gpu.inspect.driver_fds(w.pid).unwrap().is_empty());
+    let gpus = sim.gpu.inspect.gpus().unwrap();
+    let pair = cryo_gpu::GpuPair {
+        old: gpus[0].uuid.clone(),
+        new: gpus[1].uuid.clone(),
+    };
+    assert_eq!(
+        code(d.restore(w.pid, &[pair])),
+        CuResult::INVALID_VALUE,
+        "a process that used no GPU takes no pairs"
+    );
+    d.restore(w.pid, &[]).unwrap();
+    assert_eq!(sim.gpu.inspect.driver_fds(w.pid).unwrap().len(), 1);
+    d.unlock(w.pid).unwrap();
+    assert_eq!(w.complete("launcher"), before);
+    assert!(!sim.listed(w.pid));
+}
+
+#[test]
+fn an_injected_hang_holds_calls_until_released_or_abandoned() {
+    let sim = common::sim();
+    let w = common::worker(&sim, "8MiB", 0, 1);
+    let c = &sim.control;
+    c.hang(HangRule {
+        call: CallKind::State,
+        pid: Some(w.pid),
+        times: Some(1),
+    })
+    .unwrap();
+    let held = std::thread::spawn({
+        let dir = sim.path().to_path_buf();
+        let pid = w.pid;
+        move || {
+            let client = cryo_sim::SimClient::new(&dir);
+            cryo_gpu::CheckpointDriver::state(&client, pid)
+        }
+    });
+    eventually(PATIENCE, "the call to be held", || c.held().unwrap() == 1);
+    // `times: 1`: the next call goes through, other calls too.
+    assert_eq!(sim.gpu.driver.state(w.pid).unwrap(), ProcessState::Running);
+    assert_eq!(c.release().unwrap(), 1);
+    assert_eq!(held.join().unwrap().unwrap(), ProcessState::Running);
+
+    // Every NVML query hangs; a caller that gives up is dropped, the rest go on after release.
+    c.hang(HangRule {
+        call: CallKind::Processes,
+        pid: None,
+        times: None,
+    })
+    .unwrap();
+    assert!(request_within(&sim, &Request::Processes, Duration::from_millis(300)).is_none());
+    eventually(PATIENCE, "the abandoned call to be dropped", || {
+        c.held().unwrap() == 0
+    });
+    let waiting = std::thread::spawn({
+        let dir = sim.path().to_path_buf();
+        move || cryo_gpu::GpuInspector::processes(&cryo_sim::SimClient::new(&dir))
+    });
+    eventually(PATIENCE, "the call to be held", || c.held().unwrap() == 1);
+    assert!(sim.gpu.inspect.gpus().is_ok(), "other calls are not held");
+    assert_eq!(c.release().unwrap(), 1);
+    assert!(waiting
+        .join()
+        .unwrap()
+        .unwrap()
+        .iter()
+        .any(|p| p.pid == w.pid));
+    assert!(sim.listed(w.pid), "a release clears the rules");
+
+    // A hang on any call of one process, lock included.
+    c.hang(HangRule {
+        call: CallKind::Any,
+        pid: Some(w.pid),
+        times: None,
+    })
+    .unwrap();
+    let lock = ApiCall::Lock {
+        timeout_ms: Some(50),
+    };
+    assert!(call_within(&sim, w.pid, lock, Duration::from_millis(300)).is_none());
+    eventually(PATIENCE, "the abandoned lock to be dropped", || {
+        c.held().unwrap() == 0
+    });
+    c.release().unwrap();
+    assert_eq!(
+        sim.gpu.driver.state(w.pid).unwrap(),
+        ProcessState::Running,
+        "a held call whose caller gave up never reached the driver"
+    );
+}
+
+#[test]
+fn hangs_are_injected_by_hand_too() {
+    let sim = common::sim();
+    let out = std::process::Command::new(common::BIN)
+        .args(["inject", "--dir"])
+        .arg(sim.path())
+        .args(["hang", "--call", "gpus", "--times", "1"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(request_within(&sim, &Request::Gpus, Duration::from_millis(200)).is_none());
+    assert!(sim.gpu.inspect.gpus().is_ok(), "only one call was to hang");
+    let out = std::process::Command::new(common::BIN)
+        .args(["inject", "--dir"])
+        .arg(sim.path())
+        .arg("release")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("calls were held"));
+}
