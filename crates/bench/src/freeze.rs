@@ -1,36 +1,45 @@
 //! `cryo bench freeze`: `cryo freeze`/`cryo thaw` against the same work done by hand with the
-//! `criu` command line and one `cryo cuda-checkpoint` process per action, on a private simulated GPU.
+//! `criu` command line and one `cryo cuda-checkpoint` process per action (the bare route), on a
+//! private simulated GPU, moment by moment, with the disk's own limits measured in the same run.
 //!
 //! # Design
 //! One run starts its own simulated driver (one GPU, room for one worker of the largest size) in
-//! a temporary directory, and for each size measures two arms on fresh workers (one worker at a
-//! time, images removed between arms, to bound memory and disk):
-//! - **cryo**: `cryo freeze PID --image A`, then `cryo thaw A --health-url ...` (manifest,
-//!   checksums, prechecks, health check included);
-//! - **cli**: freeze = `cuda-checkpoint --action lock`, `--action checkpoint`, `criu dump`;
-//!   thaw = `criu restore -d`, `cuda-checkpoint --action restore`, `--action unlock`, then the
-//!   health endpoint polled until it answers.
+//! a temporary directory. Each size gets a row. A row starts by measuring what the disk gives
+//! for the same amount of data (up to 1 GiB): written and fsync'd, read back from a cold cache
+//! (after `drop_caches`), read from the page cache. Then `--rounds` counted rounds of both arms,
+//! on fresh workers, the arm that goes first alternating (A B, B A, ...), after one warm-up
+//! round of both at the smallest size that is not counted:
+//! - **cryo**: `cryo freeze PID --image A --json`, then `cryo thaw A --health-url ...` twice:
+//!   from the page cache, and after dropping the caches;
+//! - **bare**: `cuda-checkpoint --action lock`, `--action checkpoint`, `criu dump`, then a fsync
+//!   of every image file and the directory (what it takes for the image to be durable, which the
+//!   bare route never does by itself); thaw = `criu restore -d`, `cuda-checkpoint --action
+//!   restore`, `--action unlock`, then the health endpoint polled until it answers; again after
+//!   dropping the caches.
 //!
-//! Freeze is timed from the first process started to the dump's exit; thaw from the first
-//! process started to the first answered health request (for cryo also reported by cryo itself as
-//! `first_answer_ms`). The run starts with one warm-up round of both arms at the smallest size,
-//! not counted (it pays for the page cache of both binaries and CRIU's libraries and the first
-//! touches of some guest memory; at the largest size it would add a minute to a default run);
-//! then every size gets `--rounds` counted rounds, the arm that goes first alternating from round
-//! to round (A B, B A, ...). Each cell is the median over the rounds with the min-max beside it;
-//! ratios are ratios of medians. Every worker is stopped with `cryo stop`
-//! and the wedge ledger must stay empty. The host's load average is printed at the start and end.
+//! The moments an operator waits for, from the first process started: **GPU free** (every CUDA
+//! process suspended), **worker gone** (the dump done, the tree gone), **published and
+//! durable** (cryo's exit; the bare route's dump plus its fsyncs), and the thaws to the first
+//! answered health request. cryo's first two moments are its own (`gpu_free_ms`,
+//! `worker_gone_ms`) plus all of the process's start and exit cost (its wall time minus its own
+//! elapsed time), so they are never flattered. Each cell is the median over the rounds with the
+//! min-max beside it; ratios are ratios of medians (bare / cryo: above 1, cryo is faster).
+//! Throughputs are image bytes over a moment or step, next to the disk's limit for those bytes.
+//! Every worker is stopped with `cryo stop` and the wedge ledger must stay empty. The host's
+//! load average is printed at the start and end.
 //!
 //! # What the numbers mean, and limitations
-//! Needs root and CRIU. Only ratios mean anything, and only where the min-max ranges of the two
-//! arms do not overlap much. cryo does more than the CLI arm: it hashes and fsyncs the image and
-//! verifies the checksums before restoring, which costs time proportional to the image; that is
-//! the price of a crash-safe image, not overhead to hide. The simulated checkpoint is a memory
-//! copy between two processes, bound on a small VM by faulting in fresh pages, so the suspend and
-//! GPU-restore steps swing with the host; on a real GPU the driver's checkpoint dominates both
-//! arms. Images go to the temporary directory (`--dir`): its disk speed is part of every number.
+//! Needs root (CRIU, `drop_caches`). Only ratios mean anything, and only where the min-max
+//! ranges do not overlap much. cryo does more than the bare route: it hashes every byte at
+//! publish and checks every byte CRIU reads against the manifest, and the bare route's
+//! durability is added by the benchmark. Dropping the caches is host-wide: it slows whatever
+//! else runs there, and both arms pay for their binaries' pages alike. The simulated checkpoint
+//! is a memory copy between two processes, so the suspend and GPU-restore steps swing with the
+//! host; on a real GPU the driver's checkpoint dominates both arms. Images go to the temporary
+//! directory (`--dir`): its disk is the one measured.
 
 use std::fs;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -46,54 +55,49 @@ use crate::args::BenchFreezeArgs;
 use crate::measure::{a_first, load_average, load_line, Samples};
 use crate::private_sim::{private_exe, DriverOptions, PrivateSim, WorkerOptions};
 
-/// One row of the result: medians over the counted rounds (ms), and every sample.
+/// The moments compared, in the order printed.
+const MOMENTS: [&str; 5] = [
+    "GPU free",
+    "worker gone",
+    "published, durable",
+    "thaw, page cache",
+    "thaw, cold cache",
+];
+
+/// What the disk gives for the row's bytes, bytes per second, measured in the same run.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct Limits {
+    /// Bytes of the probe file.
+    bytes: u64,
+    /// Written and fsync'd.
+    write_fsync: f64,
+    /// Read after dropping the caches.
+    read_cold: f64,
+    /// Read from the page cache.
+    read_cached: f64,
+}
+
+/// One row: every sample, medians derived.
 #[derive(Debug, Serialize)]
 struct Row {
     memory_bytes: u64,
     image_bytes: u64,
     rounds: usize,
-    cryo_freeze_ms: f64,
-    cli_freeze_ms: f64,
-    /// cli / cryo (medians): above 1, cryo is faster.
-    freeze_ratio: f64,
-    cryo_thaw_ms: f64,
-    cli_thaw_ms: f64,
-    /// cli / cryo (medians): above 1, cryo is faster.
-    thaw_ratio: f64,
-    /// `cryo thaw`: from the request to the first answered health request, as cryo reports it.
-    first_answer_ms: f64,
-    /// `cryo freeze`'s own steps (medians): suspend, dump, publish (hash + fsync + rename), ms.
-    cryo_freeze_steps: [f64; 3],
-    /// `cryo thaw`'s own steps (medians): verify (checksums), CRIU restore, GPU restore + unlock.
-    cryo_thaw_steps: [f64; 3],
-    samples: RowSamples,
+    limits: Limits,
+    /// Per moment ([`MOMENTS`]): cryo's and the bare route's samples (ms).
+    cryo: [Samples; 5],
+    bare: [Samples; 5],
+    /// bare / cryo medians per moment: above 1, cryo is faster.
+    ratio: [f64; 5],
+    /// cryo's freeze steps: suspend, dump, publish (hash + fsync + manifest + rename), ms.
+    cryo_freeze_steps: [Samples; 3],
+    /// cryo's thaw from the page cache: checks before CRIU, CRIU restore through the streamer
+    /// (every byte checked), GPU restore + unlock, ms.
+    cryo_thaw_warm_steps: [Samples; 3],
+    /// The same after dropping the caches.
+    cryo_thaw_cold_steps: [Samples; 3],
     load_before: [f64; 3],
     load_after: [f64; 3],
-}
-
-#[derive(Debug, Default, Serialize)]
-struct RowSamples {
-    cryo_freeze_ms: Samples,
-    cli_freeze_ms: Samples,
-    cryo_thaw_ms: Samples,
-    cli_thaw_ms: Samples,
-    first_answer_ms: Samples,
-    cryo_freeze_steps: [Samples; 3],
-    cryo_thaw_steps: [Samples; 3],
-}
-
-impl RowSamples {
-    fn add(&mut self, cryo: &Arm, cli: &Arm) {
-        self.cryo_freeze_ms.push(cryo.freeze_ms);
-        self.cli_freeze_ms.push(cli.freeze_ms);
-        self.cryo_thaw_ms.push(cryo.thaw_ms);
-        self.cli_thaw_ms.push(cli.thaw_ms);
-        self.first_answer_ms.push(cryo.first_answer_ms);
-        for i in 0..3 {
-            self.cryo_freeze_steps[i].push(cryo.freeze_steps[i]);
-            self.cryo_thaw_steps[i].push(cryo.thaw_steps[i]);
-        }
-    }
 }
 
 /// Runs `cryo bench freeze` with the binary `cryo`.
@@ -116,12 +120,13 @@ pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
     let load_start = load_average();
     if !args.json {
         println!(
-            "cryo freeze/thaw against criu + cuda-checkpoint processes (simulated GPU, {})",
+            "cryo freeze/thaw against the bare route: criu + cuda-checkpoint processes (simulated \
+             GPU, {})",
             criu.path().display()
         );
         println!(
             "{} rounds per size after 1 warm-up round at {}, arm order alternating (ABBA), \
-             fresh worker per arm; cells: median (min-max) ms",
+             fresh worker per arm; cells: median (min-max) ms from the first process started",
             args.rounds,
             fmt_bytes(min)
         );
@@ -129,39 +134,49 @@ pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
     }
     // Warm-up, not counted.
     bench.cryo_arm(min)?;
-    bench.cli_arm(min)?;
+    bench.bare_arm(min)?;
     let mut rows = Vec::new();
     for size in &args.sizes {
         let load_before = load_average();
-        let mut s = RowSamples::default();
+        let limits = bench.limits((*size).min(1 << 30))?;
+        let mut cryo_s: [Samples; 5] = Default::default();
+        let mut bare_s: [Samples; 5] = Default::default();
+        let mut steps: [[Samples; 3]; 3] = Default::default();
         let mut image_bytes = 0;
         for round in 1..=args.rounds {
-            let (cryo, cli) = if a_first(round) {
+            let (c, b) = if a_first(round) {
                 let c = bench.cryo_arm(*size)?;
-                (c, bench.cli_arm(*size)?)
+                (c, bench.bare_arm(*size)?)
             } else {
-                let l = bench.cli_arm(*size)?;
-                (bench.cryo_arm(*size)?, l)
+                let b = bench.bare_arm(*size)?;
+                (bench.cryo_arm(*size)?, b)
             };
-            image_bytes = cryo.image_bytes;
-            s.add(&cryo, &cli);
+            image_bytes = c.image_bytes;
+            for i in 0..5 {
+                cryo_s[i].push(c.moments[i]);
+                bare_s[i].push(b.moments[i]);
+            }
+            for (j, st) in c.steps.iter().enumerate() {
+                for (k, v) in st.iter().enumerate() {
+                    steps[j][k].push(*v);
+                }
+            }
         }
+        let ratio: [f64; 5] = std::array::from_fn(|i| bare_s[i].median() / cryo_s[i].median());
+        let [freeze_steps, warm_steps, cold_steps] = steps;
         let row = Row {
             memory_bytes: *size,
             image_bytes,
             rounds: args.rounds,
-            cryo_freeze_ms: s.cryo_freeze_ms.median(),
-            cli_freeze_ms: s.cli_freeze_ms.median(),
-            freeze_ratio: s.cli_freeze_ms.median() / s.cryo_freeze_ms.median(),
-            cryo_thaw_ms: s.cryo_thaw_ms.median(),
-            cli_thaw_ms: s.cli_thaw_ms.median(),
-            thaw_ratio: s.cli_thaw_ms.median() / s.cryo_thaw_ms.median(),
-            first_answer_ms: s.first_answer_ms.median(),
-            cryo_freeze_steps: s.cryo_freeze_steps.each_ref().map(Samples::median),
-            cryo_thaw_steps: s.cryo_thaw_steps.each_ref().map(Samples::median),
+            limits,
+            cryo: cryo_s,
+            bare: bare_s,
+            ratio,
+            cryo_freeze_steps: freeze_steps,
+            cryo_thaw_warm_steps: warm_steps,
+            cryo_thaw_cold_steps: cold_steps,
             load_before,
             load_after: load_average(),
-            samples: s,
         };
         if !args.json {
             print_row(&row);
@@ -173,51 +188,76 @@ pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
         println!(
-            "ratio = median cli / median cryo (above 1: cryo faster); cryo also hashes, fsyncs, \
-             verifies and prechecks the image; wedge ledger empty"
+            "ratio = median bare / median cryo (above 1: cryo faster); cryo hashes every byte at \
+             publish and checks every byte CRIU reads; wedge ledger empty"
         );
         println!("{}", load_line("end", load_average()));
     }
     Ok(())
 }
 
+fn gbps(bytes: u64, ms: f64) -> f64 {
+    bytes as f64 / (ms / 1e3) / 1e9
+}
+
 fn print_row(row: &Row) {
-    let s = &row.samples;
+    let l = &row.limits;
     println!(
-        "{}: image {}",
+        "{}: image {}; the disk for {}: write+fsync {:.2} GB/s, read cold {:.2} GB/s, page \
+         cache {:.2} GB/s",
         fmt_bytes(row.memory_bytes),
-        fmt_bytes(row.image_bytes)
+        fmt_bytes(row.image_bytes),
+        fmt_bytes(l.bytes),
+        l.write_fsync / 1e9,
+        l.read_cold / 1e9,
+        l.read_cached / 1e9,
     );
     println!(
-        "  freeze: cryo {:>20}  cli {:>20}  ratio {:.2}x",
-        s.cryo_freeze_ms.cell(),
-        s.cli_freeze_ms.cell(),
-        row.freeze_ratio
+        "  {:<20} {:>22} {:>22} {:>7}",
+        "moment", "cryo ms", "bare ms", "ratio"
     );
-    println!(
-        "  thaw:   cryo {:>20}  cli {:>20}  ratio {:.2}x",
-        s.cryo_thaw_ms.cell(),
-        s.cli_thaw_ms.cell(),
-        row.thaw_ratio
-    );
-    println!(
-        "  thaw request to first answered request (cryo): {}",
-        s.first_answer_ms.cell()
-    );
-    let [sp, d, p] = row.cryo_freeze_steps;
-    let [v, c, g] = row.cryo_thaw_steps;
+    for (i, m) in MOMENTS.iter().enumerate() {
+        println!(
+            "  {:<20} {:>22} {:>22} {:>6.2}x",
+            m,
+            row.cryo[i].cell(),
+            row.bare[i].cell(),
+            row.ratio[i]
+        );
+    }
+    let med = |s: &[Samples; 3]| s.each_ref().map(Samples::median);
+    let [sp, d, p] = med(&row.cryo_freeze_steps);
+    let [wv, wc, wg] = med(&row.cryo_thaw_warm_steps);
+    let [cv, cc, cg] = med(&row.cryo_thaw_cold_steps);
+    let img = row.image_bytes;
     println!(
         "  cryo's steps (medians): freeze = suspend {sp:.0} + dump {d:.0} + publish {p:.0} ms; \
-         thaw = verify {v:.0} + criu {c:.0} + GPU {g:.0} ms"
+         thaw = checks {wv:.0} + streamed CRIU restore {wc:.0} + GPU {wg:.0} ms (cold: {cv:.0} + \
+         {cc:.0} + {cg:.0})"
+    );
+    println!(
+        "  throughput (image bytes / time): published+durable cryo {:.2}, bare {:.2} GB/s \
+         (disk write+fsync {:.2}); publish step alone {:.2} GB/s",
+        gbps(img, row.cryo[2].median()),
+        gbps(img, row.bare[2].median()),
+        l.write_fsync / 1e9,
+        gbps(img, p),
+    );
+    println!(
+        "  throughput of the streamed CRIU restore (every byte read, checked, served): page \
+         cache {:.2} GB/s (page cache read {:.2}), cold {:.2} GB/s (cold read {:.2})",
+        gbps(img, wc),
+        l.read_cached / 1e9,
+        gbps(img, cc),
+        l.read_cold / 1e9,
     );
 }
 
 struct Arm {
-    freeze_steps: [f64; 3],
-    thaw_steps: [f64; 3],
-    freeze_ms: f64,
-    thaw_ms: f64,
-    first_answer_ms: f64,
+    /// Per moment ([`MOMENTS`]), ms.
+    moments: [f64; 5],
+    /// cryo only: freeze, warm thaw, cold thaw steps (NaN for the bare route).
+    steps: [[f64; 3]; 3],
     image_bytes: u64,
 }
 
@@ -231,6 +271,26 @@ struct Bench {
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
+}
+
+/// Writes back everything dirty and drops the page cache (host-wide; needs root).
+fn drop_caches() -> anyhow::Result<()> {
+    rustix::fs::sync();
+    fs::write("/proc/sys/vm/drop_caches", "3\n").context("dropping the caches (needs root)")
+}
+
+/// fsyncs every file of `dir`, one after the other as `sync FILE...` does, then `dir`.
+fn sync_dir(dir: &Path) -> anyhow::Result<()> {
+    let mut names: Vec<PathBuf> = fs::read_dir(dir)?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<Result<_, _>>()?;
+    names.sort();
+    for p in names.iter().chain(std::iter::once(&dir.to_path_buf())) {
+        fs::File::open(p)
+            .and_then(|f| f.sync_all())
+            .with_context(|| format!("fsync {}", p.display()))?;
+    }
+    Ok(())
 }
 
 impl Bench {
@@ -252,6 +312,53 @@ impl Bench {
             criu,
             sim,
             started: std::cell::Cell::new(0),
+        })
+    }
+
+    /// What the disk under the benchmark's directory gives for `bytes`.
+    fn limits(&self, bytes: u64) -> anyhow::Result<Limits> {
+        let path = self.dir.join("disk-probe");
+        let block: Vec<u8> = (0..(1usize << 20))
+            .map(|i| (i * 31 + i / 4096) as u8)
+            .collect();
+        let t = Instant::now();
+        let mut f = fs::File::create(&path).context("creating the disk probe")?;
+        let mut left = bytes;
+        while left > 0 {
+            let n = left.min(block.len() as u64) as usize;
+            f.write_all(&block[..n])?;
+            left -= n as u64;
+        }
+        f.sync_all()?;
+        let write_fsync = bytes as f64 / t.elapsed().as_secs_f64();
+        drop(f);
+        let read = || -> anyhow::Result<f64> {
+            let t = Instant::now();
+            let mut f = fs::File::open(&path)?;
+            let mut buf = vec![0u8; 4 << 20];
+            let mut total = 0u64;
+            loop {
+                let n = f.read(&mut buf)?;
+                if n == 0 {
+                    break;
+                }
+                total += n as u64;
+            }
+            ensure!(
+                total == bytes,
+                "the disk probe read {total} of {bytes} bytes"
+            );
+            Ok(bytes as f64 / t.elapsed().as_secs_f64())
+        };
+        drop_caches()?;
+        let read_cold = read()?;
+        let read_cached = read()?;
+        fs::remove_file(&path)?;
+        Ok(Limits {
+            bytes,
+            write_fsync,
+            read_cold,
+            read_cached,
         })
     }
 
@@ -307,6 +414,22 @@ impl Bench {
         Ok(())
     }
 
+    /// `cryo thaw` to the first answered health request; returns its wall time and its steps.
+    fn cryo_thaw(&self, image: &Path, sock: &Path) -> anyhow::Result<(f64, [f64; 3])> {
+        let t = Instant::now();
+        let mut c = self.cryo();
+        c.arg("thaw").arg(image).args([
+            "--json",
+            "--health-url",
+            &format!("unix:{}:/health", sock.display()),
+        ]);
+        let out = self.run(c, "cryo thaw")?;
+        let wall = ms(t.elapsed());
+        let v: serde_json::Value =
+            serde_json::from_str(&out).context("parsing cryo thaw --json")?;
+        Ok((wall, steps(&v, ["verify_ms", "criu_ms", "gpu_restore_ms"])))
+    }
+
     fn cryo_arm(&self, memory: u64) -> anyhow::Result<Arm> {
         let (mut child, pid, sock) = self.worker(memory)?;
         let image = self.dir.join("cryo-img");
@@ -315,34 +438,26 @@ impl Bench {
         c.args(["freeze", "--json", &pid.to_string(), "--image"])
             .arg(&image);
         let out = self.run(c, "cryo freeze")?;
-        let freeze_ms = ms(t.elapsed());
+        let durable = ms(t.elapsed());
         let f: serde_json::Value =
             serde_json::from_str(&out).context("parsing cryo freeze --json")?;
         let freeze_steps = steps(&f, ["suspend_ms", "dump_ms", "publish_ms"]);
+        // Every cost of the process outside its own clock counts against its moments.
+        let outside = durable - f["elapsed_ms"].as_f64().unwrap_or(0.0);
+        let [gpu_free, gone] =
+            ["gpu_free_ms", "worker_gone_ms"].map(|k| f[k].as_f64().unwrap_or(f64::NAN) + outside);
         child.wait().context("reaping the frozen worker")?;
         let image_bytes = cryo_criu::image::dir_bytes(&image);
 
-        let t = Instant::now();
-        let mut c = self.cryo();
-        c.arg("thaw").arg(&image).args([
-            "--json",
-            "--health-url",
-            &format!("unix:{}:/health", sock.display()),
-        ]);
-        let out = self.run(c, "cryo thaw")?;
-        let thaw_ms = ms(t.elapsed());
-        let v: serde_json::Value =
-            serde_json::from_str(&out).context("parsing cryo thaw --json")?;
-        let first_answer_ms = v["first_answer_ms"].as_f64().unwrap_or(f64::NAN);
-        let thaw_steps = steps(&v, ["verify_ms", "criu_ms", "gpu_restore_ms"]);
+        let (warm, warm_steps) = self.cryo_thaw(&image, &sock)?;
+        self.stop(pid)?;
+        drop_caches()?;
+        let (cold, cold_steps) = self.cryo_thaw(&image, &sock)?;
         self.stop(pid)?;
         fs::remove_dir_all(&image).context("removing the image")?;
         Ok(Arm {
-            freeze_steps,
-            thaw_steps,
-            freeze_ms,
-            thaw_ms,
-            first_answer_ms,
+            moments: [gpu_free, gone, durable, warm, cold],
+            steps: [freeze_steps, warm_steps, cold_steps],
             image_bytes,
         })
     }
@@ -373,25 +488,12 @@ impl Bench {
         c
     }
 
-    fn cli_arm(&self, memory: u64) -> anyhow::Result<Arm> {
-        let (mut child, pid, sock) = self.worker(memory)?;
-        let image = self.dir.join("cli-img");
-        fs::create_dir(&image).context("creating the CLI arm's image directory")?;
-        let t = Instant::now();
-        self.compat("lock", pid)?;
-        self.compat("checkpoint", pid)?;
-        let mut c = self.criu_cmd();
-        c.args(["dump", "-t", &pid.to_string(), "-D"])
-            .arg(&image)
-            .args(["-o", "dump.log"]);
-        self.run(c, "criu dump")?;
-        let freeze_ms = ms(t.elapsed());
-        child.wait().context("reaping the frozen worker")?;
-
+    /// The bare thaw: `criu restore -d`, GPU restore and unlock, health; ms to the answer.
+    fn bare_thaw(&self, image: &Path, pid: i32, sock: &Path) -> anyhow::Result<f64> {
         let t = Instant::now();
         let mut c = self.criu_cmd();
         c.args(["restore", "-d", "-D"])
-            .arg(&image)
+            .arg(image)
             .args(["-o", "restore.log"]);
         self.run(c, "criu restore")?;
         self.compat("restore", pid)?;
@@ -400,7 +502,7 @@ impl Bench {
         let check = cryo_lifecycle::HealthCheck::Url(format!("unix:{}:/health", sock.display()));
         check
             .wait(deadline.saturating_duration_since(Instant::now()))
-            .context("the CLI arm's worker never answered")?;
+            .context("the bare route's worker never answered")?;
         let thaw_ms = ms(t.elapsed());
         let handle = ProcHandle::open(pid)?;
         cryo_lifecycle::record_restored(
@@ -410,13 +512,34 @@ impl Bench {
         )
         .with_context(|| format!("journaling the restore of worker {pid}"))?;
         self.stop(pid)?;
+        Ok(thaw_ms)
+    }
+
+    fn bare_arm(&self, memory: u64) -> anyhow::Result<Arm> {
+        let (mut child, pid, sock) = self.worker(memory)?;
+        let image = self.dir.join("bare-img");
+        fs::create_dir(&image).context("creating the bare route's image directory")?;
+        let t = Instant::now();
+        self.compat("lock", pid)?;
+        self.compat("checkpoint", pid)?;
+        let gpu_free = ms(t.elapsed());
+        let mut c = self.criu_cmd();
+        c.args(["dump", "-t", &pid.to_string(), "-D"])
+            .arg(&image)
+            .args(["-o", "dump.log"]);
+        self.run(c, "criu dump")?;
+        let gone = ms(t.elapsed());
+        sync_dir(&image)?;
+        let durable = ms(t.elapsed());
+        child.wait().context("reaping the frozen worker")?;
+
+        let warm = self.bare_thaw(&image, pid, &sock)?;
+        drop_caches()?;
+        let cold = self.bare_thaw(&image, pid, &sock)?;
         fs::remove_dir_all(&image).context("removing the image")?;
         Ok(Arm {
-            freeze_steps: [f64::NAN; 3],
-            thaw_steps: [f64::NAN; 3],
-            freeze_ms,
-            thaw_ms,
-            first_answer_ms: thaw_ms,
+            moments: [gpu_free, gone, durable, warm, cold],
+            steps: [[f64::NAN; 3]; 3],
             image_bytes: 0,
         })
     }

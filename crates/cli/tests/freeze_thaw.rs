@@ -11,7 +11,7 @@
 use std::fs;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 
 mod common;
 
@@ -228,11 +228,18 @@ fn freeze_thaw_serves_the_same_answers_twice_and_refuses_while_the_original_runs
         300 * 1024 * 1024
     );
     assert_eq!(m["gpu_model"], "cryo simulated GPU");
+    assert_eq!(m["digest"], "blake3");
     assert!(m["files"]
         .as_array()
         .unwrap()
         .iter()
-        .all(|f| f["sha256"].as_str().unwrap().len() == 64));
+        .all(|f| f["chunks"]
+            .as_array()
+            .map_or(f["size"] == 0, |c| c.iter().all(|d| d
+                .as_str()
+                .unwrap()
+                .len()
+                == 64))));
 
     for round in 0..2 {
         let out = env.thaw(
@@ -319,30 +326,79 @@ fn copy_image(from: &Path, to: &Path) {
     }
 }
 
-/// A refused thaw: exit 3, the reason on stderr, and CRIU never ran (no process with the pid).
+/// A refused thaw: exit 3, the reason on stderr, CRIU never ran, no process with the pid.
 fn assert_refused(env: &mut Env, image: &Path, pid: i32, expect: &[&str]) {
+    let err = assert_refused_while_read(env, image, pid, expect);
+    assert!(!err.contains("criu restore"), "CRIU ran: {err}");
+}
+
+/// A refused thaw that may have started CRIU (the streamer refuses a chunk as CRIU reads it, or
+/// the gate before anything is resumed): exit 3, the reason on stderr, and no process with the
+/// pid left (nothing restored ever ran). Returns stderr.
+fn assert_refused_while_read(env: &mut Env, image: &Path, pid: i32, expect: &[&str]) -> String {
     let out = env.thaw(image, &[]);
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(3), "{err}");
     for e in expect {
         assert!(err.contains(e), "expected {e:?} in: {err}");
     }
-    assert!(!err.contains("criu restore"), "CRIU ran: {err}");
-    assert!(!exists(pid), "a process was created for a refused image");
+    assert!(
+        !exists(pid),
+        "a process is left from a refused image: {err}"
+    );
+    err
+}
+
+/// The files of an image, manifest aside.
+fn image_files(image: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = fs::read_dir(image)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap() != "manifest.json")
+        .collect();
+    v.sort();
+    v
+}
+
+fn flip_byte(file: &Path, at: usize) {
+    let mut bytes = fs::read(file).unwrap();
+    bytes[at] ^= 0x01;
+    fs::write(file, bytes).unwrap();
 }
 
 #[test]
-fn damaged_or_foreign_images_are_refused_before_criu_runs() {
+fn damaged_or_foreign_images_are_refused_before_anything_runs() {
     let mut env = Env::start("1GiB");
     let (pid, _) = env.worker("32MiB", 0);
     let image = env.path().join("img");
     env.freeze(pid, &image);
 
+    // A flipped byte in any file, whether CRIU reads it (refused by the streamer before CRIU
+    // gets the chunk) or not (dump.log, stats-dump: refused by the gate before anything runs).
     let flip = env.path().join("flip");
-    copy_image(&image, &flip);
-    let pages = fs::read_dir(&flip)
-        .unwrap()
-        .map(|e| e.unwrap().path())
+    for (k, file) in image_files(&image).iter().enumerate() {
+        let name = file.file_name().unwrap().to_str().unwrap();
+        let len = fs::metadata(file).unwrap().len() as usize;
+        if len == 0 {
+            continue;
+        }
+        let _ = fs::remove_dir_all(&flip);
+        copy_image(&image, &flip);
+        let damaged = flip.join(name);
+        flip_byte(&damaged, (len / 2 + k) % len);
+        assert_refused_while_read(
+            &mut env,
+            &flip,
+            pid,
+            &[damaged.to_str().unwrap(), "checksum mismatch"],
+        );
+    }
+
+    // A truncated pages file and an extra file: refused before CRIU runs.
+    let truncated = env.path().join("truncated-pages");
+    copy_image(&image, &truncated);
+    let pages = image_files(&truncated)
+        .into_iter()
         .find(|p| {
             p.file_name()
                 .unwrap()
@@ -351,15 +407,27 @@ fn damaged_or_foreign_images_are_refused_before_criu_runs() {
                 .starts_with("pages-")
         })
         .unwrap();
-    let mut bytes = fs::read(&pages).unwrap();
-    let mid = bytes.len() / 2;
-    bytes[mid] ^= 0x01;
-    fs::write(&pages, bytes).unwrap();
+    let len = fs::metadata(&pages).unwrap().len();
+    fs::File::options()
+        .write(true)
+        .open(&pages)
+        .unwrap()
+        .set_len(len - 4096)
+        .unwrap();
     assert_refused(
         &mut env,
-        &flip,
+        &truncated,
         pid,
-        &[pages.to_str().unwrap(), "checksum mismatch"],
+        &[pages.to_str().unwrap(), "truncated"],
+    );
+    let extra = env.path().join("extra");
+    copy_image(&image, &extra);
+    fs::write(extra.join("pages-9.img"), b"more").unwrap();
+    assert_refused(
+        &mut env,
+        &extra,
+        pid,
+        &[extra.join("pages-9.img").to_str().unwrap(), "not listed"],
     );
 
     let missing = env.path().join("missing");
@@ -680,24 +748,30 @@ fn bench_freeze_runs_tiny() {
     criu_present();
     nix::sys::prctl::set_child_subreaper(true).unwrap();
     let out = Command::new(CRYO)
-        .args(["bench", "freeze", "--sizes", "16MiB", "--json"])
+        .args([
+            "bench", "freeze", "--sizes", "16MiB", "--rounds", "1", "--json",
+        ])
         .env_remove("CRYO_GPU")
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let row = &rows[0];
-    for k in [
-        "cryo_freeze_ms",
-        "cli_freeze_ms",
-        "cryo_thaw_ms",
-        "cli_thaw_ms",
-        "freeze_ratio",
-        "thaw_ratio",
-        "first_answer_ms",
-    ] {
-        assert!(row[k].as_f64().unwrap() > 0.0, "{k}: {row}");
+    // Every moment measured on both arms: GPU free, worker gone, durable, thaw warm and cold.
+    for arm in ["cryo", "bare"] {
+        let moments = row[arm].as_array().unwrap();
+        assert_eq!(moments.len(), 5, "{row}");
+        for m in moments {
+            assert!(m[0].as_f64().unwrap() > 0.0, "{arm}: {row}");
+        }
     }
+    for r in row["ratio"].as_array().unwrap() {
+        assert!(r.as_f64().unwrap() > 0.0, "{row}");
+    }
+    for k in ["write_fsync", "read_cold", "read_cached"] {
+        assert!(row["limits"][k].as_f64().unwrap() > 0.0, "{k}: {row}");
+    }
+    assert!(row["image_bytes"].as_u64().unwrap() > 16 << 20, "{row}");
 }
 
 /// A directory that is no image is refused (exit 3, nothing run) before the driver is looked for.
@@ -722,4 +796,259 @@ fn a_directory_that_is_no_image_is_refused_before_the_driver() {
     assert_eq!(out.status.code(), Some(3), "{err}");
     assert!(err.contains("manifest.json: missing"), "{err}");
     assert!(!err.contains("simulated GPU driver"), "{err}");
+}
+
+/// Images written by the previous formats (2: SHA-256 per 64 MiB chunk; 1: whole-file SHA-256)
+/// still thaw, through the same streamer, with their own checks.
+#[test]
+fn images_of_the_previous_formats_still_thaw() {
+    let mut env = Env::start("1GiB");
+    let (pid, sock) = env.worker("96MiB", 0);
+    let before = answers(&sock);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+    assert_eq!(manifest(&image)["format_version"], 3);
+    for format in [2, 1] {
+        let m = cryo_criu::image::rewrite_as_format(&image, format, None).unwrap();
+        assert_eq!(manifest(&image)["format_version"], format);
+        assert!(m.files.iter().all(|f| !f.sha256.is_empty()));
+        let out = env.thaw(&image, &[]);
+        assert!(out.status.success(), "format {format}: {}", stderr(&out));
+        assert_eq!(answers(&sock), before, "format {format}");
+        env.stop(pid);
+    }
+    // A damaged format-2 image is refused as CRIU reads it, like a new one.
+    cryo_criu::image::rewrite_as_format(&image, 2, None).unwrap();
+    let pages = image_files(&image)
+        .into_iter()
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("pages-")
+        })
+        .unwrap();
+    flip_byte(&pages, 70 << 20);
+    assert_refused_while_read(
+        &mut env,
+        &image,
+        pid,
+        &[
+            pages.to_str().unwrap(),
+            "checksum mismatch in bytes 67108864..",
+        ],
+    );
+    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+}
+
+/// Starts `cryo thaw IMAGE` paused at the failpoint after the image was opened and checked;
+/// returns the child and the file whose creation lets it go on.
+fn thaw_paused(env: &Env, image: &Path) -> (Child, PathBuf) {
+    let resume = env.path().join("resume-thaw");
+    let _ = fs::remove_file(&resume);
+    let mut thaw = env
+        .cmd()
+        .env("CRYO_FAILPOINT", "thaw-before-restore")
+        .env("CRYO_FAILPOINT_RESUME", &resume)
+        .arg("thaw")
+        .arg(image)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = thaw.stderr.take().unwrap();
+    let mut seen = String::new();
+    let mut buf = [0u8; 256];
+    while !seen.contains("failpoint") {
+        let n = err.read(&mut buf).unwrap();
+        assert!(n > 0, "thaw ended before its failpoint: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    // Keep draining stderr so the child never blocks on a full pipe.
+    std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = err.read_to_string(&mut rest);
+        eprintln!("{rest}");
+    });
+    (thaw, resume)
+}
+
+/// Issue 9 item 11: an image is trusted for the whole thaw, not only while it is checked. After
+/// cryo checked the image (trust, manifest, sizes) and before CRIU reads it, root edits the
+/// pages in place, then swaps a file for a changed copy: neither reaches a restored process.
+/// (Before the streamer, CRIU read the files after the verify pass, and both thaws succeeded
+/// with the changed bytes.)
+#[test]
+fn an_image_changed_during_the_thaw_never_reaches_the_worker() {
+    let mut env = Env::start("1GiB");
+    let (pid, sock) = env.worker("48MiB", 0);
+    let before = answers(&sock);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+    let pages = image_files(&image)
+        .into_iter()
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("pages-")
+        })
+        .unwrap();
+    let original = fs::read(&pages).unwrap();
+
+    // Edited in place (same inode) while the thaw waits.
+    let (thaw, resume) = thaw_paused(&env, &image);
+    flip_byte(&pages, original.len() / 3);
+    fs::write(&resume, b"").unwrap();
+    let out = thaw.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(3), "an edited image was thawed");
+    assert!(!exists(pid), "a process is left from a refused image");
+    fs::write(&pages, &original).unwrap();
+
+    // Swapped for a changed copy (a new inode under the same name).
+    let core = image.join(format!("core-{pid}.img"));
+    let core_bytes = fs::read(&core).unwrap();
+    let (thaw, resume) = thaw_paused(&env, &image);
+    let swap = image.join("core.swap");
+    let mut changed = core_bytes.clone();
+    let at = changed.len() - 1;
+    changed[at] ^= 0x01;
+    fs::write(&swap, &changed).unwrap();
+    fs::rename(&swap, &core).unwrap();
+    fs::write(&resume, b"").unwrap();
+    let out = thaw.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(3), "a swapped image was thawed");
+    assert!(!exists(pid), "a process is left from a refused image");
+
+    // Put back, the image thaws and serves what it served.
+    fs::write(&core, &core_bytes).unwrap();
+    let out = env.thaw(&image, &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(answers(&sock), before);
+    env.stop(pid);
+    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+}
+
+/// Issue 9 item 11 through the command line: an image directory that another user owns is
+/// refused before anything runs, and a freeze will not publish where others could write.
+#[test]
+fn images_others_could_change_are_refused_by_thaw_and_freeze() {
+    let mut env = Env::start("1GiB");
+    let (pid, _) = env.worker("16MiB", 0);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+    std::os::unix::fs::chown(&image, Some(65534), None).unwrap();
+    assert_refused(
+        &mut env,
+        &image,
+        pid,
+        &[image.to_str().unwrap(), "not trusted", "owned by uid 65534"],
+    );
+    std::os::unix::fs::chown(&image, Some(0), None).unwrap();
+
+    let (other, _) = env.worker("16MiB", 1);
+    let open = env.path().join("open");
+    fs::create_dir(&open).unwrap();
+    fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let out = env.cryo(&[
+        "freeze",
+        &other.to_string(),
+        "--image",
+        open.join("img").to_str().unwrap(),
+    ]);
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("not trusted") && err.contains("writable by everyone"),
+        "{err}"
+    );
+    assert!(alive(other), "a refused freeze ended the worker");
+    env.stop(other);
+    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+}
+
+/// Starts `cryo freeze PID --image IMAGE [--replace]` stalled at `failpoint`, then SIGKILLs it
+/// there.
+fn freeze_killed_at(env: &Env, pid: i32, image: &Path, replace: bool, failpoint: &str) {
+    let mut c = env.cmd();
+    c.env("CRYO_FAILPOINT", failpoint)
+        .args(["freeze", &pid.to_string(), "--image"])
+        .arg(image);
+    if replace {
+        c.arg("--replace");
+    }
+    let mut freeze = c.stderr(Stdio::piped()).spawn().unwrap();
+    let mut err = freeze.stderr.take().unwrap();
+    let mut seen = String::new();
+    let mut buf = [0u8; 256];
+    while !seen.contains("failpoint") {
+        let n = err.read(&mut buf).unwrap();
+        assert!(n > 0, "freeze ended before failpoint {failpoint}: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    freeze.kill().unwrap();
+    freeze.wait().unwrap();
+}
+
+/// A crash at every step of publish (after the dump; files fsync'd; manifest written; renamed
+/// but the parent not fsync'd, the replaced image not removed) leaves at the image path no
+/// image or a whole one (the old or the new one when replacing), and the next freeze of the
+/// path cleans up what the crash left.
+#[test]
+fn a_crash_at_every_step_of_publish_leaves_no_image_or_a_whole_one() {
+    let mut env = Env::start("1GiB");
+    let steps = [
+        "freeze-before-publish",
+        "freeze-publish-synced",
+        "freeze-publish-manifest-written",
+        "freeze-publish-renamed",
+    ];
+    for replace in [false, true] {
+        for (k, failpoint) in steps.iter().enumerate() {
+            let image = env.path().join(format!("img-{replace}-{k}"));
+            let old = if replace {
+                let (p, _) = env.worker("8MiB", 1);
+                env.freeze(p, &image);
+                Some(p)
+            } else {
+                None
+            };
+            let (pid, _) = env.worker("16MiB", 0);
+            freeze_killed_at(&env, pid, &image, replace, failpoint);
+            // The dump was complete: CRIU ended the (suspended) worker.
+            env.reap_worker(pid);
+            let renamed = *failpoint == "freeze-publish-renamed";
+            match (image.exists(), old) {
+                (false, None) => assert!(!renamed, "{failpoint}: the renamed image is gone"),
+                (false, Some(_)) => panic!("{failpoint}: the old image is gone"),
+                (true, _) => {
+                    let m = cryo_criu::image::verify(&image)
+                        .unwrap_or_else(|e| panic!("{failpoint}: a broken image: {e}"));
+                    let want = if renamed { pid } else { old.unwrap_or(pid) };
+                    assert_eq!(m.root_pid, want, "{failpoint} (replace {replace})");
+                }
+            }
+            // What the crash left (a staging directory, the exchanged old image) goes with the
+            // next freeze of the path.
+            let (next, _) = env.worker("8MiB", 0);
+            let out = env.cryo(&[
+                "freeze",
+                &next.to_string(),
+                "--image",
+                image.to_str().unwrap(),
+                "--replace",
+            ]);
+            assert!(out.status.success(), "{failpoint}: {}", stderr(&out));
+            env.reap_worker(next);
+            assert!(
+                staging(&image).is_empty(),
+                "{failpoint}: {:?}",
+                staging(&image)
+            );
+            assert_eq!(cryo_criu::image::verify(&image).unwrap().root_pid, next);
+        }
+    }
+    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
 }

@@ -1,12 +1,19 @@
 //! Finding CRIU and running dump and restore through `criu swrk`.
 
 use std::fs::File;
-use std::os::fd::AsRawFd;
+use std::io::{Read, Seek, Write};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 
 use cryo_proc::Pid;
+use nix::fcntl::{Flock, FlockArg};
 
 use crate::error::{CriuError, CriuOp};
+use crate::image::{self, Image, ImageError, Server};
+use crate::rpc::RpcError;
 use crate::rpc::{CriuOpts, CriuReq, CriuReqType, Swrk};
 use crate::version::CriuVersion;
 
@@ -104,9 +111,11 @@ pub trait Criu: std::fmt::Debug + Send + Sync {
     /// its own children among them.
     fn dump(&self, pid: Pid, images_dir: &Path, opts: &DumpOpts) -> Result<(), CriuError>;
 
-    /// Restores the tree imaged in `images_dir` and returns the pid of its root (the pid it had
-    /// when dumped). The restored root is a child of the calling process.
-    fn restore(&self, images_dir: &Path, opts: &RestoreOpts) -> Result<Pid, CriuError>;
+    /// Restores the tree of `image` (opened and trusted by [`Image::open`]) and returns the pid
+    /// of its root (the pid it had when dumped). The restored root is a child of the calling
+    /// process. The real one ([`CriuRpc`]) serves the image to CRIU itself, checking every byte
+    /// against the manifest before CRIU gets it; a refused image is [`CriuError::Image`].
+    fn restore(&self, image: &Image, opts: &RestoreOpts) -> Result<Restored, CriuError>;
 
     /// The ones of `pids` a restore could not have: taken on this host as a pid, a process
     /// group or a session id ([`cryo_proc::pids_in_use`]).
@@ -195,52 +204,11 @@ impl CriuRpc {
         &self.bin
     }
 
-    fn call(&self, op: CriuOp, req: &CriuReq) -> Result<crate::rpc::CriuResp, CriuError> {
-        Swrk::start(&self.bin, self.lib_dir.as_deref())
-            .and_then(|s| s.call(req))
-            .map_err(|source| CriuError::Rpc { op, source })
-    }
-}
-
-impl Criu for CriuRpc {
-    fn version(&self) -> CriuVersion {
-        self.version
-    }
-
-    fn dump(&self, pid: Pid, images_dir: &Path, opts: &DumpOpts) -> Result<(), CriuError> {
-        let op = CriuOp::Dump;
-        let dir = open_dir(op, images_dir)?;
-        let req = CriuReq {
-            r#type: CriuReqType::Dump as i32,
-            opts: Some(CriuOpts {
-                // CRIU opens /proc/<our pid>/fd/<n>: the fd need not be inherited.
-                images_dir_fd: dir.as_raw_fd(),
-                pid: Some(pid),
-                leave_running: Some(opts.leave_running),
-                shell_job: Some(opts.shell_job),
-                tcp_established: Some(opts.tcp_established),
-                file_locks: Some(opts.file_locks),
-                ext_unix_sk: Some(opts.ext_unix_sk),
-                log_level: Some(opts.log_level),
-                log_file: Some(DUMP_LOG.to_string()),
-                external: opts.external.clone(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        };
-        tracing::debug!(pid, dir = %images_dir.display(), criu = %self.bin.display(), "criu dump");
-        let resp = self.call(op, &req)?;
-        drop(dir);
-        if resp.success {
-            Ok(())
-        } else {
-            Err(failed(op, images_dir.join(DUMP_LOG), resp.cr_errmsg))
-        }
-    }
-
-    /// CRIU's worker exits right after the restore; the caller reaps (or, exiting, hands the
-    /// tree to its reaper).
-    fn restore(&self, images_dir: &Path, opts: &RestoreOpts) -> Result<Pid, CriuError> {
+    /// Restores the tree imaged in the directory `images_dir` through `criu swrk`, CRIU reading
+    /// the files itself, unchecked: for tests and tools only (`cryo thaw` uses
+    /// [`Criu::restore`], which checks every byte). Returns the root's pid; CRIU's worker exits
+    /// right after the restore, the caller reaps.
+    pub fn restore_dir(&self, images_dir: &Path, opts: &RestoreOpts) -> Result<Pid, CriuError> {
         let op = CriuOp::Restore;
         let dir = open_dir(op, images_dir)?;
         let (work_path, temp) = match &opts.work_dir {
@@ -302,6 +270,372 @@ impl Criu for CriuRpc {
                 Err(err)
             }
         }
+    }
+
+    /// `criu` with the carried libraries' directory in `LD_LIBRARY_PATH`.
+    fn command(&self) -> Command {
+        let mut cmd = Command::new(&self.bin);
+        if let Some(dir) = &self.lib_dir {
+            let mut path = dir.as_os_str().to_owned();
+            if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+                path.push(":");
+                path.push(old);
+            }
+            cmd.env("LD_LIBRARY_PATH", path);
+        }
+        cmd
+    }
+
+    fn call(&self, op: CriuOp, req: &CriuReq) -> Result<crate::rpc::CriuResp, CriuError> {
+        Swrk::start(&self.bin, self.lib_dir.as_deref())
+            .and_then(|s| s.call(req))
+            .map_err(|source| CriuError::Rpc { op, source })
+    }
+}
+
+impl Criu for CriuRpc {
+    fn version(&self) -> CriuVersion {
+        self.version
+    }
+
+    fn dump(&self, pid: Pid, images_dir: &Path, opts: &DumpOpts) -> Result<(), CriuError> {
+        let op = CriuOp::Dump;
+        let dir = open_dir(op, images_dir)?;
+        let req = CriuReq {
+            r#type: CriuReqType::Dump as i32,
+            opts: Some(CriuOpts {
+                // CRIU opens /proc/<our pid>/fd/<n>: the fd need not be inherited.
+                images_dir_fd: dir.as_raw_fd(),
+                pid: Some(pid),
+                leave_running: Some(opts.leave_running),
+                shell_job: Some(opts.shell_job),
+                tcp_established: Some(opts.tcp_established),
+                file_locks: Some(opts.file_locks),
+                ext_unix_sk: Some(opts.ext_unix_sk),
+                log_level: Some(opts.log_level),
+                log_file: Some(DUMP_LOG.to_string()),
+                external: opts.external.clone(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        tracing::debug!(pid, dir = %images_dir.display(), criu = %self.bin.display(), "criu dump");
+        let resp = self.call(op, &req)?;
+        drop(dir);
+        if resp.success {
+            Ok(())
+        } else {
+            Err(failed(op, images_dir.join(DUMP_LOG), resp.cr_errmsg))
+        }
+    }
+
+    /// Restores the tree of the opened image `image` through cryo's image streamer and returns
+    /// the pid of its root. CRIU runs as `criu restore --stream` and reads nothing from the image
+    /// directory: every byte comes from the streamer after it matched the manifest, and CRIU's
+    /// `post-restore` action script waits for the streamer's verdict on the whole image before
+    /// any restored process is resumed (see [`crate::image`]). A refused image is
+    /// [`CriuError::Image`]; CRIU then aborts and removes what it restored. The root is a
+    /// child of the caller.
+    fn restore(&self, image: &Image, opts: &RestoreOpts) -> Result<Restored, CriuError> {
+        let op = CriuOp::Restore;
+        let dir_err = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| CriuError::Dir { op, path, source }
+        };
+        // Private to root (0700): the streamer's socket, the gate, CRIU's work files.
+        let private = tempfile::Builder::new()
+            .prefix("cryo-criu-restore-")
+            .tempdir()
+            .map_err(dir_err(&std::env::temp_dir()))?;
+        let p = private.path().to_path_buf();
+        let work = match &opts.work_dir {
+            Some(w) => {
+                std::fs::create_dir_all(w).map_err(dir_err(w))?;
+                w.clone()
+            }
+            None => p.clone(),
+        };
+        let listener = UnixListener::bind(p.join(image::SERVE_SOCKET)).map_err(dir_err(&p))?;
+        let gate = Gate::new(&p).map_err(dir_err(&p))?;
+        let mut cmd = self.command();
+        cmd.args([
+            "restore",
+            "--stream",
+            "--restore-detached",
+            "--restore-sibling",
+        ])
+        .arg("-D")
+        .arg(&p)
+        .arg("-W")
+        .arg(&work)
+        .args(["-o", RESTORE_LOG, "--pidfile", RESTORED_PID])
+        .arg(format!("-v{}", opts.log_level))
+        .arg("--action-script")
+        .arg(gate.script());
+        common_flags(
+            &mut cmd,
+            opts.shell_job,
+            opts.tcp_established,
+            opts.file_locks,
+            opts.ext_unix_sk,
+            &opts.external,
+        );
+        let stderr = tempfile::tempfile().map_err(dir_err(&p))?;
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(stderr.try_clone().map_err(dir_err(&p))?));
+        tracing::debug!(image = %image.path().display(), private = %p.display(), "criu restore --stream");
+        let server = image::Server::new(image);
+        let spawn_err = |source| CriuError::Rpc {
+            op,
+            source: RpcError::Spawn {
+                path: self.bin.display().to_string(),
+                source,
+            },
+        };
+        let mut child = cmd.spawn().map_err(spawn_err)?;
+        drop(cmd);
+        let (status, verdict) = std::thread::scope(|s| {
+            let server = &server;
+            let listener = &listener;
+            s.spawn(move || server.serve(listener));
+            let pidfd = rustix::process::Pid::from_child(&child);
+            let pidfd = rustix::process::pidfd_open(pidfd, rustix::process::PidfdFlags::empty());
+            let judged = s.spawn(move || gate.judge(server, pidfd.ok()));
+            let status = child.wait();
+            // Unblocks the accept if CRIU never connected (a connection ends with CRIU).
+            let _ =
+                nix::sys::socket::shutdown(listener.as_raw_fd(), nix::sys::socket::Shutdown::Both);
+            let verdict = judged.join().unwrap_or_else(|_| {
+                Some(Err(ImageError::Stream {
+                    dir: image.path().to_path_buf(),
+                    reason: "the gate thread panicked".into(),
+                }))
+            });
+            (status, verdict)
+        });
+        let status = status.map_err(spawn_err)?;
+        if !status.success() {
+            reap_restored_root(image.manifest().root_pid);
+        }
+        let log = work.join(RESTORE_LOG);
+        tracing::debug!(%status, served = server.served_bytes(), "criu restore --stream ended");
+        // A refused image: the reason is the image's, CRIU's log of it is of no use.
+        if let Some(e) = server.failure() {
+            return Err(CriuError::Image(e));
+        }
+        match verdict {
+            Some(Err(e)) => return Err(CriuError::Image(e)),
+            Some(Ok(())) if status.success() => {}
+            _ => {
+                let _ = private.keep();
+                let mut err = failed(op, log, None);
+                if let CriuError::Failed { lines, .. } = &mut err {
+                    if status.success() {
+                        lines.push("CRIU resumed the tree without passing cryo's gate".into());
+                    }
+                    if lines.iter().all(|l| l.starts_with("cannot read")) {
+                        lines.extend(stderr_tail(stderr));
+                    }
+                }
+                return Err(err);
+            }
+        }
+        let pid = std::fs::read_to_string(work.join(RESTORED_PID))
+            .ok()
+            .and_then(|t| t.trim().parse::<Pid>().ok())
+            .unwrap_or(image.manifest().root_pid);
+        Ok(Restored {
+            pid,
+            served_bytes: server.served_bytes(),
+        })
+    }
+}
+
+/// What [`Criu::restore_image`] restored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Restored {
+    /// The restored root.
+    pub pid: Pid,
+    /// Bytes of the image CRIU read through the streamer (each checked before it was sent).
+    pub served_bytes: u64,
+}
+
+/// After a failed restore: CRIU killed what it restored, but the root is our child
+/// (`--restore-sibling`) and stays a zombie holding its pid until reaped.
+fn reap_restored_root(pid: Pid) {
+    use rustix::process::{waitpid, Pid as RPid, WaitOptions};
+    let Some(p) = RPid::from_raw(pid) else { return };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        match waitpid(Some(p), WaitOptions::NOHANG) {
+            // Not (or no longer) our child, or reaped now.
+            Err(_) | Ok(Some(_)) => return,
+            Ok(None) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            Ok(None) => {
+                tracing::warn!(
+                    pid,
+                    "a process CRIU restored is still alive after the failed restore"
+                );
+                return;
+            }
+        }
+    }
+}
+
+/// The file CRIU writes the restored root's pid into (in the work directory).
+const RESTORED_PID: &str = "restored.pid";
+
+fn common_flags(
+    cmd: &mut Command,
+    shell_job: bool,
+    tcp_established: bool,
+    file_locks: bool,
+    ext_unix_sk: bool,
+    external: &[String],
+) {
+    for (on, flag) in [
+        (shell_job, "--shell-job"),
+        (tcp_established, "--tcp-established"),
+        (file_locks, "--file-locks"),
+        (ext_unix_sk, "--ext-unix-sk"),
+    ] {
+        if on {
+            cmd.arg(flag);
+        }
+    }
+    for e in external {
+        cmd.arg("--external").arg(e);
+    }
+}
+
+fn stderr_tail(mut f: File) -> Vec<String> {
+    let mut text = String::new();
+    let _ = f.rewind();
+    let _ = f.read_to_string(&mut text);
+    let lines: Vec<String> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(str::to_string)
+        .collect();
+    lines[lines.len().saturating_sub(5)..].to_vec()
+}
+
+/// The hand-off between CRIU's `post-restore` action script and the streamer's verdict.
+///
+/// CRIU runs its action script (`sh -c SCRIPT`) at every stage; at `post-restore` (every
+/// process restored, none resumed; a failing script makes CRIU abort and kill the tree) the
+/// script writes a line into the FIFO `reached` (opened read-write, so it never blocks) and then
+/// takes a shared `flock` on `gate`, which cryo holds exclusively until it has written its
+/// verdict there; it succeeds only if the verdict reads `ok`. If cryo dies, its lock goes with
+/// it and the verdict was never written: the restore is aborted, never resumed unchecked.
+#[derive(Debug)]
+struct Gate {
+    reached: File,
+    verdict: Flock<File>,
+    script: String,
+}
+
+impl Gate {
+    fn new(dir: &Path) -> std::io::Result<Gate> {
+        let reached = dir.join("reached");
+        let gate = dir.join("gate");
+        let quote = |p: &Path| -> std::io::Result<String> {
+            let s = p.to_str().filter(|s| !s.contains('\''));
+            s.map(|s| format!("'{s}'"))
+                .ok_or_else(|| std::io::Error::other(format!("unusable path {}", p.display())))
+        };
+        let script = format!(
+            "#!/bin/sh\n# cryo's gate: CRIU resumes nothing unless cryo wrote its verdict 'ok'.\n\
+             [ \"$CRTOOLS_SCRIPT_ACTION\" = post-restore ] || exit 0\n\
+             {{ echo reached >&3; }} 3<>{r} || exit 1\n\
+             exec flock -s {g} grep -qx ok {g}\n",
+            r = quote(&reached)?,
+            g = quote(&gate)?,
+        );
+        let script_path = dir.join("gate.sh");
+        let mut sf = File::options()
+            .write(true)
+            .create_new(true)
+            .mode(0o700)
+            .open(&script_path)?;
+        sf.write_all(script.as_bytes())?;
+        drop(sf);
+        let script = script_path
+            .to_str()
+            .ok_or_else(|| std::io::Error::other("unusable path"))?
+            .to_string();
+        nix::unistd::mkfifo(
+            &reached,
+            nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR,
+        )?;
+        let reached = File::options()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&reached)?;
+        let f = File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&gate)?;
+        let verdict = Flock::lock(f, FlockArg::LockExclusiveNonblock)
+            .map_err(|(_, e)| std::io::Error::from(e))?;
+        Ok(Gate {
+            reached,
+            verdict,
+            script,
+        })
+    }
+
+    fn script(&self) -> &str {
+        &self.script
+    }
+
+    /// Waits until CRIU reaches `post-restore` (or exits, `criu` readable: then `None`), then
+    /// asks the server for its verdict on the whole image, writes `ok` if it passed and lets
+    /// the script go.
+    fn judge(self, server: &Server<'_>, criu: Option<OwnedFd>) -> Option<Result<(), ImageError>> {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        loop {
+            let mut fds = vec![PollFd::new(self.reached.as_fd(), PollFlags::POLLIN)];
+            if let Some(c) = &criu {
+                fds.push(PollFd::new(c.as_fd(), PollFlags::POLLIN));
+            }
+            match poll(&mut fds, PollTimeout::NONE) {
+                Err(nix::Error::EINTR) => continue,
+                Err(e) => {
+                    return Some(Err(ImageError::Stream {
+                        dir: PathBuf::new(),
+                        reason: format!("waiting for CRIU's post-restore stage: {e}"),
+                    }))
+                }
+                Ok(_) => {}
+            }
+            let ready =
+                |f: &PollFd<'_>| f.revents().is_some_and(|r| r.intersects(PollFlags::POLLIN));
+            if ready(&fds[0]) {
+                break;
+            }
+            if fds.get(1).is_some_and(ready) {
+                return None;
+            }
+        }
+        let verdict = server.finish();
+        let f = self.verdict;
+        if verdict.is_ok() {
+            if let Err(e) = f.write_all_at(b"ok\n", 0) {
+                return Some(Err(ImageError::Stream {
+                    dir: PathBuf::new(),
+                    reason: format!("writing the gate's verdict: {e}"),
+                }));
+            }
+        }
+        // Dropping the lock lets CRIU's script read the verdict.
+        drop(f);
+        Some(verdict)
     }
 }
 

@@ -3,6 +3,7 @@
 use std::fmt;
 use std::path::PathBuf;
 
+use crate::image::ImageError;
 use crate::rpc::RpcError;
 use crate::version::CriuVersion;
 
@@ -71,6 +72,10 @@ pub enum CriuError {
         #[source]
         source: RpcError,
     },
+    /// The image was refused while CRIU restored it (a chunk that does not match the manifest,
+    /// a file that changed or vanished): CRIU got nothing of it and no restored process ran.
+    #[error("{0}")]
+    Image(#[source] ImageError),
     /// CRIU ran and reported failure; `lines` are its own `Error (...)` lines from `log`
     /// (the last few), or the log's last lines when it has none.
     #[error("criu {op} failed (log {}): {}", .log.display(), fmt_lines(.lines))]

@@ -17,7 +17,9 @@
 //! directory outside it, so a restore never changes a verified image.
 //!
 //! Restores use CRIU's `rst_sibling`: the tree comes back as a child of the caller, not of the
-//! short-lived CRIU worker.
+//! short-lived CRIU worker. [`Criu::restore_image`] (what `cryo thaw` uses) runs `criu restore
+//! --stream` as a command instead, with cryo serving the image (see [`image`]): CRIU's RPC has
+//! no streaming.
 //!
 //! The [`image`] module stages, publishes (atomically, crash-safe) and verifies image directories
 //! with their [`image::Manifest`].
@@ -38,7 +40,7 @@ mod rpc;
 mod version;
 
 pub use criu::{
-    error_lines, Criu, CriuRpc, DumpOpts, RestoreOpts, CRIU_ENV, DEFAULT_CRIU, DUMP_LOG,
+    error_lines, Criu, CriuRpc, DumpOpts, RestoreOpts, Restored, CRIU_ENV, DEFAULT_CRIU, DUMP_LOG,
     RESTORE_LOG,
 };
 pub use error::{CriuError, CriuOp};

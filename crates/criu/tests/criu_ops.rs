@@ -8,7 +8,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use cryo_criu::image::{verify, ImageMeta, ProcessEntry, Staging};
+use cryo_criu::image::{verify, Image, ImageMeta, ProcessEntry, Staging};
 use cryo_criu::{Criu, CriuError, CriuOp, CriuRpc, CriuVersion, DumpOpts, RestoreOpts};
 use cryo_testkit::{eventually, PATIENCE};
 use nix::sys::signal::{kill, killpg, Signal};
@@ -157,7 +157,10 @@ fn dump_publish_verify_restore_keeps_pid_and_memory() {
     verify(&dir).unwrap();
     let listing = entries(&dir);
 
-    let restored = criu.restore(&dir, &RestoreOpts::default()).unwrap();
+    let image = Image::open(&dir).unwrap();
+    let restored = criu.restore(&image, &RestoreOpts::default()).unwrap();
+    assert!(restored.served_bytes > 0);
+    let restored = restored.pid;
     assert_eq!(
         restored, pid,
         "CRIU restores the root with its original pid"
@@ -250,7 +253,7 @@ fn restore_of_a_non_image_reports_criu_error_lines() {
         work_dir: Some(work.clone()),
         ..RestoreOpts::default()
     };
-    match criu.restore(t.path(), &opts).unwrap_err() {
+    match criu.restore_dir(t.path(), &opts).unwrap_err() {
         CriuError::Failed { op, log, lines } => {
             assert_eq!(op, CriuOp::Restore);
             assert_eq!(log, work.join("restore.log"));

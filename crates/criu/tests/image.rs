@@ -334,10 +334,12 @@ fn published_chunked(parent: &Path) -> PathBuf {
     let m = st.publish(meta(), false).unwrap();
     assert_eq!(m.chunk_size, Some(CHUNK));
     let chunks = |n: &str| m.files.iter().find(|f| f.name == n).unwrap().chunks.len();
+    // Format 3: every byte is in a chunk, an empty file has none.
     assert_eq!(chunks("pages-2.img"), 6);
-    assert_eq!(chunks("one-chunk.img"), 0);
-    assert_eq!(chunks("core-4242.img"), 0);
+    assert_eq!(chunks("one-chunk.img"), 1);
+    assert_eq!(chunks("core-4242.img"), 1);
     assert_eq!(chunks("empty.img"), 0);
+    assert!(m.files.iter().all(|f| f.sha256.is_empty()));
     dir
 }
 
@@ -426,10 +428,33 @@ fn chunk_list_that_does_not_cover_the_file_is_a_bad_manifest() {
 }
 
 #[test]
-fn manifest_sha256_is_what_sha256sum_prints() {
+fn chunk_digests_are_blake3_of_the_chunks() {
     let t = tempfile::tempdir().unwrap();
     let dir = published_chunked(t.path());
     let m = verify(&dir).unwrap();
+    assert_eq!(m.digest, Some(image::DigestAlg::Blake3));
+    for f in &m.files {
+        let bytes = fs::read(dir.join(&f.name)).unwrap();
+        let want: Vec<String> = bytes
+            .chunks(CHUNK as usize)
+            .map(|c| blake3::hash(c).to_hex().to_string())
+            .collect();
+        assert_eq!(f.chunks, want, "{}", f.name);
+    }
+}
+
+/// The writer of format 2 (kept for these tests) makes what the previous cryo made: the
+/// whole-file SHA-256 is what `sha256sum` prints.
+#[test]
+fn format_2_rewrite_has_what_sha256sum_prints_and_still_verifies() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = published_chunked(t.path());
+    let m = image::rewrite_as_format(&dir, 2, NonZeroU64::new(CHUNK)).unwrap();
+    assert_eq!(verify(&dir).unwrap(), m);
+    assert_eq!(
+        (m.format_version, m.digest, m.chunk_size),
+        (2, None, Some(CHUNK))
+    );
     for f in &m.files {
         let out = Command::new("sha256sum")
             .arg(dir.join(&f.name))
@@ -444,6 +469,13 @@ fn manifest_sha256_is_what_sha256sum_prints() {
             f.name
         );
     }
+    let p = dir.join("pages-2.img");
+    let mut b = fs::read(&p).unwrap();
+    b[3 * CHUNK as usize] ^= 0x01;
+    fs::write(&p, b).unwrap();
+    assert!(
+        matches!(verify(&dir), Err(ImageError::ChunkChecksum { offset, .. }) if offset == 3 * CHUNK)
+    );
 }
 
 /// `manifest.json` exactly as format 1 (cryo before chunk digests) wrote it for the files of
@@ -545,24 +577,11 @@ fn image_of_the_previous_format_still_verifies() {
     );
 }
 
-/// Rewrites the image's manifest as format 1 (whole-file checksums only), the verify baseline.
-fn downgrade_to_format_1(dir: &Path) {
-    let mp = dir.join(MANIFEST_FILE);
-    let mut m = image::read_manifest(&mp).unwrap();
-    m.format_version = 1;
-    m.chunk_size = None;
-    for f in &mut m.files {
-        f.chunks.clear();
-    }
-    m.manifest_sha256 = m.self_digest().unwrap();
-    fs::write(&mp, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
-}
-
-/// Verify of one big pages file: chunked (this format) against whole-file (format 1, the
-/// baseline), and publish against one plain SHA-256 pass, in the same run. Both verifications
-/// must pass; the ratios are printed, no timing is asserted. 64 MiB by default so that every run
-/// checks a file of several 16 MiB chunks; `CRYO_BENCH_BYTES=1073741824 cargo test --release -p
-/// cryo-criu --test image bench -- --nocapture` for the numbers in the docs.
+/// Publish and verify of one big pages file in this format (BLAKE3 per 4 MiB chunk, chunks in
+/// parallel) against format 2 (SHA-256 per 64 MiB chunk) and one plain SHA-256 pass, in the
+/// same run. Every verification must pass; the ratios are printed, no timing is asserted.
+/// 64 MiB by default; `CRYO_BENCH_BYTES=1073741824 cargo test --release -p cryo-criu --test
+/// image bench -- --nocapture` for the numbers in the docs.
 #[test]
 fn bench_verify_one_big_file() {
     let bytes: usize = std::env::var("CRYO_BENCH_BYTES")
@@ -571,12 +590,10 @@ fn bench_verify_one_big_file() {
         .unwrap_or(64 << 20);
     let t = tempfile::tempdir().unwrap();
     let dir = t.path().join("img");
-    let st = Staging::create(&dir)
-        .unwrap()
-        .with_chunk_size(NonZeroU64::new(16 << 20).unwrap());
+    let st = Staging::create(&dir).unwrap();
     let pages = st.path().join("pages-1.img");
     fs::write(&pages, varied(bytes)).unwrap();
-    // Flushed first, so both timings below are hashing from the page cache, not writeback.
+    // Flushed first, so every timing below is hashing from the page cache, not writeback.
     fs::File::open(&pages).unwrap().sync_all().unwrap();
 
     let t0 = Instant::now();
@@ -589,9 +606,9 @@ fn bench_verify_one_big_file() {
     st.publish(meta(), false).unwrap();
     let publish = t0.elapsed();
     println!(
-        "publish {bytes} bytes: {publish:?} (whole + chunk hashes, fsync); one plain SHA-256 pass + fsync: \
-         {plain:?}; ratio {:.2}",
-        publish.as_secs_f64() / plain.as_secs_f64()
+        "publish {bytes} bytes: {publish:?} (BLAKE3 chunks, fsync); one plain SHA-256 pass + fsync: \
+         {plain:?}; speed-up {:.2}x",
+        plain.as_secs_f64() / publish.as_secs_f64()
     );
 
     let best = |dir: &Path| {
@@ -604,13 +621,102 @@ fn bench_verify_one_big_file() {
             .min()
             .unwrap()
     };
-    let chunked = best(&dir);
-    downgrade_to_format_1(&dir);
-    let whole = best(&dir);
+    let v3 = best(&dir);
+    image::rewrite_as_format(&dir, 2, None).unwrap();
+    let v2 = best(&dir);
     println!(
-        "verify {bytes} bytes on {} threads: chunked {chunked:?}, whole-file (format 1) {whole:?}; \
-         speed-up {:.2}x",
+        "verify {bytes} bytes on {} threads: format 3 {v3:?}, format 2 {v2:?}; speed-up {:.2}x",
         std::thread::available_parallelism().map_or(1, |n| n.get()),
-        whole.as_secs_f64() / chunked.as_secs_f64()
+        v2.as_secs_f64() / v3.as_secs_f64()
     );
+}
+
+fn chown(p: &Path, uid: u32) {
+    std::os::unix::fs::lchown(p, Some(uid), None).unwrap();
+}
+
+fn chmod(p: &Path, mode: u32) {
+    fs::set_permissions(p, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap();
+}
+
+fn assert_untrusted(dir: &Path, at: &Path, why: &str) {
+    let err = verify(dir).unwrap_err();
+    match &err {
+        ImageError::Untrusted { path, reason } => {
+            assert_eq!(path, at, "{err}");
+            assert!(reason.contains(why), "{err}");
+        }
+        other => panic!(
+            "expected an untrusted image at {}, got {other:?}",
+            at.display()
+        ),
+    }
+    let msg = err.to_string();
+    assert!(msg.contains("not trusted"), "{msg}");
+}
+
+/// Issue 9 item 11: an image that someone other than root could change is refused, with who
+/// could change it. Each case on a fresh image that verifies before the change.
+#[test]
+fn images_others_could_change_are_refused() {
+    assert!(nix::unistd::geteuid().is_root(), "needs root (chown)");
+    let t = tempfile::tempdir().unwrap();
+    const NOBODY: u32 = 65534;
+
+    let dir = published(t.path(), "dir-owner");
+    chown(&dir, NOBODY);
+    assert_untrusted(&dir, &dir, "owned by uid 65534");
+
+    let dir = published(t.path(), "dir-mode");
+    chmod(&dir, 0o777);
+    assert_untrusted(&dir, &dir, "writable by everyone");
+
+    let dir = published(t.path(), "file-owner");
+    chown(&dir.join("pages-1.img"), NOBODY);
+    assert_untrusted(&dir, &dir.join("pages-1.img"), "owned by uid 65534");
+
+    let dir = published(t.path(), "manifest-owner");
+    chown(&dir.join(MANIFEST_FILE), NOBODY);
+    assert_untrusted(&dir, &dir.join(MANIFEST_FILE), "owned by uid 65534");
+
+    let dir = published(t.path(), "file-mode");
+    chmod(&dir.join("core-4242.img"), 0o666);
+    assert_untrusted(&dir, &dir.join("core-4242.img"), "writable by everyone");
+
+    let dir = published(t.path(), "file-group");
+    std::os::unix::fs::chown(dir.join("core-4242.img"), None, Some(NOBODY)).unwrap();
+    chmod(&dir.join("core-4242.img"), 0o660);
+    assert_untrusted(&dir, &dir.join("core-4242.img"), "writable by group 65534");
+
+    // A file swapped for a symlink to an identical copy elsewhere: never followed.
+    let dir = published(t.path(), "symlink");
+    let elsewhere = t.path().join("elsewhere.img");
+    fs::rename(dir.join("pages-1.img"), &elsewhere).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, dir.join("pages-1.img")).unwrap();
+    assert_untrusted(&dir, &dir.join("pages-1.img"), "symbolic link");
+
+    // A hard link: another name reaches the same bytes.
+    let dir = published(t.path(), "hardlink");
+    fs::hard_link(dir.join("pages-1.img"), t.path().join("second-name.img")).unwrap();
+    assert_untrusted(&dir, &dir.join("pages-1.img"), "2 hard links");
+
+    // A parent directory others can write to (not sticky): they could swap the whole image.
+    let open = t.path().join("open");
+    fs::create_dir(&open).unwrap();
+    let dir = published(&open, "img");
+    chmod(&open, 0o777);
+    assert_untrusted(&dir, &open, "writable by everyone");
+    // Sticky (like /tmp): others cannot rename root's entries there; accepted.
+    chmod(&open, 0o1777);
+    verify(&dir).unwrap();
+    // ... and so is an image reached through a symlink, checked along its real path.
+    let link = t.path().join("link");
+    std::os::unix::fs::symlink(&dir, &link).unwrap();
+    verify(&link).unwrap();
+    // A parent owned by someone else.
+    chown(&open, NOBODY);
+    assert_untrusted(&dir, &open, "owned by uid 65534");
+    // Nor does a freeze publish there.
+    let err = Staging::create(&open.join("new")).unwrap_err();
+    assert!(matches!(err, ImageError::Untrusted { .. }), "{err:?}");
 }

@@ -6,8 +6,11 @@
 //! When the name matches, the step announces itself on stderr and sleeps until the process is
 //! killed. Nothing else reads the variable; unset (always, outside tests) it costs one `getenv`.
 //!
+//! A pausing failpoint ([`pause_if`]) waits instead until a file the test names exists, so the
+//! test can change the world at that exact point and let the step go on.
+//!
 //! # Limitations
-//! Only stalls are supported (no injected errors): the crash itself is the test's SIGKILL.
+//! No injected errors: the crash itself is the test's SIGKILL.
 
 use std::time::Duration;
 
@@ -17,6 +20,9 @@ pub const ENV: &str = "CRYO_FAILPOINT";
 /// `cryo stop`: every CUDA process is suspended and verified (the journal holds `Verified`),
 /// nothing is killed yet.
 pub const STOP_BEFORE_KILL: &str = "stop-before-kill";
+
+/// With a pausing failpoint ([`pause_if`]), the file whose creation lets the step go on.
+pub const RESUME_ENV: &str = "CRYO_FAILPOINT_RESUME";
 
 /// Whether failpoint `name` is active.
 pub fn active(name: &str) -> bool {
@@ -30,5 +36,24 @@ pub fn stall_if(name: &str) {
         loop {
             std::thread::sleep(Duration::from_secs(3600));
         }
+    }
+}
+
+/// Pauses at failpoint `name` if it is active: announces it on stderr, then waits until the file
+/// named by [`RESUME_ENV`] exists (stalls forever without one), so a test can act at this point
+/// and let the step go on.
+pub fn pause_if(name: &str) {
+    if !active(name) {
+        return;
+    }
+    let Some(resume) = std::env::var_os(RESUME_ENV) else {
+        return stall_if(name);
+    };
+    eprintln!(
+        "cryo: failpoint {name} reached; paused until {} exists ({ENV} is a test hook)",
+        std::path::Path::new(&resume).display()
+    );
+    while !std::path::Path::new(&resume).exists() {
+        std::thread::sleep(Duration::from_millis(10));
     }
 }

@@ -17,7 +17,8 @@
 //!    confirmed through its pidfd. With `leave_running` the processes are restored and unlocked
 //!    in place and journaled as *restored* (their contexts went through a driver restore, so they
 //!    get the restored processes' protection).
-//! 5. Publish: hash and fsync every file, write the manifest, rename into place.
+//! 5. Publish: hash every chunk (BLAKE3, all cores) and fsync every file (all at once; their
+//!    writeback was started while CRIU dumped), write the manifest, rename into place.
 //!
 //! A crash at any point leaves at the image path either nothing or a whole image (the staging
 //! directory is removed by the next freeze of the same path), and the worker RUNNING (before the
@@ -49,6 +50,9 @@ use crate::watcher::{Watcher, WatcherError};
 
 /// Failpoint: the dump is complete in the staging directory, nothing is published yet.
 pub const FREEZE_BEFORE_PUBLISH: &str = "freeze-before-publish";
+/// Failpoints inside the publish: this prefix and a [`cryo_criu::image::PublishStep`]'s name
+/// (`freeze-publish-synced`, `-manifest-written`, `-renamed`).
+pub const FREEZE_PUBLISH_PREFIX: &str = "freeze-publish-";
 
 /// Options of a freeze.
 #[derive(Debug, Clone)]
@@ -78,9 +82,15 @@ pub struct FreezeReport {
     pub dump_ms: u64,
     /// Time to hash, fsync and publish, ms.
     pub publish_ms: u64,
+    /// From the start of the freeze to every CUDA process suspended (its GPU memory free), ms.
+    pub gpu_free_ms: u64,
+    /// From the start of the freeze to the dump done and (unless left running) every process
+    /// of the tree gone, ms.
+    pub worker_gone_ms: u64,
     /// Whether the tree is still running (`leave_running`).
     pub left_running: bool,
-    /// Wall time of the whole freeze, ms.
+    /// Wall time of the whole freeze, ms: the image is published and durable (every file,
+    /// the manifest and the directories fsync'd).
     pub elapsed_ms: u64,
 }
 
@@ -371,6 +381,7 @@ fn freeze_inner(
         return Err(FreezeError::Refused(refusals));
     }
     let suspend_ms = ms(t.elapsed());
+    let gpu_free_ms = ms(start.elapsed());
 
     let t = Instant::now();
     let dump_opts = DumpOpts {
@@ -379,8 +390,12 @@ fn freeze_inner(
     };
     // After the checkpoint, device memory is part of each process's resident memory.
     let expected: u64 = handles.iter().filter_map(|h| h.rss().ok()).sum();
-    let dumped = with_dir_progress(progress, root, "dump", expected, staging.path(), || {
-        criu.dump(root, staging.path(), &dump_opts)
+    // The disk starts writing the image while CRIU still dumps (publish's fsync then waits for
+    // the rest only).
+    let dumped = staging.flush_while(|| {
+        with_dir_progress(progress, root, "dump", expected, staging.path(), || {
+            criu.dump(root, staging.path(), &dump_opts)
+        })
     });
     let dumped_bytes = cryo_criu::image::dir_bytes(staging.path());
     let detail = format!(
@@ -404,6 +419,7 @@ fn freeze_inner(
         }
     }
     let dump_ms = ms(t.elapsed());
+    let worker_gone_ms = ms(start.elapsed());
     // A record for the timeline and metrics only: the dump is done (and the tree gone unless
     // left running), so failing the freeze over it would lose the image.
     if let Err(e) = journal.append(Event::Dumped {
@@ -425,7 +441,9 @@ fn freeze_inner(
         criu_version: criu.version(),
     };
     progress.begin(root, "publish", 0);
-    let published = staging.publish(meta, opts.replace);
+    let published = staging.publish_with(meta, opts.replace, &|step| {
+        failpoint::stall_if(&format!("{FREEZE_PUBLISH_PREFIX}{}", step.name()));
+    });
     progress.end(root, "publish", published.is_ok(), "");
     let publish_ms = ms(t.elapsed());
     let manifest = match published {
@@ -450,6 +468,8 @@ fn freeze_inner(
         suspend_ms,
         dump_ms,
         publish_ms,
+        gpu_free_ms,
+        worker_gone_ms,
         left_running: opts.leave_running,
         elapsed_ms: ms(start.elapsed()),
     })

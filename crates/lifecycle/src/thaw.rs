@@ -26,7 +26,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use cryo_criu::image::{self, ImageError, Manifest};
+use cryo_criu::image::{Image, ImageError, Manifest};
 use cryo_criu::{Criu, CriuError, RestoreOpts};
 use cryo_gpu::Gpu;
 use cryo_gpu::{GpuInfo, GpuPair, GpuUuid};
@@ -35,12 +35,17 @@ use cryo_proc::Pid;
 use cryo_proc::ProcHandle;
 use cryo_state::fence::{Fence, FenceError, FencedGpu, Quarantine};
 
+use crate::failpoint;
 use crate::health::{HealthCheck, HealthError};
 use crate::progress::Progress;
 use crate::stop::{stop, StopOptions};
 use crate::suspend::id;
 use crate::target::{Resolved, Target};
 use cryo_units::fmt_bytes;
+
+/// Failpoint: the image is opened and checked (trust, manifest, sizes), prechecks passed, CRIU
+/// not started. Tests change the image here to show that what CRIU reads is checked as it reads.
+pub const THAW_BEFORE_RESTORE: &str = "thaw-before-restore";
 
 /// Options of a thaw.
 #[derive(Debug, Clone)]
@@ -81,10 +86,12 @@ pub struct ThawReport {
     pub pids: Vec<Pid>,
     /// The CUDA processes.
     pub gpu: Vec<RestoredGpu>,
-    /// Verification of the image, ms.
+    /// The checks before CRIU runs (trust, manifest, listing, sizes), ms.
     pub verify_ms: u64,
-    /// CRIU restore, ms.
+    /// CRIU restore, with every chunk checked as the streamer serves it, ms.
     pub criu_ms: u64,
+    /// Bytes of the image CRIU read, each checked against the manifest first.
+    pub served_bytes: u64,
     /// GPU restore of every CUDA process (in parallel) and unlock, ms.
     pub gpu_restore_ms: u64,
     /// From the request to the first healthy answer, ms (`None` without a health check).
@@ -334,7 +341,9 @@ pub fn thaw(
     progress: &dyn Progress,
 ) -> Result<ThawReport, ThawError> {
     let t = Instant::now();
-    let manifest = image::verify(dir)?;
+    // Trust, manifest, listing and sizes; the bytes are checked as CRIU reads them.
+    let opened = Image::open(dir)?;
+    let manifest = opened.manifest().clone();
     let verify_ms = ms(t.elapsed());
     let fenced = fence.list()?;
     let gpus = gpu.inspect.gpus()?;
@@ -356,8 +365,9 @@ pub fn thaw(
     journal.append(Event::ThawStarted {
         image: image.clone(),
     })?;
+    failpoint::pause_if(THAW_BEFORE_RESTORE);
     let result = thaw_inner(
-        gpu, criu, dir, &manifest, &plans, opts, journal, progress, verify_ms,
+        gpu, criu, &opened, &manifest, &plans, opts, journal, progress, verify_ms,
     );
     match &result {
         Ok(r) => {
@@ -388,7 +398,7 @@ pub fn thaw(
 fn thaw_inner(
     gpu: &Gpu,
     criu: &dyn Criu,
-    dir: &Path,
+    opened: &Image,
     manifest: &Manifest,
     plans: &[GpuPlan],
     opts: &ThawOptions,
@@ -396,17 +406,24 @@ fn thaw_inner(
     progress: &dyn Progress,
     verify_ms: u64,
 ) -> Result<ThawReport, ThawError> {
+    let dir = opened.path();
     let image = dir.display().to_string();
     let t = Instant::now();
     progress.begin(manifest.root_pid, "criu restore", manifest.total_bytes);
-    let restored = criu.restore(dir, &RestoreOpts::default());
+    let restored = criu.restore(opened, &RestoreOpts::default());
     progress.end(
         manifest.root_pid,
         "criu restore",
         restored.is_ok(),
         &format!("{} ms", t.elapsed().as_millis()),
     );
-    let root = restored?;
+    let streamed = match restored {
+        Ok(r) => r,
+        // The streamer refused the image while CRIU read it: nothing of it ran.
+        Err(CriuError::Image(e)) => return Err(ThawError::Image(e)),
+        Err(e) => return Err(e.into()),
+    };
+    let root = streamed.pid;
     let criu_ms = ms(t.elapsed());
     // For the timeline and metrics only: not worth failing a restore that happened.
     if let Err(e) = journal.append(Event::CriuRestored {
@@ -557,6 +574,7 @@ fn thaw_inner(
         gpu: gpu_report,
         verify_ms,
         criu_ms,
+        served_bytes: streamed.served_bytes,
         gpu_restore_ms,
         first_answer_ms,
         elapsed_ms: ms(opts.requested.elapsed()),

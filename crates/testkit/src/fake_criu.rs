@@ -11,7 +11,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use cryo_criu::{Criu, CriuError, CriuOp, CriuVersion, DumpOpts, RestoreOpts, DUMP_LOG};
+use cryo_criu::image::Image;
+use cryo_criu::{Criu, CriuError, CriuOp, CriuVersion, DumpOpts, RestoreOpts, Restored, DUMP_LOG};
 use cryo_gpu::ProcessState;
 use cryo_proc::Pid;
 
@@ -145,14 +146,17 @@ impl Criu for FakeCriu {
         Ok(())
     }
 
-    fn restore(&self, images_dir: &Path, _opts: &RestoreOpts) -> Result<Pid, CriuError> {
+    fn restore(&self, image: &Image, _opts: &RestoreOpts) -> Result<Restored, CriuError> {
         let mut g = self.inner();
         g.restores += 1;
         match g.image.first() {
-            Some(root) => Ok(*root),
+            Some(root) => Ok(Restored {
+                pid: *root,
+                served_bytes: 0,
+            }),
             None => Err(CriuError::Failed {
                 op: CriuOp::Restore,
-                log: images_dir.join("restore.log"),
+                log: image.path().join("restore.log"),
                 lines: vec!["the fake CRIU was given nothing to restore".into()],
             }),
         }

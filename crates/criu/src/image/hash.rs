@@ -1,257 +1,152 @@
-//! SHA-256 of image files. At publish, each file is read once and feeds two hashers: the whole
-//! file (what `sha256sum` prints) and its fixed-size chunks (on a second thread for files of
-//! several chunks); files go in parallel. At verify,
-//! the chunks of all files go in parallel, read with `pread`, so one big pages file uses every
-//! core instead of one.
+//! Checksums of image files.
+//!
+//! Format 3 (what publish writes): the BLAKE3 of every chunk of every file, chunks hashed in
+//! parallel on rayon's pool, read with `pread`, so one big pages file uses every core. Verify
+//! and the thaw streamer check the same chunks ([`Span`]s), in parallel too.
+//!
+//! Formats 1 and 2 (SHA-256 of each file, and of each 64 MiB chunk in format 2) are still
+//! checked; their writer is kept ([`sha256_file`]) so that tests can make images of those
+//! formats.
 
 use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
 
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
-/// Bytes read per call; one buffer per worker thread.
-const BUF: usize = 1 << 20;
-/// Most threads at publish (which also fsyncs: more would only queue on the disk).
-const PUBLISH_THREADS: usize = 8;
-/// Most threads at verify (nodes have 16+ cores; beyond that the disk is the limit).
-const VERIFY_THREADS: usize = 16;
+use super::manifest::DigestAlg;
 
-/// Size, whole-file hash and chunk hashes of one file.
-pub(crate) struct Hashed {
-    pub(crate) size: u64,
-    pub(crate) sha256: String,
-    /// Empty when the file is at most one chunk.
-    pub(crate) chunks: Vec<String>,
+/// Bytes read per call when a span is checked without keeping it.
+const BUF: usize = 1 << 20;
+
+/// A running digest of one of the manifest's algorithms.
+enum Hasher {
+    Sha256(Box<Sha256>),
+    Blake3(Box<blake3::Hasher>),
 }
 
-/// One file's outcome; the error carries the path.
-pub(crate) type HashResult = Result<Hashed, (PathBuf, std::io::Error)>;
-
-/// Runs `work(i, buffer)` for every `i` of `order` on a rayon pool of up to `cap` threads
-/// (bounded by `available_parallelism`), one job at a time per thread, taken in `order`. Once a
-/// result is `failed`, no new job starts: the caller reports one failure, and a corrupt image is
-/// refused without reading the rest. Results are by job index; `None` for a job that did not run.
-fn parallel<T: Send>(
-    order: &[usize],
-    cap: usize,
-    work: impl Fn(usize, &mut [u8]) -> T + Sync,
-    failed: impl Fn(&T) -> bool + Sync,
-) -> Vec<Option<T>> {
-    let threads = std::thread::available_parallelism()
-        .map_or(2, |n| n.get())
-        .min(cap)
-        .min(order.len())
-        .max(1);
-    let stop = AtomicBool::new(false);
-    let run = || -> Vec<(usize, T)> {
-        order
-            .par_iter()
-            // One job per task: the biggest (first) jobs start first on every thread.
-            .with_max_len(1)
-            .map_init(
-                || vec![0u8; BUF],
-                |buf, &i| {
-                    if stop.load(Ordering::Relaxed) {
-                        return None;
-                    }
-                    let r = work(i, buf);
-                    if failed(&r) {
-                        stop.store(true, Ordering::Relaxed);
-                    }
-                    Some((i, r))
-                },
-            )
-            .flatten()
-            .collect()
-    };
-    let done = match rayon::ThreadPoolBuilder::new().num_threads(threads).build() {
-        Ok(pool) => pool.install(run),
-        // No threads to be had: the work still gets done, on this one.
-        Err(_) => run(),
-    };
-    let mut results: Vec<Option<T>> = (0..order.len()).map(|_| None).collect();
-    for (i, r) in done {
-        if let Some(slot) = results.get_mut(i) {
-            *slot = Some(r);
+impl Hasher {
+    fn new(alg: DigestAlg) -> Hasher {
+        match alg {
+            DigestAlg::Sha256 => Hasher::Sha256(Box::default()),
+            DigestAlg::Blake3 => Hasher::Blake3(Box::default()),
         }
     }
-    results
+
+    fn update(&mut self, data: &[u8]) {
+        match self {
+            Hasher::Sha256(h) => h.update(data),
+            Hasher::Blake3(h) => {
+                h.update(data);
+            }
+        }
+    }
+
+    fn hex(self) -> String {
+        match self {
+            Hasher::Sha256(h) => hex::encode(h.finalize()),
+            Hasher::Blake3(h) => h.finalize().to_hex().to_string(),
+        }
+    }
 }
 
-/// Hashes `dir/name` for every name, whole and in chunks of `chunk_size` bytes, files in
-/// parallel. With `sync`, each file is also fsync'd: it is open anyway. Results are in `names`
-/// order.
-pub(crate) fn hash_files(
-    dir: &Path,
-    names: &[String],
-    sync: bool,
-    chunk_size: u64,
-) -> Vec<HashResult> {
-    let order: Vec<usize> = (0..names.len()).collect();
-    let results = parallel(
-        &order,
-        PUBLISH_THREADS,
-        |i, buf| {
-            let path = dir.join(&names[i]);
-            hash_one(&path, sync, chunk_size, buf).map_err(|e| (path, e))
-        },
-        Result::is_err,
-    );
-    results
-        .into_iter()
-        .zip(names)
-        .map(|(r, name)| {
-            r.unwrap_or_else(|| {
-                Err((
-                    dir.join(name),
-                    std::io::Error::other("not hashed (another file failed first)"),
-                ))
-            })
-        })
+/// The digest of `data`, lower-case hex.
+pub(crate) fn digest(alg: DigestAlg, data: &[u8]) -> String {
+    let mut h = Hasher::new(alg);
+    h.update(data);
+    h.hex()
+}
+
+/// Reads exactly `buf.len()` bytes at `offset`, or fewer at the end of the file; returns how
+/// many.
+fn read_full_at(f: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match f.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}
+
+/// The BLAKE3 of every `chunk`-byte chunk of the first `size` bytes of `f`, chunks in
+/// parallel; `Err(UnexpectedEof)` if the file is shorter than `size`.
+pub(crate) fn chunk_digests(f: &File, size: u64, chunk: u64) -> std::io::Result<Vec<String>> {
+    let n = size.div_ceil(chunk.max(1));
+    let buf_len = usize::try_from(chunk.min(size)).unwrap_or(usize::MAX);
+    (0..n)
+        .into_par_iter()
+        .map_init(
+            || vec![0u8; buf_len],
+            |buf, k| {
+                let offset = k * chunk;
+                let len = usize::try_from(chunk.min(size - offset)).unwrap_or(usize::MAX);
+                let got = read_full_at(f, &mut buf[..len], offset)?;
+                if got < len {
+                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+                }
+                Ok(digest(DigestAlg::Blake3, &buf[..len]))
+            },
+        )
         .collect()
 }
 
-fn hash_one(path: &Path, sync: bool, chunk_size: u64, buf: &mut [u8]) -> std::io::Result<Hashed> {
-    let mut f = File::open(path)?;
-    let mut chunker = Chunker::new(chunk_size);
-    let (size, sha256) = if f.metadata()?.len() > chunker.size {
-        hash_piped(&mut f, &mut chunker)?
-    } else {
-        let mut whole = Sha256::new();
-        let mut size = 0u64;
-        loop {
-            let n = read_some(&mut f, buf)?;
-            if n == 0 {
-                break;
-            }
-            whole.update(&buf[..n]);
-            chunker.update(&buf[..n]);
-            size += n as u64;
-        }
-        (size, hex::encode(whole.finalize()))
-    };
-    if sync {
-        f.sync_all()?;
-    }
-    Ok(Hashed {
-        size,
-        sha256,
-        chunks: chunker.finish(),
-    })
-}
-
-/// Buffers in flight between the reader (whole-file hash) and the chunk hasher.
-const PIPE: usize = 3;
-
-/// One read pass over a file of several chunks, with the whole-file hash on this thread and
-/// the chunk hashes on a second one, fed the same buffers: a big file then publishes in about
-/// the time of one SHA-256 pass, not two. Returns the size and the whole-file hash.
-fn hash_piped(f: &mut File, chunker: &mut Chunker) -> std::io::Result<(u64, String)> {
-    let (full_tx, full_rx) = mpsc::sync_channel::<(Vec<u8>, usize)>(PIPE);
-    let (free_tx, free_rx) = mpsc::sync_channel::<Vec<u8>>(PIPE);
-    for _ in 0..PIPE {
-        free_tx
-            .send(vec![0u8; BUF])
-            .map_err(|_| std::io::Error::other("chunk hasher pipe closed"))?;
-    }
-    std::thread::scope(|s| {
-        let chunks = s.spawn(move || {
-            for (buf, n) in full_rx {
-                chunker.update(&buf[..n]);
-                // The reader may have stopped on an error; then the buffer is not needed.
-                let _ = free_tx.send(buf);
-            }
-        });
-        let mut whole = Sha256::new();
-        let mut size = 0u64;
-        let read = loop {
-            let Ok(mut buf) = free_rx.recv() else {
-                break Err(std::io::Error::other("chunk hasher stopped"));
-            };
-            let n = match read_some(f, &mut buf) {
-                Ok(0) => break Ok(()),
-                Ok(n) => n,
-                Err(e) => break Err(e),
-            };
-            whole.update(&buf[..n]);
-            size += n as u64;
-            if full_tx.send((buf, n)).is_err() {
-                break Err(std::io::Error::other("chunk hasher stopped"));
-            }
-        };
-        drop(full_tx);
-        chunks
-            .join()
-            .map_err(|_| std::io::Error::other("chunk hasher panicked"))?;
-        read.map(|()| (size, hex::encode(whole.finalize())))
-    })
-}
-
-fn read_some(f: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
+/// Format 1 and 2 checksums of one file, as the writer of those formats made them: size, the
+/// whole-file SHA-256, and (with `chunk`) the SHA-256 of each chunk when there is more than one.
+pub(crate) fn sha256_file(
+    f: &mut File,
+    chunk: Option<u64>,
+) -> std::io::Result<(u64, String, Vec<String>)> {
+    let mut whole = Sha256::new();
+    let mut chunks = Vec::new();
+    let mut part = Sha256::new();
+    let mut filled = 0u64;
+    let mut size = 0u64;
+    let mut buf = vec![0u8; BUF];
     loop {
-        match f.read(buf) {
+        let n = match f.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            r => return r,
-        }
-    }
-}
-
-/// SHA-256 of consecutive `size`-byte chunks of a stream.
-struct Chunker {
-    size: u64,
-    hasher: Sha256,
-    filled: u64,
-    digests: Vec<String>,
-}
-
-impl Chunker {
-    fn new(size: u64) -> Chunker {
-        Chunker {
-            size: size.max(1),
-            hasher: Sha256::new(),
-            filled: 0,
-            digests: Vec::new(),
-        }
-    }
-
-    fn update(&mut self, mut data: &[u8]) {
+            Err(e) => return Err(e),
+        };
+        whole.update(&buf[..n]);
+        size += n as u64;
+        let Some(c) = chunk else { continue };
+        let mut data = &buf[..n];
         while !data.is_empty() {
-            let room = usize::try_from(self.size - self.filled).unwrap_or(usize::MAX);
+            let room = usize::try_from(c - filled).unwrap_or(usize::MAX);
             let (now, rest) = data.split_at(room.min(data.len()));
-            self.hasher.update(now);
-            self.filled += now.len() as u64;
+            part.update(now);
+            filled += now.len() as u64;
             data = rest;
-            if self.filled == self.size {
-                self.digests.push(hex::encode(self.hasher.finalize_reset()));
-                self.filled = 0;
+            if filled == c {
+                chunks.push(hex::encode(part.finalize_reset()));
+                filled = 0;
             }
         }
     }
-
-    /// The digests; none for a stream of at most one chunk (its whole hash is its check).
-    fn finish(mut self) -> Vec<String> {
-        if self.filled > 0 {
-            self.digests.push(hex::encode(self.hasher.finalize()));
-        }
-        if self.digests.len() <= 1 {
-            self.digests.clear();
-        }
-        self.digests
+    if filled > 0 {
+        chunks.push(hex::encode(part.finalize()));
     }
+    if chunks.len() <= 1 {
+        chunks.clear();
+    }
+    Ok((size, hex::encode(whole.finalize()), chunks))
 }
 
-/// A byte range of an open file and the SHA-256 it must have.
+/// A byte range of a file and the digest it must have.
+#[derive(Debug, Clone)]
 pub(crate) struct Span<'a> {
-    /// Index of the file in the slice given to [`check_spans`].
+    /// Index of the file in the manifest.
     pub(crate) file: usize,
     pub(crate) offset: u64,
     pub(crate) len: u64,
-    pub(crate) sha256: &'a str,
+    pub(crate) digest: &'a str,
     /// The span ends the file: nothing may follow it.
     pub(crate) last: bool,
 }
@@ -270,43 +165,45 @@ pub(crate) enum SpanError {
     Long,
 }
 
-/// Checks every span, in parallel on up to 16 threads, bigger spans first. Each span opens its
-/// file (an image of many processes has more files than the fd limit allows open at once).
-/// Returns the first failing span (in `spans` order among those that ran) and why.
-pub(crate) fn check_spans(files: &[PathBuf], spans: &[Span<'_>]) -> Result<(), (usize, SpanError)> {
-    let mut order: Vec<usize> = (0..spans.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(spans[i].len));
-    let results = parallel(
-        &order,
-        VERIFY_THREADS,
-        |i, buf| match files.get(spans[i].file) {
-            Some(path) => File::open(path)
-                .map_err(SpanError::Io)
-                .and_then(|f| check_span(&f, &spans[i], buf)),
-            None => Err(SpanError::Io(std::io::Error::other("span of no file"))),
-        },
-        Result::is_err,
-    );
-    let mut ran_all = true;
-    for (i, r) in results.into_iter().enumerate() {
-        match r {
-            Some(Ok(())) => {}
-            Some(Err(e)) => return Err((i, e)),
-            None => ran_all = false,
-        }
+/// Reads span `s` of `f` into `out` (replacing its content) and checks it: the bytes in `out`
+/// are then exactly the ones that matched, whatever happens to the file afterwards.
+pub(crate) fn read_checked(
+    f: &File,
+    s: &Span<'_>,
+    alg: DigestAlg,
+    out: &mut Vec<u8>,
+) -> Result<(), SpanError> {
+    let len = usize::try_from(s.len)
+        .map_err(|_| SpanError::Io(std::io::ErrorKind::OutOfMemory.into()))?;
+    // Resized only when the span's length changes: zeroing 4 MiB per chunk would cost as much
+    // as another copy of the image.
+    if out.len() != len {
+        out.resize(len, 0);
     }
-    if ran_all {
-        return Ok(());
+    let got = read_full_at(f, out, s.offset).map_err(SpanError::Io)?;
+    if got < len {
+        return Err(SpanError::Short {
+            found: s.offset + got as u64,
+        });
     }
-    // Jobs are skipped only after a failure, which is returned above.
-    Err((
-        0,
-        SpanError::Io(std::io::Error::other("a verify worker did not report")),
-    ))
+    if s.last {
+        ends_at(f, s.offset + s.len)?;
+    }
+    if matches(alg, s, out) {
+        Ok(())
+    } else {
+        Err(SpanError::Mismatch)
+    }
 }
 
-fn check_span(f: &File, s: &Span<'_>, buf: &mut [u8]) -> Result<(), SpanError> {
-    let mut h = Sha256::new();
+/// Checks span `s` of `f` without keeping its bytes (`buf` is scratch space).
+pub(crate) fn check_span(
+    f: &File,
+    s: &Span<'_>,
+    alg: DigestAlg,
+    buf: &mut [u8],
+) -> Result<(), SpanError> {
+    let mut h = Hasher::new(alg);
     let end = s.offset + s.len;
     let mut pos = s.offset;
     while pos < end {
@@ -321,18 +218,73 @@ fn check_span(f: &File, s: &Span<'_>, buf: &mut [u8]) -> Result<(), SpanError> {
         pos += n as u64;
     }
     if s.last {
-        loop {
-            match f.read_at(&mut buf[..1], end) {
-                Ok(0) => break,
-                Ok(_) => return Err(SpanError::Long),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(SpanError::Io(e)),
-            }
-        }
+        ends_at(f, end)?;
     }
-    if hex::encode(h.finalize()).eq_ignore_ascii_case(s.sha256) {
+    if s.len == 0 && s.digest.is_empty() || h.hex().eq_ignore_ascii_case(s.digest) {
         Ok(())
     } else {
         Err(SpanError::Mismatch)
+    }
+}
+
+/// Whether `data` (all of span `s`) matches; an empty span without a digest (an empty file of
+/// format 3, which has no chunks) matches nothing but emptiness.
+fn matches(alg: DigestAlg, s: &Span<'_>, data: &[u8]) -> bool {
+    if s.len == 0 && s.digest.is_empty() {
+        return data.is_empty();
+    }
+    digest(alg, data).eq_ignore_ascii_case(s.digest)
+}
+
+fn ends_at(f: &File, end: u64) -> Result<(), SpanError> {
+    let mut b = [0u8; 1];
+    loop {
+        match f.read_at(&mut b, end) {
+            Ok(0) => return Ok(()),
+            Ok(_) => return Err(SpanError::Long),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(SpanError::Io(e)),
+        }
+    }
+}
+
+/// Checks every span, in parallel, bigger spans first; `open` opens a file of the manifest by
+/// index (each span opens its file: an image of many processes has more files than the fd limit
+/// allows open at once). Stops early after a failure and returns the first failing span (in
+/// `spans` order among those that ran) and why.
+pub(crate) fn check_spans(
+    spans: &[Span<'_>],
+    alg: DigestAlg,
+    open: impl Fn(usize) -> std::io::Result<File> + Sync,
+) -> Result<(), (usize, SpanError)> {
+    let mut order: Vec<usize> = (0..spans.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(spans[i].len));
+    let failed = std::sync::atomic::AtomicBool::new(false);
+    let mut errors: Vec<(usize, SpanError)> = order
+        .par_iter()
+        .map_init(
+            || vec![0u8; BUF],
+            |buf, &i| {
+                if failed.load(std::sync::atomic::Ordering::Relaxed) {
+                    return None;
+                }
+                let r = open(spans[i].file)
+                    .map_err(SpanError::Io)
+                    .and_then(|f| check_span(&f, &spans[i], alg, buf));
+                match r {
+                    Ok(()) => None,
+                    Err(e) => {
+                        failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                        Some((i, e))
+                    }
+                }
+            },
+        )
+        .flatten()
+        .collect();
+    errors.sort_by_key(|(i, _)| *i);
+    match errors.into_iter().next() {
+        Some(e) => Err(e),
+        None => Ok(()),
     }
 }

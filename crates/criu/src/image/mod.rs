@@ -1,46 +1,61 @@
 //! Image directories: staged next to their final place, described by a manifest, published by
-//! an atomic rename, verified before use.
+//! an atomic rename, trusted only when nobody but root can change them, checked byte for byte
+//! as they are used.
 //!
 //! # Design
 //! A freeze writes into `DIR.tmp-<random>` in DIR's parent ([`Staging`]), so the final rename
-//! stays on one filesystem. [`Staging::publish`] hashes and fsyncs every file, writes
-//! `manifest.json` last and fsyncs it and the directory, renames the staging directory to DIR
-//! with `renameat2(RENAME_NOREPLACE)` (or `RENAME_EXCHANGE` when replacing, so DIR always holds
-//! a whole image, the old or the new) and fsyncs the parent. A crash at any point leaves at DIR
-//! either nothing, the old image or the new one, never a part. Staging directories hold an
-//! `flock` while in use; [`clean_stale`] (run by [`Staging::create`]) removes those nobody
-//! holds, i.e. those a crashed freeze left, and [`verify`] refuses any staging-named directory.
+//! stays on one filesystem; [`Staging::flush_while`] starts the writeback of what CRIU writes
+//! during the dump. [`Staging::publish`] hashes every chunk of every file (BLAKE3, chunks in
+//! parallel, from the page cache) while fsyncing every file at once, writes `manifest.json`
+//! last and fsyncs it and the directory, renames the staging directory to DIR with
+//! `renameat2(RENAME_NOREPLACE)` (or `RENAME_EXCHANGE` when replacing, so DIR always holds a
+//! whole image, the old or the new) and fsyncs the parent. A crash at any point
+//! ([`PublishStep`]) leaves at DIR either nothing, the old image or the new one, never a part.
+//! Staging directories hold an `flock` while in use; [`clean_stale`] (run by
+//! [`Staging::create`]) removes those nobody holds, i.e. those a crashed freeze left, and
+//! [`Image::open`] refuses any staging-named directory.
+//!
+//! [`Image::open`] applies the trust rule (`trust`: the image, its files and every directory
+//! above it can be changed by root only; no symlinks, one link per file) and checks the
+//! manifest, the listing and the sizes without reading the files. [`Image::verify`] (and
+//! [`verify`]) then hashes every chunk on every core; a thaw instead checks each chunk as the
+//! image streamer (`stream`) serves it to CRIU, and the rest at a gate before anything runs.
+//!
+//! # Checksums
+//! Format 3: the BLAKE3 of every [`DEFAULT_CHUNK_SIZE`] chunk of every file; the manifest's own
+//! SHA-256 covers the lists. Formats 1 (whole-file SHA-256) and 2 (and per 64 MiB chunk) are
+//! still read and checked; [`rewrite_as_format`] still writes them, for tests.
 //!
 //! # Limitations
 //! Images are flat directories of regular files (what CRIU writes); anything else is refused.
 //! The replaced old image is removed after the exchange; if that removal is interrupted, the
 //! leftover is a staging-named directory and goes with the next [`clean_stale`].
-//!
-//! # Checksums
-//! The manifest holds each file's SHA-256 (what `sha256sum` prints) and, for files of more
-//! than one chunk ([`DEFAULT_CHUNK_SIZE`]), the SHA-256 of each chunk. Publish computes both in
-//! one read of each file. [`verify`] checks sizes, then hashes the chunks of all files on all
-//! cores (a 20 GB GPU worker is one pages file, and verify runs before every thaw); it does not
-//! hash big files whole again: the chunks cover every byte, and the manifest's self-digest
-//! covers the chunk list. Format-1 manifests (no chunks) are still read and verified whole-file.
 
 mod hash;
 mod manifest;
+mod open;
+mod stream;
+mod sys;
+mod trust;
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::Write;
 use std::num::NonZeroU64;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::Duration;
 
 use nix::fcntl::{renameat2, Flock, FlockArg, RenameFlags};
 use time::format_description::well_known::Rfc3339;
 
 pub use manifest::{
-    DeviceUse, FileEntry, ImageMeta, Manifest, ProcessEntry, ProcessGpu, DEFAULT_CHUNK_SIZE,
-    FORMAT_VERSION, MANIFEST_FILE, OLDEST_FORMAT_VERSION,
+    DeviceUse, DigestAlg, FileEntry, ImageMeta, Manifest, ProcessEntry, ProcessGpu,
+    DEFAULT_CHUNK_SIZE, FORMAT_2_CHUNK_SIZE, FORMAT_VERSION, MANIFEST_FILE, OLDEST_FORMAT_VERSION,
 };
+pub use open::{read_manifest, Image};
+pub(crate) use stream::{Server, SERVE_SOCKET};
 
 /// What marks a staging directory: `NAME.tmp-<random>`.
 pub const STAGING_MARK: &str = ".tmp-";
@@ -152,6 +167,22 @@ pub enum ImageError {
         /// One past its last byte.
         end: u64,
     },
+    /// Someone other than root could change the image (or the path to it) while it is used.
+    #[error("{}: not trusted: {reason}", .path.display())]
+    Untrusted {
+        /// The file or directory.
+        path: PathBuf,
+        /// Who could change it, and how.
+        reason: String,
+    },
+    /// The thaw's streamer stopped before CRIU had read the image (see the log of the restore).
+    #[error("{}: image streamer: {reason}", .dir.display())]
+    Stream {
+        /// The image.
+        dir: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
     /// A file the manifest does not list.
     #[error("{}: not listed in the manifest", .file.display())]
     Unlisted {
@@ -200,6 +231,165 @@ fn fsync_dir(dir: &Path) -> Result<(), ImageError> {
     File::open(dir).and_then(|f| f.sync_all()).map_err(io(dir))
 }
 
+/// How often [`Staging::flush_while`] starts the writeback of what CRIU wrote since.
+const FLUSH_EVERY: Duration = Duration::from_millis(50);
+/// Most fsyncs in flight at publish.
+const SYNC_THREADS: usize = 16;
+
+/// Starts the writeback of every file of `dir` from where it was started last time.
+fn kick_writeback(dir: &Path, kicked: &mut BTreeMap<std::ffi::OsString, (File, u64)>) {
+    let Ok(rd) = fs::read_dir(dir) else { return };
+    for e in rd.flatten() {
+        if !e.file_type().is_ok_and(|t| t.is_file()) {
+            continue;
+        }
+        let name = e.file_name();
+        if !kicked.contains_key(&name) {
+            let Ok(f) = File::open(e.path()) else {
+                continue;
+            };
+            kicked.insert(name.clone(), (f, 0));
+        }
+        let Some((f, from)) = kicked.get_mut(&name) else {
+            continue;
+        };
+        let Ok(len) = f.metadata().map(|m| m.len()) else {
+            continue;
+        };
+        if len <= *from {
+            continue;
+        }
+        // Only a hint to the kernel: a failure leaves the work to the fsync at publish.
+        if sys::start_writeback(&*f, *from, len - *from).is_ok() {
+            *from = len;
+        }
+    }
+}
+
+/// Format-3 checksums of every file of `dir` (BLAKE3 per chunk, on rayon's pool), while every
+/// file is fsync'd on plain threads (a fsync waits on the disk, not on a core).
+fn hash_and_sync(dir: &Path, names: &[String], chunk: u64) -> Result<Vec<FileEntry>, ImageError> {
+    let mut opened = Vec::with_capacity(names.len());
+    for n in names {
+        let path = dir.join(n);
+        let f = File::open(&path).map_err(io(&path))?;
+        let size = f.metadata().map_err(io(&path))?.len();
+        opened.push((path, f, size));
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let sync_one = || -> Result<(), ImageError> {
+        loop {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let Some((path, f, _)) = opened.get(i) else {
+                return Ok(());
+            };
+            f.sync_all().map_err(io(path))?;
+        }
+    };
+    std::thread::scope(|s| {
+        let syncers: Vec<_> = (0..SYNC_THREADS.min(opened.len()))
+            .map(|_| s.spawn(sync_one))
+            .collect();
+        let hashed: Result<Vec<FileEntry>, ImageError> = opened
+            .iter()
+            .zip(names)
+            .map(|((path, f, size), name)| {
+                let chunks = hash::chunk_digests(f, *size, chunk).map_err(io(path))?;
+                Ok(FileEntry {
+                    name: name.clone(),
+                    size: *size,
+                    sha256: String::new(),
+                    chunks,
+                })
+            })
+            .collect();
+        for h in syncers {
+            h.join()
+                .map_err(|_| io(dir)(std::io::Error::other("fsync thread panicked")))??;
+        }
+        hashed
+    })
+}
+
+/// Writes `manifest.json` into `dir` and fsyncs it; with `over`, replaces an existing one
+/// atomically (through a temporary name and a rename).
+fn write_manifest(dir: &Path, manifest: &Manifest, over: bool) -> Result<(), ImageError> {
+    let bytes = serde_json::to_vec_pretty(manifest).map_err(ImageError::Serialize)?;
+    let mpath = dir.join(MANIFEST_FILE);
+    let target = if over {
+        dir.join(format!("{MANIFEST_FILE}{STAGING_MARK}rewrite"))
+    } else {
+        mpath.clone()
+    };
+    let mut f = File::options()
+        .write(true)
+        .create_new(true)
+        .open(&target)
+        .map_err(io(&target))?;
+    f.write_all(&bytes)
+        .and_then(|()| f.sync_all())
+        .map_err(io(&target))?;
+    if over {
+        fs::rename(&target, &mpath).map_err(io(&mpath))?;
+        fsync_dir(dir)?;
+    }
+    Ok(())
+}
+
+/// Rewrites the manifest of the image at `dir` in format 1 (whole-file SHA-256) or 2 (and a
+/// SHA-256 per `chunk_size` bytes, default [`FORMAT_2_CHUNK_SIZE`]), as the cryo of those
+/// formats wrote it. The writer of the previous formats, kept so that tests make images of
+/// them from what this build dumps.
+pub fn rewrite_as_format(
+    dir: &Path,
+    format: u32,
+    chunk_size: Option<NonZeroU64>,
+) -> Result<Manifest, ImageError> {
+    let mpath = dir.join(MANIFEST_FILE);
+    let mut m = read_manifest(&mpath)?;
+    let chunk = match format {
+        1 => None,
+        2 => Some(chunk_size.map_or(FORMAT_2_CHUNK_SIZE, NonZeroU64::get)),
+        other => {
+            return Err(ImageError::UnsupportedFormat {
+                file: mpath,
+                found: u64::from(other),
+                supported: 2,
+            })
+        }
+    };
+    for f in &mut m.files {
+        let path = dir.join(&f.name);
+        let mut file = File::open(&path).map_err(io(&path))?;
+        let (size, whole, chunks) = hash::sha256_file(&mut file, chunk).map_err(io(&path))?;
+        f.size = size;
+        f.sha256 = whole;
+        f.chunks = chunks;
+    }
+    m.format_version = format;
+    m.digest = None;
+    m.chunk_size = chunk;
+    m.total_bytes = m.files.iter().map(|f| f.size).sum();
+    m.manifest_sha256 = m.self_digest().map_err(ImageError::Serialize)?;
+    write_manifest(dir, &m, true)?;
+    Ok(m)
+}
+
+/// Checks the image at `dir` (see [`Image::open`]: trust, manifest, listing, sizes) and every
+/// byte of it against its manifest (all chunks of all files in parallel), and returns the
+/// manifest. Each failure names the file and the reason (and the byte range for a chunk).
+pub fn verify(dir: &Path) -> Result<Manifest, ImageError> {
+    let image = Image::open(dir)?;
+    image.verify()?;
+    Ok(image.into_manifest())
+}
+
+/// Checks that an image published at `dir` would be trusted: nobody but root can change the
+/// directories it goes into.
+pub fn check_destination(dir: &Path) -> Result<(), ImageError> {
+    trust::check_parent(dir)
+}
+
 /// Removes the staging directories of `dir` (`DIR.tmp-*` beside it) that no live freeze holds,
 /// and returns them.
 pub fn clean_stale(dir: &Path) -> Result<Vec<PathBuf>, ImageError> {
@@ -240,6 +430,36 @@ pub fn clean_stale(dir: &Path) -> Result<Vec<PathBuf>, ImageError> {
     Ok(removed)
 }
 
+/// The points of [`Staging::publish_with`] at which a crash must leave no image or a whole one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PublishStep {
+    /// Every file hashed and fsync'd; no manifest yet.
+    Synced,
+    /// The manifest written and fsync'd, the staging directory fsync'd; not renamed yet.
+    ManifestWritten,
+    /// Renamed (or exchanged) into place; the parent directory not fsync'd yet, and a replaced
+    /// image not removed yet.
+    Renamed,
+}
+
+impl PublishStep {
+    /// Every step, in order.
+    pub const ALL: [PublishStep; 3] = [
+        PublishStep::Synced,
+        PublishStep::ManifestWritten,
+        PublishStep::Renamed,
+    ];
+
+    /// Its name (`synced`, `manifest-written`, `renamed`).
+    pub fn name(self) -> &'static str {
+        match self {
+            PublishStep::Synced => "synced",
+            PublishStep::ManifestWritten => "manifest-written",
+            PublishStep::Renamed => "renamed",
+        }
+    }
+}
+
 /// A staging directory for the image that will be published at `dir`.
 #[derive(Debug)]
 pub struct Staging {
@@ -255,6 +475,7 @@ impl Staging {
     /// `dir`'s parent must exist. Dropped without [`Staging::publish`], it is removed.
     pub fn create(dir: &Path) -> Result<Staging, ImageError> {
         let (parent, name) = split(dir)?;
+        check_destination(dir)?;
         clean_stale(dir)?;
         // Between making the directory and locking it, a concurrent clean_stale may take it for
         // stale and remove it: check that what is locked is still what is there.
@@ -305,23 +526,48 @@ impl Staging {
         &self.dir
     }
 
-    /// Hashes and fsyncs every file, writes the manifest, and renames the staging directory to
-    /// the final one. With `replace`, an existing image there is swapped out atomically and
-    /// removed; without, an existing path is [`ImageError::Exists`] (and the staging directory
-    /// is removed as on any error).
-    pub fn publish(mut self, meta: ImageMeta, replace: bool) -> Result<Manifest, ImageError> {
-        let names = self.list()?;
-        let mut files = Vec::with_capacity(names.len());
-        let hashed = hash::hash_files(&self.path, &names, true, self.chunk_size);
-        for (name, r) in names.iter().zip(hashed) {
-            let h = r.map_err(|(p, e)| io(&p)(e))?;
-            files.push(FileEntry {
-                name: name.clone(),
-                size: h.size,
-                sha256: h.sha256,
-                chunks: h.chunks,
+    /// Runs `f` (the dump) while telling the kernel to start writing out what appears in the
+    /// staging directory, so that the disk works during the dump instead of after it: by the
+    /// time [`Staging::publish`] fsyncs, most of the image is on disk already.
+    pub fn flush_while<T>(&self, f: impl FnOnce() -> T) -> T {
+        let (done_tx, done_rx) = mpsc::channel::<()>();
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                let mut kicked: BTreeMap<std::ffi::OsString, (File, u64)> = BTreeMap::new();
+                loop {
+                    match done_rx.recv_timeout(FLUSH_EVERY) {
+                        Err(mpsc::RecvTimeoutError::Timeout) => {}
+                        _ => return,
+                    }
+                    kick_writeback(&self.path, &mut kicked);
+                }
             });
-        }
+            let out = f();
+            drop(done_tx);
+            out
+        })
+    }
+
+    /// Hashes and fsyncs every file (chunks hashed in parallel on every core while every file
+    /// is fsync'd at once on its own thread), writes the manifest, and renames the staging
+    /// directory to the final one. With `replace`, an existing image there is swapped out
+    /// atomically and removed; without, an existing path is [`ImageError::Exists`] (and the
+    /// staging directory is removed as on any error).
+    pub fn publish(self, meta: ImageMeta, replace: bool) -> Result<Manifest, ImageError> {
+        self.publish_with(meta, replace, &|_| {})
+    }
+
+    /// [`Staging::publish`], calling `step` after each step (tests stall there to crash the
+    /// publish at every point).
+    pub fn publish_with(
+        mut self,
+        meta: ImageMeta,
+        replace: bool,
+        step: &dyn Fn(PublishStep),
+    ) -> Result<Manifest, ImageError> {
+        let names = self.list()?;
+        let files = hash_and_sync(&self.path, &names, self.chunk_size)?;
+        step(PublishStep::Synced);
         let created = time::OffsetDateTime::now_utc()
             .format(&Rfc3339)
             .unwrap_or_else(|_| String::from("unknown"));
@@ -335,24 +581,16 @@ impl Staging {
             driver_version: meta.driver_version,
             criu_version: meta.criu_version,
             total_bytes: files.iter().map(|f| f.size).sum(),
+            digest: Some(DigestAlg::Blake3),
             chunk_size: Some(self.chunk_size),
             files,
             manifest_sha256: String::new(),
         };
         manifest.manifest_sha256 = manifest.self_digest().map_err(ImageError::Serialize)?;
-        let bytes = serde_json::to_vec_pretty(&manifest).map_err(ImageError::Serialize)?;
-        let mpath = self.path.join(MANIFEST_FILE);
-        let mut f = File::options()
-            .write(true)
-            .create_new(true)
-            .open(&mpath)
-            .map_err(io(&mpath))?;
-        f.write_all(&bytes)
-            .and_then(|()| f.sync_all())
-            .map_err(io(&mpath))?;
-        drop(f);
+        write_manifest(&self.path, &manifest, false)?;
         fsync_dir(&self.path)?;
-        self.rename_into_place(replace)?;
+        step(PublishStep::ManifestWritten);
+        self.rename_into_place(replace, step)?;
         Ok(manifest)
     }
 
@@ -388,7 +626,11 @@ impl Staging {
         Ok(names)
     }
 
-    fn rename_into_place(&mut self, replace: bool) -> Result<(), ImageError> {
+    fn rename_into_place(
+        &mut self,
+        replace: bool,
+        step: &dyn Fn(PublishStep),
+    ) -> Result<(), ImageError> {
         let (parent, _) = split(&self.dir)?;
         match renameat2(
             None,
@@ -402,6 +644,7 @@ impl Staging {
                 if let Some(t) = self.tmp.take() {
                     let _ = t.keep();
                 }
+                step(PublishStep::Renamed);
                 return fsync_dir(&parent);
             }
             Err(nix::Error::EEXIST) if !replace => {
@@ -427,6 +670,7 @@ impl Staging {
             RenameFlags::RENAME_EXCHANGE,
         )
         .map_err(errno(&self.dir))?;
+        step(PublishStep::Renamed);
         fsync_dir(&parent)?;
         if let Some(t) = self.tmp.take() {
             if let Err(e) = t.close() {
@@ -435,182 +679,6 @@ impl Staging {
         }
         Ok(())
     }
-}
-
-/// Checks the image at `dir` against its manifest and returns the manifest: format version,
-/// the manifest's own digest, every listed file present with its size and SHA-256 (per chunk
-/// where the manifest has chunk digests, all chunks of all files in parallel), nothing
-/// unlisted. Each failure names the file and the reason (and the byte range for a chunk).
-pub fn verify(dir: &Path) -> Result<Manifest, ImageError> {
-    let (_, name) = split(dir)?;
-    if is_staging_name(&name) {
-        return Err(ImageError::Staging {
-            dir: dir.to_path_buf(),
-        });
-    }
-    let mpath = dir.join(MANIFEST_FILE);
-    let manifest = read_manifest(&mpath)?;
-
-    let bad = |reason: String| ImageError::BadManifest {
-        file: mpath.clone(),
-        reason,
-    };
-    let mut listed = BTreeSet::new();
-    for f in &manifest.files {
-        let n = f.name.as_str();
-        if n.is_empty() || n == "." || n == ".." || n.contains('/') || n == MANIFEST_FILE {
-            return Err(bad(format!("file name {n:?} is not allowed")));
-        }
-        if !listed.insert(n) {
-            return Err(bad(format!("file {n:?} listed twice")));
-        }
-    }
-    let total: u64 = manifest.files.iter().map(|f| f.size).sum();
-    if total != manifest.total_bytes {
-        return Err(bad(format!(
-            "total_bytes {} but the files add up to {total}",
-            manifest.total_bytes
-        )));
-    }
-    check_chunk_layout(&manifest).map_err(bad)?;
-
-    for entry in fs::read_dir(dir).map_err(io(dir))? {
-        let entry = entry.map_err(io(dir))?;
-        let fname = entry.file_name();
-        let fname = fname.to_string_lossy();
-        if fname != MANIFEST_FILE && !listed.contains(fname.as_ref()) {
-            return Err(ImageError::Unlisted { file: entry.path() });
-        }
-    }
-    let mut paths = Vec::with_capacity(manifest.files.len());
-    for f in &manifest.files {
-        let path = dir.join(&f.name);
-        let md = match fs::symlink_metadata(&path) {
-            Ok(m) => m,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(ImageError::Missing { file: path })
-            }
-            Err(e) => return Err(io(&path)(e)),
-        };
-        if !md.file_type().is_file() {
-            return Err(ImageError::Unexpected {
-                file: path,
-                reason: "not a regular file".into(),
-            });
-        }
-        let found = md.size();
-        if found < f.size {
-            return Err(ImageError::Truncated {
-                file: path,
-                expected: f.size,
-                found,
-            });
-        }
-        if found > f.size {
-            return Err(ImageError::Oversized {
-                file: path,
-                expected: f.size,
-                found,
-            });
-        }
-        paths.push(path);
-    }
-    let spans = spans(&manifest);
-    if let Err((i, e)) = hash::check_spans(&paths, &spans) {
-        let s = &spans[i];
-        let f = &manifest.files[s.file];
-        let file = dir.join(&f.name);
-        return Err(match e {
-            hash::SpanError::Mismatch if s.len == f.size => ImageError::Checksum { file },
-            hash::SpanError::Mismatch => ImageError::ChunkChecksum {
-                file,
-                offset: s.offset,
-                end: s.offset + s.len,
-            },
-            hash::SpanError::Short { found } => ImageError::Truncated {
-                file,
-                expected: f.size,
-                found,
-            },
-            hash::SpanError::Long => ImageError::Oversized {
-                found: fs::metadata(&file).map_or(f.size + 1, |m| m.len()),
-                file,
-                expected: f.size,
-            },
-            hash::SpanError::Io(e) => io(&file)(e),
-        });
-    }
-    Ok(manifest)
-}
-
-/// Whether the chunk lists fit the sizes: format 1 has none; format 2 has a chunk size and, for
-/// every file longer than one chunk, one digest per chunk (so the chunks cover every byte).
-fn check_chunk_layout(m: &Manifest) -> Result<(), String> {
-    let Some(chunk) = m.chunk_size else {
-        if m.format_version >= 2 {
-            return Err(format!("format {} without chunk_size", m.format_version));
-        }
-        return match m.files.iter().find(|f| !f.chunks.is_empty()) {
-            Some(f) => Err(format!(
-                "file {:?} has chunk digests but no chunk_size",
-                f.name
-            )),
-            None => Ok(()),
-        };
-    };
-    if m.format_version < 2 {
-        return Err(format!("format {} with a chunk_size", m.format_version));
-    }
-    if chunk == 0 {
-        return Err("chunk_size 0".into());
-    }
-    for f in &m.files {
-        let want = if f.size <= chunk {
-            0
-        } else {
-            f.size.div_ceil(chunk)
-        };
-        if f.chunks.len() as u64 != want {
-            return Err(format!(
-                "file {:?}: {} chunk digests, its {} bytes in chunks of {chunk} need {want}",
-                f.name,
-                f.chunks.len(),
-                f.size
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// What verify hashes: every chunk of files that have chunk digests, the whole of the others.
-fn spans(m: &Manifest) -> Vec<hash::Span<'_>> {
-    let mut out = Vec::new();
-    for (i, f) in m.files.iter().enumerate() {
-        let chunk = m.chunk_size.filter(|_| !f.chunks.is_empty());
-        let Some(chunk) = chunk else {
-            out.push(hash::Span {
-                file: i,
-                offset: 0,
-                len: f.size,
-                sha256: &f.sha256,
-                last: true,
-            });
-            continue;
-        };
-        let mut offset = 0;
-        for (k, digest) in f.chunks.iter().enumerate() {
-            let len = chunk.min(f.size.saturating_sub(offset));
-            out.push(hash::Span {
-                file: i,
-                offset,
-                len,
-                sha256: digest,
-                last: k + 1 == f.chunks.len(),
-            });
-            offset += len;
-        }
-    }
-    out
 }
 
 /// The bytes of the files directly in `dir` (an image, published or being dumped); 0 for what
@@ -624,43 +692,4 @@ pub fn dir_bytes(dir: &Path) -> u64 {
                 .sum()
         })
         .unwrap_or(0)
-}
-
-/// Reads and checks `manifest.json` without looking at the other files.
-pub fn read_manifest(mpath: &Path) -> Result<Manifest, ImageError> {
-    let bytes = match fs::read(mpath) {
-        Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(ImageError::Missing {
-                file: mpath.to_path_buf(),
-            })
-        }
-        Err(e) => return Err(io(mpath)(e)),
-    };
-    let bad = |reason: String| ImageError::BadManifest {
-        file: mpath.to_path_buf(),
-        reason,
-    };
-    // The format version first, so a newer manifest is reported as such, not as a parse error.
-    let value: serde_json::Value =
-        serde_json::from_slice(&bytes).map_err(|e| bad(format!("not JSON: {e}")))?;
-    let found = value
-        .get("format_version")
-        .and_then(serde_json::Value::as_u64)
-        .ok_or_else(|| bad("no format_version".into()))?;
-    if !(u64::from(OLDEST_FORMAT_VERSION)..=u64::from(FORMAT_VERSION)).contains(&found) {
-        return Err(ImageError::UnsupportedFormat {
-            file: mpath.to_path_buf(),
-            found,
-            supported: FORMAT_VERSION,
-        });
-    }
-    let manifest: Manifest = serde_json::from_value(value).map_err(|e| bad(e.to_string()))?;
-    let digest = manifest.self_digest().map_err(ImageError::Serialize)?;
-    if !digest.eq_ignore_ascii_case(&manifest.manifest_sha256) {
-        return Err(ImageError::Checksum {
-            file: mpath.to_path_buf(),
-        });
-    }
-    Ok(manifest)
 }

@@ -1,0 +1,325 @@
+//! An image directory opened for use: trusted (see `trust`), its manifest read and checked,
+//! its listing and sizes matching the manifest. What each byte must hash to is known; the
+//! bytes themselves are checked by [`Image::verify`] or, during a thaw, by the streamer as it
+//! serves them.
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::io::Read;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use super::hash::{self, Span, SpanError};
+use super::manifest::{DigestAlg, Manifest, FORMAT_VERSION, MANIFEST_FILE, OLDEST_FORMAT_VERSION};
+use super::{io, is_staging_name, split, trust, ImageError};
+
+/// An opened, trusted image whose manifest and file sizes check out.
+#[derive(Debug)]
+pub struct Image {
+    /// The path as the caller gave it (for messages).
+    dir: PathBuf,
+    fd: OwnedFd,
+    manifest: Manifest,
+}
+
+impl Image {
+    /// Opens the image at `dir`: nobody but root can change it or the path to it, the manifest
+    /// parses, is of a known format and matches its own digest, the chunk lists cover every
+    /// byte, every listed file is there (a regular file of the listed size) and nothing else
+    /// is. Reads no file content but the manifest's.
+    pub fn open(dir: &Path) -> Result<Image, ImageError> {
+        let (_, name) = split(dir)?;
+        if is_staging_name(&name) {
+            return Err(ImageError::Staging {
+                dir: dir.to_path_buf(),
+            });
+        }
+        let (_, fd) = trust::open_image_dir(dir)?;
+        let mpath = dir.join(MANIFEST_FILE);
+        let (mut mf, _) = trust::open_image_file(&fd, dir, MANIFEST_FILE)?;
+        let mut bytes = Vec::new();
+        mf.read_to_end(&mut bytes).map_err(io(&mpath))?;
+        let manifest = parse_manifest(&mpath, &bytes)?;
+        let image = Image {
+            dir: dir.to_path_buf(),
+            fd,
+            manifest,
+        };
+        image.check_listing()?;
+        Ok(image)
+    }
+
+    /// The manifest.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// The manifest, giving up the image.
+    pub fn into_manifest(self) -> Manifest {
+        self.manifest
+    }
+
+    /// The image directory as given to [`Image::open`].
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Reads and checks every chunk of every file (all in parallel).
+    pub fn verify(&self) -> Result<(), ImageError> {
+        let spans = spans(&self.manifest);
+        hash::check_spans(&spans, self.alg(), |i| {
+            self.open_file(i).map(|(f, _)| f).map_err(to_io)
+        })
+        .map_err(|(i, e)| self.span_error(&spans[i], e))
+    }
+
+    pub(crate) fn alg(&self) -> DigestAlg {
+        self.manifest.digest_alg()
+    }
+
+    /// Opens file `i` of the manifest (trusted, see `trust`); checks its size.
+    pub(crate) fn open_file(&self, i: usize) -> Result<(File, u64), ImageError> {
+        let f = &self.manifest.files[i];
+        let (file, size) = trust::open_image_file(&self.fd, &self.dir, &f.name)?;
+        let path = self.dir.join(&f.name);
+        if size < f.size {
+            return Err(ImageError::Truncated {
+                file: path,
+                expected: f.size,
+                found: size,
+            });
+        }
+        if size > f.size {
+            return Err(ImageError::Oversized {
+                file: path,
+                expected: f.size,
+                found: size,
+            });
+        }
+        Ok((file, size))
+    }
+
+    /// Index of the file named `name` in the manifest.
+    pub(crate) fn index_of(&self, name: &str) -> Option<usize> {
+        self.manifest.files.iter().position(|f| f.name == name)
+    }
+
+    /// The error for span `s` failing with `e`.
+    pub(crate) fn span_error(&self, s: &Span<'_>, e: SpanError) -> ImageError {
+        let f = &self.manifest.files[s.file];
+        let file = self.dir.join(&f.name);
+        match e {
+            SpanError::Mismatch if s.len == f.size && f.chunks.len() <= 1 => {
+                ImageError::Checksum { file }
+            }
+            SpanError::Mismatch => ImageError::ChunkChecksum {
+                file,
+                offset: s.offset,
+                end: s.offset + s.len,
+            },
+            SpanError::Short { found } => ImageError::Truncated {
+                file,
+                expected: f.size,
+                found,
+            },
+            SpanError::Long => ImageError::Oversized {
+                found: std::fs::metadata(&file).map_or(f.size + 1, |m| m.len()),
+                file,
+                expected: f.size,
+            },
+            SpanError::Io(e) => io(&file)(e),
+        }
+    }
+
+    /// Every entry of the directory is the manifest or a listed file; every listed file opens
+    /// as a trusted regular file of its listed size.
+    fn check_listing(&self) -> Result<(), ImageError> {
+        let listed: BTreeSet<&str> = self
+            .manifest
+            .files
+            .iter()
+            .map(|f| f.name.as_str())
+            .collect();
+        // Read through our own fd: the listing is of the directory that was checked.
+        let proc_path = PathBuf::from(format!("/proc/self/fd/{}", self.fd.as_raw_fd()));
+        for entry in std::fs::read_dir(&proc_path).map_err(io(&self.dir))? {
+            let entry = entry.map_err(io(&self.dir))?;
+            let fname = entry.file_name();
+            let fname = fname.to_string_lossy();
+            if fname != MANIFEST_FILE && !listed.contains(fname.as_ref()) {
+                return Err(ImageError::Unlisted {
+                    file: self.dir.join(fname.as_ref()),
+                });
+            }
+        }
+        for i in 0..self.manifest.files.len() {
+            self.open_file(i)?;
+        }
+        Ok(())
+    }
+}
+
+fn to_io(e: ImageError) -> std::io::Error {
+    std::io::Error::other(e.to_string())
+}
+
+/// What gets hashed: every chunk of files that have chunk digests, the whole of the others.
+pub(crate) fn spans(m: &Manifest) -> Vec<Span<'_>> {
+    (0..m.files.len()).flat_map(|i| file_spans(m, i)).collect()
+}
+
+/// The spans of file `i`, in order.
+pub(crate) fn file_spans(m: &Manifest, i: usize) -> Vec<Span<'_>> {
+    let f = &m.files[i];
+    let chunk = m.chunk_size.filter(|_| !f.chunks.is_empty());
+    let Some(chunk) = chunk else {
+        if f.chunks.is_empty() && f.sha256.is_empty() {
+            // Format 3, empty file: nothing to hash, but nothing may be there either.
+            return vec![Span {
+                file: i,
+                offset: 0,
+                len: 0,
+                digest: "",
+                last: true,
+            }];
+        }
+        return vec![Span {
+            file: i,
+            offset: 0,
+            len: f.size,
+            digest: &f.sha256,
+            last: true,
+        }];
+    };
+    let mut out = Vec::with_capacity(f.chunks.len());
+    let mut offset = 0;
+    for (k, digest) in f.chunks.iter().enumerate() {
+        let len = chunk.min(f.size.saturating_sub(offset));
+        out.push(Span {
+            file: i,
+            offset,
+            len,
+            digest,
+            last: k + 1 == f.chunks.len(),
+        });
+        offset += len;
+    }
+    out
+}
+
+/// Reads and checks `manifest.json` at `mpath` without looking at the other files (and without
+/// the trust checks of [`Image::open`]).
+pub fn read_manifest(mpath: &Path) -> Result<Manifest, ImageError> {
+    let bytes = match std::fs::read(mpath) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(ImageError::Missing {
+                file: mpath.to_path_buf(),
+            })
+        }
+        Err(e) => return Err(io(mpath)(e)),
+    };
+    parse_manifest(mpath, &bytes)
+}
+
+fn parse_manifest(mpath: &Path, bytes: &[u8]) -> Result<Manifest, ImageError> {
+    let bad = |reason: String| ImageError::BadManifest {
+        file: mpath.to_path_buf(),
+        reason,
+    };
+    // The format version first, so a newer manifest is reported as such, not as a parse error.
+    let value: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let found = value
+        .get("format_version")
+        .and_then(serde_json::Value::as_u64)
+        .ok_or_else(|| bad("no format_version".into()))?;
+    if !(u64::from(OLDEST_FORMAT_VERSION)..=u64::from(FORMAT_VERSION)).contains(&found) {
+        return Err(ImageError::UnsupportedFormat {
+            file: mpath.to_path_buf(),
+            found,
+            supported: FORMAT_VERSION,
+        });
+    }
+    let manifest: Manifest = serde_json::from_value(value).map_err(|e| bad(e.to_string()))?;
+    let digest = manifest.self_digest().map_err(ImageError::Serialize)?;
+    if !digest.eq_ignore_ascii_case(&manifest.manifest_sha256) {
+        return Err(ImageError::Checksum {
+            file: mpath.to_path_buf(),
+        });
+    }
+    check_names(&manifest).map_err(bad)?;
+    let total: u64 = manifest.files.iter().map(|f| f.size).sum();
+    if total != manifest.total_bytes {
+        return Err(bad(format!(
+            "total_bytes {} but the files add up to {total}",
+            manifest.total_bytes
+        )));
+    }
+    check_chunk_layout(&manifest).map_err(bad)?;
+    Ok(manifest)
+}
+
+fn check_names(m: &Manifest) -> Result<(), String> {
+    let mut listed = BTreeSet::new();
+    for f in &m.files {
+        let n = f.name.as_str();
+        if n.is_empty() || n == "." || n == ".." || n.contains('/') || n == MANIFEST_FILE {
+            return Err(format!("file name {n:?} is not allowed"));
+        }
+        if !listed.insert(n) {
+            return Err(format!("file {n:?} listed twice"));
+        }
+    }
+    Ok(())
+}
+
+/// Whether the digests fit the sizes: format 1 has whole-file SHA-256 only; format 2 a chunk
+/// size and, for every file longer than one chunk, one SHA-256 per chunk; format 3 BLAKE3, a
+/// chunk size and one digest per chunk of every file (so the chunks cover every byte).
+fn check_chunk_layout(m: &Manifest) -> Result<(), String> {
+    let v = m.format_version;
+    match (v, m.digest) {
+        (1 | 2, None) | (3, Some(DigestAlg::Blake3)) => {}
+        (_, d) => return Err(format!("format {v} with digest {d:?}")),
+    }
+    let Some(chunk) = m.chunk_size else {
+        if v >= 2 {
+            return Err(format!("format {v} without chunk_size"));
+        }
+        return match m.files.iter().find(|f| !f.chunks.is_empty()) {
+            Some(f) => Err(format!(
+                "file {:?} has chunk digests but no chunk_size",
+                f.name
+            )),
+            None => Ok(()),
+        };
+    };
+    if v < 2 {
+        return Err(format!("format {v} with a chunk_size"));
+    }
+    if chunk == 0 {
+        return Err("chunk_size 0".into());
+    }
+    for f in &m.files {
+        let want = match v {
+            2 if f.size <= chunk => 0,
+            _ => f.size.div_ceil(chunk),
+        };
+        if f.chunks.len() as u64 != want {
+            return Err(format!(
+                "file {:?}: {} chunk digests, its {} bytes in chunks of {chunk} need {want}",
+                f.name,
+                f.chunks.len(),
+                f.size
+            ));
+        }
+        if (v == 3) != f.sha256.is_empty() {
+            return Err(format!(
+                "file {:?}: a whole-file sha256 is format 1-2 only",
+                f.name
+            ));
+        }
+    }
+    Ok(())
+}
