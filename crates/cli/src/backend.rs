@@ -62,8 +62,16 @@ pub struct Resolved {
     pub note: Option<String>,
 }
 
-/// Resolves `choice` against the system.
+/// Resolves `choice` against the system. Every call of the backend is bounded by the default
+/// [`cryo_gpu::Limits`]: a driver call that does not return is an error, never a hung command.
 pub fn resolve(choice: GpuChoice, sim_dir: &Path) -> Result<Resolved, BackendError> {
+    resolve_unbounded(choice, sim_dir).map(|r| Resolved {
+        gpu: r.gpu.bounded(cryo_gpu::Limits::default()),
+        note: r.note,
+    })
+}
+
+fn resolve_unbounded(choice: GpuChoice, sim_dir: &Path) -> Result<Resolved, BackendError> {
     match choice {
         GpuChoice::Cuda => real("cuda").map(|(gpu, _)| Resolved { gpu, note: None }),
         GpuChoice::Sim => Ok(Resolved {

@@ -157,9 +157,37 @@ pub enum DriverError {
         /// What went wrong.
         reason: String,
     },
+    /// The call did not return in time; it was abandoned and may still take effect later.
+    #[error("{call} on pid {pid} did not return within {} ms (abandoned; the driver may still carry it out)", .after.as_millis())]
+    NoAnswer {
+        /// Entry point.
+        call: &'static str,
+        /// Target process.
+        pid: Pid,
+        /// How long the caller waited.
+        after: std::time::Duration,
+    },
+    /// Earlier calls never returned: this one was not made.
+    #[error("{call} on pid {pid} was not made: {pending} earlier driver calls have not returned")]
+    Unresponsive {
+        /// Entry point.
+        call: &'static str,
+        /// Target process.
+        pid: Pid,
+        /// Calls still blocked in the driver.
+        pending: usize,
+    },
 }
 
 impl DriverError {
+    /// Whether the driver gave no answer (the call's effect is unknown).
+    pub fn is_no_answer(&self) -> bool {
+        matches!(
+            self,
+            DriverError::NoAnswer { .. } | DriverError::Unresponsive { .. }
+        )
+    }
+
     /// The driver's code, when the driver answered with one.
     pub fn code(&self) -> Option<CuResult> {
         match self {
@@ -211,5 +239,13 @@ pub enum InspectError {
         endpoint: String,
         /// What went wrong.
         reason: String,
+    },
+    /// The query did not return in time.
+    #[error("NVML query ({what}) did not return within {} ms", .after.as_millis())]
+    NoAnswer {
+        /// What was asked.
+        what: &'static str,
+        /// How long the caller waited.
+        after: std::time::Duration,
     },
 }

@@ -16,10 +16,12 @@
 //! One CUDA context per process and GPU, as the driver's checkpoint API itself assumes.
 
 pub mod cuda;
+pub mod deadline;
 pub mod error;
 pub mod nvml;
 pub mod types;
 
+pub use deadline::Limits;
 pub use error::{CuResult, DriverError, InspectError};
 pub use types::{GpuInfo, GpuPair, GpuProcess, GpuUuid, ProcessState};
 

@@ -151,6 +151,44 @@ pub enum Event {
         /// The process.
         pid: ProcId,
     },
+    /// About to suspend the process (lock, checkpoint, verify) for `purpose`, by the cryo process
+    /// `by`: what a later run needs to finish or undo a suspension that died half-way.
+    SuspendStarted {
+        /// The process.
+        pid: ProcId,
+        /// What the suspension is for.
+        purpose: Purpose,
+        /// The cryo process that suspends it (a later run acts only once this one is gone).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        by: Option<ProcId>,
+    },
+    /// The process was stopped by job control (SIGSTOP, SIGTSTP): about to resume it with
+    /// SIGCONT, since the driver's restore thread inside it must run to suspend it.
+    Continued {
+        /// The process.
+        pid: ProcId,
+    },
+    /// A driver call on the process did not return in time and was abandoned: the driver may
+    /// still carry it out, so the process's state is unknown until someone looks again.
+    CallAbandoned {
+        /// The process.
+        pid: ProcId,
+        /// The driver's entry point.
+        call: String,
+        /// How long the caller waited.
+        ms: u64,
+    },
+    /// What became of a suspension that did not end in a kill: settled by a later run after it
+    /// died half-way (its [`Event::SuspendStarted`] owner gone), or left as it is by a stop that
+    /// was refused. Either way it is no longer in flight.
+    SuspensionSettled {
+        /// The process.
+        pid: ProcId,
+        /// The driver's state found (`running`, `locked`, `checkpointed`...), or what was wrong.
+        found: String,
+        /// What was done (`unlocked`, `killed`, `resumed`, `nothing`, `left as it is: ...`).
+        action: String,
+    },
 
     // ---- freeze ----
     /// About to freeze a process tree into `image`.
@@ -194,6 +232,15 @@ pub enum Event {
         image: String,
         /// How long CRIU took.
         ms: u64,
+    },
+    /// About to restore the process's CUDA context through the driver (thaw, `cryo gpu restore`,
+    /// the `cuda-checkpoint` front end, a freeze or stop resuming it in place): from this record
+    /// on it counts as *restored*, whether or not the restore is ever seen to complete.
+    RestoreStarted {
+        /// The process.
+        pid: ProcId,
+        /// Image directory, or the command that restores it.
+        image: String,
     },
     /// A process of `image` was restored (CRIU and GPU): from now on it is a *restored* process.
     RestoreCompleted {
@@ -319,6 +366,11 @@ impl Event {
             | Killed { pid }
             | Refused { pid, .. }
             | FreshDeclared { pid }
+            | SuspendStarted { pid, .. }
+            | Continued { pid }
+            | CallAbandoned { pid, .. }
+            | SuspensionSettled { pid, .. }
+            | RestoreStarted { pid, .. }
             | UnsafeKill { pid }
             | Unlocked { pid, .. }
             | Resumed { pid }
@@ -367,7 +419,10 @@ impl Event {
             | KillStarted { .. }
             | UnsafeKill { .. }
             | FreezeStarted { .. }
-            | ThawStarted { .. } => Phase::Intent,
+            | ThawStarted { .. }
+            | SuspendStarted { .. }
+            | Continued { .. }
+            | RestoreStarted { .. } => Phase::Intent,
             Locked { .. }
             | LockFailed { .. }
             | Checkpointed { .. }
@@ -393,7 +448,9 @@ impl Event {
             | GpuQuarantined { .. }
             | PinsReleased { .. }
             | GuardLost { .. }
-            | ProcessExited { .. } => Phase::Outcome,
+            | ProcessExited { .. }
+            | CallAbandoned { .. }
+            | SuspensionSettled { .. } => Phase::Outcome,
             FreshDeclared { .. } | JournalRepaired { .. } | Unknown => Phase::Note,
         }
     }
@@ -416,8 +473,13 @@ impl Event {
             Refused { .. } => "REFUSED",
             StopCompleted { .. } => "stop completed",
             FreshDeclared { .. } => "declared fresh",
+            SuspendStarted { .. } => "suspend started",
+            Continued { .. } => "continued (was stopped)",
+            CallAbandoned { .. } => "DRIVER CALL ABANDONED",
+            SuspensionSettled { .. } => "suspension settled",
+            RestoreStarted { .. } => "restore started",
             UnsafeKill { .. } => "UNSAFE KILL (not suspended)",
-            Unlocked { .. } => "unlocked (stop refused)",
+            Unlocked { .. } => "unlocked",
             Resumed { .. } => "resumed (suspension refused)",
             FreezeStarted { .. } => "freeze started",
             Dumped { .. } => "dumped",
@@ -493,6 +555,13 @@ impl Event {
                 format!("image {image}, pids [{}], {ms} ms", list.join(", "))
             }
             Pinned { gpu, fds, .. } => format!("GPU {gpu}, {} fds", fds.len()),
+            SuspendStarted { purpose, by, .. } => match by {
+                Some(by) => format!("for {purpose}, by pid {}", by.pid),
+                None => format!("for {purpose}"),
+            },
+            CallAbandoned { call, ms, .. } => format!("{call}: no answer in {ms} ms"),
+            SuspensionSettled { found, action, .. } => format!("found {found}: {action}"),
+            RestoreStarted { image, .. } => format!("image {image}"),
             GpuQuarantined { gpu, reason } => format!("GPU {gpu}: {reason}"),
             ProcessExited { how, .. } => how.clone(),
             JournalRepaired { offset, bytes } => {
@@ -502,6 +571,7 @@ impl Event {
             | CheckpointStarted { .. }
             | Killed { .. }
             | FreshDeclared { .. }
+            | Continued { .. }
             | UnsafeKill { .. }
             | Unlocked { ms: None, .. }
             | Resumed { .. }
@@ -510,6 +580,32 @@ impl Event {
             | GuardLost { .. }
             | Unknown => String::new(),
         }
+    }
+}
+
+/// What a suspension is for: what a later run does with a process whose suspension died half-way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Purpose {
+    /// `cryo stop`: the process is to end (a later run finishes the stop).
+    Stop,
+    /// `cryo freeze`: the process is to be dumped (a later run resumes it).
+    Freeze,
+    /// The guard, before letting a fatal signal through (a later run finishes it like a stop).
+    Guard,
+    /// A purpose of a newer cryo (a later run leaves the process as it is).
+    #[serde(other)]
+    Other,
+}
+
+impl std::fmt::Display for Purpose {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Purpose::Stop => "stop",
+            Purpose::Freeze => "freeze",
+            Purpose::Guard => "guard",
+            Purpose::Other => "other",
+        })
     }
 }
 

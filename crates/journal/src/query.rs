@@ -4,6 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::SystemTime;
 
+use crate::event::Purpose;
 use crate::{Event, ProcId, Record};
 
 /// Which records a timeline or query keeps.
@@ -28,7 +29,9 @@ impl Filter {
 /// Where a process came from, as the journal knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Origin {
-    /// Restored by cryo from `image` (a `RestoreCompleted` names it).
+    /// Its context went through a driver restore by cryo: a `RestoreStarted` or
+    /// `RestoreCompleted` names it (with the image or the command), or a `Resumed` (restored in
+    /// place after a failed suspension).
     Restored {
         /// The image.
         image: String,
@@ -51,12 +54,20 @@ pub struct Origins {
 impl Origins {
     /// Collects origins from `records` (in journal order). A restore always wins over a
     /// declaration of freshness, whatever their order: being wrong the other way wedges hosts.
+    /// The intent of a restore counts as much as its completion: a crash between the two leaves a
+    /// context that may be live and restored.
     pub fn from_records<'a>(records: impl IntoIterator<Item = &'a Record>) -> Origins {
         let mut out = Origins::default();
         for r in records {
             match &r.event {
-                Event::RestoreCompleted { pid, image, .. } => {
+                Event::RestoreCompleted { pid, image, .. }
+                | Event::RestoreStarted { pid, image } => {
                     out.restored.insert(*pid, image.clone());
+                }
+                Event::Resumed { pid } => {
+                    out.restored
+                        .entry(*pid)
+                        .or_insert_with(|| "resumed in place after a failed suspension".into());
                 }
                 Event::FreshDeclared { pid } => {
                     out.fresh.insert(*pid);
@@ -159,32 +170,70 @@ impl StopStep {
     }
 }
 
-/// A stop that did not finish for one process.
+/// A suspension that did not finish for one process.
 #[derive(Debug, Clone, PartialEq)]
 pub struct InFlight {
-    /// The last stop step journaled for the process.
-    pub step: StopStep,
-    /// Its record.
+    /// The last stop step journaled for the process (`None`: only an abandoned call is open).
+    pub step: Option<StopStep>,
+    /// Its record (the abandoned call's when there is no open step).
     pub record: Record,
+    /// What the suspension was for, from its `SuspendStarted` (`None` in older journals).
+    pub purpose: Option<Purpose>,
+    /// The cryo process that ran it, from its `SuspendStarted` (`None` in older journals).
+    pub by: Option<ProcId>,
+    /// A driver call abandoned since (its entry point): the process's state is unknown.
+    pub abandoned: Option<String>,
 }
 
-/// Processes whose last `cryo stop` step is not final (not `Killed` nor `Refused`): what a new
-/// `cryo stop` must resume (after checking [`ProcId::is_alive_same`]).
+/// Processes whose suspension did not finish: the last stop step is not final (not `Killed` nor
+/// `Refused`) and no later record settled it (`Unlocked`, `Resumed`, a restore, or
+/// `SuspensionSettled`), or a driver call on them was abandoned and nobody has looked since. What
+/// a new stop or guard must settle (after checking [`ProcId::is_alive_same`], and that the owner
+/// [`InFlight::by`] is gone).
 pub fn in_flight_stops<'a>(
     records: impl IntoIterator<Item = &'a Record>,
 ) -> BTreeMap<ProcId, InFlight> {
-    let mut last: BTreeMap<ProcId, InFlight> = BTreeMap::new();
+    let mut all: BTreeMap<ProcId, InFlight> = BTreeMap::new();
     for r in records {
-        if let (Some(step), Some(p)) = (StopStep::of(&r.event), r.event.proc()) {
-            last.insert(
-                p,
-                InFlight {
-                    step,
-                    record: r.clone(),
-                },
-            );
+        let Some(p) = r.event.proc() else { continue };
+        let entry = all.entry(p).or_insert_with(|| InFlight {
+            step: None,
+            record: r.clone(),
+            purpose: None,
+            by: None,
+            abandoned: None,
+        });
+        match &r.event {
+            Event::SuspendStarted { purpose, by, .. } => {
+                entry.step = None;
+                entry.purpose = Some(*purpose);
+                entry.by = *by;
+                entry.record = r.clone();
+            }
+            Event::CallAbandoned { call, .. } => {
+                entry.abandoned = Some(call.clone());
+                if entry.step.is_none() {
+                    entry.record = r.clone();
+                }
+            }
+            Event::Unlocked { .. }
+            | Event::Resumed { .. }
+            | Event::RestoreStarted { .. }
+            | Event::RestoreCompleted { .. } => {
+                entry.step = None;
+            }
+            Event::SuspensionSettled { .. } | Event::Killed { .. } => {
+                entry.step = None;
+                entry.abandoned = None;
+            }
+            event => {
+                if let Some(step) = StopStep::of(event) {
+                    entry.step = Some(step);
+                    entry.record = r.clone();
+                }
+            }
         }
     }
-    last.retain(|_, f| !f.step.is_done());
-    last
+    all.retain(|_, f| f.step.is_some_and(|s| !s.is_done()) || f.abandoned.is_some());
+    all
 }

@@ -517,9 +517,9 @@ fn in_flight_gives_the_last_stop_step_of_unfinished_processes() {
     ];
     let f = in_flight_stops(&recs);
     assert_eq!(f.keys().copied().collect::<Vec<_>>(), vec![a, b]);
-    assert_eq!(f[&a].step, StopStep::Verified);
+    assert_eq!(f[&a].step, Some(StopStep::Verified));
     assert_eq!(f[&a].record.seq, 8);
-    assert_eq!(f[&b].step, StopStep::Locked);
+    assert_eq!(f[&b].step, Some(StopStep::Locked));
     let last = last_steps(&recs);
     assert_eq!(last[&b].seq, 10);
     assert_eq!(last[&c].seq, 9);

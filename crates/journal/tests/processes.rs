@@ -412,6 +412,6 @@ fn crash_between_intent_and_outcome_is_in_flight() {
     let flying = in_flight_stops(&scan.records);
     assert_eq!(flying.len(), 1, "{flying:?}");
     let f = &flying[&id];
-    assert_eq!(f.step, StopStep::CheckpointStarted);
+    assert_eq!(f.step, Some(StopStep::CheckpointStarted));
     assert_eq!(f.record.event, Event::CheckpointStarted { pid: id });
 }

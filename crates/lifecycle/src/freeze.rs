@@ -42,8 +42,10 @@ use cryo_journal::{Event, Journal};
 use cryo_proc::Pid;
 use cryo_proc::{ProcError, ProcHandle};
 
+use crate::cuda::Class;
 use crate::failpoint;
 use crate::progress::Progress;
+use crate::runnable::Runnable;
 use crate::suspend::{id, suspend, SuspendFailure, SuspendOptions, Suspended};
 use crate::target::Resolved;
 use crate::watcher::{Watcher, WatcherError};
@@ -137,14 +139,22 @@ pub enum FreezeError {
         /// The watcher's error.
         source: WatcherError,
     },
-    /// The driver could not tell which processes use CUDA.
-    #[error("cannot ask the driver about pid {pid}: {error}")]
-    Driver {
+    /// Whether a process holds a CUDA context could not be decided.
+    #[error("freeze refused: cannot tell whether it holds a CUDA context: {0}")]
+    Unclassified(#[from] crate::cuda::Unsure),
+    /// A process opened the driver but holds no CUDA state the driver can checkpoint (a process
+    /// that only ran `cuInit`): CRIU cannot dump its driver files.
+    #[error("freeze refused: pid {pid} holds {fds} driver files without CUDA state the driver can checkpoint (a process that only initialised CUDA?); CRIU cannot dump them")]
+    DriverFilesWithoutState {
         /// The process.
         pid: Pid,
-        /// The driver's error.
-        error: cryo_gpu::DriverError,
+        /// How many driver files.
+        fds: usize,
     },
+    /// A process cannot run (stopped by job control or under a debugger): the driver's restore
+    /// thread inside it cannot run the checkpoint.
+    #[error("freeze refused: {0}")]
+    NotRunnable(String),
     /// NVML could not be asked.
     #[error("cannot inspect the GPUs: {0}")]
     Inspect(#[from] cryo_gpu::InspectError),
@@ -165,8 +175,8 @@ pub enum FreezeError {
     Resume {
         /// The process.
         pid: Pid,
-        /// The driver's error.
-        error: cryo_gpu::DriverError,
+        /// Why.
+        error: crate::restore::RestoreError,
     },
     /// The journal could not be written before acting.
     #[error("cannot write the journal: {0}")]
@@ -197,6 +207,7 @@ pub fn freeze(
         .ok_or_else(|| FreezeError::NotATree(tree.target().to_string()))?
         .pid();
     let handles = tree.handles();
+    let gpu = &gpu.bounded(cryo_gpu::Limits::default());
     let released = detach_traced(watcher, handles)?;
     let result = freeze_tree(gpu, criu, root, handles, opts, journal, progress);
     // A refused or failed freeze, or --leave-running: what is still alive goes back under watch.
@@ -256,26 +267,29 @@ fn freeze_tree(
     let image = opts.image.display().to_string();
     check_dumpable(root, handles)?;
 
+    // What NVML lists before the checkpoint is all the manifest will ever know about device use.
+    let listed = gpu.inspect.processes()?;
     let mut cuda: Vec<&ProcHandle> = Vec::new();
     for h in handles {
-        match gpu.driver.state(h.pid()) {
-            Ok(_) => cuda.push(h),
-            Err(e)
-                if matches!(
-                    e.code(),
-                    Some(cryo_gpu::CuResult::NOT_INITIALIZED)
-                        | Some(cryo_gpu::CuResult::INVALID_VALUE)
-                ) => {}
-            Err(error) => {
-                return Err(FreezeError::Driver {
+        match crate::runnable::runnable(h)? {
+            Runnable::Runs | Runnable::Exited => {}
+            r => {
+                return Err(FreezeError::NotRunnable(
+                    r.why_not(h.pid()).unwrap_or_default(),
+                ))
+            }
+        }
+        match crate::cuda::classify(gpu, h, &listed, crate::cuda::SETTLE)? {
+            Class::Cuda { .. } => cuda.push(h),
+            Class::Plain | Class::Exited => {}
+            Class::DriverOnly { fds } => {
+                return Err(FreezeError::DriverFilesWithoutState {
                     pid: h.pid(),
-                    error,
+                    fds: fds.len(),
                 })
             }
         }
     }
-    // What NVML lists before the checkpoint is all the manifest will ever know about device use.
-    let listed = gpu.inspect.processes()?;
     let gpus = gpu.inspect.gpus()?;
     let mut entries = Vec::with_capacity(handles.len());
     for h in handles {
@@ -367,6 +381,7 @@ fn freeze_inner(
     let t = Instant::now();
     let mut sopts = opts.suspend.clone();
     sopts.resume_on_failure = true;
+    sopts.purpose = cryo_journal::Purpose::Freeze;
     let mut suspended = Vec::new();
     let mut refusals = Vec::new();
     if !cuda.is_empty() {
@@ -407,7 +422,12 @@ fn freeze_inner(
     if let Err(e) = dumped {
         // CRIU kills the tree only after a complete dump: on failure it is alive and suspended.
         // Resume it so the freeze leaves it as it found it.
-        resume_in_place(gpu, cuda, journal, &image_name(opts), false);
+        resume_in_place(
+            gpu,
+            cuda,
+            journal,
+            "resumed in place after a failed dump",
+        );
         return Err(keep_log(e, &opts.image).into());
     }
     if !opts.leave_running {
@@ -450,14 +470,14 @@ fn freeze_inner(
         Ok(m) => m,
         Err(e) => {
             if opts.leave_running {
-                resume_in_place(gpu, cuda, journal, &image_name(opts), false);
+                resume_in_place(gpu, cuda, journal, "resumed in place after a failed publish");
             }
             return Err(e.into());
         }
     };
 
     if opts.leave_running {
-        if let Some((pid, error)) = resume_in_place(gpu, cuda, journal, &image_name(opts), true) {
+        if let Some((pid, error)) = resume_in_place(gpu, cuda, journal, &image_name(opts)) {
             return Err(FreezeError::Resume { pid, error });
         }
     }
@@ -499,46 +519,24 @@ fn image_name(opts: &FreezeOptions) -> String {
     opts.image.display().to_string()
 }
 
-/// Restores and unlocks `procs` in place. `as_restored`: journal them as restored (their context
-/// went through a driver restore after a dump: the safe answer is to treat them as restored).
-/// Returns the first failure; every other process is still attempted.
+/// Restores and unlocks `procs` in place, each journaled as restored before its driver restore
+/// (its context goes through a driver restore: from then on it is a restored one, guarded as
+/// such). Returns the first failure; every other process is still attempted.
 fn resume_in_place(
     gpu: &Gpu,
     procs: &[&ProcHandle],
     journal: &Journal,
-    image: &str,
-    as_restored: bool,
-) -> Option<(Pid, cryo_gpu::DriverError)> {
+    why: &str,
+) -> Option<(Pid, crate::restore::RestoreError)> {
     let mut first = None;
     for h in procs {
         let pid = h.pid();
         if !matches!(gpu.driver.state(pid), Ok(ProcessState::Checkpointed)) {
             continue;
         }
-        if as_restored {
-            // Journaled before the context comes back: from the restore on it is a restored one.
-            if let Err(e) = journal.append(Event::RestoreCompleted {
-                pid: id(h),
-                image: image.to_string(),
-                ms: None,
-            }) {
-                tracing::error!(pid, error = %e, "cannot journal the restore in place");
-            }
-        }
-        match gpu
-            .driver
-            .restore(pid, &[])
-            .and_then(|()| gpu.driver.unlock(pid))
-        {
-            Ok(()) => {
-                if !as_restored {
-                    let _ = journal.append(Event::Resumed { pid: id(h) });
-                }
-            }
-            Err(e) => {
-                tracing::error!(pid, error = %e, "cannot bring the process back; it stays CHECKPOINTED (safe)");
-                first.get_or_insert((pid, e));
-            }
+        if let Err(e) = crate::restore::resume_in_place(gpu, journal, h, why) {
+            tracing::error!(pid, error = %e, "cannot bring the process back; it stays CHECKPOINTED (safe)");
+            first.get_or_insert((pid, e));
         }
     }
     first

@@ -17,11 +17,14 @@
 //! Test hooks: [`failpoint`] (`CRYO_FAILPOINT=stop-before-kill`) makes `stop` stall after the
 //! suspension is verified and before anything is killed, so crash recovery can be tested.
 
+pub mod cuda;
 pub mod failpoint;
 pub mod freeze;
 pub mod health;
+pub mod inflight;
 pub mod progress;
 pub mod restore;
+pub mod runnable;
 pub mod stop;
 pub mod suspend;
 pub mod target;
@@ -30,8 +33,11 @@ pub mod watcher;
 
 pub use freeze::{freeze, FreezeError, FreezeOptions, FreezeReport};
 pub use health::HealthCheck;
+pub use inflight::{settle_in_flight, SettleError, Settled, Settlement};
 pub use progress::{NoProgress, Progress};
-pub use restore::{record_restored, RecordError};
+pub use cuda::{classify, Class, Unsure};
+pub use restore::{record_restored, restore_context, resume_in_place, RecordError, RestoreError};
+pub use runnable::{runnable, Runnable};
 pub use stop::{
     stop, EndSignal, ProcReport, Refusal, RefusalReason, StopError, StopOptions, StopReport,
 };

@@ -1,18 +1,135 @@
-//! The record of a restore done outside [`crate::thaw()`]: `cryo gpu restore`, the
-//! `cuda-checkpoint` front end (`--action restore`, or a toggle out of CHECKPOINTED), the demo and
-//! the benchmarks.
+//! The driver restore of a process's CUDA context, journaled so that restored-ness is never lost:
+//! thaw, `cryo gpu restore`, the `cuda-checkpoint` front end (`--action restore`, or a toggle out
+//! of CHECKPOINTED), a freeze that resumes its worker in place, a suspension rolled back.
 //!
 //! # Design
-//! [`record_restored`] appends [`Event::RestoreCompleted`] for the process, so that `cryo stop`
-//! and the guard know its context came from a restore. It runs after the driver restored the
-//! context, so its failure is no reason to undo anything: callers report it as a warning (a
-//! process with no record is treated as restored anyway, the safe default).
+//! [`restore_context`] is the one way cryo restores a context:
+//! 1. [`Event::RestoreStarted`] is journaled *before* the driver is asked: from then on the
+//!    process counts as restored (`Origins`), so a crash at any later point leaves it known as
+//!    restored, guarded and suspended before it ends. If the journal cannot take the record,
+//!    nothing is restored.
+//! 2. The driver restores it (under a deadline); the process is LOCKED afterwards.
+//! 3. [`Event::RestoreCompleted`] is journaled. If that write fails, the process is checkpointed
+//!    again (LOCKED -> CHECKPOINTED) rather than left LOCKED with a record that says less than
+//!    what happened: the caller gets [`RestoreError::NotRecorded`] saying whether that worked.
+//!
+//! Unlocking is the caller's step (an agent traces the process first).
+//!
+//! [`record_restored`] only records a restore cryo did not carry out itself (CRIU's own cuda
+//! plugin driving another tool, a benchmark's manual steps).
 
-use cryo_journal::{Event, ProcId};
-use cryo_proc::ProcHandle;
+use std::time::{Duration, Instant};
+
+use cryo_gpu::{DriverError, Gpu, GpuPair};
+use cryo_journal::{Event, Journal, ProcId};
+use cryo_proc::{Pid, ProcHandle};
 use cryo_state::StateDir;
 
-use crate::suspend::id;
+use crate::suspend::{abandoned, id};
+
+/// The restore did not happen, or happened and could not be recorded.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    /// The intent could not be journaled: nothing was restored (the process is as it was).
+    #[error("cannot journal the restore of pid {pid} before it, so it was not restored: {source}")]
+    Journal {
+        /// The process.
+        pid: Pid,
+        /// The journal's error.
+        source: cryo_journal::AppendError,
+    },
+    /// The driver's restore failed (the process is journaled as restored anyway: what the driver
+    /// did before failing is not known).
+    #[error(transparent)]
+    Driver(DriverError),
+    /// The restore happened but its completion could not be journaled; the process was
+    /// checkpointed again (`resuspended`: `None`), or that failed too and it is LOCKED.
+    #[error("pid {pid} was restored but the journal could not record it ({source}); {}", match .resuspended { None => "it was checkpointed again".to_string(), Some(e) => format!("checkpointing it again failed too ({e}): it is LOCKED, with a live restored context; its restore intent is journaled") })]
+    NotRecorded {
+        /// The process.
+        pid: Pid,
+        /// The journal's error.
+        source: cryo_journal::AppendError,
+        /// Why the new checkpoint failed, if it did.
+        resuspended: Option<DriverError>,
+    },
+}
+
+impl RestoreError {
+    /// The driver's error, when the driver refused the restore.
+    pub fn driver(&self) -> Option<&DriverError> {
+        match self {
+            RestoreError::Driver(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+/// Restores `h`'s CUDA context (onto `pairs`), journaled as restored by `how` (an image path, or
+/// the command): see the module docs. Returns how long the driver's restore took; the process is
+/// LOCKED.
+pub fn restore_context(
+    gpu: &Gpu,
+    journal: &Journal,
+    h: &ProcHandle,
+    pairs: &[GpuPair],
+    how: &str,
+) -> Result<Duration, RestoreError> {
+    let pid = h.pid();
+    journal
+        .append(Event::RestoreStarted {
+            pid: id(h),
+            image: how.to_string(),
+        })
+        .map_err(|source| RestoreError::Journal { pid, source })?;
+    let start = Instant::now();
+    if let Err(e) = gpu.driver.restore(pid, pairs) {
+        abandoned(Some(journal), h, &e);
+        return Err(RestoreError::Driver(e));
+    }
+    let took = start.elapsed();
+    if let Err(source) = journal.append(Event::RestoreCompleted {
+        pid: id(h),
+        image: how.to_string(),
+        ms: Some(u64::try_from(took.as_millis()).unwrap_or(u64::MAX)),
+    }) {
+        let resuspended = gpu.driver.checkpoint(pid).err();
+        match &resuspended {
+            None => tracing::error!(pid, error = %source, "restored but not journaled: checkpointed again"),
+            Some(e) => tracing::error!(pid, error = %source, checkpoint = %e, "restored but not journaled, and it cannot be checkpointed again: it stays LOCKED"),
+        }
+        return Err(RestoreError::NotRecorded {
+            pid,
+            source,
+            resuspended,
+        });
+    }
+    Ok(took)
+}
+
+/// Restores and unlocks `h` in place (a suspension undone: a failed freeze, a rolled-back
+/// suspension), journaled as restored, then [`Event::Unlocked`].
+pub fn resume_in_place(
+    gpu: &Gpu,
+    journal: &Journal,
+    h: &ProcHandle,
+    how: &str,
+) -> Result<(), RestoreError> {
+    restore_context(gpu, journal, h, &[], how)?;
+    let start = Instant::now();
+    gpu.driver.unlock(h.pid()).map_err(|e| {
+        abandoned(Some(journal), h, &e);
+        RestoreError::Driver(e)
+    })?;
+    // The process runs again: a journal that cannot take the record must not undo that.
+    if let Err(e) = journal.append(Event::Unlocked {
+        pid: id(h),
+        ms: Some(u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX)),
+    }) {
+        tracing::error!(pid = h.pid(), error = %e, "cannot journal the unlock");
+    }
+    Ok(())
+}
 
 /// The restore happened but could not be recorded.
 #[derive(Debug, thiserror::Error)]
@@ -25,8 +142,9 @@ pub enum RecordError {
     Append(#[from] cryo_journal::AppendError),
 }
 
-/// Journals that the process `handle` holds was restored; `how` names the command that did it.
-/// Returns the identity recorded.
+/// Journals that the process `handle` holds was restored by something other than cryo; `how`
+/// names what did it. Returns the identity recorded. Restores cryo carries out itself go through
+/// [`restore_context`], which journals the intent first.
 pub fn record_restored(
     state: &StateDir,
     handle: &ProcHandle,

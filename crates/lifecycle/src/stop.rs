@@ -1,28 +1,50 @@
 //! `cryo stop`: suspend-before-kill for every CUDA process of a target, verified through NVML.
 //!
 //! # Design
-//! 1. The target (a process tree, a cgroup, or a list of pids) comes resolved to pidfd handles
-//!    ([`crate::target`]): the caller resolved it once, before any question to a driver.
-//! 2. Ask the driver which of them are CUDA processes (the driver answers a state for them).
-//! 3. Suspend them all ([`crate::suspend`]): lock in parallel, checkpoint in parallel, verify.
-//! 4. Only if every one is suspended: end the CUDA processes, then the others, confirming every
-//!    exit through its pidfd and that NVML attributes no memory to them afterwards.
+//! 0. Suspensions that earlier stops, freezes or guards left half-way (their owner gone) are
+//!    settled first ([`crate::inflight`]); the report says what was done.
+//! 1. The target (a process tree, a cgroup subtree, or a list of pids) comes resolved to pidfd
+//!    handles ([`crate::target`]): the caller resolved it once, before any question to a driver.
+//! 2. Each process is looked at ([`crate::runnable`], [`crate::cuda`]): one stopped by job
+//!    control is resumed with SIGCONT (journaled: the stop ends it anyway), one stopped under a
+//!    debugger is refused at once unless nothing of it is on a GPU; then who is a CUDA process is
+//!    decided from the driver's answer and the evidence (NVML, driver files). Evidence that
+//!    contradicts the driver is a refusal.
+//! 3. Suspend every CUDA process ([`crate::suspend`]): lock in parallel, checkpoint in parallel,
+//!    verify. With `fresh`, a process that cannot be suspended and that the journal does not know
+//!    as restored is killed without suspension instead of refusing the stop.
+//! 4. A cgroup target is listed again; processes that joined meanwhile go through 2 and 3, until
+//!    the set is stable (bounded).
+//! 5. The last look, before the first kill: every CUDA process is CHECKPOINTED, holds no driver
+//!    files, and NVML lists nothing for it; every other process holds no context either. Anything
+//!    else, or an error on that look, is a refusal, and nothing is killed.
+//! 6. End the CUDA processes, then the others, each CUDA process looked at once more right
+//!    before its own kill: a refusal there ends the kill phase at once. Every exit is confirmed
+//!    through its pidfd, and NVML must attribute no memory to them afterwards. A cgroup is listed
+//!    once more: processes that joined during the kills go through the same steps.
+//!
+//! Every driver call runs under a caller-side deadline, and the whole stop under
+//! [`StopOptions::deadline`] (by default below Kubernetes' default grace period of 30 s): lock
+//! attempts get what the checkpoint and the verification leave. A call that does not return is a
+//! refusal, never a hang.
 //!
 //! A process whose origin is unknown is treated as restored. If any CUDA process cannot be
 //! suspended, nothing in the target is killed ([`StopReport::refusals`]), unless the operator asked
-//! for `unsafe_kill`. A stop that died half-way is resumed by running it again: the driver's state
-//! says what is left to do.
+//! for `unsafe_kill`. A stop that died half-way is finished by the next stop (step 0).
 
 use std::time::{Duration, Instant};
 
-use cryo_gpu::{CuResult, Gpu, ProcessState};
+use cryo_gpu::{Gpu, Limits, ProcessState};
 use cryo_journal::{Event, Journal, Origin, Origins};
 use cryo_proc::{Pid, ProcError, ProcHandle, Signal};
 
+use crate::cuda::{classify, Class};
 use crate::failpoint;
+use crate::inflight::{settle_in_flight, SettleError, Settled};
 use crate::progress::Progress;
+use crate::runnable::{resume, runnable, Runnable};
 use crate::suspend::{id, suspend, SuspendFailure, SuspendOptions, Suspended};
-use crate::target::Resolved;
+use crate::target::{Resolved, Target};
 
 /// How to end the processes once suspended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,6 +59,10 @@ pub enum EndSignal {
     },
 }
 
+/// The default overall deadline of a stop: below Kubernetes' default grace period (30 s), with
+/// room for the kubelet's own steps.
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(25);
+
 /// Options of a stop.
 #[derive(Debug, Clone)]
 pub struct StopOptions {
@@ -46,10 +72,13 @@ pub struct StopOptions {
     pub signal: EndSignal,
     /// Kill even what could not be suspended (the host-wedging path on affected hosts).
     pub unsafe_kill: bool,
-    /// The operator declares the processes were never restored: a plain kill is allowed.
+    /// The operator declares the processes were never restored: a process that cannot be
+    /// suspended and that the journal does not know as restored is killed without suspension.
     pub fresh: bool,
     /// How long to wait for a killed process to exit.
     pub exit_timeout: Duration,
+    /// The whole stop's deadline (lock attempts, checkpoint, verification, kills); `None`: none.
+    pub deadline: Option<Duration>,
 }
 
 impl Default for StopOptions {
@@ -60,6 +89,7 @@ impl Default for StopOptions {
             unsafe_kill: false,
             fresh: false,
             exit_timeout: Duration::from_secs(10),
+            deadline: Some(DEFAULT_DEADLINE),
         }
     }
 }
@@ -93,6 +123,10 @@ pub struct ProcReport {
     pub suspended: Option<Suspended>,
     /// Whether it has exited by the end of the stop.
     pub ended: bool,
+    /// What else the stop found or did (`resumed from a job-control stop`, `joined the cgroup
+    /// during the stop`, `opened the driver but holds no context`...).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
 }
 
 /// The result of a stop. Refusals are results, not errors.
@@ -104,6 +138,9 @@ pub struct StopReport {
     pub refusals: Vec<Refusal>,
     /// Whether processes were killed without suspension (`unsafe_kill` or `fresh`).
     pub unsafe_kills: Vec<Pid>,
+    /// Suspensions of earlier runs that died half-way, settled before this stop.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub settled: Vec<Settled>,
     /// Wall time of the whole stop.
     pub elapsed_ms: u64,
 }
@@ -121,20 +158,15 @@ pub enum StopError {
     /// A process could not be signalled.
     #[error(transparent)]
     Proc(#[from] ProcError),
-    /// The driver could not tell which processes use CUDA.
-    #[error("cannot ask the driver about pid {pid}: {error}")]
-    Driver {
-        /// The process.
-        pid: Pid,
-        /// The driver's error.
-        error: cryo_gpu::DriverError,
-    },
     /// The journal could not be written before acting.
     #[error("cannot write the journal: {0}")]
     Journal(#[from] cryo_journal::AppendError),
     /// The journal could not be read.
     #[error("cannot read the journal: {0}")]
     JournalRead(#[from] cryo_journal::ReadError),
+    /// Earlier in-flight suspensions could not be settled.
+    #[error("settling earlier stops: {0}")]
+    Settle(#[from] SettleError),
     /// The inspection API (NVML) could not list processes.
     #[error("cannot list GPU processes: {0}")]
     Inspect(#[from] cryo_gpu::InspectError),
@@ -151,6 +183,36 @@ pub enum StopError {
     },
 }
 
+/// How many times a cgroup is listed again for processes that joined it during the stop.
+const JOIN_ROUNDS: usize = 8;
+
+/// One process of the stop.
+struct Member {
+    h: ProcHandle,
+    class: Option<Class>,
+    report: ProcReport,
+    /// Killed without suspension (`--unsafe`, `--fresh`).
+    unsuspended: bool,
+}
+
+impl Member {
+    fn is_cuda(&self) -> bool {
+        self.class.as_ref().is_some_and(Class::is_cuda)
+    }
+}
+
+/// What a stop carries from step to step.
+struct Run<'a> {
+    gpu: &'a Gpu,
+    opts: &'a StopOptions,
+    journal: &'a Journal,
+    progress: &'a dyn Progress,
+    origins: Origins,
+    until: Option<Instant>,
+    members: Vec<Member>,
+    refusals: Vec<Refusal>,
+}
+
 /// Stops `target`. See the module docs for the order of things and what a refusal leaves behind.
 pub fn stop(
     gpu: &Gpu,
@@ -160,264 +222,497 @@ pub fn stop(
     progress: &dyn Progress,
 ) -> Result<StopReport, StopError> {
     let start = Instant::now();
-    let handles = target.handles();
+    let until = opts.deadline.map(|d| start + d);
+    let gpu = &gpu.bounded(until.map_or(Limits::default(), |u| Limits::default().until(u)));
     let described = target.target().to_string();
     journal.append(Event::StopRequested {
         target: described.clone(),
     })?;
-
-    // Which processes hold CUDA state: those the driver answers a state for.
-    let mut cuda = Vec::new();
-    let mut plain = Vec::new();
-    for h in handles {
-        match gpu.driver.state(h.pid()) {
-            Ok(_) => cuda.push(h),
-            Err(e)
-                if matches!(
-                    e.code(),
-                    Some(CuResult::NOT_INITIALIZED) | Some(CuResult::INVALID_VALUE)
-                ) && h.is_alive() =>
-            {
-                plain.push(h)
-            }
-            Err(e) if !h.is_alive() => {
-                tracing::debug!(pid = h.pid(), error = %e, "exited before it could be classified");
-            }
-            Err(error) => {
-                return Err(StopError::Driver {
-                    pid: h.pid(),
-                    error,
-                })
-            }
-        }
-    }
-
+    let settled = settle_in_flight(gpu, journal)?;
     let origins = Origins::from_records(&cryo_journal::read(journal.dir())?.records);
-    let origin = |h: &ProcHandle| -> Option<bool> {
-        match origins.of(&id(h)) {
-            Origin::Restored { .. } => Some(true),
-            Origin::Fresh => Some(false),
-            Origin::Unknown => None,
-        }
+    let mut run = Run {
+        gpu,
+        opts,
+        journal,
+        progress,
+        origins,
+        until,
+        members: Vec::new(),
+        refusals: Vec::new(),
     };
-    let mut reports: Vec<ProcReport> = handles
-        .iter()
-        .map(|h| ProcReport {
-            pid: h.pid(),
-            comm: h.comm().to_string(),
-            cuda: cuda.iter().any(|c| c.pid() == h.pid()),
-            restored: origin(h),
-            suspended: None,
-            ended: false,
-        })
-        .collect();
-
-    let mut refusals = Vec::new();
-    let mut unsafe_kills = Vec::new();
-    let mut to_suspend: Vec<&ProcHandle> = cuda.clone();
-    if opts.fresh {
-        // Declared never restored: tearing down its context is the ordinary, safe kind of exit.
-        // The journal wins over the declaration: a process cryo itself restored is suspended
-        // whatever the operator says, since being wrong that way wedges the host.
-        to_suspend.retain(|h| origin(h) == Some(true));
-        for h in cuda.iter().filter(|h| origin(h) != Some(true)) {
-            journal.append(Event::FreshDeclared { pid: id(h) })?;
-            unsafe_kills.push(h.pid());
-        }
+    for h in target.handles() {
+        run.add(h.try_clone()?);
     }
-    // A process that exits on its own during the suspension (a dying worker, CRIU ending a
-    // dumped tree) has left the target; the others are suspended again without it. Suspension is
-    // all or nothing, so such an exit rolled the others back: a few rounds at most, each cheap
-    // since what was checkpointed stays checkpointed.
-    for round in 1..=3 {
-        if to_suspend.is_empty() {
-            break;
+
+    let mut from = 0;
+    let mut round = 0;
+    let outcome = loop {
+        run.prepare(from)?;
+        run.suspend_new(from)?;
+        if run.blocked() {
+            break Outcome::Refused;
         }
-        let outcomes = suspend(gpu, &to_suspend, &opts.suspend, Some(journal), progress);
-        let exited: Vec<Pid> = outcomes
-            .iter()
-            .filter(|o| matches!(o.result, Err(SuspendFailure::Exited)))
-            .map(|o| o.pid)
-            .collect();
-        let others_failed = outcomes
-            .iter()
-            .any(|o| matches!(&o.result, Err(f) if *f != SuspendFailure::Exited));
-        if !exited.is_empty() && !others_failed && round < 3 {
-            for h in to_suspend.iter().filter(|h| exited.contains(&h.pid())) {
-                journal.append(Event::ProcessExited {
-                    pid: id(h),
-                    how: "exited on its own during the stop".into(),
-                })?;
+        // A cgroup is taken as a whole: processes that joined it meanwhile go through the same.
+        let joined = run.joiners(target.target(), round)?;
+        if !joined.is_empty() {
+            from = run.members.len();
+            for h in joined {
+                run.add(h);
+                if let Some(m) = run.members.last_mut() {
+                    m.report.notes.push("joined the cgroup during the stop".into());
+                }
             }
-            to_suspend.retain(|h| !exited.contains(&h.pid()));
+            round += 1;
             continue;
         }
-        for outcome in outcomes {
-            match outcome.result {
-                Ok(s) => {
-                    if let Some(r) = reports.iter_mut().find(|r| r.pid == outcome.pid) {
-                        r.suspended = Some(s);
-                    }
-                }
-                Err(f) => refusals.push(Refusal {
-                    pid: outcome.pid,
-                    hint: f.hint().to_string(),
-                    reason: f,
-                }),
+        failpoint::stall_if(failpoint::STOP_BEFORE_KILL);
+        if !run.last_look()? {
+            break Outcome::Refused;
+        }
+        if !run.kill_all()? {
+            break Outcome::Refused;
+        }
+        let joined = run.joiners(target.target(), round)?;
+        if joined.is_empty() {
+            break Outcome::Ended;
+        }
+        from = run.members.len();
+        for h in joined {
+            run.add(h);
+            if let Some(m) = run.members.last_mut() {
+                m.report
+                    .notes
+                    .push("joined the cgroup during the kills".into());
             }
         }
-        break;
-    }
+        round += 1;
+    };
 
-    if !refusals.is_empty() {
-        for r in &refusals {
-            if let Some(h) = handles.iter().find(|h| h.pid() == r.pid) {
-                journal.append(Event::Refused {
-                    pid: id(h),
-                    reason: r.reason.reason(),
-                    hint: r.hint.clone(),
+    if outcome == Outcome::Ended {
+        run.verify_released()?;
+    }
+    for m in &mut run.members {
+        m.report.ended = !m.h.is_alive();
+    }
+    if outcome == Outcome::Refused {
+        // What this refused stop checkpointed stays so, on purpose: it is not in flight.
+        for m in run.members.iter().filter(|m| m.h.is_alive()) {
+            if m.report.suspended.is_some() && !run.refusals.iter().any(|r| r.pid == m.h.pid()) {
+                journal.append(Event::SuspensionSettled {
+                    pid: id(&m.h),
+                    found: ProcessState::Checkpointed.to_string(),
+                    action: "left checkpointed: the stop was refused".into(),
                 })?;
             }
         }
-        if !opts.unsafe_kill {
-            journal.append(Event::StopCompleted {
-                target: described.clone(),
-                killed: Vec::new(),
-                ms: elapsed_ms(start),
-                refused: refused_ids(handles, &refusals),
-            })?;
-            return Ok(StopReport {
-                processes: reports,
-                refusals,
-                unsafe_kills,
-                elapsed_ms: elapsed_ms(start),
-            });
-        }
-        unsafe_kills.extend(refusals.iter().map(|r| r.pid));
     }
-
-    failpoint::stall_if(failpoint::STOP_BEFORE_KILL);
-
-    // Last look before any kill: something else may have restored a process since it was
-    // verified (a concurrent thaw or toggle). Then this is a refusal like any other, and nothing
-    // in the target is killed. Each process gets one more look right before its own kill.
-    let changed: Vec<(&ProcHandle, ProcessState)> = cuda
-        .iter()
-        .filter(|h| !unsafe_kills.contains(&h.pid()))
-        .filter_map(|h| match gpu.driver.state(h.pid()) {
-            Ok(ProcessState::Checkpointed) => None,
-            Ok(other) if h.is_alive() => Some((*h, other)),
-            _ => None,
-        })
-        .collect();
-    if !changed.is_empty() {
-        for (h, state) in changed {
-            refusals.push(late_refusal(h, state, journal)?);
-        }
-        journal.append(Event::StopCompleted {
-            target: described.clone(),
-            killed: Vec::new(),
-            ms: elapsed_ms(start),
-            refused: refused_ids(handles, &refusals),
-        })?;
-        return Ok(StopReport {
-            processes: reports,
-            refusals,
-            unsafe_kills,
-            elapsed_ms: elapsed_ms(start),
-        });
-    }
-
-    // CUDA processes first, then the rest: a parent that dies first could take its children's
-    // state with it in ways the driver does not expect.
-    for h in cuda.iter().chain(plain.iter()) {
-        let suspended = !unsafe_kills.contains(&h.pid()) && cuda.iter().any(|c| c.pid() == h.pid());
-        if suspended {
-            // One more look right before its own kill.
-            match gpu.driver.state(h.pid()) {
-                Ok(ProcessState::Checkpointed) => {}
-                Ok(other) if h.is_alive() => {
-                    refusals.push(late_refusal(h, other, journal)?);
-                    continue;
-                }
-                _ => {}
-            }
-        }
-        end_one(h, opts, journal, unsafe_kills.contains(&h.pid()))?;
-        if let Some(r) = reports.iter_mut().find(|r| r.pid == h.pid()) {
-            r.ended = !h.is_alive();
-        }
-    }
-
-    // After exit, NVML must attribute nothing to them: otherwise someone holds their driver files.
-    // The driver releases a context shortly after the process's files close (a plain kill of a
-    // fresh process), so this polls until the verification deadline.
-    let deadline = Instant::now() + opts.suspend.verify_timeout;
-    loop {
-        let listed = gpu.inspect.processes()?;
-        let held = handles.iter().filter(|h| !h.is_alive()).find_map(|h| {
-            let mine: Vec<_> = listed.iter().filter(|p| p.pid == h.pid()).collect();
-            (!mine.is_empty()).then(|| (h.pid(), mine.iter().map(|p| p.used_memory).sum::<u64>()))
-        });
-        match held {
-            None => break,
-            Some((pid, bytes)) if Instant::now() >= deadline => {
-                return Err(StopError::MemoryAfterExit { pid, bytes })
-            }
-            Some(_) => std::thread::sleep(Duration::from_millis(20)),
-        }
-    }
-    // A process that exited on its own meanwhile (it was never classified, or died while we
-    // looked at it) has ended too: the target is stopped when every one of them is gone.
-    for r in reports.iter_mut() {
-        if let Some(h) = handles.iter().find(|h| h.pid() == r.pid) {
-            r.ended = !h.is_alive();
-        }
-    }
+    let ids = |f: &dyn Fn(&Member) -> bool| -> Vec<cryo_journal::ProcId> {
+        run.members.iter().filter(|m| f(m)).map(|m| id(&m.h)).collect()
+    };
     journal.append(Event::StopCompleted {
-        target: described.clone(),
-        killed: handles.iter().filter(|h| !h.is_alive()).map(id).collect(),
+        target: described,
+        killed: ids(&|m| !m.h.is_alive()),
         ms: elapsed_ms(start),
-        refused: refused_ids(handles, &refusals),
+        refused: ids(&|m| run.refusals.iter().any(|r| r.pid == m.h.pid())),
     })?;
     Ok(StopReport {
-        processes: reports,
-        refusals,
-        unsafe_kills,
+        unsafe_kills: run
+            .members
+            .iter()
+            .filter(|m| m.unsuspended)
+            .map(|m| m.h.pid())
+            .collect(),
+        processes: run.members.into_iter().map(|m| m.report).collect(),
+        refusals: run.refusals,
+        settled,
         elapsed_ms: elapsed_ms(start),
     })
 }
 
-/// The journal's identities of the refused processes.
-fn refused_ids(handles: &[ProcHandle], refusals: &[Refusal]) -> Vec<cryo_journal::ProcId> {
-    handles
-        .iter()
-        .filter(|h| refusals.iter().any(|r| r.pid == h.pid()))
-        .map(id)
-        .collect()
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Ended,
+    Refused,
 }
 
-/// A process whose state changed after it was verified suspended: refused, and journaled so.
-fn late_refusal(
-    h: &ProcHandle,
-    state: ProcessState,
-    journal: &Journal,
-) -> Result<Refusal, StopError> {
-    let reason = SuspendFailure::Driver {
-        step: "kill",
-        error: format!("state changed to {state} after verification"),
-    };
-    let hint = "something else restored it meanwhile; run the stop again".to_string();
-    journal.append(Event::Refused {
-        pid: id(h),
-        reason: reason.reason(),
-        hint: hint.clone(),
-    })?;
-    Ok(Refusal {
-        pid: h.pid(),
-        hint,
-        reason,
-    })
+impl Run<'_> {
+    fn origin(&self, h: &ProcHandle) -> Option<bool> {
+        match self.origins.of(&id(h)) {
+            Origin::Restored { .. } => Some(true),
+            Origin::Fresh => Some(false),
+            Origin::Unknown => None,
+        }
+    }
+
+    fn add(&mut self, h: ProcHandle) {
+        let report = ProcReport {
+            pid: h.pid(),
+            comm: h.comm().to_string(),
+            cuda: false,
+            restored: self.origin(&h),
+            suspended: None,
+            ended: false,
+            notes: Vec::new(),
+        };
+        self.members.push(Member {
+            h,
+            class: None,
+            report,
+            unsuspended: false,
+        });
+    }
+
+    fn left(&self) -> Option<Duration> {
+        self.until
+            .map(|u| u.saturating_duration_since(Instant::now()))
+    }
+
+    /// Journals and records a refusal of `h`.
+    fn refuse(&mut self, h: &ProcHandle, reason: SuspendFailure) -> Result<(), StopError> {
+        let hint = reason.hint().to_string();
+        self.journal.append(Event::Refused {
+            pid: id(h),
+            reason: reason.reason(),
+            hint: hint.clone(),
+        })?;
+        self.refusals.push(Refusal {
+            pid: h.pid(),
+            reason,
+            hint,
+        });
+        Ok(())
+    }
+
+    /// Step 2 for `members[from..]`: stopped processes, then who is a CUDA process.
+    fn prepare(&mut self, from: usize) -> Result<(), StopError> {
+        let listed = self.gpu.inspect.processes()?;
+        let settle = self
+            .left()
+            .map_or(crate::cuda::SETTLE, |l| l.min(crate::cuda::SETTLE));
+        for i in from..self.members.len() {
+            let h = self.members[i].h.try_clone()?;
+            let pid = h.pid();
+            let r = match runnable(&h) {
+                Ok(r) => r,
+                Err(_) if !h.is_alive() => Runnable::Exited,
+                Err(e) => return Err(e.into()),
+            };
+            let class = match r {
+                Runnable::Exited => Ok(Class::Exited),
+                Runnable::Runs => classify(self.gpu, &h, &listed, settle),
+                Runnable::JobControl => {
+                    self.journal.append(Event::Continued { pid: id(&h) })?;
+                    match resume(&h, Duration::from_secs(2))? {
+                        Runnable::Runs => {
+                            self.members[i]
+                                .report
+                                .notes
+                                .push("was stopped (job control): resumed with SIGCONT".into());
+                            classify(self.gpu, &h, &listed, settle)
+                        }
+                        Runnable::Exited => Ok(Class::Exited),
+                        still => {
+                            self.refuse(
+                                &h,
+                                SuspendFailure::NotRunnable {
+                                    runnable: still,
+                                    pid,
+                                },
+                            )?;
+                            continue;
+                        }
+                    }
+                }
+                Runnable::Debugger { .. } => {
+                    // Nothing but its tracer can resume it. Without a trace of it on a GPU it is
+                    // killed like any plain process; otherwise it is refused at once.
+                    let fds = self.gpu.inspect.driver_fds(pid).unwrap_or_else(|_| vec![-1]);
+                    if fds.is_empty() && !listed.iter().any(|p| p.pid == pid) {
+                        self.members[i]
+                            .report
+                            .notes
+                            .push("stopped under a debugger, but holds no driver file".into());
+                        Ok(Class::Plain)
+                    } else {
+                        self.refuse(&h, SuspendFailure::NotRunnable { runnable: r, pid })?;
+                        continue;
+                    }
+                }
+            };
+            match class {
+                Ok(c) => {
+                    if let Class::DriverOnly { fds } = &c {
+                        self.members[i].report.notes.push(format!(
+                            "opened the driver ({} driver files) but holds no CUDA context",
+                            fds.len()
+                        ));
+                    }
+                    self.members[i].report.cuda = c.is_cuda();
+                    self.members[i].class = Some(c);
+                }
+                Err(u) => self.refuse(&h, SuspendFailure::Unclassified(u))?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Step 3 for the CUDA processes among `members[from..]`.
+    fn suspend_new(&mut self, from: usize) -> Result<(), StopError> {
+        let mut sopts = self.opts.suspend.clone();
+        sopts.purpose = cryo_journal::Purpose::Stop;
+        if let Some(u) = self.until {
+            // Room for the kills and the checks after them.
+            let total = self.opts.deadline.unwrap_or_default();
+            sopts.until = Some(u - (total / 5).min(Duration::from_secs(2)));
+        }
+        let mut todo: Vec<usize> = (from..self.members.len())
+            .filter(|&i| self.members[i].is_cuda())
+            .collect();
+        // Suspension is all or nothing: a process that leaves the target (it exits) or, with
+        // `fresh`, one that is killed without suspension rolled the others back, and they are
+        // suspended again without it (what was checkpointed stays checkpointed, so it is cheap).
+        let rounds = todo.len() + 1;
+        for round in 1..=rounds {
+            if todo.is_empty() {
+                break;
+            }
+            let handles: Vec<&ProcHandle> = todo.iter().map(|&i| &self.members[i].h).collect();
+            let outcomes = suspend(self.gpu, &handles, &sopts, Some(self.journal), self.progress);
+            let mut retry = Vec::new();
+            let mut refused = Vec::new();
+            for o in &outcomes {
+                let Some(&i) = todo.iter().find(|&&i| self.members[i].h.pid() == o.pid) else {
+                    continue;
+                };
+                match &o.result {
+                    Ok(_) => {}
+                    Err(SuspendFailure::Exited) => retry.push((i, None)),
+                    Err(f) if self.opts.fresh && self.members[i].report.restored != Some(true) => {
+                        retry.push((i, Some(f.clone())))
+                    }
+                    Err(f) => refused.push((i, f.clone())),
+                }
+            }
+            if refused.is_empty() && !retry.is_empty() && round < rounds {
+                for (i, why) in retry {
+                    let h = &self.members[i].h;
+                    match why {
+                        None => {
+                            self.journal.append(Event::ProcessExited {
+                                pid: id(h),
+                                how: "exited on its own during the stop".into(),
+                            })?;
+                        }
+                        Some(f) => {
+                            // Declared never restored, and the journal agrees: tearing its
+                            // context down is the ordinary, safe kind of exit.
+                            self.journal.append(Event::FreshDeclared { pid: id(h) })?;
+                            let m = &mut self.members[i];
+                            m.unsuspended = true;
+                            m.report.notes.push(format!(
+                                "could not be suspended ({}); killed without suspension (--fresh)",
+                                f.reason()
+                            ));
+                        }
+                    }
+                    todo.retain(|&t| t != i);
+                }
+                continue;
+            }
+            for o in outcomes {
+                let Some(&i) = todo.iter().find(|&&i| self.members[i].h.pid() == o.pid) else {
+                    continue;
+                };
+                match o.result {
+                    Ok(s) => self.members[i].report.suspended = Some(s),
+                    Err(SuspendFailure::Exited) => {}
+                    Err(f) => {
+                        let h = self.members[i].h.try_clone()?;
+                        self.refuse(&h, f)?;
+                    }
+                }
+            }
+            break;
+        }
+        if self.opts.unsafe_kill {
+            // Forced: the refusals stay journaled and reported, and the stop goes on to kill
+            // them without suspension.
+            for r in &self.refusals {
+                if let Some(m) = self.members.iter_mut().find(|m| m.h.pid() == r.pid) {
+                    m.unsuspended = true;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether a refusal stops the stop (one that `--unsafe` did not override).
+    fn blocked(&self) -> bool {
+        self.refusals.iter().any(|r| {
+            !self
+                .members
+                .iter()
+                .any(|m| m.h.pid() == r.pid && m.unsuspended)
+        })
+    }
+
+    /// Processes that joined a cgroup target since it was listed (none for other targets).
+    fn joiners(&mut self, target: &Target, round: usize) -> Result<Vec<ProcHandle>, StopError> {
+        let Target::Cgroup(path) = target else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::new();
+        for pid in cryo_proc::cgroup_tree_procs(path)? {
+            if self
+                .members
+                .iter()
+                .any(|m| m.h.pid() == pid && m.h.is_alive())
+            {
+                continue;
+            }
+            match ProcHandle::open(pid) {
+                Ok(h) => out.push(h),
+                Err(ProcError::NoSuchProcess(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if !out.is_empty() && (round >= JOIN_ROUNDS || self.left() == Some(Duration::ZERO)) {
+            // It does not settle: refuse rather than kill a set that keeps changing.
+            for h in &out {
+                self.refuse(
+                    h,
+                    SuspendFailure::LastLook {
+                        found: format!(
+                            "processes still joining the cgroup after {} listings",
+                            round + 1
+                        ),
+                    },
+                )?;
+            }
+            return Ok(Vec::new());
+        }
+        Ok(out)
+    }
+
+    /// Step 5: the last look before the first kill. `false`: refused, nothing killed.
+    fn last_look(&mut self) -> Result<bool, StopError> {
+        let listed = match self.gpu.inspect.processes() {
+            Ok(l) => l,
+            Err(e) => {
+                if let Some(m) = self.members.iter().find(|m| m.is_cuda() && !m.unsuspended) {
+                    let h = m.h.try_clone()?;
+                    self.refuse(
+                        &h,
+                        SuspendFailure::LastLook {
+                            found: format!("NVML cannot be asked: {e}"),
+                        },
+                    )?;
+                    return Ok(false);
+                }
+                Vec::new()
+            }
+        };
+        let mut found = Vec::new();
+        for m in &self.members {
+            if m.unsuspended || !m.h.is_alive() {
+                continue;
+            }
+            let pid = m.h.pid();
+            let mut wrong = Vec::new();
+            if m.is_cuda() {
+                match self.gpu.driver.state(pid) {
+                    Ok(ProcessState::Checkpointed) => {}
+                    Ok(other) => wrong.push(format!("state {other}")),
+                    Err(_) if !m.h.is_alive() => continue,
+                    Err(e) => wrong.push(format!("no state from the driver ({e})")),
+                }
+            }
+            match self.gpu.inspect.driver_fds(pid) {
+                Ok(fds) if fds.is_empty() => {}
+                Ok(_) if matches!(m.class, Some(Class::DriverOnly { .. })) => {}
+                Ok(fds) => wrong.push(format!("{} driver files open", fds.len())),
+                Err(_) if !m.h.is_alive() => continue,
+                Err(e) => wrong.push(format!("driver files that cannot be listed ({e})")),
+            }
+            if let Some(p) = listed.iter().find(|p| p.pid == pid) {
+                wrong.push(format!(
+                    "{} of device memory listed by NVML",
+                    cryo_units::fmt_bytes(p.used_memory)
+                ));
+            }
+            if !wrong.is_empty() {
+                found.push((m.h.try_clone()?, wrong.join(", ")));
+            }
+        }
+        let ok = found.is_empty();
+        for (h, what) in found {
+            self.refuse(&h, SuspendFailure::LastLook { found: what })?;
+        }
+        Ok(ok)
+    }
+
+    /// Step 6: CUDA processes first, then the rest. `false`: a late refusal ended the kill phase.
+    fn kill_all(&mut self) -> Result<bool, StopError> {
+        let mut order: Vec<usize> = (0..self.members.len())
+            .filter(|&i| self.members[i].is_cuda())
+            .collect();
+        order.extend((0..self.members.len()).filter(|&i| !self.members[i].is_cuda()));
+        for i in order {
+            let m = &self.members[i];
+            if !m.h.is_alive() {
+                continue;
+            }
+            if m.is_cuda() && !m.unsuspended {
+                // One more look right before its own kill.
+                match self.gpu.driver.state(m.h.pid()) {
+                    Ok(ProcessState::Checkpointed) => {}
+                    Err(_) if !m.h.is_alive() => continue,
+                    other => {
+                        let found = match other {
+                            Ok(s) => format!("state {s} right before its kill"),
+                            Err(e) => format!("no state from the driver right before its kill ({e})"),
+                        };
+                        let h = m.h.try_clone()?;
+                        self.refuse(&h, SuspendFailure::LastLook { found })?;
+                        return Ok(false);
+                    }
+                }
+            }
+            let h = self.members[i].h.try_clone()?;
+            let unsuspended = self.members[i].unsuspended;
+            end_one(&h, self.opts, self.journal, unsuspended)?;
+        }
+        Ok(true)
+    }
+
+    /// After exit, NVML must attribute nothing to them: otherwise someone holds their driver
+    /// files. The driver releases a context shortly after the process's files close (a plain
+    /// kill of a fresh process), so this polls until the verification deadline.
+    fn verify_released(&self) -> Result<(), StopError> {
+        let mut deadline = Instant::now() + self.opts.suspend.verify_timeout;
+        if let Some(u) = self.until {
+            deadline = deadline.min(u.max(Instant::now() + Duration::from_millis(200)));
+        }
+        loop {
+            let listed = self.gpu.inspect.processes()?;
+            let held = self
+                .members
+                .iter()
+                .filter(|m| !m.h.is_alive())
+                .find_map(|m| {
+                    let mine: Vec<_> = listed.iter().filter(|p| p.pid == m.h.pid()).collect();
+                    (!mine.is_empty())
+                        .then(|| (m.h.pid(), mine.iter().map(|p| p.used_memory).sum::<u64>()))
+                });
+            match held {
+                None => return Ok(()),
+                Some((pid, bytes)) if Instant::now() >= deadline => {
+                    return Err(StopError::MemoryAfterExit { pid, bytes })
+                }
+                Some(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
 }
 
 fn end_one(

@@ -1,15 +1,25 @@
 //! Suspension: lock, checkpoint and verify a set of CUDA processes, all or nothing.
+//!
+//! # Design
+//! Every driver call runs under a caller-side deadline ([`cryo_gpu::deadline`]): a call that does
+//! not return is a failure of that process (the call is journaled as abandoned), never a hang.
+//! With [`SuspendOptions::until`] (an operation's overall deadline, `cryo stop --deadline`) the
+//! lock attempts get only the time that leaves room for the checkpoint (estimated from the device
+//! memory NVML lists, at half the measured rate) and the verification; no call is waited for past
+//! it. A process whose threads are all stopped (job control, a debugger) cannot run the driver's
+//! restore thread: it fails at once ([`SuspendFailure::NotRunnable`]).
 
 use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use cryo_gpu::{CuResult, DriverError, Gpu, ProcessState};
-use cryo_journal::{Event, Journal, ProcId};
+use cryo_gpu::{CuResult, DriverError, Gpu, Limits, ProcessState};
+use cryo_journal::{Event, Journal, ProcId, Purpose};
 use cryo_proc::Pid;
 use cryo_proc::ProcHandle;
 
 use crate::progress::Progress;
+use crate::runnable::{runnable, Runnable};
 
 /// How hard to try.
 #[derive(Debug, Clone)]
@@ -23,6 +33,11 @@ pub struct SuspendOptions {
     /// On failure, also bring back (restore + unlock) the processes this run checkpointed, so the
     /// worker keeps serving (freeze); otherwise they stay CHECKPOINTED, which is safe (stop).
     pub resume_on_failure: bool,
+    /// The suspension's part of an overall deadline: lock attempts are cut to leave room for the
+    /// checkpoint and the verification, and nothing is waited for past it.
+    pub until: Option<Instant>,
+    /// What the suspension is for (journaled, so a later run knows how to finish it).
+    pub purpose: Purpose,
 }
 
 impl Default for SuspendOptions {
@@ -32,6 +47,38 @@ impl Default for SuspendOptions {
             lock_attempts: 3,
             verify_timeout: Duration::from_secs(10),
             resume_on_failure: false,
+            until: None,
+            purpose: Purpose::Stop,
+        }
+    }
+}
+
+/// The checkpoint rate assumed when budgeting a deadline: half the slowest rate measured on an
+/// H200 (1.7 GB/s), since page faulting, not the bus, bounds it.
+pub const CHECKPOINT_BYTES_PER_SEC: u64 = 850_000_000;
+
+/// A lock attempt shorter than this is not worth making.
+const MIN_LOCK: Duration = Duration::from_millis(100);
+
+impl SuspendOptions {
+    /// Time still left before [`SuspendOptions::until`] (`None`: no deadline).
+    pub(crate) fn left(&self) -> Option<Duration> {
+        self.until
+            .map(|u| u.saturating_duration_since(Instant::now()))
+    }
+
+    /// What the checkpoint and the verification of `bytes` of device memory need after the locks.
+    pub fn reserve(&self, bytes: u64) -> Duration {
+        let ckpt = Duration::from_millis(bytes / (CHECKPOINT_BYTES_PER_SEC / 1000))
+            + Duration::from_secs(1);
+        ckpt + self.verify_timeout.min(Duration::from_secs(1))
+    }
+
+    /// The limits every driver call of the suspension runs under.
+    pub(crate) fn limits(&self) -> Limits {
+        match self.until {
+            Some(u) => Limits::default().until(u),
+            None => Limits::default(),
         }
     }
 }
@@ -72,8 +119,40 @@ pub enum SuspendFailure {
     LockTimedOut {
         /// Attempts made.
         attempts: u32,
-        /// Timeout of each.
+        /// Timeout of the last one.
         timeout_ms: u64,
+        /// The overall deadline that cut the attempts short, if one did.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        deadline_ms: Option<u64>,
+    },
+    /// The overall deadline leaves no time for `step` (and what follows it).
+    OutOfTime {
+        /// The step that could not be started.
+        step: &'static str,
+        /// The deadline, ms from the start of the operation... as left when the step was due.
+        left_ms: u64,
+    },
+    /// A driver call did not return in time: it was abandoned (the driver may still carry it
+    /// out), and the process is left as the driver leaves it.
+    NoAnswer {
+        /// The step.
+        step: &'static str,
+        /// How long the call was waited for.
+        ms: u64,
+    },
+    /// The process cannot run the driver's restore thread: all its threads are stopped.
+    NotRunnable {
+        /// How it is stopped.
+        runnable: Runnable,
+        /// Its pid (for the message).
+        pid: Pid,
+    },
+    /// Whether it is a CUDA process could not be decided (the evidence contradicts the driver).
+    Unclassified(crate::cuda::Unsure),
+    /// The last look before the kill found it no longer safe to kill.
+    LastLook {
+        /// What was found.
+        found: String,
     },
     /// The context has a sticky error: the driver cannot lock it.
     StickyError {
@@ -110,8 +189,25 @@ impl SuspendFailure {
             SuspendFailure::LockTimedOut {
                 attempts,
                 timeout_ms,
+                deadline_ms,
             } => {
-                format!("lock timed out with GPU work in flight ({attempts} attempts of {timeout_ms} ms, CUDA_ERROR_NOT_READY)")
+                let cut = deadline_ms.map_or(String::new(), |d| {
+                    format!("; the deadline of {d} ms left no time for more")
+                });
+                format!("lock timed out with GPU work in flight ({attempts} attempts, the last of {timeout_ms} ms, CUDA_ERROR_NOT_READY{cut})")
+            }
+            SuspendFailure::OutOfTime { step, left_ms } => format!(
+                "the deadline leaves no time to {step} ({left_ms} ms left, less than the {step} and what follows need)"
+            ),
+            SuspendFailure::NoAnswer { step, ms } => format!(
+                "the driver did not answer the {step} within {ms} ms; the call was abandoned and may still take effect"
+            ),
+            SuspendFailure::NotRunnable { runnable, pid } => runnable
+                .why_not(*pid)
+                .unwrap_or_else(|| "it runs again".to_string()),
+            SuspendFailure::Unclassified(u) => format!("cannot tell whether it holds a CUDA context: {u}"),
+            SuspendFailure::LastLook { found } => {
+                format!("the last look before the kill found {found}")
             }
             SuspendFailure::StickyError { code } => {
                 format!("the CUDA context has a sticky error ({code}): the driver cannot lock it")
@@ -137,7 +233,25 @@ impl SuspendFailure {
     pub fn hint(&self) -> &'static str {
         match self {
             SuspendFailure::LockTimedOut { .. } => {
-                "drain the worker's requests or raise --timeout/--lock-attempts, then run the stop again"
+                "drain the worker's requests or raise --timeout/--lock-attempts (and --deadline), then run the stop again"
+            }
+            SuspendFailure::OutOfTime { .. } => {
+                "raise --deadline (under Kubernetes, with the pod's terminationGracePeriodSeconds), then run the stop again"
+            }
+            SuspendFailure::NoAnswer { .. } => {
+                "check the driver (dmesg, nvidia-smi) and `cryo gpu state --pid PID`; the next stop or guard start settles the abandoned call first"
+            }
+            SuspendFailure::NotRunnable { runnable: Runnable::Debugger { .. }, .. } => {
+                "detach the debugger (or let it continue the process), then run the stop again"
+            }
+            SuspendFailure::NotRunnable { .. } => {
+                "resume it (kill -CONT PID), then run the stop again"
+            }
+            SuspendFailure::Unclassified(_) => {
+                "check its driver files (ls -l /proc/PID/fd) and nvidia-smi; run the stop again once the driver answers a state for it"
+            }
+            SuspendFailure::LastLook { .. } => {
+                "something acted on it after its suspension was verified (a restore?); run the stop again"
             }
             SuspendFailure::StickyError { .. } => {
                 "the context cannot be suspended; keep the process alive and use `cryo guard` (pins its driver fds at exit) or, on a host known not to wedge, --unsafe"
@@ -173,6 +287,18 @@ pub fn suspend(
     journal: Option<&Journal>,
     progress: &dyn Progress,
 ) -> Vec<SuspendOutcome> {
+    let gpu = &gpu.bounded(opts.limits());
+    let by = me();
+    for p in procs {
+        record(
+            journal,
+            Event::SuspendStarted {
+                pid: id(p),
+                purpose: opts.purpose,
+                by,
+            },
+        );
+    }
     let memory_before: Vec<u64> = procs
         .iter()
         .map(|p| {
@@ -188,7 +314,7 @@ pub fn suspend(
         .zip(memory_before)
         .map(|(p, mem)| Row {
             handle: p,
-            state: gpu.driver.state(p.pid()),
+            state: None,
             mem,
             lock: None,
             ckpt: None,
@@ -200,21 +326,38 @@ pub fn suspend(
         .collect();
 
     for row in &mut rows {
-        match &row.state {
-            Ok(ProcessState::Failed) => row.failure = Some(SuspendFailure::DriverFailedState),
-            Ok(_) => {}
-            Err(e) => row.failure = Some(classify("get state", e, row.handle)),
+        let pid = row.handle.pid();
+        // The driver's restore thread must run for anything to happen: tell up front.
+        match runnable(row.handle) {
+            Ok(Runnable::Runs) | Err(_) => {}
+            Ok(Runnable::Exited) => {
+                row.failure = Some(SuspendFailure::Exited);
+                continue;
+            }
+            Ok(r) => {
+                row.failure = Some(SuspendFailure::NotRunnable { runnable: r, pid });
+                continue;
+            }
+        }
+        match crate::cuda::settled_state(gpu, pid, crate::cuda::SETTLE) {
+            Ok(ProcessState::Failed) => {
+                row.state = Some(ProcessState::Failed);
+                row.failure = Some(SuspendFailure::DriverFailedState);
+            }
+            Ok(state) => row.state = Some(state),
+            Err(e) => row.failure = Some(classify("get state", &e, row.handle)),
         }
     }
 
     // Lock phase, in parallel.
+    let reserve = opts.reserve(rows.iter().map(|r| r.mem).sum());
     if rows.iter().all(|r| r.failure.is_none()) {
         thread::scope(|s| {
             for row in rows
                 .iter_mut()
-                .filter(|r| matches!(r.state, Ok(ProcessState::Running)))
+                .filter(|r| r.state == Some(ProcessState::Running))
             {
-                s.spawn(move || lock_one(gpu, row, opts, journal, progress));
+                s.spawn(move || lock_one(gpu, row, opts, reserve, journal, progress));
             }
         });
     }
@@ -223,14 +366,18 @@ pub fn suspend(
         thread::scope(|s| {
             for row in rows
                 .iter_mut()
-                .filter(|r| r.locked_here || matches!(r.state, Ok(ProcessState::Locked)))
+                .filter(|r| r.locked_here || r.state == Some(ProcessState::Locked))
             {
                 s.spawn(move || checkpoint_one(gpu, row, journal, progress));
             }
         });
     }
     if rows.iter().all(|r| r.failure.is_none()) {
-        verify_all(gpu, &mut rows, opts.verify_timeout, journal);
+        let verify = match opts.left() {
+            Some(left) => opts.verify_timeout.min(left),
+            None => opts.verify_timeout,
+        };
+        verify_all(gpu, &mut rows, verify, journal);
     }
     if rows.iter().any(|r| r.failure.is_some()) {
         roll_back(gpu, &mut rows, opts.resume_on_failure, journal);
@@ -241,7 +388,7 @@ pub fn suspend(
             let pid = r.handle.pid();
             let result = match (r.failure, r.state) {
                 (Some(f), _) => Err(f),
-                (None, Ok(state_before)) => Ok(Suspended {
+                (None, Some(state_before)) => Ok(Suspended {
                     pid,
                     state_before,
                     device_memory: r.mem,
@@ -249,7 +396,7 @@ pub fn suspend(
                     checkpoint: r.ckpt,
                     verify: r.verify,
                 }),
-                (None, Err(e)) => Err(classify("get state", &e, r.handle)),
+                (None, None) => Err(SuspendFailure::Exited),
             };
             SuspendOutcome { pid, result }
         })
@@ -258,7 +405,7 @@ pub fn suspend(
 
 struct Row<'a> {
     handle: &'a ProcHandle,
-    state: Result<ProcessState, DriverError>,
+    state: Option<ProcessState>,
     mem: u64,
     lock: Option<Duration>,
     ckpt: Option<Duration>,
@@ -280,6 +427,15 @@ fn record(journal: Option<&Journal>, event: Event) {
 }
 
 fn classify(step: &'static str, e: &DriverError, h: &ProcHandle) -> SuspendFailure {
+    if let DriverError::NoAnswer { after, .. } = e {
+        return SuspendFailure::NoAnswer {
+            step,
+            ms: ms(*after),
+        };
+    }
+    if let DriverError::Unresponsive { .. } = e {
+        return SuspendFailure::NoAnswer { step, ms: 0 };
+    }
     // The driver stops knowing a process as it exits ("not a CUDA process", "no such process"):
     // for one it knew a moment ago, that means it is going away, which is not a driver failure.
     if matches!(
@@ -304,6 +460,7 @@ fn lock_one(
     gpu: &Gpu,
     row: &mut Row<'_>,
     opts: &SuspendOptions,
+    reserve: Duration,
     journal: Option<&Journal>,
     progress: &dyn Progress,
 ) {
@@ -311,18 +468,47 @@ fn lock_one(
     progress.begin(pid, "lock", 0);
     let start = Instant::now();
     let attempts = opts.lock_attempts.max(1);
+    let mut made = 0;
+    let mut cut = None;
     for attempt in 1..=attempts {
         if !row.handle.is_alive() {
             row.failure = Some(SuspendFailure::Exited);
             break;
         }
+        // Within a deadline, each attempt gets what the checkpoint and verification leave.
+        let timeout = match opts.left() {
+            None => opts.lock_timeout,
+            Some(left) => {
+                let budget = left.saturating_sub(reserve);
+                if budget < MIN_LOCK {
+                    row.failure = Some(if made == 0 {
+                        SuspendFailure::OutOfTime {
+                            step: "lock",
+                            left_ms: ms(left),
+                        }
+                    } else {
+                        SuspendFailure::LockTimedOut {
+                            attempts: made,
+                            timeout_ms: ms(opts.lock_timeout.min(budget)),
+                            deadline_ms: Some(ms(left)),
+                        }
+                    });
+                    break;
+                }
+                if budget < opts.lock_timeout {
+                    cut = Some(ms(left));
+                }
+                opts.lock_timeout.min(budget)
+            }
+        };
+        made += 1;
         record(
             journal,
             Event::LockStarted {
                 pid: id(row.handle),
             },
         );
-        match gpu.driver.lock(pid, Some(opts.lock_timeout)) {
+        match gpu.driver.lock(pid, Some(timeout)) {
             Ok(()) => {
                 let took = start.elapsed();
                 row.lock = Some(took);
@@ -355,10 +541,12 @@ fn lock_one(
                         error: e.to_string(),
                     },
                 );
+                abandoned(journal, row.handle, &e);
                 row.failure = Some(if e.code() == Some(CuResult::NOT_READY) {
                     SuspendFailure::LockTimedOut {
-                        attempts,
-                        timeout_ms: ms(opts.lock_timeout),
+                        attempts: made,
+                        timeout_ms: ms(timeout),
+                        deadline_ms: cut,
                     }
                 } else {
                     classify("lock", &e, row.handle)
@@ -373,6 +561,27 @@ fn lock_one(
         false,
         &row.failure.as_ref().map(|f| f.reason()).unwrap_or_default(),
     );
+}
+
+/// Journals a call the driver did not answer in time: its effect may still come.
+pub(crate) fn abandoned(journal: Option<&Journal>, h: &ProcHandle, e: &DriverError) {
+    if let DriverError::NoAnswer { call, after, .. } = e {
+        record(
+            journal,
+            Event::CallAbandoned {
+                pid: id(h),
+                call: (*call).to_string(),
+                ms: ms(*after),
+            },
+        );
+    }
+}
+
+/// This cryo process, as the journal names the owner of an operation.
+pub(crate) fn me() -> Option<ProcId> {
+    i32::try_from(std::process::id())
+        .ok()
+        .and_then(|p| ProcId::of(p).ok())
 }
 
 fn checkpoint_one(
@@ -454,6 +663,7 @@ fn checkpoint_one(
                     error: e.to_string(),
                 },
             );
+            abandoned(journal, row.handle, &e);
             let f = classify("checkpoint", &e, row.handle);
             progress.end(pid, "checkpoint", false, &f.reason());
             row.failure = Some(f);
@@ -522,20 +732,23 @@ fn roll_back(gpu: &Gpu, rows: &mut [Row<'_>], resume: bool, journal: Option<&Jou
     for row in rows.iter_mut() {
         let pid = row.handle.pid();
         if row.ckpt_here && resume {
-            match gpu
-                .driver
-                .restore(pid, &[])
-                .and_then(|()| gpu.driver.unlock(pid))
-            {
-                Ok(()) => record(
-                    journal,
-                    Event::Resumed {
-                        pid: id(row.handle),
-                    },
-                ),
-                Err(e) => {
-                    tracing::error!(pid, error = %e, "cannot bring the process back after a failed suspension; it stays CHECKPOINTED (safe)")
-                }
+            // A driver restore like any other: journaled as restored before it happens.
+            let resumed = match journal {
+                Some(j) => crate::restore::resume_in_place(
+                    gpu,
+                    j,
+                    row.handle,
+                    "resumed in place after a failed suspension",
+                )
+                .map_err(|e| e.to_string()),
+                None => gpu
+                    .driver
+                    .restore(pid, &[])
+                    .and_then(|()| gpu.driver.unlock(pid))
+                    .map_err(|e| e.to_string()),
+            };
+            if let Err(e) = resumed {
+                tracing::error!(pid, error = %e, "cannot bring the process back after a failed suspension; it stays CHECKPOINTED (safe)");
             }
         } else if row.locked_here && !row.ckpt_here {
             let start = Instant::now();
@@ -548,6 +761,7 @@ fn roll_back(gpu: &Gpu, rows: &mut [Row<'_>], resume: bool, journal: Option<&Jou
                     },
                 ),
                 Err(e) => {
+                    abandoned(journal, row.handle, &e);
                     tracing::error!(pid, error = %e, "cannot unlock the process after a failed suspension")
                 }
             }

@@ -37,6 +37,7 @@ use cryo_state::fence::{Fence, FenceError, FencedGpu, Quarantine};
 
 use crate::failpoint;
 use crate::health::{HealthCheck, HealthError};
+use crate::restore::restore_context;
 use crate::progress::Progress;
 use crate::stop::{stop, StopOptions};
 use crate::suspend::id;
@@ -340,6 +341,7 @@ pub fn thaw(
     fence: &Fence,
     progress: &dyn Progress,
 ) -> Result<ThawReport, ThawError> {
+    let gpu = &gpu.bounded(cryo_gpu::Limits::default());
     let t = Instant::now();
     // Trust, manifest, listing and sizes; the bytes are checked as CRIU reads them.
     let opened = Image::open(dir)?;
@@ -478,14 +480,17 @@ fn thaw_inner(
         let jobs: Vec<_> = plans
             .iter()
             .map(|plan| {
+                let image = &image;
                 s.spawn(move || {
                     progress.begin(plan.pid, "gpu restore", plan.bytes);
                     let t = Instant::now();
-                    let r = gpu
-                        .driver
-                        .restore(plan.pid, &plan.pairs)
-                        .map(|()| ms(t.elapsed()))
-                        .map_err(|e| e.to_string());
+                    // Journaled as restored before the driver is asked (see `restore_context`).
+                    let r = match handle(plan.pid) {
+                        Some(h) => restore_context(gpu, journal, h, &plan.pairs, image)
+                            .map(|took| ms(took))
+                            .map_err(|e| e.to_string()),
+                        None => Err(format!("pid {} is gone", plan.pid)),
+                    };
                     progress.end(
                         plan.pid,
                         "gpu restore",
@@ -509,14 +514,6 @@ fn thaw_inner(
     for ((pid, r), plan) in results.into_iter().zip(plans) {
         match r {
             Ok(restore_ms) => {
-                // Its context is live again (LOCKED): from now on it is a restored process.
-                if let Some(h) = handle(pid) {
-                    journal.append(Event::RestoreCompleted {
-                        pid: id(h),
-                        image: image.clone(),
-                        ms: Some(restore_ms),
-                    })?;
-                }
                 gpu_report.push(RestoredGpu {
                     pid,
                     gpus: plan.targets.clone(),

@@ -110,3 +110,66 @@ pub fn cgroup_procs(path: &Path) -> Result<Vec<Pid>, ProcError> {
     pids.dedup();
     Ok(pids)
 }
+
+/// Every process with a task anywhere in the cgroup subtree at `path` (the directory, v1 or v2,
+/// and every cgroup below it), ascending: how a pod (whose cgroup holds only the containers'
+/// cgroups on v2) or a systemd unit (with sub-scopes) is taken as a whole. Each cgroup's
+/// `cgroup.procs` is read, and so are its thread lists (`cgroup.threads` on v2, `tasks` on v1),
+/// each thread taken as its process: a threaded cgroup lists no processes of its own (its
+/// `cgroup.procs` cannot be read), and a process may have threads in a cgroup its leader is
+/// not in. A cgroup removed while it is walked is simply not part of the result; the top one must
+/// be readable.
+pub fn cgroup_tree_procs(path: &Path) -> Result<Vec<Pid>, ProcError> {
+    let top = if path.ends_with("cgroup.procs") {
+        path.parent().unwrap_or(path).to_path_buf()
+    } else {
+        path.to_path_buf()
+    };
+    let mut pids = cgroup_procs(&top)?;
+    let mut dirs = vec![top.clone()];
+    while let Some(dir) = dirs.pop() {
+        if dir != top {
+            match cgroup_procs(&dir) {
+                Ok(p) => pids.extend(p),
+                Err(ProcError::Cgroup { source, .. }) if vanished_or_threaded(&source) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        for list in ["cgroup.threads", "tasks"] {
+            let file = dir.join(list);
+            match fs::read_to_string(&file) {
+                Ok(text) => {
+                    for tid in text.lines().filter_map(|l| l.trim().parse::<Pid>().ok()) {
+                        // A thread that exited since the listing is not part of it.
+                        if let Ok(Some(tgid)) = crate::read::tgid(tid) {
+                            pids.push(tgid);
+                        }
+                    }
+                }
+                Err(e) if vanished_or_threaded(&e) => {}
+                Err(source) => return Err(ProcError::Cgroup { path: file, source }),
+            }
+        }
+        let entries = match fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && dir != top => continue,
+            Err(source) => return Err(ProcError::Cgroup { path: dir, source }),
+        };
+        for entry in entries.flatten() {
+            // Child cgroups are directories; a symlink is never followed out of the subtree.
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                dirs.push(entry.path());
+            }
+        }
+    }
+    pids.sort_unstable();
+    pids.dedup();
+    Ok(pids)
+}
+
+/// A cgroup file that is gone (the cgroup was removed, or the file does not exist on this
+/// version) or that the kernel will not list (`cgroup.procs` of a threaded cgroup).
+fn vanished_or_threaded(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::NotFound
+        || matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::ENODEV))
+}

@@ -40,13 +40,13 @@ mod read;
 mod signal;
 mod sys;
 
-pub use cgroup::{cgroup_procs, CgroupEntry, Cgroups};
+pub use cgroup::{cgroup_procs, cgroup_tree_procs, CgroupEntry, Cgroups};
 pub use error::{OomAdjError, ProcError};
 pub use fds::{driver_fds, DriverFiles, Fd, FdTarget};
 pub use handle::{Liveness, ProcHandle};
 pub use read::{
-    fds, liveness, load_average, pid_max, pids_in_use, stat, status, tgid, tree, unix_listeners,
-    Stat, Status, SYSTEM_MEMORY_PRESSURE,
+    fds, liveness, load_average, pid_max, pids_in_use, runs_our_executable, stat, status, tgid,
+    tree, unix_listeners, Stat, Status, SYSTEM_MEMORY_PRESSURE,
 };
 pub use signal::{describe_wait_status, signal_name, Signal};
 

@@ -119,6 +119,18 @@ pub fn tgid(pid: Pid) -> Result<Option<Pid>, ProcError> {
     }
 }
 
+/// Whether the task `tid` (a process or a thread) runs the same executable file as this process:
+/// how cryo tells its own guard (the same `cryo` binary, or the same test binary) from a
+/// debugger among the tracers of a process. `false` when either cannot be read.
+pub fn runs_our_executable(tid: Pid) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let id = |path: String| std::fs::metadata(path).map(|m| (m.dev(), m.ino()));
+    match (id(format!("/proc/{tid}/exe")), id("/proc/self/exe".to_string())) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}
+
 /// Whether `pid` runs, is a zombie, or is gone. A bare pid can be reused: holders of a
 /// [`crate::ProcHandle`] ask it instead.
 pub fn liveness(pid: Pid) -> Liveness {

@@ -71,6 +71,7 @@ enum Injected {
     Code(CuResult),
     Hang(Hang),
     Exit,
+    UnknownState(u32),
 }
 
 #[derive(Debug, Default)]
@@ -81,6 +82,7 @@ struct Inner {
     lock_timeouts: Vec<Option<Duration>>,
     restore_pairs: Vec<Vec<GpuPair>>,
     scripted: Vec<(Pid, Call, usize, ProcessState)>,
+    driver_fds: HashMap<Pid, Vec<i32>>,
 }
 
 /// A call held by [`FakeGpu::hang_next`] until [`Hang::release`].
@@ -245,6 +247,26 @@ impl FakeGpu {
         self
     }
 
+    /// `pid` holds driver files `fds` (what `driver_fds` lists for it; nothing by default). For a
+    /// pid not [`FakeGpu::add`]ed: a process that only ran `cuInit`, as the real driver may see
+    /// it; for one added, files it holds whatever its state.
+    pub fn driver_files(&self, pid: Pid, fds: &[i32]) -> &Self {
+        self.inner().driver_fds.insert(pid, fds.to_vec());
+        self
+    }
+
+    /// The next `times` state queries on `pid` answer a state this build does not know (`raw`,
+    /// such as 4 or 5 of newer drivers: CHECKPOINTING, RESTORING).
+    pub fn unknown_state_next(&self, pid: Pid, raw: u32, times: usize) -> &Self {
+        let mut g = self.inner();
+        for _ in 0..times {
+            g.injected
+                .push((Some(pid), Call::State, Injected::UnknownState(raw)));
+        }
+        drop(g);
+        self
+    }
+
     /// The state the driver holds for `pid`.
     pub fn state_of(&self, pid: Pid) -> ProcessState {
         self.inner().procs[&pid].state
@@ -333,6 +355,7 @@ impl FakeGpu {
                 h.hold();
                 Ok(())
             }
+            Some(Injected::UnknownState(raw)) => Err(DriverError::UnknownState { pid, raw }),
             Some(Injected::Exit) => {
                 let _ = nix::sys::signal::kill(
                     nix::unistd::Pid::from_raw(pid),
@@ -477,8 +500,8 @@ impl GpuInspector for FakeGpu {
     fn driver_version(&self) -> Result<String, InspectError> {
         Ok("580.0 (fake)".into())
     }
-    fn driver_fds(&self, _pid: Pid) -> Result<Vec<i32>, InspectError> {
-        Ok(Vec::new())
+    fn driver_fds(&self, pid: Pid) -> Result<Vec<i32>, InspectError> {
+        Ok(self.inner().driver_fds.get(&pid).cloned().unwrap_or_default())
     }
 }
 

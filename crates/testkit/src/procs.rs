@@ -173,3 +173,50 @@ fn sleeper(session: bool) -> Child {
     }
     child
 }
+
+/// A debugger attached to a process: another executable (`perl`, part of every Debian system)
+/// that ptrace-attaches to it, which stops it (`t`), and holds it until dropped. On drop the
+/// tracer is killed, which detaches it; the process may then be left stopped by the attach's
+/// SIGSTOP (`T`).
+#[derive(Debug)]
+pub struct Debugger(Child);
+
+impl Debugger {
+    /// Attaches to `pid` (`PTRACE_ATTACH`) and waits until every thread of it is stopped.
+    pub fn attach(pid: Pid) -> Debugger {
+        use std::io::BufRead;
+        // ptrace(PTRACE_ATTACH = 16, pid, 0, 0) is system call 101 on x86_64, 117 on aarch64.
+        let nr = if cfg!(target_arch = "aarch64") { 117 } else { 101 };
+        let script = format!(
+            "syscall({nr}, 16, {pid}, 0, 0) == 0 or die \"ptrace: $!\\n\"; $| = 1; print \"attached\\n\"; sleep 3600;"
+        );
+        let mut child = Command::new("perl")
+            .args(["-e", &script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("perl (the test debugger) cannot be started");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line, "attached\n", "the test debugger could not attach to {pid}");
+        eventually(PATIENCE, &format!("pid {pid} to stop under the debugger"), || {
+            all_threads_in(pid, &['t'])
+        });
+        Debugger(child)
+    }
+
+    /// The tracer's pid.
+    pub fn pid(&self) -> Pid {
+        self.0.id() as Pid
+    }
+}
+
+impl Drop for Debugger {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

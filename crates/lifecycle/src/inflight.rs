@@ -1,0 +1,221 @@
+//! Suspensions that died half-way: settled by the next stop, guard or agent start.
+//!
+//! # Design
+//! A stop, freeze or guard that dies between lock and checkpoint leaves its worker LOCKED (it
+//! serves nothing, forever); one that dies after the checkpoint leaves it CHECKPOINTED and alive;
+//! a driver call abandoned for want of an answer may take effect later. The journal knows every
+//! such process ([`cryo_journal::in_flight_stops`]): its last suspension step is not final, or an
+//! abandoned call is open. [`settle_in_flight`] looks at each one that is still the same live
+//! process and whose owner (the cryo process that journaled its `SuspendStarted`) is gone (a
+//! live owner is still at work: it is left alone), asks the driver its state, and:
+//! - RUNNING: nothing to do (the suspension never took, or was rolled back);
+//! - LOCKED: the suspension locked it and went no further: unlock it, it serves again;
+//! - CHECKPOINTED: finish what the suspension was for: a stop's or the guard's process is killed
+//!   (after the last look: no driver files, nothing listed by NVML), a freeze's is restored and
+//!   unlocked in place (journaled as restored, as a failed freeze does); one whose purpose the
+//!   journal does not say is left checkpointed (safe) and named;
+//! - anything else (FAILED, no answer, stopped threads): left as it is, and named.
+//!
+//! Each settled process gets an [`Event::SuspensionSettled`] record saying what was found and done,
+//! so it is settled once; callers print the returned [`Settled`] list.
+
+use std::time::Duration;
+
+use cryo_gpu::{Gpu, ProcessState};
+use cryo_journal::{Event, Journal, ProcId, Purpose};
+use cryo_proc::{ProcHandle, Signal};
+
+use crate::runnable::{runnable, Runnable};
+use crate::suspend::{id, me};
+
+/// What was done to one process whose suspension died half-way.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Settlement {
+    /// It was RUNNING: nothing to do.
+    Nothing,
+    /// It was LOCKED by a suspension that went no further: unlocked, it serves again.
+    Unlocked,
+    /// It was CHECKPOINTED by a stop (or the guard) that did not get to the kill: killed.
+    Killed,
+    /// It was CHECKPOINTED by a freeze that did not finish: restored and unlocked in place.
+    Resumed,
+    /// Left as it is, for the reason given.
+    Left {
+        /// Why.
+        why: String,
+    },
+}
+
+/// One process whose in-flight suspension was looked at.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Settled {
+    /// The process.
+    pub pid: ProcId,
+    /// What the suspension was for, if the journal says.
+    pub purpose: Option<Purpose>,
+    /// What was found (`locked`, `checkpointed`, ...).
+    pub found: String,
+    /// What was done.
+    pub action: Settlement,
+}
+
+impl std::fmt::Display for Settled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = match self.purpose {
+            Some(p) => format!("a {p} that did not finish"),
+            None => "a suspension that did not finish".to_string(),
+        };
+        let pid = self.pid.pid;
+        match &self.action {
+            Settlement::Nothing => write!(f, "pid {pid}: {what} left it {}; nothing to do", self.found),
+            Settlement::Unlocked => write!(f, "pid {pid}: {what} left it locked; unlocked, it serves again"),
+            Settlement::Killed => write!(f, "pid {pid}: {what} left it checkpointed; the stop is finished: killed"),
+            Settlement::Resumed => write!(f, "pid {pid}: {what} left it checkpointed; restored and unlocked in place"),
+            Settlement::Left { why } => write!(f, "pid {pid}: {what} left it {}; left as it is: {why}", self.found),
+        }
+    }
+}
+
+/// The journal could not be read or written; nothing was settled after the failure.
+#[derive(Debug, thiserror::Error)]
+pub enum SettleError {
+    /// The journal could not be read.
+    #[error("cannot read the journal: {0}")]
+    Read(#[from] cryo_journal::ReadError),
+    /// The journal could not be written before acting.
+    #[error("cannot write the journal: {0}")]
+    Append(#[from] cryo_journal::AppendError),
+}
+
+/// How long a killed process may take to exit.
+const EXIT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Settles every in-flight suspension of the journal whose owner is gone (see the module docs).
+/// The entry point for every stop, every guard start and the agent's start.
+pub fn settle_in_flight(gpu: &Gpu, journal: &Journal) -> Result<Vec<Settled>, SettleError> {
+    let gpu = &gpu.bounded(cryo_gpu::Limits::default());
+    let records = cryo_journal::read(journal.dir())?.records;
+    let mine = me();
+    let mut out = Vec::new();
+    for (pid, f) in cryo_journal::in_flight_stops(&records) {
+        if !pid.is_alive_same() {
+            continue;
+        }
+        if let Some(by) = f.by {
+            if Some(by) == mine || by.is_alive_same() {
+                // Its owner is at work on it right now.
+                continue;
+            }
+        }
+        let Ok(h) = ProcHandle::open_expected(pid.pid, pid.start_time) else {
+            continue;
+        };
+        let (found, action) = settle_one(gpu, journal, &h, f.purpose)?;
+        journal.append(Event::SuspensionSettled {
+            pid,
+            found: found.clone(),
+            action: match &action {
+                Settlement::Nothing => "nothing".to_string(),
+                Settlement::Unlocked => "unlocked".to_string(),
+                Settlement::Killed => "killed".to_string(),
+                Settlement::Resumed => "resumed".to_string(),
+                Settlement::Left { why } => format!("left as it is: {why}"),
+            },
+        })?;
+        out.push(Settled {
+            pid,
+            purpose: f.purpose,
+            found,
+            action,
+        });
+    }
+    Ok(out)
+}
+
+fn settle_one(
+    gpu: &Gpu,
+    journal: &Journal,
+    h: &ProcHandle,
+    purpose: Option<Purpose>,
+) -> Result<(String, Settlement), SettleError> {
+    let left = |found: &str, why: String| Ok((found.to_string(), Settlement::Left { why }));
+    match runnable(h) {
+        Ok(Runnable::Runs) => {}
+        Ok(Runnable::Exited) => return Ok(("exited".into(), Settlement::Nothing)),
+        Ok(r) => return left("stopped", r.why_not(h.pid()).unwrap_or_default()),
+        Err(e) => return left("unreadable", e.to_string()),
+    }
+    let state = match crate::cuda::settled_state(gpu, h.pid(), crate::cuda::SETTLE) {
+        Ok(s) => s,
+        Err(e) => return left("no state", e.to_string()),
+    };
+    let found = state.to_string();
+    match state {
+        ProcessState::Running => Ok((found, Settlement::Nothing)),
+        ProcessState::Locked => match gpu.driver.unlock(h.pid()) {
+            Ok(()) => {
+                journal.append(Event::Unlocked {
+                    pid: id(h),
+                    ms: None,
+                })?;
+                Ok((found, Settlement::Unlocked))
+            }
+            Err(e) => left(&found, format!("cannot unlock it: {e}")),
+        },
+        ProcessState::Checkpointed => match purpose {
+            Some(Purpose::Stop) | Some(Purpose::Guard) => finish_stop(gpu, journal, h, found),
+            Some(Purpose::Freeze) => {
+                match crate::restore::resume_in_place(
+                    gpu,
+                    journal,
+                    h,
+                    "resumed in place after a freeze that did not finish",
+                ) {
+                    Ok(()) => Ok((found, Settlement::Resumed)),
+                    Err(e) => left(&found, format!("cannot resume it: {e}")),
+                }
+            }
+            Some(Purpose::Other) | None => left(
+                &found,
+                "the journal does not say what it was suspended for; `cryo stop` ends it, `cryo gpu restore` and `cryo gpu unlock` bring it back".into(),
+            ),
+        },
+        ProcessState::Failed => left(&found, "the driver reports it FAILED".into()),
+    }
+}
+
+/// The kill a stop did not get to, after the same last look a stop takes.
+fn finish_stop(
+    gpu: &Gpu,
+    journal: &Journal,
+    h: &ProcHandle,
+    found: String,
+) -> Result<(String, Settlement), SettleError> {
+    let pid = h.pid();
+    let left = |why: String| Ok((found.clone(), Settlement::Left { why }));
+    match gpu.inspect.driver_fds(pid) {
+        Ok(fds) if fds.is_empty() => {}
+        Ok(fds) => return left(format!("it holds {} driver files again", fds.len())),
+        Err(e) => return left(format!("its driver files cannot be listed: {e}")),
+    }
+    match gpu.inspect.process_memory(pid) {
+        Ok(None) => {}
+        Ok(Some(bytes)) => return left(format!("NVML lists {bytes} bytes for it")),
+        Err(e) => return left(format!("NVML cannot be asked: {e}")),
+    }
+    journal.append(Event::KillStarted {
+        pid: id(h),
+        signal: Signal::SIGKILL as i32,
+    })?;
+    if let Err(e) = h.signal(Signal::SIGKILL) {
+        if h.is_alive() {
+            return left(format!("cannot kill it: {e}"));
+        }
+    }
+    if !h.wait_exit(EXIT_TIMEOUT) {
+        return left("it did not exit after SIGKILL".into());
+    }
+    journal.append(Event::Killed { pid: id(h) })?;
+    Ok((found, Settlement::Killed))
+}
