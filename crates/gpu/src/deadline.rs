@@ -276,7 +276,10 @@ impl CheckpointDriver for Bounded {
             move |r| {
                 // The caller reported the process as it was (RUNNING): make that true again.
                 if r.is_ok() {
-                    tracing::warn!(pid, "a lock abandoned by its caller succeeded late; unlocking");
+                    tracing::warn!(
+                        pid,
+                        "a lock abandoned by its caller succeeded late; unlocking"
+                    );
                     if let Err(e) = undo.unlock(pid) {
                         tracing::error!(pid, error = %e, "cannot unlock after a late lock; the process stays LOCKED");
                     }
@@ -359,9 +362,11 @@ impl GpuInspector for Bounded {
 
     fn driver_fds(&self, pid: Pid) -> Result<Vec<i32>, InspectError> {
         let i = Arc::clone(&self.inspect);
-        inspect(self.limits.cap(self.limits.query), "driver fds", move || {
-            i.driver_fds(pid)
-        })
+        inspect(
+            self.limits.cap(self.limits.query),
+            "driver fds",
+            move || i.driver_fds(pid),
+        )
     }
 }
 

@@ -104,6 +104,8 @@ impl GuardConfig {
                 lock_attempts: 2,
                 verify_timeout: Duration::from_secs(10),
                 resume_on_failure: false,
+                purpose: cryo_lifecycle::suspend::Purpose::Guard,
+                until: None,
             },
             oom_score_adj: -900,
             memory: Some(MemoryWatch {

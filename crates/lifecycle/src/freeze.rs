@@ -422,12 +422,7 @@ fn freeze_inner(
     if let Err(e) = dumped {
         // CRIU kills the tree only after a complete dump: on failure it is alive and suspended.
         // Resume it so the freeze leaves it as it found it.
-        resume_in_place(
-            gpu,
-            cuda,
-            journal,
-            "resumed in place after a failed dump",
-        );
+        resume_in_place(gpu, cuda, journal, "resumed in place after a failed dump");
         return Err(keep_log(e, &opts.image).into());
     }
     if !opts.leave_running {
@@ -470,7 +465,12 @@ fn freeze_inner(
         Ok(m) => m,
         Err(e) => {
             if opts.leave_running {
-                resume_in_place(gpu, cuda, journal, "resumed in place after a failed publish");
+                resume_in_place(
+                    gpu,
+                    cuda,
+                    journal,
+                    "resumed in place after a failed publish",
+                );
             }
             return Err(e.into());
         }

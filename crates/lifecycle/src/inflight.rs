@@ -68,11 +68,26 @@ impl std::fmt::Display for Settled {
         };
         let pid = self.pid.pid;
         match &self.action {
-            Settlement::Nothing => write!(f, "pid {pid}: {what} left it {}; nothing to do", self.found),
-            Settlement::Unlocked => write!(f, "pid {pid}: {what} left it locked; unlocked, it serves again"),
-            Settlement::Killed => write!(f, "pid {pid}: {what} left it checkpointed; the stop is finished: killed"),
-            Settlement::Resumed => write!(f, "pid {pid}: {what} left it checkpointed; restored and unlocked in place"),
-            Settlement::Left { why } => write!(f, "pid {pid}: {what} left it {}; left as it is: {why}", self.found),
+            Settlement::Nothing => {
+                write!(f, "pid {pid}: {what} left it {}; nothing to do", self.found)
+            }
+            Settlement::Unlocked => write!(
+                f,
+                "pid {pid}: {what} left it locked; unlocked, it serves again"
+            ),
+            Settlement::Killed => write!(
+                f,
+                "pid {pid}: {what} left it checkpointed; the stop is finished: killed"
+            ),
+            Settlement::Resumed => write!(
+                f,
+                "pid {pid}: {what} left it checkpointed; restored and unlocked in place"
+            ),
+            Settlement::Left { why } => write!(
+                f,
+                "pid {pid}: {what} left it {}; left as it is: {why}",
+                self.found
+            ),
         }
     }
 }

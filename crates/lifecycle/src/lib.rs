@@ -31,11 +31,11 @@ pub mod target;
 pub mod thaw;
 pub mod watcher;
 
+pub use cuda::{classify, Class, Unsure};
 pub use freeze::{freeze, FreezeError, FreezeOptions, FreezeReport};
 pub use health::HealthCheck;
 pub use inflight::{settle_in_flight, SettleError, Settled, Settlement};
 pub use progress::{NoProgress, Progress};
-pub use cuda::{classify, Class, Unsure};
 pub use restore::{record_restored, restore_context, resume_in_place, RecordError, RestoreError};
 pub use runnable::{runnable, Runnable};
 pub use stop::{

@@ -95,8 +95,12 @@ pub fn restore_context(
     }) {
         let resuspended = gpu.driver.checkpoint(pid).err();
         match &resuspended {
-            None => tracing::error!(pid, error = %source, "restored but not journaled: checkpointed again"),
-            Some(e) => tracing::error!(pid, error = %source, checkpoint = %e, "restored but not journaled, and it cannot be checkpointed again: it stays LOCKED"),
+            None => {
+                tracing::error!(pid, error = %source, "restored but not journaled: checkpointed again")
+            }
+            Some(e) => {
+                tracing::error!(pid, error = %source, checkpoint = %e, "restored but not journaled, and it cannot be checkpointed again: it stays LOCKED")
+            }
         }
         return Err(RestoreError::NotRecorded {
             pid,

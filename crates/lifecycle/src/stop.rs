@@ -259,7 +259,9 @@ pub fn stop(
             for h in joined {
                 run.add(h);
                 if let Some(m) = run.members.last_mut() {
-                    m.report.notes.push("joined the cgroup during the stop".into());
+                    m.report
+                        .notes
+                        .push("joined the cgroup during the stop".into());
                 }
             }
             round += 1;
@@ -307,7 +309,11 @@ pub fn stop(
         }
     }
     let ids = |f: &dyn Fn(&Member) -> bool| -> Vec<cryo_journal::ProcId> {
-        run.members.iter().filter(|m| f(m)).map(|m| id(&m.h)).collect()
+        run.members
+            .iter()
+            .filter(|m| f(m))
+            .map(|m| id(&m.h))
+            .collect()
     };
     journal.append(Event::StopCompleted {
         target: described,
@@ -426,7 +432,11 @@ impl Run<'_> {
                 Runnable::Debugger { .. } => {
                     // Nothing but its tracer can resume it. Without a trace of it on a GPU it is
                     // killed like any plain process; otherwise it is refused at once.
-                    let fds = self.gpu.inspect.driver_fds(pid).unwrap_or_else(|_| vec![-1]);
+                    let fds = self
+                        .gpu
+                        .inspect
+                        .driver_fds(pid)
+                        .unwrap_or_else(|_| vec![-1]);
                     if fds.is_empty() && !listed.iter().any(|p| p.pid == pid) {
                         self.members[i]
                             .report
@@ -477,7 +487,13 @@ impl Run<'_> {
                 break;
             }
             let handles: Vec<&ProcHandle> = todo.iter().map(|&i| &self.members[i].h).collect();
-            let outcomes = suspend(self.gpu, &handles, &sopts, Some(self.journal), self.progress);
+            let outcomes = suspend(
+                self.gpu,
+                &handles,
+                &sopts,
+                Some(self.journal),
+                self.progress,
+            );
             let mut retry = Vec::new();
             let mut refused = Vec::new();
             for o in &outcomes {
@@ -670,7 +686,9 @@ impl Run<'_> {
                     other => {
                         let found = match other {
                             Ok(s) => format!("state {s} right before its kill"),
-                            Err(e) => format!("no state from the driver right before its kill ({e})"),
+                            Err(e) => {
+                                format!("no state from the driver right before its kill ({e})")
+                            }
                         };
                         let h = m.h.try_clone()?;
                         self.refuse(&h, SuspendFailure::LastLook { found })?;

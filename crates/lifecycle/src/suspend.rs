@@ -14,7 +14,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use cryo_gpu::{CuResult, DriverError, Gpu, Limits, ProcessState};
-use cryo_journal::{Event, Journal, ProcId, Purpose};
+pub use cryo_journal::Purpose;
+use cryo_journal::{Event, Journal, ProcId};
 use cryo_proc::Pid;
 use cryo_proc::ProcHandle;
 
@@ -468,9 +469,10 @@ fn lock_one(
     progress.begin(pid, "lock", 0);
     let start = Instant::now();
     let attempts = opts.lock_attempts.max(1);
-    let mut made = 0;
     let mut cut = None;
     for attempt in 1..=attempts {
+        // Attempts made before this one.
+        let made = attempt - 1;
         if !row.handle.is_alive() {
             row.failure = Some(SuspendFailure::Exited);
             break;
@@ -501,7 +503,6 @@ fn lock_one(
                 opts.lock_timeout.min(budget)
             }
         };
-        made += 1;
         record(
             journal,
             Event::LockStarted {
@@ -544,7 +545,7 @@ fn lock_one(
                 abandoned(journal, row.handle, &e);
                 row.failure = Some(if e.code() == Some(CuResult::NOT_READY) {
                     SuspendFailure::LockTimedOut {
-                        attempts: made,
+                        attempts: attempt,
                         timeout_ms: ms(timeout),
                         deadline_ms: cut,
                     }

@@ -6,8 +6,12 @@
 //! of it at once, and the [`Resolved`] handles are what every later step uses (the stop, the
 //! freeze, the checks before them): no pid is looked up twice, and none can be reused under the
 //! procedure. A tree member or cgroup member that exits while it is listed is simply not part of
-//! it; a pid named explicitly, and the root of a tree, must exist. A caller that already holds the
-//! root (and checked it is a process, not a thread) builds the tree from it: [`Resolved::tree`].
+//! it; a pid named explicitly, and the root of a tree, must exist. A pid named explicitly that is
+//! a thread id stands for its process (its thread group), as it does for the CUDA driver
+//! (NVIDIA/cuda-checkpoint#41). A cgroup is taken as a whole subtree: every cgroup below it, and
+//! every thread listed in any of them (threaded cgroups on v2, `tasks` on v1) as its process
+//! ([`cryo_proc::cgroup_tree_procs`]). A caller that already holds the root (and checked it is a
+//! process, not a thread) builds the tree from it: [`Resolved::tree`].
 
 use std::fmt;
 use std::path::PathBuf;
@@ -20,7 +24,8 @@ use cryo_proc::{ProcError, ProcHandle};
 pub enum Target {
     /// A process and every descendant.
     Tree(Pid),
-    /// Every process of a cgroup (how a container is stopped).
+    /// Every process of a cgroup and of every cgroup below it (how a container or a pod is
+    /// stopped).
     Cgroup(PathBuf),
     /// Exactly these processes.
     Pids(Vec<Pid>),
@@ -68,9 +73,18 @@ impl Target {
     /// Opens every process of the target (see the module docs).
     pub fn resolve(&self) -> Result<Resolved, ResolveError> {
         let pids = match self {
-            Target::Tree(root) => return Resolved::tree(ProcHandle::open(*root)?),
-            Target::Cgroup(path) => cryo_proc::cgroup_procs(path)?,
-            Target::Pids(p) => p.clone(),
+            Target::Tree(root) => return Resolved::tree(ProcHandle::open(process_of(*root)?)?),
+            Target::Cgroup(path) => cryo_proc::cgroup_tree_procs(path)?,
+            Target::Pids(p) => {
+                let mut procs = Vec::with_capacity(p.len());
+                for pid in p {
+                    let tgid = process_of(*pid)?;
+                    if !procs.contains(&tgid) {
+                        procs.push(tgid);
+                    }
+                }
+                procs
+            }
         };
         let mut handles = Vec::with_capacity(pids.len());
         for pid in pids {
@@ -90,6 +104,11 @@ impl Target {
             handles,
         })
     }
+}
+
+/// The process (thread group) `pid` belongs to: itself for a process, its process for a thread.
+fn process_of(pid: Pid) -> Result<Pid, ProcError> {
+    cryo_proc::tgid(pid)?.ok_or(ProcError::NoSuchProcess(pid))
 }
 
 impl Resolved {

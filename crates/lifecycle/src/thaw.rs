@@ -37,8 +37,8 @@ use cryo_state::fence::{Fence, FenceError, FencedGpu, Quarantine};
 
 use crate::failpoint;
 use crate::health::{HealthCheck, HealthError};
-use crate::restore::restore_context;
 use crate::progress::Progress;
+use crate::restore::restore_context;
 use crate::stop::{stop, StopOptions};
 use crate::suspend::id;
 use crate::target::{Resolved, Target};
@@ -487,7 +487,7 @@ fn thaw_inner(
                     // Journaled as restored before the driver is asked (see `restore_context`).
                     let r = match handle(plan.pid) {
                         Some(h) => restore_context(gpu, journal, h, &plan.pairs, image)
-                            .map(|took| ms(took))
+                            .map(ms)
                             .map_err(|e| e.to_string()),
                         None => Err(format!("pid {} is gone", plan.pid)),
                     };

@@ -171,5 +171,8 @@ pub fn cgroup_tree_procs(path: &Path) -> Result<Vec<Pid>, ProcError> {
 /// version) or that the kernel will not list (`cgroup.procs` of a threaded cgroup).
 fn vanished_or_threaded(e: &std::io::Error) -> bool {
     e.kind() == std::io::ErrorKind::NotFound
-        || matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::ENODEV))
+        || matches!(
+            e.raw_os_error(),
+            Some(libc::EOPNOTSUPP) | Some(libc::ENODEV)
+        )
 }

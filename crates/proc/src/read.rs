@@ -125,7 +125,10 @@ pub fn tgid(pid: Pid) -> Result<Option<Pid>, ProcError> {
 pub fn runs_our_executable(tid: Pid) -> bool {
     use std::os::unix::fs::MetadataExt;
     let id = |path: String| std::fs::metadata(path).map(|m| (m.dev(), m.ino()));
-    match (id(format!("/proc/{tid}/exe")), id("/proc/self/exe".to_string())) {
+    match (
+        id(format!("/proc/{tid}/exe")),
+        id("/proc/self/exe".to_string()),
+    ) {
         (Ok(a), Ok(b)) => a == b,
         _ => false,
     }
@@ -231,6 +234,119 @@ pub fn pids_in_use(wanted: &[Pid]) -> Vec<Pid> {
     busy.into_iter().collect()
 }
 
+/// Who holds a pid that [`pids_in_use`] reports taken.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum PidHolder {
+    /// A live process (or one of its threads) has the pid.
+    Live {
+        /// The pid asked about.
+        pid: Pid,
+        /// The process holding it.
+        process: Pid,
+        /// Its command name.
+        comm: String,
+    },
+    /// A process that has exited and that its parent has not reaped yet (a zombie): the pid is
+    /// freed by the parent's `wait`, or when the parent exits and init reaps it.
+    Zombie {
+        /// The pid.
+        pid: Pid,
+        /// The parent that has not reaped it.
+        parent: Pid,
+        /// The parent's command name (empty when it cannot be read).
+        parent_comm: String,
+    },
+    /// The pid is the process group or session id of a live process.
+    Group {
+        /// The pid.
+        pid: Pid,
+        /// A process in that group or session.
+        member: Pid,
+    },
+}
+
+impl PidHolder {
+    /// The pid held.
+    pub fn pid(&self) -> Pid {
+        match self {
+            PidHolder::Live { pid, .. }
+            | PidHolder::Zombie { pid, .. }
+            | PidHolder::Group { pid, .. } => *pid,
+        }
+    }
+
+    /// Whether only an unreaped exit holds it (it frees itself once reaped).
+    pub fn is_zombie(&self) -> bool {
+        matches!(self, PidHolder::Zombie { .. })
+    }
+}
+
+impl std::fmt::Display for PidHolder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PidHolder::Live { pid, process, comm } if pid == process => {
+                write!(f, "pid {pid} is a live process ({comm})")
+            }
+            PidHolder::Live { pid, process, comm } => {
+                write!(f, "pid {pid} is a thread of live process {process} ({comm})")
+            }
+            PidHolder::Zombie {
+                pid,
+                parent,
+                parent_comm,
+            } => write!(
+                f,
+                "pid {pid} has exited but its parent, pid {parent} ({parent_comm}), has not reaped it"
+            ),
+            PidHolder::Group { pid, member } => {
+                write!(f, "pid {pid} is the process group or session of live process {member}")
+            }
+        }
+    }
+}
+
+/// Who holds each of the pids of `wanted` that are taken (see [`pids_in_use`]): a live process,
+/// a zombie whose parent has not reaped it, or a group or session. Pids freed meanwhile are left
+/// out.
+pub fn pid_holders(wanted: &[Pid]) -> Vec<PidHolder> {
+    let mut out = Vec::new();
+    for pid in pids_in_use(wanted) {
+        let holder = match (stat(pid), tgid(pid)) {
+            (Ok(st), Ok(Some(tgid))) if tgid == pid && matches!(st.state, 'Z' | 'X') => {
+                PidHolder::Zombie {
+                    pid,
+                    parent: st.ppid,
+                    parent_comm: stat(st.ppid).map(|p| p.comm).unwrap_or_default(),
+                }
+            }
+            (_, Ok(Some(process))) => PidHolder::Live {
+                pid,
+                process,
+                comm: stat(process).map(|p| p.comm).unwrap_or_default(),
+            },
+            _ => match group_member(pid) {
+                Some(member) => PidHolder::Group { pid, member },
+                // Freed since it was listed.
+                None => continue,
+            },
+        };
+        out.push(holder);
+    }
+    out
+}
+
+/// A process whose process group or session is `id`.
+fn group_member(id: Pid) -> Option<Pid> {
+    procfs::process::all_processes()
+        .ok()?
+        .flatten()
+        .find_map(|p| {
+            let st = p.stat().ok()?;
+            (st.pgrp == id || st.session == id).then_some(p.pid())
+        })
+}
+
 /// The largest pid the kernel hands out (`/proc/sys/kernel/pid_max`).
 pub fn pid_max() -> Result<Pid, ProcError> {
     procfs::sys::kernel::pid_max().map_err(|source| ProcError::ReadSystem {
@@ -320,6 +436,41 @@ mod tests {
         assert_eq!(stat(pid).unwrap().exit_code, Some(0));
         child.wait().unwrap();
         assert_eq!(liveness(pid), Liveness::Gone);
+    }
+
+    #[test]
+    fn a_zombie_holds_its_pid_and_names_the_parent_that_has_not_reaped_it() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let pid = child.id() as Pid;
+        assert_eq!(
+            pid_holders(&[pid]),
+            vec![PidHolder::Live {
+                pid,
+                process: pid,
+                comm: "sleep".into()
+            }]
+        );
+        child.kill().unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while liveness(pid) != Liveness::Zombie {
+            assert!(std::time::Instant::now() < deadline, "never a zombie");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let held = pid_holders(&[pid]);
+        assert_eq!(held.len(), 1, "{held:?}");
+        match &held[0] {
+            PidHolder::Zombie { pid: z, parent, .. } => {
+                assert_eq!((*z, *parent), (pid, me()));
+            }
+            other => panic!("a zombie read as {other}"),
+        }
+        assert!(
+            held[0].to_string().contains("has not reaped it"),
+            "{}",
+            held[0]
+        );
+        child.wait().unwrap();
+        assert!(pid_holders(&[pid]).is_empty());
     }
 
     #[test]

@@ -501,7 +501,12 @@ impl GpuInspector for FakeGpu {
         Ok("580.0 (fake)".into())
     }
     fn driver_fds(&self, pid: Pid) -> Result<Vec<i32>, InspectError> {
-        Ok(self.inner().driver_fds.get(&pid).cloned().unwrap_or_default())
+        Ok(self
+            .inner()
+            .driver_fds
+            .get(&pid)
+            .cloned()
+            .unwrap_or_default())
     }
 }
 

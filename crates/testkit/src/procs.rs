@@ -186,7 +186,11 @@ impl Debugger {
     pub fn attach(pid: Pid) -> Debugger {
         use std::io::BufRead;
         // ptrace(PTRACE_ATTACH = 16, pid, 0, 0) is system call 101 on x86_64, 117 on aarch64.
-        let nr = if cfg!(target_arch = "aarch64") { 117 } else { 101 };
+        let nr = if cfg!(target_arch = "aarch64") {
+            117
+        } else {
+            101
+        };
         let script = format!(
             "syscall({nr}, 16, {pid}, 0, 0) == 0 or die \"ptrace: $!\\n\"; $| = 1; print \"attached\\n\"; sleep 3600;"
         );
@@ -201,10 +205,15 @@ impl Debugger {
         std::io::BufReader::new(child.stdout.take().unwrap())
             .read_line(&mut line)
             .unwrap();
-        assert_eq!(line, "attached\n", "the test debugger could not attach to {pid}");
-        eventually(PATIENCE, &format!("pid {pid} to stop under the debugger"), || {
-            all_threads_in(pid, &['t'])
-        });
+        assert_eq!(
+            line, "attached\n",
+            "the test debugger could not attach to {pid}"
+        );
+        eventually(
+            PATIENCE,
+            &format!("pid {pid} to stop under the debugger"),
+            || all_threads_in(pid, &['t']),
+        );
         Debugger(child)
     }
 

@@ -19,7 +19,11 @@ Exit codes:
   3  refused: a CUDA process could not be suspended (the message names the pid, why, and what to
      do); nothing in the target was killed, and every process was left serving or checkpointed
 
-A stop that died half-way (after checkpoint, before kill) is finished by running it again.
+Every stop first settles the suspensions that earlier stops, freezes or guards left half-way
+(their owner gone): a worker only locked is unlocked, one checkpointed by a stop is killed after
+the same last look, one checkpointed by a freeze is resumed; the report says what it did.
+A process stopped by job control is resumed with SIGCONT first; one stopped under a debugger is
+refused. Every driver call has a deadline of its own, and --deadline bounds the whole stop.
 CRYO_FAILPOINT=stop-before-kill is a test hook: the stop stalls once everything is verified.";
 
 /// `cryo stop`.
@@ -40,6 +44,13 @@ pub struct StopArgs {
     /// Lock attempts before refusing because work stays in flight.
     #[arg(long, value_name = "N", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub lock_attempts: u32,
+    /// The whole stop's deadline, in milliseconds (0: none): lock attempts get what the
+    /// checkpoint (estimated from the device memory NVML lists) and the verification leave, and no
+    /// driver call is waited for past it. The default stays below Kubernetes' default grace period
+    /// (30 s), after which the kubelet kills the stop and the worker it locked; under Kubernetes,
+    /// set it a few seconds below the pod's terminationGracePeriodSeconds.
+    #[arg(long, value_name = "MS", default_value_t = 25_000)]
+    pub deadline: u64,
     /// How long NVML may keep listing a checkpointed process's memory, in milliseconds.
     #[arg(long, value_name = "MS", default_value_t = 10_000)]
     pub verify_timeout: u64,

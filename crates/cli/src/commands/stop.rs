@@ -41,6 +41,7 @@ pub fn options(args: &StopArgs) -> StopOptions {
             verify_timeout: Duration::from_millis(args.verify_timeout),
             // A stop leaves what it could not finish checkpointed (safe); it does not resume it.
             resume_on_failure: false,
+            ..SuspendOptions::default()
         },
         signal: match args.signal {
             SignalArg::Kill => EndSignal::Kill,
@@ -50,6 +51,7 @@ pub fn options(args: &StopArgs) -> StopOptions {
         },
         unsafe_kill: args.unsafe_kill,
         fresh: args.fresh,
+        deadline: (args.deadline > 0).then(|| Duration::from_millis(args.deadline)),
         ..StopOptions::default()
     }
 }
@@ -227,6 +229,13 @@ mod tests {
         assert_eq!(o.suspend.lock_attempts, 3);
         assert_eq!(o.signal, EndSignal::Kill);
         assert!(!o.unsafe_kill && !o.fresh && !o.suspend.resume_on_failure);
+        // Below Kubernetes' default grace period (30 s), and the library's default.
+        assert_eq!(o.deadline, Some(cryo_lifecycle::stop::DEFAULT_DEADLINE));
+        assert!(o.deadline < Some(Duration::from_secs(30)));
+        assert_eq!(
+            options(&stop_args(&["cryo", "stop", "1", "--deadline", "0"])).deadline,
+            None
+        );
         let o = options(&stop_args(&[
             "cryo", "stop", "1", "--signal", "TERM", "--grace", "1",
         ]));

@@ -21,6 +21,7 @@ fn opts() -> SuspendOptions {
         lock_attempts: 3,
         verify_timeout: Duration::from_millis(300),
         resume_on_failure: false,
+        ..SuspendOptions::default()
     }
 }
 
@@ -179,7 +180,8 @@ fn not_ready_through_every_attempt_is_a_lock_timeout() {
         result(&out, p).as_ref().err(),
         Some(&SuspendFailure::LockTimedOut {
             attempts: 3,
-            timeout_ms: 1000
+            timeout_ms: 1000,
+            deadline_ms: None,
         })
     );
     assert_eq!(fake.count(p, Call::Lock), 3);
