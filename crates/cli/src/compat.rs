@@ -265,7 +265,8 @@ pub struct Outcome {
 }
 
 impl Outcome {
-    fn ok(stdout: String) -> Self {
+    /// Success, printing `stdout`.
+    pub fn ok(stdout: String) -> Self {
         Outcome {
             stdout,
             stderr: String::new(),

@@ -126,6 +126,9 @@ pub enum StartError {
     /// The journal could not be read.
     #[error("cannot read the journal: {0}")]
     JournalRead(#[from] cryo_journal::ReadError),
+    /// Suspensions left half-way by earlier runs could not be settled.
+    #[error("settling suspensions left half-way: {0}")]
+    Settle(#[from] cryo_lifecycle::SettleError),
     /// The tracer could not start.
     #[error(transparent)]
     Tracer(#[from] SpawnError),
@@ -233,6 +236,9 @@ pub struct StartReport {
     pub attached: Vec<ProcId>,
     /// Processes it had guarded (or that are restored) and could not guard now, with why.
     pub lost: Vec<(ProcId, String)>,
+    /// Suspensions that earlier stops, freezes or guards left half-way, settled before anything
+    /// else (`cryo_lifecycle::settle_in_flight`).
+    pub settled: Vec<cryo_lifecycle::Settled>,
 }
 
 struct Watched {
@@ -540,6 +546,9 @@ impl Guard {
     /// seeing it, or impossible to attach now).
     pub fn start(gpu: Gpu, cfg: GuardConfig) -> Result<(Self, StartReport), StartError> {
         let journal = cfg.state.open_journal()?;
+        // A guard (or stop, or freeze) that died half-way left a worker locked or checkpointed:
+        // finish or undo that first, before anything is attached.
+        let settled = cryo_lifecycle::settle_in_flight(&gpu, &journal)?;
         let inner = Arc::new(Inner {
             gpu,
             journal,
@@ -558,7 +567,8 @@ impl Guard {
             tracer,
             reader: Mutex::new(reader),
         };
-        let report = guard.adopt(&records);
+        let mut report = guard.adopt(&records);
+        report.settled = settled;
         Ok((guard, report))
     }
 

@@ -52,6 +52,8 @@ pub enum Notice {
         /// Why.
         why: String,
     },
+    /// At start: a suspension an earlier run left half-way was settled (what was found and done).
+    Settled(cryo_lifecycle::Settled),
     /// A process of [`RunOptions::pids`] is guarded.
     Guarding(ProcId),
     /// The guard runs and its control socket answers.
@@ -81,6 +83,7 @@ impl fmt::Display for Notice {
         match self {
             Notice::Reattached(id) => write!(f, "re-attached to restored pid {id}"),
             Notice::Lost { pid, why } => write!(f, "LOST track of pid {pid}: {why}"),
+            Notice::Settled(s) => write!(f, "settled: {s}"),
             Notice::Guarding(id) => write!(f, "guarding pid {id}"),
             Notice::Running { tracer_tid, socket } => write!(
                 f,
@@ -144,6 +147,9 @@ pub fn run(
     let state = cfg.state.clone();
     let (guard, report) = Guard::start(gpu, cfg)?;
     let guard = Arc::new(guard);
+    for s in report.settled {
+        notify(Notice::Settled(s));
+    }
     for id in report.attached {
         notify(Notice::Reattached(id));
     }

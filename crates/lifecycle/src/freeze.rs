@@ -91,6 +91,11 @@ pub struct FreezeReport {
     pub worker_gone_ms: u64,
     /// Whether the tree is still running (`leave_running`).
     pub left_running: bool,
+    /// Without `leave_running`: what still holds the tree's pids after [`crate::reaped::REAP_WAIT`]
+    /// (a zombie whose parent has not reaped it...); empty when they are free, and only then is
+    /// the worker gone. A restore of the image needs them free.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub pids_held: Vec<cryo_proc::PidHolder>,
     /// Wall time of the whole freeze, ms: the image is published and durable (every file,
     /// the manifest and the directories fsync'd).
     pub elapsed_ms: u64,
@@ -481,6 +486,13 @@ fn freeze_inner(
             return Err(FreezeError::Resume { pid, error });
         }
     }
+    // Gone means its pids are free: a parent that has not reaped it yet keeps them taken.
+    let pids_held = if opts.leave_running {
+        Vec::new()
+    } else {
+        let pids: Vec<Pid> = handles.iter().map(ProcHandle::pid).collect();
+        crate::reaped::wait_reaped(|| criu.pids_in_use(&pids), crate::reaped::REAP_WAIT)
+    };
     Ok(FreezeReport {
         image: opts.image.clone(),
         manifest,
@@ -491,6 +503,7 @@ fn freeze_inner(
         gpu_free_ms,
         worker_gone_ms,
         left_running: opts.leave_running,
+        pids_held,
         elapsed_ms: ms(start.elapsed()),
     })
 }

@@ -234,3 +234,124 @@ fn finish_stop(
     journal.append(Event::Killed { pid: id(h) })?;
     Ok((found, Settlement::Killed))
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use cryo_testkit::fake::FakeGpu;
+    use cryo_testkit::procs::{self, Procs};
+
+    /// A suspension of `pid` for `purpose` that went as far as `state` and whose owner is gone.
+    fn died_at(journal: &Journal, pid: ProcId, purpose: Purpose, state: ProcessState) {
+        // An owner that has exited: this test's own child, reaped.
+        let mut owner = std::process::Command::new("true").spawn().unwrap();
+        let by = ProcId::of(owner.id() as i32).unwrap();
+        owner.wait().unwrap();
+        journal
+            .append(Event::SuspendStarted {
+                pid,
+                purpose,
+                by: Some(by),
+            })
+            .unwrap();
+        journal.append(Event::LockStarted { pid }).unwrap();
+        journal.append(Event::Locked { pid, ms: 1 }).unwrap();
+        if state == ProcessState::Checkpointed {
+            journal.append(Event::CheckpointStarted { pid }).unwrap();
+            journal
+                .append(Event::Checkpointed {
+                    pid,
+                    ms: 1,
+                    bytes: 1,
+                })
+                .unwrap();
+        }
+    }
+
+    /// Each half-way suspension is finished or undone by what it was for, said, journaled, and
+    /// settled once: locked -> unlocked; checkpointed by a stop -> killed (after the last look);
+    /// checkpointed by a freeze -> resumed as restored; running -> nothing.
+    #[test]
+    fn half_way_suspensions_are_finished_or_undone_once() {
+        let procs = Procs::spawn(4);
+        let p = procs.pids();
+        let fake = FakeGpu::new();
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        let ids: Vec<ProcId> = p.iter().map(|p| ProcId::of(*p).unwrap()).collect();
+        let cases = [
+            (Purpose::Stop, ProcessState::Locked),
+            (Purpose::Stop, ProcessState::Checkpointed),
+            (Purpose::Freeze, ProcessState::Checkpointed),
+            (Purpose::Guard, ProcessState::Running),
+        ];
+        for (i, (purpose, state)) in cases.iter().enumerate() {
+            fake.add(p[i]).set_state(p[i], *state);
+            died_at(&journal, ids[i], *purpose, *state);
+        }
+        let settled = settle_in_flight(&fake.gpu(), &journal).unwrap();
+        let action = |i: usize| {
+            settled
+                .iter()
+                .find(|s| s.pid == ids[i])
+                .map(|s| s.action.clone())
+        };
+        assert_eq!(action(0), Some(Settlement::Unlocked), "{settled:?}");
+        assert_eq!(action(1), Some(Settlement::Killed), "{settled:?}");
+        assert_eq!(action(2), Some(Settlement::Resumed), "{settled:?}");
+        assert_eq!(action(3), Some(Settlement::Nothing), "{settled:?}");
+        assert_eq!(fake.state_of(p[0]), ProcessState::Running);
+        assert!(!procs::alive(p[1]), "the stop was not finished");
+        assert_eq!(fake.state_of(p[2]), ProcessState::Running);
+        assert!(procs::alive(p[0]) && procs::alive(p[2]) && procs::alive(p[3]));
+        assert!(fake.wedges().is_empty(), "{:?}", fake.wedges());
+        // The freeze's worker came back through a driver restore: known as restored now.
+        let records = cryo_journal::read(journal.dir()).unwrap().records;
+        assert!(matches!(
+            cryo_journal::Origins::from_records(&records).of(&ids[2]),
+            cryo_journal::Origin::Restored { .. }
+        ));
+        for s in &settled {
+            assert!(s.to_string().contains(&s.pid.pid.to_string()), "{s}");
+        }
+        // Settled once: the next run finds nothing in flight.
+        assert_eq!(settle_in_flight(&fake.gpu(), &journal).unwrap(), Vec::new());
+    }
+
+    /// A suspension whose owner is still alive is at work: left alone. One checkpointed by a stop
+    /// that holds driver files again is left as it is and named, never killed.
+    #[test]
+    fn a_live_owner_is_left_alone_and_a_stop_is_finished_only_after_the_last_look() {
+        let procs = Procs::spawn(2);
+        let p = procs.pids();
+        let fake = FakeGpu::new();
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        let owner = ProcId::of(p[1]).unwrap();
+        let id = ProcId::of(p[0]).unwrap();
+        fake.add(p[0]).set_state(p[0], ProcessState::Locked);
+        journal
+            .append(Event::SuspendStarted {
+                pid: id,
+                purpose: Purpose::Stop,
+                by: Some(owner),
+            })
+            .unwrap();
+        journal.append(Event::Locked { pid: id, ms: 1 }).unwrap();
+        assert_eq!(settle_in_flight(&fake.gpu(), &journal).unwrap(), Vec::new());
+        assert_eq!(fake.state_of(p[0]), ProcessState::Locked);
+
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        fake.set_state(p[0], ProcessState::Checkpointed)
+            .driver_files(p[0], &[7]);
+        died_at(&journal, id, Purpose::Stop, ProcessState::Checkpointed);
+        let settled = settle_in_flight(&fake.gpu(), &journal).unwrap();
+        assert!(
+            matches!(&settled[..], [Settled { action: Settlement::Left { why }, .. }] if why.contains("driver files")),
+            "{settled:?}"
+        );
+        assert!(procs::alive(p[0]));
+    }
+}

@@ -23,6 +23,7 @@ pub mod freeze;
 pub mod health;
 pub mod inflight;
 pub mod progress;
+pub mod reaped;
 pub mod restore;
 pub mod runnable;
 pub mod stop;

@@ -162,3 +162,94 @@ pub fn record_restored(
     })?;
     Ok(pid)
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use cryo_gpu::ProcessState;
+    use cryo_testkit::fake::{Call, FakeGpu};
+    use cryo_testkit::procs::Procs;
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    use nix::sys::signal::{signal, SigHandler, Signal};
+
+    fn restored(journal: &Journal, pid: Pid) -> bool {
+        let records = cryo_journal::read(journal.dir()).unwrap().records;
+        matches!(
+            cryo_journal::Origins::from_records(&records).of(&ProcId::of(pid).unwrap()),
+            cryo_journal::Origin::Restored { .. }
+        )
+    }
+
+    /// Issue 9 item 8: the intent is journaled before the driver restores (a crash during the
+    /// restore leaves the process known as restored), and a completion the journal cannot take
+    /// checkpoints the process again instead of leaving it LOCKED and unrecorded. The journal is
+    /// made to fail with a file-size limit (nextest runs each test in a process of its own).
+    #[test]
+    fn the_intent_comes_first_and_an_unrecorded_restore_is_checkpointed_again() {
+        let procs = Procs::spawn(1);
+        let p = procs.pid(0);
+        let fake = FakeGpu::new();
+        fake.add(p).set_state(p, ProcessState::Checkpointed);
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        let h = ProcHandle::open(p).unwrap();
+        let hang = fake.hang_next(p, Call::Restore);
+        let gpu = fake.gpu();
+        let before = getrlimit(Resource::RLIMIT_FSIZE).unwrap();
+        let r = std::thread::scope(|s| {
+            let t = s.spawn(|| restore_context(&gpu, &journal, &h, &[], "test restore"));
+            hang.wait_reached();
+            assert!(
+                restored(&journal, p),
+                "not journaled as restored before the driver restore"
+            );
+            let size = std::fs::metadata(dir.path().join(cryo_journal::FILE_NAME))
+                .unwrap()
+                .len();
+            // SAFETY: ignoring a signal installs no handler; nothing else in this test process
+            // depends on SIGXFSZ.
+            unsafe { signal(Signal::SIGXFSZ, SigHandler::SigIgn) }.unwrap();
+            setrlimit(Resource::RLIMIT_FSIZE, size, before.1).unwrap();
+            hang.release();
+            t.join().unwrap()
+        });
+        setrlimit(Resource::RLIMIT_FSIZE, before.0, before.1).unwrap();
+        assert!(
+            matches!(
+                r,
+                Err(RestoreError::NotRecorded {
+                    resuspended: None,
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+        assert_eq!(fake.state_of(p), ProcessState::Checkpointed);
+        assert!(restored(&journal, p));
+    }
+
+    /// No intent in the journal, no restore: the process stays as it was.
+    #[test]
+    fn no_record_no_restore() {
+        let procs = Procs::spawn(1);
+        let p = procs.pid(0);
+        let fake = FakeGpu::new();
+        fake.add(p).set_state(p, ProcessState::Checkpointed);
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        let h = ProcHandle::open(p).unwrap();
+        let size = std::fs::metadata(dir.path().join(cryo_journal::FILE_NAME))
+            .unwrap()
+            .len();
+        let before = getrlimit(Resource::RLIMIT_FSIZE).unwrap();
+        // SAFETY: as above.
+        unsafe { signal(Signal::SIGXFSZ, SigHandler::SigIgn) }.unwrap();
+        setrlimit(Resource::RLIMIT_FSIZE, size, before.1).unwrap();
+        let r = restore_context(&fake.gpu(), &journal, &h, &[], "test restore");
+        setrlimit(Resource::RLIMIT_FSIZE, before.0, before.1).unwrap();
+        assert!(matches!(r, Err(RestoreError::Journal { .. })), "{r:?}");
+        assert_eq!(fake.count(p, Call::Restore), 0);
+        assert_eq!(fake.state_of(p), ProcessState::Checkpointed);
+    }
+}

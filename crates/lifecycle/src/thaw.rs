@@ -101,12 +101,27 @@ pub struct ThawReport {
     pub elapsed_ms: u64,
 }
 
+/// The pids of `pids` that are taken, once the zombies among their holders have been waited for
+/// (bounded): a zombie only is [`PrecheckError::Unreaped`], naming the parent that has not reaped
+/// it; a live holder is left to [`precheck`] ([`PrecheckError::PidsInUse`]).
+fn pids_taken(criu: &dyn Criu, pids: &[Pid]) -> Result<Vec<Pid>, PrecheckError> {
+    let held = crate::reaped::wait_reaped(|| criu.pids_in_use(pids), crate::reaped::REAP_WAIT);
+    if !held.is_empty() && held.iter().all(cryo_proc::PidHolder::is_zombie) {
+        return Err(PrecheckError::Unreaped(held));
+    }
+    Ok(held.iter().map(cryo_proc::PidHolder::pid).collect())
+}
+
 /// This host cannot take the image; nothing was run.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PrecheckError {
     /// Pids of the image are taken (the original still running, or its leftovers).
     #[error("pids {} of the image are in use on this host (is the original still running? stop it first)", fmt_pids(.0))]
     PidsInUse(Vec<Pid>),
+    /// Pids of the image are held by processes that have exited and that their parents have not
+    /// reaped (the original worker is gone, its pids are not free yet).
+    #[error("the image's pids are not free yet after {} s: {} (the original has exited; its parent must reap it, or exit)", crate::reaped::REAP_WAIT.as_secs(), crate::reaped::describe(.0))]
+    Unreaped(Vec<cryo_proc::PidHolder>),
     /// A GPU the image used is not on this host and not mapped.
     #[error(
         "the image ran on GPU {0}, which this host does not have; map it with --gpu-map {0}=NEW"
@@ -360,7 +375,7 @@ pub fn thaw(
         driver.as_deref(),
         &opts.gpu_map,
         &fenced,
-        &criu.pids_in_use(&manifest.pids()),
+        &pids_taken(criu, &manifest.pids())?,
     )?;
 
     let image = dir.display().to_string();
@@ -900,6 +915,11 @@ mod tests {
 
         /// Two processes "in an image": both CUDA processes, CHECKPOINTED, as CRIU brings them back.
         fn scene() -> Scene {
+            scene_with(None)
+        }
+
+        /// [`scene`], with the first process's pid in the image replaced by `image_pid`.
+        fn scene_with(image_pid: Option<Pid>) -> Scene {
             let procs = Procs::spawn(2);
             let fake = FakeGpu::new();
             for p in procs.pids() {
@@ -915,6 +935,9 @@ mod tests {
                 .into_iter()
                 .map(|p| {
                     let mut e = ProcessEntry::of(&ProcHandle::open(p).unwrap()).unwrap();
+                    if p == procs.pid(0) {
+                        e.pid = image_pid.unwrap_or(p);
+                    }
                     e.gpu = Some(ProcessGpu {
                         state: ProcessState::Checkpointed,
                         devices: vec![DeviceUse {
@@ -1040,6 +1063,59 @@ mod tests {
             for p in s.procs.pids() {
                 assert!(s.steps(p).contains(&"verified"), "{:?}", s.steps(p));
             }
+        }
+
+        /// A pid of the image is held by a zombie (the original exited, its parent has not
+        /// reaped it): the thaw waits for the reaping, bounded, and then names the parent, not
+        /// "in use"; reaped while it waits, the thaw goes on.
+        #[test]
+        fn a_zombie_holding_an_image_pid_is_waited_for_and_its_parent_named() {
+            let mut original = std::process::Command::new("sleep")
+                .arg("30")
+                .spawn()
+                .unwrap();
+            let zombie = original.id() as Pid;
+            original.kill().unwrap();
+            cryo_testkit::eventually(
+                cryo_testkit::PATIENCE,
+                "the original to be a zombie",
+                || cryo_proc::liveness(zombie) == cryo_proc::Liveness::Zombie,
+            );
+            let s = scene_with(Some(zombie));
+            let t = Instant::now();
+            let err = s.thaw().unwrap_err();
+            assert!(
+                t.elapsed() >= crate::reaped::REAP_WAIT,
+                "did not wait for the reaping"
+            );
+            let me = Pid::try_from(std::process::id()).unwrap();
+            match &err {
+                ThawError::Precheck(PrecheckError::Unreaped(held)) => assert!(
+                    matches!(held[..], [cryo_proc::PidHolder::Zombie { pid, parent, .. }] if pid == zombie && parent == me),
+                    "{held:?}"
+                ),
+                other => panic!("expected the unreaped zombie, got {other}"),
+            }
+            assert!(
+                err.to_string().contains(&format!("parent, pid {me}")),
+                "{err}"
+            );
+            assert_eq!(s.criu.restore_count(), 0);
+            // Reaped while the thaw waits: it goes on and restores.
+            let reaper = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                original.wait().unwrap();
+            });
+            // (What follows the CRIU restore does not matter here: the image's pid is not one
+            // the fake CRIU brings back.)
+            let r = s.thaw();
+            assert!(
+                !matches!(r, Err(ThawError::Precheck(_))),
+                "refused after the reaping: {:?}",
+                r.err()
+            );
+            reaper.join().unwrap();
+            assert_eq!(s.criu.restore_count(), 1);
         }
 
         /// The fake CRIU works: a thaw with nothing injected restores, unlocks and serves.

@@ -125,7 +125,16 @@ pub fn cgroup_tree_procs(path: &Path) -> Result<Vec<Pid>, ProcError> {
     } else {
         path.to_path_buf()
     };
-    let mut pids = cgroup_procs(&top)?;
+    let mut pids = match cgroup_procs(&top) {
+        Ok(p) => p,
+        // A threaded cgroup: its threads are read below.
+        Err(ProcError::Cgroup { source, .. })
+            if source.raw_os_error() == Some(libc::EOPNOTSUPP) =>
+        {
+            Vec::new()
+        }
+        Err(e) => return Err(e),
+    };
     let mut dirs = vec![top.clone()];
     while let Some(dir) = dirs.pop() {
         if dir != top {
@@ -175,4 +184,132 @@ fn vanished_or_threaded(e: &std::io::Error) -> bool {
             e.raw_os_error(),
             Some(libc::EOPNOTSUPP) | Some(libc::ENODEV)
         )
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use std::path::PathBuf;
+    use std::process::{Child, Command};
+
+    /// Cgroups made for one test under `root`, named uniquely, removed (deepest first) on drop.
+    struct Tree {
+        dirs: Vec<PathBuf>,
+        kids: Vec<Child>,
+    }
+
+    impl Tree {
+        fn new(root: &str, tag: &str) -> Tree {
+            let root = Path::new(root);
+            assert!(
+                root.join("cgroup.procs").exists(),
+                "this test needs a cgroup hierarchy at {} (and root)",
+                root.display()
+            );
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_nanos());
+            let top = root.join(format!("cryo-test-{tag}-{}-{nanos}", std::process::id()));
+            fs::create_dir(&top).unwrap();
+            Tree {
+                dirs: vec![top],
+                kids: Vec::new(),
+            }
+        }
+        fn top(&self) -> PathBuf {
+            self.dirs[0].clone()
+        }
+        fn sub(&mut self, rel: &str) -> PathBuf {
+            let d = self.top().join(rel);
+            fs::create_dir(&d).unwrap();
+            self.dirs.push(d.clone());
+            d
+        }
+        /// A new process in `dir`.
+        fn spawn_in(&mut self, dir: &Path) -> Pid {
+            let child = Command::new("sleep").arg("60").spawn().unwrap();
+            let pid = child.id() as Pid;
+            self.kids.push(child);
+            fs::write(dir.join("cgroup.procs"), pid.to_string()).unwrap();
+            pid
+        }
+    }
+
+    impl Drop for Tree {
+        fn drop(&mut self) {
+            for k in &mut self.kids {
+                let _ = k.kill();
+                let _ = k.wait();
+            }
+            for d in self.dirs.iter().rev() {
+                let _ = fs::remove_dir(d);
+            }
+        }
+    }
+
+    /// Issue 9 item 6, cgroup v2: a pod-like cgroup lists no processes of its own, its
+    /// containers do; a threaded cgroup lists threads only (its `cgroup.procs` cannot be read),
+    /// each taken as its process. Main read only the top `cgroup.procs`: nothing.
+    #[test]
+    fn a_v2_subtree_is_taken_whole_threaded_cgroups_included() {
+        let mut t = Tree::new("/sys/fs/cgroup/unified", "pod");
+        let a = t.sub("container-a");
+        let b = t.sub("container-b");
+        let pa = t.spawn_in(&a);
+        let pb = t.spawn_in(&b);
+        // A worker whose thread sits in a threaded child cgroup.
+        let w = t.sub("container-b/worker");
+        let pw = t.spawn_in(&w);
+        let threaded = t.sub("container-b/worker/threads");
+        fs::write(threaded.join("cgroup.type"), "threaded").unwrap();
+        fs::write(threaded.join("cgroup.threads"), pw.to_string()).unwrap();
+        assert!(cgroup_procs(&t.top()).unwrap().is_empty());
+        let mut want = vec![pa, pb, pw];
+        want.sort_unstable();
+        assert_eq!(cgroup_tree_procs(&t.top()).unwrap(), want);
+        assert_eq!(cgroup_tree_procs(&threaded).unwrap(), vec![pw]);
+    }
+
+    /// Issue 9 item 6, the v1 hierarchies of a hybrid host: the same, with a thread moved
+    /// alone into another cgroup through `tasks`.
+    #[test]
+    fn a_v1_subtree_is_taken_whole_threads_included() {
+        let mut t = Tree::new("/sys/fs/cgroup/pids", "pod");
+        let a = t.sub("container-a");
+        let scope = t.sub("container-a/sub-scope");
+        let pa = t.spawn_in(&a);
+        let ps = t.spawn_in(&scope);
+        let lone = t.sub("lone-thread");
+        // This test's own thread: a process whose thread sits in a cgroup its leader is not in.
+        let me = Pid::try_from(std::process::id()).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let th = std::thread::spawn(move || {
+            tx.send(rustix::thread::gettid().as_raw_nonzero().get())
+                .unwrap();
+            let _ = done_rx.recv();
+        });
+        let tid = rx.recv().unwrap();
+        let home = fs::read_to_string(format!("/proc/{tid}/cgroup")).unwrap();
+        let home = home
+            .lines()
+            .find_map(|l| l.split_once(":pids:").map(|(_, p)| p.to_string()))
+            .expect("no v1 pids cgroup for this thread");
+        fs::write(lone.join("tasks"), tid.to_string()).unwrap();
+        let listed = cgroup_tree_procs(&t.top());
+        // Back home before anything can fail, so the cgroup can be removed.
+        fs::write(
+            Path::new("/sys/fs/cgroup/pids")
+                .join(home.trim_start_matches('/'))
+                .join("tasks"),
+            tid.to_string(),
+        )
+        .unwrap();
+        done_tx.send(()).unwrap();
+        th.join().unwrap();
+        let mut want = vec![pa, ps, me];
+        want.sort_unstable();
+        assert_eq!(listed.unwrap(), want);
+    }
 }

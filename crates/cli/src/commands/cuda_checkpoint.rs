@@ -105,14 +105,53 @@ fn outcome(choice: GpuChoice, sim_dir: &Path, state: &StateDir, args: Vec<OsStri
         }
         _ => None,
     };
-    let out = compat::execute(gpu.driver.as_ref(), op, pid, timeout_ms, &map);
+    let out = match restores {
+        Some(how) => restore(&gpu, state, &handle, op, &map, how),
+        None => compat::execute(gpu.driver.as_ref(), op, pid, timeout_ms, &map),
+    };
     if out.status == crate::exit::SUCCESS && !handle.is_alive() {
         return no_such_process(op, pid);
     }
-    if let (Some(how), crate::exit::SUCCESS) = (restores, out.status) {
-        super::record_restore(state, &handle, how);
-    }
     out
+}
+
+/// A restore (`--action restore`, or a toggle out of CHECKPOINTED, which unlocks too), journaled
+/// as restored before the driver is asked: a journal that cannot take the record means no
+/// restore, and one that fails after it means the process is checkpointed again
+/// (`cryo_lifecycle::restore_context`).
+fn restore(
+    gpu: &cryo_gpu::Gpu,
+    state: &StateDir,
+    handle: &cryo_proc::ProcHandle,
+    op: compat::Operation,
+    map: &[cryo_gpu::GpuPair],
+    how: &str,
+) -> Outcome {
+    let pid = handle.pid();
+    let failed = |stderr: String| Outcome {
+        stdout: String::new(),
+        stderr,
+        status: crate::exit::FAILURE,
+    };
+    let journal = match state.open_journal() {
+        Ok(j) => j,
+        Err(e) => {
+            return failed(format!(
+                "cuda-checkpoint: pid {pid} not restored: cannot open the journal to record it first: {e}\n"
+            ))
+        }
+    };
+    let restored = cryo_lifecycle::restore_context(gpu, &journal, handle, map, how);
+    let result = match restored {
+        Ok(_) if op == compat::Operation::Toggle => gpu.driver.unlock(pid),
+        Ok(_) => Ok(()),
+        Err(cryo_lifecycle::RestoreError::Driver(e)) => Err(e),
+        Err(e) => return failed(format!("cuda-checkpoint: {e}\n")),
+    };
+    match result {
+        Ok(()) => Outcome::ok(String::new()),
+        Err(e) => Outcome::failed(op, pid, &e),
+    }
 }
 
 /// What the driver answers for a pid that does not exist.

@@ -91,9 +91,14 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
             report.publish_ms,
             report.elapsed_ms,
             if report.left_running {
-                "the worker keeps running (restored in place)"
+                "the worker keeps running (restored in place)".to_string()
+            } else if report.pids_held.is_empty() {
+                "the worker is gone (its contexts were suspended first)".to_string()
             } else {
-                "the worker is gone (its contexts were suspended first)"
+                format!(
+                    "the worker has exited (its contexts were suspended first), but its pids are not free yet: {}",
+                    cryo_lifecycle::reaped::describe(&report.pids_held)
+                )
             }
         );
     }

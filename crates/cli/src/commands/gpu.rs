@@ -199,15 +199,27 @@ fn act(
     let result = match action {
         Action::Lock => gpu.driver.lock(pid, timeout),
         Action::Checkpoint => gpu.driver.checkpoint(pid),
-        Action::Restore => gpu.driver.restore(pid, &pairs),
+        Action::Restore => {
+            // Journaled as restored before the driver is asked; a restore that cannot be recorded
+            // is checkpointed again (see `cryo_lifecycle::restore`).
+            let journal = ctx.state.open_journal().context("opening the journal")?;
+            match cryo_lifecycle::restore_context(
+                &gpu,
+                &journal,
+                &handle,
+                &pairs,
+                "cryo gpu restore",
+            ) {
+                Ok(_) => Ok(()),
+                Err(cryo_lifecycle::RestoreError::Driver(e)) => Err(e),
+                Err(e) => return Err(anyhow!(e)),
+            }
+        }
         Action::Unlock => gpu.driver.unlock(pid),
     };
     let elapsed = start.elapsed();
     result.map_err(|e| explain(e, pid, Some((action, timeout))))?;
     process::check_still_alive(&handle)?;
-    if action == Action::Restore {
-        super::record_restore(&ctx.state, &handle, "cryo gpu restore");
-    }
     let after = gpu.driver.state(pid).ok();
     print_action(
         p.json,

@@ -14,7 +14,6 @@ pub mod timeline;
 
 use anyhow::Context as _;
 use cryo_gpu::Gpu;
-use cryo_proc::ProcHandle;
 use cryo_state::StateDir;
 
 use crate::args::{Cli, Command, GlobalArgs};
@@ -80,16 +79,4 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
 /// The `cryo` binary running now (the demo and the benchmarks run it as an operator would).
 fn this_binary() -> anyhow::Result<std::path::PathBuf> {
     std::env::current_exe().context("finding the cryo binary")
-}
-
-/// Journals that the process `handle` holds was restored (`how`: the command that did it). The
-/// driver action already happened, so a journal that cannot be written is a warning on stderr,
-/// never a failed restore (and an unrecorded process is treated as restored anyway).
-pub fn record_restore(state: &StateDir, handle: &ProcHandle, how: &str) {
-    if let Err(e) = cryo_lifecycle::record_restored(state, handle, how) {
-        eprintln!(
-            "cryo: warning: pid {} was restored, but the journal could not record it ({e}); cryo will treat it as restored anyway",
-            handle.pid()
-        );
-    }
 }

@@ -106,6 +106,10 @@ pub fn exit_code(report: &StopReport) -> u8 {
 }
 
 fn print_text(report: &StopReport, unsafe_kill: bool) {
+    // What earlier stops, freezes or guards left half-way, and what this stop did about it.
+    for s in &report.settled {
+        eprintln!("cryo: settled first: {s}");
+    }
     for p in &report.processes {
         println!("{}", process_line(p, report.unsafe_kills.contains(&p.pid)));
     }
@@ -160,6 +164,7 @@ fn process_line(p: &ProcReport, unsuspended: bool) -> String {
     } else if p.cuda && unsuspended {
         steps.push("killed without suspension".to_string());
     }
+    steps.extend(p.notes.iter().cloned());
     steps.push(if p.ended {
         "ended".to_string()
     } else {

@@ -82,6 +82,16 @@ impl Scene {
             .collect()
     }
 
+    /// Whether the journal knows `pid` as restored.
+    fn restored(&self, pid: Pid) -> bool {
+        let records = cryo_journal::read(self.journal.dir()).unwrap().records;
+        let id = cryo_journal::ProcId::of(pid).unwrap();
+        matches!(
+            cryo_journal::Origins::from_records(&records).of(&id),
+            cryo_journal::Origin::Restored { .. }
+        )
+    }
+
     /// Nothing at the image path, and no staging directory left beside it.
     fn assert_no_image(&self) {
         assert!(!self.image().exists(), "an image was published");
@@ -133,7 +143,18 @@ fn a_failed_dump_resumes_every_process_in_place() {
     for p in &s.pids {
         assert!(procs::alive(*p));
         assert_eq!(s.fake.state_of(*p), ProcessState::Running, "pid {p}");
-        assert!(s.steps(*p).contains(&"resumed (suspension refused)"));
+        // Its context went through a driver restore: journaled as restored before it (and so
+        // guarded and suspended before it ends), never as merely "resumed".
+        let steps = s.steps(*p);
+        let at = |what: &str| steps.iter().position(|x| *x == what);
+        assert!(
+            at("restore started").is_some() && at("restore started") < at("restore completed"),
+            "{steps:?}"
+        );
+        assert!(
+            s.restored(*p),
+            "pid {p} is not known as restored: {steps:?}"
+        );
     }
     s.assert_no_image();
     let kept = s.dir.path().join("img.dump.log");
@@ -188,4 +209,64 @@ fn leave_running_resumes_in_place_as_restored() {
     }
     assert!(s.criu.dumps()[0].leave_running);
     assert!(s.image().join("manifest.json").exists());
+}
+
+/// The dumped worker's parent does not reap it (a supervisor, a shim, an init that reaps late):
+/// its pid stays taken, so the freeze does not call it gone; it names the parent holding it.
+#[test]
+fn a_dumped_worker_whose_parent_has_not_reaped_it_is_not_gone() {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    // A parent that never reaps: perl with SIGCHLD at its default, asleep.
+    let mut parent = Command::new("perl")
+        .args([
+            "-MPOSIX",
+            "-e",
+            "$| = 1; my $p = fork(); if ($p == 0) { POSIX::setsid(); exec('sleep', '3600'); } print \"$p\\n\"; sleep 3600;",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(parent.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let worker: Pid = line.trim().parse().unwrap();
+    cryo_testkit::eventually(
+        cryo_testkit::PATIENCE,
+        "the worker to lead its session",
+        || cryo_proc::stat(worker).is_ok_and(|s| s.session == worker && s.comm == "sleep"),
+    );
+    let fake = FakeGpu::new();
+    fake.add(worker);
+    let criu = FakeCriu::watching(&fake);
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path().join("journal")).unwrap();
+    let opts = FreezeOptions {
+        image: dir.path().join("img"),
+        leave_running: false,
+        replace: false,
+        suspend: SuspendOptions {
+            verify_timeout: std::time::Duration::from_millis(300),
+            ..SuspendOptions::default()
+        },
+    };
+    let report = freeze(
+        &fake.gpu(),
+        &criu,
+        &crate::Target::Tree(worker).resolve().unwrap(),
+        &opts,
+        &journal,
+        &NoWatcher,
+        &NoProgress,
+    )
+    .unwrap();
+    let perl = parent.id() as Pid;
+    assert!(
+        matches!(report.pids_held[..], [cryo_proc::PidHolder::Zombie { pid, parent, .. }] if pid == worker && parent == perl),
+        "{:?}",
+        report.pids_held
+    );
+    parent.kill().unwrap();
+    parent.wait().unwrap();
 }

@@ -272,3 +272,342 @@ fn memory_still_listed_refuses_the_stop_and_kills_nothing() {
     assert_eq!(fake.state_of(procs.pid(0)), ProcessState::Checkpointed);
     assert_eq!(fake.state_of(procs.pid(1)), ProcessState::Checkpointed);
 }
+
+fn journal_has(dir: &std::path::Path, f: impl Fn(&Event) -> bool) -> bool {
+    cryo_journal::read(dir)
+        .unwrap()
+        .records
+        .iter()
+        .any(|r| f(&r.event))
+}
+
+/// Issue 9 item 1: a process that only opened the driver (`cuInit`: driver files, no state the
+/// driver knows, nothing listed by NVML) holds no context: it ends like a plain process, said as
+/// such in the report.
+#[test]
+fn a_process_that_only_opened_the_driver_ends_like_a_plain_one_said_as_such() {
+    let mut procs = Procs::spawn(2);
+    let fake = FakeGpu::new();
+    fake.add(procs.pid(0)).driver_files(procs.pid(1), &[3, 4]);
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let target = Target::Pids(procs.pids()).resolve().unwrap();
+    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    assert!(report.stopped(), "{report:?}");
+    let launcher = &report.processes[1];
+    assert!(!launcher.cuda);
+    assert!(
+        launcher
+            .notes
+            .iter()
+            .any(|n| n.contains("opened the driver")),
+        "{launcher:?}"
+    );
+    assert!(!procs.alive(0) && !procs.alive(1));
+}
+
+/// Issue 9 item 1: an answer other than "no CUDA state" for a process that holds driver files is
+/// a refusal naming the pid, the call and the code; nothing is killed (main aborted the whole
+/// stop with a driver error, or, for the two "no state" codes, killed it as plain).
+#[test]
+fn an_unexpected_answer_for_a_process_with_driver_files_refuses_naming_pid_call_and_code() {
+    let mut procs = Procs::spawn(2);
+    let fake = FakeGpu::new();
+    fake.driver_files(procs.pid(0), &[3]);
+    fake.fail_next_on(procs.pid(0), Call::State, cryo_gpu::CuResult::UNKNOWN);
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let target = Target::Pids(procs.pids()).resolve().unwrap();
+    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    assert_eq!(report.refusals.len(), 1, "{report:?}");
+    let why = report.refusals[0].reason.reason();
+    assert_eq!(report.refusals[0].pid, procs.pid(0));
+    for part in [
+        &procs.pid(0).to_string()[..],
+        "cuCheckpointProcessGetState",
+        "CUDA_ERROR_UNKNOWN",
+    ] {
+        assert!(why.contains(part), "{why}");
+    }
+    assert!(procs.alive(0) && procs.alive(1));
+    // NVML listing memory for a process the driver says has no CUDA state: a refusal too.
+    let fake = FakeGpu::new();
+    fake.add(procs.pid(1)).keep_listed(procs.pid(1));
+    fake.fail_next_on(
+        procs.pid(1),
+        Call::State,
+        cryo_gpu::CuResult::NOT_INITIALIZED,
+    );
+    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    assert!(
+        report
+            .refusals
+            .iter()
+            .any(|r| r.pid == procs.pid(1) && r.reason.reason().contains("NVML lists")),
+        "{report:?}"
+    );
+    assert!(procs.alive(0) && procs.alive(1));
+}
+
+/// Issue 9 item 2: a refusal found by the look right before one process's kill ends the kill
+/// phase at once: what comes after it (here a plain process) is not killed. Main went on
+/// killing the rest.
+#[test]
+fn a_refusal_right_before_a_kill_ends_the_kill_phase_at_once() {
+    // How many state calls a CUDA process gets in a stop that goes through: the last one is the
+    // look right before its kill.
+    let n = {
+        let procs = Procs::spawn(3);
+        let fake = FakeGpu::new();
+        fake.add(procs.pid(0)).add(procs.pid(1));
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        let target = Target::Pids(procs.pids()).resolve().unwrap();
+        let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+        assert!(report.stopped(), "{report:?}");
+        fake.count(procs.pid(1), Call::State)
+    };
+    let mut procs = Procs::spawn(3);
+    let fake = FakeGpu::new();
+    fake.add(procs.pid(0)).add(procs.pid(1));
+    fake.set_state_at(procs.pid(1), Call::State, n, ProcessState::Running);
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let target = Target::Pids(procs.pids()).resolve().unwrap();
+    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    assert_eq!(report.refusals.len(), 1, "{report:?}");
+    assert_eq!(report.refusals[0].pid, procs.pid(1));
+    assert!(!report.stopped());
+    assert!(
+        !procs.alive(0),
+        "the first CUDA process was checked and killed"
+    );
+    assert!(procs.alive(1), "a refused process was killed");
+    assert!(procs.alive(2), "the kill phase went on after a refusal");
+}
+
+/// Issue 9 item 3: a driver call that never returns is a refusal within the stop's deadline,
+/// never a hung stop; nothing is killed, and a lock that succeeds after its caller gave up is
+/// undone (the process serves again).
+#[test]
+fn a_driver_call_that_never_returns_is_a_refusal_not_a_hang() {
+    let mut procs = Procs::spawn(2);
+    let fake = FakeGpu::new();
+    fake.add(procs.pid(0));
+    let hang = fake.hang_next(procs.pid(0), Call::Lock);
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let target = Target::Pids(procs.pids()).resolve().unwrap();
+    let o = StopOptions {
+        deadline: Some(Duration::from_secs(3)),
+        ..opts()
+    };
+    let report = stop(&fake.gpu(), &target, &o, &journal, &NoProgress).unwrap();
+    assert_eq!(report.refusals.len(), 1, "{report:?}");
+    assert!(
+        matches!(
+            report.refusals[0].reason,
+            SuspendFailure::NoAnswer { step: "lock", .. }
+        ),
+        "{report:?}"
+    );
+    assert!(procs.alive(0) && procs.alive(1));
+    assert!(journal_has(dir.path(), |e| matches!(
+        e,
+        Event::CallAbandoned { .. }
+    )));
+    hang.release();
+    cryo_testkit::eventually(cryo_testkit::PATIENCE, "the late lock to be undone", || {
+        fake.count(procs.pid(0), Call::Unlock) == 1
+    });
+    assert_eq!(fake.state_of(procs.pid(0)), ProcessState::Running);
+}
+
+/// Issue 9 item 4: the stop's deadline budgets the lock attempts: no attempt's timeout reaches
+/// past it (main asked for 3 x 30 s, past Kubernetes' grace period), and the refusal says so.
+#[test]
+fn the_deadline_budgets_the_lock_attempts() {
+    let mut procs = Procs::spawn(1);
+    let fake = FakeGpu::new();
+    fake.add(procs.pid(0));
+    for _ in 0..3 {
+        fake.fail_next_on(procs.pid(0), Call::Lock, cryo_gpu::CuResult::NOT_READY);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let target = Target::Pids(procs.pids()).resolve().unwrap();
+    let deadline = Duration::from_secs(5);
+    let o = StopOptions {
+        deadline: Some(deadline),
+        suspend: SuspendOptions {
+            lock_timeout: Duration::from_secs(30),
+            ..opts().suspend
+        },
+        ..opts()
+    };
+    let report = stop(&fake.gpu(), &target, &o, &journal, &NoProgress).unwrap();
+    assert!(
+        matches!(
+            report.refusals[..],
+            [Refusal {
+                reason: SuspendFailure::LockTimedOut { .. },
+                ..
+            }]
+        ),
+        "{report:?}"
+    );
+    let timeouts = fake.lock_timeouts();
+    assert!(!timeouts.is_empty());
+    for t in timeouts {
+        assert!(t.is_some_and(|t| t < deadline), "a lock attempt of {t:?}");
+    }
+    assert!(procs.alive(0));
+    assert_eq!(fake.state_of(procs.pid(0)), ProcessState::Running);
+}
+
+/// Issue 9 item 5: a process stopped by job control is resumed with SIGCONT (journaled) and
+/// stopped as usual; one stopped under a debugger is refused at once, naming the debugger, and
+/// no driver call is made on it (main spent its lock attempts, then failed with an unrelated
+/// message).
+#[test]
+fn stopped_processes_are_continued_or_refused_up_front() {
+    let mut procs = Procs::spawn(2);
+    let fake = FakeGpu::new();
+    fake.add(procs.pid(0)).add(procs.pid(1));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(procs.pid(0)),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .unwrap();
+    cryo_testkit::eventually(cryo_testkit::PATIENCE, "the process to stop", || {
+        cryo_testkit::procs::all_threads_in(procs.pid(0), &['T'])
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let target = Target::Pids(vec![procs.pid(0)]).resolve().unwrap();
+    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    assert!(report.stopped(), "{report:?}");
+    assert!(
+        report.processes[0]
+            .notes
+            .iter()
+            .any(|n| n.contains("SIGCONT")),
+        "{report:?}"
+    );
+    assert!(journal_has(
+        dir.path(),
+        |e| matches!(e, Event::Continued { pid } if pid.pid == procs.pid(0))
+    ));
+    assert!(!procs.alive(0));
+
+    let debugger = cryo_testkit::procs::Debugger::attach(procs.pid(1));
+    let target = Target::Pids(vec![procs.pid(1)]).resolve().unwrap();
+    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    assert_eq!(report.refusals.len(), 1, "{report:?}");
+    let why = report.refusals[0].reason.reason();
+    assert!(
+        why.contains("debugger") && why.contains(&debugger.pid().to_string()),
+        "{why}"
+    );
+    assert_eq!(fake.count(procs.pid(1), Call::Lock), 0);
+    assert!(procs.alive(1));
+    drop(debugger);
+}
+
+/// Issue 9 item 7: `--fresh` still suspends what can be suspended, and kills without suspension
+/// only a process that cannot be suspended (main killed every CUDA process unsuspended).
+#[test]
+fn fresh_still_tries_the_suspension_first() {
+    let mut procs = Procs::spawn(2);
+    let fake = FakeGpu::new();
+    fake.add(procs.pid(0))
+        .add(procs.pid(1))
+        .make_sticky(procs.pid(1));
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let target = Target::Pids(procs.pids()).resolve().unwrap();
+    let o = StopOptions {
+        fresh: true,
+        ..opts()
+    };
+    let report = stop(&fake.gpu(), &target, &o, &journal, &NoProgress).unwrap();
+    assert!(report.stopped(), "{report:?}");
+    assert_eq!(report.unsafe_kills, vec![procs.pid(1)]);
+    assert!(report.processes[0].suspended.is_some(), "{report:?}");
+    assert!(journal_has(
+        dir.path(),
+        |e| matches!(e, Event::Checkpointed { pid, .. } if pid.pid == procs.pid(0))
+    ));
+    assert!(!procs.alive(0) && !procs.alive(1));
+}
+
+/// Issue 9 item 9: every stop settles what earlier runs left half-way first, and says so.
+#[test]
+fn a_stop_settles_earlier_half_way_suspensions_first() {
+    let mut procs = Procs::spawn(2);
+    let fake = FakeGpu::new();
+    fake.add(procs.pid(0))
+        .set_state(procs.pid(0), ProcessState::Locked);
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let locked = cryo_journal::ProcId::of(procs.pid(0)).unwrap();
+    journal
+        .append(Event::SuspendStarted {
+            pid: locked,
+            purpose: cryo_journal::Purpose::Stop,
+            by: None,
+        })
+        .unwrap();
+    journal
+        .append(Event::Locked { pid: locked, ms: 1 })
+        .unwrap();
+    let target = Target::Pids(vec![procs.pid(1)]).resolve().unwrap();
+    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    assert!(report.stopped());
+    assert!(
+        matches!(&report.settled[..], [s] if s.pid == locked && s.action == crate::Settlement::Unlocked),
+        "{:?}",
+        report.settled
+    );
+    assert_eq!(fake.state_of(procs.pid(0)), ProcessState::Running);
+    assert!(procs.alive(0));
+}
+
+/// Issue 9 item 6: a process that joins the cgroup during the stop is caught: classified,
+/// suspended (it is a CUDA process here), and killed with the rest. Main acted on the
+/// processes listed at the start only.
+#[test]
+fn a_process_that_joins_the_cgroup_during_the_stop_is_caught() {
+    let cg = cryo_testkit::cgroup::TestCgroup::new("joiner", 1 << 30);
+    let mut first = Procs::spawn(1);
+    let mut late = Procs::spawn(1);
+    cg.add(first.pid(0));
+    let fake = FakeGpu::new();
+    fake.add(first.pid(0)).add(late.pid(0));
+    let hang = fake.hang_next(first.pid(0), Call::Checkpoint);
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let target = Target::Cgroup(cg.path().to_path_buf()).resolve().unwrap();
+    let gpu = fake.gpu();
+    let report = std::thread::scope(|s| {
+        let t = s.spawn(|| stop(&gpu, &target, &opts(), &journal, &NoProgress));
+        hang.wait_reached();
+        cg.add(late.pid(0));
+        hang.release();
+        t.join().unwrap()
+    })
+    .unwrap();
+    assert!(report.stopped(), "{report:?}");
+    let joined = report
+        .processes
+        .iter()
+        .find(|p| p.pid == late.pid(0))
+        .unwrap_or_else(|| panic!("the joiner is not in the report: {report:?}"));
+    assert!(
+        joined.notes.iter().any(|n| n.contains("joined")),
+        "{joined:?}"
+    );
+    assert!(joined.suspended.is_some(), "{joined:?}");
+    assert!(!first.alive(0) && !late.alive(0));
+    assert_eq!(fake.state_of(late.pid(0)), ProcessState::Checkpointed);
+}
