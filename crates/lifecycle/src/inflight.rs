@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use cryo_gpu::{Gpu, ProcessState};
 use cryo_journal::{Event, Journal, ProcId, Purpose};
-use cryo_proc::{ProcHandle, Signal};
+use cryo_proc::ProcHandle;
 
 use crate::runnable::{runnable, Runnable};
 use crate::suspend::{id, me};
@@ -219,19 +219,15 @@ fn finish_stop(
         Ok(Some(bytes)) => return left(format!("NVML lists {bytes} bytes for it")),
         Err(e) => return left(format!("NVML cannot be asked: {e}")),
     }
-    journal.append(Event::KillStarted {
-        pid: id(h),
-        signal: Signal::SIGKILL as i32,
-    })?;
-    if let Err(e) = h.signal(Signal::SIGKILL) {
-        if h.is_alive() {
-            return left(format!("cannot kill it: {e}"));
-        }
+    let opts = crate::stop::StopOptions {
+        exit_timeout: EXIT_TIMEOUT,
+        ..crate::stop::StopOptions::default()
+    };
+    match crate::stop::end_one(h, &opts, journal, false) {
+        Ok(()) => {}
+        Err(crate::stop::StopError::Journal(e)) => return Err(e.into()),
+        Err(e) => return left(e.to_string()),
     }
-    if !h.wait_exit(EXIT_TIMEOUT) {
-        return left("it did not exit after SIGKILL".into());
-    }
-    journal.append(Event::Killed { pid: id(h) })?;
     Ok((found, Settlement::Killed))
 }
 

@@ -181,6 +181,19 @@ mod tests {
         )
     }
 
+    /// From now on the journal in `dir` cannot grow: a file-size limit at its size (this test's
+    /// process only; the caller puts the limit back).
+    fn journal_full(dir: &std::path::Path) {
+        let size = std::fs::metadata(dir.join(cryo_journal::FILE_NAME))
+            .unwrap()
+            .len();
+        let (_, hard) = getrlimit(Resource::RLIMIT_FSIZE).unwrap();
+        // SAFETY: ignoring a signal installs no handler; nothing else in this test process
+        // depends on SIGXFSZ.
+        unsafe { signal(Signal::SIGXFSZ, SigHandler::SigIgn) }.unwrap();
+        setrlimit(Resource::RLIMIT_FSIZE, size, hard).unwrap();
+    }
+
     /// Issue 9 item 8: the intent is journaled before the driver restores (a crash during the
     /// restore leaves the process known as restored), and a completion the journal cannot take
     /// checkpoints the process again instead of leaving it LOCKED and unrecorded. The journal is
@@ -204,13 +217,7 @@ mod tests {
                 restored(&journal, p),
                 "not journaled as restored before the driver restore"
             );
-            let size = std::fs::metadata(dir.path().join(cryo_journal::FILE_NAME))
-                .unwrap()
-                .len();
-            // SAFETY: ignoring a signal installs no handler; nothing else in this test process
-            // depends on SIGXFSZ.
-            unsafe { signal(Signal::SIGXFSZ, SigHandler::SigIgn) }.unwrap();
-            setrlimit(Resource::RLIMIT_FSIZE, size, before.1).unwrap();
+            journal_full(dir.path());
             hang.release();
             t.join().unwrap()
         });
@@ -239,13 +246,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let journal = Journal::open(dir.path()).unwrap();
         let h = ProcHandle::open(p).unwrap();
-        let size = std::fs::metadata(dir.path().join(cryo_journal::FILE_NAME))
-            .unwrap()
-            .len();
         let before = getrlimit(Resource::RLIMIT_FSIZE).unwrap();
-        // SAFETY: as above.
-        unsafe { signal(Signal::SIGXFSZ, SigHandler::SigIgn) }.unwrap();
-        setrlimit(Resource::RLIMIT_FSIZE, size, before.1).unwrap();
+        journal_full(dir.path());
         let r = restore_context(&fake.gpu(), &journal, &h, &[], "test restore");
         setrlimit(Resource::RLIMIT_FSIZE, before.0, before.1).unwrap();
         assert!(matches!(r, Err(RestoreError::Journal { .. })), "{r:?}");

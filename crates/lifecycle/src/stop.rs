@@ -255,15 +255,7 @@ pub fn stop(
         // A cgroup is taken as a whole: processes that joined it meanwhile go through the same.
         let joined = run.joiners(target.target(), round)?;
         if !joined.is_empty() {
-            from = run.members.len();
-            for h in joined {
-                run.add(h);
-                if let Some(m) = run.members.last_mut() {
-                    m.report
-                        .notes
-                        .push("joined the cgroup during the stop".into());
-                }
-            }
+            from = run.add_joined(joined, "joined the cgroup during the stop");
             round += 1;
             continue;
         }
@@ -278,15 +270,7 @@ pub fn stop(
         if joined.is_empty() {
             break Outcome::Ended;
         }
-        from = run.members.len();
-        for h in joined {
-            run.add(h);
-            if let Some(m) = run.members.last_mut() {
-                m.report
-                    .notes
-                    .push("joined the cgroup during the kills".into());
-            }
-        }
+        from = run.add_joined(joined, "joined the cgroup during the kills");
         round += 1;
     };
 
@@ -366,6 +350,18 @@ impl Run<'_> {
             report,
             unsuspended: false,
         });
+    }
+
+    /// Adds processes that joined a cgroup target, noted as such; returns the index of the first.
+    fn add_joined(&mut self, joined: Vec<ProcHandle>, note: &str) -> usize {
+        let from = self.members.len();
+        for h in joined {
+            self.add(h);
+            if let Some(m) = self.members.last_mut() {
+                m.report.notes.push(note.to_string());
+            }
+        }
+        from
     }
 
     fn left(&self) -> Option<Duration> {
@@ -733,7 +729,7 @@ impl Run<'_> {
     }
 }
 
-fn end_one(
+pub(crate) fn end_one(
     h: &ProcHandle,
     opts: &StopOptions,
     journal: &Journal,

@@ -94,7 +94,7 @@ fn one_process_that_fails_to_lock_leaves_the_others_unlocked() {
     }
     for i in [0, 2] {
         let s = steps(&events, procs.pid(i));
-        assert!(s.contains(&"unlocked (stop refused)"), "{s:?}");
+        assert!(s.contains(&"unlocked"), "{s:?}");
     }
     assert_eq!(checkpoints(&fake), 0, "checkpointed after a failed lock");
 }
@@ -127,10 +127,16 @@ fn a_checkpoint_failure_with_resume_brings_every_process_back() {
         assert_eq!(fake.state_of(p), ProcessState::Running, "pid {p}");
     }
     for i in [0, 2] {
-        assert!(steps(&events, procs.pid(i)).contains(&"resumed (suspension refused)"));
+        // Brought back through a driver restore: journaled as restored, intent first.
+        let s = steps(&events, procs.pid(i));
+        let at = |what: &str| s.iter().position(|x| *x == what);
+        assert!(
+            at("restore started").is_some() && at("restore started") < at("restore completed"),
+            "{s:?}"
+        );
         assert_eq!(fake.count(procs.pid(i), Call::Restore), 1);
     }
-    assert!(steps(&events, procs.pid(1)).contains(&"unlocked (stop refused)"));
+    assert!(steps(&events, procs.pid(1)).contains(&"unlocked"));
     assert_eq!(fake.count(procs.pid(1), Call::Restore), 0);
 }
 
