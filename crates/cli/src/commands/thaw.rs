@@ -47,7 +47,12 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
         gpu_map,
         health,
         health_timeout: Duration::from_secs(args.health_timeout),
-        stop: StopOptions::default(),
+        // Cleaning up after a failed thaw has no grace period to fit in: it takes what the
+        // suspension needs (each driver call still has its own deadline).
+        stop: StopOptions {
+            deadline: None,
+            ..StopOptions::default()
+        },
         requested,
     };
     let progress = crate::progress::for_stderr();
