@@ -182,7 +182,7 @@ fn sleeper(session: bool) -> Child {
 pub struct Debugger(Child);
 
 impl Debugger {
-    /// Attaches to `pid` (`PTRACE_ATTACH`) and waits until every thread of it is stopped.
+    /// Attaches to every thread of `pid` (`PTRACE_ATTACH`) and waits until they are all stopped.
     pub fn attach(pid: Pid) -> Debugger {
         use std::io::BufRead;
         // ptrace(PTRACE_ATTACH = 16, pid, 0, 0) is system call 101 on x86_64, 117 on aarch64.
@@ -191,8 +191,9 @@ impl Debugger {
         } else {
             101
         };
+        // Every thread, as gdb does (a ptrace attach stops only the thread named).
         let script = format!(
-            "syscall({nr}, 16, {pid}, 0, 0) == 0 or die \"ptrace: $!\\n\"; $| = 1; print \"attached\\n\"; sleep 3600;"
+            "opendir(my $d, \"/proc/{pid}/task\") or die \"task: $!\\n\"; for my $t (grep {{ /^\\d+$/ }} readdir($d)) {{ syscall({nr}, 16, $t + 0, 0, 0) == 0 or die \"ptrace $t: $!\\n\"; }} $| = 1; print \"attached\\n\"; sleep 3600;"
         );
         let mut child = Command::new("perl")
             .args(["-e", &script])
