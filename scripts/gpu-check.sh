@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# cryo on a real GPU: the "On a real GPU" parts of issues 2-5, as one prepared script. Builds
+# cryo on a real GPU: the "On a real GPU" parts of issues 2-5 and issue 9 item 12, as one prepared script. Builds
 # nothing; runs a carried release `cryo` with `--gpu cuda` against PyTorch workers that hold seeded
 # data in device memory (scripts/gpu/worker.py; worker2.py adds `fault`), talking through files
 # only, so plain CRIU can dump them.
@@ -7,7 +7,7 @@
 # On the lent GPU machine (device tool `run`), after `scripts/gpu-carry.sh` here:
 #   command:   bash scripts/gpu-check.sh
 #   carry:     [".carry"]
-#   timeout_s: 480
+#   timeout_s: 540
 # Results come back in $OUT (6 files): steps.jsonl (one JSON object per step), summary.json (the
 # numbers docs/gpu-results.md quotes), gpu-check.log, timeline.jsonl (cryo's journal), host.txt
 # (nvidia-smi, versions, gpu ls/ps), logs.txt (worker, guard and cryo stderr tails).
@@ -16,10 +16,17 @@
 # behind the same worker adapter), with real CRIU, ending with the wedge ledger checked empty:
 #   GPU_CHECK_BACKEND=sim CRYO=target/release/cryo scripts/gpu-check.sh
 #
-# Sections (SECTIONS="s1 s2 s3 s5 s4" by default: the longest last): s1 inventory; s2 issue 2, the driver calls one
-# by one; s3 issue 3, `cryo stop` (restored worker, overhead over the raw lock+checkpoint; a tree
-# with 2 CUDA workers; the sticky-error refusal); s4 issue 4, freeze/thaw at FREEZE_GIBS; s5
-# issue 5, the guard (SIGTERM suspended, SIGKILL pinned until released). Each runs in its own
+# Sections (SECTIONS="s1 s2 s6 s3 s5 s4" by default: the longest last): s1 inventory; s2 issue 2, the
+# driver calls one by one; s6 issue 9 item 12, the driver's raw answers (GetRestoreThreadId,
+# GetState, Lock with a short timeout, each under a timeout) for a shell, a process that only ran
+# cuInit, a zombie, a pid that does not exist, a SIGSTOPped worker and a worker addressed by a
+# non-leader thread id: recorded as issue9.answers in summary.json on a real GPU, checked against
+# the simulator's documented answers on the simulated one; s3 issue 3, `cryo stop` (restored
+# worker, overhead over the raw lock+checkpoint; a tree with 2 CUDA workers; the sticky-error
+# refusal, the fault made through libcuda + PTX, no CuPy); s4 issue 4, freeze/thaw at FREEZE_GIBS;
+# s5 issue 5, the guard (SIGTERM suspended, SIGKILL pinned until released). Every step checks the
+# answer it expects (a state, a code, a thread of the right process, data verified), not only
+# that a command or a worker answered. Each runs in its own
 # process under a timeout cut to the time left of BUDGET_S; a section that fails or times out is
 # recorded and the next one runs. After each section and at exit (trap), the teardown ends every
 # process the check started: restored ones only through `cryo stop` (suspend-before-kill; a
@@ -28,7 +35,8 @@
 #
 # Env: GPU_CHECK_BACKEND (cuda|sim), CRYO (default .carry/bin/cryo, else target/release/cryo),
 # CRYO_CRIU (default .carry/criu/criu), OUT, GIB (s2/s3 worker, 2), TREE_GIB (1), FREEZE_GIBS
-# ("2 8"), GUARD_GIB (1), BUDGET_S (420), SECTIONS, LIMIT_<section> (seconds), PYTHON,
+# ("2 8"), GUARD_GIB (1), BUDGET_S (480), SECTIONS, RAW_LIMIT (s6: seconds per raw call, 8),
+# RAW_LOCK_MS (s6: the lock's timeoutMs, 500), LIMIT_<section> (seconds), PYTHON,
 # KEEP_WORK=1 keeps the work directory.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -80,9 +88,10 @@ s1() {
   check criu_version env LD_LIBRARY_PATH="$(dirname "$CRYO_CRIU")" "$CRYO_CRIU" --version
   if [ "$BACKEND" = cuda ]; then
     check torch_sees_gpu "$PYTHON" -c 'import torch; assert torch.cuda.is_available(); print(torch.__version__)'
-    check cupy_imports "$PYTHON" -c 'import cupy; print(cupy.__version__)'
+    check libcuda_loads "$PYTHON" -c 'import ctypes; ctypes.CDLL("libcuda.so.1")'
   fi
   cj gpu_ls -- gpu ls --json || return 1
+  check gpu_ls.some_gpu test "$(jx "$J" 'len(d) > 0 and all(g["uuid"].startswith("GPU-") for g in d)')" = true
   fact host.gpus "$(jx "$J" '[{"name": g["name"], "uuid": g["uuid"], "memory_total": g["memory_total"]} for g in d]')"
   jx "$J" 'd[0]["uuid"]' >"$WORK/uuid"
   cj gpu_ps -- gpu ps --json
@@ -111,7 +120,8 @@ s2() {
   check nvml_listed nvml_holds "$pid"
   fact issue2.device_bytes "$(nvml_mem "$pid")"
   check state_running expect_state "$pid" running
-  cj restore_tid -- gpu restore-tid --pid "$pid" --json
+  cj restore_tid -- gpu restore-tid --pid "$pid" --json &&
+    check restore_tid.thread_of_worker thread_of "$(jx "$J" 'd["restore_tid"]')" "$pid"
   check verify_before verify $w
 
   cj cycle1.lock -- gpu lock --pid "$pid" --timeout 30000 --json || return 1
@@ -223,7 +233,7 @@ s3() {
   # (c) A sticky error (illegal address in a kernel): `cryo stop` refuses (exit 3), kills nothing;
   # the worker was never restored, so `--fresh` may then end it with a plain kill.
   if f=$(worker_wait i3f); then
-    check sticky.fault wcall i3f fault
+    check sticky.fault fault i3f
     if cj sticky.stop_refused 3 -- stop "$f" --json --timeout 5000 --lock-attempts 1; then
       fact issue3.sticky.refusal "$(jx "$J" 'd["refusals"]')"
       fact issue3.sticky.elapsed_ms "$(jx "$J" 'd["elapsed_ms"]')"
@@ -346,6 +356,183 @@ print(e); sys.exit(0 if [x for x in e if x in need] == need else 1)' "$ev"
   return 0
 }
 
+# raw_call STEP CALL PID [LOCK_TIMEOUT_MS]: one raw driver call (no cryo logic in between: no pid
+# normalisation, no state check first) under a timeout of RAW_LIMIT seconds; the answer, or
+# {"timed_out": true}, goes to $J and to the facts as issue9.answers.STEP.
+raw_call() {
+  local step=$1 call=$2 pid=$3 ms=${4:-} t0 rc=0
+  J="$WORK/out/$SECTION.$step.json"
+  t0=$(now)
+  case $BACKEND in
+    cuda) timeout -k 2 "$RAW_LIMIT" "$PYTHON" "$ROOT/scripts/gpu/driver_call.py" "$call" "$pid" $ms >"$J" 2>"$J.err" || rc=$? ;;
+    sim) timeout -k 2 "$RAW_LIMIT" "$CRYO" sim call "$call" --pid "$pid" ${ms:+--timeout "$ms"} >"$J" 2>"$J.err" || rc=$? ;;
+  esac
+  WALL_S=$(since "$t0")
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    echo '{"timed_out": true}' >"$J"
+  fi
+  fact "issue9.answers.$step" "$(python3 -c 'import json, sys
+try: d = json.load(open(sys.argv[1]))
+except Exception: d = {"unreadable": open(sys.argv[1]).read()[:200]}
+d["seconds"] = float(sys.argv[2]); d["rc"] = int(sys.argv[3]); print(json.dumps(d))' "$J" "$WALL_S" "$rc")"
+  # A call that answered printed one JSON answer; one that did not answer was cut by the timeout.
+  record "$step" "$({ [ "$rc" = 0 ] && jx "$J" 'd["name"]' >/dev/null; } || [ "$rc" = 124 ] || [ "$rc" = 137 ] && echo 1 || echo 0)" \
+    "$WALL_S" "rc=$rc $(head -c 300 "$J" | tr '\n' ' ') $(tail -c 200 "$J.err" | tr '\n' ' ')"
+}
+
+# answer STEP: the recorded answer's code name, `timeout` when it did not answer, `tid=N`/state word
+# appended for a successful GetRestoreThreadId/GetState.
+answer() {
+  jx "$WORK/out/$SECTION.$1.json" 'd.get("timed_out") and "timeout" or d["name"] + ("" if d["value"] is None else " " + str(d["value"]))'
+}
+
+# success STEP: the recorded call answered CUDA_SUCCESS. value STEP: what it returned.
+success() { [ "$(jx "$WORK/out/$SECTION.$1.json" 'd.get("result")')" = 0 ]; }
+value() { jx "$WORK/out/$SECTION.$1.json" 'd["value"]'; }
+
+# expect STEP WANT...: on the simulated GPU, the answer is one of WANT (the simulator's documented
+# answers, which this check holds it to); on a real GPU the answer is recorded, not judged (these
+# are the measurements the simulator is to be matched against), except where noted by the caller.
+expect() {
+  local step=$1 got
+  shift
+  got=$(answer "$step")
+  fact "issue9.answer_words.$step" "\"$got\""
+  [ "$BACKEND" = sim ] || return 0
+  local w
+  for w in "$@"; do
+    # "CUDA_SUCCESS tid": any thread id.
+    case "$w" in
+      "CUDA_SUCCESS tid") [[ "$got" =~ ^CUDA_SUCCESS\ [0-9]+$ ]] && { echo "$got"; return 0; } ;;
+      *) [ "$got" = "$w" ] && { echo "$got"; return 0; } ;;
+    esac
+  done
+  echo "answer '$got', expected one of: $*"
+  return 1
+}
+
+# probe NAME PID: GetRestoreThreadId, GetState, Lock (RAW_LOCK_MS) on PID, in that order (the
+# only call that can answer for a process that cannot run comes first).
+probe() {
+  raw_call "$1.restore_tid" restore-tid "$2"
+  raw_call "$1.state" state "$2"
+  raw_call "$1.lock" lock "$2" "$RAW_LOCK_MS"
+}
+
+# settle_lock PID: a lock that took effect (at once, or late: queued while the process could not
+# run) is undone, so the worker is left running as it was found. Records the state it found.
+settle_lock() {
+  local name=$1 pid=$2 s
+  s=$(state "$pid")
+  fact "issue9.answers.$name.state_after" "\"$s\""
+  if [ "$s" = locked ]; then
+    cj "$name.unlock" -- gpu unlock --pid "$pid" --json
+  fi
+  check "$name.left_running" expect_state "$pid" running
+}
+
+# s6 (issue 9 item 12): the driver's raw answers (GetRestoreThreadId, GetState, Lock with a short
+# timeout), each under a timeout, for processes whose answers were never measured: a shell, a
+# process that only ran cuInit, a zombie, a pid that does not exist, a SIGSTOPped worker, and a
+# worker addressed by one of its non-leader thread ids. On the simulated GPU each answer is
+# checked against what the simulator documents; on a real GPU they are recorded in summary.json
+# (issue9.answers) for the simulator to be matched against.
+s6() {
+  local sh ci z zp gone st t tid
+  export RAW_LIMIT=${RAW_LIMIT:-8} RAW_LOCK_MS=${RAW_LOCK_MS:-500}
+  # The workers start together (a PyTorch worker takes seconds) while the first cases run.
+  worker_spawn i6init 0 initonly
+  worker_spawn i6stop 1
+  worker_spawn i6tid 1
+  # The zombie-to-be: a worker under a parent that never reaps (bash execs sleep).
+  zp=$(wctl i6zombie)
+  rm -rf "$zp"
+  mkdir -p "$zp"
+  setsid bash -c "bash '$SELF' --worker-exec i6zombie 1 plain & echo \$! >'$zp/spawned'; exec sleep 3600" </dev/null >/dev/null 2>&1 &
+  register $! i6zombie.parent
+  disown $!
+  wait_for 10 test -s "$zp/spawned" && register "$(cat "$zp/spawned")" i6zombie
+
+  # A shell: no CUDA at all.
+  setsid bash -c 'while :; do sleep 1; done' </dev/null >/dev/null 2>&1 &
+  sh=$!
+  register "$sh" shell
+  disown "$sh"
+  probe shell "$sh"
+  check shell.restore_tid.answer expect shell.restore_tid CUDA_ERROR_NOT_INITIALIZED
+  check shell.state.answer expect shell.state CUDA_ERROR_NOT_INITIALIZED
+  check shell.lock.answer expect shell.lock CUDA_ERROR_NOT_INITIALIZED
+  check shell.still_alive alive "$sh"
+
+  # A pid that does not exist: one that just exited and was reaped, checked free right before.
+  sleep 0 &
+  gone=$!
+  wait "$gone"
+  if check nopid.free test ! -e "/proc/$gone"; then
+    probe nopid "$gone"
+    check nopid.restore_tid.answer expect nopid.restore_tid CUDA_ERROR_INVALID_VALUE
+    check nopid.state.answer expect nopid.state CUDA_ERROR_INVALID_VALUE
+    check nopid.lock.answer expect nopid.lock CUDA_ERROR_INVALID_VALUE
+  fi
+
+  # A process that only ran cuInit (a launcher, an API server): driver fds, no context.
+  if ci=$(worker_wait i6init); then
+    check cuinit.nvml_not_listed nvml_gone "$ci"
+    probe cuinit "$ci"
+    check cuinit.restore_tid.answer expect cuinit.restore_tid "CUDA_SUCCESS tid"
+    success cuinit.restore_tid && check cuinit.restore_tid.thread_of_process thread_of "$(value cuinit.restore_tid)" "$ci"
+    check cuinit.state.answer expect cuinit.state "CUDA_SUCCESS running"
+    check cuinit.lock.answer expect cuinit.lock CUDA_SUCCESS
+    settle_lock cuinit "$ci"
+  fi
+
+  # A zombie: the worker killed (never restored: killing it is safe), its parent never reaps it.
+  # Its files are closed, so the driver has let its context go.
+  if z=$(worker_wait i6zombie); then
+    kill -9 "$z"
+    if check zombie.is_zombie wait_for 20 is_zombie "$z"; then
+      check zombie.nvml_freed wait_for 20 nvml_gone "$z"
+      probe zombie "$z"
+      check zombie.restore_tid.answer expect zombie.restore_tid CUDA_ERROR_NOT_INITIALIZED
+      check zombie.state.answer expect zombie.state CUDA_ERROR_NOT_INITIALIZED
+      check zombie.lock.answer expect zombie.lock CUDA_ERROR_NOT_INITIALIZED
+    fi
+  fi
+
+  # A SIGSTOPped worker: its restore thread cannot run. The simulator answers only the restore
+  # thread id (the driver knows it without the thread) and leaves every other call unanswered; a
+  # lock whose caller gave up still takes effect once the process runs again (settle_lock).
+  if st=$(worker_wait i6stop); then
+    kill -STOP "$st"
+    if check stopped.is_stopped wait_for 10 is_stopped "$st"; then
+      probe stopped "$st"
+      check stopped.restore_tid.answer expect stopped.restore_tid "CUDA_SUCCESS tid"
+      success stopped.restore_tid && check stopped.restore_tid.thread_of_process thread_of "$(value stopped.restore_tid)" "$st"
+      check stopped.state.answer expect stopped.state timeout
+      check stopped.lock.answer expect stopped.lock timeout
+    fi
+    kill -CONT "$st"
+    settle_lock stopped "$st"
+    check stopped.verify verify i6stop
+  fi
+
+  # A multi-threaded worker addressed by a thread id that is not its leader's (the newest one).
+  if t=$(worker_wait i6tid); then
+    tid=$(ls "/proc/$t/task" | grep -vx "$t" | sort -n | tail -n1)
+    fact issue9.answers.tid.threads "$(ls "/proc/$t/task" | wc -l)"
+    if check tid.has_threads test -n "$tid"; then
+      probe tid "$tid"
+      check tid.restore_tid.answer expect tid.restore_tid "CUDA_SUCCESS tid"
+      success tid.restore_tid && check tid.restore_tid.thread_of_process thread_of "$(value tid.restore_tid)" "$t"
+      check tid.state.answer expect tid.state "CUDA_SUCCESS running"
+      check tid.lock.answer expect tid.lock CUDA_SUCCESS
+      settle_lock tid "$t"
+      check tid.verify verify i6tid
+    fi
+  fi
+  return 0
+}
+
 # --- running the sections ------------------------------------------------------------------------
 
 if [ "${1:-}" = --section ]; then
@@ -357,7 +544,7 @@ fi
 
 SECTION=main
 FAILED_SECTIONS=""
-section_limit() { case $1 in s1) echo 60 ;; s2) echo 120 ;; s3) echo 150 ;; s4) echo 240 ;; s5) echo 120 ;; *) echo 60 ;; esac; }
+section_limit() { case $1 in s1) echo 60 ;; s2) echo 120 ;; s3) echo 150 ;; s4) echo 240 ;; s5) echo 120 ;; s6) echo 120 ;; *) echo 60 ;; esac; }
 # The wedge ledger of the simulated GPU, after each section: its records are the check's failures.
 ledger_check() {
   cryo_ sim ledger --json >"$WORK/ledger.json" 2>&1
@@ -428,7 +615,7 @@ mkdir -p "$OUT" "$WORK/out" "$WORK/w" "$WORK/restored"
 trap finish EXIT
 trap 'exit 130' INT TERM
 T_START=$(date +%s)
-DEADLINE=$((T_START + ${BUDGET_S:-420} - 45)) # 45 s kept for the teardown
+DEADLINE=$((T_START + ${BUDGET_S:-480} - 45)) # 45 s kept for the teardown
 log "gpu-check: backend $BACKEND, cryo $CRYO, work $WORK, out $OUT"
 fact started "\"$(date -u +%FT%TZ)\""
 
@@ -441,7 +628,7 @@ if [ "$BACKEND" = sim ]; then
   wait_for 10 test -S "$CRYO_SIM_DIR/driver.sock" || { log "sim driver did not start"; exit 1; }
 fi
 
-for s in ${SECTIONS:-s1 s2 s3 s5 s4}; do
+for s in ${SECTIONS:-s1 s2 s6 s3 s5 s4}; do
   limit_var=LIMIT_$s # LIMIT_s4=5: a shorter limit, to exercise the timeout path
   limit=${!limit_var:-$(section_limit "$s")}
   left=$((DEADLINE - $(date +%s)))

@@ -104,6 +104,17 @@ alive() {
   [ -n "$st" ] && [ "${st%% *}" != Z ] && { [ -z "${2:-}" ] || [ "${st#* }" = "$2" ]; }
 }
 gone() { ! alive "$@"; }
+# is_zombie PID: it exited and nobody reaped it.
+is_zombie() { [ "$(sed 's/^.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1)" = Z ]; }
+# is_stopped PID: every thread is in a stop (T: SIGSTOP or job control, t: a tracer's stop).
+is_stopped() {
+  local f s n=0
+  for f in /proc/"$1"/task/*/stat; do
+    s=$(sed 's/^.*) //' "$f" 2>/dev/null | cut -d' ' -f1)
+    case $s in T | t) n=$((n + 1)) ;; "") ;; *) return 1 ;; esac
+  done
+  [ "$n" -gt 0 ]
+}
 register() { echo "$1 $(start_time "$1") $2" >>"$WORK/registry"; }
 # register_thaw PID NAME: before a thaw. CRIU brings the worker back under the same pid but with a
 # new start time, so this entry matches by the worker's control directory in its command line.
@@ -114,7 +125,8 @@ is_restored() { [ -e "$WORK/restored/$1" ]; }
 # --- the worker adapter: one interface, a PyTorch worker (cuda) or a sim worker (sim) -------------
 # A worker NAME has the control directory $WORK/w/NAME: `ready` (JSON with its pid) once it holds
 # GIB GiB of seeded data; requests through `cmd` -> `result` files (PyTorch) or HTTP on `sock`
-# (sim). KIND: `plain` (worker.py) or `faulty` (worker2.py: adds `fault`, `busy S`).
+# (sim). KIND: `plain` (worker.py), `faulty` (worker2.py: adds `fault`, `busy S`) or `initonly` (a
+# process that only ran cuInit: driver fds, no context, no device memory; no requests).
 
 wctl() { echo "$WORK/w/$1"; }
 # worker_exec NAME GIB KIND: replaces the shell with the worker (stdio to files: CRIU wants no tty).
@@ -125,9 +137,16 @@ worker_exec() {
     cuda)
       local script=$WORKER
       [ "$3" = faulty ] && script=$WORKER2
+      [ "$3" = initonly ] && exec "$PYTHON" -c 'import ctypes, json, os, sys, time
+r = ctypes.CDLL("libcuda.so.1").cuInit(0)
+open(os.path.join(sys.argv[1], "ready.tmp"), "w").write(json.dumps({"pid": os.getpid(), "cuInit": r}))
+os.rename(os.path.join(sys.argv[1], "ready.tmp"), os.path.join(sys.argv[1], "ready"))
+while True: time.sleep(3600)' "$ctl" </dev/null >"$ctl.log" 2>&1
       exec "$PYTHON" "$script" "$2" "$ctl" </dev/null >"$ctl.log" 2>&1
       ;;
     sim)
+      [ "$3" = initonly ] && exec "$CRYO" sim worker --init-only --http-unix "$ctl/sock" \
+        --ready-file "$ctl/ready" --log-file "$ctl.log" </dev/null >/dev/null 2>&1
       exec "$CRYO" sim worker --memory "$(($2 * SIM_MIB_PER_GIB))MiB" --seed "$RANDOM" \
         --http-unix "$ctl/sock" --ready-file "$ctl/ready" --log-file "$ctl.log" </dev/null >/dev/null 2>&1
       ;;
@@ -195,6 +214,17 @@ verify() {
   echo "$r"
   python3 -c 'import json, sys; sys.exit(0 if json.loads(sys.argv[1]).get("ok") is True else 1)' "$r"
 }
+
+# fault NAME: a kernel of the worker stores to an illegal address; true when the worker answers
+# that the fault happened (CUDA_ERROR_ILLEGAL_ADDRESS, now sticky in its context).
+fault() {
+  local r
+  r=$(wcall "$1" fault) || { echo "$r"; return 1; }
+  echo "$r"
+  python3 -c 'import json, sys; sys.exit(0 if json.loads(sys.argv[1]).get("fault") == "CUDA_ERROR_ILLEGAL_ADDRESS" else 1)' "$r"
+}
+# thread_of TID PID: TID is a thread of PID.
+thread_of() { echo "tid $1 of pid $2"; [ -n "$1" ] && [ -e "/proc/$2/task/$1" ]; }
 
 # --- teardown ------------------------------------------------------------------------------------
 

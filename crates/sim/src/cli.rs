@@ -4,12 +4,12 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand, ValueEnum};
-use cryo_gpu::GpuUuid;
+use cryo_gpu::{CuResult, GpuUuid};
 use cryo_proc::Pid;
 
-use crate::client::{SimClientError, SimControl};
+use crate::client::{SimClient, SimClientError, SimControl};
 use crate::daemon::{DaemonConfig, DaemonError};
-use crate::proto::{CallKind, Fault, HangRule};
+use crate::proto::{ApiCall, ApiDone, CallKind, Fault, HangRule, Reply, Request};
 use crate::worker::{WorkerConfig, WorkerError};
 use cryo_units::parse_size;
 
@@ -28,6 +28,23 @@ pub enum SimCommand {
         /// One JSON array instead of text.
         #[arg(long)]
         json: bool,
+    },
+    /// One raw checkpoint-API call, as a program linked against libcuda makes it (no pid
+    /// normalisation, no state check first); prints one JSON line `{"call", "pid", "result",
+    /// "name", "value"}`, as scripts/gpu/driver_call.py does on a real GPU.
+    Call {
+        /// The driver's directory.
+        #[arg(long, env = "CRYO_SIM_DIR", default_value_os_t = crate::default_dir())]
+        dir: PathBuf,
+        /// Which call.
+        #[arg(value_enum)]
+        call: RawCall,
+        /// The pid (or thread id) handed to the driver as is.
+        #[arg(long)]
+        pid: Pid,
+        /// Lock: `timeoutMs` (0: wait without limit).
+        #[arg(long, default_value_t = 0)]
+        timeout: u64,
     },
     /// Inject a fault into a worker, or a hang into the driver.
     Inject {
@@ -61,6 +78,49 @@ pub enum InjectArgs {
     },
     /// Let every held call go on, and stop holding new ones; prints how many were held.
     Release,
+}
+
+/// The calls `cryo sim call` makes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RawCall {
+    /// `cuCheckpointProcessGetState`.
+    State,
+    /// `cuCheckpointProcessLock`.
+    Lock,
+    /// `cuCheckpointProcessCheckpoint`.
+    Checkpoint,
+    /// `cuCheckpointProcessRestore` (no GPU pairs).
+    Restore,
+    /// `cuCheckpointProcessUnlock`.
+    Unlock,
+    /// `cuCheckpointProcessGetRestoreThreadId`.
+    RestoreTid,
+}
+
+impl RawCall {
+    fn api(self, timeout_ms: u64) -> ApiCall {
+        match self {
+            RawCall::State => ApiCall::State,
+            RawCall::Lock => ApiCall::Lock {
+                timeout_ms: (timeout_ms > 0).then_some(timeout_ms),
+            },
+            RawCall::Checkpoint => ApiCall::Checkpoint,
+            RawCall::Restore => ApiCall::Restore { pairs: Vec::new() },
+            RawCall::Unlock => ApiCall::Unlock,
+            RawCall::RestoreTid => ApiCall::RestoreTid,
+        }
+    }
+
+    fn as_str(self) -> &'static str {
+        match self {
+            RawCall::State => "state",
+            RawCall::Lock => "lock",
+            RawCall::Checkpoint => "checkpoint",
+            RawCall::Restore => "restore",
+            RawCall::Unlock => "unlock",
+            RawCall::RestoreTid => "restore-tid",
+        }
+    }
 }
 
 /// Kinds of driver calls, for `cryo sim inject hang --call`.
@@ -180,6 +240,9 @@ pub enum SimError {
     /// Writing the output failed.
     #[error("cannot write the output: {0}")]
     Output(std::io::Error),
+    /// The daemon answered a call with something that is not a driver answer.
+    #[error("the simulated driver answered {0}")]
+    Answer(String),
     /// An injection that acts on a process was not told which.
     #[error("`cryo sim inject {0}` needs --pid")]
     NeedsPid(&'static str),
@@ -241,6 +304,33 @@ impl SimCommand {
                     t
                 };
                 out.write_all(text.as_bytes()).map_err(SimError::Output)
+            }
+            SimCommand::Call {
+                dir,
+                call,
+                pid,
+                timeout,
+            } => {
+                let request = Request::Call {
+                    pid,
+                    call: call.api(timeout),
+                };
+                let (code, value) = match SimClient::new(&dir).request(&request)? {
+                    Reply::Api(ApiDone::Done) => (CuResult::SUCCESS, serde_json::Value::Null),
+                    Reply::Api(ApiDone::State(s)) => (CuResult::SUCCESS, s.as_str().into()),
+                    Reply::Api(ApiDone::Tid(t)) => (CuResult::SUCCESS, t.into()),
+                    Reply::Cuda(code) => (code, serde_json::Value::Null),
+                    Reply::Error(m) => return Err(SimError::Answer(m)),
+                    other => return Err(SimError::Answer(format!("{other:?}"))),
+                };
+                let line = serde_json::json!({
+                    "call": call.as_str(),
+                    "pid": pid,
+                    "result": code.0,
+                    "name": code.name().map_or_else(|| format!("CUresult {}", code.0), str::to_string),
+                    "value": value,
+                });
+                writeln!(std::io::stdout(), "{line}").map_err(SimError::Output)
             }
             SimCommand::Inject { dir, pid, what } => {
                 let control = SimControl::new(&dir);
