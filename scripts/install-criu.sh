@@ -1,5 +1,11 @@
 #!/usr/bin/env bash
-# Install CRIU >= 4.2 as /usr/local/sbin/criu, built from Debian's source package.
+# Install CRIU >= 4.2 as /usr/local/sbin/criu, built from Debian's source package, and CRIU's own
+# cuda plugin (plugins/cuda of the same source) in CRIU's plugin directory (the `--libdir` default
+# that `criu --help` prints, /usr/lib/criu/). The plugin execs `cuda-checkpoint` from PATH; cryo's
+# front end serves it (`cryo install-compat`), and crates/cli/tests/criu_cuda_plugin.rs drives it.
+# Without /proc/driver/nvidia the plugin disables itself (so plain CRIU runs are unchanged) unless
+# CRIU's fault injection 138 forces it on (CRIU_FAULT=138); on a GPU host it is active for every
+# `criu` run whose image or process has CUDA state.
 #
 # Why: Debian bookworm's criu 3.17 fails on current kernels ("vdso: Unexpected rt vDSO area
 # bounds"); 4.1.1 dumps processes but not their TCP sockets on Linux >= 6.16 ("Can't get 1:16 opt:
@@ -14,7 +20,8 @@
 # REPO/.carry/criu/ so it can be carried to another machine: `LD_LIBRARY_PATH=.carry/criu`.
 #
 # Idempotent: does nothing (beyond refreshing .carry/criu) when /usr/local/sbin/criu already
-# reports >= 4.2 and `criu check` passes. Needs root and a Debian bookworm-like system.
+# reports >= 4.2, `criu check` passes and the plugin is installed; builds only the plugin when it
+# alone is missing and the source tree is still in CRIU_WORK. Needs root and a Debian bookworm-like system.
 #
 # Env: CRIU_SUITE (default: forky, Debian testing), CRIU_WORK (build dir, default: /var/tmp/cryo-criu-build),
 #      CRIU_FORCE=1 to rebuild even when a good criu is installed.
@@ -64,10 +71,54 @@ good_installed() {
     "$PREFIX_BIN" check >/dev/null 2>&1 || return 1
 }
 
+# CRIU's plugin directory: the default the binary was built with.
+plugin_dir() {
+    "$PREFIX_BIN" --help 2>/dev/null | sed -n 's/.*--libdir.*(by default \([^)]*\)).*/\1/p' | head -n1 | sed 's:\(.\)/*$:\1:'
+}
+
+plugin_installed() {
+    local dir
+    dir="$(plugin_dir)"
+    [ -n "$dir" ] && [ -f "$dir/cuda_plugin.so" ]
+}
+
+# Builds plugins/cuda in the source tree $WORK/build (criu built there already: the plugin
+# needs its compel) and installs it into CRIU's plugin directory.
+install_plugin() {
+    local dir built="$WORK/build/plugins/cuda/cuda_plugin.so"
+    dir="$(plugin_dir)"
+    [ -n "$dir" ] || die "cannot read the plugin directory from '$PREFIX_BIN --help' (-L|--libdir)"
+    # One build at a time (test runs of several worktrees start this script concurrently).
+    exec 8>"$WORK/.plugin.lock"
+    flock 8
+    say "building CRIU's cuda plugin (log: $WORK/build.log)"
+    (export PATH=/usr/sbin:/usr/bin:/sbin:/bin
+     make -C "$WORK/build" -j"$(nproc)" NO_GNUTLS=1 cuda_plugin) >>"$WORK/build.log" 2>&1 \
+        || { tail -n 30 "$WORK/build.log" >&2; die "cuda plugin build failed (log: $WORK/build.log)"; }
+    [ -f "$built" ] || die "plugin build finished but $built is missing"
+    # Atomically: CRIU loads every *.so of the directory, and a concurrent run may start it.
+    install -D -m 0755 "$built" "$dir/.cuda_plugin.so.$$"
+    mv -f "$dir/.cuda_plugin.so.$$" "$dir/cuda_plugin.so"
+    exec 8>&-
+    say "cuda plugin installed at $dir/cuda_plugin.so"
+}
+
+# The source tree matches the installed binary: same version line.
+tree_matches() {
+    [ -x "$WORK/build/criu/criu" ] && [ -f "$WORK/build/plugins/cuda/cuda_plugin.c" ] &&
+        [ "$("$WORK/build/criu/criu" --version 2>/dev/null | head -n1)" = "$("$PREFIX_BIN" --version | head -n1)" ]
+}
+
 if [ "${CRIU_FORCE:-0}" != 1 ] && good_installed; then
-    say "$("$PREFIX_BIN" --version | head -n1) already installed at $PREFIX_BIN, check passes"
-    refresh_carry
-    exit 0
+    if ! plugin_installed && tree_matches; then
+        install_plugin
+    fi
+    if plugin_installed; then
+        say "$("$PREFIX_BIN" --version | head -n1) already installed at $PREFIX_BIN, check passes, cuda plugin in $(plugin_dir)"
+        refresh_carry
+        exit 0
+    fi
+    say "the cuda plugin is missing and $WORK holds no matching CRIU source tree: building both"
 fi
 
 start=$(date +%s)
@@ -166,5 +217,6 @@ install -D -m 0755 "$built" "$PREFIX_BIN"
 major="$(criu_major "$PREFIX_BIN")"
 [ -n "$major" ] && [ "$major" -ge "$NEED" ] || die "$PREFIX_BIN does not report version >= $NEED_MAJOR.$NEED_MINOR"
 "$PREFIX_BIN" check >>"$LOG" 2>&1 || { tail -n 20 "$LOG" >&2; die "'criu check' failed (log: $LOG)"; }
+install_plugin
 refresh_carry
 say "$("$PREFIX_BIN" --version | head -n1) installed at $PREFIX_BIN in $(( $(date +%s) - start ))s (log: $LOG)"

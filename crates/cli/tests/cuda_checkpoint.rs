@@ -241,6 +241,7 @@ fn installed_under_the_name_cuda_checkpoint() {
         Command::new(&link)
             .env("CRYO_GPU", "sim")
             .env("CRYO_SIM_DIR", sim.path())
+            .env("CRYO_STATE_DIR", sim.path().join("state"))
             .env("PATH", format!("{}:/usr/bin:/bin", bin.path().display()))
             .args(args)
             .output()
@@ -279,4 +280,59 @@ fn installed_under_the_name_cuda_checkpoint() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("--force"), "{}", stderr(&out));
+}
+
+/// `cryo sim call`: one raw call to the simulated driver, as scripts/gpu/driver_call.py makes it
+/// through libcuda on a real GPU (scripts/gpu-check.sh section s6 compares the two).
+#[test]
+fn sim_call_prints_the_drivers_raw_answer() {
+    let mut sim = Sim::start();
+    let (pid, _) = sim.worker("1MiB");
+    let call = |args: &[&str]| -> serde_json::Value {
+        let mut c = cryo();
+        c.args(["sim", "call"])
+            .args(args)
+            .arg("--dir")
+            .arg(sim.path());
+        serde_json::from_str(&ok(c)).unwrap()
+    };
+    let p = pid.to_string();
+    let v = call(&["state", "--pid", &p]);
+    assert_eq!(
+        (
+            v["call"].as_str(),
+            v["result"].as_u64(),
+            v["name"].as_str(),
+            v["value"].as_str()
+        ),
+        (
+            Some("state"),
+            Some(0),
+            Some("CUDA_SUCCESS"),
+            Some("running")
+        ),
+        "{v}"
+    );
+    let tid = call(&["restore-tid", "--pid", &p])["value"]
+        .as_i64()
+        .unwrap();
+    assert!(std::path::Path::new(&format!("/proc/{pid}/task/{tid}")).exists());
+    // A thread id is handed to the driver as is; the driver takes it for its process.
+    let v = call(&["lock", "--pid", &tid.to_string(), "--timeout", "1000"]);
+    assert_eq!(v["name"], "CUDA_SUCCESS", "{v}");
+    assert_eq!(call(&["state", "--pid", &p])["value"], "locked");
+    assert_eq!(call(&["unlock", "--pid", &p])["result"], 0);
+    let mut s = sleeper();
+    let v = call(&["state", "--pid", &s.id().to_string()]);
+    assert_eq!(
+        (v["result"].as_u64(), v["name"].as_str(), &v["value"]),
+        (
+            Some(3),
+            Some("CUDA_ERROR_NOT_INITIALIZED"),
+            &serde_json::Value::Null
+        ),
+        "{v}"
+    );
+    s.kill().unwrap();
+    s.wait().unwrap();
 }

@@ -76,9 +76,10 @@ impl Sim {
         c
     }
 
-    /// `cryo cuda-checkpoint ARGS...` against this driver.
+    /// `cryo cuda-checkpoint ARGS...` against this driver, journaling into a state directory of
+    /// this test (never the host's).
     pub fn compat(&self, args: &[&str]) -> Output {
-        self.cmd()
+        self.cmd_at(&self.path().join("state"))
             .arg("cuda-checkpoint")
             .args(args)
             .output()

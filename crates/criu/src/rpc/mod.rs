@@ -80,6 +80,8 @@ pub(crate) struct Swrk {
     sock: OwnedFd,
     child: Child,
     stderr: File,
+    /// CRIU's plugin directory for this worker: empty (see [`Swrk::start`]).
+    _no_plugins: tempfile::TempDir,
 }
 
 impl Swrk {
@@ -105,6 +107,13 @@ impl Swrk {
             .stdin(Stdio::from(theirs))
             .stdout(Stdio::null())
             .stderr(Stdio::from(stderr.try_clone().map_err(spawn_err)?));
+        // No CRIU plugins: cryo does the CUDA part itself. CRIU's cuda plugin, installed in CRIU's
+        // default directory on a GPU host, would otherwise act on every CUDA process of cryo's
+        // dumps and, at restore, restore and unlock each one with no GPU map and before cryo has
+        // journaled the restore. CRIU reads its plugin directory from this variable (RPC has no
+        // option for it); an empty directory loads none.
+        let no_plugins = tempfile::tempdir().map_err(spawn_err)?;
+        cmd.env("CRIU_LIBS_DIR", no_plugins.path());
         if let Some(dir) = lib_dir {
             let mut path = dir.as_os_str().to_owned();
             if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
@@ -120,6 +129,7 @@ impl Swrk {
             sock: ours,
             child,
             stderr,
+            _no_plugins: no_plugins,
         })
     }
 
