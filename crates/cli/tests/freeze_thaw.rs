@@ -44,9 +44,16 @@ struct Env {
 
 impl Env {
     fn start(gpu_memory: &str) -> Env {
+        Env::start_gpus(gpu_memory, 2)
+    }
+
+    fn start_gpus(gpu_memory: &str, gpus: u32) -> Env {
         criu_present();
         nix::sys::prctl::set_child_subreaper(true).unwrap();
-        let sim = Sim::start_with(&program(), &["--gpus", "2", "--gpu-memory", gpu_memory]);
+        let sim = Sim::start_with(
+            &program(),
+            &["--gpus", &gpus.to_string(), "--gpu-memory", gpu_memory],
+        );
         let bin = program().copied_to(&sim.path().join("cryo-worker"));
         Env {
             sim,
@@ -314,6 +321,67 @@ fn thaw_onto_the_other_gpu_with_gpu_map() {
         .collect();
     assert_eq!(mine.len(), 1, "{ps}");
     assert_eq!(mine[0]["gpu_uuid"], g1.as_str(), "{ps}");
+    env.stop(pid);
+    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+}
+
+/// Issue 9 item 10: a process with contexts on two GPUs, thawed with a map that moves one of them.
+/// The driver takes a pair for every GPU the process used once any pair is given (the simulated
+/// driver refuses an incomplete list with INVALID_VALUE), so thaw passes the identity pair for the
+/// GPU that stays; a map that lands both GPUs on one is refused before CRIU runs.
+#[test]
+fn thaw_of_a_two_gpu_worker_passes_a_pair_for_every_gpu_it_used() {
+    let mut env = Env::start_gpus("1GiB", 3);
+    let spec = WorkerSpec::new("32MiB")
+        .gpus(&[0, 1])
+        .setsid()
+        .http_unix()
+        .program(env.bin.clone());
+    let w = env.sim.spawn(spec);
+    let (pid, sock) = (w.pid, w.endpoint.clone());
+    env.workers.push(w);
+    let before = answers(&sock);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+    let gpus = env.gpus();
+    let uuid = |i: usize| gpus[i]["uuid"].as_str().unwrap().to_string();
+    let (g0, g1, g2) = (uuid(0), uuid(1), uuid(2));
+
+    // GPU 0 onto GPU 1, where its other context already lands: refused, nothing ran.
+    let out = env.thaw(&image, &["--gpu-map", &format!("{g0}={g1}")]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(
+        err.contains(&format!("two GPUs of the image land on GPU {g1}")),
+        "{err}"
+    );
+    assert!(!err.contains("criu restore"), "CRIU ran: {err}");
+    assert!(!exists(pid), "a process was created for a refused map");
+
+    // GPU 0 onto GPU 2; GPU 1 stays (identity pair).
+    let out = env.thaw(
+        &image,
+        &[
+            "--gpu-map",
+            &format!("{g0}={g2}"),
+            "--health-url",
+            &health(&sock),
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(answers(&sock), before);
+    let ps = env.ps();
+    let mut on: Vec<String> = ps
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["pid"] == pid)
+        .map(|p| p["gpu_uuid"].as_str().unwrap().to_string())
+        .collect();
+    on.sort();
+    let mut want = vec![g1.clone(), g2.clone()];
+    want.sort();
+    assert_eq!(on, want, "{ps}");
     env.stop(pid);
     assert!(env.ledger().is_empty(), "{:?}", env.ledger());
 }
