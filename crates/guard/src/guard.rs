@@ -50,6 +50,7 @@ use cryo_state::StateDir;
 use serde::{Deserialize, Serialize};
 
 use crate::memory::{CgroupVersion, MemoryCgroup};
+use crate::pins::PinSink;
 use crate::policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee};
 use crate::tracer::{AttachError, DetachError, SpawnError, Tracer, TracerGone};
 
@@ -90,6 +91,9 @@ pub struct GuardConfig {
     pub oom_score_adj: i32,
     /// Memory watching; `None`: off.
     pub memory: Option<MemoryWatch>,
+    /// Where pinned fds go so that they outlive the guard (the pin holder); `None`: they stay in
+    /// the guard's own process.
+    pub pin_sink: Option<Arc<dyn PinSink>>,
 }
 
 impl GuardConfig {
@@ -113,6 +117,7 @@ impl GuardConfig {
                 psi_some_avg10: None,
                 interval: Duration::from_millis(250),
             }),
+            pin_sink: None,
         }
     }
 }
@@ -182,6 +187,14 @@ pub enum ReleaseError {
     /// Nothing is pinned or quarantined for that GPU.
     #[error("GPU {0} is neither pinned by this guard nor quarantined")]
     NotPinned(FencedGpu),
+    /// The pin holder could not be asked to close its pins (nothing was closed, the fence holds).
+    #[error("the pin holder could not release {gpu}: {source}")]
+    Holder {
+        /// The GPU.
+        gpu: FencedGpu,
+        /// Why.
+        source: cryo_holder::ClientError,
+    },
 }
 
 /// One guarded process, as `cryo status` shows it.
@@ -210,6 +223,9 @@ pub struct PinInfo {
     pub fds: Vec<RawFd>,
     /// How it died.
     pub cause: String,
+    /// The pin holder that holds them; `None`: the guard's own process (they close if it dies).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder: Option<Pid>,
 }
 
 /// The guard's state, for `cryo status` and the control socket.
@@ -265,6 +281,10 @@ struct Inner {
     /// pid is another process and is guarded.
     paused: Mutex<BTreeSet<ProcId>>,
     pins: Mutex<Vec<Pin>>,
+    /// The state directory's pin holder ([`GuardConfig::pin_sink`], or the holder of the state
+    /// directory if one runs): asked for its inventory and for releases even when pins are not
+    /// handed to it.
+    holder: Arc<dyn PinSink>,
     /// Whether the operator was told that this host refuses `oom_score_adj` (once is enough:
     /// every later process gets the same answer, shown per process in `cryo status`).
     oom_warned: std::sync::atomic::AtomicBool,
@@ -308,6 +328,109 @@ impl Inner {
                 gpu: gpu.to_string(),
                 reason: reason.to_string(),
             });
+        }
+    }
+
+    /// Re-adopts the pins of the pin holder: their GPUs stay (or are again) quarantined, and they
+    /// show in the status. Pins the journal says were taken and never released, that the holder
+    /// does not hold, were lost with the process that held them (a holder or guard that died):
+    /// `PinsLost` is journaled loudly (their contexts were torn down: a likely wedge) and their
+    /// GPUs stay quarantined. Nothing is concluded when the holder cannot be asked.
+    fn adopt_pins(&self, records: &[Record]) {
+        let mut open: BTreeMap<ProcId, Vec<FencedGpu>> = BTreeMap::new();
+        for r in records {
+            match &r.event {
+                Event::Pinned { pid, gpu, .. } => open
+                    .entry(*pid)
+                    .or_default()
+                    .push(gpu.parse().unwrap_or(FencedGpu::Unknown)),
+                Event::PinsReleased { pid } | Event::PinsLost { pid, .. } => {
+                    open.remove(pid);
+                }
+                _ => {}
+            }
+        }
+        let held = match self.holder.inventory() {
+            Ok(Some((_, pins))) => pins,
+            Ok(None) => Vec::new(),
+            Err(err) => {
+                tracing::error!(%err, "cannot ask the pin holder for its pins; not adopting them (its GPUs stay as the fence says)");
+                return;
+            }
+        };
+        for pin in &held {
+            open.remove(&pin.meta.pid);
+            let reason = format!(
+                "pid {} {} with a live restored context; its driver fds are held by the pin holder (pin {})",
+                pin.meta.pid.pid, pin.meta.cause, pin.id
+            );
+            for gpu in &pin.meta.gpus {
+                self.keep_fenced(pin.meta.pid, gpu, &reason);
+            }
+        }
+        for (pid, gpus) in open {
+            let reason = "nobody holds its pinned driver fds any more (the pin holder or the guard that held them died): its context was torn down, which wedges affected hosts; drain the node and reboot it";
+            tracing::error!("PINS LOST of pid {}: {reason}", pid.pid);
+            self.record(Event::PinsLost {
+                pid,
+                reason: reason.to_string(),
+            });
+            for gpu in &gpus {
+                self.keep_fenced(pid, gpu, &format!("pins of pid {} lost: {reason}", pid.pid));
+            }
+        }
+        if !held.is_empty() {
+            tracing::warn!(pins = held.len(), "adopted the pin holder's pins");
+        }
+    }
+
+    /// Quarantines `gpu` unless it has an entry of its own already (never lifts one).
+    fn keep_fenced(&self, pid: ProcId, gpu: &FencedGpu, reason: &str) {
+        match self.fence.get(gpu) {
+            Ok(Some(_)) => {}
+            Ok(None) => self.quarantine(pid, std::slice::from_ref(gpu), reason),
+            Err(err) => {
+                tracing::error!(%err, %gpu, "cannot read the fence; quarantining again");
+                self.quarantine(pid, std::slice::from_ref(gpu), reason);
+            }
+        }
+    }
+
+    /// Hands `pinned` to the pin sink; `Some(holder)` once it holds them all, `None` when there
+    /// is no sink or it could not take them (journaled loudly: the guard keeps them).
+    fn hand_to_sink(
+        &self,
+        id: ProcId,
+        gpus: &[FencedGpu],
+        cause: &str,
+        pinned: &PinnedFds,
+    ) -> Option<ProcId> {
+        let sink = self.cfg.pin_sink.as_ref()?;
+        let meta = cryo_holder::PinMeta {
+            pid: id,
+            gpus: gpus.to_vec(),
+            fds: pinned.fds.iter().map(|(n, _)| *n).collect(),
+            cause: cause.to_string(),
+            from: format!("cryo guard pid {}", std::process::id()),
+        };
+        let fds: Vec<std::os::fd::BorrowedFd<'_>> = pinned
+            .fds
+            .iter()
+            .map(|(_, f)| std::os::fd::AsFd::as_fd(f))
+            .collect();
+        match sink.hold(&meta, &fds) {
+            Ok((holder, _)) => {
+                self.record(Event::PinsHanded { pid: id, holder });
+                Some(holder)
+            }
+            Err(err) => {
+                tracing::error!(pid = id.pid, %err, "THE PIN HOLDER DID NOT TAKE THE PINS: the guard keeps them in its own process; they close (and the context is torn down) if the guard dies");
+                self.record(Event::PinsKeptByGuard {
+                    pid: id,
+                    error: err.to_string(),
+                });
+                None
+            }
         }
     }
 
@@ -504,12 +627,20 @@ impl Policy for PolicyHandle {
         inner.quarantine(id, &gpus, &reason);
         tracing::error!(pid, %how, ?gpus, "context pinned and GPU quarantined");
         if !fds.is_empty() {
-            lock(&inner.pins).push(Pin {
-                id,
-                gpus,
-                cause: how,
-                held: pinned,
-            });
+            // Still at the exit stop: the process is released only after this returns, so the
+            // holder acknowledges before the guard's copies (or the process's own) close.
+            match inner.hand_to_sink(id, &gpus, &how, &pinned) {
+                Some(holder) => {
+                    tracing::warn!(pid, holder = holder.pid, "pins handed to the pin holder");
+                    drop(pinned);
+                }
+                None => lock(&inner.pins).push(Pin {
+                    id,
+                    gpus,
+                    cause: how,
+                    held: pinned,
+                }),
+            }
         }
         inner.run_endgame();
     }
@@ -557,11 +688,15 @@ impl Guard {
             paused: Mutex::new(BTreeSet::new()),
             pins: Mutex::new(Vec::new()),
             oom_warned: std::sync::atomic::AtomicBool::new(false),
+            holder: cfg.pin_sink.clone().unwrap_or_else(|| {
+                Arc::new(crate::pins::HolderSink::new(&cfg.state)) as Arc<dyn PinSink>
+            }),
             cfg,
         });
         let tracer = Tracer::spawn(Arc::new(PolicyHandle(Arc::clone(&inner))))?;
         let mut reader = inner.cfg.state.journal_reader();
         let records = reader.read_new()?.records;
+        inner.adopt_pins(&records);
         let guard = Guard {
             inner,
             tracer,
@@ -725,6 +860,15 @@ impl Guard {
     /// affected hosts the driver then tears the contexts down, which is what wedges them) and
     /// lifts the quarantine. Returns the processes whose pins were closed.
     pub fn release(&self, gpu: &FencedGpu) -> Result<Vec<ProcId>, ReleaseError> {
+        // The holder's first: if it cannot be asked, nothing is closed and the fence holds.
+        let in_holder = self
+            .inner
+            .holder
+            .release(gpu)
+            .map_err(|source| ReleaseError::Holder {
+                gpu: gpu.clone(),
+                source,
+            })?;
         let taken: Vec<Pin> = {
             let mut pins = lock(&self.inner.pins);
             let (take, keep) = std::mem::take(&mut *pins)
@@ -734,10 +878,10 @@ impl Guard {
             take
         };
         let lifted = self.inner.fence.release(gpu)?;
-        if taken.is_empty() && lifted.is_none() {
+        if taken.is_empty() && in_holder.is_empty() && lifted.is_none() {
             return Err(ReleaseError::NotPinned(gpu.clone()));
         }
-        let mut released = Vec::new();
+        let mut released = crate::pins::journal_released(&self.inner.journal, gpu, &in_holder);
         for p in taken {
             tracing::warn!(
                 pid = p.id.pid,
@@ -778,7 +922,7 @@ impl Guard {
                 oom_score_adj: w.oom.clone(),
             })
             .collect();
-        let pins = lock(&self.inner.pins)
+        let mut pins: Vec<PinInfo> = lock(&self.inner.pins)
             .iter()
             .map(|p| PinInfo {
                 pid: p.id.pid,
@@ -786,8 +930,10 @@ impl Guard {
                 gpus: p.gpus.clone(),
                 fds: p.held.fds.iter().map(|(n, _)| *n).collect(),
                 cause: p.cause.clone(),
+                holder: None,
             })
             .collect();
+        pins.extend(crate::pins::holder_pins(&*self.inner.holder));
         GuardStatus {
             guard_pid: std::process::id(),
             tracer_tid: self.tracer.tracer_tid(),

@@ -14,6 +14,10 @@
 //! - [`signals`]: which signals count as fatal (no handler installed, default action kills).
 //! - `sys`: the raw syscalls, the only `unsafe` code.
 //!
+//! Pinned fds go to a [`pins::PinSink`] (the pin holder, [`cryo_holder`]) before the process is
+//! released, so that they outlive the guard; without one, or when it cannot take them, the guard
+//! keeps them in its own process.
+//!
 //! The policy that suspends, journals and fences ([`guard::Guard`]) plugs in through
 //! [`policy::Policy`]; [`control`] is its unix socket (status, attach/detach around a CRIU dump,
 //! the operator's release of pins); [`service::run`] is a guard's whole life (start, socket,
@@ -40,6 +44,7 @@
 pub mod control;
 pub mod guard;
 pub mod memory;
+pub mod pins;
 pub mod policy;
 pub mod service;
 pub mod signals;
@@ -47,6 +52,7 @@ pub mod sys;
 pub mod tracer;
 
 pub use guard::{Endgame, Guard, GuardConfig, GuardStatus, MemoryWatch, StartReport};
+pub use pins::{HolderSink, PinSink};
 pub use policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee};
 pub use service::{run, termination_flag, Notice, RunError, RunOptions};
 pub use tracer::{AttachError, DetachError, SpawnError, Tracer, TracerGone, TracerStats};

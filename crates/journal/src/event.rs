@@ -323,6 +323,29 @@ pub enum Event {
         /// How it ended (`killed by SIGSEGV`, `exited with status 1`).
         how: String,
     },
+    /// The pin holder acknowledged the pinned fds of the process: they outlive the guard now.
+    PinsHanded {
+        /// The dead process whose fds are pinned.
+        pid: ProcId,
+        /// The pin holder that holds them.
+        holder: ProcId,
+    },
+    /// The pin holder could not take the pinned fds of the process: the guard keeps them in its
+    /// own process, and they close if it dies.
+    PinsKeptByGuard {
+        /// The dead process whose fds are pinned.
+        pid: ProcId,
+        /// Why the holder did not take them.
+        error: String,
+    },
+    /// Pins of the process are gone without a release (the process that held them died): its
+    /// context was torn down, which wedges affected hosts. Its GPUs stay quarantined.
+    PinsLost {
+        /// The dead process whose fds were pinned.
+        pid: ProcId,
+        /// What is known about how they were lost.
+        reason: String,
+    },
 
     // ---- the journal itself ----
     /// A writer cut a torn or corrupt tail (after a crash of a writer or a power cut).
@@ -354,6 +377,9 @@ impl Event {
     pub fn proc(&self) -> Option<ProcId> {
         use Event::*;
         match self {
+            PinsHanded { pid, .. } | PinsKeptByGuard { pid, .. } | PinsLost { pid, .. } => {
+                Some(*pid)
+            }
             LockStarted { pid }
             | Locked { pid, .. }
             | LockFailed { pid, .. }
@@ -413,6 +439,7 @@ impl Event {
     pub fn phase(&self) -> Phase {
         use Event::*;
         match self {
+            PinsHanded { .. } | PinsKeptByGuard { .. } | PinsLost { .. } => Phase::Outcome,
             StopRequested { .. }
             | LockStarted { .. }
             | CheckpointStarted { .. }
@@ -498,6 +525,9 @@ impl Event {
             PinsReleased { .. } => "pins released",
             GuardLost { .. } => "GUARD LOST",
             ProcessExited { .. } => "exited",
+            PinsHanded { .. } => "pins handed to the holder",
+            PinsKeptByGuard { .. } => "PINS KEPT BY THE GUARD (no holder)",
+            PinsLost { .. } => "PINS LOST (likely wedge)",
             JournalRepaired { .. } => "journal repaired",
             Unknown => "unknown event",
         }
@@ -508,6 +538,9 @@ impl Event {
         use cryo_units::fmt_bytes;
         use Event::*;
         match self {
+            PinsHanded { holder, .. } => format!("pin holder pid {}", holder.pid),
+            PinsKeptByGuard { error, .. } => error.clone(),
+            PinsLost { reason, .. } => reason.clone(),
             StopRequested { target } => format!("target {target}"),
             Locked { ms, .. } | HealthOk { ms, .. } => format!("{ms} ms"),
             LockFailed { error, .. } | CheckpointFailed { error, .. } => error.clone(),

@@ -159,6 +159,12 @@ pub fn step_of(event: &Event) -> Option<Step> {
             format!("the guard no longer watches pid {}", pid.pid),
             About::Proc(*pid),
         ),
+        Event::PinsLost { pid, .. } => (
+            Warning,
+            "CryoPinsLost",
+            format!("the pins of pid {} were lost without a release (its context was torn down; the node may be wedged): {detail}", pid.pid),
+            About::Node,
+        ),
         Event::JournalRepaired { .. } => (Warning, "CryoJournalRepaired", format!("journal: {detail}"), About::Node),
         _ => return None,
     };

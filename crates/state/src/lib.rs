@@ -13,6 +13,8 @@
 //! | `guard.sock` | the running guard's control socket (root only) | `cryo guard` |
 //! | `cryod.sock` | the node agent's API socket (issue 10) | `cryod` |
 //! | `pins.sock` | the pin holder's socket: pinned driver fds that outlive the agent (issue 10) | the pin holder |
+//! | `pins.lock` | held (`flock`) by the one pin holder of this directory while it lives | the pin holder |
+//! | `pins.log` | the pin holder's log (it has no terminal) | the pin holder |
 //! | `standby/` | warm-pool (standby) state (issue 12) | `cryod` |
 //! | `syslog.offset` | the syslog forwarder's position in the journal (issue 11) | the forwarder |
 //!
@@ -112,6 +114,16 @@ impl StateDir {
         self.root.join("pins.sock")
     }
 
+    /// The lock the one pin holder of this state directory holds while it lives (`flock`).
+    pub fn pin_holder_lock(&self) -> PathBuf {
+        self.root.join("pins.lock")
+    }
+
+    /// The pin holder's log.
+    pub fn pin_holder_log(&self) -> PathBuf {
+        self.root.join("pins.log")
+    }
+
     /// The warm pool's standby state (issue 12).
     pub fn standby_dir(&self) -> PathBuf {
         self.root.join("standby")
@@ -138,6 +150,8 @@ mod tests {
             s.guard_socket(),
             s.agent_socket(),
             s.pin_holder_socket(),
+            s.pin_holder_lock(),
+            s.pin_holder_log(),
             s.standby_dir(),
             s.syslog_offset_file(),
         ];

@@ -46,7 +46,7 @@ pub enum Severity {
 pub fn severity(event: &Event) -> Severity {
     use Event::*;
     match event {
-        Pinned { .. } | GpuQuarantined { .. } => Severity::Critical,
+        Pinned { .. } | GpuQuarantined { .. } | PinsLost { .. } => Severity::Critical,
         Refused { .. }
         | LockFailed { .. }
         | CheckpointFailed { .. }
@@ -56,6 +56,7 @@ pub fn severity(event: &Event) -> Severity {
         | ThawFailed { .. }
         | FatalSignal { .. }
         | GuardLost { .. }
+        | PinsKeptByGuard { .. }
         | JournalRepaired { .. } => Severity::Warning,
         StopCompleted { .. }
         | ImagePublished { .. }

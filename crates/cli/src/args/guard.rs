@@ -50,6 +50,10 @@ pub struct GuardRunArgs {
     /// How often to read the journal for new restores, in ms.
     #[arg(long, default_value_t = 200)]
     pub poll_ms: u64,
+    /// Hand pinned driver fds to the pin holder (`cryo guard holder`, started detached when none
+    /// runs) so that they outlive this process; without it they stay in this process.
+    #[arg(long)]
+    pub pin_holder: bool,
 }
 
 /// `--endgame`.
@@ -88,6 +92,26 @@ pub enum GuardCommand {
         #[arg(long, value_parser = super::parse_pid)]
         pid: cryo_proc::Pid,
     },
+    /// Runs the pin holder of the state directory: the minimal process that keeps pinned driver
+    /// fds open across the guard's (and the agent's) crash, SIGKILL, restart and upgrade. The
+    /// guard and the agent start it themselves; its cgroup is chosen by `CRYO_HOLDER_CGROUP`
+    /// (`auto`: a cgroup of its own, `stay`, or `ROOT:NAME`).
+    Holder(HolderArgs),
+}
+
+/// `cryo guard holder`.
+#[derive(Debug, Args)]
+pub struct HolderArgs {
+    /// Start it in a session of its own and return once it serves (prints its pid).
+    #[arg(long)]
+    pub detach: bool,
+    /// Take every pin of the running holder over before serving (an upgrade of the holder; the
+    /// old one exits once this one holds them all).
+    #[arg(long)]
+    pub take_over: bool,
+    /// Print the running holder's pins instead.
+    #[arg(long, conflicts_with_all = ["detach", "take_over"])]
+    pub list: bool,
 }
 
 /// `cryo status`.

@@ -21,7 +21,7 @@ use cryo_guard::control::{Detach, GuardClient};
 use cryo_guard::{Endgame, GuardConfig, MemoryWatch, RunOptions};
 
 use super::Context;
-use crate::args::guard::{EndgameArg, GuardArgs, GuardCommand, GuardRunArgs};
+use crate::args::guard::{EndgameArg, GuardArgs, GuardCommand, GuardRunArgs, HolderArgs};
 
 /// `cryo guard ...`.
 pub fn run(ctx: &Context, args: &GuardArgs) -> anyhow::Result<u8> {
@@ -39,12 +39,14 @@ pub fn run(ctx: &Context, args: &GuardArgs) -> anyhow::Result<u8> {
                 )));
             }
             eprintln!("cryo: WARNING: closing the pins on {gpu}: on affected hosts the machine may wedge within ~35 s");
-            let pids: Vec<_> = GuardClient::new(state)
-                .release(gpu)
-                .context("releasing pins")?
-                .into_iter()
-                .map(|p| p.pid)
-                .collect();
+            let pids = match GuardClient::new(state).release(gpu) {
+                // No guard runs (the agent is down): the pin holder holds what is pinned.
+                Err(cryo_guard::control::ControlError::NotRunning(_)) => {
+                    cryo_guard::pins::release_without_guard(state, gpu).context("releasing pins")?
+                }
+                other => other.context("releasing pins")?,
+            };
+            let pids: Vec<_> = pids.into_iter().map(|p| p.pid).collect();
             println!(
                 "released pins of {} process(es) on {gpu}: {pids:?}; quarantine lifted",
                 pids.len()
@@ -62,6 +64,7 @@ pub fn run(ctx: &Context, args: &GuardArgs) -> anyhow::Result<u8> {
             }
             Ok(crate::exit::SUCCESS)
         }
+        Some(GuardCommand::Holder(h)) => holder(ctx, h),
         Some(GuardCommand::Attach { pid }) => {
             let id = GuardClient::identify(*pid)?;
             if !GuardClient::new(state)
@@ -74,6 +77,87 @@ pub fn run(ctx: &Context, args: &GuardArgs) -> anyhow::Result<u8> {
             Ok(crate::exit::SUCCESS)
         }
     }
+}
+
+/// `cryo guard holder`: runs the pin holder (foreground or detached), or lists its pins.
+fn holder(ctx: &Context, a: &HolderArgs) -> anyhow::Result<u8> {
+    let state = &ctx.state;
+    if a.list {
+        let Some((info, pins)) = cryo_holder::HolderClient::new(state).inventory()? else {
+            println!("no pin holder runs on {}", state.root().display());
+            return Ok(crate::exit::SUCCESS);
+        };
+        println!(
+            "pin holder pid {} (cryo {}, protocol {}): {} pin(s); oom_score_adj {}; cgroup {}",
+            info.id.pid,
+            info.version,
+            info.protocol,
+            pins.len(),
+            info.oom_score_adj,
+            info.cgroup
+        );
+        for p in pins {
+            let gpus: Vec<String> = p.meta.gpus.iter().map(ToString::to_string).collect();
+            println!(
+                "  pin {}: dead pid {} ({}), {} fd(s), GPU {}",
+                p.id,
+                p.meta.pid.pid,
+                p.meta.cause,
+                p.held,
+                gpus.join(",")
+            );
+        }
+        return Ok(crate::exit::SUCCESS);
+    }
+    let cgroup = cryo_holder::CgroupChoice::from_env().map_err(anyhow::Error::msg)?;
+    if a.detach {
+        return match cryo_holder::launch::detach(state, &cgroup, a.take_over) {
+            Ok(info) => {
+                println!("{}", info.id.pid);
+                Ok(crate::exit::SUCCESS)
+            }
+            Err(cryo_holder::launch::DetachError::AlreadyRunning(m)) => {
+                eprintln!("cryo guard holder: {m}");
+                Ok(cryo_holder::launch::EXIT_ALREADY_RUNNING as u8)
+            }
+            Err(e) => Err(e.into()),
+        };
+    }
+    let err = cryo_holder::launch::run_foreground(state, &cgroup, a.take_over, |info| {
+        eprintln!(
+            "cryo guard holder: pid {} holds pins for {}",
+            info.id.pid,
+            state.root().display()
+        );
+    });
+    match err {
+        cryo_holder::server::ServeError::AlreadyRunning(_) => {
+            eprintln!("cryo guard holder: {err}");
+            Ok(cryo_holder::launch::EXIT_ALREADY_RUNNING as u8)
+        }
+        e => Err(e.into()),
+    }
+}
+
+/// The pin holder of the state directory, started (`/proc/self/exe guard holder --detach`: this
+/// very build, even while a package upgrade replaces the file) unless one runs.
+pub fn pin_sink(ctx: &Context) -> anyhow::Result<std::sync::Arc<dyn cryo_guard::PinSink>> {
+    let mut launch = std::process::Command::new("/proc/self/exe");
+    launch
+        .arg("--state-dir")
+        .arg(ctx.state.root())
+        .args(["guard", "holder", "--detach"]);
+    let adoption = cryo_holder::ensure(&ctx.state, launch).context("starting the pin holder")?;
+    let h = adoption.holder();
+    let how = match adoption {
+        cryo_holder::Adoption::Adopted(_) => "adopted the running",
+        cryo_holder::Adoption::Started(_) => "started the",
+    };
+    eprintln!(
+        "cryo guard: {how} pin holder (pid {}, cryo {}, {} pin(s); oom_score_adj {}; cgroup {})",
+        h.id.pid, h.version, h.pins, h.oom_score_adj, h.cgroup
+    );
+    Ok(std::sync::Arc::new(cryo_guard::HolderSink::new(&ctx.state)))
 }
 
 fn config(ctx: &Context, a: &GuardRunArgs) -> GuardConfig {
@@ -100,15 +184,18 @@ fn serve(ctx: &Context, a: &GuardRunArgs) -> anyhow::Result<()> {
             "--restart-cmd needs --endgame drain".into()
         ));
     }
+    let sink = a.pin_holder.then(|| pin_sink(ctx)).transpose()?;
     let terminate = cryo_guard::termination_flag().context("installing the SIGTERM handler")?;
     let gpu = ctx.gpu()?;
     let opts = RunOptions {
         pids: a.pids.clone(),
         poll: Duration::from_millis(a.poll_ms),
     };
+    let mut cfg = config(ctx, a);
+    cfg.pin_sink = sink;
     cryo_guard::run(
         gpu,
-        config(ctx, a),
+        cfg,
         &opts,
         &|| terminate.load(std::sync::atomic::Ordering::SeqCst),
         &mut |notice| eprintln!("cryo guard: {notice}"),

@@ -1,0 +1,218 @@
+//! Where the guard's pins go so that they outlive it: the [`PinSink`] seam.
+//!
+//! # Design
+//! At a dying process's exit stop the tracer takes duplicates of its driver fds; the guard
+//! journals `Pinned`, fences the GPU, then hands the duplicates to its sink **while the process is
+//! still held at its exit stop**. The sink returns only once the fds are held elsewhere (the pin
+//! holder acknowledged every one); only then does the guard close its own copies and let the
+//! tracer release the process. So at every instant the dying process, the guard's copies or the
+//! holder's hold the context open. If the sink cannot take them, the guard keeps them in its own
+//! process (journaled loudly: `PinsKeptByGuard`); they then close if the guard dies.
+//!
+//! [`HolderSink`] is the sink of the agent and of `cryo guard --pin-holder`: the pin holder of
+//! the state directory ([`cryo_holder`]). A release goes to the sink too ([`PinSink::release`]).
+//!
+//! # Limitations
+//! Between the duplication and the send (microseconds) the guard's copies are the only ones: a
+//! SIGKILL of the guard exactly then lets the kernel release the process and its context is torn
+//! down. From the send on, the fds are in the holder's socket buffer, which the guard's death
+//! does not empty (the `pin-sent` failpoint test kills the guard there).
+
+use std::os::fd::BorrowedFd;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use cryo_holder::{ClientError, HeldPin, HolderClient, HolderInfo, PinMeta, Refusal};
+use cryo_journal::ProcId;
+use cryo_state::fence::FencedGpu;
+use cryo_state::StateDir;
+
+/// Test hook: when set (to a path), [`HolderSink::hold`] sends the first part of a hold, creates
+/// that file, and waits forever instead of reading the holder's acknowledgement, so that a test
+/// can SIGKILL the guard at exactly that instant. Only root sets the agent's environment.
+pub const FAILPOINT_PIN_SENT_ENV: &str = "CRYO_FAILPOINT_PIN_SENT";
+
+/// How long a hold waits for a holder that is handing over to its successor.
+const HANDOVER_PATIENCE: Duration = Duration::from_secs(10);
+/// How long an inventory or a release waits when the socket exists but nothing answers (a
+/// hand-over's last instant, or the stale socket of a holder that died).
+const STALE_PATIENCE: Duration = Duration::from_secs(2);
+
+/// Where pinned fds are held besides the guard's own process.
+pub trait PinSink: Send + Sync + std::fmt::Debug {
+    /// Hands over `fds` (`fds[i]` is the dead process's fd `meta.fds[i]`); returns once they are
+    /// all held there, with who holds them. The caller's fds are untouched either way: it closes
+    /// them only after `Ok`.
+    fn hold(
+        &self,
+        meta: &PinMeta,
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<(ProcId, HeldPin), ClientError>;
+
+    /// Who holds pins there and which; `Ok(None)`: nobody runs there.
+    fn inventory(&self) -> Result<Option<(HolderInfo, Vec<HeldPin>)>, ClientError>;
+
+    /// Closes the pins on `gpu` there; the pins closed (none when nothing was held there or
+    /// nobody runs there).
+    fn release(&self, gpu: &FencedGpu) -> Result<Vec<HeldPin>, ClientError>;
+}
+
+/// The pin holder of a state directory as the guard's sink.
+#[derive(Debug, Clone)]
+pub struct HolderSink {
+    client: HolderClient,
+    failpoint: Option<PathBuf>,
+}
+
+impl HolderSink {
+    /// The sink of `state`'s pin holder (started or adopted by the caller: see
+    /// [`cryo_holder::ensure`]).
+    pub fn new(state: &StateDir) -> Self {
+        Self {
+            client: HolderClient::new(state),
+            failpoint: std::env::var_os(FAILPOINT_PIN_SENT_ENV).map(PathBuf::from),
+        }
+    }
+
+    fn hold_once(
+        &self,
+        meta: &PinMeta,
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<(ProcId, HeldPin), ClientError> {
+        let mut session = self.client.connect_within(HANDOVER_PATIENCE)?;
+        if let Some(path) = &self.failpoint {
+            let first = &fds[..fds.len().min(cryo_holder::proto::MAX_FDS)];
+            let part = PinMeta {
+                fds: meta.fds.iter().take(first.len()).copied().collect(),
+                ..meta.clone()
+            };
+            session.send_hold(&part, first)?;
+            let _ = std::fs::write(path, std::process::id().to_string());
+            tracing::error!("failpoint {FAILPOINT_PIN_SENT_ENV}: hold sent, waiting forever");
+            loop {
+                std::thread::park();
+            }
+        }
+        let holder = session.holder.id;
+        session.hold(meta, fds).map(|pin| (holder, pin))
+    }
+}
+
+impl PinSink for HolderSink {
+    fn hold(
+        &self,
+        meta: &PinMeta,
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<(ProcId, HeldPin), ClientError> {
+        match self.hold_once(meta, fds) {
+            // The holder went away between our connection and its answer (it handed over to a
+            // successor in that instant, or died): the successor, if any, gets the fds again.
+            // Fds held twice are harmless; fds held nowhere are a wedge.
+            Err(ClientError::Io { .. }) => self.hold_once(meta, fds),
+            other => other,
+        }
+    }
+
+    fn inventory(&self) -> Result<Option<(HolderInfo, Vec<HeldPin>)>, ClientError> {
+        match self.client.connect_patiently(STALE_PATIENCE) {
+            Ok(mut s) => s.inventory().map(Some),
+            Err(ClientError::NotRunning(_)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn release(&self, gpu: &FencedGpu) -> Result<Vec<HeldPin>, ClientError> {
+        let mut session = match self.client.connect_patiently(STALE_PATIENCE) {
+            Ok(s) => s,
+            Err(ClientError::NotRunning(_)) => return Ok(Vec::new()),
+            Err(e) => return Err(e),
+        };
+        match session.release(gpu) {
+            Err(ClientError::Refused(Refusal::NotHeld { .. })) => Ok(Vec::new()),
+            other => other,
+        }
+    }
+}
+
+/// The pins `holder` holds, as the status shows them (none, with an error logged, when it cannot
+/// be asked).
+pub fn holder_pins(holder: &dyn PinSink) -> Vec<crate::guard::PinInfo> {
+    match holder.inventory() {
+        Ok(Some((info, pins))) => pins
+            .into_iter()
+            .map(|p| crate::guard::PinInfo {
+                pid: p.meta.pid.pid,
+                start_time: p.meta.pid.start_time,
+                gpus: p.meta.gpus,
+                fds: p.meta.fds,
+                cause: p.meta.cause,
+                holder: Some(info.id.pid),
+            })
+            .collect(),
+        Ok(None) => Vec::new(),
+        Err(err) => {
+            tracing::error!(%err, "cannot ask the pin holder for its pins");
+            Vec::new()
+        }
+    }
+}
+
+/// Journals `PinsReleased` for each pin the holder closed on `gpu`; the processes.
+pub(crate) fn journal_released(
+    journal: &cryo_journal::Journal,
+    gpu: &FencedGpu,
+    closed: &[HeldPin],
+) -> Vec<ProcId> {
+    let mut pids = Vec::new();
+    for p in closed {
+        tracing::warn!(pid = p.meta.pid.pid, %gpu, fds = p.held, "the pin holder closed pins on the operator's request");
+        if let Err(err) = journal.append(cryo_journal::Event::PinsReleased { pid: p.meta.pid }) {
+            tracing::error!(%err, "cannot write the journal");
+        }
+        pids.push(p.meta.pid);
+    }
+    pids
+}
+
+/// Releasing without a running guard failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReleaseError {
+    /// The pin holder could not be asked (nothing was closed, the fence holds).
+    #[error("the pin holder could not release {gpu}: {source}")]
+    Holder {
+        /// The GPU.
+        gpu: FencedGpu,
+        /// Why.
+        source: ClientError,
+    },
+    /// The journal could not be opened.
+    #[error("cannot open the journal: {0}")]
+    Journal(#[from] cryo_journal::OpenError),
+    /// The fence store failed.
+    #[error(transparent)]
+    Fence(#[from] cryo_state::fence::FenceError),
+    /// Nothing is pinned or quarantined for that GPU.
+    #[error("GPU {0} is neither pinned by the pin holder nor quarantined (and no guard runs)")]
+    NotPinned(FencedGpu),
+}
+
+/// The operator's release when no guard runs (the agent is down): closes the pin holder's pins on
+/// `gpu`, journals `PinsReleased` for each, and lifts the quarantine. Returns the processes whose
+/// pins were closed.
+pub fn release_without_guard(
+    state: &StateDir,
+    gpu: &FencedGpu,
+) -> Result<Vec<ProcId>, ReleaseError> {
+    let closed = HolderSink::new(state)
+        .release(gpu)
+        .map_err(|source| ReleaseError::Holder {
+            gpu: gpu.clone(),
+            source,
+        })?;
+    let journal = state.open_journal()?;
+    let lifted = state.fence().release(gpu)?;
+    if closed.is_empty() && lifted.is_none() {
+        return Err(ReleaseError::NotPinned(gpu.clone()));
+    }
+    Ok(journal_released(&journal, gpu, &closed))
+}
