@@ -438,6 +438,23 @@ impl Watcher for GuardClient {
             Err(e) => Err(WatcherError::new(e)),
         }
     }
+
+    /// The guard's `attach` answers once every thread is seized.
+    fn guard_before_unlock(
+        &self,
+        procs: &[&cryo_proc::ProcHandle],
+    ) -> Result<cryo_lifecycle::Coverage, WatcherError> {
+        for p in procs {
+            let id = ProcId {
+                pid: p.pid(),
+                start_time: p.start_time(),
+            };
+            if !GuardClient::attach(self, id).map_err(WatcherError::new)? {
+                return Ok(cryo_lifecycle::Coverage::NoGuard);
+            }
+        }
+        Ok(cryo_lifecycle::Coverage::Guarded)
+    }
 }
 
 #[cfg(test)]

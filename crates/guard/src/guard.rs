@@ -1047,4 +1047,18 @@ impl cryo_lifecycle::Watcher for Guard {
         self.attach_id(pid)
             .map_err(cryo_lifecycle::WatcherError::new)
     }
+
+    fn guard_before_unlock(
+        &self,
+        procs: &[&cryo_proc::ProcHandle],
+    ) -> Result<cryo_lifecycle::Coverage, cryo_lifecycle::WatcherError> {
+        for p in procs {
+            self.attach_id(ProcId {
+                pid: p.pid(),
+                start_time: p.start_time(),
+            })
+            .map_err(cryo_lifecycle::WatcherError::new)?;
+        }
+        Ok(cryo_lifecycle::Coverage::Guarded)
+    }
 }

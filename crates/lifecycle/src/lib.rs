@@ -45,4 +45,4 @@ pub use stop::{
 pub use suspend::{suspend, SuspendOptions, SuspendOutcome, Suspended};
 pub use target::{ResolveError, Resolved, Target};
 pub use thaw::{thaw, PrecheckError, ThawError, ThawOptions, ThawReport};
-pub use watcher::{NoWatcher, Watcher, WatcherError};
+pub use watcher::{Coverage, NoWatcher, Watcher, WatcherError};
