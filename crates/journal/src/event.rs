@@ -277,6 +277,61 @@ pub enum Event {
         error: String,
     },
 
+    // ---- park and wake (scale to zero in place) ----
+    /// `cryo park` was asked to park `target`: suspend its CUDA processes in place (lock,
+    /// checkpoint, verify) and keep them in host memory.
+    ParkStarted {
+        /// The target as given.
+        target: String,
+    },
+    /// The process is parked: its device memory is in its host memory, its GPU free.
+    Parked {
+        /// The process.
+        pid: ProcId,
+        /// Device memory moved to host memory (as NVML listed it before).
+        bytes: u64,
+        /// The GPUs (UUIDs) it held, where a wake puts it back unless told otherwise.
+        gpus: Vec<String>,
+    },
+    /// Park finished: every CUDA process of the target is parked.
+    ParkCompleted {
+        /// The target as given.
+        target: String,
+        /// The parked processes.
+        pids: Vec<ProcId>,
+        /// Wall time of the park.
+        ms: u64,
+    },
+    /// Park failed; the processes it had suspended were brought back (the worker serves).
+    ParkFailed {
+        /// The target as given.
+        target: String,
+        /// What went wrong.
+        error: String,
+    },
+    /// `cryo wake` (or an activation) was asked to wake `target`: restore, guard, unlock.
+    WakeStarted {
+        /// The target as given.
+        target: String,
+    },
+    /// Wake finished: every parked process of the target runs again (restored, guarded when a
+    /// guard runs, unlocked).
+    WakeCompleted {
+        /// The target as given.
+        target: String,
+        /// The woken processes.
+        pids: Vec<ProcId>,
+        /// Wall time of the wake.
+        ms: u64,
+    },
+    /// Wake failed; the processes stay (or were put back) parked.
+    WakeFailed {
+        /// The target as given.
+        target: String,
+        /// What went wrong.
+        error: String,
+    },
+
     // ---- guard ----
     /// The guard watches the process.
     GuardAttached {
@@ -401,6 +456,7 @@ impl Event {
             | Unlocked { pid, .. }
             | Resumed { pid }
             | RestoreCompleted { pid, .. }
+            | Parked { pid, .. }
             | HealthOk { pid, .. }
             | GuardAttached { pid }
             | FatalSignal { pid, .. }
@@ -418,6 +474,12 @@ impl Event {
             | CriuRestored { .. }
             | ThawCompleted { .. }
             | ThawFailed { .. }
+            | ParkStarted { .. }
+            | ParkCompleted { .. }
+            | ParkFailed { .. }
+            | WakeStarted { .. }
+            | WakeCompleted { .. }
+            | WakeFailed { .. }
             | GpuQuarantined { .. }
             | JournalRepaired { .. }
             | Unknown => None,
@@ -430,7 +492,9 @@ impl Event {
             Event::StopCompleted {
                 killed, refused, ..
             } => killed.iter().chain(refused).copied().collect(),
-            Event::ThawCompleted { pids, .. } => pids.clone(),
+            Event::ThawCompleted { pids, .. }
+            | Event::ParkCompleted { pids, .. }
+            | Event::WakeCompleted { pids, .. } => pids.clone(),
             other => other.proc().into_iter().collect(),
         }
     }
@@ -449,7 +513,9 @@ impl Event {
             | ThawStarted { .. }
             | SuspendStarted { .. }
             | Continued { .. }
-            | RestoreStarted { .. } => Phase::Intent,
+            | RestoreStarted { .. }
+            | ParkStarted { .. }
+            | WakeStarted { .. } => Phase::Intent,
             Locked { .. }
             | LockFailed { .. }
             | Checkpointed { .. }
@@ -469,6 +535,11 @@ impl Event {
             | HealthOk { .. }
             | ThawCompleted { .. }
             | ThawFailed { .. }
+            | Parked { .. }
+            | ParkCompleted { .. }
+            | ParkFailed { .. }
+            | WakeCompleted { .. }
+            | WakeFailed { .. }
             | GuardAttached { .. }
             | FatalSignal { .. }
             | Pinned { .. }
@@ -518,6 +589,13 @@ impl Event {
             HealthOk { .. } => "health ok",
             ThawCompleted { .. } => "thaw completed",
             ThawFailed { .. } => "thaw failed",
+            ParkStarted { .. } => "park started",
+            Parked { .. } => "parked",
+            ParkCompleted { .. } => "park completed",
+            ParkFailed { .. } => "park failed",
+            WakeStarted { .. } => "wake started",
+            WakeCompleted { .. } => "wake completed",
+            WakeFailed { .. } => "wake failed",
             GuardAttached { .. } => "guard attached",
             FatalSignal { .. } => "FATAL SIGNAL",
             Pinned { .. } => "pinned",
@@ -595,6 +673,17 @@ impl Event {
             CallAbandoned { call, ms, .. } => format!("{call}: no answer in {ms} ms"),
             SuspensionSettled { found, action, .. } => format!("found {found}: {action}"),
             RestoreStarted { image, .. } => format!("image {image}"),
+            ParkStarted { target } | WakeStarted { target } => format!("target {target}"),
+            Parked { bytes, gpus, .. } => {
+                format!("{} off GPU {}", fmt_bytes(*bytes), gpus.join(","))
+            }
+            ParkCompleted { target, pids, ms } | WakeCompleted { target, pids, ms } => {
+                let list: Vec<String> = pids.iter().map(|p| p.pid.to_string()).collect();
+                format!("target {target}, pids [{}], {ms} ms", list.join(", "))
+            }
+            ParkFailed { target, error } | WakeFailed { target, error } => {
+                format!("target {target}: {error}")
+            }
             GpuQuarantined { gpu, reason } => format!("GPU {gpu}: {reason}"),
             ProcessExited { how, .. } => how.clone(),
             JournalRepaired { offset, bytes } => {

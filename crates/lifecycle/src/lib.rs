@@ -22,6 +22,7 @@ pub mod failpoint;
 pub mod freeze;
 pub mod health;
 pub mod inflight;
+pub mod park;
 pub mod progress;
 pub mod reaped;
 pub mod restore;
@@ -36,6 +37,10 @@ pub use cuda::{classify, Class, Unsure};
 pub use freeze::{freeze, FreezeError, FreezeOptions, FreezeReport};
 pub use health::HealthCheck;
 pub use inflight::{settle_in_flight, SettleError, Settled, Settlement};
+pub use park::{
+    park, parked_now, wake, ParkError, ParkOptions, ParkReport, ParkedWorker, WakeError,
+    WakeOptions, WakeReport, WhenFull,
+};
 pub use progress::{NoProgress, Progress};
 pub use restore::{record_restored, restore_context, resume_in_place, RecordError, RestoreError};
 pub use runnable::{runnable, Runnable};

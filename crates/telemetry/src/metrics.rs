@@ -55,11 +55,15 @@ pub struct Metrics {
     criu_restore: Histogram,
     stop: Histogram,
     thaw: Histogram,
+    park: Histogram,
+    wake: Histogram,
     checkpointed_bytes: IntCounter,
     stops: IntCounterVec,
     refusals: IntCounter,
     freezes: IntCounterVec,
     thaws: IntCounterVec,
+    parks: IntCounterVec,
+    wakes: IntCounterVec,
     signals_held: IntCounter,
     pins: IntCounter,
     quarantines: IntCounter,
@@ -99,11 +103,15 @@ impl Metrics {
             criu_restore: r.histogram("criu_restore_duration_seconds", "Time of CRIU's restore of a process tree in a thaw (CriuRestored records).")?,
             stop: r.histogram("stop_duration_seconds", "Wall time of a whole cryo stop (StopCompleted records).")?,
             thaw: r.histogram("thaw_duration_seconds", "Wall time of a whole thaw (ThawCompleted records).")?,
+            park: r.histogram("park_duration_seconds", "Wall time of a whole park: suspend in place, verified (ParkCompleted records).")?,
+            wake: r.histogram("wake_duration_seconds", "Wall time of a whole wake of a parked worker: restore, guard, unlock (WakeCompleted records).")?,
             checkpointed_bytes: r.counter("checkpointed_bytes_total", "Device memory moved into host memory by checkpoints.")?,
             stops: r.counter_vec("stops_total", "Stops finished, by outcome: completed, refused (nothing ended), unsafe (refused processes ended anyway).", "outcome", &["completed", "refused", "unsafe"])?,
             refusals: r.counter("refusals_total", "Processes cryo refused to end because their context could not be suspended (Refused records, stop and guard).")?,
             freezes: r.counter_vec("freezes_total", "Freezes finished, by outcome.", "outcome", &["published", "failed"])?,
             thaws: r.counter_vec("thaws_total", "Thaws finished, by outcome.", "outcome", &["completed", "failed"])?,
+            parks: r.counter_vec("parks_total", "Parks finished, by outcome.", "outcome", &["completed", "failed"])?,
+            wakes: r.counter_vec("wakes_total", "Wakes of parked workers finished, by outcome.", "outcome", &["completed", "failed"])?,
             signals_held: r.counter("signals_held_total", "Fatal signals the guard held to suspend the context first (FatalSignal records).")?,
             pins: r.counter("pins_total", "Contexts whose driver fds the guard pinned at exit (Pinned records).")?,
             quarantines: r.counter("gpu_quarantines_total", "GPUs put in quarantine (GpuQuarantined records).")?,
@@ -197,6 +205,16 @@ impl Metrics {
                 self.thaws.with_label_values(&["completed"]).inc();
             }
             Event::ThawFailed { .. } => self.thaws.with_label_values(&["failed"]).inc(),
+            Event::ParkCompleted { ms, .. } => {
+                self.park.observe(secs(*ms));
+                self.parks.with_label_values(&["completed"]).inc();
+            }
+            Event::ParkFailed { .. } => self.parks.with_label_values(&["failed"]).inc(),
+            Event::WakeCompleted { ms, .. } => {
+                self.wake.observe(secs(*ms));
+                self.wakes.with_label_values(&["completed"]).inc();
+            }
+            Event::WakeFailed { .. } => self.wakes.with_label_values(&["failed"]).inc(),
             Event::FatalSignal { .. } => self.signals_held.inc(),
             Event::Pinned { .. } => self.pins.inc(),
             Event::GpuQuarantined { .. } => self.quarantines.inc(),

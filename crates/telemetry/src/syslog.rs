@@ -54,6 +54,8 @@ pub fn severity(event: &Event) -> Severity {
         | UnsafeKill { .. }
         | FreezeFailed { .. }
         | ThawFailed { .. }
+        | ParkFailed { .. }
+        | WakeFailed { .. }
         | FatalSignal { .. }
         | GuardLost { .. }
         | PinsKeptByGuard { .. }
@@ -61,6 +63,8 @@ pub fn severity(event: &Event) -> Severity {
         StopCompleted { .. }
         | ImagePublished { .. }
         | ThawCompleted { .. }
+        | ParkCompleted { .. }
+        | WakeCompleted { .. }
         | PinsReleased { .. } => Severity::Notice,
         _ => Severity::Info,
     }

@@ -10,6 +10,7 @@ pub mod freeze;
 pub mod gpu;
 pub mod gpu_map;
 pub mod guard;
+pub mod park;
 pub mod stop;
 
 use std::ffi::OsString;
@@ -98,6 +99,10 @@ pub enum Command {
     Freeze(FreezeArgs),
     /// Restores a frozen worker from its image, after checking the image and this host.
     Thaw(ThawArgs),
+    /// Parks a worker in place: suspends its CUDA processes (GPU freed), keeps them in host memory.
+    Park(park::ParkArgs),
+    /// Wakes a parked worker: restores its CUDA processes, guarded before they are unlocked.
+    Wake(park::WakeArgs),
     /// Guards restored workers against disorderly deaths (fatal signals, OOM kills, kill -9):
     /// suspends on a fatal signal, else pins the context at exit and fences the GPU.
     Guard(GuardArgs),

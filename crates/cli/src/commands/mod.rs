@@ -6,6 +6,7 @@ pub mod gpu;
 pub mod guard;
 pub mod install_compat;
 pub mod metrics;
+pub mod park;
 pub mod sim;
 pub mod status;
 pub mod stop;
@@ -70,6 +71,8 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Bench(b) => cryo_bench::bench(&b, &this_binary()?).map(|()| crate::exit::SUCCESS),
         Command::Freeze(a) => freeze::run(&ctx, &a),
         Command::Thaw(a) => thaw::run(&ctx, &a),
+        Command::Park(a) => park::run_park(&ctx, &a),
+        Command::Wake(a) => park::run_wake(&ctx, &a),
         Command::Guard(a) => guard::run(&ctx, &a),
         Command::Status(a) => status::run(&ctx, &a).map(|()| crate::exit::SUCCESS),
         Command::Metrics(a) => metrics::run(&ctx, &a).map(|()| crate::exit::SUCCESS),

@@ -1,6 +1,9 @@
-//! `cryo status`: quarantined GPUs (the fence) and what the running guard watches and pins.
+//! `cryo status`: parked workers and the host memory they hold, quarantined GPUs (the fence),
+//! and what the running guard watches and pins.
 
 use anyhow::Context as _;
+
+use cryo_units::fmt_bytes;
 
 use super::Context;
 use crate::args::guard::StatusArgs;
@@ -16,14 +19,46 @@ pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
         Ok(s) => Ok(s),
         Err(e) => Err(e.to_string()),
     };
+    // Parked workers: from the journal and /proc (no driver call). A journal that cannot be read
+    // is said, not fatal: the rest of the status still matters.
+    let parked = state
+        .read_journal()
+        .map(|scan| cryo_lifecycle::parked_now(&scan.records))
+        .map_err(|e| e.to_string());
     if args.json {
         let v = serde_json::json!({
+            "parked": parked.as_ref().ok(),
+            "parked_host_bytes": parked.as_ref().ok().map(|p| p.iter().map(|w| w.host_bytes).sum::<u64>()),
+            "parked_error": parked.as_ref().err(),
             "quarantined": quarantined,
             "guard": guard.as_ref().ok().cloned().flatten(),
             "guard_error": guard.as_ref().err(),
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
+    }
+    match &parked {
+        Err(e) => println!("parked workers: cannot read the journal: {e}"),
+        Ok(p) if p.is_empty() => println!("parked workers: none"),
+        Ok(p) => {
+            println!(
+                "parked workers ({} of host memory held; `cryo wake PID` brings one back):",
+                fmt_bytes(p.iter().map(|w| w.host_bytes).sum())
+            );
+            for w in p {
+                println!(
+                    "  pid {}  {} off GPU {}  holds {} of host memory",
+                    w.pid.pid,
+                    fmt_bytes(w.device_bytes),
+                    w.gpus
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join(","),
+                    fmt_bytes(w.host_bytes)
+                );
+            }
+        }
     }
     if quarantined.is_empty() {
         println!("quarantined GPUs: none");

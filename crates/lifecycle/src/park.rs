@@ -1,0 +1,889 @@
+//! Park and wake in place: the cheapest scale to zero there is. A parked worker's CUDA processes
+//! are locked, checkpointed and verified (NVML lists no device memory for them): the GPU is free
+//! for other work, the processes stay alive in host memory, holding their device memory there.
+//! A wake restores their contexts (onto the GPUs they left, or another one the policy allows),
+//! has them traced by the guard while still LOCKED, then unlocks them. No image, no CRIU.
+//!
+//! # Design
+//! - [`park`] is [`crate::suspend`] (the one all-or-nothing suspension) with
+//!   `resume_on_failure`: a park that cannot suspend every CUDA process of the target brings back
+//!   the ones it suspended, so the worker keeps serving. Each parked process is journaled
+//!   ([`Event::Parked`]: its device memory and its GPUs), which is what a wake, `cryo status` and
+//!   the metrics read. [`ParkOptions::max_parked_host`] refuses a park that would take the host
+//!   memory held by parked workers past a limit.
+//! - [`wake`] checks first, pure ([`place`]): the node's fence (every GPU when it holds an entry
+//!   for an unknown GPU), and for each process a GPU with the free device memory it needs (a
+//!   restore short of memory leaves the process stuck CHECKPOINTED for good,
+//!   NVIDIA/cuda-checkpoint#44). [`WhenFull`] says what happens when none has room: wait for one
+//!   (bounded), take another GPU of [`WakeOptions::gpus`], or refuse. Then: restore every
+//!   process in parallel (journaled [`Event::RestoreCompleted`]: from then on it is a restored
+//!   process), [`Watcher::guard_before_unlock`], unlock, health check. A failure after a restore
+//!   suspends the restored processes again (they stay parked); a live restored context is never
+//!   left unlocked without the guard when a guard runs, and never torn down.
+//! - A parked process can be stopped (`cryo stop`: its context is already CHECKPOINTED, verified
+//!   again, then killed) or frozen (`cryo freeze`: CRIU dumps it as it is).
+//!
+//! # Limitations
+//! A process that was checkpointed by something other than a park has no record of its device
+//! memory, so a wake refuses it (restore it with `cryo gpu restore`). A process on several GPUs
+//! is only put back on the GPUs it left.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use cryo_gpu::{CuResult, Gpu, GpuInfo, GpuPair, GpuUuid, ProcessState};
+use cryo_journal::{Event, Journal, ProcId, Record};
+use cryo_proc::{Pid, ProcHandle};
+use cryo_state::fence::{Fence, FenceError, FencedGpu, Quarantine};
+use cryo_units::fmt_bytes;
+
+use crate::health::HealthCheck;
+use crate::progress::Progress;
+use crate::suspend::{id, suspend, SuspendFailure, SuspendOptions};
+use crate::target::Resolved;
+use crate::watcher::{Coverage, Watcher};
+
+/// Options of a park.
+#[derive(Debug, Clone)]
+pub struct ParkOptions {
+    /// How to suspend (`resume_on_failure` is always set: a failed park leaves the worker serving).
+    pub suspend: SuspendOptions,
+    /// Refuse a park that would take the host memory held by parked workers (this one included)
+    /// past this many bytes.
+    pub max_parked_host: Option<u64>,
+}
+
+impl Default for ParkOptions {
+    fn default() -> Self {
+        ParkOptions {
+            suspend: SuspendOptions {
+                resume_on_failure: true,
+                ..SuspendOptions::default()
+            },
+            max_parked_host: None,
+        }
+    }
+}
+
+/// One parked process.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ParkedProc {
+    /// The process.
+    pub pid: Pid,
+    /// Device memory moved into its host memory, bytes.
+    pub device_bytes: u64,
+    /// The GPUs it left.
+    pub gpus: Vec<GpuUuid>,
+    /// Its resident host memory after the park, bytes.
+    pub host_bytes: u64,
+    /// Whether it was parked already (nothing to do).
+    pub already: bool,
+}
+
+/// What a park did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ParkReport {
+    /// The target as named.
+    pub target: String,
+    /// The CUDA processes, now parked.
+    pub parked: Vec<ParkedProc>,
+    /// Processes of the target without CUDA state (left as they are).
+    pub plain: Vec<Pid>,
+    /// Wall time, ms.
+    pub elapsed_ms: u64,
+}
+
+/// The park did not happen; every process of the target serves as before.
+#[derive(Debug, thiserror::Error)]
+pub enum ParkError {
+    /// The target holds no CUDA process: there is nothing to park.
+    #[error("{0} holds no CUDA process: nothing to park")]
+    NoCuda(String),
+    /// The driver could not tell which processes use CUDA.
+    #[error("cannot ask the driver about pid {pid}: {error}")]
+    Driver {
+        /// The process.
+        pid: Pid,
+        /// The driver's error.
+        error: cryo_gpu::DriverError,
+    },
+    /// The inspection API (NVML) could not list processes.
+    #[error("cannot list GPU processes: {0}")]
+    Inspect(#[from] cryo_gpu::InspectError),
+    /// The journal could not be read or written before acting.
+    #[error("cannot write the journal: {0}")]
+    Journal(#[from] cryo_journal::AppendError),
+    /// The journal could not be read.
+    #[error("cannot read the journal: {0}")]
+    JournalRead(#[from] cryo_journal::ReadError),
+    /// Parking would hold more host memory than the limit.
+    #[error("parking would hold {} of host memory in parked workers, over the limit of {} (parked now: {}); wake or stop a parked worker first", fmt_bytes(*.would), fmt_bytes(*.limit), fmt_bytes(*.now))]
+    HostMemory {
+        /// Held after the park.
+        would: u64,
+        /// The limit.
+        limit: u64,
+        /// Held by parked workers now.
+        now: u64,
+    },
+    /// A process could not be suspended; the ones suspended were brought back.
+    #[error("pid {pid} cannot be parked: {} ({}); the worker keeps serving", .failure.reason(), .failure.hint())]
+    Suspend {
+        /// The process.
+        pid: Pid,
+        /// Why.
+        failure: SuspendFailure,
+    },
+}
+
+/// Parks every CUDA process of `target` (see the module docs).
+pub fn park(
+    gpu: &Gpu,
+    target: &Resolved,
+    opts: &ParkOptions,
+    journal: &Journal,
+    progress: &dyn Progress,
+) -> Result<ParkReport, ParkError> {
+    let start = Instant::now();
+    let described = target.target().to_string();
+    journal.append(Event::ParkStarted {
+        target: described.clone(),
+    })?;
+    let result = park_inner(gpu, target, opts, journal, progress, &described, start);
+    match &result {
+        Ok(r) => {
+            journal.append(Event::ParkCompleted {
+                target: described,
+                pids: target
+                    .handles()
+                    .iter()
+                    .filter(|h| r.parked.iter().any(|p| p.pid == h.pid()))
+                    .map(id)
+                    .collect(),
+                ms: ms(start.elapsed()),
+            })?;
+        }
+        Err(e) => {
+            if let Err(j) = journal.append(Event::ParkFailed {
+                target: described,
+                error: e.to_string(),
+            }) {
+                tracing::error!(error = %j, "cannot journal the failed park");
+            }
+        }
+    }
+    result
+}
+
+fn park_inner(
+    gpu: &Gpu,
+    target: &Resolved,
+    opts: &ParkOptions,
+    journal: &Journal,
+    progress: &dyn Progress,
+    described: &str,
+    start: Instant,
+) -> Result<ParkReport, ParkError> {
+    let (cuda, plain) = cuda_processes(gpu, target.handles())
+        .map_err(|(pid, error)| ParkError::Driver { pid, error })?;
+    if cuda.is_empty() {
+        return Err(ParkError::NoCuda(described.to_string()));
+    }
+    let records = cryo_journal::read(journal.dir())?.records;
+    let known = parked_records(&records);
+    let listed = gpu.inspect.processes()?;
+    let on_gpu = |pid: Pid| -> (u64, Vec<GpuUuid>) {
+        let mine: Vec<_> = listed.iter().filter(|p| p.pid == pid).collect();
+        let mut gpus: Vec<GpuUuid> = mine.iter().map(|p| p.gpu_uuid.clone()).collect();
+        gpus.dedup();
+        (mine.iter().map(|p| p.used_memory).sum(), gpus)
+    };
+    if let Some(limit) = opts.max_parked_host {
+        let now: u64 = parked_now(&records)
+            .iter()
+            .filter(|w| !cuda.iter().any(|h| id(h) == w.pid))
+            .map(|w| w.host_bytes)
+            .sum();
+        let adding: u64 = cuda
+            .iter()
+            .map(|h| h.rss().unwrap_or(0) + on_gpu(h.pid()).0)
+            .sum();
+        if now + adding > limit {
+            return Err(ParkError::HostMemory {
+                would: now + adding,
+                limit,
+                now,
+            });
+        }
+    }
+    let before: Vec<(u64, Vec<GpuUuid>)> = cuda.iter().map(|h| on_gpu(h.pid())).collect();
+    let suspend_opts = SuspendOptions {
+        resume_on_failure: true,
+        ..opts.suspend.clone()
+    };
+    let outcomes = suspend(gpu, &cuda, &suspend_opts, Some(journal), progress);
+    if let Some((pid, failure)) = outcomes
+        .iter()
+        .find_map(|o| o.result.as_ref().err().map(|f| (o.pid, f.clone())))
+    {
+        return Err(ParkError::Suspend { pid, failure });
+    }
+    let mut parked = Vec::new();
+    for ((h, (bytes, gpus)), o) in cuda.iter().zip(before).zip(&outcomes) {
+        let already = matches!(&o.result, Ok(s) if s.state_before == ProcessState::Checkpointed);
+        // A process parked before keeps the record of what it held on the GPU.
+        let (bytes, gpus) = match known.get(&id(h)) {
+            Some(k) if already => (k.device_bytes, k.gpus.clone()),
+            _ => (bytes, gpus),
+        };
+        if !already || !known.contains_key(&id(h)) {
+            journal.append(Event::Parked {
+                pid: id(h),
+                bytes,
+                gpus: gpus.iter().map(ToString::to_string).collect(),
+            })?;
+        }
+        parked.push(ParkedProc {
+            pid: h.pid(),
+            device_bytes: bytes,
+            gpus,
+            host_bytes: h.rss().unwrap_or(0),
+            already,
+        });
+    }
+    Ok(ParkReport {
+        target: described.to_string(),
+        parked,
+        plain: plain.iter().map(|h| h.pid()).collect(),
+        elapsed_ms: ms(start.elapsed()),
+    })
+}
+
+/// The processes of `handles` the driver answers a state for (CUDA), and the others.
+#[allow(clippy::type_complexity)]
+fn cuda_processes<'a>(
+    gpu: &Gpu,
+    handles: &'a [ProcHandle],
+) -> Result<(Vec<&'a ProcHandle>, Vec<&'a ProcHandle>), (Pid, cryo_gpu::DriverError)> {
+    let mut cuda = Vec::new();
+    let mut plain = Vec::new();
+    for h in handles {
+        match gpu.driver.state(h.pid()) {
+            Ok(_) => cuda.push(h),
+            Err(e)
+                if matches!(
+                    e.code(),
+                    Some(CuResult::NOT_INITIALIZED) | Some(CuResult::INVALID_VALUE)
+                ) && h.is_alive() =>
+            {
+                plain.push(h)
+            }
+            Err(_) if !h.is_alive() => {}
+            Err(e) => return Err((h.pid(), e)),
+        }
+    }
+    Ok((cuda, plain))
+}
+
+/// What the journal says a parked process left on the GPU.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ParkedRecord {
+    /// The process.
+    pub pid: ProcId,
+    /// Device memory it held, bytes.
+    pub device_bytes: u64,
+    /// The GPUs it held.
+    pub gpus: Vec<GpuUuid>,
+}
+
+/// Every process whose last word in `records` is that it was parked (no restore, unlock or exit
+/// since), whether or not it is still alive.
+pub fn parked_records(records: &[Record]) -> BTreeMap<ProcId, ParkedRecord> {
+    let mut parked = BTreeMap::new();
+    for r in records {
+        match &r.event {
+            Event::Parked { pid, bytes, gpus } => {
+                parked.insert(
+                    *pid,
+                    ParkedRecord {
+                        pid: *pid,
+                        device_bytes: *bytes,
+                        gpus: gpus.iter().filter_map(|g| g.parse().ok()).collect(),
+                    },
+                );
+            }
+            Event::RestoreCompleted { pid, .. }
+            | Event::Unlocked { pid, .. }
+            | Event::Resumed { pid }
+            | Event::Killed { pid }
+            | Event::ProcessExited { pid, .. } => {
+                parked.remove(pid);
+            }
+            _ => {}
+        }
+    }
+    parked
+}
+
+/// A parked worker process alive now, and the host memory it holds.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ParkedWorker {
+    /// The process.
+    pub pid: ProcId,
+    /// Device memory it left on the GPU (now in its host memory), bytes.
+    pub device_bytes: u64,
+    /// The GPUs it left.
+    pub gpus: Vec<GpuUuid>,
+    /// Its resident host memory now, bytes.
+    pub host_bytes: u64,
+}
+
+/// The parked processes alive now (journal + /proc; no driver call), for `cryo status`.
+pub fn parked_now(records: &[Record]) -> Vec<ParkedWorker> {
+    parked_records(records)
+        .into_values()
+        .filter_map(|r| {
+            let h = ProcHandle::open_expected(r.pid.pid, r.pid.start_time).ok()?;
+            h.is_alive().then(|| ParkedWorker {
+                pid: r.pid,
+                device_bytes: r.device_bytes,
+                gpus: r.gpus,
+                host_bytes: h.rss().unwrap_or(0),
+            })
+        })
+        .collect()
+}
+
+/// What a wake does when the GPU a process needs has too little free memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WhenFull {
+    /// Wait (up to this long) for memory to be freed, then refuse.
+    Wait(Duration),
+    /// Put the process on another allowed GPU with room (same model), else refuse.
+    OtherGpu,
+    /// Refuse at once.
+    Refuse,
+}
+
+/// Options of a wake.
+#[derive(Debug, Clone)]
+pub struct WakeOptions {
+    /// GPUs a wake may put processes on (`None`: the ones they left only, plus any GPU of the
+    /// node with [`WhenFull::OtherGpu`]).
+    pub gpus: Option<Vec<GpuUuid>>,
+    /// What to do when there is no room.
+    pub when_full: WhenFull,
+    /// How to tell the worker serves again; `None`: success once unlocked.
+    pub health: Option<HealthCheck>,
+    /// How long the health check may take.
+    pub health_timeout: Duration,
+    /// How to put the processes back to sleep when a step after a restore fails.
+    pub resuspend: SuspendOptions,
+}
+
+impl Default for WakeOptions {
+    fn default() -> Self {
+        WakeOptions {
+            gpus: None,
+            when_full: WhenFull::Refuse,
+            health: None,
+            health_timeout: Duration::from_secs(60),
+            resuspend: SuspendOptions::default(),
+        }
+    }
+}
+
+/// One woken process.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct WokenProc {
+    /// The process.
+    pub pid: Pid,
+    /// The GPUs it runs on now.
+    pub gpus: Vec<GpuUuid>,
+    /// Device memory restored, bytes.
+    pub bytes: u64,
+    /// The driver's restore, ms (`None`: it was restored already, a wake that died half-way).
+    pub restore_ms: Option<u64>,
+}
+
+/// What a wake did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct WakeReport {
+    /// The target as named.
+    pub target: String,
+    /// The processes woken.
+    pub woken: Vec<WokenProc>,
+    /// Whether a guard traced them before they were unlocked (`false`: no guard runs).
+    pub guarded: bool,
+    /// Waiting for GPU memory, ms.
+    pub waited_ms: u64,
+    /// Restore of every process (in parallel), guard and unlock, ms.
+    pub gpu_ms: u64,
+    /// From the start to the first healthy answer, ms (`None` without a health check).
+    pub first_answer_ms: Option<u64>,
+    /// Wall time, ms.
+    pub elapsed_ms: u64,
+}
+
+/// No GPU can take a parked process now; nothing was restored.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlaceError {
+    /// The guard pinned a context whose GPU it could not tell: every GPU of the node is fenced.
+    #[error("every GPU of this node is quarantined: {reason} (see `cryo status`)")]
+    NodeFenced {
+        /// The quarantine entry's reason.
+        reason: String,
+    },
+    /// The process left a GPU that is not on this node any more.
+    #[error("pid {pid} left GPU {gpu}, which this node does not have")]
+    NoSuchGpu {
+        /// The process.
+        pid: Pid,
+        /// The GPU.
+        gpu: GpuUuid,
+    },
+    /// No allowed GPU has the room (or every one with room is quarantined).
+    #[error("pid {pid} needs {} of device memory and no GPU it may use has it ({}): a restore short of memory leaves it stuck CHECKPOINTED", fmt_bytes(*.needed), .tried)]
+    NoRoom {
+        /// The process.
+        pid: Pid,
+        /// Bytes needed.
+        needed: u64,
+        /// What each GPU tried had (`GPU-x: 100 MiB free`, `GPU-y: quarantined`).
+        tried: String,
+    },
+}
+
+/// A process to wake, and where.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// The process.
+    pub pid: Pid,
+    /// Pairs for the driver's restore (only GPUs that change).
+    pub pairs: Vec<GpuPair>,
+    /// Where it lands.
+    pub targets: Vec<GpuUuid>,
+    /// Device memory, bytes.
+    pub bytes: u64,
+}
+
+/// Decides where each parked process lands. Pure: `gpus` and `fenced` describe the node,
+/// `allowed` and `other_gpu` the policy.
+pub fn place(
+    procs: &[(Pid, &ParkedRecord)],
+    gpus: &[GpuInfo],
+    fenced: &[Quarantine],
+    allowed: Option<&[GpuUuid]>,
+    other_gpu: bool,
+) -> Result<Vec<Placement>, PlaceError> {
+    if let Some(q) = fenced.iter().find(|q| q.gpu == FencedGpu::Unknown) {
+        return Err(PlaceError::NodeFenced {
+            reason: q.reason.clone(),
+        });
+    }
+    let mut free: BTreeMap<&GpuUuid, u64> = gpus.iter().map(|g| (&g.uuid, g.memory_free)).collect();
+    let usable = |u: &GpuUuid| {
+        !fenced.iter().any(|q| q.gpu.covers(u)) && allowed.is_none_or(|a| a.contains(u))
+    };
+    let mut out = Vec::new();
+    for (pid, rec) in procs {
+        let model = |u: &GpuUuid| gpus.iter().find(|g| g.uuid == *u).map(|g| &g.name);
+        for g in &rec.gpus {
+            if model(g).is_none() && !(other_gpu && rec.gpus.len() == 1) {
+                return Err(PlaceError::NoSuchGpu {
+                    pid: *pid,
+                    gpu: g.clone(),
+                });
+            }
+        }
+        // Candidates: where it was, then (one GPU only) every other allowed GPU of its model.
+        let mut candidates: Vec<Vec<GpuUuid>> = vec![rec.gpus.clone()];
+        if other_gpu && rec.gpus.len() == 1 {
+            let want = model(&rec.gpus[0]);
+            candidates.extend(
+                gpus.iter()
+                    .filter(|g| g.uuid != rec.gpus[0] && (want.is_none() || want == Some(&g.name)))
+                    .map(|g| vec![g.uuid.clone()]),
+            );
+        }
+        let per_gpu = rec.device_bytes / u64::try_from(rec.gpus.len().max(1)).unwrap_or(1);
+        let mut tried = Vec::new();
+        let mut chosen = None;
+        for c in candidates {
+            let ok = c.iter().all(|u| {
+                if !usable(u) {
+                    tried.push(format!("{u}: not allowed or quarantined"));
+                    return false;
+                }
+                let f = free.get(u).copied().unwrap_or(0);
+                if f < per_gpu {
+                    tried.push(format!("{u}: {} free", fmt_bytes(f)));
+                    return false;
+                }
+                true
+            });
+            if ok {
+                chosen = Some(c);
+                break;
+            }
+        }
+        let Some(targets) = chosen else {
+            return Err(PlaceError::NoRoom {
+                pid: *pid,
+                needed: rec.device_bytes,
+                tried: tried.join(", "),
+            });
+        };
+        for u in &targets {
+            if let Some(f) = free.get_mut(u) {
+                *f -= per_gpu;
+            }
+        }
+        out.push(Placement {
+            pid: *pid,
+            pairs: rec
+                .gpus
+                .iter()
+                .zip(&targets)
+                .filter(|(old, new)| old != new)
+                .map(|(old, new)| GpuPair {
+                    old: old.clone(),
+                    new: new.clone(),
+                })
+                .collect(),
+            targets,
+            bytes: rec.device_bytes,
+        });
+    }
+    Ok(out)
+}
+
+/// The wake failed.
+#[derive(Debug, thiserror::Error)]
+pub enum WakeError {
+    /// The target holds no CUDA process.
+    #[error("{0} holds no CUDA process: nothing to wake")]
+    NoCuda(String),
+    /// The driver could not tell which processes use CUDA.
+    #[error("cannot ask the driver about pid {pid}: {error}")]
+    Driver {
+        /// The process.
+        pid: Pid,
+        /// The driver's error.
+        error: cryo_gpu::DriverError,
+    },
+    /// A CHECKPOINTED process has no park record (what it held on the GPU is unknown).
+    #[error("pid {0} was not parked by cryo (no record of its device memory); restore it with `cryo gpu restore`")]
+    NotParked(Pid),
+    /// The process's driver state is FAILED.
+    #[error("the driver reports pid {0} FAILED; it cannot be woken")]
+    Failed(Pid),
+    /// No GPU can take it (after waiting, when the policy waits); nothing was restored.
+    #[error("wake refused: {0}")]
+    Place(#[from] PlaceError),
+    /// The node's quarantine could not be read or is not trusted; nothing was restored.
+    #[error("cannot read the GPU quarantine, so every GPU counts as fenced: {0}")]
+    Fence(#[from] FenceError),
+    /// The GPUs could not be inspected; nothing was restored.
+    #[error("cannot inspect the GPUs: {0}")]
+    Inspect(#[from] cryo_gpu::InspectError),
+    /// The journal could not be written before acting.
+    #[error("cannot write the journal: {0}")]
+    Journal(#[from] cryo_journal::AppendError),
+    /// The journal could not be read.
+    #[error("cannot read the journal: {0}")]
+    JournalRead(#[from] cryo_journal::ReadError),
+    /// A step after a restore failed; the restored processes were parked again (or, if that
+    /// failed too, left as `cleanup` says).
+    #[error("{step} failed: {error}; {cleanup}")]
+    AfterRestore {
+        /// The step.
+        step: &'static str,
+        /// What went wrong.
+        error: String,
+        /// What became of the restored processes.
+        cleanup: String,
+    },
+}
+
+/// Wakes every parked process of `target` (see the module docs).
+#[allow(clippy::too_many_arguments)]
+pub fn wake(
+    gpu: &Gpu,
+    target: &Resolved,
+    opts: &WakeOptions,
+    journal: &Journal,
+    fence: &Fence,
+    watcher: &dyn Watcher,
+    progress: &dyn Progress,
+) -> Result<WakeReport, WakeError> {
+    let start = Instant::now();
+    let described = target.target().to_string();
+    journal.append(Event::WakeStarted {
+        target: described.clone(),
+    })?;
+    let result = wake_inner(gpu, target, opts, journal, fence, watcher, progress, start);
+    match &result {
+        Ok(r) => {
+            let pids = target
+                .handles()
+                .iter()
+                .filter(|h| r.woken.iter().any(|w| w.pid == h.pid()))
+                .map(id)
+                .collect();
+            if let Err(e) = journal.append(Event::WakeCompleted {
+                target: described,
+                pids,
+                ms: r.elapsed_ms,
+            }) {
+                // The worker runs: a journal that cannot take the record must not fail the wake.
+                tracing::error!(error = %e, "cannot journal the completed wake");
+            }
+        }
+        Err(e) => {
+            if let Err(j) = journal.append(Event::WakeFailed {
+                target: described,
+                error: e.to_string(),
+            }) {
+                tracing::error!(error = %j, "cannot journal the failed wake");
+            }
+        }
+    }
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+fn wake_inner(
+    gpu: &Gpu,
+    target: &Resolved,
+    opts: &WakeOptions,
+    journal: &Journal,
+    fence: &Fence,
+    watcher: &dyn Watcher,
+    progress: &dyn Progress,
+    start: Instant,
+) -> Result<WakeReport, WakeError> {
+    let described = target.target().to_string();
+    let (cuda, _plain) = cuda_processes(gpu, target.handles())
+        .map_err(|(pid, error)| WakeError::Driver { pid, error })?;
+    if cuda.is_empty() {
+        return Err(WakeError::NoCuda(described));
+    }
+    let records = cryo_journal::read(journal.dir())?.records;
+    let known = parked_records(&records);
+    // What each process needs: CHECKPOINTED ones a restore; LOCKED ones (a wake that died after
+    // the restore) only the guard and the unlock; RUNNING ones nothing.
+    let mut to_restore: Vec<(&ProcHandle, &ParkedRecord)> = Vec::new();
+    let mut to_unlock: Vec<&ProcHandle> = Vec::new();
+    for h in &cuda {
+        match gpu.driver.state(h.pid()) {
+            Ok(ProcessState::Checkpointed) => {
+                let rec = known.get(&id(h)).ok_or(WakeError::NotParked(h.pid()))?;
+                to_restore.push((h, rec));
+            }
+            Ok(ProcessState::Locked) => to_unlock.push(h),
+            Ok(ProcessState::Running) => {}
+            Ok(ProcessState::Failed) => return Err(WakeError::Failed(h.pid())),
+            Err(error) => {
+                return Err(WakeError::Driver {
+                    pid: h.pid(),
+                    error,
+                })
+            }
+        }
+    }
+
+    // Where each lands, waiting for room when the policy says so.
+    let waited = Instant::now();
+    let procs: Vec<(Pid, &ParkedRecord)> = to_restore.iter().map(|(h, r)| (h.pid(), *r)).collect();
+    let plan = loop {
+        let fenced = fence.list()?;
+        let gpus = gpu.inspect.gpus()?;
+        match place(
+            &procs,
+            &gpus,
+            &fenced,
+            opts.gpus.as_deref(),
+            opts.when_full == WhenFull::OtherGpu,
+        ) {
+            Ok(p) => break p,
+            Err(PlaceError::NoRoom { .. }) if matches!(opts.when_full, WhenFull::Wait(w) if waited.elapsed() < w) =>
+            {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    };
+    let waited_ms = ms(waited.elapsed());
+
+    let t = Instant::now();
+    let results: Vec<Result<u64, String>> = std::thread::scope(|s| {
+        let jobs: Vec<_> = plan
+            .iter()
+            .map(|p| {
+                s.spawn(move || {
+                    progress.begin(p.pid, "gpu restore", p.bytes);
+                    let t = Instant::now();
+                    let r = gpu
+                        .driver
+                        .restore(p.pid, &p.pairs)
+                        .map(|()| ms(t.elapsed()))
+                        .map_err(|e| e.to_string());
+                    progress.end(
+                        p.pid,
+                        "gpu restore",
+                        r.is_ok(),
+                        &format!("{} ms", t.elapsed().as_millis()),
+                    );
+                    r
+                })
+            })
+            .collect();
+        jobs.into_iter()
+            .map(|j| {
+                j.join()
+                    .unwrap_or_else(|_| Err("restore thread panicked".into()))
+            })
+            .collect()
+    });
+    let mut woken = Vec::new();
+    let mut restored: Vec<&ProcHandle> = to_unlock.clone();
+    let mut failure = None;
+    for (((h, _), p), r) in to_restore.iter().zip(&plan).zip(results) {
+        match r {
+            Ok(restore_ms) => {
+                // Its context is live again (LOCKED): from now on it is a restored process.
+                journal.append(Event::RestoreCompleted {
+                    pid: id(h),
+                    image: "wake".into(),
+                    ms: Some(restore_ms),
+                })?;
+                restored.push(h);
+                woken.push(WokenProc {
+                    pid: h.pid(),
+                    gpus: p.targets.clone(),
+                    bytes: p.bytes,
+                    restore_ms: Some(restore_ms),
+                });
+            }
+            Err(e) => {
+                failure.get_or_insert(format!("pid {}: {e}", h.pid()));
+            }
+        }
+    }
+    for h in &to_unlock {
+        woken.push(WokenProc {
+            pid: h.pid(),
+            gpus: Vec::new(),
+            bytes: known.get(&id(h)).map_or(0, |k| k.device_bytes),
+            restore_ms: None,
+        });
+    }
+    let fail = |step: &'static str, error: String| WakeError::AfterRestore {
+        step,
+        error,
+        cleanup: park_again(gpu, &restored, &opts.resuspend, journal, progress),
+    };
+    if let Some(e) = failure {
+        return Err(fail("GPU restore", e));
+    }
+    // Traced while LOCKED, before anything runs: never an unguarded restored context where a
+    // guard runs.
+    let guarded = match watcher.guard_before_unlock(&restored) {
+        Ok(c) => c == Coverage::Guarded,
+        Err(e) => return Err(fail("guard before unlock", e.to_string())),
+    };
+    for h in &restored {
+        let t = Instant::now();
+        if let Err(e) = gpu.driver.unlock(h.pid()) {
+            return Err(fail("unlock", format!("pid {}: {e}", h.pid())));
+        }
+        if let Err(e) = journal.append(Event::Unlocked {
+            pid: id(h),
+            ms: Some(ms(t.elapsed())),
+        }) {
+            tracing::error!(pid = h.pid(), error = %e, "cannot journal the unlock");
+        }
+    }
+    let gpu_ms = ms(t.elapsed());
+    let first_answer_ms = match &opts.health {
+        None => None,
+        Some(check) => match check.wait(opts.health_timeout) {
+            Ok(at) => Some(ms(at.duration_since(start))),
+            // The worker runs and is guarded: a health check that fails is reported, and the
+            // worker is left as it is (it may still be starting; the caller decides).
+            Err(e) => {
+                return Err(WakeError::AfterRestore {
+                    step: "health check",
+                    error: e.to_string(),
+                    cleanup: "the worker was left running".into(),
+                })
+            }
+        },
+    };
+    Ok(WakeReport {
+        target: described,
+        woken,
+        guarded,
+        waited_ms,
+        gpu_ms,
+        first_answer_ms,
+        elapsed_ms: ms(start.elapsed()),
+    })
+}
+
+/// Suspends restored (LOCKED) processes again; says what became of them.
+fn park_again(
+    gpu: &Gpu,
+    procs: &[&ProcHandle],
+    opts: &SuspendOptions,
+    journal: &Journal,
+    progress: &dyn Progress,
+) -> String {
+    if procs.is_empty() {
+        return "nothing was restored".into();
+    }
+    let opts = SuspendOptions {
+        resume_on_failure: false,
+        ..opts.clone()
+    };
+    // Where they are now (NVML lists a LOCKED process), for the next wake.
+    let listed = gpu.inspect.processes().unwrap_or_default();
+    let out = suspend(gpu, procs, &opts, Some(journal), progress);
+    let mut bad = Vec::new();
+    for (h, o) in procs.iter().zip(&out) {
+        match &o.result {
+            Ok(s) => {
+                let mut gpus: Vec<String> = listed
+                    .iter()
+                    .filter(|p| p.pid == h.pid())
+                    .map(|p| p.gpu_uuid.to_string())
+                    .collect();
+                gpus.dedup();
+                if let Err(e) = journal.append(Event::Parked {
+                    pid: id(h),
+                    bytes: s.device_memory,
+                    gpus,
+                }) {
+                    tracing::error!(pid = h.pid(), error = %e, "cannot journal the new park");
+                }
+            }
+            Err(f) => bad.push(format!("pid {}: {}", h.pid(), f.reason())),
+        }
+    }
+    if bad.is_empty() {
+        "the restored processes were parked again".into()
+    } else {
+        format!(
+            "NOT parked again: {} (they stay LOCKED or CHECKPOINTED, never torn down; run `cryo stop` on them)",
+            bad.join("; ")
+        )
+    }
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,402 @@
+use super::*;
+
+const A: &str = "GPU-aaaaaaaa-0000-0000-0000-000000000000";
+const B: &str = "GPU-bbbbbbbb-0000-0000-0000-000000000000";
+
+fn u(s: &str) -> GpuUuid {
+    s.parse().unwrap()
+}
+
+fn gpus(free_a: u64, free_b: u64) -> Vec<GpuInfo> {
+    [(A, free_a), (B, free_b)]
+        .iter()
+        .enumerate()
+        .map(|(i, (x, free))| GpuInfo {
+            index: i as u32,
+            uuid: u(x),
+            name: "M".into(),
+            memory_total: 1000,
+            memory_free: *free,
+        })
+        .collect()
+}
+
+fn rec(bytes: u64, gpu: &str) -> ParkedRecord {
+    ParkedRecord {
+        pid: ProcId {
+            pid: 10,
+            start_time: 1,
+        },
+        device_bytes: bytes,
+        gpus: vec![u(gpu)],
+    }
+}
+
+fn fenced(gpu: FencedGpu) -> Quarantine {
+    Quarantine {
+        gpu,
+        reason: "r".into(),
+        pids: vec![7],
+        since_unix: 0,
+    }
+}
+
+#[test]
+fn back_where_it_was_without_pairs() {
+    let r = rec(100, A);
+    let p = place(&[(10, &r)], &gpus(1000, 1000), &[], None, false).unwrap();
+    assert_eq!(p[0].targets, vec![u(A)]);
+    assert!(p[0].pairs.is_empty());
+}
+
+#[test]
+fn full_gpu_refuses_unless_another_is_allowed() {
+    let r = rec(100, A);
+    let e = place(&[(10, &r)], &gpus(50, 1000), &[], None, false).unwrap_err();
+    assert!(matches!(e, PlaceError::NoRoom { needed: 100, .. }), "{e}");
+    let p = place(&[(10, &r)], &gpus(50, 1000), &[], None, true).unwrap();
+    assert_eq!(p[0].targets, vec![u(B)]);
+    assert_eq!(
+        p[0].pairs,
+        vec![GpuPair {
+            old: u(A),
+            new: u(B)
+        }]
+    );
+    // Another GPU, but not one the policy allows.
+    let e = place(&[(10, &r)], &gpus(50, 1000), &[], Some(&[u(A)]), true).unwrap_err();
+    assert!(matches!(e, PlaceError::NoRoom { .. }), "{e}");
+}
+
+#[test]
+fn two_processes_share_the_free_memory() {
+    let r1 = rec(600, A);
+    let r2 = rec(600, A);
+    let e = place(&[(10, &r1), (11, &r2)], &gpus(1000, 0), &[], None, false).unwrap_err();
+    assert!(matches!(e, PlaceError::NoRoom { pid: 11, .. }), "{e}");
+    let p = place(&[(10, &r1), (11, &r2)], &gpus(1000, 1000), &[], None, true).unwrap();
+    assert_eq!(p[1].targets, vec![u(B)]);
+}
+
+#[test]
+fn fence_refuses() {
+    let r = rec(100, A);
+    let e = place(
+        &[(10, &r)],
+        &gpus(1000, 1000),
+        &[fenced(FencedGpu::Unknown)],
+        None,
+        true,
+    )
+    .unwrap_err();
+    assert!(matches!(e, PlaceError::NodeFenced { .. }));
+    let q = fenced(FencedGpu::Gpu(u(A)));
+    assert!(place(
+        &[(10, &r)],
+        &gpus(1000, 1000),
+        std::slice::from_ref(&q),
+        None,
+        false
+    )
+    .is_err());
+    let p = place(&[(10, &r)], &gpus(1000, 1000), &[q], None, true).unwrap();
+    assert_eq!(p[0].targets, vec![u(B)]);
+}
+
+#[test]
+fn the_park_record_ends_with_a_restore_or_an_exit() {
+    let id = ProcId {
+        pid: 10,
+        start_time: 1,
+    };
+    let r = |seq, event| Record {
+        seq,
+        time: std::time::SystemTime::now(),
+        event,
+    };
+    let parked = r(
+        1,
+        Event::Parked {
+            pid: id,
+            bytes: 5,
+            gpus: vec![A.into()],
+        },
+    );
+    assert_eq!(
+        parked_records(std::slice::from_ref(&parked))[&id].device_bytes,
+        5
+    );
+    for end in [
+        Event::RestoreCompleted {
+            pid: id,
+            image: "wake".into(),
+            ms: None,
+        },
+        Event::Killed { pid: id },
+        Event::ProcessExited {
+            pid: id,
+            how: "x".into(),
+        },
+    ] {
+        assert!(parked_records(&[parked.clone(), r(2, end)]).is_empty());
+    }
+}
+
+mod with_fake_driver {
+    //! park and wake against the fake driver and real (non-CUDA) processes, without root.
+    use std::time::Duration;
+
+    use cryo_gpu::{CuResult, ProcessState};
+    use cryo_journal::{Event, Journal, ProcId};
+    use cryo_proc::ProcHandle;
+    use cryo_state::StateDir;
+    use cryo_testkit::fake::{Call, FakeGpu};
+    use cryo_testkit::procs::Procs;
+
+    use crate::park::*;
+    use crate::target::{Resolved, Target};
+    use crate::watcher::{Coverage, Watcher, WatcherError};
+    use crate::NoProgress;
+
+    struct Scene {
+        procs: Procs,
+        fake: FakeGpu,
+        _dir: tempfile::TempDir,
+        state: StateDir,
+        journal: Journal,
+    }
+
+    fn scene(n: usize) -> Scene {
+        let procs = Procs::spawn(n);
+        let fake = FakeGpu::new();
+        for p in procs.pids() {
+            fake.add(p);
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path());
+        let journal = state.open_journal().unwrap();
+        Scene {
+            procs,
+            fake,
+            _dir: dir,
+            state,
+            journal,
+        }
+    }
+
+    impl Scene {
+        fn target(&self) -> Resolved {
+            Target::Pids(self.procs.pids()).resolve().unwrap()
+        }
+        fn events(&self) -> Vec<Event> {
+            self.state
+                .read_journal()
+                .unwrap()
+                .records
+                .into_iter()
+                .map(|r| r.event)
+                .collect()
+        }
+    }
+
+    fn park_opts() -> ParkOptions {
+        let mut o = ParkOptions::default();
+        o.suspend.lock_timeout = Duration::from_millis(200);
+        o.suspend.lock_attempts = 1;
+        o.suspend.verify_timeout = Duration::from_millis(300);
+        o
+    }
+
+    /// A guard that cannot trace anything.
+    struct Broken;
+    #[derive(Debug, thiserror::Error)]
+    #[error("the tracer is gone")]
+    struct Gone;
+    impl Watcher for Broken {
+        fn detach(&self, _: ProcId) -> Result<bool, WatcherError> {
+            Ok(false)
+        }
+        fn attach(&self, _: ProcId) -> Result<(), WatcherError> {
+            Err(WatcherError::new(Gone))
+        }
+        fn guard_before_unlock(&self, _: &[&ProcHandle]) -> Result<Coverage, WatcherError> {
+            Err(WatcherError::new(Gone))
+        }
+    }
+
+    /// A guard that records when it was asked, and the driver state of each process then.
+    struct Recording<'a>(&'a FakeGpu, std::sync::Mutex<Vec<ProcessState>>);
+    impl Watcher for Recording<'_> {
+        fn detach(&self, _: ProcId) -> Result<bool, WatcherError> {
+            Ok(false)
+        }
+        fn attach(&self, _: ProcId) -> Result<(), WatcherError> {
+            Ok(())
+        }
+        fn guard_before_unlock(&self, procs: &[&ProcHandle]) -> Result<Coverage, WatcherError> {
+            let mut seen = self.1.lock().unwrap();
+            for p in procs {
+                seen.push(self.0.state_of(p.pid()));
+            }
+            Ok(Coverage::Guarded)
+        }
+    }
+
+    #[test]
+    fn park_then_wake_is_guarded_while_locked() {
+        let s = scene(2);
+        let report = park(
+            &s.fake.gpu(),
+            &s.target(),
+            &park_opts(),
+            &s.journal,
+            &NoProgress,
+        )
+        .unwrap();
+        assert_eq!(report.parked.len(), 2);
+        for p in s.procs.pids() {
+            assert_eq!(s.fake.state_of(p), ProcessState::Checkpointed);
+        }
+        let w = Recording(&s.fake, Default::default());
+        let r = wake(
+            &s.fake.gpu(),
+            &s.target(),
+            &WakeOptions::default(),
+            &s.journal,
+            &s.state.fence(),
+            &w,
+            &NoProgress,
+        )
+        .unwrap();
+        assert!(r.guarded);
+        // Asked while every process was LOCKED: restored, not yet running.
+        assert_eq!(*w.1.lock().unwrap(), vec![ProcessState::Locked; 2]);
+        for p in s.procs.pids() {
+            assert_eq!(s.fake.state_of(p), ProcessState::Running);
+        }
+        assert!(s
+            .events()
+            .iter()
+            .any(|e| matches!(e, Event::WakeCompleted { pids, .. } if pids.len() == 2)));
+    }
+
+    /// Attack: the guard cannot trace the restored processes. They must not be unlocked: they go
+    /// back to CHECKPOINTED (parked again), and a later wake still knows what they need.
+    #[test]
+    fn a_guard_that_cannot_trace_parks_them_again_instead_of_unlocking() {
+        let s = scene(2);
+        park(
+            &s.fake.gpu(),
+            &s.target(),
+            &park_opts(),
+            &s.journal,
+            &NoProgress,
+        )
+        .unwrap();
+        let e = wake(
+            &s.fake.gpu(),
+            &s.target(),
+            &WakeOptions::default(),
+            &s.journal,
+            &s.state.fence(),
+            &Broken,
+            &NoProgress,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&e, WakeError::AfterRestore { step: "guard before unlock", cleanup, .. } if cleanup.contains("parked again")),
+            "{e}"
+        );
+        for p in s.procs.pids() {
+            assert_eq!(s.fake.state_of(p), ProcessState::Checkpointed);
+            assert_eq!(s.fake.count(p, Call::Unlock), 0, "pid {p} was unlocked");
+        }
+        assert!(s.fake.wedges().is_empty());
+        let records = s.state.read_journal().unwrap().records;
+        assert_eq!(parked_records(&records).len(), 2);
+    }
+
+    /// All or nothing: one process that cannot be suspended (sticky error) leaves the worker
+    /// serving: the other one is brought back, nothing stays parked.
+    #[test]
+    fn a_park_that_fails_for_one_process_brings_the_others_back() {
+        let s = scene(2);
+        let pids = s.procs.pids();
+        s.fake.make_sticky(pids[1]);
+        let e = park(
+            &s.fake.gpu(),
+            &s.target(),
+            &park_opts(),
+            &s.journal,
+            &NoProgress,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, ParkError::Suspend { pid, .. } if pid == pids[1]),
+            "{e}"
+        );
+        for p in &pids {
+            assert_eq!(s.fake.state_of(*p), ProcessState::Running, "pid {p}");
+        }
+        let records = s.state.read_journal().unwrap().records;
+        assert!(parked_records(&records).is_empty());
+        assert!(s
+            .events()
+            .iter()
+            .any(|e| matches!(e, Event::ParkFailed { .. })));
+    }
+
+    /// A restore that fails (the driver refuses) parks the others again, and never unlocks.
+    #[test]
+    fn a_failed_restore_leaves_everything_parked() {
+        let s = scene(2);
+        let pids = s.procs.pids();
+        park(
+            &s.fake.gpu(),
+            &s.target(),
+            &park_opts(),
+            &s.journal,
+            &NoProgress,
+        )
+        .unwrap();
+        s.fake
+            .fail_next_on(pids[0], Call::Restore, CuResult::OUT_OF_MEMORY);
+        let e = wake(
+            &s.fake.gpu(),
+            &s.target(),
+            &WakeOptions::default(),
+            &s.journal,
+            &s.state.fence(),
+            &crate::NoWatcher,
+            &NoProgress,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                WakeError::AfterRestore {
+                    step: "GPU restore",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        for p in &pids {
+            assert_eq!(s.fake.count(*p, Call::Unlock), 0);
+        }
+        assert_eq!(s.fake.state_of(pids[1]), ProcessState::Checkpointed);
+        assert!(s.fake.wedges().is_empty());
+    }
+
+    /// The host memory limit counts the workers parked already.
+    #[test]
+    fn max_parked_host_memory_refuses_before_acting() {
+        let s = scene(1);
+        let mut o = park_opts();
+        o.max_parked_host = Some(1);
+        let e = park(&s.fake.gpu(), &s.target(), &o, &s.journal, &NoProgress).unwrap_err();
+        assert!(matches!(e, ParkError::HostMemory { limit: 1, .. }), "{e}");
+        assert_eq!(s.fake.state_of(s.procs.pids()[0]), ProcessState::Running);
+        assert_eq!(s.fake.count(s.procs.pids()[0], Call::Lock), 0);
+    }
+}
