@@ -1,0 +1,216 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! `cryo park` and `cryo wake` on the simulated GPU: answers unchanged across a park and wake,
+//! the GPU freed while parked, a parked worker stopped or killed (safe, ledger empty), a wake onto
+//! a full GPU (refused, or onto the other GPU), a wake traced by the guard before unlock, and what
+//! the timeline, metrics and status show. Each test has its own simulated driver and state.
+
+mod common;
+
+use std::path::Path;
+use std::process::Output;
+
+use common::{stderr, stdout, GuardProc, Sim, Worker, WorkerSpec};
+use cryo_journal::{Event, ProcId};
+
+fn state() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("cryo-park-state-")
+        .tempdir()
+        .unwrap()
+}
+
+fn run(sim: &Sim, st: &Path, args: &[&str]) -> Output {
+    sim.cmd_at(st).args(args).output().unwrap()
+}
+
+fn ok(o: &Output) {
+    assert!(
+        o.status.success(),
+        "status {:?}\nstdout: {}\nstderr: {}",
+        o.status,
+        stdout(o),
+        stderr(o)
+    );
+}
+
+fn json(o: &Output) -> serde_json::Value {
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}\n{}", stdout(o), stderr(o)))
+}
+
+fn events(st: &Path) -> Vec<Event> {
+    cryo_journal::read(st.join("journal"))
+        .unwrap()
+        .records
+        .into_iter()
+        .map(|r| r.event)
+        .collect()
+}
+
+fn worker(sim: &Sim, memory: &str, gpu: u32) -> Worker {
+    sim.spawn(WorkerSpec::new(memory).gpu(gpu))
+}
+
+fn park(sim: &Sim, st: &Path, pid: i32) -> serde_json::Value {
+    let o = run(sim, st, &["park", &pid.to_string(), "--json"]);
+    ok(&o);
+    json(&o)
+}
+
+#[test]
+fn park_and_wake_answer_unchanged_and_free_the_gpu_meanwhile() {
+    let sim = Sim::start();
+    let st = state();
+    let w = worker(&sim, "64MiB", 0);
+    let before = w.complete("the same question");
+    let rss_before = w.rss();
+
+    let v = park(&sim, st.path(), w.pid);
+    assert_eq!(v["outcome"], "parked");
+    assert_eq!(v["parked"][0]["pid"], w.pid);
+    assert_eq!(v["parked"][0]["device_bytes"], 64u64 << 20);
+    assert!(!sim.listed(w.pid), "NVML still lists the parked worker");
+    assert_eq!(sim.state(w.pid), "checkpointed");
+    // Its host memory grew by its device memory, and status says so.
+    assert!(w.rss() >= rss_before + (60 << 20), "rss {}", w.rss());
+    let status = run(&sim, st.path(), &["status", "--json"]);
+    ok(&status);
+    let s = json(&status);
+    assert_eq!(s["parked"][0]["pid"]["pid"], w.pid, "{s}");
+    assert!(s["parked_host_bytes"].as_u64().unwrap() >= 64 << 20, "{s}");
+
+    let o = run(&sim, st.path(), &["wake", &w.pid.to_string(), "--json"]);
+    ok(&o);
+    let v = json(&o);
+    assert_eq!(v["outcome"], "serving");
+    assert_eq!(v["guarded"], false);
+    assert!(stderr(&o).contains("no guard runs"), "{}", stderr(&o));
+    assert_eq!(sim.state(w.pid), "running");
+    assert!(sim.listed(w.pid));
+    assert_eq!(w.complete("the same question"), before);
+    assert_eq!(w.verify()["ok"], true);
+
+    // Nothing parked any more; the timeline and the metrics show both transitions.
+    let s = json(&run(&sim, st.path(), &["status", "--json"]));
+    assert_eq!(s["parked"], serde_json::json!([]), "{s}");
+    let t = stdout(&run(&sim, st.path(), &["timeline"]));
+    for line in [
+        "park started",
+        "parked",
+        "park completed",
+        "wake started",
+        "wake completed",
+    ] {
+        assert!(t.contains(line), "no {line:?} in the timeline:\n{t}");
+    }
+    let m = stdout(&run(&sim, st.path(), &["metrics"]));
+    assert!(
+        m.contains("cryo_parks_total{outcome=\"completed\"} 1"),
+        "{m}"
+    );
+    assert!(
+        m.contains("cryo_wakes_total{outcome=\"completed\"} 1"),
+        "{m}"
+    );
+    sim.assert_no_wedge();
+}
+
+/// A parked worker that was restored before (woken) is stopped: safe, ledger empty. Then one
+/// parked worker is SIGKILLed while parked: nothing live to tear down, ledger empty.
+#[test]
+fn a_parked_worker_can_be_stopped_or_killed_safely() {
+    let sim = Sim::start();
+    let st = state();
+    let mut a = worker(&sim, "32MiB", 0);
+    park(&sim, st.path(), a.pid);
+    ok(&run(&sim, st.path(), &["wake", &a.pid.to_string()]));
+    // Woken, it is a restored process now; parked again, a stop needs no new suspension.
+    park(&sim, st.path(), a.pid);
+    let o = run(&sim, st.path(), &["stop", &a.pid.to_string(), "--json"]);
+    ok(&o);
+    assert_eq!(json(&o)["outcome"], "stopped");
+    a.wait_exit();
+
+    let mut b = worker(&sim, "32MiB", 0);
+    park(&sim, st.path(), b.pid);
+    ok(&run(&sim, st.path(), &["wake", &b.pid.to_string()]));
+    park(&sim, st.path(), b.pid);
+    b.sigkill();
+    b.wait_exit();
+    sim.assert_no_wedge();
+    let s = json(&run(&sim, st.path(), &["status", "--json"]));
+    assert_eq!(s["parked"], serde_json::json!([]), "{s}");
+}
+
+/// The GPU it left is full now: the wake refuses (exit 3, still parked, nothing restored), or
+/// with `--when-full other-gpu` lands on the other GPU, answers unchanged.
+#[test]
+fn wake_onto_a_full_gpu_refuses_or_takes_another() {
+    let sim = Sim::start();
+    let st = state();
+    let w = worker(&sim, "600MiB", 0);
+    let before = w.complete("q");
+    park(&sim, st.path(), w.pid);
+    let _squatter = worker(&sim, "600MiB", 0);
+
+    let o = run(&sim, st.path(), &["wake", &w.pid.to_string()]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("no GPU it may use has it"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(sim.state(w.pid), "checkpointed");
+
+    let o = run(
+        &sim,
+        st.path(),
+        &[
+            "wake",
+            &w.pid.to_string(),
+            "--when-full",
+            "other-gpu",
+            "--json",
+        ],
+    );
+    ok(&o);
+    let v = json(&o);
+    let gpus = sim.gpu.inspect.gpus().unwrap();
+    assert_eq!(v["woken"][0]["gpus"][0], gpus[1].uuid.to_string(), "{v}");
+    assert_eq!(w.complete("q"), before);
+    sim.assert_no_wedge();
+}
+
+/// With a guard running, the woken process is traced while still LOCKED: the journal has the
+/// guard's attach between the restore and the unlock.
+#[test]
+fn a_wake_is_traced_by_the_guard_before_the_unlock() {
+    let sim = Sim::start();
+    let st = state();
+    let w = worker(&sim, "16MiB", 0);
+    park(&sim, st.path(), w.pid);
+    let _guard = GuardProc::start(&sim, st.path(), &["--no-memory-watch"]);
+    let o = run(&sim, st.path(), &["wake", &w.pid.to_string(), "--json"]);
+    ok(&o);
+    assert_eq!(json(&o)["guarded"], true);
+    let id = ProcId::of(w.pid).unwrap();
+    let steps: Vec<&str> = events(st.path())
+        .iter()
+        .filter(|e| e.proc() == Some(id))
+        .map(|e| e.label())
+        .collect();
+    let at = |l: &str| {
+        steps
+            .iter()
+            .rposition(|s| *s == l)
+            .unwrap_or_else(|| panic!("no {l}: {steps:?}"))
+    };
+    assert!(at("restore completed") < at("guard attached"), "{steps:?}");
+    assert!(at("guard attached") < at("unlocked"), "{steps:?}");
+    assert_ne!(
+        common::procs::tracer_pid(w.pid),
+        0,
+        "the woken worker is not traced"
+    );
+    sim.assert_no_wedge();
+}
