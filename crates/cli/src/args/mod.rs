@@ -6,6 +6,7 @@
 //! process is looked at. Resolving against the system (which backend, which GPU index is which
 //! UUID, whether a pid exists) happens in `backend.rs` and the handlers in `commands/`.
 
+pub mod activate;
 pub mod freeze;
 pub mod gpu;
 pub mod gpu_map;
@@ -103,6 +104,8 @@ pub enum Command {
     Park(park::ParkArgs),
     /// Wakes a parked worker: restores its CUDA processes, guarded before they are unlocked.
     Wake(park::WakeArgs),
+    /// Holds a parked worker's service address: wakes it on the first connection, parks it when idle.
+    Activate(activate::ActivateArgs),
     /// Guards restored workers against disorderly deaths (fatal signals, OOM kills, kill -9):
     /// suspends on a fatal signal, else pins the context at exit and fences the GPU.
     Guard(GuardArgs),

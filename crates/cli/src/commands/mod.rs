@@ -1,5 +1,6 @@
 //! One handler per command; [`dispatch`] is all `main` calls.
 
+pub mod activate;
 pub mod cuda_checkpoint;
 pub mod freeze;
 pub mod gpu;
@@ -73,6 +74,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Thaw(a) => thaw::run(&ctx, &a),
         Command::Park(a) => park::run_park(&ctx, &a),
         Command::Wake(a) => park::run_wake(&ctx, &a),
+        Command::Activate(a) => activate::run(&ctx, &a),
         Command::Guard(a) => guard::run(&ctx, &a),
         Command::Status(a) => status::run(&ctx, &a).map(|()| crate::exit::SUCCESS),
         Command::Metrics(a) => metrics::run(&ctx, &a).map(|()| crate::exit::SUCCESS),

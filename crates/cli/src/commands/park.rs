@@ -14,7 +14,8 @@ use super::Context;
 use crate::args::park::{ParkArgs, TargetArgs, WakeArgs, WhenFullArg};
 use crate::exit::{self, UsageError};
 
-fn target(args: &TargetArgs) -> Target {
+/// The target the arguments name.
+pub fn target(args: &TargetArgs) -> Target {
     match (&args.cgroup, args.pids.as_slice()) {
         (Some(path), _) => Target::Cgroup(path.clone()),
         (None, [one]) => Target::Tree(*one),
@@ -100,11 +101,7 @@ pub fn run_wake(ctx: &Context, args: &WakeArgs) -> anyhow::Result<u8> {
     let journal = ctx.state.open_journal().context("opening the journal")?;
     let opts = WakeOptions {
         gpus: (!args.onto.is_empty()).then(|| args.onto.clone()),
-        when_full: match args.when_full {
-            WhenFullArg::Wait => WhenFull::Wait(Duration::from_secs(args.wait)),
-            WhenFullArg::OtherGpu => WhenFull::OtherGpu,
-            WhenFullArg::Refuse => WhenFull::Refuse,
-        },
+        when_full: when_full(args.when_full, args.wait),
         health,
         health_timeout: Duration::from_secs(args.health_timeout),
         resuspend: SuspendOptions::default(),
@@ -169,6 +166,15 @@ pub fn run_wake(ctx: &Context, args: &WakeArgs) -> anyhow::Result<u8> {
         );
     }
     Ok(exit::SUCCESS)
+}
+
+/// `--when-full` (and `--wait` seconds) as the lifecycle takes it.
+pub fn when_full(arg: WhenFullArg, wait: u64) -> WhenFull {
+    match arg {
+        WhenFullArg::Wait => WhenFull::Wait(Duration::from_secs(wait)),
+        WhenFullArg::OtherGpu => WhenFull::OtherGpu,
+        WhenFullArg::Refuse => WhenFull::Refuse,
+    }
 }
 
 /// Reports a refusal; returns the exit code.

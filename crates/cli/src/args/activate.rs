@@ -1,0 +1,57 @@
+//! `cryo activate`: arguments only, validated without system calls.
+
+use clap::Args;
+use cryo_activator::Addr;
+use cryo_gpu::GpuUuid;
+use cryo_units::ByteSize;
+
+use super::park::{TargetArgs, WhenFullArg};
+
+/// Printed after `cryo activate --help`.
+pub const ACTIVATE_AFTER_HELP: &str = "\
+The worker serves on --upstream; clients use --listen, which the activator owns. While the worker
+is parked, a connection wakes it (one wake for any number of waiting connections: restore, traced
+by the running guard, unlock), waits for its health check, and is forwarded byte for byte. If the
+wake fails or takes longer than --activation-timeout, an HTTP client gets a 503 with the reason
+(--no-http: the connection is closed). After --idle-timeout without an open connection the worker
+is parked again. Runs in the foreground until killed; the worker stays as it is then (a wake that
+was cut short is finished by `cryo wake`). The node agent runs the same activator in-process.";
+
+/// `cryo activate`.
+#[derive(Debug, Clone, Args)]
+#[command(after_help = ACTIVATE_AFTER_HELP)]
+pub struct ActivateArgs {
+    /// The worker's processes.
+    #[command(flatten)]
+    pub target: TargetArgs,
+    /// The service address clients use: HOST:PORT or unix:/PATH.
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Addr,
+    /// Where the worker itself serves: HOST:PORT or unix:/PATH.
+    #[arg(long, value_name = "ADDR")]
+    pub upstream: Addr,
+    /// Park the worker after this many seconds without an open connection (0: never).
+    #[arg(long, value_name = "S", default_value_t = 300)]
+    pub idle_timeout: u64,
+    /// How long a connection waits for an activation, in seconds.
+    #[arg(long, value_name = "S", default_value_t = 60)]
+    pub activation_timeout: u64,
+    /// Healthy when a GET of this http:// (or unix:SOCKET:/PATH) URL answers 2xx.
+    #[arg(long, value_name = "URL")]
+    pub health_url: Option<String>,
+    /// The protocol is not HTTP: close a connection that cannot be served instead of a 503.
+    #[arg(long)]
+    pub no_http: bool,
+    /// GPUs a wake may use (UUIDs, comma-separated).
+    #[arg(long, value_name = "UUID,...", value_delimiter = ',')]
+    pub onto: Vec<GpuUuid>,
+    /// When the GPU has too little free memory: wait, take another GPU, or refuse.
+    #[arg(long, value_enum, default_value_t = WhenFullArg::Wait)]
+    pub when_full: WhenFullArg,
+    /// With --when-full wait: seconds to wait for memory.
+    #[arg(long, value_name = "S", default_value_t = 30)]
+    pub wait: u64,
+    /// Refuse an idle park when parked workers would hold more host memory than this.
+    #[arg(long, value_name = "SIZE")]
+    pub max_parked_host: Option<ByteSize>,
+}

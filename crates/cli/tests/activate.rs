@@ -1,0 +1,171 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! `cryo activate` in front of a parked sim worker: 20 concurrent requests wake it once and are
+//! all answered (as before the park); an idle worker is parked again; the activator SIGKILLed in
+//! the middle of an activation leaves the worker safe (ledger empty), and `cryo wake` finishes.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+
+use common::{eventually, http, stderr, stdout, Endpoint, Sim, WorkerSpec, PATIENCE};
+use cryo_journal::Event;
+
+fn state() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("cryo-activate-state-")
+        .tempdir()
+        .unwrap()
+}
+
+fn events(st: &Path) -> Vec<Event> {
+    cryo_journal::read(st.join("journal"))
+        .unwrap()
+        .records
+        .into_iter()
+        .map(|r| r.event)
+        .collect()
+}
+
+fn count(st: &Path, f: impl Fn(&Event) -> bool) -> usize {
+    events(st).iter().filter(|e| f(e)).count()
+}
+
+/// `cryo activate` for `pid`, listening on a unix socket in `st`; returns once it listens.
+struct Activate {
+    child: Child,
+    sock: PathBuf,
+}
+
+impl Activate {
+    fn start(sim: &Sim, st: &Path, pid: i32, port: u16, extra: &[&str]) -> Activate {
+        let sock = st.join("svc.sock");
+        let mut child = sim
+            .cmd_at(st)
+            .args(["activate", &pid.to_string(), "--upstream"])
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--listen")
+            .arg(format!("unix:{}", sock.display()))
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(line.contains("activator listening"), "{line:?}");
+        Activate { child, sock }
+    }
+
+    fn complete(&self, prompt: &str) -> (u16, String) {
+        http(
+            Endpoint::Unix(self.sock.clone()),
+            "POST",
+            "/v1/completions",
+            prompt,
+        )
+    }
+}
+
+impl Drop for Activate {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn park(sim: &Sim, st: &Path, pid: i32) {
+    let o = sim
+        .cmd_at(st)
+        .args(["park", &pid.to_string()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+}
+
+fn text(body: &str) -> String {
+    let v: serde_json::Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    v["text"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn twenty_concurrent_requests_wake_a_parked_worker_once_and_idle_parks_it_again() {
+    let sim = Sim::start();
+    let st = state();
+    let w = sim.spawn(WorkerSpec::new("64MiB"));
+    let before = w.complete("same prompt");
+    park(&sim, st.path(), w.pid);
+    let a = Activate::start(&sim, st.path(), w.pid, w.port, &["--idle-timeout", "1"]);
+
+    let answers: Vec<(u16, String)> = std::thread::scope(|s| {
+        let jobs: Vec<_> = (0..20)
+            .map(|_| s.spawn(|| a.complete("same prompt")))
+            .collect();
+        jobs.into_iter().map(|j| j.join().unwrap()).collect()
+    });
+    for (status, body) in &answers {
+        assert_eq!(*status, 200, "{body}");
+        assert_eq!(text(body), before);
+    }
+    assert_eq!(
+        count(st.path(), |e| matches!(e, Event::WakeStarted { .. })),
+        1
+    );
+    assert_eq!(
+        count(st.path(), |e| matches!(e, Event::WakeCompleted { .. })),
+        1
+    );
+
+    // Idle for a second: parked again (the positive event: a second park completed).
+    eventually(PATIENCE, "the idle park", || {
+        (count(st.path(), |e| matches!(e, Event::ParkCompleted { .. })) == 2).then_some(())
+    });
+    assert!(!sim.listed(w.pid));
+    // And the next request wakes it again.
+    let (status, body) = a.complete("same prompt");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(text(&body), before);
+    assert_eq!(
+        count(st.path(), |e| matches!(e, Event::WakeStarted { .. })),
+        2
+    );
+    sim.assert_no_wedge();
+}
+
+/// Attack: the activator dies (SIGKILL) as soon as it has started a wake. Whatever point the
+/// wake had reached (CHECKPOINTED, LOCKED with its context restored, or running), nothing is
+/// torn down, and `cryo wake` brings the worker back with its answers unchanged.
+#[test]
+fn the_activator_killed_mid_activation_leaves_the_worker_safe() {
+    let sim = Sim::start();
+    let st = state();
+    let w = sim.spawn(WorkerSpec::new("256MiB"));
+    let before = w.complete("p");
+    park(&sim, st.path(), w.pid);
+    let mut a = Activate::start(&sim, st.path(), w.pid, w.port, &["--idle-timeout", "0"]);
+    let sock = a.sock.clone();
+    let client = std::thread::spawn(move || {
+        // The connection dies with the activator: any outcome but a hang is fine here.
+        let _ =
+            std::panic::catch_unwind(|| http(Endpoint::Unix(sock), "POST", "/v1/completions", "p"));
+    });
+    eventually(PATIENCE, "the wake to start", || {
+        (count(st.path(), |e| matches!(e, Event::WakeStarted { .. })) == 1).then_some(())
+    });
+    a.child.kill().unwrap();
+    a.child.wait().unwrap();
+    client.join().unwrap();
+    sim.assert_no_wedge();
+    let o = sim
+        .cmd_at(st.path())
+        .args(["wake", &w.pid.to_string()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    assert_eq!(sim.state(w.pid), "running");
+    assert_eq!(w.complete("p"), before);
+    sim.assert_no_wedge();
+}
