@@ -1120,3 +1120,28 @@ fn a_crash_at_every_step_of_publish_leaves_no_image_or_a_whole_one() {
     }
     assert!(env.ledger().is_empty(), "{:?}", env.ledger());
 }
+
+/// Issue 12: a parked worker (`cryo park`: CHECKPOINTED in place, NVML lists nothing) is frozen as
+/// it is and thawed: the thaw brings its GPU context back, the answers are unchanged, no wedge.
+#[test]
+fn a_parked_worker_is_frozen_and_thawed_with_its_gpu_state() {
+    let mut env = Env::start("1GiB");
+    let (pid, sock) = env.worker_on("32MiB", 0, true);
+    let before = answers(&sock);
+    let out = env.cryo(&["park", &pid.to_string()]);
+    assert!(out.status.success(), "park: {}", stderr(&out));
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+    let out = env.thaw(
+        &image,
+        &["--health-url", &health(&sock), "--health-timeout", "30"],
+    );
+    assert!(out.status.success(), "thaw: {}", stderr(&out));
+    assert_eq!(answers(&sock), before);
+    assert_eq!(
+        env.sim.gpu.driver.state(pid).unwrap(),
+        cryo_gpu::ProcessState::Running
+    );
+    env.stop(pid);
+    assert!(env.ledger().is_empty());
+}
