@@ -35,6 +35,10 @@ pub enum BenchCommand {
     /// `cryo freeze` and `cryo thaw` against the `criu` command line plus one `cryo cuda-checkpoint`
     /// process per action, for 1 GiB and 4 GiB workers (needs root and CRIU).
     Freeze(BenchFreezeArgs),
+    /// Time from a request arriving at a scaled-to-zero worker to its answer: woken from park
+    /// through `cryo activate`, `cryo thaw`, and the bare route (`criu restore` + cuda-checkpoint
+    /// processes), with the raw driver restore + unlock as the baseline (needs root and CRIU).
+    Activate(BenchActivateArgs),
     /// The guard's cost on a worker's request latency (p50/p99, guarded vs not) and the time from
     /// a fatal signal to a suspended exit against a bare suspension, on a private simulated GPU.
     Guard(BenchGuardArgs),
@@ -83,6 +87,23 @@ pub struct BenchFreezeArgs {
     #[arg(long, value_name = "DIR")]
     pub dir: Option<PathBuf>,
     /// Counted rounds per size, after one warm-up round; the arm that goes first alternates.
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = parse_rounds)]
+    pub rounds: usize,
+    /// Print the rows as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `cryo bench activate`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchActivateArgs {
+    /// Device memory of the workers, one row each.
+    #[arg(long, value_delimiter = ',', default_value = "1GiB,4GiB", value_parser = parse_size)]
+    pub sizes: Vec<u64>,
+    /// Where the images go (a temporary directory under it; default: the system's temp dir).
+    #[arg(long, value_name = "DIR")]
+    pub dir: Option<PathBuf>,
+    /// Counted rounds per size, after one warm-up round.
     #[arg(long, value_name = "N", default_value_t = 3, value_parser = parse_rounds)]
     pub rounds: usize,
     /// Print the rows as JSON.

@@ -253,15 +253,15 @@ fn print_row(row: &Row) {
     );
 }
 
-struct Arm {
+pub(crate) struct Arm {
     /// Per moment ([`MOMENTS`]), ms.
-    moments: [f64; 5],
+    pub(crate) moments: [f64; 5],
     /// cryo only: freeze, warm thaw, cold thaw steps (NaN for the bare route).
     steps: [[f64; 3]; 3],
     image_bytes: u64,
 }
 
-struct Bench {
+pub(crate) struct Bench {
     dir: PathBuf,
     exe: PathBuf,
     criu: PathBuf,
@@ -294,7 +294,7 @@ fn sync_dir(dir: &Path) -> anyhow::Result<()> {
 }
 
 impl Bench {
-    fn start(dir: &Path, criu: PathBuf, max: u64, cryo: &Path) -> anyhow::Result<Bench> {
+    pub(crate) fn start(dir: &Path, criu: PathBuf, max: u64, cryo: &Path) -> anyhow::Result<Bench> {
         // A private copy: CRIU refuses to restore a process whose executable changed on disk.
         let exe = private_exe(cryo, dir, "cryo", "cryo")?;
         let sim = PrivateSim::start(
@@ -362,7 +362,12 @@ impl Bench {
         })
     }
 
-    fn cryo(&self) -> Command {
+    /// The benchmark's directory (the simulated driver's too).
+    pub(crate) fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub(crate) fn cryo(&self) -> Command {
         let mut c = Command::new(&self.exe);
         c.env("CRYO_GPU", "sim")
             .env("CRYO_SIM_DIR", &self.dir)
@@ -373,7 +378,7 @@ impl Bench {
         c
     }
 
-    fn run(&self, mut c: Command, what: &str) -> anyhow::Result<String> {
+    pub(crate) fn run(&self, mut c: Command, what: &str) -> anyhow::Result<String> {
         let out = c
             .stderr(Stdio::piped())
             .stdout(Stdio::piped())
@@ -389,7 +394,10 @@ impl Bench {
     }
 
     /// A worker in its own session serving on a unix socket; returns its child, pid and socket.
-    fn worker(&self, memory: u64) -> anyhow::Result<(std::process::Child, i32, PathBuf)> {
+    pub(crate) fn worker(
+        &self,
+        memory: u64,
+    ) -> anyhow::Result<(std::process::Child, i32, PathBuf)> {
         let k = self.started.get();
         self.started.set(k + 1);
         let sock = self.dir.join(format!("w{k}.sock"));
@@ -406,7 +414,7 @@ impl Bench {
         Ok((w.child, w.pid, sock))
     }
 
-    fn stop(&self, pid: i32) -> anyhow::Result<()> {
+    pub(crate) fn stop(&self, pid: i32) -> anyhow::Result<()> {
         let mut c = self.cryo();
         c.args(["stop", &pid.to_string()]);
         self.run(c, "cryo stop")?;
@@ -430,7 +438,7 @@ impl Bench {
         Ok((wall, steps(&v, ["verify_ms", "criu_ms", "gpu_restore_ms"])))
     }
 
-    fn cryo_arm(&self, memory: u64) -> anyhow::Result<Arm> {
+    pub(crate) fn cryo_arm(&self, memory: u64) -> anyhow::Result<Arm> {
         let (mut child, pid, sock) = self.worker(memory)?;
         let image = self.dir.join("cryo-img");
         let t = Instant::now();
@@ -515,7 +523,7 @@ impl Bench {
         Ok(thaw_ms)
     }
 
-    fn bare_arm(&self, memory: u64) -> anyhow::Result<Arm> {
+    pub(crate) fn bare_arm(&self, memory: u64) -> anyhow::Result<Arm> {
         let (mut child, pid, sock) = self.worker(memory)?;
         let image = self.dir.join("bare-img");
         fs::create_dir(&image).context("creating the bare route's image directory")?;
@@ -544,7 +552,7 @@ impl Bench {
         })
     }
 
-    fn ledger_empty(&self) -> anyhow::Result<()> {
+    pub(crate) fn ledger_empty(&self) -> anyhow::Result<()> {
         let ledger = fs::read_to_string(self.dir.join("ledger.jsonl")).unwrap_or_default();
         ensure!(
             ledger.trim().is_empty(),

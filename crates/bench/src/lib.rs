@@ -9,6 +9,8 @@
 //! (the guard, a bare suspension, the demo's `cryo stop`).
 //! - `stop`: `cryo stop` against the operators' procedure (one `cuda-checkpoint` per action).
 //! - `freeze`: `cryo freeze`/`thaw` against the `criu` command line plus `cuda-checkpoint`.
+//! - `activate`: request-to-answer time of a scaled-to-zero worker: woken from park through
+//!   `cryo activate`, `cryo thaw`, the bare route, against the raw driver restore + unlock.
 //! - `guard`: the guard's cost on request latency, and signal-to-suspended time.
 //! - `telemetry`: the journal's append latency with a syslog forwarder and a dead, stalled or
 //!   live collector, against none (no simulated GPU needed).
@@ -23,6 +25,7 @@
 //! # Limitations
 //! Simulated GPU only: on a real GPU the driver's own checkpoint time dominates every arm.
 
+mod activate;
 pub mod args;
 mod demo;
 mod freeze;
@@ -41,6 +44,7 @@ pub fn bench(args: &BenchArgs, cryo: &Path) -> anyhow::Result<()> {
     match &args.command {
         BenchCommand::Stop(a) => stop::run(a, cryo),
         BenchCommand::Freeze(a) => freeze::run(a, cryo),
+        BenchCommand::Activate(a) => activate::run(a, cryo),
         BenchCommand::Guard(a) => guard::run(a, cryo),
         BenchCommand::Telemetry(a) => telemetry::run(a),
     }

@@ -169,3 +169,31 @@ fn the_activator_killed_mid_activation_leaves_the_worker_safe() {
     assert_eq!(w.complete("p"), before);
     sim.assert_no_wedge();
 }
+
+/// `cryo bench activate` runs end to end at a tiny size (root and CRIU: every arm is real).
+#[test]
+fn bench_activate_runs_tiny() {
+    let c = cryo_criu::CriuRpc::locate(None);
+    assert!(
+        c.is_ok(),
+        "CRIU is required (scripts/install-criu.sh): {:?}",
+        c.err()
+    );
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "this test needs root (CRIU)"
+    );
+    nix::sys::prctl::set_child_subreaper(true).unwrap();
+    let out = common::cryo()
+        .args([
+            "bench", "activate", "--sizes", "16MiB", "--rounds", "1", "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for k in ["park_ms", "thaw_ms", "bare_ms", "raw_ms", "parking_ms"] {
+        let v = rows[0][k][0].as_f64().unwrap_or(f64::NAN);
+        assert!(v > 0.0, "{k}: {rows}");
+    }
+}
