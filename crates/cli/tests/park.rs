@@ -214,3 +214,21 @@ fn a_wake_is_traced_by_the_guard_before_the_unlock() {
     );
     sim.assert_no_wedge();
 }
+
+/// Attack: a later `cryo stop` of another worker settles suspensions that died half-way. A
+/// finished park is not one of them: the parked worker stays parked (not killed, not resumed).
+#[test]
+fn a_parked_worker_is_not_settled_by_a_later_stop_of_another() {
+    let sim = Sim::start();
+    let st = state();
+    let w = worker(&sim, "16MiB", 0);
+    let before = w.complete("q");
+    park(&sim, st.path(), w.pid);
+    let other = worker(&sim, "16MiB", 1);
+    ok(&run(&sim, st.path(), &["stop", &other.pid.to_string()]));
+    assert!(common::procs::alive(w.pid), "the parked worker was killed");
+    assert_eq!(sim.state(w.pid), "checkpointed");
+    ok(&run(&sim, st.path(), &["wake", &w.pid.to_string()]));
+    assert_eq!(w.complete("q"), before);
+    sim.assert_no_wedge();
+}

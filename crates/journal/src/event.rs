@@ -715,6 +715,9 @@ pub enum Purpose {
     Freeze,
     /// The guard, before letting a fatal signal through (a later run finishes it like a stop).
     Guard,
+    /// `cryo park`: the process is to stay suspended in place; once `Parked` is journaled the
+    /// suspension is final (a later run that finds it half-way resumes it, as for a freeze).
+    Park,
     /// A purpose of a newer cryo (a later run leaves the process as it is).
     #[serde(other)]
     Other,
@@ -725,6 +728,7 @@ impl std::fmt::Display for Purpose {
         f.write_str(match self {
             Purpose::Stop => "stop",
             Purpose::Freeze => "freeze",
+            Purpose::Park => "park",
             Purpose::Guard => "guard",
             Purpose::Other => "other",
         })

@@ -218,6 +218,7 @@ pub fn in_flight_stops<'a>(
             }
             Event::Unlocked { .. }
             | Event::Resumed { .. }
+            | Event::Parked { .. }
             | Event::RestoreStarted { .. }
             | Event::RestoreCompleted { .. } => {
                 entry.step = None;

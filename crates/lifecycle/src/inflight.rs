@@ -180,7 +180,7 @@ fn settle_one(
         },
         ProcessState::Checkpointed => match purpose {
             Some(Purpose::Stop) | Some(Purpose::Guard) => finish_stop(gpu, journal, h, found),
-            Some(Purpose::Freeze) => {
+            Some(Purpose::Freeze) | Some(Purpose::Park) => {
                 match crate::restore::resume_in_place(
                     gpu,
                     journal,

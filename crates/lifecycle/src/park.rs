@@ -219,6 +219,7 @@ fn park_inner(
     let before: Vec<(u64, Vec<GpuUuid>)> = cuda.iter().map(|h| on_gpu(h.pid())).collect();
     let suspend_opts = SuspendOptions {
         resume_on_failure: true,
+        purpose: cryo_journal::Purpose::Park,
         ..opts.suspend.clone()
     };
     let outcomes = suspend(gpu, &cuda, &suspend_opts, Some(journal), progress);
@@ -845,6 +846,7 @@ fn park_again(
     }
     let opts = SuspendOptions {
         resume_on_failure: false,
+        purpose: cryo_journal::Purpose::Park,
         ..opts.clone()
     };
     // Where they are now (NVML lists a LOCKED process), for the next wake.
