@@ -5,12 +5,11 @@
 //! sidecar-style workers do, and so must workers frozen with a CRIU older than 4.2 on Linux >=
 //! 6.16, which cannot dump TCP sockets there (`getsockopt(SO_PASSCRED)` is refused for them).
 //!
+//! The request goes through `cryo_http`, cryo's one HTTP client.
+//!
 //! # Limitations
 //! Plain `http://` only (the worker is on loopback or the node's network); no TLS, no redirects.
 
-use std::io::{Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
-use std::os::unix::net::UnixStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -45,7 +44,9 @@ impl HealthCheck {
     /// Checks the syntax without any system call.
     pub fn validate(&self) -> Result<(), HealthError> {
         match self {
-            HealthCheck::Url(u) => parse_url(u).map(|_| ()),
+            HealthCheck::Url(u) => cryo_http::Endpoint::parse_url(u)
+                .map(|_| ())
+                .map_err(|_| HealthError::BadUrl(u.clone())),
             HealthCheck::Cmd(_) => Ok(()),
         }
     }
@@ -88,77 +89,16 @@ enum HealthAttempt {
     Fatal(HealthError),
 }
 
-#[derive(Debug, PartialEq, Eq)]
-enum Endpoint {
-    Tcp(String),
-    Unix(std::path::PathBuf),
-}
-
-fn parse_url(url: &str) -> Result<(Endpoint, String), HealthError> {
-    let bad = || HealthError::BadUrl(url.to_string());
-    if let Some(rest) = url.strip_prefix("unix:") {
-        let (sock, path) = rest.rsplit_once(":/").ok_or_else(bad)?;
-        if sock.is_empty() {
-            return Err(bad());
-        }
-        return Ok((Endpoint::Unix(sock.into()), format!("/{path}")));
-    }
-    let rest = url.strip_prefix("http://").ok_or_else(bad)?;
-    let (hostport, path) = match rest.find('/') {
-        Some(i) => (&rest[..i], &rest[i..]),
-        None => (rest, "/"),
-    };
-    if hostport.is_empty() {
-        return Err(bad());
-    }
-    let hostport = if hostport.contains(':') {
-        hostport.to_string()
-    } else {
-        format!("{hostport}:80")
-    };
-    Ok((Endpoint::Tcp(hostport), path.to_string()))
-}
-
 fn http_get(url: &str, timeout: Duration) -> Result<(), HealthAttempt> {
-    let (endpoint, path) = parse_url(url).map_err(HealthAttempt::Fatal)?;
-    let failed = |e: std::io::Error| HealthAttempt::Failed(e.to_string());
-    let (mut s, host): (Box<dyn ReadWrite>, String) = match endpoint {
-        Endpoint::Tcp(hostport) => {
-            let addr = hostport
-                .to_socket_addrs()
-                .map_err(failed)?
-                .next()
-                .ok_or_else(|| HealthAttempt::Failed(format!("{hostport} does not resolve")))?;
-            let s = TcpStream::connect_timeout(&addr, timeout).map_err(failed)?;
-            s.set_read_timeout(Some(timeout)).map_err(failed)?;
-            s.set_write_timeout(Some(timeout)).map_err(failed)?;
-            (Box::new(s), hostport)
+    match cryo_http::fetch("GET", url, None, timeout) {
+        Ok((status, _)) if (200..300).contains(&status) => Ok(()),
+        Ok((status, _)) => Err(HealthAttempt::Failed(format!("HTTP status {status}"))),
+        Err(cryo_http::HttpError::Url(_)) => {
+            Err(HealthAttempt::Fatal(HealthError::BadUrl(url.to_string())))
         }
-        Endpoint::Unix(sock) => {
-            let s = UnixStream::connect(&sock).map_err(failed)?;
-            s.set_read_timeout(Some(timeout)).map_err(failed)?;
-            s.set_write_timeout(Some(timeout)).map_err(failed)?;
-            (Box::new(s), "localhost".into())
-        }
-    };
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
-    )
-    .map_err(failed)?;
-    let mut head = [0u8; 64];
-    let n = s.read(&mut head).map_err(failed)?;
-    let line = String::from_utf8_lossy(&head[..n]);
-    let status = line.split_whitespace().nth(1).unwrap_or("");
-    if status.starts_with('2') && status.len() == 3 {
-        Ok(())
-    } else {
-        Err(HealthAttempt::Failed(format!("HTTP status {status:?}")))
+        Err(e) => Err(HealthAttempt::Failed(e.to_string())),
     }
 }
-
-trait ReadWrite: Read + Write {}
-impl<T: Read + Write> ReadWrite for T {}
 
 fn run_cmd(cmd: &str, timeout: Duration) -> Result<(), HealthAttempt> {
     let mut child = Command::new("sh")
@@ -190,28 +130,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn urls_are_parsed() {
-        assert_eq!(
-            parse_url("http://127.0.0.1:8080/health").unwrap(),
-            (Endpoint::Tcp("127.0.0.1:8080".into()), "/health".into())
-        );
-        assert_eq!(
-            parse_url("http://localhost").unwrap(),
-            (Endpoint::Tcp("localhost:80".into()), "/".into())
-        );
-        assert_eq!(
-            parse_url("unix:/run/w.sock:/health").unwrap(),
-            (Endpoint::Unix("/run/w.sock".into()), "/health".into())
-        );
-        for bad in [
-            "https://x/",
-            "127.0.0.1:80",
-            "http:///x",
-            "unix:/run/w.sock",
-            "unix::/h",
-        ] {
-            assert!(parse_url(bad).is_err(), "{bad}");
+    fn malformed_urls_are_refused_before_any_attempt() {
+        for bad in ["https://x/", "127.0.0.1:80", "unix:/run/w.sock"] {
+            let check = HealthCheck::Url(bad.into());
+            assert!(
+                matches!(check.validate(), Err(HealthError::BadUrl(_))),
+                "{bad}"
+            );
+            assert!(
+                matches!(
+                    check.wait(Duration::from_secs(5)),
+                    Err(HealthError::BadUrl(_))
+                ),
+                "{bad}"
+            );
         }
+        assert!(HealthCheck::Url("unix:/run/w.sock:/health".into())
+            .validate()
+            .is_ok());
     }
 
     #[test]

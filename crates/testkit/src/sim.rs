@@ -428,7 +428,7 @@ impl Worker {
             pid,
             endpoint: match unix {
                 Some(u) => Endpoint::Unix(u),
-                None => Endpoint::Tcp(port),
+                None => Endpoint::loopback(port),
             },
             port,
             log,
