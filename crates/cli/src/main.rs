@@ -8,8 +8,8 @@
 //! `cryo install-compat`), the binary is NVIDIA's `cuda-checkpoint` command line instead
 //! ([`compat`]).
 //!
-//! # Limitations
-//! Standalone only for now: every command loads the driver itself (the agent `cryod` comes later).
+//! Commands that act on processes go through the node agent (`cryo agent run`) when its socket
+//! answers, and work standalone otherwise ([`route`]).
 
 mod args;
 mod backend;
@@ -19,6 +19,7 @@ mod defer;
 mod exit;
 mod process;
 mod progress;
+mod route;
 
 use std::ffi::OsString;
 use std::path::Path;
@@ -30,13 +31,20 @@ fn main() -> ExitCode {
     let mut argv = std::env::args_os();
     let argv0 = argv.next().unwrap_or_default();
     if invoked_as_cuda_checkpoint(&argv0) {
-        init_tracing(0);
+        init_tracing(0, false);
         return ExitCode::from(commands::cuda_checkpoint::run_as_argv0(argv.collect()));
     }
     let cli = args::Cli::parse();
     // The simulated driver and worker set up their own logging.
+    // The agent logs what it guards and why (info); commands only warnings.
+    let daemon = matches!(
+        &cli.command,
+        args::Command::Agent(args::AgentArgs {
+            command: args::AgentCommand::Run(_)
+        })
+    );
     if !matches!(cli.command, args::Command::Sim(_)) {
-        init_tracing(cli.global.verbose);
+        init_tracing(cli.global.verbose, daemon);
     }
     match commands::dispatch(cli) {
         Ok(code) => ExitCode::from(code),
@@ -54,9 +62,11 @@ fn invoked_as_cuda_checkpoint(argv0: &OsString) -> bool {
         .is_some_and(|n| n == "cuda-checkpoint")
 }
 
-/// Logs to stderr: warnings by default, `-v` debug, `-vv` trace; `RUST_LOG` overrides.
-fn init_tracing(verbose: u8) {
+/// Logs to stderr: warnings by default (the agent: info), `-v` debug, `-vv` trace; `RUST_LOG`
+/// overrides.
+fn init_tracing(verbose: u8, daemon: bool) {
     let level = match verbose {
+        0 if daemon => "info",
         0 => "warn",
         1 => "debug",
         _ => "trace",

@@ -3,21 +3,14 @@
 //! so that a pid that does not exist, names a thread, or is reused mid-call is reported rather
 //! than acted upon blindly. What a procedure acts on as a whole is a `cryo_lifecycle::Target`.
 
-use anyhow::{bail, Context as _};
+use anyhow::bail;
 use cryo_proc::Pid;
 use cryo_proc::ProcHandle;
 
 /// Opens the process `pid` names for an operator command: it must exist and be a process, not a
-/// thread of one.
+/// thread of one ([`cryo_lifecycle::open_process`]).
 pub fn open_process(pid: Pid) -> anyhow::Result<ProcHandle> {
-    match cryo_proc::tgid(pid).with_context(|| format!("looking up pid {pid}"))? {
-        None => bail!("pid {pid} does not exist"),
-        Some(tgid) if tgid != pid => {
-            bail!("pid {pid} is a thread of process {tgid}; use --pid {tgid}")
-        }
-        Some(_) => {}
-    }
-    ProcHandle::open(pid).with_context(|| format!("opening a pidfd for pid {pid}"))
+    Ok(cryo_lifecycle::open_process(pid)?)
 }
 
 /// After an action: the process held by `handle` must still be there, else the pid may have

@@ -54,5 +54,5 @@ pub mod tracer;
 pub use guard::{Endgame, Guard, GuardConfig, GuardStatus, MemoryWatch, StartReport};
 pub use pins::{HolderSink, PinSink};
 pub use policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee};
-pub use service::{run, termination_flag, Notice, RunError, RunOptions};
+pub use service::{run, termination_flag, Notice, RunError, RunOptions, Service};
 pub use tracer::{AttachError, DetachError, SpawnError, Tracer, TracerGone, TracerStats};

@@ -144,56 +144,92 @@ pub fn run(
     stop: &dyn Fn() -> bool,
     notify: &mut dyn FnMut(Notice),
 ) -> Result<(), RunError> {
-    let state = cfg.state.clone();
-    let (guard, report) = Guard::start(gpu, cfg)?;
-    let guard = Arc::new(guard);
-    for s in report.settled {
-        notify(Notice::Settled(s));
-    }
-    for id in report.attached {
-        notify(Notice::Reattached(id));
-    }
-    for (pid, why) in report.lost {
-        notify(Notice::Lost { pid, why });
-    }
-    for pid in &opts.pids {
-        let id = guard
-            .attach_pid(*pid)
-            .map_err(|source| RunError::Attach { pid: *pid, source })?;
-        notify(Notice::Guarding(id));
-    }
-    control::serve(Arc::clone(&guard), &state)?;
-    notify(Notice::Running {
-        tracer_tid: guard.tracer_tid(),
-        socket: state.guard_socket(),
-    });
-    let poll = opts.poll.max(Duration::from_millis(10));
-    let mut refused_at = None::<Instant>;
-    loop {
-        if stop() {
-            if !guard.has_pins() {
-                break;
-            }
-            if refused_at.is_none_or(|t| t.elapsed() > REFUSAL_REPEAT) {
-                notify(Notice::RefusingToStop);
-                refused_at = Some(Instant::now());
-            }
-        }
-        match guard.poll_journal() {
-            Ok(ids) => ids
-                .into_iter()
-                .for_each(|id| notify(Notice::GuardingRestored(id))),
-            Err(e) => notify(Notice::JournalUnreadable(e)),
-        }
-        for id in guard.check_memory() {
-            notify(Notice::MemoryStopped(id));
-        }
-        std::thread::sleep(poll);
-    }
-    notify(Notice::Stopping {
-        guarded: guard.guarded().len(),
-    });
-    let _ = std::fs::remove_file(state.guard_socket());
-    guard.shutdown();
+    Service::start(gpu, cfg, opts, notify)?.run_until(stop, notify);
     Ok(())
+}
+
+/// A started guard whose loop has not run yet: what [`run`] is made of, for an owner (the node
+/// agent) that needs the [`Guard`] itself while the loop runs on a thread of its own.
+#[derive(Debug)]
+pub struct Service {
+    guard: Arc<Guard>,
+    state: cryo_state::StateDir,
+    poll: Duration,
+}
+
+impl Service {
+    /// Starts the guard, guards `opts.pids`, serves the control socket.
+    pub fn start(
+        gpu: Gpu,
+        cfg: GuardConfig,
+        opts: &RunOptions,
+        notify: &mut dyn FnMut(Notice),
+    ) -> Result<Service, RunError> {
+        let state = cfg.state.clone();
+        let (guard, report) = Guard::start(gpu, cfg)?;
+        let guard = Arc::new(guard);
+        for s in report.settled {
+            notify(Notice::Settled(s));
+        }
+        for id in report.attached {
+            notify(Notice::Reattached(id));
+        }
+        for (pid, why) in report.lost {
+            notify(Notice::Lost { pid, why });
+        }
+        for pid in &opts.pids {
+            let id = guard
+                .attach_pid(*pid)
+                .map_err(|source| RunError::Attach { pid: *pid, source })?;
+            notify(Notice::Guarding(id));
+        }
+        control::serve(Arc::clone(&guard), &state)?;
+        notify(Notice::Running {
+            tracer_tid: guard.tracer_tid(),
+            socket: state.guard_socket(),
+        });
+        Ok(Service {
+            guard,
+            state,
+            poll: opts.poll.max(Duration::from_millis(10)),
+        })
+    }
+
+    /// The guard.
+    pub fn guard(&self) -> &Arc<Guard> {
+        &self.guard
+    }
+
+    /// Follows the journal and watches memory until `stop()` says so and no pins are held;
+    /// then removes the control socket and detaches from every process.
+    pub fn run_until(self, stop: &dyn Fn() -> bool, notify: &mut dyn FnMut(Notice)) {
+        let guard = self.guard;
+        let mut refused_at = None::<Instant>;
+        loop {
+            if stop() {
+                if !guard.has_pins() {
+                    break;
+                }
+                if refused_at.is_none_or(|t| t.elapsed() > REFUSAL_REPEAT) {
+                    notify(Notice::RefusingToStop);
+                    refused_at = Some(Instant::now());
+                }
+            }
+            match guard.poll_journal() {
+                Ok(ids) => ids
+                    .into_iter()
+                    .for_each(|id| notify(Notice::GuardingRestored(id))),
+                Err(e) => notify(Notice::JournalUnreadable(e)),
+            }
+            for id in guard.check_memory() {
+                notify(Notice::MemoryStopped(id));
+            }
+            std::thread::sleep(self.poll);
+        }
+        notify(Notice::Stopping {
+            guarded: guard.guarded().len(),
+        });
+        let _ = std::fs::remove_file(self.state.guard_socket());
+        guard.shutdown();
+    }
 }

@@ -70,7 +70,7 @@ pub struct FreezeOptions {
 }
 
 /// What a freeze did.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct FreezeReport {
     /// The published image.
     pub image: PathBuf,

@@ -48,6 +48,6 @@ pub use stop::{
     stop, EndSignal, ProcReport, Refusal, RefusalReason, StopError, StopOptions, StopReport,
 };
 pub use suspend::{suspend, SuspendOptions, SuspendOutcome, Suspended};
-pub use target::{ResolveError, Resolved, Target};
+pub use target::{open_process, OpenProcessError, ResolveError, Resolved, Target};
 pub use thaw::{thaw, PrecheckError, ThawError, ThawOptions, ThawReport};
 pub use watcher::{Coverage, NoWatcher, Watcher, WatcherError};

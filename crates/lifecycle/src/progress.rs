@@ -12,6 +12,31 @@ pub trait Progress: Sync {
     fn end(&self, pid: Pid, step: &'static str, ok: bool, detail: &str);
 }
 
+/// The steps this crate names, by the literals it passes to [`Progress`] and journals.
+pub const STEPS: &[&str] = &[
+    "lock",
+    "checkpoint",
+    "verify",
+    "restore",
+    "unlock",
+    "kill",
+    "dump",
+    "publish",
+    "criu restore",
+    "gpu restore",
+];
+
+/// A step's name received from elsewhere (the agent streams progress and reports to the CLI)
+/// as the `&'static str` the [`Progress`] trait and the reports carry: the literal of a known
+/// step, else the name leaked (a client reads one answer per command, so a few names at most).
+pub fn step_literal(name: String) -> &'static str {
+    STEPS
+        .iter()
+        .find(|k| **k == name)
+        .copied()
+        .unwrap_or_else(|| Box::leak(name.into_boxed_str()))
+}
+
 /// Discards progress.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct NoProgress;

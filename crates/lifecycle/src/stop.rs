@@ -95,7 +95,7 @@ impl Default for StopOptions {
 }
 
 /// A CUDA process that could not be suspended.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Refusal {
     /// The process.
     pub pid: Pid,
@@ -109,7 +109,7 @@ pub struct Refusal {
 pub type RefusalReason = SuspendFailure;
 
 /// One process of the target.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ProcReport {
     /// The process.
     pub pid: Pid,
@@ -130,7 +130,7 @@ pub struct ProcReport {
 }
 
 /// The result of a stop. Refusals are results, not errors.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct StopReport {
     /// Every process of the target.
     pub processes: Vec<ProcReport>,

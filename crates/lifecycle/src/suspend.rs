@@ -85,7 +85,7 @@ impl SuspendOptions {
 }
 
 /// What one process went through.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Suspended {
     /// The process.
     pub pid: Pid,
@@ -94,13 +94,13 @@ pub struct Suspended {
     /// Device memory NVML listed before acting, bytes.
     pub device_memory: u64,
     /// Time spent in lock, when this run locked it (JSON: `lock_ms`).
-    #[serde(rename = "lock_ms", serialize_with = "opt_ms")]
+    #[serde(rename = "lock_ms", serialize_with = "opt_ms", deserialize_with = "opt_ms_de")]
     pub lock: Option<Duration>,
     /// Time spent in checkpoint, when this run checkpointed it (JSON: `checkpoint_ms`).
-    #[serde(rename = "checkpoint_ms", serialize_with = "opt_ms")]
+    #[serde(rename = "checkpoint_ms", serialize_with = "opt_ms", deserialize_with = "opt_ms_de")]
     pub checkpoint: Option<Duration>,
     /// Time from checkpoint return to NVML no longer listing the pid (JSON: `verify_ms`).
-    #[serde(rename = "verify_ms", serialize_with = "opt_ms")]
+    #[serde(rename = "verify_ms", serialize_with = "opt_ms", deserialize_with = "opt_ms_de")]
     pub verify: Option<Duration>,
 }
 
@@ -112,8 +112,24 @@ fn opt_ms<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::
     }
 }
 
+/// Milliseconds (fractional) or `null` in JSON back to a duration (the agent's answers).
+fn opt_ms_de<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    let ms: Option<f64> = serde::Deserialize::deserialize(d)?;
+    Ok(ms.map(|ms| Duration::from_secs_f64(ms.max(0.0) / 1e3)))
+}
+
+/// A step's name: one of this crate's literals (an alias so that serde's derive does not take
+/// the `'static` for a borrow from the input: the name is matched to its literal instead).
+pub type StepName = &'static str;
+
+/// A step's name read back from JSON (the agent's answers): see [`crate::progress::step_literal`].
+fn step_name<'de, D: serde::Deserializer<'de>>(d: D) -> Result<&'static str, D::Error> {
+    let s: String = serde::Deserialize::deserialize(d)?;
+    Ok(crate::progress::step_literal(s))
+}
+
 /// Why a process could not be suspended.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum SuspendFailure {
     /// Work stayed in flight through every lock attempt (`CUDA_ERROR_NOT_READY`).
@@ -165,7 +181,8 @@ pub enum SuspendFailure {
     /// A driver call failed otherwise.
     Driver {
         /// The step.
-        step: &'static str,
+        #[serde(deserialize_with = "step_name")]
+        step: StepName,
         /// The driver's message.
         error: String,
     },
@@ -179,7 +196,8 @@ pub enum SuspendFailure {
     /// The thread carrying a driver call panicked: the call's outcome is unknown.
     Panicked {
         /// The step (`checkpoint`).
-        step: &'static str,
+        #[serde(deserialize_with = "step_name")]
+        step: StepName,
     },
 }
 

@@ -62,6 +62,46 @@ pub enum ResolveError {
     Empty,
 }
 
+/// The one process an operator names (`cryo gpu`, the `cuda-checkpoint` front end, the root of
+/// a freeze) could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenProcessError {
+    /// No such process.
+    #[error("pid {0} does not exist")]
+    NoSuchProcess(Pid),
+    /// A thread of another process.
+    #[error("pid {pid} is a thread of process {tgid}; use --pid {tgid}")]
+    Thread {
+        /// The thread.
+        pid: Pid,
+        /// Its process.
+        tgid: Pid,
+    },
+    /// `/proc` or the pidfd failed.
+    #[error("opening pid {pid}: {source}")]
+    Proc {
+        /// The pid.
+        pid: Pid,
+        /// Why.
+        source: ProcError,
+    },
+}
+
+/// Opens the process `pid` names: it must exist and be a process, not a thread of one. Held
+/// through a pidfd from here on, so a pid reused later is never acted upon.
+pub fn open_process(pid: Pid) -> Result<ProcHandle, OpenProcessError> {
+    let proc_err = |source| OpenProcessError::Proc { pid, source };
+    match cryo_proc::tgid(pid).map_err(proc_err)? {
+        None => return Err(OpenProcessError::NoSuchProcess(pid)),
+        Some(tgid) if tgid != pid => return Err(OpenProcessError::Thread { pid, tgid }),
+        Some(_) => {}
+    }
+    ProcHandle::open(pid).map_err(|e| match e {
+        ProcError::NoSuchProcess(_) => OpenProcessError::NoSuchProcess(pid),
+        e => proc_err(e),
+    })
+}
+
 /// A target with a pidfd for each of its processes, opened at once.
 #[derive(Debug)]
 pub struct Resolved {

@@ -64,7 +64,7 @@ pub struct ThawOptions {
 }
 
 /// One restored CUDA process.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct RestoredGpu {
     /// The process.
     pub pid: Pid,
@@ -77,7 +77,7 @@ pub struct RestoredGpu {
 }
 
 /// What a thaw did.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ThawReport {
     /// The image.
     pub image: PathBuf,

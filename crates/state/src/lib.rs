@@ -12,6 +12,7 @@
 //! | `quarantine.json`, `quarantine.lock` | the fence: GPUs that take no thaw | the guard, `cryo guard release` |
 //! | `guard.sock` | the running guard's control socket (root only) | `cryo guard` |
 //! | `cryod.sock` | the node agent's API socket (issue 10) | `cryod` |
+//! | `cryod.lock` | one agent per node: the running agent's lock, holding its pid | `cryod` |
 //! | `pins.sock` | the pin holder's socket: pinned driver fds that outlive the agent (issue 10) | the pin holder |
 //! | `pins.lock` | held (`flock`) by the one pin holder of this directory while it lives | the pin holder |
 //! | `pins.log` | the pin holder's log (it has no terminal) | the pin holder |
@@ -108,6 +109,12 @@ impl StateDir {
         self.root.join("cryod.sock")
     }
 
+    /// The node agent's lock: held (`flock`) by the one agent of the node for its whole life; it
+    /// holds that agent's pid, for the refusal a second agent prints.
+    pub fn agent_lock(&self) -> PathBuf {
+        self.root.join("cryod.lock")
+    }
+
     /// The pin holder's socket: the minimal process that keeps pinned driver fds open across an
     /// agent restart (issue 10).
     pub fn pin_holder_socket(&self) -> PathBuf {
@@ -149,6 +156,7 @@ mod tests {
             s.quarantine_set_aside(1),
             s.guard_socket(),
             s.agent_socket(),
+            s.agent_lock(),
             s.pin_holder_socket(),
             s.pin_holder_lock(),
             s.pin_holder_log(),

@@ -7,6 +7,7 @@
 //! UUID, whether a pid exists) happens in `backend.rs` and the handlers in `commands/`.
 
 pub mod activate;
+pub mod agent;
 pub mod freeze;
 pub mod gpu;
 pub mod gpu_map;
@@ -19,11 +20,12 @@ use std::path::PathBuf;
 
 use clap::{ArgAction, Args, Parser, Subcommand};
 
+pub use agent::{AgentArgs, AgentCommand};
 pub use cryo_units::ByteSize;
 pub use freeze::{FreezeArgs, ThawArgs};
 pub use gpu::{GpuArgs, GpuCommand};
 pub use gpu_map::GpuMap;
-pub use guard::{GuardArgs, StatusArgs};
+pub use guard::{GuardArgs, GuardRunArgs, StatusArgs};
 pub use stop::{SignalArg, StopArgs, TimelineArgs};
 
 use crate::backend::GpuChoice;
@@ -113,6 +115,8 @@ pub enum Command {
     Status(StatusArgs),
     /// Prometheus metrics derived from the journal: printed once, or served at /metrics.
     Metrics(MetricsArgs),
+    /// The node agent (cryod): `run` it, ask its `status`, `stop` it.
+    Agent(AgentArgs),
 }
 
 /// `cryo metrics`.

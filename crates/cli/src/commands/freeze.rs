@@ -2,67 +2,56 @@
 //! guard, through its socket, to let go of the tree around the dump); this file finds CRIU, shows
 //! progress and reports (text or JSON, exit codes: 0 published, 3 refused, 1 error).
 
-use std::time::Duration;
-
 use anyhow::Context as _;
+use cryo_api::{ClientError, ErrorKind, FreezeRequest};
 use cryo_criu::CriuRpc;
 use cryo_guard::control::GuardClient;
-use cryo_lifecycle::{FreezeError, FreezeOptions, Resolved, SuspendOptions};
+use cryo_lifecycle::{FreezeError, FreezeReport, Resolved};
 
 use super::Context;
 use crate::args::FreezeArgs;
 use crate::exit;
+use crate::route;
 use cryo_units::fmt_bytes;
 
 /// Runs `cryo freeze`; returns the exit code.
 pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
     // Before any thread exists, so every thread of the command inherits the mask.
     let _deferred = crate::defer::termination();
-    // CRIU first: a missing or old CRIU is one clear line before anything is touched.
-    let criu = CriuRpc::locate(None)?;
-    // Resolved once: the root must be a process (not a thread), and the freeze acts on exactly
-    // the tree found now.
-    let tree = Resolved::tree(crate::process::open_process(args.pid)?)
-        .with_context(|| format!("listing the process tree of pid {}", args.pid))?;
-    let gpu = ctx.gpu()?;
-    let journal = ctx.state.open_journal().context("opening the journal")?;
-    let opts = FreezeOptions {
+    let req = FreezeRequest {
+        pid: args.pid,
         image: args.image.clone(),
         leave_running: args.leave_running,
         replace: args.replace,
-        suspend: SuspendOptions {
-            lock_timeout: Duration::from_millis(args.timeout),
-            resume_on_failure: true,
-            ..SuspendOptions::default()
-        },
+        lock_timeout_ms: args.timeout,
     };
     let progress = crate::progress::for_stderr();
-    // CRIU must trace the tree itself: the running guard (if any) lets go of it for the dump.
-    let guard = GuardClient::new(&ctx.state);
-    let result = cryo_lifecycle::freeze(
-        &gpu,
-        &criu,
-        &tree,
-        &opts,
-        &journal,
-        &guard,
-        progress.as_ref(),
-    );
+    let client = route::client(&ctx.state);
+    let via_agent = client.freeze(&req, progress.as_ref());
+    let result = if route::not_running(&via_agent) {
+        route::standalone_note(&client);
+        standalone(ctx, &req, progress.as_ref())
+    } else {
+        via_agent.map_err(|e| match e {
+            ClientError::Api(a) if a.kind == ErrorKind::Refused => Outcome::Refused(a.message),
+            e => Outcome::Failed(route::error(e)),
+        })
+    };
     drop(progress);
     let report = match result {
         Ok(r) => r,
-        Err(e @ FreezeError::Refused(_)) => {
+        Err(Outcome::Refused(e)) => {
             if args.json {
                 println!(
                     "{}",
-                    serde_json::json!({ "outcome": "refused", "error": e.to_string() })
+                    serde_json::json!({ "outcome": "refused", "error": e })
                 );
             }
             eprintln!("cryo: {e}; the worker keeps serving");
             return Ok(exit::REFUSED);
         }
-        Err(e) => {
-            return Err(anyhow::Error::new(e).context(format!(
+        Err(Outcome::Failed(e)) => {
+            return Err(e.context(format!(
                 "freezing pid {} into {}",
                 args.pid,
                 args.image.display()
@@ -103,4 +92,50 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
         );
     }
     Ok(exit::SUCCESS)
+}
+
+/// How a freeze did not publish.
+enum Outcome {
+    /// Refused before anything was dumped (exit 3): the worker keeps serving.
+    Refused(String),
+    /// Failed.
+    Failed(anyhow::Error),
+}
+
+/// The freeze in this process (no agent runs): what the agent's handler does too.
+fn standalone(
+    ctx: &Context,
+    req: &FreezeRequest,
+    progress: &dyn cryo_lifecycle::Progress,
+) -> Result<FreezeReport, Outcome> {
+    let failed = Outcome::Failed;
+    // CRIU first: a missing or old CRIU is one clear line before anything is touched.
+    let criu = CriuRpc::locate(None).map_err(|e| failed(e.into()))?;
+    // Resolved once: the root must be a process (not a thread), and the freeze acts on exactly
+    // the tree found now.
+    let root = crate::process::open_process(req.pid).map_err(failed)?;
+    let tree = Resolved::tree(root)
+        .with_context(|| format!("listing the process tree of pid {}", req.pid))
+        .map_err(failed)?;
+    let gpu = ctx.gpu().map_err(failed)?;
+    let journal = ctx
+        .state
+        .open_journal()
+        .context("opening the journal")
+        .map_err(failed)?;
+    // CRIU must trace the tree itself: a running standalone guard lets go of it for the dump.
+    let guard = GuardClient::new(&ctx.state);
+    match cryo_lifecycle::freeze(
+        &gpu,
+        &criu,
+        &tree,
+        &req.options(),
+        &journal,
+        &guard,
+        progress,
+    ) {
+        Ok(r) => Ok(r),
+        Err(e @ FreezeError::Refused(_)) => Err(Outcome::Refused(e.to_string())),
+        Err(e) => Err(failed(e.into())),
+    }
 }

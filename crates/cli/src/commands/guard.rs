@@ -17,11 +17,13 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
-use cryo_guard::control::{Detach, GuardClient};
+use cryo_api::{PidRequest, ReleaseRequest};
+use cryo_guard::control::{Confirmation, Detach, GuardClient};
 use cryo_guard::{Endgame, GuardConfig, MemoryWatch, RunOptions};
 
 use super::Context;
 use crate::args::guard::{EndgameArg, GuardArgs, GuardCommand, GuardRunArgs, HolderArgs};
+use crate::route;
 
 /// `cryo guard ...`.
 pub fn run(ctx: &Context, args: &GuardArgs) -> anyhow::Result<u8> {
@@ -39,12 +41,21 @@ pub fn run(ctx: &Context, args: &GuardArgs) -> anyhow::Result<u8> {
                 )));
             }
             eprintln!("cryo: WARNING: closing the pins on {gpu}: on affected hosts the machine may wedge within ~35 s");
-            let pids = match GuardClient::new(state).release(gpu) {
-                // No guard runs (the agent is down): the pin holder holds what is pinned.
-                Err(cryo_guard::control::ControlError::NotRunning(_)) => {
-                    cryo_guard::pins::release_without_guard(state, gpu).context("releasing pins")?
+            let via_agent = route::client(state).release(&ReleaseRequest {
+                gpu: gpu.clone(),
+                confirm: Confirmation::MayWedgeTheHost,
+            });
+            let pids = if route::not_running(&via_agent) {
+                match GuardClient::new(state).release(gpu) {
+                    // No guard runs (the agent is down): the pin holder holds what is pinned.
+                    Err(cryo_guard::control::ControlError::NotRunning(_)) => {
+                        cryo_guard::pins::release_without_guard(state, gpu)
+                            .context("releasing pins")?
+                    }
+                    other => other.context("releasing pins")?,
                 }
-                other => other.context("releasing pins")?,
+            } else {
+                via_agent.map_err(route::error).context("releasing pins")?.pids
             };
             let pids: Vec<_> = pids.into_iter().map(|p| p.pid).collect();
             println!(
@@ -55,6 +66,14 @@ pub fn run(ctx: &Context, args: &GuardArgs) -> anyhow::Result<u8> {
         }
         Some(GuardCommand::Detach { pid }) => {
             let id = GuardClient::identify(*pid)?;
+            let via_agent = route::client(state).detach(&PidRequest { pid: id });
+            if !route::not_running(&via_agent) {
+                via_agent
+                    .map_err(route::error)
+                    .context("asking the agent's guard to detach")?;
+                println!("guard detached from {pid}");
+                return Ok(crate::exit::SUCCESS);
+            }
             match GuardClient::new(state)
                 .detach(id)
                 .context("asking the guard to detach")?
@@ -67,6 +86,14 @@ pub fn run(ctx: &Context, args: &GuardArgs) -> anyhow::Result<u8> {
         Some(GuardCommand::Holder(h)) => holder(ctx, h),
         Some(GuardCommand::Attach { pid }) => {
             let id = GuardClient::identify(*pid)?;
+            let via_agent = route::client(state).attach(&PidRequest { pid: id });
+            if !route::not_running(&via_agent) {
+                via_agent
+                    .map_err(route::error)
+                    .context("asking the agent's guard to attach")?;
+                println!("guard attached to {pid}");
+                return Ok(crate::exit::SUCCESS);
+            }
             if !GuardClient::new(state)
                 .attach(id)
                 .context("asking the guard to attach")?
@@ -160,7 +187,8 @@ pub fn pin_sink(ctx: &Context) -> anyhow::Result<std::sync::Arc<dyn cryo_guard::
     Ok(std::sync::Arc::new(cryo_guard::HolderSink::new(&ctx.state)))
 }
 
-fn config(ctx: &Context, a: &GuardRunArgs) -> GuardConfig {
+/// The guard's configuration the options ask for (`cryo guard`, `cryo agent run`).
+pub fn config(ctx: &Context, a: &GuardRunArgs) -> GuardConfig {
     let mut cfg = GuardConfig::new(ctx.state.clone());
     cfg.endgame = match a.endgame {
         EndgameArg::Hold => Endgame::Hold,
@@ -178,12 +206,18 @@ fn config(ctx: &Context, a: &GuardRunArgs) -> GuardConfig {
     cfg
 }
 
-fn serve(ctx: &Context, a: &GuardRunArgs) -> anyhow::Result<()> {
+/// Refuses options that do not go together.
+pub fn check(a: &GuardRunArgs) -> anyhow::Result<()> {
     if a.restart_cmd.is_some() && a.endgame != EndgameArg::Drain {
         bail!(crate::exit::UsageError(
             "--restart-cmd needs --endgame drain".into()
         ));
     }
+    Ok(())
+}
+
+fn serve(ctx: &Context, a: &GuardRunArgs) -> anyhow::Result<()> {
+    check(a)?;
     let sink = a.pin_holder.then(|| pin_sink(ctx)).transpose()?;
     let terminate = cryo_guard::termination_flag().context("installing the SIGTERM handler")?;
     let gpu = ctx.gpu()?;

@@ -1,6 +1,7 @@
 //! One handler per command; [`dispatch`] is all `main` calls.
 
 pub mod activate;
+pub mod agent;
 pub mod cuda_checkpoint;
 pub mod freeze;
 pub mod gpu;
@@ -78,6 +79,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Guard(a) => guard::run(&ctx, &a),
         Command::Status(a) => status::run(&ctx, &a).map(|()| crate::exit::SUCCESS),
         Command::Metrics(a) => metrics::run(&ctx, &a).map(|()| crate::exit::SUCCESS),
+        Command::Agent(a) => agent::run(&ctx, &a),
     }
 }
 

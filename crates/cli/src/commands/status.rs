@@ -1,16 +1,46 @@
 //! `cryo status`: parked workers and the host memory they hold, quarantined GPUs (the fence),
-//! and what the running guard watches and pins.
+//! and what the guard watches and pins: the agent's when one runs, else a standalone
+//! `cryo guard`'s.
 
 use anyhow::Context as _;
-
+use cryo_guard::GuardStatus;
+use cryo_state::fence::Quarantine;
 use cryo_units::fmt_bytes;
 
 use super::Context;
 use crate::args::guard::StatusArgs;
+use crate::route;
 
 /// `cryo status`.
 pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
     let state = &ctx.state;
+    // Parked workers: from the journal and /proc (no driver call). A journal that cannot be read
+    // is said, not fatal: the rest of the status still matters.
+    let parked = state
+        .read_journal()
+        .map(|scan| cryo_lifecycle::parked_now(&scan.records))
+        .map_err(|e| e.to_string());
+    let agent = route::client(state).status();
+    if !route::not_running(&agent) {
+        let s = agent.map_err(route::error)?;
+        if args.json {
+            let v = serde_json::json!({
+                "parked": parked.as_ref().ok(),
+                "parked_host_bytes": parked.as_ref().ok().map(|p| p.iter().map(|w| w.host_bytes).sum::<u64>()),
+                "parked_error": parked.as_ref().err(),
+                "quarantined": s.quarantined,
+                "guard": s.guard,
+                "fence_error": s.fence_error,
+                "agent": { "pid": s.pid, "version": s.version, "socket": s.socket },
+            });
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        } else {
+            println!("agent: running as pid {} ({})", s.pid, s.socket.display());
+            print_parked(&parked);
+            print_fence_and_guard(&s.quarantined, s.fence_error.as_deref(), Ok(Some(&s.guard)));
+        }
+        return Ok(());
+    }
     let fence = state.fence();
     let quarantined = fence
         .list()
@@ -19,12 +49,6 @@ pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
         Ok(s) => Ok(s),
         Err(e) => Err(e.to_string()),
     };
-    // Parked workers: from the journal and /proc (no driver call). A journal that cannot be read
-    // is said, not fatal: the rest of the status still matters.
-    let parked = state
-        .read_journal()
-        .map(|scan| cryo_lifecycle::parked_now(&scan.records))
-        .map_err(|e| e.to_string());
     if args.json {
         let v = serde_json::json!({
             "parked": parked.as_ref().ok(),
@@ -37,7 +61,15 @@ pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
-    match &parked {
+    println!("agent: not running");
+    print_parked(&parked);
+    print_fence_and_guard(&quarantined, None, guard.as_ref().map(Option::as_ref).map_err(String::as_str));
+    Ok(())
+}
+
+/// Parked workers in words.
+fn print_parked(parked: &Result<Vec<cryo_lifecycle::ParkedWorker>, String>) {
+    match parked {
         Err(e) => println!("parked workers: cannot read the journal: {e}"),
         Ok(p) if p.is_empty() => println!("parked workers: none"),
         Ok(p) => {
@@ -60,13 +92,23 @@ pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
             }
         }
     }
-    if quarantined.is_empty() {
+}
+
+/// The fence and the guard in words (`cryo status`, `cryo agent status`).
+pub fn print_fence_and_guard(
+    quarantined: &[Quarantine],
+    fence_error: Option<&str>,
+    guard: Result<Option<&GuardStatus>, &str>,
+) {
+    if let Some(e) = fence_error {
+        println!("quarantined GPUs: CANNOT READ THE QUARANTINE ({e}): thaws are refused");
+    } else if quarantined.is_empty() {
         println!("quarantined GPUs: none");
     } else {
         println!(
             "quarantined GPUs (no thaw is placed on them; `cryo guard release` closes their pins):"
         );
-        for q in &quarantined {
+        for q in quarantined {
             println!(
                 "  {}  pids {:?}  since {} (unix)  {}",
                 q.gpu, q.pids, q.since_unix, q.reason
@@ -115,5 +157,4 @@ pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
             }
         }
     }
-    Ok(())
 }

@@ -1,15 +1,15 @@
 //! `cryo stop`: the handler. The procedure itself is `cryo_lifecycle::stop`; this file turns the
 //! arguments into a target and options, shows progress, and reports (text or JSON, exit codes).
 
-use std::time::Duration;
-
 use anyhow::Context as _;
-use cryo_lifecycle::{EndSignal, ProcReport, StopOptions, StopReport, SuspendOptions, Target};
+use cryo_api::{SignalSpec, StopRequest};
+use cryo_lifecycle::{ProcReport, StopReport, Target};
 use serde::Serialize;
 
 use super::Context;
 use crate::args::{SignalArg, StopArgs};
 use crate::exit;
+use crate::route;
 use cryo_units::fmt_bytes;
 
 /// What `--json` prints: the lifecycle's report plus the verdict.
@@ -32,27 +32,23 @@ pub fn target(args: &StopArgs) -> Target {
     }
 }
 
-/// The lifecycle's options the arguments ask for.
-pub fn options(args: &StopArgs) -> StopOptions {
-    StopOptions {
-        suspend: SuspendOptions {
-            lock_timeout: Duration::from_millis(args.timeout),
-            lock_attempts: args.lock_attempts,
-            verify_timeout: Duration::from_millis(args.verify_timeout),
-            // A stop leaves what it could not finish checkpointed (safe); it does not resume it.
-            resume_on_failure: false,
-            ..SuspendOptions::default()
-        },
+/// The request the arguments make: to the agent, or (through [`StopRequest::options`], the one
+/// conversion to the lifecycle's options) to the standalone stop.
+pub fn request(args: &StopArgs) -> StopRequest {
+    StopRequest {
+        target: (&target(args)).into(),
+        lock_timeout_ms: args.timeout,
+        lock_attempts: args.lock_attempts,
+        verify_timeout_ms: args.verify_timeout,
         signal: match args.signal {
-            SignalArg::Kill => EndSignal::Kill,
-            SignalArg::Term => EndSignal::Term {
-                grace: Duration::from_secs(args.grace),
+            SignalArg::Kill => SignalSpec::Kill,
+            SignalArg::Term => SignalSpec::Term {
+                grace_s: args.grace,
             },
         },
         unsafe_kill: args.unsafe_kill,
         fresh: args.fresh,
-        deadline: (args.deadline > 0).then(|| Duration::from_millis(args.deadline)),
-        ..StopOptions::default()
+        deadline_ms: (args.deadline > 0).then_some(args.deadline),
     }
 }
 
@@ -60,16 +56,17 @@ pub fn options(args: &StopArgs) -> StopOptions {
 pub fn run(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
     // Before any thread exists, so every thread of the command inherits the mask.
     let _deferred = crate::defer::termination();
-    let target = target(args);
-    // Resolved once, here: a target that does not exist is the operator's first problem, before
-    // any driver question, and the stop acts on exactly the processes found now.
-    let resolved = target
-        .resolve()
-        .with_context(|| format!("stopping {}", describe(&target)))?;
-    let gpu = ctx.gpu()?;
-    let journal = ctx.state.open_journal().context("opening the journal")?;
+    let req = request(args);
+    let target = req.target();
     let progress = crate::progress::for_stderr();
-    let result = cryo_lifecycle::stop(&gpu, &resolved, &options(args), &journal, progress.as_ref());
+    let client = route::client(&ctx.state);
+    let via_agent = client.stop(&req, progress.as_ref());
+    let result = if route::not_running(&via_agent) {
+        route::standalone_note(&client);
+        standalone(ctx, &req, progress.as_ref())
+    } else {
+        via_agent.map_err(route::error)
+    };
     // Finish the bars before anything else is printed.
     drop(progress);
     let report = result.with_context(|| format!("stopping {}", describe(&target)))?;
@@ -92,6 +89,26 @@ pub fn run(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
         print_text(&report, args.unsafe_kill);
     }
     Ok(code)
+}
+
+/// The stop in this process (no agent runs): what the agent's handler does too.
+fn standalone(
+    ctx: &Context,
+    req: &StopRequest,
+    progress: &dyn cryo_lifecycle::Progress,
+) -> anyhow::Result<StopReport> {
+    // Resolved once, here: a target that does not exist is the operator's first problem, before
+    // any driver question, and the stop acts on exactly the processes found now.
+    let resolved = req.target().resolve()?;
+    let gpu = ctx.gpu()?;
+    let journal = ctx.state.open_journal().context("opening the journal")?;
+    Ok(cryo_lifecycle::stop(
+        &gpu,
+        &resolved,
+        &req.options(),
+        &journal,
+        progress,
+    )?)
 }
 
 /// 0 when every process has ended, 3 when a refusal left some alive.
@@ -195,6 +212,10 @@ fn describe(target: &Target) -> String {
 mod tests {
     use clap::Parser;
 
+    use std::time::Duration;
+
+    use cryo_lifecycle::EndSignal;
+
     use super::*;
     use crate::args::{Cli, Command};
 
@@ -229,7 +250,7 @@ mod tests {
 
     #[test]
     fn defaults_and_term() {
-        let o = options(&stop_args(&["cryo", "stop", "1"]));
+        let o = request(&stop_args(&["cryo", "stop", "1"])).options();
         assert_eq!(o.suspend.lock_timeout, Duration::from_secs(30));
         assert_eq!(o.suspend.lock_attempts, 3);
         assert_eq!(o.signal, EndSignal::Kill);
@@ -238,12 +259,13 @@ mod tests {
         assert_eq!(o.deadline, Some(cryo_lifecycle::stop::DEFAULT_DEADLINE));
         assert!(o.deadline < Some(Duration::from_secs(30)));
         assert_eq!(
-            options(&stop_args(&["cryo", "stop", "1", "--deadline", "0"])).deadline,
+            request(&stop_args(&["cryo", "stop", "1", "--deadline", "0"])).options().deadline,
             None
         );
-        let o = options(&stop_args(&[
+        let o = request(&stop_args(&[
             "cryo", "stop", "1", "--signal", "TERM", "--grace", "1",
-        ]));
+        ]))
+        .options();
         assert_eq!(
             o.signal,
             EndSignal::Term {

@@ -2,15 +2,17 @@
 //! itself); this file resolves `--gpu-map`, shows progress and reports (exit codes: 0 serving, 3 refused
 //! before anything ran, 1 error).
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Context as _;
+use cryo_api::{ClientError, ErrorKind, HealthSpec, ThawRequest};
 use cryo_criu::CriuRpc;
-use cryo_lifecycle::{HealthCheck, StopOptions, ThawError, ThawOptions};
+use cryo_lifecycle::{ThawError, ThawReport};
 
 use super::Context;
 use crate::args::ThawArgs;
 use crate::exit::{self, UsageError};
+use crate::route;
 use cryo_units::fmt_bytes;
 
 /// Runs `cryo thaw`; returns the exit code.
@@ -19,60 +21,50 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
     let _deferred = crate::defer::termination();
     let requested = Instant::now();
     let health = match (&args.health_url, &args.health_cmd) {
-        (Some(u), _) => Some(HealthCheck::Url(u.clone())),
-        (None, Some(c)) => Some(HealthCheck::Cmd(c.clone())),
+        (Some(u), _) => Some(HealthSpec::Url(u.clone())),
+        (None, Some(c)) => Some(HealthSpec::Cmd(c.clone())),
         (None, None) => None,
     };
-    if let Some(h) = &health {
+    let mut req = ThawRequest {
+        image: args.image.clone(),
+        gpu_map: Vec::new(),
+        health,
+        health_timeout_s: args.health_timeout,
+    };
+    if let Some(h) = &req.options(requested).health {
         h.validate().map_err(|e| UsageError(e.to_string()))?;
     }
-    let criu = CriuRpc::locate(None)?;
     // A cheap first look at the image (the full verification, every checksum, runs in the thaw
     // itself): a directory that is no image is refused before the driver is looked for.
     let manifest = args.image.join(cryo_criu::image::MANIFEST_FILE);
     if let Err(e) = cryo_criu::image::read_manifest(&manifest) {
-        return Ok(refused(&ThawError::Image(e), args.json));
+        return Ok(refused(&ThawError::Image(e).to_string(), args.json));
     }
-    let gpu = ctx.gpu()?;
-    let gpu_map = match &args.gpu_map {
-        None => Vec::new(),
-        Some(m) => {
-            let gpus = gpu.inspect.gpus().context("listing GPUs")?;
-            m.resolve(&gpus)
-                .map_err(|e| UsageError(format!("--gpu-map: {e}")))?
-        }
-    };
-    let journal = ctx.state.open_journal().context("opening the journal")?;
-    let opts = ThawOptions {
-        gpu_map,
-        health,
-        health_timeout: Duration::from_secs(args.health_timeout),
-        // Cleaning up after a failed thaw has no grace period to fit in: it takes what the
-        // suspension needs (each driver call still has its own deadline).
-        stop: StopOptions {
-            deadline: None,
-            ..StopOptions::default()
-        },
-        requested,
-    };
+    if let Some(m) = &args.gpu_map {
+        // Indices name this host's GPUs as its driver numbers them: resolved here, once.
+        let gpus = ctx.gpu()?.inspect.gpus().context("listing GPUs")?;
+        req.gpu_map = m
+            .resolve(&gpus)
+            .map_err(|e| UsageError(format!("--gpu-map: {e}")))?;
+    }
     let progress = crate::progress::for_stderr();
-    let result = cryo_lifecycle::thaw(
-        &gpu,
-        &criu,
-        &args.image,
-        &opts,
-        &journal,
-        &ctx.state.fence(),
-        progress.as_ref(),
-    );
+    let client = route::client(&ctx.state);
+    let via_agent = client.thaw(&req, progress.as_ref());
+    let result = if route::not_running(&via_agent) {
+        route::standalone_note(&client);
+        standalone(ctx, &req, requested, progress.as_ref())
+    } else {
+        via_agent.map_err(|e| match e {
+            ClientError::Api(a) if a.kind == ErrorKind::Refused => Outcome::Refused(a.message),
+            e => Outcome::Failed(route::error(e)),
+        })
+    };
     drop(progress);
     let report = match result {
         Ok(r) => r,
-        Err(e @ (ThawError::Image(_) | ThawError::Precheck(_))) => {
-            return Ok(refused(&e, args.json));
-        }
-        Err(e) => {
-            return Err(anyhow::Error::new(e).context(format!("thawing {}", args.image.display())))
+        Err(Outcome::Refused(e)) => return Ok(refused(&e, args.json)),
+        Err(Outcome::Failed(e)) => {
+            return Err(e.context(format!("thawing {}", args.image.display())))
         }
     };
     if args.json {
@@ -100,12 +92,52 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
     Ok(exit::SUCCESS)
 }
 
+/// How a thaw did not end serving.
+enum Outcome {
+    /// Refused before anything ran (exit 3).
+    Refused(String),
+    /// Failed.
+    Failed(anyhow::Error),
+}
+
+/// The thaw in this process (no agent runs): what the agent's handler does too.
+fn standalone(
+    ctx: &Context,
+    req: &ThawRequest,
+    requested: Instant,
+    progress: &dyn cryo_lifecycle::Progress,
+) -> Result<ThawReport, Outcome> {
+    let failed = Outcome::Failed;
+    let criu = CriuRpc::locate(None).map_err(|e| failed(e.into()))?;
+    let gpu = ctx.gpu().map_err(failed)?;
+    let journal = ctx
+        .state
+        .open_journal()
+        .context("opening the journal")
+        .map_err(failed)?;
+    match cryo_lifecycle::thaw(
+        &gpu,
+        &criu,
+        &req.image,
+        &req.options(requested),
+        &journal,
+        &ctx.state.fence(),
+        progress,
+    ) {
+        Ok(r) => Ok(r),
+        Err(e @ (ThawError::Image(_) | ThawError::Precheck(_))) => {
+            Err(Outcome::Refused(e.to_string()))
+        }
+        Err(e) => Err(failed(e.into())),
+    }
+}
+
 /// Reports a thaw refused before anything ran; returns the exit code.
-fn refused(e: &ThawError, json: bool) -> u8 {
+fn refused(e: &str, json: bool) -> u8 {
     if json {
         println!(
             "{}",
-            serde_json::json!({ "outcome": "refused", "error": e.to_string() })
+            serde_json::json!({ "outcome": "refused", "error": e })
         );
     }
     eprintln!("cryo: {e}; nothing was restored");

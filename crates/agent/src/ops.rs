@@ -1,0 +1,258 @@
+//! What each request does: the lifecycle's and the guard's own entry points, the same the
+//! standalone commands call, with the options the request's one conversion gives.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use cryo_api::{
+    AgentStatus, ApiError, AttachReport, DetachReport, ErrorKind, FreezeRequest, ProgressEvent,
+    ReleaseReport, ReleaseRequest, StopRequest, StreamLine, SyslogStatus, ThawRequest,
+};
+use cryo_journal::ProcId;
+use cryo_lifecycle::{
+    FreezeError, FreezeReport, Progress, Resolved, StopReport, ThawError, ThawReport,
+};
+use cryo_proc::Pid;
+use tokio::sync::mpsc;
+
+use crate::Agent;
+
+/// A failure of the operation itself (500), with its message.
+fn failed(e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(ErrorKind::Failed, e.to_string())
+}
+
+/// A refusal: nothing was done (409).
+fn refused(e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(ErrorKind::Refused, e.to_string())
+}
+
+impl Agent {
+    /// `GET /v1/status`.
+    pub(crate) fn status(&self) -> AgentStatus {
+        let started_unix = self
+            .started
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let uptime_s = SystemTime::now()
+            .duration_since(self.started)
+            .map_or(0, |d| d.as_secs());
+        let (quarantined, fence_error) = match self.state.fence().list() {
+            Ok(q) => (q, None),
+            Err(e) => (Vec::new(), Some(e.to_string())),
+        };
+        AgentStatus {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            pid: std::process::id(),
+            started_unix,
+            uptime_s,
+            socket: self.socket.clone(),
+            state_dir: self.state.root().to_path_buf(),
+            read_group: self.read_group.as_ref().map(|g| g.0.clone()),
+            backend: self.gpu.kind.to_string(),
+            guard: self.guard.status(),
+            quarantined,
+            fence_error,
+            holder: "none: pins are held in the agent's own process (the pin holder is not wired yet)"
+                .to_string(),
+            metrics_addr: self.telemetry.metrics_addr().map(|a| a.to_string()),
+            syslog: self.telemetry.forwarder().map(|f| SyslogStatus {
+                collector: self.syslog.clone().unwrap_or_default(),
+                delivered_seq: f.delivered_seq,
+                connected: f.connected,
+                last_error: f.last_error,
+            }),
+            stopping: self.stopping(),
+        }
+    }
+
+    /// `POST /v1/stop`.
+    pub(crate) fn stop(
+        &self,
+        req: &StopRequest,
+        progress: &dyn Progress,
+    ) -> Result<StopReport, ApiError> {
+        let target = req.target();
+        let resolved = target
+            .resolve()
+            .map_err(|e| ApiError::new(ErrorKind::NotFound, e.to_string()))?;
+        cryo_lifecycle::stop(
+            &self.gpu,
+            &resolved,
+            &req.options(),
+            &self.journal,
+            progress,
+        )
+        .map_err(failed)
+    }
+
+    /// `POST /v1/freeze`: the guard in this process lets go of the tree around the dump.
+    pub(crate) fn freeze(
+        &self,
+        req: &FreezeRequest,
+        progress: &dyn Progress,
+    ) -> Result<FreezeReport, ApiError> {
+        let criu = cryo_criu::CriuRpc::locate(None).map_err(failed)?;
+        let root = cryo_lifecycle::open_process(req.pid)
+            .map_err(|e| ApiError::new(ErrorKind::NotFound, e.to_string()))?;
+        let tree = Resolved::tree(root).map_err(|e| {
+            failed(format!("listing the process tree of pid {}: {e}", req.pid))
+        })?;
+        match cryo_lifecycle::freeze(
+            &self.gpu,
+            &criu,
+            &tree,
+            &req.options(),
+            &self.journal,
+            self.guard.as_ref(),
+            progress,
+        ) {
+            Ok(r) => Ok(r),
+            Err(e @ FreezeError::Refused(_)) => Err(refused(e)),
+            Err(e) => Err(failed(e)),
+        }
+    }
+
+    /// `POST /v1/thaw`: the guard in this process picks the restored processes up from the
+    /// journal.
+    pub(crate) fn thaw(
+        &self,
+        req: &ThawRequest,
+        requested: Instant,
+        progress: &dyn Progress,
+    ) -> Result<ThawReport, ApiError> {
+        let opts = req.options(requested);
+        if let Some(h) = &opts.health {
+            h.validate()
+                .map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))?;
+        }
+        let criu = cryo_criu::CriuRpc::locate(None).map_err(failed)?;
+        match cryo_lifecycle::thaw(
+            &self.gpu,
+            &criu,
+            &req.image,
+            &opts,
+            &self.journal,
+            &self.state.fence(),
+            progress,
+        ) {
+            Ok(r) => {
+                // Guard the restored processes now rather than at the guard's next poll.
+                if let Err(e) = self.guard.poll_journal() {
+                    tracing::warn!(err = %e, "cannot read the journal after a thaw");
+                }
+                Ok(r)
+            }
+            Err(e @ (ThawError::Image(_) | ThawError::Precheck(_))) => Err(refused(e)),
+            Err(e) => Err(failed(e)),
+        }
+    }
+
+    /// `POST /v1/guard/attach`.
+    pub(crate) fn attach(&self, pid: ProcId) -> Result<AttachReport, ApiError> {
+        use cryo_guard::guard::GuardAttachError;
+        match self.guard.attach_id(pid) {
+            Ok(()) => Ok(AttachReport { pid }),
+            Err(e @ GuardAttachError::Proc(_)) => Err(ApiError::new(ErrorKind::NotFound, e.to_string())),
+            Err(e @ GuardAttachError::Attach(_)) => Err(refused(e)),
+            Err(e) => Err(failed(e)),
+        }
+    }
+
+    /// `POST /v1/guard/detach`.
+    pub(crate) fn detach(&self, pid: ProcId) -> Result<DetachReport, ApiError> {
+        use cryo_guard::guard::GuardDetachError;
+        match self.guard.detach(pid) {
+            Ok(()) => Ok(DetachReport::Detached),
+            Err(GuardDetachError::NotTraced { .. }) => Ok(DetachReport::NotTraced),
+            Err(e) => Err(failed(e)),
+        }
+    }
+
+    /// `POST /v1/guard/release`.
+    pub(crate) fn release(&self, req: &ReleaseRequest) -> Result<ReleaseReport, ApiError> {
+        use cryo_guard::guard::ReleaseError;
+        match self.guard.release(&req.gpu) {
+            Ok(pids) => Ok(ReleaseReport { pids }),
+            Err(e @ ReleaseError::NotPinned(_)) => Err(ApiError::new(ErrorKind::NotFound, e.to_string())),
+            Err(e) => Err(failed(e)),
+        }
+    }
+}
+
+/// Progress of a long operation, sent to its caller as NDJSON lines. A caller that left (or
+/// reads slowly) loses lines, never holds up the operation.
+#[derive(Debug)]
+pub(crate) struct StreamProgress {
+    tx: mpsc::Sender<Bytes>,
+}
+
+impl StreamProgress {
+    pub(crate) fn new(tx: mpsc::Sender<Bytes>) -> Self {
+        StreamProgress { tx }
+    }
+
+    fn send(&self, e: ProgressEvent) {
+        let line: StreamLine<()> = StreamLine::Progress(e);
+        let _ = self.tx.try_send(crate::server::ndjson(&line));
+    }
+}
+
+impl Progress for StreamProgress {
+    fn begin(&self, pid: Pid, step: &'static str, total: u64) {
+        self.send(ProgressEvent::Begin {
+            pid,
+            step: step.to_string(),
+            total,
+        });
+    }
+
+    fn advance(&self, pid: Pid, done: u64) {
+        self.send(ProgressEvent::Advance { pid, done });
+    }
+
+    fn end(&self, pid: Pid, step: &'static str, ok: bool, detail: &str) {
+        self.send(ProgressEvent::End {
+            pid,
+            step: step.to_string(),
+            ok,
+            detail: detail.to_string(),
+        });
+    }
+}
+
+/// How often a follower checks that its caller is still there and the agent still runs.
+const FOLLOW_TICK: Duration = Duration::from_millis(500);
+
+/// `GET /v1/events`: the journal's records after `since` as NDJSON; with `follow`, then each
+/// one as it is written, until the caller leaves or the agent stops.
+pub(crate) fn follow_events(agent: &Agent, since: u64, follow: bool, tx: &mpsc::Sender<Bytes>) {
+    let mut f = cryo_telemetry::Follow::new(agent.state.journal_dir(), since);
+    loop {
+        let records = match f.poll_new() {
+            Ok(r) => r,
+            Err(e) => {
+                let line: StreamLine<()> =
+                    StreamLine::Error(failed(format!("reading the journal: {e}")));
+                let _ = tx.blocking_send(crate::server::ndjson(&line));
+                return;
+            }
+        };
+        for r in &records {
+            let mut line = cryo_telemetry::ndjson_line(r);
+            if !line.ends_with('\n') {
+                line.push('\n');
+            }
+            if tx.blocking_send(Bytes::from(line)).is_err() {
+                return; // the caller left
+            }
+        }
+        if !follow || agent.stopping() || tx.is_closed() {
+            return;
+        }
+        if let Err(e) = f.wait(&[], FOLLOW_TICK) {
+            tracing::warn!(err = %e, "following the journal");
+            std::thread::sleep(FOLLOW_TICK);
+        }
+    }
+}

@@ -1,0 +1,306 @@
+//! The API on the unix socket: routes, authorisation, JSON and NDJSON answers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{ConnectInfo, Query, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use cryo_api::{path, Access, ApiError, ErrorKind, StreamLine};
+use serde::{de::DeserializeOwned, Serialize};
+use tokio::sync::mpsc;
+
+use crate::auth::Peer;
+use crate::Agent;
+
+type Shared = State<Arc<Agent>>;
+
+/// An [`ApiError`] as an HTTP answer.
+struct Failure(ApiError);
+
+impl From<ApiError> for Failure {
+    fn from(e: ApiError) -> Self {
+        Failure(e)
+    }
+}
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        let status =
+            StatusCode::from_u16(self.0.kind.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        (status, json_body(&self.0)).into_response()
+    }
+}
+
+fn json_body<T: Serialize>(v: &T) -> Response {
+    match serde_json::to_vec(v) {
+        Ok(b) => ([(header::CONTENT_TYPE, "application/json")], b).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+/// Serves `listener` until `done` fires (the guard's loop ended); then lets the requests in
+/// flight finish.
+pub fn serve(
+    agent: Arc<Agent>,
+    listener: std::os::unix::net::UnixListener,
+    done: tokio::sync::oneshot::Receiver<()>,
+) -> std::io::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("cryod-api")
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::UnixListener::from_std(listener)?;
+        let app = router(agent);
+        axum::serve(listener, app.into_make_service_with_connect_info::<Peer>())
+            .with_graceful_shutdown(async move {
+                let _ = done.await;
+            })
+            .await
+    })?;
+    // Blocking threads still running (a stop whose client left) finish their work.
+    rt.shutdown_timeout(Duration::from_secs(600));
+    Ok(())
+}
+
+fn router(agent: Arc<Agent>) -> Router {
+    Router::new()
+        .route(path::STATUS, get(status))
+        .route(path::METRICS, get(metrics))
+        .route(path::EVENTS, get(events))
+        .route(path::STOP, post(stop))
+        .route(path::FREEZE, post(freeze))
+        .route(path::THAW, post(thaw))
+        .route(path::GUARD_ATTACH, post(attach))
+        .route(path::GUARD_DETACH, post(detach))
+        .route(path::GUARD_RELEASE, post(release))
+        .route(path::SHUTDOWN, post(shutdown))
+        .fallback(|| async {
+            Failure(ApiError::new(
+                ErrorKind::NotFound,
+                "no such endpoint (this agent speaks /v1)",
+            ))
+        })
+        .with_state(agent)
+}
+
+/// Checks the caller may make a request of `access`.
+fn allow(agent: &Agent, peer: &Peer, access: Access) -> Result<(), Failure> {
+    let r = peer.authorize(access, agent.read_group.as_ref().map(|g| g.1));
+    if let Err(e) = &r {
+        tracing::warn!(?peer.cred, "refused: {}", e.message);
+    }
+    Ok(r?)
+}
+
+/// Checks the caller sees pids as the agent does (same pid namespace).
+fn same_pids(peer: &Peer) -> Result<(), Failure> {
+    let refuse = |why: &str| {
+        Failure(
+            ApiError::new(
+                ErrorKind::Forbidden,
+                format!("pids name processes in the agent's pid namespace, and {why}"),
+            )
+            .with_hint("name the target by cgroup, or run the command in the agent's pid namespace"),
+        )
+    };
+    let pid = peer
+        .pid()
+        .ok_or_else(|| refuse("the caller is not visible from it"))?;
+    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/pid")).ok();
+    match (ns(&pid.to_string()), ns("self")) {
+        (Some(a), Some(b)) if a == b => Ok(()),
+        _ => Err(refuse("the caller is in another one")),
+    }
+}
+
+fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, Failure> {
+    serde_json::from_slice(body).map_err(|e| {
+        Failure(ApiError::new(
+            ErrorKind::BadRequest,
+            format!("malformed request: {e}"),
+        ))
+    })
+}
+
+/// Runs `f` on a blocking thread; its answer as JSON.
+async fn blocking<T: Serialize + Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<Response, Failure> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => Ok(json_body(&r?)),
+        Err(e) => Err(Failure(ApiError::new(
+            ErrorKind::Failed,
+            format!("the request's thread failed: {e}"),
+        ))),
+    }
+}
+
+/// Runs a long operation on a blocking thread; answers NDJSON: its progress as it happens,
+/// then the result. The operation runs to its end whether or not the caller stays.
+fn streamed<T: Serialize + Send + 'static>(
+    f: impl FnOnce(&crate::ops::StreamProgress) -> Result<T, ApiError> + Send + 'static,
+) -> Response {
+    let (tx, rx) = mpsc::channel::<Bytes>(256);
+    tokio::task::spawn_blocking(move || {
+        let progress = crate::ops::StreamProgress::new(tx.clone());
+        let line = match f(&progress) {
+            Ok(t) => StreamLine::Done(t),
+            Err(e) => StreamLine::Error(e),
+        };
+        // The caller may be gone: the operation is done all the same.
+        let _ = tx.blocking_send(ndjson(&line));
+    });
+    ndjson_response(rx)
+}
+
+/// One NDJSON line.
+pub(crate) fn ndjson<T: Serialize>(v: &T) -> Bytes {
+    let mut line = serde_json::to_vec(v).unwrap_or_else(|e| {
+        format!(r#"{{"error":{{"kind":"failed","message":"cannot encode the answer: {e}"}}}}"#)
+            .into_bytes()
+    });
+    line.push(b'\n');
+    Bytes::from(line)
+}
+
+fn ndjson_response(rx: mpsc::Receiver<Bytes>) -> Response {
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
+    });
+    (
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}
+
+async fn status(State(agent): Shared, ConnectInfo(peer): ConnectInfo<Peer>) -> Result<Response, Failure> {
+    allow(&agent, &peer, Access::Read)?;
+    blocking(move || Ok(agent.status())).await
+}
+
+async fn metrics(State(agent): Shared, ConnectInfo(peer): ConnectInfo<Peer>) -> Result<Response, Failure> {
+    allow(&agent, &peer, Access::Read)?;
+    agent.update_gauges();
+    Ok((
+        [(header::CONTENT_TYPE, cryo_telemetry::CONTENT_TYPE)],
+        agent.telemetry.metrics().encode(),
+    )
+        .into_response())
+}
+
+/// `?follow=1&since=SEQ`.
+#[derive(Debug, serde::Deserialize)]
+struct EventsQuery {
+    #[serde(default)]
+    follow: Option<String>,
+    #[serde(default)]
+    since: u64,
+}
+
+async fn events(
+    State(agent): Shared,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    Query(q): Query<EventsQuery>,
+) -> Result<Response, Failure> {
+    allow(&agent, &peer, Access::Read)?;
+    let follow = matches!(q.follow.as_deref(), Some("1" | "true" | "yes" | ""));
+    let (tx, rx) = mpsc::channel::<Bytes>(256);
+    tokio::task::spawn_blocking(move || crate::ops::follow_events(&agent, q.since, follow, &tx));
+    Ok(ndjson_response(rx))
+}
+
+async fn stop(
+    State(agent): Shared,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    body: Bytes,
+) -> Result<Response, Failure> {
+    allow(&agent, &peer, Access::Change)?;
+    let req: cryo_api::StopRequest = parse(&body)?;
+    if !matches!(req.target, cryo_api::TargetSpec::Cgroup { .. }) {
+        same_pids(&peer)?;
+    }
+    tracing::info!(target = %req.target(), ?peer.cred, "stop");
+    Ok(streamed(move |p| agent.stop(&req, p)))
+}
+
+async fn freeze(
+    State(agent): Shared,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    body: Bytes,
+) -> Result<Response, Failure> {
+    allow(&agent, &peer, Access::Change)?;
+    let req: cryo_api::FreezeRequest = parse(&body)?;
+    same_pids(&peer)?;
+    tracing::info!(pid = req.pid, image = %req.image.display(), ?peer.cred, "freeze");
+    Ok(streamed(move |p| agent.freeze(&req, p)))
+}
+
+async fn thaw(
+    State(agent): Shared,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    body: Bytes,
+) -> Result<Response, Failure> {
+    let requested = std::time::Instant::now();
+    allow(&agent, &peer, Access::Change)?;
+    let req: cryo_api::ThawRequest = parse(&body)?;
+    tracing::info!(image = %req.image.display(), ?peer.cred, "thaw");
+    Ok(streamed(move |p| agent.thaw(&req, requested, p)))
+}
+
+async fn attach(
+    State(agent): Shared,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    body: Bytes,
+) -> Result<Response, Failure> {
+    allow(&agent, &peer, Access::Change)?;
+    let req: cryo_api::PidRequest = parse(&body)?;
+    same_pids(&peer)?;
+    blocking(move || agent.attach(req.pid)).await
+}
+
+async fn detach(
+    State(agent): Shared,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    body: Bytes,
+) -> Result<Response, Failure> {
+    allow(&agent, &peer, Access::Change)?;
+    let req: cryo_api::PidRequest = parse(&body)?;
+    same_pids(&peer)?;
+    blocking(move || agent.detach(req.pid)).await
+}
+
+async fn release(
+    State(agent): Shared,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    body: Bytes,
+) -> Result<Response, Failure> {
+    allow(&agent, &peer, Access::Change)?;
+    let req: cryo_api::ReleaseRequest = parse(&body)?;
+    tracing::warn!(gpu = %req.gpu, ?peer.cred, "release of pins asked for");
+    blocking(move || agent.release(&req)).await
+}
+
+async fn shutdown(State(agent): Shared, ConnectInfo(peer): ConnectInfo<Peer>) -> Result<Response, Failure> {
+    allow(&agent, &peer, Access::Change)?;
+    match agent.request_shutdown() {
+        Ok(()) => {
+            tracing::info!(?peer.cred, "shutting down on request");
+            Ok(json_body(&cryo_api::ShutdownReport {
+                pid: std::process::id(),
+            }))
+        }
+        Err(e) => {
+            tracing::warn!(?peer.cred, "refusing to stop: {}", e.message);
+            Err(Failure(e))
+        }
+    }
+}

@@ -1,0 +1,62 @@
+//! Arguments of `cryo agent run|status|stop`.
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+
+use super::GuardRunArgs;
+
+/// `cryo agent`.
+#[derive(Debug, Args)]
+pub struct AgentArgs {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: AgentCommand,
+}
+
+/// `cryo agent ...`.
+#[derive(Debug, Subcommand)]
+pub enum AgentCommand {
+    /// Runs the node agent (cryod) in the foreground until `cryo agent stop` or SIGTERM (refused
+    /// while it holds pinned contexts): it guards every restore, owns the journal writer, the
+    /// fence, metrics and the event stream, and serves the API every other `cryo` command uses
+    /// when it answers.
+    Run(AgentRunArgs),
+    /// What the running agent guards and why, its pins, the fence, version and uptime.
+    Status(AgentStatusArgs),
+    /// Asks the running agent to stop (refused while it holds pins: the answer says how to
+    /// release them).
+    Stop,
+}
+
+/// `cryo agent run`.
+#[derive(Debug, Args)]
+pub struct AgentRunArgs {
+    /// The API socket (default: STATE_DIR/cryod.sock).
+    #[arg(long, env = cryo_api::SOCKET_ENV, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+    /// Members of this group may read (status, metrics, events); changes are for root only.
+    /// Without it, only root may talk to the agent.
+    #[arg(long, value_name = "GROUP")]
+    pub read_group: Option<String>,
+    /// Serve Prometheus `GET /metrics` on this TCP address (`HOST:PORT`, port 0 picks one).
+    #[arg(long, value_name = "ADDR", default_value = cryo_telemetry::DEFAULT_LISTEN, conflicts_with = "no_metrics_listen")]
+    pub metrics_listen: String,
+    /// Serve metrics only on the socket (`/v1/metrics`), not on TCP.
+    #[arg(long)]
+    pub no_metrics_listen: bool,
+    /// Forward every journal record to this syslog collector (`HOST:PORT`, TCP, RFC 5424).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub syslog: Option<String>,
+    /// The guard's options.
+    #[command(flatten)]
+    pub guard: GuardRunArgs,
+}
+
+/// `cryo agent status`.
+#[derive(Debug, Args)]
+pub struct AgentStatusArgs {
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}

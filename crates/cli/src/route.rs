@@ -1,0 +1,50 @@
+//! Whether a command goes through the node agent.
+//!
+//! # Design
+//! Every command that acts on processes asks the agent first (its socket: `CRYO_AGENT_SOCKET`,
+//! else `STATE_DIR/cryod.sock`). Only when nothing answers there
+//! ([`cryo_api::ClientError::NotRunning`]) does it work standalone, calling the same library
+//! entry point the agent would; a command that changes something then says once on stderr that
+//! nothing guards restored workers. Any other failure of the agent (it refused, it died
+//! mid-request, the caller may not connect) is the command's error: never a reason to act behind
+//! a running agent's back.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cryo_api::{AgentClient, ClientError};
+use cryo_state::StateDir;
+
+/// The client of this node's agent.
+pub fn client(state: &StateDir) -> AgentClient {
+    AgentClient::new(cryo_api::socket_path(state))
+}
+
+/// Whether `r` says that no agent runs (the cue to work standalone).
+pub fn not_running<T>(r: &Result<T, ClientError>) -> bool {
+    matches!(r, Err(ClientError::NotRunning(_)))
+}
+
+static SAID: AtomicBool = AtomicBool::new(false);
+
+/// Says, once per command, that a change is made without an agent.
+pub fn standalone_note(client: &AgentClient) {
+    if !SAID.swap(true, Ordering::Relaxed) {
+        eprintln!(
+            "cryo: no agent answers on {}: working standalone; nothing guards restored workers (run `cryo agent run`)",
+            client.socket().display()
+        );
+    }
+}
+
+/// The agent's error as the command's error (`anyhow`), with the agent's hint.
+pub fn error(e: ClientError) -> anyhow::Error {
+    match e {
+        ClientError::Api(api) => anyhow::Error::new(AgentSaid(api)),
+        e => anyhow::Error::new(e),
+    }
+}
+
+/// An error the agent answered, printed with its hint.
+#[derive(Debug, thiserror::Error)]
+#[error("{}{}", .0.message, .0.hint.as_ref().map(|h| format!("; what to do: {h}")).unwrap_or_default())]
+pub struct AgentSaid(pub cryo_api::ApiError);
