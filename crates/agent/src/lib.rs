@@ -194,7 +194,12 @@ pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
         tracing::info!(%addr, "serving /metrics");
     }
     let listener = bind(&cfg.socket, read_group.as_ref().map(|g| g.1))?;
-    let service = Service::start(gpu.clone(), cfg.guard.clone(), &cfg.guard_run, &mut log_notice)?;
+    let service = Service::start(
+        gpu.clone(),
+        cfg.guard.clone(),
+        &cfg.guard_run,
+        &mut log_notice,
+    )?;
     let agent = Arc::new(Agent {
         gpu,
         state: cfg.state.clone(),
@@ -282,7 +287,10 @@ pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
 
 /// Binds the socket: refuses when something answers on it, replaces a stale one, mode 0660
 /// with the read group (0600 without).
-fn bind(path: &std::path::Path, read_gid: Option<u32>) -> Result<std::os::unix::net::UnixListener, AgentError> {
+fn bind(
+    path: &std::path::Path,
+    read_gid: Option<u32>,
+) -> Result<std::os::unix::net::UnixListener, AgentError> {
     use std::os::unix::fs::PermissionsExt;
     let err = |source| AgentError::Socket {
         path: path.to_path_buf(),
@@ -353,7 +361,9 @@ fn log_notice(n: cryo_guard::Notice) {
 fn log_guarded(guard: &Guard) {
     let s = guard.status();
     if s.guarded.is_empty() {
-        tracing::info!("guarding no process yet (restores through cryo are guarded as they happen)");
+        tracing::info!(
+            "guarding no process yet (restores through cryo are guarded as they happen)"
+        );
     }
     for g in &s.guarded {
         tracing::info!(pid = g.pid, source = %g.source, "guarding");

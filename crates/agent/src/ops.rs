@@ -53,8 +53,9 @@ impl Agent {
             guard: self.guard.status(),
             quarantined,
             fence_error,
-            holder: "none: pins are held in the agent's own process (the pin holder is not wired yet)"
-                .to_string(),
+            holder:
+                "none: pins are held in the agent's own process (the pin holder is not wired yet)"
+                    .to_string(),
             metrics_addr: self.telemetry.metrics_addr().map(|a| a.to_string()),
             syslog: self.telemetry.forwarder().map(|f| SyslogStatus {
                 collector: self.syslog.clone().unwrap_or_default(),
@@ -95,9 +96,8 @@ impl Agent {
         let criu = cryo_criu::CriuRpc::locate(None).map_err(failed)?;
         let root = cryo_lifecycle::open_process(req.pid)
             .map_err(|e| ApiError::new(ErrorKind::NotFound, e.to_string()))?;
-        let tree = Resolved::tree(root).map_err(|e| {
-            failed(format!("listing the process tree of pid {}: {e}", req.pid))
-        })?;
+        let tree = Resolved::tree(root)
+            .map_err(|e| failed(format!("listing the process tree of pid {}: {e}", req.pid)))?;
         match cryo_lifecycle::freeze(
             &self.gpu,
             &criu,
@@ -153,7 +153,9 @@ impl Agent {
         use cryo_guard::guard::GuardAttachError;
         match self.guard.attach_id(pid) {
             Ok(()) => Ok(AttachReport { pid }),
-            Err(e @ GuardAttachError::Proc(_)) => Err(ApiError::new(ErrorKind::NotFound, e.to_string())),
+            Err(e @ GuardAttachError::Proc(_)) => {
+                Err(ApiError::new(ErrorKind::NotFound, e.to_string()))
+            }
             Err(e @ GuardAttachError::Attach(_)) => Err(refused(e)),
             Err(e) => Err(failed(e)),
         }
@@ -174,7 +176,9 @@ impl Agent {
         use cryo_guard::guard::ReleaseError;
         match self.guard.release(&req.gpu) {
             Ok(pids) => Ok(ReleaseReport { pids }),
-            Err(e @ ReleaseError::NotPinned(_)) => Err(ApiError::new(ErrorKind::NotFound, e.to_string())),
+            Err(e @ ReleaseError::NotPinned(_)) => {
+                Err(ApiError::new(ErrorKind::NotFound, e.to_string()))
+            }
             Err(e) => Err(failed(e)),
         }
     }

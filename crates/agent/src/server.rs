@@ -29,8 +29,8 @@ impl From<ApiError> for Failure {
 
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
-        let status =
-            StatusCode::from_u16(self.0.kind.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let status = StatusCode::from_u16(self.0.kind.http_status())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         (status, json_body(&self.0)).into_response()
     }
 }
@@ -106,7 +106,9 @@ fn same_pids(peer: &Peer) -> Result<(), Failure> {
                 ErrorKind::Forbidden,
                 format!("pids name processes in the agent's pid namespace, and {why}"),
             )
-            .with_hint("name the target by cgroup, or run the command in the agent's pid namespace"),
+            .with_hint(
+                "name the target by cgroup, or run the command in the agent's pid namespace",
+            ),
         )
     };
     let pid = peer
@@ -182,12 +184,18 @@ fn ndjson_response(rx: mpsc::Receiver<Bytes>) -> Response {
         .into_response()
 }
 
-async fn status(State(agent): Shared, ConnectInfo(peer): ConnectInfo<Peer>) -> Result<Response, Failure> {
+async fn status(
+    State(agent): Shared,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+) -> Result<Response, Failure> {
     allow(&agent, &peer, Access::Read)?;
     blocking(move || Ok(agent.status())).await
 }
 
-async fn metrics(State(agent): Shared, ConnectInfo(peer): ConnectInfo<Peer>) -> Result<Response, Failure> {
+async fn metrics(
+    State(agent): Shared,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+) -> Result<Response, Failure> {
     allow(&agent, &peer, Access::Read)?;
     agent.update_gauges();
     Ok((
@@ -289,7 +297,12 @@ async fn release(
     blocking(move || agent.release(&req)).await
 }
 
-async fn shutdown(State(agent): Shared, ConnectInfo(peer): ConnectInfo<Peer>) -> Result<Response, Failure> {
+async fn shutdown(
+    State(agent): Shared,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    // Read, so that a refusal does not close the connection under the caller's request.
+    _body: Bytes,
+) -> Result<Response, Failure> {
     allow(&agent, &peer, Access::Change)?;
     match agent.request_shutdown() {
         Ok(()) => {

@@ -46,12 +46,7 @@ pub const RECORD: usize = 3 * std::mem::size_of::<i32>();
 fn is_fault(sig: libc::c_int) -> bool {
     matches!(
         sig,
-        libc::SIGSEGV
-            | libc::SIGBUS
-            | libc::SIGILL
-            | libc::SIGFPE
-            | libc::SIGTRAP
-            | libc::SIGSYS
+        libc::SIGSEGV | libc::SIGBUS | libc::SIGILL | libc::SIGFPE | libc::SIGTRAP | libc::SIGSYS
     )
 }
 

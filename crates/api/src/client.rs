@@ -14,8 +14,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::{
-    path, AgentStatus, ApiError, AttachReport, DetachReport, FreezeRequest, PidRequest, ReleaseReport, ReleaseRequest,
-    ShutdownReport, StopRequest, StreamLine, ThawRequest,
+    path, AgentStatus, ApiError, AttachReport, DetachReport, FreezeRequest, PidRequest,
+    ReleaseReport, ReleaseRequest, ShutdownReport, StopRequest, StreamLine, ThawRequest,
 };
 
 /// How long a short request may take.
@@ -242,7 +242,10 @@ fn api_error(status: u16, body: &str) -> ClientError {
 fn bad_answer(status: u16, body: &str, e: &serde_json::Error) -> ClientError {
     let mut body = body.to_string();
     if body.len() > 512 {
-        let cut = (0..=512).rev().find(|i| body.is_char_boundary(*i)).unwrap_or(0);
+        let cut = (0..=512)
+            .rev()
+            .find(|i| body.is_char_boundary(*i))
+            .unwrap_or(0);
         body.truncate(cut);
     }
     ClientError::BadAnswer {

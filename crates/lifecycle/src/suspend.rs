@@ -94,13 +94,25 @@ pub struct Suspended {
     /// Device memory NVML listed before acting, bytes.
     pub device_memory: u64,
     /// Time spent in lock, when this run locked it (JSON: `lock_ms`).
-    #[serde(rename = "lock_ms", serialize_with = "opt_ms", deserialize_with = "opt_ms_de")]
+    #[serde(
+        rename = "lock_ms",
+        serialize_with = "opt_ms",
+        deserialize_with = "opt_ms_de"
+    )]
     pub lock: Option<Duration>,
     /// Time spent in checkpoint, when this run checkpointed it (JSON: `checkpoint_ms`).
-    #[serde(rename = "checkpoint_ms", serialize_with = "opt_ms", deserialize_with = "opt_ms_de")]
+    #[serde(
+        rename = "checkpoint_ms",
+        serialize_with = "opt_ms",
+        deserialize_with = "opt_ms_de"
+    )]
     pub checkpoint: Option<Duration>,
     /// Time from checkpoint return to NVML no longer listing the pid (JSON: `verify_ms`).
-    #[serde(rename = "verify_ms", serialize_with = "opt_ms", deserialize_with = "opt_ms_de")]
+    #[serde(
+        rename = "verify_ms",
+        serialize_with = "opt_ms",
+        deserialize_with = "opt_ms_de"
+    )]
     pub verify: Option<Duration>,
 }
 

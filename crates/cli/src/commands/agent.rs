@@ -44,13 +44,15 @@ fn not_running(e: ClientError) -> anyhow::Error {
 
 fn serve(ctx: &Context, a: &AgentRunArgs) -> anyhow::Result<()> {
     super::guard::check(&a.guard)?;
-    let gpu = ctx.gpu()?;
+    // Said in the log (the agent writes nothing to stderr but its log).
+    let backend = crate::backend::resolve(ctx.global.gpu, &ctx.global.sim_dir)?;
+    if let Some(note) = backend.note {
+        tracing::info!("{note}");
+    }
+    let gpu = backend.gpu;
     let cfg = AgentConfig {
         state: ctx.state.clone(),
-        socket: a
-            .socket
-            .clone()
-            .unwrap_or_else(|| ctx.state.agent_socket()),
+        socket: a.socket.clone().unwrap_or_else(|| ctx.state.agent_socket()),
         read_group: a.read_group.clone(),
         guard: super::guard::config(ctx, &a.guard),
         guard_run: RunOptions {
@@ -117,7 +119,11 @@ fn print_status(s: &AgentStatus) {
         println!(
             "  syslog: {} ({}; delivered up to seq {}{})",
             f.collector,
-            if f.connected { "connected" } else { "NOT connected" },
+            if f.connected {
+                "connected"
+            } else {
+                "NOT connected"
+            },
             f.delivered_seq,
             f.last_error
                 .as_deref()
@@ -129,5 +135,9 @@ fn print_status(s: &AgentStatus) {
     if s.stopping {
         println!("  STOPPING (a shutdown was accepted)");
     }
-    super::status::print_fence_and_guard(&s.quarantined, s.fence_error.as_deref(), Ok(Some(&s.guard)));
+    super::status::print_fence_and_guard(
+        &s.quarantined,
+        s.fence_error.as_deref(),
+        Ok(Some(&s.guard)),
+    );
 }

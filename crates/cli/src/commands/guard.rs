@@ -55,7 +55,10 @@ pub fn run(ctx: &Context, args: &GuardArgs) -> anyhow::Result<u8> {
                     other => other.context("releasing pins")?,
                 }
             } else {
-                via_agent.map_err(route::error).context("releasing pins")?.pids
+                via_agent
+                    .map_err(route::error)
+                    .context("releasing pins")?
+                    .pids
             };
             let pids: Vec<_> = pids.into_iter().map(|p| p.pid).collect();
             println!(

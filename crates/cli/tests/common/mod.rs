@@ -182,6 +182,83 @@ impl Drop for GuardProc {
     }
 }
 
+/// A running `cryo agent run` with its log in the state directory; SIGKILLed on drop.
+pub struct AgentProc {
+    pub child: Child,
+    pub log: PathBuf,
+    pub state: PathBuf,
+}
+
+impl AgentProc {
+    /// `cryo agent run --metrics-listen 127.0.0.1:0 EXTRA...`, once its socket answers.
+    pub fn start(sim: &Sim, state: &Path, extra: &[&str]) -> AgentProc {
+        Self::start_with(sim, state, extra, |_| {})
+    }
+
+    /// As [`AgentProc::start`], with `f` adjusting the command first.
+    pub fn start_with(
+        sim: &Sim,
+        state: &Path,
+        extra: &[&str],
+        f: impl FnOnce(&mut Command),
+    ) -> AgentProc {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let log = state.join(format!("agent-{}.log", N.fetch_add(1, Ordering::Relaxed)));
+        std::fs::create_dir_all(state).unwrap();
+        let file = std::fs::File::create(&log).unwrap();
+        let mut c = sim.cmd_at(state);
+        c.args(["agent", "run", "--metrics-listen", "127.0.0.1:0"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().unwrap())
+            .stderr(file);
+        f(&mut c);
+        let mut child = c.spawn().unwrap();
+        let client = cryo_api::AgentClient::new(cryo_state::StateDir::new(state).agent_socket());
+        eventually(PATIENCE, "the agent's socket", || {
+            if let Ok(Some(st)) = child.try_wait() {
+                panic!(
+                    "the agent exited ({st}): {}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
+            client.status().is_ok()
+        });
+        AgentProc {
+            child,
+            log,
+            state: state.to_path_buf(),
+        }
+    }
+
+    /// The client of its socket.
+    pub fn client(&self) -> cryo_api::AgentClient {
+        cryo_api::AgentClient::new(cryo_state::StateDir::new(&self.state).agent_socket())
+    }
+
+    /// What it logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Its pid.
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// SIGKILL, and reap.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for AgentProc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
 pub fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }

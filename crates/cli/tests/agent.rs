@@ -1,0 +1,403 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! `cryo agent run|status|stop` and the commands that go through it, against the simulated GPU.
+//! Every test has its own simulated driver, state directory and agent socket.
+
+mod common;
+
+use std::fs;
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+use common::{eventually, make_restored, ok, procs, stderr, stdout, AgentProc, Sim, PATIENCE};
+use cryo_api::{ClientError, ErrorKind};
+use cryo_journal::{Event, ProcId};
+use cryo_testkit::sim::WorkerSpec;
+
+const NOTE: &str = "nothing guards restored workers";
+
+fn run(sim: &Sim, state: &Path, args: &[&str]) -> Output {
+    sim.cmd_at(state).args(args).output().unwrap()
+}
+
+fn succeeded(o: &Output) {
+    assert!(
+        o.status.success(),
+        "status {:?}\nstdout: {}\nstderr: {}",
+        o.status,
+        stdout(o),
+        stderr(o)
+    );
+}
+
+fn records(state: &Path) -> Vec<Event> {
+    cryo_journal::read(state.join("journal"))
+        .map(|s| s.records.into_iter().map(|r| r.event).collect())
+        .unwrap_or_default()
+}
+
+fn kill(pid: i32, sig: i32) {
+    // SAFETY: kill(2) takes no pointer.
+    assert_eq!(unsafe { libc::kill(pid, sig) }, 0, "kill({pid}, {sig})");
+}
+
+#[test]
+fn stop_goes_through_the_agent_with_the_same_report() {
+    let mut sim = Sim::start();
+    let state = sim.path().join("state");
+    let agent = AgentProc::start(&sim, &state, &["--no-memory-watch"]);
+    let (pid, _) = sim.worker("16MiB");
+    let out = run(&sim, &state, &["stop", &pid.to_string(), "--json"]);
+    succeeded(&out);
+    assert!(!stderr(&out).contains(NOTE), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["outcome"], "stopped", "{v}");
+    assert_eq!(v["processes"][0]["pid"], pid, "{v}");
+    assert!(
+        v["processes"][0]["suspended"]["checkpoint_ms"].is_number(),
+        "{v}"
+    );
+    // The agent did it (its log), and progress reached the operator through the stream.
+    assert!(agent.log().contains("stop"), "{}", agent.log());
+    assert!(
+        stderr(&out).contains(&format!("pid {pid}: checkpoint done")),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!procs::alive(pid));
+    sim.assert_no_wedge();
+    // The text report.
+    let (pid, _) = sim.worker("4MiB");
+    let out = run(&sim, &state, &["stop", &pid.to_string()]);
+    succeeded(&out);
+    assert!(
+        stdout(&out).contains("stopped 1 processes"),
+        "{}",
+        stdout(&out)
+    );
+    // A target that does not exist: the same error as standalone.
+    let out = run(&sim, &state, &["stop", "999999999"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("stopping the process tree of pid 999999999"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn without_an_agent_changes_say_once_that_nothing_guards_and_reads_say_nothing() {
+    let mut sim = Sim::start();
+    let state = sim.path().join("state");
+    let (pid, _) = sim.worker("4MiB");
+    let out = run(&sim, &state, &["stop", &pid.to_string()]);
+    succeeded(&out);
+    assert_eq!(stderr(&out).matches(NOTE).count(), 1, "{}", stderr(&out));
+    let out = run(&sim, &state, &["status"]);
+    succeeded(&out);
+    assert!(!stderr(&out).contains(NOTE), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("agent: not running"),
+        "{}",
+        stdout(&out)
+    );
+    let out = run(&sim, &state, &["agent", "status"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("no agent runs"), "{}", stderr(&out));
+}
+
+#[test]
+fn one_agent_per_node() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let first = AgentProc::start(&sim, &state, &[]);
+    let out = run(
+        &sim,
+        &state,
+        &["agent", "run", "--metrics-listen", "127.0.0.1:0"],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains(&format!(
+            "another agent runs on this state directory (pid {}, lock",
+            first.pid()
+        )),
+        "{}",
+        stderr(&out)
+    );
+    // The first one still serves.
+    first.client().status().unwrap();
+}
+
+/// A copy of cryo that an unprivileged user can run, wherever the build lives.
+fn cryo_for_nobody(sim: &Sim) -> std::path::PathBuf {
+    let exe = sim.path().join("cryo-as-nobody");
+    fs::copy(common::CRYO, &exe).unwrap();
+    open(&exe, 0o755);
+    exe
+}
+
+fn open(p: &Path, mode: u32) {
+    fs::set_permissions(p, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap()
+}
+
+fn as_user(exe: &Path, state: &Path, uid: u32, gid: u32, args: &[&str]) -> Output {
+    Command::new(exe)
+        .arg("--state-dir")
+        .arg(state)
+        .args(args)
+        .env_remove("CRYO_AGENT_SOCKET")
+        .uid(uid)
+        .gid(gid)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn peer_credentials_root_changes_the_read_group_reads_others_nothing() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    // nogroup (65534) reads.
+    let agent = AgentProc::start(&sim, &state, &["--read-group", "nogroup"]);
+    open(sim.path(), 0o755);
+    let exe = cryo_for_nobody(&sim);
+    // In the read group: reads, and changes nothing.
+    let out = as_user(&exe, &state, 65534, 65534, &["agent", "status"]);
+    succeeded(&out);
+    assert!(
+        stdout(&out).contains("reads: root and group nogroup"),
+        "{}",
+        stdout(&out)
+    );
+    let out = as_user(&exe, &state, 65534, 65534, &["agent", "stop"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("uid 65534 may not change anything through the agent"),
+        "{}",
+        stderr(&out)
+    );
+    let out = as_user(&exe, &state, 65534, 65534, &["stop", "1"]);
+    assert!(
+        stderr(&out).contains("may not change anything"),
+        "{}",
+        stderr(&out)
+    );
+    // Not in the group: the socket's mode keeps it out...
+    let out = as_user(&exe, &state, 65534, 1, &["agent", "status"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    assert!(
+        stderr(&out).contains("ermission denied"),
+        "{}",
+        stderr(&out)
+    );
+    // ...and when someone made the socket reachable by everyone, the peer-credential check is
+    // what stands, for reads and changes alike.
+    open(&cryo_state::StateDir::new(&state).agent_socket(), 0o666);
+    for args in [&["agent", "status"][..], &["agent", "stop"], &["status"]] {
+        let out = as_user(&exe, &state, 65534, 1, args);
+        assert!(
+            stderr(&out).contains("uid 65534 may not"),
+            "{args:?}: {}{}",
+            stdout(&out),
+            stderr(&out)
+        );
+    }
+    // The agent is still there, and root is answered.
+    agent.client().status().unwrap();
+    assert!(agent.log().contains("refused"), "{}", agent.log());
+}
+
+#[test]
+fn signals_that_kill_by_default_are_logged_and_ignored_and_sigterm_stops_cleanly() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let mut agent = AgentProc::start(&sim, &state, &[]);
+    let client = agent.client();
+    for (sig, name) in [
+        (libc::SIGHUP, "SIGHUP"),
+        (libc::SIGQUIT, "SIGQUIT"),
+        (libc::SIGUSR1, "SIGUSR1"),
+        (libc::SIGUSR2, "SIGUSR2"),
+        (libc::SIGPIPE, "SIGPIPE"),
+        (libc::SIGALRM, "SIGALRM"),
+        (libc::SIGVTALRM, "SIGVTALRM"),
+        (libc::SIGPROF, "SIGPROF"),
+        (libc::SIGIO, "SIGIO"),
+        (libc::SIGPWR, "SIGPWR"),
+        (libc::SIGXCPU, "SIGXCPU"),
+        (libc::SIGXFSZ, "SIGXFSZ"),
+        (libc::SIGSTKFLT, "SIGSTKFLT"),
+        (libc::SIGTRAP, "SIGTRAP"),
+        (libc::SIGSEGV, "SIGSEGV"),
+        (libc::SIGABRT, "SIGABRT"),
+        (libc::SIGRTMIN() + 3, "SIGRTMIN+3"),
+    ] {
+        kill(agent.pid(), sig);
+        eventually(PATIENCE, &format!("the agent to log {name}"), || {
+            agent.log().contains(&format!("signal={name}"))
+        });
+        assert!(
+            agent.child.try_wait().unwrap().is_none(),
+            "{name} killed the agent"
+        );
+        client.status().unwrap();
+    }
+    kill(agent.pid(), libc::SIGTERM);
+    let st = procs::wait_exit(&mut agent.child);
+    assert!(st.success(), "{st:?}: {}", agent.log());
+    assert!(!cryo_state::StateDir::new(&state).agent_socket().exists());
+    assert!(matches!(client.status(), Err(ClientError::NotRunning(_))));
+}
+
+#[test]
+fn a_closed_stderr_does_not_kill_the_agent() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    fs::create_dir_all(&state).unwrap();
+    let mut child = sim
+        .cmd_at(&state)
+        .args(["agent", "run", "--metrics-listen", "127.0.0.1:0"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read until it says it runs, then close the pipe: every later log line meets EPIPE.
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("agent running") {
+        line.clear();
+        assert!(err.read_line(&mut line).unwrap() > 0, "the agent ended");
+    }
+    drop(err);
+    let client = cryo_api::AgentClient::new(cryo_state::StateDir::new(&state).agent_socket());
+    // Requests and signals that log.
+    for _ in 0..3 {
+        client.status().unwrap();
+        kill(child.id() as i32, libc::SIGUSR1);
+        client.metrics().unwrap();
+        assert!(child.try_wait().unwrap().is_none());
+    }
+    client.shutdown().unwrap();
+    let st = procs::wait_exit(&mut child);
+    assert!(st.success(), "{st:?}");
+}
+
+#[test]
+fn a_shutdown_is_refused_while_pins_are_held_and_says_how_to_release_them() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let gpu0 = cryo_sim::connect(sim.path())
+        .unwrap()
+        .inspect
+        .gpus()
+        .unwrap()[0]
+        .uuid
+        .to_string();
+    let mut agent = AgentProc::start(&sim, &state, &["--no-memory-watch"]);
+    let w = sim.spawn(WorkerSpec::new("8MiB").gpu(0).process_group());
+    make_restored(&sim, &state, w.pid);
+    let id = ProcId::of(w.pid).unwrap();
+    eventually(PATIENCE, "the agent's guard to attach", || {
+        records(&state)
+            .iter()
+            .any(|e| matches!(e, Event::GuardAttached { pid } if *pid == id))
+    });
+    kill(w.pid, libc::SIGKILL);
+    eventually(PATIENCE, "the pin", || {
+        !agent.client().status().unwrap().guard.pins.is_empty()
+    });
+    let out = run(&sim, &state, &["agent", "stop"]);
+    assert_eq!(out.status.code(), Some(1));
+    let e = stderr(&out);
+    assert!(e.contains("holds pinned contexts"), "{e}");
+    assert!(
+        e.contains(&format!(
+            "cryo guard release --gpu {gpu0} --i-understand-this-may-wedge-the-host"
+        )),
+        "{e}"
+    );
+    // SIGTERM too.
+    kill(agent.pid(), libc::SIGTERM);
+    eventually(PATIENCE, "the refusal in the log", || {
+        agent.log().contains("refusing to stop")
+    });
+    let st = agent.client().status().unwrap();
+    assert!(!st.stopping);
+    assert!(st.guard.pins.iter().any(|p| p.pid == w.pid));
+    // The status says what it holds, and why.
+    let text = ok({
+        let mut c = sim.cmd_at(&state);
+        c.args(["agent", "status"]);
+        c
+    });
+    assert!(
+        text.contains(&format!("PINNED context of dead pid {}", w.pid)),
+        "{text}"
+    );
+    assert!(sim.settled_ledger().is_empty());
+    // Released through the agent, the stop goes ahead.
+    succeeded(&run(
+        &sim,
+        &state,
+        &[
+            "guard",
+            "release",
+            "--gpu",
+            &gpu0,
+            "--i-understand-this-may-wedge-the-host",
+        ],
+    ));
+    let out = run(&sim, &state, &["agent", "stop"]);
+    succeeded(&out);
+    assert!(procs::wait_exit(&mut agent.child).success());
+}
+
+#[test]
+fn metrics_and_events_come_from_the_agent() {
+    let mut sim = Sim::start();
+    let state = sim.path().join("state");
+    let agent = AgentProc::start(&sim, &state, &[]);
+    let client = agent.client();
+    // Following from the start, before anything happened.
+    let mut events = client.events(0, true).unwrap();
+    let (pid, _) = sim.worker("4MiB");
+    succeeded(&run(&sim, &state, &["stop", &pid.to_string()]));
+    let mut seen = Vec::new();
+    while !seen
+        .iter()
+        .any(|l: &String| l.contains("\"stop_completed\""))
+    {
+        seen.push(events.next().expect("the stream ended").unwrap());
+    }
+    let first: serde_json::Value = serde_json::from_str(&seen[0]).unwrap();
+    assert_eq!(first["seq"], 1, "{}", seen[0]);
+    // The same on /v1/metrics and on TCP.
+    eventually(PATIENCE, "the stop in the metrics", || {
+        client
+            .metrics()
+            .unwrap()
+            .contains("cryo_stops_total{outcome=\"completed\"} 1")
+    });
+    let addr = client.status().unwrap().metrics_addr.unwrap();
+    let port: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
+    let (status, body) = common::http(port, "GET", "/metrics", "");
+    assert_eq!(status, 200);
+    assert!(body.contains("cryo_guarded_processes"), "{body}");
+    // Without follow, the stream ends after what is there.
+    match client.events(0, false) {
+        Ok(it) => assert!(it.count() >= seen.len()),
+        Err(e) => panic!("{e}"),
+    }
+    // An unknown path is a typed error.
+    let e = cryo_http::Client::new(
+        cryo_http::Endpoint::Unix(cryo_state::StateDir::new(&state).agent_socket()),
+        cryo_http::Timeouts::total(std::time::Duration::from_secs(10)),
+    )
+    .get("/v2/status")
+    .unwrap();
+    assert_eq!(e.status, 404);
+    let api: cryo_api::ApiError = serde_json::from_str(&e.text().unwrap()).unwrap();
+    assert_eq!(api.kind, ErrorKind::NotFound);
+}
