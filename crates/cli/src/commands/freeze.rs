@@ -29,8 +29,7 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
     let client = route::client(&ctx.state);
     let via_agent = client.freeze(&req, progress.as_ref());
     let result = if route::not_running(&via_agent) {
-        route::standalone_note(&client);
-        standalone(ctx, &req, progress.as_ref())
+        standalone(ctx, &client, &req, progress.as_ref())
     } else {
         via_agent.map_err(|e| match e {
             ClientError::Api(a) if a.kind == ErrorKind::Refused => Outcome::Refused(a.message),
@@ -105,12 +104,14 @@ enum Outcome {
 /// The freeze in this process (no agent runs): what the agent's handler does too.
 fn standalone(
     ctx: &Context,
+    client: &cryo_api::AgentClient,
     req: &FreezeRequest,
     progress: &dyn cryo_lifecycle::Progress,
 ) -> Result<FreezeReport, Outcome> {
     let failed = Outcome::Failed;
     // CRIU first: a missing or old CRIU is one clear line before anything is touched.
     let criu = CriuRpc::locate(None).map_err(|e| failed(e.into()))?;
+    route::standalone_note(client);
     // Resolved once: the root must be a process (not a thread), and the freeze acts on exactly
     // the tree found now.
     let root = crate::process::open_process(req.pid).map_err(failed)?;

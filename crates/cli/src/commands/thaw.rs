@@ -34,12 +34,6 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
     if let Some(h) = &req.options(requested).health {
         h.validate().map_err(|e| UsageError(e.to_string()))?;
     }
-    // A cheap first look at the image (the full verification, every checksum, runs in the thaw
-    // itself): a directory that is no image is refused before the driver is looked for.
-    let manifest = args.image.join(cryo_criu::image::MANIFEST_FILE);
-    if let Err(e) = cryo_criu::image::read_manifest(&manifest) {
-        return Ok(refused(&ThawError::Image(e).to_string(), args.json));
-    }
     if let Some(m) = &args.gpu_map {
         // Indices name this host's GPUs as its driver numbers them: resolved here, once.
         let gpus = ctx.gpu()?.inspect.gpus().context("listing GPUs")?;
@@ -51,8 +45,7 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
     let client = route::client(&ctx.state);
     let via_agent = client.thaw(&req, progress.as_ref());
     let result = if route::not_running(&via_agent) {
-        route::standalone_note(&client);
-        standalone(ctx, &req, requested, progress.as_ref())
+        standalone(ctx, &client, &req, requested, progress.as_ref())
     } else {
         via_agent.map_err(|e| match e {
             ClientError::Api(a) if a.kind == ErrorKind::Refused => Outcome::Refused(a.message),
@@ -103,12 +96,20 @@ enum Outcome {
 /// The thaw in this process (no agent runs): what the agent's handler does too.
 fn standalone(
     ctx: &Context,
+    client: &cryo_api::AgentClient,
     req: &ThawRequest,
     requested: Instant,
     progress: &dyn cryo_lifecycle::Progress,
 ) -> Result<ThawReport, Outcome> {
     let failed = Outcome::Failed;
     let criu = CriuRpc::locate(None).map_err(|e| failed(e.into()))?;
+    // A cheap first look at the image (the full verification, every checksum, runs in the thaw
+    // itself): a directory that is no image is refused before the driver is looked for.
+    let manifest = req.image.join(cryo_criu::image::MANIFEST_FILE);
+    if let Err(e) = cryo_criu::image::read_manifest(&manifest) {
+        return Err(Outcome::Refused(ThawError::Image(e).to_string()));
+    }
+    route::standalone_note(client);
     let gpu = ctx.gpu().map_err(failed)?;
     let journal = ctx
         .state
