@@ -45,6 +45,9 @@ pub enum BenchCommand {
     /// The journal's append latency with a syslog forwarder whose collector is dead (refused,
     /// or accepting and never reading) or live, against no forwarder, in the same run.
     Telemetry(BenchTelemetryArgs),
+    /// `cryo stop` through the node agent against standalone `cryo stop`, on a private
+    /// simulated GPU with a private agent.
+    Agent(BenchStopArgs),
 }
 
 /// `cryo bench stop`.

@@ -8,6 +8,7 @@
 //! `cryo thaw` and `cuda-checkpoint`, and the libraries in-process where the measurement needs it
 //! (the guard, a bare suspension, the demo's `cryo stop`).
 //! - `stop`: `cryo stop` against the operators' procedure (one `cuda-checkpoint` per action).
+//! - `agent`: `cryo stop` through the node agent against standalone `cryo stop`.
 //! - `freeze`: `cryo freeze`/`thaw` against the `criu` command line plus `cuda-checkpoint`.
 //! - `activate`: request-to-answer time of a scaled-to-zero worker: woken from park through
 //!   `cryo activate`, `cryo thaw`, the bare route, against the raw driver restore + unlock.
@@ -47,6 +48,7 @@ pub fn bench(args: &BenchArgs, cryo: &Path) -> anyhow::Result<()> {
         BenchCommand::Activate(a) => activate::run(a, cryo),
         BenchCommand::Guard(a) => guard::run(a, cryo),
         BenchCommand::Telemetry(a) => telemetry::run(a),
+        BenchCommand::Agent(a) => stop::run_agent(a, cryo),
     }
 }
 

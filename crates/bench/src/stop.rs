@@ -155,6 +155,202 @@ pub fn run(args: &BenchStopArgs, cryo: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One row of `cryo bench agent`.
+#[derive(Debug, Serialize)]
+struct AgentRow {
+    workers: usize,
+    memory_bytes: u64,
+    rounds: usize,
+    /// Median, ms.
+    standalone_ms: f64,
+    /// Median, ms.
+    agent_ms: f64,
+    /// Median through the agent / median standalone: above 1, the agent costs time.
+    ratio: f64,
+    samples: AgentSamples,
+    load_before: [f64; 3],
+    load_after: [f64; 3],
+}
+
+#[derive(Debug, Default, Serialize)]
+struct AgentSamples {
+    standalone_ms: Samples,
+    agent_ms: Samples,
+}
+
+/// Runs `cryo bench agent` with the binary `cryo`: the same `cryo stop PID...` command line,
+/// standalone (a state directory no agent serves) and through a private agent (its state
+/// directory), on fresh restored workers per arm, rounds alternating as `cryo bench stop`'s.
+/// Through the agent the workers are guarded (its guard traces them) before the clock starts,
+/// as on a node that runs the agent; standalone nothing traces them.
+pub fn run_agent(args: &BenchStopArgs, cryo: &Path) -> anyhow::Result<()> {
+    let memory = args.memory;
+    ensure!(memory > 0, "--memory must be more than 0 bytes");
+    let tmp = tempfile::Builder::new()
+        .prefix("cryo-bench-agent-")
+        .tempdir()
+        .context("creating the benchmark's directory")?;
+    let mut bench = Bench::start(tmp.path(), memory, cryo)?;
+    let standalone = StateDir::new(tmp.path().join("state-standalone"));
+    let agent_state = bench.state.clone();
+    let agent = PrivateAgent::start(&bench, &agent_state)?;
+    let load_start = load_average();
+    if !args.json {
+        println!(
+            "cryo bench agent: `cryo stop` of restored workers of {} device memory each, through the agent and standalone, simulated GPU; \
+             {} rounds per row after 1 warm-up, arm order alternating (ABBA), fresh workers per arm",
+            fmt_bytes(memory),
+            args.rounds
+        );
+        println!("{}", load_line("start", load_start));
+        println!(
+            "{:>7}  {:>24}  {:>24}  {:>6}",
+            "workers", "standalone ms (min-max)", "agent ms (min-max)", "ratio"
+        );
+    }
+    let mut rows = Vec::new();
+    for n in [1usize, 2, 4] {
+        let load_before = load_average();
+        let mut s = AgentSamples::default();
+        for round in 0..=args.rounds {
+            let order = if a_first(round) { [0, 1] } else { [1, 0] };
+            for arm in order {
+                bench.state = if arm == 0 {
+                    standalone.clone()
+                } else {
+                    agent_state.clone()
+                };
+                bench.restored_workers(n)?;
+                if arm == 1 {
+                    // Steady state: the agent guards what it would stop, as on a node.
+                    let pids: Vec<Pid> = bench.live.iter().map(|w| w.pid).collect();
+                    agent.wait_guarded(&pids)?;
+                }
+                let took = bench.cryo_stop()?;
+                bench.ledger_empty()?;
+                if round == 0 {
+                    continue;
+                }
+                if arm == 0 {
+                    s.standalone_ms.push(took);
+                } else {
+                    s.agent_ms.push(took);
+                }
+            }
+        }
+        let row = AgentRow {
+            workers: n,
+            memory_bytes: memory,
+            rounds: args.rounds,
+            standalone_ms: s.standalone_ms.median(),
+            agent_ms: s.agent_ms.median(),
+            ratio: s.agent_ms.median() / s.standalone_ms.median(),
+            load_before,
+            load_after: load_average(),
+            samples: s,
+        };
+        if !args.json {
+            println!(
+                "{:>7}  {:>24}  {:>24}  {:>5.2}x",
+                row.workers,
+                row.samples.standalone_ms.cell1(),
+                row.samples.agent_ms.cell1(),
+                row.ratio
+            );
+        }
+        rows.push(row);
+    }
+    agent.stop()?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        println!(
+            "ratio = median through the agent / median standalone (above 1: the agent costs time); \
+             wedge ledger empty after every arm"
+        );
+        println!("{}", load_line("end", load_average()));
+    }
+    Ok(())
+}
+
+/// A `cryo agent run` of the benchmark's own (no TCP listener, no memory watch); killed on drop
+/// if it was not stopped.
+struct PrivateAgent {
+    child: Child,
+    client: cryo_api::AgentClient,
+}
+
+impl PrivateAgent {
+    fn start(bench: &Bench, state: &StateDir) -> anyhow::Result<PrivateAgent> {
+        std::fs::create_dir_all(state.root()).context("creating the agent's state directory")?;
+        let log = std::fs::File::create(bench.dir.join("agent.log"))
+            .context("creating the agent's log")?;
+        let mut child = Command::new(&bench.exe)
+            .args(["--gpu", "sim", "--sim-dir"])
+            .arg(&bench.dir)
+            .arg("--state-dir")
+            .arg(state.root())
+            .args(["agent", "run", "--no-metrics-listen", "--no-memory-watch"])
+            .env_remove(cryo_api::SOCKET_ENV)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("starting cryo agent run")?;
+        let client = cryo_api::AgentClient::new(state.agent_socket());
+        let start = Instant::now();
+        while client.status().is_err() {
+            if let Some(st) = child.try_wait()? {
+                bail!(
+                    "the agent exited ({st}); see {}",
+                    bench.dir.join("agent.log").display()
+                );
+            }
+            ensure!(
+                start.elapsed() < Duration::from_secs(60),
+                "the agent did not answer within 60 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(PrivateAgent { child, client })
+    }
+
+    /// Waits until the agent's guard traces every one of `pids`.
+    fn wait_guarded(&self, pids: &[Pid]) -> anyhow::Result<()> {
+        let start = Instant::now();
+        loop {
+            let st = self.client.status().context("asking the agent")?;
+            if pids
+                .iter()
+                .all(|p| st.guard.guarded.iter().any(|g| g.pid == *p))
+            {
+                return Ok(());
+            }
+            ensure!(
+                start.elapsed() < Duration::from_secs(60),
+                "the agent's guard did not attach to {pids:?} within 60 s"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn stop(mut self) -> anyhow::Result<()> {
+        self.client.shutdown().context("stopping the agent")?;
+        let st = self.child.wait().context("reaping the agent")?;
+        ensure!(st.success(), "the agent ended with {st}");
+        Ok(())
+    }
+}
+
+impl Drop for PrivateAgent {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 struct Worker {
     pid: Pid,
     child: Child,

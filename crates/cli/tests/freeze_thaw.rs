@@ -1119,6 +1119,95 @@ fn a_crash_at_every_step_of_publish_leaves_no_image_or_a_whole_one() {
         }
     }
     assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+/// A `cryo agent run` on this environment's state directory; SIGKILLed on drop.
+struct Agent {
+    child: std::process::Child,
+    log: PathBuf,
+}
+
+impl Agent {
+    fn start(env: &Env) -> Agent {
+        let state = env.path().join("state");
+        fs::create_dir_all(&state).unwrap();
+        let log = state.join("agent.log");
+        let f = fs::File::create(&log).unwrap();
+        let child = env
+            .cmd()
+            .args(["agent", "run", "--no-metrics-listen", "--no-memory-watch"])
+            .stdout(f.try_clone().unwrap())
+            .stderr(f)
+            .spawn()
+            .unwrap();
+        let client = cryo_api::AgentClient::new(cryo_state::StateDir::new(&state).agent_socket());
+        eventually(PATIENCE, "the agent's socket", || client.status().is_ok());
+        Agent { child, log }
+    }
+
+    fn log(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn freeze_and_thaw_go_through_the_agent_whose_guard_takes_the_restored_worker() {
+    let mut env = Env::start("512MiB");
+    let agent = Agent::start(&env);
+    let (pid, sock) = env.worker("64MiB", 0);
+    let before = answers(&sock);
+    let image = env.path().join("img");
+    let out = env.cryo(&[
+        "freeze",
+        &pid.to_string(),
+        "--image",
+        image.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "freeze: {}", stderr(&out));
+    assert!(!stderr(&out).contains("nothing guards"), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains(&format!("frozen pid {pid}")),
+        "{}",
+        stdout(&out)
+    );
+    // Progress of the long operation reached the operator.
+    assert!(stderr(&out).contains("checkpoint done"), "{}", stderr(&out));
+    env.reap_worker(pid);
+    assert!(!exists(pid), "the frozen worker must be gone");
+    let out = env.thaw(&image, &["--health-url", &health(&sock)]);
+    assert!(out.status.success(), "thaw: {}", stderr(&out));
+    assert!(!stderr(&out).contains("nothing guards"), "{}", stderr(&out));
+    assert_eq!(answers(&sock), before);
+    // The agent's guard traces the restored worker: its tracer is the agent.
+    eventually(
+        PATIENCE,
+        "the agent's guard to trace the thawed worker",
+        || {
+            procs::tracer_pid(pid) != 0
+                && fs::read_to_string(format!("/proc/{}/status", procs::tracer_pid(pid)))
+                    .map(|s| {
+                        s.lines()
+                            .any(|l| l == format!("Tgid:\t{}", agent.child.id()))
+                    })
+                    .unwrap_or(false)
+        },
+    );
+    // A refusal keeps its exit code through the agent.
+    let again = env.cryo(&["thaw", image.to_str().unwrap()]);
+    assert_eq!(again.status.code(), Some(3), "{}", stderr(&again));
+    assert!(
+        stderr(&again).contains(&format!("pids {pid} of the image are in use")),
+        "{}",
+        stderr(&again)
+    );
+    env.stop(pid);
+    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+    assert!(agent.log().contains("thaw"), "{}", agent.log());
 }
 
 /// Issue 12: a parked worker (`cryo park`: CHECKPOINTED in place, NVML lists nothing) is frozen as
