@@ -31,6 +31,7 @@
 pub mod auth;
 pub mod lock;
 mod ops;
+mod parent;
 mod server;
 pub mod signals;
 mod sys;
@@ -111,6 +112,8 @@ pub(crate) struct Agent {
     started: SystemTime,
     /// A shutdown was asked for and accepted (no pins were held).
     stopping: AtomicBool,
+    /// The thread that thaws and reaps restored workers.
+    parent: parent::Parent,
 }
 
 impl std::fmt::Debug for Agent {
@@ -211,6 +214,10 @@ pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
         syslog: cfg.telemetry.syslog.clone(),
         started: SystemTime::now(),
         stopping: AtomicBool::new(false),
+        parent: parent::Parent::start().map_err(|source| AgentError::Socket {
+            path: cfg.socket.clone(),
+            source,
+        })?,
     });
     log_guarded(&agent.guard);
     agent.update_gauges();

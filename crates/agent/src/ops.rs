@@ -1,6 +1,7 @@
 //! What each request does: the lifecycle's and the guard's own entry points, the same the
 //! standalone commands call, with the options the request's one conversion gives.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
@@ -113,9 +114,21 @@ impl Agent {
         }
     }
 
-    /// `POST /v1/thaw`: the guard in this process picks the restored processes up from the
-    /// journal.
+    /// `POST /v1/thaw`: on the thread that reaps restored workers ([`crate::parent`]); the
+    /// guard in this process picks the restored processes up from the journal.
     pub(crate) fn thaw(
+        self: &Arc<Self>,
+        req: &ThawRequest,
+        requested: Instant,
+        progress: &StreamProgress,
+    ) -> Result<ThawReport, ApiError> {
+        let (agent, req, progress) = (Arc::clone(self), req.clone(), progress.clone());
+        self.parent
+            .run(move || agent.thaw_here(&req, requested, &progress))
+            .unwrap_or_else(|| Err(failed("the agent's thaw thread is gone")))
+    }
+
+    fn thaw_here(
         &self,
         req: &ThawRequest,
         requested: Instant,
@@ -186,7 +199,7 @@ impl Agent {
 
 /// Progress of a long operation, sent to its caller as NDJSON lines. A caller that left (or
 /// reads slowly) loses lines, never holds up the operation.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct StreamProgress {
     tx: mpsc::Sender<Bytes>,
 }

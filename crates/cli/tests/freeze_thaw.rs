@@ -1205,7 +1205,27 @@ fn freeze_and_thaw_go_through_the_agent_whose_guard_takes_the_restored_worker() 
         "{}",
         stderr(&again)
     );
-    env.stop(pid);
+    // The restored root is the agent's child: the agent reaps it once stopped (no zombie).
+    let ppid = |pid: i32| {
+        fs::read_to_string(format!("/proc/{pid}/status"))
+            .unwrap()
+            .lines()
+            .find_map(|l| l.strip_prefix("PPid:\t").map(|p| p.parse::<u32>().unwrap()))
+            .unwrap()
+    };
+    assert_eq!(ppid(pid), agent.child.id());
+    // Untraced (the guard's tracer would reap it itself): only the parent can.
+    let out = env.cryo(&["guard", "detach", "--pid", &pid.to_string()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    eventually(PATIENCE, "the guard to let go", || {
+        procs::tracer_pid(pid) == 0
+    });
+    let out = env.cryo(&["stop", &pid.to_string()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    env.thawed.retain(|p| *p != pid);
+    eventually(PATIENCE, "the agent to reap the stopped worker", || {
+        !exists(pid)
+    });
     assert!(env.ledger().is_empty(), "{:?}", env.ledger());
     assert!(agent.log().contains("thaw"), "{}", agent.log());
 }
