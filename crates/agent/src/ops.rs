@@ -6,8 +6,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use cryo_api::{
-    AgentStatus, ApiError, AttachReport, DetachReport, ErrorKind, FreezeRequest, ProgressEvent,
-    ReleaseReport, ReleaseRequest, StopRequest, StreamLine, SyslogStatus, ThawRequest,
+    AgentStatus, ApiError, AttachReport, DetachReport, DriverFailure, ErrorKind, FreezeRequest,
+    GpuCall, GpuCallAnswer, GpuCallRequest, ProgressEvent, ReleaseReport, ReleaseRequest,
+    StopRequest, StreamLine, SyslogStatus, ThawRequest,
 };
 use cryo_journal::ProcId;
 use cryo_lifecycle::{
@@ -159,6 +160,24 @@ impl Agent {
             Err(e @ (ThawError::Image(_) | ThawError::Precheck(_))) => Err(refused(e)),
             Err(e) => Err(failed(e)),
         }
+    }
+
+    /// `POST /v1/gpu/{call}`: the driver call, on this agent's driver. The caller's own logic
+    /// (prechecks, the `cuda-checkpoint` front end's toggle) runs on its side around it.
+    pub(crate) fn gpu_call(&self, call: GpuCall, req: &GpuCallRequest) -> GpuCallAnswer {
+        let d = &self.gpu.driver;
+        let pid = req.pid;
+        let r = match call {
+            GpuCall::State => d.state(pid).map(GpuCallAnswer::State),
+            GpuCall::Lock => d
+                .lock(pid, req.timeout_ms.map(Duration::from_millis))
+                .map(|()| GpuCallAnswer::Done),
+            GpuCall::Checkpoint => d.checkpoint(pid).map(|()| GpuCallAnswer::Done),
+            GpuCall::Restore => d.restore(pid, &req.pairs).map(|()| GpuCallAnswer::Done),
+            GpuCall::Unlock => d.unlock(pid).map(|()| GpuCallAnswer::Done),
+            GpuCall::RestoreThreadId => d.restore_thread_id(pid).map(GpuCallAnswer::Tid),
+        };
+        r.unwrap_or_else(|e| GpuCallAnswer::DriverError(DriverFailure::of(&e)))
     }
 
     /// `POST /v1/guard/attach`.

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{ConnectInfo, Query, State};
+use axum::extract::{ConnectInfo, Path, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -76,6 +76,7 @@ fn router(agent: Arc<Agent>) -> Router {
         .route(path::STOP, post(stop))
         .route(path::FREEZE, post(freeze))
         .route(path::THAW, post(thaw))
+        .route(&format!("{}/{{call}}", path::GPU), post(gpu))
         .route(path::GUARD_ATTACH, post(attach))
         .route(path::GUARD_DETACH, post(detach))
         .route(path::GUARD_RELEASE, post(release))
@@ -262,6 +263,27 @@ async fn thaw(
     let req: cryo_api::ThawRequest = parse(&body)?;
     tracing::info!(image = %req.image.display(), ?peer.cred, "thaw");
     Ok(streamed(move |p| agent.thaw(&req, requested, p)))
+}
+
+async fn gpu(
+    State(agent): Shared,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    Path(call): Path<String>,
+    body: Bytes,
+) -> Result<Response, Failure> {
+    let call = cryo_api::GpuCall::parse(&call).ok_or_else(|| {
+        Failure(ApiError::new(
+            ErrorKind::NotFound,
+            format!("no driver call {call:?} (state, lock, checkpoint, restore, unlock, restore_thread_id)"),
+        ))
+    })?;
+    allow(&agent, &peer, call.access())?;
+    let req: cryo_api::GpuCallRequest = parse(&body)?;
+    same_pids(&peer)?;
+    if call.access() == Access::Change {
+        tracing::info!(pid = req.pid, call = call.as_str(), ?peer.cred, "driver call");
+    }
+    blocking(move || Ok(agent.gpu_call(call, &req))).await
 }
 
 async fn attach(

@@ -127,6 +127,16 @@ impl AgentClient {
         self.stream(path::THAW, req, progress)
     }
 
+    /// `POST /v1/gpu/{call}`: one driver call made by the agent. A lock may wait as long as
+    /// its timeout (without limit when it has none).
+    pub fn gpu(
+        &self,
+        call: crate::GpuCall,
+        req: &crate::GpuCallRequest,
+    ) -> Result<crate::GpuCallAnswer, ClientError> {
+        self.post(&self.long, &call.path(), req)
+    }
+
     /// `POST /v1/guard/attach`.
     pub fn attach(&self, req: &PidRequest) -> Result<AttachReport, ClientError> {
         self.post(&self.short, path::GUARD_ATTACH, req)

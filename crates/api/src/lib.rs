@@ -24,11 +24,13 @@
 //! [`client::AgentClient`] is the blocking client (through [`cryo_http`], cryo's one HTTP client).
 
 pub mod client;
+pub mod driver;
 mod requests;
 
 use serde::{Deserialize, Serialize};
 
 pub use client::{AgentClient, ClientError};
+pub use driver::{AgentDriver, DriverFailure, GpuCall, GpuCallAnswer, GpuCallRequest};
 pub use requests::*;
 
 /// The environment variable naming the agent's socket (else `STATE_DIR/cryod.sock`).
@@ -53,6 +55,8 @@ pub mod path {
     pub const FREEZE: &str = "/v1/freeze";
     /// `POST` [`crate::ThawRequest`]: stream of [`cryo_lifecycle::ThawReport`].
     pub const THAW: &str = "/v1/thaw";
+    /// `POST` [`crate::GpuCallRequest`] to `/v1/gpu/{call}`: [`crate::GpuCallAnswer`].
+    pub const GPU: &str = "/v1/gpu";
     /// `POST` [`crate::PidRequest`]: [`crate::AttachReport`].
     pub const GUARD_ATTACH: &str = "/v1/guard/attach";
     /// `POST` [`crate::PidRequest`]: [`crate::DetachReport`].

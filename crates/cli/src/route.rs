@@ -48,3 +48,20 @@ pub fn error(e: ClientError) -> anyhow::Error {
 #[derive(Debug, thiserror::Error)]
 #[error("{}{}", .0.message, .0.hint.as_ref().map(|h| format!("; what to do: {h}")).unwrap_or_default())]
 pub struct AgentSaid(pub cryo_api::ApiError);
+
+/// `gpu` with its checkpoint-API calls made by the agent when one answers (NVML reads stay in
+/// this process); `Ok(false)` when none runs and `gpu` is left as it is.
+pub fn driver_through_agent(
+    gpu: &mut cryo_gpu::Gpu,
+    state: &StateDir,
+) -> Result<bool, ClientError> {
+    let client = client(state);
+    match client.status() {
+        Ok(_) => {
+            gpu.driver = std::sync::Arc::new(cryo_api::AgentDriver::new(client));
+            Ok(true)
+        }
+        Err(ClientError::NotRunning(_)) => Ok(false),
+        Err(e) => Err(e),
+    }
+}

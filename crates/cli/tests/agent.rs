@@ -401,3 +401,82 @@ fn metrics_and_events_come_from_the_agent() {
     let api: cryo_api::ApiError = serde_json::from_str(&e.text().unwrap()).unwrap();
     assert_eq!(api.kind, ErrorKind::NotFound);
 }
+
+#[test]
+fn gpu_actions_and_the_cuda_checkpoint_front_end_go_through_the_agent_with_the_same_output() {
+    let mut sim = Sim::start();
+    let state = sim.path().join("state");
+    let alone = sim.path().join("state-standalone");
+    let agent = AgentProc::start(&sim, &state, &["--no-memory-watch"]);
+    let (pid, _) = sim.worker("8MiB");
+    let p = pid.to_string();
+    for action in ["lock", "checkpoint", "restore", "unlock"] {
+        let out = run(&sim, &state, &["gpu", action, "--pid", &p]);
+        succeeded(&out);
+        assert!(!stderr(&out).contains(NOTE), "{}", stderr(&out));
+        assert!(
+            agent
+                .log()
+                .contains(&format!("pid={pid} call=\"{action}\"")),
+            "{action}: {}",
+            agent.log()
+        );
+    }
+    // The restore was journaled: the agent's guard takes the worker.
+    let id = ProcId::of(pid).unwrap();
+    eventually(PATIENCE, "the agent's guard to attach", || {
+        records(&state)
+            .iter()
+            .any(|e| matches!(e, Event::GuardAttached { pid } if *pid == id))
+    });
+    // Refusals and driver errors read the same through the agent as standalone: the client's
+    // prechecks, and the driver's own code (the front end's exit status is the CUresult).
+    let compat = |st: &Path, args: &[&str]| {
+        let mut c = sim.cmd_at(st);
+        c.arg("cuda-checkpoint").args(args);
+        c.output().unwrap()
+    };
+    for args in [
+        &["--action", "checkpoint", "--pid", p.as_str()][..],
+        &["--action", "unlock", "--pid", p.as_str()],
+        &["--get-state", "--pid", p.as_str()],
+    ] {
+        let (through, standalone) = (compat(&state, args), compat(&alone, args));
+        assert_eq!(through.status.code(), standalone.status.code(), "{args:?}");
+        assert_eq!(stdout(&through), stdout(&standalone), "{args:?}");
+        assert_eq!(stderr(&through), stderr(&standalone), "{args:?}");
+    }
+    let (through, standalone) = (
+        run(&sim, &state, &["gpu", "unlock", "--pid", &p]),
+        run(&sim, &alone, &["gpu", "unlock", "--pid", &p]),
+    );
+    assert_eq!(through.status.code(), Some(1));
+    assert!(stderr(&through).contains(&format!("pid {pid} is running; there is nothing to unlock")));
+    assert!(stderr(&standalone).contains(NOTE));
+    // A toggle through the agent: suspended, then back.
+    for expect in ["checkpointed", "running"] {
+        let out = compat(&state, &["--toggle", "--pid", &p]);
+        succeeded(&out);
+        assert_eq!(sim.state(pid), expect);
+    }
+    assert!(sim.settled_ledger().is_empty());
+}
+
+#[test]
+fn bench_agent_smoke() {
+    let out = common::cryo()
+        .args(["bench", "agent", "--memory", "16MiB", "--rounds", "1"])
+        .output()
+        .unwrap();
+    succeeded(&out);
+    let text = stdout(&out);
+    assert!(
+        text.contains("ratio = median through the agent / median standalone"),
+        "{text}"
+    );
+    assert_eq!(
+        text.lines().filter(|l| l.trim_end().ends_with('x')).count(),
+        3,
+        "{text}"
+    );
+}

@@ -177,6 +177,13 @@ pub enum DriverError {
         /// Calls still blocked in the driver.
         pending: usize,
     },
+    /// The node agent, which makes the driver calls when it runs, failed otherwise than by a
+    /// driver error (unreachable mid-call, refused the caller, its driver could not be loaded).
+    #[error("through the node agent: {reason}")]
+    Remote {
+        /// What went wrong.
+        reason: String,
+    },
 }
 
 impl DriverError {

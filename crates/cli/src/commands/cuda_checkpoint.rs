@@ -83,7 +83,20 @@ fn outcome(choice: GpuChoice, sim_dir: &Path, state: &StateDir, args: Vec<OsStri
     let gpu = match backend::resolve(choice, sim_dir) {
         Ok(r) => {
             tracing::debug!(note = ?r.note, "backend");
-            r.gpu
+            let mut gpu = r.gpu;
+            // The agent makes the driver calls when it runs (it guards the node); NVIDIA's
+            // output is the same either way.
+            match crate::route::driver_through_agent(&mut gpu, state) {
+                Ok(through) => tracing::debug!(through_agent = through, "driver"),
+                Err(e) => {
+                    return Outcome {
+                        stdout: String::new(),
+                        stderr: format!("cuda-checkpoint: {e}\n"),
+                        status: crate::exit::FAILURE,
+                    }
+                }
+            }
+            gpu
         }
         Err(e) => {
             return Outcome {

@@ -181,7 +181,7 @@ fn act(
 ) -> anyhow::Result<()> {
     let pid = p.pid;
     let handle = process::open_process(pid)?;
-    let gpu = ctx.gpu()?;
+    let gpu = ctx.gpu_for_change()?;
     let before = gpu.driver.state(pid).map_err(|e| explain(e, pid, None))?;
     precheck(action, pid, before).map_err(|m| anyhow!(m))?;
     let pairs = match map {

@@ -48,6 +48,18 @@ impl Context {
         }
         Ok(r.gpu)
     }
+
+    /// The backend for a command that changes a process's GPU state: its driver calls are made
+    /// by the agent when one answers, else here (after saying once that nothing guards).
+    pub fn gpu_for_change(&self) -> anyhow::Result<Gpu> {
+        let mut gpu = self.gpu()?;
+        if !crate::route::driver_through_agent(&mut gpu, &self.state)
+            .map_err(crate::route::error)?
+        {
+            crate::route::standalone_note(&crate::route::client(&self.state));
+        }
+        Ok(gpu)
+    }
 }
 
 /// Runs the command; the exit status on success (the `cuda-checkpoint` front end has its own).
