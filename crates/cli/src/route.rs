@@ -65,3 +65,21 @@ pub fn driver_through_agent(
         Err(e) => Err(e),
     }
 }
+
+/// How a long operation (freeze, thaw) ended without its result, through the agent or not.
+pub enum Outcome {
+    /// Refused before anything was done (exit 3), with why.
+    Refused(String),
+    /// Failed.
+    Failed(anyhow::Error),
+}
+
+/// The agent's answer as an [`Outcome`]: its `refused` kind is a refusal.
+pub fn outcome(e: ClientError) -> Outcome {
+    match e {
+        ClientError::Api(a) if a.kind == cryo_api::ErrorKind::Refused => {
+            Outcome::Refused(a.message)
+        }
+        e => Outcome::Failed(error(e)),
+    }
+}

@@ -3,7 +3,7 @@
 //! progress and reports (text or JSON, exit codes: 0 published, 3 refused, 1 error).
 
 use anyhow::Context as _;
-use cryo_api::{ClientError, ErrorKind, FreezeRequest};
+use cryo_api::FreezeRequest;
 use cryo_criu::CriuRpc;
 use cryo_guard::control::GuardClient;
 use cryo_lifecycle::{FreezeError, FreezeReport, Resolved};
@@ -11,7 +11,7 @@ use cryo_lifecycle::{FreezeError, FreezeReport, Resolved};
 use super::Context;
 use crate::args::FreezeArgs;
 use crate::exit;
-use crate::route;
+use crate::route::{self, Outcome};
 use cryo_units::fmt_bytes;
 
 /// Runs `cryo freeze`; returns the exit code.
@@ -31,10 +31,7 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
     let result = if route::not_running(&via_agent) {
         standalone(ctx, &client, &req, progress.as_ref())
     } else {
-        via_agent.map_err(|e| match e {
-            ClientError::Api(a) if a.kind == ErrorKind::Refused => Outcome::Refused(a.message),
-            e => Outcome::Failed(route::error(e)),
-        })
+        via_agent.map_err(route::outcome)
     };
     drop(progress);
     let report = match result {
@@ -91,14 +88,6 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
         );
     }
     Ok(exit::SUCCESS)
-}
-
-/// How a freeze did not publish.
-enum Outcome {
-    /// Refused before anything was dumped (exit 3): the worker keeps serving.
-    Refused(String),
-    /// Failed.
-    Failed(anyhow::Error),
 }
 
 /// The freeze in this process (no agent runs): what the agent's handler does too.

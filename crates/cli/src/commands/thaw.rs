@@ -5,14 +5,14 @@
 use std::time::Instant;
 
 use anyhow::Context as _;
-use cryo_api::{ClientError, ErrorKind, HealthSpec, ThawRequest};
+use cryo_api::{HealthSpec, ThawRequest};
 use cryo_criu::CriuRpc;
 use cryo_lifecycle::{ThawError, ThawReport};
 
 use super::Context;
 use crate::args::ThawArgs;
 use crate::exit::{self, UsageError};
-use crate::route;
+use crate::route::{self, Outcome};
 use cryo_units::fmt_bytes;
 
 /// Runs `cryo thaw`; returns the exit code.
@@ -47,10 +47,7 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
     let result = if route::not_running(&via_agent) {
         standalone(ctx, &client, &req, requested, progress.as_ref())
     } else {
-        via_agent.map_err(|e| match e {
-            ClientError::Api(a) if a.kind == ErrorKind::Refused => Outcome::Refused(a.message),
-            e => Outcome::Failed(route::error(e)),
-        })
+        via_agent.map_err(route::outcome)
     };
     drop(progress);
     let report = match result {
@@ -83,14 +80,6 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
         }
     }
     Ok(exit::SUCCESS)
-}
-
-/// How a thaw did not end serving.
-enum Outcome {
-    /// Refused before anything ran (exit 3).
-    Refused(String),
-    /// Failed.
-    Failed(anyhow::Error),
 }
 
 /// The thaw in this process (no agent runs): what the agent's handler does too.
