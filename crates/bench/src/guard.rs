@@ -25,8 +25,6 @@
 //! what a bare suspension does not: the tracer's stop, the journal's fsyncs and the death
 //! itself; the simulated checkpoint is a memory copy whose speed swings with page-fault costs.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::time::{Duration, Instant};
@@ -110,14 +108,17 @@ impl Drop for Sim {
     }
 }
 
+/// One request on a new connection, timed to its whole answer (cryo's one HTTP client).
 fn request(port: u16, prompt: &str) -> anyhow::Result<Duration> {
     let t = Instant::now();
-    let mut s = TcpStream::connect(("127.0.0.1", port))?;
-    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{prompt}", prompt.len())?;
-    let mut out = Vec::new();
-    s.read_to_end(&mut out)?;
-    if !out.starts_with(b"HTTP/1.1 200") {
-        bail!("the worker answered {}", String::from_utf8_lossy(&out));
+    let (status, body) = cryo_http::fetch(
+        "POST",
+        &format!("http://127.0.0.1:{port}/v1/completions"),
+        Some(("text/plain", prompt.as_bytes())),
+        Duration::from_secs(60),
+    )?;
+    if status != 200 {
+        bail!("the worker answered {status}: {body}");
     }
     Ok(t.elapsed())
 }

@@ -493,11 +493,16 @@ fn the_agent_sets_its_oom_score_adj_or_says_once_why_not() {
         .unwrap();
     let log = agent.log();
     if adj == -1000 {
-        assert_eq!(log.matches("oom_score_adj set to -1000").count(), 1, "{log}");
+        assert_eq!(
+            log.matches("oom_score_adj set to -1000").count(),
+            1,
+            "{log}"
+        );
     } else {
         // Where the kernel does not permit it (no CAP_SYS_RESOURCE): said once, and the agent runs.
         assert_eq!(
-            log.matches("cannot protect the agent from the OOM killer").count(),
+            log.matches("cannot protect the agent from the OOM killer")
+                .count(),
             1,
             "oom_score_adj {adj}: {log}"
         );
