@@ -1119,6 +1119,8 @@ fn a_crash_at_every_step_of_publish_leaves_no_image_or_a_whole_one() {
         }
     }
     assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+}
+
 /// A `cryo agent run` on this environment's state directory; SIGKILLed on drop.
 struct Agent {
     child: std::process::Child,
