@@ -259,7 +259,9 @@ mod tests {
         assert_eq!(o.deadline, Some(cryo_lifecycle::stop::DEFAULT_DEADLINE));
         assert!(o.deadline < Some(Duration::from_secs(30)));
         assert_eq!(
-            request(&stop_args(&["cryo", "stop", "1", "--deadline", "0"])).options().deadline,
+            request(&stop_args(&["cryo", "stop", "1", "--deadline", "0"]))
+                .options()
+                .deadline,
             None
         );
         let o = request(&stop_args(&[
