@@ -61,7 +61,7 @@ impl Class {
 
 /// The evidence contradicts itself or cannot be had: the process is neither known to be plain
 /// nor known to be a CUDA process that can be suspended. A refusal, never a kill.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 #[error("pid {pid}: {call} answered {answer}{}", evidence_text(.evidence))]
 pub struct Unsure {
     /// The process.

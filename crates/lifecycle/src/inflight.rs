@@ -29,7 +29,7 @@ use crate::runnable::{runnable, Runnable};
 use crate::suspend::{id, me};
 
 /// What was done to one process whose suspension died half-way.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Settlement {
     /// It was RUNNING: nothing to do.
@@ -48,7 +48,7 @@ pub enum Settlement {
 }
 
 /// One process whose in-flight suspension was looked at.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Settled {
     /// The process.
     pub pid: ProcId,

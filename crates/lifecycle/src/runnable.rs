@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use cryo_proc::{Pid, ProcError, ProcHandle, Signal};
 
 /// Whether a process can run its driver's restore thread.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Runnable {
     /// At least one thread can run.

@@ -157,7 +157,8 @@ pub enum SuspendFailure {
     /// The overall deadline leaves no time for `step` (and what follows it).
     OutOfTime {
         /// The step that could not be started.
-        step: &'static str,
+        #[serde(deserialize_with = "step_name")]
+        step: StepName,
         /// The deadline, ms from the start of the operation... as left when the step was due.
         left_ms: u64,
     },
@@ -165,7 +166,8 @@ pub enum SuspendFailure {
     /// out), and the process is left as the driver leaves it.
     NoAnswer {
         /// The step.
-        step: &'static str,
+        #[serde(deserialize_with = "step_name")]
+        step: StepName,
         /// How long the call was waited for.
         ms: u64,
     },

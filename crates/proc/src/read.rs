@@ -235,7 +235,7 @@ pub fn pids_in_use(wanted: &[Pid]) -> Vec<Pid> {
 }
 
 /// Who holds a pid that [`pids_in_use`] reports taken.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum PidHolder {
     /// A live process (or one of its threads) has the pid.
