@@ -94,7 +94,7 @@ pub struct FreezeReport {
     /// Without `leave_running`: what still holds the tree's pids after [`crate::reaped::REAP_WAIT`]
     /// (a zombie whose parent has not reaped it...); empty when they are free, and only then is
     /// the worker gone. A restore of the image needs them free.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pids_held: Vec<cryo_proc::PidHolder>,
     /// Wall time of the whole freeze, ms: the image is published and durable (every file,
     /// the manifest and the directories fsync'd).

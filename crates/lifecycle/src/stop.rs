@@ -125,7 +125,7 @@ pub struct ProcReport {
     pub ended: bool,
     /// What else the stop found or did (`resumed from a job-control stop`, `joined the cgroup
     /// during the stop`, `opened the driver but holds no context`...).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
 }
 
@@ -139,7 +139,7 @@ pub struct StopReport {
     /// Whether processes were killed without suspension (`unsafe_kill` or `fresh`).
     pub unsafe_kills: Vec<Pid>,
     /// Suspensions of earlier runs that died half-way, settled before this stop.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub settled: Vec<Settled>,
     /// Wall time of the whole stop.
     pub elapsed_ms: u64,

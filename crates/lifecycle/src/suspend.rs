@@ -151,7 +151,7 @@ pub enum SuspendFailure {
         /// Timeout of the last one.
         timeout_ms: u64,
         /// The overall deadline that cut the attempts short, if one did.
-        #[serde(skip_serializing_if = "Option::is_none")]
+        #[serde(default, skip_serializing_if = "Option::is_none")]
         deadline_ms: Option<u64>,
     },
     /// The overall deadline leaves no time for `step` (and what follows it).
