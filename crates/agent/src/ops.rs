@@ -55,9 +55,17 @@ impl Agent {
             guard: self.guard.status(),
             quarantined,
             fence_error,
-            holder:
-                "none: pins are held in the agent's own process (the pin holder is not wired yet)"
-                    .to_string(),
+            holder: match cryo_holder::HolderClient::new(&self.state).inventory() {
+                Ok(Some((info, pins))) => format!(
+                    "pid {} (cryo {}), {} pin(s), cgroup {}",
+                    info.id.pid,
+                    info.version,
+                    pins.len(),
+                    info.cgroup
+                ),
+                Ok(None) => "NOT RUNNING: pins would be held in the agent's own process".to_string(),
+                Err(e) => format!("cannot ask it: {e}"),
+            },
             metrics_addr: self.telemetry.metrics_addr().map(|a| a.to_string()),
             syslog: self.telemetry.forwarder().map(|f| SyslogStatus {
                 collector: self.syslog.clone().unwrap_or_default(),

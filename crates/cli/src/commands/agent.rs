@@ -54,7 +54,13 @@ fn serve(ctx: &Context, a: &AgentRunArgs) -> anyhow::Result<()> {
         state: ctx.state.clone(),
         socket: a.socket.clone().unwrap_or_else(|| ctx.state.agent_socket()),
         read_group: a.read_group.clone(),
-        guard: super::guard::config(ctx, &a.guard),
+        guard: {
+            // The agent's pins live in the pin holder (started, or the running one adopted), so
+            // that the agent's death or restart never closes them.
+            let mut g = super::guard::config(ctx, &a.guard);
+            g.pin_sink = Some(super::guard::pin_sink(ctx)?);
+            g
+        },
         guard_run: RunOptions {
             pids: a.guard.pids.clone(),
             poll: Duration::from_millis(a.guard.poll_ms),
