@@ -63,7 +63,9 @@ impl Agent {
                     pins.len(),
                     info.cgroup
                 ),
-                Ok(None) => "NOT RUNNING: pins would be held in the agent's own process".to_string(),
+                Ok(None) => {
+                    "NOT RUNNING: pins would be held in the agent's own process".to_string()
+                }
                 Err(e) => format!("cannot ask it: {e}"),
             },
             metrics_addr: self.telemetry.metrics_addr().map(|a| a.to_string()),

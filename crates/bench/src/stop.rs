@@ -278,6 +278,7 @@ pub fn run_agent(args: &BenchStopArgs, cryo: &Path) -> anyhow::Result<()> {
 struct PrivateAgent {
     child: Child,
     client: cryo_api::AgentClient,
+    state: StateDir,
 }
 
 impl PrivateAgent {
@@ -312,7 +313,11 @@ impl PrivateAgent {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        Ok(PrivateAgent { child, client })
+        Ok(PrivateAgent {
+            child,
+            client,
+            state: state.clone(),
+        })
     }
 
     /// Waits until the agent's guard traces every one of `pids`.
@@ -347,6 +352,10 @@ impl Drop for PrivateAgent {
         if let Ok(None) = self.child.try_wait() {
             let _ = self.child.kill();
             let _ = self.child.wait();
+        }
+        // The pin holder outlives an agent by design; the benchmark's holds nothing.
+        if let Ok(mut h) = cryo_holder::HolderClient::new(&self.state).connect() {
+            let _ = h.exit();
         }
     }
 }

@@ -281,6 +281,7 @@ fn a_closed_stderr_does_not_kill_the_agent() {
     }
     client.shutdown().unwrap();
     let st = procs::wait_exit(&mut child);
+    common::stop_pin_holder(&state);
     assert!(st.success(), "{st:?}");
 }
 

@@ -1125,6 +1125,7 @@ fn a_crash_at_every_step_of_publish_leaves_no_image_or_a_whole_one() {
 struct Agent {
     child: std::process::Child,
     log: PathBuf,
+    state: PathBuf,
 }
 
 impl Agent {
@@ -1142,7 +1143,7 @@ impl Agent {
             .unwrap();
         let client = cryo_api::AgentClient::new(cryo_state::StateDir::new(&state).agent_socket());
         eventually(PATIENCE, "the agent's socket", || client.status().is_ok());
-        Agent { child, log }
+        Agent { child, log, state }
     }
 
     fn log(&self) -> String {
@@ -1154,6 +1155,7 @@ impl Drop for Agent {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        common::stop_pin_holder(&self.state);
     }
 }
 

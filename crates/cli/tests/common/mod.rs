@@ -253,9 +253,23 @@ impl AgentProc {
     }
 }
 
+/// Asks the pin holder of `state` to exit (it outlives the agent by design); SIGKILLs it when it
+/// refuses (it holds pins: the end of the test anyway).
+pub fn stop_pin_holder(state: &Path) {
+    let c = cryo_holder::HolderClient::new(&cryo_state::StateDir::new(state));
+    let Ok(mut s) = c.connect() else { return };
+    let pid = s.holder.id;
+    if s.exit().is_err() {
+        if let Ok(h) = cryo_proc::ProcHandle::open_expected(pid.pid, pid.start_time) {
+            let _ = h.signal(cryo_proc::Signal::SIGKILL);
+        }
+    }
+}
+
 impl Drop for AgentProc {
     fn drop(&mut self) {
         self.kill();
+        stop_pin_holder(&self.state);
     }
 }
 
