@@ -63,7 +63,11 @@ pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
     }
     println!("agent: not running");
     print_parked(&parked);
-    print_fence_and_guard(&quarantined, None, guard.as_ref().map(Option::as_ref).map_err(String::as_str));
+    print_fence_and_guard(
+        &quarantined,
+        None,
+        guard.as_ref().map(Option::as_ref).map_err(String::as_str),
+    );
     Ok(())
 }
 
