@@ -487,15 +487,17 @@ impl Daemon {
             Err(_) if gone() => return Err(Reply::Cuda(CuResult::INVALID_VALUE)),
             Err(err) => return Err(Reply::Error(format!("cannot read the fd table: {err}"))),
         };
-        let listening = cryo_proc::unix_listeners(&format!("@cryo-sim/{}/", self.id))
-            .map_err(|err| Reply::Error(err.to_string()))?;
-        let Some(name) = fds.iter().find_map(|f| match f.target {
-            FdTarget::Socket(inode) => listening.get(&inode),
-            _ => None,
-        }) else {
+        let sockets: Vec<u64> = fds
+            .iter()
+            .filter_map(|f| match f.target {
+                FdTarget::Socket(inode) => Some(inode),
+                _ => None,
+            })
+            .collect();
+        let Some(name) = self.restore_socket(&sockets)? else {
             return Err(Reply::Cuda(CuResult::NOT_INITIALIZED));
         };
-        let Some(tid) = proto::restore_tid_of(name) else {
+        let Some(tid) = proto::restore_tid_of(&name) else {
             return Err(Reply::Error(format!(
                 "malformed restore-thread socket name {name}"
             )));
@@ -511,6 +513,27 @@ impl Daemon {
         let addr = SocketAddr::from_abstract_name(name.trim_start_matches('@').as_bytes())
             .map_err(|err| Reply::Error(format!("bad restore-thread socket name {name}: {err}")))?;
         Ok(RestoreThread { addr, tid })
+    }
+
+    /// The restore-thread socket name among the socket inodes `sockets` of one process, `None`
+    /// when none of them is one. `/proc/net/unix` is read in pieces and the kernel walks its
+    /// table by position: a socket closed elsewhere while it is read (another process of the
+    /// tree dying) shifts the rest and one entry can be skipped. A miss is therefore read again
+    /// a few times before it counts: a real driver never answers "not initialised" for a
+    /// process it holds state of, and neither may the simulated one.
+    fn restore_socket(&self, sockets: &[u64]) -> Result<Option<String>, Reply> {
+        const READS: usize = 4;
+        if sockets.is_empty() {
+            return Ok(None);
+        }
+        for _ in 0..READS {
+            let listening = cryo_proc::unix_listeners(&format!("@cryo-sim/{}/", self.id))
+                .map_err(|err| Reply::Error(err.to_string()))?;
+            if let Some(name) = sockets.iter().find_map(|inode| listening.get(inode)) {
+                return Ok(Some(name.clone()));
+            }
+        }
+        Ok(None)
     }
 
     /// A checkpoint-API call. `None`: the caller hung up before the answer.

@@ -387,3 +387,54 @@ fn hangs_are_injected_by_hand_too() {
     assert!(out.status.success(), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stdout).contains("calls were held"));
 }
+
+/// `/proc/net/unix` is read in pieces and the kernel walks its table by position: sockets closed
+/// elsewhere while it is read shift the rest and can hide the restore thread's socket from one
+/// read. A process the driver holds state of is never answered "not initialised" because other
+/// processes' sockets came and went (CI saw it once: a rank answered so right after the launcher
+/// of its tree was killed, and `cryo stop` refused at the last look).
+#[test]
+fn a_cuda_process_is_answered_while_other_sockets_come_and_go() {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixListener};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    let sim = common::sim();
+    let w = common::worker(&sim, "1MiB", 0, 1);
+    let bind = |name: String| {
+        let addr = SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        UnixListener::bind_addr(&addr).unwrap()
+    };
+    // A busy node has hundreds of sockets: the table takes several reads.
+    let me = std::process::id();
+    let _busy: Vec<UnixListener> = (0..400)
+        .map(|n| bind(format!("cryo-busy/{me}/{n}")))
+        .collect();
+    let done = Arc::new(AtomicBool::new(false));
+    let churn = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !done.load(Ordering::Relaxed) {
+                let batch: Vec<UnixListener> = (0..128)
+                    .map(|_| {
+                        n += 1;
+                        bind(format!("cryo-churn/{me}/{n}"))
+                    })
+                    .collect();
+                drop(batch);
+            }
+        })
+    };
+    let wrong: Vec<String> = (0..3000)
+        .filter_map(|_| sim.gpu.driver.state(w.pid).err().map(|e| e.to_string()))
+        .collect();
+    done.store(true, Ordering::Relaxed);
+    churn.join().unwrap();
+    assert!(
+        wrong.is_empty(),
+        "{} of 3000 answers were not the state: {wrong:?}",
+        wrong.len()
+    );
+}
