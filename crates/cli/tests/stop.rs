@@ -784,3 +784,62 @@ fn a_hung_driver_is_a_refusal_not_a_hung_command() {
     );
     ledger_empty(&sim);
 }
+
+/// Issue 9 item 6, on the simulated driver: `--cgroup` takes a pod-like cgroup whole (it holds
+/// no process of its own, its containers do), every worker suspended before its kill. Main
+/// read only the pod's own `cgroup.procs`: "the target has no processes".
+#[test]
+fn a_pod_cgroup_is_stopped_with_every_container_below_it() {
+    let sim = Sim::start();
+    let st = state();
+    let pod = cryo_testkit::cgroup::TestCgroup::new("stop-pod", 1 << 30);
+    let containers: Vec<_> = ["container-a", "container-b"]
+        .iter()
+        .map(|c| pod.path().join(c))
+        .collect();
+    for c in &containers {
+        std::fs::create_dir(c).unwrap();
+    }
+    let mut workers: Vec<Worker> = containers
+        .iter()
+        .map(|c| sim.spawn(WorkerSpec::new("4MiB").cgroup(c)))
+        .collect();
+    let (out, v) = stop_json(&sim, st.path(), &["--cgroup", pod.path().to_str().unwrap()]);
+    ok(&out);
+    for w in &mut workers {
+        assert!(proc_row(&v, w.pid)["suspended"].is_object(), "{v}");
+        w.wait_exit();
+    }
+    ledger_empty(&sim);
+    for c in &containers {
+        eventually(PATIENCE, "the container cgroup to empty", || {
+            std::fs::remove_dir(c).is_ok()
+        });
+    }
+}
+
+/// Issue 9 item 1, on the simulated driver: a launcher that only ran `cuInit` (a driver fd, no
+/// context) with a rank per GPU below it is stopped as a whole: every process suspended or
+/// ended on purpose, no live context torn down.
+#[test]
+fn a_tree_under_an_init_only_launcher_is_stopped_whole() {
+    let sim = Sim::start();
+    let st = state();
+    let mut w = sim.spawn(
+        WorkerSpec::new("4MiB")
+            .gpus(&[0, 1])
+            .process_per_gpu()
+            .init_only(),
+    );
+    let ranks = w.children().to_vec();
+    assert_eq!(ranks.len(), 2);
+    let (out, v) = stop_json(&sim, st.path(), &[&w.pid.to_string()]);
+    ok(&out);
+    for r in &ranks {
+        assert!(proc_row(&v, *r)["suspended"].is_object(), "{v}");
+        assert!(!alive(*r));
+    }
+    assert_eq!(proc_row(&v, w.pid)["ended"], true, "{v}");
+    w.wait_exit();
+    ledger_empty(&sim);
+}

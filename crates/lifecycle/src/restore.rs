@@ -181,6 +181,17 @@ mod tests {
         )
     }
 
+    /// A CHECKPOINTED process of the fake driver and an empty journal.
+    fn scene() -> (Procs, FakeGpu, tempfile::TempDir, Journal) {
+        let procs = Procs::spawn(1);
+        let fake = FakeGpu::new();
+        fake.add(procs.pid(0))
+            .set_state(procs.pid(0), ProcessState::Checkpointed);
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        (procs, fake, dir, journal)
+    }
+
     /// From now on the journal in `dir` cannot grow: a file-size limit at its size (this test's
     /// process only; the caller puts the limit back).
     fn journal_full(dir: &std::path::Path) {
@@ -200,12 +211,8 @@ mod tests {
     /// made to fail with a file-size limit (nextest runs each test in a process of its own).
     #[test]
     fn the_intent_comes_first_and_an_unrecorded_restore_is_checkpointed_again() {
-        let procs = Procs::spawn(1);
+        let (procs, fake, dir, journal) = scene();
         let p = procs.pid(0);
-        let fake = FakeGpu::new();
-        fake.add(p).set_state(p, ProcessState::Checkpointed);
-        let dir = tempfile::tempdir().unwrap();
-        let journal = Journal::open(dir.path()).unwrap();
         let h = ProcHandle::open(p).unwrap();
         let hang = fake.hang_next(p, Call::Restore);
         let gpu = fake.gpu();
@@ -239,12 +246,8 @@ mod tests {
     /// No intent in the journal, no restore: the process stays as it was.
     #[test]
     fn no_record_no_restore() {
-        let procs = Procs::spawn(1);
+        let (procs, fake, dir, journal) = scene();
         let p = procs.pid(0);
-        let fake = FakeGpu::new();
-        fake.add(p).set_state(p, ProcessState::Checkpointed);
-        let dir = tempfile::tempdir().unwrap();
-        let journal = Journal::open(dir.path()).unwrap();
         let h = ProcHandle::open(p).unwrap();
         let before = getrlimit(Resource::RLIMIT_FSIZE).unwrap();
         journal_full(dir.path());
