@@ -115,9 +115,9 @@ fn same_pids(peer: &Peer) -> Result<(), Failure> {
     let pid = peer
         .pid()
         .ok_or_else(|| refuse("the caller is not visible from it"))?;
-    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/pid")).ok();
-    match (ns(&pid.to_string()), ns("self")) {
-        (Some(a), Some(b)) if a == b => Ok(()),
+    let me = cryo_proc::Pid::try_from(std::process::id()).unwrap_or(cryo_proc::Pid::MAX);
+    match cryo_proc::same_namespace(pid, me, cryo_proc::NamespaceKind::Pid) {
+        Ok(true) => Ok(()),
         _ => Err(refuse("the caller is in another one")),
     }
 }

@@ -79,15 +79,7 @@ fn count_at_least(pid: i32, dir: &Path, min: u64) -> u64 {
 
 /// `pid` and its descendants.
 fn tree_pids(pid: i32) -> Vec<i32> {
-    let mut out = vec![pid];
-    let mut i = 0;
-    while i < out.len() {
-        let p = out[i];
-        let kids = fs::read_to_string(format!("/proc/{p}/task/{p}/children")).unwrap_or_default();
-        out.extend(kids.split_whitespace().map(|k| k.parse::<i32>().unwrap()));
-        i += 1;
-    }
-    out
+    cryo_proc::tree(pid).unwrap_or_else(|_| vec![pid])
 }
 
 /// The killed tree's other members are reaped by init, at its own pace.
@@ -172,12 +164,8 @@ fn dump_publish_verify_restore_keeps_pid_and_memory() {
         "count went from {before} to {after}: memory not restored"
     );
 
-    let children = fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap();
-    assert_eq!(
-        children.split_whitespace().count(),
-        1,
-        "the tree's child: {children:?}"
-    );
+    let tree = cryo_proc::tree(pid).unwrap();
+    assert_eq!(tree.len(), 2, "the restored tree, root first: {tree:?}");
 
     // The restore wrote nothing into the image: it still verifies, file for file.
     assert_eq!(entries(&dir), listing);

@@ -154,21 +154,27 @@ pub fn harden(cgroup: &CgroupChoice) -> Setup {
     }
 }
 
+/// This process's cgroups as `/proc/self/cgroup` shows them, one `hierarchy:controllers:path` each.
 fn own_cgroup() -> String {
-    fs::read_to_string("/proc/self/cgroup")
-        .map(|s| s.lines().collect::<Vec<_>>().join(" "))
+    let me = cryo_proc::Pid::try_from(std::process::id()).unwrap_or(cryo_proc::Pid::MAX);
+    cryo_proc::ProcHandle::open(me)
+        .and_then(|h| h.cgroups())
+        .map(|all| {
+            all.iter()
+                .map(|c| format!("{}:{}:{}", c.hierarchy, c.controllers, c.path))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
         .unwrap_or_default()
 }
 
 /// Whether this process's cgroup namespace differs from init's (pid 1 of this pid namespace).
 fn in_private_cgroup_namespace() -> bool {
-    match (
-        fs::read_link("/proc/self/ns/cgroup"),
-        fs::read_link("/proc/1/ns/cgroup"),
-    ) {
-        (Ok(a), Ok(b)) => a != b,
-        _ => false,
-    }
+    let me = cryo_proc::Pid::try_from(std::process::id()).unwrap_or(cryo_proc::Pid::MAX);
+    matches!(
+        cryo_proc::same_namespace(me, 1, cryo_proc::NamespaceKind::Cgroup),
+        Ok(false)
+    )
 }
 
 /// Creates `name` under the tree at `root` (v2: one directory; v1: one per hierarchy, the unified

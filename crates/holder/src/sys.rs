@@ -46,13 +46,10 @@ pub fn ignore_killing_signals() -> Vec<(i32, io::Error)> {
     failed
 }
 
-/// The number of threads of this process (from `/proc/self/status`).
+/// The number of threads of this process.
 fn threads() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("Threads:"))
-        .and_then(|v| v.trim().parse().ok())
+    let me = cryo_proc::Pid::try_from(std::process::id()).ok()?;
+    cryo_proc::status(me).ok().map(|s| s.threads)
 }
 
 /// What [`fork`] returned.

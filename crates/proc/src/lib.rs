@@ -45,8 +45,9 @@ pub use error::{OomAdjError, ProcError};
 pub use fds::{driver_fds, DriverFiles, Fd, FdTarget};
 pub use handle::{Liveness, ProcHandle};
 pub use read::{
-    fds, liveness, load_average, pid_holders, pid_max, pids_in_use, runs_our_executable, stat,
-    status, tgid, tree, unix_listeners, PidHolder, Stat, Status, SYSTEM_MEMORY_PRESSURE,
+    fds, liveness, load_average, pid_holders, pid_max, pids_in_use, runs_our_executable,
+    same_namespace, stat, status, tgid, tree, unix_listeners, NamespaceKind, PidHolder, Stat,
+    Status, SYSTEM_MEMORY_PRESSURE,
 };
 pub use signal::{describe_wait_status, signal_name, Signal};
 

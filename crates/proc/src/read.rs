@@ -68,6 +68,8 @@ pub struct Status {
     pub sig_ignored: u64,
     /// Signals with a handler installed; shared by all threads.
     pub sig_caught: u64,
+    /// The number of threads of the process the task belongs to.
+    pub threads: u64,
 }
 
 impl From<procfs::process::Status> for Status {
@@ -82,6 +84,7 @@ impl From<procfs::process::Status> for Status {
             sig_pending: s.sigpnd,
             sig_ignored: s.sigign,
             sig_caught: s.sigcgt,
+            threads: s.threads,
         }
     }
 }
@@ -117,6 +120,42 @@ pub fn tgid(pid: Pid) -> Result<Option<Pid>, ProcError> {
         Err(ProcError::NoSuchProcess(_)) => Ok(None),
         Err(e) => Err(e),
     }
+}
+
+/// A kind of namespace a process is in (`/proc/PID/ns/KIND`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NamespaceKind {
+    /// Its pid namespace: the pids it sees and is seen by.
+    Pid,
+    /// Its cgroup namespace: the root its `/proc/PID/cgroup` paths are relative to.
+    Cgroup,
+}
+
+impl NamespaceKind {
+    fn file(self) -> &'static str {
+        match self {
+            NamespaceKind::Pid => "pid",
+            NamespaceKind::Cgroup => "cgroup",
+        }
+    }
+}
+
+/// Whether processes `a` and `b` are in the same namespace of `kind` (the same device and inode
+/// behind `/proc/PID/ns/KIND`).
+pub fn same_namespace(a: Pid, b: Pid, kind: NamespaceKind) -> Result<bool, ProcError> {
+    let id = |pid: Pid| -> Result<(u64, u64), ProcError> {
+        let all = process(pid)?
+            .namespaces()
+            .map_err(|e| ProcError::read(pid, "ns", e))?;
+        all.0
+            .get(std::ffi::OsStr::new(kind.file()))
+            .map(|ns| (ns.device_id, ns.identifier))
+            .ok_or_else(|| {
+                let path = format!("/proc/{pid}/ns/{}", kind.file());
+                ProcError::read(pid, "ns", procfs::ProcError::NotFound(Some(path.into())))
+            })
+    };
+    Ok(id(a)? == id(b)?)
 }
 
 /// Whether the task `tid` (a process or a thread) runs the same executable file as this process:
