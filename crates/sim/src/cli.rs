@@ -71,7 +71,7 @@ pub enum InjectArgs {
     Hang {
         /// Which calls.
         #[arg(long, value_enum)]
-        call: CallArg,
+        call: CallKind,
         /// Hold only this many calls (default: every one until released).
         #[arg(long)]
         times: Option<u32>,
@@ -119,48 +119,6 @@ impl RawCall {
             RawCall::Restore => "restore",
             RawCall::Unlock => "unlock",
             RawCall::RestoreTid => "restore-tid",
-        }
-    }
-}
-
-/// Kinds of driver calls, for `cryo sim inject hang --call`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum CallArg {
-    /// `cuCheckpointProcessGetState`.
-    State,
-    /// `cuCheckpointProcessLock`.
-    Lock,
-    /// `cuCheckpointProcessCheckpoint`.
-    Checkpoint,
-    /// `cuCheckpointProcessRestore`.
-    Restore,
-    /// `cuCheckpointProcessUnlock`.
-    Unlock,
-    /// `cuCheckpointProcessGetRestoreThreadId`.
-    RestoreTid,
-    /// NVML: the GPUs.
-    Gpus,
-    /// NVML: the processes.
-    Processes,
-    /// The driver fds of a process.
-    DriverFds,
-    /// Every call.
-    Any,
-}
-
-impl From<CallArg> for CallKind {
-    fn from(c: CallArg) -> Self {
-        match c {
-            CallArg::State => CallKind::State,
-            CallArg::Lock => CallKind::Lock,
-            CallArg::Checkpoint => CallKind::Checkpoint,
-            CallArg::Restore => CallKind::Restore,
-            CallArg::Unlock => CallKind::Unlock,
-            CallArg::RestoreTid => CallKind::RestoreTid,
-            CallArg::Gpus => CallKind::Gpus,
-            CallArg::Processes => CallKind::Processes,
-            CallArg::DriverFds => CallKind::DriverFds,
-            CallArg::Any => CallKind::Any,
         }
     }
 }
@@ -338,11 +296,9 @@ impl SimCommand {
                     InjectArgs::Sticky => {
                         control.inject(pid.ok_or(SimError::NeedsPid("sticky"))?, Fault::Sticky)?
                     }
-                    InjectArgs::Hang { call, times } => control.hang(HangRule {
-                        call: call.into(),
-                        pid,
-                        times,
-                    })?,
+                    InjectArgs::Hang { call, times } => {
+                        control.hang(HangRule { call, pid, times })?
+                    }
                     InjectArgs::Release => {
                         let held = control.release()?;
                         writeln!(std::io::stdout(), "{held} calls were held")

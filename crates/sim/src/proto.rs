@@ -71,7 +71,7 @@ pub struct HangRule {
 }
 
 /// A kind of driver call, as a hang rule names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum CallKind {
     /// `cuCheckpointProcessGetState`.
