@@ -35,6 +35,7 @@ mod parent;
 mod server;
 pub mod signals;
 mod sys;
+mod warm;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -19,7 +19,7 @@ use crate::Agent;
 type Shared = State<Arc<Agent>>;
 
 /// An [`ApiError`] as an HTTP answer.
-struct Failure(ApiError);
+pub(crate) struct Failure(ApiError);
 
 impl From<ApiError> for Failure {
     fn from(e: ApiError) -> Self {
@@ -81,6 +81,7 @@ fn router(agent: Arc<Agent>) -> Router {
         .route(path::GUARD_DETACH, post(detach))
         .route(path::GUARD_RELEASE, post(release))
         .route(path::SHUTDOWN, post(shutdown))
+        .merge(crate::warm::routes())
         .fallback(|| async {
             Failure(ApiError::new(
                 ErrorKind::NotFound,
@@ -91,7 +92,7 @@ fn router(agent: Arc<Agent>) -> Router {
 }
 
 /// Checks the caller may make a request of `access`.
-fn allow(agent: &Agent, peer: &Peer, access: Access) -> Result<(), Failure> {
+pub(crate) fn allow(agent: &Agent, peer: &Peer, access: Access) -> Result<(), Failure> {
     let r = peer.authorize(access, agent.read_group.as_ref().map(|g| g.1));
     if let Err(e) = &r {
         tracing::warn!(?peer.cred, "refused: {}", e.message);
@@ -100,7 +101,7 @@ fn allow(agent: &Agent, peer: &Peer, access: Access) -> Result<(), Failure> {
 }
 
 /// Checks the caller sees pids as the agent does (same pid namespace).
-fn same_pids(peer: &Peer) -> Result<(), Failure> {
+pub(crate) fn same_pids(peer: &Peer) -> Result<(), Failure> {
     let refuse = |why: &str| {
         Failure(
             ApiError::new(
@@ -122,7 +123,7 @@ fn same_pids(peer: &Peer) -> Result<(), Failure> {
     }
 }
 
-fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, Failure> {
+pub(crate) fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, Failure> {
     serde_json::from_slice(body).map_err(|e| {
         Failure(ApiError::new(
             ErrorKind::BadRequest,
@@ -132,7 +133,7 @@ fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, Failure> {
 }
 
 /// Runs `f` on a blocking thread; its answer as JSON.
-async fn blocking<T: Serialize + Send + 'static>(
+pub(crate) async fn blocking<T: Serialize + Send + 'static>(
     f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
 ) -> Result<Response, Failure> {
     match tokio::task::spawn_blocking(f).await {
@@ -146,7 +147,7 @@ async fn blocking<T: Serialize + Send + 'static>(
 
 /// Runs a long operation on a blocking thread; answers NDJSON: its progress as it happens,
 /// then the result. The operation runs to its end whether or not the caller stays.
-fn streamed<T: Serialize + Send + 'static>(
+pub(crate) fn streamed<T: Serialize + Send + 'static>(
     f: impl FnOnce(&crate::ops::StreamProgress) -> Result<T, ApiError> + Send + 'static,
 ) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(256);

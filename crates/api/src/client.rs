@@ -203,7 +203,7 @@ impl AgentClient {
         decode(status, &r.text()?)
     }
 
-    fn stream<Req: Serialize, T: DeserializeOwned>(
+    pub(crate) fn stream<Req: Serialize, T: DeserializeOwned>(
         &self,
         path: &str,
         req: &Req,

@@ -26,12 +26,14 @@
 pub mod client;
 pub mod driver;
 mod requests;
+mod warm;
 
 use serde::{Deserialize, Serialize};
 
 pub use client::{AgentClient, ClientError};
 pub use driver::{AgentDriver, DriverFailure, GpuCall, GpuCallAnswer, GpuCallRequest};
 pub use requests::*;
+pub use warm::*;
 
 /// The environment variable naming the agent's socket (else `STATE_DIR/cryod.sock`).
 pub const SOCKET_ENV: &str = "CRYO_AGENT_SOCKET";
@@ -69,6 +71,10 @@ pub mod path {
     pub const METRICS: &str = "/v1/metrics";
     /// `POST`: [`crate::ShutdownReport`], or [`crate::ErrorKind::PinsHeld`].
     pub const SHUTDOWN: &str = "/v1/shutdown";
+    /// `POST` [`crate::ParkRequest`]: stream of [`cryo_lifecycle::ParkReport`].
+    pub const PARK: &str = "/v1/park";
+    /// `POST` [`crate::WakeRequest`]: stream of [`cryo_lifecycle::WakeReport`].
+    pub const WAKE: &str = "/v1/wake";
 }
 
 /// Who may make a request.

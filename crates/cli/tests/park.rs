@@ -9,7 +9,7 @@ mod common;
 use std::path::Path;
 use std::process::Output;
 
-use common::{stderr, stdout, GuardProc, Sim, Worker, WorkerSpec};
+use common::{stderr, stdout, AgentProc, GuardProc, Sim, Worker, WorkerSpec};
 use cryo_journal::{Event, ProcId};
 
 fn state() -> tempfile::TempDir {
@@ -231,4 +231,44 @@ fn a_parked_worker_is_not_settled_by_a_later_stop_of_another() {
     ok(&run(&sim, st.path(), &["wake", &w.pid.to_string()]));
     assert_eq!(w.complete("q"), before);
     sim.assert_no_wedge();
+}
+
+/// `cryo park` and `cryo wake` go through a running agent (its log, no standalone note), the
+/// wake is traced by the agent's guard before its unlock, the answers are unchanged, and a
+/// refusal through the agent is the same refusal (exit 3) as standalone.
+#[test]
+fn park_and_wake_go_through_the_agent_and_its_guard_traces_the_wake() {
+    let sim = Sim::start();
+    let st = state();
+    let agent = AgentProc::start(&sim, st.path(), &["--no-memory-watch"]);
+    let w = worker(&sim, "64MiB", 0);
+    let before = w.complete("through the agent");
+    let o = run(&sim, st.path(), &["park", &w.pid.to_string(), "--json"]);
+    ok(&o);
+    assert!(!stderr(&o).contains("working standalone"), "{}", stderr(&o));
+    assert_eq!(json(&o)["parked"][0]["pid"], w.pid);
+    assert_eq!(sim.state(w.pid), "checkpointed");
+    assert!(agent.log().contains("park"), "{}", agent.log());
+
+    // A full GPU: refused through the agent as standalone, nothing restored.
+    let hog = worker(&sim, "1000MiB", 0);
+    let o = run(&sim, st.path(), &["wake", &w.pid.to_string()]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("no GPU it may use has it"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(sim.state(w.pid), "checkpointed");
+    drop(hog);
+
+    let o = run(&sim, st.path(), &["wake", &w.pid.to_string(), "--json"]);
+    ok(&o);
+    assert!(!stderr(&o).contains("no guard runs"), "{}", stderr(&o));
+    assert_eq!(json(&o)["guarded"], true);
+    assert_ne!(common::procs::tracer_pid(w.pid), 0, "not traced");
+    assert_eq!(w.complete("through the agent"), before);
+    sim.assert_no_wedge();
+    drop(agent);
+    common::stop_pin_holder(st.path());
 }

@@ -39,6 +39,7 @@ use cryo_units::fmt_bytes;
 
 use crate::health::HealthCheck;
 use crate::progress::Progress;
+use crate::restore::restore_context;
 use crate::suspend::{id, suspend, SuspendFailure, SuspendOptions};
 use crate::target::Resolved;
 use crate::watcher::{Coverage, Watcher};
@@ -66,7 +67,7 @@ impl Default for ParkOptions {
 }
 
 /// One parked process.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ParkedProc {
     /// The process.
     pub pid: Pid,
@@ -81,7 +82,7 @@ pub struct ParkedProc {
 }
 
 /// What a park did.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ParkReport {
     /// The target as named.
     pub target: String,
@@ -327,7 +328,7 @@ pub fn parked_records(records: &[Record]) -> BTreeMap<ProcId, ParkedRecord> {
 }
 
 /// A parked worker process alive now, and the host memory it holds.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ParkedWorker {
     /// The process.
     pub pid: ProcId,
@@ -395,7 +396,7 @@ impl Default for WakeOptions {
 }
 
 /// One woken process.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct WokenProc {
     /// The process.
     pub pid: Pid,
@@ -408,7 +409,7 @@ pub struct WokenProc {
 }
 
 /// What a wake did.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct WakeReport {
     /// The target as named.
     pub target: String,
@@ -718,17 +719,18 @@ fn wake_inner(
     let waited_ms = ms(waited.elapsed());
 
     let t = Instant::now();
+    let how = "wake";
     let results: Vec<Result<u64, String>> = std::thread::scope(|s| {
         let jobs: Vec<_> = plan
             .iter()
-            .map(|p| {
+            .zip(&to_restore)
+            .map(|(p, (h, _))| {
                 s.spawn(move || {
                     progress.begin(p.pid, "gpu restore", p.bytes);
                     let t = Instant::now();
-                    let r = gpu
-                        .driver
-                        .restore(p.pid, &p.pairs)
-                        .map(|()| ms(t.elapsed()))
+                    // Journaled as restored before the driver is asked, completed after.
+                    let r = restore_context(gpu, journal, h, &p.pairs, how)
+                        .map(ms)
                         .map_err(|e| e.to_string());
                     progress.end(
                         p.pid,
@@ -754,11 +756,6 @@ fn wake_inner(
         match r {
             Ok(restore_ms) => {
                 // Its context is live again (LOCKED): from now on it is a restored process.
-                journal.append(Event::RestoreCompleted {
-                    pid: id(h),
-                    image: "wake".into(),
-                    ms: Some(restore_ms),
-                })?;
                 restored.push(h);
                 woken.push(WokenProc {
                     pid: h.pid(),

@@ -31,7 +31,7 @@ pub fn run(ctx: &Context, args: &ActivateArgs) -> anyhow::Result<u8> {
         },
         wake: WakeOptions {
             gpus: (!args.onto.is_empty()).then(|| args.onto.clone()),
-            when_full: when_full(args.when_full, args.wait),
+            when_full: when_full(args.when_full, args.wait).into(),
             health: None,
             resuspend: SuspendOptions::default(),
             ..WakeOptions::default()

@@ -1,18 +1,16 @@
 //! `cryo park` and `cryo wake`: the handlers. The procedures are `cryo_lifecycle::park` and
 //! `cryo_lifecycle::wake`; this file turns arguments into a target and options, and reports.
 
-use std::time::Duration;
-
 use anyhow::Context as _;
+use cryo_api::{ParkRequest, TargetSpec, WakeRequest, WakeSpec, WhenFullSpec};
 use cryo_lifecycle::park::{PlaceError, WakeError};
-use cryo_lifecycle::{
-    HealthCheck, ParkError, ParkOptions, SuspendOptions, Target, WakeOptions, WhenFull,
-};
+use cryo_lifecycle::{ParkError, ParkReport, Target, WakeReport};
 use cryo_units::fmt_bytes;
 
 use super::Context;
 use crate::args::park::{ParkArgs, TargetArgs, WakeArgs, WhenFullArg};
 use crate::exit::{self, UsageError};
+use crate::route::{self, Outcome};
 
 /// The target the arguments name.
 pub fn target(args: &TargetArgs) -> Target {
@@ -23,39 +21,32 @@ pub fn target(args: &TargetArgs) -> Target {
     }
 }
 
-/// Runs `cryo park`; returns the exit code.
+/// Runs `cryo park` (through the agent when one runs); returns the exit code.
 pub fn run_park(ctx: &Context, args: &ParkArgs) -> anyhow::Result<u8> {
     let _deferred = crate::defer::termination();
     let target = target(&args.target);
-    let resolved = target
-        .resolve()
-        .with_context(|| format!("parking {target}"))?;
-    let gpu = ctx.gpu()?;
-    let journal = ctx.state.open_journal().context("opening the journal")?;
-    let opts = ParkOptions {
-        suspend: SuspendOptions {
-            lock_timeout: Duration::from_millis(args.timeout),
-            lock_attempts: args.lock_attempts,
-            resume_on_failure: true,
-            ..SuspendOptions::default()
-        },
+    let req = ParkRequest {
+        target: TargetSpec::from(&target),
+        lock_timeout_ms: args.timeout,
+        lock_attempts: args.lock_attempts,
         max_parked_host: args.max_parked_host.map(|b| b.0),
     };
     let progress = crate::progress::for_stderr();
-    let result = cryo_lifecycle::park(&gpu, &resolved, &opts, &journal, progress.as_ref());
+    let client = route::client(&ctx.state);
+    let via_agent = client.park(&req, progress.as_ref());
+    let result = if route::not_running(&via_agent) {
+        route::standalone_note(&client);
+        park_standalone(ctx, &req, &target, progress.as_ref())
+    } else {
+        via_agent.map_err(route::outcome)
+    };
     drop(progress);
     let report = match result {
         Ok(r) => r,
-        Err(
-            e @ (ParkError::Suspend { .. } | ParkError::HostMemory { .. } | ParkError::NoCuda(_)),
-        ) => {
-            return Ok(refused(
-                &e.to_string(),
-                "the worker serves as before",
-                args.json,
-            ))
+        Err(Outcome::Refused(e)) => {
+            return Ok(refused(&e, "the worker serves as before", args.json))
         }
-        Err(e) => return Err(anyhow::Error::new(e).context(format!("parking {target}"))),
+        Err(Outcome::Failed(e)) => return Err(e.context(format!("parking {target}"))),
     };
     if args.json {
         let mut v = serde_json::to_value(&report)?;
@@ -86,50 +77,31 @@ pub fn run_park(ctx: &Context, args: &ParkArgs) -> anyhow::Result<u8> {
     Ok(exit::SUCCESS)
 }
 
-/// Runs `cryo wake`; returns the exit code.
+/// Runs `cryo wake` (through the agent when one runs); returns the exit code.
 pub fn run_wake(ctx: &Context, args: &WakeArgs) -> anyhow::Result<u8> {
     let _deferred = crate::defer::termination();
-    let health = args.health_url.clone().map(HealthCheck::Url);
-    if let Some(h) = &health {
+    let target = target(&args.target);
+    let req = WakeRequest {
+        target: TargetSpec::from(&target),
+        wake: wake_spec(args),
+    };
+    if let Some(h) = &req.wake.options().health {
         h.validate().map_err(|e| UsageError(e.to_string()))?;
     }
-    let target = target(&args.target);
-    let resolved = target
-        .resolve()
-        .with_context(|| format!("waking {target}"))?;
-    let gpu = ctx.gpu()?;
-    let journal = ctx.state.open_journal().context("opening the journal")?;
-    let opts = WakeOptions {
-        gpus: (!args.onto.is_empty()).then(|| args.onto.clone()),
-        when_full: when_full(args.when_full, args.wait),
-        health,
-        health_timeout: Duration::from_secs(args.health_timeout),
-        resuspend: SuspendOptions::default(),
-    };
-    let guard = cryo_guard::control::GuardClient::new(&ctx.state);
     let progress = crate::progress::for_stderr();
-    let result = cryo_lifecycle::wake(
-        &gpu,
-        &resolved,
-        &opts,
-        &journal,
-        &ctx.state.fence(),
-        &guard,
-        progress.as_ref(),
-    );
+    let client = route::client(&ctx.state);
+    let via_agent = client.wake(&req, progress.as_ref());
+    let result = if route::not_running(&via_agent) {
+        route::standalone_note(&client);
+        wake_standalone(ctx, &req, &target, progress.as_ref())
+    } else {
+        via_agent.map_err(route::outcome)
+    };
     drop(progress);
     let report = match result {
         Ok(r) => r,
-        Err(
-            e @ (WakeError::Place(
-                PlaceError::NoRoom { .. }
-                | PlaceError::NodeFenced { .. }
-                | PlaceError::NoSuchGpu { .. },
-            )
-            | WakeError::NotParked(_)
-            | WakeError::NoCuda(_)),
-        ) => return Ok(refused(&e.to_string(), "nothing was restored", args.json)),
-        Err(e) => return Err(anyhow::Error::new(e).context(format!("waking {target}"))),
+        Err(Outcome::Refused(e)) => return Ok(refused(&e, "nothing was restored", args.json)),
+        Err(Outcome::Failed(e)) => return Err(e.context(format!("waking {target}"))),
     };
     if !report.guarded {
         eprintln!("cryo: no guard runs: nothing guards the woken worker against a disorderly death (start `cryo guard` or the agent)");
@@ -168,12 +140,83 @@ pub fn run_wake(ctx: &Context, args: &WakeArgs) -> anyhow::Result<u8> {
     Ok(exit::SUCCESS)
 }
 
-/// `--when-full` (and `--wait` seconds) as the lifecycle takes it.
-pub fn when_full(arg: WhenFullArg, wait: u64) -> WhenFull {
+/// `--when-full` (and `--wait` seconds) as the API and the lifecycle take it.
+pub fn when_full(arg: WhenFullArg, wait: u64) -> WhenFullSpec {
     match arg {
-        WhenFullArg::Wait => WhenFull::Wait(Duration::from_secs(wait)),
-        WhenFullArg::OtherGpu => WhenFull::OtherGpu,
-        WhenFullArg::Refuse => WhenFull::Refuse,
+        WhenFullArg::Wait => WhenFullSpec::Wait { wait_s: wait },
+        WhenFullArg::OtherGpu => WhenFullSpec::OtherGpu,
+        WhenFullArg::Refuse => WhenFullSpec::Refuse,
+    }
+}
+
+/// How the arguments wake (`cryo wake`, and a claim of `cryo standby`).
+pub fn wake_spec(args: &WakeArgs) -> WakeSpec {
+    WakeSpec {
+        onto: args.onto.clone(),
+        when_full: when_full(args.when_full, args.wait),
+        health_url: args.health_url.clone(),
+        health_timeout_s: args.health_timeout,
+    }
+}
+
+fn park_standalone(
+    ctx: &Context,
+    req: &ParkRequest,
+    target: &Target,
+    progress: &dyn cryo_lifecycle::Progress,
+) -> Result<ParkReport, Outcome> {
+    let failed = |e: anyhow::Error| Outcome::Failed(e.context(format!("parking {target}")));
+    let resolved = target.resolve().map_err(|e| failed(e.into()))?;
+    let gpu = ctx.gpu().map_err(failed)?;
+    let journal = ctx
+        .state
+        .open_journal()
+        .context("opening the journal")
+        .map_err(failed)?;
+    match cryo_lifecycle::park(&gpu, &resolved, &req.options(), &journal, progress) {
+        Ok(r) => Ok(r),
+        Err(
+            e @ (ParkError::Suspend { .. } | ParkError::HostMemory { .. } | ParkError::NoCuda(_)),
+        ) => Err(Outcome::Refused(e.to_string())),
+        Err(e) => Err(failed(e.into())),
+    }
+}
+
+fn wake_standalone(
+    ctx: &Context,
+    req: &WakeRequest,
+    target: &Target,
+    progress: &dyn cryo_lifecycle::Progress,
+) -> Result<WakeReport, Outcome> {
+    let failed = |e: anyhow::Error| Outcome::Failed(e.context(format!("waking {target}")));
+    let resolved = target.resolve().map_err(|e| failed(e.into()))?;
+    let gpu = ctx.gpu().map_err(failed)?;
+    let journal = ctx
+        .state
+        .open_journal()
+        .context("opening the journal")
+        .map_err(failed)?;
+    let guard = cryo_guard::control::GuardClient::new(&ctx.state);
+    match cryo_lifecycle::wake(
+        &gpu,
+        &resolved,
+        &req.wake.options(),
+        &journal,
+        &ctx.state.fence(),
+        &guard,
+        progress,
+    ) {
+        Ok(r) => Ok(r),
+        Err(
+            e @ (WakeError::Place(
+                PlaceError::NoRoom { .. }
+                | PlaceError::NodeFenced { .. }
+                | PlaceError::NoSuchGpu { .. },
+            )
+            | WakeError::NotParked(_)
+            | WakeError::NoCuda(_)),
+        ) => Err(Outcome::Refused(e.to_string())),
+        Err(e) => Err(failed(e.into())),
     }
 }
 

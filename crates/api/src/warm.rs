@@ -1,0 +1,130 @@
+//! The warm path's requests: park and wake.
+//!
+//! Each request becomes the lifecycle's options through one conversion, which the standalone
+//! command uses too, so `cryo park`, `cryo wake` and `cryo standby` mean the same through the
+//! agent and without it.
+
+use std::time::Duration;
+
+use cryo_gpu::GpuUuid;
+use cryo_lifecycle::{
+    HealthCheck, ParkOptions, ParkReport, Progress, SuspendOptions, WakeOptions, WakeReport,
+    WhenFull,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::{path, AgentClient, ClientError, TargetSpec};
+
+/// What a wake does when the GPU has too little free memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "policy", rename_all = "snake_case", deny_unknown_fields)]
+pub enum WhenFullSpec {
+    /// Wait up to `wait_s` for memory, then refuse.
+    Wait {
+        /// Seconds.
+        wait_s: u64,
+    },
+    /// Take another allowed GPU of the same model.
+    OtherGpu,
+    /// Refuse at once.
+    Refuse,
+}
+
+impl From<WhenFullSpec> for WhenFull {
+    fn from(w: WhenFullSpec) -> WhenFull {
+        match w {
+            WhenFullSpec::Wait { wait_s } => WhenFull::Wait(Duration::from_secs(wait_s)),
+            WhenFullSpec::OtherGpu => WhenFull::OtherGpu,
+            WhenFullSpec::Refuse => WhenFull::Refuse,
+        }
+    }
+}
+
+/// `POST /v1/park`: `cryo park`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParkRequest {
+    /// What to park.
+    pub target: TargetSpec,
+    /// Timeout of each lock attempt, ms.
+    pub lock_timeout_ms: u64,
+    /// Lock attempts.
+    pub lock_attempts: u32,
+    /// Refuse when parked workers would hold more host memory than this, bytes.
+    #[serde(default)]
+    pub max_parked_host: Option<u64>,
+}
+
+impl ParkRequest {
+    /// The lifecycle's options for it (the standalone command uses the same).
+    pub fn options(&self) -> ParkOptions {
+        ParkOptions {
+            suspend: SuspendOptions {
+                lock_timeout: Duration::from_millis(self.lock_timeout_ms),
+                lock_attempts: self.lock_attempts,
+                resume_on_failure: true,
+                ..SuspendOptions::default()
+            },
+            max_parked_host: self.max_parked_host,
+        }
+    }
+}
+
+/// How the wake of a parked worker or the claim of a standby is done.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WakeSpec {
+    /// GPUs it may use (empty: the ones it left, any with `other_gpu`).
+    #[serde(default)]
+    pub onto: Vec<GpuUuid>,
+    /// When the GPU is full.
+    pub when_full: WhenFullSpec,
+    /// Healthy when a GET of this URL answers 2xx (`None`: once unlocked).
+    #[serde(default)]
+    pub health_url: Option<String>,
+    /// Seconds the health check may take.
+    pub health_timeout_s: u64,
+}
+
+impl WakeSpec {
+    /// The lifecycle's options for it.
+    pub fn options(&self) -> WakeOptions {
+        WakeOptions {
+            gpus: (!self.onto.is_empty()).then(|| self.onto.clone()),
+            when_full: self.when_full.into(),
+            health: self.health_url.clone().map(HealthCheck::Url),
+            health_timeout: Duration::from_secs(self.health_timeout_s),
+            resuspend: SuspendOptions::default(),
+        }
+    }
+}
+
+/// `POST /v1/wake`: `cryo wake`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WakeRequest {
+    /// What to wake.
+    pub target: TargetSpec,
+    /// How.
+    pub wake: WakeSpec,
+}
+
+impl AgentClient {
+    /// `POST /v1/park`, its progress replayed on `progress`.
+    pub fn park(
+        &self,
+        req: &ParkRequest,
+        progress: &dyn Progress,
+    ) -> Result<ParkReport, ClientError> {
+        self.stream(path::PARK, req, progress)
+    }
+
+    /// `POST /v1/wake`.
+    pub fn wake(
+        &self,
+        req: &WakeRequest,
+        progress: &dyn Progress,
+    ) -> Result<WakeReport, ClientError> {
+        self.stream(path::WAKE, req, progress)
+    }
+}
