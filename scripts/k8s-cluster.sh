@@ -14,6 +14,9 @@
 #                                  ClusterRole grants (the tests apply that role)
 #                                CRYO_TEST_KUBECTL           a kubectl of the same version
 #   k8s-cluster.sh stop DIR    stop it and remove DIR
+#   k8s-cluster.sh stop-apiserver DIR / start-apiserver DIR
+#                              an outage: SIGKILL the API server only (etcd stays), then start it
+#                              again on the same port (tests of what the agent does meanwhile)
 #
 # Every cluster gets its own directory, certificates and free loopback ports, so test runs on the
 # same machine do not meet. Authorization is Node,RBAC with the NodeRestriction admission plugin,
@@ -122,6 +125,22 @@ try_start() {
     done
     grep -q 'ready to serve client requests' "$dir/etcd.log" || { stop "$dir"; die "etcd not ready after 15 s (log: $dir/etcd.log)"; }
 
+    echo "$eport $aport" >"$dir/ports"
+    run_apiserver "$dir" "$eport" "$aport"
+    sed -i "s/127.0.0.1:APORT/127.0.0.1:$aport/" "$dir/admin.kubeconfig" "$dir/agent.kubeconfig"
+    if ! wait_ready "$dir"; then
+        if grep -q 'address already in use' "$dir/apiserver.log"; then
+            stop "$dir"
+            sed -i "s/127.0.0.1:$aport/127.0.0.1:APORT/" "$dir/admin.kubeconfig" "$dir/agent.kubeconfig"
+            return 1
+        fi
+        tail -n 20 "$dir/apiserver.log" >&2; stop "$dir"; die "kube-apiserver did not become ready (log: $dir/apiserver.log)"
+    fi
+}
+
+# run_apiserver DIR EPORT APORT: starts kube-apiserver in the background (log appended).
+run_apiserver() {
+    local dir=$1 eport=$2 aport=$3
     local p=$dir/pki
     "$BIN/kube-apiserver" \
         --etcd-servers "http://127.0.0.1:$eport" \
@@ -133,25 +152,45 @@ try_start() {
         --service-account-issuer https://kubernetes.default.svc \
         --service-account-key-file "$p/sa.pub" --service-account-signing-key-file "$p/sa.key" \
         --service-cluster-ip-range 10.0.0.0/24 --endpoint-reconciler-type none \
-        --cert-dir "$dir/certs" >"$dir/apiserver.log" 2>&1 &
+        --cert-dir "$dir/certs" >>"$dir/apiserver.log" 2>&1 &
     echo $! >"$dir/apiserver.pid"
-    sed -i "s/127.0.0.1:APORT/127.0.0.1:$aport/" "$dir/admin.kubeconfig" "$dir/agent.kubeconfig"
+}
+
+# wait_ready DIR: 0 once /readyz answers, 1 if the API server died or is not ready in 60 s.
+wait_ready() {
+    local dir=$1
     for _ in $(seq 1 600); do
         # Our CA in the kubeconfig: another server on that port could not answer.
         if "$BIN/kubectl" --kubeconfig "$dir/admin.kubeconfig" get --raw /readyz >/dev/null 2>&1; then
             return 0
         fi
-        if ! kill -0 "$(cat "$dir/apiserver.pid")" 2>/dev/null; then
-            if grep -q 'address already in use' "$dir/apiserver.log"; then
-                stop "$dir"
-                sed -i "s/127.0.0.1:$aport/127.0.0.1:APORT/" "$dir/admin.kubeconfig" "$dir/agent.kubeconfig"
-                return 1
-            fi
-            tail -n 20 "$dir/apiserver.log" >&2; stop "$dir"; die "kube-apiserver died (log: $dir/apiserver.log)"
-        fi
+        kill -0 "$(cat "$dir/apiserver.pid")" 2>/dev/null || return 1
         sleep 0.1
     done
-    tail -n 20 "$dir/apiserver.log" >&2; stop "$dir"; die "kube-apiserver not ready after 60 s (log: $dir/apiserver.log)"
+    return 1
+}
+
+# stop_apiserver DIR: ends the API server only (etcd and the directory stay), as an outage.
+stop_apiserver() {
+    local dir=$1 pid
+    [ -f "$dir/apiserver.pid" ] || die "$dir has no running API server"
+    pid="$(cat "$dir/apiserver.pid")"
+    if grep -qa -- "$dir" "/proc/$pid/cmdline" 2>/dev/null; then
+        kill -9 "$pid"
+        for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
+    fi
+    rm -f "$dir/apiserver.pid"
+}
+
+# start_apiserver DIR: starts it again on the same port after stop_apiserver.
+start_apiserver() {
+    local dir=$1 eport aport
+    [ -f "$dir/ports" ] || die "$dir is not a cluster this script started"
+    [ ! -f "$dir/apiserver.pid" ] || die "$dir's API server runs already"
+    read -r eport aport <"$dir/ports"
+    run_apiserver "$dir" "$eport" "$aport"
+    wait_ready "$dir" || { tail -n 20 "$dir/apiserver.log" >&2; die "kube-apiserver did not come back (log: $dir/apiserver.log)"; }
+    say "API server back on 127.0.0.1:$aport"
 }
 
 start() {
@@ -193,5 +232,7 @@ case "${1:-}" in
         fi
         start "$(realpath -m "$2")" "$owner" ;;
     stop) [ -n "${2:-}" ] || die "usage: $0 stop DIR"; d="$(realpath -m "$2")"; [ -d "$d" ] && { stop "$d"; rm -rf "$d"; }; true ;;
-    *) die "usage: $0 start|stop DIR" ;;
+    stop-apiserver) [ -n "${2:-}" ] || die "usage: $0 stop-apiserver DIR"; stop_apiserver "$(realpath -m "$2")" ;;
+    start-apiserver) [ -n "${2:-}" ] || die "usage: $0 start-apiserver DIR"; start_apiserver "$(realpath -m "$2")" ;;
+    *) die "usage: $0 start|stop|stop-apiserver|start-apiserver DIR" ;;
 esac

@@ -3,6 +3,7 @@
 //! forge), and what they may do.
 
 use std::os::fd::AsFd;
+use std::sync::Arc;
 
 use axum::extract::connect_info::Connected;
 use axum::serve::IncomingStream;
@@ -10,13 +11,16 @@ use cryo_api::{Access, ApiError, ErrorKind};
 use tokio::net::UnixListener;
 
 /// The peer of one connection.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Peer {
     /// Its uid, gid, and pid in the agent's pid namespace (0: not visible from it), if the
     /// kernel said.
     pub cred: Result<(u32, u32, i32), String>,
     /// Its supplementary groups.
     pub groups: Vec<u32>,
+    /// The peer process, held by a pidfd opened when it connected, while its end of the
+    /// connection was still open (so the pid was not reused); `None` when it could not be.
+    pub process: Option<Arc<cryo_proc::ProcHandle>>,
 }
 
 impl Connected<IncomingStream<'_, UnixListener>> for Peer {
@@ -30,7 +34,38 @@ impl Connected<IncomingStream<'_, UnixListener>> for Peer {
             tracing::warn!(%err, "cannot read the peer's groups");
             Vec::new()
         });
-        Peer { cred, groups }
+        let process = cred
+            .as_ref()
+            .ok()
+            .and_then(|c| hold_peer(c.2, io.as_fd()))
+            .map(Arc::new);
+        Peer {
+            cred,
+            groups,
+            process,
+        }
+    }
+}
+
+/// The peer's process by a pidfd, if the peer is still connected after it was opened: a peer
+/// that died (its end closed) before the open may have left its pid to another process.
+fn hold_peer(pid: i32, sock: std::os::fd::BorrowedFd<'_>) -> Option<cryo_proc::ProcHandle> {
+    use rustix::event::{poll, PollFd, PollFlags};
+    if pid <= 0 {
+        return None;
+    }
+    let h = cryo_proc::ProcHandle::open(pid).ok()?;
+    let mut fds = [PollFd::from_borrowed_fd(sock, PollFlags::RDHUP)];
+    match poll(&mut fds, 0) {
+        Ok(_)
+            if fds[0]
+                .revents()
+                .intersects(PollFlags::RDHUP | PollFlags::HUP) =>
+        {
+            None
+        }
+        Ok(_) => Some(h),
+        Err(_) => None,
     }
 }
 
@@ -77,6 +112,7 @@ mod tests {
         Peer {
             cred: Ok((uid, gid, 42)),
             groups: groups.to_vec(),
+            process: None,
         }
     }
 
@@ -109,6 +145,7 @@ mod tests {
         let unknown = Peer {
             cred: Err("no".into()),
             groups: vec![],
+            process: None,
         };
         assert!(unknown.authorize(Access::Read, Some(7)).is_err());
     }

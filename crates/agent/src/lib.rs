@@ -29,6 +29,7 @@
 //!   for requests that name pids.
 
 pub mod auth;
+mod k8s;
 pub mod lock;
 mod ops;
 mod parent;
@@ -48,6 +49,8 @@ use cryo_journal::Journal;
 use cryo_state::StateDir;
 use cryo_telemetry::{Telemetry, TelemetryConfig};
 
+pub use k8s::{KubeConfig, KubeSetupError, RESYNC as KUBE_RESYNC};
+
 /// How the agent runs.
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
@@ -63,6 +66,8 @@ pub struct AgentConfig {
     pub guard_run: RunOptions,
     /// Metrics listener and syslog forwarder.
     pub telemetry: TelemetryConfig,
+    /// Kubernetes (`--kube-node`): the fence and Events published, containers as targets.
+    pub kube: Option<KubeConfig>,
 }
 
 /// The agent could not start (nothing is left running).
@@ -86,6 +91,9 @@ pub enum AgentError {
     /// The guard could not start.
     #[error(transparent)]
     Guard(#[from] cryo_guard::RunError),
+    /// The Kubernetes side could not be set up.
+    #[error(transparent)]
+    Kube(#[from] KubeSetupError),
     /// The socket could not be served.
     #[error("cannot serve {}: {source}", .path.display())]
     Socket {
@@ -115,6 +123,8 @@ pub(crate) struct Agent {
     stopping: AtomicBool,
     /// The thread that thaws and reaps restored workers.
     parent: parent::Parent,
+    /// Kubernetes, when the agent runs with it.
+    kube: Option<k8s::Kube>,
 }
 
 impl std::fmt::Debug for Agent {
@@ -192,6 +202,7 @@ pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
             _ => return Err(AgentError::NoSuchGroup(name.clone())),
         },
     };
+    let kube = cfg.kube.as_ref().map(k8s::Kube::configure).transpose()?;
     let journal = cfg.state.open_journal()?;
     let telemetry = Telemetry::start(&cfg.state, &cfg.telemetry)?;
     if let Some(addr) = telemetry.metrics_addr() {
@@ -219,6 +230,7 @@ pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
             path: cfg.socket.clone(),
             source,
         })?,
+        kube,
     });
     log_guarded(&agent.guard);
     agent.update_gauges();

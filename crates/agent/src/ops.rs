@@ -79,24 +79,33 @@ impl Agent {
         }
     }
 
-    /// `POST /v1/stop`.
+    /// `POST /v1/stop`. `confined`: the caller's container, which every process of the target
+    /// must be in (see [`crate::k8s`]).
     pub(crate) fn stop(
         &self,
         req: &StopRequest,
+        confined: Option<&cryo_kube::CgroupIdentity>,
         progress: &dyn Progress,
     ) -> Result<StopReport, ApiError> {
         let target = req.target();
         let resolved = target
             .resolve()
             .map_err(|e| ApiError::new(ErrorKind::NotFound, e.to_string()))?;
-        cryo_lifecycle::stop(
-            &self.gpu,
-            &resolved,
-            &req.options(),
-            &self.journal,
-            progress,
-        )
-        .map_err(failed)
+        if let Some(caller) = confined {
+            crate::k8s::authorize_stop(caller, &resolved)?;
+        }
+        self.stop_resolved(req, &resolved, progress)
+    }
+
+    /// The stop of a resolved target.
+    pub(crate) fn stop_resolved(
+        &self,
+        req: &StopRequest,
+        resolved: &Resolved,
+        progress: &dyn Progress,
+    ) -> Result<StopReport, ApiError> {
+        cryo_lifecycle::stop(&self.gpu, resolved, &req.options(), &self.journal, progress)
+            .map_err(failed)
     }
 
     /// `POST /v1/freeze`: the guard in this process lets go of the tree around the dump.

@@ -56,6 +56,8 @@ pub fn serve(
         .build()?;
     rt.block_on(async move {
         let listener = tokio::net::UnixListener::from_std(listener)?;
+        // The Kubernetes client lives in this runtime, shared by the publisher and handlers.
+        crate::k8s::Kube::start(&agent);
         let app = router(agent);
         axum::serve(listener, app.into_make_service_with_connect_info::<Peer>())
             .with_graceful_shutdown(async move {
@@ -81,6 +83,7 @@ fn router(agent: Arc<Agent>) -> Router {
         .route(path::GUARD_DETACH, post(detach))
         .route(path::GUARD_RELEASE, post(release))
         .route(path::SHUTDOWN, post(shutdown))
+        .route(path::KUBE_STOP, post(kube_stop))
         .merge(crate::warm::routes())
         .fallback(|| async {
             Failure(ApiError::new(
@@ -91,9 +94,34 @@ fn router(agent: Arc<Agent>) -> Router {
         .with_state(agent)
 }
 
-/// Checks the caller may make a request of `access`.
+/// Checks the caller may make a request of `access`; a change only from a caller outside any
+/// pod's container (a container may only stop itself: [`allow_stop`]).
 pub(crate) fn allow(agent: &Agent, peer: &Peer, access: Access) -> Result<(), Failure> {
-    let r = peer.authorize(access, agent.read_group.as_ref().map(|g| g.1));
+    allow_stop(agent, peer, access)?;
+    if access == Access::Change {
+        refused_if_err(peer, crate::k8s::unconfined(agent, peer))?;
+    }
+    Ok(())
+}
+
+/// As [`allow`] for the stops, which a caller in a pod's container may make of its own
+/// container only: that container, if so.
+fn allow_stop(
+    agent: &Agent,
+    peer: &Peer,
+    access: Access,
+) -> Result<Option<cryo_kube::CgroupIdentity>, Failure> {
+    refused_if_err(
+        peer,
+        peer.authorize(access, agent.read_group.as_ref().map(|g| g.1)),
+    )?;
+    if access != Access::Change {
+        return Ok(None);
+    }
+    refused_if_err(peer, crate::k8s::own_container(agent, peer))
+}
+
+fn refused_if_err<T>(peer: &Peer, r: Result<T, ApiError>) -> Result<T, Failure> {
     if let Err(e) = &r {
         tracing::warn!(?peer.cred, "refused: {}", e.message);
     }
@@ -233,13 +261,29 @@ async fn stop(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: Bytes,
 ) -> Result<Response, Failure> {
-    allow(&agent, &peer, Access::Change)?;
+    let confined = allow_stop(&agent, &peer, Access::Change)?;
     let req: cryo_api::StopRequest = parse(&body)?;
     if !matches!(req.target, cryo_api::TargetSpec::Cgroup { .. }) {
         same_pids(&peer)?;
     }
     tracing::info!(target = %req.target(), ?peer.cred, "stop");
-    Ok(streamed(move |p| agent.stop(&req, p)))
+    Ok(streamed(move |p| agent.stop(&req, confined.as_ref(), p)))
+}
+
+async fn kube_stop(
+    State(agent): Shared,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    body: Bytes,
+) -> Result<Response, Failure> {
+    // A confined caller may ask for itself only: `plan` checks the rest.
+    allow_stop(&agent, &peer, Access::Change)?;
+    let req: cryo_api::KubeStopRequest = parse(&body)?;
+    let plan = crate::k8s::plan(&agent, &peer, req).await.map_err(|e| {
+        tracing::warn!(?peer.cred, "kube stop refused: {}", e.message);
+        Failure(e)
+    })?;
+    tracing::info!(?plan, ?peer.cred, "kube stop");
+    Ok(streamed(move |p| agent.kube_stop(plan, p)))
 }
 
 async fn freeze(

@@ -109,6 +109,15 @@ impl AgentClient {
         self.stream(path::STOP, req, progress)
     }
 
+    /// `POST /v1/kube/stop`: `cryo stop --self` or `--pod`.
+    pub fn kube_stop(
+        &self,
+        req: &crate::KubeStopRequest,
+        progress: &dyn Progress,
+    ) -> Result<crate::KubeStopReport, ClientError> {
+        self.stream(path::KUBE_STOP, req, progress)
+    }
+
     /// `POST /v1/freeze`.
     pub fn freeze(
         &self,

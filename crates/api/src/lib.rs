@@ -25,6 +25,7 @@
 
 pub mod client;
 pub mod driver;
+mod kube;
 mod requests;
 mod warm;
 
@@ -32,6 +33,7 @@ use serde::{Deserialize, Serialize};
 
 pub use client::{AgentClient, ClientError};
 pub use driver::{AgentDriver, DriverFailure, GpuCall, GpuCallAnswer, GpuCallRequest};
+pub use kube::{ContainerStop, KubeStopReport, KubeStopRequest, KubeTarget};
 pub use requests::*;
 pub use warm::*;
 
@@ -75,6 +77,9 @@ pub mod path {
     pub const PARK: &str = "/v1/park";
     /// `POST` [`crate::WakeRequest`]: stream of [`cryo_lifecycle::WakeReport`].
     pub const WAKE: &str = "/v1/wake";
+    /// `POST` [`crate::KubeStopRequest`]: stream of [`crate::KubeStopReport`] (agents run with
+    /// `--kube-node` only).
+    pub const KUBE_STOP: &str = "/v1/kube/stop";
 }
 
 /// Who may make a request.

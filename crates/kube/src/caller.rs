@@ -194,6 +194,24 @@ impl NodeClient {
         name: &str,
         container: Option<&str>,
     ) -> Result<Vec<ContainerCgroup>, CallerError> {
+        Ok(self
+            .pod_target(fs, namespace, name, container)
+            .await?
+            .containers
+            .into_iter()
+            .map(|(_, c)| c)
+            .collect())
+    }
+
+    /// What `cryo stop --pod NS/NAME [--container C]` stops: the pod's running containers (or
+    /// that one) with their cgroups, and by when (the Pod's grace period, [`crate::grace`]).
+    pub async fn pod_target(
+        &self,
+        fs: &CgroupFs,
+        namespace: &str,
+        name: &str,
+        container: Option<&str>,
+    ) -> Result<PodTarget, CallerError> {
         let pod = kube::Api::<Pod>::namespaced(self.client.clone(), namespace)
             .get(name)
             .await
@@ -210,7 +228,7 @@ impl NodeClient {
         let qos = status
             .and_then(|s| s.qos_class.as_deref())
             .and_then(QosClass::from_status);
-        let mut out = Vec::new();
+        let mut containers = Vec::new();
         for s in status
             .and_then(|s| s.container_statuses.as_ref())
             .into_iter()
@@ -224,17 +242,32 @@ impl NodeClient {
                 continue;
             };
             if running {
-                out.push(fs.container(&r.uid, qos, &id)?);
+                containers.push((s.name.clone(), fs.container(&r.uid, qos, &id)?));
             }
         }
-        if out.is_empty() {
+        if containers.is_empty() {
             return Err(CallerError::ContainerNotInPod {
                 pod: r,
                 container: container.unwrap_or("(any running)").to_owned(),
             });
         }
-        Ok(out)
+        Ok(PodTarget {
+            deadline: stop_deadline(&pod, SystemTime::now()),
+            pod: r,
+            containers,
+        })
     }
+}
+
+/// What a stop of a pod acts on (see [`NodeClient::pod_target`]).
+#[derive(Debug, Clone)]
+pub struct PodTarget {
+    /// The pod.
+    pub pod: PodRef,
+    /// Its running containers asked for: name and cgroup.
+    pub containers: Vec<(String, ContainerCgroup)>,
+    /// When the stop must be done; `None`: no time left.
+    pub deadline: Option<SystemTime>,
 }
 
 /// Finds the pod of a process through its cgroup (for Events).

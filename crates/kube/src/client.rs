@@ -114,20 +114,31 @@ impl NodeClient {
 
     /// The in-cluster client (the DaemonSet's ServiceAccount), or `$KUBECONFIG` outside a pod.
     pub async fn try_default(node: impl Into<String>) -> Result<Self, ApiError> {
-        let cfg = kube::Config::infer()
-            .await
-            .map_err(|e| ApiError::Config(e.to_string()))?;
-        Self::from_config(cfg, node)
+        Self::from_config(Self::config(None).await?, node)
     }
 
     /// A client from a kubeconfig file.
     pub async fn from_kubeconfig(path: &Path, node: impl Into<String>) -> Result<Self, ApiError> {
-        let kc = kube::config::Kubeconfig::read_from(path)
-            .map_err(|e| ApiError::Config(format!("{}: {e}", path.display())))?;
-        let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
-            .await
-            .map_err(|e| ApiError::Config(format!("{}: {e}", path.display())))?;
-        Self::from_config(cfg, node)
+        Self::from_config(Self::config(Some(path)).await?, node)
+    }
+
+    /// The configuration of the agent's client: the kubeconfig file given, else what
+    /// [`kube::Config::infer`] finds (the in-cluster ServiceAccount in the DaemonSet's pod,
+    /// `$KUBECONFIG` outside one). Reads files only: the API server is not contacted, so an API
+    /// server that is down does not keep the agent from starting.
+    pub async fn config(kubeconfig: Option<&Path>) -> Result<kube::Config, ApiError> {
+        match kubeconfig {
+            Some(path) => {
+                let kc = kube::config::Kubeconfig::read_from(path)
+                    .map_err(|e| ApiError::Config(format!("{}: {e}", path.display())))?;
+                kube::Config::from_custom_kubeconfig(kc, &Default::default())
+                    .await
+                    .map_err(|e| ApiError::Config(format!("{}: {e}", path.display())))
+            }
+            None => kube::Config::infer()
+                .await
+                .map_err(|e| ApiError::Config(e.to_string())),
+        }
     }
 
     /// A client from a configuration, made fit for the agent: no hidden retries (the client's

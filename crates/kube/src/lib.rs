@@ -32,7 +32,7 @@ pub mod gpus;
 pub mod grace;
 pub mod identity;
 
-pub use caller::{authorize, caller_identity, Caller, CallerError, CgroupLocator};
+pub use caller::{authorize, caller_identity, Caller, CallerError, CgroupLocator, PodTarget};
 pub use cgroup::{CgroupFs, CgroupVersion, ContainerCgroup, QosClass, ResolveError};
 pub use client::{ApiError, NodeClient, PodRef, Posted};
 pub use drain::{DrainError, EvictionReport};

@@ -7,9 +7,7 @@
 
 mod support;
 
-use std::fs;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::process::Command;
 use std::time::Duration;
 
 use cryo_kube::caller::{authorize, caller_identity};
@@ -23,81 +21,6 @@ use support::*;
 
 const A: &str = "a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8f90";
 const B: &str = "b1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8f90";
-
-fn require_root() {
-    assert!(
-        rustix::process::geteuid().is_root(),
-        "this test makes cgroups: run it as root (scripts/test.sh does)"
-    );
-}
-
-/// The hierarchy whose cgroup.procs lists every process: the v2 root, or v1's `pids`.
-fn hierarchy() -> PathBuf {
-    let root = Path::new("/sys/fs/cgroup");
-    if root.join("cgroup.controllers").is_file() {
-        return root.to_path_buf();
-    }
-    let pids = root.join("pids");
-    assert!(
-        pids.join("cgroup.procs").is_file(),
-        "no cgroup v2 and no v1 pids hierarchy at {}",
-        root.display()
-    );
-    pids
-}
-
-/// A cgroup tree and the processes put in it; everything is killed and removed on drop.
-struct Tree {
-    top: PathBuf,
-    children: Vec<Child>,
-}
-
-impl Tree {
-    fn new() -> Self {
-        let top = hierarchy().join(format!("{}.slice", unique("cryo-test")));
-        fs::create_dir(&top).unwrap();
-        Tree {
-            top,
-            children: Vec::new(),
-        }
-    }
-
-    fn dir(&self, rel: &str) -> PathBuf {
-        let p = self.top.join(rel);
-        fs::create_dir_all(&p).unwrap();
-        p
-    }
-
-    /// A `sleep` moved into `dir`; returns its pid.
-    fn spawn_in(&mut self, dir: &Path) -> i32 {
-        let child = Command::new("sleep").arg("600").spawn().unwrap();
-        let pid = child.id() as i32;
-        self.children.push(child);
-        fs::write(dir.join("cgroup.procs"), pid.to_string()).unwrap();
-        pid
-    }
-}
-
-impl Drop for Tree {
-    fn drop(&mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        // deepest first
-        fn rm(p: &Path) {
-            if let Ok(entries) = fs::read_dir(p) {
-                for e in entries.flatten() {
-                    if e.file_type().is_ok_and(|t| t.is_dir()) {
-                        rm(&e.path());
-                    }
-                }
-            }
-            let _ = fs::remove_dir(p);
-        }
-        rm(&self.top);
-    }
-}
 
 #[tokio::test]
 async fn a_callers_container_is_found_from_its_real_cgroup_and_it_may_stop_only_itself() {

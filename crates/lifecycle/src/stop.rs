@@ -253,7 +253,7 @@ pub fn stop(
             break Outcome::Refused;
         }
         // A cgroup is taken as a whole: processes that joined it meanwhile go through the same.
-        let joined = run.joiners(target.target(), round)?;
+        let joined = run.joiners(target, round)?;
         if !joined.is_empty() {
             from = run.add_joined(joined, "joined the cgroup during the stop");
             round += 1;
@@ -266,7 +266,7 @@ pub fn stop(
         if !run.kill_all()? {
             break Outcome::Refused;
         }
-        let joined = run.joiners(target.target(), round)?;
+        let joined = run.joiners(target, round)?;
         if joined.is_empty() {
             break Outcome::Ended;
         }
@@ -569,12 +569,15 @@ impl Run<'_> {
     }
 
     /// Processes that joined a cgroup target since it was listed (none for other targets).
-    fn joiners(&mut self, target: &Target, round: usize) -> Result<Vec<ProcHandle>, StopError> {
-        let Target::Cgroup(path) = target else {
+    fn joiners(&mut self, target: &Resolved, round: usize) -> Result<Vec<ProcHandle>, StopError> {
+        let Target::Cgroup(path) = target.target() else {
             return Ok(Vec::new());
         };
         let mut out = Vec::new();
         for pid in cryo_proc::cgroup_tree_procs(path)? {
+            if target.spares(pid) {
+                continue;
+            }
             if self
                 .members
                 .iter()
@@ -694,6 +697,9 @@ impl Run<'_> {
             }
             let h = self.members[i].h.try_clone()?;
             let unsuspended = self.members[i].unsuspended;
+            // Said before the signal: past the last look, whoever ends the process now (the
+            // kubelet after a preStop returned) ends it safely.
+            self.progress.begin(h.pid(), "kill", 0);
             end_one(&h, self.opts, self.journal, unsuspended)?;
         }
         Ok(true)

@@ -107,6 +107,8 @@ pub fn open_process(pid: Pid) -> Result<ProcHandle, OpenProcessError> {
 pub struct Resolved {
     target: Target,
     handles: Vec<ProcHandle>,
+    /// Processes of the target left out on purpose (see [`Resolved::spare`]).
+    spared: Vec<ProcHandle>,
 }
 
 impl Target {
@@ -142,6 +144,7 @@ impl Target {
         Ok(Resolved {
             target: self.clone(),
             handles,
+            spared: Vec::new(),
         })
     }
 }
@@ -168,12 +171,31 @@ impl Resolved {
         Ok(Resolved {
             target: Target::Tree(handles[0].pid()),
             handles,
+            spared: Vec::new(),
         })
     }
 
     /// Handles already open (a procedure's own processes), named as `target`.
     pub fn from_handles(target: Target, handles: Vec<ProcHandle>) -> Self {
-        Self { target, handles }
+        Self {
+            target,
+            handles,
+            spared: Vec::new(),
+        }
+    }
+
+    /// Leaves `keep` out of the target, now and when a cgroup is listed again: the caller of a
+    /// preStop stop of its own container (`cryo stop --self`) is in that container and waits
+    /// for the answer. Only that very process (its pidfd): a process that later gets its pid is
+    /// a member like any other.
+    pub fn spare(&mut self, keep: ProcHandle) {
+        self.handles.retain(|h| h.pid() != keep.pid());
+        self.spared.push(keep);
+    }
+
+    /// Whether `pid` is a process left out by [`Resolved::spare`] (and still that process).
+    pub fn spares(&self, pid: Pid) -> bool {
+        self.spared.iter().any(|h| h.pid() == pid && h.is_alive())
     }
 
     /// What was named.

@@ -140,6 +140,11 @@ impl StateDir {
     pub fn syslog_offset_file(&self) -> PathBuf {
         self.root.join("syslog.offset")
     }
+
+    /// The last journal record the agent posted as a Kubernetes Event (`cryo-agent`'s publisher).
+    pub fn kube_events_offset_file(&self) -> PathBuf {
+        self.root.join("kube-events.offset")
+    }
 }
 
 #[cfg(test)]
@@ -158,6 +163,7 @@ mod tests {
             s.agent_socket(),
             s.agent_lock(),
             s.pin_holder_socket(),
+            s.kube_events_offset_file(),
             s.pin_holder_lock(),
             s.pin_holder_log(),
             s.standby_dir(),

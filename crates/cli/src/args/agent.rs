@@ -21,7 +21,7 @@ pub enum AgentCommand {
     /// while it holds pinned contexts): it guards every restore, owns the journal writer, the
     /// fence, metrics and the event stream, and serves the API every other `cryo` command uses
     /// when it answers.
-    Run(AgentRunArgs),
+    Run(Box<AgentRunArgs>),
     /// What the running agent guards and why, its pins, the fence, version and uptime.
     Status(AgentStatusArgs),
     /// Asks the running agent to stop (refused while it holds pins: the answer says how to
@@ -48,6 +48,29 @@ pub struct AgentRunArgs {
     /// Forward every journal record to this syslog collector (`HOST:PORT`, TCP, RFC 5424).
     #[arg(long, value_name = "HOST:PORT")]
     pub syslog: Option<String>,
+    /// Run on Kubernetes as this node (the DaemonSet passes `spec.nodeName`): the fence becomes
+    /// the node's taint `cryo.dev/gpu-fenced`, condition and Event, journal steps become Events
+    /// on the Pod or Node, and `cryo stop --self` / `--pod` are served.
+    #[arg(long, env = "CRYO_NODE_NAME", value_name = "NODE")]
+    pub kube_node: Option<String>,
+    /// The kubeconfig to use with --kube-node (default: the in-cluster ServiceAccount, else
+    /// $KUBECONFIG).
+    #[arg(
+        long,
+        env = "CRYO_KUBECONFIG",
+        value_name = "PATH",
+        requires = "kube_node"
+    )]
+    pub kubeconfig: Option<PathBuf>,
+    /// The host's cgroup tree, where containers are found (in the agent's pod: the host's
+    /// /sys/fs/cgroup mounted elsewhere).
+    #[arg(
+        long,
+        env = "CRYO_CGROUP_ROOT",
+        value_name = "PATH",
+        default_value = "/sys/fs/cgroup"
+    )]
+    pub cgroup_root: PathBuf,
     /// The guard's options.
     #[command(flatten)]
     pub guard: GuardRunArgs,

@@ -32,12 +32,25 @@ CRYO_FAILPOINT=stop-before-kill is a test hook: the stop stalls once everything 
 pub struct StopArgs {
     /// The processes: one pid stops it and its whole process tree; several pids stop exactly
     /// those.
-    #[arg(value_name = "PID", value_parser = parse_pid, required_unless_present = "cgroup", conflicts_with = "cgroup")]
+    #[arg(value_name = "PID", value_parser = parse_pid, required_unless_present_any = ["cgroup", "own_container", "pod"], conflicts_with_all = ["cgroup", "own_container", "pod"])]
     pub pids: Vec<cryo_proc::Pid>,
     /// Stop every process of this cgroup (a directory under /sys/fs/cgroup), as a container is
     /// stopped.
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["own_container", "pod"])]
     pub cgroup: Option<PathBuf>,
+    /// Stop this process's own Kubernetes container (a preStop hook): the agent finds the
+    /// container from the caller's cgroup and stops its whole cgroup but the caller, within the
+    /// Pod's grace period. Returns once everything is suspended and the container's processes
+    /// are being ended. Without an agent, stops its own cgroup standalone.
+    #[arg(long = "self", id = "own_container", conflicts_with = "pod")]
+    pub own_container: bool,
+    /// Stop the running containers of this pod of the agent's node (NAMESPACE/NAME), within
+    /// the Pod's grace period (through the agent, which finds their cgroups).
+    #[arg(long, value_name = "NS/NAME", value_parser = parse_pod)]
+    pub pod: Option<(String, String)>,
+    /// With --pod: only this container.
+    #[arg(long, value_name = "NAME", requires = "pod")]
+    pub container: Option<String>,
     /// Timeout of one lock attempt, in milliseconds (the wait for GPU work in flight).
     #[arg(long, value_name = "MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub timeout: u64,
@@ -49,8 +62,10 @@ pub struct StopArgs {
     /// driver call is waited for past it. The default stays below Kubernetes' default grace period
     /// (30 s), after which the kubelet kills the stop and the worker it locked; under Kubernetes,
     /// set it a few seconds below the pod's terminationGracePeriodSeconds.
-    #[arg(long, value_name = "MS", default_value_t = 25_000)]
-    pub deadline: u64,
+    /// [default: 25000; with --self and --pod: the Pod's grace period less a margin, and
+    /// at most this when given]
+    #[arg(long, value_name = "MS")]
+    pub deadline: Option<u64>,
     /// How long NVML may keep listing a checkpointed process's memory, in milliseconds.
     #[arg(long, value_name = "MS", default_value_t = 10_000)]
     pub verify_timeout: u64,
@@ -73,6 +88,16 @@ pub struct StopArgs {
     /// Print the result as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `NAMESPACE/NAME`.
+fn parse_pod(s: &str) -> Result<(String, String), String> {
+    match s.split_once('/') {
+        Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+            Ok((ns.to_owned(), name.to_owned()))
+        }
+        _ => Err(format!("{s:?} is not NAMESPACE/NAME")),
+    }
 }
 
 /// `--signal`.

@@ -69,6 +69,11 @@ fn serve(ctx: &Context, a: &AgentRunArgs) -> anyhow::Result<()> {
             metrics_listen: (!a.no_metrics_listen).then(|| a.metrics_listen.clone()),
             syslog: a.syslog.clone(),
         },
+        kube: a.kube_node.as_ref().map(|node| cryo_agent::KubeConfig {
+            node: node.clone(),
+            kubeconfig: a.kubeconfig.clone(),
+            cgroup_root: a.cgroup_root.clone(),
+        }),
     };
     cryo_agent::run(gpu, cfg).context("running the agent")?;
     Ok(())

@@ -12,6 +12,7 @@ pub mod park;
 pub mod sim;
 pub mod status;
 pub mod stop;
+pub mod stop_kube;
 pub mod thaw;
 pub mod timeline;
 

@@ -23,6 +23,9 @@ struct JsonReport<'a> {
     report: &'a StopReport,
 }
 
+/// `--deadline`'s default, ms: below Kubernetes' default grace period (30 s).
+pub const DEFAULT_DEADLINE_MS: u64 = 25_000;
+
 /// The target the arguments name.
 pub fn target(args: &StopArgs) -> Target {
     match (&args.cgroup, args.pids.as_slice()) {
@@ -48,7 +51,10 @@ pub fn request(args: &StopArgs) -> StopRequest {
         },
         unsafe_kill: args.unsafe_kill,
         fresh: args.fresh,
-        deadline_ms: (args.deadline > 0).then_some(args.deadline),
+        deadline_ms: match args.deadline.unwrap_or(DEFAULT_DEADLINE_MS) {
+            0 => None,
+            ms => Some(ms),
+        },
     }
 }
 
@@ -56,6 +62,9 @@ pub fn request(args: &StopArgs) -> StopRequest {
 pub fn run(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
     // Before any thread exists, so every thread of the command inherits the mask.
     let _deferred = crate::defer::termination();
+    if args.own_container || args.pod.is_some() {
+        return super::stop_kube::run(ctx, args);
+    }
     let req = request(args);
     let target = req.target();
     let progress = crate::progress::for_stderr();
@@ -63,7 +72,7 @@ pub fn run(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
     let via_agent = client.stop(&req, progress.as_ref());
     let result = if route::not_running(&via_agent) {
         route::standalone_note(&client);
-        standalone(ctx, &req, progress.as_ref())
+        standalone(ctx, &req, None, progress.as_ref())
     } else {
         via_agent.map_err(route::error)
     };
@@ -92,14 +101,18 @@ pub fn run(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
 }
 
 /// The stop in this process (no agent runs): what the agent's handler does too.
-fn standalone(
+pub(crate) fn standalone(
     ctx: &Context,
     req: &StopRequest,
+    spare: Option<cryo_proc::ProcHandle>,
     progress: &dyn cryo_lifecycle::Progress,
 ) -> anyhow::Result<StopReport> {
     // Resolved once, here: a target that does not exist is the operator's first problem, before
     // any driver question, and the stop acts on exactly the processes found now.
-    let resolved = req.target().resolve()?;
+    let mut resolved = req.target().resolve()?;
+    if let Some(h) = spare {
+        resolved.spare(h);
+    }
     let gpu = ctx.gpu()?;
     let journal = ctx.state.open_journal().context("opening the journal")?;
     Ok(cryo_lifecycle::stop(
@@ -122,7 +135,7 @@ pub fn exit_code(report: &StopReport) -> u8 {
     }
 }
 
-fn print_text(report: &StopReport, unsafe_kill: bool) {
+pub(crate) fn print_text(report: &StopReport, unsafe_kill: bool) {
     // What earlier stops, freezes or guards left half-way, and what this stop did about it.
     for s in &report.settled {
         eprintln!("cryo: settled first: {s}");

@@ -3,8 +3,9 @@
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
+use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -291,4 +292,81 @@ pub async fn set_running(pods: &Api<Pod>, name: &str, containers: &[(&str, &str)
     pods.patch_status(name, &PatchParams::default(), &Patch::Merge(&p))
         .await
         .unwrap();
+}
+
+pub fn require_root() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "this test makes cgroups: run it as root (scripts/test.sh does)"
+    );
+}
+
+/// The hierarchy whose cgroup.procs lists every process: the v2 root, or v1's `pids`.
+pub fn hierarchy() -> PathBuf {
+    let root = Path::new("/sys/fs/cgroup");
+    if root.join("cgroup.controllers").is_file() {
+        return root.to_path_buf();
+    }
+    let pids = root.join("pids");
+    assert!(
+        pids.join("cgroup.procs").is_file(),
+        "no cgroup v2 and no v1 pids hierarchy at {}",
+        root.display()
+    );
+    pids
+}
+
+/// A cgroup tree and the processes put in it; everything is killed and removed on drop.
+pub struct Tree {
+    /// Its top directory.
+    pub top: PathBuf,
+    /// The processes put in it.
+    pub children: Vec<Child>,
+}
+
+impl Tree {
+    pub fn new() -> Self {
+        let top = hierarchy().join(format!("{}.slice", unique("cryo-test")));
+        fs::create_dir(&top).unwrap();
+        Tree {
+            top,
+            children: Vec::new(),
+        }
+    }
+
+    pub fn dir(&self, rel: &str) -> PathBuf {
+        let p = self.top.join(rel);
+        fs::create_dir_all(&p).unwrap();
+        p
+    }
+
+    /// A `sleep` moved into `dir`; returns its pid.
+    pub fn spawn_in(&mut self, dir: &Path) -> i32 {
+        let child = Command::new("sleep").arg("600").spawn().unwrap();
+        let pid = child.id() as i32;
+        self.children.push(child);
+        fs::write(dir.join("cgroup.procs"), pid.to_string()).unwrap();
+        pid
+    }
+}
+
+impl Drop for Tree {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        // deepest first
+        fn rm(p: &Path) {
+            if let Ok(entries) = fs::read_dir(p) {
+                for e in entries.flatten() {
+                    if e.file_type().is_ok_and(|t| t.is_dir()) {
+                        rm(&e.path());
+                    }
+                }
+            }
+            let _ = fs::remove_dir(p);
+        }
+        rm(&self.top);
+    }
 }

@@ -1,0 +1,648 @@
+//! The agent on Kubernetes (`cryo agent run --kube-node NAME`): what it publishes to the API
+//! server, and the stops of containers it serves (`cryo stop --self`, `cryo stop --pod`).
+//!
+//! # Design
+//! - **Nothing waits for the API server.** A safety action (the guard's quarantine, a stop)
+//!   writes the quarantine file and the journal as it always does; the [`publish`] task makes the
+//!   API server show them afterwards. The quarantine file is the truth for the fence (taint,
+//!   condition, Event: [`cryo_kube::NodeClient::reconcile_fence`], idempotent); the journal is the
+//!   queue for Events, read after a durable position (`STATE_DIR/kube-events.offset`, advanced
+//!   only once the API server took the Event or refused it for good). While the API server is
+//!   down or hangs (every call is bounded: [`cryo_kube::client::CALL_TIMEOUT`]), both are
+//!   retried with a backoff; when it is back, the node shows the fence as the file has it now
+//!   and the Events missed are posted (aggregated and rate-limited as always). The fence is
+//!   looked at again every [`RESYNC`] even when the file did not change, so a taint removed by
+//!   hand comes back.
+//! - **One client, in the server's runtime.** The configuration is read at start (files only:
+//!   an API server that is down does not keep the agent from starting, a missing ServiceAccount
+//!   token does); the client is made in the runtime that serves the API, which the publisher
+//!   and the handlers share.
+//! - **Containers stop only themselves.** A caller whose cgroup names a pod's container (other
+//!   than the agent's own) is confined: `POST /v1/kube/stop` with the caller as target, and
+//!   `POST /v1/stop` of processes that are all in its own container; every other change is
+//!   refused. The caller is the process the kernel names on the socket (held by a pidfd from the
+//!   moment it connected), never anything in the request; the stop spares that process (it waits
+//!   for the answer) and takes the rest of the container's cgroup subtree, under the Pod's
+//!   deadline.
+//!
+//! # Limitations
+//! - Inside a real container, the caller dies with its pid namespace when the stop kills the
+//!   container's first process; `cryo stop --self` therefore returns as soon as the kill phase
+//!   starts (everything is suspended and verified by then), and the outcome is read from the
+//!   Pod's Events and the journal.
+
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant, SystemTime};
+
+use cryo_api::{
+    ApiError, ContainerStop, ErrorKind, KubeStopReport, KubeStopRequest, KubeTarget, StopRequest,
+};
+use cryo_journal::Record;
+use cryo_kube::events::{step_of, subject_of};
+use cryo_kube::{CallerError, CgroupFs, CgroupIdentity, CgroupLocator, NodeClient};
+use cryo_lifecycle::Progress;
+use cryo_proc::ProcHandle;
+use cryo_state::fence::{FencedGpu, Quarantine};
+use cryo_state::StateDir;
+
+use crate::Agent;
+
+/// How the agent talks to Kubernetes.
+#[derive(Debug, Clone)]
+pub struct KubeConfig {
+    /// The node the agent runs on (the DaemonSet passes `spec.nodeName`).
+    pub node: String,
+    /// A kubeconfig file; `None`: the in-cluster ServiceAccount (or `$KUBECONFIG`).
+    pub kubeconfig: Option<PathBuf>,
+    /// The host's cgroup tree (`/sys/fs/cgroup`; in the agent's pod, the host's tree mounted).
+    pub cgroup_root: PathBuf,
+}
+
+/// The Kubernetes side could not be set up (the agent does not start).
+#[derive(Debug, thiserror::Error)]
+pub enum KubeSetupError {
+    /// The client's configuration could not be read.
+    #[error("Kubernetes: {0}")]
+    Config(#[from] cryo_kube::ApiError),
+    /// The cgroup tree is not one cryo can resolve containers in.
+    #[error("Kubernetes: {0}")]
+    Cgroups(#[from] cryo_kube::ResolveError),
+    /// No runtime to read the configuration in.
+    #[error("Kubernetes: cannot start a runtime: {0}")]
+    Runtime(std::io::Error),
+}
+
+/// Retry delays of the publisher: from this...
+const BACKOFF_MIN: Duration = Duration::from_millis(500);
+/// ...doubling up to this.
+const BACKOFF_MAX: Duration = Duration::from_secs(15);
+/// How often the publisher looks at the quarantine file and the journal.
+const TICK: Duration = Duration::from_millis(250);
+/// The fence is reconciled at least this often, changed or not.
+pub const RESYNC: Duration = Duration::from_secs(60);
+
+/// The agent's Kubernetes side.
+pub(crate) struct Kube {
+    node: String,
+    config: kube::Config,
+    cgroups: CgroupFs,
+    client: OnceLock<Arc<NodeClient>>,
+    /// The agent's own container, if it runs in one (its callers there are not confined).
+    own: Option<CgroupIdentity>,
+}
+
+impl std::fmt::Debug for Kube {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kube")
+            .field("node", &self.node)
+            .field("cgroups", &self.cgroups)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Kube {
+    /// Reads the configuration (files only) and looks at the cgroup tree.
+    pub(crate) fn configure(cfg: &KubeConfig) -> Result<Kube, KubeSetupError> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(KubeSetupError::Runtime)?;
+        let config = rt.block_on(NodeClient::config(cfg.kubeconfig.as_deref()))?;
+        let cgroups = CgroupFs::detect(&cfg.cgroup_root)?;
+        let own = ProcHandle::open(std::process::id() as cryo_proc::Pid)
+            .ok()
+            .and_then(|h| cryo_kube::caller_identity(&h).ok());
+        Ok(Kube {
+            node: cfg.node.clone(),
+            config,
+            cgroups,
+            client: OnceLock::new(),
+            own,
+        })
+    }
+
+    /// Makes the client (in the calling runtime) and starts the publisher on it.
+    pub(crate) fn start(agent: &Arc<Agent>) {
+        let Some(k) = &agent.kube else { return };
+        let client = match NodeClient::from_config(k.config.clone(), k.node.clone()) {
+            Ok(c) => Arc::new(c),
+            Err(e) => {
+                tracing::error!(err = %e, "Kubernetes: cannot make the client; nothing is published");
+                return;
+            }
+        };
+        let _ = k.client.set(Arc::clone(&client));
+        tracing::info!(node = %k.node, "Kubernetes: publishing the fence and Events");
+        tokio::spawn(publish(Arc::clone(agent), client));
+    }
+
+    fn client(&self) -> Result<Arc<NodeClient>, ApiError> {
+        self.client.get().cloned().ok_or_else(|| {
+            ApiError::new(
+                ErrorKind::Failed,
+                "the agent's Kubernetes client could not be made (see its log)",
+            )
+        })
+    }
+
+    /// The container of the caller if it is one of a pod's (not the agent's own): such a
+    /// caller may only stop itself. `Err`: a caller in a pod but in none of its containers.
+    fn confinement(&self, process: &ProcHandle) -> Result<Option<CgroupIdentity>, ApiError> {
+        match cryo_kube::caller_identity(process) {
+            Ok(id) if self.own.as_ref() == Some(&id) => Ok(None),
+            Ok(id) => Ok(Some(id)),
+            Err(CallerError::Identity {
+                source: cryo_kube::identity::IdentityError::NotInAPod(_),
+                ..
+            }) => Ok(None),
+            Err(e) => Err(ApiError::new(
+                ErrorKind::Forbidden,
+                format!("the caller cannot be placed: {e}"),
+            )),
+        }
+    }
+}
+
+/// Whether the caller may make a change other than stopping processes of its own container.
+pub(crate) fn unconfined(agent: &Agent, peer: &crate::auth::Peer) -> Result<(), ApiError> {
+    match own_container(agent, peer)? {
+        None => Ok(()),
+        Some(id) => Err(ApiError::new(
+            ErrorKind::Forbidden,
+            format!(
+                "the caller is in container {} of pod {}: a container may only stop itself",
+                id.container, id.pod
+            ),
+        )
+        .with_hint("`cryo stop --self` from the container's preStop hook")),
+    }
+}
+
+/// The caller's container when it is confined to it (see the module docs).
+pub(crate) fn own_container(
+    agent: &Agent,
+    peer: &crate::auth::Peer,
+) -> Result<Option<CgroupIdentity>, ApiError> {
+    let Some(k) = &agent.kube else {
+        return Ok(None);
+    };
+    match &peer.process {
+        Some(p) => k.confinement(p),
+        // Root in the agent's pid namespace whose process is gone or unseen: nothing to place.
+        None if peer.pid().is_none() => Ok(None),
+        None => Err(ApiError::new(
+            ErrorKind::Forbidden,
+            "the caller's process could not be held while it was connected",
+        )),
+    }
+}
+
+/// For `POST /v1/stop` from a confined caller: every process of the target must be in its
+/// container.
+pub(crate) fn authorize_stop(
+    caller: &CgroupIdentity,
+    resolved: &cryo_lifecycle::Resolved,
+) -> Result<(), ApiError> {
+    let targets: Vec<_> = resolved
+        .handles()
+        .iter()
+        .map(|h| {
+            let id = h
+                .cgroups()
+                .map_err(|e| cryo_kube::identity::IdentityError::NotInAPod(e.to_string()))
+                .and_then(|c| {
+                    cryo_kube::identity::identity_from_cgroups(c.iter().map(|c| c.path.as_str()))
+                });
+            (h.pid(), id)
+        })
+        .collect();
+    cryo_kube::authorize(caller, &targets)
+        .map_err(|e| ApiError::new(ErrorKind::Forbidden, e.to_string()))
+}
+
+/// One container to stop.
+struct Planned {
+    container: String,
+    cgroup: PathBuf,
+}
+
+/// What `POST /v1/kube/stop` will do, worked out before the stream starts (a refusal here is
+/// a plain error answer).
+pub(crate) struct KubePlan {
+    pod: String,
+    containers: Vec<Planned>,
+    until: Instant,
+    deadline: Duration,
+    spare: Option<ProcHandle>,
+    req: KubeStopRequest,
+}
+
+impl std::fmt::Debug for KubePlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubePlan")
+            .field("pod", &self.pod)
+            .field("deadline", &self.deadline)
+            .finish_non_exhaustive()
+    }
+}
+
+fn caller_error(e: CallerError) -> ApiError {
+    let kind = match &e {
+        CallerError::Api(_) => ErrorKind::Failed,
+        CallerError::Proc { .. } | CallerError::Identity { .. } => ErrorKind::Forbidden,
+        _ => ErrorKind::NotFound,
+    };
+    ApiError::new(kind, e.to_string())
+}
+
+/// Resolves a [`KubeStopRequest`]: the pod, its containers' cgroups, the deadline.
+pub(crate) async fn plan(
+    agent: &Agent,
+    peer: &crate::auth::Peer,
+    req: KubeStopRequest,
+) -> Result<KubePlan, ApiError> {
+    let k = agent.kube.as_ref().ok_or_else(|| {
+        ApiError::new(
+            ErrorKind::NotFound,
+            "this agent runs without Kubernetes: it cannot find pods",
+        )
+        .with_hint("start it with --kube-node (env CRYO_NODE_NAME), as deploy/'s DaemonSet does")
+    })?;
+    let client = k.client()?;
+    let (pod, containers, pod_deadline, spare) = match &req.what {
+        KubeTarget::Caller => {
+            let process = peer.process.as_ref().ok_or_else(|| {
+                ApiError::new(
+                    ErrorKind::Forbidden,
+                    "the caller's process is not visible from the agent (another pid namespace without hostPID?)",
+                )
+            })?;
+            let caller = client.resolve_caller(process).await.map_err(caller_error)?;
+            let cg = caller
+                .cgroup(&k.cgroups)
+                .map_err(|e| ApiError::new(ErrorKind::NotFound, e.to_string()))?;
+            let spare = process
+                .try_clone()
+                .map_err(|e| ApiError::new(ErrorKind::Failed, e.to_string()))?;
+            (
+                caller.pod.to_string(),
+                vec![Planned {
+                    container: caller.container,
+                    cgroup: cg.dir,
+                }],
+                caller.deadline,
+                Some(spare),
+            )
+        }
+        KubeTarget::Pod {
+            namespace,
+            name,
+            container,
+        } => {
+            if let Some(id) = own_container(agent, peer)? {
+                return Err(ApiError::new(
+                    ErrorKind::Forbidden,
+                    format!(
+                        "the caller is in container {} of pod {}: a container may only stop itself",
+                        id.container, id.pod
+                    ),
+                ));
+            }
+            let t = client
+                .pod_target(&k.cgroups, namespace, name, container.as_deref())
+                .await
+                .map_err(caller_error)?;
+            (
+                t.pod.to_string(),
+                t.containers
+                    .into_iter()
+                    .map(|(container, cg)| Planned {
+                        container,
+                        cgroup: cg.dir,
+                    })
+                    .collect(),
+                t.deadline,
+                None,
+            )
+        }
+    };
+    let now = SystemTime::now();
+    let from_pod = pod_deadline
+        .and_then(|d| d.duration_since(now).ok())
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            ApiError::new(
+                ErrorKind::Refused,
+                format!("pod {pod}: no time is left in its grace period for a safe stop; nothing was done"),
+            )
+            .with_hint("give the pod a terminationGracePeriodSeconds that fits the checkpoint of its device memory")
+        })?;
+    let deadline = match req.deadline_ms {
+        Some(ms) => from_pod.min(Duration::from_millis(ms)),
+        None => from_pod,
+    };
+    Ok(KubePlan {
+        pod,
+        containers,
+        until: Instant::now() + deadline,
+        deadline,
+        spare,
+        req,
+    })
+}
+
+impl Agent {
+    /// Runs a planned `POST /v1/kube/stop`: one stop per container, in order, each with what
+    /// is left of the deadline; a refusal ends it (what was not reached is left running).
+    pub(crate) fn kube_stop(
+        &self,
+        plan: KubePlan,
+        progress: &dyn Progress,
+    ) -> Result<KubeStopReport, ApiError> {
+        let mut out = KubeStopReport {
+            pod: plan.pod.clone(),
+            deadline_ms: u64::try_from(plan.deadline.as_millis()).unwrap_or(u64::MAX),
+            containers: Vec::new(),
+        };
+        let mut spare = plan.spare;
+        for c in plan.containers {
+            let left = plan.until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(ApiError::new(
+                    ErrorKind::Refused,
+                    format!(
+                        "pod {}: the deadline passed before container {} was reached; it was not touched",
+                        plan.pod, c.container
+                    ),
+                ));
+            }
+            let req: StopRequest = plan.req.for_cgroup(c.cgroup.clone(), left);
+            let mut resolved = req
+                .target()
+                .resolve()
+                .map_err(|e| ApiError::new(ErrorKind::NotFound, e.to_string()))?;
+            if let Some(h) = spare.take() {
+                resolved.spare(h);
+            }
+            tracing::info!(pod = %plan.pod, container = %c.container, cgroup = %c.cgroup.display(), deadline_ms = req.deadline_ms, "stopping a container");
+            let report = self.stop_resolved(&req, &resolved, progress)?;
+            let refused = !report.refusals.is_empty();
+            out.containers.push(ContainerStop {
+                container: c.container,
+                cgroup: c.cgroup,
+                report,
+            });
+            if refused {
+                break;
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A retry schedule that says once when a run of failures starts and when it ends.
+#[derive(Debug)]
+struct Retry {
+    what: &'static str,
+    next: Instant,
+    delay: Duration,
+    failing_since: Option<Instant>,
+}
+
+impl Retry {
+    fn new(what: &'static str) -> Self {
+        Retry {
+            what,
+            next: Instant::now(),
+            delay: BACKOFF_MIN,
+            failing_since: None,
+        }
+    }
+
+    fn due(&self) -> bool {
+        Instant::now() >= self.next
+    }
+
+    fn ok(&mut self) {
+        if let Some(since) = self.failing_since.take() {
+            tracing::info!(
+                what = self.what,
+                after_s = since.elapsed().as_secs(),
+                "Kubernetes: published again"
+            );
+        }
+        self.delay = BACKOFF_MIN;
+        self.next = Instant::now();
+    }
+
+    fn failed(&mut self, err: &dyn std::fmt::Display) {
+        if self.failing_since.is_none() {
+            self.failing_since = Some(Instant::now());
+            tracing::warn!(what = self.what, %err, "Kubernetes: cannot publish; retrying (safety actions go on without it)");
+        } else {
+            tracing::debug!(what = self.what, %err, "Kubernetes: still cannot publish");
+        }
+        self.next = Instant::now() + self.delay;
+        self.delay = (self.delay * 2).min(BACKOFF_MAX);
+    }
+}
+
+/// The fence as the node must show it: the quarantine file, or, when it cannot be read, every
+/// GPU (the fence fails closed, here as for thaws).
+fn wanted_fence(state: &StateDir) -> Vec<Quarantine> {
+    match state.fence().list() {
+        Ok(q) => q,
+        Err(e) => vec![Quarantine {
+            gpu: FencedGpu::Unknown,
+            reason: format!("the quarantine file cannot be trusted: {e}"),
+            pids: Vec::new(),
+            since_unix: 0,
+        }],
+    }
+}
+
+/// The publisher (see the module docs); ends when the agent stops.
+async fn publish(agent: Arc<Agent>, client: Arc<NodeClient>) {
+    let mut fence_retry = Retry::new("fence");
+    let mut shown: Option<Vec<Quarantine>> = None;
+    let mut resync = Instant::now() + RESYNC;
+    let mut feed = EventFeed::open(&agent.state);
+    let mut events_retry = Retry::new("events");
+    while !agent.stopping() {
+        let want = wanted_fence(&agent.state);
+        let changed = shown.as_ref() != Some(&want) || Instant::now() >= resync;
+        if changed && fence_retry.due() {
+            match client.reconcile_fence(&want).await {
+                Ok(out) => {
+                    if out != Default::default() {
+                        tracing::info!(
+                            fenced = want.len(),
+                            ?out,
+                            "Kubernetes: the node shows the fence"
+                        );
+                    }
+                    fence_retry.ok();
+                    shown = Some(want);
+                    resync = Instant::now() + RESYNC;
+                }
+                Err(e) => {
+                    shown = None;
+                    fence_retry.failed(&e);
+                }
+            }
+        }
+        if events_retry.due() {
+            match feed.post_pending(&client).await {
+                Ok(()) => events_retry.ok(),
+                Err(e) => events_retry.failed(&e),
+            }
+        }
+        tokio::time::sleep(TICK).await;
+    }
+}
+
+/// Journal records to post as Events, after a durable position.
+struct EventFeed {
+    follow: cryo_telemetry::Follow,
+    pending: VecDeque<Record>,
+    offset_file: PathBuf,
+    saved: u64,
+}
+
+impl EventFeed {
+    /// From the saved position; the first time, from the journal's end (the past is not
+    /// posted: it happened before Kubernetes was told to look).
+    fn open(state: &StateDir) -> Self {
+        let offset_file = state.kube_events_offset_file();
+        let saved = match read_offset(&offset_file) {
+            Some(n) => n,
+            None => {
+                let end = cryo_journal::read(state.journal_dir())
+                    .ok()
+                    .and_then(|s| s.records.last().map(|r| r.seq))
+                    .unwrap_or(0);
+                write_offset(&offset_file, end);
+                end
+            }
+        };
+        EventFeed {
+            follow: cryo_telemetry::Follow::new(state.journal_dir(), saved),
+            pending: VecDeque::new(),
+            offset_file,
+            saved,
+        }
+    }
+
+    /// Posts what is pending; on a failure worth retrying, stops there (the rest waits).
+    async fn post_pending(&mut self, client: &NodeClient) -> Result<(), cryo_kube::ApiError> {
+        match self.follow.poll_new() {
+            Ok(r) => self.pending.extend(r),
+            Err(e) => tracing::warn!(err = %e, "Kubernetes: reading the journal"),
+        }
+        let mut result = Ok(());
+        while let Some(r) = self.pending.front() {
+            if let Some(step) = step_of(&r.event) {
+                let subject = subject_of(&step.about, &CgroupLocator);
+                match client.post(&subject, &step).await {
+                    Ok(_) => {}
+                    Err(e) if permanent(&e) => {
+                        tracing::warn!(seq = r.seq, reason = step.reason, err = %e, "Kubernetes: the API server refused an Event; it is not posted");
+                    }
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            }
+            let seq = r.seq;
+            self.pending.pop_front();
+            if seq > self.saved {
+                // Saved per Event: an agent killed mid-way posts again at most the one in flight.
+                write_offset(&self.offset_file, seq);
+                self.saved = seq;
+            }
+        }
+        result
+    }
+}
+
+/// A refusal that asking again will not change (a 4xx other than 408 and 429).
+fn permanent(e: &cryo_kube::ApiError) -> bool {
+    matches!(e.status_code(), Some(c) if (400..500).contains(&c) && c != 408 && c != 429)
+}
+
+fn read_offset(path: &Path) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// Replaces the offset file (a temporary file renamed over it: never half written).
+fn write_offset(path: &Path, seq: u64) {
+    let tmp = path.with_extension("offset.tmp");
+    let r = std::fs::write(&tmp, format!("{seq}\n")).and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = r {
+        tracing::warn!(path = %path.display(), err = %e, "Kubernetes: cannot save the Events' position");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn retries_back_off_and_reset() {
+        let mut r = Retry::new("x");
+        assert!(r.due());
+        r.failed(&"down");
+        assert!(!r.due());
+        assert_eq!(r.delay, BACKOFF_MIN * 2);
+        for _ in 0..20 {
+            r.failed(&"down");
+        }
+        assert_eq!(r.delay, BACKOFF_MAX);
+        r.ok();
+        assert!(r.due());
+        assert_eq!(r.delay, BACKOFF_MIN);
+        assert!(r.failing_since.is_none());
+    }
+
+    #[test]
+    fn an_untrusted_quarantine_file_fences_every_gpu() {
+        let d = tempfile::tempdir().unwrap();
+        let state = StateDir::new(d.path().join("st"));
+        std::fs::create_dir_all(state.root()).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(state.root(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        assert!(wanted_fence(&state).is_empty());
+        std::fs::write(state.quarantine_file(), "not json").unwrap();
+        std::fs::set_permissions(
+            state.quarantine_file(),
+            std::fs::Permissions::from_mode(0o600),
+        )
+        .unwrap();
+        let w = wanted_fence(&state);
+        assert_eq!(w.len(), 1);
+        assert_eq!(w[0].gpu, FencedGpu::Unknown);
+    }
+
+    #[test]
+    fn the_offset_survives_and_starts_at_the_journals_end() {
+        let d = tempfile::tempdir().unwrap();
+        let state = StateDir::new(d.path());
+        let j = state.open_journal().unwrap();
+        for _ in 0..3 {
+            j.append(cryo_journal::Event::JournalRepaired {
+                offset: 0,
+                bytes: 1,
+            })
+            .unwrap();
+        }
+        let f = EventFeed::open(&state);
+        assert_eq!(f.saved, 3);
+        assert_eq!(read_offset(&state.kube_events_offset_file()), Some(3));
+        write_offset(&state.kube_events_offset_file(), 2);
+        assert_eq!(EventFeed::open(&state).saved, 2);
+    }
+}

@@ -1,0 +1,442 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! The agent on Kubernetes (`cryo agent run --kube-node`), against a real kube-apiserver
+//! (scripts/test.sh starts one; scripts/k8s-cluster.sh starts private ones for the outage) and
+//! the simulated GPU: the fence on the node and its release, the steps as Events, the fence
+//! holding while the API server is down and shown once it is back, and `cryo stop --self` /
+//! `--pod` through the agent on real cgroups laid out as containerd's, a container refused
+//! anything but itself.
+
+mod common;
+#[path = "../../kube/tests/support/mod.rs"]
+mod ks;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use common::{eventually, procs, stderr, stdout, AgentProc, Sim, PATIENCE};
+use cryo_kube::{CONDITION_TYPE, TAINT_KEY};
+use cryo_state::fence::FencedGpu;
+use cryo_state::StateDir;
+use k8s_openapi::api::core::v1::{Container, Event as KEvent, Node, Pod, PodSpec};
+use kube::api::{ListParams, ObjectMeta, PostParams};
+use kube::{Api, Client};
+
+const A: &str = "a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8f90";
+const B: &str = "b1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8f90";
+const GPU: &str = "GPU-00000001-aaaa-bbbb-cccc-000000000000";
+
+/// API calls take longer than local ones: the publisher retries with a backoff up to 15 s.
+const API_PATIENCE: Duration = Duration::from_secs(60);
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+async fn client_for(kubeconfig: &Path) -> Client {
+    let kc = kube::config::Kubeconfig::read_from(kubeconfig).unwrap();
+    let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .unwrap();
+    Client::try_from(cfg).unwrap()
+}
+
+fn fenced(n: &Node) -> (bool, Option<String>) {
+    let taint = n
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| {
+            t.iter()
+                .any(|t| t.key == TAINT_KEY && t.effect == "NoSchedule")
+        });
+    let cond = n
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|c| c.iter().find(|c| c.type_ == CONDITION_TYPE))
+        .and_then(|c| c.message.clone());
+    (taint, cond)
+}
+
+fn reasons(
+    rt: &tokio::runtime::Runtime,
+    c: &Client,
+    ns: &str,
+    name: &str,
+    kind: &str,
+) -> Vec<String> {
+    let lp = ListParams::default().fields(&format!(
+        "involvedObject.name={name},involvedObject.kind={kind}"
+    ));
+    rt.block_on(Api::<KEvent>::namespaced(c.clone(), ns).list(&lp))
+        .map(|l| l.items.into_iter().filter_map(|e| e.reason).collect())
+        .unwrap_or_default()
+}
+
+fn succeeded(o: &Output) {
+    assert!(
+        o.status.success(),
+        "status {:?}\nstdout: {}\nstderr: {}",
+        o.status,
+        stdout(o),
+        stderr(o)
+    );
+}
+
+fn kube_agent(sim: &Sim, state: &Path, node: &str, kubeconfig: &Path) -> AgentProc {
+    AgentProc::start(
+        sim,
+        state,
+        &[
+            "--no-memory-watch",
+            "--kube-node",
+            node,
+            "--kubeconfig",
+            kubeconfig.to_str().unwrap(),
+        ],
+    )
+}
+
+#[test]
+fn the_fence_and_the_steps_show_on_the_node_and_the_fence_lifts() {
+    let rt = rt();
+    rt.block_on(ks::ensure_agent_rbac());
+    let admin = rt.block_on(ks::admin());
+    let node = ks::unique("agent-fence");
+    rt.block_on(ks::create_node(&admin, &node));
+    let nodes = Api::<Node>::all(admin.clone());
+    let get = || rt.block_on(nodes.get(&node)).unwrap();
+
+    let mut sim = Sim::start();
+    let state = sim.path().join("state");
+    // as the DaemonSet's ServiceAccount, with deploy/'s ClusterRole
+    let agent = kube_agent(&sim, &state, &node, &ks::agent_kubeconfig());
+    // the guard quarantines a GPU (the quarantine file is what it writes)
+    let gpu = FencedGpu::Gpu(GPU.parse().unwrap());
+    StateDir::new(&state)
+        .fence()
+        .quarantine(&gpu, "pid 4242 killed by SIGKILL, context pinned", &[4242])
+        .unwrap();
+    let msg = eventually(API_PATIENCE, "the node fenced", || match fenced(&get()) {
+        (true, Some(m)) => Some(m),
+        _ => None,
+    });
+    assert!(
+        msg.contains(GPU) && msg.contains("killed by SIGKILL"),
+        "{msg}"
+    );
+    eventually(API_PATIENCE, "the CryoGpuFenced Event", || {
+        reasons(&rt, &admin, "default", &node, "Node").contains(&"CryoGpuFenced".to_owned())
+    });
+
+    // a stop through the agent: its steps are Events (on the Node: the worker is in no pod)
+    let (pid, _) = sim.worker("4MiB");
+    succeeded(
+        &sim.cmd_at(&state)
+            .args(["stop", &pid.to_string()])
+            .output()
+            .unwrap(),
+    );
+    eventually(API_PATIENCE, "the stop's Events", || {
+        let r = reasons(&rt, &admin, "default", &node, "Node");
+        r.contains(&"CryoStopping".to_owned()) && r.contains(&"CryoStopped".to_owned())
+    });
+
+    // the operator releases the fence: taint and condition go, an Event says so
+    StateDir::new(&state).fence().release(&gpu).unwrap();
+    eventually(API_PATIENCE, "the fence lifted", || {
+        fenced(&get()) == (false, None)
+    });
+    eventually(API_PATIENCE, "the CryoGpuFenceReleased Event", || {
+        reasons(&rt, &admin, "default", &node, "Node").contains(&"CryoGpuFenceReleased".to_owned())
+    });
+    assert!(
+        agent.log().contains("publishing the fence"),
+        "{}",
+        agent.log()
+    );
+    sim.assert_no_wedge();
+}
+
+/// A private API server (scripts/k8s-cluster.sh), stopped and started again by the test.
+struct Cluster {
+    dir: PathBuf,
+    env: HashMap<String, String>,
+}
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/k8s-cluster.sh")
+}
+
+impl Cluster {
+    fn start() -> Cluster {
+        let dir = std::env::temp_dir().join(ks::unique("cryo-k8s-outage"));
+        let out = Command::new("bash")
+            .arg(script())
+            .arg("start")
+            .arg(&dir)
+            .arg("--until-exit-of")
+            .arg(std::process::id().to_string())
+            .output()
+            .unwrap();
+        succeeded(&out);
+        let env = stdout(&out)
+            .lines()
+            .filter_map(|l| l.strip_prefix("export ")?.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+        Cluster { dir, env }
+    }
+
+    fn admin_kubeconfig(&self) -> PathBuf {
+        PathBuf::from(&self.env["CRYO_TEST_KUBECONFIG"])
+    }
+
+    fn apiserver(&self, what: &str) {
+        succeeded(
+            &Command::new("bash")
+                .arg(script())
+                .arg(what)
+                .arg(&self.dir)
+                .output()
+                .unwrap(),
+        );
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = Command::new("bash")
+            .arg(script())
+            .arg("stop")
+            .arg(&self.dir)
+            .output();
+    }
+}
+
+#[test]
+fn the_api_server_down_blocks_nothing_and_the_fence_shows_once_it_is_back() {
+    let cluster = Cluster::start();
+    let rt = rt();
+    let kc = cluster.admin_kubeconfig();
+    let admin = rt.block_on(client_for(&kc));
+    let node = ks::unique("outage");
+    rt.block_on(ks::create_node(&admin, &node));
+    let nodes = Api::<Node>::all(admin.clone());
+
+    let mut sim = Sim::start();
+    let state = sim.path().join("state");
+    let agent = kube_agent(&sim, &state, &node, &kc);
+    // the publisher is connected: a first fence shows
+    let st = StateDir::new(&state);
+    let first = FencedGpu::Gpu(GPU.parse().unwrap());
+    st.fence().quarantine(&first, "first", &[1]).unwrap();
+    eventually(API_PATIENCE, "the first fence", || {
+        fenced(&rt.block_on(nodes.get(&node)).unwrap()).0
+    });
+    st.fence().release(&first).unwrap();
+    eventually(API_PATIENCE, "the first fence lifted", || {
+        !fenced(&rt.block_on(nodes.get(&node)).unwrap()).0
+    });
+
+    cluster.apiserver("stop-apiserver");
+    // a quarantine while it is down: in the file at once, whatever the API server does
+    let gpu = FencedGpu::Gpu("GPU-00000002-aaaa-bbbb-cccc-000000000000".parse().unwrap());
+    st.fence()
+        .quarantine(&gpu, "pid 77 killed by SIGKILL, context pinned", &[77])
+        .unwrap();
+    assert_eq!(st.fence().list().unwrap().len(), 1);
+    // the agent tried, failed, and goes on: a safe stop through it works meanwhile
+    eventually(API_PATIENCE, "the agent noticing the outage", || {
+        agent.log().contains("cannot publish")
+    });
+    let (pid, _) = sim.worker("4MiB");
+    let out = sim
+        .cmd_at(&state)
+        .args(["stop", &pid.to_string(), "--json"])
+        .output()
+        .unwrap();
+    succeeded(&out);
+    assert!(
+        stdout(&out).contains("\"outcome\":\"stopped\""),
+        "{}",
+        stdout(&out)
+    );
+    assert!(!procs::alive(pid));
+    agent.client().status().unwrap();
+    // the fence still holds: a thaw onto that GPU would be refused
+    assert!(st
+        .fence()
+        .fences(&GPU.replace("00000001", "00000002").parse().unwrap())
+        .unwrap());
+
+    cluster.apiserver("start-apiserver");
+    let msg = eventually(
+        API_PATIENCE,
+        "the fence shown after the outage",
+        || match fenced(&rt.block_on(nodes.get(&node)).ok()?) {
+            (true, Some(m)) => Some(m),
+            _ => None,
+        },
+    );
+    assert!(msg.contains("pid 77"), "{msg}");
+    // and the stop made during the outage is posted too (the journal was the queue)
+    eventually(API_PATIENCE, "the outage's stop Events", || {
+        reasons(&rt, &admin, "default", &node, "Node").contains(&"CryoStopped".to_owned())
+    });
+    assert!(agent.log().contains("published again"), "{}", agent.log());
+    sim.assert_no_wedge();
+}
+
+/// `cmd` run from inside the cgroup `dir` (it moves itself there before exec).
+fn from_cgroup(dir: &Path, cmd: &Command) -> Output {
+    let mut c = Command::new("sh");
+    c.arg("-c")
+        .arg(r#"echo $$ > "$1/cgroup.procs" && shift && exec "$@""#)
+        .arg("sh")
+        .arg(dir)
+        .arg(cmd.get_program())
+        .args(cmd.get_args());
+    for (k, v) in cmd.get_envs() {
+        match v {
+            Some(v) => c.env(k, v),
+            None => c.env_remove(k),
+        };
+    }
+    c.output().unwrap()
+}
+
+#[test]
+fn prestop_stops_its_own_container_through_the_agent_and_nothing_else() {
+    ks::require_root();
+    let rt = rt();
+    rt.block_on(ks::ensure_agent_rbac());
+    let ks::Scene {
+        admin,
+        node,
+        ns,
+        pods,
+    } = rt.block_on(ks::Scene::new("prestop"));
+    let pod = Pod {
+        metadata: ObjectMeta {
+            name: Some("w".into()),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            node_name: Some(node.clone()),
+            termination_grace_period_seconds: Some(60),
+            containers: ["vllm", "sidecar"]
+                .map(|n| Container {
+                    name: n.into(),
+                    image: Some(n.into()),
+                    ..Default::default()
+                })
+                .to_vec(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let uid = rt
+        .block_on(pods.create(&PostParams::default(), &pod))
+        .unwrap()
+        .metadata
+        .uid
+        .unwrap();
+    rt.block_on(ks::set_running(&pods, "w", &[("vllm", A), ("sidecar", B)]));
+    // containerd with the cgroupfs driver, under a private top
+    let mut tree = ks::Tree::new();
+    let dir_a = tree.dir(&format!("kubepods/besteffort/pod{uid}/{A}"));
+    let dir_b = tree.dir(&format!("kubepods/besteffort/pod{uid}/{B}"));
+    let sidecar = tree.spawn_in(&dir_b);
+
+    let mut sim = Sim::start();
+    let state = sim.path().join("state");
+    let agent = AgentProc::start(
+        &sim,
+        &state,
+        &[
+            "--no-memory-watch",
+            "--kube-node",
+            &node,
+            "--kubeconfig",
+            ks::agent_kubeconfig().to_str().unwrap(),
+            "--cgroup-root",
+            "/sys/fs/cgroup",
+        ],
+    );
+    let (worker, port) = sim.worker("16MiB");
+    std::fs::write(dir_a.join("cgroup.procs"), worker.to_string()).unwrap();
+
+    // the sidecar's container asks for the worker's pid, the whole pod, a change: refused
+    let cryo = |args: &[&str]| {
+        let mut c = sim.cmd_at(&state);
+        c.args(args);
+        c
+    };
+    let out = from_cgroup(&dir_b, &cryo(&["stop", &worker.to_string()]));
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(&format!("pid {worker} is in pod {uid} container {A}")),
+        "{}",
+        stderr(&out)
+    );
+    let out = from_cgroup(&dir_b, &cryo(&["stop", "--pod", &format!("{ns}/w")]));
+    assert!(
+        stderr(&out).contains("a container may only stop itself"),
+        "{}",
+        stderr(&out)
+    );
+    let out = from_cgroup(&dir_b, &cryo(&["agent", "stop"]));
+    assert!(
+        stderr(&out).contains("a container may only stop itself"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(
+        common::http(port, "GET", "/health", "").0,
+        200,
+        "the worker was touched"
+    );
+
+    // the preStop of the worker's container: everything suspended, then ended; not the sidecar
+    let out = from_cgroup(&dir_a, &cryo(&["stop", "--self"]));
+    succeeded(&out);
+    assert!(
+        stdout(&out).contains("suspended; ending the container"),
+        "{}",
+        stdout(&out)
+    );
+    eventually(PATIENCE, "the worker ended", || !procs::alive(worker));
+    sim.assert_no_wedge();
+    assert!(procs::alive(sidecar));
+    eventually(API_PATIENCE, "the stop's Events on the Pod", || {
+        let r = reasons(&rt, &admin, &ns, "w", "Pod");
+        r.contains(&"CryoStopping".to_owned()) && r.contains(&"CryoStopped".to_owned())
+    });
+    let log = agent.log();
+    assert!(log.contains("stopping a container"), "{log}");
+
+    // the operator stops the sidecar by pod and container, from the host
+    let out = cryo(&[
+        "stop",
+        "--pod",
+        &format!("{ns}/w"),
+        "--container",
+        "sidecar",
+    ])
+    .output()
+    .unwrap();
+    succeeded(&out);
+    assert!(
+        stdout(&out).contains("container sidecar"),
+        "{}",
+        stdout(&out)
+    );
+    eventually(PATIENCE, "the sidecar ended", || !procs::alive(sidecar));
+}
