@@ -19,6 +19,9 @@
 //!   and SIGINT ask for a clean shutdown (refused while pins are held), the rest are logged and
 //!   ignored. `oom_score_adj` is set to -1000 where permitted (said once when not). Nothing is
 //!   printed with `print!`: logs go through `tracing`, which drops what a closed stderr refuses.
+//! - **Kubernetes** ([`k8s`], `--kube-node`): the fence and the journal's steps published to the
+//!   API server without ever being in the way of a safety action; `cryo stop --self` / `--pod`;
+//!   a caller in a pod's container confined to stopping itself.
 //! - **Shutdown**: `cryo agent stop` or SIGTERM; refused while pins are held (the answer says
 //!   how to release them); otherwise the guard detaches from every worker, followers of the
 //!   event stream are ended, the socket is removed.

@@ -3,7 +3,8 @@
 //!
 //! # Design
 //! [`step_of`] (pure) says which journal events are steps an operator should see in
-//! `kubectl describe` (stop, freeze, thaw, pin, quarantine, release, the guard's interventions)
+//! `kubectl describe` (stop, freeze, thaw, park, wake, pin, quarantine, release, the guard's
+//! interventions)
 //! and how they read; finer events (lock, checkpoint, verify of each process) stay in the journal.
 //! A step is posted on the Pod of the process it is about when that process is in a pod of this
 //! node, else on the Node.
@@ -134,6 +135,30 @@ pub fn step_of(event: &Event) -> Option<Step> {
         ),
         Event::ThawCompleted { .. } => (Normal, "CryoThawed", format!("thaw done: {detail}"), About::Node),
         Event::ThawFailed { .. } => (Warning, "CryoThawFailed", format!("thaw failed: {detail}"), About::Node),
+        Event::ParkCompleted { target, pids, ms } => (
+            Normal,
+            "CryoParked",
+            format!("{} processes of {target} parked in host memory in {ms} ms (their GPUs are free)", pids.len()),
+            About::Target(target.clone()),
+        ),
+        Event::ParkFailed { target, .. } => (
+            Warning,
+            "CryoParkFailed",
+            format!("park of {target} failed (the worker serves again): {detail}"),
+            About::Target(target.clone()),
+        ),
+        Event::WakeCompleted { target, pids, ms } => (
+            Normal,
+            "CryoWoken",
+            format!("{} processes of {target} woken in {ms} ms", pids.len()),
+            About::Target(target.clone()),
+        ),
+        Event::WakeFailed { target, .. } => (
+            Warning,
+            "CryoWakeFailed",
+            format!("wake of {target} failed (it stays parked): {detail}"),
+            About::Target(target.clone()),
+        ),
         Event::FatalSignal { pid, .. } => (
             Warning,
             "CryoFatalSignal",
@@ -372,6 +397,42 @@ mod tests {
 
     const UID: &str = "0b8e4f4c-1f2a-4c3d-9e8f-0123456789ab";
     const A: &str = "a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8f90";
+
+    #[test]
+    fn park_and_wake_are_steps_on_their_pod() {
+        let cg = format!("cgroup /sys/fs/cgroup/kubepods/burstable/pod{UID}/{A}");
+        let uid: PodUid = UID.parse().unwrap();
+        let parked = step_of(&Event::ParkCompleted {
+            target: cg.clone(),
+            pids: vec![pid(1)],
+            ms: 900,
+        })
+        .unwrap();
+        assert_eq!(
+            (parked.kind, parked.reason),
+            (EventType::Normal, "CryoParked")
+        );
+        assert_eq!(
+            subject_of(&parked.about, &NoPods),
+            Subject::Pod(uid.clone())
+        );
+        let failed = step_of(&Event::WakeFailed {
+            target: cg,
+            error: "no GPU has room".into(),
+        })
+        .unwrap();
+        assert_eq!(
+            (failed.kind, failed.reason),
+            (EventType::Warning, "CryoWakeFailed")
+        );
+        assert!(
+            failed.message.contains("stays parked"),
+            "{}",
+            failed.message
+        );
+        assert_eq!(subject_of(&failed.about, &NoPods), Subject::Pod(uid));
+        assert!(step_of(&Event::ParkStarted { target: "x".into() }).is_none());
+    }
 
     #[test]
     fn steps_and_their_subjects() {
