@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use common::{eventually, procs, stderr, stdout, AgentProc, Sim, PATIENCE};
+use common::{eventually, procs, stderr, stdout, succeeded, AgentProc, Sim, PATIENCE};
 use cryo_kube::{CONDITION_TYPE, TAINT_KEY};
 use cryo_state::fence::FencedGpu;
 use cryo_state::StateDir;
@@ -36,14 +36,6 @@ fn rt() -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .unwrap()
-}
-
-async fn client_for(kubeconfig: &Path) -> Client {
-    let kc = kube::config::Kubeconfig::read_from(kubeconfig).unwrap();
-    let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
-        .await
-        .unwrap();
-    Client::try_from(cfg).unwrap()
 }
 
 fn fenced(n: &Node) -> (bool, Option<String>) {
@@ -77,16 +69,6 @@ fn reasons(
     rt.block_on(Api::<KEvent>::namespaced(c.clone(), ns).list(&lp))
         .map(|l| l.items.into_iter().filter_map(|e| e.reason).collect())
         .unwrap_or_default()
-}
-
-fn succeeded(o: &Output) {
-    assert!(
-        o.status.success(),
-        "status {:?}\nstdout: {}\nstderr: {}",
-        o.status,
-        stdout(o),
-        stderr(o)
-    );
 }
 
 fn kube_agent(sim: &Sim, state: &Path, node: &str, kubeconfig: &Path) -> AgentProc {
@@ -225,7 +207,7 @@ fn the_api_server_down_blocks_nothing_and_the_fence_shows_once_it_is_back() {
     let cluster = Cluster::start();
     let rt = rt();
     let kc = cluster.admin_kubeconfig();
-    let admin = rt.block_on(client_for(&kc));
+    let admin = rt.block_on(ks::client_for(&kc));
     let node = ks::unique("outage");
     rt.block_on(ks::create_node(&admin, &node));
     let nodes = Api::<Node>::all(admin.clone());

@@ -273,6 +273,17 @@ impl Drop for AgentProc {
     }
 }
 
+/// Asserts the command succeeded, showing its output when not.
+pub fn succeeded(o: &Output) {
+    assert!(
+        o.status.success(),
+        "status {:?}\nstdout: {}\nstderr: {}",
+        o.status,
+        stdout(o),
+        stderr(o)
+    );
+}
+
 pub fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }

@@ -117,7 +117,12 @@ pub async fn eventually<F: FnMut() -> bool>(what: &str, within: Duration, mut f:
 
 /// The admin client.
 pub async fn admin() -> Client {
-    let kc = kube::config::Kubeconfig::read_from(admin_kubeconfig()).unwrap();
+    client_for(&admin_kubeconfig()).await
+}
+
+/// A client from a kubeconfig file.
+pub async fn client_for(kubeconfig: &Path) -> Client {
+    let kc = kube::config::Kubeconfig::read_from(kubeconfig).unwrap();
     let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
         .await
         .unwrap();
