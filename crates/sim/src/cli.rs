@@ -165,6 +165,11 @@ pub struct WorkerArgs {
     /// Device memory to allocate per context (bytes, or e.g. 512MiB, 4GiB).
     #[arg(long, value_parser = parse_size, default_value = "256MiB")]
     pub memory: u64,
+    /// A KV cache per context after the weights (bytes, or e.g. 3GiB; 0: none), which the
+    /// engine endpoints (vLLM's `/sleep`, `/wake_up`; SGLang's `/release_memory_occupation`,
+    /// `/resume_memory_occupation`) release and take back.
+    #[arg(long, value_parser = parse_size, default_value = "0")]
+    pub kv_cache: u64,
     /// Seed of the "model weights" in device memory.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -235,6 +240,7 @@ impl SimCommand {
                     process_per_gpu: a.process_per_gpu,
                     init_only: a.init_only,
                     memory: a.memory,
+                    kv_cache: a.kv_cache,
                     seed: a.seed,
                     port: a.port,
                     http_unix: a.http_unix,

@@ -794,12 +794,85 @@ impl Daemon {
                     self.remove(meta.id);
                     proto::send(s, &CtxReply::Released)
                 }
+                (CtxRequest::Resize { bytes, seed }, false) => {
+                    match self.resize(meta, &mut mem, bytes, seed) {
+                        Ok(()) => proto::send(s, &CtxReply::Done),
+                        Err(code) => proto::send(s, &CtxReply::Cuda(code)),
+                    }
+                }
+                (CtxRequest::Write { offset, len }, false) => {
+                    let range = usize::try_from(offset)
+                        .ok()
+                        .zip(usize::try_from(len).ok())
+                        .and_then(|(o, l)| Some(o..o.checked_add(l)?))
+                        .filter(|range| range.end <= mem.len());
+                    let Some(range) = range else {
+                        // The bytes that follow cannot be placed: the stream is lost.
+                        tracing::warn!(pid = meta.pid, offset, len, "write outside device memory");
+                        return released;
+                    };
+                    match io::Read::read_exact(&mut r, &mut mem[range]) {
+                        Ok(()) => proto::send(s, &CtxReply::Uploaded),
+                        Err(err) => Err(err),
+                    }
+                }
+                (CtxRequest::Fill { len, seed }, false) => match usize::try_from(len) {
+                    Ok(n) if n <= mem.len() => {
+                        memory::fill(&mut mem[..n], seed);
+                        proto::send(s, &CtxReply::Done)
+                    }
+                    _ => proto::send(
+                        s,
+                        &CtxReply::Error(format!("fill of {len} bytes: outside device memory")),
+                    ),
+                },
             };
             if let Err(err) = sent {
                 tracing::debug!(pid = meta.pid, %err, "context socket failed");
                 return released;
             }
         }
+    }
+
+    /// Resizes a context's device memory (an engine allocating or freeing at its end), within
+    /// the GPU's free memory.
+    fn resize(
+        &self,
+        meta: &CtxMeta,
+        mem: &mut Vec<u8>,
+        bytes: u64,
+        seed: Option<u64>,
+    ) -> Result<(), CuResult> {
+        let new_len = usize::try_from(bytes).map_err(|_| CuResult::OUT_OF_MEMORY)?;
+        let old_len = mem.len();
+        {
+            let mut table = self.table();
+            let used: u64 = table
+                .values()
+                .filter(|c| c.gpu == meta.gpu && c.id != meta.id)
+                .map(|c| c.bytes)
+                .sum();
+            if new_len > old_len && used.saturating_add(bytes) > self.gpus[meta.gpu].total {
+                tracing::info!(pid = meta.pid, bytes, used, "allocation refused: out of device memory");
+                return Err(CuResult::OUT_OF_MEMORY);
+            }
+            if let Some(c) = table.get_mut(&meta.id) {
+                c.bytes = bytes;
+            }
+        }
+        if new_len <= old_len {
+            mem.truncate(new_len);
+            mem.shrink_to_fit();
+            return Ok(());
+        }
+        let mut grown = vec![0u8; new_len];
+        crate::sys::advise_huge_pages(&mut grown);
+        grown[..old_len].copy_from_slice(mem);
+        if let Some(seed) = seed {
+            memory::fill_at(&mut grown[old_len..], seed, (old_len / 8) as u64);
+        }
+        *mem = grown;
+        Ok(())
     }
 
     fn wedge(&self, meta: &CtxMeta) {
@@ -812,7 +885,8 @@ impl Daemon {
             pid: meta.pid,
             gpu_index: meta.gpu as u32,
             gpu_uuid: self.gpus[meta.gpu].uuid.clone(),
-            used_memory: meta.bytes,
+            // What it held when torn down (an engine may have resized it since it opened).
+            used_memory: self.table().get(&meta.id).map_or(meta.bytes, |c| c.bytes),
             death,
             restored: true,
         };

@@ -15,8 +15,14 @@ pub fn word(seed: u64, i: u64) -> u64 {
 
 /// Fills `buf` from `seed`, on every core.
 pub fn fill(buf: &mut [u8], seed: u64) {
+    fill_at(buf, seed, 0);
+}
+
+/// Fills `buf` as the words from `first_word` on of memory filled from `seed` (the tail of a
+/// region that starts at byte `8 * first_word`), on every core.
+pub fn fill_at(buf: &mut [u8], seed: u64, first_word: u64) {
     for_pieces(buf, |first_chunk, piece| {
-        let mut i = (first_chunk * CHUNK / 8) as u64;
+        let mut i = first_word + (first_chunk * CHUNK / 8) as u64;
         let mut words = piece.chunks_exact_mut(8);
         for w in &mut words {
             w.copy_from_slice(&word(seed, i).to_le_bytes());
@@ -167,6 +173,15 @@ mod tests {
                 assert_ne!(hash(&buf), expected_hash(42, len as u64), "len {len}");
             }
         }
+    }
+
+    #[test]
+    fn a_region_filled_in_two_parts_is_the_whole() {
+        let (head, len) = (CHUNK + 8 * 1000, 3 * CHUNK + 17);
+        let mut buf = vec![0u8; len];
+        fill(&mut buf[..head], 9);
+        fill_at(&mut buf[head..], 9, (head / 8) as u64);
+        assert_eq!(hash(&buf), expected_hash(9, len as u64));
     }
 
     #[test]

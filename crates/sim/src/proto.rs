@@ -267,6 +267,30 @@ pub enum CtxRequest {
     Download,
     /// Checkpoint, step 2: free device memory; the context is no longer live.
     Release,
+    /// An allocation or free at the end of device memory (an engine's KV-cache pool, its
+    /// weights): device memory becomes `bytes` long. What grows is filled from `seed` as the
+    /// words at its offset (`None`: zeros); growing past the GPU's free memory is
+    /// `CUDA_ERROR_OUT_OF_MEMORY`.
+    Resize {
+        /// The new size.
+        bytes: u64,
+        /// How the new part is filled.
+        seed: Option<u64>,
+    },
+    /// A host-to-device copy: `len` raw bytes follow, written at `offset`.
+    Write {
+        /// Where.
+        offset: u64,
+        /// How many.
+        len: u64,
+    },
+    /// The first `len` bytes are filled from `seed` (weights loaded from the model's files).
+    Fill {
+        /// How many.
+        len: u64,
+        /// The seed.
+        seed: u64,
+    },
 }
 
 /// The answer on an open context.
@@ -281,8 +305,12 @@ pub enum CtxReply {
     Download(u64),
     /// Device memory freed.
     Released,
-    /// The upload of a restore arrived.
+    /// The upload of a restore (or a `Write`) arrived.
     Uploaded,
+    /// A `Resize` or `Fill` is done.
+    Done,
+    /// The driver refused (`Resize` past the free memory).
+    Cuda(CuResult),
     /// The request failed.
     Error(String),
 }

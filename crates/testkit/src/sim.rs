@@ -216,6 +216,7 @@ impl Drop for Sim {
 #[derive(Debug, Clone)]
 pub struct WorkerSpec {
     memory: String,
+    kv_cache: Option<String>,
     gpu: u32,
     /// `--gpus`: a context on each (or one rank each with `process_per_gpu`).
     gpus: Vec<u32>,
@@ -234,6 +235,7 @@ impl WorkerSpec {
     pub fn new(memory: &str) -> Self {
         WorkerSpec {
             memory: memory.to_string(),
+            kv_cache: None,
             gpu: 0,
             gpus: Vec::new(),
             process_per_gpu: false,
@@ -245,6 +247,13 @@ impl WorkerSpec {
             cgroup: None,
             program: None,
         }
+    }
+
+    /// A KV cache of this size per context after the weights (`--kv-cache`), which the engine
+    /// endpoints release and take back.
+    pub fn kv_cache(mut self, size: &str) -> Self {
+        self.kv_cache = Some(size.to_string());
+        self
     }
 
     /// On the GPU with this NVML index.
@@ -375,6 +384,7 @@ impl Worker {
             .arg(sim.path())
             .args(spec.gpu_args())
             .args(["--memory", &spec.memory])
+            .args(spec.kv_cache.iter().flat_map(|k| ["--kv-cache", k.as_str()]))
             .args(["--seed", &spec.seed.to_string()])
             .arg("--ready-file")
             .arg(&ready)

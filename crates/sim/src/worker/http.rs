@@ -7,6 +7,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use tiny_http::{Header, Method, Request, Response, Server};
 
+use super::engine::{EngineOp, EngineStatus, WeightsRelease};
 use super::state::{CallError, Worker};
 use crate::memory;
 
@@ -61,10 +62,15 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn fault(&self, rank: usize) -> Result<(), CallError>;
     /// Extra fields of `GET /health`.
     fn health(&self) -> serde_json::Value;
+    /// Releases or takes back engine memory (on every rank).
+    fn engine(&self, op: &EngineOp) -> Result<(), CallError>;
+    /// Whether the engine sleeps, how many requests run (over every rank).
+    fn engine_status(&self) -> Result<EngineStatus, CallError>;
 }
 
 impl Backend for Worker {
     fn complete(&self, prompt: &[u8]) -> Result<String, CallError> {
+        self.check_awake()?;
         let h = prompt_hash(prompt);
         let mut acc = h;
         let mut text = String::new();
@@ -87,6 +93,7 @@ impl Backend for Worker {
     }
 
     fn verify(&self) -> Result<Verified, CallError> {
+        self.check_awake()?;
         let hashes = Worker::verify(self)?;
         Ok(Verified {
             bytes: self.bytes() * hashes.len() as u64,
@@ -110,6 +117,14 @@ impl Backend for Worker {
             "gpu_calls_waiting": waiting,
             "ranks": self.ranks(),
         })
+    }
+
+    fn engine(&self, op: &EngineOp) -> Result<(), CallError> {
+        Worker::engine(self, op)
+    }
+
+    fn engine_status(&self) -> Result<EngineStatus, CallError> {
+        Ok(Worker::engine_status(self))
     }
 }
 
@@ -162,7 +177,148 @@ fn call_error(e: CallError) -> Response<std::io::Cursor<Vec<u8>>> {
             serde_json::json!({ "error": format!("GPU driver: {err}") }),
         ),
         CallError::Rank(err) => json(502, serde_json::json!({ "error": err })),
+        CallError::Sleeping => json(503, serde_json::json!({ "error": "the engine is sleeping" })),
+        CallError::Engine(err) => json(400, serde_json::json!({ "error": err })),
     }
+}
+
+/// Every value of `key` in the query.
+fn query_all<'a>(url: &'a str, key: &str) -> Vec<&'a str> {
+    url.split_once('?').map_or_else(Vec::new, |(_, q)| {
+        q.split('&')
+            .filter_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+            .collect()
+    })
+}
+
+/// The `tags` of an SGLang memory request body (`{"tags": [...]}`; absent or null: all).
+fn sglang_tags(body: &[u8]) -> Result<Vec<String>, String> {
+    #[derive(Deserialize)]
+    struct Tags {
+        #[serde(default)]
+        tags: Option<Vec<String>>,
+    }
+    let all = || vec!["kv_cache".to_owned(), "weights".to_owned(), "cuda_graph".to_owned()];
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(all());
+    }
+    let t: Tags = serde_json::from_slice(body).map_err(|e| format!("bad body: {e}"))?;
+    let tags = t.tags.unwrap_or_else(all);
+    match tags.iter().find(|t| !["kv_cache", "weights", "cuda_graph"].contains(&t.as_str())) {
+        Some(bad) => Err(format!("unknown tag {bad:?}")),
+        None => Ok(tags),
+    }
+}
+
+fn done(r: Result<(), CallError>) -> Response<std::io::Cursor<Vec<u8>>> {
+    match r {
+        Ok(()) => json(200, serde_json::json!({})),
+        Err(e) => call_error(e),
+    }
+}
+
+/// The engine endpoints (vLLM's sleep mode, SGLang's memory saver, `/metrics`); `None`: not one.
+fn engine_endpoint(
+    w: &dyn Backend,
+    method: &Method,
+    path: &str,
+    url: &str,
+    body: &[u8],
+) -> Option<Response<std::io::Cursor<Vec<u8>>>> {
+    let has = |tags: &[String], t: &str| tags.iter().any(|x| x == t);
+    Some(match (method, path) {
+        (Method::Post, "/sleep") => {
+            let weights = match query(url, "level").unwrap_or("1") {
+                "1" => WeightsRelease::Offload,
+                "2" => WeightsRelease::Discard,
+                other => return Some(json(400, serde_json::json!({ "error": format!("no sleep level {other}") }))),
+            };
+            match w.engine_status() {
+                Ok(st) if st.running > 0 => {
+                    // vLLM has crashed when put to sleep with requests in flight: the simulator
+                    // is no kinder.
+                    tracing::error!(running = st.running, "put to sleep with requests in flight: crashing");
+                    std::process::exit(1);
+                }
+                Ok(_) => done(w.engine(&EngineOp::Release { weights: Some(weights) })),
+                Err(e) => call_error(e),
+            }
+        }
+        (Method::Post, "/wake_up") => {
+            let tags = query_all(url, "tags");
+            if let Some(bad) = tags.iter().find(|t| !["weights", "kv_cache"].contains(t)) {
+                return Some(json(400, serde_json::json!({ "error": format!("unknown tag {bad:?}") })));
+            }
+            let all = tags.is_empty();
+            done(w.engine(&EngineOp::Resume {
+                weights: all || tags.contains(&"weights"),
+                kv: all || tags.contains(&"kv_cache"),
+            }))
+        }
+        (Method::Get, "/is_sleeping") => match w.engine_status() {
+            Ok(st) => json(200, serde_json::json!({ "is_sleeping": st.sleeping })),
+            Err(e) => call_error(e),
+        },
+        (Method::Post, "/collective_rpc") => {
+            #[derive(Deserialize)]
+            struct Rpc {
+                method: String,
+            }
+            match serde_json::from_slice::<Rpc>(body) {
+                Ok(r) if r.method == "reload_weights" => match w.engine(&EngineOp::ReloadWeights) {
+                    Ok(()) => json(200, serde_json::json!({ "results": [null] })),
+                    Err(e) => call_error(e),
+                },
+                Ok(r) => json(400, serde_json::json!({ "error": format!("method {:?} is not simulated", r.method) })),
+                Err(e) => json(400, serde_json::json!({ "error": format!("bad body: {e}") })),
+            }
+        }
+        (Method::Post | Method::Get, "/release_memory_occupation") => match sglang_tags(body) {
+            Err(e) => json(400, serde_json::json!({ "error": e })),
+            Ok(tags) if has(&tags, "weights") && !has(&tags, "kv_cache") => json(
+                400,
+                serde_json::json!({ "error": "the simulator releases the weights only with the KV cache" }),
+            ),
+            Ok(tags) => match w.engine_status() {
+                Ok(st) if st.running > 0 => json(
+                    400,
+                    serde_json::json!({ "error": format!("{} requests in flight", st.running) }),
+                ),
+                Ok(_) if !has(&tags, "kv_cache") => json(200, serde_json::json!({})),
+                Ok(_) => done(w.engine(&EngineOp::Release {
+                    weights: has(&tags, "weights").then_some(WeightsRelease::Offload),
+                })),
+                Err(e) => call_error(e),
+            },
+        },
+        (Method::Post | Method::Get, "/resume_memory_occupation") => match sglang_tags(body) {
+            Err(e) => json(400, serde_json::json!({ "error": e })),
+            Ok(tags) => done(w.engine(&EngineOp::Resume {
+                weights: has(&tags, "weights"),
+                kv: has(&tags, "kv_cache"),
+            })),
+        },
+        (Method::Get, "/metrics") => match w.engine_status() {
+            Ok(st) => {
+                let mut text = String::new();
+                for (name, v) in [
+                    ("vllm:num_requests_running", st.running),
+                    ("vllm:num_requests_waiting", 0),
+                    ("sglang:num_running_reqs", st.running),
+                    ("sglang:num_queue_reqs", 0),
+                ] {
+                    text.push_str(&format!("# TYPE {name} gauge\n{name}{{model_name=\"sim\"}} {v}.0\n"));
+                }
+                let mut r = Response::from_string(text);
+                if let Ok(h) = Header::from_bytes("Content-Type", "text/plain; version=0.0.4") {
+                    r.add_header(h);
+                }
+                r
+            }
+            Err(e) => call_error(e),
+        },
+        _ => return None,
+    })
 }
 
 fn query<'a>(url: &'a str, key: &str) -> Option<&'a str> {
@@ -175,6 +331,21 @@ fn query<'a>(url: &'a str, key: &str) -> Option<&'a str> {
 fn handle(w: &dyn Backend, mut req: Request) {
     let path = req.url().split('?').next().unwrap_or("").to_string();
     let mut exit_after = false;
+    let mut body = Vec::new();
+    if matches!(
+        path.as_str(),
+        "/collective_rpc" | "/release_memory_occupation" | "/resume_memory_occupation"
+    ) {
+        if let Err(err) = req.as_reader().read_to_end(&mut body) {
+            tracing::debug!(%err, "http: cannot read the body");
+        }
+    }
+    if let Some(resp) = engine_endpoint(w, req.method(), &path, req.url(), &body) {
+        if let Err(err) = req.respond(resp) {
+            tracing::debug!(%err, "http: client went away");
+        }
+        return;
+    }
     let resp = match (req.method(), path.as_str()) {
         (Method::Get, "/health") => {
             let mut body = serde_json::json!({ "ok": true, "pid": std::process::id() });

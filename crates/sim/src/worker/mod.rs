@@ -18,6 +18,7 @@
 //! # Limitations
 //! GPU work queued by `/busy` is modelled as a deadline, not as kernels running in the daemon.
 
+mod engine;
 mod http;
 mod restore;
 pub(crate) mod state;
@@ -45,8 +46,11 @@ pub struct WorkerConfig {
     pub process_per_gpu: bool,
     /// The process (the launcher of a tree) only initialises the driver: no context.
     pub init_only: bool,
-    /// Device memory per context, bytes.
+    /// Device memory per context, bytes: the engine's weights.
     pub memory: u64,
+    /// KV cache per context after the weights, bytes (0: none): what the engine endpoints
+    /// release and take back.
+    pub kv_cache: u64,
     /// Seed of device memory.
     pub seed: u64,
     /// TCP port on 127.0.0.1 (0: any).
@@ -210,6 +214,11 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
     if !cfg.gpus.is_empty() && cfg.memory < 4096 {
         return Err(WorkerError::MemoryTooSmall(cfg.memory));
     }
+    if cfg.kv_cache > 0 && !cfg.memory.is_multiple_of(8) {
+        return Err(WorkerError::Shape(
+            "--memory must be a multiple of 8 bytes with --kv-cache (the KV cache starts at a word)",
+        ));
+    }
     // Ranks are forked before this process starts any thread.
     let (backend, extra): (Arc<dyn Backend>, serde_json::Value) = if cfg.process_per_gpu {
         let t = tree::start(&cfg)?;
@@ -221,7 +230,9 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
         } else {
             cfg.gpus.clone()
         };
-        let worker = Arc::new(Worker::new(cfg.dir.clone(), cfg.memory, cfg.seed, ctx_gpus));
+        let worker = Arc::new(
+            Worker::new(cfg.dir.clone(), cfg.memory, cfg.seed, ctx_gpus).with_kv_cache(cfg.kv_cache),
+        );
         restore::start(worker.clone(), &crate::daemon_id(&cfg.dir))?;
         worker.open_fresh().map_err(|e| open_error(&cfg, e))?;
         (worker, serde_json::json!({}))

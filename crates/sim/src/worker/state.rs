@@ -42,6 +42,10 @@ pub(crate) enum CallError {
     Io(io::Error),
     /// A rank of a tree did not answer (its process is gone, or the channel broke).
     Rank(String),
+    /// The engine is asleep (weights or KV cache released): it serves nothing.
+    Sleeping,
+    /// An engine memory request that does not fit the engine's state.
+    Engine(String),
 }
 
 #[derive(Debug)]
@@ -77,14 +81,49 @@ impl Context {
         proto::send(&mut self.s, req)?;
         proto::recv_some(&mut self.s)
     }
+
+    /// Device memory becomes `bytes` long; what grows is filled from `seed` (or zeros).
+    pub(crate) fn resize(&mut self, bytes: u64, seed: Option<u64>) -> io::Result<()> {
+        match self.request(&CtxRequest::Resize { bytes, seed })? {
+            CtxReply::Done => Ok(()),
+            CtxReply::Cuda(code) => Err(io::Error::other(format!("{code} ({})", code.description()))),
+            other => Err(protocol("resize", other)),
+        }
+    }
+
+    /// Copies `data` to device memory at `offset`.
+    pub(crate) fn write(&mut self, offset: u64, data: &[u8]) -> io::Result<()> {
+        let len = data.len() as u64;
+        proto::send(&mut self.s, &CtxRequest::Write { offset, len })?;
+        self.s.write_all(data)?;
+        match proto::recv_some(&mut self.s)? {
+            CtxReply::Uploaded => Ok(()),
+            other => Err(protocol("write", other)),
+        }
+    }
+
+    /// Fills the first `len` bytes from `seed`.
+    pub(crate) fn fill(&mut self, len: u64, seed: u64) -> io::Result<()> {
+        match self.request(&CtxRequest::Fill { len, seed })? {
+            CtxReply::Done => Ok(()),
+            other => Err(protocol("fill", other)),
+        }
+    }
+
+    /// Copies all of device memory to the host.
+    pub(crate) fn download(&mut self) -> io::Result<Vec<u8>> {
+        download(self)
+    }
 }
 
 /// The worker process's GPU side.
 #[derive(Debug)]
 pub(crate) struct Worker {
     dir: PathBuf,
-    /// Device memory of each context.
+    /// Device memory of each context: its weights.
     bytes: u64,
+    /// Device memory of each context's KV cache, after its weights.
+    kv_bytes: u64,
     seed: u64,
     /// NVML indices of the GPUs to open contexts on at start; empty: driver only (`cuInit`).
     gpus: Vec<u32>,
@@ -95,6 +134,8 @@ pub(crate) struct Worker {
     /// The driver fd of a worker without contexts; closed while checkpointed.
     driver: Mutex<Option<UnixStream>>,
     expected: OnceLock<Vec<u64>>,
+    /// Where the engine's weights and KV cache are (taken before `st` and `ctx`).
+    pub(super) engine: Mutex<super::engine::EngineMem>,
 }
 
 fn protocol(what: &str, reply: impl std::fmt::Debug) -> io::Error {
@@ -138,6 +179,7 @@ impl Worker {
         Worker {
             dir,
             bytes,
+            kv_bytes: 0,
             seed,
             gpus,
             st: Mutex::new(State {
@@ -156,7 +198,32 @@ impl Worker {
             ctx: Mutex::new(Vec::new()),
             driver: Mutex::new(None),
             expected: OnceLock::new(),
+            engine: Mutex::new(super::engine::EngineMem::default()),
         }
+    }
+
+    /// With a KV cache of `kv_bytes` per context after the weights.
+    pub(crate) fn with_kv_cache(mut self, kv_bytes: u64) -> Self {
+        self.kv_bytes = kv_bytes;
+        self
+    }
+
+    /// Device memory of each context's KV cache.
+    pub(crate) fn kv_bytes(&self) -> u64 {
+        self.kv_bytes
+    }
+
+    /// The seed of context `rank`'s memory.
+    pub(crate) fn seed_of(&self, rank: usize) -> u64 {
+        rank_seed(self.seed, rank)
+    }
+
+    /// Application GPU calls in progress or waiting at the gate, and queued GPU work (1 while
+    /// any is queued): what an engine counts as requests running.
+    pub(crate) fn running(&self) -> u64 {
+        let st = self.st();
+        let busy = u64::from(st.busy_until > Instant::now());
+        u64::from(st.inflight) + u64::from(st.waiting) + busy
     }
 
     fn st(&self) -> MutexGuard<'_, State> {
@@ -195,7 +262,8 @@ impl Worker {
         let mut uuids = Vec::new();
         for (rank, gpu) in self.gpus.iter().enumerate() {
             let init = Init::Seed(rank_seed(self.seed, rank));
-            let (ctx, uuid) = self.open(GpuSel::Index(*gpu), init, None)?;
+            let bytes = self.bytes + self.kv_bytes;
+            let (ctx, uuid) = self.open(GpuSel::Index(*gpu), init, bytes, None)?;
             opened.push(ctx);
             uuids.push(uuid);
         }
@@ -231,6 +299,7 @@ impl Worker {
         &self,
         gpu: GpuSel,
         init: Init,
+        bytes: u64,
         upload: Option<&[u8]>,
     ) -> Result<(Context, GpuUuid), OpenError> {
         let (mut s, inode) = self.connect()?;
@@ -239,7 +308,7 @@ impl Worker {
             &mut s,
             &Request::OpenContext(OpenContext {
                 gpu,
-                bytes: self.bytes,
+                bytes,
                 init,
                 inode,
             }),
@@ -340,7 +409,7 @@ impl Worker {
         })?;
         let expected = self.expected.get_or_init(|| {
             (0..self.gpus.len())
-                .map(|r| memory::expected_hash(rank_seed(self.seed, r), self.bytes))
+                .map(|r| memory::expected_hash(rank_seed(self.seed, r), self.bytes + self.kv_bytes))
                 .collect()
         });
         Ok(actual.into_iter().zip(expected.iter().copied()).collect())
@@ -489,7 +558,9 @@ impl Worker {
         let mut uuids = Vec::with_capacity(targets.len());
         let mut failure = None;
         for (target, copy) in targets.into_iter().zip(copies) {
-            match self.open(GpuSel::Uuid(target), Init::Upload, Some(copy)) {
+            // As much device memory as it held at checkpoint (an engine may have shrunk it).
+            let bytes = copy.len() as u64;
+            match self.open(GpuSel::Uuid(target), Init::Upload, bytes, Some(copy)) {
                 Ok((ctx, uuid)) => {
                     opened.push(ctx);
                     uuids.push(uuid);

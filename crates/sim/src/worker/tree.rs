@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
+use super::engine::{EngineOp, EngineStatus};
 use super::http::{Backend, Verified};
 use super::state::{CallError, Worker};
 use super::{open_error, WorkerConfig, WorkerError};
@@ -32,6 +33,8 @@ enum RankRequest {
     Verify,
     Busy(u64),
     Fault,
+    Engine(EngineOp),
+    EngineStatus,
 }
 
 /// A rank's answer.
@@ -49,6 +52,9 @@ enum RankReply {
     Done,
     /// A sticky error (`CUresult`).
     Sticky(u32),
+    Status(EngineStatus),
+    Sleeping,
+    Refused(String),
     Error(String),
 }
 
@@ -83,6 +89,8 @@ impl Tree {
         proto::send(&mut *chan, req).map_err(gone)?;
         match proto::recv_some(&mut *chan).map_err(gone)? {
             RankReply::Sticky(code) => Err(CallError::Sticky(cryo_gpu::CuResult(code))),
+            RankReply::Sleeping => Err(CallError::Sleeping),
+            RankReply::Refused(e) => Err(CallError::Engine(format!("rank {rank}: {e}"))),
             RankReply::Error(e) => Err(CallError::Rank(format!("rank {rank}: {e}"))),
             other => Ok(other),
         }
@@ -140,6 +148,27 @@ impl Backend for Tree {
             "children": self.pids(),
             "launcher_cuda": self.launcher.is_some(),
         })
+    }
+
+    fn engine(&self, op: &EngineOp) -> Result<(), CallError> {
+        self.every(&RankRequest::Engine(op.clone())).map(drop)
+    }
+
+    fn engine_status(&self) -> Result<EngineStatus, CallError> {
+        let mut all = EngineStatus {
+            sleeping: false,
+            running: 0,
+        };
+        for r in self.every(&RankRequest::EngineStatus)? {
+            match r {
+                RankReply::Status(st) => {
+                    all.sleeping |= st.sleeping;
+                    all.running += st.running;
+                }
+                other => return Err(unexpected("engine status", &other)),
+            }
+        }
+        Ok(all)
     }
 }
 
@@ -226,7 +255,8 @@ fn reap() {
 /// A rank's whole life: one context on `gpu`, then serving the launcher until it goes.
 fn rank_main(cfg: &WorkerConfig, rank: usize, gpu: u32, mut chan: UnixStream) -> ! {
     let seed = super::state::rank_seed(cfg.seed, rank);
-    let worker = Arc::new(Worker::new(cfg.dir.clone(), cfg.memory, seed, vec![gpu]));
+    let worker =
+        Arc::new(Worker::new(cfg.dir.clone(), cfg.memory, seed, vec![gpu]).with_kv_cache(cfg.kv_cache));
     let started = super::restore::start(worker.clone(), &crate::daemon_id(&cfg.dir))
         .and_then(|()| worker.open_fresh().map_err(|e| open_error(cfg, e)));
     if let Err(e) = started {
@@ -260,9 +290,13 @@ fn rank_main(cfg: &WorkerConfig, rank: usize, gpu: u32, mut chan: UnixStream) ->
                 Backend::enqueue(worker.as_ref(), ms).map(|()| RankReply::Done)
             }
             RankRequest::Fault => Backend::fault(worker.as_ref(), 0).map(|()| RankReply::Done),
+            RankRequest::Engine(op) => worker.engine(&op).map(|()| RankReply::Done),
+            RankRequest::EngineStatus => Ok(RankReply::Status(worker.engine_status())),
         }
         .unwrap_or_else(|e| match e {
             CallError::Sticky(code) => RankReply::Sticky(code.0),
+            CallError::Sleeping => RankReply::Sleeping,
+            CallError::Engine(e) => RankReply::Refused(e),
             other => RankReply::Error(format!("{other:?}")),
         });
         if proto::send(&mut chan, &reply).is_err() {
