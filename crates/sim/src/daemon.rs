@@ -853,7 +853,12 @@ impl Daemon {
                 .map(|c| c.bytes)
                 .sum();
             if new_len > old_len && used.saturating_add(bytes) > self.gpus[meta.gpu].total {
-                tracing::info!(pid = meta.pid, bytes, used, "allocation refused: out of device memory");
+                tracing::info!(
+                    pid = meta.pid,
+                    bytes,
+                    used,
+                    "allocation refused: out of device memory"
+                );
                 return Err(CuResult::OUT_OF_MEMORY);
             }
             if let Some(c) = table.get_mut(&meta.id) {

@@ -49,7 +49,11 @@ fn vllm_level_1_keeps_the_weights_in_host_memory_and_a_checkpoint_copies_almost_
 
     ok(&w, "POST", "/sleep?level=1", "");
     assert!(sleeping(&w));
-    assert_eq!(listed(&sim, w.pid), vec![(0, 0)], "weights and KV cache left the GPU");
+    assert_eq!(
+        listed(&sim, w.pid),
+        vec![(0, 0)],
+        "weights and KV cache left the GPU"
+    );
     let (status, _) = w.http("POST", "/v1/completions", "shrink me");
     assert_eq!(status, 503, "a sleeping engine serves nothing");
 
@@ -87,7 +91,12 @@ fn vllm_level_2_answers_differently_until_the_weights_are_reloaded() {
         before,
         "discarded weights come back as zeros"
     );
-    ok(&w, "POST", "/collective_rpc", r#"{"method":"reload_weights"}"#);
+    ok(
+        &w,
+        "POST",
+        "/collective_rpc",
+        r#"{"method":"reload_weights"}"#,
+    );
     assert_eq!(w.complete("level two"), before);
     assert_eq!(w.verify()["ok"], true);
 }
@@ -105,7 +114,11 @@ fn sglang_releases_the_kv_cache_alone_or_with_the_weights() {
     );
     assert_eq!(listed(&sim, w.pid), vec![(0, 8 * MIB)], "the weights stay");
     sim.cycle(w.pid);
-    assert_eq!(listed(&sim, w.pid), vec![(0, 8 * MIB)], "restored as shrunk");
+    assert_eq!(
+        listed(&sim, w.pid),
+        vec![(0, 8 * MIB)],
+        "restored as shrunk"
+    );
     ok(
         &w,
         "POST",

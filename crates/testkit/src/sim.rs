@@ -384,7 +384,11 @@ impl Worker {
             .arg(sim.path())
             .args(spec.gpu_args())
             .args(["--memory", &spec.memory])
-            .args(spec.kv_cache.iter().flat_map(|k| ["--kv-cache", k.as_str()]))
+            .args(
+                spec.kv_cache
+                    .iter()
+                    .flat_map(|k| ["--kv-cache", k.as_str()]),
+            )
             .args(["--seed", &spec.seed.to_string()])
             .arg("--ready-file")
             .arg(&ready)

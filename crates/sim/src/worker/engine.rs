@@ -151,7 +151,10 @@ impl Worker {
                 }
                 Ok(())
             }
-            EngineOp::Resume { weights, kv: want_kv } => {
+            EngineOp::Resume {
+                weights,
+                kv: want_kv,
+            } => {
                 if weights {
                     match std::mem::take(&mut mem.weights) {
                         Weights::Host(copies) => {
@@ -167,9 +170,8 @@ impl Worker {
                             }
                         }
                         Weights::Dropped => {
-                            let back = self.gpu_call(|c| {
-                                c.iter_mut().try_for_each(|ctx| ctx.resize(w, None))
-                            });
+                            let back = self
+                                .gpu_call(|c| c.iter_mut().try_for_each(|ctx| ctx.resize(w, None)));
                             mem.weights = Weights::Zeroed;
                             if let Err(e) = back {
                                 mem.weights = Weights::Dropped;

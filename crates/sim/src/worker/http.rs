@@ -177,7 +177,10 @@ fn call_error(e: CallError) -> Response<std::io::Cursor<Vec<u8>>> {
             serde_json::json!({ "error": format!("GPU driver: {err}") }),
         ),
         CallError::Rank(err) => json(502, serde_json::json!({ "error": err })),
-        CallError::Sleeping => json(503, serde_json::json!({ "error": "the engine is sleeping" })),
+        CallError::Sleeping => json(
+            503,
+            serde_json::json!({ "error": "the engine is sleeping" }),
+        ),
         CallError::Engine(err) => json(400, serde_json::json!({ "error": err })),
     }
 }
@@ -198,13 +201,22 @@ fn sglang_tags(body: &[u8]) -> Result<Vec<String>, String> {
         #[serde(default)]
         tags: Option<Vec<String>>,
     }
-    let all = || vec!["kv_cache".to_owned(), "weights".to_owned(), "cuda_graph".to_owned()];
+    let all = || {
+        vec![
+            "kv_cache".to_owned(),
+            "weights".to_owned(),
+            "cuda_graph".to_owned(),
+        ]
+    };
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(all());
     }
     let t: Tags = serde_json::from_slice(body).map_err(|e| format!("bad body: {e}"))?;
     let tags = t.tags.unwrap_or_else(all);
-    match tags.iter().find(|t| !["kv_cache", "weights", "cuda_graph"].contains(&t.as_str())) {
+    match tags
+        .iter()
+        .find(|t| !["kv_cache", "weights", "cuda_graph"].contains(&t.as_str()))
+    {
         Some(bad) => Err(format!("unknown tag {bad:?}")),
         None => Ok(tags),
     }
@@ -231,23 +243,36 @@ fn engine_endpoint(
             let weights = match query(url, "level").unwrap_or("1") {
                 "1" => WeightsRelease::Offload,
                 "2" => WeightsRelease::Discard,
-                other => return Some(json(400, serde_json::json!({ "error": format!("no sleep level {other}") }))),
+                other => {
+                    return Some(json(
+                        400,
+                        serde_json::json!({ "error": format!("no sleep level {other}") }),
+                    ))
+                }
             };
             match w.engine_status() {
                 Ok(st) if st.running > 0 => {
                     // vLLM has crashed when put to sleep with requests in flight: the simulator
                     // is no kinder.
-                    tracing::error!(running = st.running, "put to sleep with requests in flight: crashing");
+                    tracing::error!(
+                        running = st.running,
+                        "put to sleep with requests in flight: crashing"
+                    );
                     std::process::exit(1);
                 }
-                Ok(_) => done(w.engine(&EngineOp::Release { weights: Some(weights) })),
+                Ok(_) => done(w.engine(&EngineOp::Release {
+                    weights: Some(weights),
+                })),
                 Err(e) => call_error(e),
             }
         }
         (Method::Post, "/wake_up") => {
             let tags = query_all(url, "tags");
             if let Some(bad) = tags.iter().find(|t| !["weights", "kv_cache"].contains(t)) {
-                return Some(json(400, serde_json::json!({ "error": format!("unknown tag {bad:?}") })));
+                return Some(json(
+                    400,
+                    serde_json::json!({ "error": format!("unknown tag {bad:?}") }),
+                ));
             }
             let all = tags.is_empty();
             done(w.engine(&EngineOp::Resume {
@@ -269,8 +294,14 @@ fn engine_endpoint(
                     Ok(()) => json(200, serde_json::json!({ "results": [null] })),
                     Err(e) => call_error(e),
                 },
-                Ok(r) => json(400, serde_json::json!({ "error": format!("method {:?} is not simulated", r.method) })),
-                Err(e) => json(400, serde_json::json!({ "error": format!("bad body: {e}") })),
+                Ok(r) => json(
+                    400,
+                    serde_json::json!({ "error": format!("method {:?} is not simulated", r.method) }),
+                ),
+                Err(e) => json(
+                    400,
+                    serde_json::json!({ "error": format!("bad body: {e}") }),
+                ),
             }
         }
         (Method::Post | Method::Get, "/release_memory_occupation") => match sglang_tags(body) {
@@ -307,7 +338,9 @@ fn engine_endpoint(
                     ("sglang:num_running_reqs", st.running),
                     ("sglang:num_queue_reqs", 0),
                 ] {
-                    text.push_str(&format!("# TYPE {name} gauge\n{name}{{model_name=\"sim\"}} {v}.0\n"));
+                    text.push_str(&format!(
+                        "# TYPE {name} gauge\n{name}{{model_name=\"sim\"}} {v}.0\n"
+                    ));
                 }
                 let mut r = Response::from_string(text);
                 if let Ok(h) = Header::from_bytes("Content-Type", "text/plain; version=0.0.4") {

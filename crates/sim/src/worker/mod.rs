@@ -231,7 +231,8 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
             cfg.gpus.clone()
         };
         let worker = Arc::new(
-            Worker::new(cfg.dir.clone(), cfg.memory, cfg.seed, ctx_gpus).with_kv_cache(cfg.kv_cache),
+            Worker::new(cfg.dir.clone(), cfg.memory, cfg.seed, ctx_gpus)
+                .with_kv_cache(cfg.kv_cache),
         );
         restore::start(worker.clone(), &crate::daemon_id(&cfg.dir))?;
         worker.open_fresh().map_err(|e| open_error(&cfg, e))?;

@@ -86,7 +86,9 @@ impl Context {
     pub(crate) fn resize(&mut self, bytes: u64, seed: Option<u64>) -> io::Result<()> {
         match self.request(&CtxRequest::Resize { bytes, seed })? {
             CtxReply::Done => Ok(()),
-            CtxReply::Cuda(code) => Err(io::Error::other(format!("{code} ({})", code.description()))),
+            CtxReply::Cuda(code) => {
+                Err(io::Error::other(format!("{code} ({})", code.description())))
+            }
             other => Err(protocol("resize", other)),
         }
     }

@@ -255,8 +255,9 @@ fn reap() {
 /// A rank's whole life: one context on `gpu`, then serving the launcher until it goes.
 fn rank_main(cfg: &WorkerConfig, rank: usize, gpu: u32, mut chan: UnixStream) -> ! {
     let seed = super::state::rank_seed(cfg.seed, rank);
-    let worker =
-        Arc::new(Worker::new(cfg.dir.clone(), cfg.memory, seed, vec![gpu]).with_kv_cache(cfg.kv_cache));
+    let worker = Arc::new(
+        Worker::new(cfg.dir.clone(), cfg.memory, seed, vec![gpu]).with_kv_cache(cfg.kv_cache),
+    );
     let started = super::restore::start(worker.clone(), &crate::daemon_id(&cfg.dir))
         .and_then(|()| worker.open_fresh().map_err(|e| open_error(cfg, e)));
     if let Err(e) = started {
