@@ -66,6 +66,7 @@ impl KubeStopRequest {
                     .unwrap_or(u64::MAX)
                     .max(1),
             ),
+            shrink: None,
         }
     }
 }

@@ -7,7 +7,7 @@ use cryo_gpu::GpuPair;
 use cryo_guard::control::Confirmation;
 use cryo_journal::ProcId;
 use cryo_lifecycle::{
-    EndSignal, FreezeOptions, HealthCheck, StopOptions, SuspendOptions, Target, ThawOptions,
+    EndSignal, FreezeOptions, HealthCheck, Shrink, StopOptions, SuspendOptions, Target, ThawOptions,
 };
 use cryo_proc::Pid;
 use cryo_state::fence::{FencedGpu, Quarantine};
@@ -88,6 +88,9 @@ pub struct StopRequest {
     /// The whole stop's deadline, ms (`None`: none): what is not suspended by then is refused.
     #[serde(default)]
     pub deadline_ms: Option<u64>,
+    /// Ask the engine to release what it can rebuild before the suspension.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shrink: Option<Shrink>,
 }
 
 impl StopRequest {
@@ -111,6 +114,7 @@ impl StopRequest {
             unsafe_kill: self.unsafe_kill,
             fresh: self.fresh,
             deadline: self.deadline_ms.map(Duration::from_millis),
+            shrink: self.shrink.clone(),
             ..StopOptions::default()
         }
     }
@@ -135,6 +139,10 @@ pub struct FreezeRequest {
     pub replace: bool,
     /// Lock timeout, ms.
     pub lock_timeout_ms: u64,
+    /// Ask the engine to release what it can rebuild before the suspension (and to take it back
+    /// when the tree runs on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shrink: Option<Shrink>,
 }
 
 impl FreezeRequest {
@@ -149,6 +157,7 @@ impl FreezeRequest {
                 resume_on_failure: true,
                 ..SuspendOptions::default()
             },
+            shrink: self.shrink.clone(),
         }
     }
 }

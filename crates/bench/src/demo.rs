@@ -455,6 +455,7 @@ impl Demo {
             leave_running: false,
             replace: false,
             suspend: cryo_lifecycle::SuspendOptions::default(),
+            shrink: None,
         };
         let tree = cryo_lifecycle::Target::Tree(self.pid)
             .resolve()

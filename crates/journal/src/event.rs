@@ -332,6 +332,56 @@ pub enum Event {
         error: String,
     },
 
+    // ---- shrink before suspend ----
+    /// About to ask the engine of `target` to release what it can rebuild (`spec`, its
+    /// `--shrink`) before a suspension.
+    ShrinkStarted {
+        /// The target as given.
+        target: String,
+        /// The `--shrink` spec.
+        spec: String,
+    },
+    /// The engine's answer: `outcome` `shrunk` (grow it after the restore), `whole` (it did not
+    /// shrink and is whole: the suspension copies all of its memory) or `unknown` (a failed
+    /// release that could not be undone: grow it after the restore).
+    ShrinkCompleted {
+        /// The target as given.
+        target: String,
+        /// Its processes.
+        pids: Vec<ProcId>,
+        /// The `--shrink` spec.
+        spec: String,
+        /// The engine's address, if the spec needs one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        engine: Option<String>,
+        /// `shrunk`, `whole` or `unknown`.
+        outcome: String,
+        /// Why it did not shrink.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<String>,
+        /// Wall time, ms.
+        ms: u64,
+    },
+    /// The engine took back what it released.
+    Grown {
+        /// The target as given.
+        target: String,
+        /// Its processes.
+        pids: Vec<ProcId>,
+        /// Wall time, ms.
+        ms: u64,
+    },
+    /// The engine could not be asked to take back what it released (it may answer 503 until
+    /// someone does).
+    GrowFailed {
+        /// The target as given.
+        target: String,
+        /// Its processes.
+        pids: Vec<ProcId>,
+        /// What went wrong.
+        error: String,
+    },
+
     // ---- guard ----
     /// The guard watches the process.
     GuardAttached {
@@ -480,6 +530,10 @@ impl Event {
             | WakeStarted { .. }
             | WakeCompleted { .. }
             | WakeFailed { .. }
+            | ShrinkStarted { .. }
+            | ShrinkCompleted { .. }
+            | Grown { .. }
+            | GrowFailed { .. }
             | GpuQuarantined { .. }
             | JournalRepaired { .. }
             | Unknown => None,
@@ -494,7 +548,10 @@ impl Event {
             } => killed.iter().chain(refused).copied().collect(),
             Event::ThawCompleted { pids, .. }
             | Event::ParkCompleted { pids, .. }
-            | Event::WakeCompleted { pids, .. } => pids.clone(),
+            | Event::WakeCompleted { pids, .. }
+            | Event::ShrinkCompleted { pids, .. }
+            | Event::Grown { pids, .. }
+            | Event::GrowFailed { pids, .. } => pids.clone(),
             other => other.proc().into_iter().collect(),
         }
     }
@@ -515,7 +572,8 @@ impl Event {
             | Continued { .. }
             | RestoreStarted { .. }
             | ParkStarted { .. }
-            | WakeStarted { .. } => Phase::Intent,
+            | WakeStarted { .. }
+            | ShrinkStarted { .. } => Phase::Intent,
             Locked { .. }
             | LockFailed { .. }
             | Checkpointed { .. }
@@ -540,6 +598,9 @@ impl Event {
             | ParkFailed { .. }
             | WakeCompleted { .. }
             | WakeFailed { .. }
+            | ShrinkCompleted { .. }
+            | Grown { .. }
+            | GrowFailed { .. }
             | GuardAttached { .. }
             | FatalSignal { .. }
             | Pinned { .. }
@@ -596,6 +657,10 @@ impl Event {
             WakeStarted { .. } => "wake started",
             WakeCompleted { .. } => "wake completed",
             WakeFailed { .. } => "wake failed",
+            ShrinkStarted { .. } => "shrink started",
+            ShrinkCompleted { .. } => "shrink completed",
+            Grown { .. } => "grown",
+            GrowFailed { .. } => "GROW FAILED",
             GuardAttached { .. } => "guard attached",
             FatalSignal { .. } => "FATAL SIGNAL",
             Pinned { .. } => "pinned",
@@ -684,6 +749,20 @@ impl Event {
             ParkFailed { target, error } | WakeFailed { target, error } => {
                 format!("target {target}: {error}")
             }
+            ShrinkStarted { target, spec } => format!("target {target}, {spec}"),
+            ShrinkCompleted {
+                target,
+                spec,
+                outcome,
+                error,
+                ms,
+                ..
+            } => match error {
+                Some(e) => format!("target {target}, {spec}: {outcome} ({e}), {ms} ms"),
+                None => format!("target {target}, {spec}: {outcome}, {ms} ms"),
+            },
+            Grown { target, ms, .. } => format!("target {target}, {ms} ms"),
+            GrowFailed { target, error, .. } => format!("target {target}: {error}"),
             GpuQuarantined { gpu, reason } => format!("GPU {gpu}: {reason}"),
             ProcessExited { how, .. } => how.clone(),
             JournalRepaired { offset, bytes } => {

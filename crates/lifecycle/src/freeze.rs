@@ -67,6 +67,9 @@ pub struct FreezeOptions {
     pub replace: bool,
     /// How to suspend. `resume_on_failure` is forced on: a refused freeze leaves the worker serving.
     pub suspend: SuspendOptions,
+    /// Ask the engine to release what it can rebuild first (and to take it back when the tree
+    /// runs on: left running, or the freeze failed).
+    pub shrink: Option<crate::shrink::Shrink>,
 }
 
 /// What a freeze did.
@@ -99,6 +102,9 @@ pub struct FreezeReport {
     /// Wall time of the whole freeze, ms: the image is published and durable (every file,
     /// the manifest and the directories fsync'd).
     pub elapsed_ms: u64,
+    /// The engine's shrink before the suspension, if one was asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shrink: Option<crate::shrink::ShrinkReport>,
 }
 
 /// A CUDA process that could not be suspended: nothing was dumped, the tree keeps serving.
@@ -214,9 +220,38 @@ pub fn freeze(
     let handles = tree.handles();
     let gpu = &gpu.bounded(cryo_gpu::Limits::default());
     let released = detach_traced(watcher, handles)?;
-    let result = freeze_tree(gpu, criu, root, handles, opts, journal, progress);
+    let shrunk = crate::shrink::release(
+        opts.shrink.as_ref(),
+        &tree.target().to_string(),
+        handles,
+        opts.shrink.as_ref().map_or(Duration::ZERO, |s| s.timeout()),
+        journal,
+        progress,
+    );
+    let mut shrunk = match shrunk {
+        Ok(s) => s,
+        Err(e) => {
+            reattach(watcher, &released);
+            return Err(e.into());
+        }
+    };
+    let mut result = freeze_tree(gpu, criu, root, handles, opts, journal, progress);
     // A refused or failed freeze, or --leave-running: what is still alive goes back under watch.
     reattach(watcher, &released);
+    if let Some(s) = shrunk.as_mut() {
+        // The tree runs on (left running, or the freeze left it as it found it): its engine
+        // takes its memory back. A tree that is gone has no engine to ask.
+        let runs_on = (result.is_err() || opts.leave_running)
+            && handles.first().is_some_and(ProcHandle::is_alive);
+        if runs_on {
+            if let Err(e) = s.grow(journal, progress) {
+                tracing::error!(error = %e, "cannot journal the engine's grow");
+            }
+        }
+        if let Ok(r) = result.as_mut() {
+            r.shrink = Some(s.report.clone());
+        }
+    }
     result
 }
 
@@ -505,6 +540,7 @@ fn freeze_inner(
         left_running: opts.leave_running,
         pids_held,
         elapsed_ms: ms(start.elapsed()),
+        shrink: None,
     })
 }
 

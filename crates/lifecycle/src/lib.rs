@@ -27,6 +27,7 @@ pub mod progress;
 pub mod reaped;
 pub mod restore;
 pub mod runnable;
+pub mod shrink;
 pub mod stop;
 pub mod suspend;
 pub mod target;
@@ -44,6 +45,7 @@ pub use park::{
 pub use progress::{NoProgress, Progress};
 pub use restore::{record_restored, restore_context, resume_in_place, RecordError, RestoreError};
 pub use runnable::{runnable, Runnable};
+pub use shrink::{Shrink, ShrinkReport, ShrinkSpec};
 pub use stop::{
     stop, EndSignal, ProcReport, Refusal, RefusalReason, StopError, StopOptions, StopReport,
 };

@@ -24,6 +24,8 @@ pub const STEPS: &[&str] = &[
     "publish",
     "criu restore",
     "gpu restore",
+    "shrink",
+    "grow",
 ];
 
 /// A step's name received from elsewhere (the agent streams progress and reports to the CLI)

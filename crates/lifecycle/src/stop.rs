@@ -79,6 +79,10 @@ pub struct StopOptions {
     pub exit_timeout: Duration,
     /// The whole stop's deadline (lock attempts, checkpoint, verification, kills); `None`: none.
     pub deadline: Option<Duration>,
+    /// Ask the engine to release what it can rebuild before anything is locked (at most half of
+    /// what is left of the deadline: the other half is the suspension of all of its memory when
+    /// the engine does not shrink).
+    pub shrink: Option<crate::shrink::Shrink>,
 }
 
 impl Default for StopOptions {
@@ -90,6 +94,7 @@ impl Default for StopOptions {
             fresh: false,
             exit_timeout: Duration::from_secs(10),
             deadline: Some(DEFAULT_DEADLINE),
+            shrink: None,
         }
     }
 }
@@ -143,6 +148,9 @@ pub struct StopReport {
     pub settled: Vec<Settled>,
     /// Wall time of the whole stop.
     pub elapsed_ms: u64,
+    /// The engine's shrink before the suspension, if one was asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shrink: Option<crate::shrink::ShrinkReport>,
 }
 
 impl StopReport {
@@ -229,6 +237,24 @@ pub fn stop(
         target: described.clone(),
     })?;
     let settled = settle_in_flight(gpu, journal)?;
+    // Before anything is locked: a shrink that does not happen leaves the engine whole.
+    let budget = opts
+        .shrink
+        .as_ref()
+        .map_or(Duration::ZERO, |s| match until {
+            Some(u) => s
+                .timeout()
+                .min(u.saturating_duration_since(Instant::now()) / 2),
+            None => s.timeout(),
+        });
+    let shrunk = crate::shrink::release(
+        opts.shrink.as_ref(),
+        &described,
+        target.handles(),
+        budget,
+        journal,
+        progress,
+    )?;
     let origins = Origins::from_records(&cryo_journal::read(journal.dir())?.records);
     let mut run = Run {
         gpu,
@@ -316,6 +342,7 @@ pub fn stop(
         refusals: run.refusals,
         settled,
         elapsed_ms: elapsed_ms(start),
+        shrink: shrunk.map(|s| s.report),
     })
 }
 

@@ -56,6 +56,7 @@ pub fn severity(event: &Event) -> Severity {
         | ThawFailed { .. }
         | ParkFailed { .. }
         | WakeFailed { .. }
+        | GrowFailed { .. }
         | FatalSignal { .. }
         | GuardLost { .. }
         | PinsKeptByGuard { .. }

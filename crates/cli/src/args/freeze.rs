@@ -37,6 +37,9 @@ pub struct FreezeArgs {
     /// Timeout of one lock attempt, in milliseconds (the wait for GPU work in flight).
     #[arg(long, value_name = "MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub timeout: u64,
+    /// Shrink the engine first.
+    #[command(flatten)]
+    pub shrink: super::ShrinkArgs,
     /// Print the result as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,

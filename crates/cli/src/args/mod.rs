@@ -13,6 +13,7 @@ pub mod gpu;
 pub mod gpu_map;
 pub mod guard;
 pub mod park;
+pub mod shrink;
 pub mod stop;
 
 use std::ffi::OsString;
@@ -26,6 +27,7 @@ pub use freeze::{FreezeArgs, ThawArgs};
 pub use gpu::{GpuArgs, GpuCommand};
 pub use gpu_map::GpuMap;
 pub use guard::{GuardArgs, GuardRunArgs, StatusArgs};
+pub use shrink::ShrinkArgs;
 pub use stop::{SignalArg, StopArgs, TimelineArgs};
 
 use crate::backend::GpuChoice;

@@ -85,6 +85,9 @@ pub struct StopArgs {
     /// safe. Processes the journal knows as restored are suspended anyway.
     #[arg(long)]
     pub fresh: bool,
+    /// Shrink the engine first.
+    #[command(flatten)]
+    pub shrink: super::ShrinkArgs,
     /// Print the result as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,

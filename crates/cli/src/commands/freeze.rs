@@ -24,6 +24,7 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
         leave_running: args.leave_running,
         replace: args.replace,
         lock_timeout_ms: args.timeout,
+        shrink: args.shrink.shrink()?,
     };
     let progress = crate::progress::for_stderr();
     let client = route::client(&ctx.state);
@@ -86,6 +87,9 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
                 )
             }
         );
+        if let Some(s) = &report.shrink {
+            println!("  {}", s.summary());
+        }
     }
     Ok(exit::SUCCESS)
 }

@@ -37,8 +37,8 @@ pub fn target(args: &StopArgs) -> Target {
 
 /// The request the arguments make: to the agent, or (through [`StopRequest::options`], the one
 /// conversion to the lifecycle's options) to the standalone stop.
-pub fn request(args: &StopArgs) -> StopRequest {
-    StopRequest {
+pub fn request(args: &StopArgs) -> anyhow::Result<StopRequest> {
+    Ok(StopRequest {
         target: (&target(args)).into(),
         lock_timeout_ms: args.timeout,
         lock_attempts: args.lock_attempts,
@@ -55,7 +55,8 @@ pub fn request(args: &StopArgs) -> StopRequest {
             0 => None,
             ms => Some(ms),
         },
-    }
+        shrink: args.shrink.shrink()?,
+    })
 }
 
 /// Runs `cryo stop`; returns the exit code (0 stopped, 3 refused).
@@ -65,7 +66,7 @@ pub fn run(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
     if args.own_container || args.pod.is_some() {
         return super::stop_kube::run(ctx, args);
     }
-    let req = request(args);
+    let req = request(args)?;
     let target = req.target();
     let progress = crate::progress::for_stderr();
     let client = route::client(&ctx.state);
@@ -136,6 +137,9 @@ pub fn exit_code(report: &StopReport) -> u8 {
 }
 
 pub(crate) fn print_text(report: &StopReport, unsafe_kill: bool) {
+    if let Some(s) = &report.shrink {
+        eprintln!("cryo: {}", s.summary());
+    }
     // What earlier stops, freezes or guards left half-way, and what this stop did about it.
     for s in &report.settled {
         eprintln!("cryo: settled first: {s}");
@@ -263,7 +267,10 @@ mod tests {
 
     #[test]
     fn defaults_and_term() {
-        let o = request(&stop_args(&["cryo", "stop", "1"])).options();
+        let o = request(&stop_args(&["cryo", "stop", "1"]))
+            .unwrap()
+            .options();
+        assert!(o.shrink.is_none());
         assert_eq!(o.suspend.lock_timeout, Duration::from_secs(30));
         assert_eq!(o.suspend.lock_attempts, 3);
         assert_eq!(o.signal, EndSignal::Kill);
@@ -273,6 +280,7 @@ mod tests {
         assert!(o.deadline < Some(Duration::from_secs(30)));
         assert_eq!(
             request(&stop_args(&["cryo", "stop", "1", "--deadline", "0"]))
+                .unwrap()
                 .options()
                 .deadline,
             None
@@ -280,6 +288,7 @@ mod tests {
         let o = request(&stop_args(&[
             "cryo", "stop", "1", "--signal", "TERM", "--grace", "1",
         ]))
+        .unwrap()
         .options();
         assert_eq!(
             o.signal,
@@ -298,8 +307,35 @@ mod tests {
             &["cryo", "stop", "1", "--signal", "HUP"],
             &["cryo", "stop", "1", "--lock-attempts", "0"],
             &["cryo", "stop", "1", "--timeout", "0"],
+            &["cryo", "stop", "1", "--shrink", "vllm:3"],
+            &["cryo", "stop", "1", "--shrink", "sglang:attention"],
         ] {
             assert!(Cli::try_parse_from(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_shrink_goes_into_the_request_and_vllm_needs_the_engine() {
+        let err = request(&stop_args(&["cryo", "stop", "1", "--shrink", "vllm"]))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("--engine-url"), "{err}");
+        let o = request(&stop_args(&[
+            "cryo",
+            "stop",
+            "1",
+            "--shrink",
+            "vllm:2",
+            "--engine-url",
+            "http://127.0.0.1:8000",
+            "--shrink-timeout",
+            "2500",
+        ]))
+        .unwrap()
+        .options();
+        let s = o.shrink.unwrap();
+        assert_eq!(s.spec, cryo_lifecycle::ShrinkSpec::Vllm { level: 2 });
+        assert_eq!(s.timeout(), Duration::from_millis(2500));
     }
 }

@@ -38,6 +38,12 @@ pub fn request(args: &StopArgs) -> KubeStopRequest {
 
 /// Runs `cryo stop --self` or `--pod`; returns the exit code.
 pub fn run(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
+    // The agent's Kubernetes stop request carries no shrink yet: refused rather than dropped.
+    if args.shrink.shrink()?.is_some() {
+        anyhow::bail!(
+            "--shrink is not supported with --self or --pod yet: stop the worker's pid or cgroup"
+        );
+    }
     let req = request(args);
     let client = route::client(&ctx.state);
     let progress = crate::progress::for_stderr();
@@ -120,7 +126,7 @@ fn own_cgroup_standalone(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
         .or_else(|| dirs.v1("pids").map(std::path::Path::to_path_buf))
         .context("this process's cgroup is in no v2 tree and no v1 pids hierarchy")?;
     let deadline = args.deadline.unwrap_or(DEFAULT_DEADLINE_MS);
-    let mut req = super::stop::request(args);
+    let mut req = super::stop::request(args)?;
     req.target = (&Target::Cgroup(dir.clone())).into();
     req.deadline_ms = (deadline > 0).then_some(deadline);
     let progress = crate::progress::for_stderr();

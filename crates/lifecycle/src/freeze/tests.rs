@@ -60,6 +60,7 @@ impl Scene {
                 verify_timeout: std::time::Duration::from_millis(300),
                 ..SuspendOptions::default()
             },
+            shrink: None,
         };
         freeze(
             &self.fake.gpu(),
@@ -250,6 +251,7 @@ fn a_dumped_worker_whose_parent_has_not_reaped_it_is_not_gone() {
             verify_timeout: std::time::Duration::from_millis(300),
             ..SuspendOptions::default()
         },
+        shrink: None,
     };
     let report = freeze(
         &fake.gpu(),

@@ -1,0 +1,175 @@
+//! Shrink before suspend, as the lifecycle runs it: the engine of a target is asked to release
+//! what it can rebuild before the suspension (stop, freeze, park), journaled, and to take it back
+//! once the worker runs again (a freeze left running or refused, a park undone, a wake, a thaw).
+//!
+//! # Design
+//! [`release`] runs before anything is locked and never fails the operation: its outcome
+//! ([`cryo_shrink::Outcome`]) is journaled (`shrink_started`, `shrink_completed`) and reported,
+//! and the suspension goes on either way, copying what is left on the device. [`Shrunk::grow`]
+//! asks for the memory back only when the release may have taken some (shrunk, or unknown) and
+//! journals `grown` or `grow_failed` (the worker serves again either way: the CUDA side is whole;
+//! only the engine's own memory may be missing until someone asks it to grow). Stops never grow:
+//! the worker ends.
+
+use std::time::Duration;
+
+use cryo_journal::{AppendError, Event, Journal, ProcId};
+use cryo_proc::ProcHandle;
+use serde::{Deserialize, Serialize};
+
+pub use cryo_shrink::{Outcome, Released, Shrink, ShrinkError, ShrinkSpec, SpecError};
+
+use crate::progress::Progress;
+use crate::suspend::id;
+
+/// What the shrink of an operation did, for its report.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShrinkReport {
+    /// The `--shrink` spec.
+    pub spec: ShrinkSpec,
+    /// The release.
+    pub released: Released,
+    /// The grow after the restore, ms, when one succeeded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grow_ms: Option<u64>,
+    /// Why the grow failed, when it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grow_error: Option<String>,
+}
+
+impl ShrinkReport {
+    /// One line for the operator: `shrink vllm:1: shrunk in 120 ms` or why not.
+    pub fn summary(&self) -> String {
+        let mut s = match &self.released.outcome {
+            Outcome::Shrunk => format!("shrink {}: shrunk in {} ms", self.spec, self.released.ms),
+            Outcome::Whole { error } => format!(
+                "shrink {}: NOT shrunk ({error}); the suspension copied all of its memory",
+                self.spec
+            ),
+            Outcome::Unknown { error, undo_error } => format!(
+                "shrink {}: FAILED ({error}) and could not be undone ({undo_error})",
+                self.spec
+            ),
+        };
+        match (&self.grow_ms, &self.grow_error) {
+            (Some(ms), _) => s.push_str(&format!("; grown again in {ms} ms")),
+            (None, Some(e)) => s.push_str(&format!(
+                "; GROW FAILED ({e}): the engine may answer errors until it is woken"
+            )),
+            (None, None) => {}
+        }
+        s
+    }
+}
+
+/// A release done, to grow after the restore.
+#[derive(Debug)]
+pub struct Shrunk {
+    shrink: Shrink,
+    target: String,
+    pids: Vec<ProcId>,
+    /// What happened so far.
+    pub report: ShrinkReport,
+}
+
+/// Asks the engine of `target` (its processes `handles`) to release its memory within `budget`
+/// (at most the shrink's own deadline); `None` when there is no shrink to do.
+pub fn release(
+    shrink: Option<&Shrink>,
+    target: &str,
+    handles: &[ProcHandle],
+    budget: Duration,
+    journal: &Journal,
+    progress: &dyn Progress,
+) -> Result<Option<Shrunk>, AppendError> {
+    let Some(shrink) = shrink.filter(|s| !s.is_none()) else {
+        return Ok(None);
+    };
+    let pids: Vec<ProcId> = handles.iter().map(id).collect();
+    let root = handles.first().map_or(0, ProcHandle::pid);
+    journal.append(Event::ShrinkStarted {
+        target: target.to_owned(),
+        spec: shrink.spec.to_string(),
+    })?;
+    progress.begin(root, "shrink", 0);
+    let released = shrink.release(budget);
+    let (outcome, error) = match &released.outcome {
+        Outcome::Shrunk => ("shrunk", None),
+        Outcome::Whole { error } => ("whole", Some(error.clone())),
+        Outcome::Unknown { error, undo_error } => (
+            "unknown",
+            Some(format!("{error}; undoing it failed: {undo_error}")),
+        ),
+    };
+    progress.end(
+        root,
+        "shrink",
+        matches!(released.outcome, Outcome::Shrunk),
+        error.as_deref().unwrap_or("shrunk"),
+    );
+    journal.append(Event::ShrinkCompleted {
+        target: target.to_owned(),
+        pids: pids.clone(),
+        spec: shrink.spec.to_string(),
+        engine: shrink.engine.clone(),
+        outcome: outcome.to_owned(),
+        error,
+        ms: released.ms,
+    })?;
+    if let Outcome::Whole { error } | Outcome::Unknown { error, .. } = &released.outcome {
+        tracing::warn!(target, %error, "the engine did not shrink: suspending all of its memory");
+    }
+    Ok(Some(Shrunk {
+        report: ShrinkReport {
+            spec: shrink.spec.clone(),
+            released,
+            grow_ms: None,
+            grow_error: None,
+        },
+        shrink: shrink.clone(),
+        target: target.to_owned(),
+        pids,
+    }))
+}
+
+impl Shrunk {
+    /// Asks the engine to take its memory back (the worker runs again), when the release may
+    /// have taken some; journaled. A failure is reported, never an error of the operation.
+    pub fn grow(&mut self, journal: &Journal, progress: &dyn Progress) -> Result<(), AppendError> {
+        if !self.report.released.outcome.needs_grow() {
+            return Ok(());
+        }
+        let root = self.pids.first().map_or(0, |p| p.pid);
+        progress.begin(root, "grow", 0);
+        // Its own deadline again: the engine reloads what it dropped.
+        match self
+            .shrink
+            .grow(self.shrink.timeout().max(cryo_shrink::DEFAULT_TIMEOUT))
+        {
+            Ok(ms) => {
+                progress.end(root, "grow", true, "grown");
+                self.report.grow_ms = Some(ms);
+                journal
+                    .append(Event::Grown {
+                        target: self.target.clone(),
+                        pids: self.pids.clone(),
+                        ms,
+                    })
+                    .map(drop)
+            }
+            Err(e) => {
+                let error = e.to_string();
+                progress.end(root, "grow", false, &error);
+                tracing::error!(target = %self.target, %error, "the engine could not take its memory back");
+                self.report.grow_error = Some(error.clone());
+                journal
+                    .append(Event::GrowFailed {
+                        target: self.target.clone(),
+                        pids: self.pids.clone(),
+                        error,
+                    })
+                    .map(drop)
+            }
+        }
+    }
+}
