@@ -13,6 +13,11 @@
 //!   and the Events missed are posted (aggregated and rate-limited as always). The fence is
 //!   looked at again every [`RESYNC`] even when the file did not change, so a taint removed by
 //!   hand comes back.
+//! - **The drain, the Kubernetes way.** With the guard's endgame `drain`, a fence also cordons
+//!   the node and evicts its GPU pods through the Eviction API (PodDisruptionBudgets honoured;
+//!   each pod's preStop stops it through this agent), pods of live processes named in the fence
+//!   excepted; pods a budget protects are tried again every [`RESYNC`]. The node stays cordoned
+//!   when the fence is lifted: the operator uncordons it (after the reboot the drain is for).
 //! - **One client, in the server's runtime.** The configuration is read at start (files only:
 //!   an API server that is down does not keep the agent from starting, a missing ServiceAccount
 //!   token does); the client is made in the runtime that serves the API, which the publisher
@@ -91,6 +96,8 @@ pub(crate) struct Kube {
     client: OnceLock<Arc<NodeClient>>,
     /// The agent's own container, if it runs in one (its callers there are not confined).
     own: Option<CgroupIdentity>,
+    /// A fence also drains the node (the guard's endgame is `drain`).
+    drain: bool,
 }
 
 impl std::fmt::Debug for Kube {
@@ -104,7 +111,7 @@ impl std::fmt::Debug for Kube {
 
 impl Kube {
     /// Reads the configuration (files only) and looks at the cgroup tree.
-    pub(crate) fn configure(cfg: &KubeConfig) -> Result<Kube, KubeSetupError> {
+    pub(crate) fn configure(cfg: &KubeConfig, drain: bool) -> Result<Kube, KubeSetupError> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -120,6 +127,7 @@ impl Kube {
             cgroups,
             client: OnceLock::new(),
             own,
+            drain,
         })
     }
 
@@ -135,7 +143,7 @@ impl Kube {
         };
         let _ = k.client.set(Arc::clone(&client));
         tracing::info!(node = %k.node, "Kubernetes: publishing the fence and Events");
-        tokio::spawn(publish(Arc::clone(agent), client));
+        tokio::spawn(publish(Arc::clone(agent), client, k.drain));
     }
 
     fn client(&self) -> Result<Arc<NodeClient>, ApiError> {
@@ -463,8 +471,83 @@ fn wanted_fence(state: &StateDir) -> Vec<Quarantine> {
     }
 }
 
+/// Where the drain of a fenced node stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Drain {
+    /// No fence, or no drain asked for.
+    Idle,
+    /// A fence: cordon and evict (again, at this time, while budgets block some pods).
+    Due(Instant),
+    /// Every GPU pod was evicted.
+    Done,
+}
+
+/// One drain pass: cordon, evict the GPU pods but those of live processes the fence names; an
+/// Event on the Node says what it did. `Ok(true)`: nothing is left blocked.
+async fn drain_pass(client: &NodeClient, fence: &[Quarantine]) -> Result<bool, String> {
+    use cryo_kube::events::{About, EventType, Locate, Step, Subject};
+    let cordoned = client.cordon().await.map_err(|e| e.to_string())?;
+    let keep: Vec<cryo_kube::PodUid> = fence
+        .iter()
+        .flat_map(|q| q.pids.iter())
+        .filter_map(|pid| {
+            let h = ProcHandle::open(*pid).ok()?;
+            CgroupLocator.pod_of(cryo_journal::ProcId {
+                pid: h.pid(),
+                start_time: h.start_time(),
+            })
+        })
+        .collect();
+    let report = client
+        .evict_gpu_pods(&keep)
+        .await
+        .map_err(|e| e.to_string())?;
+    let names = |v: &[cryo_kube::PodRef]| {
+        v.iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let blocked: Vec<cryo_kube::PodRef> = report.blocked.iter().map(|(p, _)| p.clone()).collect();
+    let message = format!(
+        "GPU fenced, endgame drain: node {}; {} GPU pod(s) evicted ({}){}",
+        if cordoned {
+            "cordoned"
+        } else {
+            "already cordoned"
+        },
+        report.evicted.len(),
+        names(&report.evicted),
+        if blocked.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; {} blocked by a PodDisruptionBudget for now ({}), tried again in {} s",
+                blocked.len(),
+                names(&blocked),
+                RESYNC.as_secs()
+            )
+        }
+    );
+    tracing::warn!(%message, "Kubernetes: drain");
+    if cordoned || !report.evicted.is_empty() || !blocked.is_empty() {
+        let step = Step {
+            kind: EventType::Warning,
+            reason: "CryoDrain",
+            message,
+            about: About::Node,
+        };
+        if let Err(e) = client.post(&Subject::Node, &step).await {
+            tracing::warn!(err = %e, "Kubernetes: cannot post the drain's Event");
+        }
+    }
+    Ok(blocked.is_empty())
+}
+
 /// The publisher (see the module docs); ends when the agent stops.
-async fn publish(agent: Arc<Agent>, client: Arc<NodeClient>) {
+async fn publish(agent: Arc<Agent>, client: Arc<NodeClient>, drain_on_fence: bool) {
+    let mut drain = Drain::Idle;
+    let mut drain_retry = Retry::new("drain");
     let mut fence_retry = Retry::new("fence");
     let mut shown: Option<Vec<Quarantine>> = None;
     let mut resync = Instant::now() + RESYNC;
@@ -490,6 +573,28 @@ async fn publish(agent: Arc<Agent>, client: Arc<NodeClient>) {
                 Err(e) => {
                     shown = None;
                     fence_retry.failed(&e);
+                }
+            }
+        }
+        if drain_on_fence {
+            drain = match (drain, shown.as_deref()) {
+                (_, Some([])) => Drain::Idle,
+                (Drain::Idle, Some(_)) => Drain::Due(Instant::now()),
+                (d, _) => d,
+            };
+            if let (Drain::Due(at), Some(fence)) = (drain, shown.as_deref()) {
+                if Instant::now() >= at && drain_retry.due() {
+                    match drain_pass(&client, fence).await {
+                        Ok(true) => {
+                            drain_retry.ok();
+                            drain = Drain::Done;
+                        }
+                        Ok(false) => {
+                            drain_retry.ok();
+                            drain = Drain::Due(Instant::now() + RESYNC);
+                        }
+                        Err(e) => drain_retry.failed(&e),
+                    }
                 }
             }
         }

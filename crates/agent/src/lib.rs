@@ -205,7 +205,12 @@ pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
             _ => return Err(AgentError::NoSuchGroup(name.clone())),
         },
     };
-    let kube = cfg.kube.as_ref().map(k8s::Kube::configure).transpose()?;
+    let drain = matches!(cfg.guard.endgame, cryo_guard::Endgame::Drain { .. });
+    let kube = cfg
+        .kube
+        .as_ref()
+        .map(|k| k8s::Kube::configure(k, drain))
+        .transpose()?;
     let journal = cfg.state.open_journal()?;
     let telemetry = Telemetry::start(&cfg.state, &cfg.telemetry)?;
     if let Some(addr) = telemetry.metrics_addr() {

@@ -422,3 +422,72 @@ fn prestop_stops_its_own_container_through_the_agent_and_nothing_else() {
     );
     eventually(PATIENCE, "the sidecar ended", || !procs::alive(sidecar));
 }
+
+#[test]
+fn with_the_drain_endgame_a_fence_cordons_and_evicts_the_gpu_pods_only() {
+    let rt = rt();
+    rt.block_on(ks::ensure_agent_rbac());
+    let ks::Scene {
+        admin, node, pods, ..
+    } = rt.block_on(ks::Scene::new("drain-agent"));
+    let pp = PostParams::default();
+    for p in [
+        ks::gpu_pod("gpu-a", &node, 60),
+        ks::gpu_pod("gpu-b", &node, 60),
+    ] {
+        rt.block_on(pods.create(&pp, &p)).unwrap();
+    }
+    rt.block_on(pods.create(&pp, &ks::cpu_pod("cpu", &node)))
+        .unwrap();
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let agent = AgentProc::start(
+        &sim,
+        &state,
+        &[
+            "--no-memory-watch",
+            "--endgame",
+            "drain",
+            "--kube-node",
+            &node,
+            "--kubeconfig",
+            ks::agent_kubeconfig().to_str().unwrap(),
+        ],
+    );
+    let terminating = |name: &str| {
+        rt.block_on(pods.get(name))
+            .unwrap()
+            .metadata
+            .deletion_timestamp
+            .is_some()
+    };
+    let nodes = Api::<Node>::all(admin.clone());
+    let cordoned = || {
+        rt.block_on(nodes.get(&node))
+            .unwrap()
+            .spec
+            .and_then(|s| s.unschedulable)
+            == Some(true)
+    };
+    // the agent runs and publishes (an empty fence changes nothing): no drain without a fence
+    eventually(PATIENCE, "the publisher", || {
+        agent.log().contains("publishing the fence")
+    });
+    assert!(!cordoned());
+    StateDir::new(&state)
+        .fence()
+        .quarantine(
+            &FencedGpu::Gpu(GPU.parse().unwrap()),
+            "pid 4242 killed by SIGKILL, context pinned",
+            &[4242],
+        )
+        .unwrap();
+    eventually(API_PATIENCE, "the GPU pods evicted", || {
+        terminating("gpu-a") && terminating("gpu-b")
+    });
+    assert!(cordoned());
+    assert!(!terminating("cpu"));
+    eventually(API_PATIENCE, "the drain's Event", || {
+        reasons(&rt, &admin, "default", &node, "Node").contains(&"CryoDrain".to_owned())
+    });
+}
