@@ -28,7 +28,8 @@
 //!   refused. The caller is the process the kernel names on the socket (held by a pidfd from the
 //!   moment it connected), never anything in the request; the stop spares that process (it waits
 //!   for the answer) and takes the rest of the container's cgroup subtree, under the Pod's
-//!   deadline.
+//!   deadline. Its outcome is written into the container's log (the stdout of the container's
+//!   first process, opened before the stop) as well as posted on the Pod.
 //!
 //! # Limitations
 //! - Inside a real container, the caller dies with its pid namespace when the stop kills the
@@ -234,6 +235,69 @@ pub(crate) fn authorize_stop(
 struct Planned {
     container: String,
     cgroup: PathBuf,
+    /// Its log (the stdout of its first process), for a preStop's outcome.
+    log: Option<std::fs::File>,
+}
+
+/// The container's log: the stdout of its first process (pid 1 of its pid namespace, else its
+/// oldest process), other than `caller`, opened now (the stop ends that process) without
+/// blocking (a FIFO nobody reads is no log).
+fn container_log(dir: &Path, caller: cryo_proc::Pid) -> Option<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut best: Option<(bool, u64, ProcHandle)> = None;
+    for pid in cryo_proc::cgroup_tree_procs(dir).ok()? {
+        if pid == caller {
+            continue;
+        }
+        let Ok(h) = ProcHandle::open(pid) else {
+            continue;
+        };
+        let init = h
+            .status()
+            .is_ok_and(|s| s.nspid.len() > 1 && s.nspid.last() == Some(&1));
+        let better = match &best {
+            None => true,
+            Some((b_init, b_start, _)) => {
+                (init, std::cmp::Reverse(h.start_time())) > (*b_init, std::cmp::Reverse(*b_start))
+            }
+        };
+        if better {
+            best = Some((init, h.start_time(), h));
+        }
+    }
+    let (_, _, h) = best?;
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(format!("/proc/{}/fd/1", h.pid()))
+        .ok()?;
+    // Opened from the process the handle holds, not from one that took its pid meanwhile.
+    h.is_alive().then_some(f)
+}
+
+/// One line for the container's log: what the preStop's stop did.
+fn outcome_line(pod: &str, c: &ContainerStop) -> String {
+    let r = &c.report;
+    let cuda = r.processes.iter().filter(|p| p.cuda).count();
+    let suspended = r.processes.iter().filter(|p| p.suspended.is_some()).count();
+    let ended = r.processes.iter().filter(|p| p.ended).count();
+    if r.refusals.is_empty() {
+        format!(
+            "cryo: preStop of pod {pod} container {}: {suspended} of {cuda} CUDA process(es) suspended and verified, {ended} process(es) ended in {} ms",
+            c.container, r.elapsed_ms
+        )
+    } else {
+        let why: Vec<String> = r
+            .refusals
+            .iter()
+            .map(|f| format!("pid {}: {}", f.pid, f.reason.reason()))
+            .collect();
+        format!(
+            "cryo: preStop of pod {pod} container {}: REFUSED, nothing was killed ({}); the kubelet kills the container at the end of its grace period",
+            c.container,
+            why.join("; ")
+        )
+    }
 }
 
 /// What `POST /v1/kube/stop` will do, worked out before the stream starts (a refusal here is
@@ -298,6 +362,7 @@ pub(crate) async fn plan(
                 caller.pod.to_string(),
                 vec![Planned {
                     container: caller.container,
+                    log: container_log(&cg.dir, process.pid()),
                     cgroup: cg.dir,
                 }],
                 caller.deadline,
@@ -329,6 +394,7 @@ pub(crate) async fn plan(
                     .map(|(container, cg)| Planned {
                         container,
                         cgroup: cg.dir,
+                        log: None,
                     })
                     .collect(),
                 t.deadline,
@@ -397,11 +463,16 @@ impl Agent {
             tracing::info!(pod = %plan.pod, container = %c.container, cgroup = %c.cgroup.display(), deadline_ms = req.deadline_ms, "stopping a container");
             let report = self.stop_resolved(&req, &resolved, progress)?;
             let refused = !report.refusals.is_empty();
-            out.containers.push(ContainerStop {
+            let done = ContainerStop {
                 container: c.container,
                 cgroup: c.cgroup,
                 report,
-            });
+            };
+            if let Some(mut log) = c.log {
+                use std::io::Write;
+                let _ = writeln!(log, "{}", outcome_line(&plan.pod, &done));
+            }
+            out.containers.push(done);
             if refused {
                 break;
             }

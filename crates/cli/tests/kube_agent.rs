@@ -336,6 +336,17 @@ fn prestop_stops_its_own_container_through_the_agent_and_nothing_else() {
     let dir_a = tree.dir(&format!("kubepods/besteffort/pod{uid}/{A}"));
     let dir_b = tree.dir(&format!("kubepods/besteffort/pod{uid}/{B}"));
     let sidecar = tree.spawn_in(&dir_b);
+    // the container's first process, whose stdout is the container's log
+    let logs = tempfile::tempdir().unwrap();
+    let log = logs.path().join("container-a.log");
+    let main = std::process::Command::new("sleep")
+        .arg("600")
+        .stdout(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let main_pid = main.id() as i32;
+    tree.children.push(main);
+    std::fs::write(dir_a.join("cgroup.procs"), main_pid.to_string()).unwrap();
 
     let mut sim = Sim::start();
     let state = sim.path().join("state");
@@ -353,6 +364,7 @@ fn prestop_stops_its_own_container_through_the_agent_and_nothing_else() {
         ],
     );
     let (worker, port) = sim.worker("16MiB");
+    let (worker2, port2) = sim.worker("4MiB");
     std::fs::write(dir_a.join("cgroup.procs"), worker.to_string()).unwrap();
 
     // the sidecar's container asks for the worker's pid, the whole pod, a change: refused
@@ -396,6 +408,19 @@ fn prestop_stops_its_own_container_through_the_agent_and_nothing_else() {
     );
     eventually(PATIENCE, "the worker ended", || !procs::alive(worker));
     sim.assert_no_wedge();
+    // the outcome in the container's log
+    let line = eventually(PATIENCE, "the outcome in the container's log", || {
+        std::fs::read_to_string(&log)
+            .ok()
+            .filter(|l| l.contains("cryo: preStop"))
+    });
+    assert!(
+        line.contains(
+            "container vllm: 1 of 1 CUDA process(es) suspended and verified, 2 process(es) ended"
+        ),
+        "{line}"
+    );
+    assert!(!procs::alive(main_pid));
     assert!(procs::alive(sidecar));
     eventually(API_PATIENCE, "the stop's Events on the Pod", || {
         let r = reasons(&rt, &admin, &ns, "w", "Pod");
@@ -404,23 +429,52 @@ fn prestop_stops_its_own_container_through_the_agent_and_nothing_else() {
     let log = agent.log();
     assert!(log.contains("stopping a container"), "{log}");
 
-    // the operator stops the sidecar by pod and container, from the host
+    // the operator stops the sidecar by pod and container, from the host, within the Pod's
+    // grace period (60 s less a 6 s margin)
     let out = cryo(&[
         "stop",
         "--pod",
         &format!("{ns}/w"),
         "--container",
         "sidecar",
+        "--json",
     ])
     .output()
     .unwrap();
     succeeded(&out);
-    assert!(
-        stdout(&out).contains("container sidecar"),
-        "{}",
-        stdout(&out)
-    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["containers"][0]["container"], "sidecar", "{v}");
+    let ms = v["deadline_ms"].as_u64().unwrap();
+    assert!((40_000..=54_000).contains(&ms), "{v}");
     eventually(PATIENCE, "the sidecar ended", || !procs::alive(sidecar));
+
+    // a pod whose grace period leaves no time for a safe stop: refused, nothing touched
+    let mut short = pod.clone();
+    short.metadata.name = Some("short".into());
+    short
+        .spec
+        .as_mut()
+        .unwrap()
+        .termination_grace_period_seconds = Some(2);
+    short.spec.as_mut().unwrap().containers.truncate(1);
+    let short_uid = rt
+        .block_on(pods.create(&PostParams::default(), &short))
+        .unwrap()
+        .metadata
+        .uid
+        .unwrap();
+    let c = "c".repeat(64);
+    rt.block_on(ks::set_running(&pods, "short", &[("vllm", &c)]));
+    let dir_c = tree.dir(&format!("kubepods/besteffort/pod{short_uid}/{c}"));
+    std::fs::write(dir_c.join("cgroup.procs"), worker2.to_string()).unwrap();
+    let out = from_cgroup(&dir_c, &cryo(&["stop", "--self"]));
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("no time is left in its grace period"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(common::http(port2, "GET", "/health", "").0, 200);
 }
 
 #[test]

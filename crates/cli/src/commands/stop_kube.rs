@@ -60,6 +60,13 @@ pub fn run(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
         client.kube_stop(&req, progress.as_ref())
     };
     drop(progress);
+    if let Err(cryo_api::ClientError::Api(e)) = &result {
+        if e.kind == cryo_api::ErrorKind::Refused {
+            // Nothing was done: the same exit status as a stop that refused.
+            eprintln!("cryo: refused: {}", route::AgentSaid(e.clone()));
+            return Ok(exit::REFUSED);
+        }
+    }
     let report = result
         .map_err(route::error)
         .with_context(|| match &req.what {
