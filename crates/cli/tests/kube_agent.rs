@@ -545,3 +545,40 @@ fn with_the_drain_endgame_a_fence_cordons_and_evicts_the_gpu_pods_only() {
         reasons(&rt, &admin, "default", &node, "Node").contains(&"CryoDrain".to_owned())
     });
 }
+
+#[test]
+fn prestop_without_an_agent_suspends_its_own_cgroup_standalone_and_the_kubelets_kill_is_safe() {
+    ks::require_root();
+    let mut tree = ks::Tree::new();
+    let dir = tree.dir("container");
+    let mut sim = Sim::start();
+    let state = sim.path().join("state");
+    let (worker, _) = sim.worker("8MiB");
+    // a restored worker: tearing its context down live is the wedge
+    common::make_restored(&sim, &state, worker);
+    std::fs::write(dir.join("cgroup.procs"), worker.to_string()).unwrap();
+    let plain = tree.spawn_in(&dir);
+    let mut c = sim.cmd_at(&state);
+    c.args(["stop", "--self"]);
+    let out = from_cgroup(&dir, &c);
+    succeeded(&out);
+    assert!(
+        stderr(&out).contains("working standalone"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(
+        stdout(&out).contains("suspended; ending the container"),
+        "{}",
+        stdout(&out)
+    );
+    // it returned at the first kill (in a real container it would die there with its pid
+    // namespace): the worker is checkpointed, so the kubelet's kill that follows is safe
+    assert_eq!(sim.state(worker), "checkpointed");
+    for pid in [worker, plain] {
+        // SAFETY: kill(2) takes no pointer.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    }
+    eventually(PATIENCE, "the worker ended", || !procs::alive(worker));
+    sim.assert_no_wedge();
+}

@@ -6,7 +6,9 @@
 //! is suspended and verified by then, and in a real container this process dies with its pid
 //! namespace when the container's first process is killed (so waiting for the report would only
 //! turn a safe stop into a failed preStop hook). Without an agent, `--self` stops its own cgroup
-//! standalone (everything but itself), under `--deadline`.
+//! standalone (everything but itself), under `--deadline`, and returns at the first kill the same
+//! way (the processes left are checkpointed and verified, or plain: whoever ends them now, the
+//! kubelet included, ends them safely).
 
 use anyhow::Context as _;
 use cryo_api::{KubeStopReport, KubeStopRequest, KubeTarget};
@@ -137,7 +139,7 @@ fn own_cgroup_standalone(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
     req.target = (&Target::Cgroup(dir.clone())).into();
     req.deadline_ms = (deadline > 0).then_some(deadline);
     let progress = crate::progress::for_stderr();
-    let r = standalone(ctx, &req, Some(me), progress.as_ref());
+    let r = standalone(ctx, &req, Some(me), &ReturnAtKill(progress.as_ref()));
     drop(progress);
     let report =
         r.with_context(|| format!("stopping this container (cgroup {})", dir.display()))?;
