@@ -329,6 +329,34 @@ fn caller_error(e: CallerError) -> ApiError {
     ApiError::new(kind, e.to_string())
 }
 
+/// How long a preStop waits for the API server to name its Pod before it goes on without it.
+const CALLER_LOOKUP: Duration = Duration::from_secs(5);
+
+/// The caller's container from its cgroup alone, when the API server cannot say (down, hung):
+/// a preStop must not fail for it, or the kubelet kills the container unsuspended. The pod and
+/// container are what the caller's cgroup names (the component directly below the pod's, as
+/// always), the deadline the API's default grace period less its margin (the request's
+/// `--deadline` shortens it).
+fn cgroup_only(
+    k: &Kube,
+    process: &ProcHandle,
+    why: &str,
+) -> Result<(String, String, PathBuf, Option<SystemTime>), ApiError> {
+    let id = cryo_kube::caller_identity(process).map_err(caller_error)?;
+    let container = cryo_kube::ContainerId {
+        runtime: id.runtime.unwrap_or(cryo_kube::Runtime::Containerd),
+        id: id.container.clone(),
+    };
+    let cg = k
+        .cgroups
+        .container(&id.pod, None, &container)
+        .map_err(|e| ApiError::new(ErrorKind::NotFound, e.to_string()))?;
+    let grace = cryo_kube::grace::DEFAULT_GRACE;
+    let deadline = SystemTime::now().checked_add(grace - cryo_kube::grace::margin(grace));
+    tracing::warn!(pod = %id.pod, container = %id.container, why, "Kubernetes: the API server cannot name the caller's Pod; stopping its container as its cgroup names it, under the default grace period");
+    Ok((format!("(uid {})", id.pod), id.container, cg.dir, deadline))
+}
+
 /// Resolves a [`KubeStopRequest`]: the pod, its containers' cgroups, the deadline.
 pub(crate) async fn plan(
     agent: &Agent,
@@ -351,21 +379,38 @@ pub(crate) async fn plan(
                     "the caller's process is not visible from the agent (another pid namespace without hostPID?)",
                 )
             })?;
-            let caller = client.resolve_caller(process).await.map_err(caller_error)?;
-            let cg = caller
-                .cgroup(&k.cgroups)
-                .map_err(|e| ApiError::new(ErrorKind::NotFound, e.to_string()))?;
             let spare = process
                 .try_clone()
                 .map_err(|e| ApiError::new(ErrorKind::Failed, e.to_string()))?;
+            let (pod, container, dir, deadline) =
+                match tokio::time::timeout(CALLER_LOOKUP, client.resolve_caller(process)).await {
+                    Ok(Ok(caller)) => {
+                        let cg = caller
+                            .cgroup(&k.cgroups)
+                            .map_err(|e| ApiError::new(ErrorKind::NotFound, e.to_string()))?;
+                        (
+                            caller.pod.to_string(),
+                            caller.container,
+                            cg.dir,
+                            caller.deadline,
+                        )
+                    }
+                    Ok(Err(e @ CallerError::Api(_))) => cgroup_only(k, process, &e.to_string())?,
+                    Err(_) => cgroup_only(
+                        k,
+                        process,
+                        &format!("no answer in {} s", CALLER_LOOKUP.as_secs()),
+                    )?,
+                    Ok(Err(e)) => return Err(caller_error(e)),
+                };
             (
-                caller.pod.to_string(),
+                pod,
                 vec![Planned {
-                    container: caller.container,
-                    log: container_log(&cg.dir, process.pid()),
-                    cgroup: cg.dir,
+                    container,
+                    log: container_log(&dir, process.pid()),
+                    cgroup: dir,
                 }],
-                caller.deadline,
+                deadline,
                 Some(spare),
             )
         }

@@ -204,6 +204,7 @@ impl Drop for Cluster {
 
 #[test]
 fn the_api_server_down_blocks_nothing_and_the_fence_shows_once_it_is_back() {
+    ks::require_root();
     let cluster = Cluster::start();
     let rt = rt();
     let kc = cluster.admin_kubeconfig();
@@ -211,9 +212,25 @@ fn the_api_server_down_blocks_nothing_and_the_fence_shows_once_it_is_back() {
     let node = ks::unique("outage");
     rt.block_on(ks::create_node(&admin, &node));
     let nodes = Api::<Node>::all(admin.clone());
+    // a worker's pod, its container's cgroup laid out as containerd's (cgroupfs driver)
+    let ns = ks::unique("outage-ns");
+    rt.block_on(ks::create_namespace(&admin, &ns));
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
+    let uid = rt
+        .block_on(pods.create(&PostParams::default(), &ks::gpu_pod("w", &node, 60)))
+        .unwrap()
+        .metadata
+        .uid
+        .unwrap();
+    rt.block_on(ks::set_running(&pods, "w", &[("vllm", A)]));
+    let tree = ks::Tree::new();
+    let dir_a = tree.dir(&format!("kubepods/besteffort/pod{uid}/{A}"));
 
     let mut sim = Sim::start();
     let state = sim.path().join("state");
+    let (in_pod, _) = sim.worker("8MiB");
+    std::fs::write(dir_a.join("cgroup.procs"), in_pod.to_string()).unwrap();
+    let (pid, _) = sim.worker("4MiB");
     let agent = kube_agent(&sim, &state, &node, &kc);
     // the publisher is connected: a first fence shows
     let st = StateDir::new(&state);
@@ -238,7 +255,6 @@ fn the_api_server_down_blocks_nothing_and_the_fence_shows_once_it_is_back() {
     eventually(API_PATIENCE, "the agent noticing the outage", || {
         agent.log().contains("cannot publish")
     });
-    let (pid, _) = sim.worker("4MiB");
     let out = sim
         .cmd_at(&state)
         .args(["stop", &pid.to_string(), "--json"])
@@ -258,6 +274,23 @@ fn the_api_server_down_blocks_nothing_and_the_fence_shows_once_it_is_back() {
         .fences(&GPU.replace("00000001", "00000002").parse().unwrap())
         .unwrap());
 
+    // a preStop while it is down: the container as its cgroup names it, stopped safely
+    let mut c = sim.cmd_at(&state);
+    c.args(["stop", "--self"]);
+    let out = from_cgroup(&dir_a, &c);
+    succeeded(&out);
+    assert!(
+        stdout(&out).contains("suspended; ending the container"),
+        "{}",
+        stdout(&out)
+    );
+    eventually(PATIENCE, "the pod's worker ended", || !procs::alive(in_pod));
+    assert!(
+        agent.log().contains("cannot name the caller's Pod"),
+        "{}",
+        agent.log()
+    );
+
     cluster.apiserver("start-apiserver");
     let msg = eventually(
         API_PATIENCE,
@@ -271,6 +304,9 @@ fn the_api_server_down_blocks_nothing_and_the_fence_shows_once_it_is_back() {
     // and the stop made during the outage is posted too (the journal was the queue)
     eventually(API_PATIENCE, "the outage's stop Events", || {
         reasons(&rt, &admin, "default", &node, "Node").contains(&"CryoStopped".to_owned())
+    });
+    eventually(API_PATIENCE, "the preStop's Events on the Pod", || {
+        reasons(&rt, &admin, &ns, "w", "Pod").contains(&"CryoStopped".to_owned())
     });
     assert!(agent.log().contains("published again"), "{}", agent.log());
     sim.assert_no_wedge();
