@@ -95,8 +95,6 @@ pub(crate) struct Kube {
     config: kube::Config,
     cgroups: CgroupFs,
     client: OnceLock<Arc<NodeClient>>,
-    /// The agent's own container, if it runs in one (its callers there are not confined).
-    own: Option<CgroupIdentity>,
     /// A fence also drains the node (the guard's endgame is `drain`).
     drain: bool,
 }
@@ -119,15 +117,11 @@ impl Kube {
             .map_err(KubeSetupError::Runtime)?;
         let config = rt.block_on(NodeClient::config(cfg.kubeconfig.as_deref()))?;
         let cgroups = CgroupFs::detect(&cfg.cgroup_root)?;
-        let own = ProcHandle::open(std::process::id() as cryo_proc::Pid)
-            .ok()
-            .and_then(|h| cryo_kube::caller_identity(&h).ok());
         Ok(Kube {
             node: cfg.node.clone(),
             config,
             cgroups,
             client: OnceLock::new(),
-            own,
             drain,
         })
     }
@@ -155,23 +149,6 @@ impl Kube {
             )
         })
     }
-
-    /// The container of the caller if it is one of a pod's (not the agent's own): such a
-    /// caller may only stop itself. `Err`: a caller in a pod but in none of its containers.
-    fn confinement(&self, process: &ProcHandle) -> Result<Option<CgroupIdentity>, ApiError> {
-        match cryo_kube::caller_identity(process) {
-            Ok(id) if self.own.as_ref() == Some(&id) => Ok(None),
-            Ok(id) => Ok(Some(id)),
-            Err(CallerError::Identity {
-                source: cryo_kube::identity::IdentityError::NotInAPod(_),
-                ..
-            }) => Ok(None),
-            Err(e) => Err(ApiError::new(
-                ErrorKind::Forbidden,
-                format!("the caller cannot be placed: {e}"),
-            )),
-        }
-    }
 }
 
 /// Whether the caller may make a change other than stopping processes of its own container.
@@ -189,22 +166,42 @@ pub(crate) fn unconfined(agent: &Agent, peer: &crate::auth::Peer) -> Result<(), 
     }
 }
 
-/// The caller's container when it is confined to it (see the module docs).
+/// The container the agent itself runs in, if any (its callers there are not confined).
+pub(crate) fn own_identity() -> Option<CgroupIdentity> {
+    ProcHandle::open(std::process::id() as cryo_proc::Pid)
+        .ok()
+        .and_then(|h| cryo_kube::caller_identity(&h).ok())
+}
+
+/// The caller's container when it is confined to it (see the module docs): a caller whose
+/// cgroup names a pod's container other than the agent's own. A caller that cannot be placed
+/// (not visible in the agent's pid namespace, gone, in a pod but in none of its containers) may
+/// change nothing. With or without Kubernetes: the cgroup alone says it.
 pub(crate) fn own_container(
     agent: &Agent,
     peer: &crate::auth::Peer,
 ) -> Result<Option<CgroupIdentity>, ApiError> {
-    let Some(k) = &agent.kube else {
-        return Ok(None);
-    };
-    match &peer.process {
-        Some(p) => k.confinement(p),
-        // Root in the agent's pid namespace whose process is gone or unseen: nothing to place.
-        None if peer.pid().is_none() => Ok(None),
-        None => Err(ApiError::new(
+    let unplaced = |why: String| {
+        ApiError::new(
             ErrorKind::Forbidden,
-            "the caller's process could not be held while it was connected",
-        )),
+            format!("the caller cannot be placed: {why}"),
+        )
+    };
+    let Some(process) = &peer.process else {
+        return Err(unplaced(if peer.pid().is_none() {
+            "it is in a pid namespace the agent does not see (run the agent with the host's pid namespace)".to_owned()
+        } else {
+            "its process could not be held while it was connected".to_owned()
+        }));
+    };
+    match cryo_kube::caller_identity(process) {
+        Ok(id) if agent.own_container.as_ref() == Some(&id) => Ok(None),
+        Ok(id) => Ok(Some(id)),
+        Err(CallerError::Identity {
+            source: cryo_kube::identity::IdentityError::NotInAPod(_),
+            ..
+        }) => Ok(None),
+        Err(e) => Err(unplaced(e.to_string())),
     }
 }
 
@@ -214,6 +211,22 @@ pub(crate) fn authorize_stop(
     caller: &CgroupIdentity,
     resolved: &cryo_lifecycle::Resolved,
 ) -> Result<(), ApiError> {
+    // A cgroup target must itself be (inside) the caller's container: processes that join it
+    // during the stop are stopped too, and none of another container may ever join it.
+    if let cryo_lifecycle::Target::Cgroup(path) = resolved.target() {
+        let named = cryo_kube::identity::identity_from_path(&path.to_string_lossy());
+        if named.as_ref().map(|n| (&n.pod, &n.container)) != Ok((&caller.pod, &caller.container)) {
+            return Err(ApiError::new(
+                ErrorKind::Forbidden,
+                format!(
+                    "refused: cgroup {} is not the caller's container (pod {} container {})",
+                    path.display(),
+                    caller.pod,
+                    caller.container
+                ),
+            ));
+        }
+    }
     let targets: Vec<_> = resolved
         .handles()
         .iter()
@@ -329,6 +342,9 @@ fn caller_error(e: CallerError) -> ApiError {
     ApiError::new(kind, e.to_string())
 }
 
+/// Where the host's cgroup tree is when the agent runs without `--kube-node`.
+const DEFAULT_CGROUP_ROOT: &str = "/sys/fs/cgroup";
+
 /// How long a preStop waits for the API server to name its Pod before it goes on without it.
 const CALLER_LOOKUP: Duration = Duration::from_secs(5);
 
@@ -338,7 +354,7 @@ const CALLER_LOOKUP: Duration = Duration::from_secs(5);
 /// always), the deadline the API's default grace period less its margin (the request's
 /// `--deadline` shortens it).
 fn cgroup_only(
-    k: &Kube,
+    cgroups: &CgroupFs,
     process: &ProcHandle,
     why: &str,
 ) -> Result<(String, String, PathBuf, Option<SystemTime>), ApiError> {
@@ -347,8 +363,7 @@ fn cgroup_only(
         runtime: id.runtime.unwrap_or(cryo_kube::Runtime::Containerd),
         id: id.container.clone(),
     };
-    let cg = k
-        .cgroups
+    let cg = cgroups
         .container(&id.pod, None, &container)
         .map_err(|e| ApiError::new(ErrorKind::NotFound, e.to_string()))?;
     let grace = cryo_kube::grace::DEFAULT_GRACE;
@@ -363,14 +378,17 @@ pub(crate) async fn plan(
     peer: &crate::auth::Peer,
     req: KubeStopRequest,
 ) -> Result<KubePlan, ApiError> {
-    let k = agent.kube.as_ref().ok_or_else(|| {
-        ApiError::new(
-            ErrorKind::NotFound,
-            "this agent runs without Kubernetes: it cannot find pods",
-        )
-        .with_hint("start it with --kube-node (env CRYO_NODE_NAME), as deploy/'s DaemonSet does")
-    })?;
-    let client = k.client()?;
+    let kube = || {
+        agent.kube.as_ref().ok_or_else(|| {
+            ApiError::new(
+                ErrorKind::NotFound,
+                "this agent runs without Kubernetes: it cannot find pods",
+            )
+            .with_hint(
+                "start it with --kube-node (env CRYO_NODE_NAME), as deploy/'s DaemonSet does",
+            )
+        })
+    };
     let (pod, containers, pod_deadline, spare) = match &req.what {
         KubeTarget::Caller => {
             let process = peer.process.as_ref().ok_or_else(|| {
@@ -382,27 +400,41 @@ pub(crate) async fn plan(
             let spare = process
                 .try_clone()
                 .map_err(|e| ApiError::new(ErrorKind::Failed, e.to_string()))?;
-            let (pod, container, dir, deadline) =
-                match tokio::time::timeout(CALLER_LOOKUP, client.resolve_caller(process)).await {
-                    Ok(Ok(caller)) => {
-                        let cg = caller
-                            .cgroup(&k.cgroups)
-                            .map_err(|e| ApiError::new(ErrorKind::NotFound, e.to_string()))?;
-                        (
-                            caller.pod.to_string(),
-                            caller.container,
-                            cg.dir,
-                            caller.deadline,
-                        )
+            let (pod, container, dir, deadline) = match &agent.kube {
+                // Without Kubernetes (an agent started without --kube-node on a node that runs
+                // pods): the preStop still works, from the cgroup alone.
+                None => {
+                    let fs = CgroupFs::detect(DEFAULT_CGROUP_ROOT)
+                        .map_err(|e| ApiError::new(ErrorKind::NotFound, e.to_string()))?;
+                    cgroup_only(&fs, process, "the agent runs without --kube-node")?
+                }
+                Some(k) => {
+                    match tokio::time::timeout(CALLER_LOOKUP, k.client()?.resolve_caller(process))
+                        .await
+                    {
+                        Ok(Ok(caller)) => {
+                            let cg = caller
+                                .cgroup(&k.cgroups)
+                                .map_err(|e| ApiError::new(ErrorKind::NotFound, e.to_string()))?;
+                            (
+                                caller.pod.to_string(),
+                                caller.container,
+                                cg.dir,
+                                caller.deadline,
+                            )
+                        }
+                        Ok(Err(e @ CallerError::Api(_))) => {
+                            cgroup_only(&k.cgroups, process, &e.to_string())?
+                        }
+                        Err(_) => cgroup_only(
+                            &k.cgroups,
+                            process,
+                            &format!("no answer in {} s", CALLER_LOOKUP.as_secs()),
+                        )?,
+                        Ok(Err(e)) => return Err(caller_error(e)),
                     }
-                    Ok(Err(e @ CallerError::Api(_))) => cgroup_only(k, process, &e.to_string())?,
-                    Err(_) => cgroup_only(
-                        k,
-                        process,
-                        &format!("no answer in {} s", CALLER_LOOKUP.as_secs()),
-                    )?,
-                    Ok(Err(e)) => return Err(caller_error(e)),
-                };
+                }
+            };
             (
                 pod,
                 vec![Planned {
@@ -428,7 +460,9 @@ pub(crate) async fn plan(
                     ),
                 ));
             }
-            let t = client
+            let k = kube()?;
+            let t = k
+                .client()?
                 .pod_target(&k.cgroups, namespace, name, container.as_deref())
                 .await
                 .map_err(caller_error)?;

@@ -128,6 +128,8 @@ pub(crate) struct Agent {
     parent: parent::Parent,
     /// Kubernetes, when the agent runs with it.
     kube: Option<k8s::Kube>,
+    /// The pod container the agent runs in, if any (see [`k8s::own_container`]).
+    own_container: Option<cryo_kube::CgroupIdentity>,
 }
 
 impl std::fmt::Debug for Agent {
@@ -239,6 +241,7 @@ pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
             source,
         })?,
         kube,
+        own_container: k8s::own_identity(),
     });
     log_guarded(&agent.guard);
     agent.update_gauges();

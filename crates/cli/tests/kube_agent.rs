@@ -422,6 +422,13 @@ fn prestop_stops_its_own_container_through_the_agent_and_nothing_else() {
         "{}",
         stderr(&out)
     );
+    let pod_dir = dir_a.parent().unwrap().to_str().unwrap().to_owned();
+    let out = from_cgroup(&dir_b, &cryo(&["stop", "--cgroup", &pod_dir]));
+    assert!(
+        stderr(&out).contains("is not the caller's container"),
+        "{}",
+        stderr(&out)
+    );
     let out = from_cgroup(&dir_b, &cryo(&["agent", "stop"]));
     assert!(
         stderr(&out).contains("a container may only stop itself"),
@@ -617,4 +624,47 @@ fn prestop_without_an_agent_suspends_its_own_cgroup_standalone_and_the_kubelets_
     }
     eventually(PATIENCE, "the worker ended", || !procs::alive(worker));
     sim.assert_no_wedge();
+}
+
+#[test]
+fn without_kubernetes_the_agent_serves_a_prestop_from_the_cgroup_and_confines_containers() {
+    ks::require_root();
+    let mut tree = ks::Tree::new();
+    let uid = "0b8e4f4c-1f2a-4c3d-9e8f-0123456789ab";
+    let dir_a = tree.dir(&format!("kubepods/besteffort/pod{uid}/{A}"));
+    let dir_b = tree.dir(&format!("kubepods/besteffort/pod{uid}/{B}"));
+    let sidecar = tree.spawn_in(&dir_b);
+    let mut sim = Sim::start();
+    let state = sim.path().join("state");
+    let (worker, _) = sim.worker("8MiB");
+    common::make_restored(&sim, &state, worker);
+    std::fs::write(dir_a.join("cgroup.procs"), worker.to_string()).unwrap();
+    let agent = AgentProc::start(&sim, &state, &["--no-memory-watch"]);
+    let cryo = |args: &[&str]| {
+        let mut c = sim.cmd_at(&state);
+        c.args(args);
+        c
+    };
+    let out = from_cgroup(&dir_b, &cryo(&["stop", &worker.to_string()]));
+    assert!(
+        stderr(&out).contains(&format!("pid {worker} is in pod {uid} container {A}")),
+        "{}",
+        stderr(&out)
+    );
+    let out = from_cgroup(&dir_b, &cryo(&["agent", "stop"]));
+    assert!(
+        stderr(&out).contains("a container may only stop itself"),
+        "{}",
+        stderr(&out)
+    );
+    let out = from_cgroup(&dir_a, &cryo(&["stop", "--self"]));
+    succeeded(&out);
+    eventually(PATIENCE, "the worker ended", || !procs::alive(worker));
+    sim.assert_no_wedge();
+    assert!(procs::alive(sidecar));
+    assert!(
+        agent.log().contains("runs without --kube-node"),
+        "{}",
+        agent.log()
+    );
 }
