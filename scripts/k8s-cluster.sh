@@ -17,6 +17,8 @@
 #   k8s-cluster.sh stop-apiserver DIR / start-apiserver DIR
 #                              an outage: SIGKILL the API server only (etcd stays), then start it
 #                              again on the same port (tests of what the agent does meanwhile)
+#   k8s-cluster.sh pause-apiserver DIR / resume-apiserver DIR
+#                              a hung API server: SIGSTOP it (connections hang), then SIGCONT
 #
 # Every cluster gets its own directory, certificates and free loopback ports, so test runs on the
 # same machine do not meet. Authorization is Node,RBAC with the NodeRestriction admission plugin,
@@ -182,6 +184,16 @@ stop_apiserver() {
     rm -f "$dir/apiserver.pid"
 }
 
+# signal_apiserver DIR SIG: SIGSTOP (a hung API server: connections are accepted by the kernel,
+# never answered) or SIGCONT.
+signal_apiserver() {
+    local dir=$1 pid
+    [ -f "$dir/apiserver.pid" ] || die "$dir has no running API server"
+    pid="$(cat "$dir/apiserver.pid")"
+    grep -qa -- "$dir" "/proc/$pid/cmdline" 2>/dev/null || die "pid $pid is not $dir's API server"
+    kill "-$2" "$pid"
+}
+
 # start_apiserver DIR: starts it again on the same port after stop_apiserver.
 start_apiserver() {
     local dir=$1 eport aport
@@ -234,5 +246,7 @@ case "${1:-}" in
     stop) [ -n "${2:-}" ] || die "usage: $0 stop DIR"; d="$(realpath -m "$2")"; [ -d "$d" ] && { stop "$d"; rm -rf "$d"; }; true ;;
     stop-apiserver) [ -n "${2:-}" ] || die "usage: $0 stop-apiserver DIR"; stop_apiserver "$(realpath -m "$2")" ;;
     start-apiserver) [ -n "${2:-}" ] || die "usage: $0 start-apiserver DIR"; start_apiserver "$(realpath -m "$2")" ;;
-    *) die "usage: $0 start|stop|stop-apiserver|start-apiserver DIR" ;;
+    pause-apiserver) [ -n "${2:-}" ] || die "usage: $0 pause-apiserver DIR"; signal_apiserver "$(realpath -m "$2")" STOP ;;
+    resume-apiserver) [ -n "${2:-}" ] || die "usage: $0 resume-apiserver DIR"; signal_apiserver "$(realpath -m "$2")" CONT ;;
+    *) die "usage: $0 start|stop|stop-apiserver|start-apiserver|pause-apiserver|resume-apiserver DIR" ;;
 esac

@@ -22,10 +22,11 @@
 //!   an API server that is down does not keep the agent from starting, a missing ServiceAccount
 //!   token does); the client is made in the runtime that serves the API, which the publisher
 //!   and the handlers share.
-//! - **Containers stop only themselves.** A caller whose cgroup names a pod's container (other
-//!   than the agent's own) is confined: `POST /v1/kube/stop` with the caller as target, and
-//!   `POST /v1/stop` of processes that are all in its own container; every other change is
-//!   refused. The caller is the process the kernel names on the socket (held by a pidfd from the
+//! - **Containers stop only themselves** (with or without `--kube-node`). A caller whose cgroup
+//!   names a pod's container (other than the agent's own) is confined: `POST /v1/kube/stop` with
+//!   the caller as target, and `POST /v1/stop` of processes that are all in its own container (a
+//!   cgroup target inside it); every other change is refused, and so is every change from a
+//!   caller that cannot be placed. The caller is the process the kernel names on the socket (held by a pidfd from the
 //!   moment it connected), never anything in the request; the stop spares that process (it waits
 //!   for the answer) and takes the rest of the container's cgroup subtree, under the Pod's
 //!   deadline. Its outcome is written into the container's log (the stdout of the container's

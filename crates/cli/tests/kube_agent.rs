@@ -222,14 +222,17 @@ fn the_api_server_down_blocks_nothing_and_the_fence_shows_once_it_is_back() {
         .metadata
         .uid
         .unwrap();
-    rt.block_on(ks::set_running(&pods, "w", &[("vllm", A)]));
+    rt.block_on(ks::set_running(&pods, "w", &[("vllm", A), ("second", B)]));
     let tree = ks::Tree::new();
     let dir_a = tree.dir(&format!("kubepods/besteffort/pod{uid}/{A}"));
+    let dir_b = tree.dir(&format!("kubepods/besteffort/pod{uid}/{B}"));
 
     let mut sim = Sim::start();
     let state = sim.path().join("state");
     let (in_pod, _) = sim.worker("8MiB");
     std::fs::write(dir_a.join("cgroup.procs"), in_pod.to_string()).unwrap();
+    let (in_pod_b, _) = sim.worker("8MiB");
+    std::fs::write(dir_b.join("cgroup.procs"), in_pod_b.to_string()).unwrap();
     let (pid, _) = sim.worker("4MiB");
     let agent = kube_agent(&sim, &state, &node, &kc);
     // the publisher is connected: a first fence shows
@@ -243,6 +246,19 @@ fn the_api_server_down_blocks_nothing_and_the_fence_shows_once_it_is_back() {
     eventually(API_PATIENCE, "the first fence lifted", || {
         !fenced(&rt.block_on(nodes.get(&node)).unwrap()).0
     });
+
+    // a hung API server (SIGSTOP: connections accepted, never answered): a preStop waits for it
+    // a bounded time, then stops its container as its cgroup names it
+    cluster.apiserver("pause-apiserver");
+    let mut c = sim.cmd_at(&state);
+    c.args(["stop", "--self"]);
+    let out = from_cgroup(&dir_b, &c);
+    cluster.apiserver("resume-apiserver");
+    succeeded(&out);
+    eventually(PATIENCE, "the hung-API preStop's worker ended", || {
+        !procs::alive(in_pod_b)
+    });
+    assert!(agent.log().contains("no answer in 5 s"), "{}", agent.log());
 
     cluster.apiserver("stop-apiserver");
     // a quarantine while it is down: in the file at once, whatever the API server does
