@@ -250,11 +250,8 @@ fn the_api_server_down_blocks_nothing_and_the_fence_shows_once_it_is_back() {
     // a hung API server (SIGSTOP: connections accepted, never answered): a preStop waits for it
     // a bounded time, then stops its container as its cgroup names it
     cluster.apiserver("pause-apiserver");
-    let mut c = sim.cmd_at(&state);
-    c.args(["stop", "--self"]);
-    let out = from_cgroup(&dir_b, &c);
+    prestop(&sim, &state, &dir_b);
     cluster.apiserver("resume-apiserver");
-    succeeded(&out);
     eventually(PATIENCE, "the hung-API preStop's worker ended", || {
         !procs::alive(in_pod_b)
     });
@@ -291,15 +288,7 @@ fn the_api_server_down_blocks_nothing_and_the_fence_shows_once_it_is_back() {
         .unwrap());
 
     // a preStop while it is down: the container as its cgroup names it, stopped safely
-    let mut c = sim.cmd_at(&state);
-    c.args(["stop", "--self"]);
-    let out = from_cgroup(&dir_a, &c);
-    succeeded(&out);
-    assert!(
-        stdout(&out).contains("suspended; ending the container"),
-        "{}",
-        stdout(&out)
-    );
+    prestop(&sim, &state, &dir_a);
     eventually(PATIENCE, "the pod's worker ended", || !procs::alive(in_pod));
     assert!(
         agent.log().contains("cannot name the caller's Pod"),
@@ -344,6 +333,28 @@ fn from_cgroup(dir: &Path, cmd: &Command) -> Output {
         };
     }
     c.output().unwrap()
+}
+
+/// `cmd` from inside the cgroup `dir` fails, saying `says`.
+fn refused_from(dir: &Path, cmd: &Command, says: &str) {
+    let out = from_cgroup(dir, cmd);
+    assert!(!out.status.success(), "{}", stdout(&out));
+    assert!(stderr(&out).contains(says), "{}", stderr(&out));
+}
+
+/// `cryo stop --self` from inside the cgroup `dir` (a preStop hook), which must succeed and
+/// say that it returned at the first kill; its output.
+fn prestop(sim: &Sim, state: &Path, dir: &Path) -> Output {
+    let mut c = sim.cmd_at(state);
+    c.args(["stop", "--self"]);
+    let out = from_cgroup(dir, &c);
+    succeeded(&out);
+    assert!(
+        stdout(&out).contains("suspended; ending the container"),
+        "{}",
+        stdout(&out)
+    );
+    out
 }
 
 #[test]
@@ -432,24 +443,21 @@ fn prestop_stops_its_own_container_through_the_agent_and_nothing_else() {
         "{}",
         stderr(&out)
     );
-    let out = from_cgroup(&dir_b, &cryo(&["stop", "--pod", &format!("{ns}/w")]));
-    assert!(
-        stderr(&out).contains("a container may only stop itself"),
-        "{}",
-        stderr(&out)
+    refused_from(
+        &dir_b,
+        &cryo(&["stop", "--pod", &format!("{ns}/w")]),
+        "a container may only stop itself",
     );
     let pod_dir = dir_a.parent().unwrap().to_str().unwrap().to_owned();
-    let out = from_cgroup(&dir_b, &cryo(&["stop", "--cgroup", &pod_dir]));
-    assert!(
-        stderr(&out).contains("is not the caller's container"),
-        "{}",
-        stderr(&out)
+    refused_from(
+        &dir_b,
+        &cryo(&["stop", "--cgroup", &pod_dir]),
+        "is not the caller's container",
     );
-    let out = from_cgroup(&dir_b, &cryo(&["agent", "stop"]));
-    assert!(
-        stderr(&out).contains("a container may only stop itself"),
-        "{}",
-        stderr(&out)
+    refused_from(
+        &dir_b,
+        &cryo(&["agent", "stop"]),
+        "a container may only stop itself",
     );
     assert_eq!(
         common::http(port, "GET", "/health", "").0,
@@ -458,13 +466,7 @@ fn prestop_stops_its_own_container_through_the_agent_and_nothing_else() {
     );
 
     // the preStop of the worker's container: everything suspended, then ended; not the sidecar
-    let out = from_cgroup(&dir_a, &cryo(&["stop", "--self"]));
-    succeeded(&out);
-    assert!(
-        stdout(&out).contains("suspended; ending the container"),
-        "{}",
-        stdout(&out)
-    );
+    prestop(&sim, &state, &dir_a);
     eventually(PATIENCE, "the worker ended", || !procs::alive(worker));
     sim.assert_no_wedge();
     // the outcome in the container's log
@@ -617,19 +619,11 @@ fn prestop_without_an_agent_suspends_its_own_cgroup_standalone_and_the_kubelets_
     common::make_restored(&sim, &state, worker);
     std::fs::write(dir.join("cgroup.procs"), worker.to_string()).unwrap();
     let plain = tree.spawn_in(&dir);
-    let mut c = sim.cmd_at(&state);
-    c.args(["stop", "--self"]);
-    let out = from_cgroup(&dir, &c);
-    succeeded(&out);
+    let out = prestop(&sim, &state, &dir);
     assert!(
         stderr(&out).contains("working standalone"),
         "{}",
         stderr(&out)
-    );
-    assert!(
-        stdout(&out).contains("suspended; ending the container"),
-        "{}",
-        stdout(&out)
     );
     // it returned at the first kill (in a real container it would die there with its pid
     // namespace): the worker is checkpointed, so the kubelet's kill that follows is safe
@@ -661,20 +655,17 @@ fn without_kubernetes_the_agent_serves_a_prestop_from_the_cgroup_and_confines_co
         c.args(args);
         c
     };
-    let out = from_cgroup(&dir_b, &cryo(&["stop", &worker.to_string()]));
-    assert!(
-        stderr(&out).contains(&format!("pid {worker} is in pod {uid} container {A}")),
-        "{}",
-        stderr(&out)
+    refused_from(
+        &dir_b,
+        &cryo(&["stop", &worker.to_string()]),
+        &format!("pid {worker} is in pod {uid} container {A}"),
     );
-    let out = from_cgroup(&dir_b, &cryo(&["agent", "stop"]));
-    assert!(
-        stderr(&out).contains("a container may only stop itself"),
-        "{}",
-        stderr(&out)
+    refused_from(
+        &dir_b,
+        &cryo(&["agent", "stop"]),
+        "a container may only stop itself",
     );
-    let out = from_cgroup(&dir_a, &cryo(&["stop", "--self"]));
-    succeeded(&out);
+    prestop(&sim, &state, &dir_a);
     eventually(PATIENCE, "the worker ended", || !procs::alive(worker));
     sim.assert_no_wedge();
     assert!(procs::alive(sidecar));
