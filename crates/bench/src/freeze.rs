@@ -441,6 +441,9 @@ impl Bench {
     pub(crate) fn cryo_arm(&self, memory: u64) -> anyhow::Result<Arm> {
         let (mut child, pid, sock) = self.worker(memory)?;
         let image = self.dir.join("cryo-img");
+        // The worker's parent reaps it as soon as CRIU ends it, as a real parent does: `cryo
+        // freeze` waits for its pids to be free before it reports the image published.
+        let reaper = std::thread::spawn(move || child.wait());
         let t = Instant::now();
         let mut c = self.cryo();
         c.args(["freeze", "--json", &pid.to_string(), "--image"])
@@ -454,7 +457,10 @@ impl Bench {
         let outside = durable - f["elapsed_ms"].as_f64().unwrap_or(0.0);
         let [gpu_free, gone] =
             ["gpu_free_ms", "worker_gone_ms"].map(|k| f[k].as_f64().unwrap_or(f64::NAN) + outside);
-        child.wait().context("reaping the frozen worker")?;
+        reaper
+            .join()
+            .map_err(|_| anyhow::anyhow!("the reaper thread panicked"))?
+            .context("reaping the frozen worker")?;
         let image_bytes = cryo_criu::image::dir_bytes(&image);
 
         let (warm, warm_steps) = self.cryo_thaw(&image, &sock)?;

@@ -12,7 +12,7 @@ use cryo_proc::Pid;
 use nix::fcntl::{Flock, FlockArg};
 
 use crate::error::{CriuError, CriuOp};
-use crate::image::{self, Image, ImageError, Server};
+use crate::image::{self, Image, ImageError, Staging};
 use crate::rpc::RpcError;
 use crate::rpc::{CriuOpts, CriuReq, CriuReqType, Swrk};
 use crate::version::CriuVersion;
@@ -110,6 +110,14 @@ pub trait Criu: std::fmt::Debug + Send + Sync {
     /// successful dump, never before; after a failure it is left as it was. The caller reaps
     /// its own children among them.
     fn dump(&self, pid: Pid, images_dir: &Path, opts: &DumpOpts) -> Result<(), CriuError>;
+
+    /// [`Criu::dump`] into `staging`, what a freeze publishes. The default dumps into the
+    /// staging directory while its writeback is started ([`Staging::flush_while`]), and publish
+    /// hashes it afterwards; [`CriuRpc`] streams the dump through cryo instead, which writes and
+    /// hashes each file as CRIU sends it (see [`image::Capture`]).
+    fn dump_staged(&self, pid: Pid, staging: &Staging, opts: &DumpOpts) -> Result<(), CriuError> {
+        staging.flush_while(|| self.dump(pid, staging.path(), opts))
+    }
 
     /// Restores the tree of `image` (opened and trusted by [`Image::open`]) and returns the pid
     /// of its root (the pid it had when dumped). The restored root is a child of the calling
@@ -272,9 +280,14 @@ impl CriuRpc {
         }
     }
 
-    /// `criu` with the carried libraries' directory in `LD_LIBRARY_PATH`.
-    fn command(&self) -> Command {
+    /// `criu` with the carried libraries' directory in `LD_LIBRARY_PATH` and no plugins: its
+    /// plugin directory (`-L`) is an empty directory made in `private` (why: see
+    /// [`Swrk::start`]; CRIU loads its installed cuda plugin otherwise).
+    fn command(&self, private: &Path) -> std::io::Result<Command> {
+        let no_plugins = private.join("no-plugins");
+        std::fs::create_dir(&no_plugins)?;
         let mut cmd = Command::new(&self.bin);
+        cmd.arg("-L").arg(no_plugins);
         if let Some(dir) = &self.lib_dir {
             let mut path = dir.as_os_str().to_owned();
             if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
@@ -283,7 +296,49 @@ impl CriuRpc {
             }
             cmd.env("LD_LIBRARY_PATH", path);
         }
-        cmd
+        Ok(cmd)
+    }
+
+    /// Spawns `cmd` (CRIU with `--stream` and `gate`'s action script), runs `serve` on
+    /// `listener` (CRIU's image streamer socket) and, when CRIU reaches the gate's stage,
+    /// `verdict`, and waits for CRIU. Returns its exit status and the verdict (`None`: CRIU
+    /// ended before it reached the gate).
+    fn run_with_streamer(
+        &self,
+        op: CriuOp,
+        mut cmd: Command,
+        listener: &UnixListener,
+        gate: Gate,
+        serve: impl FnOnce(&UnixListener) + Send,
+        verdict: impl FnOnce() -> Result<(), ImageError> + Send,
+    ) -> Result<(std::process::ExitStatus, Option<Result<(), ImageError>>), CriuError> {
+        let spawn_err = |source| CriuError::Rpc {
+            op,
+            source: RpcError::Spawn {
+                path: self.bin.display().to_string(),
+                source,
+            },
+        };
+        let mut child = cmd.spawn().map_err(spawn_err)?;
+        drop(cmd);
+        let (status, verdict) = std::thread::scope(|s| {
+            s.spawn(move || serve(listener));
+            let pidfd = rustix::process::Pid::from_child(&child);
+            let pidfd = rustix::process::pidfd_open(pidfd, rustix::process::PidfdFlags::empty());
+            let judged = s.spawn(move || gate.judge(verdict, pidfd.ok()));
+            let status = child.wait();
+            // Unblocks the accept if CRIU never connected (a connection ends with CRIU).
+            let _ =
+                nix::sys::socket::shutdown(listener.as_raw_fd(), nix::sys::socket::Shutdown::Both);
+            let verdict = judged.join().unwrap_or_else(|_| {
+                Some(Err(ImageError::Stream {
+                    dir: PathBuf::new(),
+                    reason: "the gate thread panicked".into(),
+                }))
+            });
+            (status, verdict)
+        });
+        Ok((status.map_err(spawn_err)?, verdict))
     }
 
     fn call(&self, op: CriuOp, req: &CriuReq) -> Result<crate::rpc::CriuResp, CriuError> {
@@ -329,6 +384,83 @@ impl Criu for CriuRpc {
         }
     }
 
+    /// Dumps through cryo's image capture: CRIU runs as `criu dump --stream` (CRIU's RPC
+    /// cannot stream) and sends every image file to cryo, which writes it into the staging
+    /// directory and hashes it on the way ([`image::Capture`]); CRIU's log goes into the staging
+    /// directory (its work directory). CRIU's `post-dump` action script waits at the gate until
+    /// every byte is written, so the tree is killed only after that, and resumed by CRIU if
+    /// anything was refused ([`CriuError::Image`]).
+    fn dump_staged(&self, pid: Pid, staging: &Staging, opts: &DumpOpts) -> Result<(), CriuError> {
+        if std::env::var_os("CRYO_DUMP_STREAM").is_some_and(|v| v == "0") {
+            return staging.flush_while(|| self.dump(pid, staging.path(), opts));
+        }
+        let op = CriuOp::Dump;
+        let dir_err = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| CriuError::Dir { op, path, source }
+        };
+        // Private to root (0700): the capture's socket, the gate.
+        let private = tempfile::Builder::new()
+            .prefix("cryo-criu-dump-")
+            .tempdir()
+            .map_err(dir_err(&std::env::temp_dir()))?;
+        let p = private.path().to_path_buf();
+        let listener = UnixListener::bind(p.join(image::CAPTURE_SOCKET)).map_err(dir_err(&p))?;
+        let gate = Gate::new(&p, "post-dump").map_err(dir_err(&p))?;
+        let mut cmd = self.command(&p).map_err(dir_err(&p))?;
+        cmd.args(["dump", "--stream", "-t", &pid.to_string()])
+            .arg("-D")
+            .arg(&p)
+            .arg("-W")
+            .arg(staging.path())
+            .args(["-o", DUMP_LOG])
+            .arg(format!("-v{}", opts.log_level))
+            .arg("--action-script")
+            .arg(gate.script());
+        if opts.leave_running {
+            cmd.arg("--leave-running");
+        }
+        common_flags(
+            &mut cmd,
+            opts.shell_job,
+            opts.tcp_established,
+            opts.file_locks,
+            opts.ext_unix_sk,
+            &opts.external,
+        );
+        let stderr = tempfile::tempfile().map_err(dir_err(&p))?;
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(stderr.try_clone().map_err(dir_err(&p))?));
+        tracing::debug!(pid, staging = %staging.path().display(), "criu dump --stream");
+        let capture = staging.capture();
+        let (status, verdict) =
+            self.run_with_streamer(op, cmd, &listener, gate, |l| capture.serve(l), || {
+                capture.written()
+            })?;
+        tracing::debug!(%status, written = capture.written_bytes(), "criu dump --stream ended");
+        if let Some(e) = capture.failure() {
+            return Err(CriuError::Image(e));
+        }
+        match verdict {
+            Some(Err(e)) => return Err(CriuError::Image(e)),
+            Some(Ok(())) if status.success() => {}
+            _ => {
+                let mut err = failed(op, staging.path().join(DUMP_LOG), None);
+                if let CriuError::Failed { lines, .. } = &mut err {
+                    if status.success() {
+                        lines.push("CRIU ended the dump without passing cryo's gate".into());
+                    }
+                    if lines.iter().all(|l| l.starts_with("cannot read")) {
+                        lines.extend(stderr_tail(stderr));
+                    }
+                }
+                return Err(err);
+            }
+        }
+        staging.adopt(capture).map_err(CriuError::Image)
+    }
+
     /// Restores the tree of the opened image `image` through cryo's image streamer and returns
     /// the pid of its root. CRIU runs as `criu restore --stream` and reads nothing from the image
     /// directory: every byte comes from the streamer after it matched the manifest, and CRIU's
@@ -356,8 +488,8 @@ impl Criu for CriuRpc {
             None => p.clone(),
         };
         let listener = UnixListener::bind(p.join(image::SERVE_SOCKET)).map_err(dir_err(&p))?;
-        let gate = Gate::new(&p).map_err(dir_err(&p))?;
-        let mut cmd = self.command();
+        let gate = Gate::new(&p, "post-restore").map_err(dir_err(&p))?;
+        let mut cmd = self.command(&p).map_err(dir_err(&p))?;
         cmd.args([
             "restore",
             "--stream",
@@ -386,35 +518,10 @@ impl Criu for CriuRpc {
             .stderr(Stdio::from(stderr.try_clone().map_err(dir_err(&p))?));
         tracing::debug!(image = %image.path().display(), private = %p.display(), "criu restore --stream");
         let server = image::Server::new(image);
-        let spawn_err = |source| CriuError::Rpc {
-            op,
-            source: RpcError::Spawn {
-                path: self.bin.display().to_string(),
-                source,
-            },
-        };
-        let mut child = cmd.spawn().map_err(spawn_err)?;
-        drop(cmd);
-        let (status, verdict) = std::thread::scope(|s| {
-            let server = &server;
-            let listener = &listener;
-            s.spawn(move || server.serve(listener));
-            let pidfd = rustix::process::Pid::from_child(&child);
-            let pidfd = rustix::process::pidfd_open(pidfd, rustix::process::PidfdFlags::empty());
-            let judged = s.spawn(move || gate.judge(server, pidfd.ok()));
-            let status = child.wait();
-            // Unblocks the accept if CRIU never connected (a connection ends with CRIU).
-            let _ =
-                nix::sys::socket::shutdown(listener.as_raw_fd(), nix::sys::socket::Shutdown::Both);
-            let verdict = judged.join().unwrap_or_else(|_| {
-                Some(Err(ImageError::Stream {
-                    dir: image.path().to_path_buf(),
-                    reason: "the gate thread panicked".into(),
-                }))
-            });
-            (status, verdict)
-        });
-        let status = status.map_err(spawn_err)?;
+        let (status, verdict) =
+            self.run_with_streamer(op, cmd, &listener, gate, |l| server.serve(l), || {
+                server.finish()
+            })?;
         if !status.success() {
             reap_restored_root(image.manifest().root_pid);
         }
@@ -523,14 +630,16 @@ fn stderr_tail(mut f: File) -> Vec<String> {
     lines[lines.len().saturating_sub(5)..].to_vec()
 }
 
-/// The hand-off between CRIU's `post-restore` action script and the streamer's verdict.
+/// The hand-off between CRIU's action script at one stage and the streamer's verdict.
 ///
 /// CRIU runs its action script (`sh -c SCRIPT`) at every stage; at `post-restore` (every
-/// process restored, none resumed; a failing script makes CRIU abort and kill the tree) the
-/// script writes a line into the FIFO `reached` (opened read-write, so it never blocks) and then
+/// process restored, none resumed; a failing script makes CRIU abort and kill the tree) or
+/// `post-dump` (every image written, the tree still frozen; a failing script makes CRIU resume
+/// it instead of killing it) the script writes a line into the FIFO `reached` (opened read-write, so it never blocks) and then
 /// takes a shared `flock` on `gate`, which cryo holds exclusively until it has written its
 /// verdict there; it succeeds only if the verdict reads `ok`. If cryo dies, its lock goes with
-/// it and the verdict was never written: the restore is aborted, never resumed unchecked.
+/// it and the verdict was never written: the restore is aborted, never resumed unchecked, and
+/// the dumped tree is resumed, never killed.
 #[derive(Debug)]
 struct Gate {
     reached: File,
@@ -539,7 +648,8 @@ struct Gate {
 }
 
 impl Gate {
-    fn new(dir: &Path) -> std::io::Result<Gate> {
+    /// A gate in `dir` for CRIU's stage `stage` (`post-restore`, `post-dump`).
+    fn new(dir: &Path, stage: &str) -> std::io::Result<Gate> {
         let reached = dir.join("reached");
         let gate = dir.join("gate");
         let quote = |p: &Path| -> std::io::Result<String> {
@@ -549,7 +659,7 @@ impl Gate {
         };
         let script = format!(
             "#!/bin/sh\n# cryo's gate: CRIU resumes nothing unless cryo wrote its verdict 'ok'.\n\
-             [ \"$CRTOOLS_SCRIPT_ACTION\" = post-restore ] || exit 0\n\
+             [ \"$CRTOOLS_SCRIPT_ACTION\" = {stage} ] || exit 0\n\
              {{ echo reached >&3; }} 3<>{r} || exit 1\n\
              exec flock -s {g} grep -qx ok {g}\n",
             r = quote(&reached)?,
@@ -594,10 +704,13 @@ impl Gate {
         &self.script
     }
 
-    /// Waits until CRIU reaches `post-restore` (or exits, `criu` readable: then `None`), then
-    /// asks the server for its verdict on the whole image, writes `ok` if it passed and lets
-    /// the script go.
-    fn judge(self, server: &Server<'_>, criu: Option<OwnedFd>) -> Option<Result<(), ImageError>> {
+    /// Waits until CRIU reaches the stage (or exits, `criu` readable: then `None`), then asks
+    /// for the `verdict` (on the whole image), writes `ok` if it passed and lets the script go.
+    fn judge(
+        self,
+        verdict: impl FnOnce() -> Result<(), ImageError>,
+        criu: Option<OwnedFd>,
+    ) -> Option<Result<(), ImageError>> {
         use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
         loop {
             let mut fds = vec![PollFd::new(self.reached.as_fd(), PollFlags::POLLIN)];
@@ -609,7 +722,7 @@ impl Gate {
                 Err(e) => {
                     return Some(Err(ImageError::Stream {
                         dir: PathBuf::new(),
-                        reason: format!("waiting for CRIU's post-restore stage: {e}"),
+                        reason: format!("waiting for CRIU's action script: {e}"),
                     }))
                 }
                 Ok(_) => {}
@@ -623,7 +736,7 @@ impl Gate {
                 return None;
             }
         }
-        let verdict = server.finish();
+        let verdict = verdict();
         let f = self.verdict;
         if verdict.is_ok() {
             if let Err(e) = f.write_all_at(b"ok\n", 0) {

@@ -446,11 +446,9 @@ fn freeze_inner(
     // After the checkpoint, device memory is part of each process's resident memory.
     let expected: u64 = handles.iter().filter_map(|h| h.rss().ok()).sum();
     // The disk starts writing the image while CRIU still dumps (publish's fsync then waits for
-    // the rest only).
-    let dumped = staging.flush_while(|| {
-        with_dir_progress(progress, root, "dump", expected, staging.path(), || {
-            criu.dump(root, staging.path(), &dump_opts)
-        })
+    // the rest only); CRIU's own dump streams through cryo, which hashes as it writes.
+    let dumped = with_dir_progress(progress, root, "dump", expected, staging.path(), || {
+        criu.dump_staged(root, &staging, &dump_opts)
     });
     let dumped_bytes = cryo_criu::image::dir_bytes(staging.path());
     let detail = format!(

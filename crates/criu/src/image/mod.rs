@@ -31,6 +31,7 @@
 //! The replaced old image is removed after the exchange; if that removal is interrupted, the
 //! leftover is a staging-named directory and goes with the next [`clean_stale`].
 
+mod capture;
 mod hash;
 mod manifest;
 mod open;
@@ -55,6 +56,8 @@ pub use manifest::{
     DEFAULT_CHUNK_SIZE, FORMAT_2_CHUNK_SIZE, FORMAT_VERSION, MANIFEST_FILE, OLDEST_FORMAT_VERSION,
 };
 pub use open::{read_manifest, Image};
+pub use capture::Capture;
+pub(crate) use capture::CAPTURE_SOCKET;
 pub(crate) use stream::{Server, SERVE_SOCKET};
 
 /// What marks a staging directory: `NAME.tmp-<random>`.
@@ -267,8 +270,14 @@ fn kick_writeback(dir: &Path, kicked: &mut BTreeMap<std::ffi::OsString, (File, u
 }
 
 /// Format-3 checksums of every file of `dir` (BLAKE3 per chunk, on rayon's pool), while every
-/// file is fsync'd on plain threads (a fsync waits on the disk, not on a core).
-fn hash_and_sync(dir: &Path, names: &[String], chunk: u64) -> Result<Vec<FileEntry>, ImageError> {
+/// file is fsync'd on plain threads (a fsync waits on the disk, not on a core). The files of
+/// `known` were hashed as they were written (the capture): only their size is checked.
+fn hash_and_sync(
+    dir: &Path,
+    names: &[String],
+    chunk: u64,
+    known: &BTreeMap<String, FileEntry>,
+) -> Result<Vec<FileEntry>, ImageError> {
     let mut opened = Vec::with_capacity(names.len());
     for n in names {
         let path = dir.join(n);
@@ -294,6 +303,18 @@ fn hash_and_sync(dir: &Path, names: &[String], chunk: u64) -> Result<Vec<FileEnt
             .iter()
             .zip(names)
             .map(|((path, f, size), name)| {
+                if let Some(e) = known.get(name) {
+                    if e.size != *size {
+                        return Err(ImageError::Unexpected {
+                            file: path.clone(),
+                            reason: format!(
+                                "{size} bytes after the dump, {} written by the capture",
+                                e.size
+                            ),
+                        });
+                    }
+                    return Ok(e.clone());
+                }
                 let chunks = hash::chunk_digests(f, *size, chunk).map_err(io(path))?;
                 Ok(FileEntry {
                     name: name.clone(),
@@ -467,6 +488,8 @@ pub struct Staging {
     path: PathBuf,
     dir: PathBuf,
     chunk_size: u64,
+    /// The files a [`Capture`] wrote and hashed.
+    captured: std::sync::Mutex<BTreeMap<String, FileEntry>>,
     _lock: Flock<File>,
 }
 
@@ -499,6 +522,7 @@ impl Staging {
                         path,
                         dir: dir.to_path_buf(),
                         chunk_size: DEFAULT_CHUNK_SIZE,
+                        captured: std::sync::Mutex::default(),
                         _lock: lock,
                     })
                 }
@@ -548,6 +572,22 @@ impl Staging {
         })
     }
 
+    /// A capture of a streamed dump into the staging directory (see [`Capture`]).
+    pub fn capture(&self) -> Capture {
+        Capture::new(&self.path, self.chunk_size)
+    }
+
+    /// Takes the files `capture` wrote and hashed: publish checks their sizes and does not hash
+    /// them again. Refuses a capture that was refused or is not whole.
+    pub fn adopt(&self, capture: Capture) -> Result<(), ImageError> {
+        let files = capture.into_files()?;
+        self.captured
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(files);
+        Ok(())
+    }
+
     /// Hashes and fsyncs every file (chunks hashed in parallel on every core while every file
     /// is fsync'd at once on its own thread), writes the manifest, and renames the staging
     /// directory to the final one. With `replace`, an existing image there is swapped out
@@ -566,7 +606,13 @@ impl Staging {
         step: &dyn Fn(PublishStep),
     ) -> Result<Manifest, ImageError> {
         let names = self.list()?;
-        let files = hash_and_sync(&self.path, &names, self.chunk_size)?;
+        let known = std::mem::take(&mut *self.captured.lock().unwrap_or_else(|p| p.into_inner()));
+        if let Some(gone) = known.keys().find(|k| !names.contains(k)) {
+            return Err(ImageError::Missing {
+                file: self.path.join(gone),
+            });
+        }
+        let files = hash_and_sync(&self.path, &names, self.chunk_size, &known)?;
         step(PublishStep::Synced);
         let created = time::OffsetDateTime::now_utc()
             .format(&Rfc3339)

@@ -47,15 +47,15 @@ pub(crate) const SERVE_SOCKET: &str = "streamer-serve.sock";
 /// Chunks read and hashed in parallel ahead of the writer, per file.
 const WINDOW: usize = 4;
 /// Pipe buffer asked for (F_SETPIPE_SZ); the default 64 KiB costs a context switch per 64 KiB.
-const PIPE_SIZE: i32 = 1 << 20;
+pub(super) const PIPE_SIZE: i32 = 1 << 20;
 /// Longest file name CRIU may ask for (its own limit is PATH_MAX).
 const MAX_REQUEST: u32 = 4096;
 
-/// `img_streamer_request_entry`: the image file CRIU wants.
+/// `img_streamer_request_entry`: the image file CRIU wants (or, dumping, writes).
 #[derive(Clone, PartialEq, Message)]
-struct RequestEntry {
+pub(super) struct RequestEntry {
     #[prost(string, required, tag = "1")]
-    filename: String,
+    pub(super) filename: String,
 }
 
 /// `img_streamer_reply_entry`: whether it exists.
@@ -162,20 +162,9 @@ impl<'a> Server<'a> {
 
     /// Handles one request.
     fn request(&self, conn: &mut UnixStream) -> Result<Request, String> {
-        let mut len = [0u8; 4];
-        match conn.read_exact(&mut len) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(Request::End),
-            Err(e) => return Err(format!("reading a request: {e}")),
-        }
-        let len = u32::from_le_bytes(len);
-        if len > MAX_REQUEST {
-            return Err(format!("request of {len} bytes"));
-        }
-        let mut buf = vec![0u8; len as usize];
-        conn.read_exact(&mut buf)
-            .map_err(|e| format!("reading a request: {e}"))?;
-        let req = RequestEntry::decode(buf.as_slice()).map_err(|e| format!("bad request: {e}"))?;
+        let Some(req) = read_request(conn)? else {
+            return Ok(Request::End);
+        };
         // Nothing more is served once the image is refused: CRIU fails on the missing file.
         let index = self
             .image
@@ -300,8 +289,29 @@ impl<'a> Server<'a> {
     }
 }
 
+/// Reads CRIU's next request (a 4-byte length and an `img_streamer_request_entry`); `None`
+/// when CRIU closed the connection.
+pub(super) fn read_request(conn: &mut UnixStream) -> Result<Option<RequestEntry>, String> {
+    let mut len = [0u8; 4];
+    match conn.read_exact(&mut len) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(format!("reading a request: {e}")),
+    }
+    let len = u32::from_le_bytes(len);
+    if len > MAX_REQUEST {
+        return Err(format!("request of {len} bytes"));
+    }
+    let mut buf = vec![0u8; len as usize];
+    conn.read_exact(&mut buf)
+        .map_err(|e| format!("reading a request: {e}"))?;
+    RequestEntry::decode(buf.as_slice())
+        .map(Some)
+        .map_err(|e| format!("bad request: {e}"))
+}
+
 /// Receives one fd (`SCM_RIGHTS` with one dummy byte), close-on-exec.
-fn recv_fd(sock: RawFd) -> Result<OwnedFd, String> {
+pub(super) fn recv_fd(sock: RawFd) -> Result<OwnedFd, String> {
     let mut byte = [0u8; 1];
     let mut iov = [IoSliceMut::new(&mut byte)];
     let mut space = nix::cmsg_space!(RawFd);
