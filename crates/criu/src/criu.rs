@@ -434,10 +434,14 @@ impl Criu for CriuRpc {
             .stderr(Stdio::from(stderr.try_clone().map_err(dir_err(&p))?));
         tracing::debug!(pid, staging = %staging.path().display(), "criu dump --stream");
         let capture = staging.capture();
-        let (status, verdict) =
-            self.run_with_streamer(op, cmd, &listener, gate, |l| capture.serve(l), || {
-                capture.written()
-            })?;
+        let (status, verdict) = self.run_with_streamer(
+            op,
+            cmd,
+            &listener,
+            gate,
+            |l| capture.serve(l),
+            || capture.written(),
+        )?;
         tracing::debug!(%status, written = capture.written_bytes(), "criu dump --stream ended");
         if let Some(e) = capture.failure() {
             return Err(CriuError::Image(e));
@@ -518,10 +522,14 @@ impl Criu for CriuRpc {
             .stderr(Stdio::from(stderr.try_clone().map_err(dir_err(&p))?));
         tracing::debug!(image = %image.path().display(), private = %p.display(), "criu restore --stream");
         let server = image::Server::new(image);
-        let (status, verdict) =
-            self.run_with_streamer(op, cmd, &listener, gate, |l| server.serve(l), || {
-                server.finish()
-            })?;
+        let (status, verdict) = self.run_with_streamer(
+            op,
+            cmd,
+            &listener,
+            gate,
+            |l| server.serve(l),
+            || server.finish(),
+        )?;
         if !status.success() {
             reap_restored_root(image.manifest().root_pid);
         }

@@ -17,9 +17,9 @@
 //! directory outside it, so a restore never changes a verified image.
 //!
 //! Restores use CRIU's `rst_sibling`: the tree comes back as a child of the caller, not of the
-//! short-lived CRIU worker. [`Criu::restore_image`] (what `cryo thaw` uses) runs `criu restore
-//! --stream` as a command instead, with cryo serving the image (see [`image`]): CRIU's RPC has
-//! no streaming.
+//! short-lived CRIU worker. [`Criu::restore`] (what `cryo thaw` uses) and [`Criu::dump_staged`]
+//! (what `cryo freeze` uses) run `criu restore|dump --stream` as commands instead, with cryo
+//! serving or capturing the image (see [`image`]): CRIU's RPC has no streaming.
 //!
 //! The [`image`] module stages, publishes (atomically, crash-safe) and verifies image directories
 //! with their [`image::Manifest`].

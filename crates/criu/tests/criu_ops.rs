@@ -122,7 +122,8 @@ fn dump_publish_verify_restore_keeps_pid_and_memory() {
 
     let dir = t.path().join("image");
     let staging = Staging::create(&dir).unwrap();
-    criu.dump(pid, staging.path(), &DumpOpts::default())
+    // Streamed through cryo's capture, which writes and hashes every file.
+    criu.dump_staged(pid, &staging, &DumpOpts::default())
         .unwrap();
     // CRIU killed the tree; reap our child so its pid is free for the restore.
     let status = child.wait().unwrap();
@@ -177,6 +178,41 @@ fn dump_publish_verify_restore_keeps_pid_and_memory() {
         WaitStatus::Signaled(p, Signal::SIGKILL, _) => assert_eq!(p.as_raw(), pid),
         other => panic!("unexpected wait status {other:?}"),
     }
+}
+
+#[test]
+fn a_streamed_dump_that_cannot_be_written_leaves_the_tree_running() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let criu = criu();
+    let t = tempfile::tempdir().unwrap();
+    let mut child = spawn_counter(t.path());
+    let pid = child.id() as i32;
+    let before = count_at_least(pid, t.path(), 1);
+    // A disk too small for the image: the capture's writes fail with ENOSPC mid-dump.
+    let small = t.path().join("small");
+    fs::create_dir(&small).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=64k,mode=0755", "tmpfs"])
+        .arg(&small)
+        .status()
+        .unwrap();
+    assert!(mounted.success(), "mount tmpfs: {mounted}");
+    let staging = Staging::create(&small.join("image")).unwrap();
+    let err = criu
+        .dump_staged(pid, &staging, &DumpOpts::default())
+        .unwrap_err();
+    drop(staging);
+    let unmounted = Command::new("umount").arg(&small).status().unwrap();
+    assert!(unmounted.success(), "umount: {unmounted}");
+    assert!(
+        err.to_string().contains("No space left on device"),
+        "the write's error, not CRIU's: {err}"
+    );
+    // CRIU resumed the tree instead of killing it: it still counts on.
+    assert!(child.try_wait().unwrap().is_none(), "the tree died: {err}");
+    count_at_least(pid, t.path(), before + 1);
+    killpg(NixPid::from_raw(pid), Signal::SIGKILL).unwrap();
+    child.wait().unwrap();
 }
 
 #[test]

@@ -31,7 +31,7 @@ use std::fs::File;
 use std::io::Read;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::os::unix::net::UnixListener;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Condvar, Mutex, MutexGuard};
@@ -65,7 +65,10 @@ enum FileState {
 #[derive(Debug, Default)]
 struct State {
     files: BTreeMap<String, FileState>,
+    /// The first reason to refuse, until someone takes it.
     failure: Option<ImageError>,
+    /// Refused (sticky: the reason may have been taken).
+    refused: bool,
 }
 
 /// Receives one dump from CRIU into a staging directory.
@@ -76,6 +79,8 @@ pub struct Capture {
     state: Mutex<State>,
     changed: Condvar,
     written: AtomicU64,
+    /// [`STILL_OPEN_WAIT`], shorter in tests.
+    still_open_wait: Duration,
 }
 
 impl Capture {
@@ -86,6 +91,7 @@ impl Capture {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             written: AtomicU64::new(0),
+            still_open_wait: STILL_OPEN_WAIT,
         }
     }
 
@@ -102,6 +108,7 @@ impl Capture {
         tracing::warn!(error = %e, "image capture refused");
         let mut st = self.lock();
         st.failure.get_or_insert(e);
+        st.refused = true;
         self.changed.notify_all();
     }
 
@@ -111,27 +118,43 @@ impl Capture {
     }
 
     fn failed(&self) -> bool {
-        self.lock().failure.is_some()
+        self.lock().refused
     }
 
     /// Accepts CRIU's connection on `listener` and receives every file it sends until it closes
     /// the connection; returns once every file is written. Returns at once if the listener is
     /// shut down before CRIU connects.
     pub(crate) fn serve(&self, listener: &UnixListener) {
-        let mut conn = match listener.accept() {
+        let conn = match listener.accept() {
             Ok((c, _)) => c,
             Err(e) => {
                 tracing::debug!(error = %e, "no CRIU connected to the image capture");
                 return;
             }
         };
-        std::thread::scope(|s| loop {
+        // The connection is closed as soon as this loop ends, before the files being received
+        // are waited for: the pipes of requests not read yet are closed with it, so CRIU's
+        // writes into them fail instead of waiting for a reader forever.
+        std::thread::scope(|s| {
+            let mut conn = conn;
+            loop {
+                if !self.next(s, &mut conn) {
+                    return;
+                }
+            }
+        });
+    }
+
+    /// Takes CRIU's next file and starts receiving it; `false` when there is none or the
+    /// capture is refused.
+    fn next<'s>(&'s self, s: &'s std::thread::Scope<'s, '_>, conn: &mut UnixStream) -> bool {
+        {
             let stream_err = |reason| ImageError::Stream {
                 dir: self.dir.clone(),
                 reason,
             };
-            match read_request(&mut conn) {
-                Ok(None) => return,
+            match read_request(conn) {
+                Ok(None) => return false,
                 Ok(Some(req)) => match recv_fd(conn.as_raw_fd()) {
                     Ok(pipe) => {
                         s.spawn(move || {
@@ -145,19 +168,17 @@ impl Capture {
                             "receiving the pipe for {}: {reason}",
                             req.filename
                         )));
-                        return;
+                        return false;
                     }
                 },
                 Err(reason) => {
                     self.fail(stream_err(reason));
-                    return;
+                    return false;
                 }
             }
-            // A refused capture takes no more files: CRIU's next request fails.
-            if self.failed() {
-                return;
-            }
-        });
+        }
+        // A refused capture takes no more files: CRIU's next request fails.
+        !self.failed()
     }
 
     fn set(&self, name: &str, state: FileState) {
@@ -268,20 +289,23 @@ impl Capture {
             if let Some(e) = st.failure.take() {
                 return Err(e);
             }
+            if st.refused {
+                return Err(ImageError::Stream {
+                    dir: self.dir.clone(),
+                    reason: "the capture was refused".into(),
+                });
+            }
             let open: Vec<&String> = st
                 .files
                 .iter()
                 .filter(|(_, f)| matches!(f, FileState::Receiving))
                 .map(|(n, _)| n)
                 .collect();
-            let draining = st
-                .files
-                .values()
-                .any(|f| matches!(f, FileState::Draining));
+            let draining = st.files.values().any(|f| matches!(f, FileState::Draining));
             if open.is_empty() && !draining {
                 return Ok(());
             }
-            if !open.is_empty() && since.elapsed() >= STILL_OPEN_WAIT {
+            if !open.is_empty() && since.elapsed() >= self.still_open_wait {
                 return Err(ImageError::Stream {
                     dir: self.dir.clone(),
                     reason: format!("CRIU finished its dump with {open:?} still open"),
@@ -301,6 +325,12 @@ impl Capture {
         if let Some(e) = st.failure {
             return Err(e);
         }
+        if st.refused {
+            return Err(ImageError::Stream {
+                dir: self.dir.clone(),
+                reason: "the capture was refused".into(),
+            });
+        }
         st.files
             .into_iter()
             .map(|(name, f)| match f {
@@ -316,12 +346,159 @@ impl Capture {
 
 /// Why `name` cannot be an image file's name, if it cannot.
 fn bad_name(name: &str) -> Option<String> {
-    if name.is_empty() || name == "." || name == ".." || name.contains('/') || name.contains('\0')
-    {
+    if name.is_empty() || name == "." || name == ".." || name.contains('/') || name.contains('\0') {
         return Some("not a plain file name".into());
     }
     if name == MANIFEST_FILE || is_staging_name(name) {
         return Some("a name cryo keeps for itself".into());
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use std::io::Write;
+    use std::os::fd::AsFd;
+
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    use prost::Message;
+
+    use crate::image::stream::RequestEntry;
+
+    /// Plays CRIU's side of the capture protocol: one request and one pipe per file.
+    struct FakeCriu(UnixStream);
+
+    impl FakeCriu {
+        /// Announces `name` and returns the write end of its pipe.
+        fn open(&mut self, name: &str) -> File {
+            let req = RequestEntry {
+                filename: name.to_string(),
+            }
+            .encode_to_vec();
+            self.0.write_all(&(req.len() as u32).to_le_bytes()).unwrap();
+            self.0.write_all(&req).unwrap();
+            let (r, w) = nix::unistd::pipe().unwrap();
+            let fds = [r.as_fd().as_raw_fd()];
+            sendmsg::<()>(
+                self.0.as_raw_fd(),
+                &[std::io::IoSlice::new(&[0])],
+                &[ControlMessage::ScmRights(&fds)],
+                MsgFlags::empty(),
+                None,
+            )
+            .unwrap();
+            File::from(w)
+        }
+    }
+
+    /// Runs a capture into a fresh directory with `chunk`-byte chunks while `criu` plays CRIU;
+    /// returns the directory, the gate's verdict and the capture.
+    fn capture(chunk: u64, criu: impl FnOnce(&mut FakeCriu)) -> (tempfile::TempDir, Capture) {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join(CAPTURE_SOCKET);
+        let listener = UnixListener::bind(&sock).unwrap();
+        let cap = Capture::new(dir.path(), chunk);
+        std::thread::scope(|s| {
+            s.spawn(|| cap.serve(&listener));
+            let mut c = FakeCriu(UnixStream::connect(&sock).unwrap());
+            criu(&mut c);
+        });
+        std::fs::remove_file(&sock).unwrap();
+        (dir, cap)
+    }
+
+    #[test]
+    fn files_are_written_and_hashed_per_chunk_in_one_pass() {
+        let data: Vec<u8> = (0..(10 << 20) + 123)
+            .map(|i| (i * 7 + i / 1000) as u8)
+            .collect();
+        let (dir, cap) = capture(4 << 20, |c| {
+            let mut big = c.open("pages-1.img");
+            let mut small = c.open("core-1.img");
+            small.write_all(b"core").unwrap();
+            drop(c.open("empty.img"));
+            // Odd-sized writes, as CRIU's splices come.
+            for part in data.chunks(777_777) {
+                big.write_all(part).unwrap();
+            }
+        });
+        cap.written().unwrap();
+        assert_eq!(cap.written_bytes(), data.len() as u64 + 4);
+        let files = cap.into_files().unwrap();
+        assert_eq!(
+            files.keys().collect::<Vec<_>>(),
+            ["core-1.img", "empty.img", "pages-1.img"]
+        );
+        let pages = &files["pages-1.img"];
+        assert_eq!(pages.size, data.len() as u64);
+        let want: Vec<String> = data
+            .chunks(4 << 20)
+            .map(|c| blake3::hash(c).to_hex().to_string())
+            .collect();
+        assert_eq!(pages.chunks, want);
+        assert_eq!(std::fs::read(dir.path().join("pages-1.img")).unwrap(), data);
+        assert_eq!(files["empty.img"].size, 0);
+        assert!(files["empty.img"].chunks.is_empty());
+        // What publish would hash from the disk is what the capture hashed on the way.
+        let f = File::open(dir.path().join("pages-1.img")).unwrap();
+        assert_eq!(
+            hash::chunk_digests(&f, data.len() as u64, 4 << 20).unwrap(),
+            want
+        );
+    }
+
+    #[test]
+    fn names_that_leave_the_directory_or_are_cryos_own_are_refused() {
+        for name in ["../escape", "a/b", "manifest.json", "x.tmp-abc", "", ".."] {
+            let (dir, cap) = capture(1 << 20, |c| {
+                let mut w = c.open(name);
+                // CRIU's write fails or lands nowhere: the capture never opened the file.
+                let _ = w.write_all(b"evil");
+            });
+            let err = cap.written().unwrap_err();
+            assert!(
+                matches!(err, ImageError::Unexpected { .. }),
+                "{name:?}: {err}"
+            );
+            assert!(!dir.path().join("manifest.json").exists());
+            assert!(name != "../escape" || !dir.path().parent().unwrap().join("escape").exists());
+        }
+    }
+
+    #[test]
+    fn a_file_sent_twice_is_refused() {
+        let (_dir, cap) = capture(1 << 20, |c| {
+            c.open("core-1.img").write_all(b"one").unwrap();
+            let _ = c.open("core-1.img").write_all(b"two");
+        });
+        let err = cap.written().unwrap_err();
+        assert!(err.to_string().contains("sent twice"), "{err}");
+        assert!(cap.into_files().is_err());
+    }
+
+    #[test]
+    fn the_gate_refuses_when_criu_keeps_a_file_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join(CAPTURE_SOCKET);
+        let listener = UnixListener::bind(&sock).unwrap();
+        let mut cap = Capture::new(dir.path(), 1 << 20);
+        cap.still_open_wait = Duration::from_millis(200);
+        std::thread::scope(|s| {
+            s.spawn(|| cap.serve(&listener));
+            let mut c = FakeCriu(UnixStream::connect(&sock).unwrap());
+            let mut w = c.open("core-1.img");
+            w.write_all(b"half").unwrap();
+            // CRIU reached post-dump and still holds the pipe: a refusal, not a hang.
+            cryo_testkit::eventually(
+                cryo_testkit::PATIENCE,
+                "the capture to take the file",
+                || cap.lock().files.contains_key("core-1.img"),
+            );
+            let err = cap.written().unwrap_err();
+            assert!(err.to_string().contains("still open"), "{err}");
+            drop((w, c));
+        });
+    }
 }

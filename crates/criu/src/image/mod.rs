@@ -4,8 +4,11 @@
 //!
 //! # Design
 //! A freeze writes into `DIR.tmp-<random>` in DIR's parent ([`Staging`]), so the final rename
-//! stays on one filesystem; [`Staging::flush_while`] starts the writeback of what CRIU writes
-//! during the dump. [`Staging::publish`] hashes every chunk of every file (BLAKE3, chunks in
+//! stays on one filesystem. CRIU streams its dump to a [`Capture`] ([`Staging::capture`]),
+//! which writes each file into the staging directory, hashing every chunk on the way and
+//! starting its writeback; [`Staging::adopt`] hands those digests to publish. (A dump CRIU
+//! writes itself: [`Staging::flush_while`] starts the writeback of what it writes.)
+//! [`Staging::publish`] hashes every chunk of every file not captured (BLAKE3, chunks in
 //! parallel, from the page cache) while fsyncing every file at once, writes `manifest.json`
 //! last and fsyncs it and the directory, renames the staging directory to DIR with
 //! `renameat2(RENAME_NOREPLACE)` (or `RENAME_EXCHANGE` when replacing, so DIR always holds a
@@ -51,13 +54,13 @@ use std::time::Duration;
 use nix::fcntl::{renameat2, Flock, FlockArg, RenameFlags};
 use time::format_description::well_known::Rfc3339;
 
+pub use capture::Capture;
+pub(crate) use capture::CAPTURE_SOCKET;
 pub use manifest::{
     DeviceUse, DigestAlg, FileEntry, ImageMeta, Manifest, ProcessEntry, ProcessGpu,
     DEFAULT_CHUNK_SIZE, FORMAT_2_CHUNK_SIZE, FORMAT_VERSION, MANIFEST_FILE, OLDEST_FORMAT_VERSION,
 };
 pub use open::{read_manifest, Image};
-pub use capture::Capture;
-pub(crate) use capture::CAPTURE_SOCKET;
 pub(crate) use stream::{Server, SERVE_SOCKET};
 
 /// What marks a staging directory: `NAME.tmp-<random>`.
