@@ -135,7 +135,8 @@ impl Agent {
     }
 
     /// `POST /v1/thaw`: on the thread that reaps restored workers ([`crate::parent`]); the
-    /// guard in this process picks the restored processes up from the journal.
+    /// guard in this process traces the restored processes while they are LOCKED, before the
+    /// thaw unlocks them.
     pub(crate) fn thaw(
         self: &Arc<Self>,
         req: &ThawRequest,
@@ -167,23 +168,24 @@ impl Agent {
             &opts,
             &self.journal,
             &self.state.fence(),
+            self.guard.as_ref(),
             progress,
         ) {
-            Ok(r) => {
-                // Guard the restored processes now rather than at the guard's next poll.
-                if let Err(e) = self.guard.poll_journal() {
-                    tracing::warn!(err = %e, "cannot read the journal after a thaw");
-                }
-                Ok(r)
-            }
+            Ok(r) => Ok(r),
             Err(e @ (ThawError::Image(_) | ThawError::Precheck(_))) => Err(refused(e)),
             Err(e) => Err(failed(e)),
         }
     }
 
     /// `POST /v1/gpu/{call}`: the driver call, on this agent's driver. The caller's own logic
-    /// (prechecks, the `cuda-checkpoint` front end's toggle) runs on its side around it.
-    pub(crate) fn gpu_call(&self, call: GpuCall, req: &GpuCallRequest) -> GpuCallAnswer {
+    /// (prechecks, the `cuda-checkpoint` front end's toggle) runs on its side around it. A
+    /// restore is answered only once the guard traces the process, still LOCKED (see
+    /// [`Agent::trace_restored`]): whoever unlocks it next unlocks a guarded process.
+    pub(crate) fn gpu_call(
+        &self,
+        call: GpuCall,
+        req: &GpuCallRequest,
+    ) -> Result<GpuCallAnswer, ApiError> {
         let d = &self.gpu.driver;
         let pid = req.pid;
         let r = match call {
@@ -196,7 +198,35 @@ impl Agent {
             GpuCall::Unlock => d.unlock(pid).map(|()| GpuCallAnswer::Done),
             GpuCall::RestoreThreadId => d.restore_thread_id(pid).map(GpuCallAnswer::Tid),
         };
-        r.unwrap_or_else(|e| GpuCallAnswer::DriverError(DriverFailure::of(&e)))
+        let answer = r.unwrap_or_else(|e| GpuCallAnswer::DriverError(DriverFailure::of(&e)));
+        if call == GpuCall::Restore && answer == GpuCallAnswer::Done {
+            self.trace_restored(pid)?;
+        }
+        Ok(answer)
+    }
+
+    /// The context of `pid` was just restored and is LOCKED: the guard traces the process before
+    /// the restore is answered. When it cannot, the context is checkpointed again (never left
+    /// to be unlocked unguarded) and the restore fails.
+    fn trace_restored(&self, pid: Pid) -> Result<(), ApiError> {
+        let process = cryo_proc::tgid(pid).ok().flatten().unwrap_or(pid);
+        let traced = cryo_proc::ProcHandle::open(process)
+            .map_err(|e| e.to_string())
+            .and_then(|h| {
+                cryo_lifecycle::Watcher::guard_before_unlock(self.guard.as_ref(), &[&h])
+                    .map_err(|e| e.to_string())
+            });
+        let Err(why) = traced else {
+            return Ok(());
+        };
+        tracing::error!(pid = process, %why, "a restored context could not be traced before its unlock");
+        let again = match self.gpu.driver.checkpoint(pid) {
+            Ok(()) => "its context was checkpointed again, not unlocked".to_string(),
+            Err(e) => format!("checkpointing it again failed too ({e}): it stays LOCKED; do not unlock it unguarded"),
+        };
+        Err(failed(format!(
+            "the agent's guard could not trace pid {process} after its restore ({why}); {again}"
+        )))
     }
 
     /// `POST /v1/guard/attach`.

@@ -328,7 +328,7 @@ async fn gpu(
     if call.access() == Access::Change {
         tracing::info!(pid = req.pid, call = call.as_str(), ?peer.cred, "driver call");
     }
-    blocking(move || Ok(agent.gpu_call(call, &req))).await
+    blocking(move || agent.gpu_call(call, &req)).await
 }
 
 async fn attach(

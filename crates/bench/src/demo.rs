@@ -507,6 +507,7 @@ impl Demo {
             &opts,
             &journal,
             &self.state.fence(),
+            &cryo_lifecycle::NoWatcher,
             &cryo_lifecycle::NoProgress,
         )
         .context("cryo thaw")?;

@@ -280,6 +280,11 @@ impl Outcome {
             Some(code) => (code.description().to_string(), exit::cuda_status(code)),
             None => (err.to_string(), exit::FAILURE),
         };
+        Self::failed_because(op, pid, &desc, status)
+    }
+
+    /// `op` on `pid` failed for the reason `desc`, in NVIDIA's wording.
+    pub fn failed_because(op: Operation, pid: Pid, desc: &str, status: u8) -> Self {
         let line = match op {
             Operation::GetState => format!("Could not get state of process ID {pid}: \"{desc}\"\n"),
             Operation::GetRestoreTid => {

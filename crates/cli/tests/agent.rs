@@ -303,7 +303,7 @@ fn a_shutdown_is_refused_while_pins_are_held_and_says_how_to_release_them() {
     eventually(PATIENCE, "the agent's guard to attach", || {
         records(&state)
             .iter()
-            .any(|e| matches!(e, Event::GuardAttached { pid } if *pid == id))
+            .any(|e| matches!(e, Event::GuardAttached { pid, .. } if *pid == id))
     });
     kill(w.pid, libc::SIGKILL);
     eventually(PATIENCE, "the pin", || {
@@ -428,7 +428,7 @@ fn gpu_actions_and_the_cuda_checkpoint_front_end_go_through_the_agent_with_the_s
     eventually(PATIENCE, "the agent's guard to attach", || {
         records(&state)
             .iter()
-            .any(|e| matches!(e, Event::GuardAttached { pid } if *pid == id))
+            .any(|e| matches!(e, Event::GuardAttached { pid, .. } if *pid == id))
     });
     // Refusals and driver errors read the same through the agent as standalone: the client's
     // prechecks, and the driver's own code (the front end's exit status is the CUresult).

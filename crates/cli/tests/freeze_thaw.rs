@@ -181,6 +181,70 @@ impl Drop for Env {
     }
 }
 
+/// A running `cryo guard` of `env`'s state directory that reads its journal once an hour (so
+/// only a restore's own request can have it trace a process), and a worker restored through
+/// `cryo gpu` (traced by it); the worker's pid.
+fn guarded_worker(env: &mut Env) -> (common::GuardProc, i32) {
+    let guard = common::GuardProc::spawn(
+        env.cmd(),
+        &env.path().join("state"),
+        &["--no-memory-watch", "--poll-ms", "3600000"],
+    );
+    let (pid, _sock) = env.worker("64MiB", 0);
+    for action in ["lock", "checkpoint", "restore", "unlock"] {
+        let out = env.cryo(&["gpu", action, "--pid", &pid.to_string()]);
+        assert!(out.status.success(), "gpu {action}: {}", stderr(&out));
+    }
+    assert_ne!(
+        tracer(pid),
+        0,
+        "a restore through cryo is traced before its unlock"
+    );
+    (guard, pid)
+}
+
+/// `env`'s journal.
+fn events(env: &Env) -> Vec<cryo_journal::Event> {
+    cryo_journal::read(env.path().join("state").join("journal"))
+        .unwrap()
+        .records
+        .into_iter()
+        .map(|r| r.event)
+        .collect()
+}
+
+/// After a SIGKILL of guarded `id`: no wedge, the guard journals its pin, and the operator's
+/// release of GPU 0 is what tears the held context down.
+fn assert_pinned_then_release(env: &Env, id: cryo_journal::ProcId) {
+    use cryo_journal::Event;
+    assert!(env.ledger().is_empty(), "wedge: {:?}", env.ledger());
+    eventually(PATIENCE, "the guard to journal the pin", || {
+        events(env)
+            .iter()
+            .any(|e| matches!(e, Event::Pinned { pid: p, .. } if *p == id))
+    });
+    let gpu0 = env.gpus()[0]["uuid"].as_str().unwrap().to_string();
+    let out = env.cryo(&[
+        "guard",
+        "release",
+        "--gpu",
+        &gpu0,
+        "--i-understand-this-may-wedge-the-host",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    eventually(PATIENCE, "the release's teardown in the ledger", || {
+        !env.sim.ledger().is_empty()
+    });
+}
+
+fn sigkill(pid: i32) {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+}
+
 use procs::alive;
 
 fn tracer(pid: i32) -> i32 {
@@ -660,6 +724,98 @@ fn leave_running_keeps_serving_and_counts_as_restored() {
     assert!(env.ledger().is_empty(), "{:?}", env.ledger());
 }
 
+/// Reproduced wedge (a) of issue 10: a guarded restored worker is frozen (the guard lets go of it
+/// for the dump), thawed (CRIU gives it the same pid) and SIGKILLed the moment the thaw returns.
+/// The thaw had the guard trace it while it was still LOCKED, before its unlock: the journal
+/// shows `GuardAttached` (source `restore`) before `Unlocked`, the kill is pinned, and no context
+/// is torn down. (Before: the thawed worker ran unguarded until the guard's next journal poll,
+/// here never: the guard polls once an hour.)
+#[test]
+fn a_thawed_worker_is_guarded_before_its_unlock() {
+    use cryo_journal::{AttachSource, Event, ProcId};
+    let mut env = Env::start("1GiB");
+    let (mut guard, pid) = guarded_worker(&mut env);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+    let out = env.thaw(&image, &[]);
+    assert!(out.status.success(), "thaw failed: {}", stderr(&out));
+    assert!(
+        !stderr(&out).contains("no guard runs"),
+        "a guard runs: {}",
+        stderr(&out)
+    );
+    assert_ne!(
+        tracer(pid),
+        0,
+        "the thawed worker is not traced when the thaw returns"
+    );
+    let id = ProcId::of(pid).unwrap();
+    sigkill(pid);
+    eventually(PATIENCE, "the thawed worker to die", || !alive(pid));
+    procs::reap(pid);
+    env.thawed.retain(|p| *p != pid);
+    assert_pinned_then_release(&env, id);
+    let ev = events(&env);
+    let at = |f: &dyn Fn(&Event) -> bool| ev.iter().position(f);
+    let attached = at(
+        &|e| matches!(e, Event::GuardAttached { pid: p, source: AttachSource::Restore } if *p == id),
+    );
+    let unlocked = at(&|e| matches!(e, Event::Unlocked { pid: p, .. } if *p == id));
+    let restored = at(&|e| matches!(e, Event::RestoreCompleted { pid: p, .. } if *p == id));
+    assert!(
+        restored.is_some() && restored < attached && attached < unlocked,
+        "journal order: restored {restored:?}, attached {attached:?}, unlocked {unlocked:?}"
+    );
+    guard.kill();
+}
+
+/// Waits until `cmd` (stderr piped) says it reached its failpoint.
+fn wait_failpoint(cmd: &mut std::process::Child) {
+    let mut err = cmd.stderr.take().unwrap();
+    let mut seen = String::new();
+    let mut buf = [0u8; 256];
+    while !seen.contains("failpoint") {
+        let n = err.read(&mut buf).unwrap();
+        assert!(n > 0, "it ended before its failpoint: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+}
+
+/// A freeze killed while the guard has let go of the worker for the dump (its lease held,
+/// nothing dumped yet): the lease was the freeze's connection to the guard, so the guard takes
+/// the worker back as soon as the freeze dies, and a `kill -9` of it then is pinned, not torn
+/// down. (Before: the worker stayed on the guard's detached list, unguarded, as long as it lived.)
+#[test]
+fn a_freeze_killed_mid_lease_hands_the_worker_back_to_the_guard() {
+    let mut env = Env::start("1GiB");
+    let (mut guard, pid) = guarded_worker(&mut env);
+    let image = env.path().join("img");
+    let mut freeze = env
+        .cmd()
+        .env("CRYO_FAILPOINT", "freeze-after-let-go")
+        .args([
+            "freeze",
+            &pid.to_string(),
+            "--image",
+            image.to_str().unwrap(),
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_failpoint(&mut freeze);
+    assert_eq!(tracer(pid), 0, "the guard lets go for the dump");
+    freeze.kill().unwrap();
+    freeze.wait().unwrap();
+    eventually(PATIENCE, "the guard to take the worker back", || {
+        tracer(pid) != 0
+    });
+    let id = cryo_journal::ProcId::of(pid).unwrap();
+    sigkill(pid);
+    env.reap_worker(pid);
+    assert_pinned_then_release(&env, id);
+    guard.kill();
+}
+
 /// The staging directories beside `image`.
 fn staging(image: &Path) -> Vec<PathBuf> {
     let name = format!("{}.tmp-", image.file_name().unwrap().to_str().unwrap());
@@ -744,14 +900,7 @@ fn killing_cryo_during_the_dump_publishes_nothing_and_tears_nothing_down() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut err = freeze.stderr.take().unwrap();
-    let mut seen = String::new();
-    let mut buf = [0u8; 256];
-    while !seen.contains("failpoint") {
-        let n = err.read(&mut buf).unwrap();
-        assert!(n > 0, "freeze ended before its failpoint: {seen}");
-        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
-    }
+    wait_failpoint(&mut freeze);
     freeze.kill().unwrap();
     freeze.wait().unwrap();
     assert_eq!(

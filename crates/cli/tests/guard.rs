@@ -32,7 +32,7 @@ mod sig {
     pub const SIGTERM: i32 = 15;
 }
 use cryo_guard::control::{Detach, GuardClient};
-use cryo_journal::{Event, ProcId};
+use cryo_journal::{AttachSource, Event, ProcId};
 use cryo_state::StateDir;
 
 /// A sim worker on GPU `gpu` in its own process group (a group kill reaches it alone).
@@ -65,7 +65,7 @@ fn wait_attached(state: &Path, id: ProcId, times: usize) {
     eventually(PATIENCE, "GuardAttached in the journal", || {
         records(state)
             .iter()
-            .filter(|e| matches!(e, Event::GuardAttached { pid } if *pid == id))
+            .filter(|e| matches!(e, Event::GuardAttached { pid, .. } if *pid == id))
             .count()
             >= times
     });
@@ -301,7 +301,7 @@ fn fresh_worker_is_not_traced() {
     let attached: Vec<ProcId> = records(&state)
         .iter()
         .filter_map(|e| match e {
-            Event::GuardAttached { pid } => Some(*pid),
+            Event::GuardAttached { pid, .. } => Some(*pid),
             _ => None,
         })
         .collect();
@@ -410,26 +410,72 @@ fn memory_watch_suspends_and_stops_before_the_oom_killer() {
     make_restored(&sim, &state, w.pid);
     let id = ProcId::of(w.pid).unwrap();
     wait_attached(&state, id, 1);
-    // Grow in steps: the watch acts while a checkpoint still fits.
-    for _ in 0..40 {
-        if w.has_exited() {
-            break;
-        }
-        let _ = std::panic::catch_unwind(|| http(w.port, "POST", "/alloc?mib=8", ""));
-        std::thread::sleep(Duration::from_millis(150));
-    }
-    w.wait_exit();
+    grow_until_gone(&mut w, &state);
     sim.assert_no_wedge();
-    // The stop journals the kill once it has seen the exit, after the test may have.
-    eventually(PATIENCE, "the stop to journal the kill", || {
-        names(&records(&state), id).contains(&"killed")
+    // The worker may still be growing while it is suspended: the OOM killer can then beat the
+    // stop's kill, which is safe once the suspension is verified (the exit stop pins nothing).
+    eventually(PATIENCE, "the guard to journal the exit", || {
+        names(&records(&state), id).contains(&"exited")
     });
     let path = names(&records(&state), id);
+    let at = |what: &str| path.iter().position(|s| *s == what);
     assert!(
-        path.contains(&"verified") && path.contains(&"killed") && !path.contains(&"pinned"),
+        at("verified").is_some() && at("verified") < at("exited") && !path.contains(&"pinned"),
         "{path:?}"
     );
     assert!(StateDir::new(&state).fence().list().unwrap().is_empty());
+}
+
+/// A worker and its identity.
+struct Named {
+    w: Worker,
+    id: ProcId,
+}
+
+/// A guard with `--endgame drain` whose restart command appends the quarantined GPUs to `out`
+/// (a second run shows as a second line); restored and guarded workers A (GPU 0) and B (GPU 1),
+/// and a fresh worker C on GPU 1.
+struct DrainScene {
+    guard: GuardProc,
+    out: std::path::PathBuf,
+    a: Named,
+    b: Named,
+    c: Named,
+}
+
+fn drain_scene(sim: &Sim, state: &Path) -> DrainScene {
+    let out = sim.path().join("restart.out");
+    let cmd = format!("echo $CRYO_QUARANTINED_GPUS >> '{}'", out.display());
+    let guard = GuardProc::start(
+        sim,
+        state,
+        &[
+            "--no-memory-watch",
+            "--endgame",
+            "drain",
+            "--restart-cmd",
+            &cmd,
+        ],
+    );
+    let named = |w: Worker| Named {
+        id: ProcId::of(w.pid).unwrap(),
+        w,
+    };
+    let a = worker(sim, "16MiB", 0, None);
+    let b = worker(sim, "16MiB", 1, None);
+    make_restored(sim, state, a.pid);
+    make_restored(sim, state, b.pid);
+    let (a, b) = (named(a), named(b));
+    let c = named(worker(sim, "16MiB", 1, None));
+    wait_attached(state, a.id, 1);
+    wait_attached(state, b.id, 1);
+    DrainScene {
+        guard,
+        out,
+        a,
+        b,
+        c,
+    }
 }
 
 #[test]
@@ -445,29 +491,15 @@ fn drain_endgame_stops_the_others_safely_then_runs_the_restart_command() {
         .map(|g| g.uuid.to_string())
         .collect();
     let (gpu0, gpu1) = (gpus[0].clone(), gpus[1].clone());
-    // Appended, so that a second run of the command shows as a second line.
-    let out = sim.path().join("restart.out");
-    let cmd = format!("echo $CRYO_QUARANTINED_GPUS >> '{}'", out.display());
-    let guard = GuardProc::start(
-        &sim,
-        &state,
-        &[
-            "--no-memory-watch",
-            "--endgame",
-            "drain",
-            "--restart-cmd",
-            &cmd,
-        ],
-    );
-    let mut a = worker(&sim, "16MiB", 0, None);
-    let mut b = worker(&sim, "16MiB", 1, None);
-    make_restored(&sim, &state, a.pid);
-    make_restored(&sim, &state, b.pid);
-    let mut c = worker(&sim, "16MiB", 1, None);
-    let (ida, idb) = (ProcId::of(a.pid).unwrap(), ProcId::of(b.pid).unwrap());
-    let idc = ProcId::of(c.pid).unwrap();
-    wait_attached(&state, ida, 1);
-    wait_attached(&state, idb, 1);
+    let DrainScene {
+        guard,
+        out,
+        mut a,
+        mut b,
+        mut c,
+    } = drain_scene(&sim, &state);
+    let (ida, idb, idc) = (a.id, b.id, c.id);
+    let (a, b, c) = (&mut a.w, &mut b.w, &mut c.w);
     assert_ne!(tracer_pid(a.pid), 0, "restored worker A is not traced");
     assert_ne!(tracer_pid(b.pid), 0, "restored worker B is not traced");
     assert_eq!(
@@ -645,4 +677,399 @@ fn the_control_socket_answers_root_only_even_when_anyone_can_connect() {
     let mut status = sim.cmd_at(&state);
     status.arg("status");
     assert!(ok(status).contains("guard: running"));
+}
+
+/// Restores `pid`'s context as another tool would: through the driver, journaled in `elsewhere`
+/// (not in the guard's journal, so only an operator's attach tells the guard about it).
+fn restored_by_another_tool(sim: &Sim, elsewhere: &Path, pid: i32) {
+    make_restored(sim, elsewhere, pid);
+}
+
+/// Reproduced wedge (b) of issue 10: a worker the operator attached by pid (restored by another
+/// tool) is guarded again by a restarted guard, so its `kill -9` is pinned, not torn down.
+/// (Before: a restarted guard re-attached only the journal's restores and dropped it silently.)
+#[test]
+fn a_restarted_guard_reattaches_what_the_operator_attached() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let mut guard = GuardProc::start(&sim, &state, &["--no-memory-watch"]);
+    let mut w = worker(&sim, "16MiB", 0, None);
+    restored_by_another_tool(&sim, &sim.path().join("other-tool"), w.pid);
+    let id = ProcId::of(w.pid).unwrap();
+    ok({
+        let mut c = sim.cmd_at(&state);
+        c.args(["guard", "attach", "--pid", &w.pid.to_string()]);
+        c
+    });
+    wait_attached(&state, id, 1);
+    guard.kill();
+    eventually(PATIENCE, "the kernel to detach", || tracer_pid(w.pid) == 0);
+    let _guard2 = GuardProc::start(&sim, &state, &["--no-memory-watch"]);
+    // Attached again before its socket answered (it re-attaches at start).
+    assert_ne!(
+        tracer_pid(w.pid),
+        0,
+        "the restarted guard dropped the worker"
+    );
+    let ev = records(&state);
+    let sources: Vec<AttachSource> = ev
+        .iter()
+        .filter_map(|e| match e {
+            Event::GuardAttached { pid, source } if *pid == id => Some(*source),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        sources,
+        vec![AttachSource::Operator, AttachSource::Operator],
+        "the journal must say why it is guarded, both times"
+    );
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(w.pid).unwrap(),
+        rustix::process::Signal::Kill,
+    )
+    .unwrap();
+    w.wait_exit();
+    sim.assert_no_wedge();
+    eventually(PATIENCE, "the guard to journal the pin", || {
+        names(&records(&state), id).contains(&"pinned")
+    });
+}
+
+/// Whether `signal` is pending for the whole process `pid` (`ShdPnd`): not yet handled.
+fn pending(pid: i32, signal: i32) -> bool {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("ShdPnd:"))
+        .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
+        .is_some_and(|m| m & (1u64 << (signal - 1)) != 0)
+}
+
+/// Reproduced wedge (c) of issue 10: a guard holding pins gets SIGQUIT, then every other signal
+/// whose default action kills: it handles each (the signal is consumed) and is still there,
+/// holding its pins, and says it refuses to stop. (Before: SIGQUIT, SIGUSR1, SIGALRM... killed
+/// it, and its pins with it: every pinned context torn down.)
+#[test]
+fn a_guard_holding_pins_survives_every_killing_signal() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let guard = GuardProc::start(&sim, &state, &["--no-memory-watch"]);
+    let mut w = worker(&sim, "16MiB", 0, None);
+    make_restored(&sim, &state, w.pid);
+    let id = ProcId::of(w.pid).unwrap();
+    wait_attached(&state, id, 1);
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(w.pid).unwrap(),
+        rustix::process::Signal::Kill,
+    )
+    .unwrap();
+    w.wait_exit();
+    eventually(PATIENCE, "the pin", || {
+        names(&records(&state), id).contains(&"pinned")
+    });
+    let client = GuardClient::new(&StateDir::new(&state));
+    // QUIT, then USR1 USR2 PIPE ALRM STKFLT XCPU XFSZ VTALRM PROF IO PWR and the real-time
+    // signals (glibc's own first ones and the tracer's wake-up signal left out).
+    let rtmin = 34;
+    let mut sent = vec![sig::SIGQUIT, 10, 12, 13, 14, 16, 24, 25, 26, 27, 29, 30];
+    sent.extend((rtmin..=64).filter(|s| *s != rtmin + 4));
+    for s in sent {
+        let killed = Command::new("kill")
+            .arg(format!("-{s}"))
+            .arg(guard.pid().to_string())
+            .status()
+            .unwrap();
+        assert!(killed.success(), "kill -{s}");
+        eventually(PATIENCE, "the guard to take the signal", || {
+            !pending(guard.pid(), s)
+        });
+        assert!(
+            procs::alive(guard.pid()),
+            "the guard died of signal {s}; log: {}",
+            guard.log()
+        );
+    }
+    eventually(PATIENCE, "the guard to refuse to stop", || {
+        guard.log().contains("refusing to stop")
+    });
+    let st = client.status().unwrap().expect("the guard answers");
+    assert!(st.pins.iter().any(|p| p.pid == id.pid), "{st:?}");
+    sim.assert_no_wedge();
+}
+
+fn gpu_action(sim: &Sim, state: &Path, action: &str, pid: i32) -> std::process::Output {
+    sim.cmd_at(state)
+        .args(["gpu", action, "--pid", &pid.to_string()])
+        .output()
+        .unwrap()
+}
+
+/// A restore through the cuda-checkpoint front end (what CRIU's cuda plugin runs) is traced by
+/// the guard before the toggle unlocks it: the guard polls its journal once an hour, so only the
+/// front end's own request can have attached it, and the journal shows it before the process ran.
+#[test]
+fn a_toggle_out_of_checkpointed_is_traced_before_its_unlock() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let _guard = GuardProc::start(&sim, &state, &["--no-memory-watch", "--poll-ms", "3600000"]);
+    let w = worker(&sim, "16MiB", 0, None);
+    for action in ["lock", "checkpoint"] {
+        assert!(gpu_action(&sim, &state, action, w.pid).status.success());
+    }
+    let out = sim
+        .cmd_at(&state)
+        .args(["cuda-checkpoint", "--toggle", "--pid", &w.pid.to_string()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", common::stderr(&out));
+    assert!(out.stdout.is_empty() && out.stderr.is_empty(), "{out:?}");
+    assert_ne!(
+        tracer_pid(w.pid),
+        0,
+        "the toggle unlocked an untraced process"
+    );
+    assert_eq!(sim.state(w.pid), "running");
+    let id = ProcId::of(w.pid).unwrap();
+    let ev = records(&state);
+    let restored = ev
+        .iter()
+        .position(|e| matches!(e, Event::RestoreCompleted { pid, .. } if *pid == id));
+    let attached = ev.iter().position(
+        |e| matches!(e, Event::GuardAttached { pid, source: AttachSource::Restore } if *pid == id),
+    );
+    assert!(
+        restored.is_some() && restored < attached,
+        "{:?}",
+        names(&ev, id)
+    );
+}
+
+/// A guard runs but cannot trace the restored process (someone else traces it): `cryo gpu
+/// restore` checkpoints it again instead of leaving it to be unlocked unguarded, and fails.
+#[test]
+fn a_restore_the_guard_cannot_trace_is_checkpointed_again() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let _guard = GuardProc::start(&sim, &state, &["--no-memory-watch"]);
+    let w = worker(&sim, "16MiB", 0, None);
+    for action in ["lock", "checkpoint"] {
+        assert!(gpu_action(&sim, &state, action, w.pid).status.success());
+    }
+    // This test process traces it now: the guard's seize is refused.
+    nix::sys::ptrace::seize(
+        nix::unistd::Pid::from_raw(w.pid),
+        nix::sys::ptrace::Options::empty(),
+    )
+    .unwrap();
+    let out = gpu_action(&sim, &state, "restore", w.pid);
+    let err = common::stderr(&out);
+    assert!(!out.status.success(), "the restore must fail: {err}");
+    assert!(
+        err.contains("could not trace") && err.contains("checkpointed again"),
+        "{err}"
+    );
+    assert_eq!(sim.state(w.pid), "checkpointed");
+    sim.assert_no_wedge();
+}
+
+/// Two deaths at once with `--endgame drain` (issue 10 item 6): one drain runs, the restart
+/// command runs once, naming both quarantined GPUs; the second dying worker (held at its exit
+/// stop while the drain looked) is pinned, not counted as a stop that failed. (Before: two
+/// drains, two runs of the restart command, and a "could not be stopped safely".)
+#[test]
+fn two_deaths_at_once_run_one_drain_and_the_restart_command_once() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let DrainScene {
+        guard,
+        out,
+        mut a,
+        mut b,
+        mut c,
+    } = drain_scene(&sim, &state);
+    let (ida, idb, idc) = (a.id, b.id, c.id);
+    let (a, b, c) = (&mut a.w, &mut b.w, &mut c.w);
+    for w in [&*a, &*b] {
+        rustix::process::kill_process(
+            rustix::process::Pid::from_raw(w.pid).unwrap(),
+            rustix::process::Signal::Kill,
+        )
+        .unwrap();
+    }
+    a.wait_exit();
+    b.wait_exit();
+    c.wait_exit();
+    sim.assert_no_wedge();
+    let client = GuardClient::new(&StateDir::new(&state));
+    eventually(PATIENCE, "both pins, and the drain over", || {
+        let st = client.status().unwrap().unwrap();
+        st.pins.len() == 2 && !st.draining && out.exists()
+    });
+    let written = fs::read_to_string(&out).unwrap();
+    assert_eq!(
+        written.lines().count(),
+        1,
+        "the restart command must run once: {written:?}"
+    );
+    let log = guard.log();
+    assert!(!log.contains("could not be stopped safely"), "{log}");
+    let ev = records(&state);
+    assert!(names(&ev, ida).contains(&"pinned") && names(&ev, idb).contains(&"pinned"));
+    let pc = names(&ev, idc);
+    assert!(
+        pc.contains(&"verified") && pc.contains(&"killed") && !pc.contains(&"pinned"),
+        "{pc:?}"
+    );
+}
+
+/// Grows `w` in 8 MiB steps until the guard starts to suspend it (journaled in `state`), then
+/// waits for its exit: in steps, so that the watch acts while a checkpoint still fits.
+fn grow_until_gone(w: &mut Worker, state: &Path) {
+    let id = ProcId::of(w.pid).unwrap();
+    for _ in 0..40 {
+        if w.has_exited() || names(&records(state), id).contains(&"lock started") {
+            break;
+        }
+        let _ = std::panic::catch_unwind(|| http(w.port, "POST", "/alloc?mib=8", ""));
+        std::thread::sleep(Duration::from_millis(150));
+    }
+    w.wait_exit();
+}
+
+/// A neighbour fills the page cache of the worker's cgroup (writes a file twice the cgroup's
+/// limit): usage sits at the limit, but the memory watch counts only what the kernel cannot
+/// reclaim, so the healthy worker keeps serving. (Before: it counted the page cache and stopped
+/// the worker.) Proof that the watch looked while the cache was full: a second guarded worker,
+/// in a cgroup of its own and growing for real, is stopped afterwards (every look covers every
+/// guarded worker).
+#[test]
+fn a_neighbour_filling_the_page_cache_does_not_stop_a_healthy_worker() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let guard = GuardProc::start(
+        &sim,
+        &state,
+        &["--memory-margin", "16MiB", "--poll-ms", "50"],
+    );
+    let limit: u64 = 200 << 20;
+    let cg = TestCgroup::new("guard-cache", limit);
+    let mut w = worker(&sim, "32MiB", 0, Some(&cg));
+    make_restored(&sim, &state, w.pid);
+    let id = ProcId::of(w.pid).unwrap();
+    wait_attached(&state, id, 1);
+    let file = sim.path().join("neighbour.dat");
+    let written = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "echo $$ > '{}/cgroup.procs' && exec dd if=/dev/zero of='{}' bs=1M count=400 conv=fsync status=none",
+            cg.path().display(),
+            file.display()
+        ))
+        .status()
+        .unwrap();
+    assert!(written.success());
+    let usage: u64 = fs::read_to_string(cg.path().join("memory.usage_in_bytes"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        usage > limit - (48 << 20),
+        "the page cache should fill the cgroup (usage {usage} of {limit})"
+    );
+    // The canary: short of room for real (its unreclaimable memory plus 40 MiB, less than its
+    // 32 MiB of device memory plus the 16 MiB margin), without growing.
+    let cg2 = TestCgroup::new("guard-cache-canary", 2 * limit);
+    let mut canary = worker(&sim, "32MiB", 1, Some(&cg2));
+    make_restored(&sim, &state, canary.pid);
+    let idc = ProcId::of(canary.pid).unwrap();
+    wait_attached(&state, idc, 1);
+    let stat = fs::read_to_string(cg2.path().join("memory.stat")).unwrap();
+    let value = |key: &str| -> u64 {
+        stat.lines()
+            .find_map(|l| l.strip_prefix(key)?.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    let unreclaimable = value("total_rss ") + value("total_shmem ") + value("total_unevictable ");
+    fs::write(
+        cg2.path().join("memory.limit_in_bytes"),
+        (unreclaimable + (40 << 20)).to_string(),
+    )
+    .unwrap();
+    eventually(PATIENCE, "the watch to stop the canary", || {
+        guard.log().contains(&format!(
+            "memory pressure: suspended and stopped pid {}",
+            canary.pid
+        ))
+    });
+    canary.wait_exit();
+    assert!(names(&records(&state), idc).contains(&"verified"));
+    assert!(!w.has_exited(), "the healthy worker was stopped");
+    let path = names(&records(&state), id);
+    assert!(
+        !path.contains(&"checkpointed") && !path.contains(&"killed"),
+        "{path:?}"
+    );
+    assert_eq!(http(w.port, "GET", "/health", "").0, 200);
+    sim.assert_no_wedge();
+    let _ = fs::remove_file(&file);
+}
+
+/// A client in another pid namespace (a container) names a process by its pid there: the guard
+/// translates it (`NSpid`) and attaches to that very process. (Before: the guard took the pid as
+/// its own, naming another process or none.)
+#[test]
+fn an_attach_from_another_pid_namespace_guards_the_process_it_names() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let _guard = GuardProc::start(&sim, &state, &["--no-memory-watch"]);
+    let script = format!(
+        "sleep 600 & '{}' --state-dir '{}' guard attach --pid $! >/dev/null && echo attached $! || echo failed; wait",
+        common::CRYO,
+        state.display()
+    );
+    let mut ns = Command::new("unshare")
+        .args(["--pid", "--kill-child", "--mount-proc", "sh", "-c", &script])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(ns.stdout.as_mut().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let inner: i32 = match line.trim().strip_prefix("attached ") {
+        Some(p) => p.parse().unwrap(),
+        None => {
+            let _ = ns.kill();
+            let out = ns.wait_with_output().unwrap();
+            panic!(
+                "the attach from the namespace failed: {line}{}",
+                common::stderr(&out)
+            );
+        }
+    };
+    let st = GuardClient::new(&StateDir::new(&state))
+        .status()
+        .unwrap()
+        .unwrap();
+    let host: Vec<i32> = st
+        .guarded
+        .iter()
+        .map(|g| g.pid)
+        .filter(|p| cryo_proc::status(*p).is_ok_and(|s| s.nspid.len() == 2 && s.nspid[1] == inner))
+        .collect();
+    assert_eq!(host.len(), 1, "the guard guards {st:?}");
+    assert_ne!(tracer_pid(host[0]), 0);
+    assert_eq!(
+        fs::read_to_string(format!("/proc/{}/comm", host[0]))
+            .unwrap()
+            .trim(),
+        "sleep"
+    );
+    let _ = ns.kill();
+    let _ = ns.wait();
 }

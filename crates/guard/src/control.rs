@@ -10,12 +10,19 @@
 //! - [`Request::Detach`]: stop guarding a process until it is attached again (what `cryo freeze`
 //!   asks before a CRIU dump, since CRIU cannot dump a traced process; a thaw's
 //!   `RestoreCompleted` attaches the restored process by itself).
+//! - [`Request::LetGo`]: stop guarding a process for as long as this connection stays open (a
+//!   lease: what `cryo freeze` asks around a CRIU dump). When the client closes it, or dies, the
+//!   guard takes the process back (if it still lives) and says so on the same connection.
 //! - [`Request::Attach`]: guard a process (restored by another tool, or after a detach).
+//! - [`Request::GuardRestored`]: guard processes whose contexts were just restored and are still
+//!   LOCKED; answered once every one is traced (what a standalone `cryo thaw`, `cryo gpu restore`
+//!   and the cuda-checkpoint front end ask before they unlock).
 //! - [`Request::Release`]: close the pins on a GPU and lift its quarantine. The confirmation is
 //!   part of the request ([`Confirmation`]) so that no client can close pins by accident.
 //!
 //! Processes are named by pid and start time ([`ProcId`]): a pid reused since the client looked
-//! is refused, not acted upon.
+//! is refused, not acted upon. A client in another pid namespace (a container) names them in its
+//! own: the guard translates them (`NSpid`, [`cryo_proc::ns::translate_pid`]) before acting.
 //!
 //! [`GuardClient`] is the client side; it is also how a standalone command asks the guard of
 //! the node to let go of a process around a dump ([`cryo_lifecycle::Watcher`]).
@@ -33,7 +40,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cryo_journal::ProcId;
-use cryo_lifecycle::{Watcher, WatcherError};
+use cryo_lifecycle::{Coverage, Lease, Watcher, WatcherError};
+use cryo_proc::ProcHandle;
 use cryo_state::fence::FencedGpu;
 use cryo_state::StateDir;
 use serde::{Deserialize, Serialize};
@@ -55,10 +63,20 @@ pub enum Request {
         /// The process.
         pid: ProcId,
     },
+    /// Stop guarding this process while this connection stays open (a lease).
+    LetGo {
+        /// The process.
+        pid: ProcId,
+    },
     /// Guard this process.
     Attach {
         /// The process.
         pid: ProcId,
+    },
+    /// Guard these processes, restored and still LOCKED, before their unlock.
+    GuardRestored {
+        /// The processes.
+        pids: Vec<ProcId>,
     },
     /// Close the pins on `gpu` and lift its quarantine.
     Release {
@@ -96,6 +114,11 @@ pub enum Response {
     Attached {
         /// The process.
         pid: ProcId,
+    },
+    /// To [`Request::GuardRestored`]: every one of them is traced.
+    Guarded {
+        /// The processes.
+        pids: Vec<ProcId>,
     },
     /// To [`Request::Release`]: the pins of these processes were closed.
     Released {
@@ -143,6 +166,12 @@ pub enum Refusal {
         /// The GPU.
         gpu: FencedGpu,
     },
+    /// No process has that pid in the caller's pid namespace.
+    #[error("no process {pid} in the caller's pid namespace")]
+    NoSuchProcess {
+        /// The pid, as the caller named it.
+        pid: Pid,
+    },
     /// The guard tried and failed.
     #[error("{error}")]
     Failed {
@@ -185,11 +214,27 @@ pub fn serve(guard: Arc<Guard>, state: &StateDir) -> Result<(), ServeError> {
     spawn_server(listener, move |request| answer(&guard, request)).map_err(listen_err)
 }
 
+/// What the server does with a request: the response, and for a lease, what to do once the
+/// client's connection closes (or the client says it is done); its result is the last line.
+pub(crate) struct Answer {
+    response: Response,
+    on_close: Option<Box<dyn FnOnce() -> Response + Send>>,
+}
+
+impl From<Response> for Answer {
+    fn from(response: Response) -> Self {
+        Self {
+            response,
+            on_close: None,
+        }
+    }
+}
+
 /// Serves `listener` on a thread of its own: every connection is checked, parsed and answered
 /// by `answer`.
 fn spawn_server(
     listener: UnixListener,
-    answer: impl Fn(Request) -> Response + Send + 'static,
+    answer: impl Fn(Request) -> Answer + Send + 'static,
 ) -> io::Result<()> {
     std::thread::Builder::new()
         .name("cryo-guard-control".into())
@@ -208,43 +253,114 @@ fn spawn_server(
         .map(drop)
 }
 
-fn handle(mut s: UnixStream, answer: &dyn Fn(Request) -> Response) -> io::Result<()> {
+fn handle(mut s: UnixStream, answer: &dyn Fn(Request) -> Answer) -> io::Result<()> {
     s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let uid = rustix::net::sockopt::get_socket_peercred(&s).map(|c| c.uid.as_raw());
-    let response = match uid {
-        Ok(0) => {
+    let cred = rustix::net::sockopt::get_socket_peercred(&s).map(|c| (c.uid.as_raw(), c.pid));
+    let answer: Answer = match cred {
+        Ok((0, peer)) => {
             let mut line = String::new();
             BufReader::new((&s).take(MAX_REQUEST_BYTES)).read_line(&mut line)?;
             match serde_json::from_str::<Request>(&line) {
-                Ok(request) => answer(request),
+                Ok(request) => match translate(request, peer.as_raw_nonzero().get()) {
+                    Ok(request) => answer(request),
+                    Err(refusal) => refused(refusal).into(),
+                },
                 Err(e) => refused(Refusal::BadRequest {
                     error: e.to_string(),
-                }),
+                })
+                .into(),
             }
         }
-        Ok(uid) => refused(Refusal::NotRoot { uid }),
+        Ok((uid, _)) => refused(Refusal::NotRoot { uid }).into(),
         Err(e) => refused(Refusal::NoCredentials {
             error: e.to_string(),
+        })
+        .into(),
+    };
+    let line = serde_json::to_string(&answer.response).map_err(io::Error::other)?;
+    let written = writeln!(s, "{line}");
+    if let Some(on_close) = answer.on_close {
+        // A lease: held, on a thread of its own, until the client closes or dies.
+        std::thread::Builder::new()
+            .name("cryo-guard-lease".into())
+            .spawn(move || {
+                let _ = s.set_read_timeout(None);
+                let mut rest = String::new();
+                let _ = BufReader::new((&s).take(MAX_REQUEST_BYTES)).read_line(&mut rest);
+                let last = on_close();
+                if let Ok(line) = serde_json::to_string(&last) {
+                    let _ = writeln!(s, "{line}");
+                }
+            })?;
+    }
+    written
+}
+
+/// Names the processes of `request` as the guard's pid namespace does: `peer` (the client, as
+/// the kernel names it to the guard) named them in its own (a client inside a container).
+fn translate(request: Request, peer: Pid) -> Result<Request, Refusal> {
+    let map = |id: ProcId| match cryo_proc::ns::translate_pid(peer, id.pid) {
+        // The start time is the same in every namespace.
+        Ok(Some(pid)) => Ok(ProcId { pid, ..id }),
+        Ok(None) => Err(Refusal::NoSuchProcess { pid: id.pid }),
+        Err(e) => Err(Refusal::Failed {
+            error: format!(
+                "translating pid {} from the caller's pid namespace: {e}",
+                id.pid
+            ),
         }),
     };
-    let line = serde_json::to_string(&response).map_err(io::Error::other)?;
-    writeln!(s, "{line}")
+    Ok(match request {
+        Request::Detach { pid } => Request::Detach { pid: map(pid)? },
+        Request::LetGo { pid } => Request::LetGo { pid: map(pid)? },
+        Request::Attach { pid } => Request::Attach { pid: map(pid)? },
+        Request::GuardRestored { pids } => Request::GuardRestored {
+            pids: pids.into_iter().map(map).collect::<Result<_, _>>()?,
+        },
+        r @ (Request::Status | Request::Release { .. }) => r,
+    })
 }
 
 fn refused(refusal: Refusal) -> Response {
     Response::Refused { refusal }
 }
 
-fn answer(guard: &Guard, request: Request) -> Response {
-    let failed = |e: &dyn fmt::Display| {
-        refused(Refusal::Failed {
-            error: e.to_string(),
-        })
+fn answer(guard: &Arc<Guard>, request: Request) -> Answer {
+    let lease = match request {
+        Request::LetGo { pid } => pid,
+        other => return answer_now(guard, other).into(),
     };
+    match guard.detach(lease) {
+        Ok(()) => {
+            let guard = Arc::clone(guard);
+            Answer {
+                response: Response::Detached { pid: lease },
+                on_close: Some(Box::new(move || match guard.take_back(lease) {
+                    Ok(true) => Response::Attached { pid: lease },
+                    Ok(false) => refused(Refusal::NotTraced { pid: lease.pid }),
+                    Err(e) => failed(&e),
+                })),
+            }
+        }
+        Err(GuardDetachError::NotTraced { pid }) => refused(Refusal::NotTraced { pid }).into(),
+        Err(e) => failed(&e).into(),
+    }
+}
+
+fn failed(e: &dyn fmt::Display) -> Response {
+    refused(Refusal::Failed {
+        error: e.to_string(),
+    })
+}
+
+fn answer_now(guard: &Guard, request: Request) -> Response {
     match request {
         Request::Status => Response::Status {
             status: guard.status(),
         },
+        Request::LetGo { pid } => refused(Refusal::BadRequest {
+            error: format!("a lease on {pid} cannot be answered at once"),
+        }),
         Request::Detach { pid } => match guard.detach(pid) {
             Ok(()) => Response::Detached { pid },
             Err(GuardDetachError::NotTraced { pid }) => refused(Refusal::NotTraced { pid }),
@@ -252,6 +368,10 @@ fn answer(guard: &Guard, request: Request) -> Response {
         },
         Request::Attach { pid } => match guard.attach_id(pid) {
             Ok(()) => Response::Attached { pid },
+            Err(e) => failed(&e),
+        },
+        Request::GuardRestored { pids } => match guard.guard_restored(&pids) {
+            Ok(()) => Response::Guarded { pids },
             Err(e) => failed(&e),
         },
         Request::Release {
@@ -330,6 +450,11 @@ impl GuardClient {
 
     /// Sends one request; the guard's response, refusals included.
     pub fn call(&self, request: &Request) -> Result<Response, ControlError> {
+        self.exchange(request).map(|(response, _)| response)
+    }
+
+    /// Sends one request; the guard's response and the connection (a lease lives as long as it).
+    fn exchange(&self, request: &Request) -> Result<(Response, UnixStream), ControlError> {
         let path = &self.socket;
         let mut s = UnixStream::connect(path).map_err(|e| match e.kind() {
             io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused => {
@@ -356,10 +481,27 @@ impl GuardClient {
         }
         let mut answer = String::new();
         BufReader::new(&s).read_line(&mut answer).map_err(io_err)?;
-        serde_json::from_str(answer.trim()).map_err(|e| ControlError::BadAnswer {
-            error: e.to_string(),
-            answer,
-        })
+        let response =
+            serde_json::from_str(answer.trim()).map_err(|e| ControlError::BadAnswer {
+                error: e.to_string(),
+                answer,
+            })?;
+        Ok((response, s))
+    }
+
+    /// Asks the guard to stop watching `pid` for as long as the returned lease lives (around a
+    /// CRIU dump); `Ok(None)`: no guard runs, or it does not trace `pid`.
+    pub fn let_go(&self, pid: ProcId) -> Result<Option<SocketLease>, ControlError> {
+        match self.exchange(&Request::LetGo { pid }) {
+            Ok((Response::Detached { .. }, stream)) => Ok(Some(SocketLease { pid, stream })),
+            Ok((Response::Refused { refusal }, _)) => match refusal {
+                Refusal::NotTraced { .. } => Ok(None),
+                r => Err(ControlError::Refused(r)),
+            },
+            Ok((other, _)) => Err(ControlError::Unexpected(Box::new(other), "let_go")),
+            Err(ControlError::NotRunning(_)) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     /// Sends one request; refusals become [`ControlError::Refused`].
@@ -401,6 +543,19 @@ impl GuardClient {
         }
     }
 
+    /// Asks the guard to trace `pids` (restored, still LOCKED) before they are unlocked.
+    /// `Ok(false)`: no guard runs.
+    pub fn guard_restored(&self, pids: &[ProcId]) -> Result<bool, ControlError> {
+        match self.ask(&Request::GuardRestored {
+            pids: pids.to_vec(),
+        }) {
+            Ok(Response::Guarded { .. }) => Ok(true),
+            Ok(other) => Err(ControlError::Unexpected(Box::new(other), "guard_restored")),
+            Err(ControlError::NotRunning(_)) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Asks the guard to close the pins on `gpu` and lift its quarantine; the processes released.
     pub fn release(&self, gpu: &FencedGpu) -> Result<Vec<ProcId>, ControlError> {
         match self.ask(&Request::Release {
@@ -418,42 +573,59 @@ impl GuardClient {
     }
 }
 
+/// A process the guard let go of while this connection stays open ([`GuardClient::let_go`]).
+#[derive(Debug)]
+pub struct SocketLease {
+    pid: ProcId,
+    stream: UnixStream,
+}
+
+impl SocketLease {
+    /// Ends the lease: the guard takes the process back (if it lives); its answer. A client that
+    /// dies instead ends it all the same (the connection closes).
+    pub fn end(self) -> Result<Response, ControlError> {
+        let io_err = |source| ControlError::Io {
+            path: PathBuf::from(format!("lease on {}", self.pid)),
+            source,
+        };
+        self.stream
+            .shutdown(std::net::Shutdown::Write)
+            .map_err(io_err)?;
+        self.stream
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .map_err(io_err)?;
+        let mut answer = String::new();
+        BufReader::new(&self.stream)
+            .read_line(&mut answer)
+            .map_err(io_err)?;
+        serde_json::from_str(answer.trim()).map_err(|e| ControlError::BadAnswer {
+            error: e.to_string(),
+            answer,
+        })
+    }
+}
+
 /// A standalone command (`cryo freeze`) asks the node's guard, over its socket, to let go of a
-/// process around a CRIU dump.
+/// process around a CRIU dump: the lease is the open connection.
 impl Watcher for GuardClient {
-    fn detach(&self, pid: ProcId) -> Result<bool, WatcherError> {
-        match GuardClient::detach(self, pid) {
-            Ok(Detach::Detached) => Ok(true),
-            Ok(Detach::NotTraced | Detach::NoGuard) => Ok(false),
-            Err(e) => Err(WatcherError::new(e)),
-        }
+    fn let_go(&self, pid: ProcId) -> Result<Option<Lease<'_>>, WatcherError> {
+        let lease = GuardClient::let_go(self, pid).map_err(WatcherError::new)?;
+        Ok(lease.map(|l| {
+            Lease::new(pid, move || match l.end() {
+                Ok(Response::Attached { .. }) => {}
+                Ok(other) => tracing::warn!(pid = pid.pid, ?other, "the guard did not take the process back"),
+                Err(error) => tracing::error!(pid = pid.pid, %error, "ending the lease failed; run `cryo guard attach --pid {}`", pid.pid),
+            })
+        }))
     }
 
-    fn attach(&self, pid: ProcId) -> Result<(), WatcherError> {
-        match GuardClient::attach(self, pid) {
-            Ok(true) => Ok(()),
-            Ok(false) => Err(WatcherError::new(ControlError::NotRunning(
-                self.socket.clone(),
-            ))),
+    fn guard_before_unlock(&self, procs: &[&ProcHandle]) -> Result<Coverage, WatcherError> {
+        let ids: Vec<ProcId> = procs.iter().map(|h| ProcId::of_handle(h)).collect();
+        match self.guard_restored(&ids) {
+            Ok(true) => Ok(Coverage::Guarded),
+            Ok(false) => Ok(Coverage::NoGuard),
             Err(e) => Err(WatcherError::new(e)),
         }
-    }
-
-    /// The guard's `attach` answers once every thread is seized.
-    fn guard_before_unlock(
-        &self,
-        procs: &[&cryo_proc::ProcHandle],
-    ) -> Result<cryo_lifecycle::Coverage, WatcherError> {
-        for p in procs {
-            let id = ProcId {
-                pid: p.pid(),
-                start_time: p.start_time(),
-            };
-            if !GuardClient::attach(self, id).map_err(WatcherError::new)? {
-                return Ok(cryo_lifecycle::Coverage::NoGuard);
-            }
-        }
-        Ok(cryo_lifecycle::Coverage::Guarded)
     }
 }
 
@@ -503,13 +675,16 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let state = StateDir::new(dir.path());
         let listener = UnixListener::bind(state.guard_socket()).unwrap();
-        spawn_server(listener, |request| match request {
-            Request::Detach { pid } => Response::Detached { pid },
-            _ => Response::Refused {
-                refusal: Refusal::Failed {
-                    error: "test server".into(),
+        spawn_server(listener, |request| {
+            match request {
+                Request::Detach { pid } => Response::Detached { pid },
+                _ => Response::Refused {
+                    refusal: Refusal::Failed {
+                        error: "test server".into(),
+                    },
                 },
-            },
+            }
+            .into()
         })
         .unwrap();
         (dir, GuardClient::new(&state))

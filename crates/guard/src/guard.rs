@@ -8,20 +8,27 @@
 //!   A suspension that is impossible (sticky error, lock timeout, driver FAILED) is journaled as
 //!   `Refused` and the signal is delivered anyway; the exit stop handles it.
 //! - **Exit stop** (every death: the above, SIGKILL, OOM kill, `exit_group`): the driver cannot
-//!   act any more, so the driver is not asked for a state. The context counts as live when NVML
-//!   lists the pid (or, NVML failing, when driver fds are open). Live: every driver fd
+//!   act any more, so the driver is not asked for a state. The context counts as live when the
+//!   process still holds driver fds (or NVML lists it) and the journal does not show it
+//!   checkpointed since its last restore (read up to that instant). NVML only names the GPU: a
+//!   pid it does not list (another pid namespace) is pinned all the same, with every GPU fenced
+//!   (`unknown`). Live: every driver fd
 //!   ([`cryo_gpu::GpuInspector::driver_fds`]) is duplicated, `Pinned` is journaled per GPU, the GPU
 //!   is quarantined ([`cryo_state::fence`]) and `GpuQuarantined` journaled, all before the
 //!   process is released. The duplicates stay in this process; the context is never torn down
 //!   until an operator releases them ([`Guard::release`]). Not live (suspended): nothing is held.
 //! - **Endgame** after a quarantine: [`Endgame::Hold`] waits for the operator;
 //!   [`Endgame::Drain`] stops every other GPU process of the node through
-//!   [`cryo_lifecycle::stop`] (suspend-before-kill), then runs the operator's command.
+//!   [`cryo_lifecycle::stop`] (suspend-before-kill), then runs the operator's command. One drain
+//!   at a time: a pin while a drain runs makes that drain look again, and the command runs once.
+//!   Only a death by a signal drains: a process that exited on its own is pinned, not drained for.
+//!   Processes pinned or held at their exit stop are not the drain's to stop (nor failures).
 //! - **Memory**: guarded processes get a low `oom_score_adj` (refused without
-//!   `CAP_SYS_RESOURCE`, which is reported per process), and [`Guard::check_memory`] suspends and
-//!   stops a guarded worker whose memory cgroup has less headroom than its device memory plus a
-//!   margin (a checkpoint moves device memory into host memory, so it must happen while there is
-//!   room for it), or whose PSI `some avg10` passes a threshold.
+//!   `CAP_SYS_RESOURCE`, which is reported per process), and the memory watch (a thread of its
+//!   own) suspends and stops a guarded worker whose memory cgroup has less room beside its
+//!   unreclaimable memory (anon, shmem, unevictable: never the page cache) than its device memory
+//!   plus a margin (a checkpoint moves device memory into host memory, so it must happen while
+//!   there is room for it), or whose PSI `full avg10` passes a threshold, several looks in a row.
 //!
 //! Processes are named by [`cryo_proc::ProcHandle`] (pidfd + start time): the same pidfd, duplicated,
 //! is what the tracer attaches through, so the handle used for suspension and the one traced
@@ -32,24 +39,23 @@
 //!   were holding off. A guard with pins refuses to stop on SIGTERM (see the CLI).
 //! - A process whose context is live but whose driver fds cannot be duplicated is still fenced,
 //!   but its context is torn down when it exits (journaled loudly).
-//! - The memory check polls (every `MemoryWatch::interval`); a sudden allocation larger than the
-//!   headroom still ends in an OOM kill, which the exit stop catches.
+//! - The memory watch polls (every `MemoryWatch::interval`, [`MEMORY_SAMPLES`] looks); a sudden
+//!   allocation larger than the headroom still ends in an OOM kill, which the exit stop catches.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::RawFd;
-use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use cryo_gpu::Gpu;
-use cryo_journal::{Event, Journal, ProcId, Reader, Record};
+use cryo_journal::{AttachSource, Event, Journal, ProcId, Reader, Record};
 use cryo_lifecycle::{NoProgress, ResolveError, Resolved, StopOptions, SuspendOptions, Target};
 use cryo_proc::{Pid, ProcHandle};
 use cryo_state::fence::{Fence, FenceError, FencedGpu};
 use cryo_state::StateDir;
 use serde::{Deserialize, Serialize};
 
-use crate::memory::{CgroupVersion, MemoryCgroup};
+use crate::memory::MemoryCgroup;
 use crate::pins::PinSink;
 use crate::policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee};
 use crate::tracer::{AttachError, DetachError, SpawnError, Tracer, TracerGone};
@@ -72,9 +78,10 @@ pub enum Endgame {
 pub struct MemoryWatch {
     /// Act when the cgroup's free room falls below the process's device memory plus this.
     pub margin: u64,
-    /// Also act when PSI `some avg10` (percent) of its pressure source reaches this; `None`: off.
-    pub psi_some_avg10: Option<f64>,
-    /// How often to look.
+    /// Also act when PSI `full avg10` (percent: every task stalled) of its pressure source
+    /// reaches this; `None`: off.
+    pub psi_full_avg10: Option<f64>,
+    /// How often to look ([`MEMORY_SAMPLES`] looks in a row must agree before it acts).
     pub interval: Duration,
 }
 
@@ -114,7 +121,7 @@ impl GuardConfig {
             oom_score_adj: -900,
             memory: Some(MemoryWatch {
                 margin: 64 << 20,
-                psi_some_avg10: None,
+                psi_full_avg10: None,
                 interval: Duration::from_millis(250),
             }),
             pin_sink: None,
@@ -137,6 +144,9 @@ pub enum StartError {
     /// The tracer could not start.
     #[error(transparent)]
     Tracer(#[from] SpawnError),
+    /// The memory watch's thread could not start.
+    #[error("starting the memory watch's thread failed: {0}")]
+    MemoryWatch(std::io::Error),
 }
 
 /// Guarding one process failed.
@@ -204,7 +214,8 @@ pub struct GuardedInfo {
     pub pid: Pid,
     /// Start time (clock ticks), with the pid its identity.
     pub start_time: u64,
-    /// `journal` (restored by cryo) or `pid` (named by the operator).
+    /// Why it is guarded: `restore` (traced before its unlock), `journal` (a restore the guard
+    /// heard of afterwards), `operator`, `scan`.
     pub source: String,
     /// The `oom_score_adj` set, or why it could not be.
     pub oom_score_adj: String,
@@ -243,6 +254,9 @@ pub struct GuardStatus {
     pub pins: Vec<PinInfo>,
     /// `hold` or `drain`.
     pub endgame: String,
+    /// Whether a drain runs now.
+    #[serde(default)]
+    pub draining: bool,
 }
 
 /// What the guard found when it started.
@@ -260,7 +274,7 @@ pub struct StartReport {
 struct Watched {
     id: ProcId,
     handle: Arc<ProcHandle>,
-    source: &'static str,
+    source: AttachSource,
     oom: String,
 }
 
@@ -277,17 +291,72 @@ struct Inner {
     fence: Fence,
     cfg: GuardConfig,
     watched: Mutex<BTreeMap<Pid, Watched>>,
-    /// Detached on request (for a CRIU dump), by identity: a process restored later under the same
-    /// pid is another process and is guarded.
-    paused: Mutex<BTreeSet<ProcId>>,
+    /// Detached on request (for a CRIU dump), by identity, with why it was guarded (what it is
+    /// guarded as again): a process restored later under the same pid is another process and is
+    /// guarded. Forgotten once the process is gone.
+    paused: Mutex<BTreeMap<ProcId, AttachSource>>,
     pins: Mutex<Vec<Pin>>,
     /// The state directory's pin holder ([`GuardConfig::pin_sink`], or the holder of the state
     /// directory if one runs): asked for its inventory and for releases even when pins are not
     /// handed to it.
     holder: Arc<dyn PinSink>,
+    /// Processes the memory watch stopped, not yet reported by [`Guard::check_memory`].
+    memory_stopped: Mutex<Vec<ProcId>>,
+    /// The journal as the guard reads it: new restores, and which contexts were suspended since.
+    view: Mutex<JournalView>,
+    /// Processes held at their exit stop now (from [`Policy::fds_to_pin`] to [`Policy::on_gone`]):
+    /// dying under the guard's hand, not for a drain to stop.
+    exiting: Mutex<BTreeSet<Pid>>,
+    /// The drain endgame: one at a time.
+    drain: Mutex<DrainState>,
     /// Whether the operator was told that this host refuses `oom_score_adj` (once is enough:
     /// every later process gets the same answer, shown per process in `cryo status`).
     oom_warned: std::sync::atomic::AtomicBool,
+}
+
+/// What the guard has read of the journal.
+struct JournalView {
+    reader: Reader,
+    /// Processes whose context the journal shows checkpointed since their last restore (a
+    /// teardown of theirs is the safe kind).
+    suspended: BTreeSet<ProcId>,
+    /// Restores read and not yet handed to [`Guard::poll_journal`].
+    restores: Vec<ProcId>,
+}
+
+impl JournalView {
+    /// Reads what was appended since the last read.
+    fn catch_up(&mut self) -> Result<(), cryo_journal::ReadError> {
+        let records = self.reader.read_new()?.records;
+        self.apply(&records);
+        Ok(())
+    }
+
+    fn apply(&mut self, records: &[Record]) {
+        for r in records {
+            match &r.event {
+                Event::Checkpointed { pid, .. } => {
+                    self.suspended.insert(*pid);
+                }
+                Event::RestoreCompleted { pid, .. } => {
+                    self.suspended.remove(pid);
+                    self.restores.push(*pid);
+                }
+                Event::Resumed { pid } => {
+                    self.suspended.remove(pid);
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// One drain at a time: a drain asked for while one runs joins it.
+#[derive(Debug, Default)]
+struct DrainState {
+    running: bool,
+    /// Another context was pinned while the drain ran: it looks again before it ends.
+    again: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -317,6 +386,17 @@ impl Inner {
             .get(&pid)
             .map(|w| w.id)
             .unwrap_or_else(|| ProcId::of(pid).unwrap_or(ProcId { pid, start_time: 0 }))
+    }
+
+    /// Whether the journal shows `id`'s context checkpointed since its last restore (read up to
+    /// now). A journal that cannot be read says no: the safe answer (the context is pinned).
+    fn suspended_since_restore(&self, id: ProcId) -> bool {
+        let mut view = lock(&self.view);
+        if let Err(err) = view.catch_up() {
+            tracing::error!(%err, pid = id.pid, "cannot read the journal at the exit stop; counting the context as live");
+            return false;
+        }
+        view.suspended.contains(&id)
     }
 
     fn quarantine(&self, id: ProcId, gpus: &[FencedGpu], reason: &str) {
@@ -448,36 +528,84 @@ impl Inner {
         )?)
     }
 
+    /// Starts the drain endgame, unless one runs: then that one looks again before it ends, and
+    /// the restart command still runs once.
     fn run_endgame(self: &Arc<Self>) {
         let Endgame::Drain { restart_cmd } = self.cfg.endgame.clone() else {
             return;
         };
+        {
+            let mut d = lock(&self.drain);
+            if d.running {
+                d.again = true;
+                tracing::warn!("drain: one runs already; it covers this pin too");
+                return;
+            }
+            d.running = true;
+        }
         let inner = Arc::clone(self);
         let spawned = std::thread::Builder::new()
             .name("cryo-guard-drain".into())
-            .spawn(move || inner.drain(restart_cmd.as_deref()));
+            .spawn(move || {
+                let all_stopped = inner.drain_all();
+                inner.restart(restart_cmd.as_deref(), all_stopped);
+                // Pinned while the command ran: stop what is left; the command ran already.
+                loop {
+                    let mut d = lock(&inner.drain);
+                    if !d.again {
+                        d.running = false;
+                        break;
+                    }
+                    d.again = false;
+                    drop(d);
+                    inner.drain_once();
+                }
+            });
         if let Err(err) = spawned {
+            lock(&self.drain).running = false;
             tracing::error!(%err, "cannot start the drain endgame");
         }
     }
 
-    fn drain(&self, restart_cmd: Option<&str>) {
-        let pinned: BTreeSet<Pid> = lock(&self.pins).iter().map(|p| p.id.pid).collect();
+    /// Stops every GPU process of the node that is neither pinned nor dying at its exit stop,
+    /// again as long as contexts were pinned meanwhile. Whether every one stopped safely.
+    fn drain_all(&self) -> bool {
+        let mut all_stopped = true;
+        loop {
+            all_stopped &= self.drain_once();
+            let mut d = lock(&self.drain);
+            if !d.again {
+                return all_stopped;
+            }
+            d.again = false;
+        }
+    }
+
+    /// Whether `pid` is pinned or held at its exit stop (nothing for a drain to stop).
+    fn dying(&self, pid: Pid) -> bool {
+        lock(&self.exiting).contains(&pid) || lock(&self.pins).iter().any(|p| p.id.pid == pid)
+    }
+
+    fn drain_once(&self) -> bool {
         let others: BTreeSet<Pid> = match self.gpu.inspect.processes() {
             Ok(list) => list
                 .into_iter()
                 .map(|p| p.pid)
-                .filter(|p| !pinned.contains(p))
+                .filter(|p| !self.dying(*p))
                 .collect(),
             Err(err) => {
                 tracing::error!(%err, "drain: cannot list GPU processes; nothing stopped");
-                return;
+                return false;
             }
         };
         let mut all_stopped = true;
         for pid in others {
             match self.stop(Target::Pids(vec![pid]).resolve()) {
                 Ok(r) if r.stopped() => tracing::warn!(pid, "drain: stopped (suspended first)"),
+                // Died under the guard's hand meanwhile: its exit stop pins it, not a failure.
+                _ if self.dying(pid) => {
+                    tracing::warn!(pid, "drain: dying at its exit stop; the guard pins it")
+                }
                 Ok(r) => {
                     all_stopped = false;
                     tracing::error!(pid, refusals = ?r.refusals, "drain: refused; left running");
@@ -488,6 +616,10 @@ impl Inner {
                 }
             }
         }
+        all_stopped
+    }
+
+    fn restart(&self, restart_cmd: Option<&str>, all_stopped: bool) {
         let Some(cmd) = restart_cmd else { return };
         if !all_stopped {
             tracing::error!("drain: some GPU processes could not be stopped safely; running the restart command anyway");
@@ -533,32 +665,57 @@ impl Policy for PolicyHandle {
             );
             return Decision::Deliver;
         };
-        let outcome = cryo_lifecycle::suspend(
-            &inner.gpu,
-            &[&handle],
-            &inner.cfg.suspend,
-            Some(&inner.journal),
-            &NoProgress,
-        );
-        match outcome.into_iter().next().map(|o| o.result) {
-            Some(Ok(s)) => {
-                tracing::warn!(pid, signal = %cryo_proc::signal_name(signal.signal), state_before = %s.state_before, "suspended before delivering a fatal signal");
-            }
-            Some(Err(f)) => {
-                tracing::error!(pid, reason = %f.reason(), "cannot suspend before a fatal signal; the exit stop will pin");
-                inner.record(Event::Refused {
-                    pid: id,
-                    reason: f.reason(),
-                    hint: "the guard pins the context's driver fds at the exit stop and fences the GPU".into(),
-                });
-            }
-            None => {}
+        // Suspended already (a `cryo stop --signal term` after its suspension, say): end it.
+        let suspended = inner.suspended_since_restore(id)
+            || {
+                let outcome = cryo_lifecycle::suspend(
+                    &inner.gpu,
+                    &[&handle],
+                    &inner.cfg.suspend,
+                    Some(&inner.journal),
+                    &NoProgress,
+                );
+                match outcome.into_iter().next().map(|o| o.result) {
+                    Some(Ok(s)) => {
+                        tracing::warn!(pid, signal = %cryo_proc::signal_name(signal.signal), state_before = %s.state_before, "suspended before the signal");
+                        true
+                    }
+                    Some(Err(f)) => {
+                        tracing::error!(pid, reason = %f.reason(), "cannot suspend before the signal; the exit stop will pin");
+                        inner.record(Event::Refused {
+                        pid: id,
+                        reason: f.reason(),
+                        hint: "the guard pins the context's driver fds at the exit stop and fences the GPU".into(),
+                    });
+                        false
+                    }
+                    None => false,
+                }
+            };
+        if !(signal.handled && suspended) {
+            return Decision::Deliver;
         }
-        Decision::Deliver
+        // A graceful end the process handles: its handler would touch the checkpointed GPU and
+        // hang. Suspended is the safe end; SIGKILL finishes it (the journal shows why).
+        inner.record(Event::KillStarted {
+            pid: id,
+            signal: libc::SIGKILL,
+        });
+        match handle.signal(cryo_proc::Signal::SIGKILL) {
+            Ok(()) => {
+                tracing::warn!(pid, signal = %cryo_proc::signal_name(signal.signal), "graceful end: suspended, then killed");
+                Decision::Discard
+            }
+            Err(err) => {
+                tracing::error!(pid, %err, "cannot kill after the suspension; delivering the signal");
+                Decision::Deliver
+            }
+        }
     }
 
     fn fds_to_pin(&self, target: &Tracee) -> Vec<RawFd> {
         let pid = target.pid();
+        lock(&self.0.exiting).insert(pid);
         match self.0.gpu.inspect.driver_fds(pid) {
             Ok(fds) => fds,
             Err(err) => {
@@ -577,6 +734,10 @@ impl Policy for PolicyHandle {
         let inner = &self.0;
         let pid = target.pid();
         let id = inner.id_of(pid);
+        // Live unless the journal shows it suspended since its last restore; NVML only names
+        // the GPU (a pid it does not list, from another pid namespace say, is pinned all the same).
+        let suspended = inner.suspended_since_restore(id);
+        let holds_driver_fds = !pinned.fds.is_empty() || !pinned.failed.is_empty();
         let (listed, gpus) = match inner.gpu.inspect.processes() {
             Ok(list) => {
                 let mut gpus: Vec<FencedGpu> = list
@@ -588,13 +749,16 @@ impl Policy for PolicyHandle {
                 (!gpus.is_empty(), gpus)
             }
             Err(err) => {
-                tracing::error!(pid, %err, "NVML query failed at the exit stop; treating open driver fds as a live context");
-                (!pinned.fds.is_empty(), Vec::new())
+                tracing::error!(pid, %err, "NVML query failed at the exit stop; cannot tell the GPU");
+                (false, Vec::new())
             }
         };
-        if !listed {
+        if suspended || !(holds_driver_fds || listed) {
             // Suspended (or never had a context): its teardown is the safe kind.
             return;
+        }
+        if !listed {
+            tracing::error!(pid, "NVML does not list the dying process (another pid namespace?); pinning its driver fds and fencing every GPU");
         }
         let how = describe(cause);
         let fds: Vec<RawFd> = pinned.fds.iter().map(|(n, _)| *n).collect();
@@ -642,11 +806,18 @@ impl Policy for PolicyHandle {
                 }),
             }
         }
-        inner.run_endgame();
+        // A process that exited on its own (`exit`, `exit_group`) ended in an orderly way: its
+        // context is pinned and its GPU fenced, but the rest of the node keeps serving.
+        if matches!(cause, ExitCause::Signaled { .. }) {
+            inner.run_endgame();
+        } else {
+            tracing::warn!(pid, how = %describe(cause), "exited on its own: pinned, no drain");
+        }
     }
 
     fn on_gone(&self, target: &Tracee, cause: ExitCause) {
         let pid = target.pid();
+        lock(&self.0.exiting).remove(&pid);
         let w = lock(&self.0.watched).remove(&pid);
         let id = w.map_or_else(|| self.0.id_of(pid), |w| w.id);
         self.0.record(Event::ProcessExited {
@@ -660,7 +831,9 @@ impl Policy for PolicyHandle {
 pub struct Guard {
     inner: Arc<Inner>,
     tracer: Tracer,
-    reader: Mutex<Reader>,
+    /// One attach at a time: a restore's request (control socket) and the journal poll may name
+    /// the same process at once, and the loser's failed seize must not unregister the winner's.
+    attaching: Mutex<()>,
 }
 
 impl std::fmt::Debug for Guard {
@@ -680,13 +853,28 @@ impl Guard {
         // A guard (or stop, or freeze) that died half-way left a worker locked or checkpointed:
         // finish or undo that first, before anything is attached.
         let settled = cryo_lifecycle::settle_in_flight(&gpu, &journal)?;
+        let mut reader = cfg.state.journal_reader();
+        let records = reader.read_new()?.records;
+        let mut view = JournalView {
+            reader,
+            suspended: BTreeSet::new(),
+            restores: Vec::new(),
+        };
+        view.apply(&records);
+        // The restores so far are the start's business (`adopt`), not the poll's.
+        view.restores.clear();
+        view.suspended.retain(ProcId::is_alive_same);
         let inner = Arc::new(Inner {
             gpu,
             journal,
             fence: cfg.state.fence(),
             watched: Mutex::new(BTreeMap::new()),
-            paused: Mutex::new(BTreeSet::new()),
+            paused: Mutex::new(BTreeMap::new()),
             pins: Mutex::new(Vec::new()),
+            memory_stopped: Mutex::new(Vec::new()),
+            view: Mutex::new(view),
+            exiting: Mutex::new(BTreeSet::new()),
+            drain: Mutex::new(DrainState::default()),
             oom_warned: std::sync::atomic::AtomicBool::new(false),
             holder: cfg.pin_sink.clone().unwrap_or_else(|| {
                 Arc::new(crate::pins::HolderSink::new(&cfg.state)) as Arc<dyn PinSink>
@@ -694,37 +882,35 @@ impl Guard {
             cfg,
         });
         let tracer = Tracer::spawn(Arc::new(PolicyHandle(Arc::clone(&inner))))?;
-        let mut reader = inner.cfg.state.journal_reader();
-        let records = reader.read_new()?.records;
         inner.adopt_pins(&records);
+        if let Some(watch) = inner.cfg.memory.clone() {
+            let weak = Arc::downgrade(&inner);
+            std::thread::Builder::new()
+                .name("cryo-guard-memory".into())
+                .spawn(move || memory_watch(&weak, &watch))
+                .map_err(StartError::MemoryWatch)?;
+        }
         let guard = Guard {
             inner,
             tracer,
-            reader: Mutex::new(reader),
+            attaching: Mutex::new(()),
         };
         let mut report = guard.adopt(&records);
         report.settled = settled;
         Ok((guard, report))
     }
 
+    /// Re-attaches everything a guard before it was guarding, whatever the reason (restored,
+    /// named by the operator, found by a scan: the source journaled with `GuardAttached`), and
+    /// every live restored process of the journal.
     fn adopt(&self, records: &[Record]) -> StartReport {
         let mut report = StartReport::default();
-        let origins = cryo_journal::Origins::from_records(records);
-        for id in origins.live_restored() {
-            match self.attach(id, "journal") {
-                Ok(()) => report.attached.push(id),
-                Err(e) => {
-                    self.inner.record(Event::GuardLost { pid: id });
-                    report.lost.push((id, format!("cannot attach: {e}")));
-                }
-            }
-        }
-        // Guarded before, dead now, and no record of how it ended: it died unwatched.
-        let mut open: BTreeSet<ProcId> = BTreeSet::new();
+        // Guarded before and not let go of since: with the reason it was guarded for.
+        let mut open: BTreeMap<ProcId, AttachSource> = BTreeMap::new();
         for r in records {
             match &r.event {
-                Event::GuardAttached { pid } => {
-                    open.insert(*pid);
+                Event::GuardAttached { pid, source } => {
+                    open.insert(*pid, *source);
                 }
                 Event::GuardLost { pid }
                 | Event::ProcessExited { pid, .. }
@@ -735,24 +921,42 @@ impl Guard {
                 _ => {}
             }
         }
-        for id in open {
+        let origins = cryo_journal::Origins::from_records(records);
+        let mut wanted = open.clone();
+        for id in origins.live_restored() {
+            wanted.entry(id).or_insert(AttachSource::Journal);
+        }
+        for (id, source) in wanted {
             if !id.is_alive_same() {
-                self.inner.record(Event::GuardLost { pid: id });
-                report
-                    .lost
-                    .push((id, "exited while no guard was watching".into()));
+                if open.contains_key(&id) {
+                    // Guarded before, dead now, and no record of how it ended: it died unwatched.
+                    self.inner.record(Event::GuardLost { pid: id });
+                    report
+                        .lost
+                        .push((id, "exited while no guard was watching".into()));
+                }
+                continue;
+            }
+            match self.attach(id, source) {
+                Ok(_) => report.attached.push(id),
+                Err(e) => {
+                    self.inner.record(Event::GuardLost { pid: id });
+                    report.lost.push((id, format!("cannot attach: {e}")));
+                }
             }
         }
         report
     }
 
-    /// Guards `id`: attaches, lowers its `oom_score_adj`, journals `GuardAttached`.
-    fn attach(&self, id: ProcId, source: &'static str) -> Result<(), GuardAttachError> {
+    /// Guards `id`: attaches, lowers its `oom_score_adj`, journals `GuardAttached` with `source`.
+    /// `Ok(false)`: it was guarded already.
+    fn attach(&self, id: ProcId, source: AttachSource) -> Result<bool, GuardAttachError> {
+        let _one_at_a_time = lock(&self.attaching);
         if lock(&self.inner.watched)
             .get(&id.pid)
             .is_some_and(|w| w.id == id)
         {
-            return Ok(());
+            return Ok(false);
         }
         let handle = ProcHandle::open_expected(id.pid, id.start_time)?;
         let traced = handle.try_clone()?;
@@ -788,9 +992,9 @@ impl Guard {
         lock(&self.inner.paused).remove(&id);
         self.inner
             .journal
-            .append(Event::GuardAttached { pid: id })?;
-        tracing::info!(pid = id.pid, source, "guarding");
-        Ok(())
+            .append(Event::GuardAttached { pid: id, source })?;
+        tracing::info!(pid = id.pid, %source, "guarding");
+        Ok(true)
     }
 
     /// Guards a process restored by other tools (`cryo guard --pid N`, or `attach` on the socket).
@@ -803,7 +1007,16 @@ impl Guard {
     /// Guards the process `id` names, if its pid still names it (`attach` on the socket, a freeze
     /// handing a process back).
     pub fn attach_id(&self, id: ProcId) -> Result<(), GuardAttachError> {
-        self.attach(id, "pid")
+        self.attach(id, AttachSource::Operator).map(|_| ())
+    }
+
+    /// Guards processes whose context was just restored, while they are still LOCKED (see
+    /// [`cryo_lifecycle::Watcher::guard_before_unlock`]); returns once every one is traced.
+    pub fn guard_restored(&self, ids: &[ProcId]) -> Result<(), GuardAttachError> {
+        for id in ids {
+            self.attach(*id, AttachSource::Restore)?;
+        }
+        Ok(())
     }
 
     /// Stops guarding `pid` until [`Guard::attach_pid`] (before a CRIU dump: CRIU cannot dump a
@@ -816,7 +1029,10 @@ impl Guard {
         {
             return Err(GuardDetachError::NotTraced { pid });
         }
-        lock(&self.inner.paused).insert(id);
+        let source = lock(&self.inner.watched)
+            .get(&pid)
+            .map_or(AttachSource::Operator, |w| w.source);
+        lock(&self.inner.paused).insert(id, source);
         match self.tracer.detach(pid) {
             Ok(()) => {
                 if let Some(w) = lock(&self.inner.watched).remove(&pid) {
@@ -834,22 +1050,41 @@ impl Guard {
         }
     }
 
+    /// The end of a lease ([`cryo_lifecycle::Lease`], or a `let_go` connection that closed):
+    /// guards `id` again, as what it was guarded as, if it still lives and was not attached
+    /// meanwhile. `Ok(false)`: nothing to take back.
+    pub fn take_back(&self, id: ProcId) -> Result<bool, GuardAttachError> {
+        let Some(source) = lock(&self.inner.paused).get(&id).copied() else {
+            return Ok(false);
+        };
+        if !id.is_alive_same() {
+            lock(&self.inner.paused).remove(&id);
+            return Ok(false);
+        }
+        self.attach(id, source)?;
+        Ok(true)
+    }
+
     /// Reads the journal's new records and guards every process a new `RestoreCompleted` names.
     pub fn poll_journal(&self) -> Result<Vec<ProcId>, cryo_journal::ReadError> {
-        let records = lock(&self.reader).read_new()?.records;
-        lock(&self.inner.paused).retain(ProcId::is_alive_same);
+        let restores = {
+            let mut view = lock(&self.inner.view);
+            view.catch_up()?;
+            view.suspended.retain(ProcId::is_alive_same);
+            std::mem::take(&mut view.restores)
+        };
+        lock(&self.inner.paused).retain(|id, _| id.is_alive_same());
         let mut attached = Vec::new();
-        for r in &records {
-            if let Event::RestoreCompleted { pid, .. } = &r.event {
-                if lock(&self.inner.paused).contains(pid) || !pid.is_alive_same() {
-                    continue;
-                }
-                match self.attach(*pid, "journal") {
-                    Ok(()) => attached.push(*pid),
-                    Err(e) => {
-                        tracing::error!(pid = pid.pid, err = %e, "cannot guard a restored process");
-                        self.inner.record(Event::GuardLost { pid: *pid });
-                    }
+        for pid in &restores {
+            if lock(&self.inner.paused).contains_key(pid) || !pid.is_alive_same() {
+                continue;
+            }
+            match self.attach(*pid, AttachSource::Journal) {
+                Ok(true) => attached.push(*pid),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::error!(pid = pid.pid, err = %e, "cannot guard a restored process");
+                    self.inner.record(Event::GuardLost { pid: *pid });
                 }
             }
         }
@@ -918,7 +1153,7 @@ impl Guard {
             .map(|w| GuardedInfo {
                 pid: w.id.pid,
                 start_time: w.id.start_time,
-                source: w.source.to_string(),
+                source: w.source.as_str().to_string(),
                 oom_score_adj: w.oom.clone(),
             })
             .collect();
@@ -938,41 +1173,20 @@ impl Guard {
             guard_pid: std::process::id(),
             tracer_tid: self.tracer.tracer_tid(),
             guarded,
-            paused: lock(&self.inner.paused).iter().map(|p| p.pid).collect(),
+            paused: lock(&self.inner.paused).keys().map(|p| p.pid).collect(),
             pins,
             endgame: match &self.inner.cfg.endgame {
                 Endgame::Hold => "hold".into(),
                 Endgame::Drain { .. } => "drain".into(),
             },
+            draining: lock(&self.inner.drain).running,
         }
     }
 
-    /// One pass of the memory watch: suspends and stops (through [`cryo_lifecycle::stop`]) each
-    /// guarded process whose cgroup is about to run out of room. Returns the processes stopped.
+    /// The processes the memory watch (a thread of its own, every `MemoryWatch::interval`)
+    /// suspended and stopped since the last call.
     pub fn check_memory(&self) -> Vec<ProcId> {
-        let Some(watch) = self.inner.cfg.memory.clone() else {
-            return Vec::new();
-        };
-        let ids: Vec<ProcId> = lock(&self.inner.watched).values().map(|w| w.id).collect();
-        let mut stopped = Vec::new();
-        for id in ids {
-            let Some(why) = memory_trigger(&self.inner.gpu, id, &watch) else {
-                continue;
-            };
-            tracing::warn!(pid = id.pid, %why, "memory pressure: suspending and stopping before the OOM killer acts");
-            // The very process guarded, not whatever holds its pid now.
-            let target = ProcHandle::open_expected(id.pid, id.start_time)
-                .map(|h| Resolved::from_handles(Target::Pids(vec![id.pid]), vec![h]))
-                .map_err(ResolveError::from);
-            match self.inner.stop(target) {
-                Ok(r) if r.stopped() => stopped.push(id),
-                Ok(r) => {
-                    tracing::error!(pid = id.pid, refusals = ?r.refusals, "memory pressure: could not suspend; the exit stop will pin")
-                }
-                Err(err) => tracing::error!(pid = id.pid, %err, "memory pressure: stop failed"),
-            }
-        }
-        stopped
+        std::mem::take(&mut *lock(&self.inner.memory_stopped))
     }
 
     /// Detaches from everything and journals `GuardLost` for each (they are unguarded from now
@@ -991,74 +1205,317 @@ impl Guard {
     }
 }
 
-/// Why `pid` must be suspended now, if it must.
-fn memory_trigger(gpu: &Gpu, id: ProcId, watch: &MemoryWatch) -> Option<String> {
-    let pid = id.pid;
-    let handle = ProcHandle::open_expected(id.pid, id.start_time).ok()?;
-    let cg = MemoryCgroup::of(&handle).ok()?;
-    let (usage, limit) = match cg.version {
-        CgroupVersion::V1 => (
-            read_u64(&cg.dir.join("memory.usage_in_bytes")),
-            read_u64(&cg.dir.join("memory.limit_in_bytes")),
-        ),
-        CgroupVersion::V2 => (
-            read_u64(&cg.dir.join("memory.current")),
-            read_u64(&cg.dir.join("memory.max")),
-        ),
-    };
-    if let (Some(usage), Some(limit)) = (usage, limit) {
-        // v1 says "no limit" with a huge page-rounded number.
-        if limit < (1 << 60) {
-            let device = gpu.inspect.process_memory(pid).ok().flatten().unwrap_or(0);
-            let room = limit.saturating_sub(usage);
-            if device > 0 && room < device.saturating_add(watch.margin) {
-                return Some(format!("{room} bytes left in {} (limit {limit}), checkpoint needs {device} + margin {}", cg.dir.display(), watch.margin));
+/// How many looks in a row must find a worker short of memory before the watch acts.
+pub const MEMORY_SAMPLES: u32 = 3;
+
+/// What the memory watch remembers of one guarded process between looks.
+#[derive(Debug, Default)]
+struct MemoryLooks {
+    /// Looks in a row that found it short.
+    short: u32,
+    /// `oom` events of its cgroup at the last look.
+    oom_events: Option<u64>,
+}
+
+/// The memory watch's thread: looks at every guarded process every `watch.interval` until the
+/// guard is gone, and suspends and stops (through [`cryo_lifecycle::stop`]) each whose cgroup is
+/// about to run out of room. It runs beside the journal poll and the control socket, so a stop
+/// here never delays guarding a new restore.
+fn memory_watch(inner: &std::sync::Weak<Inner>, watch: &MemoryWatch) {
+    let mut looks: BTreeMap<ProcId, MemoryLooks> = BTreeMap::new();
+    loop {
+        std::thread::sleep(watch.interval.max(Duration::from_millis(10)));
+        let Some(inner) = inner.upgrade() else { return };
+        let ids: Vec<ProcId> = lock(&inner.watched).values().map(|w| w.id).collect();
+        looks.retain(|id, _| ids.contains(id));
+        for id in ids {
+            let look = looks.entry(id).or_default();
+            let Some(why) = memory_trigger(&inner.gpu, id, watch, look) else {
+                continue;
+            };
+            looks.remove(&id);
+            tracing::warn!(pid = id.pid, %why, "memory pressure: suspending and stopping before the OOM killer acts");
+            // The very process guarded, not whatever holds its pid now.
+            let target = ProcHandle::open_expected(id.pid, id.start_time)
+                .map(|h| Resolved::from_handles(Target::Pids(vec![id.pid]), vec![h]))
+                .map_err(ResolveError::from);
+            match inner.stop(target) {
+                Ok(r) if r.stopped() => lock(&inner.memory_stopped).push(id),
+                Ok(r) => {
+                    tracing::error!(pid = id.pid, refusals = ?r.refusals, "memory pressure: could not suspend; the exit stop will pin")
+                }
+                Err(err) => tracing::error!(pid = id.pid, %err, "memory pressure: stop failed"),
             }
         }
     }
-    if let Some(threshold) = watch.psi_some_avg10 {
-        if let Ok(psi) = cg.pressure() {
-            if psi.some.avg10 >= threshold {
-                return Some(format!(
-                    "memory PSI some avg10 {:.1}% >= {threshold}%",
-                    psi.some.avg10
+}
+
+/// Why `id` must be suspended now, if it must: the memory its cgroup cannot reclaim (anonymous,
+/// shmem, unevictable: never the page cache, which the kernel drops first) leaves less room than
+/// its device memory plus the margin (a checkpoint moves device memory into host memory), or PSI
+/// `full` passes the threshold, for [`MEMORY_SAMPLES`] looks in a row; at once when the room is
+/// below the device memory alone, or the cgroup hit its limit (`oom` event) since the last look.
+fn memory_trigger(
+    gpu: &Gpu,
+    id: ProcId,
+    watch: &MemoryWatch,
+    look: &mut MemoryLooks,
+) -> Option<String> {
+    let handle = ProcHandle::open_expected(id.pid, id.start_time).ok()?;
+    let cg = MemoryCgroup::of(&handle).ok()?;
+    let oom_events = cg.oom_events().ok();
+    let hit_limit = matches!((look.oom_events, oom_events), (Some(a), Some(b)) if b > a);
+    look.oom_events = oom_events;
+    let mut short = None;
+    let mut urgent = hit_limit;
+    if let (Ok(Some(limit)), Ok(unreclaimable)) = (cg.limit(), cg.unreclaimable()) {
+        let device = gpu
+            .inspect
+            .process_memory(id.pid)
+            .ok()
+            .flatten()
+            .unwrap_or(0);
+        let room = limit.saturating_sub(unreclaimable);
+        // The margin is gone and the checkpoint itself barely fits: no time for more looks.
+        urgent |= device > 0 && room < device;
+        if device > 0 && room < device.saturating_add(watch.margin) {
+            short = Some(format!(
+                "{room} bytes of {} (limit {limit}) left beside unreclaimable memory, checkpoint needs {device} + margin {}",
+                cg.dir.display(),
+                watch.margin
+            ));
+        }
+    }
+    if short.is_none() {
+        if let (Some(threshold), Ok(psi)) = (watch.psi_full_avg10, cg.pressure()) {
+            if let Some(full) = psi.full.filter(|f| f.avg10 >= threshold) {
+                short = Some(format!(
+                    "memory PSI full avg10 {:.1}% >= {threshold}%",
+                    full.avg10
                 ));
             }
         }
     }
-    None
-}
-
-fn read_u64(path: &Path) -> Option<u64> {
-    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+    let Some(why) = short else {
+        look.short = 0;
+        return None;
+    };
+    look.short += 1;
+    if urgent {
+        return Some(format!(
+            "{why}; {}",
+            if hit_limit {
+                "the cgroup hit its limit"
+            } else {
+                "less room than the checkpoint needs"
+            }
+        ));
+    }
+    (look.short >= MEMORY_SAMPLES).then(|| format!("{why} ({} looks in a row)", look.short))
 }
 
 /// The node agent asks its in-process guard to let go of a process around a CRIU dump.
 impl cryo_lifecycle::Watcher for Guard {
-    fn detach(&self, pid: ProcId) -> Result<bool, cryo_lifecycle::WatcherError> {
+    fn let_go(
+        &self,
+        pid: ProcId,
+    ) -> Result<Option<cryo_lifecycle::Lease<'_>>, cryo_lifecycle::WatcherError> {
         match Guard::detach(self, pid) {
-            Ok(()) => Ok(true),
-            Err(GuardDetachError::NotTraced { .. }) => Ok(false),
+            Ok(()) => Ok(Some(cryo_lifecycle::Lease::new(pid, move || {
+                if let Err(err) = self.take_back(pid) {
+                    tracing::error!(pid = pid.pid, %err, "cannot guard the process again after its lease");
+                    self.inner.record(Event::GuardLost { pid });
+                }
+            }))),
+            Err(GuardDetachError::NotTraced { .. }) => Ok(None),
             Err(e) => Err(cryo_lifecycle::WatcherError::new(e)),
         }
     }
 
-    fn attach(&self, pid: ProcId) -> Result<(), cryo_lifecycle::WatcherError> {
-        self.attach_id(pid)
-            .map_err(cryo_lifecycle::WatcherError::new)
-    }
-
     fn guard_before_unlock(
         &self,
-        procs: &[&cryo_proc::ProcHandle],
+        procs: &[&ProcHandle],
     ) -> Result<cryo_lifecycle::Coverage, cryo_lifecycle::WatcherError> {
-        for p in procs {
-            self.attach_id(ProcId {
-                pid: p.pid(),
-                start_time: p.start_time(),
-            })
+        let ids: Vec<ProcId> = procs.iter().map(|h| ProcId::of_handle(h)).collect();
+        self.guard_restored(&ids)
             .map_err(cryo_lifecycle::WatcherError::new)?;
-        }
         Ok(cryo_lifecycle::Coverage::Guarded)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    //! The exit-stop decision with a fake driver whose NVML does not list the process (it runs in
+    //! another pid namespace, say) while the process holds driver files. Root (ptrace).
+
+    use super::*;
+    use cryo_gpu::{GpuInfo, GpuInspector, GpuProcess, InspectError};
+    use cryo_testkit::fake::FakeGpu;
+    use cryo_testkit::procs::Procs;
+    use cryo_testkit::{eventually, PATIENCE};
+
+    /// NVML as the fake answers it, less `hidden`; `hidden` holds driver files `fds`.
+    #[derive(Debug)]
+    struct Unlisted {
+        fake: FakeGpu,
+        hidden: Pid,
+        fds: Vec<RawFd>,
+    }
+
+    impl GpuInspector for Unlisted {
+        fn gpus(&self) -> Result<Vec<GpuInfo>, InspectError> {
+            self.fake.gpus()
+        }
+        fn processes(&self) -> Result<Vec<GpuProcess>, InspectError> {
+            let mut list = self.fake.processes()?;
+            list.retain(|p| p.pid != self.hidden);
+            Ok(list)
+        }
+        fn driver_version(&self) -> Result<String, InspectError> {
+            self.fake.driver_version()
+        }
+        fn driver_fds(&self, pid: Pid) -> Result<Vec<RawFd>, InspectError> {
+            Ok(if pid == self.hidden {
+                self.fds.clone()
+            } else {
+                Vec::new()
+            })
+        }
+    }
+
+    fn journal_events(state: &StateDir) -> Vec<Event> {
+        cryo_journal::read(state.root().join("journal"))
+            .unwrap()
+            .records
+            .into_iter()
+            .map(|r| r.event)
+            .collect()
+    }
+
+    struct Scene {
+        _dir: tempfile::TempDir,
+        state: StateDir,
+        _procs: Procs,
+        id: ProcId,
+        guard: Guard,
+    }
+
+    /// A restored process (journaled so), listed by no NVML query, holding driver file 0; the
+    /// journal gets `extra` after its restore; then a guard starts and attaches to it.
+    fn scene(extra: impl Fn(ProcId) -> Vec<Event>) -> Scene {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path());
+        let procs = Procs::spawn(1);
+        let pid = procs.pid(0);
+        let fake = FakeGpu::new();
+        fake.add(pid).mark_restored(pid);
+        let gpu = Gpu {
+            kind: cryo_gpu::BackendKind::Sim,
+            driver: Arc::new(fake.clone()),
+            inspect: Arc::new(Unlisted {
+                fake,
+                hidden: pid,
+                fds: vec![0],
+            }),
+        };
+        let id = ProcId::of(pid).unwrap();
+        let journal = state.open_journal().unwrap();
+        journal
+            .append(Event::RestoreCompleted {
+                pid: id,
+                image: "test".into(),
+                ms: None,
+            })
+            .unwrap();
+        for e in extra(id) {
+            journal.append(e).unwrap();
+        }
+        let mut cfg = GuardConfig::new(state.clone());
+        cfg.memory = None;
+        let (guard, report) = Guard::start(gpu, cfg).unwrap();
+        assert_eq!(report.attached, vec![id]);
+        Scene {
+            _dir: dir,
+            state,
+            _procs: procs,
+            id,
+            guard,
+        }
+    }
+
+    impl Scene {
+        fn kill(&self) {
+            rustix::process::kill_process(
+                rustix::process::Pid::from_raw(self.id.pid).unwrap(),
+                rustix::process::Signal::Kill,
+            )
+            .unwrap();
+        }
+
+        fn events(&self) -> Vec<Event> {
+            journal_events(&self.state)
+        }
+    }
+
+    /// Before, the decision trusted NVML alone: an unlisted pid had its duplicated fds dropped
+    /// (the context torn down). Now its driver files and the journal decide: pinned, every GPU
+    /// fenced since NVML cannot name one.
+    #[test]
+    fn a_restored_process_nvml_does_not_list_is_pinned() {
+        let s = scene(|_| Vec::new());
+        s.kill();
+        let id = s.id;
+        eventually(PATIENCE, "the exit to be journaled", || {
+            s.events()
+                .iter()
+                .any(|e| matches!(e, Event::ProcessExited { pid, .. } if *pid == id))
+        });
+        assert!(
+            s.events()
+                .iter()
+                .any(|e| matches!(e, Event::Pinned { pid, gpu, fds } if *pid == id && gpu == "unknown" && *fds == vec![0])),
+            "{:?}",
+            s.events()
+        );
+        let fenced: Vec<FencedGpu> = s
+            .state
+            .fence()
+            .list()
+            .unwrap()
+            .into_iter()
+            .map(|q| q.gpu)
+            .collect();
+        assert_eq!(fenced, vec![FencedGpu::Unknown]);
+        let st = s.guard.status();
+        assert_eq!(st.pins.len(), 1, "{st:?}");
+    }
+
+    /// The journal shows the context checkpointed since its restore: its teardown is safe, so
+    /// nothing is pinned although it held driver files.
+    #[test]
+    fn a_process_the_journal_shows_suspended_is_not_pinned() {
+        let s = scene(|pid| {
+            vec![Event::Checkpointed {
+                pid,
+                ms: 1,
+                bytes: 1,
+            }]
+        });
+        s.kill();
+        let id = s.id;
+        eventually(PATIENCE, "the exit to be journaled", || {
+            s.events()
+                .iter()
+                .any(|e| matches!(e, Event::ProcessExited { pid, .. } if *pid == id))
+        });
+        assert!(
+            !s.events()
+                .iter()
+                .any(|e| matches!(e, Event::Pinned { .. } | Event::GpuQuarantined { .. })),
+            "{:?}",
+            s.events()
+        );
+        assert!(s.guard.status().pins.is_empty());
     }
 }

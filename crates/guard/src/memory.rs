@@ -137,6 +137,70 @@ impl MemoryCgroup {
             })
     }
 
+    /// The cgroup's limit, bytes (`None`: unlimited).
+    pub fn limit(&self) -> Result<Option<u64>, CgroupError> {
+        let file = match self.version {
+            CgroupVersion::V1 => "memory.limit_in_bytes",
+            CgroupVersion::V2 => "memory.max",
+        };
+        let path = self.dir.join(file);
+        let text = read(&path)?;
+        let text = text.trim();
+        if text == "max" {
+            return Ok(None);
+        }
+        let limit: u64 = text.parse().map_err(|_| CgroupError::MissingKey {
+            path: path.clone(),
+            key: "a number",
+        })?;
+        // v1 says "no limit" with a huge page-rounded number.
+        Ok((limit < (1 << 60)).then_some(limit))
+    }
+
+    /// Memory the kernel cannot reclaim in this cgroup (and below), bytes: anonymous memory
+    /// (shmem and tmpfs included) plus unevictable pages, from `memory.stat`. Page cache, which
+    /// the kernel drops under pressure, is left out.
+    pub fn unreclaimable(&self) -> Result<u64, CgroupError> {
+        let path = self.dir.join("memory.stat");
+        let text = read(&path)?;
+        // v1's `total_*` count the hierarchy below, as v2's keys do.
+        let keys: [&'static str; 3] = match self.version {
+            CgroupVersion::V1 => ["total_rss", "total_shmem", "total_unevictable"],
+            CgroupVersion::V2 => ["anon", "shmem", "unevictable"],
+        };
+        let value = |key: &'static str| {
+            text.lines()
+                .find_map(|l| {
+                    let (k, v) = l.split_once(' ')?;
+                    (k == key).then(|| v.trim().parse::<u64>().ok()).flatten()
+                })
+                .ok_or(CgroupError::MissingKey {
+                    path: path.clone(),
+                    key,
+                })
+        };
+        // shmem (tmpfs) is file-backed in the stats but cannot be dropped without swap. Mlocked
+        // anonymous pages count twice (anon and unevictable): an overestimate, acting early.
+        Ok(value(keys[0])? + value(keys[1]).unwrap_or(0) + value(keys[2]).unwrap_or(0))
+    }
+
+    /// How often this cgroup hit its limit and could not reclaim enough (`oom` in
+    /// `memory.events`; v1: `under_oom` turns to 1, counted as 0 or 1).
+    pub fn oom_events(&self) -> Result<u64, CgroupError> {
+        let (file, key) = match self.version {
+            CgroupVersion::V1 => ("memory.oom_control", "under_oom "),
+            CgroupVersion::V2 => ("memory.events", "oom "),
+        };
+        let path = self.dir.join(file);
+        let text = read(&path)?;
+        text.lines()
+            .find_map(|l| l.strip_prefix(key)?.trim().parse().ok())
+            .ok_or(CgroupError::MissingKey {
+                path,
+                key: key.trim_end(),
+            })
+    }
+
     /// The current pressure reading for this cgroup (see [`PressureSource`]).
     pub fn pressure(&self) -> Result<Psi, CgroupError> {
         Psi::read(self.pressure.path())

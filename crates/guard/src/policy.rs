@@ -23,7 +23,8 @@ impl Tracee {
     }
 }
 
-/// A signal about to be delivered that would kill the process (see [`crate::signals`]).
+/// A signal about to be delivered that would kill the process, or a graceful end it handles
+/// (see [`crate::signals`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FatalSignal {
     /// The thread held at its signal-delivery-stop; all other threads keep running.
@@ -33,6 +34,9 @@ pub struct FatalSignal {
     pub code: i32,
     /// The sending process for `kill`/`tgkill`/`sigqueue`.
     pub sender: Option<Pid>,
+    /// The process handles it (SIGTERM, SIGINT, SIGHUP with a handler: a graceful end it would
+    /// carry out itself); false for a signal that would kill it outright.
+    pub handled: bool,
 }
 
 /// What to do with a held fatal signal.

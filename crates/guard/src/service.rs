@@ -12,9 +12,9 @@
 //! will run it on a thread of its own. Nothing here prints: what happens is handed to the
 //! caller as [`Notice`]s (their `Display` is the wording `cryo guard` prints).
 //!
-//! # Limitations
-//! The journal poll and the memory watch share one loop: a memory-pressure stop delays the next
-//! journal poll by as long as the stop takes.
+//! The memory watch runs on a thread of its own ([`Guard::start`] starts it): a memory-pressure
+//! stop never delays the journal poll or a restore's request to be guarded; the loop only reports
+//! what it stopped.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -125,15 +125,49 @@ pub enum RunError {
     Control(#[from] ServeError),
 }
 
-/// A flag that SIGTERM, SIGINT and SIGHUP set instead of killing the process (a guard holding pins
-/// must not die of a stray signal); hand `|| flag.load(..)` to [`run`] as its `stop`.
+/// A flag that SIGTERM, SIGINT, SIGHUP and SIGQUIT set instead of killing the process (a guard
+/// holding pins must not die of a stray signal); hand `|| flag.load(..)` to [`run`] as its `stop`.
+/// Every other signal whose default action would kill the guard (SIGUSR1, SIGALRM, SIGPIPE, the
+/// real-time signals...) is caught and ignored; synchronous faults (SIGSEGV, SIGBUS, SIGILL,
+/// SIGFPE, SIGTRAP, SIGSYS, SIGABRT) keep their default: ignoring a real fault would loop.
 pub fn termination_flag() -> std::io::Result<Arc<std::sync::atomic::AtomicBool>> {
-    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
     let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    for sig in [SIGTERM, SIGINT, SIGHUP] {
+    for sig in [SIGTERM, SIGINT, SIGHUP, SIGQUIT] {
         signal_hook::flag::register(sig, Arc::clone(&flag))?;
     }
+    // A handler, not SIG_IGN: a disposition of "ignore" would be inherited by the commands the
+    // guard runs (the drain's restart command).
+    let ignored = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for sig in ignored_signals() {
+        signal_hook::flag::register(sig, Arc::clone(&ignored))?;
+    }
     Ok(flag)
+}
+
+/// The signals [`termination_flag`] ignores: the ones that kill by default, less the stop
+/// requests, the synchronous faults and the tracer's own wake-up signal.
+fn ignored_signals() -> Vec<i32> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
+    let keep = [
+        SIGTERM,
+        SIGINT,
+        SIGHUP,
+        SIGQUIT,
+        libc::SIGSEGV,
+        libc::SIGBUS,
+        libc::SIGILL,
+        libc::SIGFPE,
+        libc::SIGTRAP,
+        libc::SIGSYS,
+        libc::SIGABRT,
+        crate::sys::kick_signal(),
+    ];
+    (1..=libc::SIGRTMAX())
+        .filter(|s| crate::signals::default_terminates(*s) && !keep.contains(s))
+        // glibc keeps the first real-time signals for itself (threads, timers).
+        .filter(|s| *s < 32 || *s >= libc::SIGRTMIN())
+        .collect()
 }
 
 /// Runs a guard until `stop()` returns true and it holds no pins. See the module docs.

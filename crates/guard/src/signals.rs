@@ -53,6 +53,15 @@ pub fn is_fatal(signal: i32, caught: u64, ignored: u64) -> bool {
     default_terminates(signal) && !bit(caught, signal) && !bit(ignored, signal)
 }
 
+/// Whether `signal` asks for a graceful end (SIGTERM, SIGINT, SIGHUP) that the process handles
+/// itself (a handler installed): the guard holds it too, since a handler that touches the GPU
+/// after a checkpoint would hang, and an ordinary shutdown must not end in a pin.
+pub fn is_graceful_end(signal: i32, caught: u64, ignored: u64) -> bool {
+    matches!(signal, libc::SIGTERM | libc::SIGINT | libc::SIGHUP)
+        && bit(caught, signal)
+        && !bit(ignored, signal)
+}
+
 /// Whether `signal` is one of the four stop signals (their stop becomes a group-stop).
 pub fn is_stop_signal(signal: i32) -> bool {
     matches!(
@@ -79,5 +88,13 @@ mod tests {
         assert!(is_fatal(libc::SIGRTMIN() + 1, 0, 0));
         assert!(is_fatal(64, 0, 0));
         assert!(!is_fatal(65, 0, 0));
+        assert!(is_graceful_end(libc::SIGTERM, term_bit, 0));
+        assert!(
+            !is_graceful_end(libc::SIGTERM, 0, 0),
+            "unhandled: fatal, not graceful"
+        );
+        assert!(!is_graceful_end(libc::SIGTERM, term_bit, term_bit));
+        let usr1_bit = 1u64 << (libc::SIGUSR1 - 1);
+        assert!(!is_graceful_end(libc::SIGUSR1, usr1_bit, 0));
     }
 }

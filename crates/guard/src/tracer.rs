@@ -13,8 +13,10 @@
 //! `PTRACE_O_EXITKILL`: a dying guard leaves its workers running). New threads are attached by
 //! the kernel (clone events). Stops are handled as follows:
 //! - signal-delivery-stop of a non-fatal signal: continued at once with the same signal;
-//! - of a fatal one ([`crate::signals::is_fatal`]): the thread is held, [`Policy::on_fatal_signal`]
-//!   runs on its own thread, then the signal is delivered or discarded;
+//! - of a fatal one ([`crate::signals::is_fatal`]), or of SIGTERM, SIGINT or SIGHUP that the
+//!   process handles ([`crate::signals::is_graceful_end`]): the thread is held,
+//!   [`Policy::on_fatal_signal`] runs on its own thread, then the signal is delivered or
+//!   discarded;
 //! - group-stop (`PTRACE_EVENT_STOP` with a stop signal): `PTRACE_LISTEN`, so the thread stays
 //!   stopped as it would untraced while the tracer hears of `SIGCONT`;
 //! - exit stop of the thread-group leader: the leader is held, the policy names fds, their
@@ -797,12 +799,15 @@ impl Engine {
             self.release(pid, tid, signal);
             return;
         }
-        let fatal = match cryo_proc::status(tid) {
-            Ok(s) => signals::is_fatal(signal, s.sig_caught, s.sig_ignored),
+        let (fatal, handled) = match cryo_proc::status(tid) {
+            Ok(s) => (
+                signals::is_fatal(signal, s.sig_caught, s.sig_ignored),
+                signals::is_graceful_end(signal, s.sig_caught, s.sig_ignored),
+            ),
             // Unreadable: err on the side of holding; the policy sees the signal anyway.
-            Err(_) => signals::default_terminates(signal),
+            Err(_) => (signals::default_terminates(signal), false),
         };
-        if !fatal {
+        if !fatal && !handled {
             bump(&self.stats.signals_passed);
             self.release(pid, tid, signal);
             return;
@@ -814,6 +819,7 @@ impl Engine {
             signal,
             code: info.map_or(0, |i| i.code),
             sender: info.and_then(|i| i.sender),
+            handled,
         };
         tracing::info!(pid, tid, signal = %cryo_proc::signal_name(signal), "holding a fatal signal");
         let token = self.hold(tid);

@@ -150,3 +150,61 @@ fn memory_cgroup_and_pressure_of_this_process() {
     .unwrap();
     trigger.wait(Some(Duration::ZERO)).unwrap();
 }
+
+/// A restored worker that handles SIGTERM itself (a server's graceful shutdown) gets one: the
+/// guard holds it, suspends the worker, then ends it with SIGKILL. An ordinary shutdown is a safe
+/// end: suspended, nothing pinned, no GPU fenced. (Before: the handler ran, the worker exited with
+/// its context live, and it was pinned and its GPU quarantined.)
+#[test]
+fn a_handled_sigterm_to_a_guarded_restored_worker_is_a_safe_stop() {
+    use cryo_journal::{Event, ProcId};
+    let mut v = Victim::spawn();
+    v.send("handle-term");
+    v.lines.expect("ok");
+    let dir = tempfile::tempdir().unwrap();
+    let state = cryo_state::StateDir::new(dir.path());
+    let fake = cryo_testkit::fake::FakeGpu::new();
+    fake.add(v.pid).mark_restored(v.pid);
+    let id = ProcId::of(v.pid).unwrap();
+    state
+        .open_journal()
+        .unwrap()
+        .append(Event::RestoreCompleted {
+            pid: id,
+            image: "test".into(),
+            ms: None,
+        })
+        .unwrap();
+    let mut cfg = cryo_guard::GuardConfig::new(state.clone());
+    cfg.memory = None;
+    let (guard, report) = cryo_guard::Guard::start(fake.gpu(), cfg).unwrap();
+    assert_eq!(report.attached, vec![id]);
+    v.signal(libc::SIGTERM);
+    let events = || -> Vec<Event> {
+        cryo_journal::read(state.root().join("journal"))
+            .unwrap()
+            .records
+            .into_iter()
+            .map(|r| r.event)
+            .collect()
+    };
+    cryo_testkit::eventually(cryo_testkit::PATIENCE, "the exit to be journaled", || {
+        events()
+            .iter()
+            .any(|e| matches!(e, Event::ProcessExited { pid, .. } if *pid == id))
+    });
+    let path: Vec<&str> = events()
+        .iter()
+        .filter(|e| e.pids().contains(&id))
+        .map(Event::label)
+        .collect::<Vec<_>>();
+    for step in ["checkpointed", "verified", "kill started", "exited"] {
+        assert!(path.contains(&step), "{step} missing: {path:?}");
+    }
+    assert!(
+        !path.contains(&"pinned") && !path.contains(&"GPU QUARANTINED"),
+        "{path:?}"
+    );
+    assert!(guard.status().pins.is_empty());
+    assert!(state.fence().list().unwrap().is_empty());
+}

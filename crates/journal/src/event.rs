@@ -6,6 +6,46 @@ use serde::{Deserialize, Serialize};
 
 use crate::ProcId;
 
+/// Why the guard watches a process: what a restarted guard re-attaches it as.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum AttachSource {
+    /// Restored through cryo and traced before its unlock (thaw, `cryo gpu restore`, the
+    /// cuda-checkpoint front end).
+    Restore,
+    /// A `RestoreCompleted` of the journal (a restore the guard heard of afterwards).
+    Journal,
+    /// Named by the operator (`cryo guard --pid`, `attach` on the control socket).
+    Operator,
+    /// Found by the guard's scan of the node's CUDA processes.
+    Scan,
+    /// Recorded by an older build, which did not say.
+    #[default]
+    #[serde(other)]
+    Unknown,
+}
+
+impl AttachSource {
+    /// The word `cryo status` and the logs use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttachSource::Restore => "restore",
+            AttachSource::Journal => "journal",
+            AttachSource::Operator => "operator",
+            AttachSource::Scan => "scan",
+            AttachSource::Unknown => "unknown",
+        }
+    }
+}
+
+impl std::fmt::Display for AttachSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// One journal entry.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Record {
@@ -387,6 +427,9 @@ pub enum Event {
     GuardAttached {
         /// The process.
         pid: ProcId,
+        /// Why it is guarded (what a restarted guard re-attaches it as); older journals have none.
+        #[serde(default)]
+        source: AttachSource,
     },
     /// The process received a fatal signal (intercepted by the guard).
     FatalSignal {
@@ -508,7 +551,7 @@ impl Event {
             | RestoreCompleted { pid, .. }
             | Parked { pid, .. }
             | HealthOk { pid, .. }
-            | GuardAttached { pid }
+            | GuardAttached { pid, .. }
             | FatalSignal { pid, .. }
             | Pinned { pid, .. }
             | PinsReleased { pid }
@@ -685,6 +728,7 @@ impl Event {
             PinsKeptByGuard { error, .. } => error.clone(),
             PinsLost { reason, .. } => reason.clone(),
             StopRequested { target } => format!("target {target}"),
+            GuardAttached { source, .. } => format!("source {source}"),
             Locked { ms, .. } | HealthOk { ms, .. } => format!("{ms} ms"),
             LockFailed { error, .. } | CheckpointFailed { error, .. } => error.clone(),
             Checkpointed { ms, bytes, .. } => format!("{ms} ms, {}", fmt_bytes(*bytes)),
@@ -776,7 +820,6 @@ impl Event {
             | UnsafeKill { .. }
             | Unlocked { ms: None, .. }
             | Resumed { .. }
-            | GuardAttached { .. }
             | PinsReleased { .. }
             | GuardLost { .. }
             | Unknown => String::new(),

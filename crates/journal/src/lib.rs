@@ -42,7 +42,7 @@ mod timeline;
 mod writer;
 
 pub use error::{AppendError, FileError, OpenError, ReadError, SinceError};
-pub use event::{Event, Phase, Purpose, Record};
+pub use event::{AttachSource, Event, Phase, Purpose, Record};
 pub use frame::{Corruption, FrameFault, Tail, MAX_PAYLOAD};
 pub use procid::ProcId;
 pub use query::{in_flight_stops, last_steps, Filter, InFlight, Origin, Origins, StopStep};

@@ -23,6 +23,14 @@ impl ProcId {
         Ok(ProcId { pid, start_time })
     }
 
+    /// The identity of the process `handle` names (read when the handle was opened).
+    pub fn of_handle(handle: &cryo_proc::ProcHandle) -> ProcId {
+        ProcId {
+            pid: handle.pid(),
+            start_time: handle.start_time(),
+        }
+    }
+
     /// Whether the pid still names this very process (same start time) and it has not exited
     /// (a zombie counts as gone: its memory and fds, GPU context included, are already released).
     pub fn is_alive_same(&self) -> bool {

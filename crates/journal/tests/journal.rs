@@ -95,7 +95,10 @@ fn every_kind(pid: ProcId) -> Vec<Event> {
             image: "/img/a".into(),
             error: "no memory".into(),
         },
-        Event::GuardAttached { pid },
+        Event::GuardAttached {
+            pid,
+            source: cryo_journal::AttachSource::Restore,
+        },
         Event::FatalSignal { pid, signal: 11 },
         Event::Pinned {
             pid,

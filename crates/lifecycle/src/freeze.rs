@@ -48,13 +48,16 @@ use crate::progress::Progress;
 use crate::runnable::Runnable;
 use crate::suspend::{id, suspend, SuspendFailure, SuspendOptions, Suspended};
 use crate::target::Resolved;
-use crate::watcher::{Watcher, WatcherError};
+use crate::watcher::{Lease, Watcher, WatcherError};
 
 /// Failpoint: the dump is complete in the staging directory, nothing is published yet.
 pub const FREEZE_BEFORE_PUBLISH: &str = "freeze-before-publish";
 /// Failpoints inside the publish: this prefix and a [`cryo_criu::image::PublishStep`]'s name
 /// (`freeze-publish-synced`, `-manifest-written`, `-renamed`).
 pub const FREEZE_PUBLISH_PREFIX: &str = "freeze-publish-";
+
+/// Failpoint: the guard let go of the traced processes (their leases are held), nothing dumped.
+pub const FREEZE_AFTER_LET_GO: &str = "freeze-after-let-go";
 
 /// Options of a freeze.
 #[derive(Debug, Clone)]
@@ -219,25 +222,20 @@ pub fn freeze(
         .pid();
     let handles = tree.handles();
     let gpu = &gpu.bounded(cryo_gpu::Limits::default());
-    let released = detach_traced(watcher, handles)?;
-    let shrunk = crate::shrink::release(
+    let leases = let_go_traced(watcher, handles)?;
+    failpoint::stall_if(FREEZE_AFTER_LET_GO);
+    // On an error the leases end on the way out: those processes are traced again.
+    let mut shrunk = crate::shrink::release(
         opts.shrink.as_ref(),
         &tree.target().to_string(),
         handles,
         opts.shrink.as_ref().map_or(Duration::ZERO, |s| s.timeout()),
         journal,
         progress,
-    );
-    let mut shrunk = match shrunk {
-        Ok(s) => s,
-        Err(e) => {
-            reattach(watcher, &released);
-            return Err(e.into());
-        }
-    };
+    )?;
     let mut result = freeze_tree(gpu, criu, root, handles, opts, journal, progress);
     // A refused or failed freeze, or --leave-running: what is still alive goes back under watch.
-    reattach(watcher, &released);
+    drop(leases);
     if let Some(s) = shrunk.as_mut() {
         // The tree runs on (left running, or the freeze left it as it found it): its engine
         // takes its memory back. A tree that is gone has no engine to ask.
@@ -255,43 +253,29 @@ pub fn freeze(
     result
 }
 
-/// Asks `watcher` to let go of every process of `handles` that is traced; the ones it let go of.
-fn detach_traced(
-    watcher: &dyn Watcher,
+/// Asks `watcher` to let go of every process of `handles` that is traced; its leases.
+fn let_go_traced<'w>(
+    watcher: &'w dyn Watcher,
     handles: &[ProcHandle],
-) -> Result<Vec<cryo_journal::ProcId>, FreezeError> {
-    let mut released = Vec::new();
+) -> Result<Vec<Lease<'w>>, FreezeError> {
+    let mut leases = Vec::new();
     for h in handles {
         if !matches!(h.tracer(), Ok(Some(_))) {
             continue;
         }
-        match watcher.detach(id(h)) {
-            Ok(true) => released.push(id(h)),
-            Ok(false) => {}
+        match watcher.let_go(id(h)) {
+            Ok(Some(lease)) => leases.push(lease),
+            Ok(None) => {}
+            // The leases taken so far end on the way out: those processes are traced again.
             Err(source) => {
-                reattach(watcher, &released);
                 return Err(FreezeError::Detach {
                     pid: h.pid(),
                     source,
-                });
+                })
             }
         }
     }
-    Ok(released)
-}
-
-/// Hands the processes of `released` that are still alive back to `watcher`.
-fn reattach(watcher: &dyn Watcher, released: &[cryo_journal::ProcId]) {
-    for p in released.iter().filter(|p| p.is_alive_same()) {
-        if let Err(error) = watcher.attach(*p) {
-            tracing::error!(
-                pid = p.pid,
-                %error,
-                "cannot hand the process back to the guard; run `cryo guard attach --pid {}`",
-                p.pid
-            );
-        }
-    }
+    Ok(leases)
 }
 
 fn freeze_tree(

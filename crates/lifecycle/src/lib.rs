@@ -52,4 +52,4 @@ pub use stop::{
 pub use suspend::{suspend, SuspendOptions, SuspendOutcome, Suspended};
 pub use target::{open_process, OpenProcessError, ResolveError, Resolved, Target};
 pub use thaw::{thaw, PrecheckError, ThawError, ThawOptions, ThawReport};
-pub use watcher::{Coverage, NoWatcher, Watcher, WatcherError};
+pub use watcher::{Coverage, Lease, NoWatcher, Watcher, WatcherError};

@@ -42,6 +42,7 @@ use crate::restore::restore_context;
 use crate::stop::{stop, StopOptions};
 use crate::suspend::id;
 use crate::target::{Resolved, Target};
+use crate::watcher::{Coverage, Watcher};
 use cryo_units::fmt_bytes;
 
 /// Failpoint: the image is opened and checked (trust, manifest, sizes), prechecks passed, CRIU
@@ -97,6 +98,8 @@ pub struct ThawReport {
     pub gpu_restore_ms: u64,
     /// From the request to the first healthy answer, ms (`None` without a health check).
     pub first_answer_ms: Option<u64>,
+    /// Whether a guard traced every CUDA process before its unlock (false: no guard runs here).
+    pub guarded: bool,
     /// From the request to the end, ms.
     pub elapsed_ms: u64,
 }
@@ -346,7 +349,11 @@ fn major(v: &str) -> &str {
     v.split('.').next().unwrap_or(v)
 }
 
-/// Thaws the image at `dir`, unless `fence` fences its GPUs. See the module docs.
+/// Thaws the image at `dir`, unless `fence` fences its GPUs. See the module docs. Between the
+/// GPU restore and the unlock, `watcher` (the guard, if any) traces every CUDA process while it
+/// is still LOCKED ([`Watcher::guard_before_unlock`]); if it cannot, the tree is suspended and
+/// removed instead of unlocked.
+#[allow(clippy::too_many_arguments)]
 pub fn thaw(
     gpu: &Gpu,
     criu: &dyn Criu,
@@ -354,6 +361,7 @@ pub fn thaw(
     opts: &ThawOptions,
     journal: &Journal,
     fence: &Fence,
+    watcher: &dyn Watcher,
     progress: &dyn Progress,
 ) -> Result<ThawReport, ThawError> {
     let gpu = &gpu.bounded(cryo_gpu::Limits::default());
@@ -384,7 +392,7 @@ pub fn thaw(
     })?;
     failpoint::pause_if(THAW_BEFORE_RESTORE);
     let result = thaw_inner(
-        gpu, criu, &opened, &manifest, &plans, opts, journal, progress, verify_ms,
+        gpu, criu, &opened, &manifest, &plans, opts, journal, watcher, progress, verify_ms,
     );
     match &result {
         Ok(r) => {
@@ -420,6 +428,7 @@ fn thaw_inner(
     plans: &[GpuPlan],
     opts: &ThawOptions,
     journal: &Journal,
+    watcher: &dyn Watcher,
     progress: &dyn Progress,
     verify_ms: u64,
 ) -> Result<ThawReport, ThawError> {
@@ -544,6 +553,12 @@ fn thaw_inner(
     if let Some(e) = failure {
         return Err(fail("GPU restore", e));
     }
+    // Still LOCKED: traced now, or never unlocked (no instant runs unguarded).
+    let cuda: Vec<&ProcHandle> = plans.iter().filter_map(|p| handle(p.pid)).collect();
+    let guarded = match watcher.guard_before_unlock(&cuda) {
+        Ok(c) => c == Coverage::Guarded,
+        Err(e) => return Err(fail("guard before unlock", e.to_string())),
+    };
     for plan in plans {
         let t = Instant::now();
         if let Err(e) = gpu.driver.unlock(plan.pid) {
@@ -589,6 +604,7 @@ fn thaw_inner(
         served_bytes: streamed.served_bytes,
         gpu_restore_ms,
         first_answer_ms,
+        guarded,
         elapsed_ms: ms(opts.requested.elapsed()),
     })
 }
@@ -972,6 +988,10 @@ mod tests {
 
         impl Scene {
             fn thaw(&self) -> Result<ThawReport, ThawError> {
+                self.thaw_watched(&crate::NoWatcher)
+            }
+
+            fn thaw_watched(&self, watcher: &dyn Watcher) -> Result<ThawReport, ThawError> {
                 let opts = ThawOptions {
                     gpu_map: Vec::new(),
                     health: None,
@@ -993,6 +1013,7 @@ mod tests {
                     &opts,
                     &self.journal,
                     &fence,
+                    watcher,
                     &NoProgress,
                 )
             }
@@ -1116,6 +1137,83 @@ mod tests {
             );
             reaper.join().unwrap();
             assert_eq!(s.criu.restore_count(), 1);
+        }
+
+        /// A watcher that records the state each process was in when asked to guard it, and
+        /// fails when told to.
+        struct Recorder<'a> {
+            fake: &'a FakeGpu,
+            seen: std::sync::Mutex<Vec<(Pid, ProcessState)>>,
+            fail: bool,
+        }
+
+        impl crate::Watcher for Recorder<'_> {
+            fn let_go(
+                &self,
+                _: cryo_journal::ProcId,
+            ) -> Result<Option<crate::Lease<'_>>, crate::WatcherError> {
+                Ok(None)
+            }
+            fn guard_before_unlock(
+                &self,
+                procs: &[&ProcHandle],
+            ) -> Result<Coverage, crate::WatcherError> {
+                for h in procs {
+                    let st = self.fake.state_of(h.pid());
+                    self.seen.lock().unwrap().push((h.pid(), st));
+                }
+                if self.fail {
+                    return Err(crate::WatcherError::new(std::io::Error::other(
+                        "ptrace refused",
+                    )));
+                }
+                Ok(Coverage::Guarded)
+            }
+        }
+
+        /// The guard is asked while every CUDA process is still LOCKED, before any unlock.
+        #[test]
+        fn every_cuda_process_is_guarded_while_locked() {
+            let s = scene();
+            let w = Recorder {
+                fake: &s.fake,
+                seen: Default::default(),
+                fail: false,
+            };
+            let report = s.thaw_watched(&w).unwrap();
+            assert!(report.guarded);
+            let mut seen = w.seen.into_inner().unwrap();
+            seen.sort_by_key(|(p, _)| *p);
+            let mut expect: Vec<_> = s
+                .procs
+                .pids()
+                .into_iter()
+                .map(|p| (p, ProcessState::Locked))
+                .collect();
+            expect.sort_by_key(|(p, _)| *p);
+            assert_eq!(seen, expect);
+        }
+
+        /// A guard that cannot trace them: nothing is unlocked; the tree is suspended and removed.
+        #[test]
+        fn a_guard_that_cannot_trace_ends_in_a_safe_stop_without_unlock() {
+            let s = scene();
+            let w = Recorder {
+                fake: &s.fake,
+                seen: Default::default(),
+                fail: true,
+            };
+            let err = s.thaw_watched(&w).unwrap_err();
+            assert!(err.to_string().contains("ptrace refused"), "{err}");
+            s.assert_removed_safely(err, "guard before unlock");
+            for p in s.procs.pids() {
+                assert!(
+                    !s.steps(p).iter().any(|x| x.starts_with("unlocked")),
+                    "{:?}",
+                    s.steps(p)
+                );
+                assert!(s.steps(p).contains(&"verified"), "{:?}", s.steps(p));
+            }
         }
 
         /// The fake CRIU works: a thaw with nothing injected restores, unlocks and serves.

@@ -1,5 +1,6 @@
 //! Whoever traces processes on this node (the guard), as the lifecycle sees it: asked to let go of
-//! a process that CRIU must trace itself, and to take it back afterwards.
+//! a process that CRIU must trace itself, and to take it back afterwards; to trace a restored
+//! process before its unlock.
 //!
 //! # Design
 //! A small trait so that the lifecycle does not depend on the guard: the guard implements it
@@ -7,11 +8,17 @@
 //! talking to a running guard. Processes are named by pid and start time, so a pid reused in
 //! between is never detached or attached by mistake. [`NoWatcher`] is the node without a guard.
 //!
-//! **No gap in coverage**: a restore through cryo calls [`Watcher::guard_before_unlock`] while
-//! the process is still LOCKED (its context restored, none of its CUDA calls running yet), and
-//! unlocks only once it returned [`Coverage::Guarded`] (or [`Coverage::NoGuard`]: no guard runs
-//! on this node). When it returns an error the process was not traced: the caller suspends it
-//! again instead of unlocking, so that no restored context ever runs unguarded while a guard runs.
+//! Letting go around a dump is a [`Lease`]: the watcher traces the process again when the lease
+//! is dropped, and, over the guard's socket, when the asker dies (the lease is its open
+//! connection), so a freeze killed mid-dump never leaves a restored process unguarded. A lease
+//! never outlives the process: the watcher forgets it when the process is gone.
+//!
+//! **No gap in coverage**: whatever restores a context through cryo (thaw, `cryo gpu restore`,
+//! the cuda-checkpoint front end) calls [`Watcher::guard_before_unlock`] while the process is
+//! still LOCKED (its context restored, none of its CUDA calls running yet), and unlocks only once
+//! it returned [`Coverage::Guarded`] (or [`Coverage::NoGuard`]: no guard runs on this node). When
+//! it returns an error the process was not traced: the caller suspends it again instead of
+//! unlocking, so that no restored context ever runs unguarded while a guard runs.
 
 use cryo_journal::ProcId;
 use cryo_proc::ProcHandle;
@@ -28,14 +35,48 @@ impl WatcherError {
     }
 }
 
+/// A process a [`Watcher`] let go of: it traces it again (if it still lives) when this is
+/// dropped.
+#[must_use = "dropping the lease hands the process back to the watcher at once"]
+pub struct Lease<'w> {
+    pid: ProcId,
+    release: Option<Box<dyn FnOnce() + Send + 'w>>,
+}
+
+impl<'w> Lease<'w> {
+    /// A lease on `pid` whose end runs `release` (which traces the process again if it lives).
+    pub fn new(pid: ProcId, release: impl FnOnce() + Send + 'w) -> Self {
+        Self {
+            pid,
+            release: Some(Box::new(release)),
+        }
+    }
+
+    /// The process.
+    pub fn pid(&self) -> ProcId {
+        self.pid
+    }
+}
+
+impl std::fmt::Debug for Lease<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease").field("pid", &self.pid).finish()
+    }
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        if let Some(release) = self.release.take() {
+            release();
+        }
+    }
+}
+
 /// Whoever traces processes on this node.
 pub trait Watcher {
-    /// Stops tracing `pid` (every thread) before returning. `Ok(true)`: it let go and expects
-    /// [`Watcher::attach`] later; `Ok(false)`: it was not tracing it.
-    fn detach(&self, pid: ProcId) -> Result<bool, WatcherError>;
-
-    /// Traces `pid` again (it was detached and is still alive).
-    fn attach(&self, pid: ProcId) -> Result<(), WatcherError>;
+    /// Stops tracing `pid` (every thread) before returning, until the lease ends. `Ok(None)`: it
+    /// was not tracing it.
+    fn let_go(&self, pid: ProcId) -> Result<Option<Lease<'_>>, WatcherError>;
 
     /// Traces every process of `procs` (restored, still LOCKED) before returning. See the module
     /// docs: on an error, the caller must not unlock them.
@@ -56,12 +97,8 @@ pub enum Coverage {
 pub struct NoWatcher;
 
 impl Watcher for NoWatcher {
-    fn detach(&self, _pid: ProcId) -> Result<bool, WatcherError> {
-        Ok(false)
-    }
-
-    fn attach(&self, _pid: ProcId) -> Result<(), WatcherError> {
-        Ok(())
+    fn let_go(&self, _pid: ProcId) -> Result<Option<Lease<'_>>, WatcherError> {
+        Ok(None)
     }
 
     fn guard_before_unlock(&self, _procs: &[&ProcHandle]) -> Result<Coverage, WatcherError> {

@@ -41,7 +41,8 @@ pub struct GuardRunArgs {
     /// device memory plus this margin (a checkpoint needs that much host memory).
     #[arg(long, default_value = "64MiB")]
     pub memory_margin: ByteSize,
-    /// Also act when the cgroup's memory PSI `some avg10` reaches this percentage.
+    /// Also act when the cgroup's memory PSI `full avg10` (every task stalled) stays at or above
+    /// this percentage for several samples.
     #[arg(long)]
     pub psi_avg10: Option<f64>,
     /// Do not watch memory (an OOM kill is then only caught at the exit stop).

@@ -155,6 +155,26 @@ fn restore(
         }
     };
     let restored = cryo_lifecycle::restore_context(gpu, &journal, handle, map, how);
+    if restored.is_ok() {
+        // LOCKED: traced by the node's guard before anything may unlock it, or checkpointed
+        // again. (Nothing is said when no guard runs: the output is NVIDIA's.)
+        if let Err(why) = super::guard_restored(state, handle) {
+            let again = match gpu.driver.checkpoint(pid) {
+                Ok(()) => "the context was checkpointed again, not unlocked".to_string(),
+                Err(e) => {
+                    format!(
+                        "checkpointing it again failed too ({e}): it stays LOCKED, not unlocked"
+                    )
+                }
+            };
+            return Outcome::failed_because(
+                op,
+                pid,
+                &format!("{why}; {again}"),
+                crate::exit::FAILURE,
+            );
+        }
+    }
     let result = match restored {
         Ok(_) if op == compat::Operation::Toggle => gpu.driver.unlock(pid),
         Ok(_) => Ok(()),

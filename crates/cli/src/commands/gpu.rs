@@ -220,6 +220,22 @@ fn act(
     let elapsed = start.elapsed();
     result.map_err(|e| explain(e, pid, Some((action, timeout))))?;
     process::check_still_alive(&handle)?;
+    if action == Action::Restore {
+        // LOCKED now: traced by the node's guard before anything may unlock it, or checkpointed
+        // again.
+        match super::guard_restored(&ctx.state, &handle) {
+            Ok(cryo_lifecycle::Coverage::Guarded) => {}
+            Ok(cryo_lifecycle::Coverage::NoGuard) => super::say_unguarded(),
+            Err(why) => {
+                return Err(match gpu.driver.checkpoint(pid) {
+                    Ok(()) => anyhow!("{why}; pid {pid} was checkpointed again"),
+                    Err(e) => anyhow!(
+                        "{why}; checkpointing pid {pid} again failed too ({e}): it stays LOCKED; do not unlock it unguarded"
+                    ),
+                });
+            }
+        }
+    }
     let after = gpu.driver.state(pid).ok();
     print_action(
         p.json,

@@ -6,8 +6,10 @@
 //! restores and checks memory every `--poll-ms`; this file prints what it reports. Its control
 //! socket (`STATE_DIR/guard.sock`, root only) serves `cryo status`, `cryo guard
 //! release|attach|detach` and `cryo freeze` (which detaches before a CRIU dump).
-//! SIGTERM/SIGINT/SIGHUP end it, detaching from every worker, unless it holds pins: then it
-//! refuses (closing pins is `cryo guard release`, never a side effect).
+//! SIGTERM/SIGINT/SIGHUP/SIGQUIT end it, detaching from every worker, unless it holds pins: then
+//! it refuses (closing pins is `cryo guard release`, never a side effect). Every other signal
+//! whose default action kills (SIGUSR1, SIGALRM, SIGPIPE...) is ignored. Its notices go to
+//! stderr; a closed stderr loses them and nothing else.
 //!
 //! # Limitations
 //! SIGKILL of the guard closes its pins (the kernel closes its files): on affected hosts that is
@@ -203,7 +205,7 @@ pub fn config(ctx: &Context, a: &GuardRunArgs) -> GuardConfig {
     cfg.oom_score_adj = a.oom_score_adj;
     cfg.memory = (!a.no_memory_watch).then(|| MemoryWatch {
         margin: a.memory_margin.0,
-        psi_some_avg10: a.psi_avg10,
+        psi_full_avg10: a.psi_avg10,
         interval: Duration::from_millis(a.poll_ms),
     });
     cfg
@@ -235,7 +237,11 @@ fn serve(ctx: &Context, a: &GuardRunArgs) -> anyhow::Result<()> {
         cfg,
         &opts,
         &|| terminate.load(std::sync::atomic::Ordering::SeqCst),
-        &mut |notice| eprintln!("cryo guard: {notice}"),
+        // Never `eprintln!`: it panics on a closed stderr, and the guard must outlive its terminal.
+        &mut |notice| {
+            use std::io::Write as _;
+            let _ = writeln!(std::io::stderr(), "cryo guard: {notice}");
+        },
     )?;
     Ok(())
 }

@@ -100,3 +100,29 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
 fn this_binary() -> anyhow::Result<std::path::PathBuf> {
     std::env::current_exe().context("finding the cryo binary")
 }
+
+/// The context of `handle` was just restored (and journaled as restored by the restore itself)
+/// and is still LOCKED: has the node's guard trace the process before anything unlocks it.
+/// `Err`: a guard runs and could not trace it; the caller must not unlock it (it checkpoints it
+/// again). `Ok(Coverage::NoGuard)`: no guard runs on the node (see [`say_unguarded`]).
+pub fn guard_restored(
+    state: &cryo_state::StateDir,
+    handle: &cryo_proc::ProcHandle,
+) -> Result<cryo_lifecycle::Coverage, String> {
+    let coverage = cryo_lifecycle::Watcher::guard_before_unlock(
+        &cryo_guard::control::GuardClient::new(state),
+        &[handle],
+    )
+    .map_err(|e| format!("the node's guard could not trace pid {}: {e}", handle.pid()))?;
+    Ok(coverage)
+}
+
+/// Says once per command that no guard runs (restored workers are unprotected against teardown).
+pub fn say_unguarded() {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        eprintln!(
+            "cryo: note: no guard runs on this node; nothing guards restored workers against a disorderly death (start `cryo guard`)"
+        );
+    }
+}

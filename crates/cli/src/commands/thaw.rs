@@ -112,9 +112,15 @@ fn standalone(
         &req.options(requested),
         &journal,
         &ctx.state.fence(),
+        &cryo_guard::control::GuardClient::new(&ctx.state),
         progress,
     ) {
-        Ok(r) => Ok(r),
+        Ok(r) => {
+            if !r.guarded {
+                super::say_unguarded();
+            }
+            Ok(r)
+        }
         Err(e @ (ThawError::Image(_) | ThawError::Precheck(_))) => {
             Err(Outcome::Refused(e.to_string()))
         }

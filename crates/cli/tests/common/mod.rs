@@ -139,12 +139,17 @@ pub struct GuardProc {
 impl GuardProc {
     /// `cryo guard EXTRA...`, once its control socket answers.
     pub fn start(sim: &Sim, state: &Path, extra: &[&str]) -> GuardProc {
+        Self::spawn(sim.cmd_at(state), state, extra)
+    }
+
+    /// `CMD guard EXTRA...` (`cmd`: `cryo` with its backend and `state` chosen), once its control
+    /// socket answers.
+    pub fn spawn(mut cmd: Command, state: &Path, extra: &[&str]) -> GuardProc {
         static N: AtomicU32 = AtomicU32::new(0);
         let log = state.join(format!("guard-{}.log", N.fetch_add(1, Ordering::Relaxed)));
         std::fs::create_dir_all(state).unwrap();
         let f = std::fs::File::create(&log).unwrap();
-        let child = sim
-            .cmd_at(state)
+        let child = cmd
             .arg("guard")
             .args(extra)
             .env("RUST_LOG", "info")
@@ -167,6 +172,11 @@ impl GuardProc {
     /// What it logged so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Its pid.
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
     }
 
     /// SIGKILL, and reap.

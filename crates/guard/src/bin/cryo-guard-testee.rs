@@ -2,7 +2,8 @@
 //!
 //! `cryo-guard-testee detach MODE...` starts `cryo-guard-testee MODE...` and exits at once, so
 //! the victim is not a child of the test process (see the tracer's limitations).
-//! `victim`: prints `pid N`, `helper TID`, `ready`, then runs commands read from stdin.
+//! `victim`: prints `pid N`, `helper TID`, `ready`, then runs commands read from stdin
+//! (`handle-term` installs a SIGTERM handler that exits 0, as a server's graceful shutdown).
 //! `guard PID [hold]`: traces PID, prints `attached`, then waits for stdin to close; with `hold`
 //! its policy never answers a fatal signal (prints `held TID SIGNAL`).
 
@@ -24,6 +25,19 @@ extern "C" fn on_usr1(_: libc::c_int) {
     let msg = b"usr1\n";
     // SAFETY: write(2) is async-signal-safe; the buffer is a static byte string.
     unsafe { libc::write(1, msg.as_ptr().cast(), msg.len()) };
+}
+
+extern "C" fn on_term(_: libc::c_int) {
+    // SAFETY: _exit(2) is async-signal-safe.
+    unsafe { libc::_exit(0) };
+}
+
+fn set_term() {
+    // SAFETY: sigaction is plain data; all-zero is no flags, empty mask.
+    let mut act: libc::sigaction = unsafe { std::mem::zeroed() };
+    act.sa_sigaction = on_term as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    // SAFETY: `act` is initialised; the handler only calls _exit(2).
+    unsafe { libc::sigaction(libc::SIGTERM, &act, std::ptr::null_mut()) };
 }
 
 fn set_usr1(handler: libc::sighandler_t) {
@@ -103,6 +117,10 @@ fn victim() -> ExitCode {
             Some("exit") => {
                 let code = words.next().and_then(|w| w.parse().ok()).unwrap_or(1);
                 std::process::exit(code);
+            }
+            Some("handle-term") => {
+                set_term();
+                say("ok");
             }
             Some("default-usr1") => {
                 set_usr1(libc::SIG_DFL);

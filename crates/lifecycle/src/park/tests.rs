@@ -154,6 +154,7 @@ mod with_fake_driver {
     use cryo_testkit::procs::Procs;
 
     use crate::park::*;
+    use crate::watcher::Lease;
     use crate::target::{Resolved, Target};
     use crate::watcher::{Coverage, Watcher, WatcherError};
     use crate::NoProgress;
@@ -213,11 +214,8 @@ mod with_fake_driver {
     #[error("the tracer is gone")]
     struct Gone;
     impl Watcher for Broken {
-        fn detach(&self, _: ProcId) -> Result<bool, WatcherError> {
-            Ok(false)
-        }
-        fn attach(&self, _: ProcId) -> Result<(), WatcherError> {
-            Err(WatcherError::new(Gone))
+        fn let_go(&self, _: ProcId) -> Result<Option<Lease<'_>>, WatcherError> {
+            Ok(None)
         }
         fn guard_before_unlock(&self, _: &[&ProcHandle]) -> Result<Coverage, WatcherError> {
             Err(WatcherError::new(Gone))
@@ -227,11 +225,8 @@ mod with_fake_driver {
     /// A guard that records when it was asked, and the driver state of each process then.
     struct Recording<'a>(&'a FakeGpu, std::sync::Mutex<Vec<ProcessState>>);
     impl Watcher for Recording<'_> {
-        fn detach(&self, _: ProcId) -> Result<bool, WatcherError> {
-            Ok(false)
-        }
-        fn attach(&self, _: ProcId) -> Result<(), WatcherError> {
-            Ok(())
+        fn let_go(&self, _: ProcId) -> Result<Option<Lease<'_>>, WatcherError> {
+            Ok(None)
         }
         fn guard_before_unlock(&self, procs: &[&ProcHandle]) -> Result<Coverage, WatcherError> {
             let mut seen = self.1.lock().unwrap();
