@@ -510,3 +510,64 @@ fn the_agent_sets_its_oom_score_adj_or_says_once_why_not() {
         agent.client().status().unwrap();
     }
 }
+
+/// `POST /v1/gpu/restore` answers only once the agent's guard traces the process (still LOCKED),
+/// whoever asks (here the API client itself, with no CLI around it to attach it): the caller's
+/// unlock can only ever unlock a guarded process. The guard's journal poll runs once an hour, so
+/// nothing else can have attached it. When the guard cannot trace it (someone else traces it),
+/// the context is checkpointed again and the restore fails: never left LOCKED for an unguarded
+/// unlock.
+#[test]
+fn a_restore_through_the_agent_is_traced_before_it_is_answered_or_checkpointed_again() {
+    use cryo_api::{GpuCall, GpuCallAnswer, GpuCallRequest};
+    let mut sim = Sim::start();
+    let state = sim.path().join("state");
+    let agent = AgentProc::start(&sim, &state, &["--no-memory-watch", "--poll-ms", "3600000"]);
+    let client = agent.client();
+    let call = |c: GpuCall, pid: i32| {
+        client.gpu(
+            c,
+            &GpuCallRequest {
+                pid,
+                timeout_ms: None,
+                pairs: Vec::new(),
+            },
+        )
+    };
+    let (pid, _) = sim.worker("8MiB");
+    let (other, _) = sim.worker("8MiB");
+    for p in [pid, other] {
+        for c in [GpuCall::Lock, GpuCall::Checkpoint] {
+            assert_eq!(call(c, p).unwrap(), GpuCallAnswer::Done, "{c:?} of {p}");
+        }
+    }
+    assert_eq!(call(GpuCall::Restore, pid).unwrap(), GpuCallAnswer::Done);
+    let tracer = procs::tracer_pid(pid);
+    assert_eq!(
+        cryo_proc::tgid(tracer).ok().flatten(),
+        Some(agent.pid()),
+        "restored and answered, but not traced by the agent (tracer {tracer})"
+    );
+    assert_eq!(sim.state(pid), "locked");
+    let id = ProcId::of(pid).unwrap();
+    assert!(records(&state).iter().any(|e| matches!(
+        e,
+        Event::GuardAttached { pid, source: cryo_journal::AttachSource::Restore } if *pid == id
+    )));
+    assert_eq!(call(GpuCall::Unlock, pid).unwrap(), GpuCallAnswer::Done);
+
+    // This test traces `other`: the agent's seize is refused.
+    nix::sys::ptrace::seize(
+        nix::unistd::Pid::from_raw(other),
+        nix::sys::ptrace::Options::empty(),
+    )
+    .unwrap();
+    let e = call(GpuCall::Restore, other).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("could not trace") && msg.contains("checkpointed again"),
+        "{msg}"
+    );
+    assert_eq!(sim.state(other), "checkpointed");
+    assert!(sim.settled_ledger().is_empty());
+}

@@ -1285,7 +1285,16 @@ impl Agent {
         let f = fs::File::create(&log).unwrap();
         let child = env
             .cmd()
-            .args(["agent", "run", "--no-metrics-listen", "--no-memory-watch"])
+            // The guard's journal poll once an hour: only the thaw's own guard-before-unlock
+            // can trace a thawed worker in time.
+            .args([
+                "agent",
+                "run",
+                "--no-metrics-listen",
+                "--no-memory-watch",
+                "--poll-ms",
+                "3600000",
+            ])
             .stdout(f.try_clone().unwrap())
             .stderr(f)
             .spawn()
@@ -1336,20 +1345,34 @@ fn freeze_and_thaw_go_through_the_agent_whose_guard_takes_the_restored_worker() 
     assert!(out.status.success(), "thaw: {}", stderr(&out));
     assert!(!stderr(&out).contains("nothing guards"), "{}", stderr(&out));
     assert_eq!(answers(&sock), before);
-    // The agent's guard traces the restored worker: its tracer is the agent.
-    eventually(
-        PATIENCE,
-        "the agent's guard to trace the thawed worker",
-        || {
-            procs::tracer_pid(pid) != 0
-                && fs::read_to_string(format!("/proc/{}/status", procs::tracer_pid(pid)))
-                    .map(|s| {
-                        s.lines()
-                            .any(|l| l == format!("Tgid:\t{}", agent.child.id()))
-                    })
-                    .unwrap_or(false)
-        },
+    // The agent's guard traced the restored worker before the thaw unlocked it: its tracer is
+    // the agent when the thaw returns, and the journal says so in that order.
+    let tracer = procs::tracer_pid(pid);
+    assert!(
+        tracer != 0
+            && fs::read_to_string(format!("/proc/{tracer}/status"))
+                .map(|s| {
+                    s.lines()
+                        .any(|l| l == format!("Tgid:\t{}", agent.child.id()))
+                })
+                .unwrap_or(false),
+        "the thawed worker is not traced by the agent when the thaw returns (tracer {tracer})"
     );
+    {
+        use cryo_journal::{AttachSource, Event, ProcId};
+        let id = ProcId::of(pid).unwrap();
+        let ev = events(&env);
+        let at = |f: &dyn Fn(&Event) -> bool| ev.iter().position(f);
+        let restored = at(&|e| matches!(e, Event::RestoreCompleted { pid: p, .. } if *p == id));
+        let attached = at(
+            &|e| matches!(e, Event::GuardAttached { pid: p, source: AttachSource::Restore } if *p == id),
+        );
+        let unlocked = at(&|e| matches!(e, Event::Unlocked { pid: p, .. } if *p == id));
+        assert!(
+            restored.is_some() && restored < attached && attached < unlocked,
+            "journal order: restored {restored:?}, attached {attached:?}, unlocked {unlocked:?}"
+        );
+    }
     // A refusal keeps its exit code through the agent.
     let again = env.cryo(&["thaw", image.to_str().unwrap()]);
     assert_eq!(again.status.code(), Some(3), "{}", stderr(&again));

@@ -154,8 +154,8 @@ mod with_fake_driver {
     use cryo_testkit::procs::Procs;
 
     use crate::park::*;
-    use crate::watcher::Lease;
     use crate::target::{Resolved, Target};
+    use crate::watcher::Lease;
     use crate::watcher::{Coverage, Watcher, WatcherError};
     use crate::NoProgress;
 
