@@ -389,6 +389,72 @@ fn thaw_onto_the_other_gpu_with_gpu_map() {
     assert!(env.ledger().is_empty(), "{:?}", env.ledger());
 }
 
+/// A process standing for a container given `devices` (`NVIDIA_VISIBLE_DEVICES`); killed on drop.
+struct GivenGpus(Child);
+
+impl GivenGpus {
+    fn start(devices: &str) -> GivenGpus {
+        let c = Command::new("sleep")
+            .arg("600")
+            .env("NVIDIA_VISIBLE_DEVICES", devices)
+            .spawn()
+            .unwrap();
+        let pid = c.id();
+        eventually(PATIENCE, "its environment", || {
+            fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|e| e.windows(22).any(|w| w == b"NVIDIA_VISIBLE_DEVICES"))
+        });
+        GivenGpus(c)
+    }
+
+    fn pid(&self) -> String {
+        self.0.id().to_string()
+    }
+}
+
+impl Drop for GivenGpus {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Issue 13 item 6: `--gpus-of PID` restores onto the GPUs that process's container was given,
+/// by UUID (NVIDIA/cuda-checkpoint#54); a container given GPUs by index is refused before
+/// anything runs.
+#[test]
+fn thaw_onto_the_gpus_a_container_was_given_by_uuid_never_by_index() {
+    let mut env = Env::start("1GiB");
+    let (pid, sock) = env.worker("64MiB", 0);
+    let before = answers(&sock);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+    let g1 = env.gpus()[1]["uuid"].as_str().unwrap().to_string();
+    let by_index = GivenGpus::start("1");
+    let out = env.thaw(&image, &["--gpus-of", &by_index.pid()]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("by index"), "{}", stderr(&out));
+    assert!(!exists(pid));
+    let given = GivenGpus::start(&g1);
+    let out = env.thaw(
+        &image,
+        &["--gpus-of", &given.pid(), "--health-url", &health(&sock)],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(answers(&sock), before);
+    let ps = env.ps();
+    let mine: Vec<_> = ps
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["pid"] == pid)
+        .collect();
+    assert_eq!(mine.len(), 1, "{ps}");
+    assert_eq!(mine[0]["gpu_uuid"], g1.as_str(), "{ps}");
+    env.stop(pid);
+    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+}
+
 /// Issue 9 item 10: a process with contexts on two GPUs, thawed with a map that moves one of them.
 /// The driver takes a pair for every GPU the process used once any pair is given (the simulated
 /// driver refuses an incomplete list with INVALID_VALUE), so thaw passes the identity pair for the

@@ -64,8 +64,14 @@ pub struct ThawArgs {
     #[arg(value_name = "DIR")]
     pub image: PathBuf,
     /// Restore onto other GPUs: OLD=NEW pairs (UUIDs, or indices of `cryo gpu ls` on this host).
-    #[arg(long, value_name = "OLD=NEW,...")]
+    #[arg(long, value_name = "OLD=NEW,...", conflicts_with = "gpus_of")]
     pub gpu_map: Option<GpuMap>,
+    /// Restore onto the GPUs this process's container was given (Kubernetes: its
+    /// NVIDIA_VISIBLE_DEVICES or CDI names, by UUID; a container given GPUs by index is
+    /// refused): each GPU of the image onto a distinct one of them, a GPU given again keeping
+    /// its place.
+    #[arg(long, value_name = "PID", value_parser = parse_pid)]
+    pub gpus_of: Option<cryo_proc::Pid>,
     /// Healthy when a GET of this http:// URL answers 2xx.
     #[arg(long, value_name = "URL", conflicts_with = "health_cmd")]
     pub health_url: Option<String>,

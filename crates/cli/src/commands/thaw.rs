@@ -34,6 +34,9 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
     if let Some(h) = &req.options(requested).health {
         h.validate().map_err(|e| UsageError(e.to_string()))?;
     }
+    if let Some(pid) = args.gpus_of {
+        req.gpu_map = gpus_of(ctx, &args.image, pid)?;
+    }
     if let Some(m) = &args.gpu_map {
         // Indices name this host's GPUs as its driver numbers them: resolved here, once.
         let gpus = ctx.gpu()?.inspect.gpus().context("listing GPUs")?;
@@ -138,4 +141,31 @@ fn refused(e: &str, json: bool) -> u8 {
     }
     eprintln!("cryo: {e}; nothing was restored");
     exit::REFUSED
+}
+
+/// `--gpus-of PID`: the image's GPUs onto those PID's container was given, by UUID
+/// (NVIDIA/cuda-checkpoint#54: restores bound to the GPU index break under Kubernetes' device
+/// assignment). Refused (usage) before anything runs when the container was given GPUs by index,
+/// none, or fewer than the image used.
+fn gpus_of(
+    ctx: &Context,
+    image: &std::path::Path,
+    pid: cryo_proc::Pid,
+) -> anyhow::Result<Vec<cryo_gpu::GpuPair>> {
+    let h = cryo_proc::ProcHandle::open(pid).with_context(|| format!("--gpus-of {pid}"))?;
+    let assigned = cryo_kube::gpus::assigned_to(&h)
+        .map_err(|e| UsageError(format!("--gpus-of {pid}: {e}")))?;
+    let img = cryo_criu::image::Image::open(image)
+        .with_context(|| format!("reading the image {}", image.display()))?;
+    let image_gpus: Vec<_> = img.manifest().gpu_uuids().into_iter().collect();
+    let node: Vec<_> = ctx
+        .gpu()?
+        .inspect
+        .gpus()
+        .context("listing GPUs")?
+        .into_iter()
+        .map(|g| g.uuid)
+        .collect();
+    cryo_kube::gpu_map(&image_gpus, &assigned, &node)
+        .map_err(|e| UsageError(format!("--gpus-of {pid}: {e}")).into())
 }
