@@ -376,6 +376,11 @@ fn thaw_onto_the_other_gpu_with_gpu_map() {
     );
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(answers(&sock), before);
+    assert_restored_on(&mut env, pid, &g1);
+}
+
+/// NVML lists `pid` once, on `gpu`; then it is stopped, and no context was torn down live.
+fn assert_restored_on(env: &mut Env, pid: i32, gpu: &str) {
     let ps = env.ps();
     let mine: Vec<_> = ps
         .as_array()
@@ -384,7 +389,7 @@ fn thaw_onto_the_other_gpu_with_gpu_map() {
         .filter(|p| p["pid"] == pid)
         .collect();
     assert_eq!(mine.len(), 1, "{ps}");
-    assert_eq!(mine[0]["gpu_uuid"], g1.as_str(), "{ps}");
+    assert_eq!(mine[0]["gpu_uuid"], gpu, "{ps}");
     env.stop(pid);
     assert!(env.ledger().is_empty(), "{:?}", env.ledger());
 }
@@ -442,17 +447,7 @@ fn thaw_onto_the_gpus_a_container_was_given_by_uuid_never_by_index() {
     );
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(answers(&sock), before);
-    let ps = env.ps();
-    let mine: Vec<_> = ps
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|p| p["pid"] == pid)
-        .collect();
-    assert_eq!(mine.len(), 1, "{ps}");
-    assert_eq!(mine[0]["gpu_uuid"], g1.as_str(), "{ps}");
-    env.stop(pid);
-    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+    assert_restored_on(&mut env, pid, &g1);
 }
 
 /// Issue 9 item 10: a process with contexts on two GPUs, thawed with a map that moves one of them.
