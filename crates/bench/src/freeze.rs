@@ -96,6 +96,13 @@ struct Row {
     cryo_thaw_warm_steps: [Samples; 3],
     /// The same after dropping the caches.
     cryo_thaw_cold_steps: [Samples; 3],
+    /// The bare route's freeze steps: lock + checkpoint, `criu dump`, fsync of the files, ms.
+    bare_freeze_steps: [Samples; 3],
+    /// The bare route's thaw from the page cache: nothing (0), `criu restore`, GPU restore +
+    /// unlock, ms; the health check is the rest.
+    bare_thaw_warm_steps: [Samples; 3],
+    /// The same after dropping the caches.
+    bare_thaw_cold_steps: [Samples; 3],
     load_before: [f64; 3],
     load_after: [f64; 3],
 }
@@ -142,6 +149,7 @@ pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
         let mut cryo_s: [Samples; 5] = Default::default();
         let mut bare_s: [Samples; 5] = Default::default();
         let mut steps: [[Samples; 3]; 3] = Default::default();
+        let mut bare_steps: [[Samples; 3]; 3] = Default::default();
         let mut image_bytes = 0;
         for round in 1..=args.rounds {
             let (c, b) = if a_first(round) {
@@ -156,14 +164,17 @@ pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
                 cryo_s[i].push(c.moments[i]);
                 bare_s[i].push(b.moments[i]);
             }
-            for (j, st) in c.steps.iter().enumerate() {
-                for (k, v) in st.iter().enumerate() {
-                    steps[j][k].push(*v);
+            for (arm, into) in [(&c, &mut steps), (&b, &mut bare_steps)] {
+                for (j, st) in arm.steps.iter().enumerate() {
+                    for (k, v) in st.iter().enumerate() {
+                        into[j][k].push(*v);
+                    }
                 }
             }
         }
         let ratio: [f64; 5] = std::array::from_fn(|i| bare_s[i].median() / cryo_s[i].median());
         let [freeze_steps, warm_steps, cold_steps] = steps;
+        let [bare_freeze_steps, bare_warm_steps, bare_cold_steps] = bare_steps;
         let row = Row {
             memory_bytes: *size,
             image_bytes,
@@ -175,6 +186,9 @@ pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
             cryo_freeze_steps: freeze_steps,
             cryo_thaw_warm_steps: warm_steps,
             cryo_thaw_cold_steps: cold_steps,
+            bare_freeze_steps,
+            bare_thaw_warm_steps: bare_warm_steps,
+            bare_thaw_cold_steps: bare_cold_steps,
             load_before,
             load_after: load_average(),
         };
@@ -235,6 +249,13 @@ fn print_row(row: &Row) {
          thaw = checks {wv:.0} + streamed CRIU restore {wc:.0} + GPU {wg:.0} ms (cold: {cv:.0} + \
          {cc:.0} + {cg:.0})"
     );
+    let [bs, bd, bf] = med(&row.bare_freeze_steps);
+    let [_, bwc, bwg] = med(&row.bare_thaw_warm_steps);
+    let [_, bcc, bcg] = med(&row.bare_thaw_cold_steps);
+    println!(
+        "  bare steps (medians):   freeze = suspend {bs:.0} + dump {bd:.0} + fsync {bf:.0} ms; \
+         thaw = criu restore {bwc:.0} + GPU {bwg:.0} ms (cold: {bcc:.0} + {bcg:.0})"
+    );
     println!(
         "  throughput (image bytes / time): published+durable cryo {:.2}, bare {:.2} GB/s \
          (disk write+fsync {:.2}); publish step alone {:.2} GB/s",
@@ -256,7 +277,7 @@ fn print_row(row: &Row) {
 pub(crate) struct Arm {
     /// Per moment ([`MOMENTS`]), ms.
     pub(crate) moments: [f64; 5],
-    /// cryo only: freeze, warm thaw, cold thaw steps (NaN for the bare route).
+    /// Freeze, warm thaw, cold thaw steps (see [`Row`]).
     steps: [[f64; 3]; 3],
     image_bytes: u64,
 }
@@ -502,16 +523,19 @@ impl Bench {
         c
     }
 
-    /// The bare thaw: `criu restore -d`, GPU restore and unlock, health; ms to the answer.
-    fn bare_thaw(&self, image: &Path, pid: i32, sock: &Path) -> anyhow::Result<f64> {
+    /// The bare thaw: `criu restore -d`, GPU restore and unlock, health; ms to the answer,
+    /// and the steps (0, `criu restore`, GPU restore + unlock).
+    fn bare_thaw(&self, image: &Path, pid: i32, sock: &Path) -> anyhow::Result<(f64, [f64; 3])> {
         let t = Instant::now();
         let mut c = self.criu_cmd();
         c.args(["restore", "-d", "-D"])
             .arg(image)
             .args(["-o", "restore.log"]);
         self.run(c, "criu restore")?;
+        let criu_ms = ms(t.elapsed());
         self.compat("restore", pid)?;
         self.compat("unlock", pid)?;
+        let gpu_ms = ms(t.elapsed()) - criu_ms;
         let deadline = Instant::now() + Duration::from_secs(60);
         let check = cryo_lifecycle::HealthCheck::Url(format!("unix:{}:/health", sock.display()));
         check
@@ -526,7 +550,7 @@ impl Bench {
         )
         .with_context(|| format!("journaling the restore of worker {pid}"))?;
         self.stop(pid)?;
-        Ok(thaw_ms)
+        Ok((thaw_ms, [0.0, criu_ms, gpu_ms]))
     }
 
     pub(crate) fn bare_arm(&self, memory: u64) -> anyhow::Result<Arm> {
@@ -547,13 +571,17 @@ impl Bench {
         let durable = ms(t.elapsed());
         child.wait().context("reaping the frozen worker")?;
 
-        let warm = self.bare_thaw(&image, pid, &sock)?;
+        let (warm, warm_steps) = self.bare_thaw(&image, pid, &sock)?;
         drop_caches()?;
-        let cold = self.bare_thaw(&image, pid, &sock)?;
+        let (cold, cold_steps) = self.bare_thaw(&image, pid, &sock)?;
         fs::remove_dir_all(&image).context("removing the image")?;
         Ok(Arm {
             moments: [gpu_free, gone, durable, warm, cold],
-            steps: [[f64::NAN; 3]; 3],
+            steps: [
+                [gpu_free, gone - gpu_free, durable - gone],
+                warm_steps,
+                cold_steps,
+            ],
             image_bytes: 0,
         })
     }
