@@ -24,6 +24,8 @@
 //! `worker_gone_ms`) plus all of the process's start and exit cost (its wall time minus its own
 //! elapsed time), so they are never flattered. Each cell is the median over the rounds with the
 //! min-max beside it; ratios are ratios of medians (bare / cryo: above 1, cryo is faster).
+//! Both arms' steps are printed too (cryo's from its `--json` report, the bare route's timed
+//! around each process), so the time each phase takes is visible side by side.
 //! Throughputs are image bytes over a moment or step, next to the disk's limit for those bytes.
 //! Every worker is stopped with `cryo stop` and the wedge ledger must stay empty. The host's
 //! load average is printed at the start and end.
