@@ -299,6 +299,37 @@ impl CriuRpc {
         Ok(cmd)
     }
 
+    /// `criu HEAD... --stream` with cryo as the image streamer on `private` (its socket and
+    /// the gate's files), CRIU's work directory `work` and log `log` there, `gate`'s action
+    /// script; stdin and stdout empty, stderr into the unnamed file returned (read back after a
+    /// failure).
+    fn stream_command(
+        &self,
+        head: &[&str],
+        private: &Path,
+        work: &Path,
+        log: &str,
+        log_level: i32,
+        gate: &Gate,
+    ) -> std::io::Result<(Command, File)> {
+        let mut cmd = self.command(private)?;
+        cmd.args(head)
+            .arg("--stream")
+            .arg("-D")
+            .arg(private)
+            .arg("-W")
+            .arg(work)
+            .args(["-o", log])
+            .arg(format!("-v{log_level}"))
+            .arg("--action-script")
+            .arg(gate.script());
+        let stderr = tempfile::tempfile()?;
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(stderr.try_clone()?));
+        Ok((cmd, stderr))
+    }
+
     /// Spawns `cmd` (CRIU with `--stream` and `gate`'s action script), runs `serve` on
     /// `listener` (CRIU's image streamer socket) and, when CRIU reaches the gate's stage,
     /// `verdict`, and waits for CRIU. Returns its exit status and the verdict (`None`: CRIU
@@ -407,16 +438,16 @@ impl Criu for CriuRpc {
         let p = private.path().to_path_buf();
         let listener = UnixListener::bind(p.join(image::CAPTURE_SOCKET)).map_err(dir_err(&p))?;
         let gate = Gate::new(&p, "post-dump").map_err(dir_err(&p))?;
-        let mut cmd = self.command(&p).map_err(dir_err(&p))?;
-        cmd.args(["dump", "--stream", "-t", &pid.to_string()])
-            .arg("-D")
-            .arg(&p)
-            .arg("-W")
-            .arg(staging.path())
-            .args(["-o", DUMP_LOG])
-            .arg(format!("-v{}", opts.log_level))
-            .arg("--action-script")
-            .arg(gate.script());
+        let (mut cmd, stderr) = self
+            .stream_command(
+                &["dump", "-t", &pid.to_string()],
+                &p,
+                staging.path(),
+                DUMP_LOG,
+                opts.log_level,
+                &gate,
+            )
+            .map_err(dir_err(&p))?;
         if opts.leave_running {
             cmd.arg("--leave-running");
         }
@@ -428,10 +459,6 @@ impl Criu for CriuRpc {
             opts.ext_unix_sk,
             &opts.external,
         );
-        let stderr = tempfile::tempfile().map_err(dir_err(&p))?;
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(stderr.try_clone().map_err(dir_err(&p))?));
         tracing::debug!(pid, staging = %staging.path().display(), "criu dump --stream");
         let capture = staging.capture();
         let (status, verdict) = self.run_with_streamer(
@@ -493,21 +520,17 @@ impl Criu for CriuRpc {
         };
         let listener = UnixListener::bind(p.join(image::SERVE_SOCKET)).map_err(dir_err(&p))?;
         let gate = Gate::new(&p, "post-restore").map_err(dir_err(&p))?;
-        let mut cmd = self.command(&p).map_err(dir_err(&p))?;
-        cmd.args([
-            "restore",
-            "--stream",
-            "--restore-detached",
-            "--restore-sibling",
-        ])
-        .arg("-D")
-        .arg(&p)
-        .arg("-W")
-        .arg(&work)
-        .args(["-o", RESTORE_LOG, "--pidfile", RESTORED_PID])
-        .arg(format!("-v{}", opts.log_level))
-        .arg("--action-script")
-        .arg(gate.script());
+        let (mut cmd, stderr) = self
+            .stream_command(
+                &["restore", "--restore-detached", "--restore-sibling"],
+                &p,
+                &work,
+                RESTORE_LOG,
+                opts.log_level,
+                &gate,
+            )
+            .map_err(dir_err(&p))?;
+        cmd.args(["--pidfile", RESTORED_PID]);
         common_flags(
             &mut cmd,
             opts.shell_job,
@@ -516,10 +539,6 @@ impl Criu for CriuRpc {
             opts.ext_unix_sk,
             &opts.external,
         );
-        let stderr = tempfile::tempfile().map_err(dir_err(&p))?;
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(stderr.try_clone().map_err(dir_err(&p))?));
         tracing::debug!(image = %image.path().display(), private = %p.display(), "criu restore --stream");
         let server = image::Server::new(image);
         let (status, verdict) = self.run_with_streamer(

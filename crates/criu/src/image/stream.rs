@@ -21,9 +21,6 @@
 //! `post-restore` action script, after every process of the tree is restored and before any of
 //! them is resumed; CRIU aborts the restore (and kills the tree) when the script fails.
 //!
-//! From a cold cache, the kernel is asked to read the whole image ahead (`WILLNEED`, biggest
-//! file first), so the disk reads at full depth while cryo hashes and CRIU restores.
-//!
 //! # Limitations
 //! Each checked chunk is copied into CRIU's pipe (`write`), not handed over with `vmsplice`:
 //! handing over the checked buffer's own pages is only safe with fresh pages for every chunk
@@ -31,6 +28,9 @@
 //! be spliced on), and fresh pages cost what the copy saves (measured on 1 GiB from the page
 //! cache, a reader thread copying out as CRIU does: write 0.46-0.56 s of CPU, vmsplice of fresh
 //! pages 0.54-0.74 s, of fresh huge pages 0.54 s; only reused buffers were cheaper, 0.32 s).
+//! Measured and not kept either: a 32 MiB pipe instead of 1 MiB (no change), and asking the
+//! kernel to read the whole image ahead (`POSIX_FADV_WILLNEED`) for a cold thaw (CRIU's
+//! restore took 4.9-5.2 s with it, 3.8-4.7 s without, 1 GiB, alternating).
 //! One chunk of a file is the unit held in memory, so formats 1 and 2 (a whole-file SHA-256
 //! for files without chunk digests, 64 MiB chunks otherwise) hold up to a whole file, or 64 MiB
 //! per chunk in flight, in memory while it is served; format 3 holds 4 MiB chunks.
@@ -57,8 +57,6 @@ pub(crate) const SERVE_SOCKET: &str = "streamer-serve.sock";
 const WINDOW: usize = 4;
 /// Pipe buffer asked for (F_SETPIPE_SZ); the default 64 KiB costs a context switch per 64 KiB.
 pub(super) const PIPE_SIZE: i32 = 1 << 20;
-/// Bytes asked for per `POSIX_FADV_WILLNEED` call of the prefetch (which stops between calls).
-const PREFETCH_STEP: u64 = 64 << 20;
 /// Longest file name CRIU may ask for (its own limit is PATH_MAX).
 const MAX_REQUEST: u32 = 4096;
 
@@ -143,19 +141,15 @@ impl<'a> Server<'a> {
     /// connection; returns once every file being served is done. Returns at once if the
     /// listener is shut down before CRIU connects.
     pub(crate) fn serve(&self, listener: &UnixListener) {
-        let done = AtomicBool::new(false);
+        let conn = match listener.accept() {
+            Ok((c, _)) => c,
+            Err(e) => {
+                tracing::debug!(error = %e, "no CRIU connected to the image streamer");
+                return;
+            }
+        };
         std::thread::scope(|s| {
-            let done = &done;
-            // The disk starts reading while CRIU starts; whatever ends this, the prefetch stops.
-            s.spawn(move || self.prefetch(done));
-            let _stop = StopOnDrop(done);
-            let mut conn = match listener.accept() {
-                Ok((c, _)) => c,
-                Err(e) => {
-                    tracing::debug!(error = %e, "no CRIU connected to the image streamer");
-                    return;
-                }
-            };
+            let mut conn = conn;
             loop {
                 match self.request(&mut conn) {
                     Ok(Request::End) => return,
@@ -173,39 +167,6 @@ impl<'a> Server<'a> {
                 }
             }
         });
-    }
-
-    /// Asks the kernel to read every file of the image into the page cache
-    /// (`POSIX_FADV_WILLNEED`), biggest first, in steps of [`PREFETCH_STEP`] until `done`: from
-    /// a cold cache the disk then reads at full depth while cryo hashes and CRIU restores,
-    /// instead of one window of chunks at a time. Only a hint: what it cannot do is read when
-    /// served.
-    fn prefetch(&self, done: &AtomicBool) {
-        let m = self.image.manifest();
-        let mut order: Vec<usize> = (0..m.files.len()).collect();
-        order.sort_by_key(|&i| std::cmp::Reverse(m.files[i].size));
-        for i in order {
-            let Ok((file, size)) = self.image.open_file(i) else {
-                continue;
-            };
-            let mut at = 0u64;
-            while at < size {
-                if done.load(Ordering::Relaxed) {
-                    return;
-                }
-                let len = PREFETCH_STEP.min(size - at);
-                let (Ok(off), Ok(l)) = (i64::try_from(at), i64::try_from(len)) else {
-                    break;
-                };
-                let _ = nix::fcntl::posix_fadvise(
-                    file.as_raw_fd(),
-                    off,
-                    l,
-                    nix::fcntl::PosixFadviseAdvice::POSIX_FADV_WILLNEED,
-                );
-                at += len;
-            }
-        }
     }
 
     /// Handles one request.
@@ -334,15 +295,6 @@ impl<'a> Server<'a> {
                 .map_err(|e| std::io::Error::other(e.to_string()))
         })
         .map_err(|(k, e)| self.image.span_error(&owned[k], e))
-    }
-}
-
-/// Sets its flag when dropped.
-struct StopOnDrop<'a>(&'a AtomicBool);
-
-impl Drop for StopOnDrop<'_> {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Relaxed);
     }
 }
 
