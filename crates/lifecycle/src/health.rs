@@ -58,7 +58,7 @@ impl HealthCheck {
             HealthCheck::Url(u) => u.clone(),
             HealthCheck::Cmd(c) => format!("`{c}`"),
         };
-        let mut last = String::from("not tried");
+        let mut last = String::from(NOT_TRIED);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -76,6 +76,9 @@ impl HealthCheck {
                 Ok(()) => return Ok(Instant::now()),
                 Err(HealthAttempt::Fatal(e)) => return Err(e),
                 Err(HealthAttempt::Failed(why)) => last = why,
+                // An attempt the deadline cut short says less than a finished one that failed.
+                Err(HealthAttempt::Cut(why)) if last == NOT_TRIED => last = why,
+                Err(HealthAttempt::Cut(_)) => {}
             }
             std::thread::sleep(
                 Duration::from_millis(20).min(deadline.saturating_duration_since(Instant::now())),
@@ -84,8 +87,13 @@ impl HealthCheck {
     }
 }
 
+const NOT_TRIED: &str = "not tried";
+
 enum HealthAttempt {
+    /// The check ran and failed.
     Failed(String),
+    /// The check was still running when the deadline came.
+    Cut(String),
     Fatal(HealthError),
 }
 
@@ -101,10 +109,14 @@ fn http_get(url: &str, timeout: Duration) -> Result<(), HealthAttempt> {
 }
 
 fn run_cmd(cmd: &str, timeout: Duration) -> Result<(), HealthAttempt> {
+    use std::os::unix::process::CommandExt;
+    // Its own process group: a command still running at the deadline is killed with whatever
+    // it started (`sh -c` forks its commands).
     let mut child = Command::new("sh")
         .arg("-c")
         .arg(cmd)
         .stdin(Stdio::null())
+        .process_group(0)
         .spawn()
         .map_err(|e| HealthAttempt::Failed(format!("cannot run sh: {e}")))?;
     let deadline = Instant::now() + timeout;
@@ -113,11 +125,11 @@ fn run_cmd(cmd: &str, timeout: Duration) -> Result<(), HealthAttempt> {
             Ok(Some(st)) if st.success() => return Ok(()),
             Ok(Some(st)) => return Err(HealthAttempt::Failed(format!("exited with {st}"))),
             Ok(None) if Instant::now() >= deadline => {
-                let _ = child.kill();
+                // The group's id is the child's pid, ours until we reap it.
+                let group = rustix::process::Pid::from_child(&child);
+                let _ = rustix::process::kill_process_group(group, rustix::process::Signal::Kill);
                 let _ = child.wait();
-                return Err(HealthAttempt::Failed(
-                    "still running at the deadline".into(),
-                ));
+                return Err(HealthAttempt::Cut("still running at the deadline".into()));
             }
             Ok(None) => std::thread::sleep(Duration::from_millis(10)),
             Err(e) => return Err(HealthAttempt::Failed(e.to_string())),
@@ -155,9 +167,18 @@ mod tests {
         assert!(HealthCheck::Cmd("true".into())
             .wait(Duration::from_secs(5))
             .is_ok());
+        // Retried until the deadline; the error names how a finished attempt failed, not the
+        // last attempt the deadline cut short (CI saw "still running at the deadline" when
+        // the load made `sh` slower than the 200 ms this test allowed).
         let err = HealthCheck::Cmd("exit 3".into())
-            .wait(Duration::from_millis(200))
+            .wait(Duration::from_secs(2))
             .unwrap_err();
         assert!(err.to_string().contains("exit status: 3"), "{err}");
+        let err = HealthCheck::Cmd("sleep 5".into())
+            .wait(Duration::from_millis(300))
+            .unwrap_err();
+        assert!(err.to_string().contains("still running"), "{err}");
+        // What the command started went with it (nextest reports a leak otherwise: the
+        // `sleep` would hold the test's output pipe for five seconds).
     }
 }
