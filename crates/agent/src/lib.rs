@@ -38,6 +38,7 @@ mod ops;
 mod parent;
 mod server;
 pub mod signals;
+mod standby;
 mod sys;
 mod warm;
 
@@ -130,6 +131,8 @@ pub(crate) struct Agent {
     kube: Option<k8s::Kube>,
     /// The pod container the agent runs in, if any (see [`k8s::own_container`]).
     own_container: Option<cryo_kube::CgroupIdentity>,
+    /// The pre-thawed standby pools.
+    pools: standby::Pools,
 }
 
 impl std::fmt::Debug for Agent {
@@ -242,8 +245,20 @@ pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
         })?,
         kube,
         own_container: k8s::own_identity(),
+        pools: standby::Pools::default(),
     });
     log_guarded(&agent.guard);
+    agent.adopt_standbys();
+    std::thread::Builder::new()
+        .name("cryod-standby".into())
+        .spawn({
+            let agent = Arc::clone(&agent);
+            move || agent.refill_loop()
+        })
+        .map_err(|source| AgentError::Socket {
+            path: cfg.socket.clone(),
+            source,
+        })?;
     agent.update_gauges();
 
     // Signals: SIGTERM/SIGINT ask for a shutdown, the rest are logged.

@@ -1,4 +1,5 @@
-//! The warm path through the agent: `POST /v1/park`, `/v1/wake`.
+//! The warm path through the agent: `POST /v1/park`, `/v1/wake`; the standby pools are
+//! [`crate::standby`].
 //!
 //! # Design
 //! The handlers call the lifecycle's own `park` and `wake` with the options the request's one
@@ -25,6 +26,7 @@ pub(crate) fn routes() -> Router<Arc<Agent>> {
     Router::new()
         .route(path::PARK, post(park))
         .route(path::WAKE, post(wake))
+        .merge(crate::standby::routes())
 }
 
 /// Pids are the agent's: a caller in another pid namespace may name a cgroup only.
@@ -113,16 +115,24 @@ impl Agent {
     }
 }
 
-/// A wake's error as the API's: a refusal when nothing was restored.
-pub(crate) fn wake_error(e: WakeError) -> ApiError {
-    match e {
+/// Whether the wake was refused before anything was restored (the worker stays parked).
+pub(crate) fn refused_before_restore(e: &WakeError) -> bool {
+    matches!(
+        e,
         WakeError::Place(
             PlaceError::NoRoom { .. }
-            | PlaceError::NodeFenced { .. }
-            | PlaceError::NoSuchGpu { .. },
-        )
-        | WakeError::NotParked(_)
-        | WakeError::NoCuda(_) => ApiError::new(ErrorKind::Refused, e.to_string()),
-        e => ApiError::new(ErrorKind::Failed, e.to_string()),
+                | PlaceError::NodeFenced { .. }
+                | PlaceError::NoSuchGpu { .. },
+        ) | WakeError::NotParked(_)
+            | WakeError::NoCuda(_)
+    )
+}
+
+/// A wake's error as the API's: a refusal when nothing was restored.
+pub(crate) fn wake_error(e: WakeError) -> ApiError {
+    if refused_before_restore(&e) {
+        ApiError::new(ErrorKind::Refused, e.to_string())
+    } else {
+        ApiError::new(ErrorKind::Failed, e.to_string())
     }
 }

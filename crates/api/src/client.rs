@@ -62,8 +62,8 @@ impl ClientError {
 #[derive(Debug, Clone)]
 pub struct AgentClient {
     socket: PathBuf,
-    short: Client,
-    long: Client,
+    pub(crate) short: Client,
+    pub(crate) long: Client,
 }
 
 impl AgentClient {
@@ -190,13 +190,13 @@ impl AgentClient {
         }
     }
 
-    fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, ClientError> {
+    pub(crate) fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, ClientError> {
         let r = self.short.get(path).map_err(|e| self.http(e))?;
         let status = r.status;
         decode(status, &r.text()?)
     }
 
-    fn post<Req: Serialize, T: DeserializeOwned>(
+    pub(crate) fn post<Req: Serialize, T: DeserializeOwned>(
         &self,
         client: &Client,
         path: &str,

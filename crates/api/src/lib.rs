@@ -80,6 +80,8 @@ pub mod path {
     /// `POST` [`crate::KubeStopRequest`]: stream of [`crate::KubeStopReport`] (agents run with
     /// `--kube-node` only).
     pub const KUBE_STOP: &str = "/v1/kube/stop";
+    /// `GET`: [`crate::StandbyList`]; `POST /v1/standby/{create,claim,remove}`.
+    pub const STANDBY: &str = "/v1/standby";
 }
 
 /// Who may make a request.

@@ -1,15 +1,16 @@
-//! The warm path's requests: park and wake.
+//! The warm path's requests: park, wake, and the pre-thawed standby pool.
 //!
 //! Each request becomes the lifecycle's options through one conversion, which the standalone
 //! command uses too, so `cryo park`, `cryo wake` and `cryo standby` mean the same through the
 //! agent and without it.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use cryo_gpu::GpuUuid;
 use cryo_lifecycle::{
-    HealthCheck, ParkOptions, ParkReport, Progress, SuspendOptions, WakeOptions, WakeReport,
-    WhenFull,
+    HealthCheck, ParkOptions, ParkReport, Progress, Standby, SuspendOptions, WakeOptions,
+    WakeReport, WhenFull,
 };
 use serde::{Deserialize, Serialize};
 
@@ -109,6 +110,77 @@ pub struct WakeRequest {
     pub wake: WakeSpec,
 }
 
+/// `POST /v1/standby/create`: keep `count` standbys of an image ready (replaces the count of
+/// an existing pool).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StandbyCreateRequest {
+    /// The image.
+    pub image: PathBuf,
+    /// How many to keep ready (at least 1).
+    pub count: u32,
+}
+
+/// `POST /v1/standby/claim`: hand out one standby of an image, woken.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StandbyClaimRequest {
+    /// The image whose pool to claim from.
+    pub image: PathBuf,
+    /// How to wake it.
+    pub wake: WakeSpec,
+}
+
+/// `POST /v1/standby/remove`: end a pool (its standbys are removed safely: CHECKPOINTED,
+/// verified, killed).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StandbyRemoveRequest {
+    /// The image whose pool to remove.
+    pub image: PathBuf,
+}
+
+/// One pool, as `GET /v1/standby` lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolStatus {
+    /// The image.
+    pub image: PathBuf,
+    /// How many it keeps ready.
+    pub count: u32,
+    /// The standbys ready now, oldest first.
+    pub ready: Vec<Standby>,
+    /// Standbys being restored now.
+    pub refilling: u32,
+    /// Why the last refill failed, if it did (it is tried again).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+}
+
+/// `GET /v1/standby`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StandbyList {
+    /// Every pool.
+    pub pools: Vec<PoolStatus>,
+}
+
+/// The answer to a claim: the standby handed out and its wake.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StandbyClaim {
+    /// The standby (now a serving worker).
+    pub standby: Standby,
+    /// Its wake.
+    pub wake: WakeReport,
+    /// From the request to the end, ms.
+    pub elapsed_ms: u64,
+}
+
+/// The answer to a removal.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StandbyRemoved {
+    /// What became of each standby, by root pid.
+    pub removed: Vec<(cryo_journal::ProcId, String)>,
+}
+
 impl AgentClient {
     /// `POST /v1/park`, its progress replayed on `progress`.
     pub fn park(
@@ -126,5 +198,28 @@ impl AgentClient {
         progress: &dyn Progress,
     ) -> Result<WakeReport, ClientError> {
         self.stream(path::WAKE, req, progress)
+    }
+
+    /// `GET /v1/standby`.
+    pub fn standby_list(&self) -> Result<StandbyList, ClientError> {
+        self.get(path::STANDBY)
+    }
+
+    /// `POST /v1/standby/create`.
+    pub fn standby_create(&self, req: &StandbyCreateRequest) -> Result<PoolStatus, ClientError> {
+        self.post(&self.short, &format!("{}/create", path::STANDBY), req)
+    }
+
+    /// `POST /v1/standby/claim` (waits as long as the wake takes).
+    pub fn standby_claim(&self, req: &StandbyClaimRequest) -> Result<StandbyClaim, ClientError> {
+        self.post(&self.long, &format!("{}/claim", path::STANDBY), req)
+    }
+
+    /// `POST /v1/standby/remove`.
+    pub fn standby_remove(
+        &self,
+        req: &StandbyRemoveRequest,
+    ) -> Result<StandbyRemoved, ClientError> {
+        self.post(&self.long, &format!("{}/remove", path::STANDBY), req)
     }
 }

@@ -422,6 +422,43 @@ pub enum Event {
         error: String,
     },
 
+    // ---- the pre-thawed standby pool (the agent) ----
+    /// The agent keeps `count` standbys of `image` ready (0: the pool is removed).
+    StandbyPool {
+        /// The image directory.
+        image: String,
+        /// How many to keep ready.
+        count: u32,
+    },
+    /// A standby is ready: `image` restored by CRIU without its GPU restore, every CUDA process
+    /// CHECKPOINTED (and journaled `Parked`), kept for a claim.
+    StandbyReady {
+        /// The image directory.
+        image: String,
+        /// The manifest digest of the image it came from.
+        digest: String,
+        /// Its root.
+        root: ProcId,
+        /// Every process of it.
+        pids: Vec<ProcId>,
+    },
+    /// A standby was handed out (woken: restored, guarded, unlocked).
+    StandbyClaimed {
+        /// The image directory.
+        image: String,
+        /// Its root.
+        root: ProcId,
+    },
+    /// A standby left the pool without being handed out (why: exited, stale image, removed).
+    StandbyDropped {
+        /// The image directory.
+        image: String,
+        /// Its root.
+        root: ProcId,
+        /// Why, and what became of it.
+        reason: String,
+    },
+
     // ---- guard ----
     /// The guard watches the process.
     GuardAttached {
@@ -550,6 +587,8 @@ impl Event {
             | Resumed { pid }
             | RestoreCompleted { pid, .. }
             | Parked { pid, .. }
+            | StandbyClaimed { root: pid, .. }
+            | StandbyDropped { root: pid, .. }
             | HealthOk { pid, .. }
             | GuardAttached { pid, .. }
             | FatalSignal { pid, .. }
@@ -577,6 +616,8 @@ impl Event {
             | ShrinkCompleted { .. }
             | Grown { .. }
             | GrowFailed { .. }
+            | StandbyPool { .. }
+            | StandbyReady { .. }
             | GpuQuarantined { .. }
             | JournalRepaired { .. }
             | Unknown => None,
@@ -594,7 +635,8 @@ impl Event {
             | Event::WakeCompleted { pids, .. }
             | Event::ShrinkCompleted { pids, .. }
             | Event::Grown { pids, .. }
-            | Event::GrowFailed { pids, .. } => pids.clone(),
+            | Event::GrowFailed { pids, .. }
+            | Event::StandbyReady { pids, .. } => pids.clone(),
             other => other.proc().into_iter().collect(),
         }
     }
@@ -644,6 +686,9 @@ impl Event {
             | ShrinkCompleted { .. }
             | Grown { .. }
             | GrowFailed { .. }
+            | StandbyReady { .. }
+            | StandbyClaimed { .. }
+            | StandbyDropped { .. }
             | GuardAttached { .. }
             | FatalSignal { .. }
             | Pinned { .. }
@@ -653,7 +698,9 @@ impl Event {
             | ProcessExited { .. }
             | CallAbandoned { .. }
             | SuspensionSettled { .. } => Phase::Outcome,
-            FreshDeclared { .. } | JournalRepaired { .. } | Unknown => Phase::Note,
+            FreshDeclared { .. } | StandbyPool { .. } | JournalRepaired { .. } | Unknown => {
+                Phase::Note
+            }
         }
     }
 
@@ -704,6 +751,10 @@ impl Event {
             ShrinkCompleted { .. } => "shrink completed",
             Grown { .. } => "grown",
             GrowFailed { .. } => "GROW FAILED",
+            StandbyPool { .. } => "standby pool set",
+            StandbyReady { .. } => "standby ready",
+            StandbyClaimed { .. } => "standby claimed",
+            StandbyDropped { .. } => "standby dropped",
             GuardAttached { .. } => "guard attached",
             FatalSignal { .. } => "FATAL SIGNAL",
             Pinned { .. } => "pinned",
@@ -807,6 +858,18 @@ impl Event {
             },
             Grown { target, ms, .. } => format!("target {target}, {ms} ms"),
             GrowFailed { target, error, .. } => format!("target {target}: {error}"),
+            StandbyPool { image, count } => format!("image {image}, {count} kept ready"),
+            StandbyReady {
+                image, root, pids, ..
+            } => {
+                format!(
+                    "image {image}, root pid {}, {} processes",
+                    root.pid,
+                    pids.len()
+                )
+            }
+            StandbyClaimed { image, .. } => format!("image {image}"),
+            StandbyDropped { image, reason, .. } => format!("image {image}: {reason}"),
             GpuQuarantined { gpu, reason } => format!("GPU {gpu}: {reason}"),
             ProcessExited { how, .. } => how.clone(),
             JournalRepaired { offset, bytes } => {

@@ -28,6 +28,7 @@ pub mod reaped;
 pub mod restore;
 pub mod runnable;
 pub mod shrink;
+pub mod standby;
 pub mod stop;
 pub mod suspend;
 pub mod target;
@@ -46,6 +47,7 @@ pub use progress::{NoProgress, Progress};
 pub use restore::{record_restored, restore_context, resume_in_place, RecordError, RestoreError};
 pub use runnable::{runnable, Runnable};
 pub use shrink::{Shrink, ShrinkReport, ShrinkSpec};
+pub use standby::{claim, prepare, ClaimError, Standby, StandbyError, StandbyRefusal};
 pub use stop::{
     stop, EndSignal, ProcReport, Refusal, RefusalReason, StopError, StopOptions, StopReport,
 };

@@ -107,7 +107,7 @@ pub struct ThawReport {
 /// The pids of `pids` that are taken, once the zombies among their holders have been waited for
 /// (bounded): a zombie only is [`PrecheckError::Unreaped`], naming the parent that has not reaped
 /// it; a live holder is left to [`precheck`] ([`PrecheckError::PidsInUse`]).
-fn pids_taken(criu: &dyn Criu, pids: &[Pid]) -> Result<Vec<Pid>, PrecheckError> {
+pub(crate) fn pids_taken(criu: &dyn Criu, pids: &[Pid]) -> Result<Vec<Pid>, PrecheckError> {
     let held = crate::reaped::wait_reaped(|| criu.pids_in_use(pids), crate::reaped::REAP_WAIT);
     if !held.is_empty() && held.iter().all(cryo_proc::PidHolder::is_zombie) {
         return Err(PrecheckError::Unreaped(held));

@@ -36,6 +36,7 @@ mod cgroup;
 mod error;
 mod fds;
 mod handle;
+mod netns;
 pub mod ns;
 mod read;
 mod signal;
@@ -45,10 +46,11 @@ pub use cgroup::{cgroup_procs, cgroup_tree_procs, CgroupEntry, Cgroups};
 pub use error::{OomAdjError, ProcError};
 pub use fds::{driver_fds, DriverFiles, Fd, FdTarget};
 pub use handle::{Liveness, ProcHandle};
+pub use netns::in_net_namespace_of;
 pub use read::{
-    fds, liveness, load_average, pid_holders, pid_max, pids_in_use, runs_our_executable,
-    same_namespace, stat, status, tgid, tree, unix_listeners, NamespaceKind, PidHolder, Stat,
-    Status, SYSTEM_MEMORY_PRESSURE,
+    fds, liveness, load_average, mem_available, pid_holders, pid_max, pids_in_use,
+    runs_our_executable, same_namespace, stat, status, tgid, thread_named, tree, unix_listeners_of,
+    NamespaceKind, PidHolder, Stat, Status, SYSTEM_MEMORY_PRESSURE,
 };
 pub use signal::{describe_wait_status, signal_name, Signal};
 

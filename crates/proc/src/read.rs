@@ -129,6 +129,8 @@ pub enum NamespaceKind {
     Pid,
     /// Its cgroup namespace: the root its `/proc/PID/cgroup` paths are relative to.
     Cgroup,
+    /// Its network namespace: the addresses it listens on, its abstract unix sockets.
+    Net,
 }
 
 impl NamespaceKind {
@@ -136,6 +138,7 @@ impl NamespaceKind {
         match self {
             NamespaceKind::Pid => "pid",
             NamespaceKind::Cgroup => "cgroup",
+            NamespaceKind::Net => "net",
         }
     }
 }
@@ -394,13 +397,13 @@ pub fn pid_max() -> Result<Pid, ProcError> {
     })
 }
 
-/// Listening unix sockets (in cryo's network namespace) whose name starts with `prefix`
-/// (abstract names start with `@`): inode -> name.
-pub fn unix_listeners(prefix: &str) -> Result<HashMap<u64, String>, ProcError> {
-    let entries = procfs::net::unix().map_err(|source| ProcError::ReadSystem {
-        file: "net/unix",
-        source,
-    })?;
+/// Listening unix sockets in the network namespace of process `pid` (`/proc/PID/net/unix`)
+/// whose name starts with `prefix`: inode -> name. An abstract name lives in one network
+/// namespace: a process in its own (a container) is seen only through its own view.
+pub fn unix_listeners_of(pid: Pid, prefix: &str) -> Result<HashMap<u64, String>, ProcError> {
+    let entries = process(pid)?
+        .unix()
+        .map_err(|e| ProcError::read(pid, "net/unix", e))?;
     Ok(entries
         .into_iter()
         // A listening socket is unconnected; the connections it accepted show its name too, but
@@ -411,6 +414,34 @@ pub fn unix_listeners(prefix: &str) -> Result<HashMap<u64, String>, ProcError> {
             name.starts_with(prefix).then_some((e.inode, name))
         })
         .collect())
+}
+
+/// The thread of process `pid` that its own pid namespace calls `ns_tid` (the last entry of its
+/// `NSpid`), in cryo's pid namespace; `Ok(None)`: it has no such thread. A process in cryo's own
+/// namespace names its threads as cryo does.
+pub fn thread_named(pid: Pid, ns_tid: Pid) -> Result<Option<Pid>, ProcError> {
+    let tasks = process(pid)?
+        .tasks()
+        .map_err(|e| ProcError::read(pid, "task", e))?;
+    for t in tasks.flatten() {
+        // Threads end while we look: not an error.
+        let Ok(st) = t.status() else { continue };
+        if st.nspid.as_ref().and_then(|n| n.last()) == Some(&ns_tid) {
+            return Ok(Some(t.tid));
+        }
+    }
+    Ok(None)
+}
+
+/// Memory the kernel can give new work without swapping (`MemAvailable` of `/proc/meminfo`),
+/// bytes.
+pub fn mem_available() -> Result<u64, ProcError> {
+    use procfs::Current;
+    let m = procfs::Meminfo::current().map_err(|source| ProcError::ReadSystem {
+        file: "meminfo",
+        source,
+    })?;
+    Ok(m.mem_available.unwrap_or(m.mem_free + m.cached))
 }
 
 /// The machine's memory pressure (PSI) file, for readers and triggers.
@@ -554,7 +585,7 @@ mod tests {
         let l = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
         let _c = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
         let _s = l.accept().unwrap();
-        let found = unix_listeners(&format!("@{name}")).unwrap();
+        let found = unix_listeners_of(me(), &format!("@{name}")).unwrap();
         assert_eq!(found.len(), 1, "{found:?}");
         assert_eq!(found.values().next().unwrap(), &format!("@{name}"));
         let own: Vec<u64> = fds(me())

@@ -494,13 +494,21 @@ impl Daemon {
                 _ => None,
             })
             .collect();
-        let Some(name) = self.restore_socket(&sockets)? else {
+        let Some(name) = self.restore_socket(pid, &sockets)? else {
             return Err(Reply::Cuda(CuResult::NOT_INITIALIZED));
         };
-        let Some(tid) = proto::restore_tid_of(&name) else {
+        let Some(ns_tid) = proto::restore_tid_of(&name) else {
             return Err(Reply::Error(format!(
                 "malformed restore-thread socket name {name}"
             )));
+        };
+        // The name carries the thread's id as its own pid namespace knows it; the driver answers
+        // in the caller's (cryo's), as NVML's pids are.
+        let tid = match cryo_proc::thread_named(pid, ns_tid) {
+            Ok(Some(t)) => t,
+            Ok(None) => return Err(Reply::Cuda(CuResult::NOT_INITIALIZED)),
+            Err(_) if gone() => return Err(Reply::Cuda(CuResult::INVALID_VALUE)),
+            Err(err) => return Err(Reply::Error(err.to_string())),
         };
         // The thread must belong to this process: a child forked without exec holds its
         // parent's socket but not its CUDA state.
@@ -515,20 +523,28 @@ impl Daemon {
         Ok(RestoreThread { addr, tid })
     }
 
-    /// The restore-thread socket name among the socket inodes `sockets` of one process, `None`
-    /// when none of them is one. `/proc/net/unix` is read in pieces and the kernel walks its
+    /// The restore-thread socket name among the socket inodes `sockets` of process `pid`, `None`
+    /// when none of them is one. The process's own view of its network namespace is read
+    /// (`/proc/PID/net/unix`): a worker in a namespace of its own (a container, a standby restored
+    /// into fresh namespaces) listens where only that view shows it. It is read in pieces and the kernel walks its
     /// table by position: a socket closed elsewhere while it is read (another process of the
     /// tree dying) shifts the rest and one entry can be skipped. A miss is therefore read again
     /// a few times before it counts: a real driver never answers "not initialised" for a
     /// process it holds state of, and neither may the simulated one.
-    fn restore_socket(&self, sockets: &[u64]) -> Result<Option<String>, Reply> {
+    fn restore_socket(&self, pid: Pid, sockets: &[u64]) -> Result<Option<String>, Reply> {
         const READS: usize = 4;
         if sockets.is_empty() {
             return Ok(None);
         }
         for _ in 0..READS {
-            let listening = cryo_proc::unix_listeners(&format!("@cryo-sim/{}/", self.id))
-                .map_err(|err| Reply::Error(err.to_string()))?;
+            let listening =
+                match cryo_proc::unix_listeners_of(pid, &format!("@cryo-sim/{}/", self.id)) {
+                    Ok(l) => l,
+                    Err(_) if cryo_proc::liveness(pid) == Liveness::Gone => {
+                        return Err(Reply::Cuda(CuResult::INVALID_VALUE))
+                    }
+                    Err(err) => return Err(Reply::Error(err.to_string())),
+                };
             if let Some(name) = sockets.iter().find_map(|inode| listening.get(inode)) {
                 return Ok(Some(name.clone()));
             }
@@ -560,7 +576,9 @@ impl Daemon {
         thread: &RestoreThread,
         op: WorkerOp,
     ) -> Option<Reply> {
-        let mut s = match UnixStream::connect_addr(&thread.addr) {
+        // In the process's network namespace, where its abstract name lives.
+        let addr = &thread.addr;
+        let mut s = match cryo_proc::in_net_namespace_of(pid, || UnixStream::connect_addr(addr)) {
             Ok(s) => s,
             // Closed between the lookup and now: the process is going away.
             Err(_) => return Some(Reply::Cuda(CuResult::NOT_INITIALIZED)),

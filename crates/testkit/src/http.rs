@@ -35,3 +35,44 @@ pub fn http(to: impl Into<To>, method: &str, path: &str, body: &str) -> (u16, St
     cryo_http::fetch(method, &url, body, Duration::from_secs(60))
         .unwrap_or_else(|e| panic!("{method} {url}: {e}"))
 }
+
+/// One request to `127.0.0.1:PORT` in the network namespace of process `pid` (a worker in a
+/// namespace of its own): `(status, body)`. The connection is made there and used from here.
+pub fn http_in_netns(
+    pid: cryo_proc::Pid,
+    port: u16,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = crate::eventually(
+        Duration::from_secs(60),
+        "a connection in the worker's namespace",
+        || {
+            cryo_proc::in_net_namespace_of(pid, || {
+                std::net::TcpStream::connect(("127.0.0.1", port))
+            })
+            .ok()
+        },
+    );
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, rest) = text
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("not HTTP from pid {pid}: {text:?}"));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status from pid {pid}: {head:?}"));
+    (status, rest.to_string())
+}

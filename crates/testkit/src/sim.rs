@@ -228,6 +228,7 @@ pub struct WorkerSpec {
     process_group: bool,
     cgroup: Option<PathBuf>,
     program: Option<Program>,
+    own_namespaces: bool,
 }
 
 impl WorkerSpec {
@@ -246,6 +247,7 @@ impl WorkerSpec {
             process_group: false,
             cgroup: None,
             program: None,
+            own_namespaces: false,
         }
     }
 
@@ -312,6 +314,15 @@ impl WorkerSpec {
         self
     }
 
+    /// In fresh pid and network namespaces, as in a container (`unshare --pid --net --fork`,
+    /// loopback up): the worker is its namespace's pid 1 and session leader (what CRIU needs to
+    /// dump both namespaces) and serves on loopback there; [`Worker::pid`] is its host pid and
+    /// [`Worker::http`] reaches it in its namespace.
+    pub fn own_namespaces(mut self) -> Self {
+        self.own_namespaces = true;
+        self
+    }
+
     /// Exec'd from this program instead of the daemon's.
     pub fn program(mut self, program: Program) -> Self {
         self.program = Some(program);
@@ -353,6 +364,8 @@ pub struct Worker {
     gpu: Gpu,
     /// The ranks of a tree (`--process-per-gpu`), in rank order.
     children: Vec<Pid>,
+    /// It serves in a network namespace of its own ([`WorkerSpec::own_namespaces`]).
+    netns: bool,
 }
 
 impl Worker {
@@ -366,7 +379,20 @@ impl Worker {
         let ready = sim.path().join(format!("{tag}.ready"));
         let log = sim.path().join(format!("{tag}.log"));
         let program = spec.program.as_ref().unwrap_or(&sim.program);
-        let mut cmd = if spec.setsid {
+        let mut cmd = if spec.own_namespaces {
+            let mut c = Command::new("unshare");
+            clean_env(&mut c);
+            c.args(["--pid", "--net", "--fork", "setsid", "sh", "-c"])
+                .arg("ip link set lo up && exec \"$0\" \"$@\"")
+                .arg(program.bin())
+                .args(&program.prefix)
+                .arg("worker")
+                // CRIU's parasite makes a fixed-name scratch directory (`proc.crtools`) in the
+                // working directory of a process whose /proc is not its pid namespace's: two
+                // such dumps at once in one directory collide (EEXIST). One per simulator.
+                .current_dir(sim.path());
+            c
+        } else if spec.setsid {
             let mut c = Command::new("setsid");
             clean_env(&mut c);
             c.arg(program.bin()).args(&program.prefix).arg("worker");
@@ -402,7 +428,7 @@ impl Worker {
             std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         }
         let mut child = cmd.spawn().unwrap();
-        let pid = child.id() as Pid;
+        let mut pid = child.id() as Pid;
         if let Some(cg) = &spec.cgroup {
             std::fs::OpenOptions::new()
                 .write(true)
@@ -421,11 +447,18 @@ impl Worker {
                 .ok()
                 .and_then(|b| serde_json::from_slice(&b).ok())
         });
-        assert_eq!(
-            info["pid"].as_i64(),
-            Some(i64::from(pid)),
-            "the worker must run as the spawned pid (setsid execs in place)"
-        );
+        if spec.own_namespaces {
+            // `unshare` forked it: its only child, pid 1 of the new namespace.
+            let kids = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap();
+            pid = kids.split_whitespace().next().unwrap().parse().unwrap();
+            assert_eq!(info["pid"].as_i64(), Some(1), "pid 1 of its namespace");
+        } else {
+            assert_eq!(
+                info["pid"].as_i64(),
+                Some(i64::from(pid)),
+                "the worker must run as the spawned pid (setsid execs in place)"
+            );
+        }
         let port = info["port"].as_u64().unwrap_or(0) as u16;
         let children = info["children"]
             .as_array()
@@ -445,6 +478,7 @@ impl Worker {
                 None => Endpoint::loopback(port),
             },
             port,
+            netns: spec.own_namespaces,
             log,
             gpu: sim.gpu.clone(),
         }
@@ -457,6 +491,9 @@ impl Worker {
 
     /// One HTTP request to it: `(status, body)`.
     pub fn http(&self, method: &str, path: &str, body: &str) -> (u16, String) {
+        if self.netns {
+            return crate::http::http_in_netns(self.pid, self.port, method, path, body);
+        }
         http(&self.endpoint, method, path, body)
     }
 
@@ -549,6 +586,13 @@ impl Drop for Worker {
                 let _ = self.gpu.driver.lock(pid, Some(Duration::from_secs(5)));
                 let _ = self.gpu.driver.checkpoint(pid);
             }
+        }
+        if self.netns {
+            // `unshare` waits for it; it is not our child.
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(self.pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
         }
         let _ = child.kill();
         let _ = child.wait();

@@ -14,6 +14,7 @@ pub mod gpu_map;
 pub mod guard;
 pub mod park;
 pub mod shrink;
+pub mod standby;
 pub mod stop;
 
 use std::ffi::OsString;
@@ -110,6 +111,8 @@ pub enum Command {
     Wake(park::WakeArgs),
     /// Holds a parked worker's service address: wakes it on the first connection, parks it when idle.
     Activate(activate::ActivateArgs),
+    /// Pre-thawed standbys (in the agent): workers restored ahead of demand, woken on a claim.
+    Standby(standby::StandbyArgs),
     /// Guards restored workers against disorderly deaths (fatal signals, OOM kills, kill -9):
     /// suspends on a fatal signal, else pins the context at exit and fences the GPU.
     Guard(GuardArgs),

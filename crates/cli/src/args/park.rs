@@ -71,13 +71,9 @@ pub enum WhenFullArg {
     Refuse,
 }
 
-/// `cryo wake`.
+/// How a wake is done (`cryo wake`, `cryo standby claim`).
 #[derive(Debug, Clone, Args)]
-#[command(after_help = WAKE_AFTER_HELP)]
-pub struct WakeArgs {
-    /// What to wake.
-    #[command(flatten)]
-    pub target: TargetArgs,
+pub struct WakeHowArgs {
     /// GPUs the wake may use (UUIDs, comma-separated); default: the ones the worker left, and
     /// with --when-full other-gpu any GPU of the node.
     #[arg(long, value_name = "UUID,...", value_delimiter = ',')]
@@ -94,6 +90,18 @@ pub struct WakeArgs {
     /// Seconds the health check may take.
     #[arg(long, value_name = "S", default_value_t = 60)]
     pub health_timeout: u64,
+}
+
+/// `cryo wake`.
+#[derive(Debug, Clone, Args)]
+#[command(after_help = WAKE_AFTER_HELP)]
+pub struct WakeArgs {
+    /// What to wake.
+    #[command(flatten)]
+    pub target: TargetArgs,
+    /// How.
+    #[command(flatten)]
+    pub how: WakeHowArgs,
     /// Print the result as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,

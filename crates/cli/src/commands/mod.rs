@@ -10,6 +10,7 @@ pub mod install_compat;
 pub mod metrics;
 pub mod park;
 pub mod sim;
+pub mod standby;
 pub mod status;
 pub mod stop;
 pub mod stop_kube;
@@ -89,6 +90,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Park(a) => park::run_park(&ctx, &a),
         Command::Wake(a) => park::run_wake(&ctx, &a),
         Command::Activate(a) => activate::run(&ctx, &a),
+        Command::Standby(a) => standby::run(&ctx, &a),
         Command::Guard(a) => guard::run(&ctx, &a),
         Command::Status(a) => status::run(&ctx, &a).map(|()| crate::exit::SUCCESS),
         Command::Metrics(a) => metrics::run(&ctx, &a).map(|()| crate::exit::SUCCESS),

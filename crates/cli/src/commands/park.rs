@@ -8,7 +8,7 @@ use cryo_lifecycle::{ParkError, ParkReport, Target, WakeReport};
 use cryo_units::fmt_bytes;
 
 use super::Context;
-use crate::args::park::{ParkArgs, TargetArgs, WakeArgs, WhenFullArg};
+use crate::args::park::{ParkArgs, TargetArgs, WakeArgs, WakeHowArgs, WhenFullArg};
 use crate::exit::{self, UsageError};
 use crate::route::{self, Outcome};
 
@@ -83,7 +83,7 @@ pub fn run_wake(ctx: &Context, args: &WakeArgs) -> anyhow::Result<u8> {
     let target = target(&args.target);
     let req = WakeRequest {
         target: TargetSpec::from(&target),
-        wake: wake_spec(args),
+        wake: wake_spec(&args.how),
     };
     if let Some(h) = &req.wake.options().health {
         h.validate().map_err(|e| UsageError(e.to_string()))?;
@@ -150,7 +150,7 @@ pub fn when_full(arg: WhenFullArg, wait: u64) -> WhenFullSpec {
 }
 
 /// How the arguments wake (`cryo wake`, and a claim of `cryo standby`).
-pub fn wake_spec(args: &WakeArgs) -> WakeSpec {
+pub fn wake_spec(args: &WakeHowArgs) -> WakeSpec {
     WakeSpec {
         onto: args.onto.clone(),
         when_full: when_full(args.when_full, args.wait),

@@ -1,0 +1,522 @@
+//! The pre-thawed standby pools the agent keeps (`/v1/standby`): per image, N workers restored
+//! by CRIU ahead of demand and kept CHECKPOINTED (no live restored context) until claimed.
+//!
+//! # Design
+//! - **State from evidence.** Every change is journaled first-hand by the lifecycle
+//!   ([`cryo_journal::Event::StandbyPool`], `StandbyReady`, `StandbyClaimed`, `StandbyDropped`).
+//!   An agent that starts rebuilds its pools from the journal and adopts each ready standby only
+//!   if its processes are the recorded ones (pid and start time) and the driver says every CUDA
+//!   one is CHECKPOINTED; anything else is dropped (a standby found LOCKED or RUNNING was being
+//!   woken: it is left to `cryo wake`, never killed).
+//! - **Refill** runs on one thread ([`Pools::refill_loop`]): it drops standbys that died or whose
+//!   image changed (stale: another manifest digest), and restores missing ones one at a time on
+//!   the agent's parent thread (CRIU restores a tree as a child of the thread that runs it, and
+//!   that thread reaps them). A refill that fails or is refused is retried after
+//!   [`RETRY`]; the reason is in the pool's status.
+//! - **Claims** take a standby out of the pool under its lock, so two claims never get the same
+//!   one, then wake it ([`cryo_lifecycle::standby::claim`]): the image is checked again (a stale
+//!   standby is never handed out), the fence and free device memory are checked by the wake, the
+//!   guard traces it while LOCKED, then it is unlocked. One claim wakes at a time (the wake's
+//!   free-memory check and the restore are not atomic across concurrent wakes). A claim refused
+//!   before any restore (GPU full, fenced) puts the standby back; one that fails after the
+//!   restore removes it safely.
+//!
+//! # Limitations
+//! An agent killed after CRIU finished restoring a standby and before `StandbyReady` reached the
+//! journal (a window of one journal append) leaves that tree, CHECKPOINTED, unowned; it holds
+//! host memory only (no live context) and `cryo stop` removes it. An agent killed during CRIU's
+//! restore leaves nothing: CRIU's gate waits on a lock the agent holds.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::{ConnectInfo, State};
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::Router;
+use cryo_api::{
+    path, Access, ApiError, ErrorKind, PoolStatus, StandbyClaim, StandbyClaimRequest,
+    StandbyCreateRequest, StandbyList, StandbyRemoveRequest, StandbyRemoved,
+};
+use cryo_gpu::ProcessState;
+use cryo_journal::Event;
+use cryo_lifecycle::standby::{self as sb, ClaimError};
+use cryo_lifecycle::{NoProgress, Standby, WakeError};
+
+use crate::auth::Peer;
+use crate::server::{allow, blocking, parse, Failure};
+use crate::Agent;
+
+/// How long a failed refill waits before it is tried again.
+pub(crate) const RETRY: Duration = Duration::from_secs(5);
+
+/// How often the refill loop looks at the pools without being woken.
+const TICK: Duration = Duration::from_millis(500);
+
+/// The routes of `/v1/standby`, merged into the agent's router.
+pub(crate) fn routes() -> Router<Arc<Agent>> {
+    Router::new()
+        .route(path::STANDBY, get(list))
+        .route(&format!("{}/create", path::STANDBY), post(create))
+        .route(&format!("{}/claim", path::STANDBY), post(claim))
+        .route(&format!("{}/remove", path::STANDBY), post(remove))
+}
+
+async fn list(
+    State(agent): State<Arc<Agent>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+) -> Result<Response, Failure> {
+    allow(&agent, &peer, Access::Read)?;
+    blocking(move || Ok(agent.pools.list())).await
+}
+
+async fn create(
+    State(agent): State<Arc<Agent>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    body: Bytes,
+) -> Result<Response, Failure> {
+    allow(&agent, &peer, Access::Change)?;
+    let req: StandbyCreateRequest = parse(&body)?;
+    tracing::info!(image = %req.image.display(), count = req.count, ?peer.cred, "standby create");
+    blocking(move || agent.standby_create(&req)).await
+}
+
+async fn claim(
+    State(agent): State<Arc<Agent>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    body: Bytes,
+) -> Result<Response, Failure> {
+    let requested = Instant::now();
+    allow(&agent, &peer, Access::Change)?;
+    let req: StandbyClaimRequest = parse(&body)?;
+    tracing::info!(image = %req.image.display(), ?peer.cred, "standby claim");
+    blocking(move || agent.standby_claim(&req, requested)).await
+}
+
+async fn remove(
+    State(agent): State<Arc<Agent>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    body: Bytes,
+) -> Result<Response, Failure> {
+    allow(&agent, &peer, Access::Change)?;
+    let req: StandbyRemoveRequest = parse(&body)?;
+    tracing::info!(image = %req.image.display(), ?peer.cred, "standby remove");
+    blocking(move || agent.standby_remove(&req)).await
+}
+
+/// One image's pool.
+#[derive(Debug, Default)]
+struct Pool {
+    count: u32,
+    ready: VecDeque<Standby>,
+    refilling: u32,
+    last_error: Option<String>,
+    retry_at: Option<Instant>,
+}
+
+/// Every pool of the agent.
+#[derive(Debug, Default)]
+pub(crate) struct Pools {
+    pools: Mutex<BTreeMap<PathBuf, Pool>>,
+    kick: Condvar,
+    /// One claim wakes at a time.
+    claiming: Mutex<()>,
+}
+
+impl Pools {
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<PathBuf, Pool>> {
+        self.pools.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `GET /v1/standby`.
+    pub(crate) fn list(&self) -> StandbyList {
+        StandbyList {
+            pools: self
+                .lock()
+                .iter()
+                .map(|(image, p)| PoolStatus {
+                    image: image.clone(),
+                    count: p.count,
+                    ready: p.ready.iter().cloned().collect(),
+                    refilling: p.refilling,
+                    last_error: p.last_error.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Wakes the refill loop.
+    fn kick(&self) {
+        self.kick.notify_all();
+    }
+}
+
+/// Why a standby leaves the pool, and what became of it.
+fn drop_it(agent: &Agent, s: &Standby, why: &str) {
+    let what = match sb::open(s) {
+        Some(tree) => sb::remove(&agent.gpu, &tree, &agent.journal, &NoProgress),
+        None => "already gone (it was CHECKPOINTED: nothing live was torn down)".into(),
+    };
+    let reason = format!("{why}: {what}");
+    tracing::info!(image = %s.image.display(), root = s.root.pid, %reason, "standby dropped");
+    if let Err(e) = agent.journal.append(Event::StandbyDropped {
+        image: s.image.display().to_string(),
+        root: s.root,
+        reason,
+    }) {
+        tracing::error!(error = %e, "cannot journal a dropped standby");
+    }
+}
+
+/// Whether every CUDA process of the standby is CHECKPOINTED, as the driver says (`Err`: what
+/// was found instead).
+fn still_checkpointed(agent: &Agent, s: &Standby) -> Result<(), String> {
+    for p in &s.pids {
+        match agent.gpu.driver.state(p.pid) {
+            Ok(ProcessState::Checkpointed) => {}
+            Ok(other) => return Err(format!("pid {} is {other:?}", p.pid)),
+            // A process without CUDA state (a launcher) answers an error: not a context.
+            Err(_) => {}
+        }
+    }
+    Ok(())
+}
+
+impl Agent {
+    /// Rebuilds the pools from the journal at start (see the module docs).
+    pub(crate) fn adopt_standbys(&self) {
+        let records = match cryo_journal::read(self.journal.dir()) {
+            Ok(r) => r.records,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot read the journal: no standby pool adopted");
+                return;
+            }
+        };
+        let (counts, ready) = sb::from_journal(&records);
+        let mut pools = self.pools.lock();
+        for (image, count) in counts {
+            pools.entry(image).or_default().count = count;
+        }
+        drop(pools);
+        for s in ready {
+            let (image, root) = (s.image.clone(), s.root);
+            let alive = sb::open(&s).is_some();
+            let mut pools = self.pools.lock();
+            match (pools.get_mut(&image), alive, still_checkpointed(self, &s)) {
+                (Some(pool), true, Ok(())) => {
+                    tracing::info!(image = %image.display(), root = root.pid, "standby adopted");
+                    pool.ready.push_back(s);
+                }
+                (_, true, Err(found)) => {
+                    drop(pools);
+                    tracing::warn!(%found, root = root.pid, "a standby is not CHECKPOINTED: a claim was cut short; left as it is");
+                    let _ = self.journal.append(Event::StandbyDropped {
+                        image: image.display().to_string(),
+                        root,
+                        reason: format!("found {found} at the agent's start (a claim was cut short): left as it is, `cryo wake` finishes it"),
+                    });
+                }
+                (None, true, Ok(())) => {
+                    drop(pools);
+                    drop_it(self, &s, "its pool is gone");
+                }
+                (_, false, _) => {
+                    drop(pools);
+                    drop_it(self, &s, "gone while the agent was not running");
+                }
+            }
+        }
+        self.pools.kick();
+    }
+
+    /// `POST /v1/standby/create`: sets the pool's count; the refill loop restores them.
+    pub(crate) fn standby_create(
+        &self,
+        req: &StandbyCreateRequest,
+    ) -> Result<PoolStatus, ApiError> {
+        if req.count == 0 {
+            return Err(ApiError::new(
+                ErrorKind::BadRequest,
+                "--count must be at least 1 (remove a pool with `cryo standby remove`)",
+            ));
+        }
+        // Refused now rather than by every refill: an image that cannot be used.
+        let opened = cryo_criu::image::Image::open(&req.image)
+            .map_err(|e| ApiError::new(ErrorKind::Refused, format!("image refused: {e}")))?;
+        if req.count > 1 && !sb::own_namespaces(opened.manifest()) {
+            return Err(ApiError::new(
+                ErrorKind::Refused,
+                format!("{} standbys of {}: a standby keeps the pids and listening ports the worker had, so more than one needs the worker to run in its own pid and network namespaces (as in a container) when it is frozen", req.count, req.image.display()),
+            )
+            .with_hint("freeze the worker started in fresh namespaces (`unshare --pid --net --fork`), or keep one standby"));
+        }
+        self.journal
+            .append(Event::StandbyPool {
+                image: req.image.display().to_string(),
+                count: req.count,
+            })
+            .map_err(|e| ApiError::new(ErrorKind::Failed, format!("cannot journal: {e}")))?;
+        let status = {
+            let mut pools = self.pools.lock();
+            let pool = pools.entry(req.image.clone()).or_default();
+            pool.count = req.count;
+            pool.retry_at = None;
+            PoolStatus {
+                image: req.image.clone(),
+                count: pool.count,
+                ready: pool.ready.iter().cloned().collect(),
+                refilling: pool.refilling,
+                last_error: pool.last_error.clone(),
+            }
+        };
+        self.pools.kick();
+        Ok(status)
+    }
+
+    /// `POST /v1/standby/remove`.
+    pub(crate) fn standby_remove(
+        &self,
+        req: &StandbyRemoveRequest,
+    ) -> Result<StandbyRemoved, ApiError> {
+        let Some(pool) = self.pools.lock().remove(&req.image) else {
+            return Err(ApiError::new(
+                ErrorKind::NotFound,
+                format!("no standby pool for {}", req.image.display()),
+            ));
+        };
+        self.journal
+            .append(Event::StandbyPool {
+                image: req.image.display().to_string(),
+                count: 0,
+            })
+            .map_err(|e| ApiError::new(ErrorKind::Failed, format!("cannot journal: {e}")))?;
+        let mut removed = Vec::new();
+        for s in pool.ready {
+            drop_it(self, &s, "its pool was removed");
+            removed.push((s.root, "removed".to_string()));
+        }
+        Ok(StandbyRemoved { removed })
+    }
+
+    /// `POST /v1/standby/claim`.
+    pub(crate) fn standby_claim(
+        &self,
+        req: &StandbyClaimRequest,
+        requested: Instant,
+    ) -> Result<StandbyClaim, ApiError> {
+        let opts = req.wake.options();
+        if let Some(h) = &opts.health {
+            h.validate()
+                .map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))?;
+        }
+        let _one = self
+            .pools
+            .claiming
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        loop {
+            let next = {
+                let mut pools = self.pools.lock();
+                let Some(pool) = pools.get_mut(&req.image) else {
+                    return Err(ApiError::new(
+                        ErrorKind::NotFound,
+                        format!("no standby pool for {}", req.image.display()),
+                    )
+                    .with_hint("create one with `cryo standby create --image DIR`"));
+                };
+                match pool.ready.pop_front() {
+                    Some(s) => s,
+                    None => {
+                        return Err(ApiError::new(
+                            ErrorKind::Refused,
+                            format!(
+                                "no standby of {} is ready ({} being restored{})",
+                                req.image.display(),
+                                pool.refilling,
+                                pool.last_error
+                                    .as_ref()
+                                    .map(|e| format!("; the last refill failed: {e}"))
+                                    .unwrap_or_default()
+                            ),
+                        ))
+                    }
+                }
+            };
+            self.pools.kick();
+            let result = sb::claim(
+                &self.gpu,
+                &next,
+                &opts,
+                &self.journal,
+                &self.state.fence(),
+                self.guard.as_ref(),
+                &NoProgress,
+            );
+            match result {
+                Ok(wake) => {
+                    if let Err(e) = self.guard.poll_journal() {
+                        tracing::warn!(err = %e, "cannot read the journal after a claim");
+                    }
+                    return Ok(StandbyClaim {
+                        standby: next,
+                        wake,
+                        elapsed_ms: u64::try_from(requested.elapsed().as_millis())
+                            .unwrap_or(u64::MAX),
+                    });
+                }
+                // Not the one to hand out; the next may be.
+                Err(e @ (ClaimError::Stale { .. } | ClaimError::Gone(_))) => {
+                    drop_it(self, &next, &e.to_string());
+                }
+                Err(ClaimError::Image(e)) => {
+                    self.requeue(next);
+                    return Err(ApiError::new(
+                        ErrorKind::Refused,
+                        format!("image refused: {e}"),
+                    ));
+                }
+                // Refused before anything was restored: it stays a standby.
+                Err(ClaimError::Wake(e)) if crate::warm::refused_before_restore(&e) => {
+                    self.requeue(next);
+                    return Err(crate::warm::wake_error(e));
+                }
+                Err(ClaimError::Wake(e)) => {
+                    let msg = e.to_string();
+                    if !matches!(e, WakeError::AfterRestore { .. }) {
+                        self.requeue(next);
+                    } else {
+                        drop_it(self, &next, &format!("its claim failed ({msg})"));
+                    }
+                    return Err(ApiError::new(ErrorKind::Failed, msg));
+                }
+            }
+        }
+    }
+
+    /// Puts a standby that was not handed out back at the front of its pool (or removes it
+    /// when its pool is gone).
+    fn requeue(&self, s: Standby) {
+        let mut pools = self.pools.lock();
+        if let Some(pool) = pools.get_mut(&s.image) {
+            pool.ready.push_front(s);
+        } else {
+            drop(pools);
+            drop_it(self, &s, "its pool is gone");
+        }
+    }
+
+    /// The refill loop (its own thread, for the agent's life): see the module docs.
+    pub(crate) fn refill_loop(self: &Arc<Self>) {
+        while !self.stopping() {
+            self.drop_dead_and_stale();
+            let next = {
+                let mut pools = self.pools.lock();
+                let now = Instant::now();
+                let todo = pools.iter_mut().find(|(_, p)| {
+                    (p.ready.len() as u64 + u64::from(p.refilling)) < u64::from(p.count)
+                        && p.retry_at.is_none_or(|t| t <= now)
+                });
+                match todo {
+                    Some((image, p)) => {
+                        p.refilling += 1;
+                        Some((image.clone(), p.ready.len() + p.refilling as usize - 1))
+                    }
+                    None => {
+                        let _ = self
+                            .pools
+                            .kick
+                            .wait_timeout(pools, TICK)
+                            .map(|(g, _)| drop(g));
+                        None
+                    }
+                }
+            };
+            if let Some((image, others)) = next {
+                self.refill_one(&image, others);
+            }
+        }
+    }
+
+    /// Restores one standby of `image` on the parent thread and puts it in its pool.
+    fn refill_one(self: &Arc<Self>, image: &Path, others: usize) {
+        let agent = Arc::clone(self);
+        let dir = image.to_path_buf();
+        let made = self.parent.run(move || {
+            let criu = cryo_criu::CriuRpc::locate(None).map_err(|e| e.to_string())?;
+            sb::prepare(
+                &agent.gpu,
+                &criu,
+                &dir,
+                others,
+                &agent.journal,
+                &agent.state.fence(),
+                &NoProgress,
+            )
+            .map_err(|e| e.to_string())
+        });
+        let made = made.unwrap_or_else(|| Err("the agent's parent thread is gone".into()));
+        let mut pools = self.pools.lock();
+        let pool = pools.get_mut(image);
+        match (pool, made) {
+            (Some(pool), Ok(s)) => {
+                pool.refilling -= 1;
+                pool.last_error = None;
+                tracing::info!(image = %image.display(), root = s.root.pid, criu_ms = s.criu_ms, "standby ready");
+                if pool.ready.len() < pool.count as usize {
+                    pool.ready.push_back(s);
+                } else {
+                    drop(pools);
+                    drop_it(self, &s, "its pool needs no more");
+                }
+            }
+            (Some(pool), Err(e)) => {
+                pool.refilling -= 1;
+                tracing::warn!(image = %image.display(), error = %e, "refill failed; trying again later");
+                pool.last_error = Some(e);
+                pool.retry_at = Some(Instant::now() + RETRY);
+            }
+            (None, Ok(s)) => {
+                drop(pools);
+                drop_it(self, &s, "its pool was removed while it was restored");
+            }
+            (None, Err(_)) => {}
+        }
+    }
+
+    /// Drops the ready standbys that died or whose image changed.
+    fn drop_dead_and_stale(&self) {
+        let mut out: Vec<(Standby, String)> = Vec::new();
+        {
+            let mut pools = self.pools.lock();
+            for (image, pool) in pools.iter_mut() {
+                if pool.ready.is_empty() {
+                    continue;
+                }
+                let digest = cryo_criu::image::Image::open(image)
+                    .map(|i| i.manifest().manifest_sha256.clone())
+                    .ok();
+                let (keep, gone): (Vec<Standby>, Vec<Standby>) = pool
+                    .ready
+                    .drain(..)
+                    .partition(|s| sb::open(s).is_some() && digest.as_ref() == Some(&s.digest));
+                pool.ready = keep.into();
+                for s in gone {
+                    let why = if sb::open(&s).is_none() {
+                        "it exited while ready (CHECKPOINTED: nothing live was torn down)"
+                    } else if digest.is_none() {
+                        "its image cannot be opened any more"
+                    } else {
+                        "its image changed since it was restored (stale)"
+                    };
+                    out.push((s, why.to_string()));
+                }
+            }
+        }
+        for (s, why) in out {
+            drop_it(self, &s, &why);
+        }
+    }
+}

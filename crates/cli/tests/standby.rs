@@ -1,0 +1,348 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! The pre-thawed standby pool in the agent (`cryo standby`), with real CRIU and the simulated
+//! GPU. Needs root and CRIU (`scripts/install-criu.sh`): without them these tests fail loudly.
+//!
+//! The worker runs in its own pid and network namespaces (as in a container), so several
+//! standbys of one image coexist with the same pids and port inside; each is reached in its own
+//! network namespace. Attacks: two claims at once, a standby SIGKILLed while ready, the image
+//! replaced under the pool, the agent killed mid-refill, a fenced GPU, a second standby of an
+//! image without namespaces.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use common::{eventually, program, stderr, stdout, AgentProc, Sim, WorkerSpec, PATIENCE};
+use cryo_journal::Event;
+
+fn criu_present() {
+    assert!(
+        cryo_criu::CriuRpc::locate(None).is_ok(),
+        "CRIU is required for these tests (run scripts/install-criu.sh as root)"
+    );
+    assert!(nix::unistd::geteuid().is_root(), "these tests need root");
+}
+
+/// A simulated GPU, a private copy of `cryo` for the workers (CRIU refuses an executable that
+/// changed), the agent's state directory, and the agent.
+struct Env {
+    sim: Sim,
+    bin: common::Program,
+    state: PathBuf,
+    agent: Option<AgentProc>,
+}
+
+impl Env {
+    fn start() -> Env {
+        criu_present();
+        let sim = Sim::start();
+        let bin = program().copied_to(&sim.path().join("cryo-worker"));
+        let state = sim.path().join("state");
+        let agent = Some(AgentProc::start(&sim, &state, &["--no-memory-watch"]));
+        Env {
+            sim,
+            bin,
+            state,
+            agent,
+        }
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.sim.cmd_at(&self.state).args(args).output().unwrap()
+    }
+
+    fn ok(&self, args: &[&str]) -> String {
+        let o = self.run(args);
+        assert!(
+            o.status.success(),
+            "cryo {args:?}: {}\n{}",
+            stdout(&o),
+            stderr(&o)
+        );
+        stdout(&o)
+    }
+
+    /// A worker in its own namespaces (seed `seed`), frozen into `image`; returns what it
+    /// answered to "q" before.
+    fn frozen(&self, image: &Path, seed: u64, replace: bool) -> String {
+        let mut w = self.sim.spawn(
+            WorkerSpec::new("32MiB")
+                .seed(seed)
+                .own_namespaces()
+                .program(self.bin.clone()),
+        );
+        let answer = w.complete("q");
+        let pid = w.pid.to_string();
+        let mut args = vec!["freeze", &pid, "--image", image.to_str().unwrap()];
+        if replace {
+            args.push("--replace");
+        }
+        self.ok(&args);
+        w.reap();
+        answer
+    }
+
+    fn list(&self) -> serde_json::Value {
+        serde_json::from_str(&self.ok(&["standby", "list", "--json"])).unwrap()
+    }
+
+    /// The ready standbys of the one pool.
+    fn ready(&self) -> Vec<serde_json::Value> {
+        let l = self.list();
+        l["pools"][0]["ready"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Waits until the pool has `n` ready standbys; returns their root pids.
+    fn wait_ready(&self, n: usize) -> Vec<i32> {
+        eventually(PATIENCE, "the standbys to be ready", || {
+            let r = self.ready();
+            (r.len() == n).then(|| {
+                r.iter()
+                    .map(|s| s["root"]["pid"].as_i64().unwrap() as i32)
+                    .collect::<Vec<_>>()
+            })
+        })
+    }
+
+    fn claim(&self, image: &Path) -> Output {
+        self.run(&[
+            "standby",
+            "claim",
+            "--image",
+            image.to_str().unwrap(),
+            "--json",
+        ])
+    }
+
+    fn events(&self) -> Vec<Event> {
+        cryo_journal::read(self.state.join("journal"))
+            .unwrap()
+            .records
+            .into_iter()
+            .map(|r| r.event)
+            .collect()
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        // Every worker of the test: suspend-before-kill through the stop path.
+        for p in procs_of(&self.bin) {
+            let _ = self.run(&["stop", &p.to_string()]);
+        }
+        drop(self.agent.take());
+        common::stop_pin_holder(&self.state);
+    }
+}
+
+/// Pids running the workers' private binary (host pids).
+fn procs_of(bin: &common::Program) -> Vec<i32> {
+    let want = std::fs::canonicalize(bin.bin()).unwrap();
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        if std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|x| x == want) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+fn answer(pid: i32, port: u16) -> String {
+    let (status, body) =
+        cryo_testkit::http::http_in_netns(pid, port, "POST", "/v1/completions", "q");
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    v["text"].as_str().unwrap().to_string()
+}
+
+/// Two standbys of one image, each in its own pid and network namespaces (same pid 1 and port
+/// inside, distinct host pids), CHECKPOINTED and off the GPU; two claims at once get one each,
+/// both serve the original's answers, guarded; the pool refills to two.
+#[test]
+fn two_standbys_of_one_image_two_claims_at_once_and_the_pool_refills() {
+    let env = Env::start();
+    let image = env.sim.path().join("img");
+    let before = env.frozen(&image, 7, false);
+    let img = image.to_str().unwrap();
+    env.ok(&["standby", "create", "--image", img, "--count", "2"]);
+    let roots = env.wait_ready(2);
+    assert_ne!(roots[0], roots[1]);
+    for r in &roots {
+        assert_eq!(env.sim.state(*r), "checkpointed");
+        assert!(!env.sim.listed(*r), "a standby holds device memory");
+        let st = cryo_proc::status(*r).unwrap();
+        assert_eq!(st.nspid.last(), Some(&1), "pid 1 of its own namespace");
+    }
+
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(|| env.claim(&image));
+        let b = s.spawn(|| env.claim(&image));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    let mut claimed = Vec::new();
+    for o in [&a, &b] {
+        assert!(o.status.success(), "{}\n{}", stdout(o), stderr(o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["outcome"], "serving");
+        assert_eq!(v["wake"]["guarded"], true, "{v}");
+        claimed.push(v["standby"]["root"]["pid"].as_i64().unwrap() as i32);
+    }
+    claimed.sort_unstable();
+    let mut want = roots.clone();
+    want.sort_unstable();
+    assert_eq!(claimed, want, "two claims got the same standby");
+    let port = served_port(&env, claimed[0]);
+    for pid in &claimed {
+        assert_eq!(env.sim.state(*pid), "running");
+        assert_eq!(answer(*pid, port), before);
+        assert_ne!(
+            common::procs::tracer_pid(*pid),
+            0,
+            "claimed but not guarded"
+        );
+    }
+    // Refilled in the background, with new ones.
+    let again = env.wait_ready(2);
+    assert!(again.iter().all(|p| !claimed.contains(p)), "{again:?}");
+    env.sim.assert_no_wedge();
+}
+
+/// The port the (one) worker of a standby listens on, from its own network namespace's view.
+fn served_port(_env: &Env, pid: i32) -> u16 {
+    let tcp = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).unwrap();
+    for line in tcp.lines().skip(1) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        // st 0A: LISTEN, local address 0100007F:PORT.
+        if f.get(3) == Some(&"0A") {
+            if let Some((_, port)) = f[1].split_once(':') {
+                return u16::from_str_radix(port, 16).unwrap();
+            }
+        }
+    }
+    panic!("pid {pid} listens on no TCP port:\n{tcp}");
+}
+
+/// Attack: a ready standby is SIGKILLed (CHECKPOINTED: nothing live to tear down, ledger
+/// empty); the pool drops it and refills. Then the image is replaced under the pool: the old
+/// standbys are stale, dropped, never handed out; a claim serves the new image's answers.
+#[test]
+fn a_killed_standby_is_refilled_and_a_replaced_image_makes_the_pool_stale() {
+    let env = Env::start();
+    let image = env.sim.path().join("img");
+    let old = env.frozen(&image, 7, false);
+    let img = image.to_str().unwrap();
+    env.ok(&["standby", "create", "--image", img, "--count", "1"]);
+    let first = env.wait_ready(1)[0];
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(first),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let second = eventually(PATIENCE, "a new standby", || {
+        env.wait_ready(1).first().copied().filter(|p| *p != first)
+    });
+    assert!(env.events().iter().any(|e| matches!(e,
+        Event::StandbyDropped { root, reason, .. } if root.pid == first && reason.contains("exited"))));
+    env.sim.assert_no_wedge();
+
+    let new = env.frozen(&image, 8, true);
+    assert_ne!(old, new);
+    let third = eventually(PATIENCE, "a standby of the new image", || {
+        env.wait_ready(1).first().copied().filter(|p| *p != second)
+    });
+    assert!(env.events().iter().any(|e| matches!(e,
+        Event::StandbyDropped { root, reason, .. } if root.pid == second && reason.contains("stale"))));
+    let o = env.claim(&image);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["standby"]["root"]["pid"], third);
+    assert_eq!(answer(third, served_port(&env, third)), new);
+    env.sim.assert_no_wedge();
+}
+
+/// Attack: the agent is SIGKILLed while a refill is under way; the next agent rebuilds the pool
+/// from the journal and refills it, leaving no unowned tree. A standby whose GPU is fenced is
+/// never handed out (the claim is refused, the standby stays); a second standby of an image
+/// without namespaces is refused with the reason.
+#[test]
+fn the_agent_killed_mid_refill_a_fenced_gpu_and_an_image_without_namespaces() {
+    let mut env = Env::start();
+    let image = env.sim.path().join("img");
+    env.frozen(&image, 7, false);
+    let img = image.to_str().unwrap();
+    // An agent that stalls in the refill, CRIU not yet started.
+    drop(env.agent.take());
+    let stalled = AgentProc::start_with(&env.sim, &env.state, &["--no-memory-watch"], |c| {
+        c.env(
+            "CRYO_FAILPOINT",
+            cryo_lifecycle::standby::STANDBY_BEFORE_RESTORE,
+        );
+    });
+    env.ok(&["standby", "create", "--image", img, "--count", "1"]);
+    eventually(PATIENCE, "the refill to reach the failpoint", || {
+        stalled
+            .log()
+            .contains("failpoint standby-before-restore reached")
+    });
+    let mut stalled = stalled;
+    stalled.kill();
+    drop(stalled);
+    env.agent = Some(AgentProc::start(
+        &env.sim,
+        &env.state,
+        &["--no-memory-watch"],
+    ));
+    let root = env.wait_ready(1)[0];
+    // One tree of the image lives: the standby (nothing was left behind by the killed agent).
+    let workers = procs_of(&env.bin);
+    assert_eq!(workers, vec![root], "trees of the image: {workers:?}");
+
+    // The GPU is fenced: the claim is refused, nothing restored, the standby kept.
+    let gpu = env.sim.gpu.inspect.gpus().unwrap()[0].uuid.clone();
+    cryo_state::StateDir::new(&env.state)
+        .fence()
+        .quarantine(&cryo_state::fence::FencedGpu::Gpu(gpu), "test fence", &[])
+        .unwrap();
+    let o = env.claim(&image);
+    assert_eq!(o.status.code(), Some(3), "{}\n{}", stdout(&o), stderr(&o));
+    assert_eq!(env.sim.state(root), "checkpointed");
+    assert_eq!(env.wait_ready(1), vec![root]);
+
+    // No namespaces: one standby at most.
+    let flat = env.sim.path().join("flat");
+    let mut w = env.sim.spawn(
+        WorkerSpec::new("16MiB")
+            .setsid()
+            .http_unix()
+            .program(env.bin.clone()),
+    );
+    env.ok(&[
+        "freeze",
+        &w.pid.to_string(),
+        "--image",
+        flat.to_str().unwrap(),
+    ]);
+    w.reap();
+    let o = env.run(&[
+        "standby",
+        "create",
+        "--image",
+        flat.to_str().unwrap(),
+        "--count",
+        "2",
+    ]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("its own pid and network namespaces"),
+        "{}",
+        stderr(&o)
+    );
+    env.sim.assert_no_wedge();
+}

@@ -1,0 +1,472 @@
+//! The pre-thawed standby: a worker restored from an image ahead of demand, without its GPU
+//! restore, so that handing it out is only the driver's restore and unlock.
+//!
+//! # Design
+//! - [`prepare`] does everything of a thaw that can be done before a request comes: the image is
+//!   opened (trust, manifest, listing, sizes) and served to CRIU through cryo's streamer (every
+//!   chunk checked before CRIU reads it); the host is checked as for a thaw ([`crate::precheck`]:
+//!   the fence, the GPU model, the driver), except free device memory, which a claim checks; the
+//!   host memory the standby will hold ([`cryo_proc::mem_available`]); and the pids. CRIU restores
+//!   the tree as it was dumped: its CUDA processes come back CHECKPOINTED (the driver says so,
+//!   or the standby is removed), their device memory in their host memory, no live context. Each
+//!   is journaled [`Event::Parked`] (its device memory and GPUs, from the manifest), then the
+//!   standby [`Event::StandbyReady`]: from then on it is a parked worker like any other, and
+//!   [`claim`] is [`crate::wake`] (fence and free memory checked, `restore_context`, the
+//!   [`Watcher`] traces it while LOCKED, unlock).
+//! - **Pids and ports.** CRIU restores a process with the pids and listening addresses it had.
+//!   More than one standby of an image therefore needs the worker to have run in its own pid and
+//!   network namespaces (as in a container): CRIU then restores each standby into fresh ones
+//!   (the same pids and ports inside, distinct on the host). An image holds its network
+//!   namespace when CRIU dumped one (`netns-*.img`); [`prepare`] refuses a second standby of an
+//!   image without, and checks the pids of one that shares the host's.
+//! - **Evidence, not assumptions.** [`claim`] reads the image's manifest again: a standby of an
+//!   image that changed since (another digest) is stale and never handed out
+//!   ([`ClaimError::Stale`]); the fence and the free memory are the wake's checks; a standby
+//!   whose process is gone ([`ClaimError::Gone`]) is not woken.
+//! - A standby is removed with [`crate::stop`] (its contexts are CHECKPOINTED: verified, then
+//!   killed); a standby killed while CHECKPOINTED tears nothing live down.
+//!
+//! # Limitations
+//! The processes of a restored tree are matched with the manifest's in tree order (children by
+//! pid) and checked by command name: a tree whose processes the pid namespace numbered in
+//! another order than the host did is refused, not guessed.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use cryo_criu::image::{Image, ImageError, Manifest};
+use cryo_criu::{Criu, CriuError, RestoreOpts};
+use cryo_gpu::{Gpu, GpuInfo, ProcessState};
+use cryo_journal::{Event, Journal, ProcId};
+use cryo_proc::{Pid, ProcHandle};
+use cryo_state::fence::{Fence, FenceError};
+use cryo_units::fmt_bytes;
+
+use crate::failpoint;
+use crate::park::{wake, WakeError, WakeOptions, WakeReport};
+use crate::progress::Progress;
+use crate::stop::{stop, StopOptions};
+use crate::suspend::id;
+use crate::target::{Resolved, Target};
+use crate::thaw::{pids_taken, precheck, PrecheckError};
+use crate::watcher::Watcher;
+
+/// Failpoint: a standby's image is opened and checked, CRIU not started (tests kill the agent
+/// here: a refill cut short).
+pub const STANDBY_BEFORE_RESTORE: &str = "standby-before-restore";
+
+/// A standby ready for a claim.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Standby {
+    /// The image it came from.
+    pub image: PathBuf,
+    /// The image's manifest digest then.
+    pub digest: String,
+    /// Its root.
+    pub root: ProcId,
+    /// Every process of it, root first.
+    pub pids: Vec<ProcId>,
+    /// Host memory it holds (resident), bytes.
+    pub host_bytes: u64,
+    /// Device memory it will take on the GPU, bytes.
+    pub device_bytes: u64,
+    /// The CRIU restore, ms.
+    pub criu_ms: u64,
+}
+
+/// Why this host cannot take one more standby of the image; nothing was restored.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StandbyRefusal {
+    /// The image shares the host's pid and network namespaces, and a standby of it exists (or
+    /// the image's pids are taken).
+    #[error("a standby of {image} already holds its pids and ports: more than one standby of an image needs the worker to run in its own pid and network namespaces (as in a container) when it is frozen")]
+    SharedNamespaces {
+        /// The image.
+        image: PathBuf,
+    },
+    /// The host has too little memory available for the standby's host memory.
+    #[error("a standby of this image holds about {} of host memory and the host has {} available", fmt_bytes(*.needed), fmt_bytes(*.available))]
+    HostMemory {
+        /// Bytes it needs.
+        needed: u64,
+        /// Bytes available.
+        available: u64,
+    },
+    /// The thaw's prechecks refuse it.
+    #[error(transparent)]
+    Precheck(#[from] PrecheckError),
+}
+
+/// No standby was made.
+#[derive(Debug, thiserror::Error)]
+pub enum StandbyError {
+    /// The image is not usable (names the file and the reason).
+    #[error("image refused: {0}")]
+    Image(#[from] ImageError),
+    /// This host cannot take it.
+    #[error("standby refused: {0}")]
+    Refused(#[from] StandbyRefusal),
+    /// The quarantine could not be read: every GPU counts as fenced.
+    #[error("cannot read the GPU quarantine, so every GPU counts as fenced: {0}")]
+    Fence(#[from] FenceError),
+    /// The GPUs could not be inspected.
+    #[error("cannot inspect the GPUs: {0}")]
+    Inspect(#[from] cryo_gpu::InspectError),
+    /// The host could not be read.
+    #[error("cannot read the host: {0}")]
+    Host(#[from] cryo_proc::ProcError),
+    /// The journal could not be written.
+    #[error("cannot write the journal: {0}")]
+    Journal(#[from] cryo_journal::AppendError),
+    /// CRIU could not restore the tree (it removed what it half-restored).
+    #[error("{0}")]
+    Criu(#[from] CriuError),
+    /// The restored tree is not a standby; it was removed (or left as `cleanup` says).
+    #[error("{error}; the restored tree was {cleanup}")]
+    AfterRestore {
+        /// What was wrong.
+        error: String,
+        /// What became of it.
+        cleanup: String,
+    },
+}
+
+impl StandbyError {
+    /// Whether the host refused it (nothing was restored), as opposed to a failure.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, StandbyError::Image(_) | StandbyError::Refused(_))
+    }
+}
+
+/// Whether the image holds its own network namespace (CRIU dumped one): then CRIU restores each
+/// standby into fresh pid and network namespaces.
+pub fn own_namespaces(manifest: &Manifest) -> bool {
+    manifest.files.iter().any(|f| f.name.starts_with("netns-"))
+}
+
+/// Restores one standby of the image at `dir` (see the module docs). `others`: how many
+/// standbys of it exist already.
+pub fn prepare(
+    gpu: &Gpu,
+    criu: &dyn Criu,
+    dir: &Path,
+    others: usize,
+    journal: &Journal,
+    fence: &Fence,
+    progress: &dyn Progress,
+) -> Result<Standby, StandbyError> {
+    let gpu = &gpu.bounded(cryo_gpu::Limits::default());
+    let opened = Image::open(dir)?;
+    let manifest = opened.manifest().clone();
+    let namespaced = own_namespaces(&manifest);
+    if !namespaced && others > 0 {
+        return Err(StandbyRefusal::SharedNamespaces {
+            image: dir.to_path_buf(),
+        }
+        .into());
+    }
+    let in_use = if namespaced {
+        Vec::new()
+    } else {
+        match pids_taken(criu, &manifest.pids()) {
+            Ok(p) => p,
+            Err(e) => return Err(StandbyRefusal::Precheck(e).into()),
+        }
+    };
+    let fenced = fence.list()?;
+    // Free device memory is the claim's check: a standby holds none.
+    let gpus: Vec<GpuInfo> = gpu
+        .inspect
+        .gpus()?
+        .into_iter()
+        .map(|g| GpuInfo {
+            memory_free: u64::MAX,
+            ..g
+        })
+        .collect();
+    let driver = if manifest.cuda_processes().next().is_some() {
+        Some(gpu.inspect.driver_version()?)
+    } else {
+        None
+    };
+    precheck(&manifest, &gpus, driver.as_deref(), &[], &fenced, &in_use)
+        .map_err(StandbyRefusal::Precheck)?;
+    let available = cryo_proc::mem_available()?;
+    if manifest.total_bytes > available {
+        return Err(StandbyRefusal::HostMemory {
+            needed: manifest.total_bytes,
+            available,
+        }
+        .into());
+    }
+
+    failpoint::stall_if(STANDBY_BEFORE_RESTORE);
+    let t = Instant::now();
+    progress.begin(manifest.root_pid, "criu restore", manifest.total_bytes);
+    let restored = criu.restore(&opened, &RestoreOpts::default());
+    progress.end(
+        manifest.root_pid,
+        "criu restore",
+        restored.is_ok(),
+        &format!("{} ms", t.elapsed().as_millis()),
+    );
+    let restored = match restored {
+        Ok(r) => r,
+        Err(CriuError::Image(e)) => return Err(StandbyError::Image(e)),
+        Err(e) => return Err(e.into()),
+    };
+    let criu_ms = u64::try_from(t.elapsed().as_millis()).unwrap_or(u64::MAX);
+    let image = dir.display().to_string();
+    if let Err(e) = journal.append(Event::CriuRestored {
+        image: image.clone(),
+        ms: criu_ms,
+    }) {
+        tracing::error!(error = %e, "cannot journal the CRIU restore");
+    }
+    let tree = match ProcHandle::open(restored.pid).map(Resolved::tree) {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => {
+            return Err(StandbyError::AfterRestore {
+                error: format!("listing the restored tree of pid {}: {e}", restored.pid),
+                cleanup: "left as it is (its contexts are CHECKPOINTED)".into(),
+            })
+        }
+        Err(e) => {
+            return Err(StandbyError::AfterRestore {
+                error: format!("the restored root pid {} is gone: {e}", restored.pid),
+                cleanup: "already gone".into(),
+            })
+        }
+    };
+    match keep(gpu, &tree, &manifest, &image, journal) {
+        Ok(pids) => {
+            let host_bytes = tree.handles().iter().map(|h| h.rss().unwrap_or(0)).sum();
+            let standby = Standby {
+                image: dir.to_path_buf(),
+                digest: manifest.manifest_sha256.clone(),
+                root: pids[0],
+                pids,
+                host_bytes,
+                device_bytes: manifest
+                    .cuda_processes()
+                    .flat_map(|(_, g)| g.devices.iter().map(|d| d.memory_bytes))
+                    .sum(),
+                criu_ms,
+            };
+            journal.append(Event::StandbyReady {
+                image,
+                digest: standby.digest.clone(),
+                root: standby.root,
+                pids: standby.pids.clone(),
+            })?;
+            Ok(standby)
+        }
+        Err(error) => Err(StandbyError::AfterRestore {
+            error,
+            cleanup: remove(gpu, &tree, journal, progress),
+        }),
+    }
+}
+
+/// Checks the restored tree against the manifest (every CUDA process CHECKPOINTED) and journals
+/// each CUDA process as parked; its processes, root first.
+fn keep(
+    gpu: &Gpu,
+    tree: &Resolved,
+    manifest: &Manifest,
+    image: &str,
+    journal: &Journal,
+) -> Result<Vec<ProcId>, String> {
+    let mut handles: Vec<&ProcHandle> = tree.handles().iter().collect();
+    if handles.len() != manifest.processes.len() {
+        return Err(format!(
+            "{} of {} processes came back",
+            handles.len(),
+            manifest.processes.len()
+        ));
+    }
+    // Root first, then by pid as the namespace numbers them (the order they were forked in).
+    let root = handles[0].pid();
+    let ns_pid = |h: &ProcHandle| {
+        h.status()
+            .ok()
+            .and_then(|s| s.nspid.last().copied())
+            .unwrap_or(h.pid())
+    };
+    handles[1..].sort_by_key(|h| ns_pid(h));
+    let mut entries: Vec<_> = manifest.processes.iter().collect();
+    entries[1..].sort_by_key(|e| e.pid);
+    let mut parked = Vec::new();
+    for (h, e) in handles.iter().zip(&entries) {
+        let comm = h.stat().map(|s| s.comm).unwrap_or_default();
+        if comm != e.comm {
+            return Err(format!(
+                "restored pid {} runs {comm:?} where the image has {:?} (pid {} of the image): cannot tell the processes apart",
+                h.pid(),
+                e.comm,
+                e.pid
+            ));
+        }
+        let Some(g) = &e.gpu else { continue };
+        match gpu.driver.state(h.pid()) {
+            Ok(ProcessState::Checkpointed) => {}
+            Ok(s) => {
+                return Err(format!(
+                    "restored pid {} is {s:?}, not CHECKPOINTED: the image was not frozen by cryo",
+                    h.pid()
+                ))
+            }
+            Err(err) => return Err(format!("asking the driver about pid {}: {err}", h.pid())),
+        }
+        parked.push(Event::Parked {
+            pid: id(h),
+            bytes: g.devices.iter().map(|d| d.memory_bytes).sum(),
+            gpus: g.devices.iter().map(|d| d.uuid.to_string()).collect(),
+        });
+    }
+    for p in parked {
+        journal.append(p).map_err(|e| e.to_string())?;
+    }
+    tracing::debug!(root, image, "standby kept");
+    Ok(handles.iter().map(|h| id(h)).collect())
+}
+
+/// Removes a standby's processes through the stop path (their contexts are CHECKPOINTED:
+/// verified again, then killed); says what became of them.
+pub fn remove(gpu: &Gpu, tree: &Resolved, journal: &Journal, progress: &dyn Progress) -> String {
+    if !tree.handles().iter().any(ProcHandle::is_alive) {
+        return "already gone".into();
+    }
+    let opts = StopOptions {
+        deadline: None,
+        ..StopOptions::default()
+    };
+    match stop(gpu, tree, &opts, journal, progress) {
+        Ok(r) if r.stopped() => "removed".into(),
+        Ok(r) => format!(
+            "NOT removed: {} (left alive and safe)",
+            r.refusals
+                .iter()
+                .map(|x| format!("pid {}: {}", x.pid, x.reason.reason()))
+                .collect::<Vec<_>>()
+                .join("; ")
+        ),
+        Err(e) => format!("NOT removed: {e} (left alive; run `cryo stop` on it)"),
+    }
+}
+
+/// The standby's processes, opened by pid and start time; `None` when any is gone.
+pub fn open(standby: &Standby) -> Option<Resolved> {
+    let handles: Option<Vec<ProcHandle>> = standby
+        .pids
+        .iter()
+        .map(|p| {
+            ProcHandle::open_expected(p.pid, p.start_time)
+                .ok()
+                .filter(ProcHandle::is_alive)
+        })
+        .collect();
+    Some(Resolved::from_handles(
+        Target::Pids(standby.pids.iter().map(|p| p.pid).collect()),
+        handles?,
+    ))
+}
+
+/// The standby was not handed out.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    /// The image changed since the standby was restored: it is never handed out.
+    #[error("the standby of {} is stale: the image changed since it was restored (manifest {found}, the standby's {had})", .image.display())]
+    Stale {
+        /// The image.
+        image: PathBuf,
+        /// The digest the standby came from.
+        had: String,
+        /// The image's digest now.
+        found: String,
+    },
+    /// The image cannot be read any more (removed, no longer trusted).
+    #[error("image refused: {0}")]
+    Image(#[from] ImageError),
+    /// A process of the standby is gone.
+    #[error("standby pid {0} is gone")]
+    Gone(Pid),
+    /// The wake failed (see its error: a refusal restored nothing).
+    #[error(transparent)]
+    Wake(#[from] WakeError),
+}
+
+/// Hands `standby` out: checks the image is the one it came from, then wakes it (see
+/// [`crate::wake`]) and journals [`Event::StandbyClaimed`].
+#[allow(clippy::too_many_arguments)]
+pub fn claim(
+    gpu: &Gpu,
+    standby: &Standby,
+    opts: &WakeOptions,
+    journal: &Journal,
+    fence: &Fence,
+    watcher: &dyn Watcher,
+    progress: &dyn Progress,
+) -> Result<WakeReport, ClaimError> {
+    let now = Image::open(&standby.image)?;
+    let found = &now.manifest().manifest_sha256;
+    if *found != standby.digest {
+        return Err(ClaimError::Stale {
+            image: standby.image.clone(),
+            had: standby.digest.clone(),
+            found: found.clone(),
+        });
+    }
+    let Some(tree) = open(standby) else {
+        return Err(ClaimError::Gone(standby.root.pid));
+    };
+    let report = wake(gpu, &tree, opts, journal, fence, watcher, progress)?;
+    if let Err(e) = journal.append(Event::StandbyClaimed {
+        image: standby.image.display().to_string(),
+        root: standby.root,
+    }) {
+        // The worker serves: a journal that cannot take the record must not fail the claim.
+        tracing::error!(error = %e, "cannot journal the claim");
+    }
+    Ok(report)
+}
+
+/// What the journal says of the standbys: the pools (image -> count kept ready) and every
+/// standby ready and not yet claimed or dropped (whether or not it still lives; its sizes are
+/// not journaled and read 0).
+pub fn from_journal(
+    records: &[cryo_journal::Record],
+) -> (std::collections::BTreeMap<PathBuf, u32>, Vec<Standby>) {
+    let mut pools = std::collections::BTreeMap::new();
+    let mut ready: Vec<Standby> = Vec::new();
+    for r in records {
+        match &r.event {
+            Event::StandbyPool { image, count } => {
+                if *count == 0 {
+                    pools.remove(&PathBuf::from(image));
+                } else {
+                    pools.insert(PathBuf::from(image), *count);
+                }
+            }
+            Event::StandbyReady {
+                image,
+                digest,
+                root,
+                pids,
+            } => ready.push(Standby {
+                image: PathBuf::from(image),
+                digest: digest.clone(),
+                root: *root,
+                pids: pids.clone(),
+                host_bytes: 0,
+                device_bytes: 0,
+                criu_ms: 0,
+            }),
+            Event::StandbyClaimed { root, .. } | Event::StandbyDropped { root, .. } => {
+                ready.retain(|s| s.root != *root);
+            }
+            _ => {}
+        }
+    }
+    (pools, ready)
+}
