@@ -10,7 +10,11 @@
 //! - **baseline**: the raw driver restore + unlock of the same worker, in-process, measured right
 //!   after its arm (a).
 //!
-//! (b), activation from a pre-thawed standby, is not built yet and has no column.
+//! - **(b) standby**: the worker was frozen and a private agent (its own state directory) keeps
+//!   one standby of the image ready (`cryo standby create`); `cryo standby claim --health-url`,
+//!   from the command's start to its end (the claim waits for the first answered health
+//!   request). The pool is removed before the claimed worker is stopped, so no refill runs
+//!   during another arm.
 //!
 //! # What the numbers mean, and limitations
 //! Needs root and CRIU. One warm-up round at the smallest size, then `--rounds` rounds per size;
@@ -29,9 +33,12 @@ use serde::Serialize;
 
 use cryo_units::fmt_bytes;
 
+use cryo_state::StateDir;
+
 use crate::args::BenchActivateArgs;
 use crate::freeze::Bench;
 use crate::measure::{load_average, load_line, Samples};
+use crate::stop::PrivateAgent;
 
 #[derive(Debug, Default, Serialize)]
 struct Row {
@@ -39,6 +46,8 @@ struct Row {
     rounds: usize,
     /// (a) request to answer, woken from park through the activator, ms.
     park_ms: Samples,
+    /// (b) `cryo standby claim` request to first answer, ms.
+    standby_ms: Samples,
     /// (c) `cryo thaw` request to first answer, ms.
     thaw_ms: Samples,
     /// (d) the bare route, first process to first answer, ms.
@@ -74,8 +83,15 @@ pub fn run(args: &BenchActivateArgs, cryo: &Path) -> anyhow::Result<()> {
         );
         println!("{}", load_line("start", load_average()));
     }
+    let exe = std::path::PathBuf::from(bench.cryo().get_program());
+    let agent = PrivateAgent::start(
+        &exe,
+        bench.dir(),
+        &StateDir::new(bench.dir().join("state-standby")),
+    )?;
     let mut warm = Row::default();
     park_arm(&bench, &gpu, min, &mut warm)?;
+    standby_arm(&bench, &agent, min, &mut warm)?;
     bench.cryo_arm(min)?;
     bench.bare_arm(min)?;
     let mut rows = Vec::new();
@@ -87,9 +103,10 @@ pub fn run(args: &BenchActivateArgs, cryo: &Path) -> anyhow::Result<()> {
         };
         for round in 0..args.rounds {
             // The order of the arms rotates from round to round.
-            for k in 0..3 {
-                match (round + k) % 3 {
+            for k in 0..4 {
+                match (round + k) % 4 {
                     0 => park_arm(&bench, &gpu, *size, &mut row)?,
+                    3 => standby_arm(&bench, &agent, *size, &mut row)?,
                     // The thaw with the image in the page cache (`cryo bench freeze`'s moment 3).
                     1 => row.thaw_ms.push(bench.cryo_arm(*size)?.moments[3]),
                     _ => row.bare_ms.push(bench.bare_arm(*size)?.moments[3]),
@@ -102,25 +119,27 @@ pub fn run(args: &BenchActivateArgs, cryo: &Path) -> anyhow::Result<()> {
         }
         rows.push(row);
     }
+    agent.stop()?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
-        println!("targets (issue 12): bare/park >= 3x; park/raw <= 1.2x; wedge ledger empty");
+        println!("targets (issue 12): bare/park and bare/standby >= 3x; park/raw and standby/raw <= 1.2x; wedge ledger empty");
         println!("{}", load_line("end", load_average()));
     }
     Ok(())
 }
 
 fn print_row(r: &Row) {
-    let (a, c, d, raw) = (
+    let (a, b, c, d, raw) = (
         r.park_ms.median(),
+        r.standby_ms.median(),
         r.thaw_ms.median(),
         r.bare_ms.median(),
         r.raw_ms.median(),
     );
     println!("{}:", fmt_bytes(r.memory_bytes));
     println!("  (a) woken from park     {:>22}", r.park_ms.cell());
-    println!("  (b) from standby        not built yet");
+    println!("  (b) from standby        {:>22}", r.standby_ms.cell());
     println!("  (c) cryo thaw           {:>22}", r.thaw_ms.cell());
     println!("  (d) bare route          {:>22}", r.bare_ms.cell());
     println!("  raw restore + unlock    {:>22}", r.raw_ms.cell());
@@ -131,6 +150,80 @@ fn print_row(r: &Row) {
         a / raw,
         r.parking_ms.cell()
     );
+    println!(
+        "  bare/standby {:.2}x   thaw/standby {:.2}x   standby/raw {:.2}x   park/standby {:.2}x",
+        d / b,
+        c / b,
+        b / raw,
+        a / b
+    );
+}
+
+/// (b) on one fresh worker: frozen, one standby of it made ready by the private agent (not
+/// timed), then `cryo standby claim` timed to its end (it waits for the health check).
+fn standby_arm(
+    bench: &Bench,
+    agent: &PrivateAgent,
+    memory: u64,
+    row: &mut Row,
+) -> anyhow::Result<()> {
+    let (mut child, pid, sock) = bench.worker(memory)?;
+    let image = bench.dir().join("standby-img");
+    let mut c = bench.cryo();
+    c.args(["freeze", &pid.to_string(), "--replace", "--image"])
+        .arg(&image);
+    bench.run(c, "cryo freeze")?;
+    let _ = child.wait();
+    let digest = cryo_criu::image::Image::open(&image)
+        .context("opening the standby image")?
+        .manifest()
+        .manifest_sha256
+        .clone();
+    let client = agent.client();
+    client
+        .standby_create(&cryo_api::StandbyCreateRequest {
+            image: image.clone(),
+            count: 1,
+        })
+        .context("cryo standby create")?;
+    let start = Instant::now();
+    loop {
+        let list = client.standby_list().context("cryo standby list")?;
+        let pool = list.pools.iter().find(|p| p.image == image);
+        if pool.is_some_and(|p| p.ready.iter().any(|s| s.digest == digest)) {
+            break;
+        }
+        ensure!(
+            start.elapsed() < Duration::from_secs(300),
+            "no standby ready within 300 s: {:?}",
+            pool.and_then(|p| p.last_error.clone())
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    let mut c = bench.cryo();
+    c.env("CRYO_STATE_DIR", bench.dir().join("state-standby"))
+        .args(["standby", "claim", "--json", "--image"])
+        .arg(&image)
+        .arg("--health-url")
+        .arg(format!("unix:{}:/health", sock.display()));
+    let t = Instant::now();
+    let out = bench.run(c, "cryo standby claim")?;
+    row.standby_ms.push(ms(t.elapsed()));
+    let v: serde_json::Value =
+        serde_json::from_str(&out).context("parsing cryo standby claim --json")?;
+    let root = v["standby"]["root"]["pid"]
+        .as_i64()
+        .and_then(|p| i32::try_from(p).ok())
+        .context("no root pid in the claim's answer")?;
+    client
+        .standby_remove(&cryo_api::StandbyRemoveRequest { image })
+        .context("cryo standby remove")?;
+    let mut c = bench.cryo();
+    c.env("CRYO_STATE_DIR", bench.dir().join("state-standby"))
+        .args(["stop", &root.to_string()]);
+    bench.run(c, "cryo stop (the claimed standby)")?;
+    Ok(())
 }
 
 fn ms(d: Duration) -> f64 {

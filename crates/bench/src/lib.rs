@@ -11,7 +11,8 @@
 //! - `agent`: `cryo stop` through the node agent against standalone `cryo stop`.
 //! - `freeze`: `cryo freeze`/`thaw` against the `criu` command line plus `cuda-checkpoint`.
 //! - `activate`: request-to-answer time of a scaled-to-zero worker: woken from park through
-//!   `cryo activate`, `cryo thaw`, the bare route, against the raw driver restore + unlock.
+//!   `cryo activate`, claimed from a standby, `cryo thaw`, the bare route, against the raw
+//!   driver restore + unlock.
 //! - `guard`: the guard's cost on request latency, and signal-to-suspended time.
 //! - `telemetry`: the journal's append latency with a syslog forwarder and a dead, stalled or
 //!   live collector, against none (no simulated GPU needed).

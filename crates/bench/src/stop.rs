@@ -193,7 +193,7 @@ pub fn run_agent(args: &BenchStopArgs, cryo: &Path) -> anyhow::Result<()> {
     let mut bench = Bench::start(tmp.path(), memory, cryo)?;
     let standalone = StateDir::new(tmp.path().join("state-standalone"));
     let agent_state = bench.state.clone();
-    let agent = PrivateAgent::start(&bench, &agent_state)?;
+    let agent = PrivateAgent::start(&bench.exe, &bench.dir, &agent_state)?;
     let load_start = load_average();
     if !args.json {
         println!(
@@ -275,20 +275,21 @@ pub fn run_agent(args: &BenchStopArgs, cryo: &Path) -> anyhow::Result<()> {
 
 /// A `cryo agent run` of the benchmark's own (no TCP listener, no memory watch); killed on drop
 /// if it was not stopped.
-struct PrivateAgent {
+pub(crate) struct PrivateAgent {
     child: Child,
     client: cryo_api::AgentClient,
     state: StateDir,
 }
 
 impl PrivateAgent {
-    fn start(bench: &Bench, state: &StateDir) -> anyhow::Result<PrivateAgent> {
+    /// `exe agent run` on the simulated driver in `dir` (its log there too), state in `state`.
+    pub(crate) fn start(exe: &Path, dir: &Path, state: &StateDir) -> anyhow::Result<PrivateAgent> {
         std::fs::create_dir_all(state.root()).context("creating the agent's state directory")?;
-        let log = std::fs::File::create(bench.dir.join("agent.log"))
-            .context("creating the agent's log")?;
-        let mut child = Command::new(&bench.exe)
+        let log =
+            std::fs::File::create(dir.join("agent.log")).context("creating the agent's log")?;
+        let mut child = Command::new(exe)
             .args(["--gpu", "sim", "--sim-dir"])
-            .arg(&bench.dir)
+            .arg(dir)
             .arg("--state-dir")
             .arg(state.root())
             .args(["agent", "run", "--no-metrics-listen", "--no-memory-watch"])
@@ -304,7 +305,7 @@ impl PrivateAgent {
             if let Some(st) = child.try_wait()? {
                 bail!(
                     "the agent exited ({st}); see {}",
-                    bench.dir.join("agent.log").display()
+                    dir.join("agent.log").display()
                 );
             }
             ensure!(
@@ -339,7 +340,12 @@ impl PrivateAgent {
         }
     }
 
-    fn stop(mut self) -> anyhow::Result<()> {
+    /// Its client.
+    pub(crate) fn client(&self) -> &cryo_api::AgentClient {
+        &self.client
+    }
+
+    pub(crate) fn stop(mut self) -> anyhow::Result<()> {
         self.client.shutdown().context("stopping the agent")?;
         let st = self.child.wait().context("reaping the agent")?;
         ensure!(st.success(), "the agent ended with {st}");

@@ -192,7 +192,14 @@ fn bench_activate_runs_tiny() {
         .unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    for k in ["park_ms", "thaw_ms", "bare_ms", "raw_ms", "parking_ms"] {
+    for k in [
+        "park_ms",
+        "standby_ms",
+        "thaw_ms",
+        "bare_ms",
+        "raw_ms",
+        "parking_ms",
+    ] {
         let v = rows[0][k][0].as_f64().unwrap_or(f64::NAN);
         assert!(v > 0.0, "{k}: {rows}");
     }
