@@ -129,7 +129,9 @@ impl Agent {
             progress,
         ) {
             Ok(r) => Ok(r),
-            Err(e @ FreezeError::Refused(_)) => Err(refused(e)),
+            Err(e @ (FreezeError::Refused(_) | FreezeError::CrossProcessCuda { .. })) => {
+                Err(refused(e))
+            }
             Err(e) => Err(failed(e)),
         }
     }

@@ -188,3 +188,153 @@ fn an_unreachable_engine_never_blocks_the_stop() {
     assert_eq!(v["shrink"]["released"]["outcome"], "whole", "{v}");
     assert_eq!(suspended_bytes(&v, w.pid), Some(32 * MIB));
 }
+
+fn criu_and_root() {
+    assert!(
+        cryo_criu::CriuRpc::locate(None).is_ok() && nix::unistd::geteuid().is_root(),
+        "these tests need root and CRIU (scripts/install-criu.sh)"
+    );
+}
+
+/// `cryo freeze PID --image DIR ARGS... --json`.
+fn freeze(
+    sim: &cryo_testkit::sim::Sim,
+    st: &Path,
+    pid: i32,
+    image: &Path,
+    args: &[&str],
+) -> Output {
+    sim_cmd(sim, st)
+        .arg("freeze")
+        .arg(pid.to_string())
+        .arg("--image")
+        .arg(image)
+        .args(args)
+        .arg("--json")
+        .output()
+        .unwrap()
+}
+
+/// A worker whose ranks set up NCCL (shared memory, IPC socket) can never be restored on this
+/// driver: the freeze refuses it before anything is asked of it, and it keeps serving.
+#[test]
+fn a_freeze_of_nccl_ranks_is_refused_and_they_keep_serving() {
+    criu_and_root();
+    let sim =
+        cryo_testkit::sim::Sim::start_with(&program(), &["--gpus", "2", "--gpu-memory", "1GiB"]);
+    let st = state();
+    let w = sim.spawn(
+        WorkerSpec::new("8MiB")
+            .kv_cache("8MiB")
+            .gpus(&[0, 1])
+            .process_per_gpu()
+            .nccl()
+            .setsid()
+            .http_unix(),
+    );
+    let before = w.complete("nccl");
+    let image = st.path().join("img");
+    let url = format!(
+        "unix:{}:/",
+        match &w.endpoint {
+            Endpoint::Unix(p) => p.display().to_string(),
+            other => panic!("{other:?}"),
+        }
+    );
+    let out = freeze(
+        &sim,
+        st.path(),
+        w.pid,
+        &image,
+        &["--shrink", "vllm", "--engine-url", &url],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{}\n{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    let e = stderr(&out);
+    assert!(e.contains("NCCL") && e.contains("r610"), "{e}");
+    assert!(
+        w.children().iter().any(|r| e.contains(&format!("pid {r}"))),
+        "names a rank: {e}"
+    );
+    assert!(!image.exists());
+    assert_eq!(
+        w.complete("nccl"),
+        before,
+        "untouched: never put to sleep, never locked"
+    );
+    let types = journal_types(st.path());
+    assert!(
+        !types
+            .iter()
+            .any(|t| t == "shrink_started" || t == "lock_started"),
+        "{types:?}"
+    );
+}
+
+/// Freeze left running, after a vLLM sleep: the image holds the weights (in the worker's heap)
+/// but no KV cache, and the worker answers as before once it is woken again.
+#[test]
+fn a_freeze_left_running_shrinks_the_image_and_wakes_the_engine_after() {
+    criu_and_root();
+    let sim = sim();
+    let st = state();
+    let spec = || {
+        WorkerSpec::new("8MiB")
+            .kv_cache("56MiB")
+            .setsid()
+            .http_unix()
+    };
+    let shrunk = sim.spawn(spec());
+    let whole = sim.spawn(spec());
+    let before = shrunk.complete("freeze");
+    let sock = |w: &Worker| match &w.endpoint {
+        Endpoint::Unix(p) => format!("unix:{}:/", p.display()),
+        other => panic!("{other:?}"),
+    };
+    let out = freeze(
+        &sim,
+        st.path(),
+        shrunk.pid,
+        &st.path().join("shrunk"),
+        &[
+            "--leave-running",
+            "--shrink",
+            "vllm:1",
+            "--engine-url",
+            &sock(&shrunk),
+        ],
+    );
+    assert!(out.status.success(), "{}\n{}", stdout(&out), stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["shrink"]["released"]["outcome"], "shrunk", "{v}");
+    assert!(v["shrink"]["grow_ms"].is_u64(), "grown after: {v}");
+    let out = freeze(
+        &sim,
+        st.path(),
+        whole.pid,
+        &st.path().join("whole"),
+        &["--leave-running"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let w: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+
+    let bytes = |v: &serde_json::Value| v["manifest"]["total_bytes"].as_u64().unwrap();
+    assert!(
+        bytes(&v) + 48 * MIB < bytes(&w),
+        "the KV cache is not in the image: {} vs {}",
+        bytes(&v),
+        bytes(&w)
+    );
+    assert_eq!(shrunk.complete("freeze"), before);
+    assert_eq!(shrunk.verify()["ok"], true);
+    let types = journal_types(st.path());
+    assert!(types.iter().any(|t| t == "grown"), "{types:?}");
+    let _ = std::fs::remove_dir_all(st.path().join("shrunk"));
+    let _ = std::fs::remove_dir_all(st.path().join("whole"));
+    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
+}

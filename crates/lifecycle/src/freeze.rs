@@ -181,6 +181,16 @@ pub enum FreezeError {
     /// CRIU failed. The processes are left CHECKPOINTED (alive) when the dump did not kill them.
     #[error("{0}")]
     Criu(#[from] CriuError),
+    /// A process shares CUDA memory with others (CUDA IPC, NCCL peer-to-peer): the driver this
+    /// project runs on (r580) cannot checkpoint that (multi-process jobs need r590, IPC memory
+    /// r610), so the image could never be restored.
+    #[error("freeze refused: pid {pid} shares GPU memory with other processes ({}): the CUDA driver's checkpoint cannot restore CUDA IPC or NCCL peer-to-peer before r590/r610, so the image could never be restored", evidence.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    CrossProcessCuda {
+        /// The process.
+        pid: Pid,
+        /// What betrays it.
+        evidence: Vec<crate::ipc::Evidence>,
+    },
     /// A process CRIU should have killed is still alive after the dump.
     #[error("pid {0} is still alive after the dump; it stays CHECKPOINTED (safe to `cryo stop`)")]
     NotExited(Pid),
@@ -222,6 +232,9 @@ pub fn freeze(
         .pid();
     let handles = tree.handles();
     let gpu = &gpu.bounded(cryo_gpu::Limits::default());
+    // Before anything is asked of the engine or the guard: a tree that can never be restored
+    // is refused as it is.
+    refuse_cross_process_cuda(handles)?;
     let leases = let_go_traced(watcher, handles)?;
     failpoint::stall_if(FREEZE_AFTER_LET_GO);
     // On an error the leases end on the way out: those processes are traced again.
@@ -251,6 +264,20 @@ pub fn freeze(
         }
     }
     result
+}
+
+/// Refuses a tree one of whose processes shares GPU memory with others.
+pub(crate) fn refuse_cross_process_cuda(handles: &[ProcHandle]) -> Result<(), FreezeError> {
+    for h in handles {
+        let evidence = crate::ipc::cross_process_cuda(h)?;
+        if !evidence.is_empty() {
+            return Err(FreezeError::CrossProcessCuda {
+                pid: h.pid(),
+                evidence,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Asks `watcher` to let go of every process of `handles` that is traced; its leases.

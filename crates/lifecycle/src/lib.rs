@@ -22,6 +22,7 @@ pub mod failpoint;
 pub mod freeze;
 pub mod health;
 pub mod inflight;
+pub mod ipc;
 pub mod park;
 pub mod progress;
 pub mod reaped;

@@ -252,6 +252,51 @@ impl ProcHandle {
         read::fds_of(&self.dir()?, self.pid)
     }
 
+    /// The files it maps (`/proc/PID/maps`), each once, as the kernel names them (a file
+    /// unlinked since ends in ` (deleted)`).
+    pub fn mapped_files(&self) -> Result<Vec<std::path::PathBuf>, ProcError> {
+        let maps = self
+            .dir()?
+            .maps()
+            .map_err(|e| ProcError::read(self.pid, "maps", e))?;
+        let mut files: Vec<std::path::PathBuf> = maps
+            .0
+            .into_iter()
+            .filter_map(|m| match m.pathname {
+                procfs::process::MMapPath::Path(p) => Some(p),
+                _ => None,
+            })
+            .collect();
+        files.sort();
+        files.dedup();
+        Ok(files)
+    }
+
+    /// The names of the bound unix sockets among its fds (abstract ones start with `@`), as its
+    /// own network namespace lists them (`/proc/PID/net/unix`).
+    pub fn unix_socket_names(&self) -> Result<Vec<String>, ProcError> {
+        let inodes: std::collections::HashSet<u64> = self
+            .fds()?
+            .into_iter()
+            .filter_map(|f| match f.target {
+                crate::fds::FdTarget::Socket(inode) => Some(inode),
+                _ => None,
+            })
+            .collect();
+        let entries = self
+            .dir()?
+            .unix()
+            .map_err(|e| ProcError::read(self.pid, "net/unix", e))?;
+        let mut names: Vec<String> = entries
+            .into_iter()
+            .filter(|e| inodes.contains(&e.inode))
+            .filter_map(|e| Some(e.path?.to_string_lossy().into_owned()))
+            .collect();
+        names.sort();
+        names.dedup();
+        Ok(names)
+    }
+
     /// The numbers of its fds that are `files` (see [`DriverFiles`]), ascending.
     pub fn driver_fds(&self, files: DriverFiles<'_>) -> Result<Vec<RawFd>, ProcError> {
         Ok(driver_fds(&self.fds()?, files))

@@ -170,6 +170,11 @@ pub struct WorkerArgs {
     /// `/resume_memory_occupation`) release and take back.
     #[arg(long, value_parser = parse_size, default_value = "0")]
     pub kv_cache: u64,
+    /// Leave what an NCCL communicator leaves for the host to see: a mapped, unlinked
+    /// `/dev/shm/nccl-*` segment and the abstract socket `/tmp/nccl-socket-RANK-HASH` (in every
+    /// rank of a tree).
+    #[arg(long)]
+    pub nccl: bool,
     /// Seed of the "model weights" in device memory.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -241,6 +246,7 @@ impl SimCommand {
                     init_only: a.init_only,
                     memory: a.memory,
                     kv_cache: a.kv_cache,
+                    nccl: a.nccl,
                     seed: a.seed,
                     port: a.port,
                     http_unix: a.http_unix,

@@ -101,3 +101,22 @@ pub(crate) fn segfault() -> ! {
     let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSEGV);
     std::process::abort()
 }
+
+/// Maps `len` bytes of `file` shared, for the life of the process (the mapping is never
+/// unmapped), as NCCL maps its `/dev/shm/nccl-*` segments.
+pub(crate) fn map_shared_forever(file: &std::fs::File, len: usize) -> std::io::Result<()> {
+    let len = std::num::NonZeroUsize::new(len).unwrap_or(std::num::NonZeroUsize::MIN);
+    // SAFETY: a fresh shared mapping of a file this process created; nothing in this process
+    // reads or writes it through Rust references, and it is never unmapped.
+    unsafe {
+        nix::sys::mman::mmap(
+            None,
+            len,
+            nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE,
+            nix::sys::mman::MapFlags::MAP_SHARED,
+            file,
+            0,
+        )
+    }?;
+    Ok(())
+}

@@ -217,6 +217,7 @@ impl Drop for Sim {
 pub struct WorkerSpec {
     memory: String,
     kv_cache: Option<String>,
+    nccl: bool,
     gpu: u32,
     /// `--gpus`: a context on each (or one rank each with `process_per_gpu`).
     gpus: Vec<u32>,
@@ -237,6 +238,7 @@ impl WorkerSpec {
         WorkerSpec {
             memory: memory.to_string(),
             kv_cache: None,
+            nccl: false,
             gpu: 0,
             gpus: Vec::new(),
             process_per_gpu: false,
@@ -255,6 +257,12 @@ impl WorkerSpec {
     /// endpoints release and take back.
     pub fn kv_cache(mut self, size: &str) -> Self {
         self.kv_cache = Some(size.to_string());
+        self
+    }
+
+    /// Leaving what an NCCL communicator leaves for the host to see (`--nccl`).
+    pub fn nccl(mut self) -> Self {
+        self.nccl = true;
         self
     }
 
@@ -415,6 +423,7 @@ impl Worker {
                     .iter()
                     .flat_map(|k| ["--kv-cache", k.as_str()]),
             )
+            .args(spec.nccl.then_some("--nccl"))
             .args(["--seed", &spec.seed.to_string()])
             .arg("--ready-file")
             .arg(&ready)

@@ -129,7 +129,9 @@ fn standalone(
         progress,
     ) {
         Ok(r) => Ok(r),
-        Err(e @ FreezeError::Refused(_)) => Err(Outcome::Refused(e.to_string())),
+        Err(e @ (FreezeError::Refused(_) | FreezeError::CrossProcessCuda { .. })) => {
+            Err(Outcome::Refused(e.to_string()))
+        }
         Err(e) => Err(failed(e.into())),
     }
 }

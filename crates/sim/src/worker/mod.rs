@@ -20,6 +20,7 @@
 
 mod engine;
 mod http;
+mod nccl;
 mod restore;
 pub(crate) mod state;
 mod tree;
@@ -51,6 +52,9 @@ pub struct WorkerConfig {
     /// KV cache per context after the weights, bytes (0: none): what the engine endpoints
     /// release and take back.
     pub kv_cache: u64,
+    /// Leave what an NCCL communicator leaves for the host to see (its shared memory and IPC
+    /// socket), in the process or in every rank.
+    pub nccl: bool,
     /// Seed of device memory.
     pub seed: u64,
     /// TCP port on 127.0.0.1 (0: any).
@@ -136,6 +140,9 @@ pub enum WorkerError {
         /// The error.
         source: io::Error,
     },
+    /// NCCL's evidence could not be set up.
+    #[error("cannot set up the NCCL communicator's shared memory and socket: {0}")]
+    Nccl(io::Error),
     /// The log file could not be opened or installed as stdout/stderr.
     #[error("cannot log to {path}: {source}")]
     Log {
@@ -236,6 +243,9 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
         );
         restore::start(worker.clone(), &crate::daemon_id(&cfg.dir))?;
         worker.open_fresh().map_err(|e| open_error(&cfg, e))?;
+        if cfg.nccl {
+            nccl::start(0).map_err(WorkerError::Nccl)?;
+        }
         (worker, serde_json::json!({}))
     };
     let server = match &cfg.http_unix {

@@ -259,7 +259,11 @@ fn rank_main(cfg: &WorkerConfig, rank: usize, gpu: u32, mut chan: UnixStream) ->
         Worker::new(cfg.dir.clone(), cfg.memory, seed, vec![gpu]).with_kv_cache(cfg.kv_cache),
     );
     let started = super::restore::start(worker.clone(), &crate::daemon_id(&cfg.dir))
-        .and_then(|()| worker.open_fresh().map_err(|e| open_error(cfg, e)));
+        .and_then(|()| worker.open_fresh().map_err(|e| open_error(cfg, e)))
+        .and_then(|()| match cfg.nccl {
+            true => super::nccl::start(rank).map_err(WorkerError::Nccl),
+            false => Ok(()),
+        });
     if let Err(e) = started {
         tracing::error!(rank, gpu, %e, "rank cannot start");
         let _ = proto::send(&mut chan, &RankReply::Failed(e.to_string()));
