@@ -54,6 +54,10 @@ pub struct ParkRequest {
     /// Refuse when parked workers would hold more host memory than this, bytes.
     #[serde(default)]
     pub max_parked_host: Option<u64>,
+    /// Ask the engine to release what it can rebuild before the suspension (the wake takes it
+    /// back).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shrink: Option<cryo_lifecycle::Shrink>,
 }
 
 impl ParkRequest {
@@ -67,6 +71,7 @@ impl ParkRequest {
                 ..SuspendOptions::default()
             },
             max_parked_host: self.max_parked_host,
+            shrink: self.shrink.clone(),
         }
     }
 }

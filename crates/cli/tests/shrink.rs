@@ -338,3 +338,60 @@ fn a_freeze_left_running_shrinks_the_image_and_wakes_the_engine_after() {
     let _ = std::fs::remove_dir_all(st.path().join("whole"));
     assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
 }
+
+/// Parked after a level-1 sleep: almost nothing goes through the driver; the wake restores it
+/// and wakes the engine, and it answers as before.
+#[test]
+fn a_park_after_a_sleep_moves_almost_nothing_and_the_wake_grows_it() {
+    let sim = sim();
+    let st = state();
+    let w = sim.spawn(WorkerSpec::new("16MiB").kv_cache("48MiB"));
+    let before = w.complete("park");
+    let url = format!("http://127.0.0.1:{}", w.port);
+    let out = sim_cmd(&sim, st.path())
+        .args([
+            "park",
+            &w.pid.to_string(),
+            "--shrink",
+            "vllm",
+            "--engine-url",
+            &url,
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["shrink"]["released"]["outcome"], "shrunk", "{v}");
+    assert_eq!(v["parked"][0]["device_bytes"], 0, "{v}");
+
+    let out = sim_cmd(&sim, st.path())
+        .args(["wake", &w.pid.to_string(), "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["shrink"]["grow_ms"].is_u64(), "the wake grows it: {v}");
+    assert_eq!(w.complete("park"), before);
+    assert_eq!(w.verify()["ok"], true);
+    let types = journal_types(st.path());
+    let at = |t: &str| types.iter().rposition(|x| x == t).unwrap();
+    assert!(
+        at("wake_completed") > at("grown") || at("grown") > at("unlocked"),
+        "{types:?}"
+    );
+
+    // A second wake has nothing left to grow.
+    let out = sim_cmd(&sim, st.path())
+        .args(["park", &w.pid.to_string(), "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = sim_cmd(&sim, st.path())
+        .args(["wake", &w.pid.to_string(), "--json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v.get("shrink").is_none(), "{v}");
+    assert_eq!(w.complete("park"), before);
+}

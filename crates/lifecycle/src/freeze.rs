@@ -239,6 +239,7 @@ pub fn freeze(
     failpoint::stall_if(FREEZE_AFTER_LET_GO);
     // On an error the leases end on the way out: those processes are traced again.
     let mut shrunk = crate::shrink::release(
+        gpu,
         opts.shrink.as_ref(),
         &tree.target().to_string(),
         handles,

@@ -52,6 +52,9 @@ pub struct ParkOptions {
     /// Refuse a park that would take the host memory held by parked workers (this one included)
     /// past this many bytes.
     pub max_parked_host: Option<u64>,
+    /// Ask the engine to release what it can rebuild first (taken back by the wake, or at once
+    /// when the park fails).
+    pub shrink: Option<crate::shrink::Shrink>,
 }
 
 impl Default for ParkOptions {
@@ -62,6 +65,7 @@ impl Default for ParkOptions {
                 ..SuspendOptions::default()
             },
             max_parked_host: None,
+            shrink: None,
         }
     }
 }
@@ -92,6 +96,9 @@ pub struct ParkReport {
     pub plain: Vec<Pid>,
     /// Wall time, ms.
     pub elapsed_ms: u64,
+    /// The engine's shrink before the suspension, if one was asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shrink: Option<crate::shrink::ShrinkReport>,
 }
 
 /// The park did not happen; every process of the target serves as before.
@@ -150,7 +157,27 @@ pub fn park(
     journal.append(Event::ParkStarted {
         target: described.clone(),
     })?;
-    let result = park_inner(gpu, target, opts, journal, progress, &described, start);
+    let mut shrunk = crate::shrink::release(
+        gpu,
+        opts.shrink.as_ref(),
+        &described,
+        target.handles(),
+        opts.shrink.as_ref().map_or(Duration::ZERO, |s| s.timeout()),
+        journal,
+        progress,
+    )?;
+    let mut result = park_inner(gpu, target, opts, journal, progress, &described, start);
+    if let Some(s) = shrunk.as_mut() {
+        match result.as_mut() {
+            Ok(r) => r.shrink = Some(s.report.clone()),
+            // The park left the worker serving: its engine takes its memory back.
+            Err(_) => {
+                if let Err(e) = s.grow(journal, progress) {
+                    tracing::error!(error = %e, "cannot journal the engine's grow");
+                }
+            }
+        }
+    }
     match &result {
         Ok(r) => {
             journal.append(Event::ParkCompleted {
@@ -258,6 +285,7 @@ fn park_inner(
         parked,
         plain: plain.iter().map(|h| h.pid()).collect(),
         elapsed_ms: ms(start.elapsed()),
+        shrink: None,
     })
 }
 
@@ -425,6 +453,9 @@ pub struct WakeReport {
     pub first_answer_ms: Option<u64>,
     /// Wall time, ms.
     pub elapsed_ms: u64,
+    /// The grow of an engine shrunk before its park (after the unlock), if one was pending.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shrink: Option<crate::shrink::ShrinkReport>,
 }
 
 /// No GPU can take a parked process now; nothing was restored.
@@ -624,7 +655,21 @@ pub fn wake(
     journal.append(Event::WakeStarted {
         target: described.clone(),
     })?;
-    let result = wake_inner(gpu, target, opts, journal, fence, watcher, progress, start);
+    let mut result = wake_inner(gpu, target, opts, journal, fence, watcher, progress, start);
+    if let Ok(r) = result.as_mut() {
+        // The worker runs: an engine shrunk before its park takes its memory back.
+        let ids: Vec<_> = target.handles().iter().map(id).collect();
+        let records = cryo_journal::read(journal.dir()).map(|r| r.records);
+        if let Some(mut s) = records
+            .ok()
+            .and_then(|rs| crate::shrink::pending(&rs, &ids))
+        {
+            if let Err(e) = s.grow(journal, progress) {
+                tracing::error!(error = %e, "cannot journal the engine's grow");
+            }
+            r.shrink = Some(s.report);
+        }
+    }
     match &result {
         Ok(r) => {
             let pids = target
@@ -827,6 +872,7 @@ fn wake_inner(
         gpu_ms,
         first_answer_ms,
         elapsed_ms: ms(start.elapsed()),
+        shrink: None,
     })
 }
 

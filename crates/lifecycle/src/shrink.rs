@@ -13,7 +13,8 @@
 
 use std::time::Duration;
 
-use cryo_journal::{AppendError, Event, Journal, ProcId};
+use cryo_gpu::{Gpu, ProcessState};
+use cryo_journal::{AppendError, Event, Journal, ProcId, Record};
 use cryo_proc::ProcHandle;
 use serde::{Deserialize, Serialize};
 
@@ -73,8 +74,11 @@ pub struct Shrunk {
 }
 
 /// Asks the engine of `target` (its processes `handles`) to release its memory within `budget`
-/// (at most the shrink's own deadline); `None` when there is no shrink to do.
+/// (at most the shrink's own deadline); `None` when there is no shrink to do: none asked for,
+/// or no CUDA process of the target runs (a parked or locked engine cannot answer: its GPU calls
+/// wait for the unlock).
 pub fn release(
+    gpu: &Gpu,
     shrink: Option<&Shrink>,
     target: &str,
     handles: &[ProcHandle],
@@ -85,6 +89,16 @@ pub fn release(
     let Some(shrink) = shrink.filter(|s| !s.is_none()) else {
         return Ok(None);
     };
+    let runs = handles
+        .iter()
+        .any(|h| matches!(gpu.driver.state(h.pid()), Ok(ProcessState::Running)));
+    if !runs {
+        tracing::info!(
+            target,
+            "no CUDA process of the target runs: nothing to shrink"
+        );
+        return Ok(None);
+    }
     let pids: Vec<ProcId> = handles.iter().map(id).collect();
     let root = handles.first().map_or(0, ProcHandle::pid);
     journal.append(Event::ShrinkStarted {
@@ -172,4 +186,66 @@ impl Shrunk {
             }
         }
     }
+}
+
+/// The shrink still to grow for any of `pids`, from the journal: the last `shrink_completed`
+/// naming one of them whose outcome was `shrunk` or `unknown`, with no `grown` or `grow_failed`
+/// for them since.
+pub fn pending(records: &[Record], pids: &[ProcId]) -> Option<Shrunk> {
+    let mut found: Option<Shrunk> = None;
+    let names = |ps: &[ProcId]| ps.iter().any(|p| pids.contains(p));
+    for r in records {
+        match &r.event {
+            Event::ShrinkCompleted {
+                target,
+                pids: ps,
+                spec,
+                engine,
+                outcome,
+                error,
+                ms,
+            } if names(ps) => {
+                let spec: Option<ShrinkSpec> = spec.parse().ok();
+                found = match (spec, outcome.as_str()) {
+                    (Some(spec), "shrunk" | "unknown") => {
+                        let released = Released {
+                            outcome: match outcome.as_str() {
+                                "shrunk" => Outcome::Shrunk,
+                                _ => Outcome::Unknown {
+                                    error: error.clone().unwrap_or_default(),
+                                    undo_error: String::new(),
+                                },
+                            },
+                            ms: *ms,
+                        };
+                        Some(Shrunk {
+                            shrink: Shrink {
+                                spec: spec.clone(),
+                                engine: engine.clone(),
+                                timeout_ms: ms_of(cryo_shrink::DEFAULT_TIMEOUT),
+                            },
+                            target: target.clone(),
+                            pids: ps.clone(),
+                            report: ShrinkReport {
+                                spec,
+                                released,
+                                grow_ms: None,
+                                grow_error: None,
+                            },
+                        })
+                    }
+                    _ => None,
+                };
+            }
+            Event::Grown { pids: ps, .. } | Event::GrowFailed { pids: ps, .. } if names(ps) => {
+                found = None;
+            }
+            _ => {}
+        }
+    }
+    found
+}
+
+fn ms_of(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }

@@ -248,6 +248,7 @@ pub fn stop(
             None => s.timeout(),
         });
     let shrunk = crate::shrink::release(
+        gpu,
         opts.shrink.as_ref(),
         &described,
         target.handles(),

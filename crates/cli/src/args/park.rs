@@ -55,6 +55,9 @@ pub struct ParkArgs {
     /// Refuse when parked workers would hold more host memory than this (`64GiB`).
     #[arg(long, value_name = "SIZE")]
     pub max_parked_host: Option<ByteSize>,
+    /// Shrink the engine first (`cryo wake` grows it again).
+    #[command(flatten)]
+    pub shrink: super::ShrinkArgs,
     /// Print the result as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,

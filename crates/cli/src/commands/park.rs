@@ -30,6 +30,7 @@ pub fn run_park(ctx: &Context, args: &ParkArgs) -> anyhow::Result<u8> {
         lock_timeout_ms: args.timeout,
         lock_attempts: args.lock_attempts,
         max_parked_host: args.max_parked_host.map(|b| b.0),
+        shrink: args.shrink.shrink()?,
     };
     let progress = crate::progress::for_stderr();
     let client = route::client(&ctx.state);
@@ -73,6 +74,9 @@ pub fn run_park(ctx: &Context, args: &ParkArgs) -> anyhow::Result<u8> {
             report.target,
             report.elapsed_ms
         );
+        if let Some(s) = &report.shrink {
+            println!("{}", s.summary());
+        }
     }
     Ok(exit::SUCCESS)
 }
@@ -136,6 +140,9 @@ pub fn run_wake(ctx: &Context, args: &WakeArgs) -> anyhow::Result<u8> {
                 .first_answer_ms
                 .map_or(String::new(), |ms| format!(", first healthy answer at {ms} ms"))
         );
+        if let Some(s) = &report.shrink {
+            println!("{}", s.summary());
+        }
     }
     Ok(exit::SUCCESS)
 }
