@@ -48,6 +48,30 @@ pub enum BenchCommand {
     /// `cryo stop` through the node agent against standalone `cryo stop`, on a private
     /// simulated GPU with a private agent.
     Agent(BenchStopArgs),
+    /// `cryo stop`, `cryo freeze` (root and CRIU) and park + wake of a worker with weights and a
+    /// KV cache, with `--shrink vllm:1` against without: time and bytes, side by side.
+    Shrink(BenchShrinkArgs),
+}
+
+/// `cryo bench shrink`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchShrinkArgs {
+    /// The worker's weights.
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    pub weights: u64,
+    /// The worker's KV cache.
+    #[arg(long, default_value = "3GiB", value_parser = parse_size)]
+    pub kv_cache: u64,
+    /// Counted rounds per arm, after one warm-up round; which side goes first alternates.
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = parse_rounds)]
+    pub rounds: usize,
+    /// Where the images and sockets go (a temporary directory under it; default: the system's
+    /// temp dir).
+    #[arg(long, value_name = "DIR")]
+    pub dir: Option<PathBuf>,
+    /// Print the rows as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `cryo bench stop`.

@@ -250,6 +250,7 @@ impl Demo {
             setsid: true,
             gpu: Some(0),
             memory: self.memory,
+            kv_cache: 0,
             http_unix: None,
             ready: self.dir.join("worker.ready"),
             log: Some(self.dir.join("worker.log")),

@@ -429,6 +429,7 @@ impl Bench {
             setsid: true,
             gpu: None,
             memory,
+            kv_cache: 0,
             http_unix: Some(&sock),
             ready: self.dir.join(format!("w{k}.ready")),
             log: None,

@@ -81,6 +81,7 @@ impl Sim {
             setsid: false,
             gpu: None,
             memory,
+            kv_cache: 0,
             http_unix: None,
             ready: self.dir.join(format!("w{n}.ready")),
             log: None,

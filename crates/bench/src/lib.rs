@@ -14,6 +14,7 @@
 //!   `cryo activate`, claimed from a standby, `cryo thaw`, the bare route, against the raw
 //!   driver restore + unlock.
 //! - `guard`: the guard's cost on request latency, and signal-to-suspended time.
+//! - `shrink`: stop, freeze and park + wake with `--shrink vllm:1` against without.
 //! - `telemetry`: the journal's append latency with a syslog forwarder and a dead, stalled or
 //!   live collector, against none (no simulated GPU needed).
 //! - `demo`: the checkpoint/restore cycle step by step, with timings (the README's main job).
@@ -34,6 +35,7 @@ mod freeze;
 mod guard;
 mod measure;
 mod private_sim;
+mod shrink;
 mod stop;
 mod telemetry;
 
@@ -50,6 +52,7 @@ pub fn bench(args: &BenchArgs, cryo: &Path) -> anyhow::Result<()> {
         BenchCommand::Guard(a) => guard::run(a, cryo),
         BenchCommand::Telemetry(a) => telemetry::run(a),
         BenchCommand::Agent(a) => stop::run_agent(a, cryo),
+        BenchCommand::Shrink(a) => shrink::run(a, cryo),
     }
 }
 

@@ -52,6 +52,8 @@ pub(crate) struct WorkerOptions<'a> {
     pub gpu: Option<usize>,
     /// `--memory`, bytes.
     pub memory: u64,
+    /// `--kv-cache`, bytes (0: none).
+    pub kv_cache: u64,
     /// `--http-unix SOCKET` instead of a TCP port.
     pub http_unix: Option<&'a Path>,
     /// `--ready-file`.
@@ -147,8 +149,11 @@ impl PrivateSim {
         if let Some(g) = o.gpu {
             c.args(["--gpu", &g.to_string()]);
         }
-        c.args(["--memory", &o.memory.to_string(), "--dir"])
-            .arg(&self.dir);
+        c.args(["--memory", &o.memory.to_string()]);
+        if o.kv_cache > 0 {
+            c.args(["--kv-cache", &o.kv_cache.to_string()]);
+        }
+        c.arg("--dir").arg(&self.dir);
         if let Some(s) = o.http_unix {
             c.arg("--http-unix").arg(s);
         }

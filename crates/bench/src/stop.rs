@@ -448,6 +448,7 @@ impl Bench {
             setsid: false,
             gpu: Some(gpu),
             memory: self.memory,
+            kv_cache: 0,
             http_unix: None,
             ready: self.dir.join(format!("worker{k}.ready")),
             log: Some(self.dir.join(format!("worker{k}.log"))),
