@@ -395,3 +395,43 @@ fn a_park_after_a_sleep_moves_almost_nothing_and_the_wake_grows_it() {
     assert!(v.get("shrink").is_none(), "{v}");
     assert_eq!(w.complete("park"), before);
 }
+
+/// `cryo bench shrink` with tiny workers: every arm, a ratio measured in the same run, and the
+/// bytes the shrink saves.
+#[test]
+fn bench_shrink_runs_with_tiny_workers() {
+    criu_and_root();
+    let out = cryo()
+        .args([
+            "bench",
+            "shrink",
+            "--weights",
+            "4MiB",
+            "--kv-cache",
+            "12MiB",
+            "--rounds",
+            "1",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}\n{}", stdout(&out), stderr(&out));
+    let text = stdout(&out);
+    let start = text.find('[').unwrap();
+    let end = text.rfind(']').unwrap();
+    let rows: serde_json::Value = serde_json::from_str(&text[start..=end]).unwrap();
+    let arms: Vec<&str> = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["arm"].as_str().unwrap())
+        .collect();
+    assert_eq!(arms, ["stop", "freeze", "park+wake"], "{text}");
+    for r in rows.as_array().unwrap() {
+        assert!(r["ratio"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(
+            r["shrunk_bytes"].as_u64().unwrap() + 8 * MIB <= r["whole_bytes"].as_u64().unwrap(),
+            "{r}"
+        );
+    }
+}
