@@ -185,6 +185,9 @@ pub struct ThawRequest {
     pub health: Option<HealthSpec>,
     /// Its timeout, s.
     pub health_timeout_s: u64,
+    /// The image was frozen after this shrink: the engine is asked to grow once the tree runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shrunk: Option<Shrink>,
 }
 
 impl ThawRequest {
@@ -204,6 +207,7 @@ impl ThawRequest {
                 ..StopOptions::default()
             },
             requested,
+            shrunk: self.shrunk.clone(),
         }
     }
 }

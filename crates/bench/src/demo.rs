@@ -500,6 +500,7 @@ impl Demo {
             health_timeout: Duration::from_secs(60),
             stop: cryo_lifecycle::StopOptions::default(),
             requested: Instant::now(),
+            shrunk: None,
         };
         let r = cryo_lifecycle::thaw(
             &gpu,

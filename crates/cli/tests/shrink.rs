@@ -435,3 +435,58 @@ fn bench_shrink_runs_with_tiny_workers() {
         );
     }
 }
+
+/// Frozen after a vLLM sleep, thawed with the same --shrink: the engine is woken once the tree
+/// runs, and answers as before; the restored worker is stopped through cryo (suspended first).
+#[test]
+fn a_thaw_of_a_shrunk_image_wakes_the_engine() {
+    criu_and_root();
+    nix::sys::prctl::set_child_subreaper(true).unwrap();
+    let sim = sim();
+    let st = state();
+    // CRIU restores a process only from an unchanged executable: a private copy.
+    let bin = program().copied_to(&sim.path().join("cryo-worker"));
+    let mut w = sim.spawn(
+        WorkerSpec::new("8MiB")
+            .kv_cache("24MiB")
+            .setsid()
+            .http_unix()
+            .program(bin),
+    );
+    let before = w.complete("thaw");
+    let url = match &w.endpoint {
+        Endpoint::Unix(p) => format!("unix:{}:/", p.display()),
+        other => panic!("{other:?}"),
+    };
+    let image = st.path().join("img");
+    let out = freeze(
+        &sim,
+        st.path(),
+        w.pid,
+        &image,
+        &["--shrink", "vllm", "--engine-url", &url],
+    );
+    assert!(out.status.success(), "{}\n{}", stdout(&out), stderr(&out));
+    w.reap();
+    let out = sim_cmd(&sim, st.path())
+        .arg("thaw")
+        .arg(&image)
+        .args(["--shrink", "vllm", "--engine-url", &url, "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}\n{}", stdout(&out), stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["shrink"]["grow_ms"].is_u64(), "{v}");
+    let pid = v["root_pid"].as_i64().unwrap() as i32;
+    let (status, answer) = http(w.endpoint.clone(), "POST", "/v1/completions", "thaw");
+    assert_eq!(status, 200, "{answer}");
+    assert!(answer.contains(&before), "{answer} vs {before}");
+    let out = sim_cmd(&sim, st.path())
+        .args(["stop", &pid.to_string()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    procs::reap(pid);
+    let _ = std::fs::remove_dir_all(&image);
+    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
+}

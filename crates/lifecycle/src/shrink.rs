@@ -188,6 +188,27 @@ impl Shrunk {
     }
 }
 
+impl Shrunk {
+    /// An engine shrunk elsewhere (a freeze whose image is restored now) to grow: `target`'s
+    /// processes `pids`.
+    pub fn to_grow(shrink: &Shrink, target: &str, pids: Vec<ProcId>) -> Shrunk {
+        Shrunk {
+            report: ShrinkReport {
+                spec: shrink.spec.clone(),
+                released: Released {
+                    outcome: Outcome::Shrunk,
+                    ms: 0,
+                },
+                grow_ms: None,
+                grow_error: None,
+            },
+            shrink: shrink.clone(),
+            target: target.to_owned(),
+            pids,
+        }
+    }
+}
+
 /// The shrink still to grow for any of `pids`, from the journal: the last `shrink_completed`
 /// naming one of them whose outcome was `shrunk` or `unknown`, with no `grown` or `grow_failed`
 /// for them since.

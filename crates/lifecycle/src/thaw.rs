@@ -62,6 +62,9 @@ pub struct ThawOptions {
     pub stop: StopOptions,
     /// When the thaw was requested (times are reported from there).
     pub requested: Instant,
+    /// The image was frozen after this shrink: once the tree runs, its engine is asked to take
+    /// its memory back.
+    pub shrunk: Option<crate::shrink::Shrink>,
 }
 
 /// One restored CUDA process.
@@ -102,6 +105,9 @@ pub struct ThawReport {
     pub guarded: bool,
     /// From the request to the end, ms.
     pub elapsed_ms: u64,
+    /// The grow of the engine, when the image was frozen shrunk (`ThawOptions::shrunk`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shrink: Option<crate::shrink::ShrinkReport>,
 }
 
 /// The pids of `pids` that are taken, once the zombies among their holders have been waited for
@@ -391,9 +397,19 @@ pub fn thaw(
         image: image.clone(),
     })?;
     failpoint::pause_if(THAW_BEFORE_RESTORE);
-    let result = thaw_inner(
+    let mut result = thaw_inner(
         gpu, criu, &opened, &manifest, &plans, opts, journal, watcher, progress, verify_ms,
     );
+    if let (Ok(r), Some(shrink)) = (result.as_mut(), &opts.shrunk) {
+        let pids = r
+            .pids
+            .iter()
+            .filter_map(|p| cryo_journal::ProcId::of(*p).ok())
+            .collect();
+        let mut s = crate::shrink::Shrunk::to_grow(shrink, &image, pids);
+        s.grow(journal, progress)?;
+        r.shrink = Some(s.report);
+    }
     match &result {
         Ok(r) => {
             let pids = r
@@ -606,6 +622,7 @@ fn thaw_inner(
         first_answer_ms,
         guarded,
         elapsed_ms: ms(opts.requested.elapsed()),
+        shrink: None,
     })
 }
 
@@ -1004,6 +1021,7 @@ mod tests {
                         ..StopOptions::default()
                     },
                     requested: Instant::now(),
+                    shrunk: None,
                 };
                 let fence = cryo_state::StateDir::new(self.dir.path()).fence();
                 thaw(

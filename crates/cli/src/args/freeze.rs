@@ -81,6 +81,10 @@ pub struct ThawArgs {
     /// Seconds the health check may take before the thaw is undone.
     #[arg(long, value_name = "S", default_value_t = 60)]
     pub health_timeout: u64,
+    /// The image was frozen with this --shrink (and --engine-url): once the tree runs, the
+    /// engine is asked to take its memory back.
+    #[command(flatten)]
+    pub shrink: super::ShrinkArgs,
     /// Print the result as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,

@@ -30,6 +30,7 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
         gpu_map: Vec::new(),
         health,
         health_timeout_s: args.health_timeout,
+        shrunk: args.shrink.shrink()?,
     };
     if let Some(h) = &req.options(requested).health {
         h.validate().map_err(|e| UsageError(e.to_string()))?;
@@ -80,6 +81,9 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
         );
         if let Some(ms) = report.first_answer_ms {
             println!("  first answered health request {ms} ms after the thaw request");
+        }
+        if let Some(s) = &report.shrink {
+            println!("  {}", s.summary());
         }
     }
     Ok(exit::SUCCESS)
