@@ -76,6 +76,14 @@ fn journal_types(st: &Path) -> Vec<String> {
         .collect()
 }
 
+/// The engine's address for `--engine-url`.
+fn url_of(w: &Worker) -> String {
+    match &w.endpoint {
+        Endpoint::Unix(p) => format!("unix:{}:/", p.display()),
+        Endpoint::Tcp(hostport) => format!("http://{hostport}"),
+    }
+}
+
 fn sim() -> cryo_testkit::sim::Sim {
     cryo_testkit::sim::Sim::start_with(&program(), &["--gpus", "1", "--gpu-memory", "1GiB"])
 }
@@ -86,7 +94,7 @@ fn a_stop_after_a_vllm_sleep_checkpoints_almost_nothing() {
     let st = state();
     let shrunk = sim.spawn(WorkerSpec::new("16MiB").kv_cache("48MiB"));
     let whole = sim.spawn(WorkerSpec::new("16MiB").kv_cache("48MiB"));
-    let url = format!("http://127.0.0.1:{}", shrunk.port);
+    let url = url_of(&shrunk);
 
     let (out, v) = stop(
         &sim,
@@ -125,7 +133,7 @@ fn a_stop_after_an_sglang_release_copies_the_weights_only() {
     let sim = sim();
     let st = state();
     let w = sim.spawn(WorkerSpec::new("16MiB").kv_cache("48MiB"));
-    let url = format!("http://127.0.0.1:{}", w.port);
+    let url = url_of(&w);
     let (out, v) = stop(
         &sim,
         st.path(),
@@ -146,7 +154,7 @@ fn a_busy_engine_is_stopped_whole_and_never_put_to_sleep() {
     let w = sim.spawn(WorkerSpec::new("16MiB").kv_cache("48MiB"));
     let (status, _) = w.http("POST", "/busy?ms=1500", "");
     assert_eq!(status, 200);
-    let url = format!("http://127.0.0.1:{}", w.port);
+    let url = url_of(&w);
     let (out, v) = stop(
         &sim,
         st.path(),
@@ -234,13 +242,7 @@ fn a_freeze_of_nccl_ranks_is_refused_and_they_keep_serving() {
     );
     let before = w.complete("nccl");
     let image = st.path().join("img");
-    let url = format!(
-        "unix:{}:/",
-        match &w.endpoint {
-            Endpoint::Unix(p) => p.display().to_string(),
-            other => panic!("{other:?}"),
-        }
-    );
+    let url = url_of(&w);
     let out = freeze(
         &sim,
         st.path(),
@@ -292,10 +294,6 @@ fn a_freeze_left_running_shrinks_the_image_and_wakes_the_engine_after() {
     let shrunk = sim.spawn(spec());
     let whole = sim.spawn(spec());
     let before = shrunk.complete("freeze");
-    let sock = |w: &Worker| match &w.endpoint {
-        Endpoint::Unix(p) => format!("unix:{}:/", p.display()),
-        other => panic!("{other:?}"),
-    };
     let out = freeze(
         &sim,
         st.path(),
@@ -306,7 +304,7 @@ fn a_freeze_left_running_shrinks_the_image_and_wakes_the_engine_after() {
             "--shrink",
             "vllm:1",
             "--engine-url",
-            &sock(&shrunk),
+            &url_of(&shrunk),
         ],
     );
     assert!(out.status.success(), "{}\n{}", stdout(&out), stderr(&out));
@@ -347,7 +345,7 @@ fn a_park_after_a_sleep_moves_almost_nothing_and_the_wake_grows_it() {
     let st = state();
     let w = sim.spawn(WorkerSpec::new("16MiB").kv_cache("48MiB"));
     let before = w.complete("park");
-    let url = format!("http://127.0.0.1:{}", w.port);
+    let url = url_of(&w);
     let out = sim_cmd(&sim, st.path())
         .args([
             "park",
@@ -454,10 +452,7 @@ fn a_thaw_of_a_shrunk_image_wakes_the_engine() {
             .program(bin),
     );
     let before = w.complete("thaw");
-    let url = match &w.endpoint {
-        Endpoint::Unix(p) => format!("unix:{}:/", p.display()),
-        other => panic!("{other:?}"),
-    };
+    let url = url_of(&w);
     let image = st.path().join("img");
     let out = freeze(
         &sim,

@@ -888,13 +888,12 @@ impl Daemon {
             mem.shrink_to_fit();
             return Ok(());
         }
-        let mut grown = vec![0u8; new_len];
-        crate::sys::advise_huge_pages(&mut grown);
-        grown[..old_len].copy_from_slice(mem);
+        // A fresh allocation is zeros (the kernel's, faulted in lazily), as a cudaMalloc is
+        // whatever the pool held: no copy of what was there.
+        mem.resize(new_len, 0);
         if let Some(seed) = seed {
-            memory::fill_at(&mut grown[old_len..], seed, (old_len / 8) as u64);
+            memory::fill_at(&mut mem[old_len..], seed, (old_len / 8) as u64);
         }
-        *mem = grown;
         Ok(())
     }
 

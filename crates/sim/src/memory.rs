@@ -72,20 +72,37 @@ pub fn hash(buf: &[u8]) -> u64 {
 
 /// The content hash that `len` bytes filled from `seed` have, computed without the memory.
 pub fn expected_hash(seed: u64, len: u64) -> u64 {
+    expected_hash_filled(seed, len, len)
+}
+
+/// The content hash of `len` bytes whose first `filled` are filled from `seed` and the rest are
+/// zeros (weights loaded, then a fresh allocation after them), computed without the memory.
+pub fn expected_hash_filled(seed: u64, filled: u64, len: u64) -> u64 {
     let len_us = usize::try_from(len).unwrap_or(usize::MAX);
     let chunks = len_us.div_ceil(CHUNK);
     let mut out = vec![0u64; chunks];
+    // Word `g` as memory holds it: seeded below `filled`, zero above, masked where it straddles.
+    let at = |g: u64| -> u64 {
+        let start = g.saturating_mul(8);
+        if start >= filled {
+            0
+        } else if start + 8 <= filled {
+            word(seed, g)
+        } else {
+            word(seed, g) & ((1u64 << (8 * (filled - start))) - 1)
+        }
+    };
     hash_chunks(&mut out, |k| {
         let end = ((k + 1) * CHUNK).min(len_us);
         let bytes = end - k * CHUNK;
         let first = (k * CHUNK / 8) as u64;
         let mut h = Lanes::default();
         for j in 0..(bytes / 8) as u64 {
-            h.push(word(seed, first + j));
+            h.push(at(first + j));
         }
         let tail = bytes % 8;
         if tail != 0 {
-            let w = word(seed, first + (bytes / 8) as u64);
+            let w = at(first + (bytes / 8) as u64);
             h.push(w & ((1u64 << (8 * tail)) - 1));
         }
         h.finish()
@@ -182,6 +199,24 @@ mod tests {
         fill(&mut buf[..head], 9);
         fill_at(&mut buf[head..], 9, (head / 8) as u64);
         assert_eq!(hash(&buf), expected_hash(9, len as u64));
+    }
+
+    #[test]
+    fn a_seeded_region_before_zeros_hashes_as_expected() {
+        for (filled, len) in [
+            (0usize, 16usize),
+            (8, 8),
+            (4096, 3 * CHUNK + 5),
+            (CHUNK + 3, 2 * CHUNK),
+        ] {
+            let mut buf = vec![0u8; len];
+            fill(&mut buf[..filled], 5);
+            assert_eq!(
+                hash(&buf),
+                expected_hash_filled(5, filled as u64, len as u64),
+                "{filled} of {len}"
+            );
+        }
     }
 
     #[test]

@@ -3,8 +3,8 @@
 //!
 //! # Design
 //! Each context's device memory is the engine's weights (`--memory`, seeded: the "model files")
-//! followed by its KV cache (`--kv-cache`, rebuilt empty after a release: refilled from the same
-//! seed, so `/verify` checks both). Releasing and taking back are application GPU calls (they
+//! followed by its KV cache (`--kv-cache`: a fresh allocation, zeros, at start and after a
+//! release; `/verify` checks both). Releasing and taking back are application GPU calls (they
 //! wait while the process is locked, like every other), resizing device memory through the
 //! driver, so a checkpoint after a release copies measurably less:
 //! - KV cache released: device memory shrinks to the weights;
@@ -188,11 +188,7 @@ impl Worker {
                                 .into(),
                         ));
                     }
-                    self.gpu_call(|c| {
-                        c.iter_mut().enumerate().try_for_each(|(rank, ctx)| {
-                            ctx.resize(w + kv, Some(self.seed_of(rank)))
-                        })
-                    })?;
+                    self.gpu_call(|c| c.iter_mut().try_for_each(|ctx| ctx.resize(w + kv, None)))?;
                     mem.kv_released = false;
                 }
                 Ok(())

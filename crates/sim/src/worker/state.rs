@@ -264,8 +264,17 @@ impl Worker {
         let mut uuids = Vec::new();
         for (rank, gpu) in self.gpus.iter().enumerate() {
             let init = Init::Seed(rank_seed(self.seed, rank));
-            let bytes = self.bytes + self.kv_bytes;
-            let (ctx, uuid) = self.open(GpuSel::Index(*gpu), init, bytes, None)?;
+            let (mut ctx, uuid) = self.open(GpuSel::Index(*gpu), init, self.bytes, None)?;
+            if self.kv_bytes > 0 {
+                // The KV cache: allocated after the weights are loaded, zeros until used.
+                ctx.resize(self.bytes + self.kv_bytes, None)
+                    .map_err(|e| match e.to_string() {
+                        m if m.contains("OUT_OF_MEMORY") => {
+                            OpenError::Cuda(CuResult::OUT_OF_MEMORY)
+                        }
+                        m => OpenError::Protocol(m),
+                    })?;
+            }
             opened.push(ctx);
             uuids.push(uuid);
         }
@@ -411,7 +420,13 @@ impl Worker {
         })?;
         let expected = self.expected.get_or_init(|| {
             (0..self.gpus.len())
-                .map(|r| memory::expected_hash(rank_seed(self.seed, r), self.bytes + self.kv_bytes))
+                .map(|r| {
+                    memory::expected_hash_filled(
+                        rank_seed(self.seed, r),
+                        self.bytes,
+                        self.bytes + self.kv_bytes,
+                    )
+                })
                 .collect()
         });
         Ok(actual.into_iter().zip(expected.iter().copied()).collect())
