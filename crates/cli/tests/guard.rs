@@ -16,7 +16,6 @@ use std::fs;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::Command;
-use std::time::Duration;
 
 use common::{
     cryo, eventually, http, make_restored, ok, procs, GuardProc, Sim, Worker, WorkerSpec, PATIENCE,
@@ -396,6 +395,13 @@ fn detach_and_attach_through_the_socket() {
     assert_ne!(tracer_pid(w.pid), 0);
 }
 
+/// The memory watch suspends a guarded worker whose cgroup is short of room for its checkpoint,
+/// then stops it: verified before it exits, nothing pinned, nothing fenced. The worker grows to a
+/// known size and then stops growing (200 MiB limit; 32 MiB of device memory plus a 64 MiB margin
+/// need 96 MiB of room; it holds at least 120 MiB): the watch must act, and the checkpoint (+32 MiB)
+/// still fits far below the limit, so the OOM killer never races the stop. The test waits for the
+/// journal's positive events, never for a time. (Before: the worker kept growing until it died,
+/// and on a loaded host the OOM killer sometimes beat the stop.)
 #[test]
 fn memory_watch_suspends_and_stops_before_the_oom_killer() {
     let sim = Sim::start();
@@ -403,24 +409,34 @@ fn memory_watch_suspends_and_stops_before_the_oom_killer() {
     let _guard = GuardProc::start(
         &sim,
         &state,
-        &["--memory-margin", "16MiB", "--poll-ms", "50"],
+        &["--memory-margin", "64MiB", "--poll-ms", "50"],
     );
     let cg = TestCgroup::new("guard-cli-watch", 200 << 20);
     let mut w = worker(&sim, "32MiB", 0, Some(&cg));
     make_restored(&sim, &state, w.pid);
     let id = ProcId::of(w.pid).unwrap();
     wait_attached(&state, id, 1);
-    grow_until_gone(&mut w, &state);
-    sim.assert_no_wedge();
-    // The worker may still be growing while it is suspended: the OOM killer can then beat the
-    // stop's kill, which is safe once the suspension is verified (the exit stop pins nothing).
+    // Until it holds 120 MiB, or the watch already acted (the process is gone).
+    while cryo_proc::ProcHandle::open(w.pid)
+        .and_then(|h| h.rss())
+        .is_ok_and(|rss| rss < 120 << 20)
+    {
+        if std::panic::catch_unwind(|| http(w.port, "POST", "/alloc?mib=8", "")).is_err() {
+            break;
+        }
+    }
     eventually(PATIENCE, "the guard to journal the exit", || {
         names(&records(&state), id).contains(&"exited")
     });
+    w.wait_exit();
+    sim.assert_no_wedge();
     let path = names(&records(&state), id);
     let at = |what: &str| path.iter().position(|s| *s == what);
     assert!(
-        at("verified").is_some() && at("verified") < at("exited") && !path.contains(&"pinned"),
+        at("lock started").is_some()
+            && at("verified") > at("lock started")
+            && at("verified") < at("exited")
+            && !path.contains(&"pinned"),
         "{path:?}"
     );
     assert!(StateDir::new(&state).fence().list().unwrap().is_empty());
@@ -921,20 +937,6 @@ fn two_deaths_at_once_run_one_drain_and_the_restart_command_once() {
         pc.contains(&"verified") && pc.contains(&"killed") && !pc.contains(&"pinned"),
         "{pc:?}"
     );
-}
-
-/// Grows `w` in 8 MiB steps until the guard starts to suspend it (journaled in `state`), then
-/// waits for its exit: in steps, so that the watch acts while a checkpoint still fits.
-fn grow_until_gone(w: &mut Worker, state: &Path) {
-    let id = ProcId::of(w.pid).unwrap();
-    for _ in 0..40 {
-        if w.has_exited() || names(&records(state), id).contains(&"lock started") {
-            break;
-        }
-        let _ = std::panic::catch_unwind(|| http(w.port, "POST", "/alloc?mib=8", ""));
-        std::thread::sleep(Duration::from_millis(150));
-    }
-    w.wait_exit();
 }
 
 /// A neighbour fills the page cache of the worker's cgroup (writes a file twice the cgroup's
