@@ -194,6 +194,13 @@ pub enum StopError {
 /// How many times a cgroup is listed again for processes that joined it during the stop.
 const JOIN_ROUNDS: usize = 8;
 
+/// How long a verified-suspended process the driver no longer answers for is given to finish
+/// exiting before that counts as a refusal. A process closes its files (and so its driver
+/// state) before it becomes a zombie: a rank that ends itself when its launcher is killed
+/// (as ranks of a real server do) is caught in between. Its context was verified
+/// CHECKPOINTED, so its own end is safe.
+const ENDING_GRACE: Duration = Duration::from_secs(1);
+
 /// One process of the stop.
 struct Member {
     h: ProcHandle,
@@ -666,7 +673,7 @@ impl Run<'_> {
                 match self.gpu.driver.state(pid) {
                     Ok(ProcessState::Checkpointed) => {}
                     Ok(other) => wrong.push(format!("state {other}")),
-                    Err(_) if !m.h.is_alive() => continue,
+                    Err(_) if m.h.wait_exit(ENDING_GRACE) => continue,
                     Err(e) => wrong.push(format!("no state from the driver ({e})")),
                 }
             }
@@ -674,7 +681,7 @@ impl Run<'_> {
                 Ok(fds) if fds.is_empty() => {}
                 Ok(_) if matches!(m.class, Some(Class::DriverOnly { .. })) => {}
                 Ok(fds) => wrong.push(format!("{} driver files open", fds.len())),
-                Err(_) if !m.h.is_alive() => continue,
+                Err(_) if m.h.wait_exit(ENDING_GRACE) => continue,
                 Err(e) => wrong.push(format!("driver files that cannot be listed ({e})")),
             }
             if let Some(p) = listed.iter().find(|p| p.pid == pid) {
@@ -709,7 +716,7 @@ impl Run<'_> {
                 // One more look right before its own kill.
                 match self.gpu.driver.state(m.h.pid()) {
                     Ok(ProcessState::Checkpointed) => {}
-                    Err(_) if !m.h.is_alive() => continue,
+                    Err(_) if m.h.wait_exit(ENDING_GRACE) => continue,
                     other => {
                         let found = match other {
                             Ok(s) => format!("state {s} right before its kill"),
