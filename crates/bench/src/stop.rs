@@ -292,7 +292,14 @@ impl PrivateAgent {
             .arg(dir)
             .arg("--state-dir")
             .arg(state.root())
-            .args(["agent", "run", "--no-metrics-listen", "--no-memory-watch"])
+            .args([
+                "agent",
+                "run",
+                "--no-metrics-listen",
+                "--no-memory-watch",
+                "--scan",
+                "none",
+            ])
             .env_remove(cryo_api::SOCKET_ENV)
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -571,3 +571,43 @@ fn a_restore_through_the_agent_is_traced_before_it_is_answered_or_checkpointed_a
     assert_eq!(sim.state(other), "checkpointed");
     assert!(sim.settled_ledger().is_empty());
 }
+
+/// A context restored by another tool (raw driver calls: nothing journaled, nothing asks the
+/// agent) on a node whose agent guards every CUDA process (`--scan all-cuda`, the default): the
+/// scan finds it and guards it (journaled with source `scan`), so its `kill -9` is pinned, not
+/// torn down. (Before: nothing but cryo's own restores and the journal's were guarded: a wedge.)
+#[test]
+fn a_context_restored_by_another_tool_is_found_by_the_scan_and_its_kill_is_pinned() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let agent = AgentProc::start(&sim, &state, &["--no-memory-watch", "--scan", "all-cuda"]);
+    let w = sim.spawn(WorkerSpec::new("8MiB").gpu(0).process_group());
+    let p = w.pid.to_string();
+    for call in ["lock", "checkpoint", "restore", "unlock"] {
+        succeeded(&run(&sim, &state, &["sim", "call", call, "--pid", &p]));
+    }
+    assert_eq!(sim.state(w.pid), "running");
+    let id = ProcId::of(w.pid).unwrap();
+    eventually(PATIENCE, "the scan to guard the worker", || {
+        records(&state).iter().any(|e| {
+            matches!(e, Event::GuardAttached { pid, source: cryo_journal::AttachSource::Scan } if *pid == id)
+        })
+    });
+    assert!(agent.log().contains("found by the scan"), "{}", agent.log());
+    kill(w.pid, libc::SIGKILL);
+    eventually(PATIENCE, "the pin", || {
+        agent
+            .client()
+            .status()
+            .unwrap()
+            .guard
+            .pins
+            .iter()
+            .any(|p| p.pid == w.pid)
+    });
+    assert!(
+        sim.settled_ledger().is_empty(),
+        "{:?}",
+        sim.settled_ledger()
+    );
+}

@@ -1355,6 +1355,8 @@ impl Agent {
                 "--no-memory-watch",
                 "--poll-ms",
                 "3600000",
+                "--scan",
+                "none",
             ])
             .stdout(f.try_clone().unwrap())
             .stderr(f)

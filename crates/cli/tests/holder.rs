@@ -38,7 +38,13 @@ impl Guard {
         let f = std::fs::File::create(&log).unwrap();
         let child = sim
             .cmd_at(state)
-            .args(["guard", "--pin-holder", "--no-memory-watch"])
+            .args([
+                "guard",
+                "--pin-holder",
+                "--no-memory-watch",
+                "--scan",
+                "none",
+            ])
             .env("RUST_LOG", "info")
             .env(HOLDER_CGROUP.0, HOLDER_CGROUP.1)
             // A core dump (SIGQUIT) lands in the state directory, not in the source tree.

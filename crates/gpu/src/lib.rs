@@ -63,6 +63,15 @@ pub trait GpuInspector: Send + Sync {
     /// driver): what must be duplicated to keep the process's context from being torn down.
     fn driver_fds(&self, pid: Pid) -> Result<Vec<i32>, InspectError>;
 
+    /// Every process that may hold a context: those NVML lists and those holding driver files
+    /// (the guard's scan), ascending, once each. The default knows NVML's list only.
+    fn cuda_processes(&self) -> Result<Vec<Pid>, InspectError> {
+        let mut pids: Vec<Pid> = self.processes()?.into_iter().map(|p| p.pid).collect();
+        pids.sort_unstable();
+        pids.dedup();
+        Ok(pids)
+    }
+
     /// Device memory attributed to `pid` over all GPUs, `None` when NVML does not list it.
     fn process_memory(&self, pid: Pid) -> Result<Option<u64>, InspectError> {
         let mut total = None;

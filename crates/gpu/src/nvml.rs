@@ -144,6 +144,17 @@ impl GpuInspector for NvmlInspector {
     fn driver_fds(&self, pid: Pid) -> Result<Vec<i32>, InspectError> {
         driver_fds(pid)
     }
+
+    fn cuda_processes(&self) -> Result<Vec<Pid>, InspectError> {
+        let mut pids: Vec<Pid> = self.processes()?.into_iter().map(|p| p.pid).collect();
+        pids.extend(
+            cryo_proc::driver_file_holders(cryo_proc::DriverFiles::Nvidia)
+                .map_err(|source| InspectError::Fds { pid: 0, source })?,
+        );
+        pids.sort_unstable();
+        pids.dedup();
+        Ok(pids)
+    }
 }
 
 /// The fds of `pid` that are NVIDIA device files (`/dev/nvidia*`), in ascending order.

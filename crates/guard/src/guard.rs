@@ -85,6 +85,25 @@ pub struct MemoryWatch {
     pub interval: Duration,
 }
 
+/// Which processes cryo did not restore (or hear of) the guard guards: the operator's policy for
+/// restores made by other tools (NVIDIA's `cuda-checkpoint`, CRIU's plugin run by hand), which
+/// nothing journals.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Scan {
+    /// Every CUDA process (NVML lists it, or it holds driver files), found by a scan every
+    /// [`SCAN_INTERVAL`]: the safe default on a node where anything restores contexts, since
+    /// nothing tells a context restored by another tool from a fresh one. Its ordinary exit is
+    /// then pinned like a restored one's.
+    #[default]
+    AllCuda,
+    /// Only restores through cryo, the journal's, and those named by the operator.
+    None,
+}
+
+/// How often the scan of [`Scan::AllCuda`] looks for CUDA processes.
+pub const SCAN_INTERVAL: Duration = Duration::from_secs(1);
+
 /// How the guard runs.
 #[derive(Debug, Clone)]
 pub struct GuardConfig {
@@ -101,6 +120,8 @@ pub struct GuardConfig {
     /// Where pinned fds go so that they outlive the guard (the pin holder); `None`: they stay in
     /// the guard's own process.
     pub pin_sink: Option<Arc<dyn PinSink>>,
+    /// Which processes cryo did not restore are guarded.
+    pub scan: Scan,
 }
 
 impl GuardConfig {
@@ -125,6 +146,7 @@ impl GuardConfig {
                 interval: Duration::from_millis(250),
             }),
             pin_sink: None,
+            scan: Scan::AllCuda,
         }
     }
 }
@@ -1089,6 +1111,54 @@ impl Guard {
             }
         }
         Ok(attached)
+    }
+
+    /// With [`Scan::AllCuda`], guards every CUDA process not guarded yet (source `scan`): NVML's
+    /// list and the holders of driver files. Left out: this process, the pin holder (it holds
+    /// dead processes' contexts), processes leased out for a dump, and processes someone else
+    /// traces (CRIU mid-restore, a debugger: looked at again next time). Returns those attached.
+    pub fn scan(&self) -> Vec<ProcId> {
+        if self.inner.cfg.scan != Scan::AllCuda {
+            return Vec::new();
+        }
+        let pids = match self.inner.gpu.inspect.cuda_processes() {
+            Ok(p) => p,
+            Err(err) => {
+                tracing::warn!(%err, "cannot scan for CUDA processes");
+                return Vec::new();
+            }
+        };
+        let me = Pid::try_from(std::process::id()).unwrap_or(0);
+        let holder = match self.inner.holder.inventory() {
+            Ok(Some((info, _))) => Some(info.id.pid),
+            _ => None,
+        };
+        let mut attached = Vec::new();
+        for pid in pids {
+            if pid == me
+                || Some(pid) == holder
+                || lock(&self.inner.watched).contains_key(&pid)
+                || lock(&self.inner.exiting).contains(&pid)
+            {
+                continue;
+            }
+            let Ok(id) = ProcId::of(pid) else { continue };
+            if lock(&self.inner.paused).contains_key(&id) {
+                continue;
+            }
+            if cryo_proc::status(pid).is_ok_and(|s| s.tracer_pid != 0) {
+                tracing::debug!(pid, "traced by someone else; scanned again later");
+                continue;
+            }
+            match self.attach(id, AttachSource::Scan) {
+                Ok(true) => attached.push(id),
+                Ok(false) => {}
+                Err(err) => {
+                    tracing::warn!(pid, %err, "cannot guard a CUDA process found by the scan")
+                }
+            }
+        }
+        attached
     }
 
     /// The operator's release of the contexts pinned on `gpu`: closes the duplicates (on

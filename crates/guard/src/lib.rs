@@ -51,7 +51,9 @@ pub mod signals;
 pub mod sys;
 pub mod tracer;
 
-pub use guard::{Endgame, Guard, GuardConfig, GuardStatus, MemoryWatch, StartReport};
+pub use guard::{
+    Endgame, Guard, GuardConfig, GuardStatus, MemoryWatch, Scan, StartReport, SCAN_INTERVAL,
+};
 pub use pins::{HolderSink, PinSink};
 pub use policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee};
 pub use service::{run, termination_flag, Notice, RunError, RunOptions, Service};

@@ -65,6 +65,8 @@ pub enum Notice {
     },
     /// A new restore in the journal is guarded.
     GuardingRestored(ProcId),
+    /// A CUDA process found by the scan is guarded (`--scan all-cuda`).
+    GuardingScanned(ProcId),
     /// The journal could not be read this time (the next poll tries again).
     JournalUnreadable(cryo_journal::ReadError),
     /// The memory watch suspended and stopped a guarded process before the OOM killer could.
@@ -91,6 +93,12 @@ impl fmt::Display for Notice {
                 socket.display()
             ),
             Notice::GuardingRestored(id) => write!(f, "guarding restored pid {id}"),
+            Notice::GuardingScanned(id) => {
+                write!(
+                    f,
+                    "guarding CUDA pid {id} found by the scan (--scan all-cuda)"
+                )
+            }
             Notice::JournalUnreadable(e) => write!(f, "cannot read the journal: {e}"),
             Notice::MemoryStopped(id) => {
                 write!(f, "memory pressure: suspended and stopped pid {id}")
@@ -239,6 +247,7 @@ impl Service {
     pub fn run_until(self, stop: &dyn Fn() -> bool, notify: &mut dyn FnMut(Notice)) {
         let guard = self.guard;
         let mut refused_at = None::<Instant>;
+        let mut scanned_at = None::<Instant>;
         loop {
             if stop() {
                 if !guard.has_pins() {
@@ -254,6 +263,13 @@ impl Service {
                     .into_iter()
                     .for_each(|id| notify(Notice::GuardingRestored(id))),
                 Err(e) => notify(Notice::JournalUnreadable(e)),
+            }
+            if scanned_at.is_none_or(|t| t.elapsed() >= crate::SCAN_INTERVAL) {
+                scanned_at = Some(Instant::now());
+                guard
+                    .scan()
+                    .into_iter()
+                    .for_each(|id| notify(Notice::GuardingScanned(id)));
             }
             for id in guard.check_memory() {
                 notify(Notice::MemoryStopped(id));

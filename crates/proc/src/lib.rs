@@ -48,9 +48,9 @@ pub use fds::{driver_fds, DriverFiles, Fd, FdTarget};
 pub use handle::{Liveness, ProcHandle};
 pub use netns::in_net_namespace_of;
 pub use read::{
-    fds, liveness, load_average, mem_available, pid_holders, pid_max, pids_in_use,
-    runs_our_executable, same_namespace, stat, status, tgid, thread_named, tree, unix_listeners_of,
-    NamespaceKind, PidHolder, Stat, Status, SYSTEM_MEMORY_PRESSURE,
+    driver_file_holders, fds, liveness, load_average, mem_available, pid_holders, pid_max,
+    pids_in_use, runs_our_executable, same_namespace, stat, status, tgid, thread_named, tree,
+    unix_listeners_of, NamespaceKind, PidHolder, Stat, Status, SYSTEM_MEMORY_PRESSURE,
 };
 pub use signal::{describe_wait_status, signal_name, Signal};
 

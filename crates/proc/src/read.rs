@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use procfs::process::Process;
 
-use crate::fds::Fd;
+use crate::fds::{DriverFiles, Fd};
 use crate::handle::Liveness;
 use crate::{Pid, ProcError};
 
@@ -190,6 +190,23 @@ pub fn liveness(pid: Pid) -> Liveness {
 /// its link is left out (the table changes under us).
 pub fn fds(pid: Pid) -> Result<Vec<Fd>, ProcError> {
     fds_of(&process(pid)?, pid)
+}
+
+/// Every process (pid as this process's `/proc` shows it) holding at least one of `files`, in
+/// ascending order: the guard's scan for CUDA processes that NVML may not list. A process whose
+/// fd table cannot be read (it exited meanwhile) is left out.
+pub fn driver_file_holders(files: DriverFiles<'_>) -> Result<Vec<Pid>, ProcError> {
+    let all =
+        procfs::process::all_processes().map_err(|e| ProcError::read(0, "the process list", e))?;
+    let mut out: Vec<Pid> = all
+        .flatten()
+        .filter(|p| {
+            fds_of(p, p.pid()).is_ok_and(|f| f.iter().any(|f| files.is_driver_file(&f.target)))
+        })
+        .map(|p| p.pid())
+        .collect();
+    out.sort_unstable();
+    Ok(out)
 }
 
 pub(crate) fn fds_of(p: &Process, pid: Pid) -> Result<Vec<Fd>, ProcError> {

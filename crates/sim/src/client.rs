@@ -255,6 +255,13 @@ impl GpuInspector for SimClient {
             other => Err(self.to_inspect(self.unexpected(&other))),
         }
     }
+
+    fn cuda_processes(&self) -> Result<Vec<Pid>, InspectError> {
+        match self.inspect_request(&Request::CudaProcesses)? {
+            Reply::Pids(p) => Ok(p),
+            other => Err(self.to_inspect(self.unexpected(&other))),
+        }
+    }
 }
 
 /// Test and benchmark controls of one simulated driver: the wedge ledger and fault injection.

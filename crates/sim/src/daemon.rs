@@ -393,6 +393,7 @@ impl Daemon {
                 Reply::Processes(self.processes())
             }
             Request::DriverFds { pid } => self.driver_fds(pid),
+            Request::CudaProcesses => self.cuda_processes(),
         };
         if let Err(err) = proto::send(&mut s, &reply) {
             tracing::debug!(%err, "client went away before the answer");
@@ -471,6 +472,20 @@ impl Daemon {
             &fds,
             DriverFiles::SimContexts(&contexts),
         ))
+    }
+
+    /// Every process NVML lists or that holds one of this daemon's driver files.
+    fn cuda_processes(&self) -> Reply {
+        let mut contexts: HashSet<u64> = self.table().values().map(|c| c.inode).collect();
+        contexts.extend(self.drivers().values().map(|(_, inode)| *inode));
+        let mut pids = match cryo_proc::driver_file_holders(DriverFiles::SimContexts(&contexts)) {
+            Ok(p) => p,
+            Err(err) => return Reply::Error(format!("cannot list the processes: {err}")),
+        };
+        pids.extend(self.processes().into_iter().map(|p| p.pid));
+        pids.sort_unstable();
+        pids.dedup();
+        Reply::Pids(pids)
     }
 
     /// `pid`'s restore thread, or what the driver answers when there is none: a pid that does

@@ -43,6 +43,8 @@ pub enum Request {
         /// Target process.
         pid: Pid,
     },
+    /// Every process listed (NVML) or holding a driver file of this daemon: the guard's scan.
+    CudaProcesses,
     /// Fault injection.
     Inject {
         /// Target process.
@@ -243,6 +245,8 @@ pub enum Reply {
     Processes(Vec<GpuProcess>),
     /// Fd numbers.
     Fds(Vec<i32>),
+    /// Pids.
+    Pids(Vec<Pid>),
     /// Fault injected (or hang rule set).
     Injected,
     /// The driver fd of `OpenDriver` is open.

@@ -55,6 +55,22 @@ pub struct GuardRunArgs {
     /// runs) so that they outlive this process; without it they stay in this process.
     #[arg(long)]
     pub pin_holder: bool,
+    /// Which CUDA processes that cryo did not restore are guarded: `all-cuda` (every process
+    /// NVML lists or that holds driver files, found by a scan every second: the safe choice on
+    /// a node where other tools restore contexts, since nothing tells those from fresh ones; the
+    /// ordinary exit of any of them is then pinned), or `none` (restores through cryo, the
+    /// journal's, and `--pid`).
+    #[arg(long, value_enum, default_value = "all-cuda")]
+    pub scan: ScanArg,
+}
+
+/// `--scan`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ScanArg {
+    /// Every CUDA process.
+    AllCuda,
+    /// Only what cryo restored or was told of.
+    None,
 }
 
 /// `--endgame`.

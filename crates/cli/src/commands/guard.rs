@@ -24,7 +24,7 @@ use cryo_guard::control::{Confirmation, Detach, GuardClient};
 use cryo_guard::{Endgame, GuardConfig, MemoryWatch, RunOptions};
 
 use super::Context;
-use crate::args::guard::{EndgameArg, GuardArgs, GuardCommand, GuardRunArgs, HolderArgs};
+use crate::args::guard::{EndgameArg, GuardArgs, GuardCommand, GuardRunArgs, HolderArgs, ScanArg};
 use crate::route;
 
 /// `cryo guard ...`.
@@ -208,6 +208,10 @@ pub fn config(ctx: &Context, a: &GuardRunArgs) -> GuardConfig {
         psi_full_avg10: a.psi_avg10,
         interval: Duration::from_millis(a.poll_ms),
     });
+    cfg.scan = match a.scan {
+        ScanArg::AllCuda => cryo_guard::Scan::AllCuda,
+        ScanArg::None => cryo_guard::Scan::None,
+    };
     cfg
 }
 

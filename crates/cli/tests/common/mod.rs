@@ -151,6 +151,7 @@ impl GuardProc {
         let f = std::fs::File::create(&log).unwrap();
         let child = cmd
             .arg("guard")
+            .args(scan_none_unless_asked(extra))
             .args(extra)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
@@ -218,6 +219,7 @@ impl AgentProc {
         let file = std::fs::File::create(&log).unwrap();
         let mut c = sim.cmd_at(state);
         c.args(["agent", "run", "--metrics-listen", "127.0.0.1:0"])
+            .args(scan_none_unless_asked(extra))
             .args(extra)
             .stdin(Stdio::null())
             .stdout(file.try_clone().unwrap())
@@ -260,6 +262,16 @@ impl AgentProc {
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// `--scan none` unless `extra` chooses: the tests' workers are fresh CUDA processes that only
+/// the tests of the scan want guarded (the default, `all-cuda`, would pin each one's exit).
+pub fn scan_none_unless_asked(extra: &[&str]) -> &'static [&'static str] {
+    if extra.contains(&"--scan") {
+        &[]
+    } else {
+        &["--scan", "none"]
     }
 }
 
