@@ -584,7 +584,12 @@ fn a_context_restored_by_another_tool_is_found_by_the_scan_and_its_kill_is_pinne
     let w = sim.spawn(WorkerSpec::new("8MiB").gpu(0).process_group());
     let p = w.pid.to_string();
     for call in ["lock", "checkpoint", "restore", "unlock"] {
-        succeeded(&run(&sim, &state, &["sim", "call", call, "--pid", &p]));
+        let dir = sim.path().to_str().unwrap();
+        succeeded(&run(
+            &sim,
+            &state,
+            &["sim", "call", call, "--pid", &p, "--dir", dir],
+        ));
     }
     assert_eq!(sim.state(w.pid), "running");
     let id = ProcId::of(w.pid).unwrap();
