@@ -598,7 +598,10 @@ fn a_context_restored_by_another_tool_is_found_by_the_scan_and_its_kill_is_pinne
             matches!(e, Event::GuardAttached { pid, source: cryo_journal::AttachSource::Scan } if *pid == id)
         })
     });
-    assert!(agent.log().contains("found by the scan"), "{}", agent.log());
+    // The journal's record comes first; the agent's log says it once the scan returns.
+    eventually(PATIENCE, "the agent's log to say why it guards it", || {
+        agent.log().contains("found by the scan")
+    });
     kill(w.pid, libc::SIGKILL);
     eventually(PATIENCE, "the pin", || {
         agent
