@@ -1468,26 +1468,37 @@ mod tests {
         state: StateDir,
         _procs: Procs,
         id: ProcId,
+        fake: FakeGpu,
         guard: Guard,
     }
 
     /// A restored process (journaled so), listed by no NVML query, holding driver file 0; the
     /// journal gets `extra` after its restore; then a guard starts and attaches to it.
     fn scene(extra: impl Fn(ProcId) -> Vec<Event>) -> Scene {
+        scene_with(extra, false)
+    }
+
+    /// As [`scene`]; `listed`: NVML lists the process (on the fake's GPU 0).
+    fn scene_with(extra: impl Fn(ProcId) -> Vec<Event>, listed: bool) -> Scene {
         let dir = tempfile::tempdir().unwrap();
         let state = StateDir::new(dir.path());
         let procs = Procs::spawn(1);
         let pid = procs.pid(0);
         let fake = FakeGpu::new();
-        fake.add(pid).mark_restored(pid);
+        fake.add(pid).mark_restored(pid).driver_files(pid, &[0]);
+        let inspect: Arc<dyn GpuInspector> = if listed {
+            Arc::new(fake.clone())
+        } else {
+            Arc::new(Unlisted {
+                fake: fake.clone(),
+                hidden: pid,
+                fds: vec![0],
+            })
+        };
         let gpu = Gpu {
             kind: cryo_gpu::BackendKind::Sim,
             driver: Arc::new(fake.clone()),
-            inspect: Arc::new(Unlisted {
-                fake,
-                hidden: pid,
-                fds: vec![0],
-            }),
+            inspect,
         };
         let id = ProcId::of(pid).unwrap();
         let journal = state.open_journal().unwrap();
@@ -1510,6 +1521,7 @@ mod tests {
             state,
             _procs: procs,
             id,
+            fake,
             guard,
         }
     }
@@ -1526,6 +1538,56 @@ mod tests {
         fn events(&self) -> Vec<Event> {
             journal_events(&self.state)
         }
+
+        fn wait_exited(&self) {
+            let id = self.id;
+            eventually(PATIENCE, "the exit to be journaled", || {
+                self.events()
+                    .iter()
+                    .any(|e| matches!(e, Event::ProcessExited { pid, .. } if *pid == id))
+            });
+        }
+
+        fn fenced(&self) -> Vec<FencedGpu> {
+            self.state
+                .fence()
+                .list()
+                .unwrap()
+                .into_iter()
+                .map(|q| q.gpu)
+                .collect()
+        }
+    }
+
+    /// NVML fails at the exit stop (its query does not answer): the process still holds driver
+    /// files and the journal shows it restored and not suspended since, so its context is live:
+    /// pinned, and the fence gets the `unknown` entry (every GPU), since nothing can name its
+    /// GPU. End to end: a real process, the real tracer, the fake driver with NVML down.
+    #[test]
+    fn nvml_failing_at_the_exit_stop_pins_and_fences_the_unknown_gpu() {
+        let s = scene_with(|_| Vec::new(), true);
+        s.fake.nvml_down(true);
+        s.kill();
+        s.wait_exited();
+        let id = s.id;
+        assert!(
+            s.events()
+                .iter()
+                .any(|e| matches!(e, Event::Pinned { pid, gpu, fds } if *pid == id && gpu == "unknown" && *fds == vec![0])),
+            "{:?}",
+            s.events()
+        );
+        assert!(
+            s.events()
+                .iter()
+                .any(|e| matches!(e, Event::GpuQuarantined { gpu, .. } if gpu == "unknown")),
+            "{:?}",
+            s.events()
+        );
+        assert_eq!(s.fenced(), vec![FencedGpu::Unknown]);
+        // The fake ties no context to the fds (its ledger would call any death a wedge): the
+        // guard's pin of fd 0 is what holds the real driver's context.
+        assert_eq!(s.guard.status().pins.len(), 1);
     }
 
     /// Before, the decision trusted NVML alone: an unlisted pid had its duplicated fds dropped
@@ -1535,12 +1597,8 @@ mod tests {
     fn a_restored_process_nvml_does_not_list_is_pinned() {
         let s = scene(|_| Vec::new());
         s.kill();
+        s.wait_exited();
         let id = s.id;
-        eventually(PATIENCE, "the exit to be journaled", || {
-            s.events()
-                .iter()
-                .any(|e| matches!(e, Event::ProcessExited { pid, .. } if *pid == id))
-        });
         assert!(
             s.events()
                 .iter()
@@ -1548,15 +1606,7 @@ mod tests {
             "{:?}",
             s.events()
         );
-        let fenced: Vec<FencedGpu> = s
-            .state
-            .fence()
-            .list()
-            .unwrap()
-            .into_iter()
-            .map(|q| q.gpu)
-            .collect();
-        assert_eq!(fenced, vec![FencedGpu::Unknown]);
+        assert_eq!(s.fenced(), vec![FencedGpu::Unknown]);
         let st = s.guard.status();
         assert_eq!(st.pins.len(), 1, "{st:?}");
     }
@@ -1573,12 +1623,7 @@ mod tests {
             }]
         });
         s.kill();
-        let id = s.id;
-        eventually(PATIENCE, "the exit to be journaled", || {
-            s.events()
-                .iter()
-                .any(|e| matches!(e, Event::ProcessExited { pid, .. } if *pid == id))
-        });
+        s.wait_exited();
         assert!(
             !s.events()
                 .iter()

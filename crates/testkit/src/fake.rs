@@ -83,6 +83,8 @@ struct Inner {
     restore_pairs: Vec<Vec<GpuPair>>,
     scripted: Vec<(Pid, Call, usize, ProcessState)>,
     driver_fds: HashMap<Pid, Vec<i32>>,
+    /// NVML's process list fails (`nvmlDeviceGetComputeRunningProcesses` erring) while set.
+    nvml_down: bool,
 }
 
 /// A call held by [`FakeGpu::hang_next`] until [`Hang::release`].
@@ -302,6 +304,13 @@ impl FakeGpu {
             .count()
     }
 
+    /// NVML's process list fails from now on (`down`: as a wedged NVML, no answer in time), or
+    /// answers again.
+    pub fn nvml_down(&self, down: bool) -> &Self {
+        self.inner().nvml_down = down;
+        self
+    }
+
     /// Restored contexts torn down live: processes that went through a restore and have died
     /// while RUNNING or LOCKED. Must stay empty.
     pub fn wedges(&self) -> Vec<Pid> {
@@ -478,6 +487,13 @@ impl GpuInspector for FakeGpu {
             .collect())
     }
     fn processes(&self) -> Result<Vec<GpuProcess>, InspectError> {
+        if self.inner().nvml_down {
+            // As a wedged NVML looks to cryo: the query under its deadline never returned.
+            return Err(InspectError::NoAnswer {
+                what: "running processes",
+                after: Duration::from_secs(10),
+            });
+        }
         let mut out: Vec<GpuProcess> = self
             .inner()
             .procs
