@@ -219,7 +219,10 @@ fn pins_survive_sigquit_and_sigkill_of_the_agent_and_are_adopted_by_the_next_one
     eventually(PATIENCE, "the agent to log SIGQUIT", || {
         agent.log().contains("signal=SIGQUIT")
     });
-    assert!(agent.child.try_wait().unwrap().is_none(), "SIGQUIT killed the agent");
+    assert!(
+        agent.child.try_wait().unwrap().is_none(),
+        "SIGQUIT killed the agent"
+    );
     agent.client().status().unwrap();
     agent.kill();
     assert!(sim.listed(w.pid), "the pinned context died with the agent");

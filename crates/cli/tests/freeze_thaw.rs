@@ -1340,12 +1340,19 @@ struct Agent {
 
 impl Agent {
     fn start(env: &Env) -> Agent {
+        Agent::spawn(env, None)
+    }
+
+    fn spawn(env: &Env, failpoint: Option<&str>) -> Agent {
         let state = env.path().join("state");
         fs::create_dir_all(&state).unwrap();
         let log = state.join("agent.log");
         let f = fs::File::create(&log).unwrap();
-        let child = env
-            .cmd()
+        let mut cmd = env.cmd();
+        if let Some(f) = failpoint {
+            cmd.env("CRYO_FAILPOINT", f);
+        }
+        let child = cmd
             // The guard's journal poll once an hour: only the thaw's own guard-before-unlock
             // can trace a thawed worker in time.
             .args([
@@ -1492,4 +1499,145 @@ fn a_parked_worker_is_frozen_and_thawed_with_its_gpu_state() {
     );
     env.stop(pid);
     assert!(env.ledger().is_empty());
+}
+
+impl Agent {
+    /// As [`Agent::start`], with `CRYO_FAILPOINT=failpoint` in the agent's environment.
+    fn start_at(env: &Env, failpoint: &str) -> Agent {
+        Agent::spawn(env, Some(failpoint))
+    }
+
+    /// The tgid of `pid`'s tracer is this agent.
+    fn traces(&self, pid: i32) -> bool {
+        let tracer = procs::tracer_pid(pid);
+        tracer != 0 && cryo_proc::tgid(tracer).ok().flatten() == Some(self.child.id() as i32)
+    }
+}
+
+/// `cryo gpu lock|checkpoint|restore|unlock` of `pid` (through the agent when one runs).
+fn make_restored(env: &Env, pid: i32) {
+    for action in ["lock", "checkpoint", "restore", "unlock"] {
+        let out = env.cryo(&["gpu", action, "--pid", &pid.to_string()]);
+        assert!(out.status.success(), "gpu {action}: {}", stderr(&out));
+    }
+}
+
+/// Where `f` first holds in `env`'s journal.
+fn position(env: &Env, f: impl Fn(&cryo_journal::Event) -> bool) -> Option<usize> {
+    events(env).iter().position(f)
+}
+
+/// Reproduced wedge (a) of issue 10, through the agent: a worker the agent guards (restored
+/// through it) is frozen (the agent lets go of it for the dump under a lease), thawed (traced by
+/// the agent before its unlock: the journal's order says so) and `kill -9`ed: pinned, no wedge;
+/// only the operator's release tears the context down. (Before: the frozen pid stayed on the
+/// guard's detached list and the thawed worker with the same pid was never traced: a wedge.)
+#[test]
+fn a_guarded_worker_frozen_and_thawed_through_the_agent_is_guarded_and_its_kill_pinned() {
+    use cryo_journal::{AttachSource, Event, ProcId};
+    let mut env = Env::start("1GiB");
+    let agent = Agent::start(&env);
+    let (pid, _sock) = env.worker("64MiB", 0);
+    make_restored(&env, pid);
+    assert!(agent.traces(pid), "a restore through the agent is traced");
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+    let out = env.thaw(&image, &[]);
+    assert!(out.status.success(), "thaw: {}", stderr(&out));
+    assert!(
+        agent.traces(pid),
+        "the thawed worker is not traced by the agent"
+    );
+    let id = ProcId::of(pid).unwrap();
+    let attached = position(
+        &env,
+        |e| matches!(e, Event::GuardAttached { pid: p, source: AttachSource::Restore } if *p == id),
+    );
+    let unlocked = position(
+        &env,
+        |e| matches!(e, Event::Unlocked { pid: p, .. } if *p == id),
+    );
+    assert!(
+        attached.is_some() && attached < unlocked,
+        "journal order: attached {attached:?}, unlocked {unlocked:?}"
+    );
+    sigkill(pid);
+    eventually(PATIENCE, "the thawed worker to die", || !exists(pid));
+    env.thawed.retain(|p| *p != pid);
+    eventually(
+        PATIENCE,
+        "the pins handed to the agent's pin holder",
+        || {
+            position(
+                &env,
+                |e| matches!(e, Event::PinsHanded { pid: p, .. } if *p == id),
+            )
+            .is_some()
+        },
+    );
+    assert_pinned_then_release(&env, id);
+}
+
+/// The agent is SIGKILLed while a thaw it runs is between the GPU restore and the unlock (the
+/// worker LOCKED, traced by the agent's tracer, which dies with it). Nothing is torn down; the
+/// restarted agent traces the worker again at start (the journal knows it as restored and
+/// guarded), so a `kill -9` of it then is pinned, not a wedge. The worker stays LOCKED until the
+/// operator unlocks it (through the agent, so guarded): nothing finishes a thaw whose owner died.
+#[test]
+fn an_agent_killed_between_a_thaws_restore_and_unlock_leaves_nothing_unguarded() {
+    use cryo_journal::{Event, ProcId};
+    let mut env = Env::start("1GiB");
+    let (pid, _sock) = env.worker("64MiB", 0);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+    let mut agent = Agent::start_at(&env, cryo_lifecycle::thaw::THAW_BEFORE_UNLOCK);
+    let thaw = env
+        .cmd()
+        .args(["thaw", image.to_str().unwrap()])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    eventually(PATIENCE, "the agent's thaw at its failpoint", || {
+        agent.log().contains("failpoint thaw-before-unlock reached")
+    });
+    env.thawed.push(pid);
+    assert_eq!(
+        env.sim.gpu.driver.state(pid).unwrap(),
+        cryo_gpu::ProcessState::Locked
+    );
+    assert!(agent.traces(pid), "traced before the unlock");
+    agent.child.kill().unwrap();
+    agent.child.wait().unwrap();
+    let out = thaw.wait_with_output().unwrap();
+    assert!(!out.status.success(), "the thaw cannot have succeeded");
+    assert!(alive(pid), "the restored worker died with the agent");
+    assert!(env.ledger().is_empty(), "wedge: {:?}", env.ledger());
+
+    let agent2 = Agent::start(&env);
+    assert!(
+        agent2.traces(pid),
+        "the restarted agent does not guard the half-thawed worker"
+    );
+    // Left LOCKED (nothing finishes a thaw whose owner died); the operator's unlock goes through
+    // the agent, which guards it.
+    assert_eq!(
+        env.sim.gpu.driver.state(pid).unwrap(),
+        cryo_gpu::ProcessState::Locked
+    );
+    let out = env.cryo(&["gpu", "unlock", "--pid", &pid.to_string()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(agent2.traces(pid));
+    let id = ProcId::of(pid).unwrap();
+    sigkill(pid);
+    // Its parent died with the first agent: it is ours (a subreaper) to reap.
+    eventually(PATIENCE, "the worker to die", || !alive(pid));
+    procs::reap(pid);
+    env.thawed.retain(|p| *p != pid);
+    assert!(
+        position(&env, |e| matches!(e, Event::ThawStarted { .. })).is_some(),
+        "{:?}",
+        events(&env)
+    );
+    assert_pinned_then_release(&env, id);
+    drop(agent2);
 }

@@ -49,6 +49,9 @@ use cryo_units::fmt_bytes;
 /// not started. Tests change the image here to show that what CRIU reads is checked as it reads.
 pub const THAW_BEFORE_RESTORE: &str = "thaw-before-restore";
 
+/// Failpoint: every CUDA process is restored (LOCKED) and traced by the watcher, none unlocked.
+pub const THAW_BEFORE_UNLOCK: &str = "thaw-before-unlock";
+
 /// Options of a thaw.
 #[derive(Debug, Clone)]
 pub struct ThawOptions {
@@ -575,6 +578,7 @@ fn thaw_inner(
         Ok(c) => c == Coverage::Guarded,
         Err(e) => return Err(fail("guard before unlock", e.to_string())),
     };
+    failpoint::stall_if(THAW_BEFORE_UNLOCK);
     for plan in plans {
         let t = Instant::now();
         if let Err(e) = gpu.driver.unlock(plan.pid) {

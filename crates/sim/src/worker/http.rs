@@ -429,14 +429,16 @@ fn handle(w: &dyn Backend, mut req: Request) {
         }
         // For the guard's tests: an ordinary exit of a healthy server (`exit(CODE)`, i.e.
         // `exit_group`) with its context live, answered first.
-        (Method::Post, "/exit") => match query(req.url(), "code").map_or(Ok(0), str::parse::<i32>) {
-            Ok(code) => {
-                let _ = req.respond(json(200, serde_json::json!({ "exiting": code })));
-                tracing::info!(code, "exiting on request");
-                std::process::exit(code);
+        (Method::Post, "/exit") => {
+            match query(req.url(), "code").map_or(Ok(0), str::parse::<i32>) {
+                Ok(code) => {
+                    let _ = req.respond(json(200, serde_json::json!({ "exiting": code })));
+                    tracing::info!(code, "exiting on request");
+                    std::process::exit(code);
+                }
+                Err(_) => json(400, serde_json::json!({ "error": "expected ?code=N" })),
             }
-            Err(_) => json(400, serde_json::json!({ "error": "expected ?code=N" })),
-        },
+        }
         // For the guard's tests: a real segmentation fault, answered first so the client
         // sees it was accepted.
         (Method::Post, "/segv") => {
