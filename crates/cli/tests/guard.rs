@@ -655,7 +655,11 @@ fn bench_guard_smoke() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        text.contains("ratio guarded/unguarded") && text.contains("ratio guard/bare"),
+        text.contains("ratio guarded/unguarded")
+            && text.contains("issue 10's p99 budget")
+            && text.contains("ratio guard/bare")
+            && text.contains("the agent's guard")
+            && text.contains("wedge ledger empty"),
         "{text}"
     );
 }
