@@ -21,11 +21,13 @@
 //!   before any restore (GPU full, fenced) puts the standby back; one that fails after the
 //!   restore removes it safely.
 //!
-//! # Limitations
-//! An agent killed after CRIU finished restoring a standby and before `StandbyReady` reached the
-//! journal (a window of one journal append) leaves that tree, CHECKPOINTED, unowned; it holds
-//! host memory only (no live context) and `cryo stop` removes it. An agent killed during CRIU's
-//! restore leaves nothing: CRIU's gate waits on a lock the agent holds.
+//! - **No orphans.** The tree CRIU restores is journaled (`StandbyRestoring`, every pid and
+//!   start time) at CRIU's gate, before any of it runs; an agent killed before that record makes
+//!   CRIU abort the restore (the gate waits on a lock the agent holds). One killed after it and
+//!   before `StandbyReady` leaves an unfinished standby: the next agent, before adopting, ends
+//!   it once the driver says every context is CHECKPOINTED (through the stop path), or, if
+//!   anything of it has a live context or cannot be judged, kills nothing and has the guard
+//!   trace it ([`cryo_lifecycle::standby::sweep`]).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -195,6 +197,17 @@ impl Agent {
                 return;
             }
         };
+        // Standbys whose agent died between CRIU's restore and their `StandbyReady`.
+        for u in sb::unfinished(&records) {
+            let what = sb::sweep(
+                &self.gpu,
+                &u,
+                &self.journal,
+                self.guard.as_ref(),
+                &NoProgress,
+            );
+            tracing::warn!(image = %u.image, root = u.root.pid, %what, "an unfinished standby");
+        }
         let (counts, ready) = sb::from_journal(&records);
         let mut pools = self.pools.lock();
         for (image, count) in counts {

@@ -346,3 +346,86 @@ fn the_agent_killed_mid_refill_a_fenced_gpu_and_an_image_without_namespaces() {
     );
     env.sim.assert_no_wedge();
 }
+
+/// Starts an agent of `env` that stalls between a standby's restore and its `StandbyReady`
+/// (the orphan window), has it refill one standby (`count` in the pool), and SIGKILLs it there;
+/// returns the root of the tree it left (CHECKPOINTED, unrecorded as ready).
+fn orphan_left_by_a_killed_agent(env: &mut Env, count: &str) -> i32 {
+    drop(env.agent.take());
+    let before = procs_of(&env.bin);
+    let mut stalled = AgentProc::start_with(&env.sim, &env.state, &["--no-memory-watch"], |c| {
+        c.env(
+            "CRYO_FAILPOINT",
+            cryo_lifecycle::standby::STANDBY_BEFORE_READY,
+        );
+    });
+    let img = env.sim.path().join("img");
+    env.ok(&[
+        "standby",
+        "create",
+        "--image",
+        img.to_str().unwrap(),
+        "--count",
+        count,
+    ]);
+    eventually(PATIENCE, "the refill to reach the failpoint", || {
+        stalled.log().contains("failpoint standby-before-ready reached")
+    });
+    let new: Vec<i32> = procs_of(&env.bin)
+        .into_iter()
+        .filter(|p| !before.contains(p))
+        .collect();
+    assert_eq!(new.len(), 1, "trees restored by the stalled agent: {new:?}");
+    assert_eq!(env.sim.state(new[0]), "checkpointed");
+    stalled.kill();
+    new[0]
+}
+
+/// Attack: the agent is SIGKILLed after CRIU restored a standby and before its `StandbyReady`
+/// (the orphan window). The next agent ends the orphan (the driver says CHECKPOINTED: nothing
+/// live torn down, its host memory freed) and refills: one tree of the image, ledger empty.
+/// Then the same window with the orphan's context made live behind cryo's back (restored and
+/// unlocked): the next agent kills nothing of it and guards it.
+#[test]
+fn the_agent_killed_between_restore_and_ready_leaves_no_orphan_and_kills_no_live_context() {
+    let mut env = Env::start();
+    let image = env.sim.path().join("img");
+    env.frozen(&image, 7, false);
+
+    let orphan = orphan_left_by_a_killed_agent(&mut env, "1");
+    env.agent = Some(AgentProc::start(
+        &env.sim,
+        &env.state,
+        &["--no-memory-watch"],
+    ));
+    let root = env.wait_ready(1)[0];
+    assert_ne!(root, orphan);
+    eventually(PATIENCE, "the orphan to be ended", || {
+        procs_of(&env.bin) == vec![root]
+    });
+    assert!(env.events().iter().any(|e| matches!(e,
+        Event::StandbyDropped { root, reason, .. } if root.pid == orphan && reason.contains("unfinished") && reason.contains("removed"))));
+    env.sim.assert_no_wedge();
+
+    // The orphan's context is restored and unlocked behind cryo's back: a live context.
+    let live = orphan_left_by_a_killed_agent(&mut env, "2");
+    for call in ["restore", "unlock"] {
+        let dir = env.sim.path().to_str().unwrap().to_string();
+        let o = env.sim.cryo(&["sim", "call", call, "--dir", &dir, "--pid", &live.to_string()]);
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    assert_eq!(env.sim.state(live), "running");
+    env.agent = Some(AgentProc::start(
+        &env.sim,
+        &env.state,
+        &["--no-memory-watch"],
+    ));
+    eventually(PATIENCE, "the live orphan to be guarded", || {
+        common::procs::tracer_pid(live) != 0
+    });
+    assert!(cryo_testkit::procs::alive(live));
+    assert_eq!(env.sim.state(live), "running");
+    assert!(env.events().iter().any(|e| matches!(e,
+        Event::StandbyDropped { root, reason, .. } if root.pid == live && reason.contains("NOT killed"))));
+    env.sim.assert_no_wedge();
+}

@@ -123,7 +123,21 @@ pub trait Criu: std::fmt::Debug + Send + Sync {
     /// of its root (the pid it had when dumped). The restored root is a child of the calling
     /// process. The real one ([`CriuRpc`]) serves the image to CRIU itself, checking every byte
     /// against the manifest before CRIU gets it; a refused image is [`CriuError::Image`].
-    fn restore(&self, image: &Image, opts: &RestoreOpts) -> Result<Restored, CriuError>;
+    fn restore(&self, image: &Image, opts: &RestoreOpts) -> Result<Restored, CriuError> {
+        self.restore_gated(image, opts, &|_| Ok(()))
+    }
+
+    /// [`Criu::restore`], calling `at_gate` with the root's pid once every process of the tree
+    /// is restored and before any of them runs (CRIU's `post-restore` stage, where the image's
+    /// verdict is taken): a caller records what it restored there, so that no restored tree
+    /// ever runs unrecorded. An `Err` from it aborts the restore ([`CriuError::Gate`]: CRIU
+    /// removes the tree), as the caller dying there does.
+    fn restore_gated(
+        &self,
+        image: &Image,
+        opts: &RestoreOpts,
+        at_gate: &AtGate<'_>,
+    ) -> Result<Restored, CriuError>;
 
     /// The ones of `pids` a restore could not have: taken on this host as a pid, a process
     /// group or a session id ([`cryo_proc::pids_in_use`]).
@@ -131,6 +145,9 @@ pub trait Criu: std::fmt::Debug + Send + Sync {
         cryo_proc::pids_in_use(pids)
     }
 }
+
+/// What a caller of [`Criu::restore_gated`] runs at the gate, with the restored root's pid.
+pub type AtGate<'a> = dyn Fn(Pid) -> Result<(), String> + Sync + 'a;
 
 /// A CRIU binary that was found and is recent enough, driven through `criu swrk` RPC.
 #[derive(Debug, Clone)]
@@ -341,8 +358,8 @@ impl CriuRpc {
         listener: &UnixListener,
         gate: Gate,
         serve: impl FnOnce(&UnixListener) + Send,
-        verdict: impl FnOnce() -> Result<(), ImageError> + Send,
-    ) -> Result<(std::process::ExitStatus, Option<Result<(), ImageError>>), CriuError> {
+        verdict: impl FnOnce(Option<Pid>) -> Result<(), CriuError> + Send,
+    ) -> Result<(std::process::ExitStatus, Option<Result<(), CriuError>>), CriuError> {
         let spawn_err = |source| CriuError::Rpc {
             op,
             source: RpcError::Spawn {
@@ -362,10 +379,10 @@ impl CriuRpc {
             let _ =
                 nix::sys::socket::shutdown(listener.as_raw_fd(), nix::sys::socket::Shutdown::Both);
             let verdict = judged.join().unwrap_or_else(|_| {
-                Some(Err(ImageError::Stream {
+                Some(Err(CriuError::Image(ImageError::Stream {
                     dir: PathBuf::new(),
                     reason: "the gate thread panicked".into(),
-                }))
+                })))
             });
             (status, verdict)
         });
@@ -467,14 +484,14 @@ impl Criu for CriuRpc {
             &listener,
             gate,
             |l| capture.serve(l),
-            || capture.written(),
+            |_| capture.written().map_err(CriuError::Image),
         )?;
         tracing::debug!(%status, written = capture.written_bytes(), "criu dump --stream ended");
         if let Some(e) = capture.failure() {
             return Err(CriuError::Image(e));
         }
         match verdict {
-            Some(Err(e)) => return Err(CriuError::Image(e)),
+            Some(Err(e)) => return Err(e),
             Some(Ok(())) if status.success() => {}
             _ => {
                 let mut err = failed(op, staging.path().join(DUMP_LOG), None);
@@ -498,8 +515,14 @@ impl Criu for CriuRpc {
     /// `post-restore` action script waits for the streamer's verdict on the whole image before
     /// any restored process is resumed (see [`crate::image`]). A refused image is
     /// [`CriuError::Image`]; CRIU then aborts and removes what it restored. The root is a
-    /// child of the caller.
-    fn restore(&self, image: &Image, opts: &RestoreOpts) -> Result<Restored, CriuError> {
+    /// child of the caller. `at_gate` runs once the image passed, before the verdict is
+    /// written: the tree runs only if it returned `Ok`.
+    fn restore_gated(
+        &self,
+        image: &Image,
+        opts: &RestoreOpts,
+        at_gate: &AtGate<'_>,
+    ) -> Result<Restored, CriuError> {
         let op = CriuOp::Restore;
         let dir_err = |path: &Path| {
             let path = path.to_path_buf();
@@ -547,7 +570,13 @@ impl Criu for CriuRpc {
             &listener,
             gate,
             |l| server.serve(l),
-            || server.finish(),
+            |root| {
+                server.finish().map_err(CriuError::Image)?;
+                let root = root.ok_or_else(|| {
+                    CriuError::Gate("CRIU's action script named no restored root".into())
+                })?;
+                at_gate(root).map_err(CriuError::Gate)
+            },
         )?;
         if !status.success() {
             reap_restored_root(image.manifest().root_pid);
@@ -559,7 +588,7 @@ impl Criu for CriuRpc {
             return Err(CriuError::Image(e));
         }
         match verdict {
-            Some(Err(e)) => return Err(CriuError::Image(e)),
+            Some(Err(e)) => return Err(e),
             Some(Ok(())) if status.success() => {}
             _ => {
                 let _ = private.keep();
@@ -662,7 +691,8 @@ fn stderr_tail(mut f: File) -> Vec<String> {
 /// CRIU runs its action script (`sh -c SCRIPT`) at every stage; at `post-restore` (every
 /// process restored, none resumed; a failing script makes CRIU abort and kill the tree) or
 /// `post-dump` (every image written, the tree still frozen; a failing script makes CRIU resume
-/// it instead of killing it) the script writes a line into the FIFO `reached` (opened read-write, so it never blocks) and then
+/// it instead of killing it) the script writes a line with the tree's root pid (CRIU's
+/// `CRTOOLS_INIT_PID`) into the FIFO `reached` (opened read-write, so it never blocks) and then
 /// takes a shared `flock` on `gate`, which cryo holds exclusively until it has written its
 /// verdict there; it succeeds only if the verdict reads `ok`. If cryo dies, its lock goes with
 /// it and the verdict was never written: the restore is aborted, never resumed unchecked, and
@@ -687,7 +717,7 @@ impl Gate {
         let script = format!(
             "#!/bin/sh\n# cryo's gate: CRIU resumes nothing unless cryo wrote its verdict 'ok'.\n\
              [ \"$CRTOOLS_SCRIPT_ACTION\" = {stage} ] || exit 0\n\
-             {{ echo reached >&3; }} 3<>{r} || exit 1\n\
+             {{ echo \"reached ${{CRTOOLS_INIT_PID:-0}}\" >&3; }} 3<>{r} || exit 1\n\
              exec flock -s {g} grep -qx ok {g}\n",
             r = quote(&reached)?,
             g = quote(&gate)?,
@@ -732,12 +762,13 @@ impl Gate {
     }
 
     /// Waits until CRIU reaches the stage (or exits, `criu` readable: then `None`), then asks
-    /// for the `verdict` (on the whole image), writes `ok` if it passed and lets the script go.
+    /// for the `verdict` (on the whole image, given the root pid the script named), writes `ok`
+    /// if it passed and lets the script go.
     fn judge(
         self,
-        verdict: impl FnOnce() -> Result<(), ImageError>,
+        verdict: impl FnOnce(Option<Pid>) -> Result<(), CriuError>,
         criu: Option<OwnedFd>,
-    ) -> Option<Result<(), ImageError>> {
+    ) -> Option<Result<(), CriuError>> {
         use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
         loop {
             let mut fds = vec![PollFd::new(self.reached.as_fd(), PollFlags::POLLIN)];
@@ -747,10 +778,10 @@ impl Gate {
             match poll(&mut fds, PollTimeout::NONE) {
                 Err(nix::Error::EINTR) => continue,
                 Err(e) => {
-                    return Some(Err(ImageError::Stream {
+                    return Some(Err(CriuError::Image(ImageError::Stream {
                         dir: PathBuf::new(),
                         reason: format!("waiting for CRIU's action script: {e}"),
-                    }))
+                    })))
                 }
                 Ok(_) => {}
             }
@@ -763,14 +794,22 @@ impl Gate {
                 return None;
             }
         }
-        let verdict = verdict();
+        // "reached PID": the line is short, written at once by the script's one `echo`.
+        let mut line = [0u8; 64];
+        let n = (&self.reached).read(&mut line).unwrap_or(0);
+        let root = std::str::from_utf8(&line[..n])
+            .ok()
+            .and_then(|l| l.trim().strip_prefix("reached "))
+            .and_then(|p| p.trim().parse::<Pid>().ok())
+            .filter(|p| *p > 0);
+        let verdict = verdict(root);
         let f = self.verdict;
         if verdict.is_ok() {
             if let Err(e) = f.write_all_at(b"ok\n", 0) {
-                return Some(Err(ImageError::Stream {
+                return Some(Err(CriuError::Image(ImageError::Stream {
                     dir: PathBuf::new(),
                     reason: format!("writing the gate's verdict: {e}"),
-                }));
+                })));
             }
         }
         // Dropping the lock lets CRIU's script read the verdict.

@@ -87,6 +87,10 @@ pub enum CriuError {
         /// CRIU's error lines.
         lines: Vec<String>,
     },
+    /// The caller's check at the gate (every process restored, none run yet) refused the tree:
+    /// CRIU aborted the restore and removed it.
+    #[error("restore refused at cryo's gate: {0}; CRIU removed the restored tree")]
+    Gate(String),
 }
 
 fn fmt_paths(p: &[PathBuf]) -> String {

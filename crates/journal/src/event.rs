@@ -430,6 +430,18 @@ pub enum Event {
         /// How many to keep ready.
         count: u32,
     },
+    /// CRIU restored a standby's tree (every process restored, none run yet: written at CRIU's
+    /// gate, before the tree may run). Until its `StandbyReady` or `StandbyDropped`, the
+    /// standby is unfinished: an agent that starts ends it (every process CHECKPOINTED, as the
+    /// driver says) or guards it (anything else).
+    StandbyRestoring {
+        /// The image directory.
+        image: String,
+        /// Its root.
+        root: ProcId,
+        /// Every process of it, root first.
+        pids: Vec<ProcId>,
+    },
     /// A standby is ready: `image` restored by CRIU without its GPU restore, every CUDA process
     /// CHECKPOINTED (and journaled `Parked`), kept for a claim.
     StandbyReady {
@@ -587,6 +599,7 @@ impl Event {
             | Resumed { pid }
             | RestoreCompleted { pid, .. }
             | Parked { pid, .. }
+            | StandbyRestoring { root: pid, .. }
             | StandbyClaimed { root: pid, .. }
             | StandbyDropped { root: pid, .. }
             | HealthOk { pid, .. }
@@ -636,6 +649,7 @@ impl Event {
             | Event::ShrinkCompleted { pids, .. }
             | Event::Grown { pids, .. }
             | Event::GrowFailed { pids, .. }
+            | Event::StandbyRestoring { pids, .. }
             | Event::StandbyReady { pids, .. } => pids.clone(),
             other => other.proc().into_iter().collect(),
         }
@@ -658,7 +672,8 @@ impl Event {
             | RestoreStarted { .. }
             | ParkStarted { .. }
             | WakeStarted { .. }
-            | ShrinkStarted { .. } => Phase::Intent,
+            | ShrinkStarted { .. }
+            | StandbyRestoring { .. } => Phase::Intent,
             Locked { .. }
             | LockFailed { .. }
             | Checkpointed { .. }
@@ -752,6 +767,7 @@ impl Event {
             Grown { .. } => "grown",
             GrowFailed { .. } => "GROW FAILED",
             StandbyPool { .. } => "standby pool set",
+            StandbyRestoring { .. } => "standby restoring",
             StandbyReady { .. } => "standby ready",
             StandbyClaimed { .. } => "standby claimed",
             StandbyDropped { .. } => "standby dropped",
@@ -859,7 +875,10 @@ impl Event {
             Grown { target, ms, .. } => format!("target {target}, {ms} ms"),
             GrowFailed { target, error, .. } => format!("target {target}: {error}"),
             StandbyPool { image, count } => format!("image {image}, {count} kept ready"),
-            StandbyReady {
+            StandbyRestoring {
+                image, root, pids, ..
+            }
+            | StandbyReady {
                 image, root, pids, ..
             } => {
                 format!(

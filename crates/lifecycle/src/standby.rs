@@ -55,6 +55,10 @@ use crate::watcher::Watcher;
 /// here: a refill cut short).
 pub const STANDBY_BEFORE_RESTORE: &str = "standby-before-restore";
 
+/// Failpoint: CRIU restored the standby and its processes are journaled `Parked`, its
+/// `StandbyReady` is not written yet (tests kill the agent here: the orphan window).
+pub const STANDBY_BEFORE_READY: &str = "standby-before-ready";
+
 /// A standby ready for a claim.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Standby {
@@ -203,7 +207,27 @@ pub fn prepare(
     failpoint::stall_if(STANDBY_BEFORE_RESTORE);
     let t = Instant::now();
     progress.begin(manifest.root_pid, "criu restore", manifest.total_bytes);
-    let restored = criu.restore(&opened, &RestoreOpts::default());
+    let image = dir.display().to_string();
+    // The intent, at CRIU's gate: every process restored, none run. An agent that dies after
+    // this record and before the standby's `StandbyReady` leaves an unfinished standby that the
+    // next one ends or guards ([`sweep`]); one that dies before it makes CRIU abort the restore.
+    let at_gate = |root: Pid| -> Result<(), String> {
+        let tree = ProcHandle::open(root)
+            .map_err(|e| format!("the restored root pid {root}: {e}"))
+            .and_then(|h| {
+                Resolved::tree(h).map_err(|e| format!("listing the restored tree of {root}: {e}"))
+            })?;
+        let pids: Vec<ProcId> = tree.handles().iter().map(id).collect();
+        journal
+            .append(Event::StandbyRestoring {
+                image: image.clone(),
+                root: pids[0],
+                pids,
+            })
+            .map(drop)
+            .map_err(|e| format!("cannot journal the restored standby: {e}"))
+    };
+    let restored = criu.restore_gated(&opened, &RestoreOpts::default(), &at_gate);
     progress.end(
         manifest.root_pid,
         "criu restore",
@@ -216,20 +240,23 @@ pub fn prepare(
         Err(e) => return Err(e.into()),
     };
     let criu_ms = u64::try_from(t.elapsed().as_millis()).unwrap_or(u64::MAX);
-    let image = dir.display().to_string();
     if let Err(e) = journal.append(Event::CriuRestored {
         image: image.clone(),
         ms: criu_ms,
     }) {
         tracing::error!(error = %e, "cannot journal the CRIU restore");
     }
-    let tree = match ProcHandle::open(restored.pid).map(Resolved::tree) {
+    let root = ProcHandle::open(restored.pid);
+    let root_id = root.as_ref().map(id).ok();
+    let tree = match root.map(Resolved::tree) {
         Ok(Ok(t)) => t,
         Ok(Err(e)) => {
+            // Left to the next agent's sweep (no `StandbyDropped`): it ends it once the driver
+            // says CHECKPOINTED, or guards it.
             return Err(StandbyError::AfterRestore {
                 error: format!("listing the restored tree of pid {}: {e}", restored.pid),
                 cleanup: "left as it is (its contexts are CHECKPOINTED)".into(),
-            })
+            });
         }
         Err(e) => {
             return Err(StandbyError::AfterRestore {
@@ -238,7 +265,11 @@ pub fn prepare(
             })
         }
     };
-    match keep(gpu, &tree, &manifest, &image, journal) {
+    let kept = keep(gpu, &tree, &manifest, &image, journal);
+    if kept.is_ok() {
+        failpoint::stall_if(STANDBY_BEFORE_READY);
+    }
+    match kept {
         Ok(pids) => {
             let host_bytes = tree.handles().iter().map(|h| h.rss().unwrap_or(0)).sum();
             let standby = Standby {
@@ -261,10 +292,17 @@ pub fn prepare(
             })?;
             Ok(standby)
         }
-        Err(error) => Err(StandbyError::AfterRestore {
-            error,
-            cleanup: remove(gpu, &tree, journal, progress),
-        }),
+        Err(error) => {
+            let cleanup = remove(gpu, &tree, journal, progress);
+            if let Some(root) = root_id {
+                let _ = journal.append(Event::StandbyDropped {
+                    image,
+                    root,
+                    reason: format!("{error}; the restored tree was {cleanup}"),
+                });
+            }
+            Err(StandbyError::AfterRestore { error, cleanup })
+        }
     }
 }
 
@@ -370,6 +408,111 @@ pub fn open(standby: &Standby) -> Option<Resolved> {
         Target::Pids(standby.pids.iter().map(|p| p.pid).collect()),
         handles?,
     ))
+}
+
+/// A standby CRIU restored whose preparation did not finish (its agent died between the
+/// restore and `StandbyReady`): journaled `StandbyRestoring`, never `StandbyReady` or
+/// `StandbyDropped`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unfinished {
+    /// The image directory.
+    pub image: String,
+    /// Its root.
+    pub root: ProcId,
+    /// Every process restored, root first.
+    pub pids: Vec<ProcId>,
+}
+
+/// The unfinished standbys the journal names (see [`Unfinished`]).
+pub fn unfinished(records: &[cryo_journal::Record]) -> Vec<Unfinished> {
+    let mut open: Vec<Unfinished> = Vec::new();
+    for r in records {
+        match &r.event {
+            Event::StandbyRestoring { image, root, pids } => open.push(Unfinished {
+                image: image.clone(),
+                root: *root,
+                pids: pids.clone(),
+            }),
+            Event::StandbyReady { root, .. } | Event::StandbyDropped { root, .. } => {
+                open.retain(|u| u.root != *root);
+            }
+            _ => {}
+        }
+    }
+    open
+}
+
+/// Finishes an unfinished standby and journals `StandbyDropped` with what became of it. A
+/// process of it is ended only once the driver says its context is CHECKPOINTED (or that it
+/// holds none: [`crate::classify`]), through the stop path, which verifies again before it
+/// kills; if any process has a live context or cannot be judged, nothing is killed and those
+/// processes are traced by `watcher` (the guard) instead.
+pub fn sweep(
+    gpu: &Gpu,
+    u: &Unfinished,
+    journal: &Journal,
+    watcher: &dyn Watcher,
+    progress: &dyn Progress,
+) -> String {
+    let handles: Vec<ProcHandle> = u
+        .pids
+        .iter()
+        .filter_map(|p| ProcHandle::open_expected(p.pid, p.start_time).ok())
+        .filter(ProcHandle::is_alive)
+        .collect();
+    let what = if handles.is_empty() {
+        "already gone".to_string()
+    } else {
+        let listed = gpu.inspect.processes();
+        let mut live: Vec<(&ProcHandle, String)> = Vec::new();
+        for h in &handles {
+            let class = match &listed {
+                Ok(l) => crate::classify(gpu, h, l, crate::cuda::SETTLE).map_err(|e| e.to_string()),
+                Err(e) => Err(format!("NVML cannot list the GPU processes: {e}")),
+            };
+            match class {
+                Ok(crate::Class::Cuda {
+                    state: ProcessState::Checkpointed,
+                })
+                | Ok(crate::Class::Plain | crate::Class::DriverOnly { .. } | crate::Class::Exited) => {}
+                Ok(crate::Class::Cuda { state }) => {
+                    live.push((h, format!("pid {} is {state:?}", h.pid())));
+                }
+                Err(e) => live.push((h, e)),
+            }
+        }
+        if live.is_empty() {
+            let tree = Resolved::from_handles(
+                Target::Pids(handles.iter().map(ProcHandle::pid).collect()),
+                handles,
+            );
+            format!("every context CHECKPOINTED: {}", remove(gpu, &tree, journal, progress))
+        } else {
+            let why: Vec<String> = live.iter().map(|(_, w)| w.clone()).collect();
+            let procs: Vec<&ProcHandle> = live.iter().map(|(h, _)| *h).collect();
+            match watcher.guard_before_unlock(&procs) {
+                Ok(crate::Coverage::Guarded) => {
+                    format!("NOT killed ({}): left alive and guarded", why.join("; "))
+                }
+                Ok(crate::Coverage::NoGuard) => {
+                    format!("NOT killed ({}): left alive; no guard runs", why.join("; "))
+                }
+                Err(e) => format!(
+                    "NOT killed ({}): left alive, and the guard could not trace it: {e}",
+                    why.join("; ")
+                ),
+            }
+        }
+    };
+    let reason = format!("unfinished when its agent died (restored, never ready): {what}");
+    if let Err(e) = journal.append(Event::StandbyDropped {
+        image: u.image.clone(),
+        root: u.root,
+        reason: reason.clone(),
+    }) {
+        tracing::error!(error = %e, "cannot journal the end of an unfinished standby");
+    }
+    reason
 }
 
 /// The standby was not handed out.

@@ -12,7 +12,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cryo_criu::image::Image;
-use cryo_criu::{Criu, CriuError, CriuOp, CriuVersion, DumpOpts, RestoreOpts, Restored, DUMP_LOG};
+use cryo_criu::{
+    AtGate, Criu, CriuError, CriuOp, CriuVersion, DumpOpts, RestoreOpts, Restored, DUMP_LOG,
+};
 use cryo_gpu::ProcessState;
 use cryo_proc::Pid;
 
@@ -146,14 +148,24 @@ impl Criu for FakeCriu {
         Ok(())
     }
 
-    fn restore(&self, image: &Image, _opts: &RestoreOpts) -> Result<Restored, CriuError> {
+    /// The "restored" processes already run: `at_gate` is told of them, a refusal is CRIU's.
+    fn restore_gated(
+        &self,
+        image: &Image,
+        _opts: &RestoreOpts,
+        at_gate: &AtGate<'_>,
+    ) -> Result<Restored, CriuError> {
         let mut g = self.inner();
         g.restores += 1;
-        match g.image.first() {
-            Some(root) => Ok(Restored {
-                pid: *root,
-                served_bytes: 0,
-            }),
+        match g.image.first().copied() {
+            Some(root) => {
+                drop(g);
+                at_gate(root).map_err(CriuError::Gate)?;
+                Ok(Restored {
+                    pid: root,
+                    served_bytes: 0,
+                })
+            }
             None => Err(CriuError::Failed {
                 op: CriuOp::Restore,
                 log: image.path().join("restore.log"),
