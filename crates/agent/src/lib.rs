@@ -186,6 +186,17 @@ impl Agent {
         if let Ok(q) = self.state.fence().list() {
             live.gpus_quarantined.set(q.len() as i64);
         }
+        live.standbys_ready.reset();
+        live.standby_host_bytes.reset();
+        for (image, ready, host) in self.pools.held() {
+            let image = image.display().to_string();
+            live.standbys_ready
+                .with_label_values(&[image.as_str()])
+                .set(ready as i64);
+            live.standby_host_bytes
+                .with_label_values(&[image.as_str()])
+                .set(i64::try_from(host).unwrap_or(i64::MAX));
+        }
     }
 }
 

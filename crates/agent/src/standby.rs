@@ -150,6 +150,26 @@ impl Pools {
         }
     }
 
+    /// Per pool: the image, its ready standbys and the host memory (resident) they hold now.
+    pub(crate) fn held(&self) -> Vec<(PathBuf, usize, u64)> {
+        let ready: Vec<(PathBuf, Vec<Standby>)> = self
+            .lock()
+            .iter()
+            .map(|(image, p)| (image.clone(), p.ready.iter().cloned().collect()))
+            .collect();
+        ready
+            .into_iter()
+            .map(|(image, ready)| {
+                let host = ready
+                    .iter()
+                    .filter_map(sb::open)
+                    .flat_map(|t| t.handles().iter().map(|h| h.rss().unwrap_or(0)).collect::<Vec<_>>())
+                    .sum();
+                (image, ready.len(), host)
+            })
+            .collect()
+    }
+
     /// Wakes the refill loop.
     fn kick(&self) {
         self.kick.notify_all();

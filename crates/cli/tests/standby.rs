@@ -180,6 +180,27 @@ fn two_standbys_of_one_image_two_claims_at_once_and_the_pool_refills() {
         let st = cryo_proc::status(*r).unwrap();
         assert_eq!(st.nspid.last(), Some(&1), "pid 1 of its own namespace");
     }
+    // `cryo status`: the pool, its standbys and the host memory they hold, not as parked workers.
+    let st: serde_json::Value =
+        serde_json::from_str(&env.ok(&["status", "--json"])).unwrap();
+    let pool = &st["standby_pools"][0];
+    assert_eq!(pool["image"], img, "{st}");
+    assert_eq!(pool["count"], 2);
+    assert_eq!(pool["ready"].as_array().unwrap().len(), 2, "{st}");
+    let held = pool["host_bytes"].as_u64().unwrap();
+    assert!(held > 2 * 32 << 20, "two standbys of 32 MiB of device memory hold {held} bytes");
+    assert_eq!(pool["device_bytes"], 2 * 32 << 20, "{st}");
+    assert_eq!(st["parked"].as_array().unwrap().len(), 0, "{st}");
+    let words = env.ok(&["status"]);
+    assert!(words.contains("2 of 2 ready, full"), "{words}");
+    // Metrics: ready standbys and their host memory per image, standbys made.
+    let client = env.agent.as_ref().unwrap().client();
+    eventually(PATIENCE, "the standbys in the metrics", || {
+        let m = client.metrics().unwrap();
+        m.contains(&format!("cryo_standbys_ready{{image=\"{img}\"}} 2"))
+            && m.contains("cryo_standby_host_bytes{image=")
+            && m.contains("cryo_standbys_total{event=\"ready\"} 2")
+    });
 
     let (a, b) = std::thread::scope(|s| {
         let a = s.spawn(|| env.claim(&image));

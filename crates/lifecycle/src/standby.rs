@@ -613,3 +613,89 @@ pub fn from_journal(
     }
     (pools, ready)
 }
+
+/// One image's standbys as the journal and `/proc` show them now (no driver call), for
+/// `cryo status` and the agent's gauges.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PoolNow {
+    /// The image.
+    pub image: PathBuf,
+    /// How many the pool keeps ready (0: the pool was removed, these are left over).
+    pub count: u32,
+    /// The standbys alive now: each ready (every context CHECKPOINTED, off the GPU).
+    pub ready: Vec<StandbyNow>,
+    /// Host memory they hold now (resident), bytes.
+    pub host_bytes: u64,
+    /// Device memory they will take when claimed, bytes.
+    pub device_bytes: u64,
+}
+
+/// One standby alive now.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StandbyNow {
+    /// Its root.
+    pub root: ProcId,
+    /// How many processes it has.
+    pub processes: usize,
+    /// Host memory it holds now (resident), bytes.
+    pub host_bytes: u64,
+    /// Device memory it will take when claimed, bytes.
+    pub device_bytes: u64,
+}
+
+/// The pools and their standbys alive now, from the journal's records and `/proc`.
+pub fn pools_now(records: &[cryo_journal::Record]) -> Vec<PoolNow> {
+    let (counts, ready) = from_journal(records);
+    let parked = crate::park::parked_records(records);
+    let mut pools: std::collections::BTreeMap<PathBuf, PoolNow> = counts
+        .into_iter()
+        .map(|(image, count)| {
+            (
+                image.clone(),
+                PoolNow {
+                    image,
+                    count,
+                    ready: Vec::new(),
+                    host_bytes: 0,
+                    device_bytes: 0,
+                },
+            )
+        })
+        .collect();
+    for s in ready {
+        let Some(tree) = open(&s) else { continue };
+        let host_bytes = tree.handles().iter().map(|h| h.rss().unwrap_or(0)).sum();
+        let device_bytes = s
+            .pids
+            .iter()
+            .filter_map(|p| parked.get(p))
+            .map(|p| p.device_bytes)
+            .sum();
+        let pool = pools.entry(s.image.clone()).or_insert_with(|| PoolNow {
+            image: s.image.clone(),
+            count: 0,
+            ready: Vec::new(),
+            host_bytes: 0,
+            device_bytes: 0,
+        });
+        pool.host_bytes += host_bytes;
+        pool.device_bytes += device_bytes;
+        pool.ready.push(StandbyNow {
+            root: s.root,
+            processes: s.pids.len(),
+            host_bytes,
+            device_bytes,
+        });
+    }
+    pools.into_values().collect()
+}
+
+/// The processes of the standbys alive now (`cryo status` lists them as standbys, not as parked
+/// workers).
+pub fn standby_pids(records: &[cryo_journal::Record]) -> Vec<ProcId> {
+    from_journal(records)
+        .1
+        .into_iter()
+        .flat_map(|s| s.pids)
+        .collect()
+}

@@ -23,8 +23,8 @@ use cryo_journal::{Event, Record};
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 use crate::error::MetricsError;
@@ -64,6 +64,7 @@ pub struct Metrics {
     thaws: IntCounterVec,
     parks: IntCounterVec,
     wakes: IntCounterVec,
+    standbys: IntCounterVec,
     signals_held: IntCounter,
     pins: IntCounter,
     quarantines: IntCounter,
@@ -81,6 +82,10 @@ pub struct LiveGauges {
     pub guarded_processes: IntGauge,
     /// GPUs in quarantine now (`cryo_gpus_quarantined`).
     pub gpus_quarantined: IntGauge,
+    /// Standbys ready now, by image (`cryo_standbys_ready{image}`).
+    pub standbys_ready: IntGaugeVec,
+    /// Host memory held by ready standbys now, by image (`cryo_standby_host_bytes{image}`).
+    pub standby_host_bytes: IntGaugeVec,
 }
 
 impl Metrics {
@@ -112,6 +117,7 @@ impl Metrics {
             thaws: r.counter_vec("thaws_total", "Thaws finished, by outcome.", "outcome", &["completed", "failed"])?,
             parks: r.counter_vec("parks_total", "Parks finished, by outcome.", "outcome", &["completed", "failed"])?,
             wakes: r.counter_vec("wakes_total", "Wakes of parked workers finished, by outcome.", "outcome", &["completed", "failed"])?,
+            standbys: r.counter_vec("standbys_total", "Standbys restored ready, claimed (handed out) and dropped (exited, stale, removed, unfinished), by event.", "event", &["ready", "claimed", "dropped"])?,
             signals_held: r.counter("signals_held_total", "Fatal signals the guard held to suspend the context first (FatalSignal records).")?,
             pins: r.counter("pins_total", "Contexts whose driver fds the guard pinned at exit (Pinned records).")?,
             quarantines: r.counter("gpu_quarantines_total", "GPUs put in quarantine (GpuQuarantined records).")?,
@@ -139,6 +145,16 @@ impl Metrics {
             )?,
             guarded_processes: r.gauge("guarded_processes", "Processes the guard watches now.")?,
             gpus_quarantined: r.gauge("gpus_quarantined", "GPUs in quarantine now.")?,
+            standbys_ready: r.gauge_vec(
+                "standbys_ready",
+                "Standbys ready now (restored, CHECKPOINTED, off the GPU), by image.",
+                "image",
+            )?,
+            standby_host_bytes: r.gauge_vec(
+                "standby_host_bytes",
+                "Host memory (resident) held by the ready standbys now, by image.",
+                "image",
+            )?,
         };
         m.live = Some(live.clone());
         Ok((m, live))
@@ -215,6 +231,9 @@ impl Metrics {
                 self.wakes.with_label_values(&["completed"]).inc();
             }
             Event::WakeFailed { .. } => self.wakes.with_label_values(&["failed"]).inc(),
+            Event::StandbyReady { .. } => self.standbys.with_label_values(&["ready"]).inc(),
+            Event::StandbyClaimed { .. } => self.standbys.with_label_values(&["claimed"]).inc(),
+            Event::StandbyDropped { .. } => self.standbys.with_label_values(&["dropped"]).inc(),
             Event::FatalSignal { .. } => self.signals_held.inc(),
             Event::Pinned { .. } => self.pins.inc(),
             Event::GpuQuarantined { .. } => self.quarantines.inc(),
@@ -263,6 +282,11 @@ impl Reg<'_> {
     fn counter(&self, name: &str, help: &str) -> Result<IntCounter, MetricsError> {
         let c = IntCounter::new(name, help).map_err(Self::err(name))?;
         self.add(name, c)
+    }
+
+    fn gauge_vec(&self, name: &str, help: &str, label: &str) -> Result<IntGaugeVec, MetricsError> {
+        let g = IntGaugeVec::new(Opts::new(name, help), &[label]).map_err(Self::err(name))?;
+        self.add(name, g)
     }
 
     fn gauge(&self, name: &str, help: &str) -> Result<IntGauge, MetricsError> {

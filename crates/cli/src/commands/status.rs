@@ -1,6 +1,6 @@
-//! `cryo status`: parked workers and the host memory they hold, quarantined GPUs (the fence),
-//! and what the guard watches and pins: the agent's when one runs, else a standalone
-//! `cryo guard`'s.
+//! `cryo status`: parked workers and the standby pools (what each holds of host memory),
+//! quarantined GPUs (the fence), and what the guard watches and pins: the agent's when one
+//! runs, else a standalone `cryo guard`'s.
 
 use anyhow::Context as _;
 use cryo_guard::GuardStatus;
@@ -16,18 +16,36 @@ pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
     let state = &ctx.state;
     // Parked workers: from the journal and /proc (no driver call). A journal that cannot be read
     // is said, not fatal: the rest of the status still matters.
-    let parked = state
+    let records = state
         .read_journal()
-        .map(|scan| cryo_lifecycle::parked_now(&scan.records))
+        .map(|scan| scan.records)
         .map_err(|e| e.to_string());
-    let agent = route::client(state).status();
+    // A standby's processes are parked too: listed once, as the standby.
+    let parked = records.as_ref().map_err(Clone::clone).map(|r| {
+        let standby = cryo_lifecycle::standby::standby_pids(r);
+        cryo_lifecycle::parked_now(r)
+            .into_iter()
+            .filter(|w| !standby.contains(&w.pid))
+            .collect::<Vec<_>>()
+    });
+    let pools = records
+        .as_ref()
+        .map_err(Clone::clone)
+        .map(|r| cryo_lifecycle::standby::pools_now(r));
+    let client = route::client(state);
+    let agent = client.status();
     if !route::not_running(&agent) {
         let s = agent.map_err(route::error)?;
+        // What only the agent knows: refills under way and why the last one failed.
+        let refills = client.standby_list().map(|l| l.pools).unwrap_or_default();
+        let pools = pools.map(|p| with_refills(p, &refills));
         if args.json {
             let v = serde_json::json!({
                 "parked": parked.as_ref().ok(),
                 "parked_host_bytes": parked.as_ref().ok().map(|p| p.iter().map(|w| w.host_bytes).sum::<u64>()),
                 "parked_error": parked.as_ref().err(),
+                "standby_pools": pools.as_ref().ok(),
+                "standby_host_bytes": pools.as_ref().ok().map(|p| p.iter().map(|x| x.now.host_bytes).sum::<u64>()),
                 "quarantined": s.quarantined,
                 "guard": s.guard,
                 "fence_error": s.fence_error,
@@ -37,6 +55,7 @@ pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
         } else {
             println!("agent: running as pid {} ({})", s.pid, s.socket.display());
             print_parked(&parked);
+            print_pools(&pools, true);
             print_fence_and_guard(&s.quarantined, s.fence_error.as_deref(), Ok(Some(&s.guard)));
         }
         return Ok(());
@@ -49,12 +68,14 @@ pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
         Ok(s) => Ok(s),
         Err(e) => Err(e.to_string()),
     };
+    let pools = pools.map(|p| with_refills(p, &[]));
     if args.json {
         let v = serde_json::json!({
             "parked": parked.as_ref().ok(),
             "parked_host_bytes": parked.as_ref().ok().map(|p| p.iter().map(|w| w.host_bytes).sum::<u64>()),
             "parked_error": parked.as_ref().err(),
-            "quarantined": quarantined,
+            "standby_pools": pools.as_ref().ok(),
+            "standby_host_bytes": pools.as_ref().ok().map(|p| p.iter().map(|x| x.now.host_bytes).sum::<u64>()),
             "guard": guard.as_ref().ok().cloned().flatten(),
             "guard_error": guard.as_ref().err(),
         });
@@ -63,6 +84,7 @@ pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
     }
     println!("agent: not running");
     print_parked(&parked);
+    print_pools(&pools, false);
     print_fence_and_guard(
         &quarantined,
         None,
@@ -93,6 +115,78 @@ fn print_parked(parked: &Result<Vec<cryo_lifecycle::ParkedWorker>, String>) {
                         .join(","),
                     fmt_bytes(w.host_bytes)
                 );
+            }
+        }
+    }
+}
+
+/// A pool as `cryo status` shows it: the journal's and `/proc`'s view, and the agent's refills.
+#[derive(Debug, serde::Serialize)]
+struct Pool {
+    #[serde(flatten)]
+    now: cryo_lifecycle::standby::PoolNow,
+    /// Standbys being restored now (the agent's).
+    refilling: u32,
+    /// Why the agent's last refill failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    last_error: Option<String>,
+}
+
+fn with_refills(
+    pools: Vec<cryo_lifecycle::standby::PoolNow>,
+    agent: &[cryo_api::PoolStatus],
+) -> Vec<Pool> {
+    pools
+        .into_iter()
+        .map(|now| {
+            let a = agent.iter().find(|a| a.image == now.image);
+            Pool {
+                refilling: a.map_or(0, |a| a.refilling),
+                last_error: a.and_then(|a| a.last_error.clone()),
+                now,
+            }
+        })
+        .collect()
+}
+
+/// The standby pools in words.
+fn print_pools(pools: &Result<Vec<Pool>, String>, agent: bool) {
+    match pools {
+        Err(e) => println!("standby pools: cannot read the journal: {e}"),
+        Ok(p) if p.is_empty() => println!("standby pools: none"),
+        Ok(p) => {
+            println!(
+                "standby pools ({} ready, {} of host memory held; `cryo standby claim --image DIR` hands one out{}):",
+                p.iter().map(|x| x.now.ready.len()).sum::<usize>(),
+                fmt_bytes(p.iter().map(|x| x.now.host_bytes).sum()),
+                if agent { "" } else { "; the agent is not running: nothing is refilled or claimed" }
+            );
+            for x in p {
+                let state = match (&x.last_error, x.refilling) {
+                    (Some(e), _) => format!("refill failing ({e})"),
+                    (None, n) if n > 0 => format!("{n} being restored"),
+                    (None, _) if x.now.ready.len() as u64 >= u64::from(x.now.count) => {
+                        "full".to_string()
+                    }
+                    (None, _) => "short".to_string(),
+                };
+                println!(
+                    "  {}  {} of {} ready, {}; holds {} of host memory, {} off the GPU",
+                    x.now.image.display(),
+                    x.now.ready.len(),
+                    x.now.count,
+                    state,
+                    fmt_bytes(x.now.host_bytes),
+                    fmt_bytes(x.now.device_bytes),
+                );
+                for s in &x.now.ready {
+                    println!(
+                        "    standby root pid {} ({} processes, CHECKPOINTED)  holds {} of host memory",
+                        s.root.pid,
+                        s.processes,
+                        fmt_bytes(s.host_bytes)
+                    );
+                }
             }
         }
     }
