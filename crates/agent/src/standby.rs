@@ -163,7 +163,12 @@ impl Pools {
                 let host = ready
                     .iter()
                     .filter_map(sb::open)
-                    .flat_map(|t| t.handles().iter().map(|h| h.rss().unwrap_or(0)).collect::<Vec<_>>())
+                    .flat_map(|t| {
+                        t.handles()
+                            .iter()
+                            .map(|h| h.rss().unwrap_or(0))
+                            .collect::<Vec<_>>()
+                    })
                     .sum();
                 (image, ready.len(), host)
             })

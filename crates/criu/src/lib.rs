@@ -41,8 +41,7 @@ mod version;
 
 pub use criu::{
     error_lines, AtGate, Criu, CriuRpc, DumpOpts, RestoreOpts, Restored, CRIU_ENV, DEFAULT_CRIU,
-    DUMP_LOG,
-    RESTORE_LOG,
+    DUMP_LOG, RESTORE_LOG,
 };
 pub use error::{CriuError, CriuOp};
 pub use image::{ImageError, Manifest};

@@ -474,7 +474,9 @@ pub fn sweep(
                 Ok(crate::Class::Cuda {
                     state: ProcessState::Checkpointed,
                 })
-                | Ok(crate::Class::Plain | crate::Class::DriverOnly { .. } | crate::Class::Exited) => {}
+                | Ok(
+                    crate::Class::Plain | crate::Class::DriverOnly { .. } | crate::Class::Exited,
+                ) => {}
                 Ok(crate::Class::Cuda { state }) => {
                     live.push((h, format!("pid {} is {state:?}", h.pid())));
                 }
@@ -486,7 +488,10 @@ pub fn sweep(
                 Target::Pids(handles.iter().map(ProcHandle::pid).collect()),
                 handles,
             );
-            format!("every context CHECKPOINTED: {}", remove(gpu, &tree, journal, progress))
+            format!(
+                "every context CHECKPOINTED: {}",
+                remove(gpu, &tree, journal, progress)
+            )
         } else {
             let why: Vec<String> = live.iter().map(|(_, w)| w.clone()).collect();
             let procs: Vec<&ProcHandle> = live.iter().map(|(h, _)| *h).collect();
