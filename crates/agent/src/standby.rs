@@ -289,7 +289,7 @@ impl Agent {
                 ErrorKind::Refused,
                 format!("{} standbys of {}: a standby keeps the pids and listening ports the worker had, so more than one needs the worker to run in its own pid and network namespaces (as in a container) when it is frozen", req.count, req.image.display()),
             )
-            .with_hint("freeze the worker started in fresh namespaces (`unshare --pid --net --fork`), or keep one standby"));
+            .with_hint("freeze a worker started in fresh namespaces (`cryo run -- PROGRAM...`), or keep one standby"));
         }
         self.journal
             .append(Event::StandbyPool {

@@ -36,6 +36,7 @@ mod cgroup;
 mod error;
 mod fds;
 mod handle;
+pub mod isolate;
 mod netns;
 pub mod ns;
 mod read;

@@ -1,5 +1,7 @@
-//! The one system call no safe wrapper covers as cryo needs it: `pidfd_send_signal` with signal 0
-//! (rustix's `Signal` has no 0, nix has no pidfds). The only `unsafe` of this crate.
+//! The system calls no safe wrapper covers as cryo needs them: `pidfd_send_signal` with signal 0
+//! (rustix's `Signal` has no 0, nix has no pidfds), and what [`crate::isolate`] needs between a
+//! `clone` and an `execv` (the clone itself, a raw write, the loopback's flags). The only
+//! `unsafe` of this crate.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -23,4 +25,66 @@ pub(crate) fn pidfd_send_signal(pidfd: BorrowedFd<'_>, sig: i32) -> io::Result<(
     } else {
         Ok(())
     }
+}
+
+/// `clone(flags | SIGCHLD)` running `child` in the new process on `stack` (see
+/// [`crate::isolate`]); the child's pid.
+pub(crate) fn clone_child(
+    child: nix::sched::CloneCb<'_>,
+    stack: &mut [u8],
+    flags: nix::sched::CloneFlags,
+) -> nix::Result<crate::Pid> {
+    // SAFETY: without CLONE_VM the child runs on a copy of our memory (as after fork), on
+    // `stack`, which outlives the call in the parent; `child` only makes system calls on values
+    // prepared before the clone (no allocation, no lock) and then execs or returns.
+    unsafe { nix::sched::clone(child, stack, flags, Some(libc::SIGCHLD)) }.map(|p| p.as_raw())
+}
+
+/// Writes all of `buf` to the raw fd `fd` (in a cloned child: no allocation).
+pub(crate) fn write_all(fd: i32, mut buf: &[u8]) -> nix::Result<()> {
+    while !buf.is_empty() {
+        // SAFETY: `buf` is valid for `buf.len()` bytes; `fd` is a plain integer the kernel checks.
+        let n = unsafe { libc::write(fd, buf.as_ptr().cast(), buf.len()) };
+        if n < 0 {
+            let e = nix::Error::last();
+            if e == nix::Error::EINTR {
+                continue;
+            }
+            return Err(e);
+        }
+        buf = &buf[n.unsigned_abs()..];
+    }
+    Ok(())
+}
+
+/// Brings the loopback interface of the caller's network namespace up (`SIOCSIFFLAGS` with
+/// `IFF_UP`), as `ip link set lo up` does; no allocation.
+pub(crate) fn loopback_up() -> nix::Result<()> {
+    // SAFETY: plain socket(2) with constant arguments.
+    let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if sock < 0 {
+        return Err(nix::Error::last());
+    }
+    // SAFETY: `ifreq` is plain old data, all zeroes is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in req.ifr_name.iter_mut().zip(b"lo\0") {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: `req` is a valid ifreq naming "lo", which SIOCGIFFLAGS fills in.
+    let got = unsafe { libc::ioctl(sock, libc::SIOCGIFFLAGS, &mut req) };
+    let result = if got < 0 {
+        Err(nix::Error::last())
+    } else {
+        // SAFETY: SIOCGIFFLAGS filled the flags member of the union.
+        unsafe { req.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short };
+        // SAFETY: `req` is a valid ifreq with the name and the flags to set.
+        if unsafe { libc::ioctl(sock, libc::SIOCSIFFLAGS, &req) } < 0 {
+            Err(nix::Error::last())
+        } else {
+            Ok(())
+        }
+    };
+    // SAFETY: `sock` is the fd opened above, closed once.
+    unsafe { libc::close(sock) };
+    result
 }

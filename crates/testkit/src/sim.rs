@@ -322,8 +322,8 @@ impl WorkerSpec {
         self
     }
 
-    /// In fresh pid and network namespaces, as in a container (`unshare --pid --net --fork`,
-    /// loopback up): the worker is its namespace's pid 1 and session leader (what CRIU needs to
+    /// In fresh pid and network namespaces, as in a container (`cryo run` for the cryo binary,
+    /// else `unshare --pid --net --fork`, loopback up): the worker is its namespace's pid 1 and session leader (what CRIU needs to
     /// dump both namespaces) and serves on loopback there; [`Worker::pid`] is its host pid and
     /// [`Worker::http`] reaches it in its namespace.
     pub fn own_namespaces(mut self) -> Self {
@@ -387,7 +387,18 @@ impl Worker {
         let ready = sim.path().join(format!("{tag}.ready"));
         let log = sim.path().join(format!("{tag}.log"));
         let program = spec.program.as_ref().unwrap_or(&sim.program);
-        let mut cmd = if spec.own_namespaces {
+        let mut cmd = if spec.own_namespaces && program.prefix == ["sim"] {
+            // The cryo binary: `cryo run`, what an operator uses.
+            let mut c = Command::new(program.bin());
+            clean_env(&mut c);
+            c.args(["run", "--"])
+                .arg(program.bin())
+                .args(&program.prefix)
+                .arg("worker")
+                // See below.
+                .current_dir(sim.path());
+            c
+        } else if spec.own_namespaces {
             let mut c = Command::new("unshare");
             clean_env(&mut c);
             c.args(["--pid", "--net", "--fork", "setsid", "sh", "-c"])
@@ -457,7 +468,7 @@ impl Worker {
                 .and_then(|b| serde_json::from_slice(&b).ok())
         });
         if spec.own_namespaces {
-            // `unshare` forked it: its only child, pid 1 of the new namespace.
+            // `cryo run` (or `unshare`) forked it: its only child, pid 1 of the new namespace.
             let kids = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap();
             pid = kids.split_whitespace().next().unwrap().parse().unwrap();
             assert_eq!(info["pid"].as_i64(), Some(1), "pid 1 of its namespace");

@@ -13,6 +13,7 @@ pub mod gpu;
 pub mod gpu_map;
 pub mod guard;
 pub mod park;
+pub mod run;
 pub mod shrink;
 pub mod standby;
 pub mod stop;
@@ -113,6 +114,9 @@ pub enum Command {
     Activate(activate::ActivateArgs),
     /// Pre-thawed standbys (in the agent): workers restored ahead of demand, woken on a claim.
     Standby(standby::StandbyArgs),
+    /// Starts a worker in fresh pid and network namespaces (as in a container), so that several
+    /// standbys of its image can coexist.
+    Run(run::RunArgs),
     /// Guards restored workers against disorderly deaths (fatal signals, OOM kills, kill -9):
     /// suspends on a fatal signal, else pins the context at exit and fences the GPU.
     Guard(GuardArgs),

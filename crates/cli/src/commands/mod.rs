@@ -9,6 +9,7 @@ pub mod guard;
 pub mod install_compat;
 pub mod metrics;
 pub mod park;
+pub mod run;
 pub mod sim;
 pub mod standby;
 pub mod status;
@@ -91,6 +92,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Wake(a) => park::run_wake(&ctx, &a),
         Command::Activate(a) => activate::run(&ctx, &a),
         Command::Standby(a) => standby::run(&ctx, &a),
+        Command::Run(a) => run::run(&a),
         Command::Guard(a) => guard::run(&ctx, &a),
         Command::Status(a) => status::run(&ctx, &a).map(|()| crate::exit::SUCCESS),
         Command::Metrics(a) => metrics::run(&ctx, &a).map(|()| crate::exit::SUCCESS),
