@@ -462,3 +462,30 @@ fn the_agent_killed_between_restore_and_ready_leaves_no_orphan_and_kills_no_live
         Event::StandbyDropped { root, reason, .. } if root.pid == live && reason.contains("NOT killed"))));
     env.sim.assert_no_wedge();
 }
+
+/// `cryo run`: the program is pid 1 of fresh pid and network namespaces (its own network
+/// namespace, loopback up), session leader, stdin `/dev/null`, output in `--log`; `cryo run`
+/// exits with its status; a program that is nowhere is refused.
+#[test]
+fn cryo_run_starts_a_program_in_fresh_namespaces() {
+    criu_present();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("log");
+    let o = common::cryo()
+        .args(["run", "--log", log.to_str().unwrap(), "--", "sh", "-c"])
+        .arg("echo pid=$$; echo sid=$(cut -d' ' -f6 /proc/self/stat); readlink /proc/self/ns/net; ip -o link show lo; cat; exit 7")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(7), "{}", stderr(&o));
+    let out = std::fs::read_to_string(&log).unwrap();
+    assert!(out.contains("pid=1\n") && out.contains("sid=1\n"), "{out}");
+    let ours = std::fs::read_link("/proc/self/ns/net").unwrap();
+    assert!(!out.contains(ours.to_str().unwrap()), "the same network namespace: {out}");
+    assert!(out.contains("lo: <LOOPBACK,UP"), "{out}");
+    let o = common::cryo()
+        .args(["run", "--", "cryo-no-such-program"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("no such program"), "{}", stderr(&o));
+}
