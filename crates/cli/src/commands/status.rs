@@ -76,6 +76,7 @@ pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
             "parked_error": parked.as_ref().err(),
             "standby_pools": pools.as_ref().ok(),
             "standby_host_bytes": pools.as_ref().ok().map(|p| p.iter().map(|x| x.now.host_bytes).sum::<u64>()),
+            "quarantined": quarantined,
             "guard": guard.as_ref().ok().cloned().flatten(),
             "guard_error": guard.as_ref().err(),
         });
