@@ -480,7 +480,10 @@ fn cryo_run_starts_a_program_in_fresh_namespaces() {
     let out = std::fs::read_to_string(&log).unwrap();
     assert!(out.contains("pid=1\n") && out.contains("sid=1\n"), "{out}");
     let ours = std::fs::read_link("/proc/self/ns/net").unwrap();
-    assert!(!out.contains(ours.to_str().unwrap()), "the same network namespace: {out}");
+    assert!(
+        !out.contains(ours.to_str().unwrap()),
+        "the same network namespace: {out}"
+    );
     assert!(out.contains("lo: <LOOPBACK,UP"), "{out}");
     let o = common::cryo()
         .args(["run", "--", "cryo-no-such-program"])

@@ -75,8 +75,13 @@ pub fn spawn_isolated(cmd: &IsolatedCommand, mask: Option<&SigSet>) -> Result<Pi
         .first()
         .map(|a| a.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let program = resolve(cmd.argv.first().map(OsString::as_os_str).unwrap_or_default())
-        .ok_or_else(|| IsolateError::NotFound(name.clone()))?;
+    let program = resolve(
+        cmd.argv
+            .first()
+            .map(OsString::as_os_str)
+            .unwrap_or_default(),
+    )
+    .ok_or_else(|| IsolateError::NotFound(name.clone()))?;
     let cstr = |b: &[u8]| {
         CString::new(b).map_err(|_| IsolateError::Nul(String::from_utf8_lossy(b).into_owned()))
     };
@@ -98,8 +103,8 @@ pub fn spawn_isolated(cmd: &IsolatedCommand, mask: Option<&SigSet>) -> Result<Pi
         ),
         None => None,
     };
-    let (report_r, report_w): (OwnedFd, OwnedFd) =
-        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| IsolateError::Pipe(e.into()))?;
+    let (report_r, report_w): (OwnedFd, OwnedFd) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+        .map_err(|e| IsolateError::Pipe(e.into()))?;
     let mask = mask.copied();
     let (null_fd, log_fd, report_fd) = (
         null.as_raw_fd(),
