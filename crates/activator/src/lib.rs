@@ -21,12 +21,16 @@
 //!   [`Policy::idle_timeout`]) is parked again; a connection that arrives meanwhile waits for
 //!   the park to finish and wakes it again.
 //!
+//! - The worker may have network namespaces of its own (a claimed standby: [`FromStandby`]):
+//!   then its upstream address and health check are reached in there ([`Activation::netns`]).
+//!
 //! # Limitations
 //! Idle means no open connection: a client holding a keep-alive connection open keeps the
 //! worker awake. The activator must own the service address: the worker listens elsewhere.
 
 pub mod addr;
 pub mod inplace;
+pub mod standby;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -38,6 +42,7 @@ use tokio::sync::watch;
 
 pub use addr::{Addr, AddrError, Listener};
 pub use inplace::InPlace;
+pub use standby::FromStandby;
 
 /// What the waking could not do.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -57,6 +62,11 @@ pub trait Activation: Send + Sync + 'static {
     fn wake(&self) -> Result<(), ActivationError>;
     /// Parks the worker (suspend in place).
     fn park(&self) -> Result<(), ActivationError>;
+    /// The process in whose network namespace the upstream address and the health check are
+    /// reached (a worker in its own namespaces, as a claimed standby); `None`: the activator's.
+    fn netns(&self) -> Option<cryo_proc::Pid> {
+        None
+    }
 }
 
 /// The operator's knobs.
@@ -283,7 +293,15 @@ impl Activator {
                         .policy
                         .activation_timeout
                         .saturating_sub(started.elapsed());
-                    match tokio::task::spawn_blocking(move || check.wait(left)).await {
+                    let netns = s.activation.netns();
+                    let checked = tokio::task::spawn_blocking(move || match netns {
+                        None => check.wait(left).map_err(|e| e.to_string()),
+                        Some(pid) => cryo_proc::in_net_namespace_of(pid, || {
+                            check.wait(left).map_err(std::io::Error::other)
+                        })
+                        .map_err(|e| e.to_string()),
+                    });
+                    match checked.await {
                         Ok(Ok(_)) => Ok(()),
                         Ok(Err(e)) => Err(format!("woken, but not healthy: {e}")),
                         Err(e) => Err(format!("the health check panicked: {e}")),
@@ -376,7 +394,7 @@ impl Activator {
             self.reject(&mut conn, &reason).await;
             return;
         }
-        let mut up = match s.upstream.connect().await {
+        let mut up = match self.connect_upstream().await {
             Ok(u) => u,
             Err(e) => {
                 s.rejected.fetch_add(1, Ordering::Relaxed);
@@ -393,6 +411,25 @@ impl Activator {
             tracing::debug!(error = %e, "activator: connection ended with an error");
         }
         self.touch();
+    }
+
+    /// A connection to the worker, in its network namespace when it has its own.
+    async fn connect_upstream(&self) -> std::io::Result<Box<dyn Io>> {
+        let s = &self.shared;
+        match (s.activation.netns(), &s.upstream) {
+            (Some(pid), Addr::Tcp(a)) => {
+                let a = *a;
+                let std = tokio::task::spawn_blocking(move || {
+                    cryo_proc::in_net_namespace_of(pid, || std::net::TcpStream::connect(a))
+                })
+                .await
+                .map_err(std::io::Error::other)??;
+                std.set_nonblocking(true)?;
+                Ok(Box::new(tokio::net::TcpStream::from_std(std)?))
+            }
+            // A path is the same in every network namespace.
+            _ => s.upstream.connect().await,
+        }
     }
 
     async fn reject(&self, conn: &mut Box<dyn Io>, reason: &str) {

@@ -66,6 +66,11 @@ impl Env {
     /// A worker in its own namespaces (seed `seed`), frozen into `image`; returns what it
     /// answered to "q" before.
     fn frozen(&self, image: &Path, seed: u64, replace: bool) -> String {
+        self.frozen_at(image, seed, replace).0
+    }
+
+    /// [`Env::frozen`], and the port it served on (in its namespace).
+    fn frozen_at(&self, image: &Path, seed: u64, replace: bool) -> (String, u16) {
         let mut w = self.sim.spawn(
             WorkerSpec::new("32MiB")
                 .seed(seed)
@@ -73,6 +78,7 @@ impl Env {
                 .program(self.bin.clone()),
         );
         let answer = w.complete("q");
+        let port = w.port;
         let pid = w.pid.to_string();
         let mut args = vec!["freeze", &pid, "--image", image.to_str().unwrap()];
         if replace {
@@ -80,7 +86,7 @@ impl Env {
         }
         self.ok(&args);
         w.reap();
-        answer
+        (answer, port)
     }
 
     fn list(&self) -> serde_json::Value {
@@ -491,4 +497,72 @@ fn cryo_run_starts_a_program_in_fresh_namespaces() {
         .unwrap();
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("no such program"), "{}", stderr(&o));
+}
+
+/// An activator in front of a standby pool (`cryo activate --standby IMAGE`): 20 concurrent
+/// requests make one claim (every request answered with the image's answer, forwarded into the
+/// claimed worker's network namespace, its health checked there); idle, the worker is parked in
+/// place; the next request wakes it, with no second claim.
+#[test]
+fn an_activator_in_front_of_a_standby_pool_claims_once_for_20_requests_and_parks_when_idle() {
+    let env = Env::start();
+    let image = env.sim.path().join("img");
+    let (before, port) = env.frozen_at(&image, 7, false);
+    let img = image.to_str().unwrap();
+    env.ok(&["standby", "create", "--image", img, "--count", "1"]);
+    let root = env.wait_ready(1)[0];
+    let upstream = format!("127.0.0.1:{port}");
+    let health = format!("http://127.0.0.1:{port}/health");
+    let mut act = env
+        .sim
+        .cmd_at(&env.state)
+        .args(["activate", "--standby", img, "--listen", "127.0.0.1:0"])
+        .args(["--upstream", &upstream, "--health-url", &health])
+        .args(["--idle-timeout", "1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(act.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let listen: u16 = line
+        .split_whitespace()
+        .nth(3)
+        .and_then(|a| a.rsplit(':').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    let claims = || {
+        env.events()
+            .iter()
+            .filter(|e| matches!(e, Event::StandbyClaimed { .. }))
+            .count()
+    };
+    let answers: Vec<(u16, String)> = std::thread::scope(|s| {
+        let all: Vec<_> = (0..20)
+            .map(|_| s.spawn(|| cryo_testkit::http::http(listen, "POST", "/v1/completions", "q")))
+            .collect();
+        all.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (status, body) in &answers {
+        assert_eq!(*status, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["text"], before.as_str());
+    }
+    assert_eq!(claims(), 1, "one claim for 20 concurrent requests");
+    assert_eq!(env.sim.state(root), "running");
+    // Idle: parked in place.
+    eventually(PATIENCE, "the idle worker to be parked", || {
+        env.sim.state(root) == "checkpointed"
+    });
+    let (status, body) = cryo_testkit::http::http(listen, "POST", "/v1/completions", "q");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(env.sim.state(root), "running");
+    assert_eq!(claims(), 1, "woken in place, not claimed again");
+    let _ = act.kill();
+    let _ = act.wait();
+    env.sim.assert_no_wedge();
 }

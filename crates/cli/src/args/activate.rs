@@ -5,12 +5,14 @@ use cryo_activator::Addr;
 use cryo_gpu::GpuUuid;
 use cryo_units::ByteSize;
 
-use super::park::{TargetArgs, WhenFullArg};
+use super::park::WhenFullArg;
 
 /// Printed after `cryo activate --help`.
 pub const ACTIVATE_AFTER_HELP: &str = "\
-The worker serves on --upstream; clients use --listen, which the activator owns. While the worker
-is parked, a connection wakes it (one wake for any number of waiting connections: restore, traced
+The worker serves on --upstream; clients use --listen, which the activator owns. With --standby
+IMAGE there is no worker yet: the first connection claims one standby of the image from the agent
+(one claim for any number of waiting connections), reached in its own network namespace. While
+the worker is parked, a connection wakes it (one wake for any number of waiting connections: restore, traced
 by the running guard, unlock), waits for its health check, and is forwarded byte for byte. If the
 wake fails or takes longer than --activation-timeout, an HTTP client gets a 503 with the reason
 (--no-http: the connection is closed). After --idle-timeout without an open connection the worker
@@ -21,9 +23,18 @@ was cut short is finished by `cryo wake`). The node agent runs the same activato
 #[derive(Debug, Clone, Args)]
 #[command(after_help = ACTIVATE_AFTER_HELP)]
 pub struct ActivateArgs {
-    /// The worker's processes.
-    #[command(flatten)]
-    pub target: TargetArgs,
+    /// The worker's processes: one pid is it and its whole process tree; several pids exactly
+    /// those.
+    #[arg(value_name = "PID", value_parser = super::parse_pid, required_unless_present_any = ["cgroup", "standby"], conflicts_with_all = ["cgroup", "standby"])]
+    pub pids: Vec<cryo_proc::Pid>,
+    /// Every process of this cgroup (a directory under /sys/fs/cgroup), as a container.
+    #[arg(long, value_name = "PATH", conflicts_with = "standby")]
+    pub cgroup: Option<std::path::PathBuf>,
+    /// No worker yet: the first connection claims a standby of this image from the agent's
+    /// pool (`cryo standby create`); --upstream and --health-url are reached in the claimed
+    /// worker's network namespace; idle, it is parked in place, and woken again.
+    #[arg(long, value_name = "IMAGE")]
+    pub standby: Option<std::path::PathBuf>,
     /// The service address clients use: HOST:PORT or unix:/PATH.
     #[arg(long, value_name = "ADDR")]
     pub listen: Addr,

@@ -1,17 +1,20 @@
-//! `cryo activate`: the activator in the foreground for one worker parked in place. The
-//! activator is `cryo_activator`; the waking is the lifecycle's park and wake
-//! (`cryo_activator::InPlace`), guarded before unlock by the running guard.
+//! `cryo activate`: the activator in the foreground for one worker parked in place, or for a
+//! standby of an image claimed on the first connection. The activator is `cryo_activator`; the
+//! waking is the lifecycle's park and wake (`cryo_activator::InPlace`), guarded before unlock by
+//! the running guard, or the agent's claim (`cryo_activator::FromStandby`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use cryo_activator::{Activator, InPlace, Policy};
+use cryo_activator::{Activation, Activator, FromStandby, InPlace, Phase, Policy};
+use cryo_api::{ParkRequest, TargetSpec, WakeSpec};
 use cryo_lifecycle::{HealthCheck, ParkOptions, SuspendOptions, WakeOptions};
 
 use super::park::{target, when_full};
 use super::Context;
 use crate::args::activate::ActivateArgs;
+use crate::args::park::TargetArgs;
 use crate::exit::{self, UsageError};
 
 /// Runs `cryo activate` until killed.
@@ -20,36 +23,63 @@ pub fn run(ctx: &Context, args: &ActivateArgs) -> anyhow::Result<u8> {
     if let Some(h) = &health {
         h.validate().map_err(|e| UsageError(e.to_string()))?;
     }
-    let inplace = InPlace {
-        gpu: ctx.gpu()?,
-        target: target(&args.target),
-        state: ctx.state.clone(),
-        watcher: Arc::new(cryo_guard::control::GuardClient::new(&ctx.state)),
-        park: ParkOptions {
-            max_parked_host: args.max_parked_host.map(|b| b.0),
-            ..ParkOptions::default()
-        },
-        wake: WakeOptions {
-            gpus: (!args.onto.is_empty()).then(|| args.onto.clone()),
-            when_full: when_full(args.when_full, args.wait).into(),
-            health: None,
-            resuspend: SuspendOptions::default(),
-            ..WakeOptions::default()
-        },
+    let park = ParkOptions {
+        max_parked_host: args.max_parked_host.map(|b| b.0),
+        ..ParkOptions::default()
     };
-    let initial = inplace.phase_now().context("looking at the worker")?;
+    let when_full = when_full(args.when_full, args.wait);
+    let (activation, initial): (Arc<dyn Activation>, Phase) = match &args.standby {
+        Some(image) => {
+            let client = crate::route::client(&ctx.state);
+            client
+                .status()
+                .map_err(crate::route::error)
+                .context("the standby pools are the agent's: start it with `cryo agent run`")?;
+            let wake = WakeSpec {
+                onto: args.onto.clone(),
+                when_full: when_full.into(),
+                health_url: None,
+                health_timeout_s: args.activation_timeout,
+            };
+            let park = ParkRequest {
+                target: TargetSpec::Pids { pids: Vec::new() },
+                lock_timeout_ms: park.suspend.lock_timeout.as_millis() as u64,
+                lock_attempts: park.suspend.lock_attempts,
+                max_parked_host: park.max_parked_host,
+                shrink: None,
+            };
+            let from = FromStandby::new(client, image.clone(), wake, park);
+            (Arc::new(from), Phase::Parked { last_error: None })
+        }
+        None => {
+            let inplace = InPlace {
+                gpu: ctx.gpu()?,
+                target: target(&TargetArgs {
+                    pids: args.pids.clone(),
+                    cgroup: args.cgroup.clone(),
+                }),
+                state: ctx.state.clone(),
+                watcher: Arc::new(cryo_guard::control::GuardClient::new(&ctx.state)),
+                park,
+                wake: WakeOptions {
+                    gpus: (!args.onto.is_empty()).then(|| args.onto.clone()),
+                    when_full: when_full.into(),
+                    health: None,
+                    resuspend: SuspendOptions::default(),
+                    ..WakeOptions::default()
+                },
+            };
+            let initial = inplace.phase_now().context("looking at the worker")?;
+            (Arc::new(inplace), initial)
+        }
+    };
     let policy = Policy {
         idle_timeout: (args.idle_timeout > 0).then(|| Duration::from_secs(args.idle_timeout)),
         activation_timeout: Duration::from_secs(args.activation_timeout),
         health,
         http: !args.no_http,
     };
-    let activator = Activator::new(
-        args.upstream.clone(),
-        policy,
-        Arc::new(inplace),
-        initial.clone(),
-    );
+    let activator = Activator::new(args.upstream.clone(), policy, activation, initial.clone());
     cryo_activator::run_blocking(&args.listen, activator, |addr| {
         println!(
             "activator listening on {addr} for {} (worker {initial:?})",
