@@ -37,7 +37,7 @@ pub fn run(ctx: &Context, args: &ActivateArgs) -> anyhow::Result<u8> {
                 .context("the standby pools are the agent's: start it with `cryo agent run`")?;
             let wake = WakeSpec {
                 onto: args.onto.clone(),
-                when_full: when_full.into(),
+                when_full,
                 health_url: None,
                 health_timeout_s: args.activation_timeout,
             };
