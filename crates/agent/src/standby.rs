@@ -355,6 +355,7 @@ impl Agent {
             .claiming
             .lock()
             .unwrap_or_else(|e| e.into_inner());
+        let queued_ms = requested.elapsed().as_secs_f64() * 1e3;
         loop {
             let next = {
                 let mut pools = self.pools.lock();
@@ -394,10 +395,19 @@ impl Agent {
                 &NoProgress,
             );
             match result {
-                Ok(wake) => {
-                    if let Err(e) = self.guard.poll_journal() {
-                        tracing::warn!(err = %e, "cannot read the journal after a claim");
-                    }
+                Ok(mut wake) => {
+                    // Not on the request path: the guard traced the worker before its unlock;
+                    // its journal poll only catches up with the records.
+                    let guard = std::sync::Arc::clone(&self.guard);
+                    std::thread::spawn(move || {
+                        if let Err(e) = guard.poll_journal() {
+                            tracing::warn!(err = %e, "cannot read the journal after a claim");
+                        }
+                    });
+                    wake.phases.0.insert(
+                        0,
+                        ("claim: request to standby taken (agent)".into(), queued_ms),
+                    );
                     return Ok(StandbyClaim {
                         standby: next,
                         wake,

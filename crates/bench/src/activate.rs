@@ -56,6 +56,9 @@ struct Row {
     raw_ms: Samples,
     /// `cryo park` itself (not on the request path), ms.
     parking_ms: Samples,
+    /// (b) broken down: the claim's phases in the agent (in order), and the rest (the `cryo`
+    /// command's start, the request and the answer over the agent's socket), ms.
+    standby_phases: Vec<(String, Samples)>,
 }
 
 /// Runs `cryo bench activate` with the binary `cryo`.
@@ -157,6 +160,10 @@ fn print_row(r: &Row) {
         b / raw,
         a / b
     );
+    println!("  (b) broken down, median (min-max) ms:");
+    for (name, s) in &r.standby_phases {
+        println!("      {:<44} {:>20}", name, s.cell1());
+    }
 }
 
 /// (b) on one fresh worker: frozen, one standby of it made ready by the private agent (not
@@ -209,9 +216,23 @@ fn standby_arm(
         .arg(format!("unix:{}:/health", sock.display()));
     let t = Instant::now();
     let out = bench.run(c, "cryo standby claim")?;
-    row.standby_ms.push(ms(t.elapsed()));
+    let total = ms(t.elapsed());
+    row.standby_ms.push(total);
     let v: serde_json::Value =
         serde_json::from_str(&out).context("parsing cryo standby claim --json")?;
+    let phases: cryo_lifecycle::Phases =
+        serde_json::from_value(v["wake"]["phases"].clone()).unwrap_or_default();
+    let in_agent = v["elapsed_ms"].as_f64().unwrap_or(f64::NAN);
+    let outside = (
+        "the cryo command, the socket round trip".to_string(),
+        total - in_agent,
+    );
+    for (name, ms) in phases.0.into_iter().chain([outside]) {
+        match row.standby_phases.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, s)) => s.push(ms),
+            None => row.standby_phases.push((name, Samples(vec![ms]))),
+        }
+    }
     let root = v["standby"]["root"]["pid"]
         .as_i64()
         .and_then(|p| i32::try_from(p).ok())

@@ -484,7 +484,17 @@ fn cryo_run_starts_a_program_in_fresh_namespaces() {
         .unwrap();
     assert_eq!(o.status.code(), Some(7), "{}", stderr(&o));
     let out = std::fs::read_to_string(&log).unwrap();
-    assert!(out.contains("pid=1\n") && out.contains("sid=1\n"), "{out}");
+    // Its session id as /proc (the host's pid namespace) shows it: its host pid.
+    let host: i32 = stdout(&o)
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no pid in {:?}", stdout(&o)));
+    assert!(out.contains("pid=1\n"), "{out}");
+    assert!(
+        out.contains(&format!("sid={host}\n")),
+        "not a session leader: {out}"
+    );
     let ours = std::fs::read_link("/proc/self/ns/net").unwrap();
     assert!(
         !out.contains(ours.to_str().unwrap()),

@@ -44,7 +44,7 @@ pub use park::{
     park, parked_now, wake, ParkError, ParkOptions, ParkReport, ParkedWorker, WakeError,
     WakeOptions, WakeReport, WhenFull,
 };
-pub use progress::{NoProgress, Progress};
+pub use progress::{NoProgress, Phases, Progress, Stopwatch};
 pub use restore::{record_restored, restore_context, resume_in_place, RecordError, RestoreError};
 pub use runnable::{runnable, Runnable};
 pub use shrink::{Shrink, ShrinkReport, ShrinkSpec};

@@ -456,6 +456,9 @@ pub struct WakeReport {
     /// The grow of an engine shrunk before its park (after the unlock), if one was pending.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shrink: Option<crate::shrink::ShrinkReport>,
+    /// Where the time went, step by step (journal appends, driver calls, guard, health).
+    #[serde(default)]
+    pub phases: crate::progress::Phases,
 }
 
 /// No GPU can take a parked process now; nothing was restored.
@@ -651,25 +654,28 @@ pub fn wake(
     progress: &dyn Progress,
 ) -> Result<WakeReport, WakeError> {
     let start = Instant::now();
+    let mut watch = crate::progress::Stopwatch::default();
     let described = target.target().to_string();
     journal.append(Event::WakeStarted {
         target: described.clone(),
     })?;
-    let mut result = wake_inner(gpu, target, opts, journal, fence, watcher, progress, start);
-    if let Ok(r) = result.as_mut() {
-        // The worker runs: an engine shrunk before its park takes its memory back.
+    watch.mark("journal: wake started");
+    let mut result = wake_inner(
+        gpu, target, opts, journal, fence, watcher, progress, start, &mut watch,
+    );
+    if let Ok((r, records)) = result.as_mut() {
+        // The worker runs: an engine shrunk before its park takes its memory back (the journal
+        // as read before the restore: the shrink was journaled before the park).
         let ids: Vec<_> = target.handles().iter().map(id).collect();
-        let records = cryo_journal::read(journal.dir()).map(|r| r.records);
-        if let Some(mut s) = records
-            .ok()
-            .and_then(|rs| crate::shrink::pending(&rs, &ids))
-        {
+        if let Some(mut s) = crate::shrink::pending(records, &ids) {
             if let Err(e) = s.grow(journal, progress) {
                 tracing::error!(error = %e, "cannot journal the engine's grow");
             }
             r.shrink = Some(s.report);
         }
+        watch.mark("engine grow check");
     }
+    let mut result = result.map(|(r, _)| r);
     match &result {
         Ok(r) => {
             let pids = target
@@ -686,6 +692,7 @@ pub fn wake(
                 // The worker runs: a journal that cannot take the record must not fail the wake.
                 tracing::error!(error = %e, "cannot journal the completed wake");
             }
+            watch.mark("journal: wake completed");
         }
         Err(e) => {
             if let Err(j) = journal.append(Event::WakeFailed {
@@ -695,6 +702,9 @@ pub fn wake(
                 tracing::error!(error = %j, "cannot journal the failed wake");
             }
         }
+    }
+    if let Ok(r) = result.as_mut() {
+        r.phases = watch.phases;
     }
     result
 }
@@ -709,15 +719,18 @@ fn wake_inner(
     watcher: &dyn Watcher,
     progress: &dyn Progress,
     start: Instant,
-) -> Result<WakeReport, WakeError> {
+    watch: &mut crate::progress::Stopwatch,
+) -> Result<(WakeReport, Vec<cryo_journal::Record>), WakeError> {
     let described = target.target().to_string();
     let (cuda, _plain) = cuda_processes(gpu, target.handles())
         .map_err(|(pid, error)| WakeError::Driver { pid, error })?;
     if cuda.is_empty() {
         return Err(WakeError::NoCuda(described));
     }
+    watch.mark("driver: which processes are CUDA");
     let records = cryo_journal::read(journal.dir())?.records;
     let known = parked_records(&records);
+    watch.mark("journal read (parked records)");
     // What each process needs: CHECKPOINTED ones a restore; LOCKED ones (a wake that died after
     // the restore) only the guard and the unlock; RUNNING ones nothing.
     let mut to_restore: Vec<(&ProcHandle, &ParkedRecord)> = Vec::new();
@@ -762,6 +775,7 @@ fn wake_inner(
         }
     };
     let waited_ms = ms(waited.elapsed());
+    watch.mark("driver states, fence, NVML placement");
 
     let t = Instant::now();
     let how = "wake";
@@ -830,12 +844,14 @@ fn wake_inner(
     if let Some(e) = failure {
         return Err(fail("GPU restore", e));
     }
+    watch.mark("GPU restore (journaled before and after)");
     // Traced while LOCKED, before anything runs: never an unguarded restored context where a
     // guard runs.
     let guarded = match watcher.guard_before_unlock(&restored) {
         Ok(c) => c == Coverage::Guarded,
         Err(e) => return Err(fail("guard before unlock", e.to_string())),
     };
+    watch.mark("guard attach");
     for h in &restored {
         let t = Instant::now();
         if let Err(e) = gpu.driver.unlock(h.pid()) {
@@ -849,6 +865,7 @@ fn wake_inner(
         }
     }
     let gpu_ms = ms(t.elapsed());
+    watch.mark("unlock (journaled)");
     let first_answer_ms = match &opts.health {
         None => None,
         Some(check) => match check.wait(opts.health_timeout) {
@@ -864,16 +881,23 @@ fn wake_inner(
             }
         },
     };
-    Ok(WakeReport {
-        target: described,
-        woken,
-        guarded,
-        waited_ms,
-        gpu_ms,
-        first_answer_ms,
-        elapsed_ms: ms(start.elapsed()),
-        shrink: None,
-    })
+    if opts.health.is_some() {
+        watch.mark("first answer (health check)");
+    }
+    Ok((
+        WakeReport {
+            target: described,
+            woken,
+            guarded,
+            waited_ms,
+            gpu_ms,
+            first_answer_ms,
+            elapsed_ms: ms(start.elapsed()),
+            shrink: None,
+            phases: crate::progress::Phases::default(),
+        },
+        records,
+    ))
 }
 
 /// Suspends restored (LOCKED) processes again; says what became of them.

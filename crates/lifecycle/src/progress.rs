@@ -48,3 +48,46 @@ impl Progress for NoProgress {
     fn advance(&self, _: Pid, _: u64) {}
     fn end(&self, _: Pid, _: &'static str, _: bool, _: &str) {}
 }
+
+/// The time spent in each step of one operation, in order, ms (for reports and benchmarks:
+/// `cryo bench activate` breaks a standby's claim down with it).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Phases(pub Vec<(String, f64)>);
+
+impl Phases {
+    /// The phases named `name` (summed).
+    pub fn get(&self, name: &str) -> f64 {
+        self.0
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, ms)| ms)
+            .sum()
+    }
+}
+
+/// Times consecutive phases: [`Stopwatch::mark`] ends one.
+#[derive(Debug, Clone)]
+pub struct Stopwatch {
+    last: std::time::Instant,
+    /// What was marked so far.
+    pub phases: Phases,
+}
+
+impl Default for Stopwatch {
+    fn default() -> Self {
+        Stopwatch {
+            last: std::time::Instant::now(),
+            phases: Phases::default(),
+        }
+    }
+}
+
+impl Stopwatch {
+    /// Ends the phase `name` (it began at the last mark, or at the start).
+    pub fn mark(&mut self, name: &str) {
+        let now = std::time::Instant::now();
+        let ms = now.duration_since(self.last).as_secs_f64() * 1e3;
+        self.last = now;
+        self.phases.0.push((name.to_string(), ms));
+    }
+}

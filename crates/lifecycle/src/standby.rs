@@ -556,6 +556,7 @@ pub fn claim(
     watcher: &dyn Watcher,
     progress: &dyn Progress,
 ) -> Result<WakeReport, ClaimError> {
+    let mut watch = crate::progress::Stopwatch::default();
     let now = Image::open(&standby.image)?;
     let found = &now.manifest().manifest_sha256;
     if *found != standby.digest {
@@ -565,10 +566,13 @@ pub fn claim(
             found: found.clone(),
         });
     }
+    watch.mark("claim: image manifest check");
     let Some(tree) = open(standby) else {
         return Err(ClaimError::Gone(standby.root.pid));
     };
-    let report = wake(gpu, &tree, opts, journal, fence, watcher, progress)?;
+    watch.mark("claim: open the processes (pidfds)");
+    let mut report = wake(gpu, &tree, opts, journal, fence, watcher, progress)?;
+    let mut after = crate::progress::Stopwatch::default();
     if let Err(e) = journal.append(Event::StandbyClaimed {
         image: standby.image.display().to_string(),
         root: standby.root,
@@ -576,6 +580,11 @@ pub fn claim(
         // The worker serves: a journal that cannot take the record must not fail the claim.
         tracing::error!(error = %e, "cannot journal the claim");
     }
+    after.mark("journal: standby claimed");
+    let mut phases = watch.phases.0;
+    phases.append(&mut report.phases.0);
+    phases.append(&mut after.phases.0);
+    report.phases = crate::progress::Phases(phases);
     Ok(report)
 }
 
