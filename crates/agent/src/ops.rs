@@ -222,13 +222,41 @@ impl Agent {
             return Ok(());
         };
         tracing::error!(pid = process, %why, "a restored context could not be traced before its unlock");
+        let t = std::time::Instant::now();
         let again = match self.gpu.driver.checkpoint(pid) {
-            Ok(()) => "its context was checkpointed again, not unlocked".to_string(),
+            Ok(()) => {
+                // Suspended since its restore: its end is the safe kind (the exit-stop decision
+                // reads this).
+                if let Ok(id) = ProcId::of(process) {
+                    let ms = u64::try_from(t.elapsed().as_millis()).unwrap_or(u64::MAX);
+                    if let Err(e) = self.journal.append(cryo_journal::Event::Checkpointed {
+                        pid: id,
+                        ms,
+                        bytes: 0,
+                    }) {
+                        tracing::error!(pid = process, error = %e, "cannot journal the checkpoint");
+                    }
+                }
+                "its context was checkpointed again, not unlocked".to_string()
+            }
             Err(e) => format!("checkpointing it again failed too ({e}): it stays LOCKED; do not unlock it unguarded"),
         };
-        Err(failed(format!(
-            "the agent's guard could not trace pid {process} after its restore ({why}); {again}"
-        )))
+        let because =
+            format!("the agent's guard could not trace pid {process} after its restore ({why})");
+        // CRIU's cuda plugin keeps 127 bytes of the front end's output (`Could not restore on
+        // process ID P: "through the node agent: ` takes 63-65): the reason and the supported
+        // path come first.
+        Err(failed(match criu_tracer(process) {
+            Some(t) => format!(
+                "traced by CRIU: use `cryo thaw`, not CRIU's cuda plugin; {again}. CRIU's cuda \
+                 plugin restores a process while CRIU (here pid {t}) still traces it, so no guard \
+                 can trace it before its unlock ({because}); with the \
+                 agent running, restore CUDA workers with `cryo thaw IMAGE`, which has the agent \
+                 trace them while LOCKED, or bring this one back with `cryo gpu restore` and \
+                 `cryo gpu unlock` once CRIU has let go of it"
+            ),
+            None => format!("{because}; {again}"),
+        }))
     }
 
     /// `POST /v1/guard/attach`.
@@ -342,4 +370,14 @@ pub(crate) fn follow_events(agent: &Agent, since: u64, follow: bool, tx: &mpsc::
             std::thread::sleep(FOLLOW_TICK);
         }
     }
+}
+
+/// CRIU's pid, when CRIU traces `process` (its cuda plugin restores under CRIU's ptrace).
+fn criu_tracer(process: Pid) -> Option<Pid> {
+    let t = cryo_proc::ProcHandle::open(process)
+        .and_then(|h| h.tracer())
+        .ok()
+        .flatten()?;
+    let comm = cryo_proc::stat(t).map(|s| s.comm).ok()?;
+    (comm == "criu").then_some(t)
 }

@@ -263,3 +263,61 @@ fn cryo_freeze_and_thaw_run_criu_without_its_plugins() {
     procs::reap(w.pid);
     sim.assert_no_wedge();
 }
+
+/// Issue 10 item 5: CRIU's cuda plugin run by hand on a node whose agent runs. The dump goes
+/// through the agent (the front end's lock and checkpoint); at restore, the plugin restores each
+/// process while CRIU itself still traces it (it resumes the restore thread alone), so the
+/// agent's guard cannot trace it before its unlock: the agent checkpoints the context again (and
+/// journals it) and the front end's restore fails, by design: never a restored context running
+/// unguarded. CRIU 4.2 ignores its plugin's failure and resumes the tree: the worker runs with
+/// its context CHECKPOINTED (nothing live, nothing to tear down). The front end's output, which
+/// CRIU's log keeps to 127 bytes, names CRIU and the supported path, `cryo thaw`. Once CRIU has
+/// let go, `cryo gpu restore` + `unlock` through the agent bring it back, traced before the
+/// unlock.
+#[test]
+fn criu_cuda_plugin_restore_under_a_running_agent_fails_safe_and_names_cryo_thaw() {
+    let sim = Sim::start();
+    let setup = Setup::new(&sim);
+    let agent = AgentProc::start(&sim, &setup.state, &["--no-memory-watch"]);
+    let mut w = sim.spawn(spec(&sim, "8MiB", 16));
+    let before = w.complete("plugin");
+    let pid = w.pid.to_string();
+    setup.criu(&sim, "dump", &["dump", "-t", &pid]);
+    w.reap();
+    assert!(
+        agent
+            .log()
+            .contains(&format!("pid={pid} call=\"checkpoint\"")),
+        "the dump's checkpoint did not go through the agent: {}",
+        agent.log()
+    );
+    let log = setup.criu(&sim, "restore", &["restore", "-d"]);
+    assert!(
+        log.contains("traced by CRIU: use `cryo thaw`, not CRIU's cuda plugin;"),
+        "CRIU's log does not say why, nor the supported path:\n{log}"
+    );
+    assert_eq!(
+        sim.gpu.driver.state(w.pid).unwrap(),
+        ProcessState::Checkpointed
+    );
+    assert!(!sim.listed(w.pid));
+    assert!(
+        agent
+            .log()
+            .contains("could not be traced before its unlock"),
+        "{}",
+        agent.log()
+    );
+    sim.assert_no_wedge();
+    // CRIU let go (`-d`): back through the agent, which traces it before the restore answers.
+    setup.cryo(&sim, &["gpu", "restore", "--pid", &pid]);
+    assert_eq!(
+        cryo_proc::tgid(procs::tracer_pid(w.pid)).ok().flatten(),
+        Some(agent.pid())
+    );
+    setup.cryo(&sim, &["gpu", "unlock", "--pid", &pid]);
+    assert_eq!(w.complete("plugin"), before);
+    setup.cryo(&sim, &["stop", &pid]);
+    reap_gone(w.pid);
+    sim.assert_no_wedge();
+}
