@@ -247,6 +247,12 @@ pub enum InspectError {
         /// What went wrong.
         reason: String,
     },
+    /// cryo runs in a pid namespace other than the host's: the driver's pids cannot be matched.
+    #[error("NVML names processes by the host's pids and cryo runs in another pid namespace (inode {namespace}), where they cannot be matched; run cryo in the host's pid namespace (hostPID: true)")]
+    ForeignPidNamespace {
+        /// The inode of cryo's pid namespace.
+        namespace: u64,
+    },
     /// The query did not return in time.
     #[error("NVML query ({what}) did not return within {} ms", .after.as_millis())]
     NoAnswer {

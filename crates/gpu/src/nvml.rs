@@ -9,7 +9,10 @@
 //!   a dying process's context alive.
 //!
 //! # Limitations
-//! - NVML reports host pids; a caller inside a pid namespace must translate (NSpid).
+//! - NVML reports the driver's pids, which are cryo's only in the host's pid namespace; from any
+//!   other, `processes` is an error ([`InspectError::ForeignPidNamespace`]): the host pids are not
+//!   visible there (`NSpid` starts at the reader's namespace), and whether the driver translates
+//!   them to the caller's namespace is not documented. The agent's DaemonSet sets `hostPID`.
 //! - A process whose memory NVML cannot attribute (`NVML_VALUE_NOT_AVAILABLE`) is listed with 0.
 //! - Graphics contexts are not listed, only compute ones.
 
@@ -27,6 +30,9 @@ pub const LIBNVML: &str = "libnvidia-ml.so.1";
 /// NVML, initialised.
 pub struct NvmlInspector {
     nvml: Nvml,
+    /// cryo's pid namespace, when it is not the host's (read once: a process never changes its
+    /// own): NVML's process list is then refused rather than matched against the wrong pids.
+    foreign_pid_ns: Option<u64>,
 }
 
 impl std::fmt::Debug for NvmlInspector {
@@ -54,7 +60,17 @@ impl NvmlInspector {
             .lib_path(OsStr::new(path))
             .init()
             .map_err(|e| nvml_err(&format!("loading {path}"), e))?;
-        Ok(NvmlInspector { nvml })
+        let foreign_pid_ns = match cryo_proc::ns::in_initial_pid_namespace() {
+            Ok(true) => None,
+            // Unreadable counts as foreign: matching pids then is not safe either.
+            Ok(false) | Err(_) => {
+                Some(cryo_proc::ns::pid_namespace(std::process::id() as Pid).unwrap_or(0))
+            }
+        };
+        Ok(NvmlInspector {
+            nvml,
+            foreign_pid_ns,
+        })
     }
 
     fn device(&self, index: u32) -> Result<nvml_wrapper::Device<'_>, InspectError> {
@@ -114,6 +130,12 @@ impl GpuInspector for NvmlInspector {
     }
 
     fn processes(&self) -> Result<Vec<GpuProcess>, InspectError> {
+        // Every decision that reads this list matches its pids against cryo's own: from another
+        // pid namespace that match would be silently wrong (an unlisted live context), so it is
+        // an error, which every caller treats as "cannot tell" (a refusal, every GPU fenced).
+        if let Some(namespace) = self.foreign_pid_ns {
+            return Err(InspectError::ForeignPidNamespace { namespace });
+        }
         let mut out = Vec::new();
         for index in 0..self.count()? {
             let d = self.device(index)?;
