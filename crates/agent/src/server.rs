@@ -151,6 +151,31 @@ pub(crate) fn same_pids(peer: &Peer) -> Result<(), Failure> {
     }
 }
 
+/// Whether a request names processes by pid (read in the agent's pid namespace).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pids {
+    /// It does: the caller must see pids as the agent does ([`same_pids`]).
+    Named,
+    /// It does not (an image, a GPU).
+    None,
+}
+
+/// A request that changes something: the caller authorised for changes ([`allow`]), the body
+/// parsed, and, when it names pids, the caller in the agent's pid namespace.
+pub(crate) fn change_request<T: DeserializeOwned>(
+    agent: &Agent,
+    peer: &Peer,
+    body: &Bytes,
+    pids: Pids,
+) -> Result<T, Failure> {
+    allow(agent, peer, Access::Change)?;
+    let req = parse(body)?;
+    if pids == Pids::Named {
+        same_pids(peer)?;
+    }
+    Ok(req)
+}
+
 pub(crate) fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, Failure> {
     serde_json::from_slice(body).map_err(|e| {
         Failure(ApiError::new(
@@ -291,9 +316,7 @@ async fn freeze(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: Bytes,
 ) -> Result<Response, Failure> {
-    allow(&agent, &peer, Access::Change)?;
-    let req: cryo_api::FreezeRequest = parse(&body)?;
-    same_pids(&peer)?;
+    let req: cryo_api::FreezeRequest = change_request(&agent, &peer, &body, Pids::Named)?;
     tracing::info!(pid = req.pid, image = %req.image.display(), ?peer.cred, "freeze");
     Ok(streamed(move |p| agent.freeze(&req, p)))
 }
@@ -304,8 +327,7 @@ async fn thaw(
     body: Bytes,
 ) -> Result<Response, Failure> {
     let requested = std::time::Instant::now();
-    allow(&agent, &peer, Access::Change)?;
-    let req: cryo_api::ThawRequest = parse(&body)?;
+    let req: cryo_api::ThawRequest = change_request(&agent, &peer, &body, Pids::None)?;
     tracing::info!(image = %req.image.display(), ?peer.cred, "thaw");
     Ok(streamed(move |p| agent.thaw(&req, requested, p)))
 }
@@ -336,9 +358,7 @@ async fn attach(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: Bytes,
 ) -> Result<Response, Failure> {
-    allow(&agent, &peer, Access::Change)?;
-    let req: cryo_api::PidRequest = parse(&body)?;
-    same_pids(&peer)?;
+    let req: cryo_api::PidRequest = change_request(&agent, &peer, &body, Pids::Named)?;
     blocking(move || agent.attach(req.pid)).await
 }
 
@@ -347,9 +367,7 @@ async fn detach(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: Bytes,
 ) -> Result<Response, Failure> {
-    allow(&agent, &peer, Access::Change)?;
-    let req: cryo_api::PidRequest = parse(&body)?;
-    same_pids(&peer)?;
+    let req: cryo_api::PidRequest = change_request(&agent, &peer, &body, Pids::Named)?;
     blocking(move || agent.detach(req.pid)).await
 }
 
@@ -358,8 +376,7 @@ async fn release(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: Bytes,
 ) -> Result<Response, Failure> {
-    allow(&agent, &peer, Access::Change)?;
-    let req: cryo_api::ReleaseRequest = parse(&body)?;
+    let req: cryo_api::ReleaseRequest = change_request(&agent, &peer, &body, Pids::None)?;
     tracing::warn!(gpu = %req.gpu, ?peer.cred, "release of pins asked for");
     blocking(move || agent.release(&req)).await
 }

@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use cryo_http::{Client, Endpoint, HttpError, Timeouts};
+use cryo_http::{Client, Endpoint, HttpError, Response, Timeouts};
 use cryo_lifecycle::{FreezeReport, Progress, StopReport, ThawReport};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -91,13 +91,7 @@ impl AgentClient {
     /// `GET /v1/metrics`: the Prometheus text.
     pub fn metrics(&self) -> Result<String, ClientError> {
         let r = self.short.get(path::METRICS).map_err(|e| self.http(e))?;
-        let status = r.status;
-        let body = r.text()?;
-        if (200..300).contains(&status) {
-            Ok(body)
-        } else {
-            Err(api_error(status, &body))
-        }
+        Ok(success(r)?.text()?)
     }
 
     /// `POST /v1/stop`, its progress replayed on `progress`.
@@ -175,11 +169,7 @@ impl AgentClient {
     ) -> Result<impl Iterator<Item = Result<String, ClientError>>, ClientError> {
         let path = format!("{}?follow={}&since={since}", path::EVENTS, u8::from(follow));
         let r = self.long.get(&path).map_err(|e| self.http(e))?;
-        if !r.is_success() {
-            let status = r.status;
-            return Err(api_error(status, &r.text()?));
-        }
-        Ok(r.lines().map(|l| l.map_err(ClientError::from)))
+        Ok(success(r)?.lines().map(|l| l.map_err(ClientError::from)))
     }
 
     fn http(&self, e: HttpError) -> ClientError {
@@ -202,12 +192,9 @@ impl AgentClient {
         path: &str,
         req: &Req,
     ) -> Result<T, ClientError> {
-        let body = serde_json::to_vec(req).map_err(|e| ClientError::BadAnswer {
-            status: 0,
-            body: String::new(),
-            error: format!("cannot encode the request: {e}"),
-        })?;
-        let r = client.post_json(path, &body).map_err(|e| self.http(e))?;
+        let r = client
+            .post_json(path, &encode(req)?)
+            .map_err(|e| self.http(e))?;
         let status = r.status;
         decode(status, &r.text()?)
     }
@@ -218,17 +205,11 @@ impl AgentClient {
         req: &Req,
         progress: &dyn Progress,
     ) -> Result<T, ClientError> {
-        let body = serde_json::to_vec(req).map_err(|e| ClientError::BadAnswer {
-            status: 0,
-            body: String::new(),
-            error: format!("cannot encode the request: {e}"),
-        })?;
-        let r = self.long.post_json(path, &body).map_err(|e| self.http(e))?;
-        if !r.is_success() {
-            let status = r.status;
-            return Err(api_error(status, &r.text()?));
-        }
-        for line in r.lines() {
+        let r = self
+            .long
+            .post_json(path, &encode(req)?)
+            .map_err(|e| self.http(e))?;
+        for line in success(r)?.lines() {
             let line = line?;
             if line.is_empty() {
                 continue;
@@ -242,6 +223,23 @@ impl AgentClient {
         }
         Err(ClientError::Truncated)
     }
+}
+
+fn encode<Req: Serialize>(req: &Req) -> Result<Vec<u8>, ClientError> {
+    serde_json::to_vec(req).map_err(|e| ClientError::BadAnswer {
+        status: 0,
+        body: String::new(),
+        error: format!("cannot encode the request: {e}"),
+    })
+}
+
+/// `r` when it is a success; otherwise the agent's error it carries.
+fn success(r: Response) -> Result<Response, ClientError> {
+    if r.is_success() {
+        return Ok(r);
+    }
+    let status = r.status;
+    Err(api_error(status, &r.text()?))
 }
 
 fn decode<T: DeserializeOwned>(status: u16, body: &str) -> Result<T, ClientError> {
