@@ -289,13 +289,7 @@ fn a_closed_stderr_does_not_kill_the_agent() {
 fn a_shutdown_is_refused_while_pins_are_held_and_says_how_to_release_them() {
     let sim = Sim::start();
     let state = sim.path().join("state");
-    let gpu0 = cryo_sim::connect(sim.path())
-        .unwrap()
-        .inspect
-        .gpus()
-        .unwrap()[0]
-        .uuid
-        .to_string();
+    let gpu0 = sim.gpu_uuid(0);
     let mut agent = AgentProc::start(&sim, &state, &["--no-memory-watch"]);
     let w = sim.spawn(WorkerSpec::new("8MiB").gpu(0).process_group());
     make_restored(&sim, &state, w.pid);

@@ -51,30 +51,6 @@ fn worker(sim: &Sim, gpu: u32) -> Worker {
     sim.spawn(WorkerSpec::new("16MiB").gpu(gpu).process_group())
 }
 
-fn gpu_uuid(sim: &Sim, index: usize) -> String {
-    cryo_sim::connect(sim.path())
-        .unwrap()
-        .inspect
-        .gpus()
-        .unwrap()[index]
-        .uuid
-        .to_string()
-}
-
-fn release(sim: &Sim, state: &Path, gpu: &str) {
-    ok({
-        let mut c = sim.cmd_at(state);
-        c.args([
-            "guard",
-            "release",
-            "--gpu",
-            gpu,
-            "--i-understand-this-may-wedge-the-host",
-        ]);
-        c
-    });
-}
-
 /// Issue 10 item 4, last sentence: a healthy restored worker that exits on its own (`exit(0)`,
 /// a server shutting down in an orderly way) is pinned (its context is live, the exit is not
 /// intercepted before its threads die) but never drains the node: with `--endgame drain`, the
@@ -139,7 +115,7 @@ fn an_ordinary_exit_of_a_healthy_restored_worker_never_drains_the_node() {
     sim.assert_no_wedge();
     let gpus = std::fs::read_to_string(&out).unwrap();
     assert_eq!(gpus.lines().count(), 1, "{gpus}");
-    assert!(gpus.contains(&gpu_uuid(&sim, 1)), "{gpus}");
+    assert!(gpus.contains(&sim.gpu_uuid(1)), "{gpus}");
 }
 
 /// Reproduced wedge (b) of issue 10, through the agent: a worker restored by another tool and
@@ -200,7 +176,7 @@ fn a_restarted_agent_reattaches_what_the_operator_attached() {
 fn pins_survive_sigquit_and_sigkill_of_the_agent_and_are_adopted_by_the_next_one() {
     let sim = Sim::start();
     let state = sim.path().join("state");
-    let gpu0 = gpu_uuid(&sim, 0);
+    let gpu0 = sim.gpu_uuid(0);
     let mut agent = AgentProc::start(&sim, &state, &["--no-memory-watch"]);
     let mut w = worker(&sim, 0);
     make_restored(&sim, &state, w.pid);
@@ -237,7 +213,7 @@ fn pins_survive_sigquit_and_sigkill_of_the_agent_and_are_adopted_by_the_next_one
     let fence = cryo_state::StateDir::new(&state).fence();
     assert!(fence.fences(&gpu0.parse().unwrap()).unwrap());
     sim.assert_no_wedge();
-    release(&sim, &state, &gpu0);
+    sim.release_pins(&state, &gpu0);
     assert_eq!(sim.wait_ledger(1).len(), 1, "the release tears it down");
     assert!(!fence.fences(&gpu0.parse().unwrap()).unwrap());
 }

@@ -851,19 +851,7 @@ fn a_freeze_killed_mid_lease_hands_the_worker_back_to_the_guard() {
     let mut env = Env::start("1GiB");
     let (mut guard, pid) = guarded_worker(&mut env);
     let image = env.path().join("img");
-    let mut freeze = env
-        .cmd()
-        .env("CRYO_FAILPOINT", "freeze-after-let-go")
-        .args([
-            "freeze",
-            &pid.to_string(),
-            "--image",
-            image.to_str().unwrap(),
-        ])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_failpoint(&mut freeze);
+    let mut freeze = freeze_at(&env, pid, &image, false, "freeze-after-let-go");
     assert_eq!(tracer(pid), 0, "the guard lets go for the dump");
     freeze.kill().unwrap();
     freeze.wait().unwrap();
@@ -949,19 +937,7 @@ fn killing_cryo_during_the_dump_publishes_nothing_and_tears_nothing_down() {
     // SIGKILL after a complete dump, before publishing (failpoint).
     let (pid, _) = env.worker("32MiB", 1);
     let image = env.path().join("img2");
-    let mut freeze = env
-        .cmd()
-        .env("CRYO_FAILPOINT", "freeze-before-publish")
-        .args([
-            "freeze",
-            &pid.to_string(),
-            "--image",
-            image.to_str().unwrap(),
-        ])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_failpoint(&mut freeze);
+    let mut freeze = freeze_at(&env, pid, &image, false, "freeze-before-publish");
     freeze.kill().unwrap();
     freeze.wait().unwrap();
     assert_eq!(
@@ -1250,6 +1226,13 @@ fn images_others_could_change_are_refused_by_thaw_and_freeze() {
 /// Starts `cryo freeze PID --image IMAGE [--replace]` stalled at `failpoint`, then SIGKILLs it
 /// there.
 fn freeze_killed_at(env: &Env, pid: i32, image: &Path, replace: bool, failpoint: &str) {
+    let mut freeze = freeze_at(env, pid, image, replace, failpoint);
+    freeze.kill().unwrap();
+    freeze.wait().unwrap();
+}
+
+/// `cryo freeze PID --image IMAGE [--replace]` stalled at `failpoint` (it said so).
+fn freeze_at(env: &Env, pid: i32, image: &Path, replace: bool, failpoint: &str) -> Child {
     let mut c = env.cmd();
     c.env("CRYO_FAILPOINT", failpoint)
         .args(["freeze", &pid.to_string(), "--image"])
@@ -1258,16 +1241,8 @@ fn freeze_killed_at(env: &Env, pid: i32, image: &Path, replace: bool, failpoint:
         c.arg("--replace");
     }
     let mut freeze = c.stderr(Stdio::piped()).spawn().unwrap();
-    let mut err = freeze.stderr.take().unwrap();
-    let mut seen = String::new();
-    let mut buf = [0u8; 256];
-    while !seen.contains("failpoint") {
-        let n = err.read(&mut buf).unwrap();
-        assert!(n > 0, "freeze ended before failpoint {failpoint}: {seen}");
-        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
-    }
-    freeze.kill().unwrap();
-    freeze.wait().unwrap();
+    wait_failpoint(&mut freeze);
+    freeze
 }
 
 /// A crash at every step of publish (after the dump; files fsync'd; manifest written; renamed

@@ -91,13 +91,7 @@ enum Death {
 fn cell(death: Death, sticky: bool) {
     let sim = Sim::start();
     let state = sim.path().join("state");
-    let gpu0 = cryo_sim::connect(sim.path())
-        .unwrap()
-        .inspect
-        .gpus()
-        .unwrap()[0]
-        .uuid
-        .to_string();
+    let gpu0 = sim.gpu_uuid(0);
     let _guard = GuardProc::start(&sim, &state, &["--no-memory-watch"]);
     let cg = (death == Death::Oom).then(|| TestCgroup::new("guard-cli-oom", 160 << 20));
     let mut w = worker(&sim, "16MiB", 0, cg.as_ref());

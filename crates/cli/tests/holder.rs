@@ -155,13 +155,7 @@ fn inventory(state: &Path) -> (HolderInfo, Vec<HeldPin>) {
 /// A restored worker on GPU 0, guarded, then SIGKILLed: its context is pinned (the guard must
 /// not let it exit before the pins are safe). Returns its identity and GPU 0's UUID.
 fn pinned_worker(sim: &Sim, state: &Path) -> (Worker, ProcId, String) {
-    let gpu0 = cryo_sim::connect(sim.path())
-        .unwrap()
-        .inspect
-        .gpus()
-        .unwrap()[0]
-        .uuid
-        .to_string();
+    let gpu0 = sim.gpu_uuid(0);
     let w = sim.spawn(WorkerSpec::new("16MiB").gpu(0).process_group());
     make_restored(sim, state, w.pid);
     let id = ProcId::of(w.pid).unwrap();
@@ -170,20 +164,6 @@ fn pinned_worker(sim: &Sim, state: &Path) -> (Worker, ProcId, String) {
     });
     w.sigkill();
     (w, id, gpu0)
-}
-
-fn release(sim: &Sim, state: &Path, gpu: &str) -> String {
-    ok({
-        let mut c = sim.cmd_at(state);
-        c.args([
-            "guard",
-            "release",
-            "--gpu",
-            gpu,
-            "--i-understand-this-may-wedge-the-host",
-        ]);
-        c
-    })
 }
 
 #[test]
@@ -257,7 +237,7 @@ fn pins_outlive_the_guard_through_sigquit_sigkill_and_a_restart() {
 
     // The operator's release goes to the holder: that (and only that) tears the context down.
     assert!(s.sim.settled_ledger().is_empty());
-    release(&s.sim, &s.state, &gpu0);
+    s.sim.release_pins(&s.state, &gpu0);
     assert_eq!(s.sim.wait_ledger(1).len(), 1);
     assert!(inventory(&s.state).1.is_empty());
     assert!(!s.st.fence().fences(&gpu0.parse().unwrap()).unwrap());
@@ -299,7 +279,7 @@ fn a_guard_killed_after_sending_and_before_the_ack_loses_no_pin() {
         "{journal:?}"
     );
     assert!(s.st.fence().fences(&gpu0.parse().unwrap()).unwrap());
-    release(&s.sim, &s.state, &gpu0);
+    s.sim.release_pins(&s.state, &gpu0);
     assert_eq!(s.sim.wait_ledger(1).len(), 1);
 }
 
@@ -330,7 +310,7 @@ fn the_holder_is_upgraded_while_it_holds_pins() {
         "wedge during the hand-over"
     );
     drop(guard);
-    release(&s.sim, &s.state, &gpu0);
+    s.sim.release_pins(&s.state, &gpu0);
     assert_eq!(s.sim.wait_ledger(1).len(), 1);
 }
 

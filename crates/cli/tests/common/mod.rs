@@ -97,6 +97,27 @@ impl Sim {
         String::from_utf8(out.stdout).unwrap().trim().to_string()
     }
 
+    /// The UUID of GPU `index` of the simulated driver.
+    pub fn gpu_uuid(&self, index: usize) -> String {
+        self.gpu.inspect.gpus().unwrap()[index].uuid.to_string()
+    }
+
+    /// `cryo guard release --gpu GPU --i-understand-this-may-wedge-the-host` on `state` (through
+    /// its agent when one runs); its stdout.
+    pub fn release_pins(&self, state: &Path, gpu: &str) -> String {
+        ok({
+            let mut c = self.cmd_at(state);
+            c.args([
+                "guard",
+                "release",
+                "--gpu",
+                gpu,
+                "--i-understand-this-may-wedge-the-host",
+            ]);
+            c
+        })
+    }
+
     /// Asserts that no live restored context was torn down by any death so far (one round trip
     /// through the driver first, so every death the test has seen is in the ledger).
     pub fn assert_no_wedge(&self) {
