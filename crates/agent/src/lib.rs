@@ -407,7 +407,10 @@ fn on_signal(agent: &Agent, c: signals::Caught) {
 fn log_notice(n: cryo_guard::Notice) {
     use cryo_guard::Notice;
     match &n {
-        Notice::Lost { .. } | Notice::JournalUnreadable(_) | Notice::RefusingToStop => {
+        Notice::Lost { .. }
+        | Notice::LeftLocked(_)
+        | Notice::JournalUnreadable(_)
+        | Notice::RefusingToStop => {
             tracing::warn!("guard: {n}")
         }
         _ => tracing::info!("guard: {n}"),

@@ -1593,11 +1593,18 @@ fn an_agent_killed_between_a_thaws_restore_and_unlock_leaves_nothing_unguarded()
         agent2.traces(pid),
         "the restarted agent does not guard the half-thawed worker"
     );
-    // Left LOCKED (nothing finishes a thaw whose owner died); the operator's unlock goes through
-    // the agent, which guards it.
+    // Left LOCKED (nothing finishes a thaw whose owner died), and said so; the operator's unlock
+    // goes through the agent, which guards it.
     assert_eq!(
         env.sim.gpu.driver.state(pid).unwrap(),
         cryo_gpu::ProcessState::Locked
+    );
+    assert!(
+        agent2.log().contains(&format!(
+            "pid {pid} is LOCKED (a restore or suspension that did not finish"
+        )),
+        "{}",
+        agent2.log()
     );
     let out = env.cryo(&["gpu", "unlock", "--pid", &pid.to_string()]);
     assert!(out.status.success(), "{}", stderr(&out));

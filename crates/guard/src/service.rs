@@ -45,6 +45,10 @@ pub struct RunOptions {
 pub enum Notice {
     /// At start: a restored process of the journal is guarded again.
     Reattached(ProcId),
+    /// At start: a re-attached process is LOCKED (a restore or suspension that did not finish,
+    /// such as a thaw whose owner died between the GPU restore and the unlock): it is guarded,
+    /// and nothing unlocks it on its own.
+    LeftLocked(ProcId),
     /// At start: a process it had guarded (or that is restored) is not guarded, and why.
     Lost {
         /// The process.
@@ -84,6 +88,12 @@ impl fmt::Display for Notice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Notice::Reattached(id) => write!(f, "re-attached to restored pid {id}"),
+            Notice::LeftLocked(id) => write!(
+                f,
+                "pid {id} is LOCKED (a restore or suspension that did not finish, such as a thaw \
+                 whose owner died before the unlock); it is guarded: `cryo gpu unlock --pid {id}` \
+                 brings it back, `cryo stop {id}` ends it"
+            ),
             Notice::Lost { pid, why } => write!(f, "LOST track of pid {pid}: {why}"),
             Notice::Settled(s) => write!(f, "settled: {s}"),
             Notice::Guarding(id) => write!(f, "guarding pid {id}"),
@@ -208,6 +218,7 @@ impl Service {
         notify: &mut dyn FnMut(Notice),
     ) -> Result<Service, RunError> {
         let state = cfg.state.clone();
+        let bounded = gpu.bounded(cryo_gpu::Limits::default());
         let (guard, report) = Guard::start(gpu, cfg)?;
         let guard = Arc::new(guard);
         for s in report.settled {
@@ -215,6 +226,12 @@ impl Service {
         }
         for id in report.attached {
             notify(Notice::Reattached(id));
+            if matches!(
+                bounded.driver.state(id.pid),
+                Ok(cryo_gpu::ProcessState::Locked)
+            ) {
+                notify(Notice::LeftLocked(id));
+            }
         }
         for (pid, why) in report.lost {
             notify(Notice::Lost { pid, why });
