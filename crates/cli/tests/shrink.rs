@@ -434,10 +434,12 @@ fn bench_shrink_runs_with_tiny_workers() {
     }
 }
 
-/// Frozen after a vLLM sleep, thawed with the same --shrink: the engine is woken once the tree
-/// runs, and answers as before; the restored worker is stopped through cryo (suspended first).
+/// Frozen after a vLLM sleep, the image records the shrink, and `cryo thaw` without --shrink
+/// wakes the engine once the tree runs: it answers as before. Thawed again with `--shrink none`,
+/// the engine is left asleep (the operator's choice). Each restored worker is stopped through
+/// cryo (suspended first).
 #[test]
-fn a_thaw_of_a_shrunk_image_wakes_the_engine() {
+fn a_thaw_of_a_shrunk_image_wakes_the_engine_as_the_image_records() {
     criu_and_root();
     nix::sys::prctl::set_child_subreaper(true).unwrap();
     let sim = sim();
@@ -463,25 +465,48 @@ fn a_thaw_of_a_shrunk_image_wakes_the_engine() {
     );
     assert!(out.status.success(), "{}\n{}", stdout(&out), stderr(&out));
     w.reap();
-    let out = sim_cmd(&sim, st.path())
-        .arg("thaw")
-        .arg(&image)
-        .args(["--shrink", "vllm", "--engine-url", &url, "--json"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}\n{}", stdout(&out), stderr(&out));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let manifest = cryo_criu::image::read_manifest(&image.join("manifest.json")).unwrap();
+    let recorded = manifest.shrunk.expect("the image does not record its shrink");
+    assert_eq!(
+        (recorded.spec.as_str(), recorded.engine.as_deref(), recorded.outcome.as_str()),
+        ("vllm:1", Some(url.as_str()), "shrunk")
+    );
+
+    let thaw = |args: &[&str]| {
+        let out = sim_cmd(&sim, st.path())
+            .arg("thaw")
+            .arg(&image)
+            .args(args)
+            .arg("--json")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}\n{}", stdout(&out), stderr(&out));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let stop = |pid: i32| {
+        let out = sim_cmd(&sim, st.path())
+            .args(["stop", &pid.to_string()])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", stderr(&out));
+        procs::reap(pid);
+    };
+    let v = thaw(&[]);
     assert!(v["shrink"]["grow_ms"].is_u64(), "{v}");
-    let pid = v["root_pid"].as_i64().unwrap() as i32;
+    assert_eq!(v["shrink"]["spec"], "vllm:1", "{v}");
     let (status, answer) = http(w.endpoint.clone(), "POST", "/v1/completions", "thaw");
     assert_eq!(status, 200, "{answer}");
     assert!(answer.contains(&before), "{answer} vs {before}");
-    let out = sim_cmd(&sim, st.path())
-        .args(["stop", &pid.to_string()])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr(&out));
-    procs::reap(pid);
+    stop(v["root_pid"].as_i64().unwrap() as i32);
+
+    // --shrink none: the operator grows it some other way; nothing is asked of the engine.
+    let v = thaw(&["--shrink", "none"]);
+    assert!(v.get("shrink").is_none(), "{v}");
+    let (status, sleeping) = http(w.endpoint.clone(), "GET", "/is_sleeping", "");
+    assert_eq!((status, sleeping.contains("true")), (200, true), "{sleeping}");
+    let (status, answer) = http(w.endpoint.clone(), "POST", "/v1/completions", "thaw");
+    assert_ne!(status, 200, "an engine left asleep answered: {answer}");
+    stop(v["root_pid"].as_i64().unwrap() as i32);
     let _ = std::fs::remove_dir_all(&image);
     assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
 }

@@ -142,6 +142,7 @@ fn dump_publish_verify_restore_keeps_pid_and_memory() {
                 gpu_model: None,
                 driver_version: None,
                 criu_version: criu.version(),
+                shrunk: None,
             },
             false,
         )

@@ -46,6 +46,7 @@ fn meta() -> ImageMeta {
             minor: 1,
             sublevel: 1,
         },
+        shrunk: None,
     }
 }
 
@@ -75,6 +76,35 @@ fn leftovers(parent: &Path) -> Vec<String> {
 
 fn file_name(p: &Path) -> &str {
     p.file_name().unwrap().to_str().unwrap()
+}
+
+/// An image records the shrink it was frozen after; one without it has no `shrunk` key at all
+/// (so a manifest written before it existed reads, and digests, as it always did).
+#[test]
+fn an_image_records_the_shrink_it_was_frozen_after() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = published(t.path(), "plain");
+    let text = fs::read_to_string(dir.join(MANIFEST_FILE)).unwrap();
+    assert!(!text.contains("shrunk"), "{text}");
+    assert_eq!(verify(&dir).unwrap().shrunk, None);
+
+    let dir = t.path().join("shrunk");
+    let st = Staging::create(&dir).unwrap();
+    fs::write(st.path().join("core-4242.img"), b"core").unwrap();
+    let shrunk = image::FrozenShrink {
+        spec: "vllm:1".into(),
+        engine: Some("http://127.0.0.1:8000".into()),
+        outcome: "shrunk".into(),
+    };
+    st.publish(
+        ImageMeta {
+            shrunk: Some(shrunk.clone()),
+            ..meta()
+        },
+        false,
+    )
+    .unwrap();
+    assert_eq!(verify(&dir).unwrap().shrunk, Some(shrunk));
 }
 
 #[test]

@@ -332,6 +332,10 @@ pub enum Event {
         bytes: u64,
         /// The GPUs (UUIDs) it held, where a wake puts it back unless told otherwise.
         gpus: Vec<String>,
+        /// Device memory on each GPU of `gpus`, in that order: what a wake needs free on each
+        /// (absent in records written before it was kept: `bytes` split evenly).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        gpu_bytes: Vec<u64>,
     },
     /// Park finished: every CUDA process of the target is parked.
     ParkCompleted {

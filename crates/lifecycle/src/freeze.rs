@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use cryo_criu::image::{
-    DeviceUse, ImageError, ImageMeta, Manifest, ProcessEntry, ProcessGpu, Staging,
+    DeviceUse, FrozenShrink, ImageError, ImageMeta, Manifest, ProcessEntry, ProcessGpu, Staging,
 };
 use cryo_criu::{Criu, CriuError, DumpOpts};
 use cryo_gpu::{Gpu, ProcessState};
@@ -247,7 +247,18 @@ pub fn freeze(
         journal,
         progress,
     )?;
-    let mut result = freeze_tree(gpu, criu, root, handles, opts, journal, progress);
+    // The image records a shrink that may have released memory, so a thaw grows it again.
+    let frozen_shrink = shrunk.as_ref().and_then(crate::shrink::Shrunk::frozen);
+    let mut result = freeze_tree(
+        gpu,
+        criu,
+        root,
+        handles,
+        opts,
+        frozen_shrink,
+        journal,
+        progress,
+    );
     // A refused or failed freeze, or --leave-running: what is still alive goes back under watch.
     drop(leases);
     if let Some(s) = shrunk.as_mut() {
@@ -306,12 +317,14 @@ fn let_go_traced<'w>(
     Ok(leases)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn freeze_tree(
     gpu: &Gpu,
     criu: &dyn Criu,
     root: Pid,
     handles: &[ProcHandle],
     opts: &FreezeOptions,
+    shrunk: Option<FrozenShrink>,
     journal: &Journal,
     progress: &dyn Progress,
 ) -> Result<FreezeReport, FreezeError> {
@@ -392,6 +405,7 @@ fn freeze_tree(
         entries,
         gpu_model,
         driver_version,
+        shrunk,
         start,
     );
     match &result {
@@ -426,6 +440,7 @@ fn freeze_inner(
     entries: Vec<ProcessEntry>,
     gpu_model: Option<String>,
     driver_version: Option<String>,
+    shrunk: Option<FrozenShrink>,
     start: Instant,
 ) -> Result<FreezeReport, FreezeError> {
     let staging = Staging::create(&opts.image)?;
@@ -504,6 +519,7 @@ fn freeze_inner(
         gpu_model,
         driver_version,
         criu_version: criu.version(),
+        shrunk,
     };
     progress.begin(root, "publish", 0);
     let published = staging.publish_with(meta, opts.replace, &|step| {

@@ -220,11 +220,9 @@ fn park_inner(
     let records = cryo_journal::read(journal.dir())?.records;
     let known = parked_records(&records);
     let listed = gpu.inspect.processes()?;
-    let on_gpu = |pid: Pid| -> (u64, Vec<GpuUuid>) {
-        let mine: Vec<_> = listed.iter().filter(|p| p.pid == pid).collect();
-        let mut gpus: Vec<GpuUuid> = mine.iter().map(|p| p.gpu_uuid.clone()).collect();
-        gpus.dedup();
-        (mine.iter().map(|p| p.used_memory).sum(), gpus)
+    let on_gpu = |pid: Pid| -> (u64, Vec<(GpuUuid, u64)>) {
+        let per_gpu = per_gpu(&listed, pid);
+        (per_gpu.iter().map(|(_, b)| b).sum(), per_gpu)
     };
     if let Some(limit) = opts.max_parked_host {
         let now: u64 = parked_now(&records)
@@ -244,7 +242,7 @@ fn park_inner(
             });
         }
     }
-    let before: Vec<(u64, Vec<GpuUuid>)> = cuda.iter().map(|h| on_gpu(h.pid())).collect();
+    let before: Vec<(u64, Vec<(GpuUuid, u64)>)> = cuda.iter().map(|h| on_gpu(h.pid())).collect();
     let suspend_opts = SuspendOptions {
         resume_on_failure: true,
         purpose: cryo_journal::Purpose::Park,
@@ -261,15 +259,19 @@ fn park_inner(
     for ((h, (bytes, gpus)), o) in cuda.iter().zip(before).zip(&outcomes) {
         let already = matches!(&o.result, Ok(s) if s.state_before == ProcessState::Checkpointed);
         // A process parked before keeps the record of what it held on the GPU.
-        let (bytes, gpus) = match known.get(&id(h)) {
-            Some(k) if already => (k.device_bytes, k.gpus.clone()),
-            _ => (bytes, gpus),
+        let (bytes, gpus, gpu_bytes) = match known.get(&id(h)) {
+            Some(k) if already => (k.device_bytes, k.gpus.clone(), k.gpu_bytes.clone()),
+            _ => {
+                let (gpus, gpu_bytes) = gpus.into_iter().unzip();
+                (bytes, gpus, gpu_bytes)
+            }
         };
         if !already || !known.contains_key(&id(h)) {
             journal.append(Event::Parked {
                 pid: id(h),
                 bytes,
                 gpus: gpus.iter().map(ToString::to_string).collect(),
+                gpu_bytes,
             })?;
         }
         parked.push(ParkedProc {
@@ -287,6 +289,18 @@ fn park_inner(
         elapsed_ms: ms(start.elapsed()),
         shrink: None,
     })
+}
+
+/// What NVML lists for `pid`: each GPU (in the order listed) and its device memory there.
+fn per_gpu(listed: &[cryo_gpu::GpuProcess], pid: Pid) -> Vec<(GpuUuid, u64)> {
+    let mut out: Vec<(GpuUuid, u64)> = Vec::new();
+    for p in listed.iter().filter(|p| p.pid == pid) {
+        match out.iter_mut().find(|(u, _)| *u == p.gpu_uuid) {
+            Some((_, b)) => *b += p.used_memory,
+            None => out.push((p.gpu_uuid.clone(), p.used_memory)),
+        }
+    }
+    out
 }
 
 /// The processes of `handles` the driver answers a state for (CUDA), and the others.
@@ -324,6 +338,19 @@ pub struct ParkedRecord {
     pub device_bytes: u64,
     /// The GPUs it held.
     pub gpus: Vec<GpuUuid>,
+    /// Device memory it held on each of `gpus`, in that order (empty for a record that does not
+    /// say: [`ParkedRecord::needs_on`] splits `device_bytes` evenly).
+    pub gpu_bytes: Vec<u64>,
+}
+
+impl ParkedRecord {
+    /// The device memory a restore needs free on its `i`-th GPU.
+    pub fn needs_on(&self, i: usize) -> u64 {
+        match self.gpu_bytes.get(i) {
+            Some(b) if self.gpu_bytes.len() == self.gpus.len() => *b,
+            _ => self.device_bytes.div_ceil(u64::try_from(self.gpus.len().max(1)).unwrap_or(1)),
+        }
+    }
 }
 
 /// Every process whose last word in `records` is that it was parked (no restore, unlock or exit
@@ -332,13 +359,19 @@ pub fn parked_records(records: &[Record]) -> BTreeMap<ProcId, ParkedRecord> {
     let mut parked = BTreeMap::new();
     for r in records {
         match &r.event {
-            Event::Parked { pid, bytes, gpus } => {
+            Event::Parked {
+                pid,
+                bytes,
+                gpus,
+                gpu_bytes,
+            } => {
                 parked.insert(
                     *pid,
                     ParkedRecord {
                         pid: *pid,
                         device_bytes: *bytes,
                         gpus: gpus.iter().filter_map(|g| g.parse().ok()).collect(),
+                        gpu_bytes: gpu_bytes.clone(),
                     },
                 );
             }
@@ -542,18 +575,24 @@ pub fn place(
                     .map(|g| vec![g.uuid.clone()]),
             );
         }
-        let per_gpu = rec.device_bytes / u64::try_from(rec.gpus.len().max(1)).unwrap_or(1);
+        // Each GPU must have room for what the process held on the GPU it replaces (a restore
+        // short on any one of them restores nothing and leaves the process stuck).
         let mut tried = Vec::new();
         let mut chosen = None;
         for c in candidates {
-            let ok = c.iter().all(|u| {
+            let ok = c.iter().enumerate().all(|(i, u)| {
                 if !usable(u) {
                     tried.push(format!("{u}: not allowed or quarantined"));
                     return false;
                 }
                 let f = free.get(u).copied().unwrap_or(0);
-                if f < per_gpu {
-                    tried.push(format!("{u}: {} free", fmt_bytes(f)));
+                let needs = rec.needs_on(i);
+                if f < needs {
+                    tried.push(format!(
+                        "{u}: {} free, needs {}",
+                        fmt_bytes(f),
+                        fmt_bytes(needs)
+                    ));
                     return false;
                 }
                 true
@@ -570,9 +609,9 @@ pub fn place(
                 tried: tried.join(", "),
             });
         };
-        for u in &targets {
+        for (i, u) in targets.iter().enumerate() {
             if let Some(f) = free.get_mut(u) {
-                *f -= per_gpu;
+                *f = f.saturating_sub(rec.needs_on(i));
             }
         }
         out.push(Placement {
@@ -923,16 +962,15 @@ fn park_again(
     for (h, o) in procs.iter().zip(&out) {
         match &o.result {
             Ok(s) => {
-                let mut gpus: Vec<String> = listed
-                    .iter()
-                    .filter(|p| p.pid == h.pid())
-                    .map(|p| p.gpu_uuid.to_string())
-                    .collect();
-                gpus.dedup();
+                let (gpus, gpu_bytes): (Vec<String>, Vec<u64>) = per_gpu(&listed, h.pid())
+                    .into_iter()
+                    .map(|(u, b)| (u.to_string(), b))
+                    .unzip();
                 if let Err(e) = journal.append(Event::Parked {
                     pid: id(h),
                     bytes: s.device_memory,
                     gpus,
+                    gpu_bytes,
                 }) {
                     tracing::error!(pid = h.pid(), error = %e, "cannot journal the new park");
                 }

@@ -18,7 +18,9 @@ use cryo_journal::{AppendError, Event, Journal, ProcId, Record};
 use cryo_proc::ProcHandle;
 use serde::{Deserialize, Serialize};
 
-pub use cryo_shrink::{Outcome, Released, Shrink, ShrinkError, ShrinkSpec, SpecError};
+pub use cryo_shrink::{
+    Outcome, Released, Shrink, ShrinkError, ShrinkSpec, SpecError, DEFAULT_TIMEOUT,
+};
 
 use crate::progress::Progress;
 use crate::suspend::id;
@@ -189,6 +191,38 @@ impl Shrunk {
 }
 
 impl Shrunk {
+    /// What an image frozen after this release records (`None` when the engine stayed whole:
+    /// nothing to grow after a thaw).
+    pub fn frozen(&self) -> Option<cryo_criu::image::FrozenShrink> {
+        let outcome = match &self.report.released.outcome {
+            Outcome::Shrunk => "shrunk",
+            Outcome::Unknown { .. } => "unknown",
+            Outcome::Whole { .. } => return None,
+        };
+        Some(cryo_criu::image::FrozenShrink {
+            spec: self.shrink.spec.to_string(),
+            engine: self.shrink.engine.clone(),
+            outcome: outcome.to_owned(),
+        })
+    }
+
+    /// The shrink an image records, to grow once its tree runs again; an error when this build
+    /// cannot carry it out (a spec it does not know, an address it cannot use).
+    pub fn of_image(frozen: &cryo_criu::image::FrozenShrink) -> Result<Shrink, String> {
+        let spec = frozen.spec.parse::<ShrinkSpec>().map_err(|e| {
+            format!(
+                "the image records --shrink {}, which this cryo cannot read: {e}",
+                frozen.spec
+            )
+        })?;
+        Shrink::new(spec, frozen.engine.clone(), cryo_shrink::DEFAULT_TIMEOUT).map_err(|e| {
+            format!(
+                "the image records --shrink {}, which cannot be carried out: {e}",
+                frozen.spec
+            )
+        })
+    }
+
     /// An engine shrunk elsewhere (a freeze whose image is restored now) to grow: `target`'s
     /// processes `pids`.
     pub fn to_grow(shrink: &Shrink, target: &str, pids: Vec<ProcId>) -> Shrunk {

@@ -360,6 +360,7 @@ fn keep(
             pid: id(h),
             bytes: g.devices.iter().map(|d| d.memory_bytes).sum(),
             gpus: g.devices.iter().map(|d| d.uuid.to_string()).collect(),
+            gpu_bytes: g.devices.iter().map(|d| d.memory_bytes).collect(),
         });
     }
     for p in parked {

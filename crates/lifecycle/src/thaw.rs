@@ -65,8 +65,9 @@ pub struct ThawOptions {
     pub stop: StopOptions,
     /// When the thaw was requested (times are reported from there).
     pub requested: Instant,
-    /// The image was frozen after this shrink: once the tree runs, its engine is asked to take
-    /// its memory back.
+    /// How the engine grows once the tree runs: `None` as the image records it (an image frozen
+    /// after a shrink that released memory is grown with that shrink's spec and address);
+    /// `Some` overrides the image (a `none` spec: no grow).
     pub shrunk: Option<crate::shrink::Shrink>,
 }
 
@@ -403,15 +404,39 @@ pub fn thaw(
     let mut result = thaw_inner(
         gpu, criu, &opened, &manifest, &plans, opts, journal, watcher, progress, verify_ms,
     );
-    if let (Ok(r), Some(shrink)) = (result.as_mut(), &opts.shrunk) {
-        let pids = r
+    if let Ok(r) = result.as_mut() {
+        let pids: Vec<_> = r
             .pids
             .iter()
             .filter_map(|p| cryo_journal::ProcId::of(*p).ok())
             .collect();
-        let mut s = crate::shrink::Shrunk::to_grow(shrink, &image, pids);
-        s.grow(journal, progress)?;
-        r.shrink = Some(s.report);
+        let shrink = match (&opts.shrunk, &manifest.shrunk) {
+            (Some(s), _) => Ok(s.clone()),
+            (None, Some(frozen)) => crate::shrink::Shrunk::of_image(frozen),
+            (None, None) => Ok(crate::shrink::Shrink {
+                spec: crate::shrink::ShrinkSpec::None,
+                engine: None,
+                timeout_ms: 0,
+            }),
+        };
+        match shrink {
+            Ok(shrink) if shrink.is_none() => {}
+            Ok(shrink) => {
+                let mut s = crate::shrink::Shrunk::to_grow(&shrink, &image, pids);
+                s.grow(journal, progress)?;
+                r.shrink = Some(s.report);
+            }
+            // The tree runs: an image whose shrink cannot be carried out is said, never a
+            // failed thaw.
+            Err(error) => {
+                tracing::error!(%error, "the engine is not grown");
+                journal.append(Event::GrowFailed {
+                    target: image.clone(),
+                    pids,
+                    error,
+                })?;
+            }
+        }
     }
     match &result {
         Ok(r) => {
@@ -993,6 +1018,7 @@ mod tests {
                         gpu_model: Some(MODEL.into()),
                         driver_version: Some(fake.driver_version().unwrap()),
                         criu_version: CriuVersion::MIN,
+                        shrunk: None,
                     },
                     false,
                 )

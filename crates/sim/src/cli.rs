@@ -165,6 +165,11 @@ pub struct WorkerArgs {
     /// Device memory to allocate per context (bytes, or e.g. 512MiB, 4GiB).
     #[arg(long, value_parser = parse_size, default_value = "256MiB")]
     pub memory: u64,
+    /// With --gpus: device memory of each context instead, one size per GPU in --gpus order
+    /// (e.g. 96MiB,16MiB): a process whose GPUs hold unequal amounts, as the first GPU of a
+    /// real multi-GPU process usually holds more.
+    #[arg(long, value_delimiter = ',', value_parser = parse_size, requires = "gpus")]
+    pub rank_memory: Vec<u64>,
     /// A KV cache per context after the weights (bytes, or e.g. 3GiB; 0: none), which the
     /// engine endpoints (vLLM's `/sleep`, `/wake_up`; SGLang's `/release_memory_occupation`,
     /// `/resume_memory_occupation`) release and take back.
@@ -245,6 +250,7 @@ impl SimCommand {
                     process_per_gpu: a.process_per_gpu,
                     init_only: a.init_only,
                     memory: a.memory,
+                    rank_memory: a.rank_memory,
                     kv_cache: a.kv_cache,
                     nccl: a.nccl,
                     seed: a.seed,

@@ -216,6 +216,7 @@ impl Drop for Sim {
 #[derive(Debug, Clone)]
 pub struct WorkerSpec {
     memory: String,
+    rank_memory: Option<String>,
     kv_cache: Option<String>,
     nccl: bool,
     gpu: u32,
@@ -237,6 +238,7 @@ impl WorkerSpec {
     pub fn new(memory: &str) -> Self {
         WorkerSpec {
             memory: memory.to_string(),
+            rank_memory: None,
             kv_cache: None,
             nccl: false,
             gpu: 0,
@@ -257,6 +259,13 @@ impl WorkerSpec {
     /// endpoints release and take back.
     pub fn kv_cache(mut self, size: &str) -> Self {
         self.kv_cache = Some(size.to_string());
+        self
+    }
+
+    /// With [`WorkerSpec::gpus`]: device memory of each context in their order
+    /// (`--rank-memory 96MiB,16MiB`), a process whose GPUs hold unequal amounts.
+    pub fn rank_memory(mut self, sizes: &str) -> Self {
+        self.rank_memory = Some(sizes.to_string());
         self
     }
 
@@ -429,6 +438,11 @@ impl Worker {
             .arg(sim.path())
             .args(spec.gpu_args())
             .args(["--memory", &spec.memory])
+            .args(
+                spec.rank_memory
+                    .iter()
+                    .flat_map(|m| ["--rank-memory", m.as_str()]),
+            )
             .args(
                 spec.kv_cache
                     .iter()

@@ -81,10 +81,10 @@ pub struct ThawArgs {
     /// Seconds the health check may take before the thaw is undone.
     #[arg(long, value_name = "S", default_value_t = 60)]
     pub health_timeout: u64,
-    /// The image was frozen with this --shrink (and --engine-url): once the tree runs, the
-    /// engine is asked to take its memory back.
+    /// How the engine takes its memory back once the tree runs (default: as the image records
+    /// the shrink it was frozen after).
     #[command(flatten)]
-    pub shrink: super::ShrinkArgs,
+    pub shrink: super::GrowArgs,
     /// Print the result as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,

@@ -29,7 +29,7 @@ pub use freeze::{FreezeArgs, ThawArgs};
 pub use gpu::{GpuArgs, GpuCommand};
 pub use gpu_map::GpuMap;
 pub use guard::{GuardArgs, GuardRunArgs, StatusArgs};
-pub use shrink::ShrinkArgs;
+pub use shrink::{GrowArgs, ShrinkArgs};
 pub use stop::{SignalArg, StopArgs, TimelineArgs};
 
 use crate::backend::GpuChoice;

@@ -1,5 +1,6 @@
 //! `--shrink`, `--engine-url`, `--shrink-timeout`: the shrink before suspend that `cryo stop`,
-//! `cryo freeze` and `cryo park` take. Parsed without system calls.
+//! `cryo freeze` and `cryo park` take, and the grow after `cryo thaw`. Parsed without system
+//! calls.
 
 use clap::Args;
 use cryo_lifecycle::{Shrink, ShrinkSpec};
@@ -39,6 +40,40 @@ impl ShrinkArgs {
             self.shrink.clone(),
             self.engine_url.clone(),
             std::time::Duration::from_millis(self.shrink_timeout),
+        )?))
+    }
+}
+
+/// How `cryo thaw` grows the engine of an image frozen shrunk.
+#[derive(Debug, Clone, Args)]
+pub struct GrowArgs {
+    /// The shrink to undo once the tree runs: by default the one the image records (`cryo
+    /// freeze --shrink`; nothing for an image frozen whole); a spec overrides it, `none` skips
+    /// the grow.
+    #[arg(long, value_name = "SPEC", value_parser = parse_spec)]
+    pub shrink: Option<ShrinkSpec>,
+    /// The engine's HTTP address for that grow (default: the one the image records).
+    #[arg(long, value_name = "URL", requires = "shrink")]
+    pub engine_url: Option<String>,
+}
+
+impl GrowArgs {
+    /// The grow asked for: `None` as the image records; a `none` spec: no grow.
+    pub fn grow(&self) -> anyhow::Result<Option<Shrink>> {
+        let Some(spec) = &self.shrink else {
+            return Ok(None);
+        };
+        if *spec == ShrinkSpec::None {
+            return Ok(Some(Shrink {
+                spec: ShrinkSpec::None,
+                engine: None,
+                timeout_ms: 0,
+            }));
+        }
+        Ok(Some(Shrink::new(
+            spec.clone(),
+            self.engine_url.clone(),
+            cryo_lifecycle::shrink::DEFAULT_TIMEOUT,
         )?))
     }
 }

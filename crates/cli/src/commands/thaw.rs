@@ -30,7 +30,7 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
         gpu_map: Vec::new(),
         health,
         health_timeout_s: args.health_timeout,
-        shrunk: args.shrink.shrink()?,
+        shrunk: args.shrink.grow()?,
     };
     if let Some(h) = &req.options(requested).health {
         h.validate().map_err(|e| UsageError(e.to_string()))?;

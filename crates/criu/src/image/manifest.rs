@@ -68,6 +68,11 @@ pub struct Manifest {
     pub chunk_size: Option<u64>,
     /// Every file of the image but the manifest, sorted by name.
     pub files: Vec<FileEntry>,
+    /// The engine's shrink the tree was frozen after, when it may have released memory: what a
+    /// thaw asks the engine to take back. Absent when there was none (and in images from before
+    /// it was recorded), so those manifests read and digest as they always did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shrunk: Option<FrozenShrink>,
     /// SHA-256 (hex) of this manifest serialized with this field empty: catches an edit of the
     /// manifest itself that still parses.
     pub manifest_sha256: String,
@@ -124,6 +129,20 @@ pub struct DeviceUse {
     pub memory_bytes: u64,
 }
 
+/// The engine's shrink before a freeze, as the image records it (the policy that reads it is the
+/// lifecycle's: this crate only keeps it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FrozenShrink {
+    /// The `--shrink` spec as given (`vllm:1`, `sglang:kv_cache`, `http:REL,RES`).
+    pub spec: String,
+    /// The engine's address it was asked at (`--engine-url`), for vLLM and SGLang.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<String>,
+    /// How the release ended: `shrunk`, or `unknown` (it failed and could not be undone).
+    pub outcome: String,
+}
+
 /// One file of the image.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -157,6 +176,8 @@ pub struct ImageMeta {
     pub driver_version: Option<String>,
     /// See [`Manifest::criu_version`].
     pub criu_version: CriuVersion,
+    /// See [`Manifest::shrunk`].
+    pub shrunk: Option<FrozenShrink>,
 }
 
 impl Manifest {

@@ -57,7 +57,7 @@ use time::format_description::well_known::Rfc3339;
 pub use capture::Capture;
 pub(crate) use capture::CAPTURE_SOCKET;
 pub use manifest::{
-    DeviceUse, DigestAlg, FileEntry, ImageMeta, Manifest, ProcessEntry, ProcessGpu,
+    DeviceUse, DigestAlg, FileEntry, FrozenShrink, ImageMeta, Manifest, ProcessEntry, ProcessGpu,
     DEFAULT_CHUNK_SIZE, FORMAT_2_CHUNK_SIZE, FORMAT_VERSION, MANIFEST_FILE, OLDEST_FORMAT_VERSION,
 };
 pub use open::{read_manifest, Image};
@@ -629,6 +629,7 @@ impl Staging {
             gpu_model: meta.gpu_model,
             driver_version: meta.driver_version,
             criu_version: meta.criu_version,
+            shrunk: meta.shrunk,
             total_bytes: files.iter().map(|f| f.size).sum(),
             digest: Some(DigestAlg::Blake3),
             chunk_size: Some(self.chunk_size),

@@ -29,7 +29,63 @@ fn rec(bytes: u64, gpu: &str) -> ParkedRecord {
         },
         device_bytes: bytes,
         gpus: vec![u(gpu)],
+        gpu_bytes: vec![bytes],
     }
+}
+
+/// A process on GPUs A and B holding `on_a` and `on_b` (`per_gpu: false`: a record written
+/// before the per-GPU amounts were kept).
+fn rec2(on_a: u64, on_b: u64, per_gpu: bool) -> ParkedRecord {
+    ParkedRecord {
+        pid: ProcId {
+            pid: 10,
+            start_time: 1,
+        },
+        device_bytes: on_a + on_b,
+        gpus: vec![u(A), u(B)],
+        gpu_bytes: if per_gpu { vec![on_a, on_b] } else { Vec::new() },
+    }
+}
+
+/// A process on two GPUs needs its own amount free on each: 600 on A and 100 on B do not fit
+/// where A has 400 free, although the average (350) would.
+#[test]
+fn a_two_gpu_process_needs_room_on_each_gpu_for_what_it_held_there() {
+    let r = rec2(600, 100, true);
+    let e = place(&[(10, &r)], &gpus(400, 1000), &[], None, false).unwrap_err();
+    match &e {
+        PlaceError::NoRoom { pid: 10, tried, .. } => {
+            assert!(tried.contains(A) && tried.contains("needs"), "{e}")
+        }
+        other => panic!("{other}"),
+    }
+    // Room on both: back where it was, no pairs.
+    let p = place(&[(10, &r)], &gpus(600, 100), &[], None, false).unwrap();
+    assert_eq!(p[0].targets, vec![u(A), u(B)]);
+    assert!(p[0].pairs.is_empty());
+    // One GPU short, B: refused too, naming B.
+    let e = place(&[(10, &r)], &gpus(1000, 99), &[], None, true).unwrap_err();
+    assert!(matches!(&e, PlaceError::NoRoom { tried, .. } if tried.contains(B)), "{e}");
+    // A record without the per-GPU amounts splits evenly (what older records mean).
+    let old = rec2(600, 100, false);
+    assert!(place(&[(10, &old)], &gpus(350, 350), &[], None, false).is_ok());
+    assert!(place(&[(10, &old)], &gpus(349, 1000), &[], None, false).is_err());
+}
+
+/// Two processes of a tree, one per GPU, and a two-GPU process: what one takes on a GPU is not
+/// free for the next.
+#[test]
+fn per_gpu_room_is_shared_between_the_processes_of_a_wake() {
+    let both = rec2(300, 300, true);
+    let on_b = ParkedRecord {
+        gpus: vec![u(B)],
+        gpu_bytes: vec![500],
+        device_bytes: 500,
+        ..rec(500, B)
+    };
+    let e = place(&[(10, &both), (11, &on_b)], &gpus(1000, 700), &[], None, false).unwrap_err();
+    assert!(matches!(e, PlaceError::NoRoom { pid: 11, .. }), "{e}");
+    assert!(place(&[(10, &both), (11, &on_b)], &gpus(1000, 800), &[], None, false).is_ok());
 }
 
 fn fenced(gpu: FencedGpu) -> Quarantine {
@@ -120,6 +176,7 @@ fn the_park_record_ends_with_a_restore_or_an_exit() {
             pid: id,
             bytes: 5,
             gpus: vec![A.into()],
+            gpu_bytes: Vec::new(),
         },
     );
     assert_eq!(

@@ -119,7 +119,8 @@ impl Worker {
             return Ok(());
         }
         let mut mem = self.mem();
-        let (w, kv) = (self.bytes(), self.kv_bytes());
+        let kv = self.kv_bytes();
+        let w = |rank: usize| self.bytes_of(rank);
         match *op {
             EngineOp::Release { weights } => {
                 if weights.is_none() && !matches!(mem.weights, Weights::Loaded | Weights::Zeroed) {
@@ -127,7 +128,11 @@ impl Worker {
                     return Ok(());
                 }
                 if !mem.kv_released {
-                    self.gpu_call(|c| c.iter_mut().try_for_each(|ctx| ctx.resize(w, None)))?;
+                    self.gpu_call(|c| {
+                        c.iter_mut()
+                            .enumerate()
+                            .try_for_each(|(r, ctx)| ctx.resize(w(r), None))
+                    })?;
                     mem.kv_released = true;
                 }
                 match (weights, &mem.weights) {
@@ -159,10 +164,12 @@ impl Worker {
                     match std::mem::take(&mut mem.weights) {
                         Weights::Host(copies) => {
                             let back = self.gpu_call(|c| {
-                                c.iter_mut().zip(&copies).try_for_each(|(ctx, copy)| {
-                                    ctx.resize(w, None)?;
+                                c.iter_mut().zip(&copies).enumerate().try_for_each(
+                                    |(r, (ctx, copy))| {
+                                    ctx.resize(w(r), None)?;
                                     ctx.write(0, copy)
-                                })
+                                },
+                                )
                             });
                             if let Err(e) = back {
                                 mem.weights = Weights::Host(copies);
@@ -170,8 +177,11 @@ impl Worker {
                             }
                         }
                         Weights::Dropped => {
-                            let back = self
-                                .gpu_call(|c| c.iter_mut().try_for_each(|ctx| ctx.resize(w, None)));
+                            let back = self.gpu_call(|c| {
+                                c.iter_mut()
+                                    .enumerate()
+                                    .try_for_each(|(r, ctx)| ctx.resize(w(r), None))
+                            });
                             mem.weights = Weights::Zeroed;
                             if let Err(e) = back {
                                 mem.weights = Weights::Dropped;
@@ -188,7 +198,11 @@ impl Worker {
                                 .into(),
                         ));
                     }
-                    self.gpu_call(|c| c.iter_mut().try_for_each(|ctx| ctx.resize(w + kv, None)))?;
+                    self.gpu_call(|c| {
+                        c.iter_mut()
+                            .enumerate()
+                            .try_for_each(|(r, ctx)| ctx.resize(w(r) + kv, None))
+                    })?;
                     mem.kv_released = false;
                 }
                 Ok(())
@@ -202,7 +216,7 @@ impl Worker {
                 self.gpu_call(|c| {
                     c.iter_mut()
                         .enumerate()
-                        .try_for_each(|(rank, ctx)| ctx.fill(w, self.seed_of(rank)))
+                        .try_for_each(|(rank, ctx)| ctx.fill(w(rank), self.seed_of(rank)))
                 })?;
                 mem.weights = Weights::Loaded;
                 Ok(())

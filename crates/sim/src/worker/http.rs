@@ -78,8 +78,8 @@ impl Backend for Worker {
             // No device memory: a launcher answers from the prompt alone.
             text.push_str(&format!("{:016x}", memory::word(acc, 0)));
         }
-        let nwords = (self.bytes() / 8).max(1);
         for rank in 0..self.ranks() {
+            let nwords = (self.bytes_of(rank) / 8).max(1);
             let base = h.wrapping_add(rank as u64);
             let offsets: Vec<u64> = (0..SAMPLES)
                 .map(|j| memory::word(base, j) % nwords)
@@ -96,7 +96,7 @@ impl Backend for Worker {
         self.check_awake()?;
         let hashes = Worker::verify(self)?;
         Ok(Verified {
-            bytes: self.bytes() * hashes.len() as u64,
+            bytes: (0..hashes.len()).map(|r| self.bytes_of(r)).sum(),
             hashes,
         })
     }

@@ -49,6 +49,8 @@ pub struct WorkerConfig {
     pub init_only: bool,
     /// Device memory per context, bytes: the engine's weights.
     pub memory: u64,
+    /// Device memory of each context in `gpus` order instead of `memory` (empty: `memory` each).
+    pub rank_memory: Vec<u64>,
     /// KV cache per context after the weights, bytes (0: none): what the engine endpoints
     /// release and take back.
     pub kv_cache: u64,
@@ -218,10 +220,21 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
             "--init-only holds no context: it takes no GPU (except as the launcher of --process-per-gpu)",
         ));
     }
-    if !cfg.gpus.is_empty() && cfg.memory < 4096 {
-        return Err(WorkerError::MemoryTooSmall(cfg.memory));
+    if !cfg.rank_memory.is_empty() && cfg.rank_memory.len() != cfg.gpus.len() {
+        return Err(WorkerError::Shape(
+            "--rank-memory takes one size per GPU of --gpus",
+        ));
     }
-    if cfg.kv_cache > 0 && !cfg.memory.is_multiple_of(8) {
+    for &m in std::iter::once(&cfg.memory).chain(&cfg.rank_memory) {
+        if !cfg.gpus.is_empty() && m < 4096 {
+            return Err(WorkerError::MemoryTooSmall(m));
+        }
+    }
+    if cfg.kv_cache > 0
+        && !std::iter::once(&cfg.memory)
+            .chain(&cfg.rank_memory)
+            .all(|m| m.is_multiple_of(8))
+    {
         return Err(WorkerError::Shape(
             "--memory must be a multiple of 8 bytes with --kv-cache (the KV cache starts at a word)",
         ));
@@ -239,6 +252,7 @@ pub fn run(cfg: WorkerConfig) -> Result<(), WorkerError> {
         };
         let worker = Arc::new(
             Worker::new(cfg.dir.clone(), cfg.memory, cfg.seed, ctx_gpus)
+                .with_rank_bytes(cfg.rank_memory.clone())
                 .with_kv_cache(cfg.kv_cache),
         );
         restore::start(worker.clone(), &crate::daemon_id(&cfg.dir))?;

@@ -124,6 +124,8 @@ pub(crate) struct Worker {
     dir: PathBuf,
     /// Device memory of each context: its weights.
     bytes: u64,
+    /// Device memory of each context in rank order, where they differ (empty: `bytes` each).
+    rank_bytes: Vec<u64>,
     /// Device memory of each context's KV cache, after its weights.
     kv_bytes: u64,
     seed: u64,
@@ -181,6 +183,7 @@ impl Worker {
         Worker {
             dir,
             bytes,
+            rank_bytes: Vec::new(),
             kv_bytes: 0,
             seed,
             gpus,
@@ -207,6 +210,12 @@ impl Worker {
     /// With a KV cache of `kv_bytes` per context after the weights.
     pub(crate) fn with_kv_cache(mut self, kv_bytes: u64) -> Self {
         self.kv_bytes = kv_bytes;
+        self
+    }
+
+    /// With device memory `rank_bytes[r]` for context `r` instead (empty: the same for each).
+    pub(crate) fn with_rank_bytes(mut self, rank_bytes: Vec<u64>) -> Self {
+        self.rank_bytes = rank_bytes;
         self
     }
 
@@ -240,9 +249,9 @@ impl Worker {
         self.driver.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Device memory of each context.
-    pub(crate) fn bytes(&self) -> u64 {
-        self.bytes
+    /// Device memory (the weights) of context `rank`.
+    pub(crate) fn bytes_of(&self, rank: usize) -> u64 {
+        self.rank_bytes.get(rank).copied().unwrap_or(self.bytes)
     }
 
     /// How many contexts (ranks) it has; 0 for a driver-only worker.
@@ -264,10 +273,11 @@ impl Worker {
         let mut uuids = Vec::new();
         for (rank, gpu) in self.gpus.iter().enumerate() {
             let init = Init::Seed(rank_seed(self.seed, rank));
-            let (mut ctx, uuid) = self.open(GpuSel::Index(*gpu), init, self.bytes, None)?;
+            let bytes = self.bytes_of(rank);
+            let (mut ctx, uuid) = self.open(GpuSel::Index(*gpu), init, bytes, None)?;
             if self.kv_bytes > 0 {
                 // The KV cache: allocated after the weights are loaded, zeros until used.
-                ctx.resize(self.bytes + self.kv_bytes, None)
+                ctx.resize(bytes + self.kv_bytes, None)
                     .map_err(|e| match e.to_string() {
                         m if m.contains("OUT_OF_MEMORY") => {
                             OpenError::Cuda(CuResult::OUT_OF_MEMORY)
@@ -423,8 +433,8 @@ impl Worker {
                 .map(|r| {
                     memory::expected_hash_filled(
                         rank_seed(self.seed, r),
-                        self.bytes,
-                        self.bytes + self.kv_bytes,
+                        self.bytes_of(r),
+                        self.bytes_of(r) + self.kv_bytes,
                     )
                 })
                 .collect()

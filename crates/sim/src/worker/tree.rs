@@ -256,7 +256,13 @@ fn reap() {
 fn rank_main(cfg: &WorkerConfig, rank: usize, gpu: u32, mut chan: UnixStream) -> ! {
     let seed = super::state::rank_seed(cfg.seed, rank);
     let worker = Arc::new(
-        Worker::new(cfg.dir.clone(), cfg.memory, seed, vec![gpu]).with_kv_cache(cfg.kv_cache),
+        Worker::new(
+            cfg.dir.clone(),
+            cfg.rank_memory.get(rank).copied().unwrap_or(cfg.memory),
+            seed,
+            vec![gpu],
+        )
+        .with_kv_cache(cfg.kv_cache),
     );
     let started = super::restore::start(worker.clone(), &crate::daemon_id(&cfg.dir))
         .and_then(|()| worker.open_fresh().map_err(|e| open_error(cfg, e)))

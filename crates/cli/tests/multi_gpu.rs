@@ -1,0 +1,253 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! Workers that span GPUs (issue 14) through `cryo park`, `cryo wake` and the guard, on the
+//! simulated GPU: a wake checks the free memory of every GPU a process goes back to, for what it
+//! held on that GPU (a restore short of memory on one of them leaves the process stuck
+//! CHECKPOINTED for good, NVIDIA/cuda-checkpoint#44); a park of a tree is all-or-nothing; a
+//! restored process on two GPUs that dies unsuspended fences both.
+
+mod common;
+
+use std::path::Path;
+use std::process::Output;
+use std::time::Duration;
+
+use common::{eventually, stderr, stdout, GuardProc, Sim, Worker, WorkerSpec, PATIENCE};
+use cryo_gpu::GpuUuid;
+use cryo_journal::Event;
+use cryo_proc::Pid;
+use cryo_state::StateDir;
+
+const MIB: u64 = 1 << 20;
+
+fn state() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("cryo-multi-gpu-state-")
+        .tempdir()
+        .unwrap()
+}
+
+fn run(sim: &Sim, st: &Path, args: &[&str]) -> Output {
+    sim.cmd_at(st).args(args).output().unwrap()
+}
+
+fn ok(o: &Output) {
+    assert!(
+        o.status.success(),
+        "status {:?}\nstdout: {}\nstderr: {}",
+        o.status,
+        stdout(o),
+        stderr(o)
+    );
+}
+
+fn json(o: &Output) -> serde_json::Value {
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}\n{}", stdout(o), stderr(o)))
+}
+
+fn events(st: &Path) -> Vec<Event> {
+    cryo_journal::read(st.join("journal"))
+        .unwrap()
+        .records
+        .into_iter()
+        .map(|r| r.event)
+        .collect()
+}
+
+fn uuids(sim: &Sim) -> Vec<GpuUuid> {
+    sim.gpu
+        .inspect
+        .gpus()
+        .unwrap()
+        .into_iter()
+        .map(|g| g.uuid)
+        .collect()
+}
+
+/// `(gpu index, bytes)` NVML lists for `pid`.
+fn listing(sim: &Sim, pid: Pid) -> Vec<(u32, u64)> {
+    let mut v: Vec<(u32, u64)> = sim
+        .gpu
+        .inspect
+        .processes()
+        .unwrap()
+        .into_iter()
+        .filter(|p| p.pid == pid)
+        .map(|p| (p.gpu_index, p.used_memory))
+        .collect();
+    v.sort_unstable();
+    v
+}
+
+fn hog(sim: &Sim, memory: &str, gpu: u32) -> Worker {
+    sim.spawn(WorkerSpec::new(memory).gpu(gpu))
+}
+
+/// Attack: a process holding 600 MiB on GPU 0 and 100 MiB on GPU 1 is parked, then GPU 0 is
+/// filled so that only 524 MiB are free there: on average (350 MiB a GPU) it fits, on GPU 0 it
+/// does not. The wake must refuse before anything is restored (the process stays CHECKPOINTED
+/// and can still be woken: not stuck), and with `--when-full wait` it waits for the room and
+/// then wakes with the same answers.
+#[test]
+fn a_wake_onto_two_gpus_checks_each_gpu_for_what_the_process_held_there() {
+    let sim = Sim::start();
+    let st = state();
+    let w = sim.spawn(
+        WorkerSpec::new("64MiB")
+            .gpus(&[0, 1])
+            .rank_memory("600MiB,100MiB"),
+    );
+    assert_eq!(listing(&sim, w.pid), vec![(0, 600 * MIB), (1, 100 * MIB)]);
+    let before = w.complete("two unequal gpus");
+    let o = run(&sim, st.path(), &["park", &w.pid.to_string(), "--json"]);
+    ok(&o);
+    let parked = events(st.path())
+        .into_iter()
+        .find_map(|e| match e {
+            Event::Parked { gpu_bytes, .. } => Some(gpu_bytes),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(parked, vec![600 * MIB, 100 * MIB], "the park keeps each GPU's share");
+
+    let squatter = hog(&sim, "500MiB", 0);
+    let o = run(&sim, st.path(), &["wake", &w.pid.to_string()]);
+    assert_eq!(o.status.code(), Some(3), "{}{}", stdout(&o), stderr(&o));
+    let gpu0 = uuids(&sim)[0].to_string();
+    assert!(
+        stderr(&o).contains("no GPU it may use has it") && stderr(&o).contains(&gpu0),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(sim.state(w.pid), "checkpointed", "nothing was restored");
+    assert!(listing(&sim, w.pid).is_empty(), "a refused wake opens nothing");
+    assert!(
+        !events(st.path())
+            .iter()
+            .any(|e| matches!(e, Event::RestoreStarted { .. })),
+        "the driver was asked to restore"
+    );
+
+    // Waiting: the wake sees the GPU full, waits, and goes on once the squatter is gone.
+    let mut waiting = sim
+        .cmd_at(st.path())
+        .args(["wake", &w.pid.to_string(), "--when-full", "wait", "--wait", "60"])
+        .arg("--json")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    eventually(PATIENCE, "the second wake to start", || {
+        events(st.path())
+            .iter()
+            .filter(|e| matches!(e, Event::WakeStarted { .. }))
+            .count()
+            == 2
+    });
+    // Let it look at the GPUs a few times before the room appears.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(sim.state(w.pid), "checkpointed", "restored onto a full GPU");
+    drop(squatter);
+    let out = waiting.wait_with_output().unwrap();
+    ok(&out);
+    let v = json(&out);
+    assert!(v["waited_ms"].as_u64().unwrap() >= 200, "{v}");
+    assert_eq!(listing(&sim, w.pid), vec![(0, 600 * MIB), (1, 100 * MIB)]);
+    assert_eq!(w.complete("two unequal gpus"), before);
+    assert_eq!(w.verify()["ok"], true);
+    // Restored and live: suspended before the test ends it.
+    ok(&run(&sim, st.path(), &["stop", &w.pid.to_string()]));
+    sim.assert_no_wedge();
+}
+
+/// A tensor-parallel tree (one rank process per GPU): the wake places every rank before any is
+/// restored, so a full GPU for rank 1 leaves rank 0 parked too; a park whose rank 1 cannot be
+/// suspended (a sticky error) brings rank 0 back, so the tree serves on as before.
+#[test]
+fn a_tree_is_parked_and_woken_all_or_nothing_across_its_gpus() {
+    let sim = Sim::start();
+    let st = state();
+    let w = sim.spawn(
+        WorkerSpec::new("200MiB")
+            .gpus(&[0, 1])
+            .process_per_gpu()
+            .init_only(),
+    );
+    let ranks = w.children().to_vec();
+    let before = w.complete("ranks");
+    let o = run(&sim, st.path(), &["park", &w.pid.to_string(), "--json"]);
+    ok(&o);
+    let v = json(&o);
+    assert_eq!(v["parked"].as_array().unwrap().len(), 3, "{v}");
+    for r in &ranks {
+        assert_eq!(sim.state(*r), "checkpointed");
+    }
+
+    let squatter = hog(&sim, "900MiB", 1);
+    let o = run(&sim, st.path(), &["wake", &w.pid.to_string()]);
+    assert_eq!(o.status.code(), Some(3), "{}{}", stdout(&o), stderr(&o));
+    for r in &ranks {
+        assert_eq!(sim.state(*r), "checkpointed", "rank {r} was restored");
+    }
+    drop(squatter);
+    ok(&run(&sim, st.path(), &["wake", &w.pid.to_string()]));
+    assert_eq!(w.complete("ranks"), before);
+
+    // Rank 1 faults: it cannot be locked, so nothing of the tree stays parked.
+    let (s, body) = w.http("POST", "/fault?rank=1", "");
+    assert_eq!(s, 200, "{body}");
+    let o = run(&sim, st.path(), &["park", &w.pid.to_string()]);
+    assert_eq!(o.status.code(), Some(3), "{}{}", stdout(&o), stderr(&o));
+    assert!(stderr(&o).contains(&ranks[1].to_string()), "{}", stderr(&o));
+    assert_eq!(sim.state(ranks[0]), "running", "rank 0 was left parked");
+    assert_eq!(listing(&sim, ranks[0]), vec![(0, 200 * MIB)]);
+    assert_eq!(listing(&sim, ranks[1]), vec![(1, 200 * MIB)]);
+    // Rank 0 is live and restored: suspended before the test ends it (rank 1 is faulted: the
+    // stop refuses it, so the ledger check covers rank 0 only).
+    let o = run(&sim, st.path(), &["stop", &ranks[0].to_string()]);
+    ok(&o);
+    sim.assert_no_wedge();
+}
+
+/// Attack: a restored process with contexts on two GPUs is SIGKILLed (nothing can suspend it):
+/// the guard pins its driver fds and fences both GPUs, not only the first NVML lists.
+#[test]
+fn a_pinned_process_that_used_two_gpus_fences_both() {
+    let sim = Sim::start();
+    let st = state();
+    let mut w = sim.spawn(WorkerSpec::new("32MiB").gpus(&[0, 1]));
+    common::make_restored(&sim, st.path(), w.pid);
+    let _guard = GuardProc::start(&sim, st.path(), &["--no-memory-watch"]);
+    eventually(PATIENCE, "the guard to trace the worker", || {
+        common::procs::tracer_pid(w.pid) != 0
+    });
+    w.sigkill();
+    w.wait_exit();
+    let fence = StateDir::new(st.path()).fence();
+    let all = uuids(&sim);
+    eventually(PATIENCE, "both GPUs to be fenced", || {
+        let listed = fence.list().unwrap();
+        all[..2]
+            .iter()
+            .all(|u| listed.iter().any(|q| q.gpu.covers(u)))
+    });
+    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
+    // A wake or thaw onto either GPU is refused now.
+    for u in &all[..2] {
+        let q = fence.get(&u.to_string().parse().unwrap()).unwrap();
+        assert!(q.is_some_and(|q| q.pids.contains(&w.pid)), "{u}");
+    }
+    for u in &all[..2] {
+        ok(&run(
+            &sim,
+            st.path(),
+            &[
+                "guard",
+                "release",
+                "--gpu",
+                &u.to_string(),
+                "--i-understand-this-may-wedge-the-host",
+            ],
+        ));
+    }
+}
