@@ -108,7 +108,11 @@ fn a_wake_onto_two_gpus_checks_each_gpu_for_what_the_process_held_there() {
             _ => None,
         })
         .unwrap();
-    assert_eq!(parked, vec![600 * MIB, 100 * MIB], "the park keeps each GPU's share");
+    assert_eq!(
+        parked,
+        vec![600 * MIB, 100 * MIB],
+        "the park keeps each GPU's share"
+    );
 
     let squatter = hog(&sim, "500MiB", 0);
     let o = run(&sim, st.path(), &["wake", &w.pid.to_string()]);
@@ -120,7 +124,10 @@ fn a_wake_onto_two_gpus_checks_each_gpu_for_what_the_process_held_there() {
         stderr(&o)
     );
     assert_eq!(sim.state(w.pid), "checkpointed", "nothing was restored");
-    assert!(listing(&sim, w.pid).is_empty(), "a refused wake opens nothing");
+    assert!(
+        listing(&sim, w.pid).is_empty(),
+        "a refused wake opens nothing"
+    );
     assert!(
         !events(st.path())
             .iter()
@@ -129,9 +136,16 @@ fn a_wake_onto_two_gpus_checks_each_gpu_for_what_the_process_held_there() {
     );
 
     // Waiting: the wake sees the GPU full, waits, and goes on once the squatter is gone.
-    let mut waiting = sim
+    let waiting = sim
         .cmd_at(st.path())
-        .args(["wake", &w.pid.to_string(), "--when-full", "wait", "--wait", "60"])
+        .args([
+            "wake",
+            &w.pid.to_string(),
+            "--when-full",
+            "wait",
+            "--wait",
+            "60",
+        ])
         .arg("--json")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

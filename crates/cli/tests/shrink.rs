@@ -466,9 +466,15 @@ fn a_thaw_of_a_shrunk_image_wakes_the_engine_as_the_image_records() {
     assert!(out.status.success(), "{}\n{}", stdout(&out), stderr(&out));
     w.reap();
     let manifest = cryo_criu::image::read_manifest(&image.join("manifest.json")).unwrap();
-    let recorded = manifest.shrunk.expect("the image does not record its shrink");
+    let recorded = manifest
+        .shrunk
+        .expect("the image does not record its shrink");
     assert_eq!(
-        (recorded.spec.as_str(), recorded.engine.as_deref(), recorded.outcome.as_str()),
+        (
+            recorded.spec.as_str(),
+            recorded.engine.as_deref(),
+            recorded.outcome.as_str()
+        ),
         ("vllm:1", Some(url.as_str()), "shrunk")
     );
 
@@ -503,7 +509,11 @@ fn a_thaw_of_a_shrunk_image_wakes_the_engine_as_the_image_records() {
     let v = thaw(&["--shrink", "none"]);
     assert!(v.get("shrink").is_none(), "{v}");
     let (status, sleeping) = http(w.endpoint.clone(), "GET", "/is_sleeping", "");
-    assert_eq!((status, sleeping.contains("true")), (200, true), "{sleeping}");
+    assert_eq!(
+        (status, sleeping.contains("true")),
+        (200, true),
+        "{sleeping}"
+    );
     let (status, answer) = http(w.endpoint.clone(), "POST", "/v1/completions", "thaw");
     assert_ne!(status, 200, "an engine left asleep answered: {answer}");
     stop(v["root_pid"].as_i64().unwrap() as i32);

@@ -12,9 +12,10 @@
 //!   the metrics read. [`ParkOptions::max_parked_host`] refuses a park that would take the host
 //!   memory held by parked workers past a limit.
 //! - [`wake`] checks first, pure ([`place`]): the node's fence (every GPU when it holds an entry
-//!   for an unknown GPU), and for each process a GPU with the free device memory it needs (a
-//!   restore short of memory leaves the process stuck CHECKPOINTED for good,
-//!   NVIDIA/cuda-checkpoint#44). [`WhenFull`] says what happens when none has room: wait for one
+//!   for an unknown GPU), and for each process, on every GPU it goes to, the free device memory
+//!   it held on the GPU that one replaces ([`Event::Parked`] records each GPU's share): a
+//!   restore short of memory on any one of them leaves the process stuck CHECKPOINTED for good
+//!   (NVIDIA/cuda-checkpoint#44). [`WhenFull`] says what happens when none has room: wait for one
 //!   (bounded), take another GPU of [`WakeOptions::gpus`], or refuse. Then: restore every
 //!   process in parallel (journaled [`Event::RestoreCompleted`]: from then on it is a restored
 //!   process), [`Watcher::guard_before_unlock`], unlock, health check. A failure after a restore
@@ -348,7 +349,9 @@ impl ParkedRecord {
     pub fn needs_on(&self, i: usize) -> u64 {
         match self.gpu_bytes.get(i) {
             Some(b) if self.gpu_bytes.len() == self.gpus.len() => *b,
-            _ => self.device_bytes.div_ceil(u64::try_from(self.gpus.len().max(1)).unwrap_or(1)),
+            _ => self
+                .device_bytes
+                .div_ceil(u64::try_from(self.gpus.len().max(1)).unwrap_or(1)),
         }
     }
 }

@@ -43,7 +43,11 @@ fn rec2(on_a: u64, on_b: u64, per_gpu: bool) -> ParkedRecord {
         },
         device_bytes: on_a + on_b,
         gpus: vec![u(A), u(B)],
-        gpu_bytes: if per_gpu { vec![on_a, on_b] } else { Vec::new() },
+        gpu_bytes: if per_gpu {
+            vec![on_a, on_b]
+        } else {
+            Vec::new()
+        },
     }
 }
 
@@ -65,7 +69,10 @@ fn a_two_gpu_process_needs_room_on_each_gpu_for_what_it_held_there() {
     assert!(p[0].pairs.is_empty());
     // One GPU short, B: refused too, naming B.
     let e = place(&[(10, &r)], &gpus(1000, 99), &[], None, true).unwrap_err();
-    assert!(matches!(&e, PlaceError::NoRoom { tried, .. } if tried.contains(B)), "{e}");
+    assert!(
+        matches!(&e, PlaceError::NoRoom { tried, .. } if tried.contains(B)),
+        "{e}"
+    );
     // A record without the per-GPU amounts splits evenly (what older records mean).
     let old = rec2(600, 100, false);
     assert!(place(&[(10, &old)], &gpus(350, 350), &[], None, false).is_ok());
@@ -83,9 +90,23 @@ fn per_gpu_room_is_shared_between_the_processes_of_a_wake() {
         device_bytes: 500,
         ..rec(500, B)
     };
-    let e = place(&[(10, &both), (11, &on_b)], &gpus(1000, 700), &[], None, false).unwrap_err();
+    let e = place(
+        &[(10, &both), (11, &on_b)],
+        &gpus(1000, 700),
+        &[],
+        None,
+        false,
+    )
+    .unwrap_err();
     assert!(matches!(e, PlaceError::NoRoom { pid: 11, .. }), "{e}");
-    assert!(place(&[(10, &both), (11, &on_b)], &gpus(1000, 800), &[], None, false).is_ok());
+    assert!(place(
+        &[(10, &both), (11, &on_b)],
+        &gpus(1000, 800),
+        &[],
+        None,
+        false
+    )
+    .is_ok());
 }
 
 fn fenced(gpu: FencedGpu) -> Quarantine {

@@ -166,9 +166,9 @@ impl Worker {
                             let back = self.gpu_call(|c| {
                                 c.iter_mut().zip(&copies).enumerate().try_for_each(
                                     |(r, (ctx, copy))| {
-                                    ctx.resize(w(r), None)?;
-                                    ctx.write(0, copy)
-                                },
+                                        ctx.resize(w(r), None)?;
+                                        ctx.write(0, copy)
+                                    },
                                 )
                             });
                             if let Err(e) = back {
