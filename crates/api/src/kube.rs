@@ -45,6 +45,11 @@ pub struct KubeStopRequest {
     /// kill) shortens it.
     #[serde(default)]
     pub deadline_ms: Option<u64>,
+    /// Ask each container's engine to release what it can rebuild first (reached from the
+    /// pod's network namespace: `--engine-url http://127.0.0.1:PORT` is the pod's loopback). A
+    /// container none of whose CUDA processes runs (a sidecar) is not asked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shrink: Option<cryo_lifecycle::Shrink>,
 }
 
 impl KubeStopRequest {
@@ -66,7 +71,7 @@ impl KubeStopRequest {
                     .unwrap_or(u64::MAX)
                     .max(1),
             ),
-            shrink: None,
+            shrink: self.shrink.clone(),
         }
     }
 }

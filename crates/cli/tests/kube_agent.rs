@@ -675,3 +675,84 @@ fn without_kubernetes_the_agent_serves_a_prestop_from_the_cgroup_and_confines_co
         agent.log()
     );
 }
+
+/// `cryo stop --self --shrink vllm --engine-url http://127.0.0.1:PORT` through the agent: the
+/// engine serves on the pod's own loopback (a network namespace of its own), which the agent
+/// reaches there; it is put to sleep before the suspension, so almost nothing is checkpointed,
+/// and the restored worker still ends without a wedge. Also without an agent (standalone, where
+/// the kubelet's kill ends it).
+#[test]
+fn prestop_with_shrink_puts_the_engine_to_sleep_in_the_pods_network_namespace_first() {
+    ks::require_root();
+    for through_agent in [true, false] {
+        let tree = ks::Tree::new();
+        let uid = "0b8e4f4c-1f2a-4c3d-9e8f-0123456789ac";
+        let dir = tree.dir(&format!("kubepods/besteffort/pod{uid}/{A}"));
+        let sim = Sim::start();
+        let state = sim.path().join("state");
+        let w = sim.spawn(
+            common::WorkerSpec::new("8MiB")
+                .kv_cache("56MiB")
+                .own_namespaces(),
+        );
+        common::make_restored(&sim, &state, w.pid);
+        std::fs::write(dir.join("cgroup.procs"), w.pid.to_string()).unwrap();
+        let agent = through_agent.then(|| AgentProc::start(&sim, &state, &["--no-memory-watch"]));
+        let url = format!("http://127.0.0.1:{}", w.port);
+        let mut c = sim.cmd_at(&state);
+        c.args(["stop", "--self", "--shrink", "vllm", "--engine-url", &url]);
+        let out = from_cgroup(&dir, &c);
+        succeeded(&out);
+        assert!(
+            stdout(&out).contains("suspended; ending the container"),
+            "{}",
+            stdout(&out)
+        );
+        if !through_agent {
+            // Standalone, it returned at the first kill (in a real container it would die there
+            // with its pid namespace): the kubelet's kill that follows is safe.
+            assert_eq!(sim.state(w.pid), "checkpointed");
+            w.sigkill();
+        }
+        let deadline = std::time::Instant::now() + PATIENCE;
+        while procs::alive(w.pid) {
+            if std::time::Instant::now() > deadline {
+                let t = sim.cmd_at(&state).arg("timeline").output().unwrap();
+                panic!(
+                    "agent: {through_agent}: the worker never ended\n{}\n{}",
+                    stdout(&t),
+                    agent.as_ref().map(AgentProc::log).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let records = cryo_journal::read(state.join("journal")).unwrap().records;
+        let shrunk = records.iter().find_map(|r| match &r.event {
+            cryo_journal::Event::ShrinkCompleted { outcome, error, .. } => {
+                Some((outcome.clone(), error.clone()))
+            }
+            _ => None,
+        });
+        assert_eq!(
+            shrunk,
+            Some(("shrunk".to_owned(), None)),
+            "agent: {through_agent}"
+        );
+        let moved: Vec<u64> = records
+            .iter()
+            .filter_map(|r| match &r.event {
+                cryo_journal::Event::Checkpointed { pid, bytes, .. } if pid.pid == w.pid => {
+                    Some(*bytes)
+                }
+                _ => None,
+            })
+            .collect();
+        // The last checkpoint is the stop's (the first, make_restored's, moved everything).
+        assert_eq!(moved.last(), Some(&0), "agent: {through_agent}: {moved:?}");
+        sim.assert_no_wedge();
+        drop(agent);
+        if through_agent {
+            common::stop_pin_holder(&state);
+        }
+    }
+}

@@ -11,47 +11,22 @@ use std::path::Path;
 use std::process::Output;
 use std::time::Duration;
 
-use common::{eventually, stderr, stdout, GuardProc, Sim, Worker, WorkerSpec, PATIENCE};
+use common::{
+    events, eventually, json, stderr, stdout, succeeded as ok, GuardProc, Sim, Worker, WorkerSpec,
+    PATIENCE,
+};
 use cryo_gpu::GpuUuid;
 use cryo_journal::Event;
-use cryo_proc::Pid;
 use cryo_state::StateDir;
 
 const MIB: u64 = 1 << 20;
 
 fn state() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("cryo-multi-gpu-state-")
-        .tempdir()
-        .unwrap()
+    common::state_dir("cryo-multi-gpu-state-")
 }
 
 fn run(sim: &Sim, st: &Path, args: &[&str]) -> Output {
     sim.cmd_at(st).args(args).output().unwrap()
-}
-
-fn ok(o: &Output) {
-    assert!(
-        o.status.success(),
-        "status {:?}\nstdout: {}\nstderr: {}",
-        o.status,
-        stdout(o),
-        stderr(o)
-    );
-}
-
-fn json(o: &Output) -> serde_json::Value {
-    serde_json::from_slice(&o.stdout)
-        .unwrap_or_else(|e| panic!("not JSON ({e}): {}\n{}", stdout(o), stderr(o)))
-}
-
-fn events(st: &Path) -> Vec<Event> {
-    cryo_journal::read(st.join("journal"))
-        .unwrap()
-        .records
-        .into_iter()
-        .map(|r| r.event)
-        .collect()
 }
 
 fn uuids(sim: &Sim) -> Vec<GpuUuid> {
@@ -62,21 +37,6 @@ fn uuids(sim: &Sim) -> Vec<GpuUuid> {
         .into_iter()
         .map(|g| g.uuid)
         .collect()
-}
-
-/// `(gpu index, bytes)` NVML lists for `pid`.
-fn listing(sim: &Sim, pid: Pid) -> Vec<(u32, u64)> {
-    let mut v: Vec<(u32, u64)> = sim
-        .gpu
-        .inspect
-        .processes()
-        .unwrap()
-        .into_iter()
-        .filter(|p| p.pid == pid)
-        .map(|p| (p.gpu_index, p.used_memory))
-        .collect();
-    v.sort_unstable();
-    v
 }
 
 fn hog(sim: &Sim, memory: &str, gpu: u32) -> Worker {
@@ -97,7 +57,7 @@ fn a_wake_onto_two_gpus_checks_each_gpu_for_what_the_process_held_there() {
             .gpus(&[0, 1])
             .rank_memory("600MiB,100MiB"),
     );
-    assert_eq!(listing(&sim, w.pid), vec![(0, 600 * MIB), (1, 100 * MIB)]);
+    assert_eq!(sim.listing(w.pid), vec![(0, 600 * MIB), (1, 100 * MIB)]);
     let before = w.complete("two unequal gpus");
     let o = run(&sim, st.path(), &["park", &w.pid.to_string(), "--json"]);
     ok(&o);
@@ -125,7 +85,7 @@ fn a_wake_onto_two_gpus_checks_each_gpu_for_what_the_process_held_there() {
     );
     assert_eq!(sim.state(w.pid), "checkpointed", "nothing was restored");
     assert!(
-        listing(&sim, w.pid).is_empty(),
+        sim.listing(w.pid).is_empty(),
         "a refused wake opens nothing"
     );
     assert!(
@@ -166,7 +126,7 @@ fn a_wake_onto_two_gpus_checks_each_gpu_for_what_the_process_held_there() {
     ok(&out);
     let v = json(&out);
     assert!(v["waited_ms"].as_u64().unwrap() >= 200, "{v}");
-    assert_eq!(listing(&sim, w.pid), vec![(0, 600 * MIB), (1, 100 * MIB)]);
+    assert_eq!(sim.listing(w.pid), vec![(0, 600 * MIB), (1, 100 * MIB)]);
     assert_eq!(w.complete("two unequal gpus"), before);
     assert_eq!(w.verify()["ok"], true);
     // Restored and live: suspended before the test ends it.
@@ -214,8 +174,8 @@ fn a_tree_is_parked_and_woken_all_or_nothing_across_its_gpus() {
     assert_eq!(o.status.code(), Some(3), "{}{}", stdout(&o), stderr(&o));
     assert!(stderr(&o).contains(&ranks[1].to_string()), "{}", stderr(&o));
     assert_eq!(sim.state(ranks[0]), "running", "rank 0 was left parked");
-    assert_eq!(listing(&sim, ranks[0]), vec![(0, 200 * MIB)]);
-    assert_eq!(listing(&sim, ranks[1]), vec![(1, 200 * MIB)]);
+    assert_eq!(sim.listing(ranks[0]), vec![(0, 200 * MIB)]);
+    assert_eq!(sim.listing(ranks[1]), vec![(1, 200 * MIB)]);
     // Rank 0 is live and restored: suspended before the test ends it (rank 1 is faulted: the
     // stop refuses it, so the ledger check covers rank 0 only).
     let o = run(&sim, st.path(), &["stop", &ranks[0].to_string()]);

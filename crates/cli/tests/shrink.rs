@@ -20,28 +20,52 @@ fn state() -> tempfile::TempDir {
         .unwrap()
 }
 
-/// `cryo stop PID ARGS... --json`: the output and its report.
-fn stop(
+/// `cryo stop PID ARGS... --json`, which must succeed: its report.
+fn stop(sim: &cryo_testkit::sim::Sim, st: &Path, pid: i32, args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["stop".to_owned(), pid.to_string()];
+    all.extend(args.iter().map(|a| (*a).to_owned()));
+    all.push("--json".into());
+    ok_json(sim, st, &all.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+/// `cryo stop` of `w` with `--shrink SPEC --engine-url` its address, and `extra`: its report.
+fn stop_shrunk(
     sim: &cryo_testkit::sim::Sim,
     st: &Path,
-    pid: i32,
-    args: &[&str],
-) -> (Output, serde_json::Value) {
-    let out = sim_cmd(sim, st)
-        .arg("stop")
-        .arg(pid.to_string())
-        .args(args)
-        .arg("--json")
-        .output()
-        .unwrap();
-    let v = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "--json does not parse ({e}): {}\n{}",
-            stdout(&out),
-            stderr(&out)
-        )
-    });
-    (out, v)
+    w: &Worker,
+    spec: &str,
+    extra: &[&str],
+) -> serde_json::Value {
+    let url = url_of(w);
+    let mut args = vec!["--shrink", spec, "--engine-url", &url];
+    args.extend(extra);
+    stop(sim, st, w.pid, &args)
+}
+
+/// `cryo park PID --shrink vllm --engine-url URL --json`.
+fn park_args<'a>(pid: &'a str, url: &'a str) -> [&'a str; 7] {
+    [
+        "park",
+        pid,
+        "--shrink",
+        "vllm",
+        "--engine-url",
+        url,
+        "--json",
+    ]
+}
+
+/// `cryo ARGS...` against `sim` with the state directory `st`, which must succeed: its stdout as
+/// JSON (`null` when it printed none).
+fn ok_json(sim: &cryo_testkit::sim::Sim, st: &Path, args: &[&str]) -> serde_json::Value {
+    let out = sim_cmd(sim, st).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "cryo {args:?}: {}\n{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_default()
 }
 
 fn sim_cmd(sim: &cryo_testkit::sim::Sim, st: &Path) -> std::process::Command {
@@ -94,21 +118,13 @@ fn a_stop_after_a_vllm_sleep_checkpoints_almost_nothing() {
     let st = state();
     let shrunk = sim.spawn(WorkerSpec::new("16MiB").kv_cache("48MiB"));
     let whole = sim.spawn(WorkerSpec::new("16MiB").kv_cache("48MiB"));
-    let url = url_of(&shrunk);
 
-    let (out, v) = stop(
-        &sim,
-        st.path(),
-        shrunk.pid,
-        &["--shrink", "vllm", "--engine-url", &url],
-    );
-    assert!(out.status.success(), "{}", stderr(&out));
+    let v = stop_shrunk(&sim, st.path(), &shrunk, "vllm", &[]);
     assert_eq!(v["shrink"]["released"]["outcome"], "shrunk", "{v}");
     assert_eq!(v["shrink"]["spec"], "vllm:1");
     assert_eq!(suspended_bytes(&v, shrunk.pid), Some(0), "{v}");
 
-    let (out, v) = stop(&sim, st.path(), whole.pid, &[]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let v = stop(&sim, st.path(), whole.pid, &[]);
     assert!(v.get("shrink").is_none(), "{v}");
     assert_eq!(suspended_bytes(&v, whole.pid), Some(64 * MIB));
 
@@ -133,14 +149,7 @@ fn a_stop_after_an_sglang_release_copies_the_weights_only() {
     let sim = sim();
     let st = state();
     let w = sim.spawn(WorkerSpec::new("16MiB").kv_cache("48MiB"));
-    let url = url_of(&w);
-    let (out, v) = stop(
-        &sim,
-        st.path(),
-        w.pid,
-        &["--shrink", "sglang", "--engine-url", &url],
-    );
-    assert!(out.status.success(), "{}", stderr(&out));
+    let v = stop_shrunk(&sim, st.path(), &w, "sglang", &[]);
     assert_eq!(v["shrink"]["released"]["outcome"], "shrunk", "{v}");
     assert_eq!(suspended_bytes(&v, w.pid), Some(16 * MIB), "{v}");
 }
@@ -154,21 +163,7 @@ fn a_busy_engine_is_stopped_whole_and_never_put_to_sleep() {
     let w = sim.spawn(WorkerSpec::new("16MiB").kv_cache("48MiB"));
     let (status, _) = w.http("POST", "/busy?ms=1500", "");
     assert_eq!(status, 200);
-    let url = url_of(&w);
-    let (out, v) = stop(
-        &sim,
-        st.path(),
-        w.pid,
-        &[
-            "--shrink",
-            "vllm",
-            "--engine-url",
-            &url,
-            "--shrink-timeout",
-            "300",
-        ],
-    );
-    assert!(out.status.success(), "{}", stderr(&out));
+    let v = stop_shrunk(&sim, st.path(), &w, "vllm", &["--shrink-timeout", "300"]);
     assert_eq!(v["shrink"]["released"]["outcome"], "whole", "{v}");
     let error = v["shrink"]["released"]["error"].as_str().unwrap();
     assert!(error.contains("in flight"), "{error}");
@@ -186,13 +181,12 @@ fn an_unreachable_engine_never_blocks_the_stop() {
     let sim = sim();
     let st = state();
     let w = sim.spawn(WorkerSpec::new("16MiB").kv_cache("16MiB"));
-    let (out, v) = stop(
+    let v = stop(
         &sim,
         st.path(),
         w.pid,
         &["--shrink", "sglang", "--engine-url", "http://127.0.0.1:1"],
     );
-    assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(v["shrink"]["released"]["outcome"], "whole", "{v}");
     assert_eq!(suspended_bytes(&v, w.pid), Some(32 * MIB));
 }
@@ -346,29 +340,12 @@ fn a_park_after_a_sleep_moves_almost_nothing_and_the_wake_grows_it() {
     let w = sim.spawn(WorkerSpec::new("16MiB").kv_cache("48MiB"));
     let before = w.complete("park");
     let url = url_of(&w);
-    let out = sim_cmd(&sim, st.path())
-        .args([
-            "park",
-            &w.pid.to_string(),
-            "--shrink",
-            "vllm",
-            "--engine-url",
-            &url,
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr(&out));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let pid = w.pid.to_string();
+    let v = ok_json(&sim, st.path(), &park_args(&pid, &url));
     assert_eq!(v["shrink"]["released"]["outcome"], "shrunk", "{v}");
     assert_eq!(v["parked"][0]["device_bytes"], 0, "{v}");
 
-    let out = sim_cmd(&sim, st.path())
-        .args(["wake", &w.pid.to_string(), "--json"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr(&out));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = ok_json(&sim, st.path(), &["wake", &pid, "--json"]);
     assert!(v["shrink"]["grow_ms"].is_u64(), "the wake grows it: {v}");
     assert_eq!(w.complete("park"), before);
     assert_eq!(w.verify()["ok"], true);
@@ -380,16 +357,8 @@ fn a_park_after_a_sleep_moves_almost_nothing_and_the_wake_grows_it() {
     );
 
     // A second wake has nothing left to grow.
-    let out = sim_cmd(&sim, st.path())
-        .args(["park", &w.pid.to_string(), "--json"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr(&out));
-    let out = sim_cmd(&sim, st.path())
-        .args(["wake", &w.pid.to_string(), "--json"])
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    ok_json(&sim, st.path(), &["park", &pid, "--json"]);
+    let v = ok_json(&sim, st.path(), &["wake", &pid, "--json"]);
     assert!(v.get("shrink").is_none(), "{v}");
     assert_eq!(w.complete("park"), before);
 }
@@ -478,23 +447,10 @@ fn a_thaw_of_a_shrunk_image_wakes_the_engine_as_the_image_records() {
         ("vllm:1", Some(url.as_str()), "shrunk")
     );
 
-    let thaw = |args: &[&str]| {
-        let out = sim_cmd(&sim, st.path())
-            .arg("thaw")
-            .arg(&image)
-            .args(args)
-            .arg("--json")
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}\n{}", stdout(&out), stderr(&out));
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
-    };
+    let img = image.to_str().unwrap();
+    let thaw = |args: &[&str]| ok_json(&sim, st.path(), &[&["thaw", img, "--json"], args].concat());
     let stop = |pid: i32| {
-        let out = sim_cmd(&sim, st.path())
-            .args(["stop", &pid.to_string()])
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", stderr(&out));
+        ok_json(&sim, st.path(), &["stop", &pid.to_string()]);
         procs::reap(pid);
     };
     let v = thaw(&[]);
@@ -517,6 +473,90 @@ fn a_thaw_of_a_shrunk_image_wakes_the_engine_as_the_image_records() {
     let (status, answer) = http(w.endpoint.clone(), "POST", "/v1/completions", "thaw");
     assert_ne!(status, 200, "an engine left asleep answered: {answer}");
     stop(v["root_pid"].as_i64().unwrap() as i32);
+    let _ = std::fs::remove_dir_all(&image);
+    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
+}
+
+/// Attack: the worker serves in a network namespace of its own (a container, a standby) on
+/// `127.0.0.1:PORT`, and another engine listens on the same port of the host's loopback. The
+/// shrink must reach the worker's engine in its namespace, never the host's: the decoy stays
+/// awake, the worker parks shrunk, the wake grows it there and it answers as before.
+#[test]
+fn the_engine_is_reached_in_the_workers_network_namespace() {
+    let sim = sim();
+    let st = state();
+    let w = sim.spawn(WorkerSpec::new("16MiB").kv_cache("48MiB").own_namespaces());
+    let decoy = sim.spawn(WorkerSpec::new("16MiB").kv_cache("48MiB").port(w.port));
+    let before = w.complete("netns");
+    let url = format!("http://127.0.0.1:{}", w.port);
+    let pid = w.pid.to_string();
+    let v = ok_json(&sim, st.path(), &park_args(&pid, &url));
+    assert_eq!(v["shrink"]["released"]["outcome"], "shrunk", "{v}");
+    assert_eq!(v["parked"][0]["device_bytes"], 0, "{v}");
+    let (_, sleeping) = decoy.http("GET", "/is_sleeping", "");
+    assert!(
+        sleeping.contains("false"),
+        "the host's engine was put to sleep: {sleeping}"
+    );
+
+    let v = ok_json(&sim, st.path(), &["wake", &pid, "--json"]);
+    assert!(v["shrink"]["grow_ms"].is_u64(), "the wake grows it: {v}");
+    assert_eq!(w.complete("netns"), before);
+    assert_eq!(w.verify()["ok"], true);
+    ok_json(&sim, st.path(), &["stop", &pid]);
+    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
+}
+
+/// A standby of an image frozen shrunk (a worker in its own namespaces, as standbys need): the
+/// claim wakes the engine as the image records, in the standby's own network namespace, and it
+/// answers as the original did.
+#[test]
+fn a_claimed_standby_of_a_shrunk_image_grows_its_engine_in_its_namespace() {
+    criu_and_root();
+    let sim = common::Sim::start();
+    let bin = program().copied_to(&sim.path().join("cryo-worker"));
+    let st = sim.path().join("state");
+    let agent = AgentProc::start(&sim, &st, &["--no-memory-watch"]);
+    let mut w = sim.spawn(
+        WorkerSpec::new("8MiB")
+            .kv_cache("24MiB")
+            .own_namespaces()
+            .program(bin),
+    );
+    let before = w.complete("standby");
+    let port = w.port;
+    let url = format!("http://127.0.0.1:{port}");
+    let image = sim.path().join("img");
+    let out = freeze(
+        &sim,
+        &st,
+        w.pid,
+        &image,
+        &["--shrink", "vllm", "--engine-url", &url],
+    );
+    assert!(out.status.success(), "{}\n{}", stdout(&out), stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["shrink"]["released"]["outcome"], "shrunk", "{v}");
+    w.reap();
+    let run = |args: &[&str]| ok_json(&sim, &st, args);
+    let img = image.to_str().unwrap();
+    run(&["standby", "create", "--image", img, "--count", "1"]);
+    eventually(PATIENCE, "the standby to be ready", || {
+        run(&["standby", "list", "--json"])["pools"][0]["ready"]
+            .as_array()
+            .is_some_and(|r| r.len() == 1)
+    });
+    let v = run(&["standby", "claim", "--image", img, "--json"]);
+    assert!(v["wake"]["shrink"]["grow_ms"].is_u64(), "{v}");
+    let root = v["standby"]["root"]["pid"].as_i64().unwrap() as i32;
+    let (status, body) =
+        cryo_testkit::http::http_in_netns(root, port, "POST", "/v1/completions", "standby");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains(&before), "{body} vs {before}");
+    run(&["standby", "remove", "--image", img]);
+    run(&["stop", &root.to_string()]);
+    drop(agent);
+    common::stop_pin_holder(&st);
     let _ = std::fs::remove_dir_all(&image);
     assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
 }

@@ -4,7 +4,9 @@
 //! # Design
 //! [`ureq`] (blocking, HTTP/1.1, no TLS built in) with two endpoints: loopback or node TCP
 //! (`http://host:port/path`) and a unix socket (`unix:SOCKET:/path`), the latter through a
-//! small connector of our own ([`unix`]): ureq's pluggable transport is meant for exactly that,
+//! small connector of our own ([`conn`]), which also connects over TCP from inside another
+//! process's network namespace ([`Client::from_namespace`]: a worker in a container serves on a
+//! loopback of its own): ureq's pluggable transport is meant for exactly that,
 //! and a second, hand-written HTTP/1.1 parser (chunked bodies, keep-alive, timeouts) is what this
 //! crate exists to avoid. hyper would do both too, but needs a runtime in every blocking caller
 //! (the `cuda-checkpoint` front end CRIU execs, the health check of a thaw), and ureq is the
@@ -18,9 +20,11 @@
 //! # Limitations
 //! - Plain `http://` only: no TLS, no redirects followed, no proxies.
 //! - ureq's transport API is outside its semver promise: the workspace pins ureq's minor
-//!   version, and [`unix`] is the one place to adapt when it moves.
+//!   version, and [`conn`] is the one place to adapt when it moves.
 
-mod unix;
+mod conn;
+
+pub use conn::NetNs;
 
 use std::io::{self, BufRead, BufReader, Read};
 use std::path::PathBuf;
@@ -179,6 +183,13 @@ pub struct Client {
 impl Client {
     /// A client of `endpoint`; nothing is connected until a request.
     pub fn new(endpoint: Endpoint, timeouts: Timeouts) -> Self {
+        Self::from_namespace(endpoint, timeouts, None)
+    }
+
+    /// A client of `endpoint` as seen from the network namespace `netns` (`None`: cryo's own):
+    /// its TCP connections are made there. A unix socket is named by its path, which the network
+    /// namespace does not change.
+    pub fn from_namespace(endpoint: Endpoint, timeouts: Timeouts, netns: Option<NetNs>) -> Self {
         let config = ureq::Agent::config_builder()
             // Statuses are answers: the caller reads them.
             .http_status_as_error(false)
@@ -186,9 +197,10 @@ impl Client {
             .timeout_global(timeouts.total)
             .user_agent(concat!("cryo/", env!("CARGO_PKG_VERSION")))
             .build();
-        let agent = match &endpoint {
-            Endpoint::Tcp(_) => ureq::Agent::new_with_config(config),
-            Endpoint::Unix(path) => unix::agent(config, path.clone(), timeouts.connect),
+        let agent = match (&endpoint, netns) {
+            (Endpoint::Tcp(_), None) => ureq::Agent::new_with_config(config),
+            (Endpoint::Tcp(_), Some(ns)) => conn::netns_agent(config, ns, timeouts.connect),
+            (Endpoint::Unix(path), _) => conn::unix_agent(config, path.clone(), timeouts.connect),
         };
         Client { endpoint, agent }
     }

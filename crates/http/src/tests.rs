@@ -165,3 +165,38 @@ fn a_silent_server_times_out() {
         "{e:?}"
     );
 }
+
+/// From a network namespace (here cryo's own, entered through this process's pidfd on the
+/// connecting thread: what a worker's namespace takes, without the test needing one): the
+/// exchange, keep-alive reuse and a refused port go through the namespace transport. Needs
+/// CAP_SYS_ADMIN for `setns(2)`, as cryo does (the suite runs as root).
+#[test]
+fn tcp_requests_from_a_network_namespace() {
+    let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
+    let port = server.server_addr().to_ip().unwrap().port();
+    let _s = Server::start(server);
+    let pid = rustix::process::getpid();
+    let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).unwrap();
+    let ns = NetNs::new(pidfd);
+    let c = Client::from_namespace(
+        Endpoint::loopback(port),
+        Timeouts::total(Duration::from_secs(10)),
+        Some(ns.clone()),
+    );
+    for body in ["one", "two"] {
+        let r = c.post_json("/x", body.as_bytes()).unwrap();
+        assert_eq!(r.status, 200);
+        assert_eq!(r.text().unwrap(), format!("POST /x {body}"));
+    }
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closed = free.local_addr().unwrap().port();
+    drop(free);
+    let e = Client::from_namespace(
+        Endpoint::loopback(closed),
+        Timeouts::total(Duration::from_secs(5)),
+        Some(ns),
+    )
+    .get("/")
+    .unwrap_err();
+    assert!(e.nobody_listens(), "{e}");
+}

@@ -710,6 +710,7 @@ pub fn wake(
         // as read before the restore: the shrink was journaled before the park).
         let ids: Vec<_> = target.handles().iter().map(id).collect();
         if let Some(mut s) = crate::shrink::pending(records, &ids) {
+            s.reached_through(gpu, target.handles());
             if let Err(e) = s.grow(journal, progress) {
                 tracing::error!(error = %e, "cannot journal the engine's grow");
             }

@@ -10,6 +10,11 @@
 //! journals `grown` or `grow_failed` (the worker serves again either way: the CUDA side is whole;
 //! only the engine's own memory may be missing until someone asks it to grow). Stops never grow:
 //! the worker ends.
+//!
+//! The engine is reached from the worker's network namespace (its root process's): `--engine-url
+//! http://127.0.0.1:PORT` is the worker's loopback, in a container or a standby as on the host. A
+//! namespace that cannot be entered is never replaced by cryo's own (its loopback may hold
+//! another engine): the release is not sent, the grow fails, and both say why.
 
 use std::time::Duration;
 
@@ -19,7 +24,7 @@ use cryo_proc::ProcHandle;
 use serde::{Deserialize, Serialize};
 
 pub use cryo_shrink::{
-    Outcome, Released, Shrink, ShrinkError, ShrinkSpec, SpecError, DEFAULT_TIMEOUT,
+    NetNs, Outcome, Released, Shrink, ShrinkError, ShrinkSpec, SpecError, DEFAULT_TIMEOUT,
 };
 
 use crate::progress::Progress;
@@ -71,6 +76,8 @@ pub struct Shrunk {
     shrink: Shrink,
     target: String,
     pids: Vec<ProcId>,
+    /// The worker's network namespace (`None`: cryo's own), or why it cannot be entered.
+    from: Result<Option<NetNs>, String>,
     /// What happened so far.
     pub report: ShrinkReport,
 }
@@ -91,24 +98,30 @@ pub fn release(
     let Some(shrink) = shrink.filter(|s| !s.is_none()) else {
         return Ok(None);
     };
-    let runs = handles
-        .iter()
-        .any(|h| matches!(gpu.driver.state(h.pid()), Ok(ProcessState::Running)));
-    if !runs {
+    let Some(engine) = engine_process(gpu, handles) else {
         tracing::info!(
             target,
             "no CUDA process of the target runs: nothing to shrink"
         );
         return Ok(None);
-    }
+    };
     let pids: Vec<ProcId> = handles.iter().map(id).collect();
     let root = handles.first().map_or(0, ProcHandle::pid);
+    let from = namespace_of(Some(engine));
     journal.append(Event::ShrinkStarted {
         target: target.to_owned(),
         spec: shrink.spec.to_string(),
     })?;
     progress.begin(root, "shrink", 0);
-    let released = shrink.release(budget);
+    let released = match &from {
+        Ok(ns) => shrink.release_from(budget, ns.as_ref()),
+        Err(error) => Released {
+            outcome: Outcome::Whole {
+                error: error.clone(),
+            },
+            ms: 0,
+        },
+    };
     let (outcome, error) = match &released.outcome {
         Outcome::Shrunk => ("shrunk", None),
         Outcome::Whole { error } => ("whole", Some(error.clone())),
@@ -145,7 +158,27 @@ pub fn release(
         shrink: shrink.clone(),
         target: target.to_owned(),
         pids,
+        from,
     }))
+}
+
+/// The engine's process among `handles`: the first CUDA process that runs (a cgroup target may
+/// list cryo's own caller, or a sidecar in another namespace, first).
+fn engine_process<'a>(gpu: &Gpu, handles: &'a [ProcHandle]) -> Option<&'a ProcHandle> {
+    handles
+        .iter()
+        .find(|h| matches!(gpu.driver.state(h.pid()), Ok(ProcessState::Running)))
+}
+
+/// The network namespace to reach `root`'s engine from: `None` for cryo's own.
+fn namespace_of(root: Option<&ProcHandle>) -> Result<Option<NetNs>, String> {
+    let Some(h) = root else { return Ok(None) };
+    h.net_namespace().map(|ns| ns.map(NetNs::new)).map_err(|e| {
+        format!(
+            "cannot enter the network namespace of pid {} to reach its engine: {e}",
+            h.pid()
+        )
+    })
 }
 
 impl Shrunk {
@@ -158,10 +191,14 @@ impl Shrunk {
         let root = self.pids.first().map_or(0, |p| p.pid);
         progress.begin(root, "grow", 0);
         // Its own deadline again: the engine reloads what it dropped.
-        match self
-            .shrink
-            .grow(self.shrink.timeout().max(cryo_shrink::DEFAULT_TIMEOUT))
-        {
+        let grown = match &self.from {
+            Ok(ns) => self.shrink.grow_from(
+                self.shrink.timeout().max(cryo_shrink::DEFAULT_TIMEOUT),
+                ns.as_ref(),
+            ),
+            Err(e) => Err(ShrinkError::Namespace(e.clone())),
+        };
+        match grown {
             Ok(ms) => {
                 progress.end(root, "grow", true, "grown");
                 self.report.grow_ms = Some(ms);
@@ -223,6 +260,16 @@ impl Shrunk {
         })
     }
 
+    /// Reaches the engine from the network namespace of its process among `handles` (the
+    /// first CUDA process that runs, once a thaw or a wake unlocked them), which may be one of
+    /// its own.
+    pub fn reached_through(&mut self, gpu: &Gpu, handles: &[ProcHandle]) {
+        self.from = match engine_process(gpu, handles) {
+            Some(h) => namespace_of(Some(h)),
+            None => Err("no CUDA process of the target runs: its engine cannot answer".into()),
+        };
+    }
+
     /// An engine shrunk elsewhere (a freeze whose image is restored now) to grow: `target`'s
     /// processes `pids`.
     pub fn to_grow(shrink: &Shrink, target: &str, pids: Vec<ProcId>) -> Shrunk {
@@ -239,6 +286,7 @@ impl Shrunk {
             shrink: shrink.clone(),
             target: target.to_owned(),
             pids,
+            from: Ok(None),
         }
     }
 }
@@ -281,6 +329,7 @@ pub fn pending(records: &[Record], pids: &[ProcId]) -> Option<Shrunk> {
                             },
                             target: target.clone(),
                             pids: ps.clone(),
+                            from: Ok(None),
                             report: ShrinkReport {
                                 spec,
                                 released,

@@ -366,6 +366,21 @@ fn keep(
     for p in parked {
         journal.append(p).map_err(|e| e.to_string())?;
     }
+    // Frozen after a shrink: these processes' engine is shrunk as the image records, so the
+    // claim's wake grows it (it reads the journal's `shrink_completed` for them).
+    if let Some(frozen) = &manifest.shrunk {
+        journal
+            .append(Event::ShrinkCompleted {
+                target: image.to_owned(),
+                pids: handles.iter().map(|h| id(h)).collect(),
+                spec: frozen.spec.clone(),
+                engine: frozen.engine.clone(),
+                outcome: frozen.outcome.clone(),
+                error: None,
+                ms: 0,
+            })
+            .map_err(|e| e.to_string())?;
+    }
     tracing::debug!(root, image, "standby kept");
     Ok(handles.iter().map(|h| id(h)).collect())
 }

@@ -423,6 +423,13 @@ pub fn thaw(
             Ok(shrink) if shrink.is_none() => {}
             Ok(shrink) => {
                 let mut s = crate::shrink::Shrunk::to_grow(&shrink, &image, pids);
+                // The engine as the restored tree sees it (a namespace of its own, restored).
+                let restored: Vec<ProcHandle> = r
+                    .pids
+                    .iter()
+                    .filter_map(|p| ProcHandle::open(*p).ok())
+                    .collect();
+                s.reached_through(gpu, &restored);
                 s.grow(journal, progress)?;
                 r.shrink = Some(s.report);
             }

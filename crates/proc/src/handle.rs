@@ -109,6 +109,26 @@ impl ProcHandle {
         self.pidfd.as_fd()
     }
 
+    /// Its network namespace to connect from, when it is not cryo's own (`None`: it is): a
+    /// duplicate of the pidfd, which `setns(2)` enters while the process lives (a reused pid can
+    /// never stand in for it). See [`crate::in_net_namespace`].
+    pub fn net_namespace(&self) -> Result<Option<OwnedFd>, ProcError> {
+        // A pid always fits (the kernel's are below 2^22).
+        let me = Pid::try_from(std::process::id()).unwrap_or(Pid::MAX);
+        if read::same_namespace(self.pid, me, crate::NamespaceKind::Net)? {
+            return Ok(None);
+        }
+        // The answer above is about this process only while it is alive (its pid is not reused
+        // before it is reaped).
+        if !self.is_alive() {
+            return Err(ProcError::NoSuchProcess(self.pid));
+        }
+        self.pidfd
+            .try_clone()
+            .map(Some)
+            .map_err(|e| ProcError::os("duplicating the pidfd", self.pid, e))
+    }
+
     /// Whether the process has not exited yet (a zombie counts as exited).
     pub fn is_alive(&self) -> bool {
         !self.poll_exit(Duration::ZERO)

@@ -47,7 +47,7 @@ pub use cgroup::{cgroup_procs, cgroup_tree_procs, CgroupEntry, Cgroups};
 pub use error::{OomAdjError, ProcError};
 pub use fds::{driver_fds, DriverFiles, Fd, FdTarget};
 pub use handle::{Liveness, ProcHandle};
-pub use netns::in_net_namespace_of;
+pub use netns::{in_net_namespace, in_net_namespace_of};
 pub use read::{
     driver_file_holders, fds, liveness, load_average, mem_available, pid_holders, pid_max,
     pids_in_use, runs_our_executable, same_namespace, stat, status, tgid, thread_named, tree,

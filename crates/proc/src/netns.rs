@@ -11,6 +11,7 @@
 
 use std::fs::File;
 use std::io;
+use std::os::fd::{AsFd, BorrowedFd};
 
 use crate::{same_namespace, NamespaceKind, Pid};
 
@@ -25,10 +26,19 @@ pub fn in_net_namespace_of<T: Send>(
         return f();
     }
     let ns = File::open(format!("/proc/{pid}/ns/net"))?;
+    in_net_namespace(ns.as_fd(), f)
+}
+
+/// Runs `f` on a thread that entered the network namespace `ns` names (an nsfs file such as
+/// `/proc/PID/ns/net`, or a process's pidfd: its namespace while it lives) and returns its
+/// result; needs `CAP_SYS_ADMIN`.
+pub fn in_net_namespace<T: Send>(
+    ns: BorrowedFd<'_>,
+    f: impl FnOnce() -> io::Result<T> + Send,
+) -> io::Result<T> {
     std::thread::scope(|s| {
         s.spawn(move || {
-            nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)
-                .map_err(io::Error::from)?;
+            nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).map_err(io::Error::from)?;
             f()
         })
         .join()

@@ -30,15 +30,19 @@
 //! sequence (its own bound, [`UNDO_TIMEOUT`]); when even that fails the outcome says the engine's
 //! state is unknown, and the caller grows it after the restore as for a shrunk one.
 //!
-//! # Limitations
-//! The engine is reached from cryo's own network namespace: a loopback address means cryo's
-//! loopback.
+//! # Network namespaces
+//! [`Shrink::release_from`] and [`Shrink::grow_from`] reach the engine from the worker's network
+//! namespace ([`NetNs`]: the caller hands it in, the lifecycle takes the worker's): an engine in a
+//! container or a standby serves on a loopback of its own, which `--engine-url
+//! http://127.0.0.1:PORT` names as the worker sees it. A unix socket is named by its path.
 
 mod spec;
 
 use std::time::{Duration, Instant};
 
 use cryo_http::{Client, Endpoint, HttpError, Timeouts};
+
+pub use cryo_http::NetNs;
 use serde::{Deserialize, Serialize};
 
 pub use spec::{ShrinkSpec, SpecError, SGLANG_DEFAULT_TAGS, SGLANG_TAGS};
@@ -114,6 +118,9 @@ pub enum ShrinkError {
     /// The deadline passed before the step.
     #[error("the deadline passed before {0}")]
     Deadline(String),
+    /// The engine's network namespace (the worker's) cannot be entered: nothing was sent.
+    #[error("{0}")]
+    Namespace(String),
 }
 
 /// How a release ended.
@@ -163,6 +170,7 @@ fn ms(d: Duration) -> u64 {
 struct Engine {
     endpoint: Endpoint,
     base: String,
+    from: Option<NetNs>,
 }
 
 impl Engine {
@@ -171,7 +179,14 @@ impl Engine {
         Ok(Engine {
             endpoint,
             base: path.trim_end_matches('/').to_owned(),
+            from: None,
         })
+    }
+
+    /// The same, reached from the network namespace `from` (`None`: cryo's own).
+    fn from(mut self, from: Option<&NetNs>) -> Self {
+        self.from = from.cloned();
+        self
     }
 
     /// `METHOD base+path` with a JSON body, before `until`; a non-2xx status is an error.
@@ -190,7 +205,11 @@ impl Engine {
         if left.is_zero() {
             return Err(ShrinkError::Deadline(what));
         }
-        let client = Client::new(self.endpoint.clone(), Timeouts::total(left));
+        let client = Client::from_namespace(
+            self.endpoint.clone(),
+            Timeouts::total(left),
+            self.from.clone(),
+        );
         let bytes = body.map(|b| b.to_string().into_bytes());
         let full = format!("{}{path}", self.base);
         let r = client.send(
@@ -265,18 +284,25 @@ impl Shrink {
         Duration::from_millis(self.timeout_ms)
     }
 
-    fn engine(&self) -> Result<Engine, ShrinkError> {
+    fn engine(&self, from: Option<&NetNs>) -> Result<Engine, ShrinkError> {
         let url = self.engine.as_deref().unwrap_or("");
-        Engine::at(url).map_err(|e| ShrinkError::Deadline(e.to_string()))
+        Engine::at(url)
+            .map(|e| e.from(from))
+            .map_err(|e| ShrinkError::Deadline(e.to_string()))
     }
 
     /// Asks the engine to release its memory, within `timeout` (at most the shrink's own),
     /// undoing a failed release (see the crate docs). Never fails: the outcome says.
     pub fn release(&self, timeout: Duration) -> Released {
+        self.release_from(timeout, None)
+    }
+
+    /// [`Shrink::release`], the engine reached from the network namespace `from`.
+    pub fn release_from(&self, timeout: Duration, from: Option<&NetNs>) -> Released {
         let start = Instant::now();
         let until = start + timeout.min(self.timeout());
         let mut sent = false;
-        let result = self.try_release(until, &mut sent);
+        let result = self.try_release(until, &mut sent, from);
         let outcome = match result {
             Ok(()) => Outcome::Shrunk,
             // Refused at connect: the request never reached the engine.
@@ -287,7 +313,7 @@ impl Shrink {
             }
             Err(e) => {
                 tracing::warn!(error = %e, "shrink failed after the release was sent: undoing it");
-                match self.grow(UNDO_TIMEOUT) {
+                match self.grow_from(UNDO_TIMEOUT, from) {
                     Ok(_) => Outcome::Whole {
                         error: format!("{e} (undone)"),
                     },
@@ -304,11 +330,16 @@ impl Shrink {
         }
     }
 
-    fn try_release(&self, until: Instant, sent: &mut bool) -> Result<(), ShrinkError> {
+    fn try_release(
+        &self,
+        until: Instant,
+        sent: &mut bool,
+        from: Option<&NetNs>,
+    ) -> Result<(), ShrinkError> {
         match &self.spec {
             ShrinkSpec::None => Ok(()),
             ShrinkSpec::Vllm { level } => {
-                let e = self.engine()?;
+                let e = self.engine(from)?;
                 drain(
                     &e,
                     &["vllm:num_requests_running", "vllm:num_requests_waiting"],
@@ -320,7 +351,7 @@ impl Shrink {
                 confirm(&e, true, until)
             }
             ShrinkSpec::Sglang { tags } => {
-                let e = self.engine()?;
+                let e = self.engine(from)?;
                 drain(
                     &e,
                     &["sglang:num_running_reqs", "sglang:num_queue_reqs"],
@@ -333,7 +364,9 @@ impl Shrink {
                     .map(drop)
             }
             ShrinkSpec::Http { release, .. } => {
-                let e = Engine::at(release).map_err(|e| ShrinkError::Deadline(e.to_string()))?;
+                let e = Engine::at(release)
+                    .map_err(|e| ShrinkError::Deadline(e.to_string()))?
+                    .from(from);
                 *sent = true;
                 e.call("POST", "", None, until).map(drop)
             }
@@ -343,17 +376,22 @@ impl Shrink {
     /// Asks the engine to take back what it released, within `timeout`; returns the time it
     /// took, ms.
     pub fn grow(&self, timeout: Duration) -> Result<u64, ShrinkError> {
+        self.grow_from(timeout, None)
+    }
+
+    /// [`Shrink::grow`], the engine reached from the network namespace `from`.
+    pub fn grow_from(&self, timeout: Duration, from: Option<&NetNs>) -> Result<u64, ShrinkError> {
         let start = Instant::now();
         let until = start + timeout;
         match &self.spec {
             ShrinkSpec::None => {}
             ShrinkSpec::Vllm { level: 1 } => {
-                let e = self.engine()?;
+                let e = self.engine(from)?;
                 e.call("POST", "/wake_up", None, until)?;
                 confirm(&e, false, until)?;
             }
             ShrinkSpec::Vllm { .. } => {
-                let e = self.engine()?;
+                let e = self.engine(from)?;
                 e.call("POST", "/wake_up?tags=weights", None, until)?;
                 let rpc = serde_json::json!({ "method": "reload_weights" });
                 e.call("POST", "/collective_rpc", Some(&rpc), until)?;
@@ -362,12 +400,13 @@ impl Shrink {
             }
             ShrinkSpec::Sglang { tags } => {
                 let body = serde_json::json!({ "tags": tags });
-                self.engine()?
+                self.engine(from)?
                     .call("POST", "/resume_memory_occupation", Some(&body), until)?;
             }
             ShrinkSpec::Http { resume, .. } => {
                 Engine::at(resume)
                     .map_err(|e| ShrinkError::Deadline(e.to_string()))?
+                    .from(from)
                     .call("POST", "", None, until)?;
             }
         }

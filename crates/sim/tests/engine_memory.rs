@@ -5,25 +5,9 @@
 
 mod common;
 
-use common::{Sim, WorkerSpec};
-use cryo_proc::Pid;
+use common::WorkerSpec;
 
 const MIB: u64 = 1 << 20;
-
-/// Device memory NVML lists for `pid`, per GPU index.
-fn listed(sim: &Sim, pid: Pid) -> Vec<(u32, u64)> {
-    let mut v: Vec<(u32, u64)> = sim
-        .gpu
-        .inspect
-        .processes()
-        .unwrap()
-        .into_iter()
-        .filter(|p| p.pid == pid)
-        .map(|p| (p.gpu_index, p.used_memory))
-        .collect();
-    v.sort_unstable();
-    v
-}
 
 fn sleeping(w: &common::Worker) -> bool {
     let (status, body) = w.http("GET", "/is_sleeping", "");
@@ -42,7 +26,7 @@ fn ok(w: &common::Worker, method: &str, path: &str, body: &str) {
 fn vllm_level_1_keeps_the_weights_in_host_memory_and_a_checkpoint_copies_almost_nothing() {
     let sim = common::sim();
     let w = sim.spawn(WorkerSpec::new("16MiB").kv_cache("48MiB").seed(3));
-    assert_eq!(listed(&sim, w.pid), vec![(0, 64 * MIB)]);
+    assert_eq!(sim.listing(w.pid), vec![(0, 64 * MIB)]);
     assert_eq!(w.verify()["ok"], true, "the KV cache is checked too");
     let before = w.complete("shrink me");
     assert!(!sleeping(&w));
@@ -50,7 +34,7 @@ fn vllm_level_1_keeps_the_weights_in_host_memory_and_a_checkpoint_copies_almost_
     ok(&w, "POST", "/sleep?level=1", "");
     assert!(sleeping(&w));
     assert_eq!(
-        listed(&sim, w.pid),
+        sim.listing(w.pid),
         vec![(0, 0)],
         "weights and KV cache left the GPU"
     );
@@ -68,7 +52,7 @@ fn vllm_level_1_keeps_the_weights_in_host_memory_and_a_checkpoint_copies_almost_
     );
     ok(&w, "POST", "/wake_up", "");
     assert!(!sleeping(&w));
-    assert_eq!(listed(&sim, w.pid), vec![(0, 64 * MIB)]);
+    assert_eq!(sim.listing(w.pid), vec![(0, 64 * MIB)]);
     assert_eq!(w.complete("shrink me"), before);
     assert_eq!(w.verify()["ok"], true);
     assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
@@ -80,7 +64,7 @@ fn vllm_level_2_answers_differently_until_the_weights_are_reloaded() {
     let w = sim.spawn(WorkerSpec::new("8MiB").kv_cache("8MiB").seed(4));
     let before = w.complete("level two");
     ok(&w, "POST", "/sleep?level=2", "");
-    assert_eq!(listed(&sim, w.pid), vec![(0, 0)]);
+    assert_eq!(sim.listing(w.pid), vec![(0, 0)]);
     sim.cycle(w.pid);
     ok(&w, "POST", "/wake_up?tags=weights", "");
     assert!(sleeping(&w), "the KV cache is still released");
@@ -112,25 +96,21 @@ fn sglang_releases_the_kv_cache_alone_or_with_the_weights() {
         "/release_memory_occupation",
         r#"{"tags":["kv_cache"]}"#,
     );
-    assert_eq!(listed(&sim, w.pid), vec![(0, 8 * MIB)], "the weights stay");
+    assert_eq!(sim.listing(w.pid), vec![(0, 8 * MIB)], "the weights stay");
     sim.cycle(w.pid);
-    assert_eq!(
-        listed(&sim, w.pid),
-        vec![(0, 8 * MIB)],
-        "restored as shrunk"
-    );
+    assert_eq!(sim.listing(w.pid), vec![(0, 8 * MIB)], "restored as shrunk");
     ok(
         &w,
         "POST",
         "/resume_memory_occupation",
         r#"{"tags":["kv_cache"]}"#,
     );
-    assert_eq!(listed(&sim, w.pid), vec![(0, 32 * MIB)]);
+    assert_eq!(sim.listing(w.pid), vec![(0, 32 * MIB)]);
     assert_eq!(w.complete("sglang"), before);
 
     // No body: every tag.
     ok(&w, "POST", "/release_memory_occupation", "");
-    assert_eq!(listed(&sim, w.pid), vec![(0, 0)]);
+    assert_eq!(sim.listing(w.pid), vec![(0, 0)]);
     ok(&w, "POST", "/resume_memory_occupation", "");
     assert_eq!(w.complete("sglang"), before);
     assert_eq!(w.verify()["ok"], true);
@@ -155,11 +135,11 @@ fn every_rank_of_a_tree_sleeps_and_wakes() {
     ok(&w, "POST", "/sleep?level=1", "");
     assert!(sleeping(&w));
     for (i, rank) in w.children().iter().enumerate() {
-        assert_eq!(listed(&sim, *rank), vec![(i as u32, 0)]);
+        assert_eq!(sim.listing(*rank), vec![(i as u32, 0)]);
     }
     ok(&w, "POST", "/wake_up", "");
     for (i, rank) in w.children().iter().enumerate() {
-        assert_eq!(listed(&sim, *rank), vec![(i as u32, 16 * MIB)]);
+        assert_eq!(sim.listing(*rank), vec![(i as u32, 16 * MIB)]);
     }
     assert_eq!(w.complete("tree"), before);
 }

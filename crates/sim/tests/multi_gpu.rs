@@ -7,9 +7,8 @@ mod common;
 
 use std::time::Duration;
 
-use common::{code, Sim, WorkerSpec};
+use common::{code, WorkerSpec};
 use cryo_gpu::{CuResult, GpuPair, GpuUuid, ProcessState};
-use cryo_proc::Pid;
 use cryo_testkit::{eventually, procs, PATIENCE};
 
 const MIB: u64 = 1 << 20;
@@ -21,21 +20,6 @@ fn pair(old: &GpuUuid, new: &GpuUuid) -> GpuPair {
     }
 }
 
-/// `(gpu index, bytes)` NVML lists for `pid`, by GPU.
-fn listing(sim: &Sim, pid: Pid) -> Vec<(u32, u64)> {
-    let mut v: Vec<(u32, u64)> = sim
-        .gpu
-        .inspect
-        .processes()
-        .unwrap()
-        .into_iter()
-        .filter(|p| p.pid == pid)
-        .map(|p| (p.gpu_index, p.used_memory))
-        .collect();
-    v.sort_unstable();
-    v
-}
-
 #[test]
 fn a_process_on_two_gpus_is_listed_on_both_and_restored_only_with_complete_pairs() {
     let sim = common::sim_with(&["--gpus", "3", "--gpu-memory", "1GiB"]);
@@ -43,7 +27,7 @@ fn a_process_on_two_gpus_is_listed_on_both_and_restored_only_with_complete_pairs
     let (g0, g1, g2) = (&gpus[0].uuid, &gpus[1].uuid, &gpus[2].uuid);
     let w = sim.spawn(WorkerSpec::new("32MiB").gpus(&[0, 1]).seed(5));
     let d = &sim.gpu.driver;
-    assert_eq!(listing(&sim, w.pid), vec![(0, 32 * MIB), (1, 32 * MIB)]);
+    assert_eq!(sim.listing(w.pid), vec![(0, 32 * MIB), (1, 32 * MIB)]);
     assert_eq!(sim.gpu.inspect.driver_fds(w.pid).unwrap().len(), 2);
     let v = w.verify();
     assert_eq!(
@@ -56,7 +40,7 @@ fn a_process_on_two_gpus_is_listed_on_both_and_restored_only_with_complete_pairs
 
     sim.suspend(w.pid);
     assert!(
-        listing(&sim, w.pid).is_empty(),
+        sim.listing(w.pid).is_empty(),
         "checkpoint releases every GPU"
     );
     assert!(sim.gpu.inspect.driver_fds(w.pid).unwrap().is_empty());
@@ -81,13 +65,13 @@ fn a_process_on_two_gpus_is_listed_on_both_and_restored_only_with_complete_pairs
         );
         assert_eq!(d.state(w.pid).unwrap(), ProcessState::Checkpointed);
         assert!(
-            listing(&sim, w.pid).is_empty(),
+            sim.listing(w.pid).is_empty(),
             "a refused restore opens nothing"
         );
     }
     // Complete: GPU 0 moves to GPU 2, GPU 1 stays (an identity pair).
     d.restore(w.pid, &[pair(g1, g1), pair(g0, g2)]).unwrap();
-    assert_eq!(listing(&sim, w.pid), vec![(1, 32 * MIB), (2, 32 * MIB)]);
+    assert_eq!(sim.listing(w.pid), vec![(1, 32 * MIB), (2, 32 * MIB)]);
     d.unlock(w.pid).unwrap();
     assert_eq!(w.complete("two gpus"), before, "ranks keep their order");
     assert_eq!(w.verify()["ok"], true);
@@ -100,7 +84,7 @@ fn a_process_on_two_gpus_is_listed_on_both_and_restored_only_with_complete_pairs
     );
     d.restore(w.pid, &[pair(g2, g0), pair(g1, g1)]).unwrap();
     d.unlock(w.pid).unwrap();
-    assert_eq!(listing(&sim, w.pid), vec![(0, 32 * MIB), (1, 32 * MIB)]);
+    assert_eq!(sim.listing(w.pid), vec![(0, 32 * MIB), (1, 32 * MIB)]);
     assert_eq!(w.complete("two gpus"), before);
     sim.suspend(w.pid);
     assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
@@ -117,10 +101,7 @@ fn a_multi_gpu_restore_short_of_memory_on_one_gpu_restores_nothing() {
     let hog = common::worker(&sim, "200MiB", 1, 2);
     let d = &sim.gpu.driver;
     assert_eq!(code(d.restore(w.pid, &[])), CuResult::OUT_OF_MEMORY);
-    assert!(
-        listing(&sim, w.pid).is_empty(),
-        "GPU 0's context was undone"
-    );
+    assert!(sim.listing(w.pid).is_empty(), "GPU 0's context was undone");
     assert_eq!(d.state(w.pid).unwrap(), ProcessState::Checkpointed);
     assert_eq!(code(d.restore(w.pid, &[])), CuResult::OPERATING_SYSTEM);
     drop(hog);
@@ -142,11 +123,11 @@ fn a_tree_has_one_rank_process_per_gpu_under_a_launcher_that_called_cuinit() {
         assert_eq!(cryo_proc::stat(*r).unwrap().ppid, w.pid, "rank {r}");
     }
     assert!(
-        listing(&sim, w.pid).is_empty(),
+        sim.listing(w.pid).is_empty(),
         "the launcher holds no context"
     );
-    assert_eq!(listing(&sim, ranks[0]), vec![(0, 16 * MIB)]);
-    assert_eq!(listing(&sim, ranks[1]), vec![(1, 16 * MIB)]);
+    assert_eq!(sim.listing(ranks[0]), vec![(0, 16 * MIB)]);
+    assert_eq!(sim.listing(ranks[1]), vec![(1, 16 * MIB)]);
     assert_eq!(sim.gpu.inspect.driver_fds(w.pid).unwrap().len(), 1);
     let d = &sim.gpu.driver;
     let all = [w.pid, ranks[0], ranks[1]];
@@ -193,11 +174,7 @@ fn a_tree_is_suspended_and_restored_rank_by_rank_with_the_same_answers() {
         "a plain launcher is no CUDA process"
     );
     assert!(sim.gpu.inspect.driver_fds(w.pid).unwrap().is_empty());
-    assert_eq!(
-        listing(&sim, ranks[0]),
-        vec![(1, 8 * MIB)],
-        "rank 0 on GPU 1"
-    );
+    assert_eq!(sim.listing(ranks[0]), vec![(1, 8 * MIB)], "rank 0 on GPU 1");
     let before = w.complete("ranks");
     for r in &ranks {
         sim.suspend(*r);

@@ -183,6 +183,21 @@ impl Sim {
             .any(|p| p.pid == pid)
     }
 
+    /// The device memory NVML lists for `pid`: `(GPU index, bytes)`, by GPU.
+    pub fn listing(&self, pid: Pid) -> Vec<(u32, u64)> {
+        let mut v: Vec<(u32, u64)> = self
+            .gpu
+            .inspect
+            .processes()
+            .unwrap()
+            .into_iter()
+            .filter(|p| p.pid == pid)
+            .map(|p| (p.gpu_index, p.used_memory))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
     /// Lock (10 s) and checkpoint `pid` through the driver.
     pub fn suspend(&self, pid: Pid) {
         self.gpu
@@ -231,6 +246,7 @@ pub struct WorkerSpec {
     cgroup: Option<PathBuf>,
     program: Option<Program>,
     own_namespaces: bool,
+    port: Option<u16>,
 }
 
 impl WorkerSpec {
@@ -252,6 +268,7 @@ impl WorkerSpec {
             cgroup: None,
             program: None,
             own_namespaces: false,
+            port: None,
         }
     }
 
@@ -337,6 +354,12 @@ impl WorkerSpec {
     /// [`Worker::http`] reaches it in its namespace.
     pub fn own_namespaces(mut self) -> Self {
         self.own_namespaces = true;
+        self
+    }
+
+    /// Serving on this TCP port of loopback (`--port`; default: any free one).
+    pub fn port(mut self, port: u16) -> Self {
+        self.port = Some(port);
         self
     }
 
@@ -433,6 +456,9 @@ impl Worker {
             .then(|| sim.path().join(format!("{tag}.sock")));
         if let Some(u) = &unix {
             cmd.arg("--http-unix").arg(u);
+        }
+        if let Some(p) = spec.port {
+            cmd.args(["--port", &p.to_string()]);
         }
         cmd.arg("--dir")
             .arg(sim.path())

@@ -21,8 +21,8 @@ use crate::args::StopArgs;
 use crate::{exit, route};
 
 /// The request the arguments make.
-pub fn request(args: &StopArgs) -> KubeStopRequest {
-    KubeStopRequest {
+pub fn request(args: &StopArgs) -> anyhow::Result<KubeStopRequest> {
+    Ok(KubeStopRequest {
         what: match &args.pod {
             Some((namespace, name)) => KubeTarget::Pod {
                 namespace: namespace.clone(),
@@ -35,18 +35,13 @@ pub fn request(args: &StopArgs) -> KubeStopRequest {
         lock_attempts: args.lock_attempts,
         verify_timeout_ms: args.verify_timeout,
         deadline_ms: args.deadline.filter(|ms| *ms > 0),
-    }
+        shrink: args.shrink.shrink()?,
+    })
 }
 
 /// Runs `cryo stop --self` or `--pod`; returns the exit code.
 pub fn run(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
-    // The agent's Kubernetes stop request carries no shrink yet: refused rather than dropped.
-    if args.shrink.shrink()?.is_some() {
-        anyhow::bail!(
-            "--shrink is not supported with --self or --pod yet: stop the worker's pid or cgroup"
-        );
-    }
-    let req = request(args);
+    let req = request(args)?;
     let client = route::client(&ctx.state);
     let progress = crate::progress::for_stderr();
     let result = if args.own_container {

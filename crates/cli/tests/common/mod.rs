@@ -327,6 +327,27 @@ pub fn succeeded(o: &Output) {
     );
 }
 
+/// The command's stdout as one JSON value (`--json`), showing its output when it is not.
+pub fn json(o: &Output) -> serde_json::Value {
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}\n{}", stdout(o), stderr(o)))
+}
+
+/// The events of the journal of the state directory `state`, in order.
+pub fn events(state: &Path) -> Vec<cryo_journal::Event> {
+    cryo_journal::read(state.join("journal"))
+        .unwrap()
+        .records
+        .into_iter()
+        .map(|r| r.event)
+        .collect()
+}
+
+/// A fresh state directory for one test, named after it.
+pub fn state_dir(prefix: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(prefix).tempdir().unwrap()
+}
+
 pub fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
