@@ -188,6 +188,9 @@ pub struct ThawRequest {
     /// The image was frozen after this shrink: the engine is asked to grow once the tree runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shrunk: Option<Shrink>,
+    /// How long CRIU's restore may take, s (absent: the lifecycle's default for the image).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub criu_timeout_s: Option<u64>,
 }
 
 impl ThawRequest {
@@ -208,6 +211,7 @@ impl ThawRequest {
             },
             requested,
             shrunk: self.shrunk.clone(),
+            criu_timeout: self.criu_timeout_s.map(Duration::from_secs),
         }
     }
 }

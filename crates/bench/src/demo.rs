@@ -501,6 +501,7 @@ impl Demo {
             stop: cryo_lifecycle::StopOptions::default(),
             requested: Instant::now(),
             shrunk: None,
+            criu_timeout: None,
         };
         let r = cryo_lifecycle::thaw(
             &gpu,

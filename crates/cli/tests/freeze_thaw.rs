@@ -40,6 +40,8 @@ struct Env {
     workers: Vec<Worker>,
     /// Pids (thawed workers) to stop and reap at the end.
     thawed: Vec<i32>,
+    /// Thaws through the image streamer (`CRYO_THAW_STREAM=1`) instead of the files.
+    stream: bool,
 }
 
 impl Env {
@@ -60,6 +62,7 @@ impl Env {
             bin,
             workers: Vec::new(),
             thawed: Vec::new(),
+            stream: false,
         }
     }
 
@@ -92,6 +95,7 @@ impl Env {
             .env("CRYO_GPU", "sim")
             .env("CRYO_SIM_DIR", self.path())
             .env("CRYO_STATE_DIR", self.path().join("state"))
+            .env("CRYO_THAW_STREAM", if self.stream { "1" } else { "0" })
             .stdin(Stdio::null());
         c
     }
@@ -566,10 +570,19 @@ fn damaged_or_foreign_images_are_refused_before_anything_runs() {
     let image = env.path().join("img");
     env.freeze(pid, &image);
 
-    // A flipped byte in any file, whether CRIU reads it (refused by the streamer before CRIU
-    // gets the chunk) or not (dump.log, stats-dump: refused by the gate before anything runs).
+    // A flipped byte in any file, on both routes. From the files (the default): every file
+    // but the page contents is checked before CRIU starts; a page flipped is refused at the
+    // gate, after CRIU read it into a process that never runs. Through the streamer: refused
+    // before CRIU gets the chunk, or at the gate for what CRIU does not read (dump.log,
+    // stats-dump).
     let flip = env.path().join("flip");
-    for (k, file) in image_files(&image).iter().enumerate() {
+    for (k, file) in image_files(&image)
+        .iter()
+        .flat_map(|f| [(false, f), (true, f)])
+        .enumerate()
+    {
+        let (stream, file) = file;
+        env.stream = stream;
         let name = file.file_name().unwrap().to_str().unwrap();
         let len = fs::metadata(file).unwrap().len() as usize;
         if len == 0 {
@@ -586,6 +599,7 @@ fn damaged_or_foreign_images_are_refused_before_anything_runs() {
             &[damaged.to_str().unwrap(), "checksum mismatch"],
         );
     }
+    env.stream = false;
 
     // A truncated pages file and an extra file: refused before CRIU runs.
     let truncated = env.path().join("truncated-pages");

@@ -82,6 +82,12 @@ pub struct RestoreOpts {
     pub work_dir: Option<PathBuf>,
     /// Resources declared external (`--external`), passed through as is.
     pub external: Vec<String>,
+    /// How long CRIU may take ([`Criu::restore`] only; `None`: no limit). Past it CRIU is
+    /// killed, and so is every process of the image it had restored (none has run: they were
+    /// all before the gate), and the restore is [`CriuError::TimedOut`]. A restore can block
+    /// forever: a restored process that must take back a file lock someone else holds waits
+    /// for it (`--file-locks`).
+    pub deadline: Option<std::time::Duration>,
 }
 
 impl Default for RestoreOpts {
@@ -94,6 +100,7 @@ impl Default for RestoreOpts {
             log_level: 4,
             work_dir: None,
             external: Vec::new(),
+            deadline: None,
         }
     }
 }
@@ -316,30 +323,53 @@ impl CriuRpc {
         Ok(cmd)
     }
 
-    /// `criu HEAD... --stream` with cryo as the image streamer on `private` (its socket and
-    /// the gate's files), CRIU's work directory `work` and log `log` there, `gate`'s action
-    /// script; stdin and stdout empty, stderr into the unnamed file returned (read back after a
-    /// failure).
-    fn stream_command(
+    /// `criu HEAD...` reading or writing `images`, with `private` holding the gate's files
+    /// (and the streamer's socket), CRIU's work directory `work` and log `log` there, `flags`,
+    /// `gate`'s action script; stdin and stdout empty, stderr into the unnamed file returned
+    /// (read back after a failure). The one set-up of every CRIU command cryo runs.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_command(
         &self,
         head: &[&str],
+        images: Images<'_>,
         private: &Path,
         work: &Path,
         log: &str,
-        log_level: i32,
+        flags: &Flags<'_>,
         gate: &Gate,
     ) -> std::io::Result<(Command, File)> {
         let mut cmd = self.command(private)?;
-        cmd.args(head)
-            .arg("--stream")
-            .arg("-D")
-            .arg(private)
-            .arg("-W")
+        cmd.args(head);
+        match images {
+            Images::Stream => {
+                cmd.arg("--stream").arg("-D").arg(private);
+            }
+            Images::Dir(fd) => {
+                // The very directory cryo checked, whatever the path names by now.
+                image::inherit_fd(&mut cmd, fd.as_raw_fd());
+                cmd.arg("-D")
+                    .arg(format!("/proc/self/fd/{}", fd.as_raw_fd()));
+            }
+        }
+        cmd.arg("-W")
             .arg(work)
             .args(["-o", log])
-            .arg(format!("-v{log_level}"))
+            .arg(format!("-v{}", flags.log_level))
             .arg("--action-script")
             .arg(gate.script());
+        for (on, flag) in [
+            (flags.shell_job, "--shell-job"),
+            (flags.tcp_established, "--tcp-established"),
+            (flags.file_locks, "--file-locks"),
+            (flags.ext_unix_sk, "--ext-unix-sk"),
+        ] {
+            if on {
+                cmd.arg(flag);
+            }
+        }
+        for e in flags.external {
+            cmd.arg("--external").arg(e);
+        }
         let stderr = tempfile::tempfile()?;
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -347,19 +377,21 @@ impl CriuRpc {
         Ok((cmd, stderr))
     }
 
-    /// Spawns `cmd` (CRIU with `--stream` and `gate`'s action script), runs `serve` on
-    /// `listener` (CRIU's image streamer socket) and, when CRIU reaches the gate's stage,
-    /// `verdict`, and waits for CRIU. Returns its exit status and the verdict (`None`: CRIU
-    /// ended before it reached the gate).
-    fn run_with_streamer(
+    /// Spawns `cmd` (CRIU with `gate`'s action script), runs `work` beside it (serving or
+    /// capturing the image on `listener`, or checking it), and, when CRIU reaches the gate's
+    /// stage, `verdict`, and waits for CRIU, past `deadline` no longer: then it kills CRIU.
+    /// Returns its exit status and the verdict (`None`: CRIU ended before it reached the gate).
+    #[allow(clippy::too_many_arguments)]
+    fn run_gated(
         &self,
         op: CriuOp,
         mut cmd: Command,
-        listener: &UnixListener,
+        listener: Option<&UnixListener>,
         gate: Gate,
-        serve: impl FnOnce(&UnixListener) + Send,
+        deadline: Option<std::time::Duration>,
+        work: impl FnOnce() + Send,
         verdict: impl FnOnce(Option<Pid>) -> Result<(), CriuError> + Send,
-    ) -> Result<(std::process::ExitStatus, Option<Result<(), CriuError>>), CriuError> {
+    ) -> Result<Gated, CriuError> {
         let spawn_err = |source| CriuError::Rpc {
             op,
             source: RpcError::Spawn {
@@ -369,24 +401,29 @@ impl CriuRpc {
         };
         let mut child = cmd.spawn().map_err(spawn_err)?;
         drop(cmd);
-        let (status, verdict) = std::thread::scope(|s| {
-            s.spawn(move || serve(listener));
+        let (status, verdict, timed_out) = std::thread::scope(|s| {
+            s.spawn(work);
             let pidfd = rustix::process::Pid::from_child(&child);
             let pidfd = rustix::process::pidfd_open(pidfd, rustix::process::PidfdFlags::empty());
             let judged = s.spawn(move || gate.judge(verdict, pidfd.ok()));
-            let status = child.wait();
+            let (status, timed_out) = wait_until(&mut child, deadline);
             // Unblocks the accept if CRIU never connected (a connection ends with CRIU).
-            let _ =
-                nix::sys::socket::shutdown(listener.as_raw_fd(), nix::sys::socket::Shutdown::Both);
+            if let Some(l) = listener {
+                let _ = nix::sys::socket::shutdown(l.as_raw_fd(), nix::sys::socket::Shutdown::Both);
+            }
             let verdict = judged.join().unwrap_or_else(|_| {
                 Some(Err(CriuError::Image(ImageError::Stream {
                     dir: PathBuf::new(),
                     reason: "the gate thread panicked".into(),
                 })))
             });
-            (status, verdict)
+            (status, verdict, timed_out)
         });
-        Ok((status.map_err(spawn_err)?, verdict))
+        Ok(Gated {
+            status: status.map_err(spawn_err)?,
+            verdict,
+            timed_out,
+        })
     }
 
     fn call(&self, op: CriuOp, req: &CriuReq) -> Result<crate::rpc::CriuResp, CriuError> {
@@ -455,35 +492,33 @@ impl Criu for CriuRpc {
         let p = private.path().to_path_buf();
         let listener = UnixListener::bind(p.join(image::CAPTURE_SOCKET)).map_err(dir_err(&p))?;
         let gate = Gate::new(&p, "post-dump").map_err(dir_err(&p))?;
-        let (mut cmd, stderr) = self
-            .stream_command(
-                &["dump", "-t", &pid.to_string()],
+        let pid_arg = pid.to_string();
+        let mut head = vec!["dump", "-t", &pid_arg];
+        if opts.leave_running {
+            head.push("--leave-running");
+        }
+        let (cmd, stderr) = self
+            .gated_command(
+                &head,
+                Images::Stream,
                 &p,
                 staging.path(),
                 DUMP_LOG,
-                opts.log_level,
+                &Flags::from(opts),
                 &gate,
             )
             .map_err(dir_err(&p))?;
-        if opts.leave_running {
-            cmd.arg("--leave-running");
-        }
-        common_flags(
-            &mut cmd,
-            opts.shell_job,
-            opts.tcp_established,
-            opts.file_locks,
-            opts.ext_unix_sk,
-            &opts.external,
-        );
         tracing::debug!(pid, staging = %staging.path().display(), "criu dump --stream");
         let capture = staging.capture();
-        let (status, verdict) = self.run_with_streamer(
+        let Gated {
+            status, verdict, ..
+        } = self.run_gated(
             op,
             cmd,
-            &listener,
+            Some(&listener),
             gate,
-            |l| capture.serve(l),
+            None,
+            || capture.serve(&listener),
             |_| capture.written().map_err(CriuError::Image),
         )?;
         tracing::debug!(%status, written = capture.written_bytes(), "criu dump --stream ended");
@@ -509,14 +544,16 @@ impl Criu for CriuRpc {
         staging.adopt(capture).map_err(CriuError::Image)
     }
 
-    /// Restores the tree of the opened image `image` through cryo's image streamer and returns
-    /// the pid of its root. CRIU runs as `criu restore --stream` and reads nothing from the image
-    /// directory: every byte comes from the streamer after it matched the manifest, and CRIU's
-    /// `post-restore` action script waits for the streamer's verdict on the whole image before
-    /// any restored process is resumed (see [`crate::image`]). A refused image is
-    /// [`CriuError::Image`]; CRIU then aborts and removes what it restored. The root is a
-    /// child of the caller. `at_gate` runs once the image passed, before the verdict is
-    /// written: the tree runs only if it returned `Ok`.
+    /// Restores the tree of the opened image `image` and returns the pid of its root; no
+    /// restored process runs before every byte of the image matched the manifest. CRIU runs as
+    /// `criu restore` with an action script whose `post-restore` stage (every process restored,
+    /// none resumed) waits for cryo's verdict; CRIU aborts the restore and removes what it
+    /// restored when the verdict is not `ok`. How CRIU gets the bytes ([`ThawRoute`]): from the
+    /// image's files while cryo checks the same files beside it and watches them for changes
+    /// ([`image::Check`], the default), or through cryo's image streamer, which hands CRIU
+    /// only chunks it checked (`CRYO_THAW_STREAM=1`, [`image::Server`]). A refused image is
+    /// [`CriuError::Image`]. The root is a child of the caller. `at_gate` runs once the image
+    /// passed, before the verdict is written: the tree runs only if it returned `Ok`.
     fn restore_gated(
         &self,
         image: &Image,
@@ -528,7 +565,8 @@ impl Criu for CriuRpc {
             let path = path.to_path_buf();
             move |source| CriuError::Dir { op, path, source }
         };
-        // Private to root (0700): the streamer's socket, the gate, CRIU's work files.
+        let route = ThawRoute::from_env();
+        // Private to root (0700): the gate, CRIU's work files, the streamer's socket.
         let private = tempfile::Builder::new()
             .prefix("cryo-criu-restore-")
             .tempdir()
@@ -541,50 +579,95 @@ impl Criu for CriuRpc {
             }
             None => p.clone(),
         };
-        let listener = UnixListener::bind(p.join(image::SERVE_SOCKET)).map_err(dir_err(&p))?;
         let gate = Gate::new(&p, "post-restore").map_err(dir_err(&p))?;
-        let (mut cmd, stderr) = self
-            .stream_command(
-                &["restore", "--restore-detached", "--restore-sibling"],
+        let images = match route {
+            ThawRoute::Stream => Images::Stream,
+            ThawRoute::Files => Images::Dir(image.dir_fd()),
+        };
+        let (cmd, stderr) = self
+            .gated_command(
+                &[
+                    "restore",
+                    "--restore-detached",
+                    "--restore-sibling",
+                    "--pidfile",
+                    RESTORED_PID,
+                ],
+                images,
                 &p,
                 &work,
                 RESTORE_LOG,
-                opts.log_level,
+                &Flags::from(opts),
                 &gate,
             )
             .map_err(dir_err(&p))?;
-        cmd.args(["--pidfile", RESTORED_PID]);
-        common_flags(
-            &mut cmd,
-            opts.shell_job,
-            opts.tcp_established,
-            opts.file_locks,
-            opts.ext_unix_sk,
-            &opts.external,
-        );
-        tracing::debug!(image = %image.path().display(), private = %p.display(), "criu restore --stream");
-        let server = image::Server::new(image);
-        let (status, verdict) = self.run_with_streamer(
-            op,
-            cmd,
-            &listener,
-            gate,
-            |l| server.serve(l),
-            |root| {
-                server.finish().map_err(CriuError::Image)?;
-                let root = root.ok_or_else(|| {
-                    CriuError::Gate("CRIU's action script named no restored root".into())
-                })?;
-                at_gate(root).map_err(CriuError::Gate)
-            },
-        )?;
+        tracing::debug!(image = %image.path().display(), private = %p.display(), ?route, "criu restore");
+        let deadline = opts.deadline;
+        let at_gate = |root: Option<Pid>| {
+            let root = root.ok_or_else(|| {
+                CriuError::Gate("CRIU's action script named no restored root".into())
+            })?;
+            at_gate(root).map_err(CriuError::Gate)
+        };
+        let (gated, served, refused) = match route {
+            ThawRoute::Stream => {
+                let listener =
+                    UnixListener::bind(p.join(image::SERVE_SOCKET)).map_err(dir_err(&p))?;
+                let server = image::Server::new(image);
+                let gated = self.run_gated(
+                    op,
+                    cmd,
+                    Some(&listener),
+                    gate,
+                    deadline,
+                    || server.serve(&listener),
+                    |root| {
+                        server.finish().map_err(CriuError::Image)?;
+                        at_gate(root)
+                    },
+                )?;
+                (gated, server.served_bytes(), server.failure())
+            }
+            ThawRoute::Files => {
+                let check = image::Check::new(image).map_err(CriuError::Image)?;
+                let gated = self.run_gated(
+                    op,
+                    cmd,
+                    None,
+                    gate,
+                    deadline,
+                    || check.run(),
+                    |root| {
+                        check.finish().map_err(CriuError::Image)?;
+                        at_gate(root)
+                    },
+                )?;
+                (gated, image.manifest().total_bytes, check.failure())
+            }
+        };
+        let Gated {
+            status,
+            verdict,
+            timed_out,
+        } = gated;
+        let log = work.join(RESTORE_LOG);
+        if timed_out {
+            let _ = private.keep();
+            let left = remove_unresumed(image);
+            return Err(CriuError::TimedOut {
+                op,
+                after: deadline.unwrap_or_default(),
+                lines: last_lines(&log),
+                log,
+                left,
+            });
+        }
         if !status.success() {
             reap_restored_root(image.manifest().root_pid);
         }
-        let log = work.join(RESTORE_LOG);
-        tracing::debug!(%status, served = server.served_bytes(), "criu restore --stream ended");
+        tracing::debug!(%status, served, "criu restore ended");
         // A refused image: the reason is the image's, CRIU's log of it is of no use.
-        if let Some(e) = server.failure() {
+        if let Some(e) = refused {
             return Err(CriuError::Image(e));
         }
         match verdict {
@@ -610,8 +693,74 @@ impl Criu for CriuRpc {
             .unwrap_or(image.manifest().root_pid);
         Ok(Restored {
             pid,
-            served_bytes: server.served_bytes(),
+            served_bytes: served,
         })
+    }
+}
+
+/// How a thaw's CRIU gets the image's bytes; either way nothing restored runs before every
+/// byte matched. Chosen by measurement (see [`image::Check`] and `cryo bench freeze`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ThawRoute {
+    /// CRIU reads the image's files itself (its fastest path: pages read into place) while cryo
+    /// checks the same files beside it and watches them for changes.
+    Files,
+    /// CRIU reads through cryo's image streamer, chunk by checked chunk (`--stream`).
+    Stream,
+}
+
+impl ThawRoute {
+    /// `CRYO_THAW_STREAM=1`: the stream; otherwise the files.
+    pub fn from_env() -> ThawRoute {
+        if std::env::var_os("CRYO_THAW_STREAM").is_some_and(|v| v == "1") {
+            ThawRoute::Stream
+        } else {
+            ThawRoute::Files
+        }
+    }
+}
+
+/// Where a gated CRIU command reads or writes the image.
+enum Images<'a> {
+    /// Through cryo's streamer socket in the private directory (`--stream`).
+    Stream,
+    /// In the image directory itself, the one cryo opened (inherited by CRIU).
+    Dir(std::os::fd::BorrowedFd<'a>),
+}
+
+/// The options dump and restore share.
+struct Flags<'a> {
+    shell_job: bool,
+    tcp_established: bool,
+    file_locks: bool,
+    ext_unix_sk: bool,
+    log_level: i32,
+    external: &'a [String],
+}
+
+impl<'a> From<&'a DumpOpts> for Flags<'a> {
+    fn from(o: &'a DumpOpts) -> Flags<'a> {
+        Flags {
+            shell_job: o.shell_job,
+            tcp_established: o.tcp_established,
+            file_locks: o.file_locks,
+            ext_unix_sk: o.ext_unix_sk,
+            log_level: o.log_level,
+            external: &o.external,
+        }
+    }
+}
+
+impl<'a> From<&'a RestoreOpts> for Flags<'a> {
+    fn from(o: &'a RestoreOpts) -> Flags<'a> {
+        Flags {
+            shell_job: o.shell_job,
+            tcp_established: o.tcp_established,
+            file_locks: o.file_locks,
+            ext_unix_sk: o.ext_unix_sk,
+            log_level: o.log_level,
+            external: &o.external,
+        }
     }
 }
 
@@ -620,8 +769,88 @@ impl Criu for CriuRpc {
 pub struct Restored {
     /// The restored root.
     pub pid: Pid,
-    /// Bytes of the image CRIU read through the streamer (each checked before it was sent).
+    /// Bytes of the image checked for the restore: every byte of it when CRIU reads the files
+    /// ([`ThawRoute::Files`]); through the streamer, those CRIU was sent (the rest is checked at
+    /// the gate).
     pub served_bytes: u64,
+}
+
+/// What [`CriuRpc::run_gated`] saw.
+struct Gated {
+    status: std::process::ExitStatus,
+    verdict: Option<Result<(), CriuError>>,
+    /// CRIU ran past its deadline and was killed.
+    timed_out: bool,
+}
+
+/// Waits for `child`, past `deadline` no longer: then kills it (SIGKILL) and reaps it. Returns
+/// its status and whether it was killed for the deadline.
+fn wait_until(
+    child: &mut std::process::Child,
+    deadline: Option<std::time::Duration>,
+) -> (std::io::Result<std::process::ExitStatus>, bool) {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    let Some(deadline) = deadline else {
+        return (child.wait(), false);
+    };
+    let pidfd = match rustix::process::pidfd_open(
+        rustix::process::Pid::from_child(child),
+        rustix::process::PidfdFlags::empty(),
+    ) {
+        Ok(fd) => fd,
+        Err(e) => return (Err(e.into()), false),
+    };
+    let until = std::time::Instant::now() + deadline;
+    loop {
+        let left = until.saturating_duration_since(std::time::Instant::now());
+        let ms = u16::try_from(left.as_millis()).unwrap_or(u16::MAX);
+        if left.is_zero() {
+            break;
+        }
+        let mut fds = [PollFd::new(pidfd.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::from(ms)) {
+            Ok(0) | Err(nix::Error::EINTR) => continue,
+            Ok(_) => return (child.wait(), false),
+            Err(e) => return (Err(e.into()), false),
+        }
+    }
+    tracing::warn!(
+        pid = child.id(),
+        ?deadline,
+        "CRIU ran past its deadline: killing it"
+    );
+    let _ = child.kill();
+    (child.wait(), true)
+}
+
+/// After CRIU was killed mid-restore: kills every process of `image` that is a descendant of
+/// this process (what CRIU restored: the root is our child, `--restore-sibling`, and forked the
+/// rest). None of them ran: CRIU's tasks resume only after the gate, which nobody passed. A
+/// process holding a GPU driver fd could hold a context and is never killed here (CRIU cannot
+/// restore one; it is named instead). Returns what is left and why.
+fn remove_unresumed(image: &Image) -> Vec<String> {
+    let ours = std::process::id() as Pid;
+    let pids = image.manifest().pids();
+    let tree = cryo_proc::tree(ours).unwrap_or_default();
+    let mut left = Vec::new();
+    for pid in tree.into_iter().filter(|p| pids.contains(p)) {
+        let Ok(h) = cryo_proc::ProcHandle::open(pid) else {
+            continue;
+        };
+        match h.driver_fds(cryo_proc::DriverFiles::Nvidia) {
+            Ok(fds) if fds.is_empty() => {
+                if let Err(e) = h.signal(nix::sys::signal::Signal::SIGKILL) {
+                    left.push(format!("pid {pid}: cannot kill it: {e}"));
+                }
+            }
+            Ok(fds) => left.push(format!(
+                "pid {pid}: holds GPU driver fds {fds:?}, left alone"
+            )),
+            Err(e) => left.push(format!("pid {pid}: cannot read its fds ({e}), left alone")),
+        }
+    }
+    reap_restored_root(image.manifest().root_pid);
+    left
 }
 
 /// After a failed restore: CRIU killed what it restored, but the root is our child
@@ -651,27 +880,17 @@ fn reap_restored_root(pid: Pid) {
 /// The file CRIU writes the restored root's pid into (in the work directory).
 const RESTORED_PID: &str = "restored.pid";
 
-fn common_flags(
-    cmd: &mut Command,
-    shell_job: bool,
-    tcp_established: bool,
-    file_locks: bool,
-    ext_unix_sk: bool,
-    external: &[String],
-) {
-    for (on, flag) in [
-        (shell_job, "--shell-job"),
-        (tcp_established, "--tcp-established"),
-        (file_locks, "--file-locks"),
-        (ext_unix_sk, "--ext-unix-sk"),
-    ] {
-        if on {
-            cmd.arg(flag);
-        }
-    }
-    for e in external {
-        cmd.arg("--external").arg(e);
-    }
+/// The last lines of CRIU's log (where it was when it stopped).
+fn last_lines(log: &Path) -> Vec<String> {
+    let text = match std::fs::read(log) {
+        Ok(b) => String::from_utf8_lossy(&b).into_owned(),
+        Err(e) => return vec![format!("cannot read {}: {e}", log.display())],
+    };
+    let all: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    all[all.len().saturating_sub(3)..]
+        .iter()
+        .map(|l| l.trim().to_string())
+        .collect()
 }
 
 fn stderr_tail(mut f: File) -> Vec<String> {

@@ -76,6 +76,27 @@ pub enum CriuError {
     /// a file that changed or vanished): CRIU got nothing of it and no restored process ran.
     #[error("{0}")]
     Image(#[source] ImageError),
+    /// CRIU did not finish its work in time and was killed, with every process it had restored
+    /// (none had run); `lines` are the last of its log (where it was).
+    #[error(
+        "criu {op} did not finish within {} s and was killed with what it had restored{} (log {}): {}",
+        .after.as_secs(),
+        fmt_left(.left),
+        .log.display(),
+        fmt_lines(.lines)
+    )]
+    TimedOut {
+        /// The operation.
+        op: CriuOp,
+        /// The deadline.
+        after: std::time::Duration,
+        /// CRIU's log file.
+        log: PathBuf,
+        /// Its last lines.
+        lines: Vec<String>,
+        /// Restored processes that could not be removed, and why.
+        left: Vec<String>,
+    },
     /// CRIU ran and reported failure; `lines` are its own `Error (...)` lines from `log`
     /// (the last few), or the log's last lines when it has none.
     #[error("criu {op} failed (log {}): {}", .log.display(), fmt_lines(.lines))]
@@ -98,6 +119,14 @@ fn fmt_paths(p: &[PathBuf]) -> String {
         .map(|p| p.display().to_string())
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+fn fmt_left(left: &[String]) -> String {
+    if left.is_empty() {
+        String::new()
+    } else {
+        format!(" except: {}", left.join("; "))
+    }
 }
 
 fn fmt_lines(lines: &[String]) -> String {

@@ -750,3 +750,104 @@ fn images_others_could_change_are_refused() {
     let err = Staging::create(&open.join("new")).unwrap_err();
     assert!(matches!(err, ImageError::Untrusted { .. }), "{err:?}");
 }
+
+/// The thaw's check beside CRIU (`image::Check`): CRIU reads the files while cryo hashes them,
+/// so a change after cryo read a chunk could reach CRIU unhashed. Every such change, whatever
+/// the bytes end up as, must refuse the image at the verdict (before anything restored runs).
+#[test]
+fn a_change_after_the_check_read_the_image_is_refused_at_the_verdict() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = published(t.path(), "img");
+    let pages = dir.join("pages-1.img");
+    let original = fs::read(&pages).unwrap();
+
+    // Untouched: passes.
+    let img = image::Image::open(&dir).unwrap();
+    let check = image::Check::new(&img).unwrap();
+    check.run();
+    check.finish().unwrap();
+    drop(check);
+
+    type Change = Box<dyn Fn(&Path)>;
+    let changes: Vec<(&str, Change)> = vec![
+        // Written in place and written back: the bytes end as they were, but a reader between
+        // the two writes got other bytes.
+        (
+            "written and written back",
+            Box::new(|dir: &Path| {
+                let p = dir.join("pages-1.img");
+                let orig = fs::read(&p).unwrap();
+                let mut other = orig.clone();
+                other[1000] ^= 1;
+                fs::write(&p, &other).unwrap();
+                fs::write(&p, &orig).unwrap();
+            }),
+        ),
+        (
+            "swapped for a copy",
+            Box::new(|dir: &Path| {
+                let p = dir.join("core-4242.img");
+                let swap = dir.join("core.swap");
+                fs::copy(&p, &swap).unwrap();
+                fs::rename(&swap, &p).unwrap();
+            }),
+        ),
+        (
+            "linked",
+            Box::new(|dir: &Path| {
+                let l = dir.parent().unwrap().join("hardlink");
+                fs::hard_link(dir.join("dump.log"), &l).unwrap();
+                fs::remove_file(&l).unwrap();
+            }),
+        ),
+        (
+            "truncated and regrown",
+            Box::new(|dir: &Path| {
+                let p = dir.join("pages-1.img");
+                let orig = fs::read(&p).unwrap();
+                let f = fs::File::options().write(true).open(&p).unwrap();
+                f.set_len(10).unwrap();
+                drop(f);
+                fs::write(&p, &orig).unwrap();
+            }),
+        ),
+        (
+            "an extra file made and removed",
+            Box::new(|dir: &Path| {
+                fs::write(dir.join("pages-9.img"), b"x").unwrap();
+                fs::remove_file(dir.join("pages-9.img")).unwrap();
+            }),
+        ),
+    ];
+    for (what, change) in changes {
+        let img = image::Image::open(&dir).unwrap();
+        let check = image::Check::new(&img).unwrap();
+        check.run();
+        change(&dir);
+        let err = check.finish().unwrap_err();
+        assert!(matches!(err, ImageError::Changed { .. }), "{what}: {err}");
+        assert!(
+            err.to_string().contains("changed during the thaw"),
+            "{what}: {err}"
+        );
+    }
+    assert_eq!(fs::read(&pages).unwrap(), original);
+
+    // A byte flipped before the check read it: a checksum mismatch, not a change.
+    let img = image::Image::open(&dir).unwrap();
+    let mut bytes = original.clone();
+    bytes[5] ^= 1;
+    let check = image::Check::new(&img).unwrap();
+    // Through a file handle opened before the check (as a writer that was already there).
+    let f = fs::File::options().write(true).open(&pages).unwrap();
+    std::os::unix::fs::FileExt::write_at(&f, &bytes[5..6], 5).unwrap();
+    check.run();
+    let err = check.finish().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ImageError::ChunkChecksum { .. } | ImageError::Checksum { .. }
+        ),
+        "{err}"
+    );
+}

@@ -54,5 +54,5 @@ pub use stop::{
 };
 pub use suspend::{suspend, SuspendOptions, SuspendOutcome, Suspended};
 pub use target::{open_process, OpenProcessError, ResolveError, Resolved, Target};
-pub use thaw::{thaw, PrecheckError, ThawError, ThawOptions, ThawReport};
+pub use thaw::{criu_deadline, thaw, PrecheckError, ThawError, ThawOptions, ThawReport};
 pub use watcher::{Coverage, Lease, NoWatcher, Watcher, WatcherError};

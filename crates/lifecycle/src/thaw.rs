@@ -69,6 +69,17 @@ pub struct ThawOptions {
     /// after a shrink that released memory is grown with that shrink's spec and address);
     /// `Some` overrides the image (a `none` spec: no grow).
     pub shrunk: Option<crate::shrink::Shrink>,
+    /// How long CRIU's restore may take; `None`: [`criu_deadline`] of the image's size. Past
+    /// it, CRIU and what it restored (nothing of which ran) are killed and the thaw fails.
+    pub criu_timeout: Option<Duration>,
+}
+
+/// The default deadline of a thaw's CRIU restore for an image of `bytes`: two minutes plus the
+/// image at 50 MB/s (a cold read from a slow disk), far above what a restore that makes
+/// progress takes (1 GiB restores in seconds) and short enough that a restore blocked for good
+/// (a file lock held elsewhere) fails instead of hanging its caller.
+pub fn criu_deadline(bytes: u64) -> Duration {
+    Duration::from_secs(120) + Duration::from_millis(bytes / 50_000)
 }
 
 /// One restored CUDA process.
@@ -487,7 +498,14 @@ fn thaw_inner(
     let image = dir.display().to_string();
     let t = Instant::now();
     progress.begin(manifest.root_pid, "criu restore", manifest.total_bytes);
-    let restored = criu.restore(opened, &RestoreOpts::default());
+    let restore_opts = RestoreOpts {
+        deadline: Some(
+            opts.criu_timeout
+                .unwrap_or_else(|| criu_deadline(manifest.total_bytes)),
+        ),
+        ..RestoreOpts::default()
+    };
+    let restored = criu.restore(opened, &restore_opts);
     progress.end(
         manifest.root_pid,
         "criu restore",
@@ -1059,6 +1077,7 @@ mod tests {
                     },
                     requested: Instant::now(),
                     shrunk: None,
+                    criu_timeout: None,
                 };
                 let fence = cryo_state::StateDir::new(self.dir.path()).fence();
                 thaw(

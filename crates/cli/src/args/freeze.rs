@@ -81,6 +81,10 @@ pub struct ThawArgs {
     /// Seconds the health check may take before the thaw is undone.
     #[arg(long, value_name = "S", default_value_t = 60)]
     pub health_timeout: u64,
+    /// Seconds CRIU's restore may take before it is killed with what it restored (nothing of
+    /// which ran); default: 120 plus the image at 50 MB/s.
+    #[arg(long, value_name = "S")]
+    pub criu_timeout: Option<u64>,
     /// How the engine takes its memory back once the tree runs (default: as the image records
     /// the shrink it was frozen after).
     #[command(flatten)]

@@ -31,6 +31,7 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
         health,
         health_timeout_s: args.health_timeout,
         shrunk: args.shrink.grow()?,
+        criu_timeout_s: args.criu_timeout,
     };
     if let Some(h) = &req.options(requested).health {
         h.validate().map_err(|e| UsageError(e.to_string()))?;

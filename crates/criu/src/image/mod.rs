@@ -35,6 +35,7 @@
 //! leftover is a staging-named directory and goes with the next [`clean_stale`].
 
 mod capture;
+mod check;
 mod hash;
 mod manifest;
 mod open;
@@ -56,12 +57,14 @@ use time::format_description::well_known::Rfc3339;
 
 pub use capture::Capture;
 pub(crate) use capture::CAPTURE_SOCKET;
+pub use check::Check;
 pub use manifest::{
     DeviceUse, DigestAlg, FileEntry, FrozenShrink, ImageMeta, Manifest, ProcessEntry, ProcessGpu,
     DEFAULT_CHUNK_SIZE, FORMAT_2_CHUNK_SIZE, FORMAT_VERSION, MANIFEST_FILE, OLDEST_FORMAT_VERSION,
 };
 pub use open::{read_manifest, Image};
 pub(crate) use stream::{Server, SERVE_SOCKET};
+pub(crate) use sys::inherit as inherit_fd;
 
 /// What marks a staging directory: `NAME.tmp-<random>`.
 pub const STAGING_MARK: &str = ".tmp-";
@@ -188,6 +191,14 @@ pub enum ImageError {
         dir: PathBuf,
         /// What went wrong.
         reason: String,
+    },
+    /// The image changed while CRIU read it (a restore from the files, checked beside CRIU).
+    #[error("{}: changed during the thaw: {what}", .dir.display())]
+    Changed {
+        /// The image.
+        dir: PathBuf,
+        /// What changed.
+        what: String,
     },
     /// A file the manifest does not list.
     #[error("{}: not listed in the manifest", .file.display())]

@@ -66,11 +66,24 @@ impl Image {
 
     /// Reads and checks every chunk of every file (all in parallel).
     pub fn verify(&self) -> Result<(), ImageError> {
-        let spans = spans(&self.manifest);
+        self.verify_files(|_| true)
+    }
+
+    /// Reads and checks every chunk of the files whose name `pick` takes (all in parallel).
+    pub(crate) fn verify_files(&self, pick: impl Fn(&str) -> bool) -> Result<(), ImageError> {
+        let spans: Vec<Span<'_>> = spans(&self.manifest)
+            .into_iter()
+            .filter(|s| pick(&self.manifest.files[s.file].name))
+            .collect();
         hash::check_spans(&spans, self.alg(), |i| {
             self.open_file(i).map(|(f, _)| f).map_err(to_io)
         })
         .map_err(|(i, e)| self.span_error(&spans[i], e))
+    }
+
+    /// The directory, as opened and checked.
+    pub(crate) fn dir_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        std::os::fd::AsFd::as_fd(&self.fd)
     }
 
     pub(crate) fn alg(&self) -> DigestAlg {

@@ -1,4 +1,4 @@
-//! The one system call of the image code that neither `nix` nor `rustix` wraps.
+//! The system calls of the image code that neither `nix` nor `rustix` wraps.
 
 use std::os::fd::AsFd;
 use std::os::fd::AsRawFd;
@@ -22,5 +22,23 @@ pub(crate) fn start_writeback(file: impl AsFd, offset: u64, len: u64) -> std::io
         Ok(())
     } else {
         Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Lets the child that `cmd` starts inherit `fd` under the same number: its close-on-exec flag
+/// is cleared in the child only, after the fork, so no other child of this (threaded) process
+/// inherits it.
+pub(crate) fn inherit(cmd: &mut std::process::Command, fd: std::os::fd::RawFd) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the forked child before exec; it makes two async-signal-safe
+    // system calls (fcntl) on an fd number and allocates nothing (an OS error is not boxed).
+    unsafe {
+        cmd.pre_exec(move || {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags < 0 || libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
     }
 }

@@ -1,0 +1,211 @@
+//! The thaw's check beside CRIU: CRIU restores from the image's own files while cryo hashes the
+//! same files in parallel, and nothing restored runs before every chunk matched and nothing
+//! changed the files in between.
+//!
+//! # Design
+//! [`Check::new`] puts an inotify watch on the image directory (through the fd [`Image::open`]
+//! checked, never the path again) and notes each file's identity and times, before any byte is
+//! read by anyone; then it checks every file but the page contents (`pages-*.img`) before CRIU
+//! starts: those files steer what CRIU does as root (paths it opens, files it creates, archives
+//! it unpacks, how many tasks it forks and waits for), and a flipped byte there made CRIU hang
+//! for minutes in the tests. They are small (kilobytes to a few megabytes). The page contents
+//! only become memory of processes that do not run before the verdict. [`Check::run`] checks
+//! every chunk of those (all cores) while CRIU reads them into place. [`Check::finish`] is the verdict at
+//! CRIU's `post-restore` gate (every process restored, none resumed): it waits for the hashing,
+//! then refuses if any chunk did not match, or if anything happened to the directory since the
+//! watch was set (a write, truncation, attribute change, link, rename, creation or removal,
+//! also of the directory itself), or if any file's identity, size or times differ from those
+//! noted. CRIU got its bytes from those same files during that time; unchanged files read the
+//! same bytes for CRIU as for cryo, so every byte a restored process gets was checked before it
+//! runs.
+//!
+//! # Why not only the stream
+//! The streamer (`stream`) hands CRIU cryo's own checked copy of every chunk, so a change of a
+//! file after its check cannot reach CRIU at all; the price is a pipe between them (CRIU cannot
+//! read its pages into place from a pipe: it premaps and copies, 0.25-0.34 GB/s under load
+//! against 1+ GB/s from the files). Here a change is detected instead of made impossible, which
+//! is as strong for everything that can change an image: only root can write it (`trust`), and
+//! every way root changes a file through the filesystem shows in the watch or the times. What
+//! this does not see: a storage device that returns different bytes for two reads of unchanged
+//! data when the page cache dropped the page between cryo's read and CRIU's; and writes through
+//! a shared mapping made before the thaw started (their time stamp may come later). The stream
+//! (`CRYO_THAW_STREAM=1`) remains for those who want the copy.
+
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
+use std::sync::{mpsc, Mutex};
+
+use rustix::fs::inotify;
+
+use super::open::Image;
+use super::ImageError;
+
+/// What identifies a file's content without reading it: noted at the start, compared at the
+/// verdict.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Stamp {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    nlink: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl Stamp {
+    fn of(m: &std::fs::Metadata) -> Stamp {
+        Stamp {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.size(),
+            nlink: m.nlink(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        }
+    }
+}
+
+/// Every change to a directory entry or file content inotify reports; reads are not in it.
+fn changes() -> inotify::WatchFlags {
+    use inotify::WatchFlags as W;
+    W::MODIFY
+        | W::ATTRIB
+        | W::CLOSE_WRITE
+        | W::MOVED_FROM
+        | W::MOVED_TO
+        | W::CREATE
+        | W::DELETE
+        | W::DELETE_SELF
+        | W::MOVE_SELF
+}
+
+/// Whether the file named `name` holds page contents (CRIU's `pages-<id>.img`): data copied
+/// into the restored memory, never read as instructions by CRIU.
+fn is_page_contents(name: &str) -> bool {
+    name.strip_prefix("pages-")
+        .and_then(|r| r.strip_suffix(".img"))
+        .is_some_and(|id| !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// One image checked beside one CRIU restore.
+#[derive(Debug)]
+pub struct Check<'a> {
+    image: &'a Image,
+    watch: OwnedFd,
+    stamps: Vec<Stamp>,
+    done: mpsc::SyncSender<Result<(), ImageError>>,
+    outcome: Mutex<mpsc::Receiver<Result<(), ImageError>>>,
+}
+
+impl<'a> Check<'a> {
+    /// Watches `image`, notes its files and checks every file but the page contents.
+    pub fn new(image: &'a Image) -> Result<Check<'a>, ImageError> {
+        let dir = image.path();
+        let err = |e: std::io::Error| ImageError::Io {
+            path: dir.to_path_buf(),
+            source: e,
+        };
+        let watch = inotify::init(inotify::CreateFlags::CLOEXEC | inotify::CreateFlags::NONBLOCK)
+            .map_err(|e| err(e.into()))?;
+        let proc_path = format!("/proc/self/fd/{}", image.dir_fd().as_raw_fd());
+        inotify::add_watch(&watch, proc_path.as_str(), changes()).map_err(|e| err(e.into()))?;
+        let stamps = (0..image.manifest().files.len())
+            .map(|i| {
+                let (f, _) = image.open_file(i)?;
+                let path = dir.join(&image.manifest().files[i].name);
+                f.metadata()
+                    .map(|m| Stamp::of(&m))
+                    .map_err(|source| ImageError::Io { path, source })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        // Before CRIU reads any of them; changes afterwards are the watch's.
+        image.verify_files(|name| !is_page_contents(name))?;
+        let (done, outcome) = mpsc::sync_channel(1);
+        Ok(Check {
+            image,
+            watch,
+            stamps,
+            done,
+            outcome: Mutex::new(outcome),
+        })
+    }
+
+    /// Checks every chunk of the page contents (all cores); the outcome goes to
+    /// [`Check::finish`].
+    pub fn run(&self) {
+        let r = self.image.verify_files(is_page_contents);
+        if let Err(e) = &r {
+            tracing::warn!(error = %e, "image refused while CRIU reads it");
+        }
+        let _ = self.done.send(r);
+    }
+
+    /// The verdict before anything restored runs: waits for [`Check::run`], then refuses a
+    /// chunk that did not match or any change to the image since [`Check::new`].
+    pub fn finish(&self) -> Result<(), ImageError> {
+        let outcome = self
+            .outcome
+            .lock()
+            .map_err(|_| self.stream_error("the check's lock is poisoned".into()))?
+            .recv()
+            .map_err(|_| self.stream_error("the check ended without an outcome".into()))?;
+        outcome?;
+        self.unchanged()
+    }
+
+    /// Why the check refused the image, once [`Check::run`] ended, if [`Check::finish`] did not
+    /// take the outcome (CRIU ended before its gate: the image's fault is what to report).
+    pub fn failure(&self) -> Option<ImageError> {
+        let outcome = self.outcome.lock().ok()?;
+        match outcome.try_recv() {
+            Ok(Err(e)) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// Whether the watch saw nothing and every file is the one noted.
+    fn unchanged(&self) -> Result<(), ImageError> {
+        let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 4096];
+        let mut events = inotify::Reader::new(self.watch.as_fd(), &mut buf);
+        match events.next() {
+            Ok(ev) => {
+                let name = ev
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .filter(|n| !n.is_empty())
+                    .unwrap_or_else(|| "the directory itself".into());
+                return Err(self.changed(format!("{name}: {:?}", ev.events())));
+            }
+            Err(rustix::io::Errno::AGAIN) => {}
+            Err(e) => return Err(self.stream_error(format!("reading the watch: {e}"))),
+        }
+        for (i, noted) in self.stamps.iter().enumerate() {
+            let (f, _) = self.image.open_file(i)?;
+            let now = f.metadata().map_err(|source| ImageError::Io {
+                path: self.image.path().join(&self.image.manifest().files[i].name),
+                source,
+            })?;
+            if Stamp::of(&now) != *noted {
+                return Err(self.changed(format!(
+                    "{}: not the file checked (identity, size or times differ)",
+                    self.image.manifest().files[i].name
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn changed(&self, what: String) -> ImageError {
+        ImageError::Changed {
+            dir: self.image.path().to_path_buf(),
+            what,
+        }
+    }
+
+    fn stream_error(&self, reason: String) -> ImageError {
+        ImageError::Stream {
+            dir: self.image.path().to_path_buf(),
+            reason,
+        }
+    }
+}
