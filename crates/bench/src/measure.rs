@@ -58,6 +58,26 @@ pub(crate) fn a_first(round: usize) -> bool {
     round.is_multiple_of(2)
 }
 
+/// Two arms over one warm-up round (not counted) and `rounds` counted ones, the arm that goes
+/// first alternating ([`a_first`]); `arm(k)` runs arm `k` (0 or 1) once and says what it took.
+/// Returns each arm's samples.
+pub(crate) fn ab_rounds(
+    rounds: usize,
+    mut arm: impl FnMut(usize) -> anyhow::Result<f64>,
+) -> anyhow::Result<[Samples; 2]> {
+    let mut out: [Samples; 2] = Default::default();
+    for round in 0..=rounds {
+        let order = if a_first(round) { [0, 1] } else { [1, 0] };
+        for k in order {
+            let took = arm(k)?;
+            if round > 0 {
+                out[k].push(took);
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// The host's 1, 5 and 15 minute load averages; NaN where unreadable, since a benchmark should
 /// not fail for want of a noise indicator.
 pub(crate) fn load_average() -> [f64; 3] {

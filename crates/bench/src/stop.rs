@@ -47,7 +47,7 @@ use cryo_state::StateDir;
 use cryo_units::fmt_bytes;
 
 use crate::args::BenchStopArgs;
-use crate::measure::{a_first, load_average, load_line, Samples};
+use crate::measure::{ab_rounds, load_average, load_line, Samples};
 use crate::private_sim::{retire, DriverOptions, PrivateSim, WorkerOptions};
 
 /// One row of the result: medians over the counted rounds, and every sample.
@@ -100,27 +100,20 @@ pub fn run(args: &BenchStopArgs, cryo: &Path) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for n in [1usize, 2, 4] {
         let load_before = load_average();
-        let mut s = RowSamples::default();
-        for round in 0..=args.rounds {
-            let order = if a_first(round) { [0, 1] } else { [1, 0] };
-            for arm in order {
-                bench.restored_workers(n)?;
-                let took = if arm == 0 {
-                    bench.cryo_stop()?
-                } else {
-                    bench.procedure()?
-                };
-                bench.ledger_empty()?;
-                if round == 0 {
-                    continue;
-                }
-                if arm == 0 {
-                    s.cryo_stop_ms.push(took);
-                } else {
-                    s.procedure_ms.push(took);
-                }
-            }
-        }
+        let [cryo_stop_ms, procedure_ms] = ab_rounds(args.rounds, |arm| {
+            bench.restored_workers(n)?;
+            let took = if arm == 0 {
+                bench.cryo_stop()?
+            } else {
+                bench.procedure()?
+            };
+            bench.ledger_empty()?;
+            Ok(took)
+        })?;
+        let s = RowSamples {
+            cryo_stop_ms,
+            procedure_ms,
+        };
         let row = Row {
             workers: n,
             memory_bytes: memory,
@@ -211,33 +204,26 @@ pub fn run_agent(args: &BenchStopArgs, cryo: &Path) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for n in [1usize, 2, 4] {
         let load_before = load_average();
-        let mut s = AgentSamples::default();
-        for round in 0..=args.rounds {
-            let order = if a_first(round) { [0, 1] } else { [1, 0] };
-            for arm in order {
-                bench.state = if arm == 0 {
-                    standalone.clone()
-                } else {
-                    agent_state.clone()
-                };
-                bench.restored_workers(n)?;
-                if arm == 1 {
-                    // Steady state: the agent guards what it would stop, as on a node.
-                    let pids: Vec<Pid> = bench.live.iter().map(|w| w.pid).collect();
-                    agent.wait_guarded(&pids)?;
-                }
-                let took = bench.cryo_stop()?;
-                bench.ledger_empty()?;
-                if round == 0 {
-                    continue;
-                }
-                if arm == 0 {
-                    s.standalone_ms.push(took);
-                } else {
-                    s.agent_ms.push(took);
-                }
+        let [standalone_ms, agent_ms] = ab_rounds(args.rounds, |arm| {
+            bench.state = if arm == 0 {
+                standalone.clone()
+            } else {
+                agent_state.clone()
+            };
+            bench.restored_workers(n)?;
+            if arm == 1 {
+                // Steady state: the agent guards what it would stop, as on a node.
+                let pids: Vec<Pid> = bench.live.iter().map(|w| w.pid).collect();
+                agent.wait_guarded(&pids)?;
             }
-        }
+            let took = bench.cryo_stop()?;
+            bench.ledger_empty()?;
+            Ok(took)
+        })?;
+        let s = AgentSamples {
+            standalone_ms,
+            agent_ms,
+        };
         let row = AgentRow {
             workers: n,
             memory_bytes: memory,

@@ -12,6 +12,7 @@ use std::fs;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 mod common;
 
@@ -1636,4 +1637,74 @@ fn an_agent_killed_between_a_thaws_restore_and_unlock_leaves_nothing_unguarded()
     );
     assert_pinned_then_release(&env, id);
     drop(agent2);
+}
+
+/// Issue 16 item 2: a worker that holds a `flock` whose lock is also held outside it (it
+/// inherited the fd from a test runner's lock) is dumped holding the lock, and CRIU's restore
+/// waits for that lock forever. The thaw must end at its CRIU deadline, CRIU and what it
+/// restored (which never ran) killed, and the image must thaw once the lock is free. (Before
+/// the deadline, this thaw never returned.)
+#[test]
+fn a_criu_restore_that_blocks_ends_at_its_deadline_with_nothing_left() {
+    let mut env = Env::start("1GiB");
+    let lock = fs::File::create(env.path().join("held.lock")).unwrap();
+    let held = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive).unwrap();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&*held);
+    // A plain process (sim workers close what they inherit at start), in its own session.
+    let mut cmd = Command::new("setsid");
+    cmd.args(["sleep", "1000"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    cryo_testkit::fds::close_inherited(&mut cmd, Some(fd));
+    let mut sleeper = cmd.spawn().unwrap();
+    let pid = sleeper.id() as i32;
+    eventually(PATIENCE, "the sleeper to exec", || {
+        fs::read_to_string(format!("/proc/{pid}/comm"))
+            .ok()
+            .filter(|c| c.trim() == "sleep")
+    });
+    let info = fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}")).unwrap();
+    assert!(
+        info.contains("lock:"),
+        "the sleeper holds no lock on fd {fd}: {info}"
+    );
+    let image = env.path().join("img");
+    let out = env.cryo(&[
+        "freeze",
+        &pid.to_string(),
+        "--image",
+        image.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "freeze failed: {}", stderr(&out));
+    sleeper.wait().unwrap();
+
+    let t = Instant::now();
+    let mut thaw = env
+        .cmd()
+        .args(["thaw", image.to_str().unwrap(), "--criu-timeout", "5"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Far above the deadline: a thaw still running then hangs.
+    while thaw.try_wait().unwrap().is_none() {
+        if t.elapsed() > Duration::from_secs(120) {
+            let _ = thaw.kill();
+            let out = thaw.wait_with_output().unwrap();
+            panic!("the thaw hangs behind CRIU's restore: {}", stderr(&out));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = thaw.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("did not finish within 5 s"), "{err}");
+    assert!(!exists(pid), "a restored process is left: {err}");
+
+    drop(held);
+    let out = env.thaw(&image, &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    env.stop(pid);
+    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
 }

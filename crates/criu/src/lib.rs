@@ -17,9 +17,10 @@
 //! directory outside it, so a restore never changes a verified image.
 //!
 //! Restores use CRIU's `rst_sibling`: the tree comes back as a child of the caller, not of the
-//! short-lived CRIU worker. [`Criu::restore`] (what `cryo thaw` uses) and [`Criu::dump_staged`]
-//! (what `cryo freeze` uses) run `criu restore|dump --stream` as commands instead, with cryo
-//! serving or capturing the image (see [`image`]): CRIU's RPC has no streaming.
+//! short-lived CRIU worker. [`Criu::dump_staged`] (what `cryo freeze` uses) runs `criu dump
+//! --stream` as a command instead, cryo capturing the image (CRIU's RPC has no streaming);
+//! [`Criu::restore`] (what `cryo thaw` uses) runs `criu restore` as a command gated by cryo's
+//! verdict on the image, checked beside CRIU or served to it ([`ThawRoute`], see [`image`]).
 //!
 //! The [`image`] module stages, publishes (atomically, crash-safe) and verifies image directories
 //! with their [`image::Manifest`].
@@ -30,8 +31,9 @@
 //! reaps: a dumped child of the caller stays a zombie holding its pid (and blocks a restore with
 //! that pid) until waited for; a restored root is the caller's child. A restore needs every pid
 //! of the image free, also as a process group or session id of a leftover of the dumped tree
-//! that init has not reaped yet: [`cryo_proc::pids_in_use`] says which are still taken. No timeout on CRIU
-//! itself: a hung CRIU hangs the call.
+//! that init has not reaped yet: [`cryo_proc::pids_in_use`] says which are still taken. Only
+//! [`Criu::restore`] has a deadline ([`RestoreOpts::deadline`]); elsewhere a hung CRIU hangs
+//! the call.
 
 mod criu;
 mod error;

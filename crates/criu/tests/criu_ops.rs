@@ -45,6 +45,8 @@ fn spawn_counter(dir: &Path) -> std::process::Child {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null());
+    // What a test runner left open (a landing script's flock) must not be dumped with it.
+    cryo_testkit::fds::close_inherited(&mut cmd, None);
     // SAFETY: setsid is async-signal-safe and touches no memory of the parent.
     unsafe {
         cmd.pre_exec(|| nix::unistd::setsid().map(|_| ()).map_err(Into::into));

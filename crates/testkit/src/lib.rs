@@ -30,6 +30,7 @@
 pub mod cgroup;
 pub mod fake;
 pub mod fake_criu;
+pub mod fds;
 pub mod http;
 pub mod procs;
 pub mod sim;

@@ -93,13 +93,13 @@ impl Procs {
     /// CRIU dumps as a whole). [`Procs::pids`] gives the root only; [`Procs::tree`] all.
     pub fn session_tree(children: usize) -> Procs {
         let script = format!("{}exec sleep 600", "sleep 600 & ".repeat(children));
-        let root = Command::new("setsid")
-            .args(["sh", "-c", &script])
+        let mut cmd = Command::new("setsid");
+        cmd.args(["sh", "-c", &script])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
+            .stderr(Stdio::null());
+        crate::fds::close_inherited(&mut cmd, None);
+        let root = cmd.spawn().unwrap();
         let pid = root.id() as Pid;
         eventually(PATIENCE, "the session tree", || {
             cryo_proc::stat(pid).is_ok_and(|s| s.session == pid && s.comm == "sleep")
@@ -158,6 +158,7 @@ fn sleeper(session: bool) -> Child {
     } else {
         Command::new("sleep")
     };
+    crate::fds::close_inherited(&mut c, None);
     let child = c
         .arg("600")
         .stdin(Stdio::null())

@@ -247,6 +247,7 @@ pub struct WorkerSpec {
     program: Option<Program>,
     own_namespaces: bool,
     port: Option<u16>,
+    inherit_fd: Option<std::os::fd::RawFd>,
 }
 
 impl WorkerSpec {
@@ -269,7 +270,15 @@ impl WorkerSpec {
             program: None,
             own_namespaces: false,
             port: None,
+            inherit_fd: None,
         }
+    }
+
+    /// Hands the worker this fd of the test (same number): a worker starts with no fd of its
+    /// parent but its stdio otherwise ([`crate::fds::close_inherited`]).
+    pub fn inherit_fd(mut self, fd: std::os::fd::RawFd) -> Self {
+        self.inherit_fd = Some(fd);
+        self
     }
 
     /// A KV cache of this size per context after the weights (`--kv-cache`), which the engine
@@ -487,6 +496,7 @@ impl Worker {
         if spec.process_group {
             std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         }
+        crate::fds::close_inherited(&mut cmd, spec.inherit_fd);
         let mut child = cmd.spawn().unwrap();
         let mut pid = child.id() as Pid;
         if let Some(cg) = &spec.cgroup {

@@ -21,8 +21,10 @@
 //! [`Image::open`] applies the trust rule (`trust`: the image, its files and every directory
 //! above it can be changed by root only; no symlinks, one link per file) and checks the
 //! manifest, the listing and the sizes without reading the files. [`Image::verify`] (and
-//! [`verify`]) then hashes every chunk on every core; a thaw instead checks each chunk as the
-//! image streamer (`stream`) serves it to CRIU, and the rest at a gate before anything runs.
+//! [`verify`]) then hashes every chunk on every core; a thaw instead checks the image beside
+//! CRIU while CRIU reads it ([`Check`]: the files that steer CRIU first, the page contents in
+//! parallel, any change watched), or, through the image streamer (`stream`), each chunk as it
+//! serves it to CRIU; either way the verdict comes at a gate before anything restored runs.
 //!
 //! # Checksums
 //! Format 3: the BLAKE3 of every [`DEFAULT_CHUNK_SIZE`] chunk of every file; the manifest's own
