@@ -93,8 +93,8 @@ struct Row {
     ratio: [f64; 5],
     /// cryo's freeze steps: suspend, dump, publish (hash + fsync + manifest + rename), ms.
     cryo_freeze_steps: [Samples; 3],
-    /// cryo's thaw from the page cache: checks before CRIU, CRIU restore through the streamer
-    /// (every byte checked), GPU restore + unlock, ms.
+    /// cryo's thaw from the page cache: checks before CRIU, CRIU restore (every byte checked
+    /// before anything runs, by the route `CRYO_THAW_STREAM` picks), GPU restore + unlock, ms.
     cryo_thaw_warm_steps: [Samples; 3],
     /// The same after dropping the caches.
     cryo_thaw_cold_steps: [Samples; 3],
@@ -130,8 +130,13 @@ pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
     if !args.json {
         println!(
             "cryo freeze/thaw against the bare route: criu + cuda-checkpoint processes (simulated \
-             GPU, {})",
-            criu.path().display()
+             GPU, {}); cryo's thaw: {}",
+            criu.path().display(),
+            match cryo_criu::ThawRoute::from_env() {
+                cryo_criu::ThawRoute::Files => "CRIU reads the files, cryo checks them beside it",
+                cryo_criu::ThawRoute::Stream =>
+                    "through cryo's image streamer (CRYO_THAW_STREAM=1)",
+            }
         );
         println!(
             "{} rounds per size after 1 warm-up round at {}, arm order alternating (ABBA), \
@@ -248,8 +253,8 @@ fn print_row(row: &Row) {
     let img = row.image_bytes;
     println!(
         "  cryo's steps (medians): freeze = suspend {sp:.0} + dump {d:.0} + publish {p:.0} ms; \
-         thaw = checks {wv:.0} + streamed CRIU restore {wc:.0} + GPU {wg:.0} ms (cold: {cv:.0} + \
-         {cc:.0} + {cg:.0})"
+         thaw = checks {wv:.0} + CRIU restore {wc:.0} + GPU {wg:.0} ms (cold: {cv:.0} + {cc:.0} + \
+         {cg:.0})"
     );
     let [bs, bd, bf] = med(&row.bare_freeze_steps);
     let [_, bwc, bwg] = med(&row.bare_thaw_warm_steps);
@@ -267,8 +272,8 @@ fn print_row(row: &Row) {
         gbps(img, p),
     );
     println!(
-        "  throughput of the streamed CRIU restore (every byte read, checked, served): page \
-         cache {:.2} GB/s (page cache read {:.2}), cold {:.2} GB/s (cold read {:.2})",
+        "  throughput of cryo's CRIU restore (every byte read and checked): page cache {:.2} GB/s \
+         (page cache read {:.2}), cold {:.2} GB/s (cold read {:.2})",
         gbps(img, wc),
         l.read_cached / 1e9,
         gbps(img, cc),

@@ -28,19 +28,17 @@ pub const RESTORE_LOG: &str = "restore.log";
 /// How many of CRIU's error lines a [`CriuError::Failed`] carries.
 const ERROR_LINES: usize = 8;
 
-/// Options of a dump. The defaults are cryo's: the tree is gone afterwards, no terminal, no
-/// established TCP connections, file locks kept, CRIU's log at level 4 (debug).
+/// The options of CRIU's that dump and restore share. The defaults are cryo's: no terminal,
+/// no established TCP connections, file locks kept, CRIU's log at level 4 (debug).
 #[derive(Debug, Clone)]
-pub struct DumpOpts {
-    /// Keep the tree running after the dump (CRIU's `--leave-running`).
-    pub leave_running: bool,
+pub struct CriuFlags {
     /// The tree is a shell job: its session or terminal lies outside it (`--shell-job`).
     pub shell_job: bool,
-    /// Dump established TCP connections (`--tcp-established`).
+    /// Established TCP connections (`--tcp-established`).
     pub tcp_established: bool,
-    /// Dump file locks (`--file-locks`).
+    /// File locks (`--file-locks`).
     pub file_locks: bool,
-    /// Dump unix sockets connected to peers outside the tree (`--ext-unix-sk`).
+    /// Unix sockets connected to peers outside the tree (`--ext-unix-sk`).
     pub ext_unix_sk: bool,
     /// CRIU's log level, 0-4.
     pub log_level: i32,
@@ -48,10 +46,9 @@ pub struct DumpOpts {
     pub external: Vec<String>,
 }
 
-impl Default for DumpOpts {
+impl Default for CriuFlags {
     fn default() -> Self {
-        DumpOpts {
-            leave_running: false,
+        CriuFlags {
             shell_job: false,
             tcp_established: false,
             file_locks: true,
@@ -62,47 +59,32 @@ impl Default for DumpOpts {
     }
 }
 
+/// Options of a dump. The defaults are cryo's: the tree is gone afterwards, and
+/// [`CriuFlags`]' defaults.
+#[derive(Debug, Clone, Default)]
+pub struct DumpOpts {
+    /// Keep the tree running after the dump (CRIU's `--leave-running`).
+    pub leave_running: bool,
+    /// What dump and restore share.
+    pub flags: CriuFlags,
+}
+
 /// Options of a restore. The restored tree always comes back as a sibling of the short-lived
 /// CRIU worker, i.e. as a child of the calling process (CRIU's `rst_sibling`).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct RestoreOpts {
-    /// See [`DumpOpts::shell_job`].
-    pub shell_job: bool,
-    /// See [`DumpOpts::tcp_established`].
-    pub tcp_established: bool,
-    /// See [`DumpOpts::file_locks`].
-    pub file_locks: bool,
-    /// See [`DumpOpts::ext_unix_sk`].
-    pub ext_unix_sk: bool,
-    /// CRIU's log level, 0-4.
-    pub log_level: i32,
+    /// What dump and restore share.
+    pub flags: CriuFlags,
     /// Where CRIU writes `restore.log` and its stats. `None`: a fresh directory under the
     /// system's temporary directory, removed after a success and kept after a failure. Never
     /// the image directory: a restore must leave the image exactly as verified.
     pub work_dir: Option<PathBuf>,
-    /// Resources declared external (`--external`), passed through as is.
-    pub external: Vec<String>,
     /// How long CRIU may take ([`Criu::restore`] only; `None`: no limit). Past it CRIU is
     /// killed, and so is every process of the image it had restored (none has run: they were
     /// all before the gate), and the restore is [`CriuError::TimedOut`]. A restore can block
     /// forever: a restored process that must take back a file lock someone else holds waits
     /// for it (`--file-locks`).
     pub deadline: Option<std::time::Duration>,
-}
-
-impl Default for RestoreOpts {
-    fn default() -> Self {
-        RestoreOpts {
-            shell_job: false,
-            tcp_established: false,
-            file_locks: true,
-            ext_unix_sk: false,
-            log_level: 4,
-            work_dir: None,
-            external: Vec::new(),
-            deadline: None,
-        }
-    }
 }
 
 /// What cryo needs from CRIU, as a seam: dump a process tree into a directory, restore one
@@ -271,13 +253,13 @@ impl CriuRpc {
                 images_dir_fd: dir.as_raw_fd(),
                 work_dir_fd: Some(work.as_raw_fd()),
                 rst_sibling: Some(true),
-                shell_job: Some(opts.shell_job),
-                tcp_established: Some(opts.tcp_established),
-                file_locks: Some(opts.file_locks),
-                ext_unix_sk: Some(opts.ext_unix_sk),
-                log_level: Some(opts.log_level),
+                shell_job: Some(opts.flags.shell_job),
+                tcp_established: Some(opts.flags.tcp_established),
+                file_locks: Some(opts.flags.file_locks),
+                ext_unix_sk: Some(opts.flags.ext_unix_sk),
+                log_level: Some(opts.flags.log_level),
                 log_file: Some(RESTORE_LOG.to_string()),
-                external: opts.external.clone(),
+                external: opts.flags.external.clone(),
                 ..Default::default()
             }),
             ..Default::default()
@@ -335,7 +317,7 @@ impl CriuRpc {
         private: &Path,
         work: &Path,
         log: &str,
-        flags: &Flags<'_>,
+        flags: &CriuFlags,
         gate: &Gate,
     ) -> std::io::Result<(Command, File)> {
         let mut cmd = self.command(private)?;
@@ -367,7 +349,7 @@ impl CriuRpc {
                 cmd.arg(flag);
             }
         }
-        for e in flags.external {
+        for e in &flags.external {
             cmd.arg("--external").arg(e);
         }
         let stderr = tempfile::tempfile()?;
@@ -448,13 +430,13 @@ impl Criu for CriuRpc {
                 images_dir_fd: dir.as_raw_fd(),
                 pid: Some(pid),
                 leave_running: Some(opts.leave_running),
-                shell_job: Some(opts.shell_job),
-                tcp_established: Some(opts.tcp_established),
-                file_locks: Some(opts.file_locks),
-                ext_unix_sk: Some(opts.ext_unix_sk),
-                log_level: Some(opts.log_level),
+                shell_job: Some(opts.flags.shell_job),
+                tcp_established: Some(opts.flags.tcp_established),
+                file_locks: Some(opts.flags.file_locks),
+                ext_unix_sk: Some(opts.flags.ext_unix_sk),
+                log_level: Some(opts.flags.log_level),
                 log_file: Some(DUMP_LOG.to_string()),
-                external: opts.external.clone(),
+                external: opts.flags.external.clone(),
                 ..Default::default()
             }),
             ..Default::default()
@@ -504,7 +486,7 @@ impl Criu for CriuRpc {
                 &p,
                 staging.path(),
                 DUMP_LOG,
-                &Flags::from(opts),
+                &opts.flags,
                 &gate,
             )
             .map_err(dir_err(&p))?;
@@ -597,7 +579,7 @@ impl Criu for CriuRpc {
                 &p,
                 &work,
                 RESTORE_LOG,
-                &Flags::from(opts),
+                &opts.flags,
                 &gate,
             )
             .map_err(dir_err(&p))?;
@@ -726,42 +708,6 @@ enum Images<'a> {
     Stream,
     /// In the image directory itself, the one cryo opened (inherited by CRIU).
     Dir(std::os::fd::BorrowedFd<'a>),
-}
-
-/// The options dump and restore share.
-struct Flags<'a> {
-    shell_job: bool,
-    tcp_established: bool,
-    file_locks: bool,
-    ext_unix_sk: bool,
-    log_level: i32,
-    external: &'a [String],
-}
-
-impl<'a> From<&'a DumpOpts> for Flags<'a> {
-    fn from(o: &'a DumpOpts) -> Flags<'a> {
-        Flags {
-            shell_job: o.shell_job,
-            tcp_established: o.tcp_established,
-            file_locks: o.file_locks,
-            ext_unix_sk: o.ext_unix_sk,
-            log_level: o.log_level,
-            external: &o.external,
-        }
-    }
-}
-
-impl<'a> From<&'a RestoreOpts> for Flags<'a> {
-    fn from(o: &'a RestoreOpts) -> Flags<'a> {
-        Flags {
-            shell_job: o.shell_job,
-            tcp_established: o.tcp_established,
-            file_locks: o.file_locks,
-            ext_unix_sk: o.ext_unix_sk,
-            log_level: o.log_level,
-            external: &o.external,
-        }
-    }
 }
 
 /// What [`Criu::restore_image`] restored.

@@ -42,8 +42,8 @@ mod rpc;
 mod version;
 
 pub use criu::{
-    error_lines, AtGate, Criu, CriuRpc, DumpOpts, RestoreOpts, Restored, ThawRoute, CRIU_ENV,
-    DEFAULT_CRIU, DUMP_LOG, RESTORE_LOG,
+    error_lines, AtGate, Criu, CriuFlags, CriuRpc, DumpOpts, RestoreOpts, Restored, ThawRoute,
+    CRIU_ENV, DEFAULT_CRIU, DUMP_LOG, RESTORE_LOG,
 };
 pub use error::{CriuError, CriuOp};
 pub use image::{ImageError, Manifest};

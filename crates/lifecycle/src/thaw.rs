@@ -108,9 +108,9 @@ pub struct ThawReport {
     pub gpu: Vec<RestoredGpu>,
     /// The checks before CRIU runs (trust, manifest, listing, sizes), ms.
     pub verify_ms: u64,
-    /// CRIU restore, with every chunk checked as the streamer serves it, ms.
+    /// CRIU restore, every chunk of the image checked before anything restored runs, ms.
     pub criu_ms: u64,
-    /// Bytes of the image CRIU read, each checked against the manifest first.
+    /// Bytes of the image checked during the CRIU restore (see `cryo_criu::Restored`).
     pub served_bytes: u64,
     /// GPU restore of every CUDA process (in parallel) and unlock, ms.
     pub gpu_restore_ms: u64,
