@@ -19,7 +19,9 @@
 //!   guard traces it while LOCKED, then it is unlocked. One claim wakes at a time (the wake's
 //!   free-memory check and the restore are not atomic across concurrent wakes). A claim refused
 //!   before any restore (GPU full, fenced) puts the standby back; one that fails after the
-//!   restore removes it safely.
+//!   restore removes it safely. No refill starts while a claim runs: a CRIU restore beside the
+//!   claim's GPU restore would compete with it on the request path (the pool refills right
+//!   after); a refill already under way when a claim comes is not interrupted.
 //!
 //! - **No orphans.** The tree CRIU restores is journaled (`StandbyRestoring`, every pid and
 //!   start time) at CRIU's gate, before any of it runs; an agent killed before that record makes
@@ -178,6 +180,15 @@ impl Pools {
     /// Wakes the refill loop.
     fn kick(&self) {
         self.kick.notify_all();
+    }
+}
+
+/// Wakes the refill loop when dropped.
+struct KickOnDrop<'a>(&'a Pools);
+
+impl Drop for KickOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.kick();
     }
 }
 
@@ -350,6 +361,9 @@ impl Agent {
             h.validate()
                 .map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))?;
         }
+        // Dropped after `_one` (locals drop in reverse order): the refill loop is woken once
+        // the claim is over.
+        let _kick = KickOnDrop(&self.pools);
         let _one = self
             .pools
             .claiming
@@ -384,7 +398,9 @@ impl Agent {
                     }
                 }
             };
-            self.pools.kick();
+            // The refill is kicked once this claim is done: a CRIU restore beside the claim's
+            // GPU restore competes with it for memory bandwidth and CPU (measured: `cryo bench
+            // activate`'s phases).
             let result = sb::claim(
                 &self.gpu,
                 &next,
@@ -459,6 +475,17 @@ impl Agent {
     /// The refill loop (its own thread, for the agent's life): see the module docs.
     pub(crate) fn refill_loop(self: &Arc<Self>) {
         while !self.stopping() {
+            // No refill starts while a claim runs (it is kicked when the claim ends).
+            let claiming = self.pools.claiming.try_lock().is_err();
+            if claiming {
+                let pools = self.pools.lock();
+                let _ = self
+                    .pools
+                    .kick
+                    .wait_timeout(pools, TICK)
+                    .map(|(g, _)| drop(g));
+                continue;
+            }
             self.drop_dead_and_stale();
             let next = {
                 let mut pools = self.pools.lock();

@@ -59,6 +59,75 @@ struct Row {
     /// (b) broken down: the claim's phases in the agent (in order), and the rest (the `cryo`
     /// command's start, the request and the answer over the agent's socket), ms.
     standby_phases: Vec<(String, Samples)>,
+    /// The host's memory around the timed request of (a), (b) and the baseline: what the
+    /// kernel did meanwhile (compaction and direct-reclaim stalls) and what was free before.
+    host: Vec<(&'static str, HostDelta)>,
+}
+
+/// The kernel's memory counters (`/proc/vmstat`, `/proc/meminfo`) at one moment.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+struct HostMemory {
+    compact_stall: u64,
+    allocstall: u64,
+    thp_fault_fallback: u64,
+    available_mib: u64,
+    dirty_mib: u64,
+}
+
+impl HostMemory {
+    fn now() -> HostMemory {
+        let vmstat = std::fs::read_to_string("/proc/vmstat").unwrap_or_default();
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let sum = |text: &str, pick: &dyn Fn(&str) -> bool| -> u64 {
+            text.lines()
+                .filter(|l| pick(l.split([' ', ':']).next().unwrap_or("")))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .sum()
+        };
+        HostMemory {
+            compact_stall: sum(&vmstat, &|k| k == "compact_stall"),
+            allocstall: sum(&vmstat, &|k| k.starts_with("allocstall_")),
+            thp_fault_fallback: sum(&vmstat, &|k| k == "thp_fault_fallback"),
+            available_mib: sum(&meminfo, &|k| k == "MemAvailable") / 1024,
+            dirty_mib: sum(&meminfo, &|k| k == "Dirty" || k == "Writeback") / 1024,
+        }
+    }
+}
+
+/// What the kernel's memory management did during one timed request.
+#[derive(Debug, Clone, Default, Serialize)]
+struct HostDelta {
+    compact_stalls: Samples,
+    reclaim_stalls: Samples,
+    thp_fallbacks: Samples,
+    available_mib: Samples,
+    dirty_mib: Samples,
+}
+
+impl HostDelta {
+    fn push(&mut self, before: HostMemory, after: HostMemory) {
+        let d = |a: u64, b: u64| b.saturating_sub(a) as f64;
+        self.compact_stalls
+            .push(d(before.compact_stall, after.compact_stall));
+        self.reclaim_stalls
+            .push(d(before.allocstall, after.allocstall));
+        self.thp_fallbacks
+            .push(d(before.thp_fault_fallback, after.thp_fault_fallback));
+        self.available_mib.push(before.available_mib as f64);
+        self.dirty_mib.push(before.dirty_mib as f64);
+    }
+}
+
+fn host(row: &mut Row, arm: &'static str, before: HostMemory) {
+    let after = HostMemory::now();
+    match row.host.iter_mut().find(|(a, _)| *a == arm) {
+        Some((_, d)) => d.push(before, after),
+        None => {
+            let mut d = HostDelta::default();
+            d.push(before, after);
+            row.host.push((arm, d));
+        }
+    }
 }
 
 /// Runs `cryo bench activate` with the binary `cryo`.
@@ -164,6 +233,18 @@ fn print_row(r: &Row) {
     for (name, s) in &r.standby_phases {
         println!("      {:<44} {:>20}", name, s.cell1());
     }
+    println!("  host memory during the request: compaction stalls, direct-reclaim stalls, THP fallbacks; MemAvailable and dirty+writeback before (MiB), medians");
+    for (arm, d) in &r.host {
+        println!(
+            "      {:<12} {:>6.0} {:>6.0} {:>6.0}   {:>7.0} {:>6.0}",
+            arm,
+            d.compact_stalls.median(),
+            d.reclaim_stalls.median(),
+            d.thp_fallbacks.median(),
+            d.available_mib.median(),
+            d.dirty_mib.median()
+        );
+    }
 }
 
 /// (b) on one fresh worker: frozen, one standby of it made ready by the private agent (not
@@ -214,9 +295,11 @@ fn standby_arm(
         .arg(&image)
         .arg("--health-url")
         .arg(format!("unix:{}:/health", sock.display()));
+    let mem = HostMemory::now();
     let t = Instant::now();
     let out = bench.run(c, "cryo standby claim")?;
     let total = ms(t.elapsed());
+    host(row, "(b) standby", mem);
     row.standby_ms.push(total);
     let v: serde_json::Value =
         serde_json::from_str(&out).context("parsing cryo standby claim --json")?;
@@ -285,10 +368,12 @@ fn park_arm(bench: &Bench, gpu: &cryo_gpu::Gpu, memory: u64, row: &mut Row) -> a
         line.contains("listening"),
         "cryo activate did not start: {line:?}"
     );
+    let mem = HostMemory::now();
     let t = Instant::now();
     let answered = cryo_lifecycle::HealthCheck::Url(format!("unix:{}:/health", svc.display()))
         .wait(Duration::from_secs(120));
     let took = ms(t.elapsed());
+    host(row, "(a) park", mem);
     let _ = activator.kill();
     let _ = activator.wait();
     answered.context("no answer through the activator")?;
@@ -301,12 +386,14 @@ fn park_arm(bench: &Bench, gpu: &cryo_gpu::Gpu, memory: u64, row: &mut Row) -> a
     gpu.driver
         .checkpoint(pid)
         .context("checkpoint for the baseline")?;
+    let mem = HostMemory::now();
     let t = Instant::now();
     gpu.driver
         .restore(pid, &[])
         .context("restore for the baseline")?;
     gpu.driver.unlock(pid).context("unlock for the baseline")?;
     row.raw_ms.push(ms(t.elapsed()));
+    host(row, "raw", mem);
     bench.stop(pid)?;
     let _ = child.wait();
     Ok(())

@@ -166,6 +166,21 @@ pub fn wake_spec(args: &WakeHowArgs) -> WakeSpec {
     }
 }
 
+/// What a park or wake without the agent needs: the target's processes, the driver, the journal.
+fn standalone(
+    ctx: &Context,
+    target: &Target,
+) -> anyhow::Result<(
+    cryo_lifecycle::Resolved,
+    cryo_gpu::Gpu,
+    cryo_journal::Journal,
+)> {
+    let resolved = target.resolve()?;
+    let gpu = ctx.gpu()?;
+    let journal = ctx.state.open_journal().context("opening the journal")?;
+    Ok((resolved, gpu, journal))
+}
+
 fn park_standalone(
     ctx: &Context,
     req: &ParkRequest,
@@ -173,13 +188,7 @@ fn park_standalone(
     progress: &dyn cryo_lifecycle::Progress,
 ) -> Result<ParkReport, Outcome> {
     let failed = |e: anyhow::Error| Outcome::Failed(e.context(format!("parking {target}")));
-    let resolved = target.resolve().map_err(|e| failed(e.into()))?;
-    let gpu = ctx.gpu().map_err(failed)?;
-    let journal = ctx
-        .state
-        .open_journal()
-        .context("opening the journal")
-        .map_err(failed)?;
+    let (resolved, gpu, journal) = standalone(ctx, target).map_err(failed)?;
     match cryo_lifecycle::park(&gpu, &resolved, &req.options(), &journal, progress) {
         Ok(r) => Ok(r),
         Err(
@@ -196,13 +205,7 @@ fn wake_standalone(
     progress: &dyn cryo_lifecycle::Progress,
 ) -> Result<WakeReport, Outcome> {
     let failed = |e: anyhow::Error| Outcome::Failed(e.context(format!("waking {target}")));
-    let resolved = target.resolve().map_err(|e| failed(e.into()))?;
-    let gpu = ctx.gpu().map_err(failed)?;
-    let journal = ctx
-        .state
-        .open_journal()
-        .context("opening the journal")
-        .map_err(failed)?;
+    let (resolved, gpu, journal) = standalone(ctx, target).map_err(failed)?;
     let guard = cryo_guard::control::GuardClient::new(&ctx.state);
     match cryo_lifecycle::wake(
         &gpu,
