@@ -23,14 +23,18 @@ fn run(sim: &Sim, st: &Path, args: &[&str]) -> Output {
     sim.cmd_at(st).args(args).output().unwrap()
 }
 
-fn ok(o: &Output) {
+use common::succeeded as ok;
+
+/// `cryo wake PID` is refused because no GPU it may use has room; nothing was restored.
+fn wake_refused_for_room(sim: &Sim, st: &Path, pid: i32) {
+    let o = run(sim, st, &["wake", &pid.to_string()]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
     assert!(
-        o.status.success(),
-        "status {:?}\nstdout: {}\nstderr: {}",
-        o.status,
-        stdout(o),
-        stderr(o)
+        stderr(&o).contains("no GPU it may use has it"),
+        "{}",
+        stderr(&o)
     );
+    assert_eq!(sim.state(pid), "checkpointed");
 }
 
 fn json(o: &Output) -> serde_json::Value {
@@ -153,14 +157,7 @@ fn wake_onto_a_full_gpu_refuses_or_takes_another() {
     park(&sim, st.path(), w.pid);
     let _squatter = worker(&sim, "600MiB", 0);
 
-    let o = run(&sim, st.path(), &["wake", &w.pid.to_string()]);
-    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
-    assert!(
-        stderr(&o).contains("no GPU it may use has it"),
-        "{}",
-        stderr(&o)
-    );
-    assert_eq!(sim.state(w.pid), "checkpointed");
+    wake_refused_for_room(&sim, st.path(), w.pid);
 
     let o = run(
         &sim,
@@ -252,14 +249,7 @@ fn park_and_wake_go_through_the_agent_and_its_guard_traces_the_wake() {
 
     // A full GPU: refused through the agent as standalone, nothing restored.
     let hog = worker(&sim, "1000MiB", 0);
-    let o = run(&sim, st.path(), &["wake", &w.pid.to_string()]);
-    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
-    assert!(
-        stderr(&o).contains("no GPU it may use has it"),
-        "{}",
-        stderr(&o)
-    );
-    assert_eq!(sim.state(w.pid), "checkpointed");
+    wake_refused_for_room(&sim, st.path(), w.pid);
     drop(hog);
 
     let o = run(&sim, st.path(), &["wake", &w.pid.to_string(), "--json"]);
