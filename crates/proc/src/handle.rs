@@ -292,6 +292,59 @@ impl ProcHandle {
         Ok(files)
     }
 
+    /// Puts back in transparent huge pages the anonymous memory the process asked huge pages for
+    /// (`MADV_HUGEPAGE`: `hg` in `/proc/PID/smaps`) and holds in small pages, as after a CRIU
+    /// restore, which writes every page back 4 KiB at a time: `process_madvise(MADV_COLLAPSE)`,
+    /// synchronous, best effort (a range the kernel cannot collapse now, for lack of free huge
+    /// pages, is left as it is). Returns the bytes backed by huge pages afterwards. Needs Linux
+    /// 6.1 (`MADV_COLLAPSE`).
+    pub fn collapse_huge_pages(&self) -> Result<u64, ProcError> {
+        const HUGE: u64 = 2 << 20;
+        // process_madvise moves at most MAX_RW_COUNT (2 GiB - 4 KiB) per call.
+        const CHUNK: u64 = 1 << 30;
+        let maps = self
+            .dir()?
+            .smaps()
+            .map_err(|e| ProcError::read(self.pid, "smaps", e))?;
+        let mut huge = 0;
+        for m in maps.0 {
+            let anonymous = matches!(
+                m.pathname,
+                procfs::process::MMapPath::Anonymous | procfs::process::MMapPath::Heap
+            );
+            let asked = m.extension.vm_flags.contains(procfs::process::VmFlags::HG);
+            let had = m.extension.map.get("AnonHugePages").copied().unwrap_or(0);
+            let (start, end) = (
+                m.address.0.next_multiple_of(HUGE),
+                m.address.1 & !(HUGE - 1),
+            );
+            if !anonymous || !asked || end <= start || had >= end - start {
+                huge += had;
+                continue;
+            }
+            let mut at = start;
+            while at < end {
+                let len = (end - at).min(CHUNK);
+                // Best effort: ENOMEM/EAGAIN (no huge page free now) or EINVAL (a kernel before
+                // 6.1) leave the range as it is; the bytes returned say what was achieved.
+                let _ = crate::sys::process_madvise_collapse(self.pidfd.as_fd(), at, len);
+                at += len;
+            }
+        }
+        let after = self
+            .dir()?
+            .smaps()
+            .map_err(|e| ProcError::read(self.pid, "smaps", e))?;
+        huge = huge.max(
+            after
+                .0
+                .iter()
+                .filter_map(|m| m.extension.map.get("AnonHugePages"))
+                .sum(),
+        );
+        Ok(huge)
+    }
+
     /// The names of the bound unix sockets among its fds (abstract ones start with `@`), as its
     /// own network namespace lists them (`/proc/PID/net/unix`).
     pub fn unix_socket_names(&self) -> Result<Vec<String>, ProcError> {
@@ -419,6 +472,65 @@ impl AsFd for ProcHandle {
 mod tests {
     use super::*;
     use std::process::Command;
+
+    /// Memory that asked for huge pages but was faulted in small ones (as CRIU's restore leaves
+    /// it) is in huge pages after `collapse_huge_pages`.
+    #[test]
+    fn memory_that_asked_for_huge_pages_is_collapsed_into_them() {
+        use nix::sys::mman::{madvise, mmap_anonymous, munmap, MapFlags, MmapAdvise, ProtFlags};
+        let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap();
+        assert!(
+            !thp.contains("[never]"),
+            "transparent huge pages are off: {thp}"
+        );
+        const LEN: usize = 16 << 20;
+        // SAFETY: a fresh private anonymous mapping, used only through `bytes` below and
+        // unmapped at the end of the test.
+        let ptr = unsafe {
+            mmap_anonymous(
+                None,
+                std::num::NonZeroUsize::new(LEN).unwrap(),
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_PRIVATE,
+            )
+        }
+        .unwrap();
+        // Small pages first (as CRIU writes them), then the worker's wish for huge ones.
+        // SAFETY: the range is the mapping made above.
+        unsafe { madvise(ptr, LEN, MmapAdvise::MADV_NOHUGEPAGE) }.unwrap();
+        // SAFETY: `ptr` points at LEN writable bytes that nothing else uses.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr().cast::<u8>(), LEN) };
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = i as u8;
+        }
+        // SAFETY: as above.
+        unsafe { madvise(ptr, LEN, MmapAdvise::MADV_HUGEPAGE) }.unwrap();
+        let me = ProcHandle::open(std::process::id() as Pid).unwrap();
+        let before = huge_in(ptr.as_ptr() as u64);
+        assert_eq!(before, 0, "faulted in small pages");
+        me.collapse_huge_pages().unwrap();
+        let after = huge_in(ptr.as_ptr() as u64);
+        assert!(
+            after >= 2 << 20,
+            "no huge page after the collapse ({after} bytes)"
+        );
+        assert!(
+            bytes.iter().enumerate().all(|(i, b)| *b == i as u8),
+            "contents changed"
+        );
+        // SAFETY: the mapping made above, no longer used.
+        unsafe { munmap(ptr, LEN) }.unwrap();
+    }
+
+    /// `AnonHugePages` of our mapping that starts at `start`.
+    fn huge_in(start: u64) -> u64 {
+        let maps = procfs::process::Process::myself().unwrap().smaps().unwrap();
+        maps.0
+            .iter()
+            .find(|m| m.address.0 <= start && start < m.address.1)
+            .and_then(|m| m.extension.map.get("AnonHugePages").copied())
+            .unwrap_or(0)
+    }
 
     #[test]
     fn handle_signals_and_sees_exit_then_reap() {

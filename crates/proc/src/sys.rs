@@ -88,3 +88,36 @@ pub(crate) fn loopback_up() -> nix::Result<()> {
     unsafe { libc::close(sock) };
     result
 }
+
+/// `MADV_COLLAPSE` (Linux 6.1; not in the `libc` crate yet).
+const MADV_COLLAPSE: i32 = 25;
+
+/// `process_madvise(pidfd, [addr, addr+len), MADV_COLLAPSE)`: the process's range is put in
+/// transparent huge pages now (see [`crate::ProcHandle::collapse_huge_pages`]).
+pub(crate) fn process_madvise_collapse(
+    pidfd: BorrowedFd<'_>,
+    addr: u64,
+    len: u64,
+) -> io::Result<()> {
+    let iov = libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: len as usize,
+    };
+    // SAFETY: one iovec naming a range of the *other* process's address space (the kernel
+    // checks it; nothing of ours is read or written through it); `pidfd` is a live fd.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_process_madvise,
+            pidfd.as_raw_fd(),
+            &iov as *const libc::iovec,
+            1usize,
+            MADV_COLLAPSE,
+            0u32,
+        )
+    };
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
