@@ -408,7 +408,8 @@ fn log_notice(n: cryo_guard::Notice) {
     use cryo_guard::Notice;
     match &n {
         Notice::Lost { .. }
-        | Notice::LeftLocked(_)
+        | Notice::LeftLocked { .. }
+        | Notice::FinishedUnlock(_)
         | Notice::JournalUnreadable(_)
         | Notice::RefusingToStop => {
             tracing::warn!("guard: {n}")

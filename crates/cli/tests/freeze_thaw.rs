@@ -1571,13 +1571,14 @@ fn a_guarded_worker_frozen_and_thawed_through_the_agent_is_guarded_and_its_kill_
 /// The agent is SIGKILLed while a thaw it runs is between the GPU restore and the unlock (the
 /// worker LOCKED, traced by the agent's tracer, which dies with it). Nothing is torn down; the
 /// restarted agent traces the worker again at start (the journal knows it as restored and
-/// guarded), so a `kill -9` of it then is pinned, not a wedge. The worker stays LOCKED until the
-/// operator unlocks it (through the agent, so guarded): nothing finishes a thaw whose owner died.
+/// guarded) and finishes the thaw's unlock (the journal names the dead thaw as the one to unlock
+/// it, the driver says LOCKED, the agent traces it): the worker serves again, and a `kill -9` of
+/// it then is pinned, not a wedge.
 #[test]
 fn an_agent_killed_between_a_thaws_restore_and_unlock_leaves_nothing_unguarded() {
     use cryo_journal::{Event, ProcId};
     let mut env = Env::start("1GiB");
-    let (pid, _sock) = env.worker("64MiB", 0);
+    let (pid, sock) = env.worker("64MiB", 0);
     let image = env.path().join("img");
     env.freeze(pid, &image);
     let mut agent = Agent::start_at(&env, cryo_lifecycle::thaw::THAW_BEFORE_UNLOCK);
@@ -1603,28 +1604,47 @@ fn an_agent_killed_between_a_thaws_restore_and_unlock_leaves_nothing_unguarded()
     assert!(alive(pid), "the restored worker died with the agent");
     assert!(env.ledger().is_empty(), "wedge: {:?}", env.ledger());
 
+    let id = ProcId::of(pid).unwrap();
+    let before_restart = events(&env).len();
     let agent2 = Agent::start(&env);
     assert!(
         agent2.traces(pid),
         "the restarted agent does not guard the half-thawed worker"
     );
-    // Left LOCKED (nothing finishes a thaw whose owner died), and said so; the operator's unlock
-    // goes through the agent, which guards it.
+    // The restarted agent finishes the dead thaw's unlock, journaled as a recovery.
+    eventually(PATIENCE, "the unlock journaled after the restart", || {
+        events(&env)[before_restart..].iter().any(|e| {
+            matches!(e, Event::Unlocked { pid: p, recovery: true, .. } if *p == id)
+        })
+    });
     assert_eq!(
         env.sim.gpu.driver.state(pid).unwrap(),
-        cryo_gpu::ProcessState::Locked
+        cryo_gpu::ProcessState::Running
     );
     assert!(
         agent2.log().contains(&format!(
-            "pid {pid} is LOCKED (a restore or suspension that did not finish"
+            "pid {pid} was LOCKED by a thaw or wake that died before the unlock"
         )),
         "{}",
         agent2.log()
     );
-    let out = env.cryo(&["gpu", "unlock", "--pid", &pid.to_string()]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    answers(&sock);
+    // Nothing was torn down: the same process serves, nothing stopped or killed it.
+    assert!(alive(pid), "the worker died");
+    assert!(env.ledger().is_empty(), "wedge: {:?}", env.ledger());
+    assert!(
+        !events(&env).iter().any(|e| e.pids().contains(&id)
+            && matches!(
+                e,
+                Event::StopRequested { .. }
+                    | Event::SuspendStarted { .. }
+                    | Event::KillStarted { .. }
+                    | Event::Killed { .. }
+            )),
+        "{:?}",
+        events(&env)
+    );
     assert!(agent2.traces(pid));
-    let id = ProcId::of(pid).unwrap();
     sigkill(pid);
     // Its parent died with the first agent: it is ours (a subreaper) to reap.
     eventually(PATIENCE, "the worker to die", || !alive(pid));

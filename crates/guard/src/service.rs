@@ -48,7 +48,15 @@ pub enum Notice {
     /// At start: a re-attached process is LOCKED (a restore or suspension that did not finish,
     /// such as a thaw whose owner died between the GPU restore and the unlock): it is guarded,
     /// and nothing unlocks it on its own.
-    LeftLocked(ProcId),
+    LeftLocked {
+        /// The process.
+        pid: ProcId,
+        /// Why it is not unlocked in recovery ([`Notice::FinishedUnlock`]).
+        why: String,
+    },
+    /// At start: a re-attached process LOCKED by a thaw or wake that died between the GPU
+    /// restore and the unlock was unlocked (journaled as a recovery); it serves again.
+    FinishedUnlock(ProcId),
     /// At start: a process it had guarded (or that is restored) is not guarded, and why.
     Lost {
         /// The process.
@@ -88,11 +96,16 @@ impl fmt::Display for Notice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Notice::Reattached(id) => write!(f, "re-attached to restored pid {id}"),
-            Notice::LeftLocked(id) => write!(
+            Notice::LeftLocked { pid: id, why } => write!(
                 f,
                 "pid {id} is LOCKED (a restore or suspension that did not finish, such as a thaw \
                  whose owner died before the unlock); it is guarded: `cryo gpu unlock --pid {id}` \
-                 brings it back, `cryo stop {id}` ends it"
+                 brings it back, `cryo stop {id}` ends it (not unlocked in recovery: {why})"
+            ),
+            Notice::FinishedUnlock(id) => write!(
+                f,
+                "pid {id} was LOCKED by a thaw or wake that died before the unlock; it is guarded, \
+                 so it was unlocked (recovery): it serves again"
             ),
             Notice::Lost { pid, why } => write!(f, "LOST track of pid {pid}: {why}"),
             Notice::Settled(s) => write!(f, "settled: {s}"),
@@ -121,6 +134,25 @@ impl fmt::Display for Notice {
                 write!(f, "stopping; detaching from {guarded} process(es)")
             }
         }
+    }
+}
+
+/// A re-attached LOCKED process: unlocked when the thaw or wake that restored it died before the
+/// unlock and the guard traces it (`cryo_lifecycle::finish_unlock` decides from the journal and
+/// the driver); otherwise left LOCKED, guarded, and said so.
+fn finish_unlock(gpu: &Gpu, guard: &Guard, state: &cryo_state::StateDir, id: ProcId) -> Notice {
+    let left = |why: String| Notice::LeftLocked { pid: id, why };
+    if !guard.guarded().contains(&id) {
+        return left("the guard does not trace it".into());
+    }
+    let done = state
+        .open_journal()
+        .map_err(|e| e.to_string())
+        .and_then(|j| cryo_lifecycle::finish_unlock(gpu, &j, id).map_err(|e| e.to_string()));
+    match done {
+        Ok(cryo_lifecycle::FinishUnlock::Unlocked) => Notice::FinishedUnlock(id),
+        Ok(cryo_lifecycle::FinishUnlock::Left(why)) => left(why),
+        Err(e) => left(e),
     }
 }
 
@@ -230,7 +262,7 @@ impl Service {
                 bounded.driver.state(id.pid),
                 Ok(cryo_gpu::ProcessState::Locked)
             ) {
-                notify(Notice::LeftLocked(id));
+                notify(finish_unlock(&bounded, &guard, &state, id));
             }
         }
         for (pid, why) in report.lost {

@@ -179,6 +179,10 @@ pub enum Event {
         /// How long the unlock took (absent in older journals).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         ms: Option<u64>,
+        /// True when a restarted guard or agent unlocked it in recovery: a thaw or wake whose
+        /// owner died between the GPU restore and the unlock (absent when false).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        recovery: bool,
     },
     /// A suspension failed elsewhere in the target: this process, checkpointed by it, was
     /// restored and unlocked again and is serving.
@@ -281,6 +285,11 @@ pub enum Event {
         pid: ProcId,
         /// Image directory, or the command that restores it.
         image: String,
+        /// The cryo process (a thaw or wake) that restores it and unlocks it next; absent when
+        /// the restore leaves it LOCKED on purpose (`cryo gpu restore`, the `cuda-checkpoint`
+        /// front end) and in older journals.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        unlock_by: Option<ProcId>,
     },
     /// A process of `image` was restored (CRIU and GPU): from now on it is a *restored* process.
     RestoreCompleted {
@@ -824,7 +833,14 @@ impl Event {
                 format!("target {target}, {} ended{refused}, {ms} ms", killed.len())
             }
             Verified { ms: Some(ms), .. } => format!("no device memory left, {ms} ms"),
-            Unlocked { ms: Some(ms), .. } => format!("{ms} ms"),
+            Unlocked {
+                ms: Some(ms),
+                recovery: false,
+                ..
+            } => format!("{ms} ms"),
+            Unlocked { recovery: true, .. } => {
+                "recovery: the thaw or wake that restored it died before the unlock".to_string()
+            }
             RestoreCompleted {
                 image,
                 ms: Some(ms),
@@ -904,7 +920,11 @@ impl Event {
             | FreshDeclared { .. }
             | Continued { .. }
             | UnsafeKill { .. }
-            | Unlocked { ms: None, .. }
+            | Unlocked {
+                ms: None,
+                recovery: false,
+                ..
+            }
             | Resumed { .. }
             | PinsReleased { .. }
             | GuardLost { .. }

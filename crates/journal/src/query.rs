@@ -61,7 +61,7 @@ impl Origins {
         for r in records {
             match &r.event {
                 Event::RestoreCompleted { pid, image, .. }
-                | Event::RestoreStarted { pid, image } => {
+                | Event::RestoreStarted { pid, image, .. } => {
                     out.restored.insert(*pid, image.clone());
                 }
                 Event::Resumed { pid } => {

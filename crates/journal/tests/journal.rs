@@ -84,7 +84,11 @@ fn every_kind(pid: ProcId) -> Vec<Event> {
             image: "/img/a".into(),
             ms: Some(310),
         },
-        Event::Unlocked { pid, ms: Some(2) },
+        Event::Unlocked {
+            pid,
+            ms: Some(2),
+            recovery: false,
+        },
         Event::HealthOk { pid, ms: 35 },
         Event::ThawCompleted {
             image: "/img/a".into(),
@@ -178,7 +182,11 @@ fn records_of_older_journals_read_without_the_newer_fields() {
                 image: "/img".into(),
                 ms: None
             },
-            Event::Unlocked { pid, ms: None },
+            Event::Unlocked {
+                pid,
+                ms: None,
+                recovery: false,
+            },
             Event::StopCompleted {
                 target: "pid 7".into(),
                 killed: vec![],

@@ -173,6 +173,7 @@ fn settle_one(
                 journal.append(Event::Unlocked {
                     pid: id(h),
                     ms: None,
+                    recovery: false,
                 })?;
                 Ok((found, Settlement::Unlocked))
             }

@@ -45,7 +45,10 @@ pub use park::{
     WakeOptions, WakeReport, WhenFull,
 };
 pub use progress::{NoProgress, Phases, Progress, Stopwatch};
-pub use restore::{record_restored, restore_context, resume_in_place, RecordError, RestoreError};
+pub use restore::{
+    finish_unlock, record_restored, restore_context, resume_in_place, FinishUnlock,
+    FinishUnlockError, RecordError, RestoreError,
+};
 pub use runnable::{runnable, Runnable};
 pub use shrink::{Shrink, ShrinkReport, ShrinkSpec};
 pub use standby::{claim, prepare, ClaimError, Standby, StandbyError, StandbyRefusal};

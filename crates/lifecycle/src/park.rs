@@ -40,7 +40,7 @@ use cryo_units::fmt_bytes;
 
 use crate::health::HealthCheck;
 use crate::progress::Progress;
-use crate::restore::restore_context;
+use crate::restore::restore_to_unlock;
 use crate::suspend::{id, suspend, SuspendFailure, SuspendOptions};
 use crate::target::Resolved;
 use crate::watcher::{Coverage, Watcher};
@@ -831,7 +831,7 @@ fn wake_inner(
                     progress.begin(p.pid, "gpu restore", p.bytes);
                     let t = Instant::now();
                     // Journaled as restored before the driver is asked, completed after.
-                    let r = restore_context(gpu, journal, h, &p.pairs, how)
+                    let r = restore_to_unlock(gpu, journal, h, &p.pairs, how)
                         .map(ms)
                         .map_err(|e| e.to_string());
                     progress.end(
@@ -903,6 +903,7 @@ fn wake_inner(
         if let Err(e) = journal.append(Event::Unlocked {
             pid: id(h),
             ms: Some(ms(t.elapsed())),
+            recovery: false,
         }) {
             tracing::error!(pid = h.pid(), error = %e, "cannot journal the unlock");
         }

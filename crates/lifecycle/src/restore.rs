@@ -13,7 +13,10 @@
 //!    again (LOCKED -> CHECKPOINTED) rather than left LOCKED with a record that says less than
 //!    what happened: the caller gets [`RestoreError::NotRecorded`] saying whether that worked.
 //!
-//! Unlocking is the caller's step (an agent traces the process first).
+//! Unlocking is the caller's step (an agent traces the process first). A thaw or wake names
+//! itself in the intent as the one that unlocks next ([`Event::RestoreStarted`]'s `unlock_by`);
+//! if it dies between the restore and the unlock, the restarted guard or agent finishes the
+//! unlock ([`finish_unlock`]) once it traces the process again.
 //!
 //! [`record_restored`] only records a restore cryo did not carry out itself (CRIU's own cuda
 //! plugin driving another tool, a benchmark's manual steps).
@@ -25,7 +28,7 @@ use cryo_journal::{Event, Journal, ProcId};
 use cryo_proc::{Pid, ProcHandle};
 use cryo_state::StateDir;
 
-use crate::suspend::{abandoned, id};
+use crate::suspend::{abandoned, id, me};
 
 /// The restore did not happen, or happened and could not be recorded.
 #[derive(Debug, thiserror::Error)]
@@ -75,11 +78,36 @@ pub fn restore_context(
     pairs: &[GpuPair],
     how: &str,
 ) -> Result<Duration, RestoreError> {
+    restore_journaled(gpu, journal, h, pairs, how, None)
+}
+
+/// [`restore_context`] for a caller (thaw, wake, resume in place) that unlocks it next: the
+/// journal names this process as the one that will, so that a restarted guard finishes the
+/// unlock if it dies first ([`finish_unlock`]).
+pub(crate) fn restore_to_unlock(
+    gpu: &Gpu,
+    journal: &Journal,
+    h: &ProcHandle,
+    pairs: &[GpuPair],
+    how: &str,
+) -> Result<Duration, RestoreError> {
+    restore_journaled(gpu, journal, h, pairs, how, crate::suspend::me())
+}
+
+fn restore_journaled(
+    gpu: &Gpu,
+    journal: &Journal,
+    h: &ProcHandle,
+    pairs: &[GpuPair],
+    how: &str,
+    unlock_by: Option<ProcId>,
+) -> Result<Duration, RestoreError> {
     let pid = h.pid();
     journal
         .append(Event::RestoreStarted {
             pid: id(h),
             image: how.to_string(),
+            unlock_by,
         })
         .map_err(|source| RestoreError::Journal { pid, source })?;
     let start = Instant::now();
@@ -119,7 +147,7 @@ pub fn resume_in_place(
     h: &ProcHandle,
     how: &str,
 ) -> Result<(), RestoreError> {
-    restore_context(gpu, journal, h, &[], how)?;
+    restore_to_unlock(gpu, journal, h, &[], how)?;
     let start = Instant::now();
     gpu.driver.unlock(h.pid()).map_err(|e| {
         abandoned(Some(journal), h, &e);
@@ -129,10 +157,87 @@ pub fn resume_in_place(
     if let Err(e) = journal.append(Event::Unlocked {
         pid: id(h),
         ms: Some(u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX)),
+        recovery: false,
     }) {
         tracing::error!(pid = h.pid(), error = %e, "cannot journal the unlock");
     }
     Ok(())
+}
+
+/// What [`finish_unlock`] did with a re-attached process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishUnlock {
+    /// The thaw or wake that restored it died before the unlock: unlocked, journaled as a
+    /// recovery ([`Event::Unlocked`] with `recovery`); it serves again.
+    Unlocked,
+    /// Left as it is, for the reason given.
+    Left(String),
+}
+
+/// The journal could not be read or written: nothing was unlocked.
+#[derive(Debug, thiserror::Error)]
+pub enum FinishUnlockError {
+    /// The journal could not be read.
+    #[error("cannot read the journal: {0}")]
+    Read(#[from] cryo_journal::ReadError),
+}
+
+/// Finishes the unlock of `pid`, which the caller (a restarted guard or agent) traces now, when
+/// the journal and the driver both say a thaw or wake restored it and died before unlocking it:
+/// its last lifecycle record is that restore (intent with `unlock_by`, then
+/// [`Event::RestoreCompleted`]; guard attachments aside), `unlock_by` is gone, `pid` is the same
+/// process (pid and start time), and the driver answers LOCKED. Anything else is left as it is.
+/// The unlock is journaled after it happened (it runs again; a failed write is only logged).
+pub fn finish_unlock(
+    gpu: &Gpu,
+    journal: &Journal,
+    pid: ProcId,
+) -> Result<FinishUnlock, FinishUnlockError> {
+    let left = |why: &str| Ok(FinishUnlock::Left(why.to_string()));
+    let records = cryo_journal::read(journal.dir())?.records;
+    // (unlock_by, completed) of the restore that is its last lifecycle step, if it is one.
+    let mut restore = None::<(Option<ProcId>, bool)>;
+    for r in records.iter().filter(|r| r.event.pids().contains(&pid)) {
+        restore = match &r.event {
+            Event::RestoreStarted { unlock_by, .. } => Some((*unlock_by, false)),
+            Event::RestoreCompleted { .. } => restore.map(|(by, _)| (by, true)),
+            Event::GuardAttached { .. } => restore,
+            _ => None,
+        };
+    }
+    let by = match restore {
+        Some((Some(by), true)) => by,
+        Some((None, true)) => {
+            return left("its restore leaves it LOCKED on purpose, or the journal does not say who unlocks it")
+        }
+        Some((_, false)) => return left("the journal does not say its restore completed"),
+        None => return left("its last journal record is not a thaw's or wake's restore"),
+    };
+    if Some(by) == me() || by.is_alive_same() {
+        return left("the thaw or wake that restored it is still at work on it");
+    }
+    let Ok(h) = ProcHandle::open_expected(pid.pid, pid.start_time) else {
+        return left("it is no longer the process the journal names");
+    };
+    let gpu = gpu.bounded(cryo_gpu::Limits::default());
+    match gpu.driver.state(h.pid()) {
+        Ok(cryo_gpu::ProcessState::Locked) => {}
+        Ok(s) => return left(&format!("the driver reports it {s}, not LOCKED")),
+        Err(e) => return left(&format!("the driver cannot say its state: {e}")),
+    }
+    let start = Instant::now();
+    if let Err(e) = gpu.driver.unlock(h.pid()) {
+        abandoned(Some(journal), &h, &e);
+        return left(&format!("cannot unlock it: {e}"));
+    }
+    if let Err(e) = journal.append(Event::Unlocked {
+        pid: id(&h),
+        ms: Some(u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX)),
+        recovery: true,
+    }) {
+        tracing::error!(pid = h.pid(), error = %e, "cannot journal the unlock");
+    }
+    Ok(FinishUnlock::Unlocked)
 }
 
 /// The restore happened but could not be recorded.

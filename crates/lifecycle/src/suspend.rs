@@ -791,6 +791,7 @@ fn roll_back(gpu: &Gpu, rows: &mut [Row<'_>], resume: bool, journal: Option<&Jou
                     Event::Unlocked {
                         pid: id(row.handle),
                         ms: Some(ms(start.elapsed())),
+                        recovery: false,
                     },
                 ),
                 Err(e) => {

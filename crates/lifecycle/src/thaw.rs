@@ -38,7 +38,7 @@ use cryo_state::fence::{Fence, FenceError, FencedGpu, Quarantine};
 use crate::failpoint;
 use crate::health::{HealthCheck, HealthError};
 use crate::progress::Progress;
-use crate::restore::restore_context;
+use crate::restore::restore_to_unlock;
 use crate::stop::{stop, StopOptions};
 use crate::suspend::id;
 use crate::target::{Resolved, Target};
@@ -579,7 +579,7 @@ fn thaw_inner(
                     let t = Instant::now();
                     // Journaled as restored before the driver is asked (see `restore_context`).
                     let r = match handle(plan.pid) {
-                        Some(h) => restore_context(gpu, journal, h, &plan.pairs, image)
+                        Some(h) => restore_to_unlock(gpu, journal, h, &plan.pairs, image)
                             .map(ms)
                             .map_err(|e| e.to_string()),
                         None => Err(format!("pid {} is gone", plan.pid)),
@@ -639,6 +639,7 @@ fn thaw_inner(
             if let Err(e) = journal.append(Event::Unlocked {
                 pid: id(h),
                 ms: Some(ms(t.elapsed())),
+                recovery: false,
             }) {
                 tracing::error!(pid = plan.pid, error = %e, "cannot journal the unlock");
             }

@@ -85,6 +85,7 @@ fn busy_journal(dir: &std::path::Path) -> Journal {
         Event::Unlocked {
             pid: p(4),
             ms: Some(2),
+            recovery: false,
         },
         Event::ThawCompleted {
             image: "/img".into(),
