@@ -1613,9 +1613,9 @@ fn an_agent_killed_between_a_thaws_restore_and_unlock_leaves_nothing_unguarded()
     );
     // The restarted agent finishes the dead thaw's unlock, journaled as a recovery.
     eventually(PATIENCE, "the unlock journaled after the restart", || {
-        events(&env)[before_restart..].iter().any(|e| {
-            matches!(e, Event::Unlocked { pid: p, recovery: true, .. } if *p == id)
-        })
+        events(&env)[before_restart..]
+            .iter()
+            .any(|e| matches!(e, Event::Unlocked { pid: p, recovery: true, .. } if *p == id))
     });
     assert_eq!(
         env.sim.gpu.driver.state(pid).unwrap(),

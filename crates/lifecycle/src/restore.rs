@@ -207,9 +207,9 @@ pub fn finish_unlock(
     }
     let by = match restore {
         Some((Some(by), true)) => by,
-        Some((None, true)) => {
-            return left("its restore leaves it LOCKED on purpose, or the journal does not say who unlocks it")
-        }
+        Some((None, true)) => return left(
+            "its restore leaves it LOCKED on purpose, or the journal does not say who unlocks it",
+        ),
         Some((_, false)) => return left("the journal does not say its restore completed"),
         None => return left("its last journal record is not a thaw's or wake's restore"),
     };
@@ -361,5 +361,158 @@ mod tests {
         assert!(matches!(r, Err(RestoreError::Journal { .. })), "{r:?}");
         assert_eq!(fake.count(p, Call::Restore), 0);
         assert_eq!(fake.state_of(p), ProcessState::Checkpointed);
+    }
+    /// How far a restore of `pid` got in the journal before its owner `by` stopped.
+    #[derive(Clone, Copy)]
+    enum Story {
+        /// `RestoreStarted` and `RestoreCompleted`, then the guard attached.
+        Completed,
+        /// Only `RestoreStarted`.
+        StartedOnly,
+        /// Completed, then unlocked (and locked again by something else).
+        ThenUnlocked,
+    }
+
+    fn journaled(journal: &Journal, pid: ProcId, by: Option<ProcId>, story: Story) {
+        let image = "/img/a".to_string();
+        let mut events = vec![Event::RestoreStarted {
+            pid,
+            image: image.clone(),
+            unlock_by: by,
+        }];
+        if !matches!(story, Story::StartedOnly) {
+            events.push(Event::RestoreCompleted {
+                pid,
+                image,
+                ms: Some(1),
+            });
+            events.push(Event::GuardAttached {
+                pid,
+                source: cryo_journal::AttachSource::Restore,
+            });
+        }
+        if matches!(story, Story::ThenUnlocked) {
+            events.push(Event::Unlocked {
+                pid,
+                ms: Some(1),
+                recovery: false,
+            });
+        }
+        for e in events {
+            journal.append(e).unwrap();
+        }
+    }
+
+    /// A thaw's owner that has exited: this test's own child, reaped.
+    fn dead_owner() -> ProcId {
+        let mut owner = std::process::Command::new("true").spawn().unwrap();
+        let by = ProcId::of(owner.id() as i32).unwrap();
+        owner.wait().unwrap();
+        by
+    }
+
+    /// Issue 10: a thaw or wake that died between the restore and the unlock is finished by
+    /// [`finish_unlock`] only when the journal names a dead owner after a completed restore, the
+    /// process is the same and the driver answers LOCKED; every other case is left as it is
+    /// (no unlock call, no record).
+    #[test]
+    fn only_a_dead_thaws_completed_restore_of_a_locked_process_is_unlocked() {
+        let live = Procs::spawn(1);
+        let live_owner = Some(ProcId::of(live.pid(0)).unwrap());
+        let cases = [
+            (
+                "dead owner, LOCKED",
+                Some(dead_owner()),
+                Story::Completed,
+                ProcessState::Locked,
+                true,
+                true,
+            ),
+            (
+                "live owner",
+                live_owner,
+                Story::Completed,
+                ProcessState::Locked,
+                true,
+                false,
+            ),
+            (
+                "itself the owner",
+                me(),
+                Story::Completed,
+                ProcessState::Locked,
+                true,
+                false,
+            ),
+            (
+                "no owner (cryo gpu restore)",
+                None,
+                Story::Completed,
+                ProcessState::Locked,
+                true,
+                false,
+            ),
+            (
+                "restore not completed",
+                Some(dead_owner()),
+                Story::StartedOnly,
+                ProcessState::Locked,
+                true,
+                false,
+            ),
+            (
+                "already unlocked",
+                Some(dead_owner()),
+                Story::ThenUnlocked,
+                ProcessState::Locked,
+                true,
+                false,
+            ),
+            (
+                "RUNNING",
+                Some(dead_owner()),
+                Story::Completed,
+                ProcessState::Running,
+                true,
+                false,
+            ),
+            (
+                "another process (start time)",
+                Some(dead_owner()),
+                Story::Completed,
+                ProcessState::Locked,
+                false,
+                false,
+            ),
+        ];
+        for (what, by, story, state, same, unlocks) in cases {
+            let (procs, fake, _dir, journal) = scene();
+            let p = procs.pid(0);
+            fake.set_state(p, state);
+            let mut pid = ProcId::of(p).unwrap();
+            if !same {
+                pid.start_time += 1;
+            }
+            journaled(&journal, pid, by, story);
+            let r = finish_unlock(&fake.gpu(), &journal, pid).unwrap();
+            let recovered = cryo_journal::read(journal.dir())
+                .unwrap()
+                .records
+                .iter()
+                .any(|r| matches!(r.event, Event::Unlocked { recovery: true, .. }));
+            if unlocks {
+                assert_eq!(r, FinishUnlock::Unlocked, "{what}");
+                assert_eq!(fake.state_of(p), ProcessState::Running, "{what}");
+                assert!(
+                    recovered,
+                    "{what}: the unlock is not journaled as a recovery"
+                );
+            } else {
+                assert!(matches!(r, FinishUnlock::Left(_)), "{what}: {r:?}");
+                assert_eq!(fake.count(p, Call::Unlock), 0, "{what}");
+                assert_eq!(fake.state_of(p), state, "{what}");
+                assert!(!recovered, "{what}");
+            }
+        }
     }
 }
