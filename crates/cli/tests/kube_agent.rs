@@ -636,6 +636,72 @@ fn prestop_without_an_agent_suspends_its_own_cgroup_standalone_and_the_kubelets_
     sim.assert_no_wedge();
 }
 
+/// The roots of this host's cgroup v2 hierarchy and v1 `pids` hierarchy (the ones `--self`
+/// reads), from `/proc/self/mountinfo`.
+fn hierarchy_roots() -> Vec<PathBuf> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    info.lines()
+        .filter_map(|l| {
+            let (before, after) = l.split_once(" - ")?;
+            let mount = before.split(' ').nth(4)?;
+            let mut after = after.split(' ');
+            let fs = after.next()?;
+            let opts = after.nth(1)?;
+            (fs == "cgroup2" || (fs == "cgroup" && opts.split(',').any(|o| o == "pids")))
+                .then(|| PathBuf::from(mount))
+        })
+        .collect()
+}
+
+/// Without an agent, `--self` from the root of the host's cgroup hierarchies (a shell on a
+/// hybrid host sits at the v2 root) would be a stop of every process of the host: refused, and
+/// nothing touched.
+#[test]
+fn prestop_without_an_agent_at_the_hosts_cgroup_root_is_refused_and_touches_nothing() {
+    ks::require_root();
+    let roots = hierarchy_roots();
+    assert!(
+        !roots.is_empty(),
+        "no cgroup v2 or v1 pids hierarchy mounted"
+    );
+    let mut sim = Sim::start();
+    let state = sim.path().join("state");
+    let (worker, _) = sim.worker("8MiB");
+    common::make_restored(&sim, &state, worker);
+    let mut c = sim.cmd_at(&state);
+    c.args(["stop", "--self"]);
+    let mut sh = Command::new("sh");
+    sh.arg("-c")
+        .arg(r#"for d in $ROOTS; do echo $$ > "$d/cgroup.procs" || exit 99; done; exec "$@""#)
+        .arg("sh")
+        .arg(c.get_program())
+        .args(c.get_args())
+        .env(
+            "ROOTS",
+            roots
+                .iter()
+                .map(|r| r.display().to_string())
+                .collect::<Vec<_>>()
+                .join(" "),
+        );
+    for (k, v) in c.get_envs() {
+        if let Some(v) = v {
+            sh.env(k, v);
+        }
+    }
+    let out = sh.output().unwrap();
+    assert_ne!(out.status.code(), Some(99), "{}", stderr(&out));
+    assert!(!out.status.success(), "{}", stdout(&out));
+    assert!(
+        stderr(&out).contains("would stop every process of the host"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(procs::alive(worker));
+    assert_ne!(sim.state(worker), "checkpointed");
+    sim.assert_no_wedge();
+}
+
 #[test]
 fn without_kubernetes_the_agent_serves_a_prestop_from_the_cgroup_and_confines_containers() {
     ks::require_root();

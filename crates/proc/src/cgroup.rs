@@ -94,6 +94,14 @@ impl Cgroups {
     }
 }
 
+/// Whether `dir` is the root of its cgroup hierarchy as mounted here (its parent directory is on
+/// another file system): every process of that hierarchy (of this cgroup namespace) is in it or
+/// below it.
+pub fn is_hierarchy_root(dir: &Path) -> std::io::Result<bool> {
+    use std::os::unix::fs::MetadataExt;
+    Ok(fs::metadata(dir)?.dev() != fs::metadata(dir.join(".."))?.dev())
+}
+
 /// Every process in a cgroup (`path` is the cgroup directory, v1 or v2), ascending.
 pub fn cgroup_procs(path: &Path) -> Result<Vec<Pid>, ProcError> {
     let file = if path.ends_with("cgroup.procs") {
@@ -251,6 +259,22 @@ mod tests {
     /// Issue 9 item 6, cgroup v2: a pod-like cgroup lists no processes of its own, its
     /// containers do; a threaded cgroup lists threads only (its `cgroup.procs` cannot be read),
     /// each taken as its process. Main read only the top `cgroup.procs`: nothing.
+    #[test]
+    fn a_mounted_hierarchys_root_is_told_from_a_cgroup_below_it() {
+        let mounts = procfs::process::Process::myself()
+            .unwrap()
+            .mountinfo()
+            .unwrap();
+        let root = mounts
+            .into_iter()
+            .find(|m| m.fs_type == "cgroup2" || m.fs_type == "cgroup")
+            .expect("a cgroup hierarchy is mounted")
+            .mount_point;
+        assert!(is_hierarchy_root(&root).unwrap());
+        // a directory below a mount (the cgroups below a root are checked by the CLI's prestop tests)
+        assert!(!is_hierarchy_root(Path::new("/proc/self")).unwrap());
+    }
+
     #[test]
     fn a_v2_subtree_is_taken_whole_threaded_cgroups_included() {
         let mut t = Tree::new("/sys/fs/cgroup/unified", "pod");

@@ -43,7 +43,7 @@ mod read;
 mod signal;
 mod sys;
 
-pub use cgroup::{cgroup_procs, cgroup_tree_procs, CgroupEntry, Cgroups};
+pub use cgroup::{cgroup_procs, cgroup_tree_procs, is_hierarchy_root, CgroupEntry, Cgroups};
 pub use error::{OomAdjError, ProcError};
 pub use fds::{driver_fds, DriverFiles, Fd, FdTarget};
 pub use handle::{Liveness, ProcHandle};

@@ -15,6 +15,17 @@ pub fn pid_namespace(pid: Pid) -> Result<u64, ProcError> {
 /// The inode of the initial pid namespace, fixed by the kernel (`PROC_PID_INIT_INO`).
 pub const INITIAL_PID_NAMESPACE: u64 = 0xEFFF_FFFC;
 
+/// The inode of the initial cgroup namespace, fixed by the kernel (`PROC_CGROUP_INIT_INO`).
+pub const INITIAL_CGROUP_NAMESPACE: u64 = 0xEFFF_FFFB;
+
+/// Whether cryo runs in the initial (host's) cgroup namespace, where the root of a cgroup
+/// hierarchy is the whole host's (in a container's own namespace it is the container's).
+pub fn in_initial_cgroup_namespace() -> Result<bool, ProcError> {
+    std::fs::metadata("/proc/self/ns/cgroup")
+        .map(|m| m.ino() == INITIAL_CGROUP_NAMESPACE)
+        .map_err(|e| ProcError::os("stat ns/cgroup", std::process::id() as Pid, e))
+}
+
 /// Whether cryo runs in the initial (host's) pid namespace, where the GPU driver's pids (NVML's
 /// process list) are cryo's pids. In any other (a container without the host's pid namespace)
 /// they cannot be told apart: the driver records host pids, which `NSpid` does not show from

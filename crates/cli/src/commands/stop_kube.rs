@@ -13,7 +13,9 @@
 use anyhow::Context as _;
 use cryo_api::{KubeStopReport, KubeStopRequest, KubeTarget};
 use cryo_lifecycle::{Progress, Target};
-use cryo_proc::{Pid, ProcHandle};
+use std::path::{Path, PathBuf};
+
+use cryo_proc::{Cgroups, Pid, ProcHandle};
 
 use super::stop::{exit_code, print_text, standalone, DEFAULT_DEADLINE_MS};
 use super::Context;
@@ -119,16 +121,46 @@ impl Progress for ReturnAtKill<'_> {
     }
 }
 
+/// The cgroup `--self` stops without an agent: the first of this process's v2 and v1 `pids`
+/// cgroups that is not the root of its hierarchy. A root holds every process of the hierarchy:
+/// inside a container with its own cgroup namespace that is the container, but in the host's it
+/// is the whole host (a hybrid host leaves every process at the v2 root), which is refused.
+fn container_cgroup(dirs: &Cgroups) -> anyhow::Result<PathBuf> {
+    let candidates: Vec<PathBuf> = dirs
+        .unified
+        .iter()
+        .cloned()
+        .chain(dirs.v1("pids").map(Path::to_path_buf))
+        .collect();
+    for dir in &candidates {
+        let root = cryo_proc::is_hierarchy_root(dir)
+            .with_context(|| format!("reading cgroup {}", dir.display()))?;
+        if !root {
+            return Ok(dir.clone());
+        }
+    }
+    let first = candidates
+        .first()
+        .context("this process's cgroup is in no v2 tree and no v1 pids hierarchy")?;
+    if cryo_proc::ns::in_initial_cgroup_namespace()
+        .context("reading this process's cgroup namespace")?
+    {
+        anyhow::bail!(
+            "this process is at the root of its cgroup hierarchies ({}) in the host's cgroup \
+             namespace: `--self` would stop every process of the host; nothing was done (run it \
+             from a container's preStop hook, or name the target: cryo stop PID|--cgroup DIR)",
+            first.display()
+        );
+    }
+    Ok(first.clone())
+}
+
 /// No agent: this process's own cgroup (its container's, seen from inside), everything in it but
 /// this process, under `--deadline`.
 fn own_cgroup_standalone(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
     let me = ProcHandle::open(std::process::id() as Pid).context("opening this process")?;
     let dirs = me.cgroup_dirs().context("reading this process's cgroup")?;
-    let dir = dirs
-        .unified
-        .clone()
-        .or_else(|| dirs.v1("pids").map(std::path::Path::to_path_buf))
-        .context("this process's cgroup is in no v2 tree and no v1 pids hierarchy")?;
+    let dir = container_cgroup(&dirs)?;
     let deadline = args.deadline.unwrap_or(DEFAULT_DEADLINE_MS);
     let mut req = super::stop::request(args)?;
     req.target = (&Target::Cgroup(dir.clone())).into();
