@@ -4,6 +4,7 @@
 //! the middle of an activation leaves the worker safe (ledger empty), and `cryo wake` finishes.
 
 mod common;
+use common::events;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -17,15 +18,6 @@ fn state() -> tempfile::TempDir {
         .prefix("cryo-activate-state-")
         .tempdir()
         .unwrap()
-}
-
-fn events(st: &Path) -> Vec<Event> {
-    cryo_journal::read(st.join("journal"))
-        .unwrap()
-        .records
-        .into_iter()
-        .map(|r| r.event)
-        .collect()
 }
 
 fn count(st: &Path, f: impl Fn(&Event) -> bool) -> usize {

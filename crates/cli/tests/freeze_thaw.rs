@@ -105,13 +105,16 @@ impl Env {
         self.cmd().args(args).output().unwrap()
     }
 
+    /// `cryo freeze PID --image IMAGE EXTRA...`, whatever its outcome.
+    fn try_freeze(&self, pid: i32, image: &Path, extra: &[&str]) -> Output {
+        let pid = pid.to_string();
+        let mut args = vec!["freeze", &pid, "--image", image.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        self.cryo(&args)
+    }
+
     fn freeze(&mut self, pid: i32, image: &Path) {
-        let out = self.cryo(&[
-            "freeze",
-            &pid.to_string(),
-            "--image",
-            image.to_str().unwrap(),
-        ]);
+        let out = self.try_freeze(pid, image, &[]);
         assert!(out.status.success(), "freeze failed: {}", stderr(&out));
         self.reap_worker(pid);
     }
@@ -210,12 +213,7 @@ fn guarded_worker(env: &mut Env) -> (common::GuardProc, i32) {
 
 /// `env`'s journal.
 fn events(env: &Env) -> Vec<cryo_journal::Event> {
-    cryo_journal::read(env.path().join("state").join("journal"))
-        .unwrap()
-        .records
-        .into_iter()
-        .map(|r| r.event)
-        .collect()
+    common::events(&env.path().join("state"))
 }
 
 /// After a SIGKILL of guarded `id`: no wedge, the guard journals its pin, and the operator's
@@ -783,13 +781,7 @@ fn leave_running_keeps_serving_and_counts_as_restored() {
     let (pid, sock) = env.worker("64MiB", 0);
     let before = answers(&sock);
     let image = env.path().join("img");
-    let out = env.cryo(&[
-        "freeze",
-        &pid.to_string(),
-        "--image",
-        image.to_str().unwrap(),
-        "--leave-running",
-    ]);
+    let out = env.try_freeze(pid, &image, &["--leave-running"]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(alive(pid));
     assert_eq!(answers(&sock), before);
@@ -1221,12 +1213,7 @@ fn images_others_could_change_are_refused_by_thaw_and_freeze() {
     let open = env.path().join("open");
     fs::create_dir(&open).unwrap();
     fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
-    let out = env.cryo(&[
-        "freeze",
-        &other.to_string(),
-        "--image",
-        open.join("img").to_str().unwrap(),
-    ]);
+    let out = env.try_freeze(other, &open.join("img"), &[]);
     let err = stderr(&out);
     assert!(!out.status.success(), "{err}");
     assert!(
@@ -1301,13 +1288,7 @@ fn a_crash_at_every_step_of_publish_leaves_no_image_or_a_whole_one() {
             // What the crash left (a staging directory, the exchanged old image) goes with the
             // next freeze of the path.
             let (next, _) = env.worker("8MiB", 0);
-            let out = env.cryo(&[
-                "freeze",
-                &next.to_string(),
-                "--image",
-                image.to_str().unwrap(),
-                "--replace",
-            ]);
+            let out = env.try_freeze(next, &image, &["--replace"]);
             assert!(out.status.success(), "{failpoint}: {}", stderr(&out));
             env.reap_worker(next);
             assert!(
@@ -1384,12 +1365,7 @@ fn freeze_and_thaw_go_through_the_agent_whose_guard_takes_the_restored_worker() 
     let (pid, sock) = env.worker("64MiB", 0);
     let before = answers(&sock);
     let image = env.path().join("img");
-    let out = env.cryo(&[
-        "freeze",
-        &pid.to_string(),
-        "--image",
-        image.to_str().unwrap(),
-    ]);
+    let out = env.try_freeze(pid, &image, &[]);
     assert!(out.status.success(), "freeze: {}", stderr(&out));
     assert!(!stderr(&out).contains("nothing guards"), "{}", stderr(&out));
     assert!(
@@ -1690,12 +1666,7 @@ fn a_criu_restore_that_blocks_ends_at_its_deadline_with_nothing_left() {
         "the sleeper holds no lock on fd {fd}: {info}"
     );
     let image = env.path().join("img");
-    let out = env.cryo(&[
-        "freeze",
-        &pid.to_string(),
-        "--image",
-        image.to_str().unwrap(),
-    ]);
+    let out = env.try_freeze(pid, &image, &[]);
     assert!(out.status.success(), "freeze failed: {}", stderr(&out));
     sleeper.wait().unwrap();
 

@@ -11,6 +11,7 @@
 //! a wedge before the release fails the test.
 
 mod common;
+use common::events as records;
 
 use std::fs;
 use std::os::unix::process::CommandExt;
@@ -41,15 +42,6 @@ fn worker(sim: &Sim, memory: &str, gpu: u32, cgroup: Option<&TestCgroup>) -> Wor
         Some(cg) => spec.cgroup(cg.path()),
         None => spec,
     })
-}
-
-fn records(state: &Path) -> Vec<Event> {
-    cryo_journal::read(state.join("journal"))
-        .unwrap()
-        .records
-        .into_iter()
-        .map(|r| r.event)
-        .collect()
 }
 
 fn names(events: &[Event], id: ProcId) -> Vec<&'static str> {

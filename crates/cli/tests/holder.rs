@@ -5,6 +5,7 @@
 //! says whether a live restored context was torn down, and the journal says what happened.
 
 mod common;
+use common::events as records;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
@@ -126,15 +127,6 @@ impl Scene {
             sim,
         }
     }
-}
-
-fn records(state: &Path) -> Vec<Event> {
-    cryo_journal::read(state.join("journal"))
-        .unwrap()
-        .records
-        .into_iter()
-        .map(|r| r.event)
-        .collect()
 }
 
 fn labels(state: &Path, id: ProcId) -> Vec<&'static str> {

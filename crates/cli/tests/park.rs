@@ -5,12 +5,13 @@
 //! the timeline, metrics and status show. Each test has its own simulated driver and state.
 
 mod common;
+use common::events;
 
 use std::path::Path;
 use std::process::Output;
 
 use common::{stderr, stdout, AgentProc, GuardProc, Sim, Worker, WorkerSpec};
-use cryo_journal::{Event, ProcId};
+use cryo_journal::ProcId;
 
 fn state() -> tempfile::TempDir {
     tempfile::Builder::new()
@@ -40,15 +41,6 @@ fn wake_refused_for_room(sim: &Sim, st: &Path, pid: i32) {
 fn json(o: &Output) -> serde_json::Value {
     serde_json::from_slice(&o.stdout)
         .unwrap_or_else(|e| panic!("not JSON ({e}): {}\n{}", stdout(o), stderr(o)))
-}
-
-fn events(st: &Path) -> Vec<Event> {
-    cryo_journal::read(st.join("journal"))
-        .unwrap()
-        .records
-        .into_iter()
-        .map(|r| r.event)
-        .collect()
 }
 
 fn worker(sim: &Sim, memory: &str, gpu: u32) -> Worker {
