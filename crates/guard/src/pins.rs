@@ -108,7 +108,7 @@ impl PinSink for HolderSink {
             // The holder went away between our connection and its answer (it handed over to a
             // successor in that instant, or died): the successor, if any, gets the fds again.
             // Fds held twice are harmless; fds held nowhere are a wedge.
-            Err(ClientError::Io { .. }) => self.hold_once(meta, fds),
+            Err(ClientError::Io { .. } | ClientError::Exiting(_)) => self.hold_once(meta, fds),
             other => other,
         }
     }

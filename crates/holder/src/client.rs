@@ -36,6 +36,10 @@ pub enum ClientError {
     /// taking over).
     #[error("no pin holder answers on {0}")]
     NotRunning(PathBuf),
+    /// The holder took the connection and closed it before its greeting: it is exiting (the
+    /// connection was still queued when it exited, after an `exit` or a handover).
+    #[error("the pin holder on {0} closed the connection before its greeting: it is exiting")]
+    Exiting(PathBuf),
     /// The exchange failed.
     #[error("talking to the pin holder on {path} failed: {source}")]
     Io {
@@ -147,7 +151,10 @@ impl HolderClient {
             buf: Vec::new(),
             holder: placeholder(),
         };
-        match session.recv()? {
+        let Some((hello, _)) = session.recv_raw()? else {
+            return Err(ClientError::Exiting(path.clone()));
+        };
+        match hello {
             Reply::Hello { holder } => {
                 if holder.protocol < OLDEST_PROTOCOL {
                     return Err(ClientError::TooOld {
@@ -172,6 +179,7 @@ impl HolderClient {
             match self.connect() {
                 Err(
                     ClientError::NotRunning(_)
+                    | ClientError::Exiting(_)
                     | ClientError::Refused(Refusal::Busy { .. } | Refusal::HandingOver),
                 ) if start.elapsed() < within => std::thread::sleep(Duration::from_millis(10)),
                 other => return other,
@@ -186,9 +194,10 @@ impl HolderClient {
     pub fn connect_patiently(&self, within: Duration) -> Result<Session, ClientError> {
         match self.connect() {
             Err(ClientError::NotRunning(_)) if self.socket.exists() => self.connect_within(within),
-            Err(ClientError::Refused(Refusal::Busy { .. } | Refusal::HandingOver)) => {
-                self.connect_within(within)
-            }
+            Err(
+                ClientError::Exiting(_)
+                | ClientError::Refused(Refusal::Busy { .. } | Refusal::HandingOver),
+            ) => self.connect_within(within),
             other => other,
         }
     }

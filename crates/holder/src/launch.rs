@@ -31,7 +31,7 @@ use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -421,39 +421,59 @@ pub enum EnsureError {
 
 /// How long to wait for a holder that another launcher is starting.
 const RACE_PATIENCE: Duration = Duration::from_secs(10);
+/// How long one round of [`ensure`] waits for a holder it did not start to answer.
+const RACE_ROUND: Duration = Duration::from_secs(1);
 
 /// Adopts the holder of `state`, or runs `launch` (a `cryo guard holder --detach` command line
 /// for the same state directory) and adopts the holder it started.
+///
+/// A holder that is exiting (it closes the connection before its greeting, and holds
+/// `pins.lock` until it is gone) is waited out: the launch command then says another holder
+/// runs, and this tries again, connecting and launching, until [`RACE_PATIENCE`] has passed.
 pub fn ensure(state: &StateDir, mut launch: Command) -> Result<Adoption, EnsureError> {
     let client = HolderClient::new(state);
-    match client.connect() {
-        Ok(s) => return Ok(Adoption::Adopted(s.holder)),
-        Err(ClientError::NotRunning(_)) => {}
-        Err(e) => return Err(e.into()),
-    }
     let command = format!("{launch:?}");
-    let out = launch
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .output()
-        .map_err(|source| EnsureError::Spawn {
-            command: command.clone(),
-            source,
-        })?;
-    match out.status.code() {
-        Some(0) => Ok(Adoption::Started(
-            client.connect_within(RACE_PATIENCE)?.holder,
-        )),
-        // Another launcher won the race: adopt its holder once it answers.
-        Some(EXIT_ALREADY_RUNNING) => Ok(Adoption::Adopted(
-            client.connect_within(RACE_PATIENCE)?.holder,
-        )),
-        _ => Err(EnsureError::Launch {
-            command,
-            status: out.status.to_string(),
-            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
-        }),
+    let deadline = Instant::now() + RACE_PATIENCE;
+    loop {
+        match client.connect() {
+            Ok(s) => return Ok(Adoption::Adopted(s.holder)),
+            Err(ClientError::NotRunning(_) | ClientError::Exiting(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let out = launch
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .output()
+            .map_err(|source| EnsureError::Spawn {
+                command: command.clone(),
+                source,
+            })?;
+        match out.status.code() {
+            Some(0) => {
+                return Ok(Adoption::Started(
+                    client.connect_within(RACE_PATIENCE)?.holder,
+                ))
+            }
+            // Another holder holds the lock: one that another launcher is starting (adopt it
+            // once it answers), or one that is exiting (then launch again).
+            Some(EXIT_ALREADY_RUNNING) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match client.connect_within(left.min(RACE_ROUND)) {
+                    Ok(s) => return Ok(Adoption::Adopted(s.holder)),
+                    Err(ClientError::NotRunning(_) | ClientError::Exiting(_))
+                        if Instant::now() < deadline => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            _ => {
+                return Err(EnsureError::Launch {
+                    command,
+                    status: out.status.to_string(),
+                    stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+                })
+            }
+        }
     }
 }
 

@@ -532,6 +532,51 @@ fn detached_it_leads_its_own_session_and_is_not_our_child() {
     });
 }
 
+/// A holder that is exiting: it holds `pins.lock`, takes the next connection and closes it
+/// without a greeting (the connection was queued when it exited), then lets go of the socket and
+/// the lock. An agent starting at that instant must wait it out and start a new holder, not fail.
+#[test]
+fn ensure_waits_out_a_holder_that_is_exiting() {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let dir = tempfile::tempdir().unwrap();
+    let state = StateDir::new(dir.path().join("state"));
+    std::fs::create_dir_all(state.root()).unwrap();
+    let lock = std::fs::File::create(state.pin_holder_lock()).unwrap();
+    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive).unwrap();
+    let listener = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .unwrap();
+    let path = state.pin_holder_socket();
+    rustix::net::bind_unix(&listener, &SocketAddrUnix::new(&path).unwrap()).unwrap();
+    rustix::net::listen(&listener, 8).unwrap();
+    let exiting = std::thread::spawn(move || {
+        let conn = rustix::net::accept(&listener).unwrap();
+        drop(conn);
+        std::fs::remove_file(&path).unwrap();
+        drop(listener);
+        drop(lock);
+    });
+    let mut launch = Command::new(testee());
+    launch.arg("serve").arg(state.root()).arg("--detach");
+    let started = cryo_holder::ensure(&state, launch).unwrap();
+    exiting.join().unwrap();
+    let cryo_holder::Adoption::Started(info) = started else {
+        panic!("{started:?}")
+    };
+    let h = Holder {
+        state,
+        child: None,
+        pid: info.id.pid,
+        start_time: info.id.start_time,
+        _dir: None,
+    };
+    assert_eq!(h.inventory().0.id, info.id, "the new holder answers");
+}
+
 /// The test's own cgroup tree root and a unique cgroup name under it.
 fn unique_cgroup() -> (PathBuf, String) {
     let nanos = std::time::SystemTime::now()

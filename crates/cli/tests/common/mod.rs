@@ -302,11 +302,18 @@ pub fn stop_pin_holder(state: &Path) {
     let c = cryo_holder::HolderClient::new(&cryo_state::StateDir::new(state));
     let Ok(mut s) = c.connect() else { return };
     let pid = s.holder.id;
+    let Ok(h) = cryo_proc::ProcHandle::open_expected(pid.pid, pid.start_time) else {
+        return;
+    };
     if s.exit().is_err() {
-        if let Ok(h) = cryo_proc::ProcHandle::open_expected(pid.pid, pid.start_time) {
-            let _ = h.signal(cryo_proc::Signal::SIGKILL);
-        }
+        let _ = h.signal(cryo_proc::Signal::SIGKILL);
     }
+    // Gone before the next agent of the test looks for a holder.
+    assert!(
+        h.wait_exit(PATIENCE),
+        "the pin holder {} did not exit",
+        pid.pid
+    );
 }
 
 impl Drop for AgentProc {
