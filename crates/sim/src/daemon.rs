@@ -30,6 +30,7 @@ use crate::proto::{
     self, ApiCall, ApiDone, CallKind, CtxReply, CtxRequest, GpuSel, HangRule, Init, OpenContext,
     Reply, Request, WorkerOp, WorkerRequest,
 };
+use crate::vram::Vram;
 use cryo_proc::{DriverFiles, FdTarget, Liveness};
 
 use crate::memory;
@@ -92,6 +93,8 @@ struct GpuSpec {
     uuid: GpuUuid,
     name: String,
     total: u64,
+    /// Its memory as the host backs it (kept for the next context, as a GPU's memory is).
+    vram: Vram,
 }
 
 #[derive(Debug, Clone)]
@@ -265,6 +268,7 @@ fn start(cfg: DaemonConfig) -> Result<(Arc<Daemon>, UnixListener, PathBuf), Daem
             uuid,
             name: cfg.gpu_name.clone(),
             total: cfg.gpu_memory,
+            vram: Vram::new(cfg.gpu_memory),
         });
     }
     let socket = crate::socket_path(&cfg.dir);
@@ -753,6 +757,22 @@ impl Daemon {
         let Ok(len) = usize::try_from(open.bytes) else {
             return false;
         };
+        let vram = &self.gpus[meta.gpu].vram;
+        let mut mem = vram.take(len);
+        let released = self.serve_context(s, open, meta, &mut mem);
+        vram.give(mem);
+        released
+    }
+
+    /// [`Self::context_loop`] on its device memory `mem` (contents unspecified: written whole
+    /// before anything reads it).
+    fn serve_context(
+        &self,
+        s: &mut UnixStream,
+        open: &OpenContext,
+        meta: &CtxMeta,
+        mem: &mut Vec<u8>,
+    ) -> bool {
         let mut r = match s.try_clone() {
             Ok(c) => BufReader::with_capacity(1 << 20, c),
             Err(err) => {
@@ -761,10 +781,8 @@ impl Daemon {
             }
         };
         crate::sys::grow_socket_buffers(s);
-        let mut mem = vec![0u8; len];
-        crate::sys::advise_huge_pages(&mut mem);
         match open.init {
-            Init::Seed(seed) => memory::fill(&mut mem, seed),
+            Init::Seed(seed) => memory::fill(mem, seed),
             Init::Upload => {
                 if proto::send(
                     s,
@@ -777,7 +795,7 @@ impl Daemon {
                 {
                     return false;
                 }
-                if io::Read::read_exact(&mut r, &mut mem).is_err() {
+                if io::Read::read_exact(&mut r, mem).is_err() {
                     return false;
                 }
                 if proto::send(s, &CtxReply::Uploaded).is_err() {
@@ -813,22 +831,22 @@ impl Daemon {
                 }
                 (CtxRequest::Read(words), false) => proto::send(
                     s,
-                    &CtxReply::Words(words.iter().map(|w| memory::read_word(&mem, *w)).collect()),
+                    &CtxReply::Words(words.iter().map(|w| memory::read_word(mem, *w)).collect()),
                 ),
-                (CtxRequest::Hash, false) => proto::send(s, &CtxReply::Hash(memory::hash(&mem))),
+                (CtxRequest::Hash, false) => proto::send(s, &CtxReply::Hash(memory::hash(mem))),
                 (CtxRequest::Download, false) => {
                     proto::send(s, &CtxReply::Download(mem.len() as u64))
-                        .and_then(|()| s.write_all(&mem))
+                        .and_then(|()| s.write_all(mem))
                 }
                 (CtxRequest::Release, false) => {
                     // Checkpoint frees device memory now, even while duplicates of the fd live.
-                    mem = Vec::new();
+                    self.gpus[meta.gpu].vram.give(std::mem::take(mem));
                     released = true;
                     self.remove(meta.id);
                     proto::send(s, &CtxReply::Released)
                 }
                 (CtxRequest::Resize { bytes, seed }, false) => {
-                    match self.resize(meta, &mut mem, bytes, seed) {
+                    match self.resize(meta, mem, bytes, seed) {
                         Ok(()) => proto::send(s, &CtxReply::Done),
                         Err(code) => proto::send(s, &CtxReply::Cuda(code)),
                     }

@@ -51,6 +51,7 @@ pub mod ledger;
 pub mod memory;
 pub mod proto;
 mod sys;
+mod vram;
 pub mod worker;
 
 use std::path::PathBuf;
