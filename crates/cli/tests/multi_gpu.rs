@@ -9,7 +9,6 @@ mod common;
 
 use std::path::Path;
 use std::process::Output;
-use std::time::Duration;
 
 use common::{
     events, eventually, json, stderr, stdout, succeeded as ok, GuardProc, Sim, Worker, WorkerSpec,
@@ -118,14 +117,23 @@ fn a_wake_onto_two_gpus_checks_each_gpu_for_what_the_process_held_there() {
             .count()
             == 2
     });
-    // Let it look at the GPUs a few times before the room appears.
-    std::thread::sleep(Duration::from_millis(300));
+    // It found the GPU full and says it waits (the positive event), and restored nothing.
+    eventually(PATIENCE, "the wake to wait for room", || {
+        events(st.path()).iter().any(|e| {
+            matches!(e, Event::WakeWaiting { reason, .. }
+                if reason.starts_with("waiting for room on GPU") && reason.contains(&gpu0))
+        })
+    });
     assert_eq!(sim.state(w.pid), "checkpointed", "restored onto a full GPU");
+    assert!(
+        sim.listing(w.pid).is_empty(),
+        "a waiting wake opens nothing"
+    );
     drop(squatter);
     let out = waiting.wait_with_output().unwrap();
     ok(&out);
     let v = json(&out);
-    assert!(v["waited_ms"].as_u64().unwrap() >= 200, "{v}");
+    assert!(v["waited_ms"].as_u64().unwrap() >= 50, "{v}");
     assert_eq!(sim.listing(w.pid), vec![(0, 600 * MIB), (1, 100 * MIB)]);
     assert_eq!(w.complete("two unequal gpus"), before);
     assert_eq!(w.verify()["ok"], true);

@@ -367,6 +367,14 @@ pub enum Event {
         /// The target as given.
         target: String,
     },
+    /// The wake found no GPU with room for a process and waits for room (`--when-full wait`);
+    /// journaled once per wake, before its first wait.
+    WakeWaiting {
+        /// The target as given.
+        target: String,
+        /// Why it waits: "waiting for room on GPU ..." with what each GPU tried had.
+        reason: String,
+    },
     /// Wake finished: every parked process of the target runs again (restored, guarded when a
     /// guard runs, unlocked).
     WakeCompleted {
@@ -636,6 +644,7 @@ impl Event {
             | ParkCompleted { .. }
             | ParkFailed { .. }
             | WakeStarted { .. }
+            | WakeWaiting { .. }
             | WakeCompleted { .. }
             | WakeFailed { .. }
             | ShrinkStarted { .. }
@@ -726,9 +735,11 @@ impl Event {
             | ProcessExited { .. }
             | CallAbandoned { .. }
             | SuspensionSettled { .. } => Phase::Outcome,
-            FreshDeclared { .. } | StandbyPool { .. } | JournalRepaired { .. } | Unknown => {
-                Phase::Note
-            }
+            FreshDeclared { .. }
+            | StandbyPool { .. }
+            | JournalRepaired { .. }
+            | WakeWaiting { .. }
+            | Unknown => Phase::Note,
         }
     }
 
@@ -773,6 +784,7 @@ impl Event {
             ParkCompleted { .. } => "park completed",
             ParkFailed { .. } => "park failed",
             WakeStarted { .. } => "wake started",
+            WakeWaiting { .. } => "wake waiting",
             WakeCompleted { .. } => "wake completed",
             WakeFailed { .. } => "wake failed",
             ShrinkStarted { .. } => "shrink started",
@@ -870,6 +882,7 @@ impl Event {
             SuspensionSettled { found, action, .. } => format!("found {found}: {action}"),
             RestoreStarted { image, .. } => format!("image {image}"),
             ParkStarted { target } | WakeStarted { target } => format!("target {target}"),
+            WakeWaiting { target, reason } => format!("target {target}: {reason}"),
             Parked { bytes, gpus, .. } => {
                 format!("{} off GPU {}", fmt_bytes(*bytes), gpus.join(","))
             }

@@ -799,6 +799,7 @@ fn wake_inner(
     // Where each lands, waiting for room when the policy says so.
     let waited = Instant::now();
     let procs: Vec<(Pid, &ParkedRecord)> = to_restore.iter().map(|(h, r)| (h.pid(), *r)).collect();
+    let mut said_waiting = false;
     let plan = loop {
         let fenced = fence.list()?;
         let gpus = gpu.inspect.gpus()?;
@@ -810,8 +811,20 @@ fn wake_inner(
             opts.when_full == WhenFull::OtherGpu,
         ) {
             Ok(p) => break p,
-            Err(PlaceError::NoRoom { .. }) if matches!(opts.when_full, WhenFull::Wait(w) if waited.elapsed() < w) =>
+            Err(PlaceError::NoRoom { pid, needed, tried }) if matches!(opts.when_full, WhenFull::Wait(w) if waited.elapsed() < w) =>
             {
+                if !said_waiting {
+                    said_waiting = true;
+                    let reason = format!(
+                        "waiting for room on GPU for pid {pid} ({} needed; {tried})",
+                        fmt_bytes(needed)
+                    );
+                    tracing::info!(target = %described, "{reason}");
+                    journal.append(Event::WakeWaiting {
+                        target: described.clone(),
+                        reason,
+                    })?;
+                }
                 std::thread::sleep(Duration::from_millis(50));
             }
             Err(e) => return Err(e.into()),
