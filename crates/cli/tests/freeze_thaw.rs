@@ -1699,3 +1699,50 @@ fn a_criu_restore_that_blocks_ends_at_its_deadline_with_nothing_left() {
     env.stop(pid);
     assert!(env.ledger().is_empty(), "{:?}", env.ledger());
 }
+
+/// Issue 10 item 4 with real CRIU: a worker frozen and thawed through the agent (traced before
+/// its unlock) replaces its program from a thread other than the leader (`execve` closes its
+/// close-on-exec driver fds before any ptrace stop after it): the agent's standing duplicates
+/// hold the context, which is pinned in the pin holder (journal: `Pinned`, `PinsHanded`,
+/// `Execed`), never torn down; the operator's release is what tears it down.
+#[test]
+fn a_thawed_worker_that_execs_is_pinned_not_torn_down() {
+    use cryo_journal::{Event, ProcId};
+    let mut env = Env::start("1GiB");
+    let agent = Agent::start(&env);
+    let (pid, ep) = env.worker_on("64MiB", 0, true);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+    let out = env.thaw(&image, &[]);
+    assert!(out.status.success(), "thaw: {}", stderr(&out));
+    assert!(
+        agent.traces(pid),
+        "the thawed worker is not traced by the agent"
+    );
+    let id = ProcId::of(pid).unwrap();
+    // A successful exec closes the connection unanswered.
+    let r = cryo_http::fetch(
+        "POST",
+        &ep.url("/exec?path=/bin/sleep&arg=3600&thread=other"),
+        None,
+        PATIENCE,
+    );
+    assert!(r.is_err(), "the exec failed: {r:?}");
+    eventually(PATIENCE, "Execed in the journal", || {
+        position(
+            &env,
+            |e| matches!(e, Event::Execed { pid: p, .. } if *p == id),
+        )
+        .is_some()
+    });
+    let handed = position(
+        &env,
+        |e| matches!(e, Event::PinsHanded { pid: p, .. } if *p == id),
+    );
+    let execed = position(
+        &env,
+        |e| matches!(e, Event::Execed { pid: p, .. } if *p == id),
+    );
+    assert!(handed.is_some() && handed < execed, "{handed:?} {execed:?}");
+    assert_pinned_then_release(&env, id);
+}

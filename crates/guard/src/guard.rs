@@ -17,6 +17,9 @@
 //!   is quarantined ([`cryo_state::fence`]) and `GpuQuarantined` journaled, all before the
 //!   process is released. The duplicates stay in this process; the context is never torn down
 //!   until an operator releases them ([`Guard::release`]). Not live (suspended): nothing is held.
+//! - **Exec stop** (`execve` succeeded: the close-on-exec driver fds are closed, the old memory
+//!   gone): the standing duplicates ([`crate::standing`]) are the only holders of the old
+//!   context; pinned as at an exit stop (no drain), `Execed` journaled, the new program let go.
 //! - **Endgame** after a quarantine: [`Endgame::Hold`] waits for the operator;
 //!   [`Endgame::Drain`] stops every other GPU process of the node through
 //!   [`cryo_lifecycle::stop`] (suspend-before-kill), then runs the operator's command. One drain
@@ -57,7 +60,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::memory::MemoryCgroup;
 use crate::pins::PinSink;
-use crate::policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee};
+use crate::policy::{AfterExec, Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee};
+use crate::standing::StandingSet;
 use crate::tracer::{AttachError, DetachError, SpawnError, Tracer, TracerGone};
 
 /// What happens after a GPU is quarantined.
@@ -241,6 +245,10 @@ pub struct GuardedInfo {
     pub source: String,
     /// The `oom_score_adj` set, or why it could not be.
     pub oom_score_adj: String,
+    /// Standing duplicates of its driver fds the guard holds (what pins its context if it
+    /// replaces its program with `execve`).
+    #[serde(default)]
+    pub standing_fds: usize,
 }
 
 /// One pinned context, as `cryo status` shows it.
@@ -329,6 +337,14 @@ struct Inner {
     /// Processes held at their exit stop now (from [`Policy::fds_to_pin`] to [`Policy::on_gone`]):
     /// dying under the guard's hand, not for a drain to stop.
     exiting: Mutex<BTreeSet<Pid>>,
+    /// Processes whose exit stop decided (pinned, or found nothing live) and that are not gone
+    /// yet: the others' standing duplicates are pinned when they are gone (see `on_gone`).
+    exit_decided: Mutex<BTreeSet<Pid>>,
+    /// Standing duplicates of every guarded process's driver fds ([`crate::standing`]).
+    standing: Mutex<StandingSet>,
+    /// Processes seen replacing their program (`Execed`): their pid and start time name a
+    /// program that was never restored, for which NVML may still list the pinned old context.
+    execed: Mutex<BTreeSet<ProcId>>,
     /// The drain endgame: one at a time.
     drain: Mutex<DrainState>,
     /// Whether the operator was told that this host refuses `oom_score_adj` (once is enough:
@@ -532,6 +548,103 @@ impl Inner {
                     error: err.to_string(),
                 });
                 None
+            }
+        }
+    }
+
+    /// Whether NVML lists `pid`, and on which GPUs (none when NVML cannot answer).
+    fn gpus_of(&self, pid: Pid) -> (bool, Vec<FencedGpu>) {
+        match self.gpu.inspect.processes() {
+            Ok(list) => {
+                let mut gpus: Vec<FencedGpu> = list
+                    .iter()
+                    .filter(|p| p.pid == pid)
+                    .map(|p| FencedGpu::Gpu(p.gpu_uuid.clone()))
+                    .collect();
+                gpus.dedup();
+                (!gpus.is_empty(), gpus)
+            }
+            Err(err) => {
+                tracing::error!(pid, %err, "NVML query failed; cannot tell the GPU");
+                (false, Vec::new())
+            }
+        }
+    }
+
+    /// Pins a live context: journals `Pinned` per GPU, quarantines its GPUs (every GPU when
+    /// NVML could not name one), and hands the duplicates to the pin holder (or keeps them).
+    fn pin_live(
+        &self,
+        id: ProcId,
+        how: &str,
+        pinned: PinnedFds,
+        listed: bool,
+        gpus: Vec<FencedGpu>,
+    ) {
+        let pid = id.pid;
+        if !listed {
+            tracing::error!(pid, "NVML does not list the process (another pid namespace?); pinning its driver fds and fencing every GPU");
+        }
+        let fds: Vec<RawFd> = pinned.fds.iter().map(|(n, _)| *n).collect();
+        for err in &pinned.failed {
+            tracing::error!(pid, %err, "could not pin a driver fd");
+        }
+        // Which GPU the context is on is unknown: fence them all (thaw refuses every GPU).
+        let gpus = if gpus.is_empty() {
+            vec![FencedGpu::Unknown]
+        } else {
+            gpus
+        };
+        let reason = if fds.is_empty() {
+            format!("pid {pid} {how} with a live restored context and none of its driver fds could be pinned")
+        } else {
+            format!(
+                "pid {pid} {how} with a live restored context; {} driver fds pinned by the guard",
+                fds.len()
+            )
+        };
+        if !fds.is_empty() {
+            for gpu in &gpus {
+                self.record(Event::Pinned {
+                    pid: id,
+                    gpu: gpu.to_string(),
+                    fds: fds.clone(),
+                });
+            }
+        }
+        self.quarantine(id, &gpus, &reason);
+        tracing::error!(pid, %how, ?gpus, "context pinned and GPU quarantined");
+        if !fds.is_empty() {
+            // The process is still held: the holder acknowledges before the guard's copies (or
+            // the process's own) close.
+            match self.hand_to_sink(id, &gpus, how, &pinned) {
+                Some(holder) => {
+                    tracing::warn!(pid, holder = holder.pid, "pins handed to the pin holder");
+                    drop(pinned);
+                }
+                None => lock(&self.pins).push(Pin {
+                    id,
+                    gpus,
+                    cause: how.to_string(),
+                    held: pinned,
+                }),
+            }
+        }
+    }
+
+    /// Brings the standing duplicates of `pid` up to date ([`crate::standing`]): dropped when
+    /// the journal shows it suspended since its last restore, else new driver fds taken.
+    fn refresh_standing(&self, pid: Pid, handle: &ProcHandle) -> crate::standing::Refreshed {
+        let id = ProcId::of_handle(handle);
+        if self.suspended_since_restore(id) {
+            lock(&self.standing).take(pid);
+            return crate::standing::Refreshed::default();
+        }
+        match self.gpu.inspect.driver_fds(pid) {
+            Ok(now) => lock(&self.standing).refresh(id, handle, &now),
+            Err(err) => {
+                tracing::warn!(pid, %err, "cannot list driver fds; standing duplicates unchanged");
+                crate::standing::Refreshed::default()
             }
         }
     }
@@ -756,78 +869,17 @@ impl Policy for PolicyHandle {
         let inner = &self.0;
         let pid = target.pid();
         let id = inner.id_of(pid);
+        lock(&inner.exit_decided).insert(pid);
         // Live unless the journal shows it suspended since its last restore; NVML only names
         // the GPU (a pid it does not list, from another pid namespace say, is pinned all the same).
         let suspended = inner.suspended_since_restore(id);
         let holds_driver_fds = !pinned.fds.is_empty() || !pinned.failed.is_empty();
-        let (listed, gpus) = match inner.gpu.inspect.processes() {
-            Ok(list) => {
-                let mut gpus: Vec<FencedGpu> = list
-                    .iter()
-                    .filter(|p| p.pid == pid)
-                    .map(|p| FencedGpu::Gpu(p.gpu_uuid.clone()))
-                    .collect();
-                gpus.dedup();
-                (!gpus.is_empty(), gpus)
-            }
-            Err(err) => {
-                tracing::error!(pid, %err, "NVML query failed at the exit stop; cannot tell the GPU");
-                (false, Vec::new())
-            }
-        };
+        let (listed, gpus) = inner.gpus_of(pid);
         if suspended || !(holds_driver_fds || listed) {
             // Suspended (or never had a context): its teardown is the safe kind.
             return;
         }
-        if !listed {
-            tracing::error!(pid, "NVML does not list the dying process (another pid namespace?); pinning its driver fds and fencing every GPU");
-        }
-        let how = describe(cause);
-        let fds: Vec<RawFd> = pinned.fds.iter().map(|(n, _)| *n).collect();
-        for err in &pinned.failed {
-            tracing::error!(pid, %err, "could not pin a driver fd");
-        }
-        // Which GPU the context is on is unknown: fence them all (thaw refuses every GPU).
-        let gpus = if gpus.is_empty() {
-            vec![FencedGpu::Unknown]
-        } else {
-            gpus
-        };
-        let reason = if fds.is_empty() {
-            format!("pid {pid} {how} with a live restored context and none of its driver fds could be pinned")
-        } else {
-            format!(
-                "pid {pid} {how} with a live restored context; {} driver fds pinned by the guard",
-                fds.len()
-            )
-        };
-        if !fds.is_empty() {
-            for gpu in &gpus {
-                inner.record(Event::Pinned {
-                    pid: id,
-                    gpu: gpu.to_string(),
-                    fds: fds.clone(),
-                });
-            }
-        }
-        inner.quarantine(id, &gpus, &reason);
-        tracing::error!(pid, %how, ?gpus, "context pinned and GPU quarantined");
-        if !fds.is_empty() {
-            // Still at the exit stop: the process is released only after this returns, so the
-            // holder acknowledges before the guard's copies (or the process's own) close.
-            match inner.hand_to_sink(id, &gpus, &how, &pinned) {
-                Some(holder) => {
-                    tracing::warn!(pid, holder = holder.pid, "pins handed to the pin holder");
-                    drop(pinned);
-                }
-                None => lock(&inner.pins).push(Pin {
-                    id,
-                    gpus,
-                    cause: how,
-                    held: pinned,
-                }),
-            }
-        }
+        inner.pin_live(id, &describe(cause), pinned, listed, gpus);
         // A process that exited on its own (`exit`, `exit_group`) ended in an orderly way: its
         // context is pinned and its GPU fenced, but the rest of the node keeps serving.
         if matches!(cause, ExitCause::Signaled { .. }) {
@@ -837,11 +889,71 @@ impl Policy for PolicyHandle {
         }
     }
 
+    fn before_exec(&self, target: &Tracee) {
+        // The fd table is whole until the leader goes: the freshest look there is.
+        self.0.refresh_standing(target.pid(), target.handle());
+    }
+
+    fn on_exec(&self, target: &Tracee, thread: Pid) -> AfterExec {
+        let inner = &self.0;
+        let pid = target.pid();
+        let id = inner.id_of(pid);
+        let held = lock(&inner.standing).take(pid);
+        let fds = held
+            .map(crate::standing::Standing::into_all)
+            .unwrap_or_default();
+        let suspended = inner.suspended_since_restore(id);
+        let (listed, gpus) = inner.gpus_of(pid);
+        let how = format!("replaced its program (execve by thread {thread})");
+        if suspended {
+            tracing::warn!(pid, "execve of a suspended process: nothing live to hold");
+        } else if !fds.is_empty() {
+            let pinned = PinnedFds {
+                target: pid,
+                fds,
+                failed: Vec::new(),
+            };
+            inner.pin_live(id, &how, pinned, listed, gpus);
+            tracing::warn!(pid, "execve: the old context is pinned, no drain");
+        } else if listed {
+            // Only a duplicate taken before the exec could have held it.
+            let reason = format!("pid {pid} {how} with a live context and no standing duplicate of its driver fds: its context was torn down");
+            tracing::error!(pid, "{reason}");
+            inner.quarantine(id, &gpus, &reason);
+        }
+        lock(&inner.watched).remove(&pid);
+        lock(&inner.execed).insert(id);
+        inner.record(Event::Execed { pid: id, thread });
+        // The restored program is gone; the new one is another program (a scan may guard it
+        // if it opens driver files of its own).
+        AfterExec::Detach
+    }
+
     fn on_gone(&self, target: &Tracee, cause: ExitCause) {
         let pid = target.pid();
         lock(&self.0.exiting).remove(&pid);
+        let decided = lock(&self.0.exit_decided).remove(&pid);
+        let held = lock(&self.0.standing).take(pid);
+        let id = lock(&self.0.watched)
+            .get(&pid)
+            .map_or_else(|| self.0.id_of(pid), |w| w.id);
+        if let Some(held) = held.filter(|_| !decided) {
+            // Gone without its exit stop deciding (its leader let go early, taken for one
+            // killed by an exec that did not happen): the standing duplicates are what holds
+            // its context now.
+            let fds = held.into_all();
+            if !fds.is_empty() && !self.0.suspended_since_restore(id) {
+                let (listed, gpus) = self.0.gpus_of(pid);
+                let pinned = PinnedFds {
+                    target: pid,
+                    fds,
+                    failed: Vec::new(),
+                };
+                self.0.pin_live(id, &describe(cause), pinned, listed, gpus);
+            }
+        }
         let w = lock(&self.0.watched).remove(&pid);
-        let id = w.map_or_else(|| self.0.id_of(pid), |w| w.id);
+        let id = w.map_or(id, |w| w.id);
         self.0.record(Event::ProcessExited {
             pid: id,
             how: describe(cause),
@@ -896,6 +1008,18 @@ impl Guard {
             memory_stopped: Mutex::new(Vec::new()),
             view: Mutex::new(view),
             exiting: Mutex::new(BTreeSet::new()),
+            exit_decided: Mutex::new(BTreeSet::new()),
+            standing: Mutex::new(StandingSet::default()),
+            execed: Mutex::new(
+                records
+                    .iter()
+                    .filter_map(|r| match &r.event {
+                        Event::Execed { pid, .. } => Some(*pid),
+                        _ => None,
+                    })
+                    .filter(ProcId::is_alive_same)
+                    .collect(),
+            ),
             drain: Mutex::new(DrainState::default()),
             oom_warned: std::sync::atomic::AtomicBool::new(false),
             holder: cfg.pin_sink.clone().unwrap_or_else(|| {
@@ -974,10 +1098,13 @@ impl Guard {
     /// `Ok(false)`: it was guarded already.
     fn attach(&self, id: ProcId, source: AttachSource) -> Result<bool, GuardAttachError> {
         let _one_at_a_time = lock(&self.attaching);
-        if lock(&self.inner.watched)
+        let watched = lock(&self.inner.watched)
             .get(&id.pid)
-            .is_some_and(|w| w.id == id)
-        {
+            .filter(|w| w.id == id)
+            .map(|w| Arc::clone(&w.handle));
+        if let Some(handle) = watched {
+            // Guarded already (a wake, a restore named again): its context may be new.
+            self.inner.refresh_standing(id.pid, &handle);
             return Ok(false);
         }
         let handle = ProcHandle::open_expected(id.pid, id.start_time)?;
@@ -1007,9 +1134,19 @@ impl Guard {
                 oom,
             },
         );
+        // Standing duplicates before the seize: an exec between the two would close the
+        // driver fds with no exec stop to see it.
+        self.inner.refresh_standing(id.pid, &traced);
         if let Err(e) = self.tracer.attach_handle(traced) {
             lock(&self.inner.watched).remove(&id.pid);
+            lock(&self.inner.standing).take(id.pid);
             return Err(e.into());
+        }
+        let handle = lock(&self.inner.watched)
+            .get(&id.pid)
+            .map(|w| Arc::clone(&w.handle));
+        if let Some(handle) = handle {
+            self.settle_vanished_at_attach(id, &handle);
         }
         lock(&self.inner.paused).remove(&id);
         self.inner
@@ -1017,6 +1154,51 @@ impl Guard {
             .append(Event::GuardAttached { pid: id, source })?;
         tracing::info!(pid = id.pid, %source, "guarding");
         Ok(true)
+    }
+
+    /// Right after the seize: driver files held before it and gone after it were closed by the
+    /// process while nothing traced it (an `execve` between the two looks, or a checkpoint by
+    /// another tool). Unless the driver says its context is CHECKPOINTED (or the journal shows it
+    /// suspended), they are pinned: the safe reading on both.
+    fn settle_vanished_at_attach(&self, id: ProcId, handle: &ProcHandle) {
+        let r = self.inner.refresh_standing(id.pid, handle);
+        if r.vanished == 0 {
+            return;
+        }
+        let checkpointed = matches!(
+            self.inner.gpu.driver.state(id.pid),
+            Ok(cryo_gpu::ProcessState::Checkpointed)
+        );
+        let gone = lock(&self.inner.standing).take_vanished(id.pid);
+        if checkpointed || gone.is_empty() {
+            return;
+        }
+        let (listed, gpus) = self.inner.gpus_of(id.pid);
+        let pinned = PinnedFds {
+            target: id.pid,
+            fds: gone,
+            failed: Vec::new(),
+        };
+        self.inner.pin_live(
+            id,
+            "closed driver fds while the guard was attaching (an execve?)",
+            pinned,
+            listed,
+            gpus,
+        );
+    }
+
+    /// Refreshes the standing duplicates of every guarded process (every
+    /// [`crate::SCAN_INTERVAL`] from the guard's loop): driver fds opened since are taken, and
+    /// those of processes the journal shows suspended dropped.
+    pub fn refresh_standing(&self) {
+        let all: Vec<Arc<ProcHandle>> = lock(&self.inner.watched)
+            .values()
+            .map(|w| Arc::clone(&w.handle))
+            .collect();
+        for h in all {
+            self.inner.refresh_standing(h.pid(), &h);
+        }
     }
 
     /// Guards a process restored by other tools (`cryo guard --pid N`, or `attach` on the socket).
@@ -1057,6 +1239,8 @@ impl Guard {
         lock(&self.inner.paused).insert(id, source);
         match self.tracer.detach(pid) {
             Ok(()) => {
+                // Not traced: an exec would not be seen; the process holds its own fds.
+                lock(&self.inner.standing).take(pid);
                 if let Some(w) = lock(&self.inner.watched).remove(&pid) {
                     self.inner.record(Event::GuardLost { pid: w.id });
                 }
@@ -1146,6 +1330,18 @@ impl Guard {
             if lock(&self.inner.paused).contains_key(&id) {
                 continue;
             }
+            // NVML lists an exec'd process for the old context pinned in its name: guard the
+            // new program only once it holds driver files of its own.
+            if lock(&self.inner.execed).contains(&id)
+                && self
+                    .inner
+                    .gpu
+                    .inspect
+                    .driver_fds(pid)
+                    .map_or(true, |f| f.is_empty())
+            {
+                continue;
+            }
             if cryo_proc::status(pid).is_ok_and(|s| s.tracer_pid != 0) {
                 tracing::debug!(pid, "traced by someone else; scanned again later");
                 continue;
@@ -1225,6 +1421,7 @@ impl Guard {
                 start_time: w.id.start_time,
                 source: w.source.as_str().to_string(),
                 oom_score_adj: w.oom.clone(),
+                standing_fds: lock(&self.inner.standing).count(w.id.pid),
             })
             .collect();
         let mut pins: Vec<PinInfo> = lock(&self.inner.pins)

@@ -48,6 +48,7 @@ pub mod pins;
 pub mod policy;
 pub mod service;
 pub mod signals;
+mod standing;
 pub mod sys;
 pub mod tracer;
 
@@ -55,6 +56,6 @@ pub use guard::{
     Endgame, Guard, GuardConfig, GuardStatus, MemoryWatch, Scan, StartReport, SCAN_INTERVAL,
 };
 pub use pins::{HolderSink, PinSink};
-pub use policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee};
+pub use policy::{AfterExec, Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee};
 pub use service::{run, termination_flag, Notice, RunError, RunOptions, Service};
 pub use tracer::{AttachError, DetachError, SpawnError, Tracer, TracerGone, TracerStats};

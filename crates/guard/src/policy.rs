@@ -49,6 +49,15 @@ pub enum Decision {
     Discard,
 }
 
+/// What the tracer does with a process once [`Policy::on_exec`] returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterExec {
+    /// Keep tracing the new program.
+    Keep,
+    /// Let it go (it is not the process that was guarded any more).
+    Detach,
+}
+
 /// How a thread or process ended, as in a wait status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExitCause {
@@ -104,5 +113,22 @@ pub trait Policy: Send + Sync + 'static {
     /// The process has been reaped by the kernel (its leader's final wait status).
     fn on_gone(&self, target: &Tracee, cause: ExitCause) {
         let _ = (target, cause);
+    }
+
+    /// A thread other than the leader is inside `execve`, which has killed every other thread:
+    /// the leader is held at its exit stop (the fd table still intact, the close-on-exec fds
+    /// not closed yet) until this returns, then the exec goes on. Not a death: no
+    /// [`Policy::on_exit_stop`] follows, but [`Policy::on_exec`] does if the exec succeeds.
+    fn before_exec(&self, target: &Tracee) {
+        let _ = target;
+    }
+
+    /// The process replaced its program (`PTRACE_EVENT_EXEC`): its close-on-exec fds are closed
+    /// and its old memory is gone; `thread` called `execve` (the tid it had; it runs on as the
+    /// leader). The process is held until this returns. A failed `execve` changes nothing and
+    /// is not reported.
+    fn on_exec(&self, target: &Tracee, thread: Pid) -> AfterExec {
+        let _ = (target, thread);
+        AfterExec::Keep
     }
 }

@@ -156,6 +156,25 @@ fn finish_unlock(gpu: &Gpu, guard: &Guard, state: &cryo_state::StateDir, id: Pro
     }
 }
 
+/// Raises this process's soft fd limit to its hard one: every guarded process costs the guard
+/// two pidfds and one standing duplicate per driver fd it holds ([`crate::standing`]), and a
+/// duplicate not taken for want of an fd is a context an `execve` would tear down. Best effort.
+fn raise_fd_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let lim = getrlimit(Resource::Nofile);
+    if lim.current != lim.maximum {
+        if let Err(err) = setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: lim.maximum,
+                maximum: lim.maximum,
+            },
+        ) {
+            tracing::warn!(%err, "cannot raise the fd limit");
+        }
+    }
+}
+
 /// The guard could not start (nothing is left running).
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -250,6 +269,7 @@ impl Service {
         notify: &mut dyn FnMut(Notice),
     ) -> Result<Service, RunError> {
         let state = cfg.state.clone();
+        raise_fd_limit();
         let bounded = gpu.bounded(cryo_gpu::Limits::default());
         let (guard, report) = Guard::start(gpu, cfg)?;
         let guard = Arc::new(guard);
@@ -315,6 +335,7 @@ impl Service {
             }
             if scanned_at.is_none_or(|t| t.elapsed() >= crate::SCAN_INTERVAL) {
                 scanned_at = Some(Instant::now());
+                guard.refresh_standing();
                 guard
                     .scan()
                     .into_iter()

@@ -10,9 +10,11 @@ use std::sync::Once;
 pub type Tid = i32;
 
 pub(crate) const PTRACE_EVENT_CLONE: i32 = 3;
+pub(crate) const PTRACE_EVENT_EXEC: i32 = 4;
 pub(crate) const PTRACE_EVENT_EXIT: i32 = 6;
 pub(crate) const PTRACE_EVENT_STOP: i32 = 128;
 const PTRACE_O_TRACECLONE: libc::c_long = 0x08;
+const PTRACE_O_TRACEEXEC: libc::c_long = 0x10;
 const PTRACE_O_TRACEEXIT: libc::c_long = 0x40;
 
 fn check(ret: libc::c_long) -> io::Result<libc::c_long> {
@@ -45,9 +47,9 @@ fn ptrace(req: libc::c_uint, tid: Tid, addr: usize, data: usize) -> io::Result<l
     check(ret)
 }
 
-/// `PTRACE_SEIZE` with exit and clone events, never `PTRACE_O_EXITKILL`.
+/// `PTRACE_SEIZE` with exit, exec and clone events, never `PTRACE_O_EXITKILL`.
 pub fn ptrace_seize(tid: Tid) -> io::Result<()> {
-    let opts = PTRACE_O_TRACEEXIT | PTRACE_O_TRACECLONE;
+    let opts = PTRACE_O_TRACEEXIT | PTRACE_O_TRACEEXEC | PTRACE_O_TRACECLONE;
     ptrace(libc::PTRACE_SEIZE, tid, 0, opts as usize).map(drop)
 }
 

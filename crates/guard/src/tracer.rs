@@ -9,8 +9,8 @@
 //! re-sends the signal until the command is answered, which closes the window where the signal
 //! lands just before the tracer enters `waitpid`.
 //!
-//! Each thread of a target is seized with `PTRACE_O_TRACEEXIT | PTRACE_O_TRACECLONE` (no
-//! `PTRACE_O_EXITKILL`: a dying guard leaves its workers running). New threads are attached by
+//! Each thread of a target is seized with `PTRACE_O_TRACEEXIT | PTRACE_O_TRACEEXEC |
+//! PTRACE_O_TRACECLONE` (no `PTRACE_O_EXITKILL`: a dying guard leaves its workers running). New threads are attached by
 //! the kernel (clone events). Stops are handled as follows:
 //! - signal-delivery-stop of a non-fatal signal: continued at once with the same signal;
 //! - of a fatal one ([`crate::signals::is_fatal`]), or of SIGTERM, SIGINT or SIGHUP that the
@@ -22,6 +22,13 @@
 //! - exit stop of the thread-group leader: the leader is held, the policy names fds, their
 //!   duplicates are taken through the pidfd and handed to [`Policy::on_exit_stop`], then the leader
 //!   exits. The leader's `files` stay intact while it is held, whatever the other threads do.
+//!   Unless another thread of the process is blocked in `execve` (`/proc/PID/task/TID/syscall`):
+//!   then the exec killed the leader, the process lives on, and [`Policy::before_exec`] runs
+//!   instead (the fd table is still intact; the exec's close-on-exec comes after);
+//! - exec stop (`PTRACE_EVENT_EXEC`, after a successful `execve`, from any thread: the kernel
+//!   has given the execing thread the leader's tid, every other thread is gone, the
+//!   close-on-exec fds are closed): the process is held for [`Policy::on_exec`], then continued
+//!   or detached as it says.
 //!
 //! A held thread has a token; a resume carrying an old token (the thread was SIGKILLed while
 //! held and now sits at its exit stop) is ignored.
@@ -32,7 +39,6 @@
 //!   fails. The guard traces restored workers, which are never its children.
 //! - Pinning happens at the leader's exit stop. A leader that left early with `pthread_exit`
 //!   (its `files` already released) yields nothing to pin when the rest of the process dies later.
-//! - `execve` from a non-leader thread (which takes over the leader's tid) is not followed.
 //! - Threads a target creates with `clone` but without `CLONE_THREAD` (not `fork`, which is not
 //!   traced) are detached at once.
 //! - When the guard dies the kernel detaches every tracee; a thread held for the policy at that
@@ -49,12 +55,15 @@ use std::time::Duration;
 
 use cryo_proc::{Pid, ProcError, ProcHandle};
 
-use crate::policy::{Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee};
+use crate::policy::{AfterExec, Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee};
 use crate::signals;
 use crate::sys::{self, status};
 
 /// How long a caller waits for an answer before signalling the tracer thread again.
 const KICK_RETRY: Duration = Duration::from_millis(20);
+/// How long the leader's exit stop looks for another thread blocked in `execve` while some
+/// thread still runs.
+const EXEC_PROBE: Duration = Duration::from_millis(100);
 /// Rounds of "list /proc/PID/task, seize the new ones" before giving up on a thread storm.
 const ATTACH_ROUNDS: usize = 64;
 
@@ -130,6 +139,8 @@ pub struct TracerStats {
     pub exit_stops: u64,
     /// Leader exit stops at which fds were pinned for the policy.
     pub pin_stops: u64,
+    /// Successful `execve`s seen (exec stops).
+    pub exec_stops: u64,
     /// Threads attached through clone events.
     pub threads_followed: u64,
     /// Group-stops answered with `PTRACE_LISTEN`.
@@ -144,6 +155,7 @@ struct Stats {
     fatal_held: AtomicU64,
     exit_stops: AtomicU64,
     pin_stops: AtomicU64,
+    exec_stops: AtomicU64,
     threads_followed: AtomicU64,
     group_stops: AtomicU64,
     processes_gone: AtomicU64,
@@ -166,6 +178,8 @@ enum Command {
         tid: Pid,
         token: u64,
         signal: i32,
+        /// Detach the whole process instead of continuing it.
+        detach: bool,
         reply: Sender<()>,
     },
     Threads {
@@ -305,6 +319,7 @@ impl Tracer {
             fatal_held: get(&s.fatal_held),
             exit_stops: get(&s.exit_stops),
             pin_stops: get(&s.pin_stops),
+            exec_stops: get(&s.exec_stops),
             threads_followed: get(&s.threads_followed),
             group_stops: get(&s.group_stops),
             processes_gone: get(&s.processes_gone),
@@ -432,9 +447,10 @@ impl Engine {
                 tid,
                 token,
                 signal,
+                detach,
                 reply,
             } => {
-                self.resume_held(tid, token, signal);
+                self.resume_held(tid, token, signal, detach);
                 let _ = reply.send(());
             }
             Command::Threads { pid, reply } => {
@@ -655,12 +671,15 @@ impl Engine {
         }
     }
 
-    fn resume_held(&mut self, tid: Pid, token: u64, signal: i32) {
+    fn resume_held(&mut self, tid: Pid, token: u64, signal: i32, detach: bool) {
         let pid = match self.threads.get(&tid) {
             Some(t) if t.state == State::Held { token } => t.tgid,
             // Stale: the thread left that stop (killed while held) and was reported again.
             _ => return,
         };
+        if detach && !self.is_detaching(pid) {
+            self.start_detach(pid, None);
+        }
         self.release(pid, tid, signal);
     }
 
@@ -772,8 +791,17 @@ impl Engine {
                 bump(&self.stats.exit_stops);
                 if tid != pid || self.is_detaching(pid) {
                     self.release(pid, tid, 0);
+                } else if self.exec_in_progress(pid) {
+                    self.on_leader_killed_by_exec(pid, tid);
                 } else {
                     self.on_leader_exit_stop(pid, tid);
+                }
+            }
+            sys::PTRACE_EVENT_EXEC => {
+                if self.is_detaching(pid) {
+                    self.release(pid, tid, 0);
+                } else {
+                    self.on_exec_stop(pid, tid);
                 }
             }
             sys::PTRACE_EVENT_STOP => {
@@ -847,6 +875,7 @@ impl Engine {
                     tid,
                     token,
                     signal,
+                    detach: false,
                     reply,
                 });
             },
@@ -890,10 +919,124 @@ impl Engine {
                     tid,
                     token,
                     signal: 0,
+                    detach: false,
                     reply,
                 });
             },
             || tracing::error!(pid, "could not run the policy at the exit stop"),
+        );
+        if !spawned {
+            self.release(pid, tid, 0);
+        }
+    }
+
+    /// Whether another thread of `pid` is inside `execve` (see
+    /// [`ProcHandle::thread_syscalls`]): asked at the leader's exit stop, while the leader is held.
+    /// The execing thread blocks there waiting for the leader; a thread still running is looked
+    /// at again, for up to [`EXEC_PROBE`] (in a real death every other thread is dying too).
+    fn exec_in_progress(&self, pid: Pid) -> bool {
+        let Some(p) = self.procs.get(&pid) else {
+            return false;
+        };
+        let is_exec = |nr: i64| nr == libc::SYS_execve || nr == libc::SYS_execveat;
+        let deadline = std::time::Instant::now() + EXEC_PROBE;
+        loop {
+            let Ok(calls) = p.target.handle().thread_syscalls() else {
+                return false;
+            };
+            let others = calls.iter().filter(|(t, _)| *t != pid);
+            let mut running = false;
+            for (_, nr) in others {
+                match nr {
+                    Some(nr) if is_exec(*nr) => return true,
+                    Some(_) => {}
+                    None => running = true,
+                }
+            }
+            if !running || std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// The leader's exit stop of a multi-threaded `execve` by another thread: the fd table is
+    /// intact until the leader goes; the policy looks at it first.
+    fn on_leader_killed_by_exec(&mut self, pid: Pid, tid: Pid) {
+        let Some(target) = self.procs.get(&pid).map(|p| p.target.clone()) else {
+            return;
+        };
+        tracing::info!(pid, "leader killed by another thread's execve");
+        let token = self.hold(tid);
+        let policy = Arc::clone(&self.policy);
+        let mailbox = self.mailbox.clone();
+        let spawned = self.spawn_worker(
+            move || {
+                if catch_unwind(AssertUnwindSafe(|| policy.before_exec(&target))).is_err() {
+                    tracing::error!(pid, "policy panicked before an exec");
+                }
+                let _ = mailbox.call(|reply| Command::Resume {
+                    tid,
+                    token,
+                    signal: 0,
+                    detach: false,
+                    reply,
+                });
+            },
+            || tracing::error!(pid, "could not run the policy before an exec"),
+        );
+        if !spawned {
+            self.release(pid, tid, 0);
+        }
+    }
+
+    /// `PTRACE_EVENT_EXEC`: the exec succeeded. The execing thread has the leader's tid now and
+    /// every other thread is gone (their exits, reported or not, are stale).
+    fn on_exec_stop(&mut self, pid: Pid, tid: Pid) {
+        bump(&self.stats.exec_stops);
+        let thread = sys::ptrace_geteventmsg(tid)
+            .ok()
+            .and_then(|m| Pid::try_from(m).ok())
+            .unwrap_or(tid);
+        let Some(p) = self.procs.get_mut(&pid) else {
+            return;
+        };
+        let target = p.target.clone();
+        let gone: Vec<Pid> = p.threads.iter().copied().filter(|t| *t != pid).collect();
+        for t in &gone {
+            p.threads.remove(t);
+        }
+        p.threads.insert(pid);
+        for t in &gone {
+            self.threads.remove(t);
+        }
+        self.threads.insert(
+            pid,
+            Thread {
+                tgid: pid,
+                state: State::Running,
+            },
+        );
+        tracing::info!(pid, thread, "execve");
+        let token = self.hold(tid);
+        let policy = Arc::clone(&self.policy);
+        let mailbox = self.mailbox.clone();
+        let spawned = self.spawn_worker(
+            move || {
+                let after = catch_unwind(AssertUnwindSafe(|| policy.on_exec(&target, thread)))
+                    .unwrap_or_else(|_| {
+                        tracing::error!(pid, "policy panicked at an exec");
+                        AfterExec::Keep
+                    });
+                let _ = mailbox.call(|reply| Command::Resume {
+                    tid,
+                    token,
+                    signal: 0,
+                    detach: after == AfterExec::Detach,
+                    reply,
+                });
+            },
+            || tracing::error!(pid, "could not run the policy at an exec"),
         );
         if !spawned {
             self.release(pid, tid, 0);

@@ -208,3 +208,141 @@ fn a_handled_sigterm_to_a_guarded_restored_worker_is_a_safe_stop() {
     assert!(guard.status().pins.is_empty());
     assert!(state.fence().list().unwrap().is_empty());
 }
+
+/// A peer connection the victim keeps (`connect PATH`): the test's end, and the victim's fd.
+fn connect(
+    v: &mut Victim,
+    listener: &std::os::unix::net::UnixListener,
+    path: &std::path::Path,
+) -> (std::os::unix::net::UnixStream, i32) {
+    v.send(&format!("connect {}", path.display()));
+    let (ours, _) = listener.accept().unwrap();
+    let fd = v.lines.expect("fd ").parse().unwrap();
+    (ours, fd)
+}
+
+/// Whether every duplicate of the victim's end is closed (EOF on ours).
+fn closed(ours: &std::os::unix::net::UnixStream) -> bool {
+    use std::io::Read;
+    ours.set_nonblocking(true).unwrap();
+    let mut b = [0u8; 1];
+    match (&*ours).read(&mut b) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => {
+            assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock, "{e}");
+            false
+        }
+    }
+}
+
+/// The whole guard (fake driver, real process and tracer) against `execve` of a restored process
+/// whose "driver files" are close-on-exec connections the test holds the other end of: one held
+/// from the start and one opened after the guard attached (taken by the refresh). The exec
+/// closes both in the process; the guard's standing duplicates keep them open: pinned,
+/// journaled (`Pinned` then `Execed`), GPU fenced, kept by the guard (no holder here), and the
+/// new program is let go. Only the operator's release closes them. `single`: a one-threaded
+/// process; `from_thread`: the exec comes from a thread other than the leader.
+fn exec_keeps_the_driver_files_open(single: bool, from_thread: bool) {
+    use cryo_journal::{Event, ProcId};
+    use cryo_state::fence::FencedGpu;
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("driver.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    let mut v = if single {
+        Victim::spawn_single()
+    } else {
+        Victim::spawn()
+    };
+    let (first, fd1) = connect(&mut v, &listener, &sock);
+    let state = cryo_state::StateDir::new(dir.path().join("state"));
+    let fake = cryo_testkit::fake::FakeGpu::new();
+    fake.add(v.pid)
+        .mark_restored(v.pid)
+        .driver_files(v.pid, &[fd1]);
+    let id = ProcId::of(v.pid).unwrap();
+    state
+        .open_journal()
+        .unwrap()
+        .append(Event::RestoreCompleted {
+            pid: id,
+            image: "test".into(),
+            ms: None,
+        })
+        .unwrap();
+    let mut cfg = cryo_guard::GuardConfig::new(state.clone());
+    cfg.memory = None;
+    let (guard, report) = cryo_guard::Guard::start(fake.gpu(), cfg).unwrap();
+    assert_eq!(report.attached, vec![id]);
+    let standing = |g: &cryo_guard::Guard| g.status().guarded.first().map_or(0, |g| g.standing_fds);
+    assert_eq!(standing(&guard), 1);
+    // A driver file opened after the attach: taken by the next refresh.
+    let (second, fd2) = connect(&mut v, &listener, &sock);
+    fake.driver_files(v.pid, &[fd1, fd2]);
+    guard.refresh_standing();
+    assert_eq!(standing(&guard), 2);
+    v.send(if from_thread {
+        "thread-exec /bin/sleep 1000"
+    } else {
+        "exec /bin/sleep 1000"
+    });
+    let events = || -> Vec<Event> {
+        cryo_journal::read(state.root().join("journal"))
+            .unwrap()
+            .records
+            .into_iter()
+            .map(|r| r.event)
+            .collect()
+    };
+    let thread = cryo_testkit::eventually(cryo_testkit::PATIENCE, "Execed", || {
+        events().into_iter().find_map(|e| match e {
+            Event::Execed { pid, thread } if pid == id => Some(thread),
+            _ => None,
+        })
+    });
+    assert_eq!(thread == v.pid, !from_thread);
+    assert!(
+        !closed(&first) && !closed(&second),
+        "a driver file was closed by the exec"
+    );
+    let ev = events();
+    let pinned = ev
+        .iter()
+        .position(|e| matches!(e, Event::Pinned { pid, fds, .. } if *pid == id && fds.len() == 2));
+    let execed = ev.iter().position(|e| matches!(e, Event::Execed { .. }));
+    assert!(pinned.is_some() && pinned < execed, "{ev:?}");
+    assert!(
+        !ev.iter().any(|e| matches!(e, Event::ProcessExited { .. })),
+        "{ev:?}"
+    );
+    use cryo_gpu::GpuInspector;
+    let gpu0 = FencedGpu::Gpu(fake.gpus().unwrap()[0].uuid.clone());
+    assert!(state.fence().list().unwrap().iter().any(|q| q.gpu == gpu0));
+    assert_eq!(guard.status().pins.len(), 1);
+    cryo_testkit::eventually(cryo_testkit::PATIENCE, "the new program let go", || {
+        cryo_testkit::procs::tracer_pid(v.pid) == 0
+    });
+    assert!(guard.guarded().is_empty());
+    guard.release(&gpu0).unwrap();
+    cryo_testkit::eventually(cryo_testkit::PATIENCE, "the release to close them", || {
+        closed(&first) && closed(&second)
+    });
+}
+
+/// Attack: `execve` of a one-threaded restored process.
+#[test]
+fn an_exec_of_a_single_threaded_restored_process_is_pinned() {
+    exec_keeps_the_driver_files_open(true, false);
+}
+
+/// Attack: `execve` by the leader of a multi-threaded restored process.
+#[test]
+fn an_exec_from_the_leader_of_a_restored_process_is_pinned() {
+    exec_keeps_the_driver_files_open(false, false);
+}
+
+/// Attack: `execve` by another thread of a restored process.
+#[test]
+fn an_exec_from_another_thread_of_a_restored_process_is_pinned() {
+    exec_keeps_the_driver_files_open(false, true);
+}

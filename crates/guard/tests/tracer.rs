@@ -301,3 +301,84 @@ fn shutdown_detaches_everything() {
     assert_eq!(cryo_proc::status(v.pid).unwrap().tracer_pid, 0);
     v.ping();
 }
+
+/// The process after `exec`: running `sleep`, one thread, traced by `tracer` (the recorder
+/// keeps it).
+fn assert_execed(tracer: &Tracer, pid: i32) {
+    eventually(PATIENCE, "the new program", || {
+        std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "sleep")
+    });
+    assert_eq!(tracer.threads(pid).unwrap(), Some(vec![pid]));
+    assert_eq!(procs::tracer_pid(pid), tracer.tracer_tid());
+    assert_eq!(tracer.stats().exec_stops, 1);
+}
+
+/// An `execve` by the leader of a multi-threaded process: an exec stop naming it, no exit stop
+/// taken for a death (the other thread's own exit stop is let through).
+#[test]
+fn an_exec_from_the_leader_is_an_exec_stop() {
+    let (rec, tracer) = tracer();
+    let mut v = Victim::spawn();
+    tracer.attach(v.pid).unwrap();
+    v.send("exec /bin/sleep 1000");
+    rec.wait_for("the exec stop", |e| {
+        e.iter().any(|e| matches!(e, Ev::Exec(_)))
+    });
+    assert_execed(&tracer, v.pid);
+    rec.with(|e| match e {
+        [Ev::Exec(t)] => assert_eq!(*t, v.pid),
+        other => panic!("unexpected events {other:?}"),
+    });
+}
+
+/// An `execve` by another thread: the kernel kills the leader first (its exit stop, with the fd
+/// table intact, is `before_exec`, not a death), then the execing thread takes the leader's tid.
+#[test]
+fn an_exec_from_another_thread_is_before_exec_then_an_exec_stop() {
+    let (rec, tracer) = tracer();
+    let mut v = Victim::spawn();
+    tracer.attach(v.pid).unwrap();
+    v.send("thread-exec /bin/sleep 1000");
+    rec.wait_for("the exec stop", |e| {
+        e.iter().any(|e| matches!(e, Ev::Exec(_)))
+    });
+    assert_execed(&tracer, v.pid);
+    rec.with(|e| match e {
+        [Ev::BeforeExec, Ev::Exec(t)] => {
+            assert_ne!(*t, v.pid);
+            assert_ne!(*t, v.helper);
+        }
+        other => panic!("unexpected events {other:?}"),
+    });
+}
+
+/// A one-threaded process's exec: the exec stop alone.
+#[test]
+fn an_exec_of_a_single_threaded_process_is_an_exec_stop() {
+    let (rec, tracer) = tracer();
+    let mut v = Victim::spawn_single();
+    assert_eq!(v.helper, 0);
+    tracer.attach(v.pid).unwrap();
+    assert_eq!(tracer.threads(v.pid).unwrap(), Some(vec![v.pid]));
+    v.send("exec /bin/sleep 1000");
+    rec.wait_for("the exec stop", |e| {
+        e.iter().any(|e| matches!(e, Ev::Exec(_)))
+    });
+    assert_execed(&tracer, v.pid);
+    rec.with(|e| assert!(matches!(e, [Ev::Exec(t)] if *t == v.pid), "{e:?}"));
+}
+
+/// A failed `execve` (ENOENT), from either thread, is nothing to the tracer.
+#[test]
+fn a_failed_exec_is_not_reported() {
+    let (rec, tracer) = tracer();
+    let mut v = Victim::spawn();
+    tracer.attach(v.pid).unwrap();
+    v.send("exec /nonexistent/cryo-exec");
+    assert!(v.lines.expect("exec failed ").contains("No such file"));
+    v.send("thread-exec /nonexistent/cryo-exec");
+    assert!(v.lines.expect("exec failed ").contains("No such file"));
+    v.ping();
+    rec.with(|e| assert!(e.is_empty(), "{e:?}"));
+    assert_eq!(tracer.stats().exec_stops, 0);
+}

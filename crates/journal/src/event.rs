@@ -541,6 +541,16 @@ pub enum Event {
         /// How it ended (`killed by SIGSEGV`, `exited with status 1`).
         how: String,
     },
+    /// A process the guard watched replaced its program (`execve`): the restored program is gone
+    /// (its close-on-exec driver fds closed, its memory dropped; what the guard held of its
+    /// context is pinned, `Pinned` before this), and the same pid and start time now name a new
+    /// program that was never restored.
+    Execed {
+        /// The process (same pid and start time before and after the exec).
+        pid: ProcId,
+        /// The thread that called `execve` (its id before the kernel gave it the leader's).
+        thread: i32,
+    },
     /// The pin holder acknowledged the pinned fds of the process: they outlive the guard now.
     PinsHanded {
         /// The dead process whose fds are pinned.
@@ -629,6 +639,7 @@ impl Event {
             | Pinned { pid, .. }
             | PinsReleased { pid }
             | GuardLost { pid }
+            | Execed { pid, .. }
             | ProcessExited { pid, .. } => Some(*pid),
             StopRequested { .. }
             | StopCompleted { .. }
@@ -733,6 +744,7 @@ impl Event {
             | PinsReleased { .. }
             | GuardLost { .. }
             | ProcessExited { .. }
+            | Execed { .. }
             | CallAbandoned { .. }
             | SuspensionSettled { .. } => Phase::Outcome,
             FreshDeclared { .. }
@@ -803,6 +815,7 @@ impl Event {
             PinsReleased { .. } => "pins released",
             GuardLost { .. } => "GUARD LOST",
             ProcessExited { .. } => "exited",
+            Execed { .. } => "replaced its program (execve)",
             PinsHanded { .. } => "pins handed to the holder",
             PinsKeptByGuard { .. } => "PINS KEPT BY THE GUARD (no holder)",
             PinsLost { .. } => "PINS LOST (likely wedge)",
@@ -924,6 +937,7 @@ impl Event {
             StandbyDropped { image, reason, .. } => format!("image {image}: {reason}"),
             GpuQuarantined { gpu, reason } => format!("GPU {gpu}: {reason}"),
             ProcessExited { how, .. } => how.clone(),
+            Execed { thread, .. } => format!("execve by thread {thread}"),
             JournalRepaired { offset, bytes } => {
                 format!("cut {bytes} torn bytes at offset {offset}")
             }

@@ -72,6 +72,10 @@ impl Origins {
                 Event::FreshDeclared { pid } => {
                     out.fresh.insert(*pid);
                 }
+                // The restored program is gone; its pid and start time name a new one.
+                Event::Execed { pid, .. } => {
+                    out.restored.remove(pid);
+                }
                 _ => {}
             }
         }

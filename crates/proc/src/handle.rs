@@ -185,6 +185,40 @@ impl ProcHandle {
         })
     }
 
+    /// Whether its fd `fd` is our `dup` (the same open file description: `kcmp(KCMP_FILE)`), as
+    /// opposed to another file, or another open of the same device, at that number now. Needs
+    /// ptrace-attach rights over the process, as [`ProcHandle::get_fd`].
+    pub fn same_file(&self, fd: RawFd, dup: BorrowedFd<'_>) -> Result<bool, ProcError> {
+        crate::sys::kcmp_same_file(self.pid, fd, dup)
+            .map_err(|e| ProcError::os("kcmp", self.pid, e))
+    }
+
+    /// The system call each of its threads is blocked in now, from `/proc/PID/task/TID/syscall`:
+    /// `(tid, Some(number))`, or `(tid, None)` for a thread that is running (the kernel names the
+    /// call only of a thread that is not) or in none (`-1` is reported as `Some(-1)`). A
+    /// multi-threaded `execve` kills every other thread first (its thread-group leader
+    /// included, whose exit stop a tracer sees while the fd table is still intact) and waits for
+    /// them blocked in the call: this tells such an exit from a real one.
+    pub fn thread_syscalls(&self) -> Result<Vec<(Pid, Option<i64>)>, ProcError> {
+        let mut out = Vec::new();
+        for tid in self.tasks()? {
+            let path = format!("/proc/{}/task/{tid}/syscall", self.pid);
+            // Gone since listed: not a thread any more.
+            let Ok(text) = std::fs::read_to_string(&path) else {
+                continue;
+            };
+            let nr = text
+                .split_whitespace()
+                .next()
+                .and_then(|w| w.parse::<i64>().ok());
+            out.push((tid, nr));
+        }
+        if self.liveness() == Liveness::Gone {
+            return Err(ProcError::NoSuchProcess(self.pid));
+        }
+        Ok(out)
+    }
+
     /// Duplicates of each fd in `fds`: what could be taken and what failed (an fd closed since
     /// it was listed fails with `EBADF`).
     pub fn get_fds(&self, fds: &[RawFd]) -> (Vec<(RawFd, OwnedFd)>, Vec<ProcError>) {

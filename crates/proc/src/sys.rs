@@ -27,6 +27,20 @@ pub(crate) fn pidfd_send_signal(pidfd: BorrowedFd<'_>, sig: i32) -> io::Result<(
     }
 }
 
+/// `kcmp(pid, getpid(), KCMP_FILE, fd, ours)`: whether fd `fd` of `pid` and our fd `ours` are the
+/// same open file description (`Ok(true)`), as opposed to two opens of the same file.
+pub(crate) fn kcmp_same_file(pid: i32, fd: i32, ours: BorrowedFd<'_>) -> io::Result<bool> {
+    const KCMP_FILE: libc::c_int = 0;
+    let me = std::process::id();
+    // SAFETY: integer arguments only; `ours` is a live fd borrowed for the call.
+    let ret = unsafe { libc::syscall(libc::SYS_kcmp, pid, me, KCMP_FILE, fd, ours.as_raw_fd()) };
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret == 0)
+    }
+}
+
 /// `clone(flags | SIGCHLD)` running `child` in the new process on `stack` (see
 /// [`crate::isolate`]); the child's pid.
 pub(crate) fn clone_child(

@@ -2,8 +2,12 @@
 //!
 //! `cryo-guard-testee detach MODE...` starts `cryo-guard-testee MODE...` and exits at once, so
 //! the victim is not a child of the test process (see the tracer's limitations).
-//! `victim`: prints `pid N`, `helper TID`, `ready`, then runs commands read from stdin
-//! (`handle-term` installs a SIGTERM handler that exits 0, as a server's graceful shutdown).
+//! `victim [single]`: prints `pid N`, `helper TID` (`helper 0` with `single`: no other thread,
+//! a one-threaded process), `ready`, then runs commands read from stdin (`handle-term` installs
+//! a SIGTERM handler that exits 0, as a server's graceful shutdown; `connect PATH` keeps a
+//! close-on-exec connection to a unix socket, printing `fd N`; `exec PATH ARG` and
+//! `thread-exec PATH ARG` replace the program from the main thread or from a new one,
+//! printing `exec failed ERR` when it fails).
 //! `guard PID [hold]`: traces PID, prints `attached`, then waits for stdin to close; with `hold`
 //! its policy never answers a fatal signal (prints `held TID SIGNAL`).
 
@@ -74,7 +78,15 @@ fn park_forever() -> ! {
     }
 }
 
-fn victim() -> ExitCode {
+fn exec(path: &str, arg: Option<&str>) {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(path);
+    cmd.args(arg);
+    let err = cmd.exec();
+    say(&format!("exec failed {err}"));
+}
+
+fn victim(single: bool) -> ExitCode {
     let no_core = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -83,19 +95,42 @@ fn victim() -> ExitCode {
     unsafe { libc::setrlimit(libc::RLIMIT_CORE, &no_core) };
     say(&format!("pid {}", std::process::id()));
     set_usr1(on_usr1 as extern "C" fn(libc::c_int) as libc::sighandler_t);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(sys::gettid());
-        park_forever();
-    });
-    let helper = rx.recv().unwrap_or(-1);
+    let helper = if single {
+        0
+    } else {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(sys::gettid());
+            park_forever();
+        });
+        rx.recv().unwrap_or(-1)
+    };
     say(&format!("helper {helper}"));
     say("ready");
+    let mut kept = Vec::new();
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
         let mut words = line.split_whitespace();
         match words.next() {
             Some("ping") => say("pong"),
+            Some("connect") => {
+                use std::os::fd::AsRawFd;
+                // std opens sockets with SOCK_CLOEXEC, as libcuda opens /dev/nvidia*.
+                match std::os::unix::net::UnixStream::connect(words.next().unwrap_or("")) {
+                    Ok(s) => {
+                        say(&format!("fd {}", s.as_raw_fd()));
+                        kept.push(s);
+                    }
+                    Err(e) => say(&format!("connect failed {e}")),
+                }
+            }
+            Some("exec") => exec(words.next().unwrap_or(""), words.next()),
+            Some("thread-exec") => {
+                let path = words.next().unwrap_or("").to_string();
+                let arg = words.next().map(str::to_string);
+                let t = std::thread::spawn(move || exec(&path, arg.as_deref()));
+                let _ = t.join();
+            }
             Some("segv") => fault(),
             Some("abort") => std::process::abort(),
             Some("thread-segv") => {
@@ -193,7 +228,7 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Some("victim") => victim(),
+        Some("victim") => victim(args.get(2).is_some_and(|a| a == "single")),
         Some("guard") => guard(
             args.get(2).map_or("", String::as_str),
             args.get(3).is_some_and(|a| a == "hold"),

@@ -69,8 +69,18 @@ impl Victim {
     }
 
     pub fn spawn_with_stderr(stderr: Option<OwnedFd>) -> Self {
+        Self::spawn_as(stderr, false)
+    }
+
+    /// A victim with one thread only (`helper` is 0).
+    pub fn spawn_single() -> Self {
+        Self::spawn_as(None, true)
+    }
+
+    fn spawn_as(stderr: Option<OwnedFd>, single: bool) -> Self {
         let mut cmd = Command::new(testee());
         cmd.args(["detach", "victim"])
+            .args(single.then_some("single"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped());
         if let Some(fd) = stderr {
@@ -130,6 +140,10 @@ pub enum Ev {
         failed: usize,
     },
     Gone(ExitCause),
+    /// The leader's exit stop of another thread's exec.
+    BeforeExec,
+    /// An exec stop: the thread that called `execve`.
+    Exec(Pid),
 }
 
 type Hook = Box<dyn Fn(&Tracee, &FatalSignal) + Send + Sync>;
@@ -233,6 +247,17 @@ impl Policy for Recorder {
 
     fn on_gone(&self, _: &Tracee, cause: ExitCause) {
         self.push(Ev::Gone(cause));
+    }
+
+    fn before_exec(&self, target: &Tracee) {
+        // The leader is held right here: the fd table is still intact.
+        assert!(target.handle().fds().is_ok_and(|f| !f.is_empty()));
+        self.push(Ev::BeforeExec);
+    }
+
+    fn on_exec(&self, _: &Tracee, thread: Pid) -> cryo_guard::AfterExec {
+        self.push(Ev::Exec(thread));
+        cryo_guard::AfterExec::Keep
     }
 }
 

@@ -137,20 +137,49 @@ fn prompt_hash(prompt: &[u8]) -> u64 {
     h
 }
 
-/// Serves until the process ends.
+/// An exec the main thread carries out (`POST /exec?thread=leader`), and where its error goes.
+type ExecOnMain = (
+    std::process::Command,
+    std::sync::mpsc::Sender<std::io::Error>,
+);
+
+static MAIN_EXEC: std::sync::OnceLock<std::sync::Mutex<std::sync::mpsc::Sender<ExecOnMain>>> =
+    std::sync::OnceLock::new();
+
+/// `execve` from the calling thread; returns only if it failed.
+fn exec_here(mut cmd: std::process::Command) -> std::io::Error {
+    use std::os::unix::process::CommandExt;
+    cmd.exec()
+}
+
+/// `execve` from the main thread (the thread-group leader); returns only if it failed.
+fn exec_on_main(cmd: std::process::Command) -> std::io::Error {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let sent = MAIN_EXEC
+        .get()
+        .and_then(|m| m.lock().ok().map(|s| s.send((cmd, tx)).is_ok()));
+    if sent != Some(true) {
+        return std::io::Error::other("the main thread does not take exec requests");
+    }
+    rx.recv()
+        .unwrap_or_else(|_| std::io::Error::other("the main thread did not answer"))
+}
+
+/// Serves until the process ends; the main thread (the caller) carries out exec requests.
 pub(super) fn serve(backend: Arc<dyn Backend>, server: Arc<Server>) {
-    let mut handles = Vec::new();
+    let (tx, rx) = std::sync::mpsc::channel::<ExecOnMain>();
+    let _ = MAIN_EXEC.set(std::sync::Mutex::new(tx));
     for _ in 0..HANDLERS {
         let (b, s) = (backend.clone(), server.clone());
-        handles.push(std::thread::spawn(move || loop {
+        std::thread::spawn(move || loop {
             match s.recv() {
                 Ok(req) => handle(b.as_ref(), req),
                 Err(err) => tracing::warn!(%err, "http: receive failed"),
             }
-        }));
+        });
     }
-    for h in handles {
-        let _ = h.join();
+    for (cmd, reply) in rx {
+        let _ = reply.send(exec_here(cmd));
     }
 }
 
@@ -439,6 +468,27 @@ fn handle(w: &dyn Backend, mut req: Request) {
                 Err(_) => json(400, serde_json::json!({ "error": "expected ?code=N" })),
             }
         }
+        // For the guard's tests: replace the program (`execve`) with its context live, as a
+        // launcher that execs its server does: `?path=P[&arg=A]`, from the leader
+        // (`&thread=leader`, handed to the main thread) or from this handler thread
+        // (`&thread=other`, the kernel then kills the leader first). The driver fds are
+        // close-on-exec, as libcuda opens them: the exec closes them. Only a failed exec
+        // answers (`500` with the error); a successful one closes this connection.
+        (Method::Post, "/exec") => match query(req.url(), "path") {
+            None => json(400, serde_json::json!({ "error": "expected ?path=P" })),
+            Some(path) => {
+                let mut cmd = std::process::Command::new(path);
+                if let Some(arg) = query(req.url(), "arg") {
+                    cmd.arg(arg);
+                }
+                tracing::info!(path, "exec on request");
+                let err = match query(req.url(), "thread") {
+                    Some("other") => exec_here(cmd),
+                    _ => exec_on_main(cmd),
+                };
+                json(500, serde_json::json!({ "error": err.to_string() }))
+            }
+        },
         // For the guard's tests: a real segmentation fault, answered first so the client
         // sees it was accepted.
         (Method::Post, "/segv") => {

@@ -1,0 +1,233 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! Issue 10 item 4, last sentence: `execve` by a guarded restored worker, through the node agent
+//! (`cryo agent run`), on the simulated GPU, as root. An exec closes the worker's driver fds
+//! (close-on-exec, as libcuda opens them) before any ptrace stop after it; the agent's guard
+//! holds standing duplicates of them, so the old context is pinned (handed to the pin holder,
+//! journaled, its GPU fenced), never torn down. The wedge ledger says whether it was.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::path::Path;
+
+use common::{eventually, make_restored, procs, AgentProc, Sim, Worker, WorkerSpec, PATIENCE};
+use cryo_journal::{Event, ProcId};
+
+fn records(state: &Path) -> Vec<Event> {
+    common::events(state)
+}
+
+fn wait_attached(state: &Path, id: ProcId) {
+    eventually(PATIENCE, "GuardAttached in the journal", || {
+        records(state)
+            .iter()
+            .any(|e| matches!(e, Event::GuardAttached { pid, .. } if *pid == id))
+    });
+}
+
+/// `POST /exec?...` to the worker, raw: a successful exec closes the connection unanswered.
+/// The answer's status line and body, empty when none came.
+fn post_exec(w: &Worker, query: &str) -> String {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", w.port)).unwrap();
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    write!(
+        s,
+        "POST /exec?{query} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
+}
+
+/// Whether fd `fd` of `pid` is close-on-exec (`flags:` of `/proc/PID/fdinfo/FD`, octal).
+fn cloexec(pid: i32, fd: i32) -> bool {
+    let info = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}")).unwrap();
+    let flags = info
+        .lines()
+        .find_map(|l| l.strip_prefix("flags:"))
+        .map(|v| u64::from_str_radix(v.trim(), 8).unwrap())
+        .unwrap();
+    flags & libc::O_CLOEXEC as u64 != 0
+}
+
+fn worker(sim: &Sim) -> Worker {
+    sim.spawn(WorkerSpec::new("16MiB").gpu(0).process_group())
+}
+
+/// The agent and one restored worker it guards, its driver fds close-on-exec as libcuda's
+/// (NVIDIA/cuda-checkpoint#10's strace: `openat("/dev/nvidia1", O_RDWR|O_CLOEXEC)`,
+/// `fcntl(F_GETFD) = FD_CLOEXEC`).
+fn guarded_worker(sim: &Sim, state: &Path) -> (AgentProc, Worker, ProcId) {
+    let agent = AgentProc::start(sim, state, &["--no-memory-watch"]);
+    let w = worker(sim);
+    make_restored(sim, state, w.pid);
+    let id = ProcId::of(w.pid).unwrap();
+    wait_attached(state, id);
+    let fds = sim.gpu.inspect.driver_fds(w.pid).unwrap();
+    assert!(!fds.is_empty(), "the worker holds no driver fd");
+    for fd in &fds {
+        assert!(cloexec(w.pid, *fd), "driver fd {fd} is not close-on-exec");
+    }
+    (agent, w, id)
+}
+
+/// An exec from `thread` (`leader` or `other`): the old context is pinned, not torn down; the
+/// journal says so (`Pinned`, `PinsHanded`, `Execed` naming the execing thread), the GPU is
+/// fenced, no drain; the new program runs on untraced. Only the operator's release tears the
+/// context down (the ledger then has it: the pin was what held it).
+fn exec_is_pinned(thread: &str) {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let (_agent, w, id) = guarded_worker(&sim, &state);
+    let answer = post_exec(&w, &format!("path=/bin/sleep&arg=3600&thread={thread}"));
+    assert!(answer.is_empty(), "the exec failed: {answer}");
+    let execed = eventually(PATIENCE, "Execed in the journal", || {
+        records(&state).into_iter().find_map(|e| match e {
+            Event::Execed { pid, thread } if pid == id => Some(thread),
+            _ => None,
+        })
+    });
+    if thread == "leader" {
+        assert_eq!(execed, w.pid, "the leader called execve");
+    } else {
+        assert_ne!(execed, w.pid, "another thread called execve");
+    }
+    // The new program runs (same pid), untraced.
+    eventually(PATIENCE, "the new program", || {
+        std::fs::read_to_string(format!("/proc/{}/comm", w.pid)).is_ok_and(|c| c.trim() == "sleep")
+    });
+    eventually(PATIENCE, "the guard to let go of the new program", || {
+        procs::tracer_pid(w.pid) == 0
+    });
+    sim.assert_no_wedge();
+    let ev = records(&state);
+    let at = |f: &dyn Fn(&Event) -> bool| ev.iter().position(f);
+    let pinned = at(&|e| matches!(e, Event::Pinned { pid, .. } if *pid == id));
+    let handed = at(&|e| matches!(e, Event::PinsHanded { pid, .. } if *pid == id));
+    let exec = at(&|e| matches!(e, Event::Execed { pid, .. } if *pid == id));
+    assert!(
+        pinned.is_some() && pinned < handed && handed < exec,
+        "journal order: pinned {pinned:?}, handed {handed:?}, execed {exec:?}: {ev:?}"
+    );
+    let gpu0 = sim.gpu_uuid(0);
+    let fence = std::fs::read_to_string(state.join("quarantine.json")).unwrap();
+    assert!(fence.contains(&gpu0), "{fence}");
+    assert!(
+        !ev.iter()
+            .any(|e| matches!(e, Event::ProcessExited { pid, .. } if *pid == id)),
+        "{ev:?}"
+    );
+    // The pin is what holds the context: released, it is torn down.
+    sim.release_pins(&state, &gpu0);
+    let l = sim.wait_ledger(1);
+    assert_eq!(l[0].pid, w.pid, "{l:?}");
+}
+
+/// Attack (watched failing before the standing duplicates: the ledger recorded the teardown
+/// at the exec): `execve` from the thread-group leader of a guarded restored worker.
+#[test]
+fn an_exec_from_the_leader_of_a_guarded_restored_worker_is_pinned() {
+    exec_is_pinned("leader");
+}
+
+/// Attack: `execve` from another thread (the kernel kills the leader first, then gives the
+/// execing thread its tid): the leader's exit stop is not taken for a death.
+#[test]
+fn an_exec_from_another_thread_of_a_guarded_restored_worker_is_pinned() {
+    exec_is_pinned("other");
+}
+
+/// An exec that fails (ENOENT) changes nothing: no pin, no fence, still guarded, still serving.
+#[test]
+fn a_failed_exec_changes_nothing() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let (agent, w, id) = guarded_worker(&sim, &state);
+    for thread in ["leader", "other"] {
+        let answer = post_exec(&w, &format!("path=/nonexistent/cryo-exec&thread={thread}"));
+        assert!(answer.contains("500"), "{answer}");
+        assert!(answer.contains("No such file"), "{answer}");
+    }
+    let ev = records(&state);
+    assert!(
+        !ev.iter().any(|e| matches!(
+            e,
+            Event::Pinned { .. } | Event::Execed { .. } | Event::GpuQuarantined { .. }
+        )),
+        "{ev:?}"
+    );
+    assert!(
+        !state.join("quarantine.json").exists() || {
+            let f = std::fs::read_to_string(state.join("quarantine.json")).unwrap();
+            !f.contains(&sim.gpu_uuid(0))
+        }
+    );
+    let st = agent.client().status().unwrap();
+    assert!(
+        st.guard.guarded.iter().any(|g| g.pid == id.pid),
+        "{:?}",
+        st.guard
+    );
+    assert_eq!(w.http("GET", "/health", "").0, 200);
+    sim.assert_no_wedge();
+}
+
+/// The standing duplicates cost one fd of the agent per driver fd of each guarded process, are
+/// dropped once the journal shows it suspended, die with a SIGKILLed agent without touching the
+/// worker (it holds its own), are taken again by the next agent, and never pin a healthy
+/// process: no pin, no fence, no wedge, the worker serves throughout.
+#[test]
+fn standing_duplicates_neither_leak_nor_pin_a_healthy_worker() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let (mut agent, w, id) = guarded_worker(&sim, &state);
+    let driver = sim.gpu.inspect.driver_fds(w.pid).unwrap().len();
+    let standing = |agent: &AgentProc| {
+        agent
+            .client()
+            .status()
+            .unwrap()
+            .guard
+            .guarded
+            .iter()
+            .find(|g| g.pid == id.pid)
+            .map_or(0, |g| g.standing_fds)
+    };
+    eventually(PATIENCE, "standing duplicates of every driver fd", || {
+        standing(&agent) == driver
+    });
+    agent.kill();
+    eventually(PATIENCE, "the kernel to detach", || {
+        procs::tracer_pid(w.pid) == 0
+    });
+    sim.assert_no_wedge();
+    assert_eq!(w.http("GET", "/health", "").0, 200);
+    let agent2 = AgentProc::start(&sim, &state, &["--no-memory-watch"]);
+    eventually(PATIENCE, "standing duplicates taken again", || {
+        standing(&agent2) == driver
+    });
+    // Parked (the journal shows it checkpointed): nothing live to hold, dropped.
+    let cryo = |verb: &str| {
+        common::ok({
+            let mut c = sim.cmd_at(&state);
+            c.args([verb, &w.pid.to_string()]);
+            c
+        })
+    };
+    cryo("park");
+    eventually(PATIENCE, "standing duplicates dropped", || {
+        standing(&agent2) == 0
+    });
+    // Woken: taken again before its unlock (the wake returns once it is traced and unlocked).
+    cryo("wake");
+    assert_eq!(standing(&agent2), driver);
+    let ev = records(&state);
+    assert!(
+        !ev.iter()
+            .any(|e| matches!(e, Event::Pinned { .. } | Event::GpuQuarantined { .. })),
+        "{ev:?}"
+    );
+    assert_eq!(w.http("GET", "/health", "").0, 200);
+    sim.assert_no_wedge();
+}
