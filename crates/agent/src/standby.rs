@@ -115,6 +115,8 @@ async fn remove(
 #[derive(Debug, Default)]
 struct Pool {
     count: u32,
+    /// The deadline of each standby's CRIU restore (`None`: the image's default).
+    criu_timeout: Option<Duration>,
     ready: VecDeque<Standby>,
     refilling: u32,
     last_error: Option<String>,
@@ -246,8 +248,10 @@ impl Agent {
         }
         let (counts, ready) = sb::from_journal(&records);
         let mut pools = self.pools.lock();
-        for (image, count) in counts {
-            pools.entry(image).or_default().count = count;
+        for (image, config) in counts {
+            let pool = pools.entry(image).or_default();
+            pool.count = config.count;
+            pool.criu_timeout = config.criu_timeout;
         }
         drop(pools);
         for s in ready {
@@ -306,12 +310,14 @@ impl Agent {
             .append(Event::StandbyPool {
                 image: req.image.display().to_string(),
                 count: req.count,
+                criu_timeout_s: req.criu_timeout_s,
             })
             .map_err(|e| ApiError::new(ErrorKind::Failed, format!("cannot journal: {e}")))?;
         let status = {
             let mut pools = self.pools.lock();
             let pool = pools.entry(req.image.clone()).or_default();
             pool.count = req.count;
+            pool.criu_timeout = req.criu_timeout_s.map(Duration::from_secs);
             pool.retry_at = None;
             PoolStatus {
                 image: req.image.clone(),
@@ -340,6 +346,7 @@ impl Agent {
             .append(Event::StandbyPool {
                 image: req.image.display().to_string(),
                 count: 0,
+                criu_timeout_s: None,
             })
             .map_err(|e| ApiError::new(ErrorKind::Failed, format!("cannot journal: {e}")))?;
         let mut removed = Vec::new();
@@ -497,7 +504,11 @@ impl Agent {
                 match todo {
                     Some((image, p)) => {
                         p.refilling += 1;
-                        Some((image.clone(), p.ready.len() + p.refilling as usize - 1))
+                        Some((
+                            image.clone(),
+                            p.ready.len() + p.refilling as usize - 1,
+                            p.criu_timeout,
+                        ))
                     }
                     None => {
                         let _ = self
@@ -509,14 +520,14 @@ impl Agent {
                     }
                 }
             };
-            if let Some((image, others)) = next {
-                self.refill_one(&image, others);
+            if let Some((image, others, criu_timeout)) = next {
+                self.refill_one(&image, others, criu_timeout);
             }
         }
     }
 
     /// Restores one standby of `image` on the parent thread and puts it in its pool.
-    fn refill_one(self: &Arc<Self>, image: &Path, others: usize) {
+    fn refill_one(self: &Arc<Self>, image: &Path, others: usize, criu_timeout: Option<Duration>) {
         let agent = Arc::clone(self);
         let dir = image.to_path_buf();
         let made = self.parent.run(move || {
@@ -526,6 +537,7 @@ impl Agent {
                 &criu,
                 &dir,
                 others,
+                criu_timeout,
                 &agent.journal,
                 &agent.state.fence(),
                 &NoProgress,

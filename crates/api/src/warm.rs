@@ -124,6 +124,10 @@ pub struct StandbyCreateRequest {
     pub image: PathBuf,
     /// How many to keep ready (at least 1).
     pub count: u32,
+    /// The deadline of each standby's CRIU restore, s (absent: two minutes plus the image at
+    /// 50 MB/s, as a thaw's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub criu_timeout_s: Option<u64>,
 }
 
 /// `POST /v1/standby/claim`: hand out one standby of an image, woken.

@@ -272,6 +272,7 @@ fn standby_arm(
         .standby_create(&cryo_api::StandbyCreateRequest {
             image: image.clone(),
             count: 1,
+            criu_timeout_s: None,
         })
         .context("cryo standby create")?;
     let start = Instant::now();

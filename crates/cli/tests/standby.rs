@@ -469,6 +469,80 @@ fn the_agent_killed_between_restore_and_ready_leaves_no_orphan_and_kills_no_live
     env.sim.assert_no_wedge();
 }
 
+/// Attack (issue 12 item 3): the standby's CRIU restore runs past its deadline. CRIU is held at
+/// its gate (every process restored, none run, journaled `standby_restoring`) until the deadline
+/// kills it; the restored tree lives in fresh namespaces, so CRIU's own clean-up (by the image's
+/// pids) cannot find it. The agent must end that tree (it never ran: no driver fds, nothing
+/// listed) and journal it dropped: no orphan, no live context torn down; the pool refills once
+/// CRIU is let through. (Before the deadline the refill waited on CRIU forever.)
+#[test]
+fn a_standby_restore_past_its_criu_deadline_leaves_no_orphan_and_no_live_context() {
+    let mut env = Env::start();
+    let image = env.sim.path().join("img");
+    env.frozen(&image, 7, false);
+    let img = image.to_str().unwrap();
+    drop(env.agent.take());
+    let resume = env.sim.path().join("let-the-gate-go");
+    let agent = AgentProc::start_with(&env.sim, &env.state, &["--no-memory-watch"], |c| {
+        c.env("CRYO_FAILPOINT", cryo_lifecycle::standby::STANDBY_AT_GATE)
+            .env("CRYO_FAILPOINT_RESUME", &resume);
+    });
+    env.ok(&[
+        "standby",
+        "create",
+        "--image",
+        img,
+        "--count",
+        "1",
+        "--criu-timeout",
+        "3",
+    ]);
+    eventually(PATIENCE, "CRIU to reach its gate", || {
+        agent.log().contains("failpoint standby-at-gate reached")
+    });
+    let restoring: Vec<i32> = env
+        .events()
+        .iter()
+        .find_map(|e| match e {
+            Event::StandbyRestoring { pids, .. } => Some(pids.iter().map(|p| p.pid).collect()),
+            _ => None,
+        })
+        .unwrap();
+    assert!(restoring.iter().all(|p| cryo_testkit::procs::alive(*p)));
+    // The positive event: the deadline killed CRIU (no CRIU left under the agent).
+    let criu_under_agent = || {
+        cryo_proc::tree(agent.pid())
+            .unwrap_or_default()
+            .into_iter()
+            .any(|p| {
+                std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "criu")
+            })
+    };
+    eventually(PATIENCE, "CRIU to be killed at its deadline", || {
+        !criu_under_agent()
+    });
+    std::fs::write(&resume, "").unwrap();
+    let reason = eventually(PATIENCE, "the timed-out standby to be dropped", || {
+        env.events().into_iter().find_map(|e| match e {
+            Event::StandbyDropped { root, reason, .. } if root.pid == restoring[0] => Some(reason),
+            _ => None,
+        })
+    });
+    assert!(reason.contains("did not finish within 3 s"), "{reason}");
+    for p in &restoring {
+        eventually(PATIENCE, "the unresumed tree to be gone", || {
+            !cryo_testkit::procs::alive(*p)
+        });
+    }
+    env.sim.assert_no_wedge();
+    // The pool recovers: the next refill passes the gate.
+    let root = env.wait_ready(1)[0];
+    assert!(!restoring.contains(&root));
+    assert_eq!(procs_of(&env.bin), vec![root]);
+    env.agent = Some(agent);
+    env.sim.assert_no_wedge();
+}
+
 /// `cryo run`: the program is pid 1 of fresh pid and network namespaces (its own network
 /// namespace, loopback up), session leader, stdin `/dev/null`, output in `--log`; `cryo run`
 /// exits with its status; a program that is nowhere is refused.

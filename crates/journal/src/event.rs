@@ -450,6 +450,10 @@ pub enum Event {
         image: String,
         /// How many to keep ready.
         count: u32,
+        /// The deadline of each standby's CRIU restore, s (absent: the default for the image's
+        /// size, as a thaw's).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        criu_timeout_s: Option<u64>,
     },
     /// CRIU restored a standby's tree (every process restored, none run yet: written at CRIU's
     /// gate, before the tree may run). Until its `StandbyReady` or `StandbyDropped`, the
@@ -920,7 +924,7 @@ impl Event {
             },
             Grown { target, ms, .. } => format!("target {target}, {ms} ms"),
             GrowFailed { target, error, .. } => format!("target {target}: {error}"),
-            StandbyPool { image, count } => format!("image {image}, {count} kept ready"),
+            StandbyPool { image, count, .. } => format!("image {image}, {count} kept ready"),
             StandbyRestoring {
                 image, root, pids, ..
             }

@@ -36,7 +36,7 @@
 //! another order than the host did is refused, not guessed.
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cryo_criu::image::{Image, ImageError, Manifest};
 use cryo_criu::{Criu, CriuError, RestoreOpts};
@@ -62,6 +62,21 @@ pub const STANDBY_BEFORE_RESTORE: &str = "standby-before-restore";
 /// Failpoint: CRIU restored the standby and its processes are journaled `Parked`, its
 /// `StandbyReady` is not written yet (tests kill the agent here: the orphan window).
 pub const STANDBY_BEFORE_READY: &str = "standby-before-ready";
+
+/// Failpoint: CRIU restored the standby and its tree is journaled `StandbyRestoring`; CRIU waits
+/// at its gate until the file named by `CRYO_FAILPOINT_RESUME` exists (tests let CRIU's deadline
+/// pass here).
+pub const STANDBY_AT_GATE: &str = "standby-at-gate";
+
+/// What a pool keeps, as journaled (`StandbyPool`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PoolConfig {
+    /// How many standbys to keep ready.
+    pub count: u32,
+    /// The deadline of each standby's CRIU restore; `None`: [`crate::criu_deadline`] of the
+    /// image's size.
+    pub criu_timeout: Option<Duration>,
+}
 
 /// A standby ready for a claim.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -153,12 +168,15 @@ pub fn own_namespaces(manifest: &Manifest) -> bool {
 }
 
 /// Restores one standby of the image at `dir` (see the module docs). `others`: how many
-/// standbys of it exist already.
+/// standbys of it exist already; `criu_timeout`: the deadline of CRIU's restore (`None`:
+/// [`crate::criu_deadline`] of the image's size).
+#[allow(clippy::too_many_arguments)]
 pub fn prepare(
     gpu: &Gpu,
     criu: &dyn Criu,
     dir: &Path,
     others: usize,
+    criu_timeout: Option<Duration>,
     journal: &Journal,
     fence: &Fence,
     progress: &dyn Progress,
@@ -215,6 +233,9 @@ pub fn prepare(
     // The intent, at CRIU's gate: every process restored, none run. An agent that dies after
     // this record and before the standby's `StandbyReady` leaves an unfinished standby that the
     // next one ends or guards ([`sweep`]); one that dies before it makes CRIU abort the restore.
+    // The tree as journaled at the gate: what a restore that fails after it (CRIU killed at its
+    // deadline) leaves behind, never run, in namespaces CRIU's own clean-up cannot see.
+    let gated: std::sync::Mutex<Vec<ProcId>> = std::sync::Mutex::new(Vec::new());
     let at_gate = |root: Pid| -> Result<(), String> {
         let tree = ProcHandle::open(root)
             .map_err(|e| format!("the restored root pid {root}: {e}"))
@@ -226,22 +247,43 @@ pub fn prepare(
             .append(Event::StandbyRestoring {
                 image: image.clone(),
                 root: pids[0],
-                pids,
+                pids: pids.clone(),
             })
             .map(drop)
-            .map_err(|e| format!("cannot journal the restored standby: {e}"))
+            .map_err(|e| format!("cannot journal the restored standby: {e}"))?;
+        *gated.lock().unwrap_or_else(|p| p.into_inner()) = pids;
+        failpoint::pause_if(STANDBY_AT_GATE);
+        Ok(())
     };
-    let restored = criu.restore_gated(&opened, &RestoreOpts::default(), &at_gate);
+    let restore_opts = RestoreOpts {
+        deadline: Some(criu_timeout.unwrap_or_else(|| crate::criu_deadline(manifest.total_bytes))),
+        ..RestoreOpts::default()
+    };
+    let restored = criu.restore_gated(&opened, &restore_opts, &at_gate);
     progress.end(
         manifest.root_pid,
         "criu restore",
         restored.is_ok(),
         &format!("{} ms", t.elapsed().as_millis()),
     );
-    let restored = match restored {
-        Ok(r) => r,
-        Err(CriuError::Image(e)) => return Err(StandbyError::Image(e)),
-        Err(e) => return Err(e.into()),
+    let gated = gated.into_inner().unwrap_or_else(|p| p.into_inner());
+    let restored = match (restored, gated.first()) {
+        (Ok(r), _) => r,
+        // Past the gate: the tree was journaled `StandbyRestoring`; it never ran.
+        (Err(e), Some(root)) => {
+            let cleanup = end_unresumed(gpu, &gated);
+            let error = e.to_string();
+            if let Err(j) = journal.append(Event::StandbyDropped {
+                image,
+                root: *root,
+                reason: format!("{error}; the restored tree (never run) was {cleanup}"),
+            }) {
+                tracing::error!(error = %j, "cannot journal the dropped standby");
+            }
+            return Err(StandbyError::AfterRestore { error, cleanup });
+        }
+        (Err(CriuError::Image(e)), None) => return Err(StandbyError::Image(e)),
+        (Err(e), None) => return Err(e.into()),
     };
     let criu_ms = u64::try_from(t.elapsed().as_millis()).unwrap_or(u64::MAX);
     if let Err(e) = journal.append(Event::CriuRestored {
@@ -397,6 +439,54 @@ fn keep(
     }
     tracing::debug!(root, image, "standby kept");
     Ok(handles.iter().map(|h| id(h)).collect())
+}
+
+/// Ends what a CRIU restore that failed past its gate left of a standby's tree (`pids`, as
+/// journaled there): processes that never ran, so the driver cannot answer for them (their
+/// restore thread never started) and the kernel's evidence decides, as for any unresumed
+/// restore: one that holds no driver fd and that NVML does not list has no context, and is
+/// SIGKILLed; anything else is left alone and named. Says what became of them.
+fn end_unresumed(gpu: &Gpu, pids: &[ProcId]) -> String {
+    let handles: Vec<ProcHandle> = pids
+        .iter()
+        .filter_map(|p| ProcHandle::open_expected(p.pid, p.start_time).ok())
+        .filter(ProcHandle::is_alive)
+        .collect();
+    if handles.is_empty() {
+        return "already gone".into();
+    }
+    let listed = gpu.inspect.processes();
+    let mut left = Vec::new();
+    let mut killed = Vec::new();
+    for h in &handles {
+        let pid = h.pid();
+        let evidence = match (&listed, gpu.inspect.driver_fds(pid)) {
+            (Err(e), _) => Err(format!("NVML cannot list the GPU processes ({e})")),
+            (_, Err(e)) => Err(format!("its driver fds cannot be read ({e})")),
+            (Ok(l), Ok(fds)) if fds.is_empty() && !l.iter().any(|p| p.pid == pid) => Ok(()),
+            (Ok(_), Ok(fds)) => Err(format!("it holds driver fds {fds:?} or NVML lists it")),
+        };
+        match evidence.and_then(|()| {
+            h.signal(cryo_proc::Signal::SIGKILL)
+                .map_err(|e| format!("cannot kill it: {e}"))
+        }) {
+            Ok(()) => killed.push(h),
+            Err(why) => left.push(format!("pid {pid}: {why}, left alone")),
+        }
+    }
+    // Their parent (the caller, for the root: CRIU restores it as our child) reaps them.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while killed.iter().any(|h| h.is_alive()) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for h in killed.iter().filter(|h| h.is_alive()) {
+        left.push(format!("pid {}: still alive 10 s after SIGKILL", h.pid()));
+    }
+    if left.is_empty() {
+        format!("killed ({} processes)", killed.len())
+    } else {
+        format!("NOT all killed: {}", left.join("; "))
+    }
 }
 
 /// Removes a standby's processes through the stop path (their contexts are CHECKPOINTED:
@@ -623,16 +713,29 @@ pub fn claim(
 /// not journaled and read 0).
 pub fn from_journal(
     records: &[cryo_journal::Record],
-) -> (std::collections::BTreeMap<PathBuf, u32>, Vec<Standby>) {
+) -> (
+    std::collections::BTreeMap<PathBuf, PoolConfig>,
+    Vec<Standby>,
+) {
     let mut pools = std::collections::BTreeMap::new();
     let mut ready: Vec<Standby> = Vec::new();
     for r in records {
         match &r.event {
-            Event::StandbyPool { image, count } => {
+            Event::StandbyPool {
+                image,
+                count,
+                criu_timeout_s,
+            } => {
                 if *count == 0 {
                     pools.remove(&PathBuf::from(image));
                 } else {
-                    pools.insert(PathBuf::from(image), *count);
+                    pools.insert(
+                        PathBuf::from(image),
+                        PoolConfig {
+                            count: *count,
+                            criu_timeout: criu_timeout_s.map(Duration::from_secs),
+                        },
+                    );
                 }
             }
             Event::StandbyReady {
@@ -698,7 +801,7 @@ pub fn pools_now(records: &[cryo_journal::Record]) -> Vec<PoolNow> {
                 image.clone(),
                 PoolNow {
                     image,
-                    count,
+                    count: count.count,
                     ready: Vec::new(),
                     host_bytes: 0,
                     device_bytes: 0,

@@ -59,6 +59,10 @@ pub struct StandbyCreateArgs {
     /// How many standbys to keep ready.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub count: u32,
+    /// Seconds each standby's CRIU restore may take before it is killed with what it restored
+    /// (nothing of which ran); default: 120 plus the image at 50 MB/s.
+    #[arg(long, value_name = "S", value_parser = clap::value_parser!(u64).range(1..))]
+    pub criu_timeout: Option<u64>,
     /// Print the result as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,

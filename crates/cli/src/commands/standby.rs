@@ -45,6 +45,7 @@ pub fn run(ctx: &Context, args: &StandbyArgs) -> anyhow::Result<u8> {
                 .standby_create(&StandbyCreateRequest {
                     image: a.image.clone(),
                     count: a.count,
+                    criu_timeout_s: a.criu_timeout,
                 })
                 .map_err(need_agent)
                 .map(|p| {
