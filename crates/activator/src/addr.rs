@@ -62,6 +62,22 @@ impl Addr {
             Addr::Unix(p) => Listener::Unix(UnixListener::bind(p)?),
         })
     }
+
+    /// Listens on it again after the listener's owner died: a unix socket left behind is
+    /// replaced when nothing listens on it any more (a connection is refused) and it is a
+    /// socket; anything else there is an error (TCP binds with `SO_REUSEADDR`, as tokio does).
+    pub async fn listen_again(&self) -> std::io::Result<Listener> {
+        if let Addr::Unix(p) = self {
+            use std::os::unix::fs::FileTypeExt;
+            let stale = std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_socket())
+                && std::os::unix::net::UnixStream::connect(p)
+                    .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused);
+            if stale {
+                std::fs::remove_file(p)?;
+            }
+        }
+        self.listen().await
+    }
 }
 
 /// A bound listener.

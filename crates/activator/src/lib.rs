@@ -204,12 +204,21 @@ impl Activator {
         }
     }
 
-    /// Accepts on `listener` until the task is dropped; parks the worker when idle.
+    /// Accepts on `listener` until the task is dropped (the idle parks end with it); parks the
+    /// worker when idle.
     pub async fn serve(&self, listener: Listener) {
-        if let Some(idle) = self.shared.policy.idle_timeout {
-            let me = self.clone();
-            tokio::spawn(async move { me.idle_loop(idle).await });
+        struct AbortOnDrop(Option<tokio::task::JoinHandle<()>>);
+        impl Drop for AbortOnDrop {
+            fn drop(&mut self) {
+                if let Some(t) = &self.0 {
+                    t.abort();
+                }
+            }
         }
+        let _idle = AbortOnDrop(self.shared.policy.idle_timeout.map(|idle| {
+            let me = self.clone();
+            tokio::spawn(async move { me.idle_loop(idle).await })
+        }));
         loop {
             match listener.accept().await {
                 Ok(conn) => {

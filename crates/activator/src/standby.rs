@@ -69,6 +69,12 @@ impl FromStandby {
         }
     }
 
+    /// With `root` already claimed (an agent that restarted: its activator's worker).
+    pub fn with_claimed(self, root: Option<ProcId>) -> Self {
+        *self.claimed.lock().unwrap_or_else(|e| e.into_inner()) = root;
+        self
+    }
+
     /// The root of the worker claimed, if one was and it lives.
     pub fn claimed(&self) -> Option<ProcId> {
         let mut c = self.claimed.lock().unwrap_or_else(|e| e.into_inner());

@@ -31,6 +31,7 @@
 //! - Pids in requests are read in the agent's pid namespace; a caller in another one is refused
 //!   for requests that name pids.
 
+mod activators;
 pub mod auth;
 mod k8s;
 pub mod lock;
@@ -133,6 +134,8 @@ pub(crate) struct Agent {
     own_container: Option<cryo_kube::CgroupIdentity>,
     /// The pre-thawed standby pools.
     pools: standby::Pools,
+    /// The activators it owns (`/v1/activators`).
+    activators: activators::Activators,
 }
 
 impl std::fmt::Debug for Agent {
@@ -257,9 +260,16 @@ pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
         kube,
         own_container: k8s::own_identity(),
         pools: standby::Pools::default(),
+        activators: activators::Activators::new(&cfg.state.activators_file()).map_err(
+            |source| AgentError::Socket {
+                path: cfg.socket.clone(),
+                source,
+            },
+        )?,
     });
     log_guarded(&agent.guard);
     agent.adopt_standbys();
+    agent.restore_activators();
     std::thread::Builder::new()
         .name("cryod-standby".into())
         .spawn({

@@ -27,6 +27,7 @@ pub(crate) fn routes() -> Router<Arc<Agent>> {
         .route(path::PARK, post(park))
         .route(path::WAKE, post(wake))
         .merge(crate::standby::routes())
+        .merge(crate::activators::routes())
 }
 
 /// Pids are the agent's: a caller in another pid namespace may name a cgroup only.

@@ -82,6 +82,8 @@ pub mod path {
     pub const KUBE_STOP: &str = "/v1/kube/stop";
     /// `GET`: [`crate::StandbyList`]; `POST /v1/standby/{create,claim,remove}`.
     pub const STANDBY: &str = "/v1/standby";
+    /// `GET` lists the agent's activators, `POST` creates one, `POST .../remove` removes one.
+    pub const ACTIVATORS: &str = "/v1/activators";
 }
 
 /// Who may make a request.

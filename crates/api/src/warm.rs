@@ -183,6 +183,74 @@ pub struct StandbyClaim {
     pub elapsed_ms: u64,
 }
 
+/// `POST /v1/activators`: the agent listens on `listen` in front of a worker parked in place
+/// (`target`) or of a standby pool (`standby`), and keeps listening across its own restarts
+/// (`cryo activate` while an agent runs).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ActivatorSpec {
+    /// The service address clients use: HOST:PORT or unix:/PATH (a TCP port 0 is resolved).
+    pub listen: String,
+    /// Where the worker itself serves.
+    pub upstream: String,
+    /// The worker, parked in place (`None`: `standby`).
+    #[serde(default)]
+    pub target: Option<TargetSpec>,
+    /// No worker yet: the first connection claims a standby of this image.
+    #[serde(default)]
+    pub standby: Option<PathBuf>,
+    /// How wakes (and the claim) are done; its health URL is the activator's health check,
+    /// reached in the worker's network namespace.
+    pub wake: WakeSpec,
+    /// Park after this many seconds without an open connection (0: never).
+    pub idle_timeout_s: u64,
+    /// How long a connection waits for an activation, s.
+    pub activation_timeout_s: u64,
+    /// The protocol is HTTP: a connection that cannot be served gets a 503 with the reason.
+    pub http: bool,
+    /// Refuse an idle park when parked workers would hold more host memory than this, bytes.
+    #[serde(default)]
+    pub max_parked_host: Option<u64>,
+}
+
+/// One of the agent's activators now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ActivatorStatus {
+    /// What it was created with (`listen` resolved).
+    pub spec: ActivatorSpec,
+    /// `active`, `parked`, `waking` or `parking`.
+    pub phase: String,
+    /// Why the last activation failed, if it did.
+    pub last_error: Option<String>,
+    /// Activations started.
+    pub activations: u64,
+    /// Activations that failed.
+    pub failed_activations: u64,
+    /// Idle parks.
+    pub idle_parks: u64,
+    /// Connections forwarded.
+    pub forwarded: u64,
+    /// Connections answered with an error.
+    pub rejected: u64,
+    /// The worker a standby activator claimed, if it did.
+    pub claimed: Option<cryo_journal::ProcId>,
+}
+
+/// `GET /v1/activators`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ActivatorList {
+    /// Every activator of the agent.
+    pub activators: Vec<ActivatorStatus>,
+}
+
+/// `POST /v1/activators/remove`: stop listening (the worker stays as it is).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ActivatorRemoveRequest {
+    /// The address it listens on, as listed.
+    pub listen: String,
+}
+
 /// The answer to a removal.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StandbyRemoved {
@@ -222,6 +290,24 @@ impl AgentClient {
     /// `POST /v1/standby/claim` (waits as long as the wake takes).
     pub fn standby_claim(&self, req: &StandbyClaimRequest) -> Result<StandbyClaim, ClientError> {
         self.post(&self.long, &format!("{}/claim", path::STANDBY), req)
+    }
+
+    /// `GET /v1/activators`.
+    pub fn activators(&self) -> Result<ActivatorList, ClientError> {
+        self.get(path::ACTIVATORS)
+    }
+
+    /// `POST /v1/activators`: listening once it answers.
+    pub fn activator_create(&self, spec: &ActivatorSpec) -> Result<ActivatorStatus, ClientError> {
+        self.post(&self.short, path::ACTIVATORS, spec)
+    }
+
+    /// `POST /v1/activators/remove`.
+    pub fn activator_remove(
+        &self,
+        req: &ActivatorRemoveRequest,
+    ) -> Result<ActivatorStatus, ClientError> {
+        self.post(&self.short, &format!("{}/remove", path::ACTIVATORS), req)
     }
 
     /// `POST /v1/standby/remove`.

@@ -196,3 +196,84 @@ fn bench_activate_runs_tiny() {
         assert!(v > 0.0, "{k}: {rows}");
     }
 }
+
+/// Issue 12 item 3: the activator is the agent's. With an agent running, `cryo activate`
+/// returns once the agent listens, and `cryo status` lists it. The agent is SIGKILLed while the
+/// worker is parked behind the activator, and a new agent starts: it listens on the same
+/// address again (its predecessor's unix socket replaced), and the next request wakes the
+/// worker once (answers unchanged, traced by the new agent's guard). `--remove` ends the
+/// activator and leaves the worker as it is.
+#[test]
+fn an_agent_owned_activator_survives_an_agent_restart_and_still_wakes_the_worker() {
+    let sim = Sim::start();
+    let st = state();
+    let mut agent = common::AgentProc::start(&sim, st.path(), &["--no-memory-watch"]);
+    let w = sim.spawn(WorkerSpec::new("64MiB"));
+    let before = w.complete("p");
+    park(&sim, st.path(), w.pid);
+    let sock = st.path().join("svc.sock");
+    let listen = format!("unix:{}", sock.display());
+    let o = sim
+        .cmd_at(st.path())
+        .args(["activate", &w.pid.to_string(), "--upstream"])
+        .arg(format!("127.0.0.1:{}", w.port))
+        .args(["--listen", &listen, "--idle-timeout", "0"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    assert!(
+        stdout(&o).contains("activator listening on") && stdout(&o).contains("the agent's"),
+        "{}",
+        stdout(&o)
+    );
+    let status = || -> serde_json::Value {
+        let o = sim
+            .cmd_at(st.path())
+            .args(["status", "--json"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_str(&stdout(&o)).unwrap()
+    };
+    let v = status();
+    assert_eq!(v["activators"][0]["spec"]["listen"], listen.as_str(), "{v}");
+    assert_eq!(v["activators"][0]["phase"], "parked", "{v}");
+
+    // The agent dies with the worker parked behind its activator; a new one starts.
+    agent.kill();
+    drop(agent);
+    let agent = common::AgentProc::start(&sim, st.path(), &["--no-memory-watch"]);
+    let (code, body) = http(Endpoint::Unix(sock.clone()), "POST", "/v1/completions", "p");
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(text(&body), before);
+    assert_eq!(
+        count(st.path(), |e| matches!(e, Event::WakeCompleted { .. })),
+        1
+    );
+    assert_ne!(
+        common::procs::tracer_pid(w.pid),
+        0,
+        "woken untraced by the new agent's guard"
+    );
+    assert_eq!(status()["activators"][0]["activations"], 1);
+
+    // Removed: the address is free, the worker serves as it is.
+    let o = sim
+        .cmd_at(st.path())
+        .args(["activate", "--remove", &listen])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    assert!(!sock.exists());
+    assert_eq!(status()["activators"], serde_json::json!([]));
+    assert_eq!(w.complete("p"), before);
+    let o = sim
+        .cmd_at(st.path())
+        .args(["stop", &w.pid.to_string()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    drop(agent);
+    common::stop_pin_holder(st.path());
+    sim.assert_no_wedge();
+}

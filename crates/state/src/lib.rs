@@ -131,6 +131,12 @@ impl StateDir {
         self.root.join("pins.log")
     }
 
+    /// The agent's activators (what each listens on and for which worker), so that a restarted
+    /// agent listens again.
+    pub fn activators_file(&self) -> PathBuf {
+        self.root.join("activators.json")
+    }
+
     /// The warm pool's standby state (issue 12).
     pub fn standby_dir(&self) -> PathBuf {
         self.root.join("standby")

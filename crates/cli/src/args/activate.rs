@@ -16,8 +16,10 @@ the worker is parked, a connection wakes it (one wake for any number of waiting 
 by the running guard, unlock), waits for its health check, and is forwarded byte for byte. If the
 wake fails or takes longer than --activation-timeout, an HTTP client gets a 503 with the reason
 (--no-http: the connection is closed). After --idle-timeout without an open connection the worker
-is parked again. Runs in the foreground until killed; the worker stays as it is then (a wake that
-was cut short is finished by `cryo wake`). The node agent runs the same activator in-process.";
+is parked again. When the node agent runs, it owns the activator (this command returns once it
+listens; it outlives the command and the agent's restarts; `cryo status` lists it, --remove ends
+it). Without an agent it runs in the foreground until killed; the worker stays as it is then (a
+wake that was cut short is finished by `cryo wake`).";
 
 /// `cryo activate`.
 #[derive(Debug, Clone, Args)]
@@ -25,7 +27,7 @@ was cut short is finished by `cryo wake`). The node agent runs the same activato
 pub struct ActivateArgs {
     /// The worker's processes: one pid is it and its whole process tree; several pids exactly
     /// those.
-    #[arg(value_name = "PID", value_parser = super::parse_pid, required_unless_present_any = ["cgroup", "standby"], conflicts_with_all = ["cgroup", "standby"])]
+    #[arg(value_name = "PID", value_parser = super::parse_pid, required_unless_present_any = ["cgroup", "standby", "remove"], conflicts_with_all = ["cgroup", "standby"])]
     pub pids: Vec<cryo_proc::Pid>,
     /// Every process of this cgroup (a directory under /sys/fs/cgroup), as a container.
     #[arg(long, value_name = "PATH", conflicts_with = "standby")]
@@ -36,11 +38,15 @@ pub struct ActivateArgs {
     #[arg(long, value_name = "IMAGE")]
     pub standby: Option<std::path::PathBuf>,
     /// The service address clients use: HOST:PORT or unix:/PATH.
-    #[arg(long, value_name = "ADDR")]
-    pub listen: Addr,
+    #[arg(long, value_name = "ADDR", required_unless_present = "remove")]
+    pub listen: Option<Addr>,
     /// Where the worker itself serves: HOST:PORT or unix:/PATH.
-    #[arg(long, value_name = "ADDR")]
-    pub upstream: Addr,
+    #[arg(long, value_name = "ADDR", required_unless_present = "remove")]
+    pub upstream: Option<Addr>,
+    /// Remove the agent's activator listening on this address (as `cryo status` lists it); the
+    /// worker stays as it is.
+    #[arg(long, value_name = "ADDR", conflicts_with_all = ["pids", "cgroup", "standby", "listen", "upstream"])]
+    pub remove: Option<String>,
     /// Park the worker after this many seconds without an open connection (0: never).
     #[arg(long, value_name = "S", default_value_t = 300)]
     pub idle_timeout: u64,

@@ -39,6 +39,10 @@ pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
         // What only the agent knows: refills under way and why the last one failed.
         let refills = client.standby_list().map(|l| l.pools).unwrap_or_default();
         let pools = pools.map(|p| with_refills(p, &refills));
+        let activators = client
+            .activators()
+            .map(|l| l.activators)
+            .map_err(|e| e.to_string());
         if args.json {
             let v = serde_json::json!({
                 "parked": parked.as_ref().ok(),
@@ -46,6 +50,8 @@ pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
                 "parked_error": parked.as_ref().err(),
                 "standby_pools": pools.as_ref().ok(),
                 "standby_host_bytes": pools.as_ref().ok().map(|p| p.iter().map(|x| x.now.host_bytes).sum::<u64>()),
+                "activators": activators.as_ref().ok(),
+                "activators_error": activators.as_ref().err(),
                 "quarantined": s.quarantined,
                 "guard": s.guard,
                 "fence_error": s.fence_error,
@@ -56,6 +62,7 @@ pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
             println!("agent: running as pid {} ({})", s.pid, s.socket.display());
             print_parked(&parked);
             print_pools(&pools, true);
+            print_activators(&activators);
             print_fence_and_guard(&s.quarantined, s.fence_error.as_deref(), Ok(Some(&s.guard)));
         }
         return Ok(());
@@ -92,6 +99,41 @@ pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
         guard.as_ref().map(Option::as_ref).map_err(String::as_str),
     );
     Ok(())
+}
+
+/// The agent's activators in words.
+fn print_activators(activators: &Result<Vec<cryo_api::ActivatorStatus>, String>) {
+    match activators {
+        Err(e) => println!("activators: the agent cannot list them: {e}"),
+        Ok(a) if a.is_empty() => println!("activators: none"),
+        Ok(a) => {
+            println!("activators (the agent's; `cryo activate --remove ADDR` ends one):");
+            for x in a {
+                let worker = match (&x.spec.standby, &x.claimed) {
+                    (Some(image), Some(root)) => {
+                        format!("standby of {} claimed as pid {}", image.display(), root.pid)
+                    }
+                    (Some(image), None) => format!("a standby of {}", image.display()),
+                    (None, _) => format!("{:?}", x.spec.target),
+                };
+                println!(
+                    "  {} -> {}  {}  {}  activations {} ({} failed), idle parks {}, forwarded {}{}",
+                    x.spec.listen,
+                    x.spec.upstream,
+                    worker,
+                    x.phase,
+                    x.activations,
+                    x.failed_activations,
+                    x.idle_parks,
+                    x.forwarded,
+                    x.last_error
+                        .as_ref()
+                        .map(|e| format!(", last error: {e}"))
+                        .unwrap_or_default()
+                );
+            }
+        }
+    }
 }
 
 /// Parked workers in words.
