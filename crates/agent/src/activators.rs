@@ -316,13 +316,7 @@ impl Agent {
                     (Arc::new(inplace), None, initial)
                 }
                 (None, Some(image)) => {
-                    let park = ParkRequest {
-                        target: TargetSpec::Pids { pids: Vec::new() },
-                        lock_timeout_ms: park.suspend.lock_timeout.as_millis() as u64,
-                        lock_attempts: park.suspend.lock_attempts,
-                        max_parked_host: park.max_parked_host,
-                        shrink: None,
-                    };
+                    let park = ParkRequest::of(TargetSpec::Pids { pids: Vec::new() }, &park);
                     let claimed = record.claimed.filter(ProcId::is_alive_same);
                     let from = Arc::new(
                         FromStandby::new(

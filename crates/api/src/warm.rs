@@ -61,6 +61,18 @@ pub struct ParkRequest {
 }
 
 impl ParkRequest {
+    /// The request for `target` that [`ParkRequest::options`] turns back into `o` (its lock
+    /// settings and host memory limit; no shrink).
+    pub fn of(target: TargetSpec, o: &ParkOptions) -> ParkRequest {
+        ParkRequest {
+            target,
+            lock_timeout_ms: u64::try_from(o.suspend.lock_timeout.as_millis()).unwrap_or(u64::MAX),
+            lock_attempts: o.suspend.lock_attempts,
+            max_parked_host: o.max_parked_host,
+            shrink: None,
+        }
+    }
+
     /// The lifecycle's options for it (the standalone command uses the same).
     pub fn options(&self) -> ParkOptions {
         ParkOptions {

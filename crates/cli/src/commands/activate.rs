@@ -92,13 +92,7 @@ pub fn run(ctx: &Context, args: &ActivateArgs) -> anyhow::Result<u8> {
                 health_url: None,
                 health_timeout_s: args.activation_timeout,
             };
-            let park = ParkRequest {
-                target: TargetSpec::Pids { pids: Vec::new() },
-                lock_timeout_ms: park.suspend.lock_timeout.as_millis() as u64,
-                lock_attempts: park.suspend.lock_attempts,
-                max_parked_host: park.max_parked_host,
-                shrink: None,
-            };
+            let park = ParkRequest::of(TargetSpec::Pids { pids: Vec::new() }, &park);
             let from = FromStandby::new(client, image.clone(), wake, park);
             (Arc::new(from), Phase::Parked { last_error: None })
         }
