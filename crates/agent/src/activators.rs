@@ -84,6 +84,14 @@ async fn remove(
     blocking(move || agent.activators.remove(&req.listen)).await
 }
 
+impl Drop for Activators {
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
 /// What is kept of one activator across restarts.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Record {
@@ -105,7 +113,8 @@ struct Live {
 
 /// Every activator of the agent.
 pub(crate) struct Activators {
-    rt: tokio::runtime::Runtime,
+    /// Taken only by `Drop` (shut down without waiting: the agent may end on an async thread).
+    rt: Option<tokio::runtime::Runtime>,
     live: Mutex<BTreeMap<String, Live>>,
     file: std::path::PathBuf,
 }
@@ -139,14 +148,22 @@ impl Activators {
     /// No activator yet; kept in `file`.
     pub(crate) fn new(file: &Path) -> std::io::Result<Activators> {
         Ok(Activators {
-            rt: tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .thread_name("cryod-activators")
-                .enable_all()
-                .build()?,
+            rt: Some(
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .thread_name("cryod-activators")
+                    .enable_all()
+                    .build()?,
+            ),
             live: Mutex::new(BTreeMap::new()),
             file: file.to_path_buf(),
         })
+    }
+
+    fn rt(&self) -> Result<&tokio::runtime::Runtime, ApiError> {
+        self.rt
+            .as_ref()
+            .ok_or_else(|| failed("the agent is shutting down"))
     }
 
     fn live(&self) -> MutexGuard<'_, BTreeMap<String, Live>> {
@@ -356,20 +373,17 @@ impl Agent {
             http: spec.http,
         };
         let activator = Activator::new(upstream, policy, activation, initial);
-        let listener = self
-            .activators
-            .rt
-            .block_on(listen.listen_again())
-            .map_err(|e| {
-                ApiError::new(
-                    ErrorKind::Refused,
-                    format!("cannot listen on {}: {e}", spec.listen),
-                )
-            })?;
+        let rt = self.activators.rt()?;
+        let listener = rt.block_on(listen.listen_again()).map_err(|e| {
+            ApiError::new(
+                ErrorKind::Refused,
+                format!("cannot listen on {}: {e}", spec.listen),
+            )
+        })?;
         let bound = listener.local_addr().map_err(failed)?;
         let mut record = record;
         record.spec.listen = bound.to_string();
-        let task = self.activators.rt.spawn({
+        let task = rt.spawn({
             let activator = activator.clone();
             let agent = Arc::downgrade(self);
             let from = from.clone();
