@@ -589,7 +589,7 @@ fn cryo_run_starts_a_program_in_fresh_namespaces() {
 /// place; the next request wakes it, with no second claim.
 #[test]
 fn an_activator_in_front_of_a_standby_pool_claims_once_for_20_requests_and_parks_when_idle() {
-    let env = Env::start();
+    let mut env = Env::start();
     let image = env.sim.path().join("img");
     let (before, port) = env.frozen_at(&image, 7, false);
     let img = image.to_str().unwrap();
@@ -648,5 +648,29 @@ fn an_activator_in_front_of_a_standby_pool_claims_once_for_20_requests_and_parks
     assert_eq!(claims(), 1, "woken in place, not claimed again");
     let _ = act.kill();
     let _ = act.wait();
+
+    // The agent owns the activator: SIGKILLed and restarted, it listens again for the worker it
+    // had claimed (kept with the activator), parks it when idle and wakes it in place: no
+    // second claim.
+    let mut old = env.agent.take().unwrap();
+    old.kill();
+    drop(old);
+    env.agent = Some(AgentProc::start(
+        &env.sim,
+        &env.state,
+        &["--no-memory-watch"],
+    ));
+    eventually(PATIENCE, "the idle worker to be parked again", || {
+        env.sim.state(root) == "checkpointed"
+    });
+    let (status, body) = cryo_testkit::http::http(listen, "POST", "/v1/completions", "q");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(env.sim.state(root), "running");
+    let claims = env
+        .events()
+        .iter()
+        .filter(|e| matches!(e, Event::StandbyClaimed { .. }))
+        .count();
+    assert_eq!(claims, 1, "the restarted agent claimed again");
     env.sim.assert_no_wedge();
 }
