@@ -216,6 +216,8 @@ pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
         source,
     })?;
     let _lock = lock::NodeLock::take(&cfg.state.agent_lock())?;
+    // What dumps and restores that died with an earlier agent left (their private directories).
+    cryo_criu::scratch::sweep(&cfg.state.criu_dir());
     protect_from_oom();
     let read_group = match &cfg.read_group {
         None => None,

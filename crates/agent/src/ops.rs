@@ -114,7 +114,9 @@ impl Agent {
         req: &FreezeRequest,
         progress: &dyn Progress,
     ) -> Result<FreezeReport, ApiError> {
-        let criu = cryo_criu::CriuRpc::locate(None).map_err(failed)?;
+        let criu = cryo_criu::CriuRpc::locate(None)
+            .map_err(failed)?
+            .in_scratch(&self.state.criu_dir());
         let root = cryo_lifecycle::open_process(req.pid)
             .map_err(|e| ApiError::new(ErrorKind::NotFound, e.to_string()))?;
         let tree = Resolved::tree(root)
@@ -162,7 +164,9 @@ impl Agent {
             h.validate()
                 .map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))?;
         }
-        let criu = cryo_criu::CriuRpc::locate(None).map_err(failed)?;
+        let criu = cryo_criu::CriuRpc::locate(None)
+            .map_err(failed)?
+            .in_scratch(&self.state.criu_dir());
         match cryo_lifecycle::thaw(
             &self.gpu,
             &criu,

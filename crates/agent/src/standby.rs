@@ -531,7 +531,9 @@ impl Agent {
         let agent = Arc::clone(self);
         let dir = image.to_path_buf();
         let made = self.parent.run(move || {
-            let criu = cryo_criu::CriuRpc::locate(None).map_err(|e| e.to_string())?;
+            let criu = cryo_criu::CriuRpc::locate(None)
+                .map_err(|e| e.to_string())?
+                .in_scratch(&agent.state.criu_dir());
             sb::prepare(
                 &agent.gpu,
                 &criu,

@@ -66,6 +66,17 @@ const MOMENTS: [&str; 5] = [
     "thaw, cold cache",
 ];
 
+/// The moments of cryo's CRIU restore (`cryo_criu::RestorePhases`), in order: its checks
+/// before CRIU, CRIU at the gate (every process restored, its memory read), every page checked,
+/// the verdict, CRIU's exit.
+const PHASES: [&str; 5] = [
+    "checked_ms",
+    "gate_ms",
+    "hashed_ms",
+    "verdict_ms",
+    "criu_exit_ms",
+];
+
 /// What the disk gives for the row's bytes, bytes per second, measured in the same run.
 #[derive(Debug, Clone, Copy, Serialize)]
 struct Limits {
@@ -98,6 +109,9 @@ struct Row {
     cryo_thaw_warm_steps: [Samples; 3],
     /// The same after dropping the caches.
     cryo_thaw_cold_steps: [Samples; 3],
+    /// cryo's CRIU restore from the page cache, then cold, moment by moment ([`PHASES`]), ms
+    /// from its start.
+    cryo_restore_phases: [[Samples; 5]; 2],
     /// The bare route's freeze steps: lock + checkpoint, `criu dump`, fsync of the files, ms.
     bare_freeze_steps: [Samples; 3],
     /// The bare route's thaw from the page cache: nothing (0), `criu restore`, GPU restore +
@@ -157,6 +171,7 @@ pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
         let mut bare_s: [Samples; 5] = Default::default();
         let mut steps: [[Samples; 3]; 3] = Default::default();
         let mut bare_steps: [[Samples; 3]; 3] = Default::default();
+        let mut phases: [[Samples; 5]; 2] = Default::default();
         let mut image_bytes = 0;
         for round in 1..=args.rounds {
             let (c, b) = if a_first(round) {
@@ -170,6 +185,11 @@ pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
             for i in 0..5 {
                 cryo_s[i].push(c.moments[i]);
                 bare_s[i].push(b.moments[i]);
+            }
+            for (k, warm_cold) in c.phases.iter().enumerate() {
+                for (j, v) in warm_cold.iter().enumerate() {
+                    phases[k][j].push(*v);
+                }
             }
             for (arm, into) in [(&c, &mut steps), (&b, &mut bare_steps)] {
                 for (j, st) in arm.steps.iter().enumerate() {
@@ -193,6 +213,7 @@ pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
             cryo_freeze_steps: freeze_steps,
             cryo_thaw_warm_steps: warm_steps,
             cryo_thaw_cold_steps: cold_steps,
+            cryo_restore_phases: phases,
             bare_freeze_steps,
             bare_thaw_warm_steps: bare_warm_steps,
             bare_thaw_cold_steps: bare_cold_steps,
@@ -256,6 +277,19 @@ fn print_row(row: &Row) {
          thaw = checks {wv:.0} + CRIU restore {wc:.0} + GPU {wg:.0} ms (cold: {cv:.0} + {cc:.0} + \
          {cg:.0})"
     );
+    let ph = |k: usize| {
+        row.cryo_restore_phases[k]
+            .iter()
+            .zip(PHASES)
+            .map(|(s, name)| format!("{} {:.0}", name.trim_end_matches("_ms"), s.median()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    println!(
+        "  cryo's CRIU restore, ms from its start (medians): page cache: {}; cold: {}",
+        ph(0),
+        ph(1)
+    );
     let [bs, bd, bf] = med(&row.bare_freeze_steps);
     let [_, bwc, bwg] = med(&row.bare_thaw_warm_steps);
     let [_, bcc, bcg] = med(&row.bare_thaw_cold_steps);
@@ -286,6 +320,8 @@ pub(crate) struct Arm {
     pub(crate) moments: [f64; 5],
     /// Freeze, warm thaw, cold thaw steps (see [`Row`]).
     steps: [[f64; 3]; 3],
+    /// cryo's CRIU restore phases ([`PHASES`]), warm then cold; NaN for the bare route.
+    phases: [[f64; 5]; 2],
     image_bytes: u64,
 }
 
@@ -451,8 +487,9 @@ impl Bench {
         Ok(())
     }
 
-    /// `cryo thaw` to the first answered health request; returns its wall time and its steps.
-    fn cryo_thaw(&self, image: &Path, sock: &Path) -> anyhow::Result<(f64, [f64; 3])> {
+    /// `cryo thaw` to the first answered health request; returns its wall time, its steps and
+    /// its CRIU restore's phases.
+    fn cryo_thaw(&self, image: &Path, sock: &Path) -> anyhow::Result<(f64, [f64; 3], [f64; 5])> {
         let t = Instant::now();
         let mut c = self.cryo();
         c.arg("thaw").arg(image).args([
@@ -464,7 +501,12 @@ impl Bench {
         let wall = ms(t.elapsed());
         let v: serde_json::Value =
             serde_json::from_str(&out).context("parsing cryo thaw --json")?;
-        Ok((wall, steps(&v, ["verify_ms", "criu_ms", "gpu_restore_ms"])))
+        let phases = PHASES.map(|k| v["criu_phases"][k].as_f64().unwrap_or(f64::NAN));
+        Ok((
+            wall,
+            steps(&v, ["verify_ms", "criu_ms", "gpu_restore_ms"]),
+            phases,
+        ))
     }
 
     pub(crate) fn cryo_arm(&self, memory: u64) -> anyhow::Result<Arm> {
@@ -492,15 +534,16 @@ impl Bench {
             .context("reaping the frozen worker")?;
         let image_bytes = cryo_criu::image::dir_bytes(&image);
 
-        let (warm, warm_steps) = self.cryo_thaw(&image, &sock)?;
+        let (warm, warm_steps, warm_phases) = self.cryo_thaw(&image, &sock)?;
         self.stop(pid)?;
         drop_caches()?;
-        let (cold, cold_steps) = self.cryo_thaw(&image, &sock)?;
+        let (cold, cold_steps, cold_phases) = self.cryo_thaw(&image, &sock)?;
         self.stop(pid)?;
         fs::remove_dir_all(&image).context("removing the image")?;
         Ok(Arm {
             moments: [gpu_free, gone, durable, warm, cold],
             steps: [freeze_steps, warm_steps, cold_steps],
+            phases: [warm_phases, cold_phases],
             image_bytes,
         })
     }
@@ -590,6 +633,7 @@ impl Bench {
                 warm_steps,
                 cold_steps,
             ],
+            phases: [[f64::NAN; 5]; 2],
             image_bytes: 0,
         })
     }

@@ -954,12 +954,83 @@ fn killing_cryo_during_the_dump_publishes_nothing_and_tears_nothing_down() {
     );
     after_killed_freeze(&mut env, pid, &image);
 
-    // The next freeze of the same path removes the abandoned staging directory.
+    // The next freeze of the same path removes the abandoned staging directory, and the
+    // private directories of the killed dumps (CRIU's gate, socket, log) are gone too.
     let (pid, _) = env.worker("16MiB", 1);
     env.freeze(pid, &image);
     assert!(staging(&image).is_empty());
     let out = env.thaw(&image, &[]);
     assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(criu_dirs(&env), Vec::<PathBuf>::new());
+    env.stop(pid);
+    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+}
+
+/// The private directories of CRIU runs under `env`'s state directory.
+fn criu_dirs(env: &Env) -> Vec<PathBuf> {
+    let root = env.path().join("state").join("criu");
+    fs::read_dir(&root)
+        .map(|rd| {
+            rd.map(|e| e.unwrap().path())
+                .filter(|p| {
+                    p.file_name()
+                        .unwrap()
+                        .to_str()
+                        .unwrap()
+                        .starts_with("cryo-criu-")
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Issue 16 item 4: a thaw killed mid-restore (CRIU restored every process and waits at cryo's
+/// gate; none ran) left its private directory (`/tmp/cryo-criu-restore-*`: the gate, CRIU's work
+/// files and log) behind for good. It works under the state directory now, and the next command
+/// that sets CRIU up removes what the dead thaw left; nothing of the killed thaw ran, and the
+/// image thaws and serves.
+#[test]
+fn a_thaw_killed_mid_restore_leaves_no_directory_behind() {
+    let mut env = Env::start("1GiB");
+    let (pid, sock) = env.worker("16MiB", 0);
+    let before = answers(&sock);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+
+    let mut thaw = env
+        .cmd()
+        .env("CRYO_FAILPOINT", cryo_lifecycle::thaw::THAW_AT_CRIU_GATE)
+        .arg("thaw")
+        .arg(&image)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_failpoint(&mut thaw);
+    let left = criu_dirs(&env);
+    assert_eq!(left.len(), 1, "the thaw's private directory: {left:?}");
+    assert!(
+        alive(pid),
+        "CRIU restored the tree and holds it at the gate"
+    );
+    thaw.kill().unwrap();
+    thaw.wait().unwrap();
+    // No verdict: CRIU aborts the restore and kills the tree, which never ran.
+    eventually(PATIENCE, "CRIU to remove the restored tree", || !alive(pid));
+    procs::reap(pid);
+    assert!(
+        left[0].exists(),
+        "nobody removed the dead thaw's directory yet"
+    );
+
+    let out = env.thaw(&image, &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        !left[0].exists(),
+        "the dead thaw's directory is still there"
+    );
+    assert_eq!(criu_dirs(&env), Vec::<PathBuf>::new());
+    assert_eq!(answers(&sock), before);
     env.stop(pid);
     assert!(env.ledger().is_empty(), "{:?}", env.ledger());
 }

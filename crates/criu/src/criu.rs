@@ -13,8 +13,10 @@ use nix::fcntl::{Flock, FlockArg};
 
 use crate::error::{CriuError, CriuOp};
 use crate::image::{self, Image, ImageError, Staging};
+use crate::log::{CappedLog, LogCap};
 use crate::rpc::RpcError;
 use crate::rpc::{CriuOpts, CriuReq, CriuReqType, Swrk};
+use crate::scratch::{self, Private};
 use crate::version::CriuVersion;
 
 /// The environment variable naming the CRIU binary.
@@ -144,6 +146,9 @@ pub struct CriuRpc {
     bin: PathBuf,
     lib_dir: Option<PathBuf>,
     version: CriuVersion,
+    /// Where each CRIU command gets its private directory; `None`: the temporary directory.
+    scratch: Option<PathBuf>,
+    log_cap: LogCap,
 }
 
 impl CriuRpc {
@@ -178,6 +183,36 @@ impl CriuRpc {
             bin,
             lib_dir,
             version,
+            scratch: None,
+            log_cap: LogCap::default(),
+        })
+    }
+
+    /// Gives every CRIU command a private directory under `root` (cryo's: the state
+    /// directory's `criu/`, made 0700 if missing) instead of the temporary directory, and first
+    /// removes what runs that died left there ([`scratch::sweep`]).
+    pub fn in_scratch(mut self, root: &Path) -> CriuRpc {
+        let swept = scratch::sweep(root);
+        for (path, error) in &swept.failed {
+            tracing::warn!(path = %path.display(), %error, "cannot remove a dead CRIU run's directory");
+        }
+        self.scratch = Some(root.to_path_buf());
+        self
+    }
+
+    /// Caps CRIU's logs at `cap` instead of [`LogCap::default`].
+    pub fn with_log_cap(mut self, cap: LogCap) -> CriuRpc {
+        self.log_cap = cap;
+        self
+    }
+
+    /// A fresh private directory for one command.
+    fn private(&self, op: CriuOp, prefix: &str) -> Result<Private, CriuError> {
+        let root = self.scratch.clone().unwrap_or_else(std::env::temp_dir);
+        Private::new(&root, prefix).map_err(|source| CriuError::Dir {
+            op,
+            path: root,
+            source,
         })
     }
 
@@ -306,9 +341,10 @@ impl CriuRpc {
     }
 
     /// `criu HEAD...` reading or writing `images`, with `private` holding the gate's files
-    /// (and the streamer's socket), CRIU's work directory `work` and log `log` there, `flags`,
-    /// `gate`'s action script; stdin and stdout empty, stderr into the unnamed file returned
-    /// (read back after a failure). The one set-up of every CRIU command cryo runs.
+    /// (and the streamer's socket), CRIU's work directory `work` and its log `work/log`
+    /// (written through a pipe, capped: [`CappedLog`]), `flags`, `gate`'s action script; stdin
+    /// empty, stdout the log's pipe, stderr into the unnamed file returned (read back after a
+    /// failure). The one set-up of every CRIU command cryo runs.
     #[allow(clippy::too_many_arguments)]
     fn gated_command(
         &self,
@@ -319,7 +355,7 @@ impl CriuRpc {
         log: &str,
         flags: &CriuFlags,
         gate: &Gate,
-    ) -> std::io::Result<(Command, File)> {
+    ) -> std::io::Result<(Command, File, CappedLog)> {
         let mut cmd = self.command(private)?;
         cmd.args(head);
         match images {
@@ -333,9 +369,11 @@ impl CriuRpc {
                     .arg(format!("/proc/self/fd/{}", fd.as_raw_fd()));
             }
         }
+        // `-o -`: CRIU logs to its stdout, the capped log's pipe.
+        let (log, log_pipe) = CappedLog::pipe(&work.join(log), self.log_cap)?;
         cmd.arg("-W")
             .arg(work)
-            .args(["-o", log])
+            .args(["-o", "-"])
             .arg(format!("-v{}", flags.log_level))
             .arg("--action-script")
             .arg(gate.script());
@@ -354,20 +392,22 @@ impl CriuRpc {
         }
         let stderr = tempfile::tempfile()?;
         cmd.stdin(Stdio::null())
-            .stdout(Stdio::null())
+            .stdout(Stdio::from(log_pipe))
             .stderr(Stdio::from(stderr.try_clone()?));
-        Ok((cmd, stderr))
+        Ok((cmd, stderr, log))
     }
 
-    /// Spawns `cmd` (CRIU with `gate`'s action script), runs `work` beside it (serving or
-    /// capturing the image on `listener`, or checking it), and, when CRIU reaches the gate's
-    /// stage, `verdict`, and waits for CRIU, past `deadline` no longer: then it kills CRIU.
-    /// Returns its exit status and the verdict (`None`: CRIU ended before it reached the gate).
+    /// Spawns `cmd` (CRIU with `gate`'s action script), copies its `log` (capped), runs `work`
+    /// beside it (serving or capturing the image on `listener`, or checking it), and, when CRIU
+    /// reaches the gate's stage, `verdict`, and waits for CRIU, past `deadline` no longer: then
+    /// it kills CRIU. Returns its exit status and the verdict (`None`: CRIU ended before it
+    /// reached the gate); the log is whole (as capped) when it returns.
     #[allow(clippy::too_many_arguments)]
     fn run_gated(
         &self,
         op: CriuOp,
         mut cmd: Command,
+        log: CappedLog,
         listener: Option<&UnixListener>,
         gate: Gate,
         deadline: Option<std::time::Duration>,
@@ -382,12 +422,21 @@ impl CriuRpc {
             },
         };
         let mut child = cmd.spawn().map_err(spawn_err)?;
+        // Our copy of the log pipe's write end goes with the command: the copy sees its end.
         drop(cmd);
+        let pidfd = || {
+            rustix::process::pidfd_open(
+                rustix::process::Pid::from_child(&child),
+                rustix::process::PidfdFlags::empty(),
+            )
+            .ok()
+        };
+        let (gate_pidfd, log_pidfd) = (pidfd(), pidfd());
         let (status, verdict, timed_out) = std::thread::scope(|s| {
             s.spawn(work);
-            let pidfd = rustix::process::Pid::from_child(&child);
-            let pidfd = rustix::process::pidfd_open(pidfd, rustix::process::PidfdFlags::empty());
-            let judged = s.spawn(move || gate.judge(verdict, pidfd.ok()));
+            let log_path = log.path().to_path_buf();
+            let copied = s.spawn(move || log.copy(log_pidfd));
+            let judged = s.spawn(move || gate.judge(verdict, gate_pidfd));
             let (status, timed_out) = wait_until(&mut child, deadline);
             // Unblocks the accept if CRIU never connected (a connection ends with CRIU).
             if let Some(l) = listener {
@@ -399,6 +448,16 @@ impl CriuRpc {
                     reason: "the gate thread panicked".into(),
                 })))
             });
+            match copied.join() {
+                Ok(Ok(c)) if c.cut > 0 => {
+                    tracing::warn!(log = %log_path.display(), total = c.total, cut = c.cut, "CRIU's log was cut to its cap");
+                }
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(log = %log_path.display(), error = %e, "copying CRIU's log failed");
+                }
+                Err(_) => tracing::warn!("the log copy thread panicked"),
+            }
             (status, verdict, timed_out)
         });
         Ok(Gated {
@@ -467,10 +526,7 @@ impl Criu for CriuRpc {
             move |source| CriuError::Dir { op, path, source }
         };
         // Private to root (0700): the capture's socket, the gate.
-        let private = tempfile::Builder::new()
-            .prefix("cryo-criu-dump-")
-            .tempdir()
-            .map_err(dir_err(&std::env::temp_dir()))?;
+        let private = self.private(op, scratch::DUMP_PREFIX)?;
         let p = private.path().to_path_buf();
         let listener = UnixListener::bind(p.join(image::CAPTURE_SOCKET)).map_err(dir_err(&p))?;
         let gate = Gate::new(&p, "post-dump").map_err(dir_err(&p))?;
@@ -479,7 +535,7 @@ impl Criu for CriuRpc {
         if opts.leave_running {
             head.push("--leave-running");
         }
-        let (cmd, stderr) = self
+        let (cmd, stderr, log) = self
             .gated_command(
                 &head,
                 Images::Stream,
@@ -497,6 +553,7 @@ impl Criu for CriuRpc {
         } = self.run_gated(
             op,
             cmd,
+            log,
             Some(&listener),
             gate,
             None,
@@ -548,11 +605,14 @@ impl Criu for CriuRpc {
             move |source| CriuError::Dir { op, path, source }
         };
         let route = ThawRoute::from_env();
+        let t0 = std::time::Instant::now();
+        let since = |t: std::time::Instant| {
+            Some(u64::try_from(t.saturating_duration_since(t0).as_millis()).unwrap_or(u64::MAX))
+        };
+        let (gate_at, verdict_at) = (std::sync::OnceLock::new(), std::sync::OnceLock::new());
+        let mut phases = RestorePhases::default();
         // Private to root (0700): the gate, CRIU's work files, the streamer's socket.
-        let private = tempfile::Builder::new()
-            .prefix("cryo-criu-restore-")
-            .tempdir()
-            .map_err(dir_err(&std::env::temp_dir()))?;
+        let mut private = self.private(op, scratch::RESTORE_PREFIX)?;
         let p = private.path().to_path_buf();
         let work = match &opts.work_dir {
             Some(w) => {
@@ -566,7 +626,7 @@ impl Criu for CriuRpc {
             ThawRoute::Stream => Images::Stream,
             ThawRoute::Files => Images::Dir(image.dir_fd()),
         };
-        let (cmd, stderr) = self
+        let (cmd, stderr, log) = self
             .gated_command(
                 &[
                     "restore",
@@ -589,7 +649,9 @@ impl Criu for CriuRpc {
             let root = root.ok_or_else(|| {
                 CriuError::Gate("CRIU's action script named no restored root".into())
             })?;
-            at_gate(root).map_err(CriuError::Gate)
+            let r = at_gate(root).map_err(CriuError::Gate);
+            let _ = verdict_at.set(std::time::Instant::now());
+            r
         };
         let (gated, served, refused) = match route {
             ThawRoute::Stream => {
@@ -599,11 +661,13 @@ impl Criu for CriuRpc {
                 let gated = self.run_gated(
                     op,
                     cmd,
+                    log,
                     Some(&listener),
                     gate,
                     deadline,
                     || server.serve(&listener),
                     |root| {
+                        let _ = gate_at.set(std::time::Instant::now());
                         server.finish().map_err(CriuError::Image)?;
                         at_gate(root)
                     },
@@ -612,18 +676,22 @@ impl Criu for CriuRpc {
             }
             ThawRoute::Files => {
                 let check = image::Check::new(image).map_err(CriuError::Image)?;
+                phases.checked_ms = since(std::time::Instant::now());
                 let gated = self.run_gated(
                     op,
                     cmd,
+                    log,
                     None,
                     gate,
                     deadline,
                     || check.run(),
                     |root| {
+                        let _ = gate_at.set(std::time::Instant::now());
                         check.finish().map_err(CriuError::Image)?;
                         at_gate(root)
                     },
                 )?;
+                phases.hashed_ms = check.hashed_at().and_then(since);
                 (gated, image.manifest().total_bytes, check.failure())
             }
         };
@@ -632,9 +700,13 @@ impl Criu for CriuRpc {
             verdict,
             timed_out,
         } = gated;
+        phases.criu_exit_ms = since(std::time::Instant::now());
+        phases.gate_ms = gate_at.get().copied().and_then(since);
+        phases.verdict_ms = verdict_at.get().copied().and_then(since);
+        tracing::debug!(?phases, "criu restore phases");
         let log = work.join(RESTORE_LOG);
         if timed_out {
-            let _ = private.keep();
+            private.keep();
             let left = remove_unresumed(image);
             return Err(CriuError::TimedOut {
                 op,
@@ -656,7 +728,7 @@ impl Criu for CriuRpc {
             Some(Err(e)) => return Err(e),
             Some(Ok(())) if status.success() => {}
             _ => {
-                let _ = private.keep();
+                private.keep();
                 let mut err = failed(op, log, None);
                 if let CriuError::Failed { lines, .. } = &mut err {
                     if status.success() {
@@ -676,6 +748,7 @@ impl Criu for CriuRpc {
         Ok(Restored {
             pid,
             served_bytes: served,
+            phases,
         })
     }
 }
@@ -719,6 +792,24 @@ pub struct Restored {
     /// ([`ThawRoute::Files`]); through the streamer, those CRIU was sent (the rest is checked at
     /// the gate).
     pub served_bytes: u64,
+    /// Where the restore's time went.
+    pub phases: RestorePhases,
+}
+
+/// The moments of one restore, ms from its start (`None`: not reached or not measured), so a
+/// slow restore says whether CRIU or cryo's check was the slow one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct RestorePhases {
+    /// cryo's checks before CRIU starts (the watch, every file but the page contents), done.
+    pub checked_ms: Option<u64>,
+    /// CRIU reached cryo's gate: every process restored, its memory read.
+    pub gate_ms: Option<u64>,
+    /// The page contents all checked ([`ThawRoute::Files`]).
+    pub hashed_ms: Option<u64>,
+    /// The verdict written (the gate waited for the check until then).
+    pub verdict_ms: Option<u64>,
+    /// CRIU exited.
+    pub criu_exit_ms: Option<u64>,
 }
 
 /// What [`CriuRpc::run_gated`] saw.

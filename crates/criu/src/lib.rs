@@ -38,14 +38,17 @@
 mod criu;
 mod error;
 pub mod image;
+mod log;
 mod rpc;
+pub mod scratch;
 mod version;
 
 pub use criu::{
-    error_lines, AtGate, Criu, CriuFlags, CriuRpc, DumpOpts, RestoreOpts, Restored, ThawRoute,
-    CRIU_ENV, DEFAULT_CRIU, DUMP_LOG, RESTORE_LOG,
+    error_lines, AtGate, Criu, CriuFlags, CriuRpc, DumpOpts, RestoreOpts, RestorePhases, Restored,
+    ThawRoute, CRIU_ENV, DEFAULT_CRIU, DUMP_LOG, RESTORE_LOG,
 };
 pub use error::{CriuError, CriuOp};
 pub use image::{ImageError, Manifest};
+pub use log::LogCap;
 pub use rpc::RpcError;
 pub use version::CriuVersion;

@@ -357,3 +357,87 @@ fn installed_criu_is_recent() {
     let criu = criu();
     assert!(criu.version() >= CriuVersion::MIN, "{}", criu.version());
 }
+
+/// Issue 16 item 3: a CRIU that logs without end (its restorer did, spinning on a `preadv` that
+/// returned 0: 2.7 GB of `restore.log` in `/tmp` within minutes) no longer fills the disk: the
+/// log keeps its first and last bytes and says what was cut between them, and the restore ends
+/// at its deadline with the last lines in the error. (Before: CRIU wrote its log itself,
+/// uncapped.)
+#[test]
+fn a_criu_that_logs_without_end_is_cut_to_its_cap() {
+    assert!(nix::unistd::geteuid().is_root(), "trusted images need root");
+    let t = tempfile::tempdir().unwrap();
+    let fake = t.path().join("criu");
+    // Answers `--version`; a restore logs one first line, then the same error line forever
+    // (its stdout is the log: cryo runs it with `-o -`).
+    fs::write(
+        &fake,
+        "#!/bin/sh\ncase \"$*\" in *--version*) echo 'Version: 4.2'; exit 0;; esac\n\
+         echo '(00.000001) the first line'\n\
+         exec yes '(00.000002) pie: 1: Error (criu/pie/restorer.c:1): preadv returned 0'\n",
+    )
+    .unwrap();
+    fs::set_permissions(&fake, fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = t.path().join("image");
+    let st = Staging::create(&dir).unwrap();
+    fs::write(st.path().join("pages-1.img"), vec![7u8; 100_000]).unwrap();
+    fs::write(st.path().join("core-4242.img"), b"core").unwrap();
+    st.publish(
+        ImageMeta {
+            root_pid: 4242,
+            processes: Vec::new(),
+            gpu_model: None,
+            driver_version: None,
+            criu_version: CriuVersion {
+                major: 4,
+                minor: 2,
+                sublevel: 0,
+            },
+            shrunk: None,
+        },
+        false,
+    )
+    .unwrap();
+    let cap = cryo_criu::LogCap {
+        head: 64 << 10,
+        tail: 64 << 10,
+    };
+    let scratch = t.path().join("scratch");
+    let criu = CriuRpc::at(fake)
+        .unwrap()
+        .with_log_cap(cap)
+        .in_scratch(&scratch);
+    let image = Image::open(&dir).unwrap();
+    let err = criu
+        .restore(
+            &image,
+            &RestoreOpts {
+                deadline: Some(std::time::Duration::from_secs(2)),
+                ..RestoreOpts::default()
+            },
+        )
+        .unwrap_err();
+    let CriuError::TimedOut { log, lines, .. } = &err else {
+        panic!("expected the deadline, got {err}");
+    };
+    assert!(log.starts_with(&scratch), "{}", log.display());
+    let text = fs::read_to_string(log).unwrap();
+    assert!(
+        text.len() <= (128 << 10) + 200,
+        "the log is {} bytes",
+        text.len()
+    );
+    assert!(
+        text.starts_with("(00.000001) the first line\n"),
+        "{}",
+        &text[..80]
+    );
+    assert!(text.contains("bytes of CRIU's log cut here"), "no cut line");
+    // The tail is where CRIU was when it was killed (possibly mid-line).
+    let tail = &text[text.len() - 1000..];
+    assert!(tail.contains("preadv returned 0\n"), "{tail}");
+    assert!(
+        lines.iter().any(|l| l.ends_with("preadv returned 0")),
+        "{lines:?}"
+    );
+}

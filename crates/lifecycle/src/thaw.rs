@@ -49,6 +49,10 @@ use cryo_units::fmt_bytes;
 /// not started. Tests change the image here to show that what CRIU reads is checked as it reads.
 pub const THAW_BEFORE_RESTORE: &str = "thaw-before-restore";
 
+/// Failpoint: CRIU restored every process and waits at cryo's gate (none runs yet), the image
+/// passed. Tests kill the thaw here, mid-restore.
+pub const THAW_AT_CRIU_GATE: &str = "thaw-at-criu-gate";
+
 /// Failpoint: every CUDA process is restored (LOCKED) and traced by the watcher, none unlocked.
 pub const THAW_BEFORE_UNLOCK: &str = "thaw-before-unlock";
 
@@ -112,6 +116,10 @@ pub struct ThawReport {
     pub criu_ms: u64,
     /// Bytes of the image checked during the CRIU restore (see `cryo_criu::Restored`).
     pub served_bytes: u64,
+    /// The moments of the CRIU restore, ms from its start (checks done, gate reached, pages
+    /// checked, verdict, CRIU's exit).
+    #[serde(default)]
+    pub criu_phases: cryo_criu::RestorePhases,
     /// GPU restore of every CUDA process (in parallel) and unlock, ms.
     pub gpu_restore_ms: u64,
     /// From the request to the first healthy answer, ms (`None` without a health check).
@@ -505,7 +513,10 @@ fn thaw_inner(
         ),
         ..RestoreOpts::default()
     };
-    let restored = criu.restore(opened, &restore_opts);
+    let restored = criu.restore_gated(opened, &restore_opts, &|_| {
+        failpoint::stall_if(THAW_AT_CRIU_GATE);
+        Ok(())
+    });
     progress.end(
         manifest.root_pid,
         "criu restore",
@@ -673,6 +684,7 @@ fn thaw_inner(
         verify_ms,
         criu_ms,
         served_bytes: streamed.served_bytes,
+        criu_phases: streamed.phases,
         gpu_restore_ms,
         first_answer_ms,
         guarded,

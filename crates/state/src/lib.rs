@@ -18,6 +18,7 @@
 //! | `pins.log` | the pin holder's log (it has no terminal) | the pin holder |
 //! | `standby/` | warm-pool (standby) state (issue 12) | `cryod` |
 //! | `syslog.offset` | the syslog forwarder's position in the journal (issue 11) | the forwarder |
+//! | `criu/` | one private directory per running CRIU dump or restore (its gate, work files, capped log), swept when its owner died (`cryo_criu::scratch`) | freeze, thaw, the standby's restore |
 //!
 //! The crate sits above `cryo-gpu`, `cryo-proc` and `cryo-journal` and below `cryo-lifecycle`, so
 //! that the lifecycle, the guard and the CLI all reach it without importing one another.
@@ -147,6 +148,11 @@ impl StateDir {
         self.root.join("syslog.offset")
     }
 
+    /// The private directories of CRIU's dumps and restores (`cryo_criu::CriuRpc::in_scratch`).
+    pub fn criu_dir(&self) -> PathBuf {
+        self.root.join("criu")
+    }
+
     /// The last journal record the agent posted as a Kubernetes Event (`cryo-agent`'s publisher).
     pub fn kube_events_offset_file(&self) -> PathBuf {
         self.root.join("kube-events.offset")
@@ -174,6 +180,7 @@ mod tests {
             s.pin_holder_log(),
             s.standby_dir(),
             s.syslog_offset_file(),
+            s.criu_dir(),
         ];
         for p in &paths {
             assert_eq!(p.parent(), Some(Path::new("/st")), "{}", p.display());

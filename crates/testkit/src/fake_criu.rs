@@ -164,6 +164,7 @@ impl Criu for FakeCriu {
                 Ok(Restored {
                     pid: root,
                     served_bytes: 0,
+                    phases: Default::default(),
                 })
             }
             None => Err(CriuError::Failed {

@@ -103,7 +103,9 @@ fn standalone(
 ) -> Result<FreezeReport, Outcome> {
     let failed = Outcome::Failed;
     // CRIU first: a missing or old CRIU is one clear line before anything is touched.
-    let criu = CriuRpc::locate(None).map_err(|e| failed(e.into()))?;
+    let criu = CriuRpc::locate(None)
+        .map_err(|e| failed(e.into()))?
+        .in_scratch(&ctx.state.criu_dir());
     route::standalone_note(client);
     // Resolved once: the root must be a process (not a thread), and the freeze acts on exactly
     // the tree found now.

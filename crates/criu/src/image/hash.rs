@@ -248,6 +248,77 @@ fn ends_at(f: &File, end: u64) -> Result<(), SpanError> {
     }
 }
 
+/// Checks every span in the order given, `threads` at a time, each thread taking the next span
+/// not taken yet, so that together they read each file front to back, as CRIU's restore does,
+/// and ask the kernel to read `ahead` bytes beyond the span being checked
+/// (`POSIX_FADV_WILLNEED`), so the disk never waits for the hashing. `open` opens a file of the
+/// manifest by index. Stops early after a failure and returns the first failing span (in
+/// `spans` order among those that ran) and why.
+pub(crate) fn check_spans_in_order(
+    spans: &[Span<'_>],
+    alg: DigestAlg,
+    threads: usize,
+    ahead: u64,
+    open: impl Fn(usize) -> std::io::Result<File> + Sync,
+) -> Result<(), (usize, SpanError)> {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let errors = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..threads.max(1) {
+            s.spawn(|| {
+                let mut buf = vec![0u8; BUF];
+                // The file the last span was in, kept open for the next ones.
+                let mut cur: Option<(usize, File)> = None;
+                loop {
+                    let i = next.fetch_add(1, Relaxed);
+                    if i >= spans.len() || failed.load(Relaxed) {
+                        return;
+                    }
+                    let sp = &spans[i];
+                    if cur.as_ref().map(|c| c.0) != Some(sp.file) {
+                        cur = match open(sp.file) {
+                            Ok(f) => Some((sp.file, f)),
+                            Err(e) => {
+                                failed.store(true, Relaxed);
+                                let mut errs = errors.lock().unwrap_or_else(|p| p.into_inner());
+                                errs.push((i, SpanError::Io(e)));
+                                return;
+                            }
+                        };
+                    }
+                    let Some((_, f)) = &cur else { return };
+                    if ahead > 0 && !sp.last {
+                        // Only a hint: the read below works without it.
+                        let _ = rustix::fs::fadvise(
+                            f,
+                            sp.offset + sp.len,
+                            ahead,
+                            rustix::fs::Advice::WillNeed,
+                        );
+                    }
+                    let r = check_span(f, sp, alg, &mut buf);
+                    if let Err(e) = r {
+                        failed.store(true, Relaxed);
+                        errors
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .push((i, e));
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let mut errors = errors.into_inner().unwrap_or_else(|p| p.into_inner());
+    errors.sort_by_key(|(i, _)| *i);
+    match errors.into_iter().next() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
 /// Checks every span, in parallel, bigger spans first; `open` opens a file of the manifest by
 /// index (each span opens its file: an image of many processes has more files than the fd limit
 /// allows open at once). Stops early after a failure and returns the first failing span (in
@@ -286,5 +357,88 @@ pub(crate) fn check_spans(
     match errors.into_iter().next() {
         Some(e) => Err(e),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    const CHUNK: u64 = 64 << 10;
+
+    /// A file of `n` chunks and a trailing partial one, and its spans.
+    fn file_and_digests(n: u64) -> (tempfile::NamedTempFile, Vec<String>, u64) {
+        let size = n * CHUNK + 1234;
+        let data: Vec<u8> = (0..size).map(|i| (i * 13 + i / 777) as u8).collect();
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(f.path(), &data).unwrap();
+        let digests = data
+            .chunks(CHUNK as usize)
+            .map(|c| digest(DigestAlg::Blake3, c))
+            .collect();
+        (f, digests, size)
+    }
+
+    fn spans_of(digests: &[String], size: u64) -> Vec<Span<'_>> {
+        digests
+            .iter()
+            .enumerate()
+            .map(|(k, d)| {
+                let offset = k as u64 * CHUNK;
+                Span {
+                    file: 0,
+                    offset,
+                    len: CHUNK.min(size - offset),
+                    digest: d,
+                    last: k + 1 == digests.len(),
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn in_order_check_passes_a_whole_file_and_names_the_first_bad_chunk() {
+        let (f, digests, size) = file_and_digests(20);
+        let spans = spans_of(&digests, size);
+        let open = |_| File::open(f.path());
+        for threads in [1, 3] {
+            check_spans_in_order(&spans, DigestAlg::Blake3, threads, CHUNK * 4, open).unwrap();
+        }
+        // One flipped byte in chunk 7 and one in chunk 15: chunk 7 is named.
+        let mut data = std::fs::read(f.path()).unwrap();
+        data[(7 * CHUNK + 5) as usize] ^= 1;
+        data[(15 * CHUNK + 5) as usize] ^= 1;
+        std::fs::write(f.path(), &data).unwrap();
+        for threads in [1, 3] {
+            let (i, e) =
+                check_spans_in_order(&spans, DigestAlg::Blake3, threads, 0, open).unwrap_err();
+            assert!(matches!(e, SpanError::Mismatch), "{e:?}");
+            assert!(
+                i == 7 || (threads > 1 && i == 15),
+                "{threads} threads: chunk {i}"
+            );
+        }
+    }
+
+    #[test]
+    fn in_order_check_refuses_a_file_that_shrank_or_grew() {
+        let (f, digests, size) = file_and_digests(5);
+        let spans = spans_of(&digests, size);
+        let open = |_| File::open(f.path());
+        let data = std::fs::read(f.path()).unwrap();
+        std::fs::write(f.path(), &data[..data.len() - 10]).unwrap();
+        let (i, e) = check_spans_in_order(&spans, DigestAlg::Blake3, 2, CHUNK, open).unwrap_err();
+        assert_eq!(i, 5);
+        assert!(matches!(e, SpanError::Short { .. }), "{e:?}");
+        let mut longer = data.clone();
+        longer.push(0);
+        std::fs::write(f.path(), &longer).unwrap();
+        let (_, e) = check_spans_in_order(&spans, DigestAlg::Blake3, 2, CHUNK, open).unwrap_err();
+        assert!(matches!(e, SpanError::Long), "{e:?}");
+        let gone = |_| File::open("/nonexistent/cryo-test");
+        let (i, e) = check_spans_in_order(&spans, DigestAlg::Blake3, 1, 0, gone).unwrap_err();
+        assert_eq!(i, 0);
+        assert!(matches!(e, SpanError::Io(_)), "{e:?}");
     }
 }

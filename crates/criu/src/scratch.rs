@@ -1,0 +1,237 @@
+//! Private directories of CRIU runs (the gate, the streamer's socket, CRIU's work files and
+//! log), and the sweep of those whose owner died.
+//!
+//! # Design
+//! Each dump and restore works in a fresh directory `PREFIX-XXXXXX` (0700, root's) under a
+//! scratch root: the state directory's `criu/` for cryo's commands and agent
+//! ([`crate::CriuRpc::in_scratch`]), the system's temporary directory otherwise. Its owner holds
+//! an exclusive `flock` on the `owner` file inside it for as long as it lives, so a process that
+//! dies mid-restore (SIGKILL, OOM) gives its lock back with its life. [`sweep`], run when a
+//! command or the agent sets CRIU up, removes every such directory whose lock it can take: its
+//! owner is gone. A directory kept after a failure (it holds the log the error names, marked
+//! `kept`) survives the sweep, the newest [`KEEP_FAILED`] of them.
+//!
+//! # Limitations
+//! A directory whose owner died between making it and locking it (microseconds) has no lock
+//! file: it is removed once older than [`UNLOCKED_GRACE`]. The sweep looks only at directories
+//! the running user owns, never through a link.
+
+use std::fs::File;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use nix::fcntl::{Flock, FlockArg};
+
+/// Names of restore directories.
+pub(crate) const RESTORE_PREFIX: &str = "cryo-criu-restore-";
+/// Names of dump directories.
+pub(crate) const DUMP_PREFIX: &str = "cryo-criu-dump-";
+/// The lock file inside each directory.
+const OWNER: &str = "owner";
+/// The mark of a directory kept for its log.
+const KEPT: &str = "kept";
+/// How many kept directories (failed runs' logs) the sweep leaves, the newest.
+pub const KEEP_FAILED: usize = 8;
+/// How old a directory without a lock file must be before the sweep takes its owner for dead.
+pub const UNLOCKED_GRACE: Duration = Duration::from_secs(60);
+
+/// One run's private directory, removed when dropped unless [`Private::keep`] was called.
+#[derive(Debug)]
+pub(crate) struct Private {
+    dir: Option<tempfile::TempDir>,
+    path: PathBuf,
+    _owner: Flock<File>,
+}
+
+impl Private {
+    /// A fresh directory named `prefix` + random under `root` (made if missing, 0700), locked.
+    pub(crate) fn new(root: &Path, prefix: &str) -> std::io::Result<Private> {
+        make_root(root)?;
+        let dir = tempfile::Builder::new().prefix(prefix).tempdir_in(root)?;
+        let f = File::options()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(dir.path().join(OWNER))?;
+        let owner = Flock::lock(f, FlockArg::LockExclusiveNonblock)
+            .map_err(|(_, e)| std::io::Error::from(e))?;
+        Ok(Private {
+            path: dir.path().to_path_buf(),
+            dir: Some(dir),
+            _owner: owner,
+        })
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Leaves the directory in place (it holds the log an error names); the sweep keeps the
+    /// newest [`KEEP_FAILED`] of those.
+    pub(crate) fn keep(&mut self) {
+        if let Some(d) = self.dir.take() {
+            let _ = File::create(d.path().join(KEPT));
+            let _ = d.keep();
+        }
+    }
+}
+
+/// Makes `root` (and its parents) if missing; `root` itself 0700.
+fn make_root(root: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    match std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(root)
+    {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// What [`sweep`] did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Swept {
+    /// Directories removed (their owner had died).
+    pub removed: Vec<PathBuf>,
+    /// Directories that could not be removed, and why.
+    pub failed: Vec<(PathBuf, String)>,
+}
+
+/// Removes the private directories under `root` whose owner is gone (see the module docs),
+/// keeping the newest [`KEEP_FAILED`] kept ones. A missing `root` has nothing to sweep.
+pub fn sweep(root: &Path) -> Swept {
+    let mut swept = Swept::default();
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return swept;
+    };
+    let me = rustix::process::geteuid().as_raw();
+    let mut kept: Vec<(SystemTime, PathBuf, Flock<File>)> = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !(name.starts_with(RESTORE_PREFIX) || name.starts_with(DUMP_PREFIX)) {
+            continue;
+        }
+        let path = e.path();
+        // Never through a link, never someone else's.
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        if !meta.is_dir() || meta.uid() != me {
+            continue;
+        }
+        let owner = File::options()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path.join(OWNER));
+        let lock = match owner {
+            Ok(f) => match Flock::lock(f, FlockArg::LockExclusiveNonblock) {
+                Ok(l) => Some(l),
+                // Its owner lives.
+                Err(_) => continue,
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let age = meta
+                    .modified()
+                    .ok()
+                    .and_then(|m| m.elapsed().ok())
+                    .unwrap_or_default();
+                if age < UNLOCKED_GRACE {
+                    continue;
+                }
+                None
+            }
+            Err(_) => continue,
+        };
+        if let Some(l) = lock {
+            if path.join(KEPT).exists() {
+                kept.push((meta.modified().unwrap_or(SystemTime::UNIX_EPOCH), path, l));
+                continue;
+            }
+        }
+        remove(&path, &mut swept);
+    }
+    kept.sort_by_key(|k| std::cmp::Reverse(k.0));
+    for (_, path, _lock) in kept.into_iter().skip(KEEP_FAILED) {
+        remove(&path, &mut swept);
+    }
+    if !swept.removed.is_empty() {
+        tracing::info!(removed = ?swept.removed, "removed CRIU directories of runs that died");
+    }
+    swept
+}
+
+fn remove(path: &Path, swept: &mut Swept) {
+    match std::fs::remove_dir_all(path) {
+        Ok(()) => swept.removed.push(path.to_path_buf()),
+        Err(e) => swept.failed.push((path.to_path_buf(), e.to_string())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn the_sweep_leaves_live_runs_and_removes_dead_ones() {
+        let root = tempfile::tempdir().unwrap();
+        let live = Private::new(root.path(), RESTORE_PREFIX).unwrap();
+        let dead = Private::new(root.path(), DUMP_PREFIX).unwrap();
+        let dead_path = dead.path().to_path_buf();
+        std::fs::write(dead_path.join("restore.log"), b"x").unwrap();
+        // Its owner dies without cleaning up: the directory stays, the lock goes.
+        let Private { dir, _owner, .. } = dead;
+        let _ = dir.unwrap().keep();
+        drop(_owner);
+        // Not a run's directory: never touched.
+        std::fs::create_dir(root.path().join("other")).unwrap();
+
+        let swept = sweep(root.path());
+        assert_eq!(swept.removed, vec![dead_path.clone()]);
+        assert!(!dead_path.exists());
+        assert!(live.path().exists());
+        assert!(root.path().join("other").exists());
+        drop(live);
+        assert_eq!(std::fs::read_dir(root.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn kept_directories_survive_up_to_the_newest_few() {
+        let root = tempfile::tempdir().unwrap();
+        let mut paths = Vec::new();
+        for i in 0..KEEP_FAILED + 3 {
+            let mut p = Private::new(root.path(), RESTORE_PREFIX).unwrap();
+            p.keep();
+            paths.push(p.path().to_path_buf());
+            // Distinct modification times, oldest first.
+            File::open(p.path())
+                .unwrap()
+                .set_modified(SystemTime::UNIX_EPOCH + Duration::from_secs(1000 + i as u64))
+                .unwrap();
+            drop(p);
+        }
+        let swept = sweep(root.path());
+        assert_eq!(swept.removed.len(), 3, "{swept:?}");
+        for p in &paths[..3] {
+            assert!(!p.exists(), "{}", p.display());
+        }
+        for p in &paths[3..] {
+            assert!(p.exists(), "{}", p.display());
+        }
+    }
+
+    #[test]
+    fn a_fresh_directory_without_a_lock_is_left_for_its_owner() {
+        let root = tempfile::tempdir().unwrap();
+        let young = root.path().join(format!("{RESTORE_PREFIX}young"));
+        std::fs::create_dir(&young).unwrap();
+        assert!(sweep(root.path()).removed.is_empty());
+        assert!(young.exists());
+        assert!(sweep(&root.path().join("missing")).removed.is_empty());
+    }
+}
