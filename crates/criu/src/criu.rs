@@ -13,7 +13,7 @@ use nix::fcntl::{Flock, FlockArg};
 
 use crate::error::{CriuError, CriuOp};
 use crate::image::{self, Image, ImageError, Staging};
-use crate::log::{CappedLog, LogCap};
+use crate::log::{CappedLog, FileCap, LogCap};
 use crate::rpc::RpcError;
 use crate::rpc::{CriuOpts, CriuReq, CriuReqType, Swrk};
 use crate::scratch::{self, Private};
@@ -342,9 +342,9 @@ impl CriuRpc {
 
     /// `criu HEAD...` reading or writing `images`, with `private` holding the gate's files
     /// (and the streamer's socket), CRIU's work directory `work` and its log `work/log`
-    /// (written through a pipe, capped: [`CappedLog`]), `flags`, `gate`'s action script; stdin
-    /// empty, stdout the log's pipe, stderr into the unnamed file returned (read back after a
-    /// failure). The one set-up of every CRIU command cryo runs.
+    /// (capped, see [`crate::log`]: a restore's through a pipe on CRIU's stdout, a dump's written
+    /// by CRIU), `flags`, `gate`'s action script; stdin empty, stderr into the unnamed file
+    /// returned (read back after a failure). The one set-up of every CRIU command cryo runs.
     #[allow(clippy::too_many_arguments)]
     fn gated_command(
         &self,
@@ -355,9 +355,10 @@ impl CriuRpc {
         log: &str,
         flags: &CriuFlags,
         gate: &Gate,
-    ) -> std::io::Result<(Command, File, CappedLog)> {
+    ) -> std::io::Result<(Command, File, Log)> {
         let mut cmd = self.command(private)?;
         cmd.args(head);
+        let dump = head.first() == Some(&"dump");
         match images {
             Images::Stream => {
                 cmd.arg("--stream").arg("-D").arg(private);
@@ -369,11 +370,18 @@ impl CriuRpc {
                     .arg(format!("/proc/self/fd/{}", fd.as_raw_fd()));
             }
         }
-        // `-o -`: CRIU logs to its stdout, the capped log's pipe.
-        let (log, log_pipe) = CappedLog::pipe(&work.join(log), self.log_cap)?;
+        let (log, stdout) = if dump {
+            cmd.args(["-o", log]);
+            let f = FileCap::new(&work.join(log), self.log_cap);
+            (Log::File(f), Stdio::null())
+        } else {
+            // `-o -`: CRIU logs to its stdout, the capped log's pipe.
+            cmd.args(["-o", "-"]);
+            let (l, pipe) = CappedLog::pipe(&work.join(log), self.log_cap)?;
+            (Log::Pipe(l), Stdio::from(pipe))
+        };
         cmd.arg("-W")
             .arg(work)
-            .args(["-o", "-"])
             .arg(format!("-v{}", flags.log_level))
             .arg("--action-script")
             .arg(gate.script());
@@ -392,7 +400,7 @@ impl CriuRpc {
         }
         let stderr = tempfile::tempfile()?;
         cmd.stdin(Stdio::null())
-            .stdout(Stdio::from(log_pipe))
+            .stdout(stdout)
             .stderr(Stdio::from(stderr.try_clone()?));
         Ok((cmd, stderr, log))
     }
@@ -407,7 +415,7 @@ impl CriuRpc {
         &self,
         op: CriuOp,
         mut cmd: Command,
-        log: CappedLog,
+        log: Log,
         listener: Option<&UnixListener>,
         gate: Gate,
         deadline: Option<std::time::Duration>,
@@ -422,7 +430,7 @@ impl CriuRpc {
             },
         };
         let mut child = cmd.spawn().map_err(spawn_err)?;
-        // Our copy of the log pipe's write end goes with the command: the copy sees its end.
+        // Our copy of a log pipe's write end goes with the command: the copy sees its end.
         drop(cmd);
         let pidfd = || {
             rustix::process::pidfd_open(
@@ -432,12 +440,38 @@ impl CriuRpc {
             .ok()
         };
         let (gate_pidfd, log_pidfd) = (pidfd(), pidfd());
+        let ended = std::sync::atomic::AtomicBool::new(false);
         let (status, verdict, timed_out) = std::thread::scope(|s| {
             s.spawn(work);
             let log_path = log.path().to_path_buf();
-            let copied = s.spawn(move || log.copy(log_pidfd));
+            let ended = &ended;
+            let copied = s.spawn(move || match log {
+                Log::Pipe(l) => l.copy(log_pidfd),
+                Log::File(mut f) => {
+                    use rustix::event::{poll, PollFd, PollFlags};
+                    use std::sync::atomic::Ordering::Relaxed;
+                    // A punch every 100 ms (the file gives no event to wait for) until CRIU
+                    // exits (its pidfd, without a wait) or has been waited for.
+                    while !ended.load(Relaxed) {
+                        if let Err(e) = f.punch() {
+                            tracing::debug!(error = %e, "cannot punch CRIU's log");
+                        }
+                        match &log_pidfd {
+                            Some(p) => {
+                                let mut fds = [PollFd::new(p, PollFlags::IN)];
+                                if matches!(poll(&mut fds, 100), Ok(n) if n > 0) {
+                                    break;
+                                }
+                            }
+                            None => std::thread::sleep(std::time::Duration::from_millis(100)),
+                        }
+                    }
+                    f.finish()
+                }
+            });
             let judged = s.spawn(move || gate.judge(verdict, gate_pidfd));
             let (status, timed_out) = wait_until(&mut child, deadline);
+            ended.store(true, std::sync::atomic::Ordering::Relaxed);
             // Unblocks the accept if CRIU never connected (a connection ends with CRIU).
             if let Some(l) = listener {
                 let _ = nix::sys::socket::shutdown(l.as_raw_fd(), nix::sys::socket::Shutdown::Both);
@@ -771,6 +805,23 @@ impl ThawRoute {
             ThawRoute::Stream
         } else {
             ThawRoute::Files
+        }
+    }
+}
+
+/// Where a gated CRIU command's log goes (see [`crate::log`]).
+enum Log {
+    /// A restore's: CRIU's stdout, a pipe cryo copies.
+    Pipe(CappedLog),
+    /// A dump's: a file CRIU writes, kept within its cap.
+    File(FileCap),
+}
+
+impl Log {
+    fn path(&self) -> &Path {
+        match self {
+            Log::Pipe(l) => l.path(),
+            Log::File(f) => f.path(),
         }
     }
 }

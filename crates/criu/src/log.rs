@@ -8,19 +8,31 @@
 //! failure is read from, so both ends are kept, with one line saying what was cut in between.
 //!
 //! # Design
-//! [`CappedLog::pipe`] makes the pipe and creates the log file (a new file, never through a
-//! link); CRIU gets the write end as its stdout. [`CappedLog::copy`] (on its own thread, beside
+//! A restore logs through a pipe: [`CappedLog::pipe`] makes it and creates the log file (a new
+//! file, never through a link); CRIU gets the write end as its stdout. [`CappedLog::copy`] (on its own thread, beside
 //! CRIU) writes the head into the file as it comes, so a log being read while CRIU runs shows
 //! where it is, and keeps the tail in a ring in memory; it stops at the end of the pipe, or once
 //! CRIU has exited (`criu`, a pidfd, readable) and the pipe is drained, so a process that
 //! inherited the write end and outlives CRIU cannot hold the copy open. Then the tail is written
-//! after a line naming the bytes cut. CRIU ignores `SIGPIPE`: if cryo dies, CRIU's next log
-//! write fails and CRIU carries on.
+//! after a line naming the bytes cut. A file that cannot be written (a full disk) never stops
+//! the copy from draining the pipe: a pipe without a reader would raise `SIGPIPE` in whoever
+//! writes the log, and CRIU's restorer writes it from inside the restored processes.
+//!
+//! A dump logs into a file CRIU writes itself ([`FileCap`]): its parasite writes the log from
+//! inside the dumped worker, which must never get a `SIGPIPE` (a pipe loses its reader when cryo
+//! dies mid-dump, and the worker would die once CRIU resumed it). While CRIU runs, the bytes
+//! between the head and the last [`LogCap::tail`] are punched out of the file as it grows
+//! (`FALLOC_FL_PUNCH_HOLE`: the disk holds the head and the tail only); once CRIU exited, the
+//! file is cut to head, one line and tail.
 //!
 //! # Limitations
 //! Only CRIU run as a command logs through here (dump, restore and the standby's restore); the
 //! `criu swrk` routes (`CRYO_DUMP_STREAM=0`, `restore_dir` for tests and tools) cannot: CRIU's
-//! RPC takes a plain file name for its log. If cryo is killed, the log holds the head only.
+//! RPC takes a plain file name for its log. If cryo is killed, a restore's log holds the head
+//! only and a dump's log stays punched (sparse) without the line; a restore's pipe then has no
+//! reader, and a restorer that still logs after cryo's verdict raises `SIGPIPE` in its restored
+//! process (its GPU context is still checkpointed then: nothing live is torn down). A file system that cannot
+//! punch holes keeps a dump's log whole until CRIU exits.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -101,6 +113,7 @@ impl CappedLog {
         let mut total = 0u64;
         let mut buf = vec![0u8; 64 << 10];
         let mut exited = false;
+        let mut failed: Option<std::io::Error> = None;
         loop {
             if !exited {
                 let mut fds = vec![PollFd::new(&self.pipe, PollFlags::IN)];
@@ -133,11 +146,17 @@ impl CappedLog {
             let mut data = &buf[..n];
             if head_left > 0 {
                 let (now, rest) = data.split_at(head_left.min(data.len()));
-                self.file.write_all(now)?;
+                if failed.is_none() {
+                    // Kept on draining after a failed write: see the module docs.
+                    failed = self.file.write_all(now).err();
+                }
                 head_left -= now.len();
                 data = rest;
             }
             tail.push(data);
+        }
+        if let Some(e) = failed {
+            return Err(e);
         }
         let kept_tail = tail.len() as u64;
         let cut = tail.dropped;
@@ -152,6 +171,89 @@ impl CappedLog {
         let (a, b) = tail.parts();
         self.file.write_all(a)?;
         self.file.write_all(b)?;
+        Ok(Copied { total, cut })
+    }
+}
+
+/// A dump's log, written by CRIU into a file, kept within its cap (see the module docs).
+#[derive(Debug)]
+pub(crate) struct FileCap {
+    path: PathBuf,
+    cap: LogCap,
+    /// The file is punched up to here.
+    punched: u64,
+}
+
+/// How far past its cap a file grows before the next punch.
+const PUNCH_SLACK: u64 = 1 << 20;
+
+impl FileCap {
+    pub(crate) fn new(path: &Path, cap: LogCap) -> FileCap {
+        FileCap {
+            path: path.to_path_buf(),
+            cap,
+            punched: 0,
+        }
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn open(&self) -> std::io::Result<File> {
+        File::options()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&self.path)
+    }
+
+    /// While CRIU writes: frees the bytes between the head and the tail's room.
+    pub(crate) fn punch(&mut self) -> std::io::Result<()> {
+        let f = match self.open() {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let size = f.metadata()?.len();
+        let (head, tail) = (self.cap.head as u64, self.cap.tail as u64);
+        if size <= head + tail + PUNCH_SLACK {
+            return Ok(());
+        }
+        let from = head.next_multiple_of(4096).max(self.punched);
+        let to = (size - tail) / 4096 * 4096;
+        if to > from {
+            use rustix::fs::FallocateFlags as F;
+            rustix::fs::fallocate(&f, F::PUNCH_HOLE | F::KEEP_SIZE, from, to - from)?;
+            self.punched = to;
+        }
+        Ok(())
+    }
+
+    /// Once CRIU exited: the file becomes its head, one line saying what was cut, and its
+    /// tail.
+    pub(crate) fn finish(self) -> std::io::Result<Copied> {
+        use std::os::unix::fs::FileExt;
+        let f = match self.open() {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Copied::default()),
+            Err(e) => return Err(e),
+        };
+        let total = f.metadata()?.len();
+        let (head, tail) = (self.cap.head as u64, self.cap.tail as u64);
+        if total <= head + tail {
+            return Ok(Copied { total, cut: 0 });
+        }
+        let cut = total - head - tail;
+        let mut end = vec![0u8; self.cap.tail];
+        f.read_exact_at(&mut end, total - tail)?;
+        let line = format!(
+            "\n[cryo: {cut} bytes of CRIU's log cut here: {total} bytes in all, the first {head} \
+             and the last {tail} kept]\n"
+        );
+        f.write_all_at(line.as_bytes(), head)?;
+        f.write_all_at(&end, head + line.len() as u64)?;
+        f.set_len(head + line.len() as u64 + tail)?;
         Ok(Copied { total, cut })
     }
 }
@@ -278,6 +380,77 @@ mod tests {
         let copied = log.copy(None).unwrap();
         assert_eq!(copied, Copied { total: 18, cut: 0 });
         assert_eq!(std::fs::read(&path).unwrap(), b"(00.000001) hello\n");
+    }
+
+    /// A dump's log grows far past its cap while CRIU runs: the disk holds the head and the
+    /// tail only, and once CRIU is done the file is head, the cut line and tail.
+    #[test]
+    fn a_dump_log_is_punched_while_written_and_cut_at_the_end() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dump.log");
+        let cap = LogCap {
+            head: 8192,
+            tail: 8192,
+        };
+        let mut fc = FileCap::new(&path, cap);
+        fc.punch().unwrap();
+        let mut w = File::options()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .unwrap();
+        let mut all = Vec::new();
+        for i in 0..20_000 {
+            let line = format!("({i:08}) pie: 1: preadv returned 0\n");
+            w.write_all(line.as_bytes()).unwrap();
+            all.extend_from_slice(line.as_bytes());
+            if i % 5000 == 4999 {
+                fc.punch().unwrap();
+                let m = std::fs::metadata(&path).unwrap();
+                assert!(
+                    m.blocks() * 512 <= 8192 + 8192 + PUNCH_SLACK + (1 << 20),
+                    "{} bytes on disk for {} written",
+                    m.blocks() * 512,
+                    all.len()
+                );
+            }
+        }
+        drop(w);
+        let copied = fc.finish().unwrap();
+        assert_eq!(copied.total, all.len() as u64);
+        assert_eq!(copied.cut, all.len() as u64 - 16384);
+        let text = std::fs::read(&path).unwrap();
+        assert!(text.starts_with(&all[..8192]));
+        assert!(text.ends_with(&all[all.len() - 8192..]));
+        let middle = String::from_utf8_lossy(&text[8192..text.len() - 8192]).into_owned();
+        assert!(middle.contains("bytes of CRIU's log cut here"), "{middle}");
+
+        // A short log is left as it is.
+        std::fs::write(&path, b"short\n").unwrap();
+        let fc = FileCap::new(&path, cap);
+        assert_eq!(fc.finish().unwrap(), Copied { total: 6, cut: 0 });
+        assert_eq!(std::fs::read(&path).unwrap(), b"short\n");
+    }
+
+    /// A log file that cannot be written (a full disk) never stops the pipe from being drained:
+    /// a pipe without a reader would raise SIGPIPE in whoever writes the log.
+    #[test]
+    fn a_log_that_cannot_be_written_is_still_drained() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("restore.log");
+        let (mut log, w) = CappedLog::pipe(&path, LogCap::default()).unwrap();
+        // Every write fails, as on a full disk.
+        log.file = File::open("/dev/null").unwrap();
+        let writer = std::thread::spawn(move || {
+            let mut w = File::from(w);
+            let chunk = vec![b'x'; 1 << 20];
+            for _ in 0..8 {
+                w.write_all(&chunk).unwrap();
+            }
+        });
+        assert!(log.copy(None).is_err());
+        writer.join().unwrap();
     }
 
     /// The writer exited but someone else (a restored process that inherited it) still holds
