@@ -25,7 +25,10 @@
 //! elapsed time), so they are never flattered. Each cell is the median over the rounds with the
 //! min-max beside it; ratios are ratios of medians (bare / cryo: above 1, cryo is faster).
 //! Both arms' steps are printed too (cryo's from its `--json` report, the bare route's timed
-//! around each process), so the time each phase takes is visible side by side.
+//! around each process), so the time each phase takes is visible side by side, and the moments
+//! of cryo's CRIU restore (`criu_phases`: its checks before CRIU, CRIU at the gate with every
+//! page read, every page checked, the verdict, CRIU's exit), which say whether CRIU or cryo's
+//! check was the slow side of a thaw (the bare route's CRIU restore is one process, its step).
 //! Throughputs are image bytes over a moment or step, next to the disk's limit for those bytes.
 //! Every worker is stopped with `cryo stop` and the wedge ledger must stay empty. The host's
 //! load average is printed at the start and end.

@@ -9,14 +9,14 @@
 //! of a fresh pipe (`SCM_RIGHTS`), then writes the file into the pipe and closes it.
 //!
 //! cryo receives each file on its own thread, which fills a chunk-sized buffer from the pipe and
-//! hands it to a second thread that hashes it (BLAKE3: the manifest's chunk digest) and writes it
-//! into `STAGING/NAME` (a new file, never an existing one); one flusher thread per capture starts
+//! hands it at once to a thread that hashes it (BLAKE3: the manifest's chunk digest) and to one
+//! that writes it into `STAGING/NAME` (a new file, never an existing one); one flusher thread per capture starts
 //! the writeback of every chunk written (`sync_file_range`), so the disk works while CRIU still
 //! dumps and publish's fsync waits only for the tail. The writeback is off the writers' path:
 //! `sync_file_range` blocks while the disk's queue is full, and a writer that waited for the
 //! disk held CRIU's `post-dump` (and the end of the worker) back to disk speed (1 GiB: worker
-//! gone 1.2 s against the bare route's 0.8 s). Files are received in parallel (one pages file
-//! per process).
+//! gone 1.2 s against the bare route's 0.8 s). The writers wait for the flusher only once they
+//! are [`MAX_LAG`] ahead of it. Files are received in parallel (one pages file per process).
 //!
 //! CRIU kills the dumped tree only once its `post-dump` action script passed; a failing script
 //! makes it resume the tree instead. That script waits at cryo's gate (see `criu.rs`) until cryo
@@ -28,7 +28,7 @@
 //! # Limitations
 //! CRIU's log (`dump.log`) is written by CRIU itself into the staging directory (its work
 //! directory) and hashed at publish, as are any other files that did not come through the
-//! streamer. Up to two chunks per file are in memory at once.
+//! streamer. Up to five chunks per file are in memory at once.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -78,6 +78,47 @@ struct State {
 /// A range of a staging file whose writeback the flusher starts.
 type Flush = (Arc<File>, u64, u64);
 
+/// How far the writers may run ahead of the writeback the flusher started. Within it a dump
+/// goes at the speed CRIU sends and cryo hashes (the disk catches up during publish's fsync);
+/// past it the writers wait for the disk, so dirty pages never reach the kernel's throttling
+/// (20% of memory by default), which slowed a 4 GiB dump from 2.1 to 4.3 s when nothing paced
+/// the writers.
+const MAX_LAG: u64 = 1 << 30;
+
+/// The bytes whose writeback the flusher started, for the writers to wait on.
+#[derive(Debug, Default)]
+struct Started {
+    /// Bytes started; `None` once no flusher runs (then nobody waits).
+    bytes: Mutex<Option<u64>>,
+    more: Condvar,
+}
+
+impl Started {
+    fn add(&self, n: u64) {
+        let mut b = self.bytes.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(b) = b.as_mut() {
+            *b += n;
+        }
+        self.more.notify_all();
+    }
+
+    fn stop(&self) {
+        *self.bytes.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.more.notify_all();
+    }
+
+    /// Waits until the flusher started all but [`MAX_LAG`] of `written` bytes.
+    fn wait_for(&self, written: u64) {
+        let mut b = self.bytes.lock().unwrap_or_else(|p| p.into_inner());
+        while let Some(started) = *b {
+            if written.saturating_sub(started) <= MAX_LAG {
+                return;
+            }
+            b = self.more.wait(b).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
 /// Receives one dump from CRIU into a staging directory.
 #[derive(Debug)]
 pub struct Capture {
@@ -85,6 +126,7 @@ pub struct Capture {
     chunk: u64,
     /// To the flusher thread, which ends when this is dropped (with the capture).
     flush: Mutex<mpsc::Sender<Flush>>,
+    started: Arc<Started>,
     state: Mutex<State>,
     changed: Condvar,
     written: AtomicU64,
@@ -95,6 +137,11 @@ pub struct Capture {
 impl Capture {
     pub(crate) fn new(dir: &Path, chunk: u64) -> Capture {
         let (flush, ranges) = mpsc::channel::<Flush>();
+        let started = Arc::new(Started {
+            bytes: Mutex::new(Some(0)),
+            more: Condvar::new(),
+        });
+        let st = Arc::clone(&started);
         // Not joined: it ends once the capture is gone and what was queued is started; the
         // writeback it did not start is publish's fsync's.
         let spawned = std::thread::Builder::new()
@@ -103,15 +150,19 @@ impl Capture {
                 for (file, offset, len) in ranges {
                     // Only a hint to the kernel: publish's fsync does what this did not.
                     let _ = sys::start_writeback(&*file, offset, len);
+                    st.add(len);
                 }
+                st.stop();
             });
         if let Err(e) = spawned {
+            started.stop();
             tracing::warn!(error = %e, "no flusher thread: the writeback waits for publish");
         }
         Capture {
             dir: dir.to_path_buf(),
             chunk: chunk.max(1),
             flush: Mutex::new(flush),
+            started,
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             written: AtomicU64::new(0),
@@ -243,20 +294,37 @@ impl Capture {
         let flush = self.flush.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let mut pipe = File::from(pipe);
         let chunk = usize::try_from(self.chunk).unwrap_or(usize::MAX);
-        let (tx, rx) = mpsc::sync_channel::<(u64, Vec<u8>)>(IN_FLIGHT);
+        // Each chunk goes to a writer and a hasher at once (two cores' work, not one after the
+        // other); whichever lets go of it last hands the buffer back to the reader.
+        type Chunk = (u64, Arc<Vec<u8>>);
+        let (tx, rx) = mpsc::sync_channel::<Chunk>(IN_FLIGHT);
+        let (htx, hrx) = mpsc::sync_channel::<Chunk>(IN_FLIGHT);
         let (free_tx, free_rx) = mpsc::channel::<Vec<u8>>();
+        let recycle = |buf: Arc<Vec<u8>>, free: &mpsc::Sender<Vec<u8>>| {
+            if let Ok(b) = Arc::try_unwrap(buf) {
+                let _ = free.send(b);
+            }
+        };
         let (size, chunks) = std::thread::scope(|s| {
             let (file, path) = (&file, &path);
-            let writer = s.spawn(move || -> Result<Vec<String>, ImageError> {
+            let free = free_tx.clone();
+            let hasher = s.spawn(move || -> Vec<String> {
                 let mut digests = Vec::new();
-                for (offset, buf) in rx {
+                for (_, buf) in hrx {
                     digests.push(hash::digest(DigestAlg::Blake3, &buf));
+                    recycle(buf, &free);
+                }
+                digests
+            });
+            let writer = s.spawn(move || -> Result<(), ImageError> {
+                for (offset, buf) in rx {
                     file.write_all_at(&buf, offset).map_err(io(path))?;
                     let _ = flush.send((Arc::clone(file), offset, buf.len() as u64));
-                    self.written.fetch_add(buf.len() as u64, Ordering::Relaxed);
-                    let _ = free_tx.send(buf);
+                    let total = self.written.fetch_add(buf.len() as u64, Ordering::Relaxed);
+                    self.started.wait_for(total + buf.len() as u64);
+                    recycle(buf, &free_tx);
                 }
-                Ok(digests)
+                Ok(())
             });
             let mut offset = 0u64;
             let read = loop {
@@ -274,8 +342,10 @@ impl Capture {
                 if n == 0 {
                     break Ok(());
                 }
+                let buf = Arc::new(buf);
                 // The writer stopped on an error, which it returns.
-                if tx.send((offset, buf)).is_err() {
+                if htx.send((offset, Arc::clone(&buf))).is_err() || tx.send((offset, buf)).is_err()
+                {
                     break Ok(());
                 }
                 offset += n as u64;
@@ -284,13 +354,16 @@ impl Capture {
                     break Ok(());
                 }
             };
-            drop(tx);
+            drop((tx, htx));
             if read.is_ok() {
                 self.set(name, FileState::Draining);
             }
-            let digests = writer
+            writer
                 .join()
                 .unwrap_or_else(|_| Err(io(path)(std::io::Error::other("writer panicked"))))?;
+            let digests = hasher
+                .join()
+                .map_err(|_| io(path)(std::io::Error::other("hasher panicked")))?;
             read.map(|()| (offset, digests))
         })?;
         self.set(

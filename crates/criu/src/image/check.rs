@@ -99,9 +99,6 @@ pub fn check_threads(cores: usize) -> usize {
     cores.saturating_sub(1).clamp(1, CHECK_THREADS)
 }
 
-/// How far ahead of the chunk being checked the kernel is asked to read.
-pub const AHEAD: u64 = 64 << 20;
-
 /// One image checked beside one CRIU restore.
 #[derive(Debug)]
 pub struct Check<'a> {
@@ -135,21 +132,6 @@ impl<'a> Check<'a> {
                     .map_err(|source| ImageError::Io { path, source })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        // The disk starts on the page contents now, while the rest is checked and CRIU starts:
-        // [`Check::run`] then reads them in CRIU's order, ahead of it (only a hint).
-        let mut budget = AHEAD;
-        for (i, f) in image.manifest().files.iter().enumerate() {
-            if budget == 0 {
-                break;
-            }
-            if is_page_contents(&f.name) {
-                let len = f.size.min(budget);
-                budget -= len;
-                if let Ok((file, _)) = image.open_file(i) {
-                    let _ = rustix::fs::fadvise(&file, 0, len, rustix::fs::Advice::WillNeed);
-                }
-            }
-        }
         // Before CRIU reads any of them; changes afterwards are the watch's.
         image.verify_files(|name| !is_page_contents(name))?;
         let (done, outcome) = mpsc::sync_channel(1);
@@ -169,13 +151,11 @@ impl<'a> Check<'a> {
     }
 
     /// Checks every chunk of the page contents, in the order CRIU reads them (each file front
-    /// to back) and ahead of it, [`CHECK_THREADS`] at a time, the kernel reading [`AHEAD`] bytes
-    /// in front; the outcome goes to [`Check::finish`].
+    /// to back, so the kernel's readahead serves both), on [`check_threads`] threads; the
+    /// outcome goes to [`Check::finish`].
     pub fn run(&self) {
         let threads = check_threads(std::thread::available_parallelism().map_or(1, usize::from));
-        let r = self
-            .image
-            .verify_files_in_order(is_page_contents, threads, AHEAD);
+        let r = self.image.verify_files_in_order(is_page_contents, threads);
         let _ = self.hashed.set(std::time::Instant::now());
         if let Err(e) = &r {
             tracing::warn!(error = %e, "image refused while CRIU reads it");

@@ -82,19 +82,17 @@ impl Image {
     }
 
     /// Reads and checks every chunk of the files whose name `pick` takes, in the manifest's
-    /// order, each file front to back, `threads` at a time, the kernel reading `ahead` bytes in
-    /// front of them ([`hash::check_spans_in_order`]).
+    /// order, each file front to back, `threads` at a time ([`hash::check_spans_in_order`]).
     pub(crate) fn verify_files_in_order(
         &self,
         pick: impl Fn(&str) -> bool,
         threads: usize,
-        ahead: u64,
     ) -> Result<(), ImageError> {
         let spans: Vec<Span<'_>> = spans(&self.manifest)
             .into_iter()
             .filter(|s| pick(&self.manifest.files[s.file].name))
             .collect();
-        hash::check_spans_in_order(&spans, self.alg(), threads, ahead, |i| {
+        hash::check_spans_in_order(&spans, self.alg(), threads, |i| {
             self.open_file(i).map(|(f, _)| f).map_err(to_io)
         })
         .map_err(|(i, e)| self.span_error(&spans[i], e))
