@@ -643,10 +643,7 @@ async fn drain_pass(client: &NodeClient, fence: &[Quarantine]) -> Result<bool, S
         .flat_map(|q| q.pids.iter())
         .filter_map(|pid| {
             let h = ProcHandle::open(*pid).ok()?;
-            CgroupLocator.pod_of(cryo_journal::ProcId {
-                pid: h.pid(),
-                start_time: h.start_time(),
-            })
+            CgroupLocator.pod_of(cryo_journal::ProcId::of_handle(&h))
         })
         .collect();
     let report = client

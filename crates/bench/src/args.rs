@@ -159,10 +159,14 @@ pub struct BenchTelemetryArgs {
 /// `cryo bench guard`.
 #[derive(Debug, Clone, Args)]
 pub struct BenchGuardArgs {
-    /// Requests per arm (with and without the guard), sent in 20 batches per arm that alternate
-    /// between the arms on the same worker.
-    #[arg(long, default_value_t = 2000)]
+    /// Requests per arm (with and without the guard) in each repeat, sent in 20 batches per arm
+    /// that alternate between the arms on the same worker.
+    #[arg(long, default_value_t = 4000)]
     pub requests: usize,
+    /// Repeats of the whole latency measurement: the p99 ratio is given pooled over all of
+    /// them and per repeat (median, min-max, spread), so its stability can be read.
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = parse_rounds)]
+    pub repeats: usize,
     /// Fatal-signal suspensions to time (and as many bare suspensions), after one warm-up round;
     /// the arm that goes first alternates.
     #[arg(long, value_name = "N", default_value_t = 5, value_parser = parse_rounds)]

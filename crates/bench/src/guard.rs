@@ -9,8 +9,11 @@
 //!    batches per arm alternate on that same worker, the agent's guard attached (`/v1/guard/attach`)
 //!    before a guarded batch and detached (`/v1/guard/detach`) after it, the arm that goes first
 //!    alternating from pair to pair (A B, B A, ...): both arms see the same worker, the same
-//!    memory and the same host noise. p50 and p99 of each arm over all its requests, the
-//!    guarded/unguarded ratios, and whether p99 is within issue 10's budget (5%).
+//!    memory and the same host noise. The whole of it is repeated `--repeats` times: p50 and
+//!    p99 of each arm over all its requests (pooled), the guarded/unguarded ratios, whether the
+//!    pooled p99 ratio is within issue 10's budget (5%), and the p99 ratio of each repeat
+//!    (median, min-max, and its spread in percent of the median: how far one repeat's p99 can
+//!    be trusted on this host).
 //! 2. **Fatal signal.** Per round, a fresh worker restored through the agent (guarded from its
 //!    restore) is sent SIGTERM; the time from the signal to the worker having exited with its
 //!    context suspended (journal `Verified`) is set against a bare suspension
@@ -200,7 +203,13 @@ impl Latency {
 
 #[derive(Debug, Serialize)]
 struct LatencyResult {
+    repeats: usize,
     batches_per_arm: usize,
+    /// The p50 and p99 ratios of each repeat.
+    p50_ratio_per_repeat: Samples,
+    p99_ratio_per_repeat: Samples,
+    /// (max - min) / median of the per-repeat p99 ratios, percent.
+    p99_ratio_spread_pct: f64,
     unguarded: Latency,
     guarded: Latency,
     p50_ratio: f64,
@@ -259,28 +268,44 @@ fn latency(
     id: ProcId,
     port: u16,
     requests: usize,
+    repeats: usize,
 ) -> anyhow::Result<LatencyResult> {
     let per_batch = (requests / BATCHES).max(1);
     // Warm-up, one batch per arm: not counted.
     let mut scratch = Vec::new();
     batch(agent, id, port, false, per_batch, 0, &mut scratch)?;
     batch(agent, id, port, true, per_batch, 1, &mut scratch)?;
-    let (mut bare, mut guarded) = (Vec::new(), Vec::new());
-    for pair in 0..BATCHES {
-        let order = if a_first(pair) {
-            [false, true]
-        } else {
-            [true, false]
-        };
-        for (k, on) in order.into_iter().enumerate() {
-            let out = if on { &mut guarded } else { &mut bare };
-            batch(agent, id, port, on, per_batch, 2 + 2 * pair + k, out)?;
+    let (mut all_bare, mut all_guarded) = (Vec::new(), Vec::new());
+    let (mut p50s, mut p99s) = (Samples::default(), Samples::default());
+    let mut tag = 2;
+    for _ in 0..repeats {
+        let (mut bare, mut guarded) = (Vec::new(), Vec::new());
+        for pair in 0..BATCHES {
+            let order = if a_first(pair) {
+                [false, true]
+            } else {
+                [true, false]
+            };
+            for on in order {
+                let out = if on { &mut guarded } else { &mut bare };
+                batch(agent, id, port, on, per_batch, tag, out)?;
+                tag += 1;
+            }
         }
+        all_bare.extend_from_slice(&bare);
+        all_guarded.extend_from_slice(&guarded);
+        let (b, g) = (Latency::of(bare), Latency::of(guarded));
+        p50s.push(g.p50_us / b.p50_us.max(1e-9));
+        p99s.push(g.p99_us / b.p99_us.max(1e-9));
     }
-    let (bare, guarded) = (Latency::of(bare), Latency::of(guarded));
+    let (bare, guarded) = (Latency::of(all_bare), Latency::of(all_guarded));
     let p99_ratio = guarded.p99_us / bare.p99_us.max(1e-9);
     Ok(LatencyResult {
+        repeats,
         batches_per_arm: BATCHES,
+        p99_ratio_spread_pct: 100.0 * (p99s.max() - p99s.min()) / p99s.median().max(1e-9),
+        p50_ratio_per_repeat: p50s,
+        p99_ratio_per_repeat: p99s,
         p50_ratio: guarded.p50_us / bare.p50_us.max(1e-9),
         p99_ratio,
         p99_within_budget: p99_ratio <= P99_BUDGET,
@@ -330,6 +355,11 @@ fn guard_round(
     Ok(ms(died))
 }
 
+/// `median (min-max)` of ratios, three decimals.
+fn ratio_cell(s: &Samples) -> String {
+    format!("{:.3} ({:.3}-{:.3})", s.median(), s.min(), s.max())
+}
+
 /// Runs `cryo bench guard` with the binary `cryo`.
 pub fn run(a: &BenchGuardArgs, cryo: &Path) -> anyhow::Result<()> {
     let tmp = tempfile::Builder::new()
@@ -353,13 +383,16 @@ pub fn run(a: &BenchGuardArgs, cryo: &Path) -> anyhow::Result<()> {
     client
         .detach(&PidRequest { pid: id })
         .context("detaching through the agent")?;
-    let lat = latency(client, id, port, a.requests)?;
+    let lat = latency(client, id, port, a.requests, a.repeats)?;
     if !a.json {
         println!(
-            "request latency over loopback, one worker, {} requests per arm in {} alternating \
-             batches per arm (ABBA, the agent's guard attached/detached around each guarded \
-             batch), after 1 warm-up batch per arm:",
-            lat.unguarded.requests, lat.batches_per_arm
+            "request latency over loopback, one worker, {} repeats of {} requests per arm in {} \
+             alternating batches per arm (ABBA, the agent's guard attached/detached around each \
+             guarded batch), after 1 warm-up batch per arm; pooled over {} requests per arm:",
+            lat.repeats,
+            lat.unguarded.requests / lat.repeats.max(1),
+            lat.batches_per_arm,
+            lat.unguarded.requests
         );
         for (name, l) in [("unguarded", &lat.unguarded), ("guarded", &lat.guarded)] {
             println!(
@@ -379,6 +412,13 @@ pub fn run(a: &BenchGuardArgs, cryo: &Path) -> anyhow::Result<()> {
                 "OVER"
             },
             P99_BUDGET
+        );
+        println!(
+            "  per repeat: p99 ratio {} median (min-max), spread {:.1}% of the median; \
+             p50 ratio {}",
+            ratio_cell(&lat.p99_ratio_per_repeat),
+            lat.p99_ratio_spread_pct,
+            ratio_cell(&lat.p50_ratio_per_repeat)
         );
     }
 

@@ -160,10 +160,7 @@ impl Bench {
         let mut us = Vec::with_capacity(n);
         for i in 0..n {
             let event = Event::Checkpointed {
-                pid: ProcId {
-                    pid: i32::try_from(i).unwrap_or(i32::MAX),
-                    start_time: 1,
-                },
+                pid: ProcId::new(i32::try_from(i).unwrap_or(i32::MAX), 1),
                 ms: 1830,
                 bytes: 5_800_000_000,
             };

@@ -627,6 +627,8 @@ fn bench_guard_smoke() {
             "guard",
             "--requests",
             "20",
+            "--repeats",
+            "2",
             "--rounds",
             "1",
             "--memory",
@@ -643,6 +645,7 @@ fn bench_guard_smoke() {
     assert!(
         text.contains("ratio guarded/unguarded")
             && text.contains("issue 10's p99 budget")
+            && text.contains("per repeat: p99 ratio")
             && text.contains("ratio guard/bare")
             && text.contains("the agent's guard")
             && text.contains("wedge ledger empty"),

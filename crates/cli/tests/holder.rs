@@ -100,7 +100,7 @@ impl Drop for HolderCleanup {
         let Ok(mut s) = c.connect() else { return };
         let pid = s.holder.id;
         if s.exit().is_err() {
-            if let Ok(h) = cryo_proc::ProcHandle::open_expected(pid.pid, pid.start_time) {
+            if let Ok(h) = pid.open() {
                 let _ = h.signal(cryo_proc::Signal::SIGKILL);
             }
         }
@@ -283,7 +283,7 @@ fn the_holder_is_upgraded_while_it_holds_pins() {
     w.wait_exit();
     let (old, pins) = inventory(&s.state);
     assert_eq!(pins.len(), 1, "{pins:?}");
-    let old_handle = cryo_proc::ProcHandle::open_expected(old.id.pid, old.id.start_time).unwrap();
+    let old_handle = old.id.open().unwrap();
     let out = ok({
         let mut c = s.sim.cmd_at(&s.state);
         c.args(["guard", "holder", "--detach", "--take-over"])
@@ -316,7 +316,7 @@ fn a_holder_that_died_is_journaled_as_lost_pins_and_the_fence_stays() {
     // The holder is SIGKILLed (the one signal it cannot ignore): the context is torn down.
     let (holder, pins) = inventory(&s.state);
     assert_eq!(pins.len(), 1, "{pins:?}");
-    let h = cryo_proc::ProcHandle::open_expected(holder.id.pid, holder.id.start_time).unwrap();
+    let h = holder.id.open().unwrap();
     h.signal(cryo_proc::Signal::SIGKILL).unwrap();
     assert!(h.wait_exit(PATIENCE));
     assert_eq!(s.sim.wait_ledger(1).len(), 1);

@@ -434,10 +434,7 @@ fn a_reused_pid_is_not_taken_for_the_journaled_process() {
     // This journal says pid was a restored process that started at another time, and that
     // process was declared fresh: neither may be applied to the process holding the pid now.
     let now = ProcId::of(pid).unwrap();
-    let old = ProcId {
-        pid,
-        start_time: now.start_time.saturating_sub(1000),
-    };
+    let old = ProcId::new(pid, now.start_time.saturating_sub(1000));
     let j = Journal::open(st.path().join("journal")).unwrap();
     j.append(Event::FreshDeclared { pid: old }).unwrap();
     let (out, v) = stop_json(&sim, st.path(), &[&pid.to_string()]);

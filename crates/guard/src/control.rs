@@ -636,10 +636,7 @@ mod tests {
 
     #[test]
     fn requests_and_responses_are_one_line_of_tagged_json() {
-        let pid = ProcId {
-            pid: 12,
-            start_time: 345,
-        };
+        let pid = ProcId::new(12, 345);
         let cases = [
             (Request::Status, r#"{"request":"status"}"#.to_string()),
             (
@@ -693,10 +690,7 @@ mod tests {
     #[test]
     fn garbage_and_overlong_requests_are_refused_as_bad_requests() {
         let (dir, client) = server();
-        let pid = ProcId {
-            pid: 1,
-            start_time: 1,
-        };
+        let pid = ProcId::new(1, 1);
         assert_eq!(
             client.call(&Request::Detach { pid }).unwrap(),
             Response::Detached { pid }

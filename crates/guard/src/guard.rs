@@ -423,7 +423,7 @@ impl Inner {
         lock(&self.watched)
             .get(&pid)
             .map(|w| w.id)
-            .unwrap_or_else(|| ProcId::of(pid).unwrap_or(ProcId { pid, start_time: 0 }))
+            .unwrap_or_else(|| ProcId::of(pid).unwrap_or(ProcId::new(pid, 0)))
     }
 
     /// Whether the journal shows `id`'s context checkpointed since its last restore (read up to
@@ -1107,7 +1107,7 @@ impl Guard {
             self.inner.refresh_standing(id.pid, &handle);
             return Ok(false);
         }
-        let handle = ProcHandle::open_expected(id.pid, id.start_time)?;
+        let handle = id.open()?;
         let traced = handle.try_clone()?;
         let oom = match handle.set_oom_score_adj(self.inner.cfg.oom_score_adj) {
             Ok(()) => self.inner.cfg.oom_score_adj.to_string(),
@@ -1503,7 +1503,8 @@ fn memory_watch(inner: &std::sync::Weak<Inner>, watch: &MemoryWatch) {
             looks.remove(&id);
             tracing::warn!(pid = id.pid, %why, "memory pressure: suspending and stopping before the OOM killer acts");
             // The very process guarded, not whatever holds its pid now.
-            let target = ProcHandle::open_expected(id.pid, id.start_time)
+            let target = id
+                .open()
                 .map(|h| Resolved::from_handles(Target::Pids(vec![id.pid]), vec![h]))
                 .map_err(ResolveError::from);
             match inner.stop(target) {
@@ -1528,7 +1529,7 @@ fn memory_trigger(
     watch: &MemoryWatch,
     look: &mut MemoryLooks,
 ) -> Option<String> {
-    let handle = ProcHandle::open_expected(id.pid, id.start_time).ok()?;
+    let handle = id.open().ok()?;
     let cg = MemoryCgroup::of(&handle).ok()?;
     let oom_events = cg.oom_events().ok();
     let hit_limit = matches!((look.oom_events, oom_events), (Some(a), Some(b)) if b > a);

@@ -214,10 +214,7 @@ impl HolderClient {
 
 fn placeholder() -> HolderInfo {
     HolderInfo {
-        id: cryo_journal::ProcId {
-            pid: 0,
-            start_time: 0,
-        },
+        id: cryo_journal::ProcId::new(0, 0),
         protocol: 0,
         version: String::new(),
         started_unix: 0,

@@ -368,10 +368,7 @@ mod tests {
     #[test]
     fn messages_are_tagged_json() {
         let pin = PinMeta {
-            pid: ProcId {
-                pid: 12,
-                start_time: 34,
-            },
+            pid: ProcId::new(12, 34),
             gpus: vec![FencedGpu::Unknown],
             fds: vec![3, 4],
             cause: "killed by SIGKILL".into(),
@@ -425,10 +422,7 @@ mod tests {
         let pin = |id| HeldPin {
             id,
             meta: PinMeta {
-                pid: ProcId {
-                    pid: 1,
-                    start_time: 1,
-                },
+                pid: ProcId::new(1, 1),
                 gpus: vec![FencedGpu::Unknown],
                 fds: (0..250).collect(),
                 cause: "killed by SIGKILL".into(),
@@ -461,10 +455,7 @@ mod tests {
         let fds: Vec<BorrowedFd<'_>> = (0..=MAX_FDS).map(|_| a.as_fd()).collect();
         assert!(send(&a, &Request::Inventory, &fds).is_err());
         let huge = PinMeta {
-            pid: ProcId {
-                pid: 1,
-                start_time: 1,
-            },
+            pid: ProcId::new(1, 1),
             gpus: vec![],
             fds: vec![],
             cause: "x".repeat(MAX_MESSAGE),

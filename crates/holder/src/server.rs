@@ -237,10 +237,8 @@ pub fn serve(
     ready: impl FnOnce(&HolderInfo),
 ) -> Result<std::convert::Infallible, ServeError> {
     let state = &opts.state;
-    let me = ProcId::of(std::process::id() as i32).unwrap_or(ProcId {
-        pid: std::process::id() as i32,
-        start_time: 0,
-    });
+    let me =
+        ProcId::of(std::process::id() as i32).unwrap_or(ProcId::new(std::process::id() as i32, 0));
     let info = HolderInfo {
         id: me,
         protocol: PROTOCOL,
@@ -457,10 +455,7 @@ fn keep_stray(shared: &Shared, sock: &OwnedFd, fds: Vec<OwnedFd>, why: &str) -> 
     }
     let pin = lock(&shared.table).hold(
         PinMeta {
-            pid: ProcId {
-                pid: 0,
-                start_time: 0,
-            },
+            pid: ProcId::new(0, 0),
             gpus: vec![FencedGpu::Unknown],
             fds: vec![-1; n],
             cause: format!("fds that came with a request that was not a usable hold ({why})"),

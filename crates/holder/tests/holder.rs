@@ -146,10 +146,7 @@ impl Context {
 
 fn meta(pid: i32, gpus: &[&str], fds: usize) -> PinMeta {
     PinMeta {
-        pid: ProcId {
-            pid,
-            start_time: 1000 + pid as u64,
-        },
+        pid: ProcId::new(pid, 1000 + pid as u64),
         gpus: gpus.iter().map(|g| gpu(g)).collect(),
         fds: (0..fds as i32).map(|n| n + 3).collect(),
         cause: "killed by SIGKILL".into(),

@@ -16,10 +16,7 @@ fn main() {
     let dir = base.join(format!("cryo-journal-bench-{}", std::process::id()));
     let n = 2000u64;
     let event = |i| Event::Checkpointed {
-        pid: ProcId {
-            pid: 4242,
-            start_time: 1,
-        },
+        pid: ProcId::new(4242, 1),
         ms: i,
         bytes: 5_800_000_000,
     };

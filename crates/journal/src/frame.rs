@@ -214,10 +214,7 @@ mod tests {
             seq,
             time: UNIX_EPOCH + Duration::from_millis(1_800_000_000_000 + seq),
             event: Event::Locked {
-                pid: ProcId {
-                    pid: 100 + seq as i32,
-                    start_time: 7,
-                },
+                pid: ProcId::new(100 + seq as i32, 7),
                 ms: seq,
             },
         }

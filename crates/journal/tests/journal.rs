@@ -10,10 +10,7 @@ use cryo_journal::{
 };
 
 fn p(pid: i32) -> ProcId {
-    ProcId {
-        pid,
-        start_time: 1000 + pid as u64,
-    }
+    ProcId::new(pid, 1000 + pid as u64)
 }
 
 fn every_kind(pid: ProcId) -> Vec<Event> {
@@ -169,10 +166,7 @@ fn records_of_older_journals_read_without_the_newer_fields() {
         .iter()
         .map(|t| serde_json::from_str::<Record>(t).unwrap().event)
         .collect();
-    let pid = ProcId {
-        pid: 7,
-        start_time: 9,
-    };
+    let pid = ProcId::new(7, 9);
     assert_eq!(
         events,
         vec![
@@ -446,10 +440,7 @@ fn since_accepts_rfc3339_and_durations_ago() {
 #[test]
 fn origins_know_restored_and_fresh_processes() {
     let me = ProcId::of(std::process::id() as i32).unwrap();
-    let gone = ProcId {
-        pid: me.pid,
-        start_time: me.start_time + 1,
-    };
+    let gone = ProcId::new(me.pid, me.start_time + 1);
     let recs = vec![
         rec(
             1,

@@ -206,10 +206,7 @@ fn torn_tail_after_kill_9_is_cut_and_complete_records_survive() {
         // A writer cuts the torn bytes (on its next append) and journals the cut.
         let rec = parent
             .append(Event::Killed {
-                pid: ProcId {
-                    pid: 1,
-                    start_time: 1,
-                },
+                pid: ProcId::new(1, 1),
             })
             .unwrap();
         let after = read(dir.path()).unwrap();
@@ -241,10 +238,7 @@ fn torn_tail_after_kill_9_is_cut_and_complete_records_survive() {
     let reopened = Journal::open(dir.path()).unwrap();
     let r = reopened
         .append(Event::GuardLost {
-            pid: ProcId {
-                pid: 2,
-                start_time: 2,
-            },
+            pid: ProcId::new(2, 2),
         })
         .unwrap();
     assert_eq!(r.seq, read(dir.path()).unwrap().records.len() as u64);
@@ -365,10 +359,7 @@ fn crash_between_intent_and_outcome_is_in_flight() {
     let dir = tempfile::tempdir().unwrap();
     // A stop that finished, for another process.
     let journal = Journal::open(dir.path()).unwrap();
-    let done = ProcId {
-        pid: 77,
-        start_time: 5,
-    };
+    let done = ProcId::new(77, 5);
     for e in [
         Event::LockStarted { pid: done },
         Event::Locked { pid: done, ms: 1 },

@@ -276,7 +276,7 @@ pub struct CgroupLocator;
 
 impl Locate for CgroupLocator {
     fn pod_of(&self, p: ProcId) -> Option<PodUid> {
-        let h = ProcHandle::open_expected(p.pid, p.start_time).ok()?;
+        let h = p.open().ok()?;
         caller_identity(&h).ok().map(|i| i.pod)
     }
 }

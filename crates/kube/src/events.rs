@@ -219,12 +219,7 @@ pub fn subject_of(about: &About, locate: &impl Locate) -> Subject {
                 t.split(|c: char| !c.is_ascii_digit())
                     .filter_map(|n| n.parse::<i32>().ok())
                     .filter_map(|pid| cryo_proc::stat(pid).ok())
-                    .find_map(|st| {
-                        locate.pod_of(ProcId {
-                            pid: st.pid,
-                            start_time: st.start_time,
-                        })
-                    })
+                    .find_map(|st| locate.pod_of(ProcId::new(st.pid, st.start_time)))
             }),
         About::Node => None,
     };
@@ -375,10 +370,7 @@ mod tests {
     use super::*;
 
     fn pid(n: i32) -> ProcId {
-        ProcId {
-            pid: n,
-            start_time: 7,
-        }
+        ProcId::new(n, 7)
     }
 
     struct NoPods;

@@ -214,17 +214,11 @@ async fn a_stop_posts_events_on_its_pod_and_a_flood_is_aggregated() {
             target: target.clone(),
         },
         Event::LockStarted {
-            pid: ProcId {
-                pid: 10,
-                start_time: 1,
-            },
+            pid: ProcId::new(10, 1),
         },
         Event::StopCompleted {
             target,
-            killed: vec![ProcId {
-                pid: 10,
-                start_time: 1,
-            }],
+            killed: vec![ProcId::new(10, 1)],
             ms: 1830,
             refused: vec![],
         },
@@ -256,10 +250,7 @@ async fn a_stop_posts_events_on_its_pod_and_a_flood_is_aggregated() {
     // a flood: 200 identical Pinned steps become one Event whose count says how many were
     // posted; the rest of the flood was dropped before reaching the API server
     let pinned = Event::Pinned {
-        pid: ProcId {
-            pid: 11,
-            start_time: 1,
-        },
+        pid: ProcId::new(11, 1),
         gpu: "GPU-00000001-aaaa-bbbb-cccc-000000000000".into(),
         fds: vec![5, 6],
     };

@@ -123,7 +123,7 @@ pub fn settle_in_flight(gpu: &Gpu, journal: &Journal) -> Result<Vec<Settled>, Se
                 continue;
             }
         }
-        let Ok(h) = ProcHandle::open_expected(pid.pid, pid.start_time) else {
+        let Ok(h) = pid.open() else {
             continue;
         };
         let (found, action) = settle_one(gpu, journal, &h, f.purpose)?;

@@ -409,7 +409,7 @@ pub fn parked_now(records: &[Record]) -> Vec<ParkedWorker> {
     parked_records(records)
         .into_values()
         .filter_map(|r| {
-            let h = ProcHandle::open_expected(r.pid.pid, r.pid.start_time).ok()?;
+            let h = r.pid.open().ok()?;
             h.is_alive().then(|| ParkedWorker {
                 pid: r.pid,
                 device_bytes: r.device_bytes,

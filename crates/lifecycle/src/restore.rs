@@ -216,7 +216,7 @@ pub fn finish_unlock(
     if Some(by) == me() || by.is_alive_same() {
         return left("the thaw or wake that restored it is still at work on it");
     }
-    let Ok(h) = ProcHandle::open_expected(pid.pid, pid.start_time) else {
+    let Ok(h) = pid.open() else {
         return left("it is no longer the process the journal names");
     };
     let gpu = gpu.bounded(cryo_gpu::Limits::default());

@@ -518,11 +518,7 @@ pub fn open(standby: &Standby) -> Option<Resolved> {
     let handles: Option<Vec<ProcHandle>> = standby
         .pids
         .iter()
-        .map(|p| {
-            ProcHandle::open_expected(p.pid, p.start_time)
-                .ok()
-                .filter(ProcHandle::is_alive)
-        })
+        .map(|p| p.open().ok().filter(ProcHandle::is_alive))
         .collect();
     Some(Resolved::from_handles(
         Target::Pids(standby.pids.iter().map(|p| p.pid).collect()),
@@ -577,7 +573,7 @@ pub fn sweep(
     let handles: Vec<ProcHandle> = u
         .pids
         .iter()
-        .filter_map(|p| ProcHandle::open_expected(p.pid, p.start_time).ok())
+        .filter_map(|p| p.open().ok())
         .filter(ProcHandle::is_alive)
         .collect();
     let what = if handles.is_empty() {

@@ -805,10 +805,7 @@ fn roll_back(gpu: &Gpu, rows: &mut [Row<'_>], resume: bool, journal: Option<&Jou
 
 /// The journal's identity of a process held by a handle.
 pub fn id(h: &ProcHandle) -> ProcId {
-    ProcId {
-        pid: h.pid(),
-        start_time: h.start_time(),
-    }
+    ProcId::of_handle(h)
 }
 
 fn ms(d: Duration) -> u64 {

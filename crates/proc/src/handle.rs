@@ -25,6 +25,31 @@ pub enum Liveness {
     Gone,
 }
 
+/// `PIDFS_MAGIC`: the file system of pidfds from Linux 6.9.
+const PIDFS_MAGIC: i64 = 0x5049_4446;
+
+/// The inode of a pidfd on pidfs; `None` elsewhere (see [`ProcHandle::pidfs_inode`]).
+fn inode_on_pidfs(pidfd: BorrowedFd<'_>) -> Option<u64> {
+    let fs = rustix::fs::fstatfs(pidfd).ok()?;
+    #[allow(clippy::unnecessary_cast)]
+    if fs.f_type as i64 != PIDFS_MAGIC {
+        return None;
+    }
+    let st = rustix::fs::fstat(pidfd).ok()?;
+    // `st_ino`'s type differs between architectures.
+    #[allow(clippy::unnecessary_cast, clippy::useless_conversion)]
+    Some(st.st_ino as u64)
+}
+
+/// The pidfs inode of the process that holds `pid` now, zombie or not (see
+/// [`ProcHandle::pidfs_inode`]); `None` when it is gone, is a thread, or the kernel has no pidfs.
+/// The caller checks that the pid still names the process it meant after the call.
+pub fn pidfs_inode(pid: Pid) -> Option<u64> {
+    let rpid = RPid::from_raw(pid)?;
+    let pidfd = pidfd_open(rpid, PidfdFlags::empty()).ok()?;
+    inode_on_pidfs(pidfd.as_fd())
+}
+
 /// A process held through a pidfd.
 #[derive(Debug)]
 pub struct ProcHandle {
@@ -59,6 +84,13 @@ impl ProcHandle {
             return Err(ProcError::NoSuchProcess(pid));
         }
         Ok(handle)
+    }
+
+    /// The inode of its pidfd where pidfds live on pidfs (Linux 6.9+): unique to this process
+    /// for as long as the system runs, never reused with its pid. `None` on older kernels (an
+    /// anonymous inode, shared by every pidfd).
+    pub fn pidfs_inode(&self) -> Option<u64> {
+        inode_on_pidfs(self.pidfd.as_fd())
     }
 
     /// Opens `pid` only if it is still the process that started at `start_time`.

@@ -23,10 +23,11 @@
 //! those.
 //!
 //! # Limitations
-//! A recorded identity (pid + start time, as the journal keeps it) has clock-tick resolution
-//! (10 ms at the usual `CLK_TCK` of 100): a pid reused within the same tick is not told apart by
-//! [`ProcHandle::open_expected`]. A held handle is not affected: its pidfd never names another
-//! process.
+//! A start time has clock-tick resolution (10 ms at the usual `CLK_TCK` of 100): a pid reused
+//! within the same tick is not told apart by [`ProcHandle::open_expected`] alone. Where pidfds
+//! live on pidfs (Linux 6.9+) [`ProcHandle::pidfs_inode`] does (the journal's `ProcId` records
+//! it); on older kernels the start time is all there is. A held handle is not affected: its
+//! pidfd never names another process.
 //!
 //! Pids are host pids (the namespace cryo runs in; [`Status::nspid`] gives the others). Exit
 //! statuses of processes that are not our children are not available through a pidfd; callers that
@@ -46,7 +47,7 @@ mod sys;
 pub use cgroup::{cgroup_procs, cgroup_tree_procs, is_hierarchy_root, CgroupEntry, Cgroups};
 pub use error::{OomAdjError, ProcError};
 pub use fds::{driver_fds, DriverFiles, Fd, FdTarget};
-pub use handle::{Liveness, ProcHandle};
+pub use handle::{pidfs_inode, Liveness, ProcHandle};
 pub use netns::{in_net_namespace, in_net_namespace_of};
 pub use read::{
     driver_file_holders, fds, liveness, load_average, mem_available, pid_holders, pid_max,

@@ -240,10 +240,7 @@ mod tests {
     #[test]
     fn a_record_becomes_one_rfc5424_message() {
         let r = rec(Event::Refused {
-            pid: ProcId {
-                pid: 4242,
-                start_time: 99,
-            },
+            pid: ProcId::new(4242, 99),
             reason: "lock \"timed\" out]".into(),
             hint: "a\\b".into(),
         });
@@ -273,10 +270,7 @@ mod tests {
 
     #[test]
     fn lists_are_json_and_severity_follows_the_event() {
-        let p = ProcId {
-            pid: 1,
-            start_time: 2,
-        };
+        let p = ProcId::new(1, 2);
         let m = fmt().message(&rec(Event::Pinned {
             pid: p,
             gpu: "GPU-1".into(),

@@ -14,7 +14,7 @@ use cryo_telemetry::{ndjson_line, Follow};
 const LONG: Duration = Duration::from_secs(30);
 
 fn p(pid: i32) -> ProcId {
-    ProcId { pid, start_time: 7 }
+    ProcId::new(pid, 7)
 }
 
 fn locked(j: &Journal, i: u64) -> cryo_journal::Record {

@@ -14,7 +14,7 @@ use support::{promtool_check, sample};
 const LONG: Duration = Duration::from_secs(30);
 
 fn p(pid: i32) -> ProcId {
-    ProcId { pid, start_time: 7 }
+    ProcId::new(pid, 7)
 }
 
 /// A journal with one of everything the metrics count (and some they do not).

@@ -18,7 +18,7 @@ use support::rsyslog::{Received, Rsyslog};
 const LONG: Duration = Duration::from_secs(60);
 
 fn p(pid: i32) -> ProcId {
-    ProcId { pid, start_time: 7 }
+    ProcId::new(pid, 7)
 }
 
 fn cfg(state: &std::path::Path, collector: &str) -> ForwardConfig {

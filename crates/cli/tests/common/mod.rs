@@ -302,7 +302,7 @@ pub fn stop_pin_holder(state: &Path) {
     let c = cryo_holder::HolderClient::new(&cryo_state::StateDir::new(state));
     let Ok(mut s) = c.connect() else { return };
     let pid = s.holder.id;
-    let Ok(h) = cryo_proc::ProcHandle::open_expected(pid.pid, pid.start_time) else {
+    let Ok(h) = pid.open() else {
         return;
     };
     if s.exit().is_err() {

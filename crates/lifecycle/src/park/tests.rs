@@ -23,10 +23,7 @@ fn gpus(free_a: u64, free_b: u64) -> Vec<GpuInfo> {
 
 fn rec(bytes: u64, gpu: &str) -> ParkedRecord {
     ParkedRecord {
-        pid: ProcId {
-            pid: 10,
-            start_time: 1,
-        },
+        pid: ProcId::new(10, 1),
         device_bytes: bytes,
         gpus: vec![u(gpu)],
         gpu_bytes: vec![bytes],
@@ -37,10 +34,7 @@ fn rec(bytes: u64, gpu: &str) -> ParkedRecord {
 /// before the per-GPU amounts were kept).
 fn rec2(on_a: u64, on_b: u64, per_gpu: bool) -> ParkedRecord {
     ParkedRecord {
-        pid: ProcId {
-            pid: 10,
-            start_time: 1,
-        },
+        pid: ProcId::new(10, 1),
         device_bytes: on_a + on_b,
         gpus: vec![u(A), u(B)],
         gpu_bytes: if per_gpu {
@@ -182,10 +176,7 @@ fn fence_refuses() {
 
 #[test]
 fn the_park_record_ends_with_a_restore_or_an_exit() {
-    let id = ProcId {
-        pid: 10,
-        start_time: 1,
-    };
+    let id = ProcId::new(10, 1);
     let r = |seq, event| Record {
         seq,
         time: std::time::SystemTime::now(),
