@@ -219,7 +219,9 @@ fn a_pinned_process_that_used_two_gpus_fences_both() {
         let q = fence.get(&u.to_string().parse().unwrap()).unwrap();
         assert!(q.is_some_and(|q| q.pids.contains(&w.pid)), "{u}");
     }
-    for u in &all[..2] {
+    // A pin is per process: releasing GPU 0 closes its contexts on both GPUs (the ledger has
+    // both teardowns), GPU 1 stays fenced, and the journal says its context went with GPU 0's.
+    for (i, u) in all[..2].iter().enumerate() {
         ok(&run(
             &sim,
             st.path(),
@@ -231,5 +233,17 @@ fn a_pinned_process_that_used_two_gpus_fences_both() {
                 "--i-understand-this-may-wedge-the-host",
             ],
         ));
+        if i == 0 {
+            let l = sim.wait_ledger(2);
+            assert!(l.iter().all(|x| x.pid == w.pid), "{l:?}");
+            assert!(fence
+                .get(&all[1].to_string().parse().unwrap())
+                .unwrap()
+                .is_some());
+            let said = common::events(st.path()).iter().any(|e| matches!(e,
+                cryo_journal::Event::GpuQuarantined { gpu, reason }
+                    if *gpu == all[1].to_string() && reason.contains(&format!("the release of GPU {}", all[0]))));
+            assert!(said, "{:?}", common::events(st.path()));
+        }
     }
 }

@@ -1392,6 +1392,7 @@ impl Guard {
             );
             drop(p.held);
             self.inner.record(Event::PinsReleased { pid: p.id });
+            crate::pins::closed_elsewhere(&self.inner.journal, gpu, p.id, &p.gpus);
             released.push(p.id);
         }
         Ok(released)

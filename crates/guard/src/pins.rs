@@ -169,9 +169,36 @@ pub(crate) fn journal_released(
         if let Err(err) = journal.append(cryo_journal::Event::PinsReleased { pid: p.meta.pid }) {
             tracing::error!(%err, "cannot write the journal");
         }
+        closed_elsewhere(journal, gpu, p.meta.pid, &p.meta.gpus);
         pids.push(p.meta.pid);
     }
     pids
+}
+
+/// A pin holds a process's contexts on every GPU it used, and its driver fds cannot be told
+/// apart per GPU (on the real driver `/dev/nvidiactl` and `/dev/nvidia-uvm` serve all of them,
+/// and what closing only `/dev/nvidiaN` frees was never measured): releasing it for `released`
+/// closes its contexts on its other GPUs too. Those stay fenced (never lifted without the
+/// operator naming them); this says so, in the log and the journal, for each of them.
+pub(crate) fn closed_elsewhere(
+    journal: &cryo_journal::Journal,
+    released: &FencedGpu,
+    pid: ProcId,
+    gpus: &[FencedGpu],
+) {
+    for other in gpus.iter().filter(|g| *g != released) {
+        let reason = format!(
+            "the release of GPU {released} closed pid {}'s pins, which held its contexts on every GPU it used: its context on GPU {other} is gone too; GPU {other} stays fenced until released",
+            pid.pid
+        );
+        tracing::warn!(pid = pid.pid, %released, %other, "{reason}");
+        if let Err(err) = journal.append(cryo_journal::Event::GpuQuarantined {
+            gpu: other.to_string(),
+            reason,
+        }) {
+            tracing::error!(%err, "cannot write the journal");
+        }
+    }
 }
 
 /// Releasing without a running guard failed.
