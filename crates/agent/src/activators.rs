@@ -257,10 +257,7 @@ impl Agent {
                 .map_err(|e| ApiError::new(ErrorKind::NotFound, e.to_string()))?
                 .handles()
                 .iter()
-                .map(|h| ProcId {
-                    pid: h.pid(),
-                    start_time: h.start_time(),
-                })
+                .map(ProcId::of_handle)
                 .collect(),
         };
         self.activator_start(Record {
