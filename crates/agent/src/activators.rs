@@ -41,7 +41,7 @@ use cryo_proc::ProcHandle;
 use serde::{Deserialize, Serialize};
 
 use crate::auth::Peer;
-use crate::server::{allow, blocking, parse, same_pids, Failure};
+use crate::server::{allow, blocking, change_request, same_pids, Failure, Pids};
 use crate::Agent;
 
 /// The routes of `/v1/activators`, merged into the agent's router.
@@ -64,8 +64,7 @@ async fn create(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: Bytes,
 ) -> Result<Response, Failure> {
-    allow(&agent, &peer, Access::Change)?;
-    let spec: ActivatorSpec = parse(&body)?;
+    let spec: ActivatorSpec = change_request(&agent, &peer, &body, Pids::None)?;
     if spec.target.is_some() {
         same_pids(&peer)?;
     }
@@ -78,8 +77,7 @@ async fn remove(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: Bytes,
 ) -> Result<Response, Failure> {
-    allow(&agent, &peer, Access::Change)?;
-    let req: ActivatorRemoveRequest = parse(&body)?;
+    let req: ActivatorRemoveRequest = change_request(&agent, &peer, &body, Pids::None)?;
     tracing::info!(listen = %req.listen, ?peer.cred, "activator remove");
     blocking(move || agent.activators.remove(&req.listen)).await
 }

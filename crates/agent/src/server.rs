@@ -151,6 +151,15 @@ pub(crate) fn same_pids(peer: &Peer) -> Result<(), Failure> {
     }
 }
 
+/// Pids are the agent's: a caller in another pid namespace may name a cgroup only.
+fn check_target(peer: &Peer, target: &cryo_api::TargetSpec) -> Result<(), Failure> {
+    if matches!(target, cryo_api::TargetSpec::Cgroup { .. }) {
+        Ok(())
+    } else {
+        same_pids(peer)
+    }
+}
+
 /// Whether a request names processes by pid (read in the agent's pid namespace).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Pids {
@@ -173,6 +182,20 @@ pub(crate) fn change_request<T: DeserializeOwned>(
     if pids == Pids::Named {
         same_pids(peer)?;
     }
+    Ok(req)
+}
+
+/// A change request that names a target (`target` finds it in the request): as
+/// [`change_request`], then a target named by pids only from the agent's pid namespace
+/// ([`check_target`]).
+pub(crate) fn target_request<T: DeserializeOwned>(
+    agent: &Agent,
+    peer: &Peer,
+    body: &Bytes,
+    target: impl FnOnce(&T) -> &cryo_api::TargetSpec,
+) -> Result<T, Failure> {
+    let req = change_request(agent, peer, body, Pids::None)?;
+    check_target(peer, target(&req))?;
     Ok(req)
 }
 
@@ -288,9 +311,7 @@ async fn stop(
 ) -> Result<Response, Failure> {
     let confined = allow_stop(&agent, &peer, Access::Change)?;
     let req: cryo_api::StopRequest = parse(&body)?;
-    if !matches!(req.target, cryo_api::TargetSpec::Cgroup { .. }) {
-        same_pids(&peer)?;
-    }
+    check_target(&peer, &req.target)?;
     tracing::info!(target = %req.target(), ?peer.cred, "stop");
     Ok(streamed(move |p| agent.stop(&req, confined.as_ref(), p)))
 }

@@ -51,7 +51,7 @@ use cryo_lifecycle::standby::{self as sb, ClaimError};
 use cryo_lifecycle::{NoProgress, Standby, WakeError};
 
 use crate::auth::Peer;
-use crate::server::{allow, blocking, parse, Failure};
+use crate::server::{allow, blocking, change_request, Failure, Pids};
 use crate::Agent;
 
 /// How long a failed refill waits before it is tried again.
@@ -82,8 +82,7 @@ async fn create(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: Bytes,
 ) -> Result<Response, Failure> {
-    allow(&agent, &peer, Access::Change)?;
-    let req: StandbyCreateRequest = parse(&body)?;
+    let req: StandbyCreateRequest = change_request(&agent, &peer, &body, Pids::None)?;
     tracing::info!(image = %req.image.display(), count = req.count, ?peer.cred, "standby create");
     blocking(move || agent.standby_create(&req)).await
 }
@@ -94,8 +93,7 @@ async fn claim(
     body: Bytes,
 ) -> Result<Response, Failure> {
     let requested = Instant::now();
-    allow(&agent, &peer, Access::Change)?;
-    let req: StandbyClaimRequest = parse(&body)?;
+    let req: StandbyClaimRequest = change_request(&agent, &peer, &body, Pids::None)?;
     tracing::info!(image = %req.image.display(), ?peer.cred, "standby claim");
     blocking(move || agent.standby_claim(&req, requested)).await
 }
@@ -105,8 +103,7 @@ async fn remove(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: Bytes,
 ) -> Result<Response, Failure> {
-    allow(&agent, &peer, Access::Change)?;
-    let req: StandbyRemoveRequest = parse(&body)?;
+    let req: StandbyRemoveRequest = change_request(&agent, &peer, &body, Pids::None)?;
     tracing::info!(image = %req.image.display(), ?peer.cred, "standby remove");
     blocking(move || agent.standby_remove(&req)).await
 }

@@ -13,12 +13,12 @@ use axum::extract::{ConnectInfo, State};
 use axum::response::Response;
 use axum::routing::post;
 use axum::Router;
-use cryo_api::{path, Access, ApiError, ErrorKind, ParkRequest, TargetSpec, WakeRequest};
+use cryo_api::{path, ApiError, ErrorKind, ParkRequest, WakeRequest};
 use cryo_lifecycle::park::PlaceError;
 use cryo_lifecycle::{ParkError, ParkReport, Progress, Target, WakeError, WakeReport};
 
 use crate::auth::Peer;
-use crate::server::{allow, parse, same_pids, streamed, Failure};
+use crate::server::{streamed, target_request, Failure};
 use crate::Agent;
 
 /// The warm path's routes, merged into the agent's router.
@@ -30,23 +30,12 @@ pub(crate) fn routes() -> Router<Arc<Agent>> {
         .merge(crate::activators::routes())
 }
 
-/// Pids are the agent's: a caller in another pid namespace may name a cgroup only.
-fn check_target(peer: &Peer, target: &TargetSpec) -> Result<(), Failure> {
-    if matches!(target, TargetSpec::Cgroup { .. }) {
-        Ok(())
-    } else {
-        same_pids(peer)
-    }
-}
-
 async fn park(
     State(agent): State<Arc<Agent>>,
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: Bytes,
 ) -> Result<Response, Failure> {
-    allow(&agent, &peer, Access::Change)?;
-    let req: ParkRequest = parse(&body)?;
-    check_target(&peer, &req.target)?;
+    let req = target_request(&agent, &peer, &body, |r: &ParkRequest| &r.target)?;
     tracing::info!(target = %Target::from(&req.target), ?peer.cred, "park");
     Ok(streamed(move |p| agent.park(&req, p)))
 }
@@ -56,9 +45,7 @@ async fn wake(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: Bytes,
 ) -> Result<Response, Failure> {
-    allow(&agent, &peer, Access::Change)?;
-    let req: WakeRequest = parse(&body)?;
-    check_target(&peer, &req.target)?;
+    let req = target_request(&agent, &peer, &body, |r: &WakeRequest| &r.target)?;
     if let Some(h) = &req.wake.options().health {
         h.validate()
             .map_err(|e| Failure::from(ApiError::new(ErrorKind::BadRequest, e.to_string())))?;
