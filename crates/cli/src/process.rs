@@ -37,22 +37,14 @@ mod tests {
 
     #[test]
     fn a_thread_is_refused_with_its_process_named() {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
-        let t = std::thread::spawn(move || {
-            tx.send(rustix::thread::gettid().as_raw_nonzero().get())
-                .unwrap();
-            done_rx.recv().ok();
-        });
-        let tid = rx.recv().unwrap();
+        let thread = cryo_testkit::procs::Thread::start();
+        let tid = thread.tid;
         let me = std::process::id() as Pid;
         let err = open_process(tid).unwrap_err().to_string();
         assert_eq!(
             err,
             format!("pid {tid} is a thread of process {me}; use --pid {me}")
         );
-        done_tx.send(()).unwrap();
-        t.join().unwrap();
     }
 
     #[test]

@@ -126,6 +126,7 @@ impl fmt::Display for ProcId {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cryo_testkit::procs::spawn_with_pid;
 
     #[test]
     fn own_process_is_alive_and_a_changed_start_time_is_not() {
@@ -171,23 +172,6 @@ mod tests {
             .map(|p| p.parse::<u32>().unwrap_or(0));
         let (major, minor) = (it.next().unwrap_or(0), it.next().unwrap_or(0));
         (major, minor) >= (6, 9)
-    }
-
-    /// Spawns `sleep` with exactly `pid` (root: through the host's `ns_last_pid`); `None` when
-    /// another process took the pid first.
-    fn spawn_with_pid(pid: Pid) -> Option<std::process::Child> {
-        std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string())
-            .expect("setting ns_last_pid (the tests run as root)");
-        let mut child = std::process::Command::new("sleep")
-            .arg("30")
-            .spawn()
-            .unwrap();
-        if child.id() as Pid == pid {
-            return Some(child);
-        }
-        child.kill().unwrap();
-        child.wait().unwrap();
-        None
     }
 
     /// Attack: a pid reused (forced through `ns_last_pid`). The dead process's id never matches

@@ -227,20 +227,12 @@ mod tests {
     /// thread's name).
     #[test]
     fn a_thread_id_resolves_to_its_process() {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
-        let t = std::thread::spawn(move || {
-            tx.send(rustix::thread::gettid().as_raw_nonzero().get())
-                .unwrap();
-            let _ = done_rx.recv();
-        });
-        let tid = rx.recv().unwrap();
+        let thread = cryo_testkit::procs::Thread::start();
+        let tid = thread.tid;
         let me = Pid::try_from(std::process::id()).unwrap();
         assert_ne!(tid, me);
         let r = Target::Pids(vec![tid, me]).resolve().unwrap();
         let pids: Vec<Pid> = r.handles().iter().map(ProcHandle::pid).collect();
         assert_eq!(pids, vec![me]);
-        done_tx.send(()).unwrap();
-        t.join().unwrap();
     }
 }

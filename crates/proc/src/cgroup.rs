@@ -307,14 +307,8 @@ mod tests {
         let lone = t.sub("lone-thread");
         // This test's own thread: a process whose thread sits in a cgroup its leader is not in.
         let me = Pid::try_from(std::process::id()).unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
-        let th = std::thread::spawn(move || {
-            tx.send(rustix::thread::gettid().as_raw_nonzero().get())
-                .unwrap();
-            let _ = done_rx.recv();
-        });
-        let tid = rx.recv().unwrap();
+        let thread = cryo_testkit::procs::Thread::start();
+        let tid = thread.tid;
         let home = fs::read_to_string(format!("/proc/{tid}/cgroup")).unwrap();
         let home = home
             .lines()
@@ -330,8 +324,7 @@ mod tests {
             tid.to_string(),
         )
         .unwrap();
-        done_tx.send(()).unwrap();
-        th.join().unwrap();
+        drop(thread);
         let mut want = vec![pa, ps, me];
         want.sort_unstable();
         assert_eq!(listed.unwrap(), want);

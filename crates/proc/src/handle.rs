@@ -537,6 +537,7 @@ impl AsFd for ProcHandle {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cryo_testkit::procs::{spawn_with_pid, Thread};
     use std::process::Command;
 
     /// Memory that asked for huge pages but was faulted in small ones (as CRIU's restore leaves
@@ -634,20 +635,6 @@ mod tests {
         ));
     }
 
-    /// Spawns `sleep` with exactly `pid` (root: through `ns_last_pid`); `None` when another
-    /// process took the pid first.
-    fn spawn_with_pid(pid: Pid) -> Option<std::process::Child> {
-        std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string())
-            .expect("setting ns_last_pid (the tests run as root)");
-        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
-        if child.id() as Pid == pid {
-            return Some(child);
-        }
-        child.kill().unwrap();
-        child.wait().unwrap();
-        None
-    }
-
     #[test]
     fn a_handle_never_reaches_the_process_that_reused_its_pid() {
         for _ in 0..50 {
@@ -693,22 +680,14 @@ mod tests {
 
     #[test]
     fn a_thread_is_not_a_process() {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
-        let t = std::thread::spawn(move || {
-            tx.send(rustix::thread::gettid().as_raw_nonzero().get())
-                .unwrap();
-            done_rx.recv().ok();
-        });
-        let tid = rx.recv().unwrap();
+        let thread = Thread::start();
+        let tid = thread.tid;
         let me = std::process::id() as Pid;
         assert!(matches!(ProcHandle::open(tid), Err(ProcError::NoSuchProcess(p)) if p == tid));
         assert_eq!(read::tgid(tid).unwrap(), Some(me));
         let h = ProcHandle::open(me).unwrap();
         assert!(h.tasks().unwrap().contains(&tid));
         assert_eq!(h.thread_status(tid).unwrap().tgid, me);
-        done_tx.send(()).unwrap();
-        t.join().unwrap();
     }
 
     #[test]

@@ -17,7 +17,8 @@
 //!   that kill the tree after a complete dump, failures on demand, and a record of the driver
 //!   state of every process at the moment it was dumped.
 //! - [`cgroup`]: a memory cgroup per test with a unique name (several test runs share a machine).
-//! - [`procs`]: plain processes to act on, and what `/proc` says about a process.
+//! - [`procs`]: plain processes to act on (one with a given pid, to reuse a dead one's; a
+//!   thread of the test's own process), and what `/proc` says about a process.
 //!
 //! # Layering
 //! The kit may depend on every library; a library depends on it only as a dev-dependency. Cargo

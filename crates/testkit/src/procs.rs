@@ -1,4 +1,5 @@
-//! Plain processes to act on, and what `/proc` says about a process.
+//! Plain processes to act on (one with a given pid; a thread of the test's own), and what
+//! `/proc` says about a process.
 
 use std::process::{Child, Command, ExitStatus, Stdio};
 
@@ -229,5 +230,55 @@ impl Drop for Debugger {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+    }
+}
+
+/// Spawns `sleep 30` with exactly `pid` (root: through the host's `ns_last_pid`), to reuse the
+/// pid of a process that is gone; `None` when another process took the pid first.
+pub fn spawn_with_pid(pid: Pid) -> Option<Child> {
+    std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string())
+        .expect("setting ns_last_pid (the tests run as root)");
+    let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+    if child.id() as Pid == pid {
+        return Some(child);
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    None
+}
+
+/// A thread of the test's own process, waiting until dropped: a thread id that is not a
+/// process's.
+#[derive(Debug)]
+pub struct Thread {
+    /// Its thread id.
+    pub tid: Pid,
+    done: Option<std::sync::mpsc::Sender<()>>,
+    join: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Thread {
+    /// Starts it; returns once its thread id is known.
+    pub fn start() -> Thread {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done, done_rx) = std::sync::mpsc::channel::<()>();
+        let join = std::thread::spawn(move || {
+            tx.send(nix::unistd::gettid().as_raw()).unwrap();
+            let _ = done_rx.recv();
+        });
+        Thread {
+            tid: rx.recv().unwrap(),
+            done: Some(done),
+            join: Some(join),
+        }
+    }
+}
+
+impl Drop for Thread {
+    fn drop(&mut self) {
+        drop(self.done.take());
+        if let Some(j) = self.join.take() {
+            let _ = j.join();
+        }
     }
 }
