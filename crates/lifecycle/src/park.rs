@@ -41,6 +41,7 @@ use cryo_units::fmt_bytes;
 use crate::health::HealthCheck;
 use crate::progress::Progress;
 use crate::restore::restore_to_unlock;
+pub use crate::restore::Placement;
 use crate::suspend::{id, suspend, SuspendFailure, SuspendOptions};
 use crate::target::Resolved;
 use crate::watcher::{Coverage, Watcher};
@@ -524,19 +525,6 @@ pub enum PlaceError {
         /// What each GPU tried had (`GPU-x: 100 MiB free`, `GPU-y: quarantined`).
         tried: String,
     },
-}
-
-/// A process to wake, and where.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Placement {
-    /// The process.
-    pub pid: Pid,
-    /// Pairs for the driver's restore (only GPUs that change).
-    pub pairs: Vec<GpuPair>,
-    /// Where it lands.
-    pub targets: Vec<GpuUuid>,
-    /// Device memory, bytes.
-    pub bytes: u64,
 }
 
 /// Decides where each parked process lands. Pure: `gpus` and `fenced` describe the node,

@@ -23,12 +23,27 @@
 
 use std::time::{Duration, Instant};
 
-use cryo_gpu::{DriverError, Gpu, GpuPair};
+use cryo_gpu::{DriverError, Gpu, GpuPair, GpuUuid};
 use cryo_journal::{Event, Journal, ProcId};
 use cryo_proc::{Pid, ProcHandle};
 use cryo_state::StateDir;
 
 use crate::suspend::{abandoned, id, me};
+
+/// Where one process's contexts land on a restore: a wake's placement, a thaw's plan (per CUDA
+/// process of the image).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// The process.
+    pub pid: Pid,
+    /// Pairs for the driver's restore (a wake's: the GPUs that change; a thaw's: none, or one
+    /// for every GPU it used when the map names any of them).
+    pub pairs: Vec<GpuPair>,
+    /// The GPUs it lands on.
+    pub targets: Vec<GpuUuid>,
+    /// Device memory, bytes.
+    pub bytes: u64,
+}
 
 /// The restore did not happen, or happened and could not be recorded.
 #[derive(Debug, thiserror::Error)]

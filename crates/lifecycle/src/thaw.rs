@@ -38,7 +38,7 @@ use cryo_state::fence::{Fence, FenceError, FencedGpu, Quarantine};
 use crate::failpoint;
 use crate::health::{HealthCheck, HealthError};
 use crate::progress::Progress;
-use crate::restore::restore_to_unlock;
+use crate::restore::{restore_to_unlock, Placement};
 use crate::stop::{stop, StopOptions};
 use crate::suspend::id;
 use crate::target::{Resolved, Target};
@@ -245,20 +245,6 @@ pub enum ThawError {
     },
 }
 
-/// Per CUDA process: the pairs to hand the driver (none, or one for every GPU it used when the
-/// map names any of them), where it lands, bytes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GpuPlan {
-    /// The process.
-    pub pid: Pid,
-    /// Pairs for the driver's restore.
-    pub pairs: Vec<GpuPair>,
-    /// Target GPUs.
-    pub targets: Vec<GpuUuid>,
-    /// Device memory, bytes.
-    pub bytes: u64,
-}
-
 /// Decides whether this host can take `manifest`, and how each CUDA process lands. Pure:
 /// `gpus`, `driver_version`, `fenced` (the quarantine's entries) and `in_use` describe this host.
 pub fn precheck(
@@ -268,7 +254,7 @@ pub fn precheck(
     map: &[GpuPair],
     fenced: &[Quarantine],
     in_use: &[Pid],
-) -> Result<Vec<GpuPlan>, PrecheckError> {
+) -> Result<Vec<Placement>, PrecheckError> {
     if let Some(q) = fenced.iter().find(|q| q.gpu == FencedGpu::Unknown) {
         return Err(PrecheckError::NodeFenced {
             reason: q.reason.clone(),
@@ -331,7 +317,7 @@ pub fn precheck(
     }
     let mut plans = Vec::new();
     for (p, g) in manifest.cuda_processes() {
-        let mut plan = GpuPlan {
+        let mut plan = Placement {
             pid: p.pid,
             pairs: Vec::new(),
             targets: Vec::new(),
@@ -495,7 +481,7 @@ fn thaw_inner(
     criu: &dyn Criu,
     opened: &Image,
     manifest: &Manifest,
-    plans: &[GpuPlan],
+    plans: &[Placement],
     opts: &ThawOptions,
     journal: &Journal,
     watcher: &dyn Watcher,
@@ -807,7 +793,7 @@ mod tests {
         let plans = precheck(&manifest(100), &gpus(1000), Some("580.2"), &[], &[], &[]).unwrap();
         assert_eq!(
             plans,
-            vec![GpuPlan {
+            vec![Placement {
                 pid: 10,
                 pairs: vec![],
                 targets: vec![u(A)],
