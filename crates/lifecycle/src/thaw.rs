@@ -1220,6 +1220,18 @@ mod tests {
             fail: bool,
         }
 
+        impl<'a> Recorder<'a> {
+            /// Records what the fake driver says of each process it is asked to guard; `fail`:
+            /// then refuses, as a guard that cannot trace.
+            fn new(fake: &'a FakeGpu, fail: bool) -> Self {
+                Recorder {
+                    fake,
+                    seen: Default::default(),
+                    fail,
+                }
+            }
+        }
+
         impl crate::Watcher for Recorder<'_> {
             fn let_go(
                 &self,
@@ -1248,11 +1260,7 @@ mod tests {
         #[test]
         fn every_cuda_process_is_guarded_while_locked() {
             let s = scene();
-            let w = Recorder {
-                fake: &s.fake,
-                seen: Default::default(),
-                fail: false,
-            };
+            let w = Recorder::new(&s.fake, false);
             let report = s.thaw_watched(&w).unwrap();
             assert!(report.guarded);
             let mut seen = w.seen.into_inner().unwrap();
@@ -1271,11 +1279,7 @@ mod tests {
         #[test]
         fn a_guard_that_cannot_trace_ends_in_a_safe_stop_without_unlock() {
             let s = scene();
-            let w = Recorder {
-                fake: &s.fake,
-                seen: Default::default(),
-                fail: true,
-            };
+            let w = Recorder::new(&s.fake, true);
             let err = s.thaw_watched(&w).unwrap_err();
             assert!(err.to_string().contains("ptrace refused"), "{err}");
             s.assert_removed_safely(err, "guard before unlock");

@@ -258,6 +258,28 @@ mod with_fake_driver {
         fn target(&self) -> Resolved {
             Target::Pids(self.procs.pids()).resolve().unwrap()
         }
+        /// `park` of every process with [`park_opts`].
+        fn park(&self) -> Result<ParkReport, ParkError> {
+            park(
+                &self.fake.gpu(),
+                &self.target(),
+                &park_opts(),
+                &self.journal,
+                &NoProgress,
+            )
+        }
+        /// `wake` of every process with the default options, traced by `watcher`.
+        fn wake(&self, watcher: &dyn Watcher) -> Result<WakeReport, WakeError> {
+            wake(
+                &self.fake.gpu(),
+                &self.target(),
+                &WakeOptions::default(),
+                &self.journal,
+                &self.state.fence(),
+                watcher,
+                &NoProgress,
+            )
+        }
         fn events(&self) -> Vec<Event> {
             self.state
                 .read_journal()
@@ -309,29 +331,13 @@ mod with_fake_driver {
     #[test]
     fn park_then_wake_is_guarded_while_locked() {
         let s = scene(2);
-        let report = park(
-            &s.fake.gpu(),
-            &s.target(),
-            &park_opts(),
-            &s.journal,
-            &NoProgress,
-        )
-        .unwrap();
+        let report = s.park().unwrap();
         assert_eq!(report.parked.len(), 2);
         for p in s.procs.pids() {
             assert_eq!(s.fake.state_of(p), ProcessState::Checkpointed);
         }
         let w = Recording(&s.fake, Default::default());
-        let r = wake(
-            &s.fake.gpu(),
-            &s.target(),
-            &WakeOptions::default(),
-            &s.journal,
-            &s.state.fence(),
-            &w,
-            &NoProgress,
-        )
-        .unwrap();
+        let r = s.wake(&w).unwrap();
         assert!(r.guarded);
         // Asked while every process was LOCKED: restored, not yet running.
         assert_eq!(*w.1.lock().unwrap(), vec![ProcessState::Locked; 2]);
@@ -349,24 +355,8 @@ mod with_fake_driver {
     #[test]
     fn a_guard_that_cannot_trace_parks_them_again_instead_of_unlocking() {
         let s = scene(2);
-        park(
-            &s.fake.gpu(),
-            &s.target(),
-            &park_opts(),
-            &s.journal,
-            &NoProgress,
-        )
-        .unwrap();
-        let e = wake(
-            &s.fake.gpu(),
-            &s.target(),
-            &WakeOptions::default(),
-            &s.journal,
-            &s.state.fence(),
-            &Broken,
-            &NoProgress,
-        )
-        .unwrap_err();
+        s.park().unwrap();
+        let e = s.wake(&Broken).unwrap_err();
         assert!(
             matches!(&e, WakeError::AfterRestore { step: "guard before unlock", cleanup, .. } if cleanup.contains("parked again")),
             "{e}"
@@ -387,14 +377,7 @@ mod with_fake_driver {
         let s = scene(2);
         let pids = s.procs.pids();
         s.fake.make_sticky(pids[1]);
-        let e = park(
-            &s.fake.gpu(),
-            &s.target(),
-            &park_opts(),
-            &s.journal,
-            &NoProgress,
-        )
-        .unwrap_err();
+        let e = s.park().unwrap_err();
         assert!(
             matches!(e, ParkError::Suspend { pid, .. } if pid == pids[1]),
             "{e}"
@@ -415,26 +398,10 @@ mod with_fake_driver {
     fn a_failed_restore_leaves_everything_parked() {
         let s = scene(2);
         let pids = s.procs.pids();
-        park(
-            &s.fake.gpu(),
-            &s.target(),
-            &park_opts(),
-            &s.journal,
-            &NoProgress,
-        )
-        .unwrap();
+        s.park().unwrap();
         s.fake
             .fail_next_on(pids[0], Call::Restore, CuResult::OUT_OF_MEMORY);
-        let e = wake(
-            &s.fake.gpu(),
-            &s.target(),
-            &WakeOptions::default(),
-            &s.journal,
-            &s.state.fence(),
-            &crate::NoWatcher,
-            &NoProgress,
-        )
-        .unwrap_err();
+        let e = s.wake(&crate::NoWatcher).unwrap_err();
         assert!(
             matches!(
                 e,

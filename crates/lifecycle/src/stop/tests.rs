@@ -23,18 +23,32 @@ fn opts() -> StopOptions {
     }
 }
 
+/// A journal in a temporary directory of the test's own.
+fn temp_journal() -> (tempfile::TempDir, Journal) {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    (dir, journal)
+}
+
+/// `stop` of the processes `pids` through `fake`, with `o`, journaled in `journal`.
+fn stop_pids(fake: &FakeGpu, pids: Vec<Pid>, o: &StopOptions, journal: &Journal) -> StopReport {
+    let target = Target::Pids(pids).resolve().unwrap();
+    stop(&fake.gpu(), &target, o, journal, &NoProgress).unwrap()
+}
+
 #[test]
 fn one_process_that_cannot_be_suspended_stops_nothing() {
     let mut procs = Procs::spawn(3);
     let fake = FakeGpu::new();
     fake.add(procs.pid(0));
     fake.add(procs.pid(1)).make_sticky(procs.pid(1));
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
-    let target = Target::Pids(vec![procs.pid(0), procs.pid(1), procs.pid(2)])
-        .resolve()
-        .unwrap();
-    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    let (dir, journal) = temp_journal();
+    let report = stop_pids(
+        &fake,
+        vec![procs.pid(0), procs.pid(1), procs.pid(2)],
+        &opts(),
+        &journal,
+    );
     assert_eq!(report.refusals.len(), 1);
     assert_eq!(report.refusals[0].pid, procs.pid(1));
     assert!(matches!(
@@ -47,16 +61,18 @@ fn one_process_that_cannot_be_suspended_stops_nothing() {
     }
     // The one that locked was unlocked again: it keeps serving.
     assert_eq!(fake.state_of(procs.pid(0)), ProcessState::Running);
-    let records = cryo_journal::read(dir.path()).unwrap().records;
-    assert!(records
-        .iter()
-        .any(|r| matches!(r.event, Event::Refused { pid, .. } if pid.pid == procs.pid(1))));
-    assert!(records
-        .iter()
-        .any(|r| matches!(r.event, Event::Unlocked { pid, .. } if pid.pid == procs.pid(0))));
-    assert!(!records
-        .iter()
-        .any(|r| matches!(r.event, Event::KillStarted { .. })));
+    assert!(journal_has(
+        dir.path(),
+        |e| matches!(e, Event::Refused { pid, .. } if pid.pid == procs.pid(1))
+    ));
+    assert!(journal_has(
+        dir.path(),
+        |e| matches!(e, Event::Unlocked { pid, .. } if pid.pid == procs.pid(0))
+    ));
+    assert!(!journal_has(dir.path(), |e| matches!(
+        e,
+        Event::KillStarted { .. }
+    )));
 }
 
 #[test]
@@ -64,12 +80,8 @@ fn suspends_cuda_processes_then_kills_everything() {
     let mut procs = Procs::spawn(2);
     let fake = FakeGpu::new();
     fake.add(procs.pid(0));
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
-    let target = Target::Pids(vec![procs.pid(0), procs.pid(1)])
-        .resolve()
-        .unwrap();
-    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    let (dir, journal) = temp_journal();
+    let report = stop_pids(&fake, vec![procs.pid(0), procs.pid(1)], &opts(), &journal);
     assert!(report.stopped(), "{report:?}");
     assert_eq!(fake.state_of(procs.pid(0)), ProcessState::Checkpointed);
     let cuda = report
@@ -104,8 +116,7 @@ fn fresh_does_not_override_a_journaled_restore() {
     let fake = FakeGpu::new();
     fake.add(procs.pid(0));
     fake.add(procs.pid(1));
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
+    let (_dir, journal) = temp_journal();
     let restored = cryo_journal::ProcId::of(procs.pid(0)).unwrap();
     journal
         .append(Event::RestoreCompleted {
@@ -114,20 +125,15 @@ fn fresh_does_not_override_a_journaled_restore() {
             ms: None,
         })
         .unwrap();
-    let target = Target::Pids(vec![procs.pid(0), procs.pid(1)])
-        .resolve()
-        .unwrap();
-    let report = stop(
-        &fake.gpu(),
-        &target,
+    let report = stop_pids(
+        &fake,
+        vec![procs.pid(0), procs.pid(1)],
         &StopOptions {
             fresh: true,
             ..opts()
         },
         &journal,
-        &NoProgress,
-    )
-    .unwrap();
+    );
     assert!(report.stopped(), "{report:?}");
     assert_eq!(
         fake.state_of(procs.pid(0)),
@@ -147,8 +153,7 @@ fn an_already_checkpointed_process_is_verified_and_killed() {
     let fake = FakeGpu::new();
     fake.add(procs.pid(0));
     fake.set_state(procs.pid(0), ProcessState::Checkpointed);
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
+    let (_dir, journal) = temp_journal();
     let report = stop(
         &fake.gpu(),
         &Target::Tree(procs.pid(0)).resolve().unwrap(),
@@ -172,12 +177,8 @@ fn a_process_that_exits_on_its_own_meanwhile_counts_as_ended() {
     let fake = FakeGpu::new();
     fake.add(procs.pid(0));
     fake.exit_at(procs.pid(1), Call::State);
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
-    let target = Target::Pids(vec![procs.pid(0), procs.pid(1)])
-        .resolve()
-        .unwrap();
-    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    let (_dir, journal) = temp_journal();
+    let report = stop_pids(&fake, vec![procs.pid(0), procs.pid(1)], &opts(), &journal);
     assert!(report.stopped(), "{report:?}");
     assert!(report.processes.iter().all(|p| p.ended), "{report:?}");
     assert!(!procs.alive(0) && !procs.alive(1));
@@ -192,22 +193,23 @@ fn a_cuda_process_that_dies_during_the_suspension_does_not_block_the_others() {
     fake.add(procs.pid(0));
     fake.add(procs.pid(1));
     fake.exit_at(procs.pid(1), Call::Lock);
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
-    let target = Target::Pids(vec![procs.pid(0), procs.pid(1), procs.pid(2)])
-        .resolve()
-        .unwrap();
-    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    let (dir, journal) = temp_journal();
+    let report = stop_pids(
+        &fake,
+        vec![procs.pid(0), procs.pid(1), procs.pid(2)],
+        &opts(),
+        &journal,
+    );
     assert!(report.stopped(), "{report:?}");
     assert!(report.refusals.is_empty());
     assert_eq!(fake.state_of(procs.pid(0)), ProcessState::Checkpointed);
     for i in 0..3 {
         assert!(!procs.alive(i), "process {i} still alive");
     }
-    let records = cryo_journal::read(dir.path()).unwrap().records;
-    assert!(records
-        .iter()
-        .any(|r| matches!(r.event, Event::ProcessExited { pid, .. } if pid.pid == procs.pid(1))));
+    assert!(journal_has(
+        dir.path(),
+        |e| matches!(e, Event::ProcessExited { pid, .. } if pid.pid == procs.pid(1))
+    ));
 }
 
 /// The last look before the kill: a process that something restored after the verification
@@ -220,12 +222,8 @@ fn a_late_change_found_at_the_last_look_kills_nothing() {
     fake.add(procs.pid(0));
     // State calls on it: classification, suspension, then the last look before any kill.
     fake.set_state_at(procs.pid(0), Call::State, 3, ProcessState::Running);
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
-    let target = Target::Pids(vec![procs.pid(0), procs.pid(1)])
-        .resolve()
-        .unwrap();
-    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    let (dir, journal) = temp_journal();
+    let report = stop_pids(&fake, vec![procs.pid(0), procs.pid(1)], &opts(), &journal);
     assert_eq!(report.refusals.len(), 1, "{report:?}");
     assert_eq!(report.refusals[0].pid, procs.pid(0));
     assert!(
@@ -237,13 +235,14 @@ fn a_late_change_found_at_the_last_look_kills_nothing() {
         procs.alive(0) && procs.alive(1),
         "a late refusal killed part of the target"
     );
-    let records = cryo_journal::read(dir.path()).unwrap().records;
-    assert!(!records
-        .iter()
-        .any(|r| matches!(r.event, Event::KillStarted { .. })));
-    assert!(records
-        .iter()
-        .any(|r| matches!(r.event, Event::Refused { pid, .. } if pid.pid == procs.pid(0))));
+    assert!(!journal_has(dir.path(), |e| matches!(
+        e,
+        Event::KillStarted { .. }
+    )));
+    assert!(journal_has(
+        dir.path(),
+        |e| matches!(e, Event::Refused { pid, .. } if pid.pid == procs.pid(0))
+    ));
 }
 
 /// A refused stop kills nothing, whichever way the suspension failed (here NVML keeps listing
@@ -255,12 +254,8 @@ fn memory_still_listed_refuses_the_stop_and_kills_nothing() {
     fake.add(procs.pid(0))
         .add(procs.pid(1))
         .keep_listed(procs.pid(1));
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
-    let target = Target::Pids(vec![procs.pid(0), procs.pid(1)])
-        .resolve()
-        .unwrap();
-    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    let (_dir, journal) = temp_journal();
+    let report = stop_pids(&fake, vec![procs.pid(0), procs.pid(1)], &opts(), &journal);
     assert_eq!(report.refusals.len(), 1, "{report:?}");
     assert!(matches!(
         report.refusals[0].reason,
@@ -287,10 +282,8 @@ fn a_process_that_only_opened_the_driver_ends_like_a_plain_one_said_as_such() {
     let mut procs = Procs::spawn(2);
     let fake = FakeGpu::new();
     fake.add(procs.pid(0)).driver_files(procs.pid(1), &[3, 4]);
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
-    let target = Target::Pids(procs.pids()).resolve().unwrap();
-    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    let (_dir, journal) = temp_journal();
+    let report = stop_pids(&fake, procs.pids(), &opts(), &journal);
     assert!(report.stopped(), "{report:?}");
     let launcher = &report.processes[1];
     assert!(!launcher.cuda);
@@ -313,10 +306,8 @@ fn an_unexpected_answer_for_a_process_with_driver_files_refuses_naming_pid_call_
     let fake = FakeGpu::new();
     fake.driver_files(procs.pid(0), &[3]);
     fake.fail_next_on(procs.pid(0), Call::State, cryo_gpu::CuResult::UNKNOWN);
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
-    let target = Target::Pids(procs.pids()).resolve().unwrap();
-    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    let (_dir, journal) = temp_journal();
+    let report = stop_pids(&fake, procs.pids(), &opts(), &journal);
     assert_eq!(report.refusals.len(), 1, "{report:?}");
     let why = report.refusals[0].reason.reason();
     assert_eq!(report.refusals[0].pid, procs.pid(0));
@@ -336,7 +327,7 @@ fn an_unexpected_answer_for_a_process_with_driver_files_refuses_naming_pid_call_
         Call::State,
         cryo_gpu::CuResult::NOT_INITIALIZED,
     );
-    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    let report = stop_pids(&fake, procs.pids(), &opts(), &journal);
     assert!(
         report
             .refusals
@@ -358,10 +349,8 @@ fn a_refusal_right_before_a_kill_ends_the_kill_phase_at_once() {
         let procs = Procs::spawn(3);
         let fake = FakeGpu::new();
         fake.add(procs.pid(0)).add(procs.pid(1));
-        let dir = tempfile::tempdir().unwrap();
-        let journal = Journal::open(dir.path()).unwrap();
-        let target = Target::Pids(procs.pids()).resolve().unwrap();
-        let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+        let (_dir, journal) = temp_journal();
+        let report = stop_pids(&fake, procs.pids(), &opts(), &journal);
         assert!(report.stopped(), "{report:?}");
         fake.count(procs.pid(1), Call::State)
     };
@@ -369,10 +358,8 @@ fn a_refusal_right_before_a_kill_ends_the_kill_phase_at_once() {
     let fake = FakeGpu::new();
     fake.add(procs.pid(0)).add(procs.pid(1));
     fake.set_state_at(procs.pid(1), Call::State, n, ProcessState::Running);
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
-    let target = Target::Pids(procs.pids()).resolve().unwrap();
-    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    let (_dir, journal) = temp_journal();
+    let report = stop_pids(&fake, procs.pids(), &opts(), &journal);
     assert_eq!(report.refusals.len(), 1, "{report:?}");
     assert_eq!(report.refusals[0].pid, procs.pid(1));
     assert!(!report.stopped());
@@ -393,14 +380,12 @@ fn a_driver_call_that_never_returns_is_a_refusal_not_a_hang() {
     let fake = FakeGpu::new();
     fake.add(procs.pid(0));
     let hang = fake.hang_next(procs.pid(0), Call::Lock);
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
-    let target = Target::Pids(procs.pids()).resolve().unwrap();
+    let (dir, journal) = temp_journal();
     let o = StopOptions {
         deadline: Some(Duration::from_secs(3)),
         ..opts()
     };
-    let report = stop(&fake.gpu(), &target, &o, &journal, &NoProgress).unwrap();
+    let report = stop_pids(&fake, procs.pids(), &o, &journal);
     assert_eq!(report.refusals.len(), 1, "{report:?}");
     assert!(
         matches!(
@@ -431,9 +416,7 @@ fn the_deadline_budgets_the_lock_attempts() {
     for _ in 0..3 {
         fake.fail_next_on(procs.pid(0), Call::Lock, cryo_gpu::CuResult::NOT_READY);
     }
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
-    let target = Target::Pids(procs.pids()).resolve().unwrap();
+    let (_dir, journal) = temp_journal();
     let deadline = Duration::from_secs(5);
     let o = StopOptions {
         deadline: Some(deadline),
@@ -443,7 +426,7 @@ fn the_deadline_budgets_the_lock_attempts() {
         },
         ..opts()
     };
-    let report = stop(&fake.gpu(), &target, &o, &journal, &NoProgress).unwrap();
+    let report = stop_pids(&fake, procs.pids(), &o, &journal);
     assert!(
         matches!(
             report.refusals[..],
@@ -480,10 +463,8 @@ fn stopped_processes_are_continued_or_refused_up_front() {
     cryo_testkit::eventually(cryo_testkit::PATIENCE, "the process to stop", || {
         cryo_testkit::procs::all_threads_in(procs.pid(0), &['T'])
     });
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
-    let target = Target::Pids(vec![procs.pid(0)]).resolve().unwrap();
-    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    let (dir, journal) = temp_journal();
+    let report = stop_pids(&fake, vec![procs.pid(0)], &opts(), &journal);
     assert!(report.stopped(), "{report:?}");
     assert!(
         report.processes[0]
@@ -499,8 +480,7 @@ fn stopped_processes_are_continued_or_refused_up_front() {
     assert!(!procs.alive(0));
 
     let debugger = cryo_testkit::procs::Debugger::attach(procs.pid(1));
-    let target = Target::Pids(vec![procs.pid(1)]).resolve().unwrap();
-    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    let report = stop_pids(&fake, vec![procs.pid(1)], &opts(), &journal);
     assert_eq!(report.refusals.len(), 1, "{report:?}");
     let why = report.refusals[0].reason.reason();
     assert!(
@@ -521,14 +501,12 @@ fn fresh_still_tries_the_suspension_first() {
     fake.add(procs.pid(0))
         .add(procs.pid(1))
         .make_sticky(procs.pid(1));
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
-    let target = Target::Pids(procs.pids()).resolve().unwrap();
+    let (dir, journal) = temp_journal();
     let o = StopOptions {
         fresh: true,
         ..opts()
     };
-    let report = stop(&fake.gpu(), &target, &o, &journal, &NoProgress).unwrap();
+    let report = stop_pids(&fake, procs.pids(), &o, &journal);
     assert!(report.stopped(), "{report:?}");
     assert_eq!(report.unsafe_kills, vec![procs.pid(1)]);
     assert!(report.processes[0].suspended.is_some(), "{report:?}");
@@ -546,8 +524,7 @@ fn a_stop_settles_earlier_half_way_suspensions_first() {
     let fake = FakeGpu::new();
     fake.add(procs.pid(0))
         .set_state(procs.pid(0), ProcessState::Locked);
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
+    let (_dir, journal) = temp_journal();
     let locked = cryo_journal::ProcId::of(procs.pid(0)).unwrap();
     journal
         .append(Event::SuspendStarted {
@@ -559,8 +536,7 @@ fn a_stop_settles_earlier_half_way_suspensions_first() {
     journal
         .append(Event::Locked { pid: locked, ms: 1 })
         .unwrap();
-    let target = Target::Pids(vec![procs.pid(1)]).resolve().unwrap();
-    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    let report = stop_pids(&fake, vec![procs.pid(1)], &opts(), &journal);
     assert!(report.stopped());
     assert!(
         matches!(&report.settled[..], [s] if s.pid == locked && s.action == crate::Settlement::Unlocked),
@@ -583,8 +559,7 @@ fn a_process_that_joins_the_cgroup_during_the_stop_is_caught() {
     let fake = FakeGpu::new();
     fake.add(first.pid(0)).add(late.pid(0));
     let hang = fake.hang_next(first.pid(0), Call::Checkpoint);
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
+    let (_dir, journal) = temp_journal();
     let target = Target::Cgroup(cg.path().to_path_buf()).resolve().unwrap();
     let gpu = fake.gpu();
     let report = std::thread::scope(|s| {
