@@ -331,7 +331,7 @@ fn a_shutdown_is_refused_while_pins_are_held_and_says_how_to_release_them() {
         text.contains(&format!("PINNED context of dead pid {}", w.pid)),
         "{text}"
     );
-    assert!(sim.settled_ledger().is_empty());
+    sim.assert_no_wedge();
     // Released through the agent, the stop goes ahead.
     succeeded(&run(
         &sim,
@@ -454,7 +454,7 @@ fn gpu_actions_and_the_cuda_checkpoint_front_end_go_through_the_agent_with_the_s
         succeeded(&out);
         assert_eq!(sim.state(pid), expect);
     }
-    assert!(sim.settled_ledger().is_empty());
+    sim.assert_no_wedge();
 }
 
 #[test]
@@ -563,7 +563,7 @@ fn a_restore_through_the_agent_is_traced_before_it_is_answered_or_checkpointed_a
         "{msg}"
     );
     assert_eq!(sim.state(other), "checkpointed");
-    assert!(sim.settled_ledger().is_empty());
+    sim.assert_no_wedge();
 }
 
 /// A context restored by another tool (raw driver calls: nothing journaled, nothing asks the

@@ -137,6 +137,13 @@ impl Env {
         out
     }
 
+    /// `cryo thaw IMAGE EXTRA...`, which must succeed.
+    fn thaw_ok(&mut self, image: &Path, extra: &[&str]) -> Output {
+        let out = self.thaw(image, extra);
+        assert!(out.status.success(), "{}", stderr(&out));
+        out
+    }
+
     /// `cryo stop PID`, then reap it (it is ours: thawed workers are reparented to us).
     fn stop(&mut self, pid: i32) {
         let out = self.cryo(&["stop", &pid.to_string()]);
@@ -157,6 +164,12 @@ impl Env {
             None => procs::reap(pid),
         }
         self.thawed.retain(|p| *p != pid);
+    }
+
+    /// [`Env::stop`], then no context was torn down live by anything so far.
+    fn stop_clean(&mut self, pid: i32) {
+        self.stop(pid);
+        self.sim.assert_no_wedge();
     }
 
     /// The wedge ledger after a round trip through the driver (every death seen is in it).
@@ -220,7 +233,7 @@ fn events(env: &Env) -> Vec<cryo_journal::Event> {
 /// release of GPU 0 is what tears the held context down.
 fn assert_pinned_then_release(env: &Env, id: cryo_journal::ProcId) {
     use cryo_journal::Event;
-    assert!(env.ledger().is_empty(), "wedge: {:?}", env.ledger());
+    env.sim.assert_no_wedge();
     eventually(PATIENCE, "the guard to journal the pin", || {
         events(env)
             .iter()
@@ -353,7 +366,7 @@ fn freeze_thaw_serves_the_same_answers_twice_and_refuses_while_the_original_runs
     ] {
         assert!(timeline.contains(step), "{step} missing from\n{timeline}");
     }
-    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+    env.sim.assert_no_wedge();
 }
 
 #[test]
@@ -368,7 +381,7 @@ fn thaw_onto_the_other_gpu_with_gpu_map() {
         gpus[0]["uuid"].as_str().unwrap().to_string(),
         gpus[1]["uuid"].as_str().unwrap().to_string(),
     );
-    let out = env.thaw(
+    env.thaw_ok(
         &image,
         &[
             "--gpu-map",
@@ -377,7 +390,6 @@ fn thaw_onto_the_other_gpu_with_gpu_map() {
             &health(&sock),
         ],
     );
-    assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(answers(&sock), before);
     assert_restored_on(&mut env, pid, &g1);
 }
@@ -393,8 +405,7 @@ fn assert_restored_on(env: &mut Env, pid: i32, gpu: &str) {
         .collect();
     assert_eq!(mine.len(), 1, "{ps}");
     assert_eq!(mine[0]["gpu_uuid"], gpu, "{ps}");
-    env.stop(pid);
-    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+    env.stop_clean(pid);
 }
 
 /// A process standing for a container given `devices` (`NVIDIA_VISIBLE_DEVICES`); killed on drop.
@@ -444,11 +455,10 @@ fn thaw_onto_the_gpus_a_container_was_given_by_uuid_never_by_index() {
     assert!(stderr(&out).contains("by index"), "{}", stderr(&out));
     assert!(!exists(pid));
     let given = GivenGpus::start(&g1);
-    let out = env.thaw(
+    env.thaw_ok(
         &image,
         &["--gpus-of", &given.pid(), "--health-url", &health(&sock)],
     );
-    assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(answers(&sock), before);
     assert_restored_on(&mut env, pid, &g1);
 }
@@ -487,7 +497,7 @@ fn thaw_of_a_two_gpu_worker_passes_a_pair_for_every_gpu_it_used() {
     assert!(!exists(pid), "a process was created for a refused map");
 
     // GPU 0 onto GPU 2; GPU 1 stays (identity pair).
-    let out = env.thaw(
+    env.thaw_ok(
         &image,
         &[
             "--gpu-map",
@@ -496,7 +506,6 @@ fn thaw_of_a_two_gpu_worker_passes_a_pair_for_every_gpu_it_used() {
             &health(&sock),
         ],
     );
-    assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(answers(&sock), before);
     let ps = env.ps();
     let mut on: Vec<String> = ps
@@ -510,8 +519,7 @@ fn thaw_of_a_two_gpu_worker_passes_a_pair_for_every_gpu_it_used() {
     let mut want = vec![g1.clone(), g2.clone()];
     want.sort();
     assert_eq!(on, want, "{ps}");
-    env.stop(pid);
-    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+    env.stop_clean(pid);
 }
 
 fn copy_image(from: &Path, to: &Path) {
@@ -674,10 +682,8 @@ fn damaged_or_foreign_images_are_refused_before_anything_runs() {
     );
 
     // The untouched image still thaws.
-    let out = env.thaw(&image, &[]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    env.stop(pid);
-    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+    env.thaw_ok(&image, &[]);
+    env.stop_clean(pid);
 }
 
 #[test]
@@ -747,10 +753,8 @@ fn a_quarantine_that_fences_the_gpu_or_cannot_be_trusted_refuses_the_thaw() {
     }
     // Lifted: the same image thaws.
     fs::remove_file(&quarantine).unwrap();
-    let out = env.thaw(&image, &[]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    env.stop(pid);
-    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+    env.thaw_ok(&image, &[]);
+    env.stop_clean(pid);
 }
 
 #[test]
@@ -767,12 +771,10 @@ fn not_enough_free_device_memory_is_refused_before_criu_runs() {
     assert!(err.contains("free, the image needs 160 MiB"), "{err}");
     assert!(!exists(pid));
     // On the other GPU it fits.
-    let out = env.thaw(&image, &["--gpu-map", "0=1"]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    env.thaw_ok(&image, &["--gpu-map", "0=1"]);
     env.stop(pid);
     answers(&other_sock);
-    env.stop(other);
-    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+    env.stop_clean(other);
 }
 
 #[test]
@@ -788,8 +790,7 @@ fn leave_running_keeps_serving_and_counts_as_restored() {
     assert!(image.join("manifest.json").exists());
     let timeline = stdout(&env.cryo(&["timeline", "--pid", &pid.to_string()]));
     assert!(timeline.contains("restore completed"), "{timeline}");
-    env.stop(pid);
-    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+    env.stop_clean(pid);
 }
 
 /// Reproduced wedge (a) of issue 10: a guarded restored worker is frozen (the guard lets go of it
@@ -959,11 +960,9 @@ fn killing_cryo_during_the_dump_publishes_nothing_and_tears_nothing_down() {
     let (pid, _) = env.worker("16MiB", 1);
     env.freeze(pid, &image);
     assert!(staging(&image).is_empty());
-    let out = env.thaw(&image, &[]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    env.thaw_ok(&image, &[]);
     assert_eq!(criu_dirs(&env), Vec::<PathBuf>::new());
-    env.stop(pid);
-    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+    env.stop_clean(pid);
 }
 
 /// The private directories of CRIU runs under `env`'s state directory.
@@ -1023,16 +1022,14 @@ fn a_thaw_killed_mid_restore_leaves_no_directory_behind() {
         "nobody removed the dead thaw's directory yet"
     );
 
-    let out = env.thaw(&image, &[]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    env.thaw_ok(&image, &[]);
     assert!(
         !left[0].exists(),
         "the dead thaw's directory is still there"
     );
     assert_eq!(criu_dirs(&env), Vec::<PathBuf>::new());
     assert_eq!(answers(&sock), before);
-    env.stop(pid);
-    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+    env.stop_clean(pid);
 }
 
 #[test]
@@ -1171,7 +1168,7 @@ fn images_of_the_previous_formats_still_thaw() {
             "checksum mismatch in bytes 67108864..",
         ],
     );
-    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+    env.sim.assert_no_wedge();
 }
 
 /// Starts `cryo thaw IMAGE` paused at the failpoint after the image was opened and checked;
@@ -1256,11 +1253,9 @@ fn an_image_changed_during_the_thaw_never_reaches_the_worker() {
 
     // Put back, the image thaws and serves what it served.
     fs::write(&core, &core_bytes).unwrap();
-    let out = env.thaw(&image, &[]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    env.thaw_ok(&image, &[]);
     assert_eq!(answers(&sock), before);
-    env.stop(pid);
-    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+    env.stop_clean(pid);
 }
 
 /// Issue 9 item 11 through the command line: an image directory that another user owns is
@@ -1292,8 +1287,7 @@ fn images_others_could_change_are_refused_by_thaw_and_freeze() {
         "{err}"
     );
     assert!(alive(other), "a refused freeze ended the worker");
-    env.stop(other);
-    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+    env.stop_clean(other);
 }
 
 /// Starts `cryo freeze PID --image IMAGE [--replace]` stalled at `failpoint`, then SIGKILLs it
@@ -1370,7 +1364,7 @@ fn a_crash_at_every_step_of_publish_leaves_no_image_or_a_whole_one() {
             assert_eq!(cryo_criu::image::verify(&image).unwrap().root_pid, next);
         }
     }
-    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+    env.sim.assert_no_wedge();
 }
 
 /// A `cryo agent run` on this environment's state directory; SIGKILLed on drop.
@@ -1509,7 +1503,7 @@ fn freeze_and_thaw_go_through_the_agent_whose_guard_takes_the_restored_worker() 
     eventually(PATIENCE, "the agent to reap the stopped worker", || {
         !exists(pid)
     });
-    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+    env.sim.assert_no_wedge();
     assert!(agent.log().contains("thaw"), "{}", agent.log());
 }
 
@@ -1649,7 +1643,7 @@ fn an_agent_killed_between_a_thaws_restore_and_unlock_leaves_nothing_unguarded()
     let out = thaw.wait_with_output().unwrap();
     assert!(!out.status.success(), "the thaw cannot have succeeded");
     assert!(alive(pid), "the restored worker died with the agent");
-    assert!(env.ledger().is_empty(), "wedge: {:?}", env.ledger());
+    env.sim.assert_no_wedge();
 
     let id = ProcId::of(pid).unwrap();
     let before_restart = events(&env).len();
@@ -1678,7 +1672,7 @@ fn an_agent_killed_between_a_thaws_restore_and_unlock_leaves_nothing_unguarded()
     answers(&sock);
     // Nothing was torn down: the same process serves, nothing stopped or killed it.
     assert!(alive(pid), "the worker died");
-    assert!(env.ledger().is_empty(), "wedge: {:?}", env.ledger());
+    env.sim.assert_no_wedge();
     assert!(
         !events(&env).iter().any(|e| e.pids().contains(&id)
             && matches!(
@@ -1765,10 +1759,8 @@ fn a_criu_restore_that_blocks_ends_at_its_deadline_with_nothing_left() {
     assert!(!exists(pid), "a restored process is left: {err}");
 
     drop(held);
-    let out = env.thaw(&image, &[]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    env.stop(pid);
-    assert!(env.ledger().is_empty(), "{:?}", env.ledger());
+    env.thaw_ok(&image, &[]);
+    env.stop_clean(pid);
 }
 
 /// Issue 10 item 4 with real CRIU: a worker frozen and thawed through the agent (traced before

@@ -215,7 +215,7 @@ fn cell(death: Death, sticky: bool) {
             Some(2),
             "release without the flag must be a usage error"
         );
-        assert!(sim.settled_ledger().is_empty());
+        sim.assert_no_wedge();
         ok({
             let mut c = sim.cmd_at(&state);
             c.args([
@@ -596,7 +596,7 @@ fn drain_endgame_stops_the_others_safely_then_runs_the_restart_command() {
     assert_eq!(pins[0]["gpus"], serde_json::json!([gpu0]), "{status}");
 
     // The operator's release: the explicit flag, then the teardown it causes.
-    assert!(sim.settled_ledger().is_empty());
+    sim.assert_no_wedge();
     ok({
         let mut c = sim.cmd_at(&state);
         c.args([

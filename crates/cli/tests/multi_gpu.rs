@@ -213,7 +213,7 @@ fn a_pinned_process_that_used_two_gpus_fences_both() {
             .iter()
             .all(|u| listed.iter().any(|q| q.gpu.covers(u)))
     });
-    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
+    sim.assert_no_wedge();
     // A wake or thaw onto either GPU is refused now.
     for u in &all[..2] {
         let q = fence.get(&u.to_string().parse().unwrap()).unwrap();

@@ -140,7 +140,7 @@ fn a_stop_after_a_vllm_sleep_checkpoints_almost_nothing() {
         at("shrink_completed") < at("lock_started"),
         "released before the lock: {types:?}"
     );
-    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
+    sim.assert_no_wedge();
 }
 
 /// SGLang's KV cache only: the weights are what the checkpoint copies.
@@ -172,7 +172,7 @@ fn a_busy_engine_is_stopped_whole_and_never_put_to_sleep() {
         Some(64 * MIB),
         "suspended whole, alive until the kill: {v}"
     );
-    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
+    sim.assert_no_wedge();
 }
 
 /// Nothing listens at the engine's address: the stop goes on, whole.
@@ -328,7 +328,7 @@ fn a_freeze_left_running_shrinks_the_image_and_wakes_the_engine_after() {
     assert!(types.iter().any(|t| t == "grown"), "{types:?}");
     let _ = std::fs::remove_dir_all(st.path().join("shrunk"));
     let _ = std::fs::remove_dir_all(st.path().join("whole"));
-    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
+    sim.assert_no_wedge();
 }
 
 /// Parked after a level-1 sleep: almost nothing goes through the driver; the wake restores it
@@ -474,7 +474,7 @@ fn a_thaw_of_a_shrunk_image_wakes_the_engine_as_the_image_records() {
     assert_ne!(status, 200, "an engine left asleep answered: {answer}");
     stop(v["root_pid"].as_i64().unwrap() as i32);
     let _ = std::fs::remove_dir_all(&image);
-    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
+    sim.assert_no_wedge();
 }
 
 /// Attack: the worker serves in a network namespace of its own (a container, a standby) on
@@ -504,7 +504,7 @@ fn the_engine_is_reached_in_the_workers_network_namespace() {
     assert_eq!(w.complete("netns"), before);
     assert_eq!(w.verify()["ok"], true);
     ok_json(&sim, st.path(), &["stop", &pid]);
-    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
+    sim.assert_no_wedge();
 }
 
 /// A standby of an image frozen shrunk (a worker in its own namespaces, as standbys need): the
@@ -558,5 +558,5 @@ fn a_claimed_standby_of_a_shrunk_image_grows_its_engine_in_its_namespace() {
     drop(agent);
     common::stop_pin_holder(&st);
     let _ = std::fs::remove_dir_all(&image);
-    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
+    sim.assert_no_wedge();
 }

@@ -62,10 +62,6 @@ fn serving(pid: i32, port: u16) {
     assert_eq!(status, 200, "pid {pid} does not serve: {body}");
 }
 
-fn ledger_empty(sim: &Sim) {
-    sim.assert_no_wedge();
-}
-
 /// Lock, checkpoint, restore, unlock through `cryo gpu` (journaled in `st`).
 fn restore_via_gpu(sim: &Sim, st: &Path, pid: i32) {
     let p = pid.to_string();
@@ -73,6 +69,14 @@ fn restore_via_gpu(sim: &Sim, st: &Path, pid: i32) {
         ok(&run(sim, st, &["gpu", action, "--pid", &p]));
     }
     assert_eq!(sim.state(pid), "running");
+}
+
+/// A worker with `memory` of device memory, restored through `cryo gpu` ([`restore_via_gpu`]):
+/// its pid and port.
+fn restored_worker(sim: &mut Sim, st: &Path, memory: &str) -> (i32, u16) {
+    let (pid, port) = sim.worker(memory);
+    restore_via_gpu(sim, st, pid);
+    (pid, port)
 }
 
 fn journal_types(st: &Path, pid: i32) -> Vec<String> {
@@ -114,15 +118,14 @@ fn stops_a_fresh_worker() {
     assert!(row["suspended"]["checkpoint_ms"].is_number(), "{row}");
     assert_eq!(row["ended"], true);
     assert!(!alive(pid));
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
 }
 
 #[test]
 fn stops_a_restored_worker_known_from_the_journal() {
     let mut sim = Sim::start();
     let st = state();
-    let (pid, port) = sim.worker("8MiB");
-    restore_via_gpu(&sim, st.path(), pid);
+    let (pid, port) = restored_worker(&mut sim, st.path(), "8MiB");
     serving(pid, port);
     assert!(journal_types(st.path(), pid).contains(&"restore_completed".to_string()));
     let out = run(&sim, st.path(), &["stop", &pid.to_string()]);
@@ -134,7 +137,7 @@ fn stops_a_restored_worker_known_from_the_journal() {
         stdout(&out)
     );
     assert!(!alive(pid));
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
 }
 
 #[test]
@@ -168,7 +171,7 @@ fn toggle_through_the_cuda_checkpoint_front_end_is_journaled_as_a_restore() {
     let (out, v) = stop_json(&sim, st.path(), &[&p]);
     ok(&out);
     assert_eq!(proc_row(&v, pid)["restored"], true);
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
 }
 
 /// Issue 9 item 8: a restore is journaled before the driver is asked; a state directory that
@@ -249,22 +252,21 @@ fn stops_a_tree_with_a_parent_and_two_cuda_children() {
         assert!(!alive(pid));
     }
     sh.wait().unwrap();
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
 }
 
 #[test]
 fn lock_waits_for_work_in_flight_then_succeeds() {
     let mut sim = Sim::start();
     let st = state();
-    let (pid, port) = sim.worker("4MiB");
-    restore_via_gpu(&sim, st.path(), pid);
+    let (pid, port) = restored_worker(&mut sim, st.path(), "4MiB");
     let (status, body) = http(port, "POST", "/busy?ms=1500", "");
     assert_eq!(status, 200, "{body}");
     let (out, v) = stop_json(&sim, st.path(), &[&pid.to_string()]);
     ok(&out);
     assert!(proc_row(&v, pid)["suspended"]["lock_ms"].is_number());
     assert!(!alive(pid));
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
 }
 
 #[test]
@@ -307,12 +309,12 @@ fn lock_timeout_is_refused_and_nothing_is_killed() {
     }
     assert!(journal_types(st.path(), pid).contains(&"refused".to_string()));
     assert!(journal_types(st.path(), other).contains(&"unlocked".to_string()));
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
     // Once the work drains, the same stop goes through.
     let out = run(&sim, st.path(), &["stop", &p, &o]);
     ok(&out);
     assert!(!alive(pid) && !alive(other));
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
 }
 
 #[test]
@@ -338,7 +340,7 @@ fn sticky_error_is_refused_nothing_killed_ledger_empty() {
         "{refusal}"
     );
     serving(pid, port);
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
     // --unsafe is the only way through (this worker was never restored, so the sim does not wedge).
     let out = run(&sim, st.path(), &["stop", &pid.to_string(), "--unsafe"]);
     ok(&out);
@@ -349,7 +351,7 @@ fn sticky_error_is_refused_nothing_killed_ledger_empty() {
     );
     assert!(!alive(pid));
     assert!(journal_types(st.path(), pid).contains(&"unsafe_kill".to_string()));
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
 }
 
 /// Issue 9 item 7: `--fresh` still suspends first; only a worker that cannot be suspended (a
@@ -361,8 +363,7 @@ fn fresh_flag_suspends_first_and_kills_plainly_only_what_cannot_be() {
     let st = state();
     let (fresh, _) = sim.worker("4MiB");
     let (faulted, port) = sim.worker("4MiB");
-    let (restored, _) = sim.worker("4MiB");
-    restore_via_gpu(&sim, st.path(), restored);
+    let (restored, _) = restored_worker(&mut sim, st.path(), "4MiB");
     assert_eq!(http(port, "POST", "/fault", "").0, 200);
     let (out, v) = stop_json(
         &sim,
@@ -382,7 +383,7 @@ fn fresh_flag_suspends_first_and_kills_plainly_only_what_cannot_be() {
         "the journal's restore must win over --fresh: {v}"
     );
     assert_eq!(v["unsafe_kills"], serde_json::json!([faulted]));
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
 }
 
 #[test]
@@ -402,7 +403,7 @@ fn an_already_checkpointed_worker_is_only_verified_and_killed() {
         "{s}"
     );
     assert!(!alive(pid));
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
 }
 
 #[test]
@@ -420,7 +421,7 @@ fn a_pid_that_is_gone_is_an_error_and_nothing_is_killed() {
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     serving(pid, port);
     assert_eq!(sim.state(pid), "running");
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
 }
 
 #[test]
@@ -446,15 +447,14 @@ fn a_reused_pid_is_not_taken_for_the_journaled_process() {
     );
     assert!(row["suspended"].is_object(), "{row}");
     assert!(!alive(pid));
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
 }
 
 #[test]
 fn stop_killed_between_checkpoint_and_kill_completes_on_rerun() {
     let mut sim = Sim::start();
     let st = state();
-    let (pid, _) = sim.worker("4MiB");
-    restore_via_gpu(&sim, st.path(), pid);
+    let (pid, _) = restored_worker(&mut sim, st.path(), "4MiB");
     let mut first = cryo_st(&sim, st.path())
         .args(["stop", &pid.to_string()])
         .env("CRYO_FAILPOINT", "stop-before-kill")
@@ -492,7 +492,7 @@ fn stop_killed_between_checkpoint_and_kill_completes_on_rerun() {
     );
     assert!(!alive(pid));
     assert!(!alive(other));
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
 }
 
 #[test]
@@ -568,15 +568,14 @@ fn timeline_shows_each_step_of_the_stop() {
             .code(),
         Some(2)
     );
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
 }
 
 #[test]
 fn term_with_grace() {
     let mut sim = Sim::start();
     let st = state();
-    let (pid, _) = sim.worker("4MiB");
-    restore_via_gpu(&sim, st.path(), pid);
+    let (pid, _) = restored_worker(&mut sim, st.path(), "4MiB");
     let (out, _) = stop_json(
         &sim,
         st.path(),
@@ -591,7 +590,7 @@ fn term_with_grace() {
             .any(|r| matches!(r.event, Event::KillStarted { pid: p, signal: 15 } if p.pid == pid)),
         "no SIGTERM in the journal"
     );
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
 }
 
 #[test]
@@ -623,8 +622,7 @@ fn bench_stop_runs_with_tiny_workers() {
 fn sigterm_during_a_stop_is_deferred_until_it_is_done() {
     let mut sim = Sim::start();
     let st = state();
-    let (pid, port) = sim.worker("4MiB");
-    restore_via_gpu(&sim, st.path(), pid);
+    let (pid, port) = restored_worker(&mut sim, st.path(), "4MiB");
     let (status, body) = http(port, "POST", "/busy?ms=1500", "");
     assert_eq!(status, 200, "{body}");
     let mut child = cryo_st(&sim, st.path())
@@ -659,7 +657,7 @@ fn sigterm_during_a_stop_is_deferred_until_it_is_done() {
         );
     }
     assert!(!alive(pid));
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
 }
 
 /// A target that does not exist is reported as such, before any question to a driver (here
@@ -720,7 +718,7 @@ fn stopped_workers_are_continued_or_refused_at_once() {
     );
     assert!(alive(pid));
     drop(debugger);
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
 }
 
 /// Issue 9 item 3, on the simulated driver: a driver call that never returns is a refusal
@@ -779,7 +777,7 @@ fn a_hung_driver_is_a_refusal_not_a_hung_command() {
         "{:?}",
         journal_types(st.path(), pid)
     );
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
 }
 
 /// Issue 9 item 6, on the simulated driver: `--cgroup` takes a pod-like cgroup whole (it holds
@@ -807,7 +805,7 @@ fn a_pod_cgroup_is_stopped_with_every_container_below_it() {
         assert!(proc_row(&v, w.pid)["suspended"].is_object(), "{v}");
         w.wait_exit();
     }
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
     for c in &containers {
         eventually(PATIENCE, "the container cgroup to empty", || {
             std::fs::remove_dir(c).is_ok()
@@ -838,5 +836,5 @@ fn a_tree_under_an_init_only_launcher_is_stopped_whole() {
     }
     assert_eq!(proc_row(&v, w.pid)["ended"], true, "{v}");
     w.wait_exit();
-    ledger_empty(&sim);
+    sim.assert_no_wedge();
 }

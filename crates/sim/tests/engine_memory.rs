@@ -55,7 +55,7 @@ fn vllm_level_1_keeps_the_weights_in_host_memory_and_a_checkpoint_copies_almost_
     assert_eq!(sim.listing(w.pid), vec![(0, 64 * MIB)]);
     assert_eq!(w.complete("shrink me"), before);
     assert_eq!(w.verify()["ok"], true);
-    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
+    sim.assert_no_wedge();
 }
 
 #[test]

@@ -87,7 +87,7 @@ fn a_process_on_two_gpus_is_listed_on_both_and_restored_only_with_complete_pairs
     assert_eq!(sim.listing(w.pid), vec![(0, 32 * MIB), (1, 32 * MIB)]);
     assert_eq!(w.complete("two gpus"), before);
     sim.suspend(w.pid);
-    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
+    sim.assert_no_wedge();
 }
 
 /// One GPU short of memory: the contexts already reopened are released again (no live restored
@@ -105,7 +105,7 @@ fn a_multi_gpu_restore_short_of_memory_on_one_gpu_restores_nothing() {
     assert_eq!(d.state(w.pid).unwrap(), ProcessState::Checkpointed);
     assert_eq!(code(d.restore(w.pid, &[])), CuResult::OPERATING_SYSTEM);
     drop(hog);
-    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
+    sim.assert_no_wedge();
 }
 
 #[test]
@@ -158,7 +158,7 @@ fn a_tree_has_one_rank_process_per_gpu_under_a_launcher_that_called_cuinit() {
             !procs::alive(r)
         });
     }
-    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
+    sim.assert_no_wedge();
     assert!(!before.is_empty());
 }
 
@@ -195,7 +195,7 @@ fn a_tree_is_suspended_and_restored_rank_by_rank_with_the_same_answers() {
             !procs::alive(r)
         });
     }
-    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
+    sim.assert_no_wedge();
 }
 
 #[test]

@@ -253,7 +253,7 @@ fn zombies_and_missing_pids_get_the_no_cuda_codes_even_with_a_live_context() {
     eventually(PATIENCE, "the context to be torn down", || {
         !sim.listed(w.pid)
     });
-    assert!(sim.settled_ledger().is_empty());
+    sim.assert_no_wedge();
 }
 
 /// A launcher that only called `cuInit`: a driver fd, a restore thread, no context, nothing in

@@ -82,7 +82,7 @@ fn a_checkpointed_restored_worker_killed_records_no_wedge() {
     sim.suspend(w.pid);
     w.sigkill();
     w.wait_exit();
-    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
+    sim.assert_no_wedge();
     // A live one killed after it proves the daemon is watching: its wedge is the only one.
     let live = common::worker(&sim, "8MiB", 0, 6);
     sim.cycle(live.pid);
@@ -160,7 +160,7 @@ fn checkpoint_frees_device_memory_even_while_pinned() {
     // The old context was released: closing its pins is no teardown (the query settles it).
     drop(pins);
     assert!(sim.listed(w.pid));
-    assert!(sim.settled_ledger().is_empty(), "{:?}", sim.ledger());
+    sim.assert_no_wedge();
     sim.suspend(w.pid);
     assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
 }

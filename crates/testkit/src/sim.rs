@@ -165,6 +165,13 @@ impl Sim {
         self.ledger()
     }
 
+    /// Asserts that no live restored context was torn down by any death so far (the
+    /// [`Sim::settled_ledger`]).
+    pub fn assert_no_wedge(&self) {
+        let l = self.settled_ledger();
+        assert!(l.is_empty(), "wedges recorded: {l:?}");
+    }
+
     /// Waits until the ledger has `n` wedges.
     pub fn wait_ledger(&self, n: usize) -> Vec<Wedge> {
         eventually(PATIENCE, &format!("{n} wedges in the ledger"), || {

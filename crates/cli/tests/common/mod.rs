@@ -117,13 +117,6 @@ impl Sim {
             c
         })
     }
-
-    /// Asserts that no live restored context was torn down by any death so far (one round trip
-    /// through the driver first, so every death the test has seen is in the ledger).
-    pub fn assert_no_wedge(&self) {
-        let l = self.settled_ledger();
-        assert!(l.is_empty(), "wedges recorded: {l:?}");
-    }
 }
 
 /// Runs `c`, asserts it succeeded, returns its stdout.
