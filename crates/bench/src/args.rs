@@ -105,32 +105,22 @@ fn parse_batch(s: &str) -> Result<usize, String> {
 }
 
 /// `cryo bench freeze`.
-#[derive(Debug, Clone, Args)]
-pub struct BenchFreezeArgs {
-    /// Device memory of the workers, one row each.
-    #[arg(long, value_delimiter = ',', default_value = "1GiB,4GiB", value_parser = parse_size)]
-    pub sizes: Vec<u64>,
-    /// Where the images go (a temporary directory under it; default: the system's temp dir).
-    #[arg(long, value_name = "DIR")]
-    pub dir: Option<PathBuf>,
-    /// Counted rounds per size, after one warm-up round; the arm that goes first alternates.
-    #[arg(long, value_name = "N", default_value_t = 3, value_parser = parse_rounds)]
-    pub rounds: usize,
-    /// Print the rows as JSON.
-    #[arg(long)]
-    pub json: bool,
-}
+pub type BenchFreezeArgs = BenchSizesArgs;
 
 /// `cryo bench activate`.
+pub type BenchActivateArgs = BenchSizesArgs;
+
+/// What `cryo bench freeze` and `cryo bench activate` take: sizes, where the images go, rounds.
 #[derive(Debug, Clone, Args)]
-pub struct BenchActivateArgs {
+pub struct BenchSizesArgs {
     /// Device memory of the workers, one row each.
     #[arg(long, value_delimiter = ',', default_value = "1GiB,4GiB", value_parser = parse_size)]
     pub sizes: Vec<u64>,
     /// Where the images go (a temporary directory under it; default: the system's temp dir).
     #[arg(long, value_name = "DIR")]
     pub dir: Option<PathBuf>,
-    /// Counted rounds per size, after one warm-up round.
+    /// Counted rounds per size, after one warm-up round; the order of the arms changes from
+    /// round to round.
     #[arg(long, value_name = "N", default_value_t = 3, value_parser = parse_rounds)]
     pub rounds: usize,
     /// Print the rows as JSON.

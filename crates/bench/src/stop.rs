@@ -50,28 +50,120 @@ use crate::args::BenchStopArgs;
 use crate::measure::{ab_rounds, load_average, load_line, Samples};
 use crate::private_sim::{retire, DriverOptions, PrivateSim, WorkerOptions};
 
-/// One row of the result: medians over the counted rounds, and every sample.
-#[derive(Debug, Serialize)]
+/// One row of a two-arm table (`cryo bench stop`, `cryo bench agent`): medians over the counted
+/// rounds, and every sample. In JSON each arm is named `NAME_ms` (its median, and its samples
+/// under `samples`), fields in this order.
+#[derive(Debug)]
 struct Row {
+    /// The arms' names: `cryo_stop` and `procedure`, `standalone` and `agent`.
+    names: [&'static str; 2],
     workers: usize,
     memory_bytes: u64,
     rounds: usize,
-    /// Median, ms.
-    cryo_stop_ms: f64,
-    /// Median, ms.
-    procedure_ms: f64,
-    /// Median procedure / median cryo stop: above 1, `cryo stop` is faster.
-    ratio: f64,
-    samples: RowSamples,
+    samples: [Samples; 2],
     /// The host's load average before and after the row.
     load_before: [f64; 3],
     load_after: [f64; 3],
 }
 
-#[derive(Debug, Default, Serialize)]
-struct RowSamples {
-    cryo_stop_ms: Samples,
-    procedure_ms: Samples,
+impl Row {
+    /// The second arm's median over the first's.
+    fn ratio(&self) -> f64 {
+        self.samples[1].median() / self.samples[0].median()
+    }
+}
+
+impl Serialize for Row {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let names = self.names.map(|n| format!("{n}_ms"));
+        let arms = Arms(&names, &self.samples);
+        let mut m = s.serialize_map(Some(9))?;
+        m.serialize_entry("workers", &self.workers)?;
+        m.serialize_entry("memory_bytes", &self.memory_bytes)?;
+        m.serialize_entry("rounds", &self.rounds)?;
+        for (name, samples) in names.iter().zip(&self.samples) {
+            m.serialize_entry(name, &samples.median())?;
+        }
+        m.serialize_entry("ratio", &self.ratio())?;
+        m.serialize_entry("samples", &arms)?;
+        m.serialize_entry("load_before", &self.load_before)?;
+        m.serialize_entry("load_after", &self.load_after)?;
+        m.end()
+    }
+}
+
+/// Each arm's samples under its name, in the arms' order.
+struct Arms<'a>(&'a [String; 2], &'a [Samples; 2]);
+
+impl Serialize for Arms<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(Some(2))?;
+        for (name, samples) in self.0.iter().zip(self.1) {
+            m.serialize_entry(name, samples)?;
+        }
+        m.end()
+    }
+}
+
+/// What a two-arm table says: its first line, the arms' names (JSON) and column heads, and the
+/// line that says what the ratio means.
+struct Table {
+    title: String,
+    names: [&'static str; 2],
+    heads: [&'static str; 2],
+    ratio: &'static str,
+}
+
+impl Table {
+    /// For 1, 2 and 4 workers, the arms' rounds ([`ab_rounds`]: `arm(workers, k)` runs arm `k`
+    /// once), one row each; printed as a table, or as JSON with `--json`.
+    fn run(
+        &self,
+        args: &BenchStopArgs,
+        mut arm: impl FnMut(usize, usize) -> anyhow::Result<f64>,
+    ) -> anyhow::Result<()> {
+        if !args.json {
+            println!("{}", self.title);
+            println!("{}", load_line("start", load_average()));
+            println!(
+                "{:>7}  {:>24}  {:>24}  {:>6}",
+                "workers", self.heads[0], self.heads[1], "ratio"
+            );
+        }
+        let mut rows = Vec::new();
+        for n in [1usize, 2, 4] {
+            let load_before = load_average();
+            let samples = ab_rounds(args.rounds, |k| arm(n, k))?;
+            let row = Row {
+                names: self.names,
+                workers: n,
+                memory_bytes: args.memory,
+                rounds: args.rounds,
+                samples,
+                load_before,
+                load_after: load_average(),
+            };
+            if !args.json {
+                println!(
+                    "{:>7}  {:>24}  {:>24}  {:>5.2}x",
+                    row.workers,
+                    row.samples[0].cell1(),
+                    row.samples[1].cell1(),
+                    row.ratio()
+                );
+            }
+            rows.push(row);
+        }
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&rows)?);
+        } else {
+            println!("{}", self.ratio);
+            println!("{}", load_line("end", load_average()));
+        }
+        Ok(())
+    }
 }
 
 /// Runs `cryo bench stop` with the binary `cryo`.
@@ -83,92 +175,28 @@ pub fn run(args: &BenchStopArgs, cryo: &Path) -> anyhow::Result<()> {
         .tempdir()
         .context("creating the benchmark's directory")?;
     let mut bench = Bench::start(tmp.path(), memory, cryo)?;
-    let load_start = load_average();
-    if !args.json {
-        println!(
+    Table {
+        title: format!(
             "cryo bench stop: restored workers of {} device memory each, simulated GPU; \
              {} rounds per row after 1 warm-up, arm order alternating (ABBA), fresh workers per arm",
             fmt_bytes(memory),
             args.rounds
-        );
-        println!("{}", load_line("start", load_start));
-        println!(
-            "{:>7}  {:>24}  {:>24}  {:>6}",
-            "workers", "cryo stop ms (min-max)", "procedure ms (min-max)", "ratio"
-        );
+        ),
+        names: ["cryo_stop", "procedure"],
+        heads: ["cryo stop ms (min-max)", "procedure ms (min-max)"],
+        ratio: "ratio = median procedure / median cryo stop (above 1: cryo stop faster); \
+             wedge ledger empty after every arm",
     }
-    let mut rows = Vec::new();
-    for n in [1usize, 2, 4] {
-        let load_before = load_average();
-        let [cryo_stop_ms, procedure_ms] = ab_rounds(args.rounds, |arm| {
-            bench.restored_workers(n)?;
-            let took = if arm == 0 {
-                bench.cryo_stop()?
-            } else {
-                bench.procedure()?
-            };
-            bench.ledger_empty()?;
-            Ok(took)
-        })?;
-        let s = RowSamples {
-            cryo_stop_ms,
-            procedure_ms,
+    .run(args, |n, arm| {
+        bench.restored_workers(n)?;
+        let took = if arm == 0 {
+            bench.cryo_stop()?
+        } else {
+            bench.procedure()?
         };
-        let row = Row {
-            workers: n,
-            memory_bytes: memory,
-            rounds: args.rounds,
-            cryo_stop_ms: s.cryo_stop_ms.median(),
-            procedure_ms: s.procedure_ms.median(),
-            ratio: s.procedure_ms.median() / s.cryo_stop_ms.median(),
-            load_before,
-            load_after: load_average(),
-            samples: s,
-        };
-        if !args.json {
-            println!(
-                "{:>7}  {:>24}  {:>24}  {:>5.2}x",
-                row.workers,
-                row.samples.cryo_stop_ms.cell1(),
-                row.samples.procedure_ms.cell1(),
-                row.ratio
-            );
-        }
-        rows.push(row);
-    }
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
-    } else {
-        println!(
-            "ratio = median procedure / median cryo stop (above 1: cryo stop faster); \
-             wedge ledger empty after every arm"
-        );
-        println!("{}", load_line("end", load_average()));
-    }
-    Ok(())
-}
-
-/// One row of `cryo bench agent`.
-#[derive(Debug, Serialize)]
-struct AgentRow {
-    workers: usize,
-    memory_bytes: u64,
-    rounds: usize,
-    /// Median, ms.
-    standalone_ms: f64,
-    /// Median, ms.
-    agent_ms: f64,
-    /// Median through the agent / median standalone: above 1, the agent costs time.
-    ratio: f64,
-    samples: AgentSamples,
-    load_before: [f64; 3],
-    load_after: [f64; 3],
-}
-
-#[derive(Debug, Default, Serialize)]
-struct AgentSamples {
-    standalone_ms: Samples,
-    agent_ms: Samples,
+        bench.ledger_empty()?;
+        Ok(took)
+    })
 }
 
 /// Runs `cryo bench agent` with the binary `cryo`: the same `cryo stop PID...` command line,
@@ -187,76 +215,35 @@ pub fn run_agent(args: &BenchStopArgs, cryo: &Path) -> anyhow::Result<()> {
     let standalone = StateDir::new(tmp.path().join("state-standalone"));
     let agent_state = bench.state.clone();
     let agent = PrivateAgent::start(&bench.exe, &bench.dir, &agent_state)?;
-    let load_start = load_average();
-    if !args.json {
-        println!(
+    Table {
+        title: format!(
             "cryo bench agent: `cryo stop` of restored workers of {} device memory each, through the agent and standalone, simulated GPU; \
              {} rounds per row after 1 warm-up, arm order alternating (ABBA), fresh workers per arm",
             fmt_bytes(memory),
             args.rounds
-        );
-        println!("{}", load_line("start", load_start));
-        println!(
-            "{:>7}  {:>24}  {:>24}  {:>6}",
-            "workers", "standalone ms (min-max)", "agent ms (min-max)", "ratio"
-        );
+        ),
+        names: ["standalone", "agent"],
+        heads: ["standalone ms (min-max)", "agent ms (min-max)"],
+        ratio: "ratio = median through the agent / median standalone (above 1: the agent costs time); \
+             wedge ledger empty after every arm",
     }
-    let mut rows = Vec::new();
-    for n in [1usize, 2, 4] {
-        let load_before = load_average();
-        let [standalone_ms, agent_ms] = ab_rounds(args.rounds, |arm| {
-            bench.state = if arm == 0 {
-                standalone.clone()
-            } else {
-                agent_state.clone()
-            };
-            bench.restored_workers(n)?;
-            if arm == 1 {
-                // Steady state: the agent guards what it would stop, as on a node.
-                let pids: Vec<Pid> = bench.live.iter().map(|w| w.pid).collect();
-                agent.wait_guarded(&pids)?;
-            }
-            let took = bench.cryo_stop()?;
-            bench.ledger_empty()?;
-            Ok(took)
-        })?;
-        let s = AgentSamples {
-            standalone_ms,
-            agent_ms,
+    .run(args, |n, arm| {
+        bench.state = if arm == 0 {
+            standalone.clone()
+        } else {
+            agent_state.clone()
         };
-        let row = AgentRow {
-            workers: n,
-            memory_bytes: memory,
-            rounds: args.rounds,
-            standalone_ms: s.standalone_ms.median(),
-            agent_ms: s.agent_ms.median(),
-            ratio: s.agent_ms.median() / s.standalone_ms.median(),
-            load_before,
-            load_after: load_average(),
-            samples: s,
-        };
-        if !args.json {
-            println!(
-                "{:>7}  {:>24}  {:>24}  {:>5.2}x",
-                row.workers,
-                row.samples.standalone_ms.cell1(),
-                row.samples.agent_ms.cell1(),
-                row.ratio
-            );
+        bench.restored_workers(n)?;
+        if arm == 1 {
+            // Steady state: the agent guards what it would stop, as on a node.
+            let pids: Vec<Pid> = bench.live.iter().map(|w| w.pid).collect();
+            agent.wait_guarded(&pids)?;
         }
-        rows.push(row);
-    }
-    agent.stop()?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
-    } else {
-        println!(
-            "ratio = median through the agent / median standalone (above 1: the agent costs time); \
-             wedge ledger empty after every arm"
-        );
-        println!("{}", load_line("end", load_average()));
-    }
-    Ok(())
+        let took = bench.cryo_stop()?;
+        bench.ledger_empty()?;
+        Ok(took)
+    })?;
+    agent.stop()
 }
 
 /// A `cryo agent run` of the benchmark's own (no TCP listener, no memory watch); killed on drop
