@@ -12,11 +12,55 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use cryo_api::{AgentClient, ClientError};
+use cryo_lifecycle::Progress;
 use cryo_state::StateDir;
 
 /// The client of this node's agent.
 pub fn client(state: &StateDir) -> AgentClient {
     AgentClient::new(cryo_api::socket_path(state))
+}
+
+/// A command's operation through the agent when one answers (`via_agent`, its failure mapped by
+/// `agent_error`), else `standalone` in this process (which says so: [`standalone_note`]); the
+/// progress on stderr for either, finished before the result is returned.
+pub fn through_agent<T, E>(
+    state: &StateDir,
+    via_agent: impl FnOnce(&AgentClient, &dyn Progress) -> Result<T, ClientError>,
+    agent_error: impl FnOnce(ClientError) -> E,
+    standalone: impl FnOnce(&AgentClient, &dyn Progress) -> Result<T, E>,
+) -> Result<T, E> {
+    let progress = crate::progress::for_stderr();
+    let client = client(state);
+    let via = via_agent(&client, progress.as_ref());
+    let result = if not_running(&via) {
+        standalone(&client, progress.as_ref())
+    } else {
+        via.map_err(agent_error)
+    };
+    // Finish the bars before anything else is printed.
+    drop(progress);
+    result
+}
+
+/// A refusal (exit 3) as every command reports it: with `--json` the line
+/// `{"outcome":"refused","error":E}`, and `cryo: SAID` on stderr.
+pub fn refused(e: &str, said: &str, json: bool) -> u8 {
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({ "outcome": "refused", "error": e })
+        );
+    }
+    eprintln!("cryo: {said}");
+    crate::exit::REFUSED
+}
+
+/// `report` as one JSON line with its `outcome` (`published`, `serving`, `parked`...).
+pub fn print_outcome<T: serde::Serialize>(report: &T, outcome: &str) -> anyhow::Result<()> {
+    let mut v = serde_json::to_value(report)?;
+    v["outcome"] = outcome.into();
+    println!("{v}");
+    Ok(())
 }
 
 /// Whether `r` says that no agent runs (the cue to work standalone).

@@ -26,26 +26,20 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
         lock_timeout_ms: args.timeout,
         shrink: args.shrink.shrink()?,
     };
-    let progress = crate::progress::for_stderr();
-    let client = route::client(&ctx.state);
-    let via_agent = client.freeze(&req, progress.as_ref());
-    let result = if route::not_running(&via_agent) {
-        standalone(ctx, &client, &req, progress.as_ref())
-    } else {
-        via_agent.map_err(route::outcome)
-    };
-    drop(progress);
+    let result = route::through_agent(
+        &ctx.state,
+        |client, p| client.freeze(&req, p),
+        route::outcome,
+        |client, p| standalone(ctx, client, &req, p),
+    );
     let report = match result {
         Ok(r) => r,
         Err(Outcome::Refused(e)) => {
-            if args.json {
-                println!(
-                    "{}",
-                    serde_json::json!({ "outcome": "refused", "error": e })
-                );
-            }
-            eprintln!("cryo: {e}; the worker keeps serving");
-            return Ok(exit::REFUSED);
+            return Ok(route::refused(
+                &e,
+                &format!("{e}; the worker keeps serving"),
+                args.json,
+            ))
         }
         Err(Outcome::Failed(e)) => {
             return Err(e.context(format!(
@@ -56,9 +50,7 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
         }
     };
     if args.json {
-        let mut v = serde_json::to_value(&report)?;
-        v["outcome"] = "published".into();
-        println!("{v}");
+        route::print_outcome(&report, "published")?;
     } else {
         let m = &report.manifest;
         println!(

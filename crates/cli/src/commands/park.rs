@@ -32,16 +32,15 @@ pub fn run_park(ctx: &Context, args: &ParkArgs) -> anyhow::Result<u8> {
         max_parked_host: args.max_parked_host.map(|b| b.0),
         shrink: args.shrink.shrink()?,
     };
-    let progress = crate::progress::for_stderr();
-    let client = route::client(&ctx.state);
-    let via_agent = client.park(&req, progress.as_ref());
-    let result = if route::not_running(&via_agent) {
-        route::standalone_note(&client);
-        park_standalone(ctx, &req, &target, progress.as_ref())
-    } else {
-        via_agent.map_err(route::outcome)
-    };
-    drop(progress);
+    let result = route::through_agent(
+        &ctx.state,
+        |client, p| client.park(&req, p),
+        route::outcome,
+        |client, p| {
+            route::standalone_note(client);
+            park_standalone(ctx, &req, &target, p)
+        },
+    );
     let report = match result {
         Ok(r) => r,
         Err(Outcome::Refused(e)) => {
@@ -50,9 +49,7 @@ pub fn run_park(ctx: &Context, args: &ParkArgs) -> anyhow::Result<u8> {
         Err(Outcome::Failed(e)) => return Err(e.context(format!("parking {target}"))),
     };
     if args.json {
-        let mut v = serde_json::to_value(&report)?;
-        v["outcome"] = "parked".into();
-        println!("{v}");
+        route::print_outcome(&report, "parked")?;
     } else {
         for p in &report.parked {
             println!(
@@ -92,16 +89,15 @@ pub fn run_wake(ctx: &Context, args: &WakeArgs) -> anyhow::Result<u8> {
     if let Some(h) = &req.wake.options().health {
         h.validate().map_err(|e| UsageError(e.to_string()))?;
     }
-    let progress = crate::progress::for_stderr();
-    let client = route::client(&ctx.state);
-    let via_agent = client.wake(&req, progress.as_ref());
-    let result = if route::not_running(&via_agent) {
-        route::standalone_note(&client);
-        wake_standalone(ctx, &req, &target, progress.as_ref())
-    } else {
-        via_agent.map_err(route::outcome)
-    };
-    drop(progress);
+    let result = route::through_agent(
+        &ctx.state,
+        |client, p| client.wake(&req, p),
+        route::outcome,
+        |client, p| {
+            route::standalone_note(client);
+            wake_standalone(ctx, &req, &target, p)
+        },
+    );
     let report = match result {
         Ok(r) => r,
         Err(Outcome::Refused(e)) => return Ok(refused(&e, "nothing was restored", args.json)),
@@ -111,9 +107,7 @@ pub fn run_wake(ctx: &Context, args: &WakeArgs) -> anyhow::Result<u8> {
         eprintln!("cryo: no guard runs: nothing guards the woken worker against a disorderly death (start `cryo guard` or the agent)");
     }
     if args.json {
-        let mut v = serde_json::to_value(&report)?;
-        v["outcome"] = "serving".into();
-        println!("{v}");
+        route::print_outcome(&report, "serving")?;
     } else {
         for w in &report.woken {
             println!(
@@ -232,12 +226,5 @@ fn wake_standalone(
 
 /// Reports a refusal; returns the exit code.
 fn refused(e: &str, left: &str, json: bool) -> u8 {
-    if json {
-        println!(
-            "{}",
-            serde_json::json!({ "outcome": "refused", "error": e })
-        );
-    }
-    eprintln!("cryo: refused: {e}; {left}");
-    exit::REFUSED
+    route::refused(e, &format!("refused: {e}; {left}"), json)
 }

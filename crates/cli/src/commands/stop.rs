@@ -68,17 +68,15 @@ pub fn run(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
     }
     let req = request(args)?;
     let target = req.target();
-    let progress = crate::progress::for_stderr();
-    let client = route::client(&ctx.state);
-    let via_agent = client.stop(&req, progress.as_ref());
-    let result = if route::not_running(&via_agent) {
-        route::standalone_note(&client);
-        standalone(ctx, &req, None, progress.as_ref())
-    } else {
-        via_agent.map_err(route::error)
-    };
-    // Finish the bars before anything else is printed.
-    drop(progress);
+    let result = route::through_agent(
+        &ctx.state,
+        |client, p| client.stop(&req, p),
+        route::error,
+        |client, p| {
+            route::standalone_note(client);
+            standalone(ctx, &req, None, p)
+        },
+    );
     let report = result.with_context(|| format!("stopping {}", describe(&target)))?;
     let code = exit_code(&report);
     if args.json {

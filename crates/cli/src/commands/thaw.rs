@@ -46,26 +46,27 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
             .resolve(&gpus)
             .map_err(|e| UsageError(format!("--gpu-map: {e}")))?;
     }
-    let progress = crate::progress::for_stderr();
-    let client = route::client(&ctx.state);
-    let via_agent = client.thaw(&req, progress.as_ref());
-    let result = if route::not_running(&via_agent) {
-        standalone(ctx, &client, &req, requested, progress.as_ref())
-    } else {
-        via_agent.map_err(route::outcome)
-    };
-    drop(progress);
+    let result = route::through_agent(
+        &ctx.state,
+        |client, p| client.thaw(&req, p),
+        route::outcome,
+        |client, p| standalone(ctx, client, &req, requested, p),
+    );
     let report = match result {
         Ok(r) => r,
-        Err(Outcome::Refused(e)) => return Ok(refused(&e, args.json)),
+        Err(Outcome::Refused(e)) => {
+            return Ok(route::refused(
+                &e,
+                &format!("{e}; nothing was restored"),
+                args.json,
+            ))
+        }
         Err(Outcome::Failed(e)) => {
             return Err(e.context(format!("thawing {}", args.image.display())))
         }
     };
     if args.json {
-        let mut v = serde_json::to_value(&report)?;
-        v["outcome"] = "serving".into();
-        println!("{v}");
+        route::print_outcome(&report, "serving")?;
     } else {
         let bytes: u64 = report.gpu.iter().map(|g| g.bytes).sum();
         println!(
@@ -139,17 +140,6 @@ fn standalone(
 }
 
 /// Reports a thaw refused before anything ran; returns the exit code.
-fn refused(e: &str, json: bool) -> u8 {
-    if json {
-        println!(
-            "{}",
-            serde_json::json!({ "outcome": "refused", "error": e })
-        );
-    }
-    eprintln!("cryo: {e}; nothing was restored");
-    exit::REFUSED
-}
-
 /// `--gpus-of PID`: the image's GPUs onto those PID's container was given, by UUID
 /// (NVIDIA/cuda-checkpoint#54: restores bound to the GPU index break under Kubernetes' device
 /// assignment). Refused (usage) before anything runs when the container was given GPUs by index,
