@@ -165,16 +165,7 @@ fn the_activator_killed_mid_activation_leaves_the_worker_safe() {
 /// `cryo bench activate` runs end to end at a tiny size (root and CRIU: every arm is real).
 #[test]
 fn bench_activate_runs_tiny() {
-    let c = cryo_criu::CriuRpc::locate(None);
-    assert!(
-        c.is_ok(),
-        "CRIU is required (scripts/install-criu.sh): {:?}",
-        c.err()
-    );
-    assert!(
-        nix::unistd::geteuid().is_root(),
-        "this test needs root (CRIU)"
-    );
+    cryo_testkit::require_criu_and_root();
     nix::sys::prctl::set_child_subreaper(true).unwrap();
     let out = common::cryo()
         .args([

@@ -10,26 +10,14 @@ use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-use common::{eventually, make_restored, ok, procs, stderr, stdout, AgentProc, Sim, PATIENCE};
+use common::{
+    eventually, make_restored, ok, procs, run, stderr, stdout, succeeded, AgentProc, Sim, PATIENCE,
+};
 use cryo_api::{ClientError, ErrorKind};
 use cryo_journal::{Event, ProcId};
 use cryo_testkit::sim::WorkerSpec;
 
 const NOTE: &str = "nothing guards restored workers";
-
-fn run(sim: &Sim, state: &Path, args: &[&str]) -> Output {
-    sim.cmd_at(state).args(args).output().unwrap()
-}
-
-fn succeeded(o: &Output) {
-    assert!(
-        o.status.success(),
-        "status {:?}\nstdout: {}\nstderr: {}",
-        o.status,
-        stdout(o),
-        stderr(o)
-    );
-}
 
 fn records(state: &Path) -> Vec<Event> {
     cryo_journal::read(state.join("journal"))

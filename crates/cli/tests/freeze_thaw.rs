@@ -21,18 +21,7 @@ use cryo_testkit::http::{http, Endpoint as Ep};
 use cryo_testkit::sim::Sim;
 use cryo_testkit::PATIENCE;
 
-fn criu_present() {
-    let c = cryo_criu::CriuRpc::locate(None);
-    assert!(
-        c.is_ok(),
-        "CRIU is required for these tests (run scripts/install-criu.sh as root): {:?}",
-        c.err()
-    );
-    assert!(
-        nix::unistd::geteuid().is_root(),
-        "these tests need root (CRIU)"
-    );
-}
+use cryo_testkit::require_criu_and_root as criu_present;
 
 struct Env {
     sim: Sim,

@@ -7,12 +7,9 @@
 
 mod common;
 
-use std::path::Path;
-use std::process::Output;
-
 use common::{
-    events, eventually, json, stderr, stdout, succeeded as ok, GuardProc, Sim, Worker, WorkerSpec,
-    PATIENCE,
+    events, eventually, json, run, stderr, stdout, succeeded as ok, GuardProc, Sim, Worker,
+    WorkerSpec, PATIENCE,
 };
 use cryo_gpu::GpuUuid;
 use cryo_journal::Event;
@@ -22,10 +19,6 @@ const MIB: u64 = 1 << 20;
 
 fn state() -> tempfile::TempDir {
     common::state_dir("cryo-multi-gpu-state-")
-}
-
-fn run(sim: &Sim, st: &Path, args: &[&str]) -> Output {
-    sim.cmd_at(st).args(args).output().unwrap()
 }
 
 fn uuids(sim: &Sim) -> Vec<GpuUuid> {

@@ -10,7 +10,7 @@ use common::events;
 use std::path::Path;
 use std::process::Output;
 
-use common::{stderr, stdout, AgentProc, GuardProc, Sim, Worker, WorkerSpec};
+use common::{run, stderr, stdout, AgentProc, GuardProc, Sim, Worker, WorkerSpec};
 use cryo_journal::ProcId;
 
 fn state() -> tempfile::TempDir {
@@ -18,10 +18,6 @@ fn state() -> tempfile::TempDir {
         .prefix("cryo-park-state-")
         .tempdir()
         .unwrap()
-}
-
-fn run(sim: &Sim, st: &Path, args: &[&str]) -> Output {
-    sim.cmd_at(st).args(args).output().unwrap()
 }
 
 use common::succeeded as ok;

@@ -191,12 +191,7 @@ fn an_unreachable_engine_never_blocks_the_stop() {
     assert_eq!(suspended_bytes(&v, w.pid), Some(32 * MIB));
 }
 
-fn criu_and_root() {
-    assert!(
-        cryo_criu::CriuRpc::locate(None).is_ok() && nix::unistd::geteuid().is_root(),
-        "these tests need root and CRIU (scripts/install-criu.sh)"
-    );
-}
+use cryo_testkit::require_criu_and_root as criu_and_root;
 
 /// `cryo freeze PID --image DIR ARGS... --json`.
 fn freeze(

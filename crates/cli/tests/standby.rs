@@ -16,13 +16,7 @@ use std::process::Output;
 use common::{eventually, program, stderr, stdout, AgentProc, Sim, WorkerSpec, PATIENCE};
 use cryo_journal::Event;
 
-fn criu_present() {
-    assert!(
-        cryo_criu::CriuRpc::locate(None).is_ok(),
-        "CRIU is required for these tests (run scripts/install-criu.sh as root)"
-    );
-    assert!(nix::unistd::geteuid().is_root(), "these tests need root");
-}
+use cryo_testkit::require_criu_and_root as criu_present;
 
 /// A simulated GPU, a private copy of `cryo` for the workers (CRIU refuses an executable that
 /// changed), the agent's state directory, and the agent.

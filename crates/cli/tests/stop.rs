@@ -23,19 +23,7 @@ fn cryo_st(sim: &Sim, st: &Path) -> Command {
     sim.cmd_at(st)
 }
 
-fn run(sim: &Sim, st: &Path, args: &[&str]) -> Output {
-    cryo_st(sim, st).args(args).output().unwrap()
-}
-
-fn ok(o: &Output) {
-    assert!(
-        o.status.success(),
-        "status {:?}\nstdout: {}\nstderr: {}",
-        o.status,
-        stdout(o),
-        stderr(o)
-    );
-}
+use common::succeeded as ok;
 
 /// `cryo stop ... --json`, parsed.
 fn stop_json(sim: &Sim, st: &Path, args: &[&str]) -> (Output, serde_json::Value) {

@@ -54,16 +54,7 @@ fn types(records: &[serde_json::Value]) -> Vec<String> {
 /// equals what the journal says.
 #[test]
 fn metrics_after_a_stop_a_freeze_thaw_and_a_pin_match_the_journal() {
-    let c = cryo_criu::CriuRpc::locate(None);
-    assert!(
-        c.is_ok(),
-        "CRIU is required (scripts/install-criu.sh): {:?}",
-        c.err()
-    );
-    assert!(
-        nix::unistd::geteuid().is_root(),
-        "this test needs root (CRIU, ptrace)"
-    );
+    cryo_testkit::require_criu_and_root();
     nix::sys::prctl::set_child_subreaper(true).unwrap();
     let sim = Sim::start();
     let state = sim.path().join("state");

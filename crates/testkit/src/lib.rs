@@ -39,6 +39,18 @@ mod wait;
 
 pub use wait::{eventually, Ready, PATIENCE};
 
+/// Fails the test loudly unless it runs as root with CRIU >= 4.2 found (what the tests that
+/// drive real CRIU need: `scripts/install-criu.sh`, root); never a silent skip.
+pub fn require_criu_and_root() {
+    if let Err(e) = cryo_criu::CriuRpc::locate(None) {
+        panic!("CRIU is required for this test (run scripts/install-criu.sh as root): {e}");
+    }
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "this test needs root (CRIU)"
+    );
+}
+
 /// The driver's code of a call that must have failed with one.
 pub fn cu_code<T: std::fmt::Debug>(r: Result<T, cryo_gpu::DriverError>) -> cryo_gpu::CuResult {
     match r {

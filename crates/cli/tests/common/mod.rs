@@ -316,6 +316,11 @@ impl Drop for AgentProc {
     }
 }
 
+/// `cryo --gpu sim --sim-dir DIR --state-dir STATE ARGS...`, whatever its outcome.
+pub fn run(sim: &Sim, state: &Path, args: &[&str]) -> Output {
+    sim.cmd_at(state).args(args).output().unwrap()
+}
+
 /// Asserts the command succeeded, showing its output when not.
 pub fn succeeded(o: &Output) {
     assert!(
