@@ -839,17 +839,25 @@ fn wait_failpoint(cmd: &mut std::process::Child) {
     }
 }
 
-/// A freeze killed while the guard has let go of the worker for the dump (its lease held,
-/// nothing dumped yet): the lease was the freeze's connection to the guard, so the guard takes
-/// the worker back as soon as the freeze dies, and a `kill -9` of it then is pinned, not torn
-/// down. (Before: the worker stayed on the guard's detached list, unguarded, as long as it lived.)
+/// A freeze killed while the guard has let go of the worker for the dump (every context
+/// suspended first, its lease held, nothing dumped yet): the lease was the freeze's connection to
+/// the guard, so the guard takes the worker back as soon as the freeze dies; it is still
+/// CHECKPOINTED (the journal shows it), so a `kill -9` of it then is the safe kind: nothing pinned,
+/// nothing torn down. (Before: the worker stayed on the guard's detached list, unguarded, as long
+/// as it lived; and the let-go came before the suspension.)
 #[test]
 fn a_freeze_killed_mid_lease_hands_the_worker_back_to_the_guard() {
+    use cryo_journal::Event;
     let mut env = Env::start("1GiB");
     let (mut guard, pid) = guarded_worker(&mut env);
     let image = env.path().join("img");
     let mut freeze = freeze_at(&env, pid, &image, false, "freeze-after-let-go");
     assert_eq!(tracer(pid), 0, "the guard lets go for the dump");
+    assert_eq!(
+        env.sim.gpu.driver.state(pid).unwrap(),
+        cryo_gpu::ProcessState::Checkpointed,
+        "let go of before its suspension"
+    );
     freeze.kill().unwrap();
     freeze.wait().unwrap();
     eventually(PATIENCE, "the guard to take the worker back", || {
@@ -858,7 +866,19 @@ fn a_freeze_killed_mid_lease_hands_the_worker_back_to_the_guard() {
     let id = cryo_journal::ProcId::of(pid).unwrap();
     sigkill(pid);
     env.reap_worker(pid);
-    assert_pinned_then_release(&env, id);
+    eventually(PATIENCE, "the guard to journal the end", || {
+        events(&env)
+            .iter()
+            .any(|e| matches!(e, Event::ProcessExited { pid: p, .. } if *p == id))
+    });
+    assert!(env.ledger().is_empty(), "wedge: {:?}", env.ledger());
+    assert!(
+        !events(&env)
+            .iter()
+            .any(|e| matches!(e, Event::Pinned { .. } | Event::GpuQuarantined { .. })),
+        "{:?}",
+        events(&env)
+    );
     guard.kill();
 }
 
@@ -1369,14 +1389,23 @@ impl Agent {
     }
 
     fn spawn(env: &Env, failpoint: Option<&str>) -> Agent {
+        Agent::spawn_with(env, |cmd| {
+            if let Some(f) = failpoint {
+                cmd.env("CRYO_FAILPOINT", f);
+            }
+        })
+    }
+
+    /// An agent whose command `f` adjusted first (its environment: failpoints, `CRYO_CRIU`).
+    fn spawn_with(env: &Env, f: impl FnOnce(&mut Command)) -> Agent {
         let state = env.path().join("state");
         fs::create_dir_all(&state).unwrap();
-        let log = state.join("agent.log");
-        let f = fs::File::create(&log).unwrap();
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let log = state.join(format!("agent-{n}.log"));
+        let file = fs::File::create(&log).unwrap();
         let mut cmd = env.cmd();
-        if let Some(f) = failpoint {
-            cmd.env("CRYO_FAILPOINT", f);
-        }
+        f(&mut cmd);
         let child = cmd
             // The guard's journal poll once an hour: only the thaw's own guard-before-unlock
             // can trace a thawed worker in time.
@@ -1390,8 +1419,8 @@ impl Agent {
                 "--scan",
                 "none",
             ])
-            .stdout(f.try_clone().unwrap())
-            .stderr(f)
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
             .spawn()
             .unwrap();
         let client = cryo_api::AgentClient::new(cryo_state::StateDir::new(&state).agent_socket());
@@ -1401,6 +1430,10 @@ impl Agent {
 
     fn log(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn client(&self) -> cryo_api::AgentClient {
+        cryo_api::AgentClient::new(cryo_state::StateDir::new(&self.state).agent_socket())
     }
 }
 
@@ -1796,5 +1829,292 @@ fn a_thawed_worker_that_execs_is_pinned_not_torn_down() {
         |e| matches!(e, Event::Execed { pid: p, .. } if *p == id),
     );
     assert!(handed.is_some() && handed < execed, "{handed:?} {execed:?}");
+    assert_pinned_then_release(&env, id);
+}
+
+/// A worker the agent guards (restored through it) whose freeze through the agent is paused at
+/// `failpoint` (the agent said so in its log) until `resume` exists.
+struct PausedFreeze {
+    agent: Agent,
+    pid: i32,
+    ep: Ep,
+    id: cryo_journal::ProcId,
+    freeze: Child,
+    resume: PathBuf,
+}
+
+impl PausedFreeze {
+    /// `criu`: the CRIU the agent runs (`CRYO_CRIU`), the real one when `None`.
+    fn start(env: &mut Env, failpoint: &str, criu: Option<&Path>) -> PausedFreeze {
+        let resume = env.path().join(format!("resume-{failpoint}"));
+        let agent = Agent::spawn_with(env, |c| {
+            c.env("CRYO_FAILPOINT", failpoint)
+                .env("CRYO_FAILPOINT_RESUME", &resume);
+            if let Some(criu) = criu {
+                c.env("CRYO_CRIU", criu);
+            }
+        });
+        let (pid, ep) = env.worker("64MiB", 0);
+        make_restored(env, pid);
+        assert!(agent.traces(pid), "a restore through the agent is traced");
+        let id = cryo_journal::ProcId::of(pid).unwrap();
+        let image = env.path().join(format!("img-{failpoint}"));
+        let freeze = env
+            .cmd()
+            .args(["freeze", &pid.to_string(), "--image"])
+            .arg(&image)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        eventually(PATIENCE, "the agent's freeze at its failpoint", || {
+            agent
+                .log()
+                .contains(&format!("failpoint {failpoint} reached"))
+        });
+        PausedFreeze {
+            agent,
+            pid,
+            ep,
+            id,
+            freeze,
+            resume,
+        }
+    }
+
+    /// Lets the freeze go on; its output.
+    fn resume(self) -> (Agent, Output) {
+        fs::write(&self.resume, "").unwrap();
+        let out = self.freeze.wait_with_output().unwrap();
+        (self.agent, out)
+    }
+}
+
+/// Issue 10, the freeze's let-go (attack, watched failing first: the ledger recorded the
+/// teardown): the agent's guard let go of the worker for the dump before the engine's shrink and
+/// the suspension, so a SIGKILL there tore a live restored context down. Now the guard keeps it
+/// until the journal shows it suspended: the kill is pinned, nothing torn down, the freeze fails.
+#[test]
+fn a_worker_killed_before_its_freeze_suspended_it_is_pinned() {
+    let mut env = Env::start("1GiB");
+    let p = PausedFreeze::start(
+        &mut env,
+        cryo_lifecycle::freeze::FREEZE_BEFORE_SUSPEND,
+        None,
+    );
+    let (pid, id) = (p.pid, p.id);
+    sigkill(pid);
+    env.reap_worker(pid);
+    assert!(env.ledger().is_empty(), "wedge: {:?}", env.ledger());
+    let (_agent, out) = p.resume();
+    assert!(
+        !out.status.success(),
+        "the freeze of a dead worker succeeded"
+    );
+    assert_pinned_then_release(&env, id);
+}
+
+/// The same window, an `execve` of the worker (its close-on-exec driver fds closed): the guard
+/// still traces it and still holds its standing duplicates, so the old context is pinned (before:
+/// the lease had dropped them, and the exec tore the context down).
+#[test]
+fn a_worker_that_execs_before_its_freeze_suspended_it_is_pinned() {
+    use cryo_journal::Event;
+    let mut env = Env::start("1GiB");
+    let p = PausedFreeze::start(
+        &mut env,
+        cryo_lifecycle::freeze::FREEZE_BEFORE_SUSPEND,
+        None,
+    );
+    let (pid, id) = (p.pid, p.id);
+    // A successful exec closes the connection unanswered.
+    let r = cryo_http::fetch(
+        "POST",
+        &p.ep.url("/exec?path=/bin/sleep&arg=3600&thread=leader"),
+        None,
+        PATIENCE,
+    );
+    assert!(r.is_err(), "the exec failed: {r:?}");
+    eventually(PATIENCE, "the new program", || {
+        fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "sleep")
+    });
+    assert!(env.ledger().is_empty(), "wedge: {:?}", env.ledger());
+    eventually(PATIENCE, "Execed in the journal", || {
+        position(
+            &env,
+            |e| matches!(e, Event::Execed { pid: p, .. } if *p == id),
+        )
+        .is_some()
+    });
+    let (_agent, out) = p.resume();
+    assert!(
+        !out.status.success(),
+        "the freeze of an exec'd worker succeeded"
+    );
+    if alive(pid) {
+        sigkill(pid);
+    }
+    env.reap_worker(pid);
+    assert_pinned_then_release(&env, id);
+}
+
+/// A SIGKILL after the suspension and the let-go, before CRIU's dump: the worker's context is
+/// checkpointed (the journal shows it), so its teardown is the safe kind: nothing pinned, no
+/// wedge, and the journal says it ended while frozen for the dump.
+#[test]
+fn a_worker_killed_between_the_let_go_and_the_dump_is_torn_down_safely() {
+    use cryo_journal::Event;
+    let mut env = Env::start("1GiB");
+    let p = PausedFreeze::start(&mut env, cryo_lifecycle::freeze::FREEZE_AFTER_LET_GO, None);
+    let (pid, id) = (p.pid, p.id);
+    assert_eq!(
+        env.sim.gpu.driver.state(pid).unwrap(),
+        cryo_gpu::ProcessState::Checkpointed,
+        "let go of before its suspension"
+    );
+    assert_eq!(tracer(pid), 0, "the guard lets go for the dump");
+    sigkill(pid);
+    env.reap_worker(pid);
+    assert!(env.ledger().is_empty(), "wedge: {:?}", env.ledger());
+    let (_agent, out) = p.resume();
+    assert!(
+        !out.status.success(),
+        "the freeze of a dead worker succeeded"
+    );
+    let ev = events(&env);
+    assert!(
+        ev.iter().any(
+            |e| matches!(e, Event::ProcessExited { pid: p, how } if *p == id && how.contains("checkpointed"))
+        ),
+        "the journal does not say how it ended: {ev:?}"
+    );
+    assert!(
+        !ev.iter()
+            .any(|e| matches!(e, Event::Pinned { .. } | Event::GpuQuarantined { .. })),
+        "{ev:?}"
+    );
+    assert!(env.ledger().is_empty(), "wedge: {:?}", env.ledger());
+}
+
+/// The agent SIGKILLed between the freeze's let-go and CRIU's dump (the worker CHECKPOINTED and
+/// untraced), then restarted (attack, watched failing first: the restarted agent settled the dead
+/// freeze by resuming the worker before its guard traced it, so it ran unguarded until the
+/// attach). Now the restarted agent's guard traces it before the unlock, in that journal order,
+/// and a `kill -9` of it then is pinned, not torn down.
+#[test]
+fn an_agent_killed_between_the_let_go_and_the_dump_resumes_the_worker_under_watch() {
+    use cryo_journal::Event;
+    let mut env = Env::start("1GiB");
+    let p = PausedFreeze::start(&mut env, cryo_lifecycle::freeze::FREEZE_AFTER_LET_GO, None);
+    let (pid, id, sock) = (p.pid, p.id, p.ep.clone());
+    let PausedFreeze {
+        mut agent, freeze, ..
+    } = p;
+    agent.child.kill().unwrap();
+    agent.child.wait().unwrap();
+    let out = freeze.wait_with_output().unwrap();
+    assert!(!out.status.success(), "the freeze cannot have succeeded");
+    assert!(alive(pid), "the worker died with the agent");
+    assert_eq!(
+        env.sim.gpu.driver.state(pid).unwrap(),
+        cryo_gpu::ProcessState::Checkpointed
+    );
+    assert!(env.ledger().is_empty(), "wedge: {:?}", env.ledger());
+    let mark = events(&env).len();
+    let agent2 = Agent::start(&env);
+    assert!(agent2.traces(pid), "the restarted agent does not guard it");
+    assert_eq!(
+        env.sim.gpu.driver.state(pid).unwrap(),
+        cryo_gpu::ProcessState::Running,
+        "the dead freeze was not settled"
+    );
+    answers(&sock);
+    let ev = &events(&env)[mark..];
+    let at = |f: &dyn Fn(&Event) -> bool| ev.iter().position(f);
+    let restored = at(&|e| matches!(e, Event::RestoreCompleted { pid: p, .. } if *p == id));
+    let attached = at(&|e| matches!(e, Event::GuardAttached { pid: p, .. } if *p == id));
+    let unlocked = at(&|e| matches!(e, Event::Unlocked { pid: p, .. } if *p == id));
+    assert!(
+        restored.is_some() && restored < attached && attached < unlocked,
+        "journal order after the restart: restored {restored:?}, attached {attached:?}, unlocked {unlocked:?}: {ev:?}"
+    );
+    sigkill(pid);
+    env.reap_worker(pid);
+    assert_pinned_then_release(&env, id);
+    drop(agent2);
+}
+
+/// A CRIU that refuses every dump, in `dir`: the freeze fails after the suspension and the let-go.
+fn criu_refusing_dumps(dir: &Path) -> PathBuf {
+    let real = cryo_criu::CriuRpc::locate(None)
+        .unwrap()
+        .path()
+        .to_path_buf();
+    let wrapper = dir.join("criu-refusing-dumps");
+    fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nfor a in \"$@\"; do\n  if [ \"$a\" = dump ]; then echo 'cryo test: this CRIU refuses to dump' >&2; exit 1; fi\ndone\nexec {} \"$@\"\n",
+            real.display()
+        ),
+    )
+    .unwrap();
+    fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    wrapper
+}
+
+/// A freeze through the agent refused after the suspension and the let-go (CRIU fails): the
+/// guard takes the worker back while it is still CHECKPOINTED, and it is resumed in place traced
+/// before its unlock (journal order: checkpointed, attached, restored, unlocked; before, the
+/// lease ended after the unlock: a live restored context ran untraced in between), with its
+/// standing duplicates taken again. It serves the same answers, and a `kill -9` of it is pinned.
+#[test]
+fn a_freeze_refused_after_the_suspension_gives_the_worker_back_before_its_unlock() {
+    use cryo_journal::Event;
+    let mut env = Env::start("1GiB");
+    let criu = criu_refusing_dumps(env.path());
+    let agent = Agent::spawn_with(&env, |c| {
+        c.env("CRYO_CRIU", &criu);
+    });
+    let (pid, sock) = env.worker("64MiB", 0);
+    make_restored(&env, pid);
+    let before = answers(&sock);
+    let id = cryo_journal::ProcId::of(pid).unwrap();
+    let mark = events(&env).len();
+    let out = env.try_freeze(pid, &env.path().join("img"), &[]);
+    assert!(!out.status.success(), "the freeze succeeded");
+    assert!(stderr(&out).contains("refuses to dump"), "{}", stderr(&out));
+    assert!(agent.traces(pid), "not traced after the refused freeze");
+    assert_eq!(answers(&sock), before);
+    let ev = &events(&env)[mark..];
+    let at = |f: &dyn Fn(&Event) -> bool| ev.iter().position(f);
+    let checkpointed = at(&|e| matches!(e, Event::Checkpointed { pid: p, .. } if *p == id));
+    let attached = at(&|e| matches!(e, Event::GuardAttached { pid: p, .. } if *p == id));
+    let restored = at(&|e| matches!(e, Event::RestoreCompleted { pid: p, .. } if *p == id));
+    let unlocked = at(&|e| matches!(e, Event::Unlocked { pid: p, .. } if *p == id));
+    assert!(
+        checkpointed.is_some()
+            && checkpointed < attached
+            && attached < restored
+            && restored < unlocked,
+        "journal order: checkpointed {checkpointed:?}, attached {attached:?}, restored {restored:?}, unlocked {unlocked:?}: {ev:?}"
+    );
+    let driver = env.sim.gpu.inspect.driver_fds(pid).unwrap().len();
+    let standing = agent
+        .client()
+        .status()
+        .unwrap()
+        .guard
+        .guarded
+        .iter()
+        .find(|g| g.pid == pid)
+        .map_or(0, |g| g.standing_fds);
+    assert_eq!(standing, driver, "standing duplicates not taken again");
+    sigkill(pid);
+    env.reap_worker(pid);
     assert_pinned_then_release(&env, id);
 }

@@ -11,8 +11,10 @@
 //!   asks before a CRIU dump, since CRIU cannot dump a traced process; a thaw's
 //!   `RestoreCompleted` attaches the restored process by itself).
 //! - [`Request::LetGo`]: stop guarding a process for as long as this connection stays open (a
-//!   lease: what `cryo freeze` asks around a CRIU dump). When the client closes it, or dies, the
-//!   guard takes the process back (if it still lives) and says so on the same connection.
+//!   lease: what `cryo freeze` asks around a CRIU dump, once the process is suspended; refused
+//!   while the journal does not show its context suspended, [`Guard::lease`]). When the client
+//!   closes it, or dies, the guard takes the process back (if it still lives) and says so on the
+//!   same connection.
 //! - [`Request::Attach`]: guard a process (restored by another tool, or after a detach).
 //! - [`Request::GuardRestored`]: guard processes whose contexts were just restored and are still
 //!   LOCKED; answered once every one is traced (what a standalone `cryo thaw`, `cryo gpu restore`
@@ -330,7 +332,7 @@ fn answer(guard: &Arc<Guard>, request: Request) -> Answer {
         Request::LetGo { pid } => pid,
         other => return answer_now(guard, other).into(),
     };
-    match guard.detach(lease) {
+    match guard.lease(lease) {
         Ok(()) => {
             let guard = Arc::clone(guard);
             Answer {

@@ -64,6 +64,10 @@ use crate::policy::{AfterExec, Decision, ExitCause, FatalSignal, PinnedFds, Poli
 use crate::standing::StandingSet;
 use crate::tracer::{AttachError, DetachError, SpawnError, Tracer, TracerGone};
 
+/// Failpoint (pausing, `cryo_lifecycle::failpoint::pause_if`): an attach took the standing
+/// duplicates of the process and has not seized it yet.
+pub const GUARD_BEFORE_SEIZE: &str = "guard-before-seize";
+
 /// What happens after a GPU is quarantined.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Endgame {
@@ -212,6 +216,15 @@ pub enum GuardDetachError {
     /// The tracer could not detach.
     #[error(transparent)]
     Tracer(DetachError),
+    /// A lease was asked for a process whose context may be live (the journal does not show it
+    /// suspended since its last restore): untraced, a death or an `execve` would tear it down.
+    #[error("process {pid} may hold a live restored context ({why}) and the journal does not show it suspended: the guard lets go of it only once it is (suspend it first)")]
+    Live {
+        /// The pid.
+        pid: Pid,
+        /// What says it may be live.
+        why: String,
+    },
 }
 
 /// Releasing pins failed.
@@ -649,6 +662,23 @@ impl Inner {
         }
     }
 
+    /// Why `pid`'s context may be live, from the kernel's and NVML's evidence (driver files held,
+    /// listed by NVML, or either unknown); `None`: it holds no context.
+    fn may_be_live(&self, pid: Pid) -> Option<String> {
+        match self.gpu.inspect.driver_fds(pid) {
+            Ok(fds) if !fds.is_empty() => {
+                return Some(format!("it holds {} driver files", fds.len()))
+            }
+            Ok(_) => {}
+            Err(err) => return Some(format!("its driver files cannot be listed: {err}")),
+        }
+        match self.gpu.inspect.processes() {
+            Ok(list) if list.iter().any(|p| p.pid == pid) => Some("NVML lists it".into()),
+            Ok(_) => None,
+            Err(err) => Some(format!("NVML cannot be asked: {err}")),
+        }
+    }
+
     /// Stops `target` through the lifecycle (suspend-before-kill, every step journaled).
     fn stop(
         &self,
@@ -984,9 +1014,6 @@ impl Guard {
     /// seeing it, or impossible to attach now).
     pub fn start(gpu: Gpu, cfg: GuardConfig) -> Result<(Self, StartReport), StartError> {
         let journal = cfg.state.open_journal()?;
-        // A guard (or stop, or freeze) that died half-way left a worker locked or checkpointed:
-        // finish or undo that first, before anything is attached.
-        let settled = cryo_lifecycle::settle_in_flight(&gpu, &journal)?;
         let mut reader = cfg.state.journal_reader();
         let records = reader.read_new()?.records;
         let mut view = JournalView {
@@ -1028,19 +1055,29 @@ impl Guard {
             cfg,
         });
         let tracer = Tracer::spawn(Arc::new(PolicyHandle(Arc::clone(&inner))))?;
-        inner.adopt_pins(&records);
-        if let Some(watch) = inner.cfg.memory.clone() {
-            let weak = Arc::downgrade(&inner);
-            std::thread::Builder::new()
-                .name("cryo-guard-memory".into())
-                .spawn(move || memory_watch(&weak, &watch))
-                .map_err(StartError::MemoryWatch)?;
-        }
         let guard = Guard {
             inner,
             tracer,
             attaching: Mutex::new(()),
         };
+        // A guard (or stop, or freeze) that died half-way left a worker locked or checkpointed:
+        // finish or undo that before anything else is attached. The tracer runs already, so
+        // what is resumed in place is traced before its unlock, as after every restore.
+        let settled =
+            cryo_lifecycle::settle_in_flight(&guard.inner.gpu, &guard.inner.journal, Some(&guard))?;
+        let records = if settled.is_empty() {
+            records
+        } else {
+            cryo_journal::read(guard.inner.journal.dir())?.records
+        };
+        guard.inner.adopt_pins(&records);
+        if let Some(watch) = guard.inner.cfg.memory.clone() {
+            let weak = Arc::downgrade(&guard.inner);
+            std::thread::Builder::new()
+                .name("cryo-guard-memory".into())
+                .spawn(move || memory_watch(&weak, &watch))
+                .map_err(StartError::MemoryWatch)?;
+        }
         let mut report = guard.adopt(&records);
         report.settled = settled;
         Ok((guard, report))
@@ -1137,6 +1174,7 @@ impl Guard {
         // Standing duplicates before the seize: an exec between the two would close the
         // driver fds with no exec stop to see it.
         self.inner.refresh_standing(id.pid, &traced);
+        cryo_lifecycle::failpoint::pause_if(GUARD_BEFORE_SEIZE);
         if let Err(e) = self.tracer.attach_handle(traced) {
             lock(&self.inner.watched).remove(&id.pid);
             lock(&self.inner.standing).take(id.pid);
@@ -1254,6 +1292,22 @@ impl Guard {
                 })
             }
         }
+    }
+
+    /// Stops guarding `id` for a lease (a CRIU dump), only if its context is not live: the journal
+    /// shows it checkpointed since its last restore, or it holds no driver files and NVML does
+    /// not list it ([`GuardDetachError::Live`] otherwise: a death or an exec while nothing
+    /// traces it would tear a live restored context down). Then as [`Guard::detach`].
+    pub fn lease(&self, id: ProcId) -> Result<(), GuardDetachError> {
+        let traced = lock(&self.inner.watched)
+            .get(&id.pid)
+            .is_some_and(|w| w.id == id);
+        if traced && !self.inner.suspended_since_restore(id) {
+            if let Some(why) = self.inner.may_be_live(id.pid) {
+                return Err(GuardDetachError::Live { pid: id.pid, why });
+            }
+        }
+        self.detach(id)
     }
 
     /// The end of a lease ([`cryo_lifecycle::Lease`], or a `let_go` connection that closed):
@@ -1589,7 +1643,7 @@ impl cryo_lifecycle::Watcher for Guard {
         &self,
         pid: ProcId,
     ) -> Result<Option<cryo_lifecycle::Lease<'_>>, cryo_lifecycle::WatcherError> {
-        match Guard::detach(self, pid) {
+        match self.lease(pid) {
             Ok(()) => Ok(Some(cryo_lifecycle::Lease::new(pid, move || {
                 if let Err(err) = self.take_back(pid) {
                     tracing::error!(pid = pid.pid, %err, "cannot guard the process again after its lease");
@@ -1831,5 +1885,33 @@ mod tests {
             s.events()
         );
         assert!(s.guard.status().pins.is_empty());
+    }
+
+    /// A lease (a dump's let-go) is refused while the process holds driver files and the journal
+    /// does not show its context suspended: untraced, its death or exec would tear a live restored
+    /// context down. Once the journal shows it checkpointed, the guard lets go, and takes it back.
+    #[test]
+    fn a_lease_is_refused_until_the_journal_shows_the_context_suspended() {
+        let s = scene_with(|_| Vec::new(), true);
+        let err = s.guard.lease(s.id).unwrap_err();
+        assert!(matches!(err, GuardDetachError::Live { .. }), "{err}");
+        assert!(err.to_string().contains("1 driver files"), "{err}");
+        assert!(s.guard.guarded().contains(&s.id));
+        s.state
+            .open_journal()
+            .unwrap()
+            .append(Event::Checkpointed {
+                pid: s.id,
+                ms: 1,
+                bytes: 1,
+            })
+            .unwrap();
+        s.guard.lease(s.id).unwrap();
+        assert!(!s.guard.guarded().contains(&s.id));
+        assert!(s.guard.take_back(s.id).unwrap());
+        assert!(s.guard.guarded().contains(&s.id));
+        // Ended while traced (the test's own wait must not take the tracer's exit stop).
+        s.kill();
+        s.wait_exited();
     }
 }

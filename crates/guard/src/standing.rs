@@ -18,8 +18,8 @@
 //! - Never dropped while the context may be live: a driver fd the process no longer holds is kept
 //!   ([`Standing::vanished`]) until the journal shows the process suspended, the exec stop pins
 //!   it, or the process is gone. Dropped as a whole when the journal shows the process
-//!   checkpointed since its last restore (nothing live to hold), when the guard lets go of it (a
-//!   dump's lease), and when it is gone.
+//!   checkpointed since its last restore (nothing live to hold; a dump's lease is granted only
+//!   then), when the guard lets go of it, and when it is gone.
 //! - They live in the guard's own process and are never handed to the pin holder until they
 //!   become a pin: an agent that dies or restarts closes them, and the process, which still holds
 //!   its own fds, loses nothing; the next guard takes them again when it attaches.

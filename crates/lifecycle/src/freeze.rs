@@ -2,28 +2,36 @@
 //! publish it atomically.
 //!
 //! # Design
-//! 1. The tree comes resolved to pidfd handles (the caller resolved it once); ask the [`Watcher`] (the guard) to let go of the
-//!    processes it traces (CRIU must trace them itself; whatever stays alive is handed back at the
-//!    end, whatever the outcome); refuse what CRIU cannot dump cleanly (a root that does not lead
-//!    its own session, a process traced by anyone else, e.g. a debugger).
+//! 1. The tree comes resolved to pidfd handles (the caller resolved it once); refuse what CRIU
+//!    cannot dump cleanly (a root that does not lead its own session, a process traced by anything
+//!    but cryo's guard, e.g. a debugger).
 //! 2. Record from NVML, *before* the checkpoint, which GPUs each CUDA process uses and how much
 //!    device memory (the manifest's per-pid GPU UUIDs and sizes; after the checkpoint NVML lists
 //!    nothing).
 //! 3. Stage the image directory next to the final one ([`Staging::create`]), then suspend all
 //!    CUDA processes ([`suspend`] with `resume_on_failure`: a refused freeze leaves the worker
-//!    serving).
-//! 4. CRIU dump into the staging directory. Without `leave_running` CRIU kills the tree: every
+//!    serving). The guard traces them throughout (the engine's shrink and the suspension
+//!    included), standing duplicates and all: a death or an `execve` there is pinned.
+//! 4. Only now, every context checkpointed and journaled so, ask the [`Watcher`] (the guard) to
+//!    let go of the processes it traces (CRIU must trace them itself); the guard itself refuses to
+//!    let go of a process whose context the journal does not show suspended. A death between the
+//!    let-go and the dump is the safe kind (its context is checkpointed) and is journaled as such.
+//! 5. CRIU dump into the staging directory. Without `leave_running` CRIU kills the tree: every
 //!    context was suspended and verified, so that teardown is the safe kind; each exit is
-//!    confirmed through its pidfd. With `leave_running` the processes are restored and unlocked
-//!    in place and journaled as *restored* (their contexts went through a driver restore, so they
-//!    get the restored processes' protection).
+//!    confirmed through its pidfd. Whatever still lives after CRIU (a failed dump, or
+//!    `leave_running`) goes back under watch while still CHECKPOINTED, and is then restored,
+//!    traced before its unlock ([`Watcher::guard_before_unlock`]) and unlocked in place, journaled
+//!    as *restored* (its context went through a driver restore, so it gets the restored
+//!    processes' protection).
 //! 5. Publish: hash every chunk (BLAKE3, all cores) and fsync every file (all at once; their
 //!    writeback was started while CRIU dumped), write the manifest, rename into place.
 //!
 //! A crash at any point leaves at the image path either nothing or a whole image (the staging
 //! directory is removed by the next freeze of the same path), and the worker RUNNING (before the
-//! suspension), CHECKPOINTED (alive, or killed by CRIU after a complete dump): never a live
-//! context torn down.
+//! suspension, traced), CHECKPOINTED (alive, or killed by CRIU after a complete dump): never a
+//! live context torn down. A freeze that dies after the let-go ends its leases with it (over the
+//! guard's socket the lease is the connection; in the agent the guard dies too, and the next one
+//! re-attaches and resumes the worker under watch, `settle_in_flight`).
 //!
 //! # Limitations
 //! The root must lead its own session (start workers with `setsid`); no `shell_job`. Processes
@@ -56,8 +64,12 @@ pub const FREEZE_BEFORE_PUBLISH: &str = "freeze-before-publish";
 /// (`freeze-publish-synced`, `-manifest-written`, `-renamed`).
 pub const FREEZE_PUBLISH_PREFIX: &str = "freeze-publish-";
 
-/// Failpoint: the guard let go of the traced processes (their leases are held), nothing dumped.
+/// Failpoint (pausing, [`failpoint::pause_if`]): every CUDA process is suspended and the guard
+/// let go of the traced processes (their leases are held), nothing dumped.
 pub const FREEZE_AFTER_LET_GO: &str = "freeze-after-let-go";
+
+/// Failpoint (pausing): the engine's shrink is done, no CUDA process is suspended yet.
+pub const FREEZE_BEFORE_SUSPEND: &str = "freeze-before-suspend";
 
 /// Options of a freeze.
 #[derive(Debug, Clone)]
@@ -137,15 +149,16 @@ pub enum FreezeError {
         /// Its session.
         sid: Pid,
     },
-    /// A process is traced (by `cryo guard`, a debugger...): CRIU needs to seize it itself.
-    #[error("pid {pid} is traced by pid {tracer} (cryo guard or a debugger); detach it before freezing (CRIU must trace it itself)")]
+    /// A process is traced by something other than the guard (a debugger...), or still traced
+    /// after the guard let go of it: CRIU needs to seize it itself.
+    #[error("pid {pid} is traced by pid {tracer} (a debugger?); detach it before freezing (CRIU must trace it itself)")]
     Traced {
         /// The traced process.
         pid: Pid,
         /// Its tracer.
         tracer: Pid,
     },
-    /// The watcher (the guard) could not let go of a process it traces.
+    /// The watcher (the guard) could not, or would not, let go of a process it traces.
     #[error("cannot get pid {pid} released by the guard that traces it: {source}")]
     Detach {
         /// The traced process.
@@ -235,9 +248,9 @@ pub fn freeze(
     // Before anything is asked of the engine or the guard: a tree that can never be restored
     // is refused as it is.
     refuse_cross_process_cuda(handles)?;
-    let leases = let_go_traced(watcher, handles)?;
-    failpoint::stall_if(FREEZE_AFTER_LET_GO);
-    // On an error the leases end on the way out: those processes are traced again.
+    // Refused before the engine is asked anything.
+    check_dumpable(root, handles)?;
+    // The guard keeps tracing the tree through the shrink and the suspension.
     let mut shrunk = crate::shrink::release(
         gpu,
         opts.shrink.as_ref(),
@@ -249,6 +262,7 @@ pub fn freeze(
     )?;
     // The image records a shrink that may have released memory, so a thaw grows it again.
     let frozen_shrink = shrunk.as_ref().and_then(crate::shrink::Shrunk::frozen);
+    failpoint::pause_if(FREEZE_BEFORE_SUSPEND);
     let mut result = freeze_tree(
         gpu,
         criu,
@@ -257,10 +271,9 @@ pub fn freeze(
         opts,
         frozen_shrink,
         journal,
+        watcher,
         progress,
     );
-    // A refused or failed freeze, or --leave-running: what is still alive goes back under watch.
-    drop(leases);
     if let Some(s) = shrunk.as_mut() {
         // The tree runs on (left running, or the freeze left it as it found it): its engine
         // takes its memory back. A tree that is gone has no engine to ask.
@@ -292,7 +305,8 @@ pub(crate) fn refuse_cross_process_cuda(handles: &[ProcHandle]) -> Result<(), Fr
     Ok(())
 }
 
-/// Asks `watcher` to let go of every process of `handles` that is traced; its leases.
+/// Asks `watcher` to let go of every process of `handles` that is traced (every CUDA one is
+/// suspended, and the journal says so: the guard checks); its leases.
 fn let_go_traced<'w>(
     watcher: &'w dyn Watcher,
     handles: &[ProcHandle],
@@ -326,11 +340,11 @@ fn freeze_tree(
     opts: &FreezeOptions,
     shrunk: Option<FrozenShrink>,
     journal: &Journal,
+    watcher: &dyn Watcher,
     progress: &dyn Progress,
 ) -> Result<FreezeReport, FreezeError> {
     let start = Instant::now();
     let image = opts.image.display().to_string();
-    check_dumpable(root, handles)?;
 
     // What NVML lists before the checkpoint is all the manifest will ever know about device use.
     let listed = gpu.inspect.processes()?;
@@ -399,6 +413,7 @@ fn freeze_tree(
         root,
         opts,
         journal,
+        watcher,
         progress,
         handles,
         &cuda,
@@ -434,6 +449,7 @@ fn freeze_inner(
     root: Pid,
     opts: &FreezeOptions,
     journal: &Journal,
+    watcher: &dyn Watcher,
     progress: &dyn Progress,
     handles: &[ProcHandle],
     cuda: &[&ProcHandle],
@@ -465,6 +481,27 @@ fn freeze_inner(
     let suspend_ms = ms(t.elapsed());
     let gpu_free_ms = ms(start.elapsed());
 
+    // Every context is checkpointed (journaled): only now does the guard let go, for CRIU.
+    let leases = match let_go_traced(watcher, handles).and_then(|leases| {
+        failpoint::pause_if(FREEZE_AFTER_LET_GO);
+        // Nothing may trace the tree now (the guard let go; a debugger would make CRIU fail).
+        check_untraced(handles).map(|()| leases)
+    }) {
+        Ok(leases) => leases,
+        Err(e) => {
+            // The leases taken so far ended on the way out: those processes are traced again.
+            after_let_go(
+                gpu,
+                handles,
+                cuda,
+                journal,
+                watcher,
+                "resumed in place: the guard could not let go of the tree",
+            );
+            return Err(e);
+        }
+    };
+
     let t = Instant::now();
     let dump_opts = DumpOpts {
         leave_running: opts.leave_running,
@@ -485,18 +522,34 @@ fn freeze_inner(
     );
     progress.end(root, "dump", dumped.is_ok(), &detail);
     if let Err(e) = dumped {
-        // CRIU kills the tree only after a complete dump: on failure it is alive and suspended.
-        // Resume it so the freeze leaves it as it found it.
-        resume_in_place(gpu, cuda, journal, "resumed in place after a failed dump");
+        // CRIU kills the tree only after a complete dump: on failure it is alive and suspended
+        // (what died meanwhile died checkpointed). Back under watch, then resumed, so the freeze
+        // leaves it as it found it.
+        drop(leases);
+        after_let_go(
+            gpu,
+            handles,
+            cuda,
+            journal,
+            watcher,
+            "resumed in place after a failed dump",
+        );
         return Err(keep_log(e, &opts.image).into());
     }
-    if !opts.leave_running {
+    if opts.leave_running {
+        // CRIU let go of the tree: back under watch while still CHECKPOINTED.
+        drop(leases);
+    } else {
         for h in handles {
             if !h.wait_exit(Duration::from_secs(10)) {
+                // Still CHECKPOINTED (safe): back under watch.
+                drop(leases);
                 return Err(FreezeError::NotExited(h.pid()));
             }
             reap_if_ours(h.pid());
         }
+        // Gone: nothing for the guard to take back.
+        drop(leases);
     }
     let dump_ms = ms(t.elapsed());
     let worker_gone_ms = ms(start.elapsed());
@@ -535,6 +588,7 @@ fn freeze_inner(
                     gpu,
                     cuda,
                     journal,
+                    watcher,
                     "resumed in place after a failed publish",
                 );
             }
@@ -543,7 +597,8 @@ fn freeze_inner(
     };
 
     if opts.leave_running {
-        if let Some((pid, error)) = resume_in_place(gpu, cuda, journal, &image_name(opts)) {
+        if let Some((pid, error)) = resume_in_place(gpu, cuda, journal, watcher, &image_name(opts))
+        {
             return Err(FreezeError::Resume { pid, error });
         }
     }
@@ -594,13 +649,64 @@ fn image_name(opts: &FreezeOptions) -> String {
     opts.image.display().to_string()
 }
 
+/// After a failure past the let-go (the leases ended: whatever lives is traced again, still
+/// CHECKPOINTED): journals the processes that died meanwhile (their contexts were checkpointed:
+/// the safe kind) and resumes the others in place.
+fn after_let_go(
+    gpu: &Gpu,
+    handles: &[ProcHandle],
+    cuda: &[&ProcHandle],
+    journal: &Journal,
+    watcher: &dyn Watcher,
+    why: &str,
+) {
+    for h in handles.iter().filter(|h| !h.is_alive()) {
+        let how = if cuda.iter().any(|c| c.pid() == h.pid()) {
+            "ended during the freeze, after its suspension: its context was checkpointed (the safe kind)"
+        } else {
+            "ended during the freeze"
+        };
+        tracing::warn!(pid = h.pid(), "{how}");
+        if let Err(e) = journal.append(Event::ProcessExited {
+            pid: id(h),
+            how: how.to_string(),
+        }) {
+            tracing::error!(pid = h.pid(), error = %e, "cannot journal the end");
+        }
+    }
+    let alive: Vec<&ProcHandle> = cuda.iter().copied().filter(|h| h.is_alive()).collect();
+    resume_in_place(gpu, &alive, journal, watcher, why);
+}
+
+/// Refuses a tree a process of which something traces (after the guard let go: a debugger, or
+/// a guard that is not the one asked).
+fn check_untraced(handles: &[ProcHandle]) -> Result<(), FreezeError> {
+    for h in handles {
+        match h.tracer() {
+            Ok(Some(tracer)) => {
+                return Err(FreezeError::Traced {
+                    pid: h.pid(),
+                    tracer,
+                })
+            }
+            Ok(None) => {}
+            // Gone meanwhile: CRIU's dump says so.
+            Err(_) if !h.is_alive() => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
 /// Restores and unlocks `procs` in place, each journaled as restored before its driver restore
 /// (its context goes through a driver restore: from then on it is a restored one, guarded as
-/// such). Returns the first failure; every other process is still attempted.
+/// such) and traced by `watcher` before its unlock. Returns the first failure; every other
+/// process is still attempted.
 fn resume_in_place(
     gpu: &Gpu,
     procs: &[&ProcHandle],
     journal: &Journal,
+    watcher: &dyn Watcher,
     why: &str,
 ) -> Option<(Pid, crate::restore::RestoreError)> {
     let mut first = None;
@@ -609,7 +715,7 @@ fn resume_in_place(
         if !matches!(gpu.driver.state(pid), Ok(ProcessState::Checkpointed)) {
             continue;
         }
-        if let Err(e) = crate::restore::resume_in_place(gpu, journal, h, why) {
+        if let Err(e) = crate::restore::resume_in_place(gpu, journal, h, why, watcher) {
             tracing::error!(pid, error = %e, "cannot bring the process back; it stays CHECKPOINTED (safe)");
             first.get_or_insert((pid, e));
         }
@@ -617,7 +723,8 @@ fn resume_in_place(
     first
 }
 
-/// Refuses trees CRIU would dump badly: a root outside its own session, a traced process.
+/// Refuses trees CRIU would dump badly: a root outside its own session, a process traced by
+/// anything but cryo's own executable (the guard, which lets go after the suspension).
 fn check_dumpable(root: Pid, handles: &[ProcHandle]) -> Result<(), FreezeError> {
     for h in handles {
         if h.pid() == root {
@@ -627,10 +734,12 @@ fn check_dumpable(root: Pid, handles: &[ProcHandle]) -> Result<(), FreezeError> 
             }
         }
         if let Some(tracer) = h.tracer()? {
-            return Err(FreezeError::Traced {
-                pid: h.pid(),
-                tracer,
-            });
+            if !cryo_proc::runs_our_executable(tracer) {
+                return Err(FreezeError::Traced {
+                    pid: h.pid(),
+                    tracer,
+                });
+            }
         }
     }
     Ok(())

@@ -11,9 +11,12 @@
 //! - RUNNING: nothing to do (the suspension never took, or was rolled back);
 //! - LOCKED: the suspension locked it and went no further: unlock it, it serves again;
 //! - CHECKPOINTED: finish what the suspension was for: a stop's or the guard's process is killed
-//!   (after the last look: no driver files, nothing listed by NVML), a freeze's is restored and
-//!   unlocked in place (journaled as restored, as a failed freeze does); one whose purpose the
-//!   journal does not say is left checkpointed (safe) and named;
+//!   (after the last look: no driver files, nothing listed by NVML), a freeze's or park's is
+//!   restored, traced by the guard while still LOCKED, and unlocked in place (journaled as
+//!   restored, as a failed freeze does) when the caller has a [`Watcher`] to ask (a guard or agent
+//!   starting: the guard itself; no guard on the node: [`crate::NoWatcher`]), and left
+//!   checkpointed (safe) by a caller without one (a stop), never unlocked unguarded; one whose
+//!   purpose the journal does not say is left checkpointed and named;
 //! - anything else (FAILED, no answer, stopped threads): left as it is, and named.
 //!
 //! Each settled process gets an [`Event::SuspensionSettled`] record saying what was found and done,
@@ -27,6 +30,7 @@ use cryo_proc::ProcHandle;
 
 use crate::runnable::{runnable, Runnable};
 use crate::suspend::{id, me};
+use crate::watcher::Watcher;
 
 /// What was done to one process whose suspension died half-way.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -107,8 +111,13 @@ pub enum SettleError {
 const EXIT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Settles every in-flight suspension of the journal whose owner is gone (see the module docs).
-/// The entry point for every stop, every guard start and the agent's start.
-pub fn settle_in_flight(gpu: &Gpu, journal: &Journal) -> Result<Vec<Settled>, SettleError> {
+/// The entry point for every stop (`watcher`: `None`), every guard start and the agent's start
+/// (the guard, already tracing: it traces what it resumes before the unlock).
+pub fn settle_in_flight(
+    gpu: &Gpu,
+    journal: &Journal,
+    watcher: Option<&dyn Watcher>,
+) -> Result<Vec<Settled>, SettleError> {
     let gpu = &gpu.bounded(cryo_gpu::Limits::default());
     let records = cryo_journal::read(journal.dir())?.records;
     let mine = me();
@@ -126,7 +135,7 @@ pub fn settle_in_flight(gpu: &Gpu, journal: &Journal) -> Result<Vec<Settled>, Se
         let Ok(h) = pid.open() else {
             continue;
         };
-        let (found, action) = settle_one(gpu, journal, &h, f.purpose)?;
+        let (found, action) = settle_one(gpu, journal, &h, f.purpose, watcher)?;
         journal.append(Event::SuspensionSettled {
             pid,
             found: found.clone(),
@@ -153,6 +162,7 @@ fn settle_one(
     journal: &Journal,
     h: &ProcHandle,
     purpose: Option<Purpose>,
+    watcher: Option<&dyn Watcher>,
 ) -> Result<(String, Settlement), SettleError> {
     let left = |found: &str, why: String| Ok((found.to_string(), Settlement::Left { why }));
     match runnable(h) {
@@ -181,17 +191,22 @@ fn settle_one(
         },
         ProcessState::Checkpointed => match purpose {
             Some(Purpose::Stop) | Some(Purpose::Guard) => finish_stop(gpu, journal, h, found),
-            Some(Purpose::Freeze) | Some(Purpose::Park) => {
-                match crate::restore::resume_in_place(
+            Some(Purpose::Freeze) | Some(Purpose::Park) => match watcher {
+                Some(watcher) => match crate::restore::resume_in_place(
                     gpu,
                     journal,
                     h,
                     "resumed in place after a freeze that did not finish",
+                    watcher,
                 ) {
                     Ok(()) => Ok((found, Settlement::Resumed)),
                     Err(e) => left(&found, format!("cannot resume it: {e}")),
-                }
-            }
+                },
+                None => left(
+                    &found,
+                    "its context is suspended (safe); the next start of the agent or guard resumes it under watch, `cryo stop` ends it".into(),
+                ),
+            },
             Some(Purpose::Other) | None => left(
                 &found,
                 "the journal does not say what it was suspended for; `cryo stop` ends it, `cryo gpu restore` and `cryo gpu unlock` bring it back".into(),
@@ -287,7 +302,7 @@ mod tests {
             fake.add(p[i]).set_state(p[i], *state);
             died_at(&journal, ids[i], *purpose, *state);
         }
-        let settled = settle_in_flight(&fake.gpu(), &journal).unwrap();
+        let settled = settle_in_flight(&fake.gpu(), &journal, Some(&crate::NoWatcher)).unwrap();
         let action = |i: usize| {
             settled
                 .iter()
@@ -313,7 +328,10 @@ mod tests {
             assert!(s.to_string().contains(&s.pid.pid.to_string()), "{s}");
         }
         // Settled once: the next run finds nothing in flight.
-        assert_eq!(settle_in_flight(&fake.gpu(), &journal).unwrap(), Vec::new());
+        assert_eq!(
+            settle_in_flight(&fake.gpu(), &journal, Some(&crate::NoWatcher)).unwrap(),
+            Vec::new()
+        );
     }
 
     /// A suspension whose owner is still alive is at work: left alone. One checkpointed by a stop
@@ -336,7 +354,10 @@ mod tests {
             })
             .unwrap();
         journal.append(Event::Locked { pid: id, ms: 1 }).unwrap();
-        assert_eq!(settle_in_flight(&fake.gpu(), &journal).unwrap(), Vec::new());
+        assert_eq!(
+            settle_in_flight(&fake.gpu(), &journal, Some(&crate::NoWatcher)).unwrap(),
+            Vec::new()
+        );
         assert_eq!(fake.state_of(p[0]), ProcessState::Locked);
 
         let dir = tempfile::tempdir().unwrap();
@@ -344,7 +365,7 @@ mod tests {
         fake.set_state(p[0], ProcessState::Checkpointed)
             .driver_files(p[0], &[7]);
         died_at(&journal, id, Purpose::Stop, ProcessState::Checkpointed);
-        let settled = settle_in_flight(&fake.gpu(), &journal).unwrap();
+        let settled = settle_in_flight(&fake.gpu(), &journal, Some(&crate::NoWatcher)).unwrap();
         assert!(
             matches!(&settled[..], [Settled { action: Settlement::Left { why }, .. }] if why.contains("driver files")),
             "{settled:?}"

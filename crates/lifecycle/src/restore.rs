@@ -71,6 +71,18 @@ pub enum RestoreError {
         /// Why the new checkpoint failed, if it did.
         resuspended: Option<DriverError>,
     },
+    /// The context was restored in place but the guard could not trace the process before its
+    /// unlock: it was not unlocked, and was checkpointed again (`resuspended`: `None`), or that
+    /// failed too and it is LOCKED (it runs no GPU work; `cryo stop` ends it safely).
+    #[error("pid {pid} was restored in place but the guard could not trace it before its unlock ({error}); {}", match .resuspended { None => "it was checkpointed again (safe)".to_string(), Some(e) => format!("checkpointing it again failed too ({e}): it stays LOCKED") })]
+    Unguarded {
+        /// The process.
+        pid: Pid,
+        /// The guard's error.
+        error: String,
+        /// Why the new checkpoint failed, if it did.
+        resuspended: Option<DriverError>,
+    },
 }
 
 impl RestoreError {
@@ -156,13 +168,38 @@ fn restore_journaled(
 
 /// Restores and unlocks `h` in place (a suspension undone: a failed freeze, a rolled-back
 /// suspension), journaled as restored, then [`Event::Unlocked`].
+///
+/// The process is traced by `watcher` (the guard) before its unlock, as after every restore
+/// ([`crate::Watcher::guard_before_unlock`]); when it cannot be, it is checkpointed again instead
+/// ([`RestoreError::Unguarded`]). A caller with no guard to ask passes [`crate::NoWatcher`].
 pub fn resume_in_place(
     gpu: &Gpu,
     journal: &Journal,
     h: &ProcHandle,
     how: &str,
+    watcher: &dyn crate::Watcher,
 ) -> Result<(), RestoreError> {
     restore_to_unlock(gpu, journal, h, &[], how)?;
+    if let Err(e) = watcher.guard_before_unlock(&[h]) {
+        let t = Instant::now();
+        let resuspended = gpu.driver.checkpoint(h.pid()).err();
+        if resuspended.is_none() {
+            // Suspended since its restore: its end is the safe kind (the guard reads this).
+            let ms = u64::try_from(t.elapsed().as_millis()).unwrap_or(u64::MAX);
+            if let Err(j) = journal.append(Event::Checkpointed {
+                pid: id(h),
+                ms,
+                bytes: 0,
+            }) {
+                tracing::error!(pid = h.pid(), error = %j, "cannot journal the new checkpoint");
+            }
+        }
+        return Err(RestoreError::Unguarded {
+            pid: h.pid(),
+            error: e.to_string(),
+            resuspended,
+        });
+    }
     let start = Instant::now();
     gpu.driver.unlock(h.pid()).map_err(|e| {
         abandoned(Some(journal), h, &e);

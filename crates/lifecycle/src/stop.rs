@@ -243,7 +243,8 @@ pub fn stop(
     journal.append(Event::StopRequested {
         target: described.clone(),
     })?;
-    let settled = settle_in_flight(gpu, journal)?;
+    // No guard to trace what it would resume: a dead freeze's worker stays suspended (safe).
+    let settled = settle_in_flight(gpu, journal, None)?;
     // Before anything is locked: a shrink that does not happen leaves the engine whole.
     let budget = opts
         .shrink

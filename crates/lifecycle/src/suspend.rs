@@ -772,6 +772,9 @@ fn roll_back(gpu: &Gpu, rows: &mut [Row<'_>], resume: bool, journal: Option<&Jou
                     j,
                     row.handle,
                     "resumed in place after a failed suspension",
+                    // The caller's guard, if it traces the process, still does; nothing new to
+                    // ask it here.
+                    &crate::NoWatcher,
                 )
                 .map_err(|e| e.to_string()),
                 None => gpu
