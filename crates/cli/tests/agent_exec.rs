@@ -231,3 +231,65 @@ fn standing_duplicates_neither_leak_nor_pin_a_healthy_worker() {
     assert_eq!(w.http("GET", "/health", "").0, 200);
     sim.assert_no_wedge();
 }
+
+/// The last seam of the exec work (issue 10): an `execve` between the guard taking a process's
+/// standing duplicates and its seize (failpoint `guard-before-seize`, on the attach a restore
+/// through the agent asks for while the worker is still LOCKED). No exec stop can see it; the
+/// standing duplicates hold the old context, and the look right after the seize finds its driver
+/// files gone and pins them: nothing torn down, and the journal says so (`Pinned`, the GPU
+/// quarantined "while the guard was attaching").
+#[test]
+fn an_exec_between_the_standing_duplicates_and_the_seize_is_pinned() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let resume = sim.path().join("resume");
+    let agent = AgentProc::start_with(&sim, &state, &["--no-memory-watch"], |c| {
+        c.env("CRYO_FAILPOINT", cryo_guard::GUARD_BEFORE_SEIZE)
+            .env("CRYO_FAILPOINT_RESUME", &resume);
+    });
+    let w = worker(&sim);
+    let id = ProcId::of(w.pid).unwrap();
+    let gpu = |action: &str| {
+        let mut c = sim.cmd_at(&state);
+        c.args(["gpu", action, "--pid", &w.pid.to_string()]);
+        c
+    };
+    common::ok(gpu("lock"));
+    common::ok(gpu("checkpoint"));
+    let restore = gpu("restore")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    eventually(PATIENCE, "the agent's attach at its failpoint", || {
+        agent.log().contains(&format!(
+            "failpoint {} reached",
+            cryo_guard::GUARD_BEFORE_SEIZE
+        ))
+    });
+    assert_eq!(procs::tracer_pid(w.pid), 0, "seized before the failpoint");
+    let answer = post_exec(&w, "path=/bin/sleep&arg=3600&thread=leader");
+    assert!(answer.is_empty(), "the exec failed: {answer}");
+    eventually(PATIENCE, "the new program", || {
+        std::fs::read_to_string(format!("/proc/{}/comm", w.pid)).is_ok_and(|c| c.trim() == "sleep")
+    });
+    sim.assert_no_wedge();
+    std::fs::write(&resume, "").unwrap();
+    let out = restore.wait_with_output().unwrap();
+    let ev = eventually(PATIENCE, "the pin in the journal", || {
+        let ev = records(&state);
+        ev.iter()
+            .any(|e| matches!(e, Event::Pinned { pid, .. } if *pid == id))
+            .then_some(ev)
+    });
+    sim.assert_no_wedge();
+    assert!(
+        ev.iter().any(|e| matches!(e, Event::GpuQuarantined { reason, .. } if reason.contains("while the guard was attaching"))),
+        "{ev:?}\n{}",
+        common::stderr(&out)
+    );
+    // The pin is what holds the context: released, it is torn down.
+    sim.release_pins(&state, &sim.gpu_uuid(0));
+    let l = sim.wait_ledger(1);
+    assert_eq!(l[0].pid, w.pid, "{l:?}");
+}

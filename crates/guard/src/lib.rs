@@ -53,7 +53,8 @@ pub mod sys;
 pub mod tracer;
 
 pub use guard::{
-    Endgame, Guard, GuardConfig, GuardStatus, MemoryWatch, Scan, StartReport, SCAN_INTERVAL,
+    Endgame, Guard, GuardConfig, GuardStatus, MemoryWatch, Scan, StartReport, GUARD_BEFORE_SEIZE,
+    SCAN_INTERVAL,
 };
 pub use pins::{HolderSink, PinSink};
 pub use policy::{AfterExec, Decision, ExitCause, FatalSignal, PinnedFds, Policy, Tracee};
