@@ -183,17 +183,7 @@ fn standing_duplicates_neither_leak_nor_pin_a_healthy_worker() {
     let state = sim.path().join("state");
     let (mut agent, w, id) = guarded_worker(&sim, &state);
     let driver = sim.gpu.inspect.driver_fds(w.pid).unwrap().len();
-    let standing = |agent: &AgentProc| {
-        agent
-            .client()
-            .status()
-            .unwrap()
-            .guard
-            .guarded
-            .iter()
-            .find(|g| g.pid == id.pid)
-            .map_or(0, |g| g.standing_fds)
-    };
+    let standing = |agent: &AgentProc| common::standing_fds(&agent.client(), id.pid);
     eventually(PATIENCE, "standing duplicates of every driver fd", || {
         standing(&agent) == driver
     });

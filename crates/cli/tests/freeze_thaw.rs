@@ -1882,6 +1882,24 @@ impl PausedFreeze {
         }
     }
 
+    /// Paused before the suspension (the guard still traces the worker, as a live one).
+    fn before_suspend(env: &mut Env) -> PausedFreeze {
+        PausedFreeze::start(env, cryo_lifecycle::freeze::FREEZE_BEFORE_SUSPEND, None)
+    }
+
+    /// SIGKILLs the worker here (no wedge at once), lets the freeze go on and checks it failed.
+    fn kill_worker_then_resume(self, env: &mut Env) -> Agent {
+        sigkill(self.pid);
+        env.reap_worker(self.pid);
+        assert!(env.ledger().is_empty(), "wedge: {:?}", env.ledger());
+        let (agent, out) = self.resume();
+        assert!(
+            !out.status.success(),
+            "the freeze of a dead worker succeeded"
+        );
+        agent
+    }
+
     /// Lets the freeze go on; its output.
     fn resume(self) -> (Agent, Output) {
         fs::write(&self.resume, "").unwrap();
@@ -1897,20 +1915,9 @@ impl PausedFreeze {
 #[test]
 fn a_worker_killed_before_its_freeze_suspended_it_is_pinned() {
     let mut env = Env::start("1GiB");
-    let p = PausedFreeze::start(
-        &mut env,
-        cryo_lifecycle::freeze::FREEZE_BEFORE_SUSPEND,
-        None,
-    );
-    let (pid, id) = (p.pid, p.id);
-    sigkill(pid);
-    env.reap_worker(pid);
-    assert!(env.ledger().is_empty(), "wedge: {:?}", env.ledger());
-    let (_agent, out) = p.resume();
-    assert!(
-        !out.status.success(),
-        "the freeze of a dead worker succeeded"
-    );
+    let p = PausedFreeze::before_suspend(&mut env);
+    let id = p.id;
+    let _agent = p.kill_worker_then_resume(&mut env);
     assert_pinned_then_release(&env, id);
 }
 
@@ -1921,11 +1928,7 @@ fn a_worker_killed_before_its_freeze_suspended_it_is_pinned() {
 fn a_worker_that_execs_before_its_freeze_suspended_it_is_pinned() {
     use cryo_journal::Event;
     let mut env = Env::start("1GiB");
-    let p = PausedFreeze::start(
-        &mut env,
-        cryo_lifecycle::freeze::FREEZE_BEFORE_SUSPEND,
-        None,
-    );
+    let p = PausedFreeze::before_suspend(&mut env);
     let (pid, id) = (p.pid, p.id);
     // A successful exec closes the connection unanswered.
     let r = cryo_http::fetch(
@@ -1973,14 +1976,7 @@ fn a_worker_killed_between_the_let_go_and_the_dump_is_torn_down_safely() {
         "let go of before its suspension"
     );
     assert_eq!(tracer(pid), 0, "the guard lets go for the dump");
-    sigkill(pid);
-    env.reap_worker(pid);
-    assert!(env.ledger().is_empty(), "wedge: {:?}", env.ledger());
-    let (_agent, out) = p.resume();
-    assert!(
-        !out.status.success(),
-        "the freeze of a dead worker succeeded"
-    );
+    let _agent = p.kill_worker_then_resume(&mut env);
     let ev = events(&env);
     assert!(
         ev.iter().any(
@@ -2104,16 +2100,11 @@ fn a_freeze_refused_after_the_suspension_gives_the_worker_back_before_its_unlock
         "journal order: checkpointed {checkpointed:?}, attached {attached:?}, restored {restored:?}, unlocked {unlocked:?}: {ev:?}"
     );
     let driver = env.sim.gpu.inspect.driver_fds(pid).unwrap().len();
-    let standing = agent
-        .client()
-        .status()
-        .unwrap()
-        .guard
-        .guarded
-        .iter()
-        .find(|g| g.pid == pid)
-        .map_or(0, |g| g.standing_fds);
-    assert_eq!(standing, driver, "standing duplicates not taken again");
+    assert_eq!(
+        common::standing_fds(&agent.client(), pid),
+        driver,
+        "standing duplicates not taken again"
+    );
     sigkill(pid);
     env.reap_worker(pid);
     assert_pinned_then_release(&env, id);

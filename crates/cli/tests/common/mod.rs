@@ -365,3 +365,16 @@ pub fn stderr(o: &Output) -> String {
 pub fn sleeper() -> Child {
     Command::new("sleep").arg("60").spawn().unwrap()
 }
+
+/// How many standing duplicates of `pid`'s driver fds the agent behind `client` holds (0 when it
+/// does not guard it).
+pub fn standing_fds(client: &cryo_api::AgentClient, pid: i32) -> usize {
+    client
+        .status()
+        .unwrap()
+        .guard
+        .guarded
+        .iter()
+        .find(|g| g.pid == pid)
+        .map_or(0, |g| g.standing_fds)
+}
