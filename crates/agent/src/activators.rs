@@ -35,7 +35,7 @@ use cryo_api::{
     path, Access, ActivatorList, ActivatorRemoveRequest, ActivatorSpec, ActivatorStatus, ApiError,
     ErrorKind, ParkRequest, TargetSpec,
 };
-use cryo_journal::ProcId;
+use cryo_journal::{Event, ProcId};
 use cryo_lifecycle::{HealthCheck, ParkOptions, Target};
 use cryo_proc::ProcHandle;
 use serde::{Deserialize, Serialize};
@@ -79,7 +79,15 @@ async fn remove(
 ) -> Result<Response, Failure> {
     let req: ActivatorRemoveRequest = change_request(&agent, &peer, &body, Pids::None)?;
     tracing::info!(listen = %req.listen, ?peer.cred, "activator remove");
-    blocking(move || agent.activators.remove(&req.listen)).await
+    blocking(move || {
+        let removed = agent.activators.remove(&req.listen)?;
+        agent.journal_activator(Event::ActivatorRemoved {
+            listen: removed.spec.listen.clone(),
+            reason: "removed on request".into(),
+        });
+        Ok(removed)
+    })
+    .await
 }
 
 impl Drop for Activators {
@@ -258,11 +266,21 @@ impl Agent {
                 .map(ProcId::of_handle)
                 .collect(),
         };
-        self.activator_start(Record {
-            spec,
-            procs,
-            claimed: None,
-        })
+        self.activator_start(
+            Record {
+                spec,
+                procs,
+                claimed: None,
+            },
+            false,
+        )
+    }
+
+    /// Journals what became of an activator (a note: a failure to write it is logged).
+    fn journal_activator(&self, event: Event) {
+        if let Err(e) = self.journal.append(event) {
+            tracing::error!(error = %e, "cannot journal an activator's change");
+        }
     }
 
     /// Listens again on every activator the last agent kept (see the module docs).
@@ -274,14 +292,22 @@ impl Agent {
                 .find(|p| ProcHandle::open_expected(p.pid, p.start_time).is_err());
             if let Some(p) = gone {
                 tracing::warn!(listen = %r.spec.listen, pid = p.pid, "activator dropped: its worker is gone");
+                self.journal_activator(Event::ActivatorRemoved {
+                    listen: r.spec.listen.clone(),
+                    reason: format!("its worker (pid {}) is gone", p.pid),
+                });
                 continue;
             }
-            match self.activator_start(r.clone()) {
+            match self.activator_start(r.clone(), true) {
                 Ok(s) => {
                     tracing::info!(listen = %s.spec.listen, phase = %s.phase, "activator listening again")
                 }
                 Err(e) => {
-                    tracing::error!(listen = %r.spec.listen, error = %e.message, "activator not restored")
+                    tracing::error!(listen = %r.spec.listen, error = %e.message, "activator not restored");
+                    self.journal_activator(Event::ActivatorRemoved {
+                        listen: r.spec.listen.clone(),
+                        reason: format!("cannot listen again: {}", e.message),
+                    });
                 }
             }
         }
@@ -291,7 +317,12 @@ impl Agent {
         }
     }
 
-    fn activator_start(self: &Arc<Self>, record: Record) -> Result<ActivatorStatus, ApiError> {
+    /// Listens for `record` (`again`: for an activator the last agent kept) and journals it.
+    fn activator_start(
+        self: &Arc<Self>,
+        record: Record,
+        again: bool,
+    ) -> Result<ActivatorStatus, ApiError> {
         let spec = &record.spec;
         let listen = Addr::from_str(&spec.listen).map_err(bad)?;
         let upstream = Addr::from_str(&spec.upstream).map_err(bad)?;
@@ -419,9 +450,23 @@ impl Agent {
             task,
         };
         let status = Activators::status(&live);
+        let pids = live
+            .record
+            .procs
+            .iter()
+            .copied()
+            .chain(status.claimed)
+            .collect();
         let mut all = self.activators.live();
         all.insert(status.spec.listen.clone(), live);
         self.activators.save(&all)?;
+        drop(all);
+        self.journal_activator(Event::ActivatorListening {
+            listen: status.spec.listen.clone(),
+            pids,
+            found: status.phase.clone(),
+            again,
+        });
         Ok(status)
     }
 }

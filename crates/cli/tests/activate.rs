@@ -268,3 +268,122 @@ fn an_agent_owned_activator_survives_an_agent_restart_and_still_wakes_the_worker
     common::stop_pin_holder(st.path());
     sim.assert_no_wedge();
 }
+
+/// `cryo activate` through the agent for worker `w` (parked), listening on `svc.sock` in `st`;
+/// the socket's path.
+fn agent_activator(sim: &Sim, st: &Path, w: &common::Worker) -> PathBuf {
+    let sock = st.join("svc.sock");
+    let o = sim
+        .cmd_at(st)
+        .args(["activate", &w.pid.to_string(), "--upstream"])
+        .arg(format!("127.0.0.1:{}", w.port))
+        .arg("--listen")
+        .arg(format!("unix:{}", sock.display()))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    assert!(stdout(&o).contains("the agent's"), "{}", stdout(&o));
+    sock
+}
+
+/// The process (thread group) that traces `pid`, 0 when none does.
+fn tracer_process(pid: i32) -> i32 {
+    match common::procs::tracer_pid(pid) {
+        0 => 0,
+        t => cryo_proc::tgid(t).ok().flatten().unwrap_or(0),
+    }
+}
+
+/// Attack (session 7): the agent is SIGKILLed while a client's bytes are being forwarded
+/// through its activator to the woken worker, and a new agent starts. What must hold: the
+/// worker's context is never torn down (ledger empty) and it keeps serving; the new agent's
+/// guard traces it; the client is not left hanging (its connection ends, within a deadline);
+/// a new client is served without a second wake; and the journal says what the new agent did
+/// with the activator (listening again, the worker found active).
+#[test]
+fn an_agent_killed_mid_forward_leaves_the_worker_serving_guarded_and_the_client_not_hanging() {
+    use std::io::{Read, Write};
+    let sim = Sim::start();
+    let st = state();
+    let mut agent = common::AgentProc::start(&sim, st.path(), &["--no-memory-watch"]);
+    let w = sim.spawn(WorkerSpec::new("64MiB"));
+    let before = w.complete("p");
+    park(&sim, st.path(), w.pid);
+    let sock = agent_activator(&sim, st.path(), &w);
+
+    // A client wakes the worker and sends half a request: the activator has connected to the
+    // worker and forwards the bytes as they come.
+    let mut client = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    client.set_read_timeout(Some(PATIENCE)).unwrap();
+    client
+        .write_all(
+            b"POST /v1/completions HTTP/1.1\r\nhost: w\r\ncontent-length: 64\r\n\r\nhalf a prompt",
+        )
+        .unwrap();
+    let forwarded = || {
+        let o = sim
+            .cmd_at(st.path())
+            .args(["status", "--json"])
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap_or_default();
+        v["activators"][0]["forwarded"].as_u64() == Some(1)
+    };
+    eventually(PATIENCE, "the connection to be forwarded", forwarded);
+    assert_eq!(tracer_process(w.pid), agent.child.id() as i32);
+
+    agent.kill();
+    drop(agent);
+    // The client: its connection ends (EOF or a reset), never a hang.
+    let mut rest = Vec::new();
+    match client.read_to_end(&mut rest) {
+        Ok(_) => {}
+        Err(e) => assert_eq!(
+            e.kind(),
+            std::io::ErrorKind::ConnectionReset,
+            "the client hangs or fails oddly: {e}"
+        ),
+    }
+    assert!(
+        common::procs::alive(w.pid),
+        "the worker died with the agent"
+    );
+    sim.assert_no_wedge();
+
+    let agent = common::AgentProc::start(&sim, st.path(), &["--no-memory-watch"]);
+    let me = agent.child.id() as i32;
+    eventually(
+        PATIENCE,
+        "the new agent's guard to trace the worker",
+        || tracer_process(w.pid) == me,
+    );
+    let (code, body) = http(Endpoint::Unix(sock.clone()), "POST", "/v1/completions", "p");
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(text(&body), before);
+    assert_eq!(
+        count(st.path(), |e| matches!(e, Event::WakeCompleted { .. })),
+        1,
+        "woken twice"
+    );
+    let listening: Vec<Event> = events(st.path())
+        .into_iter()
+        .filter(|e| matches!(e, Event::ActivatorListening { .. }))
+        .collect();
+    assert!(
+        matches!(
+            &listening[..],
+            [Event::ActivatorListening { again: false, found: p0, .. }, Event::ActivatorListening { again: true, found: p1, pids, .. }]
+                if p0 == "parked" && p1 == "active" && pids.iter().any(|p| p.pid == w.pid)
+        ),
+        "{listening:?}"
+    );
+    let o = sim
+        .cmd_at(st.path())
+        .args(["stop", &w.pid.to_string()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    drop(agent);
+    common::stop_pin_holder(st.path());
+    sim.assert_no_wedge();
+}

@@ -496,6 +496,30 @@ pub enum Event {
         reason: String,
     },
 
+    // ---- activators (the agent) ----
+    /// An activator of the agent listens on `listen` in front of a worker (`again`: an agent that
+    /// started listens where its predecessor's activator did, the worker found `found`).
+    ActivatorListening {
+        /// The service address (`127.0.0.1:8000`, `unix:/run/svc.sock`).
+        listen: String,
+        /// The worker's processes (a pid target's, a standby activator's claimed root; none for
+        /// a cgroup or a standby not claimed yet).
+        pids: Vec<ProcId>,
+        /// What the driver said of the worker: `active`, `parked`, `waking`, `parking`.
+        found: String,
+        /// Listening again after an agent restart (the dead agent's open connections ended with
+        /// it; see the agent's activators).
+        again: bool,
+    },
+    /// An activator of the agent stopped listening on `listen` (removed on request, or dropped
+    /// by an agent that started: its worker is gone).
+    ActivatorRemoved {
+        /// The service address.
+        listen: String,
+        /// Why.
+        reason: String,
+    },
+
     // ---- guard ----
     /// The guard watches the process.
     GuardAttached {
@@ -668,6 +692,8 @@ impl Event {
             | GrowFailed { .. }
             | StandbyPool { .. }
             | StandbyReady { .. }
+            | ActivatorListening { .. }
+            | ActivatorRemoved { .. }
             | GpuQuarantined { .. }
             | JournalRepaired { .. }
             | Unknown => None,
@@ -687,7 +713,8 @@ impl Event {
             | Event::Grown { pids, .. }
             | Event::GrowFailed { pids, .. }
             | Event::StandbyRestoring { pids, .. }
-            | Event::StandbyReady { pids, .. } => pids.clone(),
+            | Event::StandbyReady { pids, .. }
+            | Event::ActivatorListening { pids, .. } => pids.clone(),
             other => other.proc().into_iter().collect(),
         }
     }
@@ -753,6 +780,8 @@ impl Event {
             | SuspensionSettled { .. } => Phase::Outcome,
             FreshDeclared { .. }
             | StandbyPool { .. }
+            | ActivatorListening { .. }
+            | ActivatorRemoved { .. }
             | JournalRepaired { .. }
             | WakeWaiting { .. }
             | Unknown => Phase::Note,
@@ -812,6 +841,9 @@ impl Event {
             StandbyReady { .. } => "standby ready",
             StandbyClaimed { .. } => "standby claimed",
             StandbyDropped { .. } => "standby dropped",
+            ActivatorListening { again: false, .. } => "activator listening",
+            ActivatorListening { again: true, .. } => "activator listening again",
+            ActivatorRemoved { .. } => "activator removed",
             GuardAttached { .. } => "guard attached",
             FatalSignal { .. } => "FATAL SIGNAL",
             Pinned { .. } => "pinned",
@@ -939,6 +971,8 @@ impl Event {
             }
             StandbyClaimed { image, .. } => format!("image {image}"),
             StandbyDropped { image, reason, .. } => format!("image {image}: {reason}"),
+            ActivatorListening { listen, found, .. } => format!("on {listen}, the worker {found}"),
+            ActivatorRemoved { listen, reason } => format!("on {listen}: {reason}"),
             GpuQuarantined { gpu, reason } => format!("GPU {gpu}: {reason}"),
             ProcessExited { how, .. } => how.clone(),
             Execed { thread, .. } => format!("execve by thread {thread}"),
