@@ -8,16 +8,21 @@
 //!   front of a standby pool, [`FromStandby`] making its claim through this agent's own API.
 //! - What each listens on and for which worker is kept in `STATE_DIR/activators.json` (written
 //!   whole, then renamed): a pid target with the start times of its processes, a standby
-//!   activator with the worker it claimed. A restarted agent listens again on every address
-//!   (a unix socket its dead predecessor left is replaced once nothing answers on it; TCP binds
-//!   with `SO_REUSEADDR`), for the same worker in the phase the driver says it is in; one whose
-//!   worker is gone (or whose pid now belongs to another process) is dropped, said in the log.
-//! - Connections that arrive while no agent runs are refused by the kernel (TCP) or fail to
-//!   connect (unix): clients retry; nothing is half-served.
+//!   activator with the worker it claimed, and the keeper of its listening socket. A restarted
+//!   agent listens again on every address, for the same worker in the phase the driver says it
+//!   is in; one whose worker is gone (or whose pid now belongs to another process) is dropped.
+//!   Each is journaled (`ActivatorListening`, `ActivatorRemoved`).
+//! - The listening socket is handed over, not bound again ([`crate::keeper`]): a keeper process
+//!   holds it while no agent runs, so connections queued in the dead agent's backlog, and those
+//!   made before the next agent listens, are served by the next agent. Where the keeper is gone
+//!   the address is bound again (a unix socket its dead predecessor left is replaced once
+//!   nothing answers on it; TCP binds with `SO_REUSEADDR`).
+//! - Connections the dead agent had accepted end with it (the client sees its connection
+//!   closed, never a hang); the worker keeps serving and the next agent's guard traces it again.
 //!
 //! # Limitations
-//! The listening socket is bound again, not handed over: connections queued in the dead agent's
-//! backlog are lost.
+//! See [`crate::keeper`]: an agent stopped on purpose leaves its sockets held for a minute; a
+//! keeper killed with the agent's cgroup or container loses the backlog.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -41,6 +46,7 @@ use cryo_proc::ProcHandle;
 use serde::{Deserialize, Serialize};
 
 use crate::auth::Peer;
+use crate::keeper::{self, Keeper};
 use crate::server::{allow, blocking, change_request, same_pids, Failure, Pids};
 use crate::Agent;
 
@@ -108,6 +114,9 @@ struct Record {
     /// The worker a standby activator claimed.
     #[serde(default)]
     claimed: Option<ProcId>,
+    /// The process that holds the listening socket for the next agent ([`crate::keeper`]).
+    #[serde(default)]
+    keeper: Option<ProcId>,
 }
 
 struct Live {
@@ -115,6 +124,7 @@ struct Live {
     activator: Activator,
     from: Option<Arc<FromStandby>>,
     task: tokio::task::JoinHandle<()>,
+    keeper: Option<Keeper>,
 }
 
 /// Every activator of the agent.
@@ -205,6 +215,7 @@ impl Activators {
             .values()
             .map(|l| Record {
                 claimed: l.from.as_ref().and_then(|f| f.claimed()),
+                keeper: l.keeper.as_ref().map(|k| k.id),
                 ..l.record.clone()
             })
             .collect();
@@ -220,13 +231,16 @@ impl Activators {
     /// `POST /v1/activators/remove`: stops listening; the worker stays as it is.
     pub(crate) fn remove(&self, listen: &str) -> Result<ActivatorStatus, ApiError> {
         let mut live = self.live();
-        let Some(l) = live.remove(listen) else {
+        let Some(mut l) = live.remove(listen) else {
             return Err(ApiError::new(
                 ErrorKind::NotFound,
                 format!("no activator listens on {listen} (see `cryo status`)"),
             ));
         };
         l.task.abort();
+        if let Some(k) = l.keeper.take() {
+            k.end();
+        }
         if let Ok(Addr::Unix(p)) = Addr::from_str(&l.record.spec.listen) {
             let _ = std::fs::remove_file(p);
         }
@@ -271,6 +285,7 @@ impl Agent {
                 spec,
                 procs,
                 claimed: None,
+                keeper: None,
             },
             false,
         )
@@ -400,13 +415,34 @@ impl Agent {
         };
         let activator = Activator::new(upstream, policy, activation, initial);
         let rt = self.activators.rt()?;
-        let listener = rt.block_on(listen.listen_again()).map_err(|e| {
-            ApiError::new(
-                ErrorKind::Refused,
-                format!("cannot listen on {}: {e}", spec.listen),
-            )
-        })?;
+        // The last agent's socket, queued connections and all, where its keeper still holds it.
+        let taken = match record.keeper.filter(|_| again) {
+            Some(k) => {
+                let _in_rt = rt.enter();
+                keeper::take_over(k, &listen)
+                    .inspect_err(|e| {
+                        tracing::warn!(listen = %spec.listen, error = %e, "the listening socket cannot be taken from its keeper: bound again");
+                    })
+                    .ok()
+            }
+            None => None,
+        };
+        let handed = taken.is_some();
+        let listener = match taken {
+            Some(l) => l,
+            None => rt.block_on(listen.listen_again()).map_err(|e| {
+                ApiError::new(
+                    ErrorKind::Refused,
+                    format!("cannot listen on {}: {e}", spec.listen),
+                )
+            })?,
+        };
         let bound = listener.local_addr().map_err(failed)?;
+        let keeper = Keeper::start(&listener)
+            .inspect_err(|e| {
+                tracing::warn!(listen = %spec.listen, error = %e, "no keeper for the listening socket: connections queued when the agent dies will be lost");
+            })
+            .ok();
         let mut record = record;
         record.spec.listen = bound.to_string();
         let task = rt.spawn({
@@ -448,6 +484,7 @@ impl Agent {
             activator,
             from,
             task,
+            keeper,
         };
         let status = Activators::status(&live);
         let pids = live
@@ -466,6 +503,7 @@ impl Agent {
             pids,
             found: status.phase.clone(),
             again,
+            handed,
         });
         Ok(status)
     }

@@ -34,6 +34,7 @@
 mod activators;
 pub mod auth;
 mod k8s;
+pub mod keeper;
 pub mod lock;
 mod ops;
 mod parent;

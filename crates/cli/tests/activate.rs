@@ -286,6 +286,53 @@ fn agent_activator(sim: &Sim, st: &Path, w: &common::Worker) -> PathBuf {
     sock
 }
 
+/// A simulated GPU, an agent, a worker (what it answers to "p") and the agent's activator in
+/// front of it on `svc.sock`.
+struct Fronted {
+    sim: Sim,
+    st: tempfile::TempDir,
+    agent: common::AgentProc,
+    w: common::Worker,
+    before: String,
+    sock: PathBuf,
+}
+
+impl Fronted {
+    /// `parked`: the worker is parked before the activator is made.
+    fn start(parked: bool) -> Fronted {
+        let sim = Sim::start();
+        let st = state();
+        let agent = common::AgentProc::start(&sim, st.path(), &["--no-memory-watch"]);
+        let w = sim.spawn(WorkerSpec::new("64MiB"));
+        let before = w.complete("p");
+        if parked {
+            park(&sim, st.path(), w.pid);
+        }
+        let sock = agent_activator(&sim, st.path(), &w);
+        Fronted {
+            sim,
+            st,
+            agent,
+            w,
+            before,
+            sock,
+        }
+    }
+}
+
+/// The journal says an agent listened again for an activator, the socket taken from its keeper
+/// (`handed`) or bound again.
+fn assert_listening_again(st: &Path, handed: bool) {
+    let events = events(st);
+    assert!(
+        events.iter().any(|e| matches!(
+            e,
+            Event::ActivatorListening { again: true, handed: h, .. } if *h == handed
+        )),
+        "{events:?}"
+    );
+}
+
 /// The process (thread group) that traces `pid`, 0 when none does.
 fn tracer_process(pid: i32) -> i32 {
     match common::procs::tracer_pid(pid) {
@@ -303,13 +350,14 @@ fn tracer_process(pid: i32) -> i32 {
 #[test]
 fn an_agent_killed_mid_forward_leaves_the_worker_serving_guarded_and_the_client_not_hanging() {
     use std::io::{Read, Write};
-    let sim = Sim::start();
-    let st = state();
-    let mut agent = common::AgentProc::start(&sim, st.path(), &["--no-memory-watch"]);
-    let w = sim.spawn(WorkerSpec::new("64MiB"));
-    let before = w.complete("p");
-    park(&sim, st.path(), w.pid);
-    let sock = agent_activator(&sim, st.path(), &w);
+    let Fronted {
+        sim,
+        st,
+        mut agent,
+        w,
+        before,
+        sock,
+    } = Fronted::start(true);
 
     // A client wakes the worker and sends half a request: the activator has connected to the
     // worker and forwards the bytes as they come.
@@ -372,7 +420,7 @@ fn an_agent_killed_mid_forward_leaves_the_worker_serving_guarded_and_the_client_
     assert!(
         matches!(
             &listening[..],
-            [Event::ActivatorListening { again: false, found: p0, .. }, Event::ActivatorListening { again: true, found: p1, pids, .. }]
+            [Event::ActivatorListening { again: false, found: p0, .. }, Event::ActivatorListening { again: true, handed: true, found: p1, pids, .. }]
                 if p0 == "parked" && p1 == "active" && pids.iter().any(|p| p.pid == w.pid)
         ),
         "{listening:?}"
@@ -385,5 +433,93 @@ fn an_agent_killed_mid_forward_leaves_the_worker_serving_guarded_and_the_client_
     assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
     drop(agent);
     common::stop_pin_holder(st.path());
+    sim.assert_no_wedge();
+}
+
+/// Attack (session 7): connections that wait in the listening socket's backlog when the agent
+/// dies, and connections made while no agent runs. The agent is stopped (SIGSTOP: nothing is
+/// accepted), five clients connect through its activator and send their requests, the agent is
+/// SIGKILLed, a sixth client connects, and a new agent starts: every one of the six is
+/// answered, by the worker, once (the listening socket was handed over, never bound again).
+/// Before the keeper (a socket bound again by the next agent): 0 of 6, the five queued ones
+/// reset when the agent died and the sixth refused.
+#[test]
+fn connections_queued_when_the_agent_dies_are_served_by_the_next_agent() {
+    use std::io::{Read, Write};
+    let Fronted {
+        sim,
+        st,
+        mut agent,
+        w: _w,
+        before,
+        sock,
+    } = Fronted::start(false);
+    let request = b"POST /v1/completions HTTP/1.1\r\nhost: w\r\nconnection: close\r\ncontent-length: 1\r\n\r\np";
+    // A connection refused, or whose request cannot be sent, is not served.
+    let send = || {
+        let mut c = std::os::unix::net::UnixStream::connect(&sock).ok()?;
+        c.set_read_timeout(Some(PATIENCE)).unwrap();
+        c.write_all(request).ok()?;
+        Some(c)
+    };
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.child.id() as i32),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .unwrap();
+    // Every thread stopped (the signal is asynchronous): nothing is accepted from here on.
+    eventually(PATIENCE, "the agent to be stopped", || {
+        common::procs::all_threads_in(agent.pid(), &['T'])
+    });
+    let mut clients: Vec<_> = (0..5).map(|_| send()).collect();
+    agent.kill();
+    drop(agent);
+    clients.push(send());
+    let _agent = common::AgentProc::start(&sim, st.path(), &["--no-memory-watch"]);
+    let mut served = 0;
+    for mut c in clients.into_iter().flatten() {
+        let mut answer = String::new();
+        if c.read_to_string(&mut answer).is_ok() && answer.starts_with("HTTP/1.1 200") {
+            let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
+            assert_eq!(text(body), before, "{answer}");
+            served += 1;
+        }
+    }
+    assert_eq!(served, 6, "of 6 connections made while no agent accepted");
+    // The socket was taken from the dead agent's keeper, not bound again.
+    assert_listening_again(st.path(), true);
+    sim.assert_no_wedge();
+}
+
+/// Attack (session 7): the keeper that holds an activator's socket for the next agent dies
+/// (SIGKILL) before the agent does. The next agent cannot take the socket over: it binds the
+/// address again and serves, and the journal says the socket was not handed over.
+#[test]
+fn a_dead_keeper_makes_the_next_agent_bind_again() {
+    let Fronted {
+        sim,
+        st,
+        mut agent,
+        w: _w,
+        before,
+        sock,
+    } = Fronted::start(false);
+    let saved: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(st.path().join("activators.json")).unwrap()).unwrap();
+    let keeper = saved[0]["keeper"]["pid"].as_i64().unwrap() as i32;
+    assert!(common::procs::alive(keeper), "{saved}");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(keeper),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    common::procs::reap(keeper);
+    agent.kill();
+    drop(agent);
+    let _agent = common::AgentProc::start(&sim, st.path(), &["--no-memory-watch"]);
+    let (code, body) = http(Endpoint::Unix(sock), "POST", "/v1/completions", "p");
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(text(&body), before);
+    assert_listening_again(st.path(), false);
     sim.assert_no_wedge();
 }

@@ -510,6 +510,10 @@ pub enum Event {
         /// Listening again after an agent restart (the dead agent's open connections ended with
         /// it; see the agent's activators).
         again: bool,
+        /// The listening socket was taken from the last agent's keeper (the connections queued
+        /// in it kept), not bound again.
+        #[serde(default)]
+        handed: bool,
     },
     /// An activator of the agent stopped listening on `listen` (removed on request, or dropped
     /// by an agent that started: its worker is gone).
@@ -971,7 +975,19 @@ impl Event {
             }
             StandbyClaimed { image, .. } => format!("image {image}"),
             StandbyDropped { image, reason, .. } => format!("image {image}: {reason}"),
-            ActivatorListening { listen, found, .. } => format!("on {listen}, the worker {found}"),
+            ActivatorListening {
+                listen,
+                found,
+                handed,
+                ..
+            } => format!(
+                "on {listen}, the worker {found}{}",
+                if *handed {
+                    ", the socket taken over"
+                } else {
+                    ""
+                }
+            ),
             ActivatorRemoved { listen, reason } => format!("on {listen}: {reason}"),
             GpuQuarantined { gpu, reason } => format!("GPU {gpu}: {reason}"),
             ProcessExited { how, .. } => how.clone(),

@@ -27,6 +27,30 @@ pub enum AgentCommand {
     /// Asks the running agent to stop (refused while it holds pins: the answer says how to
     /// release them).
     Stop,
+    /// Internal: holds an activator's listening socket (its stdin) for the agent's successor
+    /// (`cryo_agent::keeper`); started by the agent, not by hand.
+    #[command(hide = true)]
+    KeepListener(KeepListenerArgs),
+}
+
+/// `cryo agent keep-listener`.
+#[derive(Debug, Args)]
+pub struct KeepListenerArgs {
+    /// The agent that started it, `PID:START_TIME` (it lingers a while after that one is gone).
+    #[arg(long, value_name = "PID:START", value_parser = parse_agent_id)]
+    pub agent: (i32, u64),
+}
+
+fn parse_agent_id(s: &str) -> Result<(i32, u64), String> {
+    let (pid, start) = s
+        .split_once(':')
+        .ok_or_else(|| format!("{s:?} is not PID:START_TIME"))?;
+    Ok((
+        pid.parse().map_err(|e| format!("pid {pid:?}: {e}"))?,
+        start
+            .parse()
+            .map_err(|e| format!("start time {start:?}: {e}"))?,
+    ))
 }
 
 /// `cryo agent run`.

@@ -30,6 +30,10 @@ pub fn run(ctx: &Context, args: &AgentArgs) -> anyhow::Result<u8> {
             Ok(crate::exit::SUCCESS)
         }
         AgentCommand::Stop => stop(ctx).map(|()| crate::exit::SUCCESS),
+        AgentCommand::KeepListener(k) => {
+            cryo_agent::keeper::keep_listener(k.agent).context("keeping a listening socket")?;
+            Ok(crate::exit::SUCCESS)
+        }
     }
 }
 
