@@ -668,3 +668,91 @@ fn an_activator_in_front_of_a_standby_pool_claims_once_for_20_requests_and_parks
     assert_eq!(claims, 1, "the restarted agent claimed again");
     env.sim.assert_no_wedge();
 }
+
+/// Attack (session 7): a standby's CRIU killed at its deadline *before* its gate, in an image
+/// with namespaces of its own. The image is of a program (`cryo run`, pid 1 of its namespaces)
+/// that holds a `flock` also held outside it, so CRIU's restore waits for the lock and never
+/// reaches its gate. What CRIU restored half-way never ran (no context of it is live: the safe
+/// kind to end) and lives in namespaces CRIU's own clean-up cannot see: it must be ended, and
+/// the journal must say so; once the lock is free the pool fills.
+#[test]
+fn a_standby_restore_killed_before_its_gate_leaves_no_half_restored_process() {
+    use std::os::fd::AsRawFd;
+    let env = Env::start();
+    let lock = std::fs::File::create(env.sim.path().join("held.lock")).unwrap();
+    let held = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive).unwrap();
+    let fd = held.as_raw_fd();
+    let mut cmd = common::cryo();
+    let log = env.sim.path().join("run.log");
+    cmd.args([
+        "run",
+        "--detach",
+        "--log",
+        log.to_str().unwrap(),
+        "--",
+        "sleep",
+        "1000",
+    ]);
+    cryo_testkit::fds::close_inherited(&mut cmd, Some(fd));
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let pid: i32 = stdout(&o)
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no pid in {:?}", stdout(&o)));
+    eventually(PATIENCE, "the program to hold the lock", || {
+        std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}"))
+            .is_ok_and(|i| i.contains("lock:"))
+    });
+    let image = env.sim.path().join("img");
+    env.ok(&[
+        "freeze",
+        &pid.to_string(),
+        "--image",
+        image.to_str().unwrap(),
+    ]);
+    let agent = env.agent.as_ref().unwrap().pid();
+    env.ok(&[
+        "standby",
+        "create",
+        "--image",
+        image.to_str().unwrap(),
+        "--count",
+        "1",
+        "--criu-timeout",
+        "3",
+    ]);
+    // The positive event: the refill failed at its CRIU deadline.
+    eventually(PATIENCE, "the refill to fail at its CRIU deadline", || {
+        env.list()["pools"][0]["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("did not finish within 3 s"))
+    });
+    // Nothing half-restored left: no process under the agent in a pid namespace of its own.
+    let me = std::process::id() as i32;
+    let left: Vec<i32> = cryo_proc::tree(agent)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|p| {
+            cryo_proc::same_namespace(*p, me, cryo_proc::NamespaceKind::Pid).is_ok_and(|same| !same)
+        })
+        .collect();
+    assert!(left.is_empty(), "half-restored processes left: {left:?}");
+    assert!(
+        env.events().iter().any(|e| matches!(
+            e,
+            Event::StandbyDropped { reason, .. } if reason.contains("before its gate")
+        )),
+        "{:?}",
+        env.events()
+    );
+    env.sim.assert_no_wedge();
+    drop(held);
+    let root = env.wait_ready(1)[0];
+    // The pool's standby is no worker of the test's binary: removed with its pool.
+    env.ok(&["standby", "remove", "--image", image.to_str().unwrap()]);
+    eventually(PATIENCE, "the standby to be removed", || {
+        !cryo_testkit::procs::alive(root)
+    });
+}

@@ -450,6 +450,25 @@ pub fn thread_named(pid: Pid, ns_tid: Pid) -> Result<Option<Pid>, ProcError> {
     Ok(None)
 }
 
+/// The children of the calling thread (`/proc/PID/task/TID/children`): the processes it started,
+/// and those a child of it made its siblings (`CLONE_PARENT`, as CRIU's `--restore-sibling`
+/// does with the root it restores). A child that exits while this reads may hide others
+/// (procfs(5)): read it when the ones that matter are stuck or stopped.
+pub fn thread_children() -> Result<Vec<Pid>, ProcError> {
+    let me = Pid::try_from(std::process::id()).unwrap_or(Pid::MAX);
+    let tid = rustix::thread::gettid().as_raw_nonzero().get();
+    let task = process(me)?
+        .task_from_tid(tid)
+        .map_err(|e| ProcError::read(tid, "task", e))?;
+    let children = task
+        .children()
+        .map_err(|e| ProcError::read(tid, "children", e))?;
+    Ok(children
+        .into_iter()
+        .filter_map(|c| Pid::try_from(c).ok())
+        .collect())
+}
+
 /// Memory the kernel can give new work without swapping (`MemAvailable` of `/proc/meminfo`),
 /// bytes.
 pub fn mem_available() -> Result<u64, ProcError> {
