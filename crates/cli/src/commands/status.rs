@@ -44,19 +44,18 @@ pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
             .map(|l| l.activators)
             .map_err(|e| e.to_string());
         if args.json {
-            let v = serde_json::json!({
-                "parked": parked.as_ref().ok(),
-                "parked_host_bytes": parked.as_ref().ok().map(|p| p.iter().map(|w| w.host_bytes).sum::<u64>()),
-                "parked_error": parked.as_ref().err(),
-                "standby_pools": pools.as_ref().ok(),
-                "standby_host_bytes": pools.as_ref().ok().map(|p| p.iter().map(|x| x.now.host_bytes).sum::<u64>()),
-                "activators": activators.as_ref().ok(),
-                "activators_error": activators.as_ref().err(),
-                "quarantined": s.quarantined,
-                "guard": s.guard,
-                "fence_error": s.fence_error,
-                "agent": { "pid": s.pid, "version": s.version, "socket": s.socket },
-            });
+            let v = warm_json(
+                &parked,
+                &pools,
+                serde_json::json!({
+                    "activators": activators.as_ref().ok(),
+                    "activators_error": activators.as_ref().err(),
+                    "quarantined": s.quarantined,
+                    "guard": s.guard,
+                    "fence_error": s.fence_error,
+                    "agent": { "pid": s.pid, "version": s.version, "socket": s.socket },
+                }),
+            );
             println!("{}", serde_json::to_string_pretty(&v)?);
         } else {
             println!("agent: running as pid {} ({})", s.pid, s.socket.display());
@@ -77,16 +76,15 @@ pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
     };
     let pools = pools.map(|p| with_refills(p, &[]));
     if args.json {
-        let v = serde_json::json!({
-            "parked": parked.as_ref().ok(),
-            "parked_host_bytes": parked.as_ref().ok().map(|p| p.iter().map(|w| w.host_bytes).sum::<u64>()),
-            "parked_error": parked.as_ref().err(),
-            "standby_pools": pools.as_ref().ok(),
-            "standby_host_bytes": pools.as_ref().ok().map(|p| p.iter().map(|x| x.now.host_bytes).sum::<u64>()),
-            "quarantined": quarantined,
-            "guard": guard.as_ref().ok().cloned().flatten(),
-            "guard_error": guard.as_ref().err(),
-        });
+        let v = warm_json(
+            &parked,
+            &pools,
+            serde_json::json!({
+                "quarantined": quarantined,
+                "guard": guard.as_ref().ok().cloned().flatten(),
+                "guard_error": guard.as_ref().err(),
+            }),
+        );
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
@@ -99,6 +97,26 @@ pub fn run(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
         guard.as_ref().map(Option::as_ref).map_err(String::as_str),
     );
     Ok(())
+}
+
+/// `cryo status --json`: the parked workers and the standby pools (the host memory each holds),
+/// with `rest` (what the agent or the standalone guard says) merged in.
+fn warm_json(
+    parked: &Result<Vec<cryo_lifecycle::ParkedWorker>, String>,
+    pools: &Result<Vec<Pool>, String>,
+    mut rest: serde_json::Value,
+) -> serde_json::Value {
+    let warm = serde_json::json!({
+        "parked": parked.as_ref().ok(),
+        "parked_host_bytes": parked.as_ref().ok().map(|p| p.iter().map(|w| w.host_bytes).sum::<u64>()),
+        "parked_error": parked.as_ref().err(),
+        "standby_pools": pools.as_ref().ok(),
+        "standby_host_bytes": pools.as_ref().ok().map(|p| p.iter().map(|x| x.now.host_bytes).sum::<u64>()),
+    });
+    if let (Some(rest), serde_json::Value::Object(warm)) = (rest.as_object_mut(), warm) {
+        rest.extend(warm);
+    }
+    rest
 }
 
 /// The agent's activators in words.
