@@ -5,6 +5,18 @@ mod common;
 
 use common::*;
 
+/// The row of `cryo gpu ps --json` for `pid`.
+fn ps_row(sim: &Sim, pid: i32) -> serde_json::Value {
+    let ps = sim.cryo(&["gpu", "ps", "--json"]);
+    let rows: serde_json::Value = serde_json::from_slice(&ps.stdout).unwrap();
+    rows.as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["pid"] == pid)
+        .unwrap_or_else(|| panic!("pid {pid} not in gpu ps: {rows}"))
+        .clone()
+}
+
 fn one_line(s: &str) -> bool {
     s.trim_end().lines().count() == 1
 }
@@ -27,14 +39,7 @@ fn full_cycle_through_cryo_gpu_with_gpu_map_by_index() {
         stderr(&ls)
     );
 
-    let ps = sim.cryo(&["gpu", "ps", "--json"]);
-    let rows: serde_json::Value = serde_json::from_slice(&ps.stdout).unwrap();
-    let row = rows
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["pid"] == pid)
-        .expect("worker not in gpu ps");
+    let row = ps_row(&sim, pid);
     assert_eq!(row["state"], "running");
     assert_eq!(row["gpu_index"], 0);
 
@@ -72,14 +77,7 @@ fn full_cycle_through_cryo_gpu_with_gpu_map_by_index() {
     assert!(sim.cryo(&["gpu", "unlock", "--pid", &p]).status.success());
     assert_eq!(sim.state(pid), "running");
 
-    let ps = sim.cryo(&["gpu", "ps", "--json"]);
-    let rows: serde_json::Value = serde_json::from_slice(&ps.stdout).unwrap();
-    let row = rows
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["pid"] == pid)
-        .expect("restored worker not in gpu ps");
+    let row = ps_row(&sim, pid);
     assert_eq!(
         row["gpu_index"], 1,
         "--gpu-map 0=1 did not move the context"
