@@ -28,7 +28,9 @@
 //! around each process), so the time each phase takes is visible side by side, and the moments
 //! of cryo's CRIU restore (`criu_phases`: its checks before CRIU, CRIU at the gate with every
 //! page read, every page checked, the verdict, CRIU's exit), which say whether CRIU or cryo's
-//! check was the slow side of a thaw (the bare route's CRIU restore is one process, its step).
+//! check was the slow side of a thaw (the bare route's CRIU restore is one process, its step),
+//! and of cryo's streamed dump (`dump_phases`: every byte received, CRIU at the gate, the
+//! verdict, CRIU's exit, every chunk hashed), which say what the worker's end waited for.
 //! Throughputs are image bytes over a moment or step, next to the disk's limit for those bytes.
 //! Every worker is stopped with `cryo stop` and the wedge ledger must stay empty. The host's
 //! load average is printed at the start and end.
@@ -80,6 +82,17 @@ const PHASES: [&str; 5] = [
     "criu_exit_ms",
 ];
 
+/// The moments of cryo's streamed dump (`cryo_criu::DumpPhases`), in order: every byte CRIU
+/// sent in cryo's staging files, CRIU at the gate (`post-dump`), the verdict (CRIU then kills
+/// the tree), CRIU's exit, every chunk hashed.
+const DUMP_PHASES: [&str; 5] = [
+    "received_ms",
+    "gate_ms",
+    "verdict_ms",
+    "criu_exit_ms",
+    "hashed_ms",
+];
+
 /// What the disk gives for the row's bytes, bytes per second, measured in the same run.
 #[derive(Debug, Clone, Copy, Serialize)]
 struct Limits {
@@ -115,6 +128,8 @@ struct Row {
     /// cryo's CRIU restore from the page cache, then cold, moment by moment ([`PHASES`]), ms
     /// from its start.
     cryo_restore_phases: [[Samples; 5]; 2],
+    /// cryo's streamed dump moment by moment ([`DUMP_PHASES`]), ms from the dump's start.
+    cryo_dump_phases: [Samples; 5],
     /// The bare route's freeze steps: lock + checkpoint, `criu dump`, fsync of the files, ms.
     bare_freeze_steps: [Samples; 3],
     /// The bare route's thaw from the page cache: nothing (0), `criu restore`, GPU restore +
@@ -175,6 +190,7 @@ pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
         let mut steps: [[Samples; 3]; 3] = Default::default();
         let mut bare_steps: [[Samples; 3]; 3] = Default::default();
         let mut phases: [[Samples; 5]; 2] = Default::default();
+        let mut dump_phases: [Samples; 5] = Default::default();
         let mut image_bytes = 0;
         for round in 1..=args.rounds {
             let (c, b) = if a_first(round) {
@@ -188,6 +204,9 @@ pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
             for i in 0..5 {
                 cryo_s[i].push(c.moments[i]);
                 bare_s[i].push(b.moments[i]);
+            }
+            for (j, v) in c.dump_phases.iter().enumerate() {
+                dump_phases[j].push(*v);
             }
             for (k, warm_cold) in c.phases.iter().enumerate() {
                 for (j, v) in warm_cold.iter().enumerate() {
@@ -217,6 +236,7 @@ pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
             cryo_thaw_warm_steps: warm_steps,
             cryo_thaw_cold_steps: cold_steps,
             cryo_restore_phases: phases,
+            cryo_dump_phases: dump_phases,
             bare_freeze_steps,
             bare_thaw_warm_steps: bare_warm_steps,
             bare_thaw_cold_steps: bare_cold_steps,
@@ -293,12 +313,28 @@ fn print_row(row: &Row) {
         ph(0),
         ph(1)
     );
+    let dump = row
+        .cryo_dump_phases
+        .iter()
+        .zip(DUMP_PHASES)
+        .map(|(s, name)| format!("{} {:.0}", name.trim_end_matches("_ms"), s.median()))
+        .collect::<Vec<_>>()
+        .join(", ");
+    println!("  cryo's dump, ms from its start (medians): {dump}");
     let [bs, bd, bf] = med(&row.bare_freeze_steps);
     let [_, bwc, bwg] = med(&row.bare_thaw_warm_steps);
     let [_, bcc, bcg] = med(&row.bare_thaw_cold_steps);
     println!(
         "  bare steps (medians):   freeze = suspend {bs:.0} + dump {bd:.0} + fsync {bf:.0} ms; \
          thaw = criu restore {bwc:.0} + GPU {bwg:.0} ms (cold: {bcc:.0} + {bcg:.0})"
+    );
+    println!(
+        "  throughput of the dump (image bytes / time): cryo to every byte received {:.2}, to \
+         CRIU's exit {:.2}; bare CRIU into the page cache {:.2} GB/s (page cache read {:.2})",
+        gbps(img, row.cryo_dump_phases[0].median()),
+        gbps(img, row.cryo_dump_phases[3].median()),
+        gbps(img, bd),
+        l.read_cached / 1e9,
     );
     println!(
         "  throughput (image bytes / time): published+durable cryo {:.2}, bare {:.2} GB/s \
@@ -325,6 +361,8 @@ pub(crate) struct Arm {
     steps: [[f64; 3]; 3],
     /// cryo's CRIU restore phases ([`PHASES`]), warm then cold; NaN for the bare route.
     phases: [[f64; 5]; 2],
+    /// cryo's dump phases ([`DUMP_PHASES`]); NaN for the bare route.
+    dump_phases: [f64; 5],
     image_bytes: u64,
 }
 
@@ -527,6 +565,7 @@ impl Bench {
         let f: serde_json::Value =
             serde_json::from_str(&out).context("parsing cryo freeze --json")?;
         let freeze_steps = steps(&f, ["suspend_ms", "dump_ms", "publish_ms"]);
+        let dump_phases = DUMP_PHASES.map(|k| f["dump_phases"][k].as_f64().unwrap_or(f64::NAN));
         // Every cost of the process outside its own clock counts against its moments.
         let outside = durable - f["elapsed_ms"].as_f64().unwrap_or(0.0);
         let [gpu_free, gone] =
@@ -547,6 +586,7 @@ impl Bench {
             moments: [gpu_free, gone, durable, warm, cold],
             steps: [freeze_steps, warm_steps, cold_steps],
             phases: [warm_phases, cold_phases],
+            dump_phases,
             image_bytes,
         })
     }
@@ -637,6 +677,7 @@ impl Bench {
                 cold_steps,
             ],
             phases: [[f64::NAN; 5]; 2],
+            dump_phases: [f64::NAN; 5],
             image_bytes: 0,
         })
     }

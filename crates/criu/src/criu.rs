@@ -300,9 +300,9 @@ impl CriuRpc {
             ..Default::default()
         };
         tracing::debug!(dir = %images_dir.display(), work = %work_path.display(), "criu restore");
-        let resp = self.call(op, &req)?;
-        drop((dir, work));
         let log = work_path.join(RESTORE_LOG);
+        let resp = self.call(op, &req, &log)?;
+        drop((dir, work));
         match resp.restore {
             Some(r) if resp.success => Ok(r.pid),
             _ => {
@@ -440,38 +440,21 @@ impl CriuRpc {
             .ok()
         };
         let (gate_pidfd, log_pidfd) = (pidfd(), pidfd());
-        let ended = std::sync::atomic::AtomicBool::new(false);
+        // Dropped once CRIU has been waited for: a log file's keeper finishes it then.
+        let (ended, ended_rx) = std::sync::mpsc::channel::<()>();
         let (status, verdict, timed_out) = std::thread::scope(|s| {
             s.spawn(work);
             let log_path = log.path().to_path_buf();
-            let ended = &ended;
             let copied = s.spawn(move || match log {
                 Log::Pipe(l) => l.copy(log_pidfd),
-                Log::File(mut f) => {
-                    use rustix::event::{poll, PollFd, PollFlags};
-                    use std::sync::atomic::Ordering::Relaxed;
-                    // A punch every 100 ms (the file gives no event to wait for) until CRIU
-                    // exits (its pidfd, without a wait) or has been waited for.
-                    while !ended.load(Relaxed) {
-                        if let Err(e) = f.punch() {
-                            tracing::debug!(error = %e, "cannot punch CRIU's log");
-                        }
-                        match &log_pidfd {
-                            Some(p) => {
-                                let mut fds = [PollFd::new(p, PollFlags::IN)];
-                                if matches!(poll(&mut fds, 100), Ok(n) if n > 0) {
-                                    break;
-                                }
-                            }
-                            None => std::thread::sleep(std::time::Duration::from_millis(100)),
-                        }
-                    }
-                    f.finish()
+                Log::File(f) => {
+                    drop(log_pidfd);
+                    f.keep_capped(&ended_rx)
                 }
             });
             let judged = s.spawn(move || gate.judge(verdict, gate_pidfd));
             let (status, timed_out) = wait_until(&mut child, deadline);
-            ended.store(true, std::sync::atomic::Ordering::Relaxed);
+            drop(ended);
             // Unblocks the accept if CRIU never connected (a connection ends with CRIU).
             if let Some(l) = listener {
                 let _ = nix::sys::socket::shutdown(l.as_raw_fd(), nix::sys::socket::Shutdown::Both);
@@ -482,16 +465,7 @@ impl CriuRpc {
                     reason: "the gate thread panicked".into(),
                 })))
             });
-            match copied.join() {
-                Ok(Ok(c)) if c.cut > 0 => {
-                    tracing::warn!(log = %log_path.display(), total = c.total, cut = c.cut, "CRIU's log was cut to its cap");
-                }
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => {
-                    tracing::warn!(log = %log_path.display(), error = %e, "copying CRIU's log failed");
-                }
-                Err(_) => tracing::warn!("the log copy thread panicked"),
-            }
+            report_log(&log_path, copied.join());
             (status, verdict, timed_out)
         });
         Ok(Gated {
@@ -501,10 +475,26 @@ impl CriuRpc {
         })
     }
 
-    fn call(&self, op: CriuOp, req: &CriuReq) -> Result<crate::rpc::CriuResp, CriuError> {
-        Swrk::start(&self.bin, self.lib_dir.as_deref())
-            .and_then(|s| s.call(req))
-            .map_err(|source| CriuError::Rpc { op, source })
+    /// One `criu swrk` exchange, CRIU's log file `log` (the one `req` names) kept within the
+    /// cap for as long as it lasts ([`FileCap::keep_capped`]): CRIU's RPC takes only a file
+    /// name for its log, and a looping CRIU would otherwise fill the disk.
+    fn call(
+        &self,
+        op: CriuOp,
+        req: &CriuReq,
+        log: &Path,
+    ) -> Result<crate::rpc::CriuResp, CriuError> {
+        let (done, done_rx) = std::sync::mpsc::channel::<()>();
+        let keeper = FileCap::new(log, self.log_cap);
+        std::thread::scope(|s| {
+            let kept = s.spawn(move || keeper.keep_capped(&done_rx));
+            let resp = Swrk::start(&self.bin, self.lib_dir.as_deref())
+                .and_then(|s| s.call(req))
+                .map_err(|source| CriuError::Rpc { op, source });
+            drop(done);
+            report_log(log, kept.join());
+            resp
+        })
     }
 }
 
@@ -535,7 +525,7 @@ impl Criu for CriuRpc {
             ..Default::default()
         };
         tracing::debug!(pid, dir = %images_dir.display(), criu = %self.bin.display(), "criu dump");
-        let resp = self.call(op, &req)?;
+        let resp = self.call(op, &req, &images_dir.join(DUMP_LOG))?;
         drop(dir);
         if resp.success {
             Ok(())
@@ -582,6 +572,7 @@ impl Criu for CriuRpc {
             .map_err(dir_err(&p))?;
         tracing::debug!(pid, staging = %staging.path().display(), "criu dump --stream");
         let capture = staging.capture();
+        let clock = capture.clock();
         let Gated {
             status, verdict, ..
         } = self.run_gated(
@@ -592,8 +583,14 @@ impl Criu for CriuRpc {
             gate,
             None,
             || capture.serve(&listener),
-            |_| capture.written().map_err(CriuError::Image),
+            |_| {
+                image::CaptureClock::mark(&clock.gate);
+                let v = capture.written().map_err(CriuError::Image);
+                image::CaptureClock::mark(&clock.verdict);
+                v
+            },
         )?;
+        image::CaptureClock::mark(&clock.criu_exit);
         tracing::debug!(%status, written = capture.written_bytes(), "criu dump --stream ended");
         if let Some(e) = capture.failure() {
             return Err(CriuError::Image(e));
@@ -826,6 +823,20 @@ impl Log {
     }
 }
 
+/// Says what happened to CRIU's capped log `log` (a copy or keeper thread's result).
+fn report_log(log: &Path, joined: std::thread::Result<std::io::Result<crate::log::Copied>>) {
+    match joined {
+        Ok(Ok(c)) if c.cut > 0 => {
+            tracing::warn!(log = %log.display(), total = c.total, cut = c.cut, "CRIU's log was cut to its cap");
+        }
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => {
+            tracing::warn!(log = %log.display(), error = %e, "keeping CRIU's log failed");
+        }
+        Err(_) => tracing::warn!("the log thread panicked"),
+    }
+}
+
 /// Where a gated CRIU command reads or writes the image.
 enum Images<'a> {
     /// Through cryo's streamer socket in the private directory (`--stream`).
@@ -861,6 +872,41 @@ pub struct RestorePhases {
     pub verdict_ms: Option<u64>,
     /// CRIU exited.
     pub criu_exit_ms: Option<u64>,
+}
+
+/// The moments of one streamed dump, ms from the start of the dump (`None`: not reached or
+/// not measured), so a slow freeze says whether CRIU, the capture or the hashes were the slow
+/// side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct DumpPhases {
+    /// Every byte CRIU sent is in the staging files (page cache).
+    pub received_ms: Option<u64>,
+    /// CRIU reached cryo's gate (`post-dump`): every image sent, the tree still frozen.
+    pub gate_ms: Option<u64>,
+    /// The gate's verdict (it waited for every byte to be written); CRIU then kills the tree.
+    pub verdict_ms: Option<u64>,
+    /// CRIU exited.
+    pub criu_exit_ms: Option<u64>,
+    /// Every chunk hashed (publish waits for it while it fsyncs).
+    pub hashed_ms: Option<u64>,
+}
+
+impl DumpPhases {
+    /// The moments `clock` holds, from `start`.
+    pub fn of(clock: &image::CaptureClock, start: std::time::Instant) -> DumpPhases {
+        let since = |t: Option<std::time::Instant>| {
+            t.map(|t| {
+                u64::try_from(t.saturating_duration_since(start).as_millis()).unwrap_or(u64::MAX)
+            })
+        };
+        DumpPhases {
+            received_ms: since(clock.received()),
+            gate_ms: since(clock.gate()),
+            verdict_ms: since(clock.verdict()),
+            criu_exit_ms: since(clock.criu_exit()),
+            hashed_ms: since(clock.hashed()),
+        }
+    }
 }
 
 /// What [`CriuRpc::run_gated`] saw.

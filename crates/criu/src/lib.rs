@@ -44,8 +44,8 @@ pub mod scratch;
 mod version;
 
 pub use criu::{
-    error_lines, AtGate, Criu, CriuFlags, CriuRpc, DumpOpts, RestoreOpts, RestorePhases, Restored,
-    ThawRoute, CRIU_ENV, DEFAULT_CRIU, DUMP_LOG, RESTORE_LOG,
+    error_lines, AtGate, Criu, CriuFlags, CriuRpc, DumpOpts, DumpPhases, RestoreOpts,
+    RestorePhases, Restored, ThawRoute, CRIU_ENV, DEFAULT_CRIU, DUMP_LOG, RESTORE_LOG,
 };
 pub use error::{CriuError, CriuOp};
 pub use image::{ImageError, Manifest};

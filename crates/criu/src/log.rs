@@ -25,10 +25,12 @@
 //! (`FALLOC_FL_PUNCH_HOLE`: the disk holds the head and the tail only); once CRIU exited, the
 //! file is cut to head, one line and tail.
 //!
+//! The `criu swrk` routes (`CRYO_DUMP_STREAM=0`, `restore_dir` for tests and tools) log into
+//! a file too (CRIU's RPC takes a file name for its log): it is kept capped the same way for as
+//! long as the exchange with CRIU lasts.
+//!
 //! # Limitations
-//! Only CRIU run as a command logs through here (dump, restore and the standby's restore); the
-//! `criu swrk` routes (`CRYO_DUMP_STREAM=0`, `restore_dir` for tests and tools) cannot: CRIU's
-//! RPC takes a plain file name for its log. If cryo is killed, a restore's log holds the head
+//! If cryo is killed, a restore's log holds the head
 //! only and a dump's log stays punched (sparse) without the line; a restore's pipe then has no
 //! reader, and a restorer that still logs after cryo's verdict raises `SIGPIPE` in its restored
 //! process (its GPU context is still checkpointed then: nothing live is torn down). A file system that cannot
@@ -187,6 +189,11 @@ pub(crate) struct FileCap {
 /// How far past its cap a file grows before the next punch.
 const PUNCH_SLACK: u64 = 1 << 20;
 
+/// How often a log file CRIU writes is punched (the file gives no event to wait for). CRIU's
+/// log grows by at most ~100 MB in that time (a restorer looping on one line wrote 2.7 GB in
+/// minutes).
+const PUNCH_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
+
 impl FileCap {
     pub(crate) fn new(path: &Path, cap: LogCap) -> FileCap {
         FileCap {
@@ -228,6 +235,25 @@ impl FileCap {
             self.punched = to;
         }
         Ok(())
+    }
+
+    /// Keeps the file within its cap while CRIU writes it: punches it every 100 ms until
+    /// `done` ends (its sender dropped: CRIU exited or answered), then [`FileCap::finish`]es it.
+    pub(crate) fn keep_capped(
+        mut self,
+        done: &std::sync::mpsc::Receiver<()>,
+    ) -> std::io::Result<Copied> {
+        use std::sync::mpsc::RecvTimeoutError;
+        loop {
+            if let Err(e) = self.punch() {
+                tracing::debug!(error = %e, "cannot punch CRIU's log");
+            }
+            match done.recv_timeout(PUNCH_EVERY) {
+                Err(RecvTimeoutError::Timeout) => continue,
+                _ => break,
+            }
+        }
+        self.finish()
     }
 
     /// Once CRIU exited: the file becomes its head, one line saying what was cut, and its

@@ -441,3 +441,79 @@ fn a_criu_that_logs_without_end_is_cut_to_its_cap() {
         "{lines:?}"
     );
 }
+
+/// Issue 16: the `criu swrk` routes (`CRYO_DUMP_STREAM=0`'s dump, `restore_dir`) take CRIU's
+/// log as a file name, and CRIU writes it itself: a CRIU that logs without end behind them no
+/// longer fills the disk. The fake CRIU writes 300 MB into the log the request names, then exits
+/// without answering; the log keeps its head and tail with the cut line, and its disk blocks
+/// stay within the cap. (Before: the whole 300 MB stayed.)
+#[test]
+fn a_criu_behind_swrk_that_logs_without_end_is_cut_to_its_cap() {
+    use std::os::unix::fs::MetadataExt;
+    let t = tempfile::tempdir().unwrap();
+    let images = t.path().join("images");
+    let work = t.path().join("work");
+    fs::create_dir_all(&images).unwrap();
+    fs::create_dir_all(&work).unwrap();
+    let fake = t.path().join("criu");
+    let line = "(00.000002) pie: 1: Error (criu/pie/restorer.c:1): preadv returned 0";
+    // `swrk` gets its request on a socket; the fake writes where this test's request points.
+    fs::write(
+        &fake,
+        format!(
+            "#!/bin/sh\ncase \"$*\" in *--version*) echo 'Version: 4.2'; exit 0;; esac\n\
+             for log in '{d}' '{r}'; do [ -e \"$log.go\" ] || continue; rm \"$log.go\"; \
+             {{ echo '(00.000001) the first line'; yes '{line}' | head -c 300000000; }} >>\"$log\"; done\n\
+             exit 1\n",
+            d = images.join("dump.log").display(),
+            r = work.join("restore.log").display(),
+        ),
+    )
+    .unwrap();
+    fs::set_permissions(&fake, fs::Permissions::from_mode(0o755)).unwrap();
+    let cap = cryo_criu::LogCap {
+        head: 64 << 10,
+        tail: 64 << 10,
+    };
+    let criu = CriuRpc::at(fake).unwrap().with_log_cap(cap);
+    let check = |log: &Path| {
+        let m = fs::metadata(log).unwrap();
+        assert!(
+            m.len() <= (128 << 10) + 200 && m.blocks() * 512 <= (128 << 10) + 8192,
+            "{}: {} bytes, {} on disk",
+            log.display(),
+            m.len(),
+            m.blocks() * 512
+        );
+        let text = fs::read_to_string(log).unwrap();
+        assert!(
+            text.starts_with("(00.000001) the first line\n"),
+            "{}",
+            &text[..80]
+        );
+        assert!(text.contains("bytes of CRIU's log cut here"), "no cut line");
+        // The tail is where CRIU was when it stopped (possibly mid-line).
+        let tail = &text[text.len() - 1000..];
+        assert!(tail.contains("preadv returned 0\n"), "{tail}");
+    };
+
+    let dump_log = images.join("dump.log");
+    fs::write(t.path().join("images/dump.log.go"), b"").unwrap();
+    let err = criu.dump(1, &images, &DumpOpts::default()).unwrap_err();
+    assert!(matches!(err, CriuError::Rpc { .. }), "{err}");
+    check(&dump_log);
+
+    let restore_log = work.join("restore.log");
+    fs::write(work.join("restore.log.go"), b"").unwrap();
+    let err = criu
+        .restore_dir(
+            &images,
+            &RestoreOpts {
+                work_dir: Some(work.clone()),
+                ..RestoreOpts::default()
+            },
+        )
+        .unwrap_err();
+    assert!(matches!(err, CriuError::Rpc { .. }), "{err}");
+    check(&restore_log);
+}

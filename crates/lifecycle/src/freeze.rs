@@ -38,7 +38,7 @@
 //! traced by anything but the watcher are refused rather than detached.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+
 use std::time::{Duration, Instant};
 
 use cryo_criu::image::{
@@ -107,6 +107,10 @@ pub struct FreezeReport {
     /// From the start of the freeze to the dump done and (unless left running) every process
     /// of the tree gone, ms.
     pub worker_gone_ms: u64,
+    /// The streamed dump's moments, ms from the dump's start (absent for a dump CRIU wrote
+    /// itself).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dump_phases: Option<cryo_criu::DumpPhases>,
     /// Whether the tree is still running (`leave_running`).
     pub left_running: bool,
     /// Without `leave_running`: what still holds the tree's pids after [`crate::reaped::REAP_WAIT`]
@@ -553,6 +557,8 @@ fn freeze_inner(
     }
     let dump_ms = ms(t.elapsed());
     let worker_gone_ms = ms(start.elapsed());
+    let dump_start = t;
+    let dump_clock = staging.capture_clock();
     // A record for the timeline and metrics only: the dump is done (and the tree gone unless
     // left running), so failing the freeze over it would lose the image.
     if let Err(e) = journal.append(Event::Dumped {
@@ -580,6 +586,7 @@ fn freeze_inner(
     });
     progress.end(root, "publish", published.is_ok(), "");
     let publish_ms = ms(t.elapsed());
+    let dump_phases = dump_clock.map(|c| cryo_criu::DumpPhases::of(&c, dump_start));
     let manifest = match published {
         Ok(m) => m,
         Err(e) => {
@@ -618,6 +625,7 @@ fn freeze_inner(
         publish_ms,
         gpu_free_ms,
         worker_gone_ms,
+        dump_phases,
         left_running: opts.leave_running,
         pids_held,
         elapsed_ms: ms(start.elapsed()),
@@ -765,16 +773,19 @@ pub(crate) fn with_dir_progress<T>(
     f: impl FnOnce() -> T,
 ) -> T {
     progress.begin(pid, step, total);
-    let done = AtomicBool::new(false);
+    // The step ends the moment `f` returns: the reporter is woken, never waited for while it
+    // sleeps (a sleeping reporter held the end of every dump back by up to 100 ms).
+    let (done, stop) = std::sync::mpsc::channel::<()>();
     std::thread::scope(|s| {
-        s.spawn(|| {
-            while !done.load(Ordering::Relaxed) {
-                std::thread::sleep(Duration::from_millis(100));
+        s.spawn(move || {
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                stop.recv_timeout(Duration::from_millis(100))
+            {
                 progress.advance(pid, cryo_criu::image::dir_bytes(dir));
             }
         });
         let out = f();
-        done.store(true, Ordering::Relaxed);
+        drop(done);
         out
     })
 }

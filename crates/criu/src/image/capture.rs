@@ -8,27 +8,42 @@
 //! file's name (a 4-byte length and an `img_streamer_request_entry`; no reply) and the read end
 //! of a fresh pipe (`SCM_RIGHTS`), then writes the file into the pipe and closes it.
 //!
-//! cryo receives each file on its own thread, which fills a chunk-sized buffer from the pipe and
-//! hands it at once to a thread that hashes it (BLAKE3: the manifest's chunk digest) and to one
-//! that writes it into `STAGING/NAME` (a new file, never an existing one); one flusher thread per capture starts
-//! the writeback of every chunk written (`sync_file_range`), so the disk works while CRIU still
-//! dumps and publish's fsync waits only for the tail. The writeback is off the writers' path:
-//! `sync_file_range` blocks while the disk's queue is full, and a writer that waited for the
-//! disk held CRIU's `post-dump` (and the end of the worker) back to disk speed (1 GiB: worker
-//! gone 1.2 s against the bare route's 0.8 s). The writers wait for the flusher only once they
-//! are [`MAX_LAG`] ahead of it. Files are received in parallel (one pages file per process).
+//! cryo receives each file on its own thread, which moves the pipe's pages straight into
+//! `STAGING/NAME` (a new file, never an existing one) with `splice(2)`: one copy, in the
+//! kernel, from CRIU's pipe into the page cache, as CRIU's own `criu dump` makes into its files.
+//! Each chunk, once in the page cache, goes to the capture's hashers (BLAKE3 of the chunk, read
+//! back from the page cache: the manifest's chunk digest) and to one flusher thread per capture,
+//! which starts its writeback (`sync_file_range`) so the disk works while CRIU still dumps and
+//! publish's fsync waits only for the tail. The writeback is off the receivers' path:
+//! `sync_file_range` blocks while the disk's queue is full, and a receiver that waited for the
+//! disk held CRIU's `post-dump` (and the end of the worker) back to disk speed. The receivers
+//! wait for the flusher only once they are [`MAX_LAG`] ahead of it. Files are received in
+//! parallel (one pages file per process).
+//!
+//! The hashers run beside the receivers at idle priority (`SCHED_IDLE`), on every core: a core
+//! CRIU and the receivers leave idle hashes, one they need is theirs; once publish waits for the
+//! hashes they go on at the normal priority. Session 6's capture read each chunk into cryo's
+//! memory and wrote it out (two copies, and the gate waited for the hash too): 1 GiB reached
+//! CRIU's `post-dump` in 1.5 s against CRIU's own 0.35 s into its files, on this 2-core host;
+//! CRIU's pages then waited in its `splice` into cryo's pipe.
 //!
 //! CRIU kills the dumped tree only once its `post-dump` action script passed; a failing script
 //! makes it resume the tree instead. That script waits at cryo's gate (see `criu.rs`) until cryo
 //! has written every byte it was sent into the staging files ([`Capture::written`]): a full disk
 //! or any other write error fails the dump while the tree is alive, never after it was killed.
+//! The gate does not wait for the hashes: every byte is then in cryo's staging files (root's,
+//! in a directory only root can enter), and the image is published only once every chunk is
+//! hashed ([`Capture::into_files`], which publish waits for while it fsyncs) and durable. A
+//! crash between the gate and the publish leaves no image (as a crash before the fsync always
+//! did), and a chunk that cannot be read back fails the publish.
 //! A name that is not a plain file name, a file sent twice, a pipe that fails or a write that
 //! fails refuses the capture: cryo stops reading (CRIU's next write fails) and the gate says no.
 //!
 //! # Limitations
 //! CRIU's log (`dump.log`) is written by CRIU itself into the staging directory (its work
 //! directory) and hashed at publish, as are any other files that did not come through the
-//! streamer. Up to five chunks per file are in memory at once.
+//! streamer. A file system whose files take no `splice` is written through a buffer instead
+//! (a copy more). Each hasher holds one chunk in memory.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -37,7 +52,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -48,22 +63,31 @@ use super::{hash, io, is_staging_name, sys, ImageError};
 /// The socket CRIU connects to, in the directory given to `criu dump --stream -D`.
 pub(crate) const CAPTURE_SOCKET: &str = "streamer-capture.sock";
 
-/// Chunks handed from a file's reader to its writer ahead of the one being written.
-const IN_FLIGHT: usize = 2;
+/// The size asked for CRIU's pipe of each file (past `fs.pipe-max-size`, which root may): CRIU
+/// splices into it and waits when it is full, cryo splices out of it. 1 GiB dumped: every byte
+/// received at 579 ms with 1 MiB, 507 ms with 32 MiB (load 3 on 2 cores). A pipe holds
+/// references to the pages CRIU spliced, not copies.
+const CAPTURE_PIPE_SIZE: i32 = 32 << 20;
 
 /// How long the gate waits for CRIU to close a file it still writes when it reached
 /// `post-dump` (CRIU closes every image before; one still open is a protocol surprise).
 const STILL_OPEN_WAIT: Duration = Duration::from_secs(10);
+
+/// At most this many hashers per capture (one per core below it).
+const MAX_HASHERS: usize = 4;
 
 /// Where one file stands.
 #[derive(Debug)]
 enum FileState {
     /// CRIU may still write into the pipe.
     Receiving,
-    /// The pipe ended; the last chunks are being written.
-    Draining,
-    /// Every byte written into the staging file.
-    Done(FileEntry),
+    /// Every byte written into the staging file (its chunks may still be hashed).
+    Written {
+        /// Bytes.
+        size: u64,
+        /// Chunks handed to the hashers.
+        chunks: usize,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -79,10 +103,9 @@ struct State {
 type Flush = (Arc<File>, u64, u64);
 
 /// How far the writers may run ahead of the writeback the flusher started. Within it a dump
-/// goes at the speed CRIU sends and cryo hashes (the disk catches up during publish's fsync);
-/// past it the writers wait for the disk, so dirty pages never reach the kernel's throttling
-/// (20% of memory by default), which slowed a 4 GiB dump from 2.1 to 4.3 s when nothing paced
-/// the writers.
+/// goes at the speed CRIU sends (the disk catches up during publish's fsync); past it the
+/// writers wait for the disk, so dirty pages never reach the kernel's throttling (20% of memory
+/// by default), which slowed a 4 GiB dump from 2.1 to 4.3 s when nothing paced the writers.
 const MAX_LAG: u64 = 1 << 30;
 
 /// The bytes whose writeback the flusher started, for the writers to wait on.
@@ -119,6 +142,251 @@ impl Started {
     }
 }
 
+/// When a capture and the dump around it reached their moments, for the freeze's report.
+#[derive(Debug, Default)]
+pub struct CaptureClock {
+    /// Every file CRIU sent so far written whole (the last one sets it).
+    received: Mutex<Option<Instant>>,
+    /// Every chunk hashed ([`Capture::into_files`]).
+    hashed: Mutex<Option<Instant>>,
+    /// CRIU at the gate (`post-dump`), the gate's verdict, CRIU's exit (set by the dump).
+    pub(crate) gate: Mutex<Option<Instant>>,
+    pub(crate) verdict: Mutex<Option<Instant>>,
+    pub(crate) criu_exit: Mutex<Option<Instant>>,
+}
+
+impl CaptureClock {
+    pub(crate) fn mark(slot: &Mutex<Option<Instant>>) {
+        *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+    }
+
+    fn get(slot: &Mutex<Option<Instant>>) -> Option<Instant> {
+        *slot.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Every byte CRIU sent in the staging files (page cache).
+    pub fn received(&self) -> Option<Instant> {
+        Self::get(&self.received)
+    }
+
+    /// Every chunk hashed.
+    pub fn hashed(&self) -> Option<Instant> {
+        Self::get(&self.hashed)
+    }
+
+    /// CRIU reached `post-dump`: every image sent, the tree still frozen.
+    pub fn gate(&self) -> Option<Instant> {
+        Self::get(&self.gate)
+    }
+
+    /// The gate's verdict written (CRIU then kills the tree).
+    pub fn verdict(&self) -> Option<Instant> {
+        Self::get(&self.verdict)
+    }
+
+    /// CRIU exited.
+    pub fn criu_exit(&self) -> Option<Instant> {
+        Self::get(&self.criu_exit)
+    }
+}
+
+/// One chunk for the hashers: read back from the staging file's page cache and hashed.
+struct HashJob {
+    name: Arc<str>,
+    index: usize,
+    file: Arc<File>,
+    offset: u64,
+    len: usize,
+}
+
+/// What the hashers found.
+#[derive(Debug, Default)]
+struct Hashed {
+    digests: BTreeMap<String, Vec<Option<String>>>,
+    failure: Option<ImageError>,
+}
+
+/// The capture's hashers: threads taking chunks from one queue, at idle priority
+/// (`SCHED_IDLE`: only on a core nothing else wants) until someone waits for them
+/// ([`Hashers::finish`]), then at the normal one.
+#[derive(Debug)]
+struct Hashers {
+    jobs: Mutex<Option<mpsc::Sender<HashJob>>>,
+    /// Someone waits for the hashes: the hashers leave idle priority.
+    urgent: Arc<AtomicBool>,
+    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    done: Arc<Mutex<Hashed>>,
+}
+
+impl Hashers {
+    fn start(dir: &Path) -> Hashers {
+        let (tx, rx) = mpsc::channel::<HashJob>();
+        let rx = Arc::new(Mutex::new(rx));
+        let done = Arc::new(Mutex::new(Hashed::default()));
+        let urgent = Arc::new(AtomicBool::new(false));
+        let n = std::thread::available_parallelism()
+            .map_or(1, usize::from)
+            .clamp(1, MAX_HASHERS);
+        let mut threads = Vec::new();
+        for _ in 0..n {
+            let (rx, done, dir) = (Arc::clone(&rx), Arc::clone(&done), dir.to_path_buf());
+            let urgent = Arc::clone(&urgent);
+            match std::thread::Builder::new()
+                .name("cryo-hash".into())
+                .spawn(move || hash_chunks(&rx, &done, &urgent, &dir))
+            {
+                Ok(t) => threads.push(t),
+                Err(e) => tracing::warn!(error = %e, "one hasher thread fewer"),
+            }
+        }
+        if threads.is_empty() {
+            done.lock().unwrap_or_else(|p| p.into_inner()).failure = Some(ImageError::Io {
+                path: dir.to_path_buf(),
+                source: std::io::Error::other("no hasher thread could be started"),
+            });
+        }
+        Hashers {
+            jobs: Mutex::new(Some(tx)),
+            urgent,
+            threads: Mutex::new(threads),
+            done,
+        }
+    }
+
+    fn sender(&self) -> Option<mpsc::Sender<HashJob>> {
+        self.jobs.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Takes no more chunks and waits for the hashers to finish what they have, at the normal
+    /// priority from now on.
+    fn finish(&self) {
+        self.urgent.store(true, Ordering::Relaxed);
+        drop(self.jobs.lock().unwrap_or_else(|p| p.into_inner()).take());
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|p| p.into_inner()));
+        for t in threads {
+            if t.join().is_err() {
+                self.done
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .failure
+                    .get_or_insert_with(|| ImageError::Io {
+                        path: PathBuf::new(),
+                        source: std::io::Error::other("a hasher thread panicked"),
+                    });
+            }
+        }
+    }
+}
+
+/// A hasher's life: reads each chunk it is given back from the page cache and hashes it.
+fn hash_chunks(
+    jobs: &Mutex<mpsc::Receiver<HashJob>>,
+    done: &Mutex<Hashed>,
+    urgent: &AtomicBool,
+    dir: &Path,
+) {
+    // Only priorities: a hasher that keeps its priority still hashes every chunk.
+    let mut idle = match sys::set_idle_priority(true) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::debug!(error = %e, "a hasher keeps its priority");
+            false
+        }
+    };
+    let mut buf = Vec::new();
+    loop {
+        if idle && urgent.load(Ordering::Relaxed) {
+            if let Err(e) = sys::set_idle_priority(false) {
+                tracing::debug!(error = %e, "a hasher stays at idle priority");
+            }
+            idle = false;
+        }
+        let job = {
+            let rx = jobs.lock().unwrap_or_else(|p| p.into_inner());
+            match rx.recv() {
+                Ok(j) => j,
+                Err(_) => return,
+            }
+        };
+        buf.resize(job.len, 0);
+        let read = job.file.read_exact_at(&mut buf, job.offset);
+        let mut d = done.lock().unwrap_or_else(|p| p.into_inner());
+        match read {
+            Ok(()) => {
+                let digest = hash::digest(DigestAlg::Blake3, &buf);
+                let v = d.digests.entry(job.name.to_string()).or_default();
+                if v.len() <= job.index {
+                    v.resize(job.index + 1, None);
+                }
+                v[job.index] = Some(digest);
+            }
+            Err(e) => {
+                let path = dir.join(&*job.name);
+                d.failure.get_or_insert(ImageError::Io { path, source: e });
+            }
+        }
+    }
+}
+
+/// Moves a file's bytes from CRIU's pipe into the staging file: `splice`, or through a buffer
+/// where the file system takes no `splice` (`EINVAL` before the first byte).
+struct Mover {
+    splice: bool,
+    buf: Vec<u8>,
+}
+
+impl Mover {
+    /// Moves up to `want` bytes from `pipe` into `file` at `offset`; fewer only at the end of
+    /// the pipe.
+    fn fill(
+        &mut self,
+        pipe: &File,
+        file: &File,
+        offset: u64,
+        want: usize,
+    ) -> std::io::Result<usize> {
+        use rustix::io::Errno;
+        let mut got = 0usize;
+        while got < want {
+            let at = offset + got as u64;
+            let n = if self.splice {
+                let mut off = at;
+                match rustix::pipe::splice(
+                    pipe,
+                    None,
+                    file,
+                    Some(&mut off),
+                    want - got,
+                    rustix::pipe::SpliceFlags::MOVE,
+                ) {
+                    Ok(n) => n,
+                    Err(Errno::INTR) => continue,
+                    Err(Errno::INVAL) if at == 0 => {
+                        tracing::debug!("no splice into this file system: through a buffer");
+                        self.splice = false;
+                        continue;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            } else {
+                self.buf.resize((want - got).min(1 << 20), 0);
+                let n = match (&*pipe).read(&mut self.buf) {
+                    Ok(n) => n,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(e),
+                };
+                file.write_all_at(&self.buf[..n], at)?;
+                n
+            };
+            if n == 0 {
+                break;
+            }
+            got += n;
+        }
+        Ok(got)
+    }
+}
+
 /// Receives one dump from CRIU into a staging directory.
 #[derive(Debug)]
 pub struct Capture {
@@ -127,6 +395,8 @@ pub struct Capture {
     /// To the flusher thread, which ends when this is dropped (with the capture).
     flush: Mutex<mpsc::Sender<Flush>>,
     started: Arc<Started>,
+    hashers: Hashers,
+    clock: Arc<CaptureClock>,
     state: Mutex<State>,
     changed: Condvar,
     written: AtomicU64,
@@ -163,6 +433,8 @@ impl Capture {
             chunk: chunk.max(1),
             flush: Mutex::new(flush),
             started,
+            hashers: Hashers::start(dir),
+            clock: Arc::default(),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             written: AtomicU64::new(0),
@@ -172,6 +444,11 @@ impl Capture {
 
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// When the capture (and the dump around it) reached its moments.
+    pub fn clock(&self) -> Arc<CaptureClock> {
+        Arc::clone(&self.clock)
     }
 
     /// Bytes written into the staging directory so far.
@@ -256,12 +533,8 @@ impl Capture {
         !self.failed()
     }
 
-    fn set(&self, name: &str, state: FileState) {
-        self.lock().files.insert(name.to_string(), state);
-        self.changed.notify_all();
-    }
-
-    /// Receives file `name` from `pipe` into the staging directory, hashing every chunk.
+    /// Receives file `name` from `pipe` into the staging directory, each chunk handed to the
+    /// hashers and the flusher as soon as it is in the page cache.
     fn receive(&self, name: &str, pipe: OwnedFd) -> Result<(), ImageError> {
         let path = self.dir.join(name);
         if let Some(reason) = bad_name(name) {
@@ -278,12 +551,17 @@ impl Capture {
             st.files.insert(name.to_string(), FileState::Receiving);
         }
         tracing::debug!(file = name, "CRIU writes an image file");
-        let _ = nix::fcntl::fcntl(
-            pipe.as_raw_fd(),
-            nix::fcntl::FcntlArg::F_SETPIPE_SZ(PIPE_SIZE),
-        );
+        // As large as the kernel lets cryo make it: fewer hand-overs between CRIU and cryo.
+        for size in [CAPTURE_PIPE_SIZE, PIPE_SIZE] {
+            match nix::fcntl::fcntl(pipe.as_raw_fd(), nix::fcntl::FcntlArg::F_SETPIPE_SZ(size)) {
+                Ok(_) => break,
+                Err(e) => tracing::debug!(size, error = %e, "CRIU's pipe keeps a smaller size"),
+            }
+        }
+        // Read back by the hashers.
         let file = Arc::new(
             File::options()
+                .read(true)
                 .write(true)
                 .create_new(true)
                 .mode(0o600)
@@ -292,95 +570,73 @@ impl Capture {
                 .map_err(io(&path))?,
         );
         let flush = self.flush.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let mut pipe = File::from(pipe);
-        let chunk = usize::try_from(self.chunk).unwrap_or(usize::MAX);
-        // Each chunk goes to a writer and a hasher at once (two cores' work, not one after the
-        // other); whichever lets go of it last hands the buffer back to the reader.
-        type Chunk = (u64, Arc<Vec<u8>>);
-        let (tx, rx) = mpsc::sync_channel::<Chunk>(IN_FLIGHT);
-        let (htx, hrx) = mpsc::sync_channel::<Chunk>(IN_FLIGHT);
-        let (free_tx, free_rx) = mpsc::channel::<Vec<u8>>();
-        let recycle = |buf: Arc<Vec<u8>>, free: &mpsc::Sender<Vec<u8>>| {
-            if let Ok(b) = Arc::try_unwrap(buf) {
-                let _ = free.send(b);
-            }
-        };
-        let (size, chunks) = std::thread::scope(|s| {
-            let (file, path) = (&file, &path);
-            let free = free_tx.clone();
-            let hasher = s.spawn(move || -> Vec<String> {
-                let mut digests = Vec::new();
-                for (_, buf) in hrx {
-                    digests.push(hash::digest(DigestAlg::Blake3, &buf));
-                    recycle(buf, &free);
-                }
-                digests
-            });
-            let writer = s.spawn(move || -> Result<(), ImageError> {
-                for (offset, buf) in rx {
-                    file.write_all_at(&buf, offset).map_err(io(path))?;
-                    let _ = flush.send((Arc::clone(file), offset, buf.len() as u64));
-                    let total = self.written.fetch_add(buf.len() as u64, Ordering::Relaxed);
-                    self.started.wait_for(total + buf.len() as u64);
-                    recycle(buf, &free_tx);
-                }
-                Ok(())
-            });
-            let mut offset = 0u64;
-            let read = loop {
-                let mut buf = free_rx
-                    .try_recv()
-                    .unwrap_or_else(|_| Vec::with_capacity(chunk));
-                buf.clear();
-                if let Err(e) = (&mut pipe).take(self.chunk).read_to_end(&mut buf) {
-                    break Err(ImageError::Stream {
-                        dir: self.dir.clone(),
-                        reason: format!("reading {name} from CRIU: {e}"),
-                    });
-                }
-                let n = buf.len();
-                if n == 0 {
-                    break Ok(());
-                }
-                let buf = Arc::new(buf);
-                // The writer stopped on an error, which it returns.
-                if htx.send((offset, Arc::clone(&buf))).is_err() || tx.send((offset, buf)).is_err()
-                {
-                    break Ok(());
-                }
-                offset += n as u64;
-                if n < chunk {
-                    // Short only at the end of the pipe.
-                    break Ok(());
-                }
-            };
-            drop((tx, htx));
-            if read.is_ok() {
-                self.set(name, FileState::Draining);
-            }
-            writer
-                .join()
-                .unwrap_or_else(|_| Err(io(path)(std::io::Error::other("writer panicked"))))?;
-            let digests = hasher
-                .join()
-                .map_err(|_| io(path)(std::io::Error::other("hasher panicked")))?;
-            read.map(|()| (offset, digests))
+        let hash = self.hashers.sender().ok_or_else(|| ImageError::Stream {
+            dir: self.dir.clone(),
+            reason: format!("{name} arrived after the capture was closed"),
         })?;
+        let shared: Arc<str> = Arc::from(name);
+        let pipe = File::from(pipe);
+        let chunk = usize::try_from(self.chunk).unwrap_or(usize::MAX);
+        let mut mover = Mover {
+            splice: true,
+            buf: Vec::new(),
+        };
+        let (mut offset, mut index) = (0u64, 0usize);
+        loop {
+            let n = mover
+                .fill(&pipe, &file, offset, chunk)
+                .map_err(|e| ImageError::Stream {
+                    dir: self.dir.clone(),
+                    reason: format!(
+                        "moving {name} from CRIU's pipe into {}: {e}",
+                        path.display()
+                    ),
+                })?;
+            if n == 0 {
+                break;
+            }
+            let job = HashJob {
+                name: Arc::clone(&shared),
+                index,
+                file: Arc::clone(&file),
+                offset,
+                len: n,
+            };
+            if hash.send(job).is_err() {
+                return Err(ImageError::Stream {
+                    dir: self.dir.clone(),
+                    reason: format!("the hashers stopped before {name} was whole"),
+                });
+            }
+            let _ = flush.send((Arc::clone(&file), offset, n as u64));
+            let total = self.written.fetch_add(n as u64, Ordering::Relaxed) + n as u64;
+            self.started.wait_for(total);
+            offset += n as u64;
+            index += 1;
+            if n < chunk {
+                // Short only at the end of the pipe.
+                break;
+            }
+        }
         self.set(
             name,
-            FileState::Done(FileEntry {
-                name: name.to_string(),
-                size,
-                sha256: String::new(),
-                chunks,
-            }),
+            FileState::Written {
+                size: offset,
+                chunks: index,
+            },
         );
+        CaptureClock::mark(&self.clock.received);
         Ok(())
     }
 
+    fn set(&self, name: &str, state: FileState) {
+        self.lock().files.insert(name.to_string(), state);
+        self.changed.notify_all();
+    }
+
     /// The gate's verdict at CRIU's `post-dump` stage: waits until every file CRIU sent is
-    /// written whole, and refuses if anything was refused or CRIU still holds a file open
-    /// (after [`STILL_OPEN_WAIT`]).
+    /// written whole (into the page cache; the hashes may still run), and refuses if anything
+    /// was refused or CRIU still holds a file open (after [`STILL_OPEN_WAIT`]).
     pub(crate) fn written(&self) -> Result<(), ImageError> {
         let since = Instant::now();
         let mut st = self.lock();
@@ -400,11 +656,10 @@ impl Capture {
                 .filter(|(_, f)| matches!(f, FileState::Receiving))
                 .map(|(n, _)| n)
                 .collect();
-            let draining = st.files.values().any(|f| matches!(f, FileState::Draining));
-            if open.is_empty() && !draining {
+            if open.is_empty() {
                 return Ok(());
             }
-            if !open.is_empty() && since.elapsed() >= self.still_open_wait {
+            if since.elapsed() >= self.still_open_wait {
                 return Err(ImageError::Stream {
                     dir: self.dir.clone(),
                     reason: format!("CRIU finished its dump with {open:?} still open"),
@@ -418,8 +673,11 @@ impl Capture {
         }
     }
 
-    /// Every file received, sorted by name; an error if any was refused or is not whole.
+    /// Waits for the hashers, then every file received with its chunk digests, sorted by
+    /// name; an error if any was refused, is not whole, or a chunk could not be hashed.
     pub(crate) fn into_files(self) -> Result<BTreeMap<String, FileEntry>, ImageError> {
+        self.hashers.finish();
+        CaptureClock::mark(&self.clock.hashed);
         let st = self.state.into_inner().unwrap_or_else(|p| p.into_inner());
         if let Some(e) = st.failure {
             return Err(e);
@@ -430,14 +688,38 @@ impl Capture {
                 reason: "the capture was refused".into(),
             });
         }
+        let mut hashed =
+            std::mem::take(&mut *self.hashers.done.lock().unwrap_or_else(|p| p.into_inner()));
+        if let Some(e) = hashed.failure {
+            return Err(e);
+        }
         st.files
             .into_iter()
-            .map(|(name, f)| match f {
-                FileState::Done(e) => Ok((name, e)),
-                _ => Err(ImageError::Stream {
+            .map(|(name, f)| {
+                let not_whole = |what: &str| ImageError::Stream {
                     dir: self.dir.clone(),
-                    reason: format!("{name}: not received whole"),
-                }),
+                    reason: format!("{name}: {what}"),
+                };
+                let FileState::Written { size, chunks } = f else {
+                    return Err(not_whole("not received whole"));
+                };
+                let digests = hashed.digests.remove(&name).unwrap_or_default();
+                if digests.len() != chunks {
+                    return Err(not_whole("not every chunk hashed"));
+                }
+                let chunks = digests
+                    .into_iter()
+                    .collect::<Option<Vec<String>>>()
+                    .ok_or_else(|| not_whole("not every chunk hashed"))?;
+                Ok((
+                    name.clone(),
+                    FileEntry {
+                        name,
+                        size,
+                        sha256: String::new(),
+                        chunks,
+                    },
+                ))
             })
             .collect()
     }

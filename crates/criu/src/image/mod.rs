@@ -57,8 +57,8 @@ use std::time::Duration;
 use nix::fcntl::{renameat2, Flock, FlockArg, RenameFlags};
 use time::format_description::well_known::Rfc3339;
 
-pub use capture::Capture;
 pub(crate) use capture::CAPTURE_SOCKET;
+pub use capture::{Capture, CaptureClock};
 pub use check::Check;
 pub use manifest::{
     DeviceUse, DigestAlg, FileEntry, FrozenShrink, ImageMeta, Manifest, ProcessEntry, ProcessGpu,
@@ -286,13 +286,14 @@ fn kick_writeback(dir: &Path, kicked: &mut BTreeMap<std::ffi::OsString, (File, u
 }
 
 /// Format-3 checksums of every file of `dir` (BLAKE3 per chunk, on rayon's pool), while every
-/// file is fsync'd on plain threads (a fsync waits on the disk, not on a core). The files of
-/// `known` were hashed as they were written (the capture): only their size is checked.
+/// file is fsync'd on plain threads (a fsync waits on the disk, not on a core). The files
+/// `known` gives (waited for while the fsyncs run) were hashed as they were written (the
+/// capture): only their size is checked.
 fn hash_and_sync(
     dir: &Path,
     names: &[String],
     chunk: u64,
-    known: &BTreeMap<String, FileEntry>,
+    known: impl FnOnce() -> Result<BTreeMap<String, FileEntry>, ImageError>,
 ) -> Result<Vec<FileEntry>, ImageError> {
     let mut opened = Vec::with_capacity(names.len());
     for n in names {
@@ -315,31 +316,34 @@ fn hash_and_sync(
         let syncers: Vec<_> = (0..SYNC_THREADS.min(opened.len()))
             .map(|_| s.spawn(sync_one))
             .collect();
-        let hashed: Result<Vec<FileEntry>, ImageError> = opened
-            .iter()
-            .zip(names)
-            .map(|((path, f, size), name)| {
-                if let Some(e) = known.get(name) {
-                    if e.size != *size {
-                        return Err(ImageError::Unexpected {
-                            file: path.clone(),
-                            reason: format!(
-                                "{size} bytes after the dump, {} written by the capture",
-                                e.size
-                            ),
-                        });
+        let known = known();
+        let hashed: Result<Vec<FileEntry>, ImageError> = known.and_then(|known| {
+            opened
+                .iter()
+                .zip(names)
+                .map(|((path, f, size), name)| {
+                    if let Some(e) = known.get(name) {
+                        if e.size != *size {
+                            return Err(ImageError::Unexpected {
+                                file: path.clone(),
+                                reason: format!(
+                                    "{size} bytes after the dump, {} written by the capture",
+                                    e.size
+                                ),
+                            });
+                        }
+                        return Ok(e.clone());
                     }
-                    return Ok(e.clone());
-                }
-                let chunks = hash::chunk_digests(f, *size, chunk).map_err(io(path))?;
-                Ok(FileEntry {
-                    name: name.clone(),
-                    size: *size,
-                    sha256: String::new(),
-                    chunks,
+                    let chunks = hash::chunk_digests(f, *size, chunk).map_err(io(path))?;
+                    Ok(FileEntry {
+                        name: name.clone(),
+                        size: *size,
+                        sha256: String::new(),
+                        chunks,
+                    })
                 })
-            })
-            .collect();
+                .collect()
+        });
         for h in syncers {
             h.join()
                 .map_err(|_| io(dir)(std::io::Error::other("fsync thread panicked")))??;
@@ -504,8 +508,10 @@ pub struct Staging {
     path: PathBuf,
     dir: PathBuf,
     chunk_size: u64,
-    /// The files a [`Capture`] wrote and hashed.
-    captured: std::sync::Mutex<BTreeMap<String, FileEntry>>,
+    /// The captures whose files publish takes (their hashes may still be running).
+    captured: std::sync::Mutex<Vec<Capture>>,
+    /// The last capture's clock.
+    clock: std::sync::Mutex<Option<std::sync::Arc<CaptureClock>>>,
     _lock: Flock<File>,
 }
 
@@ -539,6 +545,7 @@ impl Staging {
                         dir: dir.to_path_buf(),
                         chunk_size: DEFAULT_CHUNK_SIZE,
                         captured: std::sync::Mutex::default(),
+                        clock: std::sync::Mutex::default(),
                         _lock: lock,
                     })
                 }
@@ -590,17 +597,26 @@ impl Staging {
 
     /// A capture of a streamed dump into the staging directory (see [`Capture`]).
     pub fn capture(&self) -> Capture {
-        Capture::new(&self.path, self.chunk_size)
+        let c = Capture::new(&self.path, self.chunk_size);
+        *self.clock.lock().unwrap_or_else(|p| p.into_inner()) = Some(c.clock());
+        c
     }
 
-    /// Takes the files `capture` wrote and hashed: publish checks their sizes and does not hash
-    /// them again. Refuses a capture that was refused or is not whole.
+    /// When the last capture (and the dump around it) reached its moments.
+    pub fn capture_clock(&self) -> Option<std::sync::Arc<CaptureClock>> {
+        self.clock.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Takes the files `capture` wrote: publish waits for its hashes (while it fsyncs), checks
+    /// their sizes and does not hash them again. Refuses a capture that was refused.
     pub fn adopt(&self, capture: Capture) -> Result<(), ImageError> {
-        let files = capture.into_files()?;
+        if let Some(e) = capture.failure() {
+            return Err(e);
+        }
         self.captured
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .extend(files);
+            .push(capture);
         Ok(())
     }
 
@@ -622,13 +638,22 @@ impl Staging {
         step: &dyn Fn(PublishStep),
     ) -> Result<Manifest, ImageError> {
         let names = self.list()?;
-        let known = std::mem::take(&mut *self.captured.lock().unwrap_or_else(|p| p.into_inner()));
-        if let Some(gone) = known.keys().find(|k| !names.contains(k)) {
-            return Err(ImageError::Missing {
-                file: self.path.join(gone),
-            });
-        }
-        let files = hash_and_sync(&self.path, &names, self.chunk_size, &known)?;
+        let captures =
+            std::mem::take(&mut *self.captured.lock().unwrap_or_else(|p| p.into_inner()));
+        let path = self.path.clone();
+        let known = || -> Result<BTreeMap<String, FileEntry>, ImageError> {
+            let mut known = BTreeMap::new();
+            for c in captures {
+                known.extend(c.into_files()?);
+            }
+            if let Some(gone) = known.keys().find(|k| !names.contains(k)) {
+                return Err(ImageError::Missing {
+                    file: path.join(gone),
+                });
+            }
+            Ok(known)
+        };
+        let files = hash_and_sync(&self.path, &names, self.chunk_size, known)?;
         step(PublishStep::Synced);
         let created = time::OffsetDateTime::now_utc()
             .format(&Rfc3339)

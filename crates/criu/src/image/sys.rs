@@ -42,3 +42,22 @@ pub(crate) fn inherit(cmd: &mut std::process::Command, fd: std::os::fd::RawFd) {
         });
     }
 }
+
+/// Makes the calling thread run only when no other thread wants its core (`SCHED_IDLE`), or
+/// back at the normal policy (`SCHED_OTHER`).
+pub(crate) fn set_idle_priority(idle: bool) -> std::io::Result<()> {
+    let param = libc::sched_param { sched_priority: 0 };
+    let policy = if idle {
+        libc::SCHED_IDLE
+    } else {
+        libc::SCHED_OTHER
+    };
+    // SAFETY: a plain system call on the calling thread (0) with a parameter we own for its
+    // duration.
+    let r = unsafe { libc::sched_setscheduler(0, policy, &param) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
