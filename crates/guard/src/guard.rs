@@ -1708,12 +1708,7 @@ mod tests {
     }
 
     fn journal_events(state: &StateDir) -> Vec<Event> {
-        cryo_journal::read(state.root().join("journal"))
-            .unwrap()
-            .records
-            .into_iter()
-            .map(|r| r.event)
-            .collect()
+        state.read_journal().unwrap().into_events()
     }
 
     struct Scene {

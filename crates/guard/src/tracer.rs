@@ -850,14 +850,15 @@ impl Engine {
             handled,
         };
         tracing::info!(pid, tid, signal = %cryo_proc::signal_name(signal), "holding a fatal signal");
-        let token = self.hold(tid);
         let Some(target) = self.procs.get(&pid).map(|p| p.target.clone()) else {
             return;
         };
-        let policy = Arc::clone(&self.policy);
-        let mailbox = self.mailbox.clone();
-        let spawned = self.spawn_worker(
-            move || {
+        self.hold_for_policy(
+            pid,
+            tid,
+            "on a fatal signal (delivering it)",
+            signal,
+            move |policy| {
                 let decision =
                     catch_unwind(AssertUnwindSafe(|| policy.on_fatal_signal(&target, &fatal)))
                         .unwrap_or_else(|_| {
@@ -867,23 +868,12 @@ impl Engine {
                             );
                             Decision::Deliver
                         });
-                let signal = match decision {
-                    Decision::Deliver => fatal.signal,
-                    Decision::Discard => 0,
-                };
-                let _ = mailbox.call(|reply| Command::Resume {
-                    tid,
-                    token,
-                    signal,
-                    detach: false,
-                    reply,
-                });
+                match decision {
+                    Decision::Deliver => Resume::with(fatal.signal),
+                    Decision::Discard => Resume::with(0),
+                }
             },
-            || tracing::error!(pid, "could not run the policy; delivering the signal"),
         );
-        if !spawned {
-            self.release(pid, tid, signal);
-        }
     }
 
     fn on_leader_exit_stop(&mut self, pid: Pid, tid: Pid) {
@@ -895,39 +885,24 @@ impl Engine {
         };
         bump(&self.stats.pin_stops);
         tracing::info!(pid, ?cause, "process at its exit stop");
-        let token = self.hold(tid);
-        let policy = Arc::clone(&self.policy);
-        let mailbox = self.mailbox.clone();
-        let spawned = self.spawn_worker(
-            move || {
-                let fds = catch_unwind(AssertUnwindSafe(|| policy.fds_to_pin(&target)))
-                    .unwrap_or_default();
-                let (fds, failed) = target.handle().get_fds(&fds);
-                let pinned = PinnedFds {
-                    target: pid,
-                    fds,
-                    failed,
-                };
-                if catch_unwind(AssertUnwindSafe(|| {
-                    policy.on_exit_stop(&target, tid, cause, pinned);
-                }))
-                .is_err()
-                {
-                    tracing::error!(pid, "policy panicked at an exit stop");
-                }
-                let _ = mailbox.call(|reply| Command::Resume {
-                    tid,
-                    token,
-                    signal: 0,
-                    detach: false,
-                    reply,
-                });
-            },
-            || tracing::error!(pid, "could not run the policy at the exit stop"),
-        );
-        if !spawned {
-            self.release(pid, tid, 0);
-        }
+        self.hold_for_policy(pid, tid, "at the exit stop", 0, move |policy| {
+            let fds =
+                catch_unwind(AssertUnwindSafe(|| policy.fds_to_pin(&target))).unwrap_or_default();
+            let (fds, failed) = target.handle().get_fds(&fds);
+            let pinned = PinnedFds {
+                target: pid,
+                fds,
+                failed,
+            };
+            if catch_unwind(AssertUnwindSafe(|| {
+                policy.on_exit_stop(&target, tid, cause, pinned);
+            }))
+            .is_err()
+            {
+                tracing::error!(pid, "policy panicked at an exit stop");
+            }
+            Resume::with(0)
+        });
     }
 
     /// Whether another thread of `pid` is inside `execve` (see
@@ -967,27 +942,12 @@ impl Engine {
             return;
         };
         tracing::info!(pid, "leader killed by another thread's execve");
-        let token = self.hold(tid);
-        let policy = Arc::clone(&self.policy);
-        let mailbox = self.mailbox.clone();
-        let spawned = self.spawn_worker(
-            move || {
-                if catch_unwind(AssertUnwindSafe(|| policy.before_exec(&target))).is_err() {
-                    tracing::error!(pid, "policy panicked before an exec");
-                }
-                let _ = mailbox.call(|reply| Command::Resume {
-                    tid,
-                    token,
-                    signal: 0,
-                    detach: false,
-                    reply,
-                });
-            },
-            || tracing::error!(pid, "could not run the policy before an exec"),
-        );
-        if !spawned {
-            self.release(pid, tid, 0);
-        }
+        self.hold_for_policy(pid, tid, "before an exec", 0, move |policy| {
+            if catch_unwind(AssertUnwindSafe(|| policy.before_exec(&target))).is_err() {
+                tracing::error!(pid, "policy panicked before an exec");
+            }
+            Resume::with(0)
+        });
     }
 
     /// `PTRACE_EVENT_EXEC`: the exec succeeded. The execing thread has the leader's tid now and
@@ -1018,28 +978,49 @@ impl Engine {
             },
         );
         tracing::info!(pid, thread, "execve");
+        self.hold_for_policy(pid, tid, "at an exec", 0, move |policy| {
+            let after = catch_unwind(AssertUnwindSafe(|| policy.on_exec(&target, thread)))
+                .unwrap_or_else(|_| {
+                    tracing::error!(pid, "policy panicked at an exec");
+                    AfterExec::Keep
+                });
+            Resume {
+                signal: 0,
+                detach: after == AfterExec::Detach,
+            }
+        });
+    }
+
+    /// Holds thread `tid` of `pid` at its stop while `decide` asks the policy, on a thread of
+    /// its own (a policy may take seconds: a suspension), then resumes it as decided. When no
+    /// thread can be started, says so (`what`: where it stopped) and lets the thread go with
+    /// `fallback` (the signal it stopped with, or none).
+    fn hold_for_policy(
+        &mut self,
+        pid: Pid,
+        tid: Pid,
+        what: &'static str,
+        fallback: i32,
+        decide: impl FnOnce(&dyn Policy) -> Resume + Send + 'static,
+    ) {
         let token = self.hold(tid);
         let policy = Arc::clone(&self.policy);
         let mailbox = self.mailbox.clone();
         let spawned = self.spawn_worker(
             move || {
-                let after = catch_unwind(AssertUnwindSafe(|| policy.on_exec(&target, thread)))
-                    .unwrap_or_else(|_| {
-                        tracing::error!(pid, "policy panicked at an exec");
-                        AfterExec::Keep
-                    });
+                let r = decide(&*policy);
                 let _ = mailbox.call(|reply| Command::Resume {
                     tid,
                     token,
-                    signal: 0,
-                    detach: after == AfterExec::Detach,
+                    signal: r.signal,
+                    detach: r.detach,
                     reply,
                 });
             },
-            || tracing::error!(pid, "could not run the policy at an exec"),
+            || tracing::error!(pid, "could not run the policy {what}"),
         );
         if !spawned {
-            self.release(pid, tid, 0);
+            self.release(pid, tid, fallback);
         }
     }
 
@@ -1052,5 +1033,23 @@ impl Engine {
             on_fail();
         }
         ok
+    }
+}
+
+/// How a thread held for the policy goes on.
+struct Resume {
+    /// The signal to deliver (0: none).
+    signal: i32,
+    /// Detach the whole process instead of continuing it.
+    detach: bool,
+}
+
+impl Resume {
+    /// Continue, delivering `signal`.
+    fn with(signal: i32) -> Resume {
+        Resume {
+            signal,
+            detach: false,
+        }
     }
 }

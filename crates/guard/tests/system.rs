@@ -157,7 +157,7 @@ fn memory_cgroup_and_pressure_of_this_process() {
 /// its context live, and it was pinned and its GPU quarantined.)
 #[test]
 fn a_handled_sigterm_to_a_guarded_restored_worker_is_a_safe_stop() {
-    use cryo_journal::{Event, ProcId};
+    use cryo_journal::Event;
     let mut v = Victim::spawn();
     v.send("handle-term");
     v.lines.expect("ok");
@@ -165,29 +165,9 @@ fn a_handled_sigterm_to_a_guarded_restored_worker_is_a_safe_stop() {
     let state = cryo_state::StateDir::new(dir.path());
     let fake = cryo_testkit::fake::FakeGpu::new();
     fake.add(v.pid).mark_restored(v.pid);
-    let id = ProcId::of(v.pid).unwrap();
-    state
-        .open_journal()
-        .unwrap()
-        .append(Event::RestoreCompleted {
-            pid: id,
-            image: "test".into(),
-            ms: None,
-        })
-        .unwrap();
-    let mut cfg = cryo_guard::GuardConfig::new(state.clone());
-    cfg.memory = None;
-    let (guard, report) = cryo_guard::Guard::start(fake.gpu(), cfg).unwrap();
-    assert_eq!(report.attached, vec![id]);
+    let (guard, id) = guard_restored(&state, &fake, v.pid);
     v.signal(libc::SIGTERM);
-    let events = || -> Vec<Event> {
-        cryo_journal::read(state.root().join("journal"))
-            .unwrap()
-            .records
-            .into_iter()
-            .map(|r| r.event)
-            .collect()
-    };
+    let events = || state.read_journal().unwrap().into_events();
     cryo_testkit::eventually(cryo_testkit::PATIENCE, "the exit to be journaled", || {
         events()
             .iter()
@@ -207,6 +187,30 @@ fn a_handled_sigterm_to_a_guarded_restored_worker_is_a_safe_stop() {
     );
     assert!(guard.status().pins.is_empty());
     assert!(state.fence().list().unwrap().is_empty());
+}
+
+/// A guard of `state` (no memory watch) started once the journal says `pid` (on `fake`) was
+/// restored; it attached to it.
+fn guard_restored(
+    state: &cryo_state::StateDir,
+    fake: &cryo_testkit::fake::FakeGpu,
+    pid: i32,
+) -> (cryo_guard::Guard, cryo_journal::ProcId) {
+    let id = cryo_journal::ProcId::of(pid).unwrap();
+    state
+        .open_journal()
+        .unwrap()
+        .append(cryo_journal::Event::RestoreCompleted {
+            pid: id,
+            image: "test".into(),
+            ms: None,
+        })
+        .unwrap();
+    let mut cfg = cryo_guard::GuardConfig::new(state.clone());
+    cfg.memory = None;
+    let (guard, report) = cryo_guard::Guard::start(fake.gpu(), cfg).unwrap();
+    assert_eq!(report.attached, vec![id]);
+    (guard, id)
 }
 
 /// A peer connection the victim keeps (`connect PATH`): the test's end, and the victim's fd.
@@ -244,7 +248,7 @@ fn closed(ours: &std::os::unix::net::UnixStream) -> bool {
 /// new program is let go. Only the operator's release closes them. `single`: a one-threaded
 /// process; `from_thread`: the exec comes from a thread other than the leader.
 fn exec_keeps_the_driver_files_open(single: bool, from_thread: bool) {
-    use cryo_journal::{Event, ProcId};
+    use cryo_journal::Event;
     use cryo_state::fence::FencedGpu;
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("driver.sock");
@@ -260,20 +264,7 @@ fn exec_keeps_the_driver_files_open(single: bool, from_thread: bool) {
     fake.add(v.pid)
         .mark_restored(v.pid)
         .driver_files(v.pid, &[fd1]);
-    let id = ProcId::of(v.pid).unwrap();
-    state
-        .open_journal()
-        .unwrap()
-        .append(Event::RestoreCompleted {
-            pid: id,
-            image: "test".into(),
-            ms: None,
-        })
-        .unwrap();
-    let mut cfg = cryo_guard::GuardConfig::new(state.clone());
-    cfg.memory = None;
-    let (guard, report) = cryo_guard::Guard::start(fake.gpu(), cfg).unwrap();
-    assert_eq!(report.attached, vec![id]);
+    let (guard, id) = guard_restored(&state, &fake, v.pid);
     let standing = |g: &cryo_guard::Guard| g.status().guarded.first().map_or(0, |g| g.standing_fds);
     assert_eq!(standing(&guard), 1);
     // A driver file opened after the attach: taken by the next refresh.
@@ -286,14 +277,7 @@ fn exec_keeps_the_driver_files_open(single: bool, from_thread: bool) {
     } else {
         "exec /bin/sleep 1000"
     });
-    let events = || -> Vec<Event> {
-        cryo_journal::read(state.root().join("journal"))
-            .unwrap()
-            .records
-            .into_iter()
-            .map(|r| r.event)
-            .collect()
-    };
+    let events = || state.read_journal().unwrap().into_events();
     let thread = cryo_testkit::eventually(cryo_testkit::PATIENCE, "Execed", || {
         events().into_iter().find_map(|e| match e {
             Event::Execed { pid, thread } if pid == id => Some(thread),

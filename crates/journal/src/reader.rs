@@ -21,6 +21,11 @@ pub struct Scan {
 }
 
 impl Scan {
+    /// The events of the valid records, in file order.
+    pub fn into_events(self) -> Vec<crate::Event> {
+        self.records.into_iter().map(|r| r.event).collect()
+    }
+
     /// The records that `filter` keeps.
     pub fn filtered<'a>(&'a self, filter: &'a Filter) -> impl Iterator<Item = &'a Record> + 'a {
         self.records.iter().filter(move |r| filter.matches(r))
