@@ -149,7 +149,7 @@ pub struct BenchTelemetryArgs {
 /// `cryo bench guard`.
 #[derive(Debug, Clone, Args)]
 pub struct BenchGuardArgs {
-    /// Requests per arm (with and without the guard) in each repeat, sent in 20 batches per arm
+    /// Requests per arm (with and without the guard) in each repeat, sent in 40 batches per arm
     /// that alternate between the arms on the same worker.
     #[arg(long, default_value_t = 4000)]
     pub requests: usize,
@@ -164,6 +164,10 @@ pub struct BenchGuardArgs {
     /// Device memory of the bench worker.
     #[arg(long, default_value = "256MiB", value_parser = parse_size)]
     pub memory: u64,
+    /// Pin the client (this process's measuring thread) to the first CPU and the worker to the
+    /// last one during the latency measurement (the agent runs where the scheduler puts it).
+    #[arg(long)]
+    pub pin_cpus: bool,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,

@@ -246,8 +246,8 @@ pub fn run_agent(args: &BenchStopArgs, cryo: &Path) -> anyhow::Result<()> {
     agent.stop()
 }
 
-/// A `cryo agent run` of the benchmark's own (no TCP listener, no memory watch); killed on drop
-/// if it was not stopped.
+/// A `cryo agent run` of the benchmark's own (no TCP listener, no scan; no memory watch unless
+/// asked); killed on drop if it was not stopped.
 pub(crate) struct PrivateAgent {
     child: Child,
     client: cryo_api::AgentClient,
@@ -257,6 +257,17 @@ pub(crate) struct PrivateAgent {
 impl PrivateAgent {
     /// `exe agent run` on the simulated driver in `dir` (its log there too), state in `state`.
     pub(crate) fn start(exe: &Path, dir: &Path, state: &StateDir) -> anyhow::Result<PrivateAgent> {
+        Self::start_with(exe, dir, state, &["--no-memory-watch"])
+    }
+
+    /// As [`PrivateAgent::start`], with the memory watch as deployed (on, its default
+    /// interval): `extra` are more arguments of `agent run`.
+    pub(crate) fn start_with(
+        exe: &Path,
+        dir: &Path,
+        state: &StateDir,
+        extra: &[&str],
+    ) -> anyhow::Result<PrivateAgent> {
         std::fs::create_dir_all(state.root()).context("creating the agent's state directory")?;
         let log =
             std::fs::File::create(dir.join("agent.log")).context("creating the agent's log")?;
@@ -265,14 +276,8 @@ impl PrivateAgent {
             .arg(dir)
             .arg("--state-dir")
             .arg(state.root())
-            .args([
-                "agent",
-                "run",
-                "--no-metrics-listen",
-                "--no-memory-watch",
-                "--scan",
-                "none",
-            ])
+            .args(["agent", "run", "--no-metrics-listen", "--scan", "none"])
+            .args(extra)
             .env_remove(cryo_api::SOCKET_ENV)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -318,6 +323,11 @@ impl PrivateAgent {
             );
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+
+    /// Its pid.
+    pub(crate) fn pid(&self) -> Pid {
+        Pid::try_from(self.child.id()).unwrap_or(0)
     }
 
     /// Its client.

@@ -633,6 +633,7 @@ fn bench_guard_smoke() {
             "1",
             "--memory",
             "8MiB",
+            "--pin-cpus",
         ])
         .output()
         .unwrap();
@@ -644,6 +645,9 @@ fn bench_guard_smoke() {
     );
     assert!(
         text.contains("ratio guarded/unguarded")
+            && text.contains("per adjacent pair of batches (80 pairs)")
+            && text.contains("client and worker each pinned to a CPU")
+            && text.contains("CPU while the batches ran")
             && text.contains("issue 10's p99 budget")
             && text.contains("per repeat: p99 ratio")
             && text.contains("ratio guard/bare")

@@ -104,6 +104,55 @@ pub fn stat(pid: Pid) -> Result<Stat, ProcError> {
     Ok(s.into())
 }
 
+/// One thread's name and CPU time so far (`/proc/PID/task/TID/schedstat`: time on a CPU, ns).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ThreadCpu {
+    /// The thread.
+    pub tid: Pid,
+    /// Its name (`comm`, at most 15 bytes).
+    pub comm: String,
+    /// Nanoseconds it ran on a CPU.
+    pub cpu_ns: u64,
+}
+
+/// Every live thread of `pid` with its CPU time so far (threads that ended are not counted;
+/// a thread that ends while listed is left out).
+pub fn threads_cpu(pid: Pid) -> Result<Vec<ThreadCpu>, ProcError> {
+    let tasks = process(pid)?
+        .tasks()
+        .map_err(|e| ProcError::read(pid, "task", e))?;
+    let mut out = Vec::new();
+    for t in tasks.flatten() {
+        let (Ok(sched), Ok(stat)) = (t.schedstat(), t.stat()) else {
+            continue;
+        };
+        out.push(ThreadCpu {
+            tid: t.tid,
+            comm: stat.comm,
+            cpu_ns: sched.sum_exec_runtime,
+        });
+    }
+    Ok(out)
+}
+
+/// Pins every thread of `pid` to the CPUs `cpus` (threads it starts later inherit their
+/// creator's).
+pub fn pin_to_cpus(pid: Pid, cpus: impl IntoIterator<Item = usize>) -> Result<(), ProcError> {
+    let tasks = process(pid)?
+        .tasks()
+        .map_err(|e| ProcError::read(pid, "task", e))?;
+    let mut set = rustix::process::CpuSet::new();
+    for cpu in cpus {
+        set.set(cpu);
+    }
+    for t in tasks.flatten() {
+        let tid = rustix::process::Pid::from_raw(t.tid).ok_or(ProcError::NoSuchProcess(t.tid))?;
+        rustix::process::sched_setaffinity(Some(tid), &set)
+            .map_err(|e| ProcError::os("sched_setaffinity", t.tid, e.into()))?;
+    }
+    Ok(())
+}
+
 /// Reads `/proc/TID/status` (any thread id works, listed in `/proc` or not).
 pub fn status(tid: Pid) -> Result<Status, ProcError> {
     let s = process(tid)?
