@@ -1587,7 +1587,7 @@ fn position(env: &Env, f: impl Fn(&cryo_journal::Event) -> bool) -> Option<usize
 /// guard's detached list and the thawed worker with the same pid was never traced: a wedge.)
 #[test]
 fn a_guarded_worker_frozen_and_thawed_through_the_agent_is_guarded_and_its_kill_pinned() {
-    use cryo_journal::{AttachSource, Event, ProcId};
+    use cryo_journal::Event;
     let mut env = Env::start("1GiB");
     let agent = Agent::start(&env);
     let (pid, _sock) = env.worker("64MiB", 0);
@@ -1597,26 +1597,8 @@ fn a_guarded_worker_frozen_and_thawed_through_the_agent_is_guarded_and_its_kill_
     env.freeze(pid, &image);
     let out = env.thaw(&image, &[]);
     assert!(out.status.success(), "thaw: {}", stderr(&out));
-    assert!(
-        agent.traces(pid),
-        "the thawed worker is not traced by the agent"
-    );
-    let id = ProcId::of(pid).unwrap();
-    let attached = position(
-        &env,
-        |e| matches!(e, Event::GuardAttached { pid: p, source: AttachSource::Restore } if *p == id),
-    );
-    let unlocked = position(
-        &env,
-        |e| matches!(e, Event::Unlocked { pid: p, .. } if *p == id),
-    );
-    assert!(
-        attached.is_some() && attached < unlocked,
-        "journal order: attached {attached:?}, unlocked {unlocked:?}"
-    );
-    sigkill(pid);
-    eventually(PATIENCE, "the thawed worker to die", || !exists(pid));
-    env.thawed.retain(|p| *p != pid);
+    let id = assert_traced_before_unlock(&env, &agent, pid);
+    kill_thawed(&mut env, pid);
     eventually(
         PATIENCE,
         "the pins handed to the agent's pin holder",
@@ -1832,6 +1814,25 @@ fn a_thawed_worker_that_execs_is_pinned_not_torn_down() {
     assert_pinned_then_release(&env, id);
 }
 
+/// `cryo freeze PID --image IMAGE` through `agent`, once the agent says its freeze reached
+/// `failpoint` (the agent runs with it).
+fn freeze_paused_in(env: &Env, agent: &Agent, pid: i32, image: &Path, failpoint: &str) -> Child {
+    let freeze = env
+        .cmd()
+        .args(["freeze", &pid.to_string(), "--image"])
+        .arg(image)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    eventually(PATIENCE, "the agent's freeze at its failpoint", || {
+        agent
+            .log()
+            .contains(&format!("failpoint {failpoint} reached"))
+    });
+    freeze
+}
+
 /// A worker the agent guards (restored through it) whose freeze through the agent is paused at
 /// `failpoint` (the agent said so in its log) until `resume` exists.
 struct PausedFreeze {
@@ -1859,19 +1860,7 @@ impl PausedFreeze {
         assert!(agent.traces(pid), "a restore through the agent is traced");
         let id = cryo_journal::ProcId::of(pid).unwrap();
         let image = env.path().join(format!("img-{failpoint}"));
-        let freeze = env
-            .cmd()
-            .args(["freeze", &pid.to_string(), "--image"])
-            .arg(&image)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        eventually(PATIENCE, "the agent's freeze at its failpoint", || {
-            agent
-                .log()
-                .contains(&format!("failpoint {failpoint} reached"))
-        });
+        let freeze = freeze_paused_in(env, &agent, pid, &image, failpoint);
         PausedFreeze {
             agent,
             pid,
@@ -2108,4 +2097,88 @@ fn a_freeze_refused_after_the_suspension_gives_the_worker_back_before_its_unlock
     sigkill(pid);
     env.reap_worker(pid);
     assert_pinned_then_release(&env, id);
+}
+
+/// The seam between the lease and a thaw (attack): a worker killed while its freeze held the
+/// lease (checkpointed, untraced), the freeze refused, and right after, an older image of the
+/// same worker thawed through the agent: the thawed process has the dead one's pid, and the
+/// guard's record of the lease (by pid and start time) must neither take it for the leased
+/// process nor skip it. It is traced before its unlock (journal order), and its `kill -9` is
+/// pinned, not torn down.
+#[test]
+fn a_thaw_right_after_a_freeze_refused_after_the_suspension_is_guarded() {
+    use cryo_journal::ProcId;
+    let mut env = Env::start("1GiB");
+    let (pid, _sock) = env.worker("64MiB", 0);
+    // An older image of the worker, taken while no agent runs (it keeps running, restored).
+    let older = env.path().join("older");
+    let out = env.try_freeze(pid, &older, &["--leave-running"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let resume = env.path().join("resume");
+    let agent = Agent::spawn_with(&env, |c| {
+        c.env(
+            "CRYO_FAILPOINT",
+            cryo_lifecycle::freeze::FREEZE_AFTER_LET_GO,
+        )
+        .env("CRYO_FAILPOINT_RESUME", &resume);
+    });
+    assert!(
+        agent.traces(pid),
+        "the agent does not guard the restored worker"
+    );
+    let leased = ProcId::of(pid).unwrap();
+    let freeze = freeze_paused_in(
+        &env,
+        &agent,
+        pid,
+        &env.path().join("newer"),
+        cryo_lifecycle::freeze::FREEZE_AFTER_LET_GO,
+    );
+    sigkill(pid);
+    env.reap_worker(pid);
+    fs::write(&resume, "").unwrap();
+    let out = freeze.wait_with_output().unwrap();
+    assert!(
+        !out.status.success(),
+        "the freeze of a dead worker succeeded"
+    );
+    assert!(env.ledger().is_empty(), "wedge: {:?}", env.ledger());
+
+    let out = env.thaw(&older, &[]);
+    assert!(out.status.success(), "thaw: {}", stderr(&out));
+    let id = assert_traced_before_unlock(&env, &agent, pid);
+    assert_ne!(id, leased, "the same process thawed?");
+    kill_thawed(&mut env, pid);
+    assert_pinned_then_release(&env, id);
+}
+
+/// The thawed `pid` is traced by `agent`, and the journal shows it attached (source `restore`)
+/// before its unlock; its id.
+fn assert_traced_before_unlock(env: &Env, agent: &Agent, pid: i32) -> cryo_journal::ProcId {
+    use cryo_journal::{AttachSource, Event, ProcId};
+    assert!(
+        agent.traces(pid),
+        "the thawed worker is not traced by the agent"
+    );
+    let id = ProcId::of(pid).unwrap();
+    let attached = position(
+        env,
+        |e| matches!(e, Event::GuardAttached { pid: p, source: AttachSource::Restore } if *p == id),
+    );
+    let unlocked = position(
+        env,
+        |e| matches!(e, Event::Unlocked { pid: p, .. } if *p == id),
+    );
+    assert!(
+        attached.is_some() && attached < unlocked,
+        "journal order: attached {attached:?}, unlocked {unlocked:?}"
+    );
+    id
+}
+
+/// SIGKILLs the thawed `pid` and waits until it is gone.
+fn kill_thawed(env: &mut Env, pid: i32) {
+    sigkill(pid);
+    eventually(PATIENCE, "the thawed worker to die", || !exists(pid));
+    env.thawed.retain(|p| *p != pid);
 }
