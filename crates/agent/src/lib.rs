@@ -218,7 +218,7 @@ pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
     })?;
     let _lock = lock::NodeLock::take(&cfg.state.agent_lock())?;
     // What dumps and restores that died with an earlier agent left (their private directories).
-    cryo_criu::scratch::sweep(&cfg.state.criu_dir());
+    let swept = cryo_criu::scratch::sweep(&cfg.state.criu_dir());
     protect_from_oom();
     let read_group = match &cfg.read_group {
         None => None,
@@ -234,6 +234,7 @@ pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
         .map(|k| k8s::Kube::configure(k, drain))
         .transpose()?;
     let journal = cfg.state.open_journal()?;
+    cryo_lifecycle::thaw::journal_ended_restores(&journal, &swept.ended);
     let telemetry = Telemetry::start(&cfg.state, &cfg.telemetry)?;
     if let Some(addr) = telemetry.metrics_addr() {
         tracing::info!(%addr, "serving /metrics");

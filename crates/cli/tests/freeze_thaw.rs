@@ -1704,14 +1704,10 @@ fn an_agent_killed_between_a_thaws_restore_and_unlock_leaves_nothing_unguarded()
     drop(agent2);
 }
 
-/// Issue 16 item 2: a worker that holds a `flock` whose lock is also held outside it (it
-/// inherited the fd from a test runner's lock) is dumped holding the lock, and CRIU's restore
-/// waits for that lock forever. The thaw must end at its CRIU deadline, CRIU and what it
-/// restored (which never ran) killed, and the image must thaw once the lock is free. (Before
-/// the deadline, this thaw never returned.)
-#[test]
-fn a_criu_restore_that_blocks_ends_at_its_deadline_with_nothing_left() {
-    let mut env = Env::start("1GiB");
+/// A plain process that holds a `flock` whose lock this test also holds (it inherited the fd),
+/// frozen into `img`: CRIU's restore of it waits for the lock as long as the returned guard
+/// lives. Returns the guard, the process's pid and the image.
+fn frozen_holding_a_lock(env: &Env) -> (nix::fcntl::Flock<fs::File>, i32, PathBuf) {
     let lock = fs::File::create(env.path().join("held.lock")).unwrap();
     let held = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive).unwrap();
     let fd = std::os::fd::AsRawFd::as_raw_fd(&*held);
@@ -1738,6 +1734,18 @@ fn a_criu_restore_that_blocks_ends_at_its_deadline_with_nothing_left() {
     let out = env.try_freeze(pid, &image, &[]);
     assert!(out.status.success(), "freeze failed: {}", stderr(&out));
     sleeper.wait().unwrap();
+    (held, pid, image)
+}
+
+/// Issue 16 item 2: a worker that holds a `flock` whose lock is also held outside it (it
+/// inherited the fd from a test runner's lock) is dumped holding the lock, and CRIU's restore
+/// waits for that lock forever. The thaw must end at its CRIU deadline, CRIU and what it
+/// restored (which never ran) killed, and the image must thaw once the lock is free. (Before
+/// the deadline, this thaw never returned.)
+#[test]
+fn a_criu_restore_that_blocks_ends_at_its_deadline_with_nothing_left() {
+    let mut env = Env::start("1GiB");
+    let (held, pid, image) = frozen_holding_a_lock(&env);
 
     let t = Instant::now();
     let mut thaw = env
@@ -2181,4 +2189,114 @@ fn kill_thawed(env: &mut Env, pid: i32) {
     sigkill(pid);
     eventually(PATIENCE, "the thawed worker to die", || !exists(pid));
     env.thawed.retain(|p| *p != pid);
+}
+
+/// The CRIU processes working for `env` (their command line names its state directory).
+fn criu_procs(env: &Env) -> Vec<i32> {
+    let dir = env.path().join("state").join("criu");
+    let dir = dir.to_str().unwrap();
+    fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|p| {
+            fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| {
+                let c = String::from_utf8_lossy(&c);
+                c.split('\0').next().is_some_and(|a| a.ends_with("criu")) && c.contains(dir)
+            })
+        })
+        .collect()
+}
+
+/// Issue 16: a thaw killed before CRIU's gate left that CRIU running, and the processes it had
+/// restored (which never ran) with it: forever when a restored process waits for a file lock
+/// held elsewhere. What must happen: nothing restored ran nor holds a context before the gate,
+/// so ending CRIU and them is the safe teardown; the next command that sets CRIU up (here a
+/// second thaw) does it, the journal names what was ended, nothing live is torn down, and the
+/// image thaws once the lock is free. The thaw is SIGKILLed at two points before the gate: CRIU
+/// just started, and CRIU blocked with the image's processes half restored. (Before: CRIU and
+/// the half-restored root stayed; the next thaw found the image's pids taken.)
+#[test]
+fn a_thaw_killed_before_criu_s_gate_leaves_no_criu_and_nothing_it_restored() {
+    use cryo_journal::Event;
+    let mut env = Env::start("1GiB");
+    let (held, pid, image) = frozen_holding_a_lock(&env);
+
+    for point in ["CRIU started", "the image's processes half restored"] {
+        let mut thaw = env
+            .cmd()
+            .args(["thaw", image.to_str().unwrap()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        match point {
+            "CRIU started" => eventually(PATIENCE, "CRIU to start", || {
+                criu_dirs(&env)
+                    .iter()
+                    .any(|d| d.join("restoring.json").exists())
+            }),
+            _ => eventually(PATIENCE, "CRIU to restore the root", || exists(pid)),
+        }
+        thaw.kill().unwrap();
+        thaw.wait().unwrap();
+        let criu = criu_procs(&env);
+        assert!(!criu.is_empty(), "{point}: CRIU went with the thaw");
+
+        // The next thaw sets CRIU up: it ends what the dead one left, then fails at its own
+        // deadline (the lock is still held) and removes what it restored itself.
+        let second = env
+            .cmd()
+            .args(["thaw", image.to_str().unwrap(), "--criu-timeout", "3"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The dead thaw's CRIU and restored root are this test's (a subreaper's) to reap once
+        // killed, as init reaps them on a host.
+        let reap = || {
+            for p in criu.iter().chain([&pid]) {
+                let _ = nix::sys::wait::waitpid(
+                    nix::unistd::Pid::from_raw(*p),
+                    Some(nix::sys::wait::WaitPidFlag::WNOHANG),
+                );
+            }
+        };
+        let (t, mut second) = (Instant::now(), second);
+        while second.try_wait().unwrap().is_none() && t.elapsed() < Duration::from_secs(120) {
+            reap();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        reap();
+        let out = second.wait_with_output().unwrap();
+        let err = stderr(&out);
+        assert!(err.contains("did not finish within 3 s"), "{point}: {err}");
+        for c in &criu {
+            assert!(!exists(*c), "{point}: the dead thaw's CRIU {c} still runs");
+        }
+        // What the second thaw's own CRIU forked may still be on its way out.
+        eventually(PATIENCE, "no CRIU of this test left", || {
+            criu_procs(&env).is_empty()
+        });
+        assert!(!exists(pid), "{point}: a half-restored process is left");
+        let ended: Vec<String> = events(&env)
+            .into_iter()
+            .filter_map(|e| match e {
+                Event::ThawFailed { error, .. } if error.contains("before CRIU's gate") => {
+                    Some(error)
+                }
+                _ => None,
+            })
+            .collect();
+        assert!(
+            ended.iter().any(|e| criu
+                .iter()
+                .any(|c| e.contains(&format!("CRIU (pid {c}) killed")))),
+            "{point}: the journal does not say what was ended: {ended:?}"
+        );
+        env.sim.assert_no_wedge();
+    }
+
+    drop(held);
+    env.thaw_ok(&image, &[]);
+    env.stop_clean(pid);
 }

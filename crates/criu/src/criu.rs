@@ -13,7 +13,7 @@ use nix::fcntl::{Flock, FlockArg};
 
 use crate::error::{CriuError, CriuOp};
 use crate::image::{self, Image, ImageError, Staging};
-use crate::log::{CappedLog, FileCap, LogCap};
+use crate::log::{FileCap, LogCap};
 use crate::rpc::RpcError;
 use crate::rpc::{CriuOpts, CriuReq, CriuReqType, Swrk};
 use crate::scratch::{self, Private};
@@ -130,6 +130,12 @@ pub trait Criu: std::fmt::Debug + Send + Sync {
         at_gate: &AtGate<'_>,
     ) -> Result<Restored, CriuError>;
 
+    /// Restores of runs that died before CRIU's gate that setting this CRIU up ended (the
+    /// sweep of dead runs' directories, [`scratch::sweep`]): what a thaw journals.
+    fn ended_restores(&self) -> Vec<scratch::EndedRestore> {
+        Vec::new()
+    }
+
     /// The ones of `pids` a restore could not have: taken on this host as a pid, a process
     /// group or a session id ([`cryo_proc::pids_in_use`]).
     fn pids_in_use(&self, pids: &[Pid]) -> Vec<Pid> {
@@ -149,6 +155,8 @@ pub struct CriuRpc {
     /// Where each CRIU command gets its private directory; `None`: the temporary directory.
     scratch: Option<PathBuf>,
     log_cap: LogCap,
+    /// Restores of runs that died before CRIU's gate, ended by [`CriuRpc::in_scratch`]'s sweep.
+    ended: Vec<scratch::EndedRestore>,
 }
 
 impl CriuRpc {
@@ -185,6 +193,7 @@ impl CriuRpc {
             version,
             scratch: None,
             log_cap: LogCap::default(),
+            ended: Vec::new(),
         })
     }
 
@@ -197,6 +206,7 @@ impl CriuRpc {
             tracing::warn!(path = %path.display(), %error, "cannot remove a dead CRIU run's directory");
         }
         self.scratch = Some(root.to_path_buf());
+        self.ended = swept.ended;
         self
     }
 
@@ -355,10 +365,9 @@ impl CriuRpc {
         log: &str,
         flags: &CriuFlags,
         gate: &Gate,
-    ) -> std::io::Result<(Command, File, Log)> {
+    ) -> std::io::Result<(Command, File, FileCap)> {
         let mut cmd = self.command(private)?;
         cmd.args(head);
-        let dump = head.first() == Some(&"dump");
         match images {
             Images::Stream => {
                 cmd.arg("--stream").arg("-D").arg(private);
@@ -370,16 +379,12 @@ impl CriuRpc {
                     .arg(format!("/proc/self/fd/{}", fd.as_raw_fd()));
             }
         }
-        let (log, stdout) = if dump {
-            cmd.args(["-o", log]);
-            let f = FileCap::new(&work.join(log), self.log_cap);
-            (Log::File(f), Stdio::null())
-        } else {
-            // `-o -`: CRIU logs to its stdout, the capped log's pipe.
-            cmd.args(["-o", "-"]);
-            let (l, pipe) = CappedLog::pipe(&work.join(log), self.log_cap)?;
-            (Log::Pipe(l), Stdio::from(pipe))
-        };
+        // A file CRIU writes, kept within the cap: never a pipe to cryo, since CRIU's restorer
+        // and its parasite write the log from inside the restored or dumped processes, and a pipe
+        // whose reader (cryo) died raises SIGPIPE in them (see `crate::log`).
+        cmd.args(["-o", log]);
+        let log = FileCap::new(&work.join(log), self.log_cap);
+        let stdout = Stdio::null();
         cmd.arg("-W")
             .arg(work)
             .arg(format!("-v{}", flags.log_level))
@@ -415,12 +420,13 @@ impl CriuRpc {
         &self,
         op: CriuOp,
         mut cmd: Command,
-        log: Log,
+        log: FileCap,
         listener: Option<&UnixListener>,
         gate: Gate,
         deadline: Option<std::time::Duration>,
         work: impl FnOnce() + Send,
         verdict: impl FnOnce(Option<Pid>) -> Result<(), CriuError> + Send,
+        spawned: impl FnOnce(Pid),
     ) -> Result<Gated, CriuError> {
         let spawn_err = |source| CriuError::Rpc {
             op,
@@ -430,28 +436,20 @@ impl CriuRpc {
             },
         };
         let mut child = cmd.spawn().map_err(spawn_err)?;
+        spawned(child.id() as Pid);
         // Our copy of a log pipe's write end goes with the command: the copy sees its end.
         drop(cmd);
-        let pidfd = || {
-            rustix::process::pidfd_open(
-                rustix::process::Pid::from_child(&child),
-                rustix::process::PidfdFlags::empty(),
-            )
-            .ok()
-        };
-        let (gate_pidfd, log_pidfd) = (pidfd(), pidfd());
+        let gate_pidfd = rustix::process::pidfd_open(
+            rustix::process::Pid::from_child(&child),
+            rustix::process::PidfdFlags::empty(),
+        )
+        .ok();
         // Dropped once CRIU has been waited for: a log file's keeper finishes it then.
         let (ended, ended_rx) = std::sync::mpsc::channel::<()>();
         let (status, verdict, timed_out) = std::thread::scope(|s| {
             s.spawn(work);
             let log_path = log.path().to_path_buf();
-            let copied = s.spawn(move || match log {
-                Log::Pipe(l) => l.copy(log_pidfd),
-                Log::File(f) => {
-                    drop(log_pidfd);
-                    f.keep_capped(&ended_rx)
-                }
-            });
+            let copied = s.spawn(move || log.keep_capped(&ended_rx));
             let judged = s.spawn(move || gate.judge(verdict, gate_pidfd));
             let (status, timed_out) = wait_until(&mut child, deadline);
             drop(ended);
@@ -501,6 +499,10 @@ impl CriuRpc {
 impl Criu for CriuRpc {
     fn version(&self) -> CriuVersion {
         self.version
+    }
+
+    fn ended_restores(&self) -> Vec<scratch::EndedRestore> {
+        self.ended.clone()
     }
 
     fn dump(&self, pid: Pid, images_dir: &Path, opts: &DumpOpts) -> Result<(), CriuError> {
@@ -589,6 +591,7 @@ impl Criu for CriuRpc {
                 image::CaptureClock::mark(&clock.verdict);
                 v
             },
+            |_| {},
         )?;
         image::CaptureClock::mark(&clock.criu_exit);
         tracing::debug!(%status, written = capture.written_bytes(), "criu dump --stream ended");
@@ -676,6 +679,21 @@ impl Criu for CriuRpc {
             .map_err(dir_err(&p))?;
         tracing::debug!(image = %image.path().display(), private = %p.display(), ?route, "criu restore");
         let deadline = opts.deadline;
+        // What the sweep ends should this process die before the gate (see `scratch`).
+        let record = |criu: Pid| {
+            let rec = cryo_proc::stat(criu).map(|s| scratch::Restoring {
+                image: image.path().to_path_buf(),
+                pids: image.manifest().pids(),
+                criu,
+                criu_start: s.start_time,
+            });
+            if let Err(e) = rec
+                .map_err(std::io::Error::other)
+                .and_then(|r| private.record_restoring(&r))
+            {
+                tracing::warn!(error = %e, "cannot record the restore for the sweep");
+            }
+        };
         let at_gate = |root: Option<Pid>| {
             let root = root.ok_or_else(|| {
                 CriuError::Gate("CRIU's action script named no restored root".into())
@@ -702,6 +720,7 @@ impl Criu for CriuRpc {
                         server.finish().map_err(CriuError::Image)?;
                         at_gate(root)
                     },
+                    record,
                 )?;
                 (gated, server.served_bytes(), server.failure())
             }
@@ -721,6 +740,7 @@ impl Criu for CriuRpc {
                         check.finish().map_err(CriuError::Image)?;
                         at_gate(root)
                     },
+                    record,
                 )?;
                 phases.hashed_ms = check.hashed_at().and_then(since);
                 (gated, image.manifest().total_bytes, check.failure())
@@ -806,24 +826,7 @@ impl ThawRoute {
     }
 }
 
-/// Where a gated CRIU command's log goes (see [`crate::log`]).
-enum Log {
-    /// A restore's: CRIU's stdout, a pipe cryo copies.
-    Pipe(CappedLog),
-    /// A dump's: a file CRIU writes, kept within its cap.
-    File(FileCap),
-}
-
-impl Log {
-    fn path(&self) -> &Path {
-        match self {
-            Log::Pipe(l) => l.path(),
-            Log::File(f) => f.path(),
-        }
-    }
-}
-
-/// Says what happened to CRIU's capped log `log` (a copy or keeper thread's result).
+/// Says what happened to CRIU's capped log `log` (its keeper thread's result).
 fn report_log(log: &Path, joined: std::thread::Result<std::io::Result<crate::log::Copied>>) {
     match joined {
         Ok(Ok(c)) if c.cut > 0 => {
@@ -964,27 +967,48 @@ fn wait_until(
 /// restore one; it is named instead). Returns what is left and why.
 fn remove_unresumed(image: &Image) -> Vec<String> {
     let ours = std::process::id() as Pid;
-    let pids = image.manifest().pids();
     let tree = cryo_proc::tree(ours).unwrap_or_default();
-    let mut left = Vec::new();
-    for pid in tree.into_iter().filter(|p| pids.contains(p)) {
+    let (_, left) = end_unresumed(&image.manifest().pids(), |s| tree.contains(&s.pid));
+    reap_restored_root(image.manifest().root_pid);
+    left
+}
+
+/// Kills each of `pids` that runs, is `restored` (by its stat: what CRIU restored before a
+/// gate nobody passed) and holds no GPU driver fd; returns those killed and those left, and why.
+pub(crate) fn end_unresumed(
+    pids: &[Pid],
+    restored: impl Fn(&cryo_proc::Stat) -> bool,
+) -> (Vec<Pid>, Vec<String>) {
+    let (mut killed, mut left): (Vec<cryo_proc::ProcHandle>, Vec<String>) =
+        (Vec::new(), Vec::new());
+    for &pid in pids {
         let Ok(h) = cryo_proc::ProcHandle::open(pid) else {
             continue;
         };
+        if !h.stat().is_ok_and(|s| restored(&s)) {
+            continue;
+        }
         match h.driver_fds(cryo_proc::DriverFiles::Nvidia) {
-            Ok(fds) if fds.is_empty() => {
-                if let Err(e) = h.signal(nix::sys::signal::Signal::SIGKILL) {
-                    left.push(format!("pid {pid}: cannot kill it: {e}"));
-                }
-            }
+            Ok(fds) if fds.is_empty() => match h.signal(nix::sys::signal::Signal::SIGKILL) {
+                Ok(()) => killed.push(h),
+                Err(e) => left.push(format!("pid {pid}: cannot kill it: {e}")),
+            },
             Ok(fds) => left.push(format!(
                 "pid {pid}: holds GPU driver fds {fds:?}, left alone"
             )),
             Err(e) => left.push(format!("pid {pid}: cannot read its fds ({e}), left alone")),
         }
     }
-    reap_restored_root(image.manifest().root_pid);
-    left
+    // Gone, not dying: whoever looks for the image's pids next sees at most zombies.
+    for h in &killed {
+        if !h.wait_exit(std::time::Duration::from_secs(5)) {
+            left.push(format!("pid {}: killed, still exiting after 5 s", h.pid()));
+        }
+    }
+    (
+        killed.iter().map(cryo_proc::ProcHandle::pid).collect(),
+        left,
+    )
 }
 
 /// After a failed restore: CRIU killed what it restored, but the root is our child
@@ -1061,7 +1085,7 @@ impl Gate {
     /// A gate in `dir` for CRIU's stage `stage` (`post-restore`, `post-dump`).
     fn new(dir: &Path, stage: &str) -> std::io::Result<Gate> {
         let reached = dir.join("reached");
-        let gate = dir.join("gate");
+        let gate = dir.join(scratch::GATE);
         let quote = |p: &Path| -> std::io::Result<String> {
             let s = p.to_str().filter(|s| !s.contains('\''));
             s.map(|s| format!("'{s}'"))

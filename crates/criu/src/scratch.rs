@@ -11,8 +11,19 @@
 //! owner is gone. A directory kept after a failure (it holds the log the error names, marked
 //! `kept`) survives the sweep, the newest [`KEEP_FAILED`] of them.
 //!
+//! A restore records in its directory what it started ([`Restoring`]: CRIU's pid and start
+//! time, the image's pids) as soon as CRIU runs. A restore whose cryo died before CRIU's gate
+//! passed (no `ok` in the gate file) can never run what it restored (the gate's script fails
+//! without cryo's verdict), but CRIU may go on restoring for minutes, or forever when a restored
+//! process waits for a file lock held elsewhere: the sweep ends that CRIU (SIGKILL, by pidfd,
+//! if it is still the same process) and every process of the image that started after it and
+//! holds no GPU driver fd (none of them ever ran: they wait in CRIU's restorer), and says so
+//! ([`Swept::ended`]; a thaw journals it). Past the gate the restored tree may run and its
+//! processes hold contexts CRIU's caller was to restore: the sweep leaves those alone.
+//!
 //! # Limitations
-//! A directory whose owner died between making it and locking it (microseconds) has no lock
+//! A restore killed between spawning CRIU and recording it (one write) is not ended by the
+//! sweep; its CRIU still cannot pass the gate. A directory whose owner died between making it and locking it (microseconds) has no lock
 //! file: it is removed once older than [`UNLOCKED_GRACE`]. The sweep looks only at directories
 //! the running user owns, never through a link.
 
@@ -29,6 +40,58 @@ pub(crate) const RESTORE_PREFIX: &str = "cryo-criu-restore-";
 pub(crate) const DUMP_PREFIX: &str = "cryo-criu-dump-";
 /// The lock file inside each directory.
 const OWNER: &str = "owner";
+/// What a restore started ([`Restoring`]).
+const RESTORING: &str = "restoring.json";
+/// The gate's verdict file (`ok` once cryo let CRIU go on; see `criu.rs`'s `Gate`).
+pub(crate) const GATE: &str = "gate";
+
+/// What a restore started, recorded in its directory for the sweep.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Restoring {
+    /// The image.
+    pub(crate) image: PathBuf,
+    /// Its processes' pids (CRIU restores them with these).
+    pub(crate) pids: Vec<cryo_proc::Pid>,
+    /// CRIU's pid and start time (clock ticks since boot).
+    pub(crate) criu: cryo_proc::Pid,
+    pub(crate) criu_start: u64,
+}
+
+/// A restore whose cryo died before CRIU's gate, ended by [`sweep`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndedRestore {
+    /// The image it restored.
+    pub image: PathBuf,
+    /// CRIU, if it was still running (killed).
+    pub criu: Option<cryo_proc::Pid>,
+    /// Processes of the image it had restored (none ran), killed.
+    pub killed: Vec<cryo_proc::Pid>,
+    /// Processes left, and why (one holding a GPU driver fd is never killed here).
+    pub left: Vec<String>,
+}
+
+impl std::fmt::Display for EndedRestore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "a restore of {} whose cryo died before CRIU's gate: ",
+            self.image.display()
+        )?;
+        match self.criu {
+            Some(p) => write!(f, "CRIU (pid {p}) killed")?,
+            None => write!(f, "CRIU already gone")?,
+        }
+        write!(
+            f,
+            ", processes it had restored (none ran) killed: {:?}",
+            self.killed
+        )?;
+        if !self.left.is_empty() {
+            write!(f, "; left: {}", self.left.join("; "))?;
+        }
+        Ok(())
+    }
+}
 /// The mark of a directory kept for its log.
 const KEPT: &str = "kept";
 /// How many kept directories (failed runs' logs) the sweep leaves, the newest.
@@ -68,6 +131,13 @@ impl Private {
         &self.path
     }
 
+    /// Records what a restore started, for the sweep should this process die before the gate.
+    pub(crate) fn record_restoring(&self, r: &Restoring) -> std::io::Result<()> {
+        let tmp = self.path.join(format!("{RESTORING}.new"));
+        std::fs::write(&tmp, serde_json::to_vec(r).map_err(std::io::Error::other)?)?;
+        std::fs::rename(tmp, self.path.join(RESTORING))
+    }
+
     /// Leaves the directory in place (it holds the log an error names); the sweep keeps the
     /// newest [`KEEP_FAILED`] of those.
     pub(crate) fn keep(&mut self) {
@@ -99,6 +169,8 @@ pub struct Swept {
     pub removed: Vec<PathBuf>,
     /// Directories that could not be removed, and why.
     pub failed: Vec<(PathBuf, String)>,
+    /// Restores whose cryo died before CRIU's gate, ended.
+    pub ended: Vec<EndedRestore>,
 }
 
 /// Removes the private directories under `root` whose owner is gone (see the module docs),
@@ -152,6 +224,12 @@ pub fn sweep(root: &Path) -> Swept {
                 kept.push((meta.modified().unwrap_or(SystemTime::UNIX_EPOCH), path, l));
                 continue;
             }
+            if name.starts_with(RESTORE_PREFIX) {
+                if let Some(e) = end_restore(&path) {
+                    tracing::warn!("{e}");
+                    swept.ended.push(e);
+                }
+            }
         }
         remove(&path, &mut swept);
     }
@@ -163,6 +241,34 @@ pub fn sweep(root: &Path) -> Swept {
         tracing::info!(removed = ?swept.removed, "removed CRIU directories of runs that died");
     }
     swept
+}
+
+/// Ends what a restore recorded in `dir` started, if its cryo died before the gate.
+fn end_restore(dir: &Path) -> Option<EndedRestore> {
+    let rec: Restoring = serde_json::from_slice(&std::fs::read(dir.join(RESTORING)).ok()?).ok()?;
+    // Past the gate the tree may run: not the sweep's to end.
+    if std::fs::read(dir.join(GATE)).is_ok_and(|g| g.starts_with(b"ok")) {
+        return None;
+    }
+    let mut ended = EndedRestore {
+        image: rec.image.clone(),
+        criu: None,
+        killed: Vec::new(),
+        left: Vec::new(),
+    };
+    // CRIU first: it would restore further.
+    if let Ok(h) = cryo_proc::ProcHandle::open(rec.criu) {
+        if h.stat().is_ok_and(|s| s.start_time == rec.criu_start)
+            && h.signal(nix::sys::signal::Signal::SIGKILL).is_ok()
+        {
+            h.wait_exit(Duration::from_secs(5));
+            ended.criu = Some(rec.criu);
+        }
+    }
+    let (killed, left) = crate::criu::end_unresumed(&rec.pids, |s| s.start_time >= rec.criu_start);
+    ended.killed = killed;
+    ended.left = left;
+    (ended.criu.is_some() || !ended.killed.is_empty() || !ended.left.is_empty()).then_some(ended)
 }
 
 fn remove(path: &Path, swept: &mut Swept) {

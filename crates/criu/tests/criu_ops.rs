@@ -368,13 +368,16 @@ fn a_criu_that_logs_without_end_is_cut_to_its_cap() {
     assert!(nix::unistd::geteuid().is_root(), "trusted images need root");
     let t = tempfile::tempdir().unwrap();
     let fake = t.path().join("criu");
-    // Answers `--version`; a restore logs one first line, then the same error line forever
-    // (its stdout is the log: cryo runs it with `-o -`).
+    // Answers `--version`; a restore logs one first line, then the same error line 300 MB
+    // long into the log it is given (`-o NAME` in `-W DIR`), and hangs until its deadline.
     fs::write(
         &fake,
         "#!/bin/sh\ncase \"$*\" in *--version*) echo 'Version: 4.2'; exit 0;; esac\n\
-         echo '(00.000001) the first line'\n\
-         exec yes '(00.000002) pie: 1: Error (criu/pie/restorer.c:1): preadv returned 0'\n",
+         while [ $# -gt 0 ]; do case \"$1\" in -W) w=$2;; -o) o=$2;; esac; shift; done\n\
+         echo '(00.000001) the first line' >>\"$w/$o\"\n\
+         yes '(00.000002) pie: 1: Error (criu/pie/restorer.c:1): preadv returned 0' \
+         | head -c 300000000 >>\"$w/$o\"\n\
+         exec sleep 1000\n",
     )
     .unwrap();
     fs::set_permissions(&fake, fs::Permissions::from_mode(0o755)).unwrap();

@@ -364,6 +364,20 @@ fn major(v: &str) -> &str {
     v.split('.').next().unwrap_or(v)
 }
 
+/// Journals what setting CRIU up ended: restores whose cryo died before CRIU's gate (see
+/// `cryo_criu::scratch`), each a `ThawFailed` of its image saying what was killed. A record that
+/// cannot be written is logged: the processes are gone either way.
+pub fn journal_ended_restores(journal: &Journal, ended: &[cryo_criu::scratch::EndedRestore]) {
+    for e in ended {
+        if let Err(err) = journal.append(Event::ThawFailed {
+            image: e.image.display().to_string(),
+            error: e.to_string(),
+        }) {
+            tracing::error!(error = %err, "cannot journal {e}");
+        }
+    }
+}
+
 /// Thaws the image at `dir`, unless `fence` fences its GPUs. See the module docs. Between the
 /// GPU restore and the unlock, `watcher` (the guard, if any) traces every CUDA process while it
 /// is still LOCKED ([`Watcher::guard_before_unlock`]); if it cannot, the tree is suspended and
@@ -381,6 +395,7 @@ pub fn thaw(
 ) -> Result<ThawReport, ThawError> {
     let gpu = &gpu.bounded(cryo_gpu::Limits::default());
     let t = Instant::now();
+    journal_ended_restores(journal, &criu.ended_restores());
     // Trust, manifest, listing and sizes; the bytes are checked as CRIU reads them.
     let opened = Image::open(dir)?;
     let manifest = opened.manifest().clone();
