@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use cryo_activator::{Addr, Listener};
 use cryo_journal::ProcId;
-use cryo_proc::{Liveness, Pid, ProcHandle};
+use cryo_proc::{Pid, ProcHandle};
 
 /// The command line (after the program) that runs a keeper.
 pub const ARGS: [&str; 2] = ["agent", "keep-listener"];
@@ -125,9 +125,8 @@ pub fn keep_listener(agent: (Pid, u64)) -> std::io::Result<()> {
     }
     blocked.thread_block().map_err(std::io::Error::from)?;
     if let Ok(h) = ProcHandle::open_expected(agent.0, agent.1) {
-        while h.liveness() == Liveness::Alive {
-            std::thread::sleep(Duration::from_millis(500));
-        }
+        // Blocks on the agent's pidfd (readable at its exit), no polling interval.
+        while !h.wait_exit(Duration::from_secs(3600)) {}
     }
     std::thread::sleep(LINGER);
     Ok(())
