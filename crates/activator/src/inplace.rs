@@ -87,7 +87,14 @@ impl Activation for InPlace {
         let failed = |e: &dyn std::fmt::Display| ActivationError::Failed(e.to_string());
         let resolved = self.target.resolve().map_err(|e| failed(&e))?;
         let journal = self.state.open_journal().map_err(|e| failed(&e))?;
-        match cryo_lifecycle::park(&self.gpu, &resolved, &self.park, &journal, &NoProgress) {
+        match cryo_lifecycle::park(
+            &self.gpu,
+            &resolved,
+            &self.park,
+            &journal,
+            self.watcher.as_ref(),
+            &NoProgress,
+        ) {
             Ok(_) => Ok(()),
             Err(e @ (ParkError::HostMemory { .. } | ParkError::Suspend { .. })) => {
                 Err(ActivationError::Refused(e.to_string()))

@@ -70,6 +70,7 @@ impl Agent {
             &resolved,
             &req.options(),
             &self.journal,
+            self.guard.as_ref(),
             progress,
         )
         .map_err(|e| match e {

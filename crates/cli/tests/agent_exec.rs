@@ -222,25 +222,25 @@ fn standing_duplicates_neither_leak_nor_pin_a_healthy_worker() {
     sim.assert_no_wedge();
 }
 
-/// The last seam of the exec work (issue 10): an `execve` between the guard taking a process's
-/// standing duplicates and its seize (failpoint `guard-before-seize`, on the attach a restore
-/// through the agent asks for while the worker is still LOCKED). No exec stop can see it; the
-/// standing duplicates hold the old context, and the look right after the seize finds its driver
-/// files gone and pins them: nothing torn down, and the journal says so (`Pinned`, the GPU
-/// quarantined "while the guard was attaching").
-#[test]
-fn an_exec_between_the_standing_duplicates_and_the_seize_is_pinned() {
-    let sim = Sim::start();
-    let state = sim.path().join("state");
+/// The agent (started with `extra`) and a worker that replaced its program (`POST /exec?QUERY`)
+/// between the guard taking its standing duplicates and its seize (failpoint
+/// `guard-before-seize`, on the attach a restore through the agent asks for while the worker is
+/// still LOCKED); returned once that restore (`cryo gpu restore`) has ended, with its output.
+fn exec_before_seize(
+    sim: &Sim,
+    state: &Path,
+    extra: &[&str],
+    query: &str,
+) -> (AgentProc, Worker, ProcId, std::process::Output) {
     let resume = sim.path().join("resume");
-    let agent = AgentProc::start_with(&sim, &state, &["--no-memory-watch"], |c| {
+    let agent = AgentProc::start_with(sim, state, extra, |c| {
         c.env("CRYO_FAILPOINT", cryo_guard::GUARD_BEFORE_SEIZE)
             .env("CRYO_FAILPOINT_RESUME", &resume);
     });
-    let w = worker(&sim);
+    let w = worker(sim);
     let id = ProcId::of(w.pid).unwrap();
     let gpu = |action: &str| {
-        let mut c = sim.cmd_at(&state);
+        let mut c = sim.cmd_at(state);
         c.args(["gpu", action, "--pid", &w.pid.to_string()]);
         c
     };
@@ -258,7 +258,7 @@ fn an_exec_between_the_standing_duplicates_and_the_seize_is_pinned() {
         ))
     });
     assert_eq!(procs::tracer_pid(w.pid), 0, "seized before the failpoint");
-    let answer = post_exec(&w, "path=/bin/sleep&arg=3600&thread=leader");
+    let answer = post_exec(&w, query);
     assert!(answer.is_empty(), "the exec failed: {answer}");
     eventually(PATIENCE, "the new program", || {
         std::fs::read_to_string(format!("/proc/{}/comm", w.pid)).is_ok_and(|c| c.trim() == "sleep")
@@ -266,6 +266,24 @@ fn an_exec_between_the_standing_duplicates_and_the_seize_is_pinned() {
     sim.assert_no_wedge();
     std::fs::write(&resume, "").unwrap();
     let out = restore.wait_with_output().unwrap();
+    (agent, w, id, out)
+}
+
+/// The last seam of the exec work (issue 10): an `execve` between the guard taking a process's
+/// standing duplicates and its seize. No exec stop can see it; the standing duplicates hold the
+/// old context, and the look right after the seize finds its driver files gone and pins them:
+/// nothing torn down, and the journal says so (`Pinned`, the GPU quarantined "while the guard
+/// was attaching").
+#[test]
+fn an_exec_between_the_standing_duplicates_and_the_seize_is_pinned() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let (_agent, w, id, out) = exec_before_seize(
+        &sim,
+        &state,
+        &["--no-memory-watch"],
+        "path=/bin/sleep&arg=3600&thread=leader",
+    );
     let ev = eventually(PATIENCE, "the pin in the journal", || {
         let ev = records(&state);
         ev.iter()
@@ -277,6 +295,193 @@ fn an_exec_between_the_standing_duplicates_and_the_seize_is_pinned() {
         ev.iter().any(|e| matches!(e, Event::GpuQuarantined { reason, .. } if reason.contains("while the guard was attaching"))),
         "{ev:?}\n{}",
         common::stderr(&out)
+    );
+    // The pin is what holds the context: released, it is torn down.
+    sim.release_pins(&state, &sim.gpu_uuid(0));
+    let l = sim.wait_ledger(1);
+    assert_eq!(l[0].pid, w.pid, "{l:?}");
+}
+
+/// Attack (issue 10 follow-up): the process that replaced its program between the standing
+/// duplicates and the seize no longer holds the restored context (the pin does). Its new
+/// program then ends, normally (`kill`: false) or by SIGKILL, with `--endgame drain`: that end
+/// is no restored context's teardown, so no second pin or quarantine and no drain (the
+/// neighbour keeps running, the restart command never runs), and the pinned context is still
+/// held (the ledger stays empty until the operator's release). The positive event waited for
+/// is the process's exit, which a tracer holding it at its exit stop would have decided first.
+/// Watched failing first: the death was pinned again ("none of its driver fds could be
+/// pinned") and, killed, drained the node.
+fn a_program_execed_before_the_seize_ends(kill: bool) {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let out = sim.path().join("restart.out");
+    let cmd = format!("echo $CRYO_QUARANTINED_GPUS >> '{}'", out.display());
+    let neighbour = sim.spawn(WorkerSpec::new("16MiB").gpu(1).process_group());
+    let query = format!(
+        "path=/bin/sleep&arg={}&thread=leader",
+        if kill { 3600 } else { 3 }
+    );
+    let (agent, mut w, id, _) = exec_before_seize(
+        &sim,
+        &state,
+        &[
+            "--no-memory-watch",
+            "--endgame",
+            "drain",
+            "--restart-cmd",
+            &cmd,
+        ],
+        &query,
+    );
+    eventually(PATIENCE, "the pin in the journal", || {
+        records(&state)
+            .iter()
+            .any(|e| matches!(e, Event::Pinned { pid, .. } if *pid == id))
+    });
+    // Let go as at an exec stop: journaled, untraced, not guarded.
+    assert!(
+        records(&state)
+            .iter()
+            .any(|e| matches!(e, Event::Execed { pid, thread: 0 } if *pid == id)),
+        "{:?}",
+        records(&state)
+    );
+    assert_eq!(procs::tracer_pid(w.pid), 0, "still traced");
+    assert!(
+        !agent
+            .client()
+            .status()
+            .unwrap()
+            .guard
+            .guarded
+            .iter()
+            .any(|g| g.pid == id.pid),
+        "still guarded"
+    );
+    if kill {
+        w.sigkill();
+    }
+    let status = w.wait_exit();
+    assert_eq!(status.success(), !kill, "{status:?}");
+    sim.assert_no_wedge();
+    let ev = records(&state);
+    let pins = ev
+        .iter()
+        .filter(|e| matches!(e, Event::Pinned { pid, .. } if *pid == id))
+        .count();
+    let quarantines = ev
+        .iter()
+        .filter(|e| matches!(e, Event::GpuQuarantined { .. }))
+        .count();
+    assert_eq!(
+        (pins, quarantines),
+        (1, 1),
+        "pinned or quarantined again: {ev:?}"
+    );
+    let st = agent.client().status().unwrap();
+    assert!(!st.guard.draining, "its end started a drain");
+    assert!(!out.exists(), "its end ran the restart command");
+    assert!(procs::alive(neighbour.pid), "the neighbour was stopped");
+    assert!(
+        st.guard.pins.iter().any(|p| p.pid == id.pid),
+        "the pin is gone: {:?}",
+        st.guard
+    );
+    // Still held: released, the context is torn down.
+    sim.release_pins(&state, &sim.gpu_uuid(0));
+    let l = sim.wait_ledger(1);
+    assert_eq!(l[0].pid, w.pid, "{l:?}");
+}
+
+#[test]
+fn a_program_execed_before_the_seize_that_exits_is_no_restored_death() {
+    a_program_execed_before_the_seize_ends(false);
+}
+
+#[test]
+fn a_program_execed_before_the_seize_that_is_killed_drains_nothing() {
+    a_program_execed_before_the_seize_ends(true);
+}
+
+/// Attack (issue 10 follow-up, the rolled-back suspension): a park that fails after its
+/// checkpoint (failpoint `suspend-roll-back`) resumes the worker in place. The guard dropped the
+/// worker's standing duplicates once the journal showed it checkpointed; an `execve` right after
+/// the roll-back's unlock, before the guard's next look (its loop runs every 3 s here), must
+/// still find them: the roll-back has the guard take them again before the unlock
+/// (`GuardAttached` source `restore` between the restore and the unlock) and the old context is
+/// pinned, never torn down. Watched failing first: the ledger recorded the teardown at the exec.
+#[test]
+fn an_exec_right_after_a_rolled_back_park_is_pinned() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let resume = sim.path().join("resume");
+    let agent = AgentProc::start_with(
+        &sim,
+        &state,
+        &["--no-memory-watch", "--poll-ms", "3000"],
+        |c| {
+            c.env("CRYO_FAILPOINT", cryo_lifecycle::suspend::SUSPEND_ROLL_BACK)
+                .env("CRYO_FAILPOINT_RESUME", &resume);
+        },
+    );
+    let w = worker(&sim);
+    make_restored(&sim, &state, w.pid);
+    let id = ProcId::of(w.pid).unwrap();
+    wait_attached(&state, id);
+    let driver = sim.gpu.inspect.driver_fds(w.pid).unwrap().len();
+    assert!(driver > 0, "the worker holds no driver fd");
+    let standing = || common::standing_fds(&agent.client(), id.pid);
+    eventually(PATIENCE, "standing duplicates of every driver fd", || {
+        standing() == driver
+    });
+    let park = sim
+        .cmd_at(&state)
+        .args(["park", &w.pid.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    eventually(PATIENCE, "the park at its failpoint", || {
+        agent.log().contains(&format!(
+            "failpoint {} reached",
+            cryo_lifecycle::suspend::SUSPEND_ROLL_BACK
+        ))
+    });
+    // Checkpointed and journaled so: the guard's next look drops the standing duplicates.
+    eventually(PATIENCE, "standing duplicates dropped", || standing() == 0);
+    let unlocks = |ev: &[Event]| {
+        ev.iter()
+            .filter(|e| matches!(e, Event::Unlocked { pid, .. } if *pid == id))
+            .count()
+    };
+    let before = unlocks(&records(&state));
+    std::fs::write(&resume, "").unwrap();
+    eventually(PATIENCE, "the roll-back's unlock", || {
+        unlocks(&records(&state)) > before
+    });
+    let answer = post_exec(&w, "path=/bin/sleep&arg=3600&thread=leader");
+    assert!(answer.is_empty(), "the exec failed: {answer}");
+    let out = park.wait_with_output().unwrap();
+    assert!(!out.status.success(), "{}", common::stderr(&out));
+    eventually(PATIENCE, "Execed in the journal", || {
+        records(&state)
+            .iter()
+            .any(|e| matches!(e, Event::Execed { pid, .. } if *pid == id))
+    });
+    sim.assert_no_wedge();
+    let ev = records(&state);
+    let at = |f: &dyn Fn(&Event) -> bool| ev.iter().rposition(f);
+    let restored = at(&|e| matches!(e, Event::RestoreCompleted { pid, .. } if *pid == id));
+    let announced = at(&|e| matches!(e, Event::GuardAttached { pid, .. } if *pid == id));
+    let unlocked = at(&|e| matches!(e, Event::Unlocked { pid, .. } if *pid == id));
+    assert!(
+        restored < announced && announced < unlocked,
+        "journal order: restored {restored:?}, guard {announced:?}, unlocked {unlocked:?}: {ev:?}"
+    );
+    assert!(
+        ev.iter()
+            .any(|e| matches!(e, Event::Pinned { pid, .. } if *pid == id)),
+        "{ev:?}"
     );
     // The pin is what holds the context: released, it is torn down.
     sim.release_pins(&state, &sim.gpu_uuid(0));

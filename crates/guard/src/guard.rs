@@ -191,6 +191,14 @@ pub enum GuardAttachError {
     /// The journal could not be written.
     #[error("cannot write the journal: {0}")]
     Journal(#[from] cryo_journal::AppendError),
+    /// The process replaced its program (`execve`) before the guard could seize it: the restored
+    /// context is pinned (the standing duplicates held it), and the new program holds no driver
+    /// files: nothing of it is a restored context, so the guard does not guard it.
+    #[error("process {pid} replaced its program (execve) while the guard was attaching: its restored context is pinned and the new program holds none")]
+    Replaced {
+        /// The pid.
+        pid: Pid,
+    },
 }
 
 /// A stop the guard started (drain, memory watch) could not be carried out.
@@ -662,6 +670,14 @@ impl Inner {
         }
     }
 
+    /// Whether `pid` holds no driver file (a listing that fails says it may).
+    fn holds_no_driver_files(&self, pid: Pid) -> bool {
+        self.gpu
+            .inspect
+            .driver_fds(pid)
+            .is_ok_and(|fds| fds.is_empty())
+    }
+
     /// Why `pid`'s context may be live, from the kernel's and NVML's evidence (driver files held,
     /// listed by NVML, or either unknown); `None`: it holds no context.
     fn may_be_live(&self, pid: Pid) -> Option<String> {
@@ -905,6 +921,9 @@ impl Policy for PolicyHandle {
         let suspended = inner.suspended_since_restore(id);
         let holds_driver_fds = !pinned.fds.is_empty() || !pinned.failed.is_empty();
         let (listed, gpus) = inner.gpus_of(pid);
+        // Replaced its program: NVML may list it for the old context, which is pinned already;
+        // only driver files of its own would hold a context now.
+        let listed = listed && !lock(&inner.execed).contains(&id);
         if suspended || !(holds_driver_fds || listed) {
             // Suspended (or never had a context): its teardown is the safe kind.
             return;
@@ -1098,6 +1117,7 @@ impl Guard {
                 Event::GuardLost { pid }
                 | Event::ProcessExited { pid, .. }
                 | Event::Pinned { pid, .. }
+                | Event::Execed { pid, .. }
                 | Event::Killed { pid } => {
                     open.remove(pid);
                 }
@@ -1122,6 +1142,7 @@ impl Guard {
             }
             match self.attach(id, source) {
                 Ok(_) => report.attached.push(id),
+                Err(GuardAttachError::Replaced { .. }) => {}
                 Err(e) => {
                     self.inner.record(Event::GuardLost { pid: id });
                     report.lost.push((id, format!("cannot attach: {e}")));
@@ -1140,9 +1161,26 @@ impl Guard {
             .filter(|w| w.id == id)
             .map(|w| Arc::clone(&w.handle));
         if let Some(handle) = watched {
-            // Guarded already (a wake, a restore named again): its context may be new.
-            self.inner.refresh_standing(id.pid, &handle);
+            // Guarded already (a wake, a suspension rolled back, a restore named again): its
+            // context may be new, and its standing duplicates were dropped while the journal
+            // showed it checkpointed. Taken again now; a restore's caller unlocks only after
+            // this returns, so an `execve` right after the unlock is pinned.
+            let again = self.inner.refresh_standing(id.pid, &handle);
+            if source == AttachSource::Restore && again.taken > 0 {
+                if let Some(w) = lock(&self.inner.watched).get_mut(&id.pid) {
+                    w.source = source;
+                }
+                // The journal says the restored context is guarded again before its unlock, as
+                // for a first attach (restore, `GuardAttached`, unlock).
+                self.inner
+                    .journal
+                    .append(Event::GuardAttached { pid: id, source })?;
+            }
             return Ok(false);
+        }
+        if lock(&self.inner.execed).contains(&id) && self.inner.holds_no_driver_files(id.pid) {
+            // Its restored program is gone (pinned at its exec); the new one holds no context.
+            return Err(GuardAttachError::Replaced { pid: id.pid });
         }
         let handle = id.open()?;
         let traced = handle.try_clone()?;
@@ -1184,7 +1222,10 @@ impl Guard {
             .get(&id.pid)
             .map(|w| Arc::clone(&w.handle));
         if let Some(handle) = handle {
-            self.settle_vanished_at_attach(id, &handle);
+            if self.settle_vanished_at_attach(id, &handle) {
+                self.let_go_replaced(id);
+                return Err(GuardAttachError::Replaced { pid: id.pid });
+            }
         }
         lock(&self.inner.paused).remove(&id);
         self.inner
@@ -1197,11 +1238,13 @@ impl Guard {
     /// Right after the seize: driver files held before it and gone after it were closed by the
     /// process while nothing traced it (an `execve` between the two looks, or a checkpoint by
     /// another tool). Unless the driver says its context is CHECKPOINTED (or the journal shows it
-    /// suspended), they are pinned: the safe reading on both.
-    fn settle_vanished_at_attach(&self, id: ProcId, handle: &ProcHandle) {
+    /// suspended), they are pinned: the safe reading on both. Whether they were pinned and the
+    /// process holds no driver file any more (what an `execve` leaves: see
+    /// [`Guard::let_go_replaced`]).
+    fn settle_vanished_at_attach(&self, id: ProcId, handle: &ProcHandle) -> bool {
         let r = self.inner.refresh_standing(id.pid, handle);
         if r.vanished == 0 {
-            return;
+            return false;
         }
         let checkpointed = matches!(
             self.inner.gpu.driver.state(id.pid),
@@ -1209,7 +1252,7 @@ impl Guard {
         );
         let gone = lock(&self.inner.standing).take_vanished(id.pid);
         if checkpointed || gone.is_empty() {
-            return;
+            return false;
         }
         let (listed, gpus) = self.inner.gpus_of(id.pid);
         let pinned = PinnedFds {
@@ -1223,6 +1266,29 @@ impl Guard {
             pinned,
             listed,
             gpus,
+        );
+        self.inner.holds_no_driver_files(id.pid)
+    }
+
+    /// The process closed every driver file between the standing duplicates and the seize, and
+    /// they are pinned now: what an `execve` that no exec stop could see leaves (close-on-exec).
+    /// Its restored context is held by the pin, not by the process, whose pid and start time now
+    /// name a program that was never restored: let go of as at an exec stop (`Execed`, thread 0:
+    /// not seen), so that its later end, which NVML may list for the pinned context, is never
+    /// taken for a restored context's teardown (a second quarantine, a drain), and nothing
+    /// (a restart's re-attach, the scan) guards it as restored again.
+    fn let_go_replaced(&self, id: ProcId) {
+        lock(&self.inner.execed).insert(id);
+        lock(&self.inner.standing).take(id.pid);
+        lock(&self.inner.watched).remove(&id.pid);
+        if let Err(err) = self.tracer.detach(id.pid) {
+            // Still traced: its exit stop knows it as replaced (`execed`) all the same.
+            tracing::warn!(pid = id.pid, %err, "cannot let go of a process that replaced its program");
+        }
+        self.inner.record(Event::Execed { pid: id, thread: 0 });
+        tracing::warn!(
+            pid = id.pid,
+            "replaced its program before the seize: its restored context is pinned; the new program is let go"
         );
     }
 
@@ -1341,7 +1407,7 @@ impl Guard {
             }
             match self.attach(*pid, AttachSource::Journal) {
                 Ok(true) => attached.push(*pid),
-                Ok(false) => {}
+                Ok(false) | Err(GuardAttachError::Replaced { .. }) => {}
                 Err(e) => {
                     tracing::error!(pid = pid.pid, err = %e, "cannot guard a restored process");
                     self.inner.record(Event::GuardLost { pid: *pid });
@@ -1402,7 +1468,7 @@ impl Guard {
             }
             match self.attach(id, AttachSource::Scan) {
                 Ok(true) => attached.push(id),
-                Ok(false) => {}
+                Ok(false) | Err(GuardAttachError::Replaced { .. }) => {}
                 Err(err) => {
                     tracing::warn!(pid, %err, "cannot guard a CUDA process found by the scan")
                 }

@@ -580,7 +580,9 @@ pub enum Event {
     Execed {
         /// The process (same pid and start time before and after the exec).
         pid: ProcId,
-        /// The thread that called `execve` (its id before the kernel gave it the leader's).
+        /// The thread that called `execve` (its id before the kernel gave it the leader's); 0
+        /// when no exec stop saw it: the process closed every driver file between the guard's
+        /// look before its seize and its look after it, as an `execve`'s close-on-exec does.
         thread: i32,
     },
     /// The pin holder acknowledged the pinned fds of the process: they outlive the guard now.
@@ -991,6 +993,10 @@ impl Event {
             ActivatorRemoved { listen, reason } => format!("on {listen}: {reason}"),
             GpuQuarantined { gpu, reason } => format!("GPU {gpu}: {reason}"),
             ProcessExited { how, .. } => how.clone(),
+            Execed { thread: 0, .. } => {
+                "execve while the guard was attaching (its driver files were gone at the seize)"
+                    .into()
+            }
             Execed { thread, .. } => format!("execve by thread {thread}"),
             JournalRepaired { offset, bytes } => {
                 format!("cut {bytes} torn bytes at offset {offset}")

@@ -10,7 +10,9 @@
 //! test can change the world at that exact point and let the step go on.
 //!
 //! # Limitations
-//! No injected errors: the crash itself is the test's SIGKILL.
+//! No injected errors (the crash itself is the test's SIGKILL), except one:
+//! [`crate::suspend::SUSPEND_ROLL_BACK`] fails a suspension that succeeded, so that its roll-back
+//! runs.
 
 use std::time::Duration;
 

@@ -54,7 +54,7 @@ use crate::cuda::Class;
 use crate::failpoint;
 use crate::progress::Progress;
 use crate::runnable::Runnable;
-use crate::suspend::{id, suspend, SuspendFailure, SuspendOptions, Suspended};
+use crate::suspend::{id, suspend_watched, SuspendFailure, SuspendOptions, Suspended};
 use crate::target::Resolved;
 use crate::watcher::{Lease, Watcher, WatcherError};
 
@@ -472,7 +472,7 @@ fn freeze_inner(
     let mut suspended = Vec::new();
     let mut refusals = Vec::new();
     if !cuda.is_empty() {
-        for o in suspend(gpu, cuda, &sopts, Some(journal), progress) {
+        for o in suspend_watched(gpu, cuda, &sopts, Some(journal), progress, watcher) {
             match o.result {
                 Ok(s) => suspended.push(s),
                 Err(reason) => refusals.push(FreezeRefusal { pid: o.pid, reason }),

@@ -55,7 +55,7 @@ pub use standby::{claim, prepare, ClaimError, Standby, StandbyError, StandbyRefu
 pub use stop::{
     stop, EndSignal, ProcReport, Refusal, RefusalReason, StopError, StopOptions, StopReport,
 };
-pub use suspend::{suspend, SuspendOptions, SuspendOutcome, Suspended};
+pub use suspend::{suspend, suspend_watched, SuspendOptions, SuspendOutcome, Suspended};
 pub use target::{open_process, OpenProcessError, ResolveError, Resolved, Target};
 pub use thaw::{criu_deadline, thaw, PrecheckError, ThawError, ThawOptions, ThawReport};
 pub use watcher::{Coverage, Lease, NoWatcher, Watcher, WatcherError};

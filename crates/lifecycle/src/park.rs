@@ -42,7 +42,7 @@ use crate::health::HealthCheck;
 use crate::progress::Progress;
 use crate::restore::restore_to_unlock;
 pub use crate::restore::Placement;
-use crate::suspend::{id, suspend, SuspendFailure, SuspendOptions};
+use crate::suspend::{id, suspend, suspend_watched, SuspendFailure, SuspendOptions};
 use crate::target::Resolved;
 use crate::watcher::{Coverage, Watcher};
 
@@ -152,6 +152,7 @@ pub fn park(
     target: &Resolved,
     opts: &ParkOptions,
     journal: &Journal,
+    watcher: &dyn Watcher,
     progress: &dyn Progress,
 ) -> Result<ParkReport, ParkError> {
     let start = Instant::now();
@@ -168,7 +169,9 @@ pub fn park(
         journal,
         progress,
     )?;
-    let mut result = park_inner(gpu, target, opts, journal, progress, &described, start);
+    let mut result = park_inner(
+        gpu, target, opts, journal, watcher, progress, &described, start,
+    );
     if let Some(s) = shrunk.as_mut() {
         match result.as_mut() {
             Ok(r) => r.shrink = Some(s.report.clone()),
@@ -205,11 +208,13 @@ pub fn park(
     result
 }
 
+#[allow(clippy::too_many_arguments)]
 fn park_inner(
     gpu: &Gpu,
     target: &Resolved,
     opts: &ParkOptions,
     journal: &Journal,
+    watcher: &dyn Watcher,
     progress: &dyn Progress,
     described: &str,
     start: Instant,
@@ -250,7 +255,7 @@ fn park_inner(
         purpose: cryo_journal::Purpose::Park,
         ..opts.suspend.clone()
     };
-    let outcomes = suspend(gpu, &cuda, &suspend_opts, Some(journal), progress);
+    let outcomes = suspend_watched(gpu, &cuda, &suspend_opts, Some(journal), progress, watcher);
     if let Some((pid, failure)) = outcomes
         .iter()
         .find_map(|o| o.result.as_ref().err().map(|f| (o.pid, f.clone())))

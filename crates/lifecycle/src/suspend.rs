@@ -19,6 +19,7 @@ use cryo_journal::{Event, Journal, ProcId};
 use cryo_proc::Pid;
 use cryo_proc::ProcHandle;
 
+use crate::failpoint;
 use crate::progress::Progress;
 use crate::runnable::{runnable, Runnable};
 
@@ -53,6 +54,11 @@ impl Default for SuspendOptions {
         }
     }
 }
+
+/// Failpoint (pausing, [`failpoint::pause_if`]): every process is suspended and verified; once
+/// the test lets it go on, the suspension fails as a whole and is rolled back (with
+/// `resume_on_failure`, what it checkpointed is restored and unlocked in place).
+pub const SUSPEND_ROLL_BACK: &str = "suspend-roll-back";
 
 /// The checkpoint rate assumed when budgeting a deadline: half the slowest rate measured on an
 /// H200 (1.7 GB/s), since page faulting, not the bus, bounds it.
@@ -320,6 +326,22 @@ pub fn suspend(
     journal: Option<&Journal>,
     progress: &dyn Progress,
 ) -> Vec<SuspendOutcome> {
+    suspend_watched(gpu, procs, opts, journal, progress, &crate::NoWatcher)
+}
+
+/// As [`suspend`], for a caller whose processes `watcher` traces (park, freeze): a roll-back
+/// that resumes what it checkpointed (`resume_on_failure`) has `watcher` trace each process again
+/// before its unlock ([`crate::Watcher::guard_before_unlock`], as after every restore), so the
+/// guard holds what an `execve` right after the unlock would need (its standing duplicates,
+/// dropped while the process was checkpointed).
+pub fn suspend_watched(
+    gpu: &Gpu,
+    procs: &[&ProcHandle],
+    opts: &SuspendOptions,
+    journal: Option<&Journal>,
+    progress: &dyn Progress,
+    watcher: &dyn crate::Watcher,
+) -> Vec<SuspendOutcome> {
     let gpu = &gpu.bounded(opts.limits());
     let by = me();
     for p in procs {
@@ -412,8 +434,17 @@ pub fn suspend(
         };
         verify_all(gpu, &mut rows, verify, journal);
     }
+    if rows.iter().all(|r| r.failure.is_none()) && failpoint::active(SUSPEND_ROLL_BACK) {
+        failpoint::pause_if(SUSPEND_ROLL_BACK);
+        for row in &mut rows {
+            row.failure = Some(SuspendFailure::Driver {
+                step: "failpoint",
+                error: format!("failpoint {SUSPEND_ROLL_BACK}: rolled back on purpose"),
+            });
+        }
+    }
     if rows.iter().any(|r| r.failure.is_some()) {
-        roll_back(gpu, &mut rows, opts.resume_on_failure, journal);
+        roll_back(gpu, &mut rows, opts.resume_on_failure, journal, watcher);
     }
 
     rows.into_iter()
@@ -761,7 +792,13 @@ fn verify_all(gpu: &Gpu, rows: &mut [Row<'_>], timeout: Duration, journal: Optio
     }
 }
 
-fn roll_back(gpu: &Gpu, rows: &mut [Row<'_>], resume: bool, journal: Option<&Journal>) {
+fn roll_back(
+    gpu: &Gpu,
+    rows: &mut [Row<'_>],
+    resume: bool,
+    journal: Option<&Journal>,
+    watcher: &dyn crate::Watcher,
+) {
     for row in rows.iter_mut() {
         let pid = row.handle.pid();
         if row.ckpt_here && resume {
@@ -772,9 +809,9 @@ fn roll_back(gpu: &Gpu, rows: &mut [Row<'_>], resume: bool, journal: Option<&Jou
                     j,
                     row.handle,
                     "resumed in place after a failed suspension",
-                    // The caller's guard, if it traces the process, still does; nothing new to
-                    // ask it here.
-                    &crate::NoWatcher,
+                    // The guard still traces it, but let go of what holds its context across an
+                    // `execve` once it was checkpointed: announced again before the unlock.
+                    watcher,
                 )
                 .map_err(|e| e.to_string()),
                 None => gpu

@@ -183,7 +183,8 @@ fn park_standalone(
 ) -> Result<ParkReport, Outcome> {
     let failed = |e: anyhow::Error| Outcome::Failed(e.context(format!("parking {target}")));
     let (resolved, gpu, journal) = standalone(ctx, target).map_err(failed)?;
-    match cryo_lifecycle::park(&gpu, &resolved, &req.options(), &journal, progress) {
+    let guard = cryo_guard::control::GuardClient::new(&ctx.state);
+    match cryo_lifecycle::park(&gpu, &resolved, &req.options(), &journal, &guard, progress) {
         Ok(r) => Ok(r),
         Err(
             e @ (ParkError::Suspend { .. } | ParkError::HostMemory { .. } | ParkError::NoCuda(_)),

@@ -265,6 +265,7 @@ mod with_fake_driver {
                 &self.target(),
                 &park_opts(),
                 &self.journal,
+                &crate::NoWatcher,
                 &NoProgress,
             )
         }
@@ -425,7 +426,15 @@ mod with_fake_driver {
         let s = scene(1);
         let mut o = park_opts();
         o.max_parked_host = Some(1);
-        let e = park(&s.fake.gpu(), &s.target(), &o, &s.journal, &NoProgress).unwrap_err();
+        let e = park(
+            &s.fake.gpu(),
+            &s.target(),
+            &o,
+            &s.journal,
+            &crate::NoWatcher,
+            &NoProgress,
+        )
+        .unwrap_err();
         assert!(matches!(e, ParkError::HostMemory { limit: 1, .. }), "{e}");
         assert_eq!(s.fake.state_of(s.procs.pids()[0]), ProcessState::Running);
         assert_eq!(s.fake.count(s.procs.pids()[0], Call::Lock), 0);
