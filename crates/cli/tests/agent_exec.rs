@@ -222,6 +222,23 @@ fn standing_duplicates_neither_leak_nor_pin_a_healthy_worker() {
     sim.assert_no_wedge();
 }
 
+/// `cmd` started, its output piped, once the agent's log says it reached failpoint `name`.
+fn until_failpoint(
+    agent: &AgentProc,
+    mut cmd: std::process::Command,
+    name: &str,
+) -> std::process::Child {
+    let child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    eventually(PATIENCE, "the agent at its failpoint", || {
+        agent.log().contains(&format!("failpoint {name} reached"))
+    });
+    child
+}
+
 /// The agent (started with `extra`) and a worker that replaced its program (`POST /exec?QUERY`)
 /// between the guard taking its standing duplicates and its seize (failpoint
 /// `guard-before-seize`, on the attach a restore through the agent asks for while the worker is
@@ -246,17 +263,7 @@ fn exec_before_seize(
     };
     common::ok(gpu("lock"));
     common::ok(gpu("checkpoint"));
-    let restore = gpu("restore")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    eventually(PATIENCE, "the agent's attach at its failpoint", || {
-        agent.log().contains(&format!(
-            "failpoint {} reached",
-            cryo_guard::GUARD_BEFORE_SEIZE
-        ))
-    });
+    let restore = until_failpoint(&agent, gpu("restore"), cryo_guard::GUARD_BEFORE_SEIZE);
     assert_eq!(procs::tracer_pid(w.pid), 0, "seized before the failpoint");
     let answer = post_exec(&w, query);
     assert!(answer.is_empty(), "the exec failed: {answer}");
@@ -315,24 +322,14 @@ fn a_program_execed_before_the_seize_ends(kill: bool) {
     let sim = Sim::start();
     let state = sim.path().join("state");
     let out = sim.path().join("restart.out");
-    let cmd = format!("echo $CRYO_QUARANTINED_GPUS >> '{}'", out.display());
+    let args = common::drain_args(&out);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let neighbour = sim.spawn(WorkerSpec::new("16MiB").gpu(1).process_group());
     let query = format!(
         "path=/bin/sleep&arg={}&thread=leader",
         if kill { 3600 } else { 3 }
     );
-    let (agent, mut w, id, _) = exec_before_seize(
-        &sim,
-        &state,
-        &[
-            "--no-memory-watch",
-            "--endgame",
-            "drain",
-            "--restart-cmd",
-            &cmd,
-        ],
-        &query,
-    );
+    let (agent, mut w, id, _) = exec_before_seize(&sim, &state, &args, &query);
     eventually(PATIENCE, "the pin in the journal", || {
         records(&state)
             .iter()
@@ -434,19 +431,9 @@ fn an_exec_right_after_a_rolled_back_park_is_pinned() {
     eventually(PATIENCE, "standing duplicates of every driver fd", || {
         standing() == driver
     });
-    let park = sim
-        .cmd_at(&state)
-        .args(["park", &w.pid.to_string()])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    eventually(PATIENCE, "the park at its failpoint", || {
-        agent.log().contains(&format!(
-            "failpoint {} reached",
-            cryo_lifecycle::suspend::SUSPEND_ROLL_BACK
-        ))
-    });
+    let mut park = sim.cmd_at(&state);
+    park.args(["park", &w.pid.to_string()]);
+    let park = until_failpoint(&agent, park, cryo_lifecycle::suspend::SUSPEND_ROLL_BACK);
     // Checkpointed and journaled so: the guard's next look drops the standing duplicates.
     eventually(PATIENCE, "standing duplicates dropped", || standing() == 0);
     let unlocks = |ev: &[Event]| {

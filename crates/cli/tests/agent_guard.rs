@@ -64,18 +64,9 @@ fn an_ordinary_exit_of_a_healthy_restored_worker_never_drains_the_node() {
     let sim = Sim::start();
     let state = sim.path().join("state");
     let out = sim.path().join("restart.out");
-    let cmd = format!("echo $CRYO_QUARANTINED_GPUS >> '{}'", out.display());
-    let agent = AgentProc::start(
-        &sim,
-        &state,
-        &[
-            "--no-memory-watch",
-            "--endgame",
-            "drain",
-            "--restart-cmd",
-            &cmd,
-        ],
-    );
+    let args = common::drain_args(&out);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let agent = AgentProc::start(&sim, &state, &args);
     let mut a = worker(&sim, 0);
     let b = worker(&sim, 1);
     let neighbour = worker(&sim, 1);

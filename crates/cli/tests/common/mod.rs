@@ -378,3 +378,17 @@ pub fn standing_fds(client: &cryo_api::AgentClient, pid: i32) -> usize {
         .find(|g| g.pid == pid)
         .map_or(0, |g| g.standing_fds)
 }
+
+/// The agent's arguments for the drain endgame (memory watch off) whose restart command appends
+/// the quarantined GPUs to `out`: the file exists once a drain has run its command.
+pub fn drain_args(out: &Path) -> Vec<String> {
+    [
+        "--no-memory-watch",
+        "--endgame",
+        "drain",
+        "--restart-cmd",
+        &format!("echo $CRYO_QUARANTINED_GPUS >> '{}'", out.display()),
+    ]
+    .map(String::from)
+    .to_vec()
+}
