@@ -29,7 +29,7 @@
 //! of cryo's CRIU restore (`criu_phases`: its checks before CRIU, CRIU at the gate with every
 //! page read, every page checked, the verdict, CRIU's exit), which say whether CRIU or cryo's
 //! check was the slow side of a thaw (the bare route's CRIU restore is one process, its step),
-//! and of cryo's streamed dump (`dump_phases`: every byte received, CRIU at the gate, the
+//! and of cryo's dump (`dump_phases`: every byte received, CRIU at the gate, the
 //! verdict, CRIU's exit, every chunk hashed), which say what the worker's end waited for.
 //! Throughputs are image bytes over a moment or step, next to the disk's limit for those bytes.
 //! Every worker is stopped with `cryo stop` and the wedge ledger must stay empty. The host's
@@ -82,7 +82,7 @@ const PHASES: [&str; 5] = [
     "criu_exit_ms",
 ];
 
-/// The moments of cryo's streamed dump (`cryo_criu::DumpPhases`), in order: every byte CRIU
+/// The moments of cryo's dump (`cryo_criu::DumpPhases`), in order: every byte CRIU
 /// sent in cryo's staging files, CRIU at the gate (`post-dump`), the verdict (CRIU then kills
 /// the tree), CRIU's exit, every chunk hashed.
 const DUMP_PHASES: [&str; 5] = [
@@ -128,7 +128,7 @@ struct Row {
     /// cryo's CRIU restore from the page cache, then cold, moment by moment ([`PHASES`]), ms
     /// from its start.
     cryo_restore_phases: [[Samples; 5]; 2],
-    /// cryo's streamed dump moment by moment ([`DUMP_PHASES`]), ms from the dump's start.
+    /// cryo's dump moment by moment ([`DUMP_PHASES`]), ms from the dump's start.
     cryo_dump_phases: [Samples; 5],
     /// The bare route's freeze steps: lock + checkpoint, `criu dump`, fsync of the files, ms.
     bare_freeze_steps: [Samples; 3],

@@ -949,6 +949,17 @@ fn killing_cryo_during_the_dump_publishes_nothing_and_tears_nothing_down() {
     });
     freeze.kill().unwrap();
     freeze.wait().unwrap();
+    // CRIU goes on without cryo, but its post-dump gate never gets cryo's verdict: it resumes
+    // the tree instead of killing it (issue 16: CRIU writes the files, cryo's gate decides).
+    eventually(
+        PATIENCE * 2,
+        &format!("CRIU to let go of pid {pid}"),
+        || !alive(pid) || tracer(pid) == 0,
+    );
+    assert!(
+        alive(pid),
+        "the worker died with the freeze that was killed"
+    );
     after_killed_freeze(&mut env, pid, &image);
 
     // SIGKILL after a complete dump, before publishing (failpoint).

@@ -124,7 +124,7 @@ fn dump_publish_verify_restore_keeps_pid_and_memory() {
 
     let dir = t.path().join("image");
     let staging = Staging::create(&dir).unwrap();
-    // Streamed through cryo's capture, which writes and hashes every file.
+    // CRIU writes the files, cryo hashes behind it.
     criu.dump_staged(pid, &staging, &DumpOpts::default())
         .unwrap();
     // CRIU killed the tree; reap our child so its pid is free for the restore.
@@ -184,7 +184,7 @@ fn dump_publish_verify_restore_keeps_pid_and_memory() {
 }
 
 #[test]
-fn a_streamed_dump_that_cannot_be_written_leaves_the_tree_running() {
+fn a_dump_that_cannot_be_written_leaves_the_tree_running() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let criu = criu();
     let t = tempfile::tempdir().unwrap();
@@ -214,6 +214,47 @@ fn a_streamed_dump_that_cannot_be_written_leaves_the_tree_running() {
     // CRIU resumed the tree instead of killing it: it still counts on.
     assert!(child.try_wait().unwrap().is_none(), "the tree died: {err}");
     count_at_least(pid, t.path(), before + 1);
+    killpg(NixPid::from_raw(pid), Signal::SIGKILL).unwrap();
+    child.wait().unwrap();
+}
+
+/// Issue 16: CRIU writes the dump into the staging directory itself, while cryo hashes behind
+/// it. Nobody but root can write there (0700, root's: a writer of another uid is refused), and
+/// what root planted there (a link, here one that was there all along) is refused at CRIU's
+/// `post-dump` gate: CRIU resumes the tree instead of killing it, and nothing is published.
+#[test]
+fn a_link_in_the_staging_directory_refuses_the_dump_and_the_tree_runs_on() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let criu = criu();
+    let t = tempfile::tempdir().unwrap();
+    let mut child = spawn_counter(t.path());
+    let pid = child.id() as i32;
+    let before = count_at_least(pid, t.path(), 1);
+    let staging = Staging::create(&t.path().join("image")).unwrap();
+    let mode = fs::metadata(staging.path()).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o700, "the staging directory is root's alone");
+    let foreign = Command::new("sh")
+        .arg("-c")
+        .arg(r#"echo evil > "$1/pages-1.img""#)
+        .arg("sh")
+        .arg(staging.path())
+        .uid(65534)
+        .gid(65534)
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(
+        !foreign.success(),
+        "another uid wrote into the staging directory"
+    );
+    std::os::unix::fs::symlink("/etc/hostname", staging.path().join("evil.img")).unwrap();
+    let err = criu
+        .dump_staged(pid, &staging, &DumpOpts::default())
+        .unwrap_err();
+    assert!(err.to_string().contains("evil.img"), "{err}");
+    assert!(child.try_wait().unwrap().is_none(), "the tree died: {err}");
+    count_at_least(pid, t.path(), before + 1);
+    assert!(!t.path().join("image").exists());
     killpg(NixPid::from_raw(pid), Signal::SIGKILL).unwrap();
     child.wait().unwrap();
 }
@@ -445,7 +486,7 @@ fn a_criu_that_logs_without_end_is_cut_to_its_cap() {
     );
 }
 
-/// Issue 16: the `criu swrk` routes (`CRYO_DUMP_STREAM=0`'s dump, `restore_dir`) take CRIU's
+/// Issue 16: the `criu swrk` routes (`Criu::dump`, `restore_dir`) take CRIU's
 /// log as a file name, and CRIU writes it itself: a CRIU that logs without end behind them no
 /// longer fills the disk. The fake CRIU writes 300 MB into the log the request names, then exits
 /// without answering; the log keeps its head and tail with the cut line, and its disk blocks

@@ -1,4 +1,5 @@
-//! The freeze's image capture: `criu dump --stream` hands cryo every image file through a pipe,
+//! The freeze's streamed image capture (`CRYO_DUMP_STREAM=1`; by default CRIU writes its files
+//! itself, see `follow.rs`): `criu dump --stream` hands cryo every image file through a pipe,
 //! and cryo writes it into the staging directory, hashing each chunk on the way: one pass over
 //! the bytes, no re-read at publish.
 //!
@@ -145,8 +146,9 @@ impl Started {
 /// When a capture and the dump around it reached their moments, for the freeze's report.
 #[derive(Debug, Default)]
 pub struct CaptureClock {
-    /// Every file CRIU sent so far written whole (the last one sets it).
-    received: Mutex<Option<Instant>>,
+    /// Every file CRIU sent so far written whole (the last one sets it; CRIU at the gate when
+    /// CRIU writes the files itself).
+    pub(crate) received: Mutex<Option<Instant>>,
     /// Every chunk hashed ([`Capture::into_files`]).
     hashed: Mutex<Option<Instant>>,
     /// CRIU at the gate (`post-dump`), the gate's verdict, CRIU's exit (set by the dump).

@@ -75,10 +75,23 @@ fn read_full_at(f: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize>
 
 /// The BLAKE3 of every `chunk`-byte chunk of the first `size` bytes of `f`, chunks in
 /// parallel; `Err(UnexpectedEof)` if the file is shorter than `size`.
+#[cfg(test)]
 pub(crate) fn chunk_digests(f: &File, size: u64, chunk: u64) -> std::io::Result<Vec<String>> {
-    let n = size.div_ceil(chunk.max(1));
-    let buf_len = usize::try_from(chunk.min(size)).unwrap_or(usize::MAX);
-    (0..n)
+    chunk_digests_from(f, 0, size, chunk)
+}
+
+/// [`chunk_digests`] of the chunks from byte `from` (a multiple of `chunk`) on.
+pub(crate) fn chunk_digests_from(
+    f: &File,
+    from: u64,
+    size: u64,
+    chunk: u64,
+) -> std::io::Result<Vec<String>> {
+    let chunk = chunk.max(1);
+    let first = from / chunk;
+    let n = size.div_ceil(chunk);
+    let buf_len = usize::try_from(chunk.min(size.saturating_sub(from))).unwrap_or(usize::MAX);
+    (first..n)
         .into_par_iter()
         .map_init(
             || vec![0u8; buf_len],

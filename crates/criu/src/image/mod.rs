@@ -4,10 +4,11 @@
 //!
 //! # Design
 //! A freeze writes into `DIR.tmp-<random>` in DIR's parent ([`Staging`]), so the final rename
-//! stays on one filesystem. CRIU streams its dump to a [`Capture`] ([`Staging::capture`]),
-//! which writes each file into the staging directory, hashing every chunk on the way and
-//! starting its writeback; [`Staging::adopt`] hands those digests to publish. (A dump CRIU
-//! writes itself: [`Staging::flush_while`] starts the writeback of what it writes.)
+//! stays on one filesystem. CRIU writes its dump into it itself while a follower hashes every
+//! whole chunk behind it at idle priority and starts its writeback ([`Staging::follow_while`],
+//! `follow.rs`). (Or CRIU streams its dump to a [`Capture`] ([`Staging::capture`]), which
+//! writes each file into the staging directory, hashing every chunk on the way;
+//! [`Staging::adopt`] hands those digests to publish.)
 //! [`Staging::publish`] hashes every chunk of every file not captured (BLAKE3, chunks in
 //! parallel, from the page cache) while fsyncing every file at once, writes `manifest.json`
 //! last and fsyncs it and the directory, renames the staging directory to DIR with
@@ -38,6 +39,7 @@
 
 mod capture;
 mod check;
+mod follow;
 mod hash;
 mod manifest;
 mod open;
@@ -51,8 +53,6 @@ use std::io::Write;
 use std::num::NonZeroU64;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
-use std::time::Duration;
 
 use nix::fcntl::{renameat2, Flock, FlockArg, RenameFlags};
 use time::format_description::well_known::Rfc3339;
@@ -250,40 +250,8 @@ fn fsync_dir(dir: &Path) -> Result<(), ImageError> {
     File::open(dir).and_then(|f| f.sync_all()).map_err(io(dir))
 }
 
-/// How often [`Staging::flush_while`] starts the writeback of what CRIU wrote since.
-const FLUSH_EVERY: Duration = Duration::from_millis(50);
 /// Most fsyncs in flight at publish.
 const SYNC_THREADS: usize = 16;
-
-/// Starts the writeback of every file of `dir` from where it was started last time.
-fn kick_writeback(dir: &Path, kicked: &mut BTreeMap<std::ffi::OsString, (File, u64)>) {
-    let Ok(rd) = fs::read_dir(dir) else { return };
-    for e in rd.flatten() {
-        if !e.file_type().is_ok_and(|t| t.is_file()) {
-            continue;
-        }
-        let name = e.file_name();
-        if !kicked.contains_key(&name) {
-            let Ok(f) = File::open(e.path()) else {
-                continue;
-            };
-            kicked.insert(name.clone(), (f, 0));
-        }
-        let Some((f, from)) = kicked.get_mut(&name) else {
-            continue;
-        };
-        let Ok(len) = f.metadata().map(|m| m.len()) else {
-            continue;
-        };
-        if len <= *from {
-            continue;
-        }
-        // Only a hint to the kernel: a failure leaves the work to the fsync at publish.
-        if sys::start_writeback(&*f, *from, len - *from).is_ok() {
-            *from = len;
-        }
-    }
-}
 
 /// Format-3 checksums of every file of `dir` (BLAKE3 per chunk, on rayon's pool), while every
 /// file is fsync'd on plain threads (a fsync waits on the disk, not on a core). The files
@@ -294,11 +262,17 @@ fn hash_and_sync(
     names: &[String],
     chunk: u64,
     known: impl FnOnce() -> Result<BTreeMap<String, FileEntry>, ImageError>,
+    followed: &follow::Follow,
 ) -> Result<Vec<FileEntry>, ImageError> {
+    use std::os::unix::fs::OpenOptionsExt;
     let mut opened = Vec::with_capacity(names.len());
     for n in names {
         let path = dir.join(n);
-        let f = File::open(&path).map_err(io(&path))?;
+        let f = File::options()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+            .map_err(io(&path))?;
         let size = f.metadata().map_err(io(&path))?.len();
         opened.push((path, f, size));
     }
@@ -334,7 +308,7 @@ fn hash_and_sync(
                         }
                         return Ok(e.clone());
                     }
-                    let chunks = hash::chunk_digests(f, *size, chunk).map_err(io(path))?;
+                    let chunks = follow::finish(path, f, *size, chunk, followed.get(name))?;
                     Ok(FileEntry {
                         name: name.clone(),
                         size: *size,
@@ -512,6 +486,8 @@ pub struct Staging {
     captured: std::sync::Mutex<Vec<Capture>>,
     /// The last capture's clock.
     clock: std::sync::Mutex<Option<std::sync::Arc<CaptureClock>>>,
+    /// What hashes a dump CRIU writes itself, behind it ([`Staging::follow_while`]).
+    follower: std::sync::Mutex<Option<follow::Follower>>,
     _lock: Flock<File>,
 }
 
@@ -533,6 +509,10 @@ impl Staging {
                 .tempdir_in(&parent)
                 .map_err(io(&parent))?;
             let path = tmp.path().to_path_buf();
+            // Root's alone (the dump holds the worker's memory): nobody else may enter it
+            // while CRIU writes there, nor read the image later.
+            fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+                .map_err(io(&path))?;
             let f = File::open(&path).map_err(io(&path))?;
             let lock = Flock::lock(f, FlockArg::LockExclusiveNonblock)
                 .map_err(|(_, e)| errno(&path)(e))?;
@@ -546,6 +526,7 @@ impl Staging {
                         chunk_size: DEFAULT_CHUNK_SIZE,
                         captured: std::sync::Mutex::default(),
                         clock: std::sync::Mutex::default(),
+                        follower: std::sync::Mutex::default(),
                         _lock: lock,
                     })
                 }
@@ -573,26 +554,37 @@ impl Staging {
         &self.dir
     }
 
-    /// Runs `f` (the dump) while telling the kernel to start writing out what appears in the
-    /// staging directory, so that the disk works during the dump instead of after it: by the
-    /// time [`Staging::publish`] fsyncs, most of the image is on disk already.
-    pub fn flush_while<T>(&self, f: impl FnOnce() -> T) -> T {
-        let (done_tx, done_rx) = mpsc::channel::<()>();
-        std::thread::scope(|s| {
-            s.spawn(move || {
-                let mut kicked: BTreeMap<std::ffi::OsString, (File, u64)> = BTreeMap::new();
-                loop {
-                    match done_rx.recv_timeout(FLUSH_EVERY) {
-                        Err(mpsc::RecvTimeoutError::Timeout) => {}
-                        _ => return,
-                    }
-                    kick_writeback(&self.path, &mut kicked);
-                }
+    /// Runs `f` (a dump CRIU writes into the staging directory itself) while a follower hashes
+    /// every whole chunk CRIU has written, behind it, at idle priority (see `follow.rs`); the
+    /// files named in `skip` (CRIU's log) are left to publish, which hashes what the follower
+    /// did not. The follower goes on after `f` returns, until publish.
+    pub fn follow_while<T>(&self, skip: &[&str], f: impl FnOnce() -> T) -> T {
+        let follower = follow::Follower::start(&self.path, self.chunk_size, skip);
+        *self.follower.lock().unwrap_or_else(|p| p.into_inner()) = follower;
+        f()
+    }
+
+    /// A fresh clock for the moments of a dump CRIU writes itself (the freeze's report).
+    pub(crate) fn dump_clock(&self) -> std::sync::Arc<CaptureClock> {
+        let c = std::sync::Arc::new(CaptureClock::default());
+        *self.clock.lock().unwrap_or_else(|p| p.into_inner()) = Some(std::sync::Arc::clone(&c));
+        c
+    }
+
+    /// The gate's check once CRIU wrote its dump (before it kills the tree): the staging
+    /// directory is still the one made and locked here, and holds only regular files and no
+    /// manifest. A link or anything else planted there refuses the dump, and CRIU resumes
+    /// the tree.
+    pub(crate) fn check_dumped(&self) -> Result<(), ImageError> {
+        let locked = self._lock.metadata().map_err(io(&self.path))?;
+        let now = fs::symlink_metadata(&self.path).map_err(io(&self.path))?;
+        if (now.dev(), now.ino()) != (locked.dev(), locked.ino()) {
+            return Err(ImageError::Unexpected {
+                file: self.path.clone(),
+                reason: "the staging directory was replaced during the dump".into(),
             });
-            let out = f();
-            drop(done_tx);
-            out
-        })
+        }
+        self.list().map(|_| ())
     }
 
     /// A capture of a streamed dump into the staging directory (see [`Capture`]).
@@ -653,7 +645,14 @@ impl Staging {
             }
             Ok(known)
         };
-        let files = hash_and_sync(&self.path, &names, self.chunk_size, known)?;
+        let followed = self
+            .follower
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .map(follow::Follower::finish)
+            .unwrap_or_default();
+        let files = hash_and_sync(&self.path, &names, self.chunk_size, known, &followed)?;
         step(PublishStep::Synced);
         let created = time::OffsetDateTime::now_utc()
             .format(&Rfc3339)
