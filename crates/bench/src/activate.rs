@@ -37,7 +37,7 @@ use cryo_state::StateDir;
 
 use crate::args::BenchActivateArgs;
 use crate::freeze::Bench;
-use crate::measure::{load_average, load_line, Samples};
+use crate::measure::{load_average, load_line, HostMemory, Samples};
 use crate::stop::PrivateAgent;
 
 #[derive(Debug, Default, Serialize)]
@@ -62,36 +62,6 @@ struct Row {
     /// The host's memory around the timed request of (a), (b) and the baseline: what the
     /// kernel did meanwhile (compaction and direct-reclaim stalls) and what was free before.
     host: Vec<(&'static str, HostDelta)>,
-}
-
-/// The kernel's memory counters (`/proc/vmstat`, `/proc/meminfo`) at one moment.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
-struct HostMemory {
-    compact_stall: u64,
-    allocstall: u64,
-    thp_fault_fallback: u64,
-    available_mib: u64,
-    dirty_mib: u64,
-}
-
-impl HostMemory {
-    fn now() -> HostMemory {
-        let vmstat = std::fs::read_to_string("/proc/vmstat").unwrap_or_default();
-        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-        let sum = |text: &str, pick: &dyn Fn(&str) -> bool| -> u64 {
-            text.lines()
-                .filter(|l| pick(l.split([' ', ':']).next().unwrap_or("")))
-                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-                .sum()
-        };
-        HostMemory {
-            compact_stall: sum(&vmstat, &|k| k == "compact_stall"),
-            allocstall: sum(&vmstat, &|k| k.starts_with("allocstall_")),
-            thp_fault_fallback: sum(&vmstat, &|k| k == "thp_fault_fallback"),
-            available_mib: sum(&meminfo, &|k| k == "MemAvailable") / 1024,
-            dirty_mib: sum(&meminfo, &|k| k == "Dirty" || k == "Writeback") / 1024,
-        }
-    }
 }
 
 /// What the kernel's memory management did during one timed request.

@@ -25,9 +25,16 @@
 //! 2. **Fatal signal.** Per round, a fresh worker restored through the agent (guarded from its
 //!    restore) is sent SIGTERM; the time from the signal to the worker having exited with its
 //!    context suspended (journal `Verified`) is set against a bare suspension
-//!    (`cryo_lifecycle::suspend`, in this process) of another fresh restored worker of the same
-//!    size. One warm-up round of each, then `--rounds` rounds with the arm order alternating;
-//!    median (min-max) of each and the ratio of the medians.
+//!    (`cryo_lifecycle::suspend`, in this process, journaled to a journal of its own as every
+//!    suspension is) of another fresh restored worker of the same size. One warm-up round of
+//!    each, then `--rounds` rounds with the arm order alternating; median (min-max) of each and
+//!    the ratio of the medians. Where the time goes: the guard's path step by step (the journal's
+//!    timestamps, ms after the signal: fatal signal, suspend, lock, checkpoint, verified, exited;
+//!    a record's time is taken before its `fdatasync`), the bare suspension's steps (its progress
+//!    callbacks), both split at the checkpoint's copy (the simulated driver copying the device
+//!    memory into the worker through a unix socket, a step both arms make and whose time swings
+//!    2-4x with the host's CPU contention), and what the kernel's memory management did in each
+//!    round (compaction and reclaim stalls, huge pages faulted, THP fallbacks).
 //!
 //! The wedge ledger must stay empty. The host's load average is printed at the start and end.
 //!
@@ -60,7 +67,7 @@ use serde::Serialize;
 use cryo_state::StateDir;
 
 use crate::args::BenchGuardArgs;
-use crate::measure::{a_first, load_average, load_line, Samples};
+use crate::measure::{a_first, load_average, load_line, HostMemory, Samples};
 use crate::private_sim::{DriverOptions, PrivateSim, WorkerOptions};
 use crate::stop::PrivateAgent;
 
@@ -359,6 +366,20 @@ struct SignalResult {
     ratio: f64,
     via_guard_samples_ms: Samples,
     bare_suspend_samples_ms: Samples,
+    /// Each step of the guard's path ([`STEPS`]), ms after the signal, per counted round.
+    via_guard_steps_ms: Vec<(String, Samples)>,
+    /// The checkpoint's copy (checkpoint started to checkpointed: the driver copying device
+    /// memory into the worker, a step both arms share), per round: guard, bare.
+    copy_ms: [Samples; 2],
+    /// Each round's time outside that copy (what the guard's path adds shows here): guard, bare.
+    outside_copy_ms: [Samples; 2],
+}
+
+/// `(copy, rest)` of one round: the checkpoint's copy (between the steps at `started` and
+/// `done`) and the total less it.
+fn split_copy(total: f64, started: Option<f64>, done: Option<f64>) -> Option<(f64, f64)> {
+    let copy = done? - started?;
+    Some((copy, total - copy))
 }
 
 #[derive(Debug, Serialize)]
@@ -508,18 +529,166 @@ fn latency(
     })
 }
 
-/// A fresh restored worker suspended bare; ms.
-fn bare_round(sim: &mut Sim, gpu: &cryo_gpu::Gpu, memory: u64) -> anyhow::Result<f64> {
+/// When each step of a suspension began and ended (the lifecycle's progress callbacks).
+struct StepClock {
+    start: Instant,
+    marks: std::sync::Mutex<Vec<(&'static str, bool, f64)>>,
+}
+
+impl StepClock {
+    fn new() -> Self {
+        Self {
+            start: Instant::now(),
+            marks: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    fn mark(&self, step: &'static str, end: bool) {
+        let at = ms(self.start.elapsed());
+        if let Ok(mut m) = self.marks.lock() {
+            m.push((step, end, at));
+        }
+    }
+
+    /// Ms after the start at which `step` began (`end`: ended).
+    fn at(&self, step: &str, end: bool) -> Option<f64> {
+        let m = self.marks.lock().ok()?;
+        m.iter()
+            .find(|(s, e, _)| *s == step && *e == end)
+            .map(|(_, _, at)| *at)
+    }
+}
+
+impl cryo_lifecycle::Progress for StepClock {
+    fn begin(&self, _: cryo_proc::Pid, step: &'static str, _: u64) {
+        self.mark(step, false);
+    }
+    fn advance(&self, _: cryo_proc::Pid, _: u64) {}
+    fn end(&self, _: cryo_proc::Pid, step: &'static str, _: bool, _: &str) {
+        self.mark(step, true);
+    }
+}
+
+/// The bare arm's steps, timed by [`StepClock`].
+const BARE_STEPS: [&str; 4] = [
+    "lock started",
+    "locked",
+    "checkpoint started",
+    "checkpointed",
+];
+
+/// One round of the bare arm: ms of the whole suspension, and each step's time after its start.
+struct BareRound {
+    took_ms: f64,
+    steps: Vec<Option<f64>>,
+    host: String,
+}
+
+/// A fresh restored worker suspended bare (journaled to `journal`, as `cryo stop` journals a
+/// suspension); ms.
+fn bare_round(
+    sim: &mut Sim,
+    gpu: &cryo_gpu::Gpu,
+    journal: &cryo_journal::Journal,
+    memory: u64,
+) -> anyhow::Result<BareRound> {
     let (p, _) = sim.restored_worker(gpu, memory)?;
     let h = ProcHandle::open(p)?;
+    let before = HostMemory::now();
+    let clock = StepClock::new();
     let t = Instant::now();
-    let outcome =
-        cryo_lifecycle::suspend(gpu, &[&h], &SuspendOptions::default(), None, &NoProgress);
+    let outcome = cryo_lifecycle::suspend(
+        gpu,
+        &[&h],
+        &SuspendOptions::default(),
+        Some(journal),
+        &clock,
+    );
     let took = t.elapsed();
+    let host = host_since(before);
     if outcome.iter().any(|o| o.result.is_err()) {
         bail!("bare suspension failed: {outcome:?}");
     }
-    Ok(ms(took))
+    Ok(BareRound {
+        took_ms: ms(took),
+        steps: vec![
+            clock.at("lock", false),
+            clock.at("lock", true),
+            clock.at("checkpoint", false),
+            clock.at("checkpoint", true),
+        ],
+        host,
+    })
+}
+
+/// The steps of the guard's path from a fatal signal to the death, as the journal names them.
+const STEPS: [&str; 9] = [
+    "fatal signal",
+    "suspend started",
+    "lock started",
+    "locked",
+    "checkpoint started",
+    "checkpointed",
+    "verified",
+    "kill started",
+    "exited",
+];
+
+fn step_of(e: &Event) -> Option<&'static str> {
+    Some(match e {
+        Event::FatalSignal { .. } => STEPS[0],
+        Event::SuspendStarted { .. } => STEPS[1],
+        Event::LockStarted { .. } => STEPS[2],
+        Event::Locked { .. } => STEPS[3],
+        Event::CheckpointStarted { .. } => STEPS[4],
+        Event::Checkpointed { .. } => STEPS[5],
+        Event::Verified { .. } => STEPS[6],
+        Event::KillStarted { .. } => STEPS[7],
+        Event::ProcessExited { .. } => STEPS[8],
+        _ => return None,
+    })
+}
+
+/// When each step of [`STEPS`] was journaled for `id`, in ms after `sent` (the first record of
+/// each kind at or after it); `None` for a step with no record.
+fn step_times(
+    records: &[cryo_journal::Record],
+    id: ProcId,
+    sent: std::time::SystemTime,
+) -> Vec<Option<f64>> {
+    let mut at = vec![None; STEPS.len()];
+    for r in records.iter().filter(|r| r.event.pids().contains(&id)) {
+        let (Some(step), Ok(after)) = (step_of(&r.event), r.time.duration_since(sent)) else {
+            continue;
+        };
+        if let Some(i) = STEPS.iter().position(|s| *s == step) {
+            at[i].get_or_insert(ms(after));
+        }
+    }
+    at
+}
+
+/// One round of the guard's arm: ms from the signal to the death seen by the pidfd, and each
+/// step's time after the signal as journaled.
+struct GuardRound {
+    died_ms: f64,
+    steps: Vec<Option<f64>>,
+    host: String,
+}
+
+/// What the kernel's memory management did between `before` and now: direct-compaction stalls,
+/// direct-reclaim stalls, huge pages faulted in, and faults that fell back to small pages.
+fn host_since(before: HostMemory) -> String {
+    let after = HostMemory::now();
+    format!(
+        "{}/{}/{}/{}",
+        after.compact_stall.saturating_sub(before.compact_stall),
+        after.allocstall.saturating_sub(before.allocstall),
+        after.thp_fault_alloc.saturating_sub(before.thp_fault_alloc),
+        after
+            .thp_fault_fallback
+            .saturating_sub(before.thp_fault_fallback)
+    )
 }
 
 /// A fresh worker restored through the agent (so guarded), sent SIGTERM; ms from the signal to
@@ -529,24 +698,48 @@ fn guard_round(
     agent: &AgentClient,
     state: &StateDir,
     memory: u64,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<GuardRound> {
     let (p, _) = sim.guarded_worker(agent, memory)?;
     let h = ProcHandle::open(p)?;
     let id = ProcId::of(p)?;
+    let before = HostMemory::now();
+    let sent = std::time::SystemTime::now();
     let t = Instant::now();
     h.signal(cryo_proc::Signal::SIGTERM)?;
     if !h.wait_exit(Duration::from_secs(60)) {
         bail!("pid {p} did not die of SIGTERM under the agent's guard");
     }
     let died = t.elapsed();
-    let recs = state.read_journal()?.records;
+    let host = host_since(before);
+    let recs = eventually_exited(state, id)?;
     if !recs
         .iter()
         .any(|r| matches!(&r.event, Event::Verified { pid, .. } if *pid == id))
     {
         bail!("pid {p} died without a verified suspension: the guard's path failed");
     }
-    Ok(ms(died))
+    Ok(GuardRound {
+        died_ms: ms(died),
+        steps: step_times(&recs, id, sent),
+        host,
+    })
+}
+
+/// The journal once it holds the guard's record of `id`'s exit (written after the exit stop
+/// let it go, so possibly just after the pidfd said it died).
+fn eventually_exited(state: &StateDir, id: ProcId) -> anyhow::Result<Vec<cryo_journal::Record>> {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let recs = state.read_journal()?.records;
+        if recs
+            .iter()
+            .any(|r| matches!(&r.event, Event::ProcessExited { pid, .. } if *pid == id))
+            || Instant::now() > until
+        {
+            return Ok(recs);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 /// `median (min-max)` of ratios, three decimals.
@@ -693,6 +886,12 @@ pub fn run(a: &BenchGuardArgs, cryo: &Path) -> anyhow::Result<()> {
 
     // 2. Fatal signal to suspended, against a bare suspension; round 0 is the warm-up.
     let (mut via_guard, mut bare) = (Samples::default(), Samples::default());
+    // The bare arm journals its suspension as every suspension does (its own journal, on the
+    // same filesystem as the agent's): the arms differ by the guard's path only.
+    let bare_journal = cryo_journal::Journal::open(tmp.path().join("bare-journal"))?;
+    let mut steps: Vec<Samples> = vec![Samples::default(); STEPS.len()];
+    let mut rounds = Vec::new();
+    let mut bare_rounds = Vec::new();
     for round in 0..=a.rounds {
         let order = if a_first(round) {
             [true, false]
@@ -700,22 +899,44 @@ pub fn run(a: &BenchGuardArgs, cryo: &Path) -> anyhow::Result<()> {
             [false, true]
         };
         for use_guard in order {
-            let took = if use_guard {
-                guard_round(&mut sim, client, &state, a.memory)?
-            } else {
-                bare_round(&mut sim, &gpu, a.memory)?
-            };
-            if round == 0 {
-                continue;
-            }
             if use_guard {
-                via_guard.push(took);
+                let r = guard_round(&mut sim, client, &state, a.memory)?;
+                if round > 0 {
+                    via_guard.push(r.died_ms);
+                    for (s, at) in steps.iter_mut().zip(&r.steps) {
+                        if let Some(at) = at {
+                            s.push(*at);
+                        }
+                    }
+                    rounds.push(r);
+                }
             } else {
-                bare.push(took);
+                let r = bare_round(&mut sim, &gpu, &bare_journal, a.memory)?;
+                if round > 0 {
+                    bare.push(r.took_ms);
+                    bare_rounds.push(r);
+                }
             }
         }
     }
+    let (mut copy, mut outside): ([Samples; 2], [Samples; 2]) = Default::default();
+    let splits = rounds
+        .iter()
+        .map(|r| (0, split_copy(r.died_ms, r.steps[4], r.steps[5])))
+        .chain(
+            bare_rounds
+                .iter()
+                .map(|r| (1, split_copy(r.took_ms, r.steps[2], r.steps[3]))),
+        );
+    for (arm, split) in splits {
+        if let Some((c, o)) = split {
+            copy[arm].push(c);
+            outside[arm].push(o);
+        }
+    }
     let sig = SignalResult {
+        copy_ms: copy,
+        outside_copy_ms: outside,
         rounds: a.rounds,
         memory_bytes: a.memory,
         via_guard_ms: via_guard.median(),
@@ -723,6 +944,11 @@ pub fn run(a: &BenchGuardArgs, cryo: &Path) -> anyhow::Result<()> {
         ratio: via_guard.median() / bare.median().max(1e-9),
         via_guard_samples_ms: via_guard,
         bare_suspend_samples_ms: bare,
+        via_guard_steps_ms: STEPS
+            .iter()
+            .zip(steps)
+            .map(|(s, v)| ((*s).to_string(), v))
+            .collect(),
     };
     let wedges = cryo_sim::SimControl::new(&sim_dir).ledger()?;
     if !wedges.is_empty() {
@@ -753,6 +979,51 @@ pub fn run(a: &BenchGuardArgs, cryo: &Path) -> anyhow::Result<()> {
             sig.bare_suspend_samples_ms.cell1()
         );
         println!("  ratio guard/bare:      {:.3} (medians)", sig.ratio);
+        println!(
+            "  split at the checkpoint's copy (the simulated driver copying device memory into \
+             the worker; both arms make it): outside the copy guard {} vs bare {} ms, ratio {:.2} \
+             (what the guard's path adds); the copy guard {} vs bare {} ms, ratio {:.2}",
+            sig.outside_copy_ms[0].cell1(),
+            sig.outside_copy_ms[1].cell1(),
+            sig.outside_copy_ms[0].median() / sig.outside_copy_ms[1].median().max(1e-9),
+            sig.copy_ms[0].cell1(),
+            sig.copy_ms[1].cell1(),
+            sig.copy_ms[0].median() / sig.copy_ms[1].median().max(1e-9)
+        );
+        println!("  the guard's path, ms after the signal as journaled, median (min-max), and per round:");
+        for (i, (step, v)) in sig.via_guard_steps_ms.iter().enumerate() {
+            let per_round: Vec<String> = rounds
+                .iter()
+                .map(|r| r.steps[i].map_or_else(|| "-".into(), |v| format!("{v:.1}")))
+                .collect();
+            println!("    {step:<18} {:<22} {}", v.cell1(), per_round.join(" "));
+        }
+        let seen: Vec<String> = rounds.iter().map(|r| format!("{:.1}", r.died_ms)).collect();
+        println!(
+            "    {:<18} {:<22} {}",
+            "death seen",
+            sig.via_guard_samples_ms.cell1(),
+            seen.join(" ")
+        );
+        println!("  the bare suspension, ms after its start, per round:");
+        for (i, step) in BARE_STEPS.iter().enumerate() {
+            let per_round: Vec<String> = bare_rounds
+                .iter()
+                .map(|r| r.steps[i].map_or_else(|| "-".into(), |v| format!("{v:.1}")))
+                .collect();
+            println!("    {step:<18} {}", per_round.join(" "));
+        }
+        let took: Vec<String> = bare_rounds
+            .iter()
+            .map(|r| format!("{:.1}", r.took_ms))
+            .collect();
+        println!("    {:<18} {}", "done (verified)", took.join(" "));
+        let cells = |v: Vec<&str>| v.join(" ");
+        println!(
+            "  the kernel meanwhile, per round (compaction stalls/reclaim stalls/huge pages faulted/THP fallbacks): guard {}; bare {}",
+            cells(rounds.iter().map(|r| r.host.as_str()).collect()),
+            cells(bare_rounds.iter().map(|r| r.host.as_str()).collect())
+        );
         println!("wedge ledger empty");
         println!("{}", load_line("end", report.load_end));
     }

@@ -92,3 +92,35 @@ pub(crate) fn load_line(when: &str, l: [f64; 3]) -> String {
         l[0], l[1], l[2]
     )
 }
+
+/// The kernel's memory counters (`/proc/vmstat`, `/proc/meminfo`) at one moment.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub(crate) struct HostMemory {
+    pub(crate) compact_stall: u64,
+    pub(crate) allocstall: u64,
+    pub(crate) thp_fault_fallback: u64,
+    pub(crate) thp_fault_alloc: u64,
+    pub(crate) available_mib: u64,
+    pub(crate) dirty_mib: u64,
+}
+
+impl HostMemory {
+    pub(crate) fn now() -> HostMemory {
+        let vmstat = std::fs::read_to_string("/proc/vmstat").unwrap_or_default();
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let sum = |text: &str, pick: &dyn Fn(&str) -> bool| -> u64 {
+            text.lines()
+                .filter(|l| pick(l.split([' ', ':']).next().unwrap_or("")))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .sum()
+        };
+        HostMemory {
+            compact_stall: sum(&vmstat, &|k| k == "compact_stall"),
+            allocstall: sum(&vmstat, &|k| k.starts_with("allocstall_")),
+            thp_fault_fallback: sum(&vmstat, &|k| k == "thp_fault_fallback"),
+            thp_fault_alloc: sum(&vmstat, &|k| k == "thp_fault_alloc"),
+            available_mib: sum(&meminfo, &|k| k == "MemAvailable") / 1024,
+            dirty_mib: sum(&meminfo, &|k| k == "Dirty" || k == "Writeback") / 1024,
+        }
+    }
+}
