@@ -289,10 +289,16 @@ impl Agent {
     /// `POST /v1/guard/release`.
     pub(crate) fn release(&self, req: &ReleaseRequest) -> Result<ReleaseReport, ApiError> {
         use cryo_guard::guard::ReleaseError;
-        match self.guard.release(&req.gpu) {
+        match self
+            .guard
+            .release(&[vec![req.gpu.clone()], req.also.clone()].concat())
+        {
             Ok(pids) => Ok(ReleaseReport { pids }),
             Err(e @ ReleaseError::NotPinned(_)) => {
                 Err(ApiError::new(ErrorKind::NotFound, e.to_string()))
+            }
+            Err(e @ ReleaseError::OtherGpus { .. }) => {
+                Err(ApiError::new(ErrorKind::Refused, e.to_string()))
             }
             Err(e) => Err(failed(e)),
         }

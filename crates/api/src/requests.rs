@@ -249,6 +249,10 @@ pub struct ReleaseRequest {
     pub gpu: FencedGpu,
     /// The caller knows closing pins may wedge the host.
     pub confirm: Confirmation,
+    /// More GPUs released together with `gpu`: a pin that holds contexts on several GPUs is
+    /// closed only when every one of them is named (else the release is refused).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub also: Vec<FencedGpu>,
 }
 
 /// The answer to a release.

@@ -86,6 +86,10 @@ pub enum Request {
         gpu: FencedGpu,
         /// Says the caller knows what closing pins does.
         confirm: Confirmation,
+        /// More GPUs released together with `gpu` (a pin that holds contexts on several GPUs
+        /// is closed only when every one of them is named).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        also: Vec<FencedGpu>,
     },
 }
 
@@ -379,7 +383,8 @@ fn answer_now(guard: &Guard, request: Request) -> Response {
         Request::Release {
             gpu,
             confirm: Confirmation::MayWedgeTheHost,
-        } => match guard.release(&gpu) {
+            also,
+        } => match guard.release(&[vec![gpu], also].concat()) {
             Ok(pids) => Response::Released { pids },
             Err(ReleaseError::NotPinned(gpu)) => refused(Refusal::NotPinned { gpu }),
             Err(e) => failed(&e),
@@ -558,10 +563,15 @@ impl GuardClient {
         }
     }
 
-    /// Asks the guard to close the pins on `gpu` and lift its quarantine; the processes released.
-    pub fn release(&self, gpu: &FencedGpu) -> Result<Vec<ProcId>, ControlError> {
+    /// Asks the guard to close the pins on the GPUs `gpus` names (at least one) and lift their
+    /// quarantine; the processes released.
+    pub fn release(&self, gpus: &[FencedGpu]) -> Result<Vec<ProcId>, ControlError> {
+        let (gpu, also) = gpus
+            .split_first()
+            .map_or((FencedGpu::Unknown, &[][..]), |(g, a)| (g.clone(), a));
         match self.ask(&Request::Release {
-            gpu: gpu.clone(),
+            gpu,
+            also: also.to_vec(),
             confirm: Confirmation::MayWedgeTheHost,
         })? {
             Response::Released { pids } => Ok(pids),
@@ -649,6 +659,7 @@ mod tests {
                 Request::Release {
                     gpu: FencedGpu::Unknown,
                     confirm: Confirmation::MayWedgeTheHost,
+                    also: Vec::new(),
                 },
                 r#"{"request":"release","gpu":"unknown","confirm":"i-understand-this-may-wedge-the-host"}"#
                     .to_string(),

@@ -252,6 +252,15 @@ pub enum ReleaseError {
         /// Why.
         source: cryo_holder::ClientError,
     },
+    /// A pin the release would close also holds contexts on GPUs it does not name (nothing was
+    /// closed).
+    #[error("{}", crate::pins::other_gpus_message(*.pid, .others))]
+    OtherGpus {
+        /// The process whose pin it is.
+        pid: ProcId,
+        /// The GPUs not named.
+        others: Vec<FencedGpu>,
+    },
 }
 
 /// One guarded process, as `cryo status` shows it.
@@ -1477,10 +1486,53 @@ impl Guard {
         attached
     }
 
-    /// The operator's release of the contexts pinned on `gpu`: closes the duplicates (on
-    /// affected hosts the driver then tears the contexts down, which is what wedges them) and
-    /// lifts the quarantine. Returns the processes whose pins were closed.
-    pub fn release(&self, gpu: &FencedGpu) -> Result<Vec<ProcId>, ReleaseError> {
+    /// The operator's release of the contexts pinned on the GPUs `gpus` names: closes the
+    /// duplicates (on affected hosts the driver then tears the contexts down, which is what
+    /// wedges them) and lifts their quarantine. Refused before anything is closed when a pin
+    /// also holds contexts on a GPU not named ([`ReleaseError::OtherGpus`]: a pin cannot be
+    /// closed for one GPU only). Returns the processes whose pins were closed.
+    pub fn release(&self, gpus: &[FencedGpu]) -> Result<Vec<ProcId>, ReleaseError> {
+        let first = gpus.first().cloned().unwrap_or(FencedGpu::Unknown);
+        let held = match self.inner.holder.inventory() {
+            Ok(Some((_, pins))) => pins,
+            Ok(None) => Vec::new(),
+            Err(source) => return Err(ReleaseError::Holder { gpu: first, source }),
+        };
+        let mine: Vec<(ProcId, Vec<FencedGpu>)> = lock(&self.inner.pins)
+            .iter()
+            .map(|p| (p.id, p.gpus.clone()))
+            .collect();
+        let all = held
+            .iter()
+            .map(|p| (p.meta.pid, &p.meta.gpus[..]))
+            .chain(mine.iter().map(|(id, g)| (*id, &g[..])));
+        if let Some((pid, others)) = crate::pins::spans_unnamed(all, gpus) {
+            return Err(ReleaseError::OtherGpus { pid, others });
+        }
+        let mut released = Vec::new();
+        let mut anything = false;
+        for gpu in gpus {
+            match self.release_one(gpu, gpus) {
+                Ok(pids) => {
+                    anything = true;
+                    released.extend(pids);
+                }
+                Err(ReleaseError::NotPinned(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if !anything {
+            return Err(ReleaseError::NotPinned(first));
+        }
+        Ok(released)
+    }
+
+    /// [`Guard::release`] of one GPU of the release naming `named`.
+    fn release_one(
+        &self,
+        gpu: &FencedGpu,
+        named: &[FencedGpu],
+    ) -> Result<Vec<ProcId>, ReleaseError> {
         // The holder's first: if it cannot be asked, nothing is closed and the fence holds.
         let in_holder = self
             .inner
@@ -1502,7 +1554,8 @@ impl Guard {
         if taken.is_empty() && in_holder.is_empty() && lifted.is_none() {
             return Err(ReleaseError::NotPinned(gpu.clone()));
         }
-        let mut released = crate::pins::journal_released(&self.inner.journal, gpu, &in_holder);
+        let mut released =
+            crate::pins::journal_released(&self.inner.journal, gpu, named, &in_holder);
         for p in taken {
             tracing::warn!(
                 pid = p.id.pid,
@@ -1512,7 +1565,7 @@ impl Guard {
             );
             drop(p.held);
             self.inner.record(Event::PinsReleased { pid: p.id });
-            crate::pins::closed_elsewhere(&self.inner.journal, gpu, p.id, &p.gpus);
+            crate::pins::closed_elsewhere(&self.inner.journal, gpu, named, p.id, &p.gpus);
             released.push(p.id);
         }
         Ok(released)

@@ -157,10 +157,30 @@ pub fn holder_pins(holder: &dyn PinSink) -> Vec<crate::guard::PinInfo> {
     }
 }
 
-/// Journals `PinsReleased` for each pin the holder closed on `gpu`; the processes.
+/// A pin a release would close (it holds a context on a GPU the release names) that also holds
+/// contexts on GPUs it does not name: its process and those GPUs. A pin cannot be closed for
+/// one GPU only (see [`closed_elsewhere`]), so such a release would tear down contexts the
+/// operator did not name; it is refused before anything is closed.
+pub(crate) fn spans_unnamed<'a>(
+    pins: impl IntoIterator<Item = (ProcId, &'a [FencedGpu])>,
+    named: &[FencedGpu],
+) -> Option<(ProcId, Vec<FencedGpu>)> {
+    pins.into_iter().find_map(|(pid, gpus)| {
+        let others: Vec<FencedGpu> = gpus
+            .iter()
+            .filter(|g| !named.contains(g))
+            .cloned()
+            .collect();
+        (gpus.iter().any(|g| named.contains(g)) && !others.is_empty()).then_some((pid, others))
+    })
+}
+
+/// Journals `PinsReleased` for each pin the holder closed on `gpu` (of a release naming
+/// `named`); the processes.
 pub(crate) fn journal_released(
     journal: &cryo_journal::Journal,
     gpu: &FencedGpu,
+    named: &[FencedGpu],
     closed: &[HeldPin],
 ) -> Vec<ProcId> {
     let mut pids = Vec::new();
@@ -169,7 +189,7 @@ pub(crate) fn journal_released(
         if let Err(err) = journal.append(cryo_journal::Event::PinsReleased { pid: p.meta.pid }) {
             tracing::error!(%err, "cannot write the journal");
         }
-        closed_elsewhere(journal, gpu, p.meta.pid, &p.meta.gpus);
+        closed_elsewhere(journal, gpu, named, p.meta.pid, &p.meta.gpus);
         pids.push(p.meta.pid);
     }
     pids
@@ -178,15 +198,18 @@ pub(crate) fn journal_released(
 /// A pin holds a process's contexts on every GPU it used, and its driver fds cannot be told
 /// apart per GPU (on the real driver `/dev/nvidiactl` and `/dev/nvidia-uvm` serve all of them,
 /// and what closing only `/dev/nvidiaN` frees was never measured): releasing it for `released`
-/// closes its contexts on its other GPUs too. Those stay fenced (never lifted without the
-/// operator naming them); this says so, in the log and the journal, for each of them.
+/// closes its contexts on its other GPUs too. A release is refused unless it names all of them
+/// ([`spans_unnamed`]); one that closed a pin on a GPU it did not name all the same (a pin taken
+/// between the check and the close) leaves that GPU fenced (never lifted without the operator
+/// naming it) and says so, in the log and the journal.
 pub(crate) fn closed_elsewhere(
     journal: &cryo_journal::Journal,
     released: &FencedGpu,
+    named: &[FencedGpu],
     pid: ProcId,
     gpus: &[FencedGpu],
 ) {
-    for other in gpus.iter().filter(|g| *g != released) {
+    for other in gpus.iter().filter(|g| !named.contains(g)) {
         let reason = format!(
             "the release of GPU {released} closed pid {}'s pins, which held its contexts on every GPU it used: its context on GPU {other} is gone too; GPU {other} stays fenced until released",
             pid.pid
@@ -221,25 +244,85 @@ pub enum ReleaseError {
     /// Nothing is pinned or quarantined for that GPU.
     #[error("GPU {0} is neither pinned by the pin holder nor quarantined (and no guard runs)")]
     NotPinned(FencedGpu),
+    /// A pin the release would close also holds contexts on GPUs it does not name.
+    #[error("{}", other_gpus_message(*.pid, .others))]
+    OtherGpus {
+        /// The process whose pin it is.
+        pid: ProcId,
+        /// The GPUs not named.
+        others: Vec<FencedGpu>,
+    },
+}
+
+/// The refusal of a release that would close contexts on GPUs it does not name.
+pub(crate) fn other_gpus_message(pid: ProcId, others: &[FencedGpu]) -> String {
+    let list: Vec<String> = others.iter().map(ToString::to_string).collect();
+    format!(
+        "pid {}'s pins also hold its contexts on {} (a pin cannot be closed for one GPU only: its driver fds serve every GPU it used); nothing was closed: name every one of them to release them together (--gpu {})",
+        pid.pid,
+        list.join(", "),
+        list.join(" --gpu ")
+    )
 }
 
 /// The operator's release when no guard runs (the agent is down): closes the pin holder's pins on
-/// `gpu`, journals `PinsReleased` for each, and lifts the quarantine. Returns the processes whose
-/// pins were closed.
+/// the GPUs `gpus` names, journals `PinsReleased` for each, and lifts their quarantine; refused
+/// before anything is closed when a pin also holds contexts on a GPU not named
+/// ([`ReleaseError::OtherGpus`]). Returns the processes whose pins were closed.
 pub fn release_without_guard(
     state: &StateDir,
-    gpu: &FencedGpu,
+    gpus: &[FencedGpu],
 ) -> Result<Vec<ProcId>, ReleaseError> {
-    let closed = HolderSink::new(state)
-        .release(gpu)
-        .map_err(|source| ReleaseError::Holder {
+    let holder = HolderSink::new(state);
+    let first = gpus.first().cloned().unwrap_or(FencedGpu::Unknown);
+    let held = match holder.inventory() {
+        Ok(Some((_, pins))) => pins,
+        Ok(None) => Vec::new(),
+        Err(source) => return Err(ReleaseError::Holder { gpu: first, source }),
+    };
+    if let Some((pid, others)) =
+        spans_unnamed(held.iter().map(|p| (p.meta.pid, &p.meta.gpus[..])), gpus)
+    {
+        return Err(ReleaseError::OtherGpus { pid, others });
+    }
+    let journal = state.open_journal()?;
+    let mut released = Vec::new();
+    let mut anything = false;
+    for gpu in gpus {
+        let closed = holder.release(gpu).map_err(|source| ReleaseError::Holder {
             gpu: gpu.clone(),
             source,
         })?;
-    let journal = state.open_journal()?;
-    let lifted = state.fence().release(gpu)?;
-    if closed.is_empty() && lifted.is_none() {
-        return Err(ReleaseError::NotPinned(gpu.clone()));
+        let lifted = state.fence().release(gpu)?;
+        anything |= !closed.is_empty() || lifted.is_some();
+        released.extend(journal_released(&journal, gpu, gpus, &closed));
     }
-    Ok(journal_released(&journal, gpu, &closed))
+    if !anything {
+        return Err(ReleaseError::NotPinned(first));
+    }
+    Ok(released)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu(n: u8) -> FencedGpu {
+        FencedGpu::Gpu(cryo_gpu::GpuUuid::from_bytes([n; 16]))
+    }
+
+    /// A release closes a pin only when it names every GPU the pin holds contexts on; pins on
+    /// GPUs it does not touch at all are none of its business.
+    #[test]
+    fn a_release_must_name_every_gpu_of_the_pins_it_closes() {
+        let (a, b) = (ProcId::new(10, 1), ProcId::new(11, 1));
+        let both = [gpu(1), gpu(2)];
+        let other = [gpu(3)];
+        let pins = || [(a, &both[..]), (b, &other[..])];
+        assert_eq!(spans_unnamed(pins(), &[gpu(1)]), Some((a, vec![gpu(2)])));
+        assert_eq!(spans_unnamed(pins(), &[gpu(2)]), Some((a, vec![gpu(1)])));
+        assert_eq!(spans_unnamed(pins(), &[gpu(1), gpu(2)]), None);
+        assert_eq!(spans_unnamed(pins(), &[gpu(3)]), None);
+        assert_eq!(spans_unnamed(pins(), &[FencedGpu::Unknown]), None);
+    }
 }

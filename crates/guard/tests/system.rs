@@ -307,7 +307,7 @@ fn exec_keeps_the_driver_files_open(single: bool, from_thread: bool) {
         cryo_testkit::procs::tracer_pid(v.pid) == 0
     });
     assert!(guard.guarded().is_empty());
-    guard.release(&gpu0).unwrap();
+    guard.release(std::slice::from_ref(&gpu0)).unwrap();
     cryo_testkit::eventually(cryo_testkit::PATIENCE, "the release to close them", || {
         closed(&first) && closed(&second)
     });

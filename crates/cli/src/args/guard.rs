@@ -90,9 +90,10 @@ pub enum GuardCommand {
     /// window (after draining the node, or before a reboot).
     Release {
         /// The GPU (UUID), or `unknown` for the quarantine of contexts whose GPU the guard could
-        /// not tell (it fences every GPU).
-        #[arg(long)]
-        gpu: cryo_state::fence::FencedGpu,
+        /// not tell (it fences every GPU). Repeat it to release several GPUs together: a process
+        /// pinned with contexts on several GPUs is released only when every one is named.
+        #[arg(long, required = true)]
+        gpu: Vec<cryo_state::fence::FencedGpu>,
         /// Required: says you read the above.
         #[arg(long)]
         i_understand_this_may_wedge_the_host: bool,

@@ -36,16 +36,22 @@ pub fn run(ctx: &Context, args: &GuardArgs) -> anyhow::Result<u8> {
             gpu,
             i_understand_this_may_wedge_the_host,
         }) => {
+            let named: Vec<String> = gpu.iter().map(ToString::to_string).collect();
+            let named = named.join(", ");
             if !i_understand_this_may_wedge_the_host {
                 bail!(crate::exit::UsageError(format!(
-                    "closing the pins on {gpu} lets the driver tear down a live restored context, which wedges affected hosts; \
+                    "closing the pins on {named} lets the driver tear down a live restored context, which wedges affected hosts; \
                      drain the node first, then repeat with --i-understand-this-may-wedge-the-host"
                 )));
             }
-            eprintln!("cryo: WARNING: closing the pins on {gpu}: on affected hosts the machine may wedge within ~35 s");
+            eprintln!("cryo: WARNING: closing the pins on {named}: on affected hosts the machine may wedge within ~35 s");
+            let (first, also) = gpu
+                .split_first()
+                .context("--gpu names the GPU to release")?;
             let via_agent = route::client(state).release(&ReleaseRequest {
-                gpu: gpu.clone(),
+                gpu: first.clone(),
                 confirm: Confirmation::MayWedgeTheHost,
+                also: also.to_vec(),
             });
             let pids = if route::not_running(&via_agent) {
                 match GuardClient::new(state).release(gpu) {
@@ -64,7 +70,7 @@ pub fn run(ctx: &Context, args: &GuardArgs) -> anyhow::Result<u8> {
             };
             let pids: Vec<_> = pids.into_iter().map(|p| p.pid).collect();
             println!(
-                "released pins of {} process(es) on {gpu}: {pids:?}; quarantine lifted",
+                "released pins of {} process(es) on {named}: {pids:?}; quarantine lifted",
                 pids.len()
             );
             Ok(crate::exit::SUCCESS)
