@@ -5,9 +5,9 @@
 //! # Design
 //! - When an activator listens, the agent starts a keeper: `cryo agent keep-listener` (this
 //!   binary, [`ARGS`]) with a duplicate of the listening socket as its stdin, in a process group
-//!   of its own, terminal and termination signals blocked. It does nothing with the socket: it
-//!   only holds it open, so the socket (its backlog) outlives the agent. It watches its agent
-//!   and exits [`LINGER`] after the agent's death.
+//!   of its own, every signal that would end it but SIGKILL ignored. It does nothing with the
+//!   socket: it only holds it open, so the socket (its backlog) outlives the agent. It watches
+//!   its agent and exits [`LINGER`] after the agent's death.
 //! - The activator's record (`STATE_DIR/activators.json`) names the keeper (pid, start time,
 //!   pidfs inode). An agent that starts takes the socket from the keeper (`pidfd_getfd` of its
 //!   fd 0, checked to be a listening socket on the recorded address), starts a keeper of its own
@@ -107,23 +107,18 @@ pub(crate) fn take_over(keeper: ProcId, addr: &Addr) -> std::io::Result<Listener
 }
 
 /// `cryo agent keep-listener --agent PID:START`: holds its stdin (a listening socket) until
-/// [`LINGER`] after the agent `(pid, start time)` is gone; signals that would end it from a
-/// terminal or a polite stop are blocked (its agent ends it with SIGKILL).
+/// [`LINGER`] after the agent `(pid, start time)` is gone. Every signal whose default action
+/// ends or stops a process is ignored, as the pin holder ignores them
+/// ([`cryo_holder::ignore_killing_signals`]): a keeper killed by a stray SIGALRM, SIGXCPU or
+/// real-time signal would take the queued connections of the next agent with it. Its agent (or
+/// the next one) ends it with SIGKILL.
 pub fn keep_listener(agent: (Pid, u64)) -> std::io::Result<()> {
-    use nix::sys::signal::{SigSet, Signal};
-    let mut blocked = SigSet::empty();
-    for s in [
-        Signal::SIGHUP,
-        Signal::SIGINT,
-        Signal::SIGQUIT,
-        Signal::SIGTERM,
-        Signal::SIGPIPE,
-        Signal::SIGUSR1,
-        Signal::SIGUSR2,
-    ] {
-        blocked.add(s);
+    if let Some((sig, e)) = cryo_holder::ignore_killing_signals().into_iter().next() {
+        return Err(std::io::Error::new(
+            e.kind(),
+            format!("cannot ignore signal {sig}: {e}"),
+        ));
     }
-    blocked.thread_block().map_err(std::io::Error::from)?;
     if let Ok(h) = ProcHandle::open_expected(agent.0, agent.1) {
         // Blocks on the agent's pidfd (readable at its exit), no polling interval.
         while !h.wait_exit(Duration::from_secs(3600)) {}

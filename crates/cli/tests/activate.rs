@@ -333,14 +333,6 @@ fn assert_listening_again(st: &Path, handed: bool) {
     );
 }
 
-/// The process (thread group) that traces `pid`, 0 when none does.
-fn tracer_process(pid: i32) -> i32 {
-    match common::procs::tracer_pid(pid) {
-        0 => 0,
-        t => cryo_proc::tgid(t).ok().flatten().unwrap_or(0),
-    }
-}
-
 /// Attack (session 7): the agent is SIGKILLed while a client's bytes are being forwarded
 /// through its activator to the woken worker, and a new agent starts. What must hold: the
 /// worker's context is never torn down (ledger empty) and it keeps serving; the new agent's
@@ -378,7 +370,10 @@ fn an_agent_killed_mid_forward_leaves_the_worker_serving_guarded_and_the_client_
         v["activators"][0]["forwarded"].as_u64() == Some(1)
     };
     eventually(PATIENCE, "the connection to be forwarded", forwarded);
-    assert_eq!(tracer_process(w.pid), agent.child.id() as i32);
+    assert_eq!(
+        common::procs::tracer_process(w.pid),
+        agent.child.id() as i32
+    );
 
     agent.kill();
     drop(agent);
@@ -403,7 +398,7 @@ fn an_agent_killed_mid_forward_leaves_the_worker_serving_guarded_and_the_client_
     eventually(
         PATIENCE,
         "the new agent's guard to trace the worker",
-        || tracer_process(w.pid) == me,
+        || common::procs::tracer_process(w.pid) == me,
     );
     let (code, body) = http(Endpoint::Unix(sock.clone()), "POST", "/v1/completions", "p");
     assert_eq!(code, 200, "{body}");
@@ -436,28 +431,23 @@ fn an_agent_killed_mid_forward_leaves_the_worker_serving_guarded_and_the_client_
     sim.assert_no_wedge();
 }
 
-/// Attack (session 7): connections that wait in the listening socket's backlog when the agent
-/// dies, and connections made while no agent runs. The agent is stopped (SIGSTOP: nothing is
-/// accepted), five clients connect through its activator and send their requests, the agent is
-/// SIGKILLed, a sixth client connects, and a new agent starts: every one of the six is
-/// answered, by the worker, once (the listening socket was handed over, never bound again).
-/// Before the keeper (a socket bound again by the next agent): 0 of 6, the five queued ones
-/// reset when the agent died and the sixth refused.
-#[test]
-fn connections_queued_when_the_agent_dies_are_served_by_the_next_agent() {
+/// Stops `agent` (SIGSTOP: nothing is accepted), connects `queued` clients through its
+/// activator on `sock` and sends their requests, SIGKILLs the agent, connects one more client
+/// while no agent runs, and starts a new agent; returns it and how many of the `queued + 1`
+/// clients the worker answered (each with `before`).
+fn served_across_an_agent_death(
+    sim: &Sim,
+    st: &Path,
+    mut agent: common::AgentProc,
+    sock: &Path,
+    before: &str,
+    queued: usize,
+) -> (common::AgentProc, usize) {
     use std::io::{Read, Write};
-    let Fronted {
-        sim,
-        st,
-        mut agent,
-        w: _w,
-        before,
-        sock,
-    } = Fronted::start(false);
     let request = b"POST /v1/completions HTTP/1.1\r\nhost: w\r\nconnection: close\r\ncontent-length: 1\r\n\r\np";
     // A connection refused, or whose request cannot be sent, is not served.
     let send = || {
-        let mut c = std::os::unix::net::UnixStream::connect(&sock).ok()?;
+        let mut c = std::os::unix::net::UnixStream::connect(sock).ok()?;
         c.set_read_timeout(Some(PATIENCE)).unwrap();
         c.write_all(request).ok()?;
         Some(c)
@@ -471,11 +461,11 @@ fn connections_queued_when_the_agent_dies_are_served_by_the_next_agent() {
     eventually(PATIENCE, "the agent to be stopped", || {
         common::procs::all_threads_in(agent.pid(), &['T'])
     });
-    let mut clients: Vec<_> = (0..5).map(|_| send()).collect();
+    let mut clients: Vec<_> = (0..queued).map(|_| send()).collect();
     agent.kill();
     drop(agent);
     clients.push(send());
-    let _agent = common::AgentProc::start(&sim, st.path(), &["--no-memory-watch"]);
+    let agent = common::AgentProc::start(sim, st, &["--no-memory-watch"]);
     let mut served = 0;
     for mut c in clients.into_iter().flatten() {
         let mut answer = String::new();
@@ -485,8 +475,79 @@ fn connections_queued_when_the_agent_dies_are_served_by_the_next_agent() {
             served += 1;
         }
     }
+    (agent, served)
+}
+
+/// Attack (session 7): connections that wait in the listening socket's backlog when the agent
+/// dies, and connections made while no agent runs. The agent is stopped (SIGSTOP: nothing is
+/// accepted), five clients connect through its activator and send their requests, the agent is
+/// SIGKILLed, a sixth client connects, and a new agent starts: every one of the six is
+/// answered, by the worker, once (the listening socket was handed over, never bound again).
+/// Before the keeper (a socket bound again by the next agent): 0 of 6, the five queued ones
+/// reset when the agent died and the sixth refused.
+#[test]
+fn connections_queued_when_the_agent_dies_are_served_by_the_next_agent() {
+    let Fronted {
+        sim,
+        st,
+        agent,
+        w: _w,
+        before,
+        sock,
+    } = Fronted::start(false);
+    let (_agent, served) = served_across_an_agent_death(&sim, st.path(), agent, &sock, &before, 5);
     assert_eq!(served, 6, "of 6 connections made while no agent accepted");
     // The socket was taken from the dead agent's keeper, not bound again.
+    assert_listening_again(st.path(), true);
+    sim.assert_no_wedge();
+}
+
+/// The keeper of the (one) activator in `st`, as its record names it.
+fn keeper_of(st: &Path) -> i32 {
+    let saved: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(st.join("activators.json")).unwrap()).unwrap();
+    let keeper = saved[0]["keeper"]["pid"].as_i64().unwrap() as i32;
+    assert!(common::procs::alive(keeper), "{saved}");
+    keeper
+}
+
+/// Attack (session 8): every signal whose default action ends or stops a process, but SIGKILL
+/// and SIGSTOP (the classic ones, SIGALRM, SIGXCPU, SIGXFSZ, SIGVTALRM, SIGPROF, SIGUSR1/2,
+/// SIGHUP, SIGPIPE, SIGTERM, SIGINT, SIGQUIT... and the real-time ones), sent to an
+/// activator's keeper one by one while a client connects through the activator. The keeper must
+/// survive each, as the pin holder does (it holds the socket the next agent takes; only its
+/// agent ends it, with SIGKILL); each client is served by the agent; and afterwards connections
+/// queued when the agent dies are still served by the next agent, the socket taken from that
+/// keeper. Before (session 7's keeper blocked HUP INT QUIT TERM PIPE USR1 USR2 only): the first
+/// signal it neither blocked nor ignored (SIGILL) killed it.
+#[test]
+fn an_activators_keeper_survives_every_killing_signal_and_still_hands_the_socket_over() {
+    let Fronted {
+        sim,
+        st,
+        agent,
+        w: _w,
+        before,
+        sock,
+    } = Fronted::start(false);
+    let keeper = keeper_of(st.path());
+    for s in cryo_holder::killing_signals() {
+        let client = {
+            let sock = sock.clone();
+            std::thread::spawn(move || http(Endpoint::Unix(sock), "POST", "/v1/completions", "p"))
+        };
+        common::procs::kill(keeper, s);
+        eventually(
+            PATIENCE,
+            &format!("the keeper to survive signal {s}"),
+            || common::procs::survives(keeper, s),
+        );
+        let (code, body) = client.join().unwrap();
+        assert_eq!(code, 200, "signal {s}: {body}");
+        assert_eq!(text(&body), before);
+    }
+    let (_agent, served) = served_across_an_agent_death(&sim, st.path(), agent, &sock, &before, 3);
+    assert_eq!(served, 4, "of 4 connections made while no agent accepted");
     assert_listening_again(st.path(), true);
     sim.assert_no_wedge();
 }
@@ -504,10 +565,7 @@ fn a_dead_keeper_makes_the_next_agent_bind_again() {
         before,
         sock,
     } = Fronted::start(false);
-    let saved: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(st.path().join("activators.json")).unwrap()).unwrap();
-    let keeper = saved[0]["keeper"]["pid"].as_i64().unwrap() as i32;
-    assert!(common::procs::alive(keeper), "{saved}");
+    let keeper = keeper_of(st.path());
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(keeper),
         nix::sys::signal::Signal::SIGKILL,

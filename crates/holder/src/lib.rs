@@ -54,4 +54,4 @@ mod sys;
 pub use client::{ClientError, HolderClient, Session};
 pub use launch::{ensure, Adoption, CgroupChoice, EnsureError, Setup};
 pub use proto::{Confirmation, HeldPin, HolderInfo, PinMeta, Refusal, PROTOCOL};
-pub use sys::killing_signals;
+pub use sys::{ignore_killing_signals, killing_signals};

@@ -17,9 +17,59 @@ pub fn alive(pid: Pid) -> bool {
     state(pid).is_some_and(|s| s != 'Z' && s != 'X')
 }
 
+/// Sends signal number `sig` (any, real-time ones included) to `pid`; panics if it cannot.
+pub fn kill(pid: Pid, sig: i32) {
+    // SAFETY: kill(2) takes no pointer.
+    let sent = unsafe { libc::kill(pid, sig) };
+    assert_eq!(
+        sent,
+        0,
+        "kill({pid}, {sig}): {}",
+        std::io::Error::last_os_error()
+    );
+}
+
+/// Whether `signal` is pending for `pid`: in the process's shared queue (`ShdPnd`) or one of
+/// its threads' (`SigPnd`), i.e. not yet taken.
+pub fn pending(pid: Pid, signal: i32) -> bool {
+    let bit = 1u64 << (signal - 1);
+    let mask = |path: String, field: &str| {
+        std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix(field))
+            .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
+            .unwrap_or(0)
+    };
+    let threads = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| d.flatten().map(|e| e.path()).collect::<Vec<_>>())
+        .unwrap_or_default();
+    mask(format!("/proc/{pid}/status"), "ShdPnd:") & bit != 0
+        || threads
+            .into_iter()
+            .any(|t| mask(format!("{}/status", t.display()), "SigPnd:") & bit != 0)
+}
+
+/// Alive, not about to die of a signal: none pending that it has not taken, and no SIGKILL
+/// queued on its threads (a signal whose default action kills, delivered to a process that
+/// neither handles, ignores nor blocks it, queues SIGKILL on every thread at once; one that
+/// dumps core is pending until a thread takes it). The positive answer, right after a
+/// `kill(pid, signal)`, to "did it survive that signal?".
+pub fn survives(pid: Pid, signal: i32) -> bool {
+    alive(pid) && !pending(pid, signal) && !pending(pid, libc::SIGKILL)
+}
+
 /// Who traces `pid` (0: nobody, or it is gone).
 pub fn tracer_pid(pid: Pid) -> Pid {
     cryo_proc::status(pid).map_or(0, |s| s.tracer_pid)
+}
+
+/// The process (thread group) that traces `pid`, 0 when none does.
+pub fn tracer_process(pid: Pid) -> Pid {
+    match tracer_pid(pid) {
+        0 => 0,
+        t => cryo_proc::tgid(t).ok().flatten().unwrap_or(0),
+    }
 }
 
 /// Whether `pid` has a handler installed for `signal` (`SigCgt`).
