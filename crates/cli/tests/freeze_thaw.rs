@@ -2311,3 +2311,156 @@ fn a_thaw_killed_before_criu_s_gate_leaves_no_criu_and_nothing_it_restored() {
     env.thaw_ok(&image, &[]);
     env.stop_clean(pid);
 }
+
+/// Attack (session 8) on the restore log's SIGPIPE seam: CRIU's restorer writes CRIU's log from
+/// inside the restored processes, so a log that is a pipe to cryo raises SIGPIPE in them once
+/// cryo died after its verdict. The thaw pauses at CRIU's gate (failpoint `thaw-at-criu-gate`),
+/// CRIU is stopped (SIGSTOP), the thaw writes its verdict `ok` and is SIGKILLed, and only then
+/// does CRIU go on: everything CRIU does after the verdict (resume the tree, log, exit) happens
+/// with its cryo dead. What must hold: CRIU ends well and its log is whole in its file; the
+/// restored worker runs on (it answers) with no SIGPIPE taken or pending, its context still
+/// CHECKPOINTED (the thaw died before its GPU restore: nothing live, the ledger stays empty);
+/// restored through `cryo gpu restore`, the guard traces it before its unlock and it serves the
+/// answers it gave before it was frozen. Passes on main since 567b1e2 (the log became a capped
+/// file, never a pipe): kept as the proof.
+#[test]
+fn a_thaw_killed_between_its_verdict_and_criu_s_exit_leaves_the_worker_running_without_sigpipe() {
+    use nix::sys::signal::Signal;
+    use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+    let mut env = Env::start("1GiB");
+    let state = env.path().join("state");
+    let _guard = common::GuardProc::spawn(
+        env.cmd(),
+        &state,
+        &["--no-memory-watch", "--poll-ms", "3600000"],
+    );
+    let (pid, sock) = env.worker("16MiB", 0);
+    let before = answers(&sock);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+
+    let resume = env.path().join("resume-thaw");
+    // Its stderr into a file that stays open: it writes on after its failpoint.
+    let said = env.path().join("thaw.err");
+    let mut thaw = env
+        .cmd()
+        .env("CRYO_FAILPOINT", cryo_lifecycle::thaw::THAW_AT_CRIU_GATE)
+        .env("CRYO_FAILPOINT_RESUME", &resume)
+        .arg("thaw")
+        .arg(&image)
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(&said).unwrap())
+        .spawn()
+        .unwrap();
+    eventually(PATIENCE, "the thaw at its failpoint", || {
+        fs::read_to_string(&said).is_ok_and(|s| s.contains("is a test hook)"))
+    });
+    let (criu, dir) = match (&criu_procs(&env)[..], &criu_dirs(&env)[..]) {
+        ([criu], [dir]) => (*criu, dir.clone()),
+        (c, d) => panic!("one CRIU and one directory expected: {c:?} {d:?}"),
+    };
+    procs::kill(criu, libc::SIGSTOP);
+    eventually(PATIENCE, "CRIU to be stopped", || {
+        procs::all_threads_in(criu, &['T'])
+    });
+    fs::write(&resume, b"").unwrap();
+    eventually(PATIENCE, "the thaw's verdict", || {
+        fs::read(dir.join("gate")).is_ok_and(|g| g.starts_with(b"ok"))
+            || thaw.try_wait().unwrap().is_some()
+    });
+    assert!(
+        thaw.try_wait().unwrap().is_none(),
+        "the thaw ended: {}",
+        fs::read_to_string(&said).unwrap_or_default()
+    );
+    // What could raise SIGPIPE once the thaw is gone: a pipe the thaw holds an end of (not one
+    // it inherited from this test, such as cargo's jobserver), held by CRIU or by a restored
+    // process (CRIU's restorer logs from inside them).
+    let thaws: std::collections::BTreeSet<String> = pipes(thaw.id() as i32)
+        .difference(&pipes(std::process::id() as i32))
+        .cloned()
+        .collect();
+    for p in [criu, pid] {
+        let shared: Vec<_> = pipes(p).intersection(&thaws).cloned().collect();
+        assert!(
+            shared.is_empty(),
+            "pid {p} ({}) shares pipes with the thaw: {shared:?}; its fds: {:?}; the thaw's: {:?}",
+            fs::read_to_string(format!("/proc/{p}/comm"))
+                .unwrap_or_default()
+                .trim(),
+            fds(p),
+            fds(thaw.id() as i32)
+        );
+    }
+    thaw.kill().unwrap();
+    thaw.wait().unwrap();
+    env.thawed.push(pid);
+    procs::kill(criu, libc::SIGCONT);
+    // CRIU's parent died: it is this test's (a subreaper's) child now.
+    let ended = eventually(PATIENCE, "CRIU's exit", || {
+        match waitpid(nix::unistd::Pid::from_raw(criu), Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) => None,
+            Ok(s) => Some(s),
+            Err(e) => panic!("waiting for CRIU {criu}: {e}"),
+        }
+    });
+    assert_eq!(
+        ended,
+        WaitStatus::Exited(nix::unistd::Pid::from_raw(criu), 0)
+    );
+    let log = fs::read_to_string(dir.join(cryo_criu::RESTORE_LOG)).unwrap();
+    assert!(
+        log.contains("Restore finished successfully"),
+        "CRIU's log after the verdict: {}",
+        log.lines().rev().take(5).collect::<Vec<_>>().join("\n")
+    );
+
+    // It runs: it answers (no GPU call), and so has taken every signal pending for it.
+    let (code, body) = http(&sock, "GET", "/health", "");
+    assert_eq!(code, 200, "{body}");
+    assert!(
+        procs::survives(pid, Signal::SIGPIPE as i32),
+        "the restored worker took a SIGPIPE"
+    );
+    assert_eq!(
+        env.sim.gpu.driver.state(pid).unwrap(),
+        cryo_gpu::ProcessState::Checkpointed
+    );
+    env.sim.assert_no_wedge();
+
+    for action in ["restore", "unlock"] {
+        let out = env.cryo(&["gpu", action, "--pid", &pid.to_string()]);
+        assert!(out.status.success(), "gpu {action}: {}", stderr(&out));
+        if action == "restore" {
+            assert_ne!(tracer(pid), 0, "restored and not traced before its unlock");
+        }
+    }
+    assert_eq!(answers(&sock), before);
+    env.stop_clean(pid);
+}
+
+/// `pid`'s open files: fd number and what it links to.
+fn fds(pid: i32) -> Vec<(String, String)> {
+    fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| {
+                    let l = fs::read_link(e.path()).ok()?;
+                    Some((
+                        e.file_name().to_string_lossy().into_owned(),
+                        l.display().to_string(),
+                    ))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The pipes (`pipe:[INODE]`) among `pid`'s open files.
+fn pipes(pid: i32) -> std::collections::BTreeSet<String> {
+    fds(pid)
+        .into_iter()
+        .map(|(_, l)| l)
+        .filter(|l| l.starts_with("pipe:"))
+        .collect()
+}

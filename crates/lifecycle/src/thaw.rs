@@ -50,7 +50,8 @@ use cryo_units::fmt_bytes;
 pub const THAW_BEFORE_RESTORE: &str = "thaw-before-restore";
 
 /// Failpoint: CRIU restored every process and waits at cryo's gate (none runs yet), the image
-/// passed. Tests kill the thaw here, mid-restore.
+/// passed. Tests kill the thaw here, mid-restore, or (a pausing failpoint, see
+/// [`failpoint::pause_if`]) let it go on to write its verdict and kill it before CRIU's exit.
 pub const THAW_AT_CRIU_GATE: &str = "thaw-at-criu-gate";
 
 /// Failpoint: every CUDA process is restored (LOCKED) and traced by the watcher, none unlocked.
@@ -515,7 +516,7 @@ fn thaw_inner(
         ..RestoreOpts::default()
     };
     let restored = criu.restore_gated(opened, &restore_opts, &|_| {
-        failpoint::stall_if(THAW_AT_CRIU_GATE);
+        failpoint::pause_if(THAW_AT_CRIU_GATE);
         Ok(())
     });
     progress.end(
