@@ -61,6 +61,8 @@ impl Keeper {
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         std::os::unix::process::CommandExt::process_group(&mut c, 0);
+        // Blocked until it ignores them (`keep_listener`): no signal kills it while it starts.
+        crate::sys::exec_with_signals_blocked(&mut c);
         let child = c.spawn()?;
         let id = ProcId::of(child.id() as Pid).map_err(std::io::Error::other)?;
         Ok(Keeper { id, child })
@@ -108,7 +110,8 @@ pub(crate) fn take_over(keeper: ProcId, addr: &Addr) -> std::io::Result<Listener
 
 /// `cryo agent keep-listener --agent PID:START`: holds its stdin (a listening socket) until
 /// [`LINGER`] after the agent `(pid, start time)` is gone. Every signal whose default action
-/// ends or stops a process is ignored, as the pin holder ignores them
+/// ends or stops a process is ignored (blocked from its exec until then), as the pin holder
+/// ignores them
 /// ([`cryo_holder::ignore_killing_signals`]): a keeper killed by a stray SIGALRM, SIGXCPU or
 /// real-time signal would take the queued connections of the next agent with it. Its agent (or
 /// the next one) ends it with SIGKILL.
@@ -119,6 +122,11 @@ pub fn keep_listener(agent: (Pid, u64)) -> std::io::Result<()> {
             format!("cannot ignore signal {sig}: {e}"),
         ));
     }
+    // Started with every signal blocked ([`Keeper::start`]); those sent meanwhile were
+    // discarded by the SIG_IGN above.
+    nix::sys::signal::SigSet::all()
+        .thread_unblock()
+        .map_err(std::io::Error::from)?;
     if let Ok(h) = ProcHandle::open_expected(agent.0, agent.1) {
         // Blocks on the agent's pidfd (readable at its exit), no polling interval.
         while !h.wait_exit(Duration::from_secs(3600)) {}

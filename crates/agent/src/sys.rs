@@ -90,3 +90,22 @@ pub fn catch_signals(signals: &[libc::c_int], pipe: RawFd) -> io::Result<()> {
     }
     Ok(())
 }
+
+/// Makes `cmd`'s program start with every signal blocked (after std's reset of the mask in the
+/// child, before `execve`): a keeper then cannot die of a signal sent before it set its
+/// dispositions; it unblocks them once it ignores them.
+pub fn exec_with_signals_blocked(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the forked child before exec and calls only sigfillset and
+    // sigprocmask, both async-signal-safe, on a set of its own stack.
+    unsafe {
+        cmd.pre_exec(|| {
+            let mut all: libc::sigset_t = std::mem::zeroed();
+            libc::sigfillset(&mut all);
+            if libc::sigprocmask(libc::SIG_SETMASK, &all, std::ptr::null_mut()) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
