@@ -180,6 +180,37 @@ impl Agent {
         self.stopping.load(Ordering::SeqCst)
     }
 
+    /// For each restore another process had in flight under `criu_dir` when the agent started
+    /// (`in_flight`: a `cryo thaw` that began while no agent answered), a thread that waits for
+    /// that process's end (its lock on the run's directory, given back by the kernel with its
+    /// life: no polling) and then sweeps: a thaw killed before CRIU's gate has its CRIU and
+    /// what it half restored ended at once (nothing of it ran, no live context: the safe kind),
+    /// journaled `ThawFailed`, instead of holding their host memory and the image's pids until
+    /// the next command. (While the agent runs, thaws run in it.)
+    fn sweep_when_restores_end(
+        self: &Arc<Self>,
+        in_flight: Vec<PathBuf>,
+        criu_dir: &std::path::Path,
+    ) {
+        for dir in in_flight {
+            let agent = Arc::clone(self);
+            let root = criu_dir.to_path_buf();
+            let spawned = std::thread::Builder::new()
+                .name("cryod-restore-watch".into())
+                .spawn(move || {
+                    if let Err(e) = cryo_criu::scratch::wait_for_owner(&dir) {
+                        tracing::warn!(dir = %dir.display(), error = %e, "cannot wait for a restore's end");
+                        return;
+                    }
+                    let swept = cryo_criu::scratch::sweep(&root);
+                    cryo_lifecycle::thaw::journal_ended_restores(&agent.journal, &swept.ended);
+                });
+            if let Err(e) = spawned {
+                tracing::warn!(error = %e, "cannot watch a restore in flight: its sweep waits for the next command");
+            }
+        }
+    }
+
     /// Sets the live gauges from the guard and the fence.
     fn update_gauges(&self) {
         let status = self.guard.status();
@@ -217,7 +248,9 @@ pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
         source,
     })?;
     let _lock = lock::NodeLock::take(&cfg.state.agent_lock())?;
-    // What dumps and restores that died with an earlier agent left (their private directories).
+    // Restores other processes have in flight (looked at first: one that ends meanwhile is the
+    // sweep's), then what dumps and restores that died with an earlier agent left.
+    let in_flight = cryo_criu::scratch::live_restores(&cfg.state.criu_dir());
     let swept = cryo_criu::scratch::sweep(&cfg.state.criu_dir());
     protect_from_oom();
     let read_group = match &cfg.read_group {
@@ -272,6 +305,7 @@ pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
         )?,
     });
     log_guarded(&agent.guard);
+    agent.sweep_when_restores_end(in_flight, &cfg.state.criu_dir());
     agent.adopt_standbys();
     agent.restore_activators();
     std::thread::Builder::new()

@@ -2228,7 +2228,6 @@ fn criu_procs(env: &Env) -> Vec<i32> {
 /// the half-restored root stayed; the next thaw found the image's pids taken.)
 #[test]
 fn a_thaw_killed_before_criu_s_gate_leaves_no_criu_and_nothing_it_restored() {
-    use cryo_journal::Event;
     let mut env = Env::start("1GiB");
     let (held, pid, image) = frozen_holding_a_lock(&env);
 
@@ -2264,14 +2263,7 @@ fn a_thaw_killed_before_criu_s_gate_leaves_no_criu_and_nothing_it_restored() {
             .unwrap();
         // The dead thaw's CRIU and restored root are this test's (a subreaper's) to reap once
         // killed, as init reaps them on a host.
-        let reap = || {
-            for p in criu.iter().chain([&pid]) {
-                let _ = nix::sys::wait::waitpid(
-                    nix::unistd::Pid::from_raw(*p),
-                    Some(nix::sys::wait::WaitPidFlag::WNOHANG),
-                );
-            }
-        };
+        let reap = || reap_exited(criu.iter().chain([&pid]));
         let (t, mut second) = (Instant::now(), second);
         while second.try_wait().unwrap().is_none() && t.elapsed() < Duration::from_secs(120) {
             reap();
@@ -2289,15 +2281,7 @@ fn a_thaw_killed_before_criu_s_gate_leaves_no_criu_and_nothing_it_restored() {
             criu_procs(&env).is_empty()
         });
         assert!(!exists(pid), "{point}: a half-restored process is left");
-        let ended: Vec<String> = events(&env)
-            .into_iter()
-            .filter_map(|e| match e {
-                Event::ThawFailed { error, .. } if error.contains("before CRIU's gate") => {
-                    Some(error)
-                }
-                _ => None,
-            })
-            .collect();
+        let ended = ended_before_the_gate(&env);
         assert!(
             ended.iter().any(|e| criu
                 .iter()
@@ -2462,5 +2446,86 @@ fn pipes(pid: i32) -> std::collections::BTreeSet<String> {
         .into_iter()
         .map(|(_, l)| l)
         .filter(|l| l.starts_with("pipe:"))
+        .collect()
+}
+
+/// Attack (session 8): a thaw killed before CRIU's gate while an agent runs. The thaw began
+/// standalone (no agent answered yet) on an image whose restore blocks before the gate (a
+/// `flock` held outside); an agent starts; the thaw is SIGKILLed. Nothing it restored ran or
+/// holds a live context, so ending its CRIU and the half-restored processes is the safe kind,
+/// and waiting for the next command costs their host memory and the image's pids for as long
+/// as none comes. What must happen, with no other command: the agent learns of the thaw's end
+/// (the kernel gives its lock on the run's directory back) and sweeps at once; the journal's
+/// `ThawFailed` names the CRIU it killed; CRIU and the half-restored root are gone, the
+/// directory too, nothing was torn down live. (Before: nothing happened until the next command
+/// or agent start.)
+#[test]
+fn a_thaw_killed_before_criu_s_gate_while_an_agent_runs_is_swept_by_the_agent_at_once() {
+    let mut env = Env::start("1GiB");
+    let (held, pid, image) = frozen_holding_a_lock(&env);
+    let mut thaw = env
+        .cmd()
+        .args(["thaw", image.to_str().unwrap(), "--criu-timeout", "600"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    eventually(PATIENCE, "CRIU to restore the root", || exists(pid));
+    let criu = criu_procs(&env);
+    assert!(!criu.is_empty(), "no CRIU runs for the thaw");
+    let agent = Agent::start(&env);
+    thaw.kill().unwrap();
+    thaw.wait().unwrap();
+    // The dead thaw's CRIU and restored root are this test's (a subreaper's) to reap once
+    // killed, as init reaps them on a host.
+    let reap = || reap_exited(criu.iter().chain([&pid]));
+    let ended = eventually(PATIENCE, "the agent to journal what it ended", || {
+        reap();
+        Some(ended_before_the_gate(&env)).filter(|e| !e.is_empty())
+    });
+    assert!(
+        ended.iter().any(|e| criu
+            .iter()
+            .any(|c| e.contains(&format!("CRIU (pid {c}) killed")))),
+        "{ended:?}"
+    );
+    eventually(
+        PATIENCE,
+        "CRIU and the half-restored root to be gone",
+        || {
+            reap();
+            criu.iter().all(|c| !exists(*c)) && !exists(pid)
+        },
+    );
+    assert_eq!(criu_dirs(&env), Vec::<PathBuf>::new());
+    env.sim.assert_no_wedge();
+    drop(agent);
+    drop(held);
+    env.thaw_ok(&image, &[]);
+    env.stop_clean(pid);
+}
+
+/// Reaps those of `pids` that exited (children of this test, a subreaper).
+fn reap_exited<'a>(pids: impl IntoIterator<Item = &'a i32>) {
+    for p in pids {
+        let _ = nix::sys::wait::waitpid(
+            nix::unistd::Pid::from_raw(*p),
+            Some(nix::sys::wait::WaitPidFlag::WNOHANG),
+        );
+    }
+}
+
+/// What the journal says was ended of restores whose cryo died before CRIU's gate.
+fn ended_before_the_gate(env: &Env) -> Vec<String> {
+    events(env)
+        .into_iter()
+        .filter_map(|e| match e {
+            cryo_journal::Event::ThawFailed { error, .. }
+                if error.contains("before CRIU's gate") =>
+            {
+                Some(error)
+            }
+            _ => None,
+        })
         .collect()
 }

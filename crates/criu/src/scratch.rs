@@ -19,7 +19,10 @@
 //! if it is still the same process) and every process of the image that started after it and
 //! holds no GPU driver fd (none of them ever ran: they wait in CRIU's restorer), and says so
 //! ([`Swept::ended`]; a thaw journals it). Past the gate the restored tree may run and its
-//! processes hold contexts CRIU's caller was to restore: the sweep leaves those alone.
+//! processes hold contexts CRIU's caller was to restore: the sweep leaves those alone. An agent
+//! that starts while another process restores ([`live_restores`]) waits for that owner's end
+//! ([`wait_for_owner`]) and sweeps at once, instead of leaving a dead thaw's CRIU and what it
+//! half restored (their host memory, the image's pids) to the next command.
 //!
 //! # Limitations
 //! A restore killed between spawning CRIU and recording it (one write) is not ended by the
@@ -196,11 +199,7 @@ pub fn sweep(root: &Path) -> Swept {
         if !meta.is_dir() || meta.uid() != me {
             continue;
         }
-        let owner = File::options()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(path.join(OWNER));
-        let lock = match owner {
+        let lock = match owner(&path) {
             Ok(f) => match Flock::lock(f, FlockArg::LockExclusiveNonblock) {
                 Ok(l) => Some(l),
                 // Its owner lives.
@@ -241,6 +240,54 @@ pub fn sweep(root: &Path) -> Swept {
         tracing::info!(removed = ?swept.removed, "removed CRIU directories of runs that died");
     }
     swept
+}
+
+/// The restore directories under `root` whose owner lives (its lock is held, by this process
+/// or another): restores in flight. An agent that starts watches those of other processes
+/// ([`wait_for_owner`]) so that one that dies before CRIU's gate is swept at once.
+pub fn live_restores(root: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return Vec::new();
+    };
+    let me = rustix::process::geteuid().as_raw();
+    entries
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| n.starts_with(RESTORE_PREFIX))
+        })
+        .map(|e| e.path())
+        .filter(|p| {
+            std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir() && m.uid() == me)
+                && owner(p).is_ok_and(|f| Flock::lock(f, FlockArg::LockExclusiveNonblock).is_err())
+        })
+        .collect()
+}
+
+/// Blocks until the owner of the run directory `dir` is gone or done: the kernel gives its lock
+/// back with its life (a blocking `flock`, no polling). Then [`sweep`] ends what it left.
+pub fn wait_for_owner(dir: &Path) -> std::io::Result<()> {
+    let mut f = owner(dir)?;
+    loop {
+        match Flock::lock(f, FlockArg::LockExclusive) {
+            Ok(lock) => {
+                drop(lock);
+                return Ok(());
+            }
+            // A signal handled by this process interrupted the wait.
+            Err((back, nix::errno::Errno::EINTR)) => f = back,
+            Err((_, e)) => return Err(e.into()),
+        }
+    }
+}
+
+/// The lock file of the run directory `dir`, never through a link.
+fn owner(dir: &Path) -> std::io::Result<File> {
+    File::options()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(dir.join(OWNER))
 }
 
 /// Ends what a restore recorded in `dir` started, if its cryo died before the gate.
