@@ -443,9 +443,13 @@ impl Demo {
 
     /// `cryo freeze`: suspend, CRIU dump, publish the image; the worker is gone afterwards.
     fn freeze(&mut self) -> anyhow::Result<String> {
-        let criu = cryo_criu::CriuRpc::locate(None).context(
-            "the freeze and thaw steps need root and CRIU >= 4.2 (scripts/install-criu.sh)",
-        )?;
+        // CRIU's private directories under the demo's state directory, as `cryo freeze` puts
+        // them: a demo killed mid-dump leaves nothing in /tmp.
+        let criu = cryo_criu::CriuRpc::locate(None)
+            .context(
+                "the freeze and thaw steps need root and CRIU >= 4.2 (scripts/install-criu.sh)",
+            )?
+            .in_scratch(&self.state.criu_dir());
         let gpu = self.gpu()?.clone();
         let journal = self
             .state
@@ -485,7 +489,9 @@ impl Demo {
 
     /// `cryo thaw`: verify, precheck, CRIU restore, GPU restore, unlock, health check.
     fn thaw(&mut self) -> anyhow::Result<String> {
-        let criu = cryo_criu::CriuRpc::locate(None).context("the thaw step needs CRIU")?;
+        let criu = cryo_criu::CriuRpc::locate(None)
+            .context("the thaw step needs CRIU")?
+            .in_scratch(&self.state.criu_dir());
         let gpu = self.gpu()?.clone();
         let journal = self
             .state
