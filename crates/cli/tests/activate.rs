@@ -258,14 +258,20 @@ fn an_agent_owned_activator_survives_an_agent_restart_and_still_wakes_the_worker
     assert!(!sock.exists());
     assert_eq!(status()["activators"], serde_json::json!([]));
     assert_eq!(w.complete("p"), before);
+    stop_then_end(&sim, st.path(), w.pid, agent);
+}
+
+/// `cryo stop PID` through `agent`, which must succeed; then the agent and its pin holder
+/// end, and nothing was torn down live.
+fn stop_then_end(sim: &Sim, st: &Path, pid: i32, agent: common::AgentProc) {
     let o = sim
-        .cmd_at(st.path())
-        .args(["stop", &w.pid.to_string()])
+        .cmd_at(st)
+        .args(["stop", &pid.to_string()])
         .output()
         .unwrap();
     assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
     drop(agent);
-    common::stop_pin_holder(st.path());
+    common::stop_pin_holder(st);
     sim.assert_no_wedge();
 }
 
@@ -341,7 +347,7 @@ fn assert_listening_again(st: &Path, handed: bool) {
 /// with the activator (listening again, the worker found active).
 #[test]
 fn an_agent_killed_mid_forward_leaves_the_worker_serving_guarded_and_the_client_not_hanging() {
-    use std::io::{Read, Write};
+    use std::io::Write;
     let Fronted {
         sim,
         st,
@@ -378,15 +384,7 @@ fn an_agent_killed_mid_forward_leaves_the_worker_serving_guarded_and_the_client_
     agent.kill();
     drop(agent);
     // The client: its connection ends (EOF or a reset), never a hang.
-    let mut rest = Vec::new();
-    match client.read_to_end(&mut rest) {
-        Ok(_) => {}
-        Err(e) => assert_eq!(
-            e.kind(),
-            std::io::ErrorKind::ConnectionReset,
-            "the client hangs or fails oddly: {e}"
-        ),
-    }
+    cryo_testkit::http::assert_ends(&mut client);
     assert!(
         common::procs::alive(w.pid),
         "the worker died with the agent"
@@ -420,15 +418,7 @@ fn an_agent_killed_mid_forward_leaves_the_worker_serving_guarded_and_the_client_
         ),
         "{listening:?}"
     );
-    let o = sim
-        .cmd_at(st.path())
-        .args(["stop", &w.pid.to_string()])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
-    drop(agent);
-    common::stop_pin_holder(st.path());
-    sim.assert_no_wedge();
+    stop_then_end(&sim, st.path(), w.pid, agent);
 }
 
 /// Stops `agent` (SIGSTOP: nothing is accepted), connects `queued` clients through its

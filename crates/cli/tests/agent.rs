@@ -25,10 +25,7 @@ fn records(state: &Path) -> Vec<Event> {
         .unwrap_or_default()
 }
 
-fn kill(pid: i32, sig: i32) {
-    // SAFETY: kill(2) takes no pointer.
-    assert_eq!(unsafe { libc::kill(pid, sig) }, 0, "kill({pid}, {sig})");
-}
+use common::procs::kill;
 
 #[test]
 fn stop_goes_through_the_agent_with_the_same_report() {

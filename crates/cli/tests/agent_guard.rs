@@ -41,10 +41,7 @@ fn wait_pinned(state: &Path, id: ProcId) {
     });
 }
 
-fn kill(pid: i32, sig: i32) {
-    // SAFETY: kill(2) takes no pointer.
-    assert_eq!(unsafe { libc::kill(pid, sig) }, 0, "kill({pid}, {sig})");
-}
+use common::procs::kill;
 
 /// A sim worker on GPU `gpu` in its own process group.
 fn worker(sim: &Sim, gpu: u32) -> Worker {

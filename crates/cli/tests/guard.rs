@@ -749,15 +749,7 @@ fn a_restarted_guard_reattaches_what_the_operator_attached() {
     });
 }
 
-/// Whether `signal` is pending for the whole process `pid` (`ShdPnd`): not yet handled.
-fn pending(pid: i32, signal: i32) -> bool {
-    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("ShdPnd:"))
-        .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
-        .is_some_and(|m| m & (1u64 << (signal - 1)) != 0)
-}
+use common::procs::pending;
 
 /// Reproduced wedge (c) of issue 10: a guard holding pins gets SIGQUIT, then every other signal
 /// whose default action kills: it handles each (the signal is consumed) and is still there,

@@ -76,3 +76,19 @@ pub fn http_in_netns(
         .unwrap_or_else(|| panic!("no status from pid {pid}: {head:?}"));
     (status, rest.to_string())
 }
+
+/// Reads a client's connection to its end, which must come (EOF or a reset, never a hang past
+/// the read timeout the caller set): what a client sees when the process that forwarded its
+/// bytes dies.
+pub fn assert_ends(conn: &mut impl std::io::Read) {
+    let t = std::time::Instant::now();
+    let mut rest = Vec::new();
+    if let Err(e) = conn.read_to_end(&mut rest) {
+        assert_eq!(
+            e.kind(),
+            std::io::ErrorKind::ConnectionReset,
+            "the connection hangs or fails oddly after {:?}: {e}",
+            t.elapsed()
+        );
+    }
+}

@@ -525,9 +525,9 @@ impl Worker {
                 .and_then(|b| serde_json::from_slice(&b).ok())
         });
         if spec.own_namespaces {
-            // `cryo run` (or `unshare`) forked it: its only child, pid 1 of the new namespace.
-            let kids = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap();
-            pid = kids.split_whitespace().next().unwrap().parse().unwrap();
+            // `cryo run` (or `unshare`) forked it: its only child, pid 1 of the new namespace
+            // (the tree lists the root's children right after it).
+            pid = cryo_proc::tree(pid).unwrap()[1];
             assert_eq!(info["pid"].as_i64(), Some(1), "pid 1 of its namespace");
         } else {
             assert_eq!(

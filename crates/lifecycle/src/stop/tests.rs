@@ -43,12 +43,7 @@ fn one_process_that_cannot_be_suspended_stops_nothing() {
     fake.add(procs.pid(0));
     fake.add(procs.pid(1)).make_sticky(procs.pid(1));
     let (dir, journal) = temp_journal();
-    let report = stop_pids(
-        &fake,
-        vec![procs.pid(0), procs.pid(1), procs.pid(2)],
-        &opts(),
-        &journal,
-    );
+    let report = stop_pids(&fake, procs.pids(), &opts(), &journal);
     assert_eq!(report.refusals.len(), 1);
     assert_eq!(report.refusals[0].pid, procs.pid(1));
     assert!(matches!(
@@ -194,12 +189,7 @@ fn a_cuda_process_that_dies_during_the_suspension_does_not_block_the_others() {
     fake.add(procs.pid(1));
     fake.exit_at(procs.pid(1), Call::Lock);
     let (dir, journal) = temp_journal();
-    let report = stop_pids(
-        &fake,
-        vec![procs.pid(0), procs.pid(1), procs.pid(2)],
-        &opts(),
-        &journal,
-    );
+    let report = stop_pids(&fake, procs.pids(), &opts(), &journal);
     assert!(report.stopped(), "{report:?}");
     assert!(report.refusals.is_empty());
     assert_eq!(fake.state_of(procs.pid(0)), ProcessState::Checkpointed);
