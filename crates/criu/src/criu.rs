@@ -554,31 +554,12 @@ impl Criu for CriuRpc {
             return self.dump_streamed(pid, staging, opts);
         }
         let op = CriuOp::Dump;
-        let dir_err = |path: &Path| {
-            let path = path.to_path_buf();
-            move |source| CriuError::Dir { op, path, source }
-        };
         // Private to root (0700): the gate.
         let private = self.private(op, scratch::DUMP_PREFIX)?;
         let p = private.path().to_path_buf();
-        let gate = Gate::new(&p, "post-dump").map_err(dir_err(&p))?;
         let dir = open_dir(op, staging.path())?;
-        let pid_arg = pid.to_string();
-        let mut head = vec!["dump", "-t", &pid_arg];
-        if opts.leave_running {
-            head.push("--leave-running");
-        }
-        let (cmd, stderr, log) = self
-            .gated_command(
-                &head,
-                Images::Dir(dir.as_fd()),
-                &p,
-                staging.path(),
-                DUMP_LOG,
-                &opts.flags,
-                &gate,
-            )
-            .map_err(dir_err(&p))?;
+        let (cmd, stderr, log, gate) =
+            self.dump_command(pid, staging, opts, Images::Dir(dir.as_fd()), &p)?;
         tracing::debug!(pid, staging = %staging.path().display(), "criu dump");
         let clock = staging.dump_clock();
         let start = std::time::Instant::now();
@@ -798,6 +779,42 @@ impl Criu for CriuRpc {
 }
 
 impl CriuRpc {
+    /// `criu dump -t PID` into `staging` (`images`: the staging directory's fd or cryo's
+    /// capture), with the `post-dump` gate in the private directory `private` and CRIU's log
+    /// in the staging directory (its work directory).
+    fn dump_command(
+        &self,
+        pid: Pid,
+        staging: &Staging,
+        opts: &DumpOpts,
+        images: Images<'_>,
+        private: &Path,
+    ) -> Result<(Command, File, FileCap, Gate), CriuError> {
+        let dir_err = |source| CriuError::Dir {
+            op: CriuOp::Dump,
+            path: private.to_path_buf(),
+            source,
+        };
+        let gate = Gate::new(private, "post-dump").map_err(dir_err)?;
+        let pid_arg = pid.to_string();
+        let mut head = vec!["dump", "-t", &pid_arg];
+        if opts.leave_running {
+            head.push("--leave-running");
+        }
+        let (cmd, stderr, log) = self
+            .gated_command(
+                &head,
+                images,
+                private,
+                staging.path(),
+                DUMP_LOG,
+                &opts.flags,
+                &gate,
+            )
+            .map_err(dir_err)?;
+        Ok((cmd, stderr, log, gate))
+    }
+
     /// What a gated dump's end says: the gate's refusal, CRIU's failure (with its log's
     /// error lines, or its stderr when the log cannot be read), or success.
     fn dump_outcome(
@@ -847,23 +864,7 @@ impl CriuRpc {
         let private = self.private(op, scratch::DUMP_PREFIX)?;
         let p = private.path().to_path_buf();
         let listener = UnixListener::bind(p.join(image::CAPTURE_SOCKET)).map_err(dir_err(&p))?;
-        let gate = Gate::new(&p, "post-dump").map_err(dir_err(&p))?;
-        let pid_arg = pid.to_string();
-        let mut head = vec!["dump", "-t", &pid_arg];
-        if opts.leave_running {
-            head.push("--leave-running");
-        }
-        let (cmd, stderr, log) = self
-            .gated_command(
-                &head,
-                Images::Stream,
-                &p,
-                staging.path(),
-                DUMP_LOG,
-                &opts.flags,
-                &gate,
-            )
-            .map_err(dir_err(&p))?;
+        let (cmd, stderr, log, gate) = self.dump_command(pid, staging, opts, Images::Stream, &p)?;
         tracing::debug!(pid, staging = %staging.path().display(), "criu dump --stream");
         let capture = staging.capture();
         let clock = capture.clock();

@@ -218,6 +218,37 @@ fn a_dump_that_cannot_be_written_leaves_the_tree_running() {
     child.wait().unwrap();
 }
 
+/// The streamed route (`CRYO_DUMP_STREAM=1`, kept to measure against) still dumps a tree that
+/// publishes and verifies.
+#[test]
+fn a_streamed_dump_publishes_and_verifies() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let criu = criu();
+    let t = tempfile::tempdir().unwrap();
+    let mut child = spawn_counter(t.path());
+    let pid = child.id() as i32;
+    count_at_least(pid, t.path(), 1);
+    let dir = t.path().join("image");
+    let staging = Staging::create(&dir).unwrap();
+    criu.dump_streamed(pid, &staging, &DumpOpts::default())
+        .unwrap();
+    assert!(
+        !child.wait().unwrap().success(),
+        "the dumped tree is killed"
+    );
+    let meta = ImageMeta {
+        root_pid: pid,
+        processes: Vec::new(),
+        gpu_model: None,
+        driver_version: None,
+        criu_version: criu.version(),
+        shrunk: None,
+    };
+    let manifest = staging.publish(meta, false).unwrap();
+    assert!(manifest.files.iter().any(|f| f.name.starts_with("pages-")));
+    verify(&dir).unwrap();
+}
+
 /// Issue 16: CRIU writes the dump into the staging directory itself, while cryo hashes behind
 /// it. Nobody but root can write there (0700, root's: a writer of another uid is refused), and
 /// what root planted there (a link, here one that was there all along) is refused at CRIU's
