@@ -550,7 +550,15 @@ fn a_claimed_standby_of_a_shrunk_image_grows_its_engine_in_its_namespace() {
     assert!(body.contains(&before), "{body} vs {before}");
     run(&["standby", "remove", "--image", img]);
     run(&["stop", &root.to_string()]);
+    // The claim started a refill that the removal does not wait for: the agent dropped here
+    // (SIGKILL) can leave a standby CRIU restored and never made ready (journaled restoring).
+    // The next agent ends it (every context CHECKPOINTED); the pool is gone, so it restores none.
     drop(agent);
+    let next = AgentProc::start(&sim, &st, &["--no-memory-watch"]);
+    eventually(PATIENCE, "no sim worker left", || {
+        sim.leftover_workers().is_empty()
+    });
+    drop(next);
     common::stop_pin_holder(&st);
     let _ = std::fs::remove_dir_all(&image);
     sim.assert_no_wedge();

@@ -158,7 +158,25 @@ impl Drop for Env {
             }
         };
         stop_all(self);
+        // No refill starts once the pools are removed; one under way when the agent is killed
+        // can leave a standby restored and never made ready, which the next agent ends.
+        if self.agent.is_some() {
+            if let Ok(l) = serde_json::from_str::<serde_json::Value>(&stdout(
+                &self.run(&["standby", "list", "--json"]),
+            )) {
+                for p in l["pools"].as_array().into_iter().flatten() {
+                    if let Some(image) = p["image"].as_str() {
+                        let _ = self.run(&["standby", "remove", "--image", image]);
+                    }
+                }
+            }
+        }
         drop(self.agent.take());
+        drop(AgentProc::start(
+            &self.sim,
+            &self.state,
+            &["--no-memory-watch"],
+        ));
         stop_all(self);
         common::stop_pin_holder(&self.state);
     }

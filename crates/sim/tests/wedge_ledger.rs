@@ -164,3 +164,43 @@ fn checkpoint_frees_device_memory_even_while_pinned() {
     sim.suspend(w.pid);
     assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
 }
+
+/// The test kit's leak check: a sim worker the test started and never ended (here one outside
+/// any [`common::Worker`], as a restore leaves one) fails the test when its sim is dropped, named
+/// with its command line, and is killed.
+#[test]
+fn a_sim_worker_left_running_fails_the_test() {
+    let sim = common::sim();
+    let ready = sim.path().join("stray.ready");
+    let mut stray = common::program()
+        .command("worker")
+        .args(["--gpu", "0", "--memory", "1MiB", "--ready-file"])
+        .arg(&ready)
+        .arg("--dir")
+        .arg(sim.path())
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    cryo_testkit::eventually(
+        cryo_testkit::PATIENCE,
+        "the stray worker to be ready",
+        || ready.exists(),
+    );
+    let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(sim)));
+    let status = stray.wait().unwrap();
+    let panic = dropped.expect_err("the sim's drop let a running worker pass");
+    let msg = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(
+        msg.contains("sim workers left running by the test"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains(&stray.id().to_string()) && msg.contains("worker --gpu 0"),
+        "{msg}"
+    );
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9),
+        "{status:?}"
+    );
+}

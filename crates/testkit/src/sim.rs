@@ -17,6 +17,14 @@ use cryo_sim::{SimControl, Wedge};
 use crate::http::{http, Endpoint};
 use crate::{eventually, procs, PATIENCE};
 
+/// The pids of the [`Worker`]s not dropped yet (their drop ends them): what [`Sim`]'s drop
+/// does not count as left behind when a test's worker outlives its sim binding.
+static OWNED: std::sync::Mutex<Vec<Pid>> = std::sync::Mutex::new(Vec::new());
+
+fn owned() -> std::sync::MutexGuard<'static, Vec<Pid>> {
+    OWNED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The binary that runs the simulated GPU's commands, and the words before them.
 #[derive(Debug, Clone)]
 pub struct Program {
@@ -227,10 +235,62 @@ impl Sim {
     }
 }
 
+impl Sim {
+    /// The sim workers still running of this sim (by the sim's directory in their command line
+    /// or their executable, so also those in their own pid namespaces, which the test's pids do
+    /// not name): `(host pid, NSpid line, command line)`.
+    pub fn leftover_workers(&self) -> Vec<(Pid, String, String)> {
+        let dir = self.path().to_string_lossy().into_owned();
+        let me = std::process::id();
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for e in entries.flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<Pid>() else {
+                continue;
+            };
+            if pid as u32 == me || pid as u32 == self.daemon.id() || owned().contains(&pid) {
+                continue;
+            }
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+                .unwrap_or_default();
+            let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
+                .map(|x| x.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let worker = cmdline.contains(" worker ") && cmdline.contains(&dir);
+            if worker || exe.starts_with(&format!("{dir}/")) {
+                let nspid = std::fs::read_to_string(format!("/proc/{pid}/status"))
+                    .unwrap_or_default()
+                    .lines()
+                    .find(|l| l.starts_with("NSpid:"))
+                    .unwrap_or_default()
+                    .to_string();
+                out.push((pid, nspid, cmdline.trim().to_string()));
+            }
+        }
+        out
+    }
+}
+
 impl Drop for Sim {
+    /// Kills the daemon; a sim worker of this sim still running (the test's cleanup missed it,
+    /// or the product left it) is killed and fails the test, listed with its command line.
     fn drop(&mut self) {
+        let left = self.leftover_workers();
+        for (pid, _, _) in &left {
+            // Gone meanwhile is fine.
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(*pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
         let _ = self.daemon.kill();
         let _ = self.daemon.wait();
+        if !left.is_empty() && !std::thread::panicking() {
+            panic!("sim workers left running by the test (killed now): {left:#?}");
+        }
     }
 }
 
@@ -537,7 +597,7 @@ impl Worker {
             );
         }
         let port = info["port"].as_u64().unwrap_or(0) as u16;
-        let children = info["children"]
+        let children: Vec<Pid> = info["children"]
             .as_array()
             .map(|c| {
                 c.iter()
@@ -546,6 +606,7 @@ impl Worker {
                     .collect()
             })
             .unwrap_or_default();
+        owned().extend(std::iter::once(pid).chain(children.iter().copied()));
         Worker {
             child: Some(child),
             children,
@@ -652,6 +713,7 @@ impl Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
+        owned().retain(|p| *p != self.pid && !self.children.contains(p));
         let Some(mut child) = self.child.take() else {
             return;
         };
