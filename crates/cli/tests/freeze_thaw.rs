@@ -2277,9 +2277,18 @@ fn a_thaw_killed_before_criu_s_gate_leaves_no_criu_and_nothing_it_restored() {
             assert!(!exists(*c), "{point}: the dead thaw's CRIU {c} still runs");
         }
         // What the second thaw's own CRIU forked may still be on its way out.
-        eventually(PATIENCE, "no CRIU of this test left", || {
-            criu_procs(&env).is_empty()
-        });
+        let t = Instant::now();
+        while !criu_procs(&env).is_empty() {
+            assert!(
+                t.elapsed() < PATIENCE,
+                "{point}: CRIU of this test left: {} (the image's pids {:?}, CRIU's directories {:?}, the dead thaw's CRIU {criu:?}; the second thaw said: {err})",
+                describe_procs(&criu_procs(&env)),
+                manifest(&image)["pids"],
+                criu_dirs(&env)
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        reap();
         assert!(!exists(pid), "{point}: a half-restored process is left");
         let ended = ended_before_the_gate(&env);
         assert!(
@@ -2503,6 +2512,23 @@ fn a_thaw_killed_before_criu_s_gate_while_an_agent_runs_is_swept_by_the_agent_at
     drop(held);
     env.thaw_ok(&image, &[]);
     env.stop_clean(pid);
+}
+
+/// `pid ppid state wchan: cmdline` of each of `pids`, for a failure message.
+fn describe_procs(pids: &[i32]) -> String {
+    pids.iter()
+        .map(|p| {
+            let stat = fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+            let after = stat.rsplit_once(") ").map_or("", |(_, a)| a);
+            let mut f = after.split(' ');
+            let (state, ppid) = (f.next().unwrap_or("?"), f.next().unwrap_or("?"));
+            let wchan = fs::read_to_string(format!("/proc/{p}/wchan")).unwrap_or_default();
+            let cmd = fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            format!("{p} ppid {ppid} {state} {wchan}: {cmd}")
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// Reaps those of `pids` that exited (children of this test, a subreaper).

@@ -1066,6 +1066,40 @@ fn remove_unresumed(image: &Image) -> Vec<String> {
     left
 }
 
+/// Ends (as [`end_unresumed`]) every process that still runs CRIU's command line for the run
+/// directory `private` and is `started` (after that CRIU): what CRIU forked or restored and
+/// left when it died before its gate. Its restorer has not replaced their memory yet, so none of
+/// them ran the image's code. CRIU's process tree is not theirs to go by: CRIU forks the root
+/// as its caller's child (`--restore-sibling`) and the processes of a dead run are reparented.
+/// One may fork between the look and its kill: looked for again until none is left (a process
+/// killed is gone before the next look; the kernel forks nothing for one with SIGKILL pending).
+/// (Found under load, session 8: a fork of a dead thaw's CRIU, stopped (`T`), outlived both
+/// thaws; it was born after the sweep had ended that CRIU.)
+pub(crate) fn end_criu_forks(
+    private: &Path,
+    started: impl Fn(&cryo_proc::Stat) -> bool,
+) -> (Vec<Pid>, Vec<String>) {
+    let (mut killed, mut left) = (Vec::new(), Vec::new());
+    // Bounded: a process left (a driver fd, still exiting) is named again by the next look.
+    for _ in 0..8 {
+        let found = match cryo_proc::naming(private) {
+            Ok(pids) => pids,
+            Err(e) => {
+                left.push(format!("cannot look for what CRIU left: {e}"));
+                break;
+            }
+        };
+        let (k, l) = end_unresumed(&found, &started);
+        let done = k.is_empty();
+        killed.extend(k);
+        if done {
+            left.extend(l);
+            break;
+        }
+    }
+    (killed, left)
+}
+
 /// Kills each of `pids` that runs, is `restored` (by its stat: what CRIU restored before a
 /// gate nobody passed) and holds no GPU driver fd; returns those killed and those left, and why.
 pub(crate) fn end_unresumed(

@@ -315,6 +315,10 @@ fn end_restore(dir: &Path) -> Option<EndedRestore> {
     let (killed, left) = crate::criu::end_unresumed(&rec.pids, |s| s.start_time >= rec.criu_start);
     ended.killed = killed;
     ended.left = left;
+    // What CRIU forked that no pid of the image names, or that still runs CRIU's command line.
+    let (killed, left) = crate::criu::end_criu_forks(dir, |s| s.start_time >= rec.criu_start);
+    ended.killed.extend(killed);
+    ended.left.extend(left);
     (ended.criu.is_some() || !ended.killed.is_empty() || !ended.left.is_empty()).then_some(ended)
 }
 

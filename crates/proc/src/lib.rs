@@ -50,7 +50,7 @@ pub use fds::{driver_fds, DriverFiles, Fd, FdTarget};
 pub use handle::{pidfs_inode, Liveness, ProcHandle};
 pub use netns::{in_net_namespace, in_net_namespace_of};
 pub use read::{
-    driver_file_holders, fds, liveness, load_average, mem_available, pid_holders, pid_max,
+    driver_file_holders, fds, liveness, load_average, mem_available, naming, pid_holders, pid_max,
     pids_in_use, pin_to_cpus, runs_our_executable, same_namespace, stat, status, tgid,
     thread_children, thread_named, threads_cpu, tree, unix_listeners_of, NamespaceKind, PidHolder,
     Stat, Status, ThreadCpu, SYSTEM_MEMORY_PRESSURE,

@@ -287,6 +287,28 @@ pub(crate) fn tasks_of(p: &Process, pid: Pid) -> Result<Vec<Pid>, ProcError> {
     Ok(out)
 }
 
+/// The processes whose command line names `dir` or a path under it, as an argument of its
+/// own (CRIU's, whose arguments name the run's private directory: CRIU itself and what it
+/// forked or restored before its restorer replaced their memory). A process may write any
+/// command line: callers use this only for what a match could cost the matching process itself.
+pub fn naming(dir: &std::path::Path) -> Result<Vec<Pid>, ProcError> {
+    let Some(dir) = dir.to_str() else {
+        return Ok(Vec::new());
+    };
+    let under = format!("{}/", dir.trim_end_matches('/'));
+    let all = procfs::process::all_processes()
+        .map_err(|source| ProcError::ReadSystem { file: "", source })?;
+    // Processes vanish while we scan; that is not an error.
+    Ok(all
+        .flatten()
+        .filter(|p| {
+            p.cmdline()
+                .is_ok_and(|c| c.iter().any(|a| a == dir || a.starts_with(&under)))
+        })
+        .map(|p| p.pid)
+        .collect())
+}
+
 /// Every process in the tree rooted at `root`, parents before children (root first).
 pub fn tree(root: Pid) -> Result<Vec<Pid>, ProcError> {
     stat(root)?;
