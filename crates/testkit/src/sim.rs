@@ -733,7 +733,18 @@ impl Drop for Worker {
                 nix::sys::signal::Signal::SIGKILL,
             );
         }
+        // The ranks exit on their own once their launcher is gone, a moment after it: held by
+        // pidfd (no pid reuse) and waited for, so the sim's leftover check never sees one still
+        // exiting.
+        let ranks: Vec<cryo_proc::ProcHandle> = self
+            .children
+            .iter()
+            .filter_map(|p| cryo_proc::ProcHandle::open(*p).ok())
+            .collect();
         let _ = child.kill();
         let _ = child.wait();
+        for rank in &ranks {
+            rank.wait_exit(PATIENCE);
+        }
     }
 }
