@@ -181,33 +181,68 @@ impl Agent {
     }
 
     /// For each restore another process had in flight under `criu_dir` when the agent started
-    /// (`in_flight`: a `cryo thaw` that began while no agent answered), a thread that waits for
-    /// that process's end (its lock on the run's directory, given back by the kernel with its
-    /// life: no polling) and then sweeps: a thaw killed before CRIU's gate has its CRIU and
-    /// what it half restored ended at once (nothing of it ran, no live context: the safe kind),
-    /// journaled `ThawFailed`, instead of holding their host memory and the image's pids until
-    /// the next command. (While the agent runs, thaws run in it.)
+    /// (`in_flight`: a `cryo thaw` that began while no agent answered), and each one whose
+    /// directory appears later (`watch`: such a thaw was still checking its image when the
+    /// agent looked), a thread that waits for that process's end (its lock on the run's
+    /// directory, given back by the kernel with its life: no polling) and then sweeps: a thaw
+    /// killed before CRIU's gate has its CRIU and what it half restored ended at once (nothing
+    /// of it ran, no live context: the safe kind), journaled `ThawFailed`, instead of holding
+    /// their host memory until the next command. (While the agent runs, thaws run in it; their
+    /// directories are watched too, and swept after, harmlessly.)
     fn sweep_when_restores_end(
         self: &Arc<Self>,
         in_flight: Vec<PathBuf>,
+        watch: Option<cryo_criu::scratch::RestoreWatch>,
         criu_dir: &std::path::Path,
     ) {
         for dir in in_flight {
-            let agent = Arc::clone(self);
-            let root = criu_dir.to_path_buf();
-            let spawned = std::thread::Builder::new()
-                .name("cryod-restore-watch".into())
-                .spawn(move || {
-                    if let Err(e) = cryo_criu::scratch::wait_for_owner(&dir) {
+            self.sweep_when_owner_ends(dir, criu_dir);
+        }
+        let Some(mut watch) = watch else { return };
+        let agent = Arc::clone(self);
+        let root = criu_dir.to_path_buf();
+        let spawned = std::thread::Builder::new()
+            .name("cryod-restore-dirs".into())
+            .spawn(move || loop {
+                match watch.wait_new() {
+                    Ok(dirs) => {
+                        for dir in dirs {
+                            agent.sweep_when_owner_ends(dir, &root);
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot watch for restores: a thaw that dies before CRIU's gate is swept at the next command");
+                        return;
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot watch for restores: a thaw that dies before CRIU's gate is swept at the next command");
+        }
+    }
+
+    /// A thread that waits for the end of the owner of the restore directory `dir`, then sweeps
+    /// `criu_dir` and journals what it ended.
+    fn sweep_when_owner_ends(self: &Arc<Self>, dir: PathBuf, criu_dir: &std::path::Path) {
+        let agent = Arc::clone(self);
+        let root = criu_dir.to_path_buf();
+        let spawned = std::thread::Builder::new()
+            .name("cryod-restore-watch".into())
+            .spawn(move || {
+                match cryo_criu::scratch::wait_for_owner(&dir) {
+                    Ok(()) => {}
+                    // Done and removed already: nothing of it to sweep.
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+                    Err(e) => {
                         tracing::warn!(dir = %dir.display(), error = %e, "cannot wait for a restore's end");
                         return;
                     }
-                    let swept = cryo_criu::scratch::sweep(&root);
-                    cryo_lifecycle::thaw::journal_ended_restores(&agent.journal, &swept.ended);
-                });
-            if let Err(e) = spawned {
-                tracing::warn!(error = %e, "cannot watch a restore in flight: its sweep waits for the next command");
-            }
+                }
+                let swept = cryo_criu::scratch::sweep(&root);
+                cryo_lifecycle::thaw::journal_ended_restores(&agent.journal, &swept.ended);
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot watch a restore in flight: its sweep waits for the next command");
         }
     }
 
@@ -250,6 +285,10 @@ pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
     let _lock = lock::NodeLock::take(&cfg.state.agent_lock())?;
     // Restores other processes have in flight (looked at first: one that ends meanwhile is the
     // sweep's), then what dumps and restores that died with an earlier agent left.
+    // The watch first: a restore directory made after it is never missed by both looks.
+    let watch = cryo_criu::scratch::RestoreWatch::start(&cfg.state.criu_dir())
+        .map_err(|e| tracing::warn!(error = %e, "cannot watch for restores: a thaw that dies before CRIU's gate is swept at the next command"))
+        .ok();
     let in_flight = cryo_criu::scratch::live_restores(&cfg.state.criu_dir());
     let swept = cryo_criu::scratch::sweep(&cfg.state.criu_dir());
     protect_from_oom();
@@ -305,7 +344,7 @@ pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
         )?,
     });
     log_guarded(&agent.guard);
-    agent.sweep_when_restores_end(in_flight, &cfg.state.criu_dir());
+    agent.sweep_when_restores_end(in_flight, watch, &cfg.state.criu_dir());
     agent.adopt_standbys();
     agent.restore_activators();
     std::thread::Builder::new()

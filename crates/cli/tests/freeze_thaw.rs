@@ -2470,19 +2470,61 @@ fn pipes(pid: i32) -> std::collections::BTreeSet<String> {
 /// or agent start.)
 #[test]
 fn a_thaw_killed_before_criu_s_gate_while_an_agent_runs_is_swept_by_the_agent_at_once() {
+    thaw_killed_before_the_gate_with_an_agent(AgentStarts::WhileCriuRestores);
+}
+
+/// Attack (session 9): as above, but the agent starts while the standalone thaw is still
+/// checking the image, before its CRIU run's directory exists: the agent's first look at the
+/// restores in flight cannot see it. It must still be swept at once when the thaw dies, with
+/// no other command. (Before: it waited for the next command.)
+#[test]
+fn a_thaw_whose_criu_starts_after_the_agent_and_dies_before_the_gate_is_swept_at_once() {
+    thaw_killed_before_the_gate_with_an_agent(AgentStarts::BeforeCriu);
+}
+
+/// When the agent starts, relative to a standalone thaw.
+#[derive(Debug, Clone, Copy)]
+enum AgentStarts {
+    /// The thaw's CRIU runs (its directory exists).
+    WhileCriuRestores,
+    /// The thaw checked the image; CRIU has not started (failpoint `thaw-before-restore`).
+    BeforeCriu,
+}
+
+fn thaw_killed_before_the_gate_with_an_agent(when: AgentStarts) {
     let mut env = Env::start("1GiB");
     let (held, pid, image) = frozen_holding_a_lock(&env);
-    let mut thaw = env
-        .cmd()
+    let resume = env.path().join("resume-thaw");
+    let said = env.path().join("thaw.err");
+    let mut cmd = env.cmd();
+    if matches!(when, AgentStarts::BeforeCriu) {
+        cmd.env("CRYO_FAILPOINT", cryo_lifecycle::thaw::THAW_BEFORE_RESTORE)
+            .env("CRYO_FAILPOINT_RESUME", &resume);
+    }
+    let mut thaw = cmd
         .args(["thaw", image.to_str().unwrap(), "--criu-timeout", "600"])
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(fs::File::create(&said).unwrap())
         .spawn()
         .unwrap();
-    eventually(PATIENCE, "CRIU to restore the root", || exists(pid));
+    let agent = match when {
+        AgentStarts::BeforeCriu => {
+            eventually(PATIENCE, "the thaw at its failpoint", || {
+                fs::read_to_string(&said).is_ok_and(|s| s.contains("is a test hook)"))
+            });
+            assert_eq!(criu_dirs(&env), Vec::<PathBuf>::new());
+            let agent = Agent::start(&env);
+            fs::write(&resume, b"").unwrap();
+            eventually(PATIENCE, "CRIU to restore the root", || exists(pid));
+            agent
+        }
+        AgentStarts::WhileCriuRestores => {
+            eventually(PATIENCE, "CRIU to restore the root", || exists(pid));
+            Agent::start(&env)
+        }
+    };
     let criu = criu_procs(&env);
     assert!(!criu.is_empty(), "no CRIU runs for the thaw");
-    let agent = Agent::start(&env);
     thaw.kill().unwrap();
     thaw.wait().unwrap();
     // The dead thaw's CRIU and restored root are this test's (a subreaper's) to reap once
@@ -2496,7 +2538,7 @@ fn a_thaw_killed_before_criu_s_gate_while_an_agent_runs_is_swept_by_the_agent_at
         ended.iter().any(|e| criu
             .iter()
             .any(|c| e.contains(&format!("CRIU (pid {c}) killed")))),
-        "{ended:?}"
+        "{when:?}: {ended:?}"
     );
     eventually(
         PATIENCE,
@@ -2554,4 +2596,198 @@ fn ended_before_the_gate(env: &Env) -> Vec<String> {
             _ => None,
         })
         .collect()
+}
+
+/// A program in pid and network namespaces of its own (`cryo run`: pid 1 there, as in a
+/// container), frozen into `img`; with `lock`, it holds a `flock` the test holds too (returned),
+/// so that CRIU's restore of it waits for the lock before its gate. Its host pids as the image
+/// names them (freed by the freeze: reaped here).
+fn frozen_namespaced(
+    env: &Env,
+    lock: bool,
+) -> (Option<nix::fcntl::Flock<fs::File>>, PathBuf, Vec<i32>) {
+    use std::os::fd::AsRawFd;
+    let held = lock.then(|| {
+        let f = fs::File::create(env.path().join("held.lock")).unwrap();
+        nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive).unwrap()
+    });
+    let fd = held.as_ref().map(|h| h.as_raw_fd());
+    let log = env.path().join("run.log");
+    let mut cmd = env.cmd();
+    // Its own working directory: CRIU's parasite mounts a /proc of the worker's namespace at
+    // `proc.crtools` there, and two dumps at once in one directory collide (EEXIST).
+    cmd.args(["run", "--detach", "--log", log.to_str().unwrap()])
+        .args(["--dir", env.path().to_str().unwrap()])
+        .args(["--", "sleep", "1000"]);
+    cryo_testkit::fds::close_inherited(&mut cmd, fd);
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let pid: i32 = stdout(&o)
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no pid in {:?}", stdout(&o)));
+    if let Some(fd) = fd {
+        eventually(PATIENCE, "the program to hold the lock", || {
+            fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}"))
+                .is_ok_and(|i| i.contains("lock:"))
+        });
+    }
+    let image = env.path().join("img");
+    let out = env.try_freeze(pid, &image, &[]);
+    assert!(out.status.success(), "freeze failed: {}", stderr(&out));
+    // `cryo run --detach` left it to this test (a subreaper).
+    procs::reap(pid);
+    let pids: Vec<i32> = manifest(&image)["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["pid"].as_i64().unwrap() as i32)
+        .collect();
+    assert_eq!(pids.first(), Some(&pid));
+    (held, image, pids)
+}
+
+/// The root CRIU restored for `thaw` from an image with a pid namespace of its own: the
+/// thaw's child (`--restore-sibling`) that is pid 1 of a namespace below ours, by its host pid.
+fn restored_root(thaw: u32) -> Option<i32> {
+    let mut kids = Vec::new();
+    for t in fs::read_dir(format!("/proc/{thaw}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let k = fs::read_to_string(t.path().join("children")).unwrap_or_default();
+        kids.extend(k.split_whitespace().filter_map(|k| k.parse::<i32>().ok()));
+    }
+    kids.into_iter().find(|k| {
+        let ns = nspid(*k);
+        ns.len() > 1 && ns.last() == Some(&1)
+    })
+}
+
+/// Its `NSpid` line: its pid in each pid namespace it is in, the host's first.
+fn nspid(pid: i32) -> Vec<i32> {
+    cryo_proc::status(pid).map(|s| s.nspid).unwrap_or_default()
+}
+
+/// Attack (session 9) on the sweep of a thaw that died before CRIU's gate, with an image of a
+/// program in a pid namespace of its own (`cryo run`, a container): CRIU restores it under host
+/// pids of its own, not the ones the image names (those were freed by the freeze). The thaw is
+/// SIGKILLed at CRIU's gate (every process restored, none run; CRIU's restorer has given them
+/// the image's memory and command line) while its CRIU is stopped (as a loaded host may leave
+/// it: it has not yet aborted the restore itself), and a bystander (a plain `sleep`, no GPU
+/// driver fd) started after that CRIU has taken the image's root pid on the host. The next
+/// agent's sweep must end CRIU and the half-restored tree by their host identities, say so,
+/// and leave the bystander alone. (Before: the sweep went by the image's pids: it SIGKILLed
+/// the bystander and left the half-restored root stopped for good.)
+#[test]
+fn a_namespaced_thaw_killed_at_criu_s_gate_is_swept_by_host_identity_not_by_the_image_s_pids() {
+    use cryo_testkit::procs::sleep_at_pid;
+    let env = Env::start("1GiB");
+    let (_, image, pids) = frozen_namespaced(&env, false);
+    let resume = env.path().join("resume-thaw");
+    let said = env.path().join("thaw.err");
+    let mut thaw = env
+        .cmd()
+        .env("CRYO_FAILPOINT", cryo_lifecycle::thaw::THAW_AT_CRIU_GATE)
+        .env("CRYO_FAILPOINT_RESUME", &resume)
+        .arg("thaw")
+        .arg(&image)
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(&said).unwrap())
+        .spawn()
+        .unwrap();
+    eventually(PATIENCE, "the thaw at its failpoint", || {
+        fs::read_to_string(&said).is_ok_and(|s| s.contains("is a test hook)"))
+    });
+    let criu = match &criu_procs(&env)[..] {
+        [c] => *c,
+        c => panic!("one CRIU expected: {}", describe_procs(c)),
+    };
+    let root = restored_root(thaw.id()).expect("a restored root at the gate");
+    assert!(!pids.contains(&root), "restored under an image pid {root}");
+    let tree = cryo_proc::tree(root).unwrap();
+    procs::kill(criu, libc::SIGSTOP);
+    eventually(PATIENCE, "CRIU to be stopped", || {
+        procs::all_threads_in(criu, &['T', 't'])
+    });
+    let bystander = sleep_at_pid(pids[0])
+        .unwrap_or_else(|e| panic!("a bystander with the image's pid {}: {e}", pids[0]));
+    thaw.kill().unwrap();
+    thaw.wait().unwrap();
+
+    // An agent sweeps as it starts (before it answers).
+    let agent = Agent::start(&env);
+    let ended = ended_before_the_gate(&env);
+    assert!(
+        procs::alive(bystander.pid),
+        "the bystander {} with the image's pid was killed; the sweep said {ended:?}",
+        bystander.pid
+    );
+    let reap = || reap_exited(tree.iter().chain([&criu]));
+    let t = Instant::now();
+    while exists(criu) || tree.iter().any(|p| exists(*p)) {
+        reap();
+        assert!(
+            t.elapsed() < PATIENCE,
+            "CRIU {criu} or the half-restored tree is left: {}; the sweep said {ended:?}",
+            describe_procs(&tree)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        ended
+            .iter()
+            .any(|e| e.contains(&format!("CRIU (pid {criu}) killed"))
+                && e.contains(&root.to_string())),
+        "the journal does not say what was ended (CRIU {criu}, root {root}): {ended:?}"
+    );
+    assert_eq!(criu_procs(&env), Vec::<i32>::new());
+    env.sim.assert_no_wedge();
+    drop(agent);
+}
+
+/// Attack (session 9) on the removal after CRIU's deadline, with an image of a program in a
+/// pid namespace of its own (`cryo run`) that holds a `flock` held outside too: CRIU's restore
+/// waits for the lock before its gate and is killed at its deadline. What CRIU restored
+/// half-way never ran; it lives under host pids the image does not name and must be ended (and
+/// named in the error), with nothing of CRIU's left. (Before: the removal went by the image's
+/// pids and left the half-restored root, reparented, for good.)
+#[test]
+fn a_namespaced_thaw_s_criu_killed_at_its_deadline_leaves_nothing_it_forked() {
+    let env = Env::start("1GiB");
+    let (held, image, _) = frozen_namespaced(&env, true);
+    let mut thaw = env
+        .cmd()
+        .args(["thaw", image.to_str().unwrap(), "--criu-timeout", "3"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let root = eventually(PATIENCE, "CRIU to restore the root", || {
+        restored_root(thaw.id())
+    });
+    let out = eventually(Duration::from_secs(120), "the thaw to end", || {
+        thaw.try_wait().unwrap()
+    });
+    let mut err = String::new();
+    thaw.stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(!out.success(), "{err}");
+    assert!(err.contains("did not finish within 3 s"), "{err}");
+    // Reparented to this test (a subreaper) when the thaw ended, if it was left.
+    reap_exited([&root]);
+    assert!(
+        !exists(root),
+        "the half-restored root {root} is left: {}; the thaw said: {err}",
+        describe_procs(&[root])
+    );
+    assert!(err.contains(&root.to_string()), "{err}");
+    assert_eq!(criu_procs(&env), Vec::<i32>::new(), "{err}");
+    env.sim.assert_no_wedge();
+    drop(held);
 }

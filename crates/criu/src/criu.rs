@@ -17,6 +17,7 @@ use crate::log::{FileCap, LogCap};
 use crate::rpc::RpcError;
 use crate::rpc::{CriuOpts, CriuReq, CriuReqType, Swrk};
 use crate::scratch::{self, Private};
+use crate::unresumed;
 use crate::version::CriuVersion;
 
 /// The environment variable naming the CRIU binary.
@@ -82,8 +83,9 @@ pub struct RestoreOpts {
     /// the image directory: a restore must leave the image exactly as verified.
     pub work_dir: Option<PathBuf>,
     /// How long CRIU may take ([`Criu::restore`] only; `None`: no limit). Past it CRIU is
-    /// killed, and so is every process of the image it had restored (none has run: they were
-    /// all before the gate), and the restore is [`CriuError::TimedOut`]. A restore can block
+    /// killed, and so is every process it had restored or forked (none has run: they were all
+    /// before the gate; found by their host identities, never by the image's pids: see
+    /// `unresumed`), and the restore is [`CriuError::TimedOut`], which names them. A restore can block
     /// forever: a restored process that must take back a file lock someone else holds waits
     /// for it (`--file-locks`).
     pub deadline: Option<std::time::Duration>,
@@ -653,13 +655,17 @@ impl Criu for CriuRpc {
             .map_err(dir_err(&p))?;
         tracing::debug!(image = %image.path().display(), private = %p.display(), ?route, "criu restore");
         let deadline = opts.deadline;
+        // CRIU's start time: what it restored started after it (see `unresumed`).
+        let criu_start = std::sync::OnceLock::new();
         // What the sweep ends should this process die before the gate (see `scratch`).
         let record = |criu: Pid| {
-            let rec = cryo_proc::stat(criu).map(|s| scratch::Restoring {
-                image: image.path().to_path_buf(),
-                pids: image.manifest().pids(),
-                criu,
-                criu_start: s.start_time,
+            let rec = cryo_proc::stat(criu).map(|s| {
+                let _ = criu_start.set(s.start_time);
+                scratch::Restoring {
+                    image: image.path().to_path_buf(),
+                    criu,
+                    criu_start: s.start_time,
+                }
             });
             if let Err(e) = rec
                 .map_err(std::io::Error::other)
@@ -730,19 +736,36 @@ impl Criu for CriuRpc {
         phases.verdict_ms = verdict_at.get().copied().and_then(since);
         tracing::debug!(?phases, "criu restore phases");
         let log = work.join(RESTORE_LOG);
-        if timed_out {
-            private.keep();
-            let left = remove_unresumed(image);
-            return Err(CriuError::TimedOut {
-                op,
-                after: deadline.unwrap_or_default(),
-                lines: last_lines(&log),
-                log,
-                left,
+        // CRIU ended without passing the gate: what it restored never ran. CRIU removes it when
+        // it fails by itself, not when it was killed (at its deadline, or by anyone else).
+        let passed = matches!(verdict, Some(Ok(())));
+        let criu_start = criu_start.get().copied();
+        if timed_out || (!passed && !status.success()) {
+            let ended = criu_start.map(|since| {
+                let ended =
+                    unresumed::end_run(None, unresumed::thread_children_since(since), &p, since);
+                unresumed::reap_children_since(since, true);
+                ended
             });
-        }
-        if !status.success() {
-            reap_restored_root(image.manifest().root_pid);
+            let ended = ended.unwrap_or_default();
+            if timed_out {
+                private.keep();
+                return Err(CriuError::TimedOut {
+                    op,
+                    after: deadline.unwrap_or_default(),
+                    lines: last_lines(&log),
+                    log,
+                    killed: ended.killed,
+                    left: ended.left,
+                });
+            }
+            if !ended.killed.is_empty() || !ended.left.is_empty() {
+                tracing::warn!(killed = ?ended.killed, left = ?ended.left, "CRIU ended before its gate: what it left was ended");
+            }
+        } else if !status.success() {
+            if let Some(since) = criu_start {
+                unresumed::reap_children_since(since, false);
+            }
         }
         tracing::debug!(%status, served, "criu restore ended");
         // A refused image: the reason is the image's, CRIU's log of it is of no use.
@@ -1051,115 +1074,6 @@ fn wait_until(
     );
     let _ = child.kill();
     (child.wait(), true)
-}
-
-/// After CRIU was killed mid-restore: kills every process of `image` that is a descendant of
-/// this process (what CRIU restored: the root is our child, `--restore-sibling`, and forked the
-/// rest). None of them ran: CRIU's tasks resume only after the gate, which nobody passed. A
-/// process holding a GPU driver fd could hold a context and is never killed here (CRIU cannot
-/// restore one; it is named instead). Returns what is left and why.
-fn remove_unresumed(image: &Image) -> Vec<String> {
-    let ours = std::process::id() as Pid;
-    let tree = cryo_proc::tree(ours).unwrap_or_default();
-    let (_, left) = end_unresumed(&image.manifest().pids(), |s| tree.contains(&s.pid));
-    reap_restored_root(image.manifest().root_pid);
-    left
-}
-
-/// Ends (as [`end_unresumed`]) every process that still runs CRIU's command line for the run
-/// directory `private` and is `started` (after that CRIU): what CRIU forked or restored and
-/// left when it died before its gate. Its restorer has not replaced their memory yet, so none of
-/// them ran the image's code. CRIU's process tree is not theirs to go by: CRIU forks the root
-/// as its caller's child (`--restore-sibling`) and the processes of a dead run are reparented.
-/// One may fork between the look and its kill: looked for again until none is left (a process
-/// killed is gone before the next look; the kernel forks nothing for one with SIGKILL pending).
-/// (Found under load, session 8: a fork of a dead thaw's CRIU, stopped (`T`), outlived both
-/// thaws; it was born after the sweep had ended that CRIU.)
-pub(crate) fn end_criu_forks(
-    private: &Path,
-    started: impl Fn(&cryo_proc::Stat) -> bool,
-) -> (Vec<Pid>, Vec<String>) {
-    let (mut killed, mut left) = (Vec::new(), Vec::new());
-    // Bounded: a process left (a driver fd, still exiting) is named again by the next look.
-    for _ in 0..8 {
-        let found = match cryo_proc::naming(private) {
-            Ok(pids) => pids,
-            Err(e) => {
-                left.push(format!("cannot look for what CRIU left: {e}"));
-                break;
-            }
-        };
-        let (k, l) = end_unresumed(&found, &started);
-        let done = k.is_empty();
-        killed.extend(k);
-        if done {
-            left.extend(l);
-            break;
-        }
-    }
-    (killed, left)
-}
-
-/// Kills each of `pids` that runs, is `restored` (by its stat: what CRIU restored before a
-/// gate nobody passed) and holds no GPU driver fd; returns those killed and those left, and why.
-pub(crate) fn end_unresumed(
-    pids: &[Pid],
-    restored: impl Fn(&cryo_proc::Stat) -> bool,
-) -> (Vec<Pid>, Vec<String>) {
-    let (mut killed, mut left): (Vec<cryo_proc::ProcHandle>, Vec<String>) =
-        (Vec::new(), Vec::new());
-    for &pid in pids {
-        let Ok(h) = cryo_proc::ProcHandle::open(pid) else {
-            continue;
-        };
-        if !h.stat().is_ok_and(|s| restored(&s)) {
-            continue;
-        }
-        match h.driver_fds(cryo_proc::DriverFiles::Nvidia) {
-            Ok(fds) if fds.is_empty() => match h.signal(nix::sys::signal::Signal::SIGKILL) {
-                Ok(()) => killed.push(h),
-                Err(e) => left.push(format!("pid {pid}: cannot kill it: {e}")),
-            },
-            Ok(fds) => left.push(format!(
-                "pid {pid}: holds GPU driver fds {fds:?}, left alone"
-            )),
-            Err(e) => left.push(format!("pid {pid}: cannot read its fds ({e}), left alone")),
-        }
-    }
-    // Gone, not dying: whoever looks for the image's pids next sees at most zombies.
-    for h in &killed {
-        if !h.wait_exit(std::time::Duration::from_secs(5)) {
-            left.push(format!("pid {}: killed, still exiting after 5 s", h.pid()));
-        }
-    }
-    (
-        killed.iter().map(cryo_proc::ProcHandle::pid).collect(),
-        left,
-    )
-}
-
-/// After a failed restore: CRIU killed what it restored, but the root is our child
-/// (`--restore-sibling`) and stays a zombie holding its pid until reaped.
-fn reap_restored_root(pid: Pid) {
-    use rustix::process::{waitpid, Pid as RPid, WaitOptions};
-    let Some(p) = RPid::from_raw(pid) else { return };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    loop {
-        match waitpid(Some(p), WaitOptions::NOHANG) {
-            // Not (or no longer) our child, or reaped now.
-            Err(_) | Ok(Some(_)) => return,
-            Ok(None) if std::time::Instant::now() < deadline => {
-                std::thread::sleep(std::time::Duration::from_millis(5));
-            }
-            Ok(None) => {
-                tracing::warn!(
-                    pid,
-                    "a process CRIU restored is still alive after the failed restore"
-                );
-                return;
-            }
-        }
-    }
 }
 
 /// The file CRIU writes the restored root's pid into (in the work directory).

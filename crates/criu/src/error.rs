@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use crate::image::ImageError;
 use crate::rpc::RpcError;
 use crate::version::CriuVersion;
+use cryo_proc::Pid;
 
 /// Which CRIU operation failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,8 +80,9 @@ pub enum CriuError {
     /// CRIU did not finish its work in time and was killed, with every process it had restored
     /// (none had run); `lines` are the last of its log (where it was).
     #[error(
-        "criu {op} did not finish within {} s and was killed with what it had restored{} (log {}): {}",
+        "criu {op} did not finish within {} s and was killed with what it had restored{}{} (log {}): {}",
         .after.as_secs(),
+        fmt_killed(.killed),
         fmt_left(.left),
         .log.display(),
         fmt_lines(.lines)
@@ -94,6 +96,9 @@ pub enum CriuError {
         log: PathBuf,
         /// Its last lines.
         lines: Vec<String>,
+        /// Processes it had restored or forked, killed: host pid and start time, the restored
+        /// root first (found by the kernel's evidence, never by the image's pids).
+        killed: Vec<(Pid, u64)>,
         /// Restored processes that could not be removed, and why.
         left: Vec<String>,
     },
@@ -119,6 +124,15 @@ fn fmt_paths(p: &[PathBuf]) -> String {
         .map(|p| p.display().to_string())
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+fn fmt_killed(killed: &[(Pid, u64)]) -> String {
+    if killed.is_empty() {
+        String::new()
+    } else {
+        let pids: Vec<String> = killed.iter().map(|(p, _)| p.to_string()).collect();
+        format!(" (pids {})", pids.join(", "))
+    }
 }
 
 fn fmt_left(left: &[String]) -> String {

@@ -41,6 +41,7 @@ pub mod image;
 mod log;
 mod rpc;
 pub mod scratch;
+mod unresumed;
 mod version;
 
 pub use criu::{

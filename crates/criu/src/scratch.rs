@@ -12,23 +12,29 @@
 //! `kept`) survives the sweep, the newest [`KEEP_FAILED`] of them.
 //!
 //! A restore records in its directory what it started ([`Restoring`]: CRIU's pid and start
-//! time, the image's pids) as soon as CRIU runs. A restore whose cryo died before CRIU's gate
+//! time) as soon as CRIU runs. A restore whose cryo died before CRIU's gate
 //! passed (no `ok` in the gate file) can never run what it restored (the gate's script fails
 //! without cryo's verdict), but CRIU may go on restoring for minutes, or forever when a restored
 //! process waits for a file lock held elsewhere: the sweep ends that CRIU (SIGKILL, by pidfd,
-//! if it is still the same process) and every process of the image that started after it and
-//! holds no GPU driver fd (none of them ever ran: they wait in CRIU's restorer), and says so
+//! if it is still the same process) and what it restored or forked, found by the kernel's
+//! evidence (its tracee, its children, their trees: see `unresumed`), never by the image's
+//! pids (a tree with a pid namespace of its own comes back under other host pids, and a host
+//! process may hold one of the image's by now); none of them ever ran (they wait in CRIU's
+//! restorer), and one holding a GPU driver fd is left alone. The sweep says what it ended
 //! ([`Swept::ended`]; a thaw journals it). Past the gate the restored tree may run and its
 //! processes hold contexts CRIU's caller was to restore: the sweep leaves those alone. An agent
-//! that starts while another process restores ([`live_restores`]) waits for that owner's end
-//! ([`wait_for_owner`]) and sweeps at once, instead of leaving a dead thaw's CRIU and what it
-//! half restored (their host memory, the image's pids) to the next command.
+//! waits for the end ([`wait_for_owner`]) of every restore another process has in flight: those
+//! it finds as it starts ([`live_restores`]) and those whose directory appears later
+//! ([`RestoreWatch`]); it sweeps at once, instead of leaving a dead thaw's CRIU and what it
+//! half restored (their host memory and pids) to the next command. A directory appears under
+//! its run's name only with its owner's lock already held (made hidden, then renamed).
 //!
 //! # Limitations
 //! A restore killed between spawning CRIU and recording it (one write) is not ended by the
-//! sweep; its CRIU still cannot pass the gate. A directory whose owner died between making it and locking it (microseconds) has no lock
-//! file: it is removed once older than [`UNLOCKED_GRACE`]. The sweep looks only at directories
-//! the running user owns, never through a link.
+//! sweep; its CRIU still cannot pass the gate. A directory whose owner died before it was
+//! renamed into place (microseconds) is hidden and may have no lock file: it is removed once
+//! older than [`UNLOCKED_GRACE`]. The sweep looks only at directories the running user owns,
+//! never through a link.
 
 use std::fs::File;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
@@ -53,8 +59,6 @@ pub(crate) const GATE: &str = "gate";
 pub(crate) struct Restoring {
     /// The image.
     pub(crate) image: PathBuf,
-    /// Its processes' pids (CRIU restores them with these).
-    pub(crate) pids: Vec<cryo_proc::Pid>,
     /// CRIU's pid and start time (clock ticks since boot).
     pub(crate) criu: cryo_proc::Pid,
     pub(crate) criu_start: u64,
@@ -67,7 +71,8 @@ pub struct EndedRestore {
     pub image: PathBuf,
     /// CRIU, if it was still running (killed).
     pub criu: Option<cryo_proc::Pid>,
-    /// Processes of the image it had restored (none ran), killed.
+    /// Processes it had restored or forked (none ran), killed: host pids, found by the
+    /// kernel's evidence (never the image's pids).
     pub killed: Vec<cryo_proc::Pid>,
     /// Processes left, and why (one holding a GPU driver fd is never killed here).
     pub left: Vec<String>,
@@ -105,27 +110,48 @@ pub const UNLOCKED_GRACE: Duration = Duration::from_secs(60);
 /// One run's private directory, removed when dropped unless [`Private::keep`] was called.
 #[derive(Debug)]
 pub(crate) struct Private {
-    dir: Option<tempfile::TempDir>,
     path: PathBuf,
+    kept: bool,
     _owner: Flock<File>,
 }
 
 impl Private {
     /// A fresh directory named `prefix` + random under `root` (made if missing, 0700), locked.
+    /// It is made under a hidden name (`.` first), its lock file made and locked there, and
+    /// only then renamed into place: a directory under a run's name always holds its owner's
+    /// lock, so whoever sees it appear ([`RestoreWatch`]) can wait on that lock at once. (A
+    /// hidden one whose maker died is swept as a directory without a lock.)
     pub(crate) fn new(root: &Path, prefix: &str) -> std::io::Result<Private> {
         make_root(root)?;
-        let dir = tempfile::Builder::new().prefix(prefix).tempdir_in(root)?;
+        let staging = tempfile::Builder::new()
+            .prefix(&format!(".{prefix}"))
+            .tempdir_in(root)?;
         let f = File::options()
             .write(true)
             .create_new(true)
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(dir.path().join(OWNER))?;
+            .open(staging.path().join(OWNER))?;
         let owner = Flock::lock(f, FlockArg::LockExclusiveNonblock)
             .map_err(|(_, e)| std::io::Error::from(e))?;
+        let hidden = staging
+            .path()
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| std::io::Error::other("unusable directory name"))?;
+        let path = root.join(hidden.trim_start_matches('.'));
+        rustix::fs::renameat_with(
+            rustix::fs::CWD,
+            staging.path(),
+            rustix::fs::CWD,
+            &path,
+            rustix::fs::RenameFlags::NOREPLACE,
+        )?;
+        // Renamed: the staging name is gone, nothing for its guard to remove.
+        let _ = staging.keep();
         Ok(Private {
-            path: dir.path().to_path_buf(),
-            dir: Some(dir),
+            path,
+            kept: false,
             _owner: owner,
         })
     }
@@ -144,9 +170,18 @@ impl Private {
     /// Leaves the directory in place (it holds the log an error names); the sweep keeps the
     /// newest [`KEEP_FAILED`] of those.
     pub(crate) fn keep(&mut self) {
-        if let Some(d) = self.dir.take() {
-            let _ = File::create(d.path().join(KEPT));
-            let _ = d.keep();
+        if !self.kept {
+            let _ = File::create(self.path.join(KEPT));
+            self.kept = true;
+        }
+    }
+}
+
+impl Drop for Private {
+    /// Removes the directory unless kept; its lock goes after (with the fields).
+    fn drop(&mut self) {
+        if !self.kept {
+            let _ = std::fs::remove_dir_all(&self.path);
         }
     }
 }
@@ -188,7 +223,9 @@ pub fn sweep(root: &Path) -> Swept {
     for e in entries.flatten() {
         let name = e.file_name();
         let Some(name) = name.to_str() else { continue };
-        if !(name.starts_with(RESTORE_PREFIX) || name.starts_with(DUMP_PREFIX)) {
+        // A hidden one is still being made (see `Private::new`), or its maker died first.
+        let run = name.strip_prefix('.').unwrap_or(name);
+        if !(run.starts_with(RESTORE_PREFIX) || run.starts_with(DUMP_PREFIX)) {
             continue;
         }
         let path = e.path();
@@ -265,6 +302,84 @@ pub fn live_restores(root: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
+/// A watch on a scratch root for restore directories made after it started (an inotify watch:
+/// the kernel queues each creation, so none made between two looks is missed). An agent runs
+/// one so that a restore begun by a command that found no agent, whose directory appeared after
+/// the agent's first look ([`live_restores`]), is still watched ([`wait_for_owner`]) and swept
+/// at once when its owner dies.
+#[derive(Debug)]
+pub struct RestoreWatch {
+    inotify: std::os::fd::OwnedFd,
+    root: PathBuf,
+    /// Restore directories already named (existing when the watch started, or returned since).
+    seen: std::collections::HashSet<PathBuf>,
+}
+
+impl RestoreWatch {
+    /// Starts watching `root` (made, 0700, if missing). Directories there now are not returned
+    /// by [`RestoreWatch::wait_new`]: the caller's own look ([`live_restores`], [`sweep`]), made
+    /// after this, covers them.
+    pub fn start(root: &Path) -> std::io::Result<RestoreWatch> {
+        use rustix::fs::inotify;
+        make_root(root)?;
+        let fd = inotify::init(inotify::CreateFlags::CLOEXEC)?;
+        inotify::add_watch(
+            &fd,
+            root,
+            inotify::WatchFlags::CREATE | inotify::WatchFlags::MOVED_TO,
+        )?;
+        let mut w = RestoreWatch {
+            inotify: fd,
+            root: root.to_path_buf(),
+            seen: std::collections::HashSet::new(),
+        };
+        w.seen = w.restore_dirs().into_iter().collect();
+        Ok(w)
+    }
+
+    /// Blocks until directories are made under the root, then returns the restore directories
+    /// not returned before (whether their owner still lives or not: [`wait_for_owner`] returns
+    /// at once for a dead one).
+    pub fn wait_new(&mut self) -> std::io::Result<Vec<PathBuf>> {
+        let mut buf = [0u8; 4096];
+        loop {
+            match rustix::io::read(&self.inotify, &mut buf) {
+                Ok(_) => {}
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+            let now = self.restore_dirs();
+            // Forget what is gone (a finished run's directory), so the set stays small.
+            self.seen.retain(|d| now.contains(d));
+            let new: Vec<PathBuf> = now
+                .into_iter()
+                .filter(|d| self.seen.insert(d.clone()))
+                .collect();
+            if !new.is_empty() {
+                return Ok(new);
+            }
+        }
+    }
+
+    /// The restore directories under the root, the running user's, never through a link.
+    fn restore_dirs(&self) -> Vec<PathBuf> {
+        let me = rustix::process::geteuid().as_raw();
+        let Ok(entries) = std::fs::read_dir(&self.root) else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .filter(|e| {
+                e.file_name()
+                    .to_str()
+                    .is_some_and(|n| n.starts_with(RESTORE_PREFIX))
+            })
+            .map(|e| e.path())
+            .filter(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir() && m.uid() == me))
+            .collect()
+    }
+}
+
 /// Blocks until the owner of the run directory `dir` is gone or done: the kernel gives its lock
 /// back with its life (a blocking `flock`, no polling). Then [`sweep`] ends what it left.
 pub fn wait_for_owner(dir: &Path) -> std::io::Result<()> {
@@ -297,28 +412,16 @@ fn end_restore(dir: &Path) -> Option<EndedRestore> {
     if std::fs::read(dir.join(GATE)).is_ok_and(|g| g.starts_with(b"ok")) {
         return None;
     }
-    let mut ended = EndedRestore {
-        image: rec.image.clone(),
-        criu: None,
-        killed: Vec::new(),
-        left: Vec::new(),
+    // CRIU, if it is still that process, and what it restored or forked: found by the kernel's
+    // evidence (its tracee, its children, their trees), never by the image's pids.
+    let criu = cryo_proc::ProcHandle::open_expected(rec.criu, rec.criu_start).ok();
+    let run = crate::unresumed::end_run(criu, Vec::new(), dir, rec.criu_start);
+    let ended = EndedRestore {
+        image: rec.image,
+        criu: run.criu,
+        killed: run.killed.iter().map(|(pid, _)| *pid).collect(),
+        left: run.left,
     };
-    // CRIU first: it would restore further.
-    if let Ok(h) = cryo_proc::ProcHandle::open(rec.criu) {
-        if h.stat().is_ok_and(|s| s.start_time == rec.criu_start)
-            && h.signal(nix::sys::signal::Signal::SIGKILL).is_ok()
-        {
-            h.wait_exit(Duration::from_secs(5));
-            ended.criu = Some(rec.criu);
-        }
-    }
-    let (killed, left) = crate::criu::end_unresumed(&rec.pids, |s| s.start_time >= rec.criu_start);
-    ended.killed = killed;
-    ended.left = left;
-    // What CRIU forked that no pid of the image names, or that still runs CRIU's command line.
-    let (killed, left) = crate::criu::end_criu_forks(dir, |s| s.start_time >= rec.criu_start);
-    ended.killed.extend(killed);
-    ended.left.extend(left);
     (ended.criu.is_some() || !ended.killed.is_empty() || !ended.left.is_empty()).then_some(ended)
 }
 
@@ -339,12 +442,12 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let live = Private::new(root.path(), RESTORE_PREFIX).unwrap();
         let dead = Private::new(root.path(), DUMP_PREFIX).unwrap();
+        let mut dead = dead;
         let dead_path = dead.path().to_path_buf();
         std::fs::write(dead_path.join("restore.log"), b"x").unwrap();
         // Its owner dies without cleaning up: the directory stays, the lock goes.
-        let Private { dir, _owner, .. } = dead;
-        let _ = dir.unwrap().keep();
-        drop(_owner);
+        dead.kept = true;
+        drop(dead);
         // Not a run's directory: never touched.
         std::fs::create_dir(root.path().join("other")).unwrap();
 
@@ -380,6 +483,41 @@ mod tests {
         for p in &paths[3..] {
             assert!(p.exists(), "{}", p.display());
         }
+    }
+
+    /// A restore directory appears under its name only with its owner's lock held, so an agent
+    /// that sees it appear waits on that lock (no window where it would take the run for done).
+    #[test]
+    fn a_watch_sees_each_new_restore_directory_with_its_owner_s_lock_held() {
+        let root = tempfile::tempdir().unwrap();
+        let before = Private::new(root.path(), RESTORE_PREFIX).unwrap();
+        let mut watch = RestoreWatch::start(root.path()).unwrap();
+        let _dump = Private::new(root.path(), DUMP_PREFIX).unwrap();
+        let new = Private::new(root.path(), RESTORE_PREFIX).unwrap();
+        assert_eq!(watch.wait_new().unwrap(), vec![new.path().to_path_buf()]);
+        let mut live = live_restores(root.path());
+        live.sort();
+        let mut both = vec![before.path().to_path_buf(), new.path().to_path_buf()];
+        both.sort();
+        assert_eq!(live, both);
+        let names: Vec<String> = std::fs::read_dir(root.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(names.iter().all(|n| !n.starts_with('.')), "{names:?}");
+    }
+
+    #[test]
+    fn a_hidden_directory_whose_maker_died_is_swept_after_the_grace() {
+        let root = tempfile::tempdir().unwrap();
+        let stale = root.path().join(format!(".{RESTORE_PREFIX}stale"));
+        std::fs::create_dir(&stale).unwrap();
+        assert!(sweep(root.path()).removed.is_empty());
+        File::open(&stale)
+            .unwrap()
+            .set_modified(SystemTime::now() - UNLOCKED_GRACE - Duration::from_secs(1))
+            .unwrap();
+        assert_eq!(sweep(root.path()).removed, vec![stale.clone()]);
     }
 
     #[test]

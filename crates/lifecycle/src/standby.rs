@@ -264,9 +264,6 @@ pub fn prepare(
         deadline: Some(criu_timeout.unwrap_or_else(|| crate::criu_deadline(manifest.total_bytes))),
         ..RestoreOpts::default()
     };
-    // CRIU restores the root as our sibling: a child of this thread that was not one before is
-    // what CRIU restored (read again if CRIU ends before its gate).
-    let children_before = cryo_proc::thread_children().unwrap_or_default();
     let restored = criu.restore_gated(&opened, &restore_opts, &at_gate);
     progress.end(
         manifest.root_pid,
@@ -290,22 +287,29 @@ pub fn prepare(
             }
             return Err(StandbyError::AfterRestore { error, cleanup });
         }
-        // Before the gate (CRIU killed at its deadline, or failed): what it restored half-way
-        // never ran, so no context of it is live (the image's are checkpointed); in namespaces
-        // of its own CRIU's clean-up cannot see it. Ended, by the kernel's evidence, and said.
+        // Before the gate (CRIU killed at its deadline): what it restored half-way never ran,
+        // so no context of it is live (the image's are checkpointed); the CRIU wrapper ended
+        // it by the kernel's evidence (its host identities, never the image's pids). Said.
         (Err(e), None) => {
-            if let Some((root, cleanup)) = end_half_restored(gpu, &children_before) {
-                let error = e.to_string();
-                if let Err(j) = journal.append(Event::StandbyDropped {
-                    image,
-                    root,
-                    reason: format!(
-                        "{error}; CRIU ended before its gate: the half-restored tree (never run) was {cleanup}"
-                    ),
-                }) {
-                    tracing::error!(error = %j, "cannot journal the dropped standby");
+            if let CriuError::TimedOut { killed, left, .. } = &e {
+                if let Some(&(pid, start_time)) = killed.first() {
+                    let cleanup = if left.is_empty() {
+                        format!("killed ({} processes)", killed.len())
+                    } else {
+                        format!("NOT all killed: {}", left.join("; "))
+                    };
+                    let error = e.to_string();
+                    if let Err(j) = journal.append(Event::StandbyDropped {
+                        image,
+                        root: ProcId::new(pid, start_time),
+                        reason: format!(
+                            "{error}; CRIU ended before its gate: the half-restored tree (never run) was {cleanup}"
+                        ),
+                    }) {
+                        tracing::error!(error = %j, "cannot journal the dropped standby");
+                    }
+                    return Err(StandbyError::AfterRestore { error, cleanup });
                 }
-                return Err(StandbyError::AfterRestore { error, cleanup });
             }
             return Err(match e {
                 CriuError::Image(e) => StandbyError::Image(e),
@@ -474,25 +478,6 @@ fn keep(
 /// restore thread never started) and the kernel's evidence decides, as for any unresumed
 /// restore: one that holds no driver fd and that NVML does not list has no context, and is
 /// SIGKILLed; anything else is left alone and named. Says what became of them.
-/// What a CRIU that ended before its gate left: the children of this thread that were not
-/// among `before` (CRIU restores the root as its sibling), each with its tree; ended as
-/// [`end_unresumed`] does. The first root and what became of them; `None` when there is none.
-fn end_half_restored(gpu: &Gpu, before: &[Pid]) -> Option<(ProcId, String)> {
-    let trees: Vec<Vec<ProcId>> = cryo_proc::thread_children()
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|c| !before.contains(c))
-        .filter_map(|c| ProcHandle::open(c).ok())
-        .filter(ProcHandle::is_alive)
-        .filter_map(|h| Resolved::tree(h).ok())
-        .map(|t| t.handles().iter().map(id).collect())
-        .filter(|t: &Vec<ProcId>| !t.is_empty())
-        .collect();
-    let root = *trees.first()?.first()?;
-    let all: Vec<ProcId> = trees.into_iter().flatten().collect();
-    Some((root, end_unresumed(gpu, &all)))
-}
-
 fn end_unresumed(gpu: &Gpu, pids: &[ProcId]) -> String {
     let handles: Vec<ProcHandle> = pids
         .iter()

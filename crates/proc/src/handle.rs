@@ -446,6 +446,73 @@ impl ProcHandle {
         read::tasks_of(&self.dir()?, self.pid)
     }
 
+    /// Its children (of any of its threads, `/proc/PID/task/TID/children`), each opened and
+    /// then checked to still be its child: never a process that took a child's pid since.
+    pub fn children(&self) -> Result<Vec<ProcHandle>, ProcError> {
+        let dir = self.dir()?;
+        let mut pids = Vec::new();
+        for task in dir
+            .tasks()
+            .map_err(|e| ProcError::read(self.pid, "task", e))?
+            .flatten()
+        {
+            // A thread that ended meanwhile has no children left to list.
+            pids.extend(task.children().unwrap_or_default());
+        }
+        Ok(pids
+            .into_iter()
+            .filter_map(|c| Pid::try_from(c).ok())
+            .filter_map(|c| ProcHandle::open(c).ok())
+            .filter(|c| self.is_parent_of(c))
+            .collect())
+    }
+
+    /// Whether `child` is its child now: `child`'s parent is its pid, read while this process
+    /// was not reaped (so the pid was still its own).
+    fn is_parent_of(&self, child: &ProcHandle) -> bool {
+        child.stat().is_ok_and(|s| s.ppid == self.pid) && self.liveness() != Liveness::Gone
+    }
+
+    /// Its descendants (children, their children...), parents before children, each opened and
+    /// checked as [`ProcHandle::children`] does. A child forked while the tree is walked may be
+    /// missed: a caller that must see every one walks again after it stopped the tree growing.
+    pub fn descendants(&self) -> Vec<ProcHandle> {
+        let mut out: Vec<ProcHandle> = self.children().unwrap_or_default();
+        let mut at = 0;
+        while at < out.len() {
+            let kids = out[at].children().unwrap_or_default();
+            out.extend(kids);
+            at += 1;
+        }
+        out
+    }
+
+    /// The processes it traces (`TracerPid` in their `/proc/PID/status` names one of its
+    /// threads), each opened and then checked to still be traced by it.
+    pub fn tracees(&self) -> Result<Vec<ProcHandle>, ProcError> {
+        let threads = self.tasks()?;
+        let all = procfs::process::all_processes()
+            .map_err(|source| ProcError::ReadSystem { file: "", source })?;
+        let traced: Vec<Pid> = all
+            .flatten()
+            // Processes vanish while we scan; that is not an error.
+            .filter(|p| {
+                p.status()
+                    .is_ok_and(|s| s.tracerpid != 0 && threads.contains(&s.tracerpid))
+            })
+            .map(|p| p.pid)
+            .collect();
+        Ok(traced
+            .into_iter()
+            .filter_map(|p| ProcHandle::open(p).ok())
+            .filter(|h| {
+                h.tracer()
+                    .is_ok_and(|t| t.is_some_and(|t| threads.contains(&t)))
+                    && self.liveness() == Liveness::Alive
+            })
+            .collect())
+    }
+
     /// Its cgroups, one entry per line of `/proc/PID/cgroup` (`hierarchy:controllers:path`; on
     /// cgroup v2 the single line `0::path`), as the kernel shows them to the reader.
     pub fn cgroups(&self) -> Result<Vec<CgroupEntry>, ProcError> {
@@ -539,6 +606,45 @@ mod tests {
     use super::*;
     use cryo_testkit::procs::{spawn_with_pid, Thread};
     use std::process::Command;
+
+    /// A process's children and descendants are found by the kernel's parent links, and its
+    /// tracees by their `TracerPid`; nothing else is.
+    #[test]
+    fn children_descendants_and_tracees_are_the_kernel_s() {
+        let mut sh = Command::new("sh")
+            .args(["-c", "sleep 100 & sleep 100 & wait"])
+            .spawn()
+            .unwrap();
+        let mut other = Command::new("sleep").arg("100").spawn().unwrap();
+        let sh_h = ProcHandle::open(sh.id() as Pid).unwrap();
+        let below = cryo_testkit::eventually(cryo_testkit::PATIENCE, "two sleeps forked", || {
+            let d = sh_h.descendants();
+            (d.len() == 2 && d.iter().all(|h| h.stat().is_ok_and(|s| s.comm == "sleep")))
+                .then_some(d)
+        });
+        assert!(below
+            .iter()
+            .all(|h| h.stat().unwrap().ppid == sh.id() as Pid));
+        let me = ProcHandle::open(std::process::id() as Pid).unwrap();
+        let mine: Vec<Pid> = me.children().unwrap().iter().map(ProcHandle::pid).collect();
+        assert!(mine.contains(&(sh.id() as Pid)) && mine.contains(&(other.id() as Pid)));
+        assert!(!mine.contains(&below[0].pid()));
+
+        assert!(me.tracees().unwrap().is_empty());
+        let target = nix::unistd::Pid::from_raw(other.id() as Pid);
+        nix::sys::ptrace::seize(target, nix::sys::ptrace::Options::empty()).unwrap();
+        let traced: Vec<Pid> = me.tracees().unwrap().iter().map(ProcHandle::pid).collect();
+        assert_eq!(traced, vec![other.id() as Pid]);
+        assert!(sh_h.tracees().unwrap().is_empty());
+
+        other.kill().unwrap();
+        other.wait().unwrap();
+        sh.kill().unwrap();
+        sh.wait().unwrap();
+        for h in below {
+            h.signal(Signal::SIGKILL).unwrap();
+        }
+    }
 
     /// Memory that asked for huge pages but was faulted in small ones (as CRIU's restore leaves
     /// it) is in huge pages after `collapse_huge_pages`.

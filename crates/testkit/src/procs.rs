@@ -297,6 +297,80 @@ pub fn spawn_with_pid(pid: Pid) -> Option<Child> {
     None
 }
 
+/// A `sleep 1000` of the test's that has exactly the host pid it was made with, killed and
+/// reaped when dropped (see [`sleep_at_pid`]).
+#[derive(Debug)]
+pub struct AtPid {
+    /// Its pid.
+    pub pid: Pid,
+}
+
+impl Drop for AtPid {
+    fn drop(&mut self) {
+        // Our child until reaped: its pid cannot name another process before the wait.
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(self.pid), None);
+    }
+}
+
+/// Starts `sleep 1000` with exactly the host pid `pid` (root: `clone3` with `set_tid`, as CRIU
+/// restores pids), to play a process that took a pid some other process had. Deterministic,
+/// unlike [`spawn_with_pid`]: it fails only when `pid` is taken now (`EEXIST`), never because
+/// another process forked in between.
+pub fn sleep_at_pid(pid: Pid) -> std::io::Result<AtPid> {
+    use std::ffi::CString;
+    // `struct clone_args` of linux/sched.h, up to `set_tid_size` (CLONE_ARGS_SIZE_VER1).
+    #[repr(C)]
+    #[derive(Default)]
+    struct CloneArgs {
+        flags: u64,
+        pidfd: u64,
+        child_tid: u64,
+        parent_tid: u64,
+        exit_signal: u64,
+        stack: u64,
+        stack_size: u64,
+        tls: u64,
+        set_tid: u64,
+        set_tid_size: u64,
+    }
+    let path = CString::new("/bin/sleep")?;
+    let (a0, a1) = (CString::new("sleep")?, CString::new("1000")?);
+    let argv = [a0.as_ptr(), a1.as_ptr(), std::ptr::null()];
+    let envp = [std::ptr::null::<libc::c_char>()];
+    let tid: [libc::pid_t; 1] = [pid];
+    let args = CloneArgs {
+        exit_signal: libc::SIGCHLD as u64,
+        set_tid: tid.as_ptr() as u64,
+        set_tid_size: 1,
+        ..CloneArgs::default()
+    };
+    // SAFETY: clone3 without CLONE_VM is a fork: the child gets a copy of this memory (`args`,
+    // `tid`, `path`, `argv`, `envp` were made before and stay alive here), and calls only
+    // execve and _exit, which are async-signal-safe, before it replaces or ends itself.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_clone3,
+            &args as *const CloneArgs,
+            std::mem::size_of::<CloneArgs>(),
+        )
+    };
+    if r == 0 {
+        // SAFETY: in the child, see above; nothing else runs here.
+        unsafe {
+            libc::execve(path.as_ptr(), argv.as_ptr(), envp.as_ptr());
+            libc::_exit(127);
+        }
+    }
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(AtPid { pid: r as Pid })
+}
+
 /// A thread of the test's own process, waiting until dropped: a thread id that is not a
 /// process's.
 #[derive(Debug)]

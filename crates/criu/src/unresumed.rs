@@ -1,0 +1,172 @@
+//! What a CRIU restore left when it ended (or was ended) before its gate, and its end.
+//!
+//! # Design
+//! CRIU's restored tasks resume only after cryo's gate (the `post-restore` stage): before it,
+//! none of them ran the image's code, so none holds a live GPU context (the image's contexts are
+//! CHECKPOINTED) and SIGKILL is their safe end. What CRIU restored is found by the kernel's
+//! evidence, never by the image's pids: a tree that had a pid namespace of its own (a
+//! container, `cryo run`) comes back under host pids the image does not name, and by then a
+//! host process may hold one of the image's pids. The evidence ([`end_run`]):
+//! - while CRIU lives, the root it restored is its tracee: CRIU forks the root as its caller's
+//!   child (`--restore-sibling`) and seizes it with ptrace at once;
+//! - a caller that outlived CRIU finds that root among its own thread's children (the thread
+//!   that spawned CRIU is the root's parent);
+//! - CRIU's own children, and every process whose command line still names the run's private
+//!   directory (CRIU's forks until its restorer replaces their memory);
+//! - and every descendant of those.
+//!
+//! Each is held by a pidfd, must have started after CRIU, and is never killed while it holds a
+//! GPU driver fd (named instead).
+//!
+//! # Limitations
+//! A root whose CRIU is gone (killed by someone else) and whose caller died too is found only
+//! while it still runs CRIU's command line.
+
+use std::path::Path;
+use std::time::Duration;
+
+use cryo_proc::{Pid, ProcHandle, Signal};
+
+/// What [`end_run`] ended.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct EndedRun {
+    /// CRIU, if it still ran (killed).
+    pub(crate) criu: Option<Pid>,
+    /// Processes it had restored or forked (none ran the image's code), killed: host pid and
+    /// start time, roots first.
+    pub(crate) killed: Vec<(Pid, u64)>,
+    /// Processes left, and why.
+    pub(crate) left: Vec<String>,
+}
+
+/// Ends a restore run that did not pass its gate: CRIU (`criu`, if it still runs: killed
+/// first, it would restore further) and everything it restored or forked, by the evidence the
+/// module docs list; `roots` are processes the caller knows CRIU restored (its own thread's
+/// children born after CRIU). `private` is the run's private directory, `criu_start` CRIU's
+/// start time: nothing that started before CRIU is touched.
+pub(crate) fn end_run(
+    criu: Option<ProcHandle>,
+    mut roots: Vec<ProcHandle>,
+    private: &Path,
+    criu_start: u64,
+) -> EndedRun {
+    let mut ended = EndedRun::default();
+    if let Some(c) = criu.filter(ProcHandle::is_alive) {
+        // Looked at before CRIU dies: its tracee (the root) is detached then.
+        roots.extend(c.tracees().unwrap_or_default());
+        roots.extend(c.children().unwrap_or_default());
+        if c.signal(Signal::SIGKILL).is_ok() {
+            c.wait_exit(Duration::from_secs(5));
+            ended.criu = Some(c.pid());
+        }
+    }
+    let started = |h: &ProcHandle| h.start_time() >= criu_start;
+    let mut killed: Vec<ProcHandle> = Vec::new();
+    // Bounded: one may fork between a look and its kill (a killed process forks nothing more,
+    // and is gone from the next look); a process left (a driver fd) is named by each look.
+    for _ in 0..8 {
+        let mut found: Vec<ProcHandle> = Vec::new();
+        match cryo_proc::naming(private) {
+            Ok(pids) => found.extend(pids.into_iter().filter_map(|p| ProcHandle::open(p).ok())),
+            Err(e) => ended
+                .left
+                .push(format!("cannot look for what CRIU left: {e}")),
+        }
+        for r in &roots {
+            if let Ok(r) = r.try_clone() {
+                found.push(r);
+            }
+        }
+        let mut all: Vec<ProcHandle> = Vec::new();
+        for h in found.into_iter().filter(|h| h.is_alive() && started(h)) {
+            let below = h.descendants();
+            all.push(h);
+            all.extend(below.into_iter().filter(started));
+        }
+        all.retain(|h| !killed.iter().any(|k| same(k, h)));
+        let mut unique: Vec<ProcHandle> = Vec::new();
+        for h in all {
+            if !unique.iter().any(|u| same(u, &h)) {
+                unique.push(h);
+            }
+        }
+        let (k, left) = kill_unresumed(unique);
+        let done = k.is_empty();
+        killed.extend(k);
+        if done {
+            ended.left.extend(left);
+            break;
+        }
+    }
+    // Gone, not dying: whoever looks next sees at most zombies.
+    for h in &killed {
+        if !h.wait_exit(Duration::from_secs(5)) {
+            ended
+                .left
+                .push(format!("pid {}: killed, still exiting after 5 s", h.pid()));
+        }
+    }
+    ended.killed = killed.iter().map(|h| (h.pid(), h.start_time())).collect();
+    ended
+}
+
+/// The same process (pid and start time).
+fn same(a: &ProcHandle, b: &ProcHandle) -> bool {
+    a.pid() == b.pid() && a.start_time() == b.start_time()
+}
+
+/// SIGKILLs each of `procs` that holds no GPU driver fd; returns those killed and those left,
+/// and why.
+fn kill_unresumed(procs: Vec<ProcHandle>) -> (Vec<ProcHandle>, Vec<String>) {
+    let (mut killed, mut left) = (Vec::new(), Vec::new());
+    for h in procs {
+        let pid = h.pid();
+        match h.driver_fds(cryo_proc::DriverFiles::Nvidia) {
+            Ok(fds) if fds.is_empty() => match h.signal(Signal::SIGKILL) {
+                Ok(()) => killed.push(h),
+                Err(e) => left.push(format!("pid {pid}: cannot kill it: {e}")),
+            },
+            Ok(fds) => left.push(format!(
+                "pid {pid}: holds GPU driver fds {fds:?}, left alone"
+            )),
+            // Exited meanwhile: nothing to end.
+            Err(_) if !h.is_alive() => {}
+            Err(e) => left.push(format!("pid {pid}: cannot read its fds ({e}), left alone")),
+        }
+    }
+    (killed, left)
+}
+
+/// This thread's children that started at or after `since` (CRIU's start): what CRIU restored
+/// as its caller's child (`--restore-sibling`) when this thread spawned CRIU.
+pub(crate) fn thread_children_since(since: u64) -> Vec<ProcHandle> {
+    cryo_proc::thread_children()
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|p| ProcHandle::open(p).ok())
+        .filter(|h| h.start_time() >= since)
+        .collect()
+}
+
+/// Reaps this thread's children that started at or after `since` (CRIU's start) once they
+/// exited: what CRIU restored as our child and then killed, or what [`end_run`] killed (a zombie
+/// holds its pid until reaped). With `wait`, waits up to 5 s for each to exit (they were
+/// killed); without, reaps only those already exited.
+pub(crate) fn reap_children_since(since: u64, wait: bool) {
+    use rustix::process::{waitpid, Pid as RPid, WaitOptions};
+    // Our children: each pid names its child until we reap it (a zombie too, which no pidfd
+    // opens any more).
+    for pid in cryo_proc::thread_children().unwrap_or_default() {
+        if !cryo_proc::stat(pid).is_ok_and(|s| s.start_time >= since) {
+            continue;
+        }
+        if wait {
+            if let Ok(h) = ProcHandle::open(pid) {
+                h.wait_exit(Duration::from_secs(5));
+            }
+        }
+        if let Some(p) = RPid::from_raw(pid) {
+            let _ = waitpid(Some(p), WaitOptions::NOHANG);
+        }
+    }
+}
