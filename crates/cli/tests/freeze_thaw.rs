@@ -2791,3 +2791,40 @@ fn a_namespaced_thaw_s_criu_killed_at_its_deadline_leaves_nothing_it_forked() {
     env.sim.assert_no_wedge();
     drop(held);
 }
+
+/// Attack (session 9) on a thaw that succeeds, with an image of a program in a pid namespace of
+/// its own (`cryo run`): CRIU brings it back under a host pid the image does not name. The
+/// thaw must take the restored tree from CRIU's answer (the root's host pid) and its
+/// descendants, never from the image's pids: it succeeds, the journal's `ThawCompleted` names
+/// the restored root, and the worker is stopped through its host pid. (Before: the thaw opened
+/// the image's pids on the host, found none, and failed with "0 of 1 processes came back; the
+/// restored tree was already gone" while the restored tree ran on, unguarded and unnamed; had
+/// a host process taken the image's pid after the precheck, it would have been taken for the
+/// worker.)
+#[test]
+fn a_namespaced_thaw_takes_the_restored_tree_by_its_host_pid() {
+    let mut env = Env::start("1GiB");
+    let (_, image, pids) = frozen_namespaced(&env, false);
+    let out = env.cryo(&["thaw", image.to_str().unwrap()]);
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    let root: i32 = stdout(&out)
+        .split_whitespace()
+        .find_map(|w| w.parse().ok())
+        .unwrap_or_else(|| panic!("no pid in {:?}", stdout(&out)));
+    env.thawed.push(root);
+    assert!(!pids.contains(&root), "restored under an image pid {root}");
+    assert_eq!(nspid(root).last(), Some(&1), "{err}");
+    let done: Vec<Vec<i32>> = events(&env)
+        .into_iter()
+        .filter_map(|e| match e {
+            cryo_journal::Event::ThawCompleted { pids, .. } => {
+                Some(pids.iter().map(|p| p.pid).collect())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(done, vec![vec![root]], "{err}");
+    env.stop(root);
+    env.sim.assert_no_wedge();
+}

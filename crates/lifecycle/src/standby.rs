@@ -403,36 +403,15 @@ fn keep(
     image: &str,
     journal: &Journal,
 ) -> Result<Vec<ProcId>, String> {
-    let mut handles: Vec<&ProcHandle> = tree.handles().iter().collect();
-    if handles.len() != manifest.processes.len() {
-        return Err(format!(
-            "{} of {} processes came back",
-            handles.len(),
-            manifest.processes.len()
-        ));
-    }
-    // Root first, then by pid as the namespace numbers them (the order they were forked in).
-    let root = handles[0].pid();
-    let ns_pid = |h: &ProcHandle| {
-        h.status()
-            .ok()
-            .and_then(|s| s.nspid.last().copied())
-            .unwrap_or(h.pid())
-    };
-    handles[1..].sort_by_key(|h| ns_pid(h));
-    let mut entries: Vec<_> = manifest.processes.iter().collect();
-    entries[1..].sort_by_key(|e| e.pid);
+    // Each process of the image paired with the restored one that is it (by host identity).
+    let paired = crate::thaw::pair_restored(tree, manifest)?;
+    let handles: Vec<&ProcHandle> = paired.iter().map(|(h, _)| *h).collect();
+    let root = handles
+        .first()
+        .map(|h| h.pid())
+        .ok_or_else(|| "no restored process".to_string())?;
     let mut parked = Vec::new();
-    for (h, e) in handles.iter().zip(&entries) {
-        let comm = h.stat().map(|s| s.comm).unwrap_or_default();
-        if comm != e.comm {
-            return Err(format!(
-                "restored pid {} runs {comm:?} where the image has {:?} (pid {} of the image): cannot tell the processes apart",
-                h.pid(),
-                e.comm,
-                e.pid
-            ));
-        }
+    for (h, e) in &paired {
         let Some(g) = &e.gpu else { continue };
         match gpu.driver.state(h.pid()) {
             Ok(ProcessState::Checkpointed) => {}

@@ -541,15 +541,48 @@ fn thaw_inner(
         tracing::error!(error = %e, "cannot journal the CRIU restore");
     }
 
-    // From here on, every failure removes the tree safely.
-    let restored = Resolved::from_handles(
-        Target::Pids(manifest.pids()),
-        manifest
-            .pids()
-            .into_iter()
-            .filter_map(|p| ProcHandle::open(p).ok())
-            .collect(),
-    );
+    // The restored tree: the root CRIU named (its host pid) and its descendants, never the
+    // image's pids (a tree with a pid namespace of its own is back under other host pids, and
+    // a host process may hold one of the image's by now). From here on, every failure removes
+    // it safely.
+    let tree = match ProcHandle::open(root) {
+        Ok(h) => Resolved::tree(h).map_err(|e| {
+            (
+                format!("listing the restored tree of pid {root}: {e}"),
+                "left as it is (its contexts are CHECKPOINTED)",
+            )
+        }),
+        Err(e) => Err((format!("the restored root pid {root}: {e}"), "already gone")),
+    };
+    let tree = match tree {
+        Ok(t) => t,
+        Err((error, cleanup)) => {
+            return Err(ThawError::AfterRestore {
+                step: "criu restore",
+                error,
+                cleanup: cleanup.into(),
+            })
+        }
+    };
+    let paired = match pair_restored(&tree, manifest) {
+        Ok(p) => p
+            .iter()
+            .map(|(h, e)| h.try_clone().map(|h| (h, e.pid)))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string()),
+        Err(e) => Err(e),
+    };
+    let (handles, image_pids): (Vec<ProcHandle>, Vec<Pid>) = match paired {
+        Ok(p) => p.into_iter().unzip(),
+        Err(error) => {
+            return Err(ThawError::AfterRestore {
+                step: "criu restore",
+                error,
+                cleanup: remove_safely(gpu, &tree, opts, journal, progress),
+            })
+        }
+    };
+    let restored = Resolved::from_handles(Target::Tree(root), handles);
     let handles = restored.handles();
     let fail = |step: &'static str, error: String| -> ThawError {
         let cleanup = remove_safely(gpu, &restored, opts, journal, progress);
@@ -559,16 +592,18 @@ fn thaw_inner(
             cleanup,
         }
     };
-    if handles.len() != manifest.processes.len() {
-        return Err(fail(
-            "criu restore",
-            format!(
-                "{} of {} processes came back",
-                handles.len(),
-                manifest.processes.len()
-            ),
-        ));
-    }
+    // The image's processes as restored here: the same plans under their host pids.
+    let plans: Vec<Placement> = plans
+        .iter()
+        .filter_map(|p| {
+            let at = image_pids.iter().position(|i| *i == p.pid)?;
+            Some(Placement {
+                pid: handles[at].pid(),
+                ..p.clone()
+            })
+        })
+        .collect();
+    let plans = &plans[..];
     let handle = |pid: Pid| handles.iter().find(|h| h.pid() == pid);
     for h in handles
         .iter()
@@ -693,6 +728,72 @@ fn thaw_inner(
         elapsed_ms: ms(opts.requested.elapsed()),
         shrink: None,
     })
+}
+
+/// Pairs each process of the image with the restored process that is it, in `tree` (the
+/// restored root, by its host pid, and its descendants). A tree in cryo's pid namespace is back
+/// under the image's pids (CRIU restores them): paired by pid, a process it forked since left
+/// out. A tree that is pid 1 of a namespace of its own (a container, `cryo run`) is back under
+/// other host pids and the image names only the host pids it had: paired root first, then in
+/// the order the namespace numbers them against the image's pid order (both the order they
+/// were forked in), each checked by its command name.
+pub(crate) fn pair_restored<'t, 'm>(
+    tree: &'t Resolved,
+    manifest: &'m Manifest,
+) -> Result<Vec<(&'t ProcHandle, &'m cryo_criu::image::ProcessEntry)>, String> {
+    let handles: Vec<&ProcHandle> = tree.handles().iter().collect();
+    let root = handles
+        .first()
+        .ok_or_else(|| "no restored process".to_string())?;
+    let nspid = |h: &ProcHandle| {
+        h.status()
+            .map(|s| s.nspid)
+            .map_err(|e| format!("pid {}: {e}", h.pid()))
+    };
+    if nspid(root)?.len() == 1 {
+        return manifest
+            .processes
+            .iter()
+            .map(|e| {
+                handles
+                    .iter()
+                    .find(|h| h.pid() == e.pid)
+                    .map(|h| (*h, e))
+                    .ok_or_else(|| format!("pid {} of the image did not come back", e.pid))
+            })
+            .collect();
+    }
+    if handles.len() != manifest.processes.len() {
+        return Err(format!(
+            "{} of {} processes came back",
+            handles.len(),
+            manifest.processes.len()
+        ));
+    }
+    let mut ordered: Vec<(Pid, &ProcHandle)> = Vec::with_capacity(handles.len());
+    for h in &handles[1..] {
+        ordered.push((nspid(h)?.last().copied().unwrap_or(h.pid()), h));
+    }
+    ordered.sort_by_key(|(n, _)| *n);
+    let mut entries: Vec<_> = manifest.processes.iter().collect();
+    entries[1..].sort_by_key(|e| e.pid);
+    let mut out = Vec::with_capacity(entries.len());
+    for (h, e) in std::iter::once(*root)
+        .chain(ordered.into_iter().map(|(_, h)| h))
+        .zip(entries)
+    {
+        let comm = h.stat().map(|s| s.comm).unwrap_or_default();
+        if comm != e.comm {
+            return Err(format!(
+                "restored pid {} runs {comm:?} where the image has {:?} (pid {} of the image): cannot tell the processes apart",
+                h.pid(),
+                e.comm,
+                e.pid
+            ));
+        }
+        out.push((h, e));
+    }
+    Ok(out)
 }
 
 /// Suspends and kills the restored tree through the stop path; says what became of it.
@@ -1008,36 +1109,40 @@ mod tests {
         use crate::NoProgress;
 
         struct Scene {
-            procs: Procs,
+            /// Keeps the tree alive (killed with its process group when dropped).
+            _procs: Procs,
+            /// Its processes, root first (the image's pids: CRIU restores them).
+            pids: Vec<Pid>,
             fake: FakeGpu,
             criu: FakeCriu,
             dir: tempfile::TempDir,
             journal: Journal,
         }
 
-        /// Two processes "in an image": both CUDA processes, CHECKPOINTED, as CRIU brings them back.
+        /// Two processes "in an image" (a root and its child): both CUDA processes, CHECKPOINTED,
+        /// as CRIU brings them back.
         fn scene() -> Scene {
             scene_with(None)
         }
 
         /// [`scene`], with the first process's pid in the image replaced by `image_pid`.
         fn scene_with(image_pid: Option<Pid>) -> Scene {
-            let procs = Procs::spawn(2);
+            let procs = Procs::session_tree(1);
+            let pids = procs.tree();
             let fake = FakeGpu::new();
-            for p in procs.pids() {
+            for p in pids.iter().copied() {
                 fake.add(p).set_state(p, ProcessState::Checkpointed);
             }
             let criu = FakeCriu::watching(&fake);
-            criu.restores(&procs.pids());
+            criu.restores(&pids);
             let dir = tempfile::tempdir().unwrap();
             let staging = Staging::create(&dir.path().join("img")).unwrap();
             std::fs::write(staging.path().join("pages-1.img"), b"pages").unwrap();
-            let processes = procs
-                .pids()
-                .into_iter()
-                .map(|p| {
+            let processes = pids
+                .iter()
+                .map(|&p| {
                     let mut e = ProcessEntry::of(&ProcHandle::open(p).unwrap()).unwrap();
-                    if p == procs.pid(0) {
+                    if p == pids[0] {
                         e.pid = image_pid.unwrap_or(p);
                     }
                     e.gpu = Some(ProcessGpu {
@@ -1053,7 +1158,7 @@ mod tests {
             staging
                 .publish(
                     ImageMeta {
-                        root_pid: procs.pid(0),
+                        root_pid: pids[0],
                         processes,
                         gpu_model: Some(MODEL.into()),
                         driver_version: Some(fake.driver_version().unwrap()),
@@ -1065,7 +1170,8 @@ mod tests {
                 .unwrap();
             let journal = Journal::open(dir.path().join("journal")).unwrap();
             Scene {
-                procs,
+                _procs: procs,
+                pids,
                 fake,
                 criu,
                 dir,
@@ -1129,7 +1235,7 @@ mod tests {
                     }
                     other => panic!("expected a failure after the restore, got {other}"),
                 }
-                for p in self.procs.pids() {
+                for p in self.pids.clone() {
                     assert!(!procs::alive(p), "pid {p} outlived the failed thaw");
                     assert_eq!(self.fake.state_of(p), ProcessState::Checkpointed);
                 }
@@ -1142,7 +1248,7 @@ mod tests {
         #[test]
         fn a_gpu_restore_failure_ends_in_a_safe_stop() {
             let s = scene();
-            let (p0, p1) = (s.procs.pid(0), s.procs.pid(1));
+            let (p0, p1) = (s.pids[0], s.pids[1]);
             s.fake
                 .fail_next_on(p1, Call::Restore, CuResult::OUT_OF_MEMORY);
             let err = s.thaw().unwrap_err();
@@ -1167,10 +1273,10 @@ mod tests {
         fn an_unlock_failure_ends_in_a_safe_stop() {
             let s = scene();
             s.fake
-                .fail_next_on(s.procs.pid(1), Call::Unlock, CuResult::UNKNOWN);
+                .fail_next_on(s.pids[1], Call::Unlock, CuResult::UNKNOWN);
             let err = s.thaw().unwrap_err();
             s.assert_removed_safely(err, "unlock");
-            for p in s.procs.pids() {
+            for p in s.pids.clone() {
                 assert!(s.steps(p).contains(&"verified"), "{:?}", s.steps(p));
             }
         }
@@ -1282,9 +1388,9 @@ mod tests {
             let mut seen = w.seen.into_inner().unwrap();
             seen.sort_by_key(|(p, _)| *p);
             let mut expect: Vec<_> = s
-                .procs
-                .pids()
-                .into_iter()
+                .pids
+                .iter()
+                .copied()
                 .map(|p| (p, ProcessState::Locked))
                 .collect();
             expect.sort_by_key(|(p, _)| *p);
@@ -1299,7 +1405,7 @@ mod tests {
             let err = s.thaw_watched(&w).unwrap_err();
             assert!(err.to_string().contains("ptrace refused"), "{err}");
             s.assert_removed_safely(err, "guard before unlock");
-            for p in s.procs.pids() {
+            for p in s.pids.clone() {
                 assert!(
                     !s.steps(p).iter().any(|x| x.starts_with("unlocked")),
                     "{:?}",
@@ -1315,7 +1421,7 @@ mod tests {
             let s = scene();
             let report = s.thaw().unwrap();
             assert_eq!(report.gpu.len(), 2);
-            for p in s.procs.pids() {
+            for p in s.pids.clone() {
                 assert!(procs::alive(p));
                 assert_eq!(s.fake.state_of(p), ProcessState::Running);
             }
