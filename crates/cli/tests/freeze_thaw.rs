@@ -12,11 +12,12 @@ use std::fs;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 mod common;
 
 use common::{eventually, procs, program, stderr, stdout, Program, Worker, WorkerSpec, CRYO};
+use cryo_testkit::eventually_said;
 use cryo_testkit::http::{http, Endpoint as Ep};
 use cryo_testkit::sim::Sim;
 use cryo_testkit::PATIENCE;
@@ -124,6 +125,18 @@ impl Env {
             self.thawed.push(m["root_pid"].as_i64().unwrap() as i32);
         }
         out
+    }
+
+    /// `cryo thaw IMAGE EXTRA...` started, its output piped.
+    fn spawn_thaw(&self, image: &Path, extra: &[&str]) -> Child {
+        self.cmd()
+            .arg("thaw")
+            .arg(image)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
     }
 
     /// `cryo thaw IMAGE EXTRA...`, which must succeed.
@@ -1191,36 +1204,53 @@ fn images_of_the_previous_formats_still_thaw() {
     env.sim.assert_no_wedge();
 }
 
-/// Starts `cryo thaw IMAGE` paused at the failpoint after the image was opened and checked;
-/// returns the child and the file whose creation lets it go on.
-fn thaw_paused(env: &Env, image: &Path) -> (Child, PathBuf) {
+/// A `cryo thaw` paused at a failpoint.
+struct PausedThaw {
+    child: Child,
+    /// Made, it lets the thaw go on.
+    resume: PathBuf,
+    /// Its stderr, a file (it stays open when the thaw is killed, and never fills up).
+    said: PathBuf,
+}
+
+/// Starts `cryo thaw IMAGE EXTRA...` with the pausing failpoint `failpoint` and returns once it
+/// is paused there.
+fn thaw_paused_at(env: &Env, image: &Path, failpoint: &str, extra: &[&str]) -> PausedThaw {
     let resume = env.path().join("resume-thaw");
+    let said = env.path().join("thaw.err");
     let _ = fs::remove_file(&resume);
-    let mut thaw = env
+    let child = env
         .cmd()
-        .env("CRYO_FAILPOINT", "thaw-before-restore")
+        .env("CRYO_FAILPOINT", failpoint)
         .env("CRYO_FAILPOINT_RESUME", &resume)
         .arg("thaw")
         .arg(image)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(&said).unwrap())
         .spawn()
         .unwrap();
-    let mut err = thaw.stderr.take().unwrap();
-    let mut seen = String::new();
-    let mut buf = [0u8; 256];
-    while !seen.contains("failpoint") {
-        let n = err.read(&mut buf).unwrap();
-        assert!(n > 0, "thaw ended before its failpoint: {seen}");
-        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
-    }
-    // Keep draining stderr so the child never blocks on a full pipe.
-    std::thread::spawn(move || {
-        let mut rest = String::new();
-        let _ = err.read_to_string(&mut rest);
-        eprintln!("{rest}");
+    let mut paused = PausedThaw {
+        child,
+        resume,
+        said,
+    };
+    eventually(PATIENCE, &format!("the thaw at {failpoint}"), || {
+        let said = fs::read_to_string(&paused.said).unwrap_or_default();
+        assert!(
+            paused.child.try_wait().unwrap().is_none(),
+            "the thaw ended before {failpoint}: {said}"
+        );
+        said.contains("is a test hook)")
     });
-    (thaw, resume)
+    paused
+}
+
+/// Starts `cryo thaw IMAGE` paused at the failpoint after the image was opened and checked;
+/// returns the child and the file whose creation lets it go on.
+fn thaw_paused(env: &Env, image: &Path) -> (Child, PathBuf) {
+    let p = thaw_paused_at(env, image, cryo_lifecycle::thaw::THAW_BEFORE_RESTORE, &[]);
+    (p.child, p.resume)
 }
 
 /// Issue 9 item 11: an image is trusted for the whole thaw, not only while it is checked. After
@@ -1758,23 +1788,13 @@ fn a_criu_restore_that_blocks_ends_at_its_deadline_with_nothing_left() {
     let mut env = Env::start("1GiB");
     let (held, pid, image) = frozen_holding_a_lock(&env);
 
-    let t = Instant::now();
-    let mut thaw = env
-        .cmd()
-        .args(["thaw", image.to_str().unwrap(), "--criu-timeout", "5"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut thaw = env.spawn_thaw(&image, &["--criu-timeout", "5"]);
     // Far above the deadline: a thaw still running then hangs.
-    while thaw.try_wait().unwrap().is_none() {
-        if t.elapsed() > Duration::from_secs(120) {
-            let _ = thaw.kill();
-            let out = thaw.wait_with_output().unwrap();
-            panic!("the thaw hangs behind CRIU's restore: {}", stderr(&out));
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    eventually(
+        Duration::from_secs(120),
+        "the thaw to end (it hangs behind CRIU's restore)",
+        || thaw.try_wait().unwrap(),
+    );
     let out = thaw.wait_with_output().unwrap();
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
@@ -2254,21 +2274,15 @@ fn a_thaw_killed_before_criu_s_gate_leaves_no_criu_and_nothing_it_restored() {
 
         // The next thaw sets CRIU up: it ends what the dead one left, then fails at its own
         // deadline (the lock is still held) and removes what it restored itself.
-        let second = env
-            .cmd()
-            .args(["thaw", image.to_str().unwrap(), "--criu-timeout", "3"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let second = env.spawn_thaw(&image, &["--criu-timeout", "3"]);
         // The dead thaw's CRIU and restored root are this test's (a subreaper's) to reap once
         // killed, as init reaps them on a host.
         let reap = || reap_exited(criu.iter().chain([&pid]));
-        let (t, mut second) = (Instant::now(), second);
-        while second.try_wait().unwrap().is_none() && t.elapsed() < Duration::from_secs(120) {
+        let mut second = second;
+        eventually(Duration::from_secs(120), "the second thaw to end", || {
             reap();
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            second.try_wait().unwrap()
+        });
         reap();
         let out = second.wait_with_output().unwrap();
         let err = stderr(&out);
@@ -2277,17 +2291,18 @@ fn a_thaw_killed_before_criu_s_gate_leaves_no_criu_and_nothing_it_restored() {
             assert!(!exists(*c), "{point}: the dead thaw's CRIU {c} still runs");
         }
         // What the second thaw's own CRIU forked may still be on its way out.
-        let t = Instant::now();
-        while !criu_procs(&env).is_empty() {
-            assert!(
-                t.elapsed() < PATIENCE,
-                "{point}: CRIU of this test left: {} (the image's pids {:?}, CRIU's directories {:?}, the dead thaw's CRIU {criu:?}; the second thaw said: {err})",
+        eventually_said(
+            PATIENCE,
+            || {
+                format!(
+                "{point}: no CRIU of this test left; left: {} (the image's pids {:?}, CRIU's directories {:?}, the dead thaw's CRIU {criu:?}; the second thaw said: {err})",
                 describe_procs(&criu_procs(&env)),
                 manifest(&image)["pids"],
                 criu_dirs(&env)
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            )
+            },
+            || criu_procs(&env).is_empty(),
+        );
         reap();
         assert!(!exists(pid), "{point}: a half-restored process is left");
         let ended = ended_before_the_gate(&env);
@@ -2332,22 +2347,12 @@ fn a_thaw_killed_between_its_verdict_and_criu_s_exit_leaves_the_worker_running_w
     let image = env.path().join("img");
     env.freeze(pid, &image);
 
-    let resume = env.path().join("resume-thaw");
     // Its stderr into a file that stays open: it writes on after its failpoint.
-    let said = env.path().join("thaw.err");
-    let mut thaw = env
-        .cmd()
-        .env("CRYO_FAILPOINT", cryo_lifecycle::thaw::THAW_AT_CRIU_GATE)
-        .env("CRYO_FAILPOINT_RESUME", &resume)
-        .arg("thaw")
-        .arg(&image)
-        .stdout(Stdio::null())
-        .stderr(fs::File::create(&said).unwrap())
-        .spawn()
-        .unwrap();
-    eventually(PATIENCE, "the thaw at its failpoint", || {
-        fs::read_to_string(&said).is_ok_and(|s| s.contains("is a test hook)"))
-    });
+    let PausedThaw {
+        child: mut thaw,
+        resume,
+        said,
+    } = thaw_paused_at(&env, &image, cryo_lifecycle::thaw::THAW_AT_CRIU_GATE, &[]);
     let (criu, dir) = match (&criu_procs(&env)[..], &criu_dirs(&env)[..]) {
         ([criu], [dir]) => (*criu, dir.clone()),
         (c, d) => panic!("one CRIU and one directory expected: {c:?} {d:?}"),
@@ -2494,33 +2499,33 @@ enum AgentStarts {
 fn thaw_killed_before_the_gate_with_an_agent(when: AgentStarts) {
     let mut env = Env::start("1GiB");
     let (held, pid, image) = frozen_holding_a_lock(&env);
-    let resume = env.path().join("resume-thaw");
-    let said = env.path().join("thaw.err");
-    let mut cmd = env.cmd();
-    if matches!(when, AgentStarts::BeforeCriu) {
-        cmd.env("CRYO_FAILPOINT", cryo_lifecycle::thaw::THAW_BEFORE_RESTORE)
-            .env("CRYO_FAILPOINT_RESUME", &resume);
-    }
-    let mut thaw = cmd
-        .args(["thaw", image.to_str().unwrap(), "--criu-timeout", "600"])
-        .stdout(Stdio::null())
-        .stderr(fs::File::create(&said).unwrap())
-        .spawn()
-        .unwrap();
-    let agent = match when {
+    let limit = ["--criu-timeout", "600"];
+    let (mut thaw, agent) = match when {
         AgentStarts::BeforeCriu => {
-            eventually(PATIENCE, "the thaw at its failpoint", || {
-                fs::read_to_string(&said).is_ok_and(|s| s.contains("is a test hook)"))
-            });
+            let paused = thaw_paused_at(
+                &env,
+                &image,
+                cryo_lifecycle::thaw::THAW_BEFORE_RESTORE,
+                &limit,
+            );
             assert_eq!(criu_dirs(&env), Vec::<PathBuf>::new());
             let agent = Agent::start(&env);
-            fs::write(&resume, b"").unwrap();
+            fs::write(&paused.resume, b"").unwrap();
             eventually(PATIENCE, "CRIU to restore the root", || exists(pid));
-            agent
+            (paused.child, agent)
         }
         AgentStarts::WhileCriuRestores => {
+            let thaw = env
+                .cmd()
+                .arg("thaw")
+                .arg(&image)
+                .args(limit)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
             eventually(PATIENCE, "CRIU to restore the root", || exists(pid));
-            Agent::start(&env)
+            (thaw, Agent::start(&env))
         }
     };
     let criu = criu_procs(&env);
@@ -2611,28 +2616,8 @@ fn frozen_namespaced(
         let f = fs::File::create(env.path().join("held.lock")).unwrap();
         nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive).unwrap()
     });
-    let fd = held.as_ref().map(|h| h.as_raw_fd());
-    let log = env.path().join("run.log");
-    let mut cmd = env.cmd();
-    // Its own working directory: CRIU's parasite mounts a /proc of the worker's namespace at
-    // `proc.crtools` there, and two dumps at once in one directory collide (EEXIST).
-    cmd.args(["run", "--detach", "--log", log.to_str().unwrap()])
-        .args(["--dir", env.path().to_str().unwrap()])
-        .args(["--", "sleep", "1000"]);
-    cryo_testkit::fds::close_inherited(&mut cmd, fd);
-    let o = cmd.output().unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
-    let pid: i32 = stdout(&o)
-        .split_whitespace()
-        .nth(1)
-        .and_then(|p| p.parse().ok())
-        .unwrap_or_else(|| panic!("no pid in {:?}", stdout(&o)));
-    if let Some(fd) = fd {
-        eventually(PATIENCE, "the program to hold the lock", || {
-            fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}"))
-                .is_ok_and(|i| i.contains("lock:"))
-        });
-    }
+    let pid =
+        common::run_isolated_sleep(env.cmd(), env.path(), held.as_ref().map(|h| h.as_raw_fd()));
     let image = env.path().join("img");
     let out = env.try_freeze(pid, &image, &[]);
     assert!(out.status.success(), "freeze failed: {}", stderr(&out));
@@ -2686,21 +2671,7 @@ fn a_namespaced_thaw_killed_at_criu_s_gate_is_swept_by_host_identity_not_by_the_
     use cryo_testkit::procs::sleep_at_pid;
     let env = Env::start("1GiB");
     let (_, image, pids) = frozen_namespaced(&env, false);
-    let resume = env.path().join("resume-thaw");
-    let said = env.path().join("thaw.err");
-    let mut thaw = env
-        .cmd()
-        .env("CRYO_FAILPOINT", cryo_lifecycle::thaw::THAW_AT_CRIU_GATE)
-        .env("CRYO_FAILPOINT_RESUME", &resume)
-        .arg("thaw")
-        .arg(&image)
-        .stdout(Stdio::null())
-        .stderr(fs::File::create(&said).unwrap())
-        .spawn()
-        .unwrap();
-    eventually(PATIENCE, "the thaw at its failpoint", || {
-        fs::read_to_string(&said).is_ok_and(|s| s.contains("is a test hook)"))
-    });
+    let mut thaw = thaw_paused_at(&env, &image, cryo_lifecycle::thaw::THAW_AT_CRIU_GATE, &[]).child;
     let criu = match &criu_procs(&env)[..] {
         [c] => *c,
         c => panic!("one CRIU expected: {}", describe_procs(c)),
@@ -2725,17 +2696,19 @@ fn a_namespaced_thaw_killed_at_criu_s_gate_is_swept_by_host_identity_not_by_the_
         "the bystander {} with the image's pid was killed; the sweep said {ended:?}",
         bystander.pid
     );
-    let reap = || reap_exited(tree.iter().chain([&criu]));
-    let t = Instant::now();
-    while exists(criu) || tree.iter().any(|p| exists(*p)) {
-        reap();
-        assert!(
-            t.elapsed() < PATIENCE,
-            "CRIU {criu} or the half-restored tree is left: {}; the sweep said {ended:?}",
-            describe_procs(&tree)
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    eventually_said(
+        PATIENCE,
+        || {
+            format!(
+                "CRIU {criu} and the half-restored tree to be gone; left: {}; the sweep said {ended:?}",
+                describe_procs(&tree)
+            )
+        },
+        || {
+            reap_exited(tree.iter().chain([&criu]));
+            !exists(criu) && tree.iter().all(|p| !exists(*p))
+        },
+    );
     assert!(
         ended
             .iter()
@@ -2758,13 +2731,7 @@ fn a_namespaced_thaw_killed_at_criu_s_gate_is_swept_by_host_identity_not_by_the_
 fn a_namespaced_thaw_s_criu_killed_at_its_deadline_leaves_nothing_it_forked() {
     let env = Env::start("1GiB");
     let (held, image, _) = frozen_namespaced(&env, true);
-    let mut thaw = env
-        .cmd()
-        .args(["thaw", image.to_str().unwrap(), "--criu-timeout", "3"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut thaw = env.spawn_thaw(&image, &["--criu-timeout", "3"]);
     let root = eventually(PATIENCE, "CRIU to restore the root", || {
         restored_root(thaw.id())
     });

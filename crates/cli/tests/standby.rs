@@ -798,30 +798,7 @@ fn a_standby_restore_killed_before_its_gate_leaves_no_half_restored_process() {
     let env = Env::start();
     let lock = std::fs::File::create(env.sim.path().join("held.lock")).unwrap();
     let held = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive).unwrap();
-    let fd = held.as_raw_fd();
-    let mut cmd = common::cryo();
-    let log = env.sim.path().join("run.log");
-    cmd.args([
-        "run",
-        "--detach",
-        "--log",
-        log.to_str().unwrap(),
-        "--",
-        "sleep",
-        "1000",
-    ]);
-    cryo_testkit::fds::close_inherited(&mut cmd, Some(fd));
-    let o = cmd.output().unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
-    let pid: i32 = stdout(&o)
-        .split_whitespace()
-        .nth(1)
-        .and_then(|p| p.parse().ok())
-        .unwrap_or_else(|| panic!("no pid in {:?}", stdout(&o)));
-    eventually(PATIENCE, "the program to hold the lock", || {
-        std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}"))
-            .is_ok_and(|i| i.contains("lock:"))
-    });
+    let pid = common::run_isolated_sleep(common::cryo(), env.sim.path(), Some(held.as_raw_fd()));
     let image = env.sim.path().join("img");
     env.ok(&[
         "freeze",

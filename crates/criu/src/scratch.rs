@@ -283,6 +283,17 @@ pub fn sweep(root: &Path) -> Swept {
 /// or another): restores in flight. An agent that starts watches those of other processes
 /// ([`wait_for_owner`]) so that one that dies before CRIU's gate is swept at once.
 pub fn live_restores(root: &Path) -> Vec<PathBuf> {
+    restore_dirs(root)
+        .into_iter()
+        .filter(|p| {
+            owner(p).is_ok_and(|f| Flock::lock(f, FlockArg::LockExclusiveNonblock).is_err())
+        })
+        .collect()
+}
+
+/// The restore directories under `root` (under their run's name), the running user's, never
+/// through a link.
+fn restore_dirs(root: &Path) -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir(root) else {
         return Vec::new();
     };
@@ -295,10 +306,7 @@ pub fn live_restores(root: &Path) -> Vec<PathBuf> {
                 .is_some_and(|n| n.starts_with(RESTORE_PREFIX))
         })
         .map(|e| e.path())
-        .filter(|p| {
-            std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir() && m.uid() == me)
-                && owner(p).is_ok_and(|f| Flock::lock(f, FlockArg::LockExclusiveNonblock).is_err())
-        })
+        .filter(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir() && m.uid() == me))
         .collect()
 }
 
@@ -328,13 +336,11 @@ impl RestoreWatch {
             root,
             inotify::WatchFlags::CREATE | inotify::WatchFlags::MOVED_TO,
         )?;
-        let mut w = RestoreWatch {
+        Ok(RestoreWatch {
             inotify: fd,
             root: root.to_path_buf(),
-            seen: std::collections::HashSet::new(),
-        };
-        w.seen = w.restore_dirs().into_iter().collect();
-        Ok(w)
+            seen: restore_dirs(root).into_iter().collect(),
+        })
     }
 
     /// Blocks until directories are made under the root, then returns the restore directories
@@ -348,7 +354,7 @@ impl RestoreWatch {
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(e) => return Err(e.into()),
             }
-            let now = self.restore_dirs();
+            let now = restore_dirs(&self.root);
             // Forget what is gone (a finished run's directory), so the set stays small.
             self.seen.retain(|d| now.contains(d));
             let new: Vec<PathBuf> = now
@@ -359,24 +365,6 @@ impl RestoreWatch {
                 return Ok(new);
             }
         }
-    }
-
-    /// The restore directories under the root, the running user's, never through a link.
-    fn restore_dirs(&self) -> Vec<PathBuf> {
-        let me = rustix::process::geteuid().as_raw();
-        let Ok(entries) = std::fs::read_dir(&self.root) else {
-            return Vec::new();
-        };
-        entries
-            .flatten()
-            .filter(|e| {
-                e.file_name()
-                    .to_str()
-                    .is_some_and(|n| n.starts_with(RESTORE_PREFIX))
-            })
-            .map(|e| e.path())
-            .filter(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir() && m.uid() == me))
-            .collect()
     }
 }
 

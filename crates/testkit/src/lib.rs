@@ -37,7 +37,7 @@ pub mod procs;
 pub mod sim;
 mod wait;
 
-pub use wait::{eventually, Ready, PATIENCE};
+pub use wait::{eventually, eventually_said, Ready, PATIENCE};
 
 /// Fails the test loudly unless it runs as root with CRIU >= 4.2 found (what the tests that
 /// drive real CRIU need: `scripts/install-criu.sh`, root); never a silent skip.

@@ -30,9 +30,15 @@ impl<T> Ready for Option<T> {
 
 /// Polls `check` until it is ready and returns its value; panics naming `what` once `within` has
 /// passed. Polls fast at first (most events come within milliseconds), then every 20 ms.
-pub fn eventually<R: Ready>(
+pub fn eventually<R: Ready>(within: Duration, what: &str, check: impl FnMut() -> R) -> R::Output {
+    eventually_said(within, || format!("{what}: never happened"), check)
+}
+
+/// [`eventually`], whose failure says what `said` returns then (what is left, what the
+/// program said): for a wait whose failure needs the state at that moment to be understood.
+pub fn eventually_said<R: Ready>(
     within: Duration,
-    what: &str,
+    said: impl FnOnce() -> String,
     mut check: impl FnMut() -> R,
 ) -> R::Output {
     let start = Instant::now();
@@ -42,10 +48,9 @@ pub fn eventually<R: Ready>(
             return v;
         }
         let waited = start.elapsed();
-        assert!(
-            waited < within,
-            "waited {waited:?} for {what}: never happened"
-        );
+        if waited >= within {
+            panic!("waited {waited:?} for {}", said());
+        }
         std::thread::sleep(pause);
         pause = (pause * 2).min(Duration::from_millis(20));
     }
@@ -69,5 +74,19 @@ mod tests {
     #[should_panic(expected = "never happened")]
     fn panics_past_the_deadline() {
         eventually(Duration::from_millis(30), "nothing", || false);
+    }
+
+    #[test]
+    #[should_panic(expected = "the state then: 7 left")]
+    fn says_the_state_at_the_deadline() {
+        let n = std::cell::Cell::new(0);
+        eventually_said(
+            Duration::from_millis(30),
+            || format!("the state then: {} left", n.get()),
+            || {
+                n.set(7);
+                false
+            },
+        );
     }
 }

@@ -361,6 +361,33 @@ pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// `sleep 1000` as pid 1 of pid and network namespaces of its own (`cryo run --detach` through
+/// `cmd`, a `cryo` command), working in `dir` (CRIU's parasite mounts a /proc of its namespace
+/// at `proc.crtools` there: two dumps at once in one directory collide), its log there too,
+/// with none of the test's fds but `lock` (a lock the test holds: it waits until the program
+/// holds it too). Its host pid.
+pub fn run_isolated_sleep(mut cmd: Command, dir: &Path, lock: Option<std::os::fd::RawFd>) -> i32 {
+    let log = dir.join("run.log");
+    cmd.args(["run", "--detach", "--log", log.to_str().unwrap()])
+        .args(["--dir", dir.to_str().unwrap()])
+        .args(["--", "sleep", "1000"]);
+    cryo_testkit::fds::close_inherited(&mut cmd, lock);
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let pid: i32 = stdout(&o)
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no pid in {:?}", stdout(&o)));
+    if let Some(fd) = lock {
+        eventually(PATIENCE, "the program to hold the lock", || {
+            std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}"))
+                .is_ok_and(|i| i.contains("lock:"))
+        });
+    }
+    pid
+}
+
 /// A process that is certainly not a CUDA process.
 pub fn sleeper() -> Child {
     Command::new("sleep").arg("60").spawn().unwrap()
