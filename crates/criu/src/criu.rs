@@ -112,7 +112,8 @@ pub trait Criu: std::fmt::Debug + Send + Sync {
     }
 
     /// Restores the tree of `image` (opened and trusted by [`Image::open`]) and returns the pid
-    /// of its root (the pid it had when dumped). The restored root is a child of the calling
+    /// of its root as CRIU names it: the host pid, which is the pid it had when dumped unless
+    /// the tree has a pid namespace of its own. The restored root is a child of the calling
     /// process. The real one ([`CriuRpc`]) serves the image to CRIU itself, checking every byte
     /// against the manifest before CRIU gets it; a refused image is [`CriuError::Image`].
     fn restore(&self, image: &Image, opts: &RestoreOpts) -> Result<Restored, CriuError> {
@@ -674,10 +675,13 @@ impl Criu for CriuRpc {
                 tracing::warn!(error = %e, "cannot record the restore for the sweep");
             }
         };
+        // The restored root's host pid, as CRIU named it at the gate.
+        let gate_root = std::sync::OnceLock::new();
         let at_gate = |root: Option<Pid>| {
             let root = root.ok_or_else(|| {
                 CriuError::Gate("CRIU's action script named no restored root".into())
             })?;
+            let _ = gate_root.set(root);
             let r = at_gate(root).map_err(CriuError::Gate);
             let _ = verdict_at.set(std::time::Instant::now());
             r
@@ -789,10 +793,19 @@ impl Criu for CriuRpc {
                 return Err(err);
             }
         }
-        let pid = std::fs::read_to_string(work.join(RESTORED_PID))
+        // The root's host pid as CRIU names it (its pidfile, else what it named at the gate),
+        // never the image's: a tree with a pid namespace of its own is back under another.
+        let Some(pid) = std::fs::read_to_string(work.join(RESTORED_PID))
             .ok()
             .and_then(|t| t.trim().parse::<Pid>().ok())
-            .unwrap_or(image.manifest().root_pid);
+            .or_else(|| gate_root.get().copied())
+        else {
+            return Err(CriuError::Failed {
+                op,
+                log,
+                lines: vec!["CRIU named no restored root (no pidfile, none at the gate)".into()],
+            });
+        };
         Ok(Restored {
             pid,
             served_bytes: served,
@@ -966,7 +979,7 @@ enum Images<'a> {
 /// What [`Criu::restore_image`] restored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Restored {
-    /// The restored root.
+    /// The restored root's host pid.
     pub pid: Pid,
     /// Bytes of the image checked for the restore: every byte of it when CRIU reads the files
     /// ([`ThawRoute::Files`]); through the streamer, those CRIU was sent (the rest is checked at
