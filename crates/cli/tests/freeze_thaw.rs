@@ -909,11 +909,12 @@ fn staging(image: &Path) -> Vec<PathBuf> {
 /// then ends it without a wedge.
 fn after_killed_freeze(env: &mut Env, pid: i32, image: &Path) {
     assert!(!image.exists(), "an image was published by a killed freeze");
-    // An orphaned CRIU finishes or fails on its own: wait until it lets go of the worker.
+    // An orphaned CRIU finishes or fails on its own: wait until it is gone (it let go of the
+    // worker then; an untraced worker alone may be one CRIU has not seized yet).
     eventually(
         PATIENCE * 2,
-        &format!("CRIU to let go of pid {pid}"),
-        || !alive(pid) || tracer(pid) == 0,
+        &format!("CRIU to end and let go of pid {pid}"),
+        || criu_procs(env).is_empty() && (!alive(pid) || tracer(pid) == 0),
     );
     // CRIU that finished its dump ends the (suspended) tree right after letting go of it.
     let out = env.cryo(&["gpu", "state", "--pid", &pid.to_string()]);
@@ -964,10 +965,11 @@ fn killing_cryo_during_the_dump_publishes_nothing_and_tears_nothing_down() {
     freeze.wait().unwrap();
     // CRIU goes on without cryo, but its post-dump gate never gets cryo's verdict: it resumes
     // the tree instead of killing it (issue 16: CRIU writes the files, cryo's gate decides).
+    // Waited for by CRIU's end: the worker is untraced also before CRIU seized it.
     eventually(
         PATIENCE * 2,
-        &format!("CRIU to let go of pid {pid}"),
-        || !alive(pid) || tracer(pid) == 0,
+        &format!("CRIU to end and let go of pid {pid}"),
+        || criu_procs(&env).is_empty() && (!alive(pid) || tracer(pid) == 0),
     );
     assert!(
         alive(pid),
