@@ -2663,11 +2663,13 @@ fn nspid(pid: i32) -> Vec<i32> {
 /// pids of its own, not the ones the image names (those were freed by the freeze). The thaw is
 /// SIGKILLed at CRIU's gate (every process restored, none run; CRIU's restorer has given them
 /// the image's memory and command line) while its CRIU is stopped (as a loaded host may leave
-/// it: it has not yet aborted the restore itself), and a bystander (a plain `sleep`, no GPU
-/// driver fd) started after that CRIU has taken the image's root pid on the host. The next
+/// it: it has not yet aborted the restore itself), a bystander (a plain `sleep`, no GPU
+/// driver fd) started after that CRIU has taken the image's root pid on the host, and an
+/// operator's `tail -f` of the run's log names the run's directory as CRIU's forks do. The next
 /// agent's sweep must end CRIU and the half-restored tree by their host identities, say so,
-/// and leave the bystander alone. (Before: the sweep went by the image's pids: it SIGKILLed
-/// the bystander and left the half-restored root stopped for good.)
+/// and leave the bystander and the reader alone. (Before: the sweep went by the image's pids:
+/// it SIGKILLed the bystander and left the half-restored root stopped for good; and it killed
+/// any process whose command line named the run's directory.)
 #[test]
 fn a_namespaced_thaw_killed_at_criu_s_gate_is_swept_by_host_identity_not_by_the_image_s_pids() {
     use cryo_testkit::procs::sleep_at_pid;
@@ -2687,6 +2689,15 @@ fn a_namespaced_thaw_killed_at_criu_s_gate_is_swept_by_host_identity_not_by_the_
     });
     let bystander = sleep_at_pid(pids[0])
         .unwrap_or_else(|e| panic!("a bystander with the image's pid {}: {e}", pids[0]));
+    // An operator reads the run's log: a process whose command line names the run's directory
+    // too, started after CRIU, but no fork of CRIU's.
+    let dir = criu_dirs(&env).pop().expect("the run's directory");
+    let mut reader = Command::new("tail")
+        .arg("-f")
+        .arg(dir.join(cryo_criu::RESTORE_LOG))
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
     thaw.kill().unwrap();
     thaw.wait().unwrap();
 
@@ -2698,6 +2709,12 @@ fn a_namespaced_thaw_killed_at_criu_s_gate_is_swept_by_host_identity_not_by_the_
         "the bystander {} with the image's pid was killed; the sweep said {ended:?}",
         bystander.pid
     );
+    assert!(
+        reader.try_wait().unwrap().is_none(),
+        "the operator's reader of the run's log was killed; the sweep said {ended:?}"
+    );
+    reader.kill().unwrap();
+    reader.wait().unwrap();
     eventually_said(
         PATIENCE,
         || {

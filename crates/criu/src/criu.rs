@@ -658,6 +658,8 @@ impl Criu for CriuRpc {
         let deadline = opts.deadline;
         // CRIU's start time: what it restored started after it (see `unresumed`).
         let criu_start = std::sync::OnceLock::new();
+        // Its binary as its processes' `/proc/PID/exe` name it (links resolved).
+        let bin = std::fs::canonicalize(&self.bin).ok();
         // What the sweep ends should this process die before the gate (see `scratch`).
         let record = |criu: Pid| {
             let rec = cryo_proc::stat(criu).map(|s| {
@@ -666,6 +668,7 @@ impl Criu for CriuRpc {
                     image: image.path().to_path_buf(),
                     criu,
                     criu_start: s.start_time,
+                    bin: bin.clone(),
                 }
             });
             if let Err(e) = rec
@@ -746,8 +749,12 @@ impl Criu for CriuRpc {
         let criu_start = criu_start.get().copied();
         if timed_out || (!passed && !status.success()) {
             let ended = criu_start.map(|since| {
-                let ended =
-                    unresumed::end_run(None, unresumed::thread_children_since(since), &p, since);
+                let run = unresumed::Run {
+                    private: &p,
+                    bin: bin.as_deref(),
+                    criu_start: since,
+                };
+                let ended = unresumed::end_run(None, unresumed::thread_children_since(since), &run);
                 unresumed::reap_children_since(since, true);
                 ended
             });

@@ -62,6 +62,10 @@ pub(crate) struct Restoring {
     /// CRIU's pid and start time (clock ticks since boot).
     pub(crate) criu: cryo_proc::Pid,
     pub(crate) criu_start: u64,
+    /// CRIU's binary, links resolved (what its forks' `/proc/PID/exe` names); absent in a
+    /// record of an older cryo.
+    #[serde(default)]
+    pub(crate) bin: Option<PathBuf>,
 }
 
 /// A restore whose cryo died before CRIU's gate, ended by [`sweep`].
@@ -403,7 +407,15 @@ fn end_restore(dir: &Path) -> Option<EndedRestore> {
     // CRIU, if it is still that process, and what it restored or forked: found by the kernel's
     // evidence (its tracee, its children, their trees), never by the image's pids.
     let criu = cryo_proc::ProcHandle::open_expected(rec.criu, rec.criu_start).ok();
-    let run = crate::unresumed::end_run(criu, Vec::new(), dir, rec.criu_start);
+    let run = crate::unresumed::end_run(
+        criu,
+        Vec::new(),
+        &crate::unresumed::Run {
+            private: dir,
+            bin: rec.bin.as_deref(),
+            criu_start: rec.criu_start,
+        },
+    );
     let ended = EndedRestore {
         image: rec.image,
         criu: run.criu,

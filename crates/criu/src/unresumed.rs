@@ -11,8 +11,9 @@
 //!   child (`--restore-sibling`) and seizes it with ptrace at once;
 //! - a caller that outlived CRIU finds that root among its own thread's children (the thread
 //!   that spawned CRIU is the root's parent);
-//! - CRIU's own children, and every process whose command line still names the run's private
-//!   directory (CRIU's forks until its restorer replaces their memory);
+//! - CRIU's own children, and every process that runs CRIU's binary and whose command line
+//!   still names the run's private directory (CRIU's forks until its restorer replaces their
+//!   memory; not an operator's `tail` of the run's log, which names it too);
 //! - and every descendant of those.
 //!
 //! Each is held by a pidfd, must have started after CRIU, and is never killed while it holds a
@@ -39,17 +40,36 @@ pub(crate) struct EndedRun {
     pub(crate) left: Vec<String>,
 }
 
+/// A restore run: its private directory, CRIU's binary and start time.
+#[derive(Debug)]
+pub(crate) struct Run<'a> {
+    /// The run's private directory (CRIU's arguments name it).
+    pub(crate) private: &'a Path,
+    /// CRIU's binary, as its processes' `/proc/PID/exe` names it; `None`: not recorded (a
+    /// record of an older cryo), then a command line naming the directory is all there is.
+    pub(crate) bin: Option<&'a Path>,
+    /// CRIU's start time: nothing that started before it is touched.
+    pub(crate) criu_start: u64,
+}
+
+impl Run<'_> {
+    /// Whether `h` runs CRIU's binary (a fork of CRIU's), as far as the record tells.
+    fn runs_criu(&self, h: &ProcHandle) -> bool {
+        self.bin
+            .is_none_or(|bin| h.exe().is_ok_and(|exe| exe == bin))
+    }
+}
+
 /// Ends a restore run that did not pass its gate: CRIU (`criu`, if it still runs: killed
 /// first, it would restore further) and everything it restored or forked, by the evidence the
 /// module docs list; `roots` are processes the caller knows CRIU restored (its own thread's
-/// children born after CRIU). `private` is the run's private directory, `criu_start` CRIU's
-/// start time: nothing that started before CRIU is touched.
+/// children born after CRIU), `run` the run (its directory, CRIU's binary and start time).
 pub(crate) fn end_run(
     criu: Option<ProcHandle>,
     mut roots: Vec<ProcHandle>,
-    private: &Path,
-    criu_start: u64,
+    run: &Run<'_>,
 ) -> EndedRun {
+    let (private, criu_start) = (run.private, run.criu_start);
     let mut ended = EndedRun::default();
     if let Some(c) = criu.filter(ProcHandle::is_alive) {
         // Looked at before CRIU dies: its tracee (the root) is detached then.
@@ -67,7 +87,11 @@ pub(crate) fn end_run(
     for _ in 0..8 {
         let mut found: Vec<ProcHandle> = Vec::new();
         match cryo_proc::naming(private) {
-            Ok(pids) => found.extend(pids.into_iter().filter_map(|p| ProcHandle::open(p).ok())),
+            Ok(pids) => found.extend(
+                pids.into_iter()
+                    .filter_map(|p| ProcHandle::open(p).ok())
+                    .filter(|h| run.runs_criu(h)),
+            ),
             Err(e) => ended
                 .left
                 .push(format!("cannot look for what CRIU left: {e}")),

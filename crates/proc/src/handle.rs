@@ -333,6 +333,14 @@ impl ProcHandle {
             .map_err(|e| ProcError::read(self.pid, "cmdline", e))
     }
 
+    /// The file it executes (`/proc/PID/exe`), as the kernel names it (one deleted or
+    /// replaced since ends in ` (deleted)`).
+    pub fn exe(&self) -> Result<std::path::PathBuf, ProcError> {
+        self.dir()?
+            .exe()
+            .map_err(|e| ProcError::read(self.pid, "exe", e))
+    }
+
     /// Its open fds, ascending.
     pub fn fds(&self) -> Result<Vec<Fd>, ProcError> {
         read::fds_of(&self.dir()?, self.pid)
