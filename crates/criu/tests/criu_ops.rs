@@ -58,6 +58,49 @@ fn spawn_counter(dir: &Path) -> std::process::Child {
     child
 }
 
+/// A counter ([`spawn_counter`]) in a fresh directory, to dump: SIGKILLed with its process
+/// group and reaped when dropped, unless a test reaped it already.
+struct Counter {
+    child: std::process::Child,
+    pid: i32,
+    dir: tempfile::TempDir,
+}
+
+impl Counter {
+    /// Starts one and waits until it has counted at least once.
+    fn start() -> Counter {
+        let dir = tempfile::tempdir().unwrap();
+        let child = spawn_counter(dir.path());
+        let pid = child.id() as i32;
+        let c = Counter { child, pid, dir };
+        c.count_at_least(1);
+        c
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Its count, once at least `min`.
+    fn count_at_least(&self, min: u64) -> u64 {
+        count_at_least(self.pid, self.dir.path(), min)
+    }
+
+    /// Whether it runs on (not dumped and killed).
+    fn runs(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+}
+
+impl Drop for Counter {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = killpg(NixPid::from_raw(self.pid), Signal::SIGKILL);
+            let _ = self.child.wait();
+        }
+    }
+}
+
 /// Asks the counter for its count until it is at least `min`.
 fn count_at_least(pid: i32, dir: &Path, min: u64) -> u64 {
     let out = dir.join("count");
@@ -187,12 +230,10 @@ fn dump_publish_verify_restore_keeps_pid_and_memory() {
 fn a_dump_that_cannot_be_written_leaves_the_tree_running() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let criu = criu();
-    let t = tempfile::tempdir().unwrap();
-    let mut child = spawn_counter(t.path());
-    let pid = child.id() as i32;
-    let before = count_at_least(pid, t.path(), 1);
+    let mut counter = Counter::start();
+    let before = counter.count_at_least(1);
     // A disk too small for the image: the capture's writes fail with ENOSPC mid-dump.
-    let small = t.path().join("small");
+    let small = counter.path().join("small");
     fs::create_dir(&small).unwrap();
     let mounted = Command::new("mount")
         .args(["-t", "tmpfs", "-o", "size=64k,mode=0755", "tmpfs"])
@@ -202,7 +243,7 @@ fn a_dump_that_cannot_be_written_leaves_the_tree_running() {
     assert!(mounted.success(), "mount tmpfs: {mounted}");
     let staging = Staging::create(&small.join("image")).unwrap();
     let err = criu
-        .dump_staged(pid, &staging, &DumpOpts::default())
+        .dump_staged(counter.pid, &staging, &DumpOpts::default())
         .unwrap_err();
     drop(staging);
     // The staging's follower (a thread at idle priority, told to stop, not joined) may hold a
@@ -220,10 +261,8 @@ fn a_dump_that_cannot_be_written_leaves_the_tree_running() {
         "the write's error, not CRIU's: {err}"
     );
     // CRIU resumed the tree instead of killing it: it still counts on.
-    assert!(child.try_wait().unwrap().is_none(), "the tree died: {err}");
-    count_at_least(pid, t.path(), before + 1);
-    killpg(NixPid::from_raw(pid), Signal::SIGKILL).unwrap();
-    child.wait().unwrap();
+    assert!(counter.runs(), "the tree died: {err}");
+    counter.count_at_least(before + 1);
 }
 
 /// The streamed route (`CRYO_DUMP_STREAM=1`, kept to measure against) still dumps a tree that
@@ -232,20 +271,17 @@ fn a_dump_that_cannot_be_written_leaves_the_tree_running() {
 fn a_streamed_dump_publishes_and_verifies() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let criu = criu();
-    let t = tempfile::tempdir().unwrap();
-    let mut child = spawn_counter(t.path());
-    let pid = child.id() as i32;
-    count_at_least(pid, t.path(), 1);
-    let dir = t.path().join("image");
+    let mut counter = Counter::start();
+    let dir = counter.path().join("image");
     let staging = Staging::create(&dir).unwrap();
-    criu.dump_streamed(pid, &staging, &DumpOpts::default())
+    criu.dump_streamed(counter.pid, &staging, &DumpOpts::default())
         .unwrap();
     assert!(
-        !child.wait().unwrap().success(),
+        !counter.child.wait().unwrap().success(),
         "the dumped tree is killed"
     );
     let meta = ImageMeta {
-        root_pid: pid,
+        root_pid: counter.pid,
         processes: Vec::new(),
         gpu_model: None,
         driver_version: None,
@@ -265,11 +301,9 @@ fn a_streamed_dump_publishes_and_verifies() {
 fn a_link_in_the_staging_directory_refuses_the_dump_and_the_tree_runs_on() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let criu = criu();
-    let t = tempfile::tempdir().unwrap();
-    let mut child = spawn_counter(t.path());
-    let pid = child.id() as i32;
-    let before = count_at_least(pid, t.path(), 1);
-    let staging = Staging::create(&t.path().join("image")).unwrap();
+    let mut counter = Counter::start();
+    let before = counter.count_at_least(1);
+    let staging = Staging::create(&counter.path().join("image")).unwrap();
     let mode = fs::metadata(staging.path()).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o700, "the staging directory is root's alone");
     let foreign = Command::new("sh")
@@ -288,36 +322,29 @@ fn a_link_in_the_staging_directory_refuses_the_dump_and_the_tree_runs_on() {
     );
     std::os::unix::fs::symlink("/etc/hostname", staging.path().join("evil.img")).unwrap();
     let err = criu
-        .dump_staged(pid, &staging, &DumpOpts::default())
+        .dump_staged(counter.pid, &staging, &DumpOpts::default())
         .unwrap_err();
     assert!(err.to_string().contains("evil.img"), "{err}");
-    assert!(child.try_wait().unwrap().is_none(), "the tree died: {err}");
-    count_at_least(pid, t.path(), before + 1);
-    assert!(!t.path().join("image").exists());
-    killpg(NixPid::from_raw(pid), Signal::SIGKILL).unwrap();
-    child.wait().unwrap();
+    assert!(counter.runs(), "the tree died: {err}");
+    counter.count_at_least(before + 1);
+    assert!(!counter.path().join("image").exists());
 }
 
 #[test]
 fn leave_running_dump_keeps_the_tree() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let criu = criu();
-    let t = tempfile::tempdir().unwrap();
-    let mut child = spawn_counter(t.path());
-    let pid = child.id() as i32;
-    count_at_least(pid, t.path(), 1);
-    let images = t.path().join("img");
+    let mut counter = Counter::start();
+    let images = counter.path().join("img");
     fs::create_dir(&images).unwrap();
     let opts = DumpOpts {
         leave_running: true,
         ..DumpOpts::default()
     };
-    criu.dump(pid, &images, &opts).unwrap();
-    let n = count_at_least(pid, t.path(), 0);
-    count_at_least(pid, t.path(), n + 1);
-    assert!(child.try_wait().unwrap().is_none());
-    killpg(NixPid::from_raw(pid), Signal::SIGKILL).unwrap();
-    child.wait().unwrap();
+    criu.dump(counter.pid, &images, &opts).unwrap();
+    let n = counter.count_at_least(0);
+    counter.count_at_least(n + 1);
+    assert!(counter.runs());
 }
 
 #[test]
