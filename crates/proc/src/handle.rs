@@ -376,6 +376,7 @@ impl ProcHandle {
         const HUGE: u64 = 2 << 20;
         // process_madvise moves at most MAX_RW_COUNT (2 GiB - 4 KiB) per call.
         const CHUNK: u64 = 1 << 30;
+        const COLLAPSE_TRIES: usize = 4;
         let maps = self
             .dir()?
             .smaps()
@@ -399,9 +400,17 @@ impl ProcHandle {
             let mut at = start;
             while at < end {
                 let len = (end - at).min(CHUNK);
-                // Best effort: ENOMEM/EAGAIN (no huge page free now) or EINVAL (a kernel before
-                // 6.1) leave the range as it is; the bytes returned say what was achieved.
-                let _ = crate::sys::process_madvise_collapse(self.pidfd.as_fd(), at, len);
+                // Best effort: ENOMEM (no huge page free now) or EINVAL (a kernel before 6.1)
+                // leave the range as it is; the bytes returned say what was achieved. EAGAIN is
+                // the kernel's transient failure (a page locked or isolated by compaction or
+                // reclaim at that moment): tried again, a bounded number of times (a landing
+                // under load once ended with no huge page at all).
+                for _ in 0..COLLAPSE_TRIES {
+                    match crate::sys::process_madvise_collapse(self.pidfd.as_fd(), at, len) {
+                        Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => continue,
+                        _ => break,
+                    }
+                }
                 at += len;
             }
         }
