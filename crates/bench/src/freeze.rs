@@ -20,7 +20,18 @@
 //! The moments an operator waits for, from the first process started: **GPU free** (every CUDA
 //! process suspended), **worker gone** (the dump done, the tree gone), **published and
 //! durable** (cryo's exit; the bare route's dump plus its fsyncs), and the thaws to the first
-//! answered health request. cryo's first two moments are its own (`gpu_free_ms`,
+//! answered health request.
+//!
+//! *Worker gone* is the same moment in both arms: every process of the tree has exited (its
+//! pidfd is readable: it is a zombie or reaped, its memory is released, it can never run
+//! again), taken through the worker's pidfd. That is what an operator waits for: the host
+//! memory back (after a checkpoint it holds the device memory too) and a worker that cannot
+//! serve or write again. Its pid being free (reaped by its parent) is not part of it: the
+//! parent reaps when it likes, and a thaw waits for the pids itself (cryo reports pids still
+//! held as `pids_held`). The bare route reaches it at `criu dump`'s exit: CRIU kills the tree
+//! and, as its tracer, waits for every task it killed before it exits (measured: the dumped
+//! worker was a zombie the moment `criu dump` exited); the benchmark checks the pidfd all the
+//! same. cryo reaches it once its CRIU has exited and each exit is confirmed by pidfd. cryo's first two moments are its own (`gpu_free_ms`,
 //! `worker_gone_ms`) plus all of the process's start and exit cost (its wall time minus its own
 //! elapsed time), so they are never flattered. Each cell is the median over the rounds with the
 //! min-max beside it; ratios are ratios of medians (bare / cryo: above 1, cryo is faster).
@@ -655,11 +666,19 @@ impl Bench {
         self.compat("lock", pid)?;
         self.compat("checkpoint", pid)?;
         let gpu_free = ms(t.elapsed());
+        // Opened before the dump: the worker's own pidfd says when it has exited.
+        let handle = ProcHandle::open(pid)?;
         let mut c = self.criu_cmd();
         c.args(["dump", "-t", &pid.to_string(), "-D"])
             .arg(&image)
             .args(["-o", "dump.log"]);
         self.run(c, "criu dump")?;
+        // CRIU kills the tree and waits for every task it killed before it exits, so this is
+        // at once; taken by pidfd all the same, as cryo's moment is (see the module docs).
+        ensure!(
+            handle.wait_exit(Duration::from_secs(30)),
+            "worker {pid} still alive 30 s after `criu dump`"
+        );
         let gone = ms(t.elapsed());
         sync_dir(&image)?;
         let durable = ms(t.elapsed());

@@ -104,11 +104,14 @@ pub trait Criu: std::fmt::Debug + Send + Sync {
     /// its own children among them.
     fn dump(&self, pid: Pid, images_dir: &Path, opts: &DumpOpts) -> Result<(), CriuError>;
 
-    /// [`Criu::dump`] into `staging`, what a freeze publishes, while cryo hashes behind CRIU
-    /// ([`Staging::follow_while`]); publish hashes what is left. [`CriuRpc`] runs CRIU as a
-    /// command whose `post-dump` stage waits at cryo's gate (see there).
+    /// [`Criu::dump`] into `staging`, what a freeze publishes; cryo starts hashing once CRIU
+    /// has written it ([`Staging::follow_written`]) and publish hashes what is left.
+    /// [`CriuRpc`] runs CRIU as a command whose `post-dump` stage waits at cryo's gate (see
+    /// there), and starts hashing there, while CRIU ends the tree.
     fn dump_staged(&self, pid: Pid, staging: &Staging, opts: &DumpOpts) -> Result<(), CriuError> {
-        staging.follow_while(&[DUMP_LOG], || self.dump(pid, staging.path(), opts))
+        self.dump(pid, staging.path(), opts)?;
+        staging.follow_written(&[DUMP_LOG]);
+        Ok(())
     }
 
     /// Restores the tree of `image` (opened and trusted by [`Image::open`]) and returns the pid
@@ -539,8 +542,9 @@ impl Criu for CriuRpc {
     }
 
     /// Dumps into the staging directory as the bare `criu dump -D` does: CRIU writes its files
-    /// itself while cryo's follower hashes every whole chunk behind it at idle priority and
-    /// starts its writeback ([`Staging::follow_while`]); publish hashes the rest while it
+    /// itself, with nothing of cryo's beside it; at the gate cryo's follower starts hashing
+    /// every whole chunk at idle priority and starting its writeback
+    /// ([`Staging::follow_written`]) while CRIU ends the tree; publish hashes the rest while it
     /// fsyncs. CRIU runs as a command (`criu dump -D /proc/self/fd/N`, the staging directory
     /// cryo made and opened) whose `post-dump` action script waits at cryo's gate: CRIU kills
     /// the tree only once cryo checked that the staging directory holds nothing but regular
@@ -551,7 +555,9 @@ impl Criu for CriuRpc {
     /// (`CRYO_DUMP_STREAM=1`, [`CriuRpc::dump_streamed`]) 789 against 476 (load 5-6), and
     /// CRIU writing its files with the writeback started behind it every 50 ms (the previous
     /// `criu swrk` route) 920 against 450: the writeback of ranges CRIU was still writing into
-    /// and the pipe's hand-over cost CRIU its core.
+    /// and the pipe's hand-over cost CRIU its core. The follower beside CRIU's writing (from
+    /// the dump's start) cost it too: dump 853 against 670 ms median (session 9, load 5-9, see
+    /// `image/follow.rs`).
     fn dump_staged(&self, pid: Pid, staging: &Staging, opts: &DumpOpts) -> Result<(), CriuError> {
         if std::env::var_os("CRYO_DUMP_STREAM").is_some_and(|v| v == "1") {
             return self.dump_streamed(pid, staging, opts);
@@ -568,26 +574,29 @@ impl Criu for CriuRpc {
         let start = std::time::Instant::now();
         let Gated {
             status, verdict, ..
-        } = staging.follow_while(&[DUMP_LOG], || {
-            self.run_gated(
-                op,
-                cmd,
-                log,
-                None,
-                gate,
-                None,
-                || {},
-                |_| {
-                    // CRIU wrote every byte before its post-dump stage.
-                    image::CaptureClock::mark(&clock.received);
-                    image::CaptureClock::mark(&clock.gate);
-                    let v = staging.check_dumped().map_err(CriuError::Image);
-                    image::CaptureClock::mark(&clock.verdict);
-                    v
-                },
-                |_| {},
-            )
-        })?;
+        } = self.run_gated(
+            op,
+            cmd,
+            log,
+            None,
+            gate,
+            None,
+            || {},
+            |_| {
+                // CRIU wrote every byte before its post-dump stage.
+                image::CaptureClock::mark(&clock.received);
+                image::CaptureClock::mark(&clock.gate);
+                let v = staging.check_dumped().map_err(CriuError::Image);
+                if v.is_ok() {
+                    // Behind the verdict, while CRIU ends the tree: CRIU wrote with the cores
+                    // to itself.
+                    staging.follow_written(&[DUMP_LOG]);
+                }
+                image::CaptureClock::mark(&clock.verdict);
+                v
+            },
+            |_| {},
+        )?;
         image::CaptureClock::mark(&clock.criu_exit);
         drop(dir);
         tracing::debug!(%status, ms = start.elapsed().as_millis() as u64, "criu dump ended");

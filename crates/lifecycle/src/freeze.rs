@@ -23,8 +23,9 @@
 //!    traced before its unlock ([`Watcher::guard_before_unlock`]) and unlocked in place, journaled
 //!    as *restored* (its context went through a driver restore, so it gets the restored
 //!    processes' protection).
-//! 5. Publish: hash every chunk (BLAKE3, all cores) and fsync every file (all at once; their
-//!    writeback was started while CRIU dumped), write the manifest, rename into place.
+//! 5. Publish: hash every chunk (BLAKE3, all cores; what the follower hashed since CRIU's gate
+//!    is not hashed again) and fsync every file (all at once; the follower started the
+//!    writeback of what it hashed), write the manifest, rename into place.
 //!
 //! A crash at any point leaves at the image path either nothing or a whole image (the staging
 //! directory is removed by the next freeze of the same path), and the worker RUNNING (before the
@@ -513,8 +514,8 @@ fn freeze_inner(
     };
     // After the checkpoint, device memory is part of each process's resident memory.
     let expected: u64 = handles.iter().filter_map(|h| h.rss().ok()).sum();
-    // The disk starts writing the image while CRIU still dumps (publish's fsync then waits for
-    // the rest only); CRIU's own dump streams through cryo, which hashes as it writes.
+    // CRIU writes alone; from its gate on, while it ends the tree, cryo hashes what it wrote
+    // and starts the writeback (publish's fsync then waits for the rest only).
     let dumped = with_dir_progress(progress, root, "dump", expected, staging.path(), || {
         criu.dump_staged(root, &staging, &dump_opts)
     });

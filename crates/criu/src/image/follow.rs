@@ -1,19 +1,25 @@
-//! Hashing a dump behind CRIU: while CRIU writes its image files into the staging directory
-//! itself (`criu dump -D STAGING`, the bare route's writes), one thread at idle priority reads
-//! back every whole chunk CRIU has written so far (from the page cache) and hashes it, so that
-//! publish, once the worker is gone, hashes only the tails and what the follower did not reach,
-//! and its fsync finds most of the image on disk (the follower starts each hashed chunk's
-//! writeback).
+//! Hashing a dump behind CRIU: once CRIU has written its image files into the staging
+//! directory itself (`criu dump -D STAGING`, the bare route's writes) and waits at cryo's
+//! `post-dump` gate, one thread at idle priority reads back every whole chunk (from the page
+//! cache) and hashes it, then starts its writeback, while CRIU kills the tree and waits for it
+//! to exit; publish, once the worker is gone, hashes only the tails and what the follower did
+//! not reach, and its fsync finds part of the image on its way to the disk.
 //!
 //! # Design
 //! Measured (issue 16, 1 GiB, 2 cores, load 3-6, 5-8 rounds interleaved with the bare `criu
 //! dump`): CRIU's page phase took ~400-450 ms into its own files with nothing beside it,
 //! 600-900 ms while cryo started the writeback of what it had just written (a flusher every
 //! 50 ms over the files' new ranges, partial pages included) or received it through the image
-//! streamer. The follower, at `SCHED_IDLE` (a core CRIU wants is CRIU's), hashes and then starts
-//! the writeback of each whole chunk it hashed, never of the page CRIU writes into: CRIU's dump
-//! 585 against 576 ms with this writeback, 545 without it, and durable 1000 against 1338 ms
-//! (publish's fsync finds most of the image written).
+//! streamer. A follower beside CRIU's writing, even at `SCHED_IDLE` and without its writeback,
+//! still cost CRIU's dump ~100-200 ms of the worker's end (session 9, 1 GiB, 2 cores, load
+//! 5-9, 8-10 rounds interleaved: dump median 853 against 670 ms, 663 against 462 with no
+//! follower at all; reading 1 GiB back and hashing it beside CRIU takes the memory and the
+//! core that CRIU's splices and the worker's parasite use), while publish hashes 1 GiB on
+//! every core in ~100 ms beside its fsync. So the follower starts at the gate, behind the
+//! verdict: the tree's teardown (CRIU waits for every killed task to exit) leaves a core to it,
+//! and publish waits for the disk, not for the hashes. Whole files are not written back at
+//! once at the gate: a `sync_file_range` over a whole file blocks on the disk's queue and held
+//! the hashes back (publish 756 against 450 ms).
 //!
 //! A chunk is hashed only once the file is longer than its end: CRIU writes each file front
 //! to back (pages, pagemaps, and the small images through its buffered writer), and a file's
@@ -134,7 +140,8 @@ impl Drop for Follower {
 
 /// Follows `dir` until `stop` is set: every [`FOLLOW_EVERY`] (and once more when stopped,
 /// hashing nothing more then), each regular file not in `skip` is opened (once) and every
-/// whole `chunk` CRIU has written since is hashed. Runs at
+/// whole `chunk` CRIU has written since is hashed (all of them at once when started at the
+/// gate, CRIU done writing). Runs at
 /// idle priority where the kernel lets it. Never fails: what it cannot read is left to publish.
 pub(crate) fn follow(dir: &Path, chunk: u64, skip: &[&str], stop: &AtomicBool) -> Follow {
     if let Err(e) = sys::set_idle_priority(true) {

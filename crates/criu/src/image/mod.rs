@@ -4,9 +4,9 @@
 //!
 //! # Design
 //! A freeze writes into `DIR.tmp-<random>` in DIR's parent ([`Staging`]), so the final rename
-//! stays on one filesystem. CRIU writes its dump into it itself while a follower hashes every
-//! whole chunk behind it at idle priority and starts its writeback ([`Staging::follow_while`],
-//! `follow.rs`). (Or CRIU streams its dump to a [`Capture`] ([`Staging::capture`]), which
+//! stays on one filesystem. CRIU writes its dump into it itself; once every byte is written
+//! (CRIU at its `post-dump` gate), a follower hashes every whole chunk at idle priority and
+//! starts its writeback while CRIU ends the tree ([`Staging::follow_written`], `follow.rs`). (Or CRIU streams its dump to a [`Capture`] ([`Staging::capture`]), which
 //! writes each file into the staging directory, hashing every chunk on the way;
 //! [`Staging::adopt`] hands those digests to publish.)
 //! [`Staging::publish`] hashes every chunk of every file not captured (BLAKE3, chunks in
@@ -486,7 +486,7 @@ pub struct Staging {
     captured: std::sync::Mutex<Vec<Capture>>,
     /// The last capture's clock.
     clock: std::sync::Mutex<Option<std::sync::Arc<CaptureClock>>>,
-    /// What hashes a dump CRIU writes itself, behind it ([`Staging::follow_while`]).
+    /// What hashes a dump CRIU wrote itself ([`Staging::follow_written`]).
     follower: std::sync::Mutex<Option<follow::Follower>>,
     _lock: Flock<File>,
 }
@@ -554,14 +554,14 @@ impl Staging {
         &self.dir
     }
 
-    /// Runs `f` (a dump CRIU writes into the staging directory itself) while a follower hashes
-    /// every whole chunk CRIU has written, behind it, at idle priority (see `follow.rs`); the
-    /// files named in `skip` (CRIU's log) are left to publish, which hashes what the follower
-    /// did not. The follower goes on after `f` returns, until publish.
-    pub fn follow_while<T>(&self, skip: &[&str], f: impl FnOnce() -> T) -> T {
+    /// Starts the follower (see `follow.rs`) over what CRIU has written so far: a dump CRIU
+    /// writes itself calls it at its `post-dump` gate, once every byte is written, so the
+    /// hashes and the writeback run behind the gate's verdict while CRIU ends the tree, and
+    /// never beside CRIU's writing. The files named in `skip` (CRIU's log) are left to publish,
+    /// which hashes what the follower did not. The follower goes on until publish.
+    pub fn follow_written(&self, skip: &[&str]) {
         let follower = follow::Follower::start(&self.path, self.chunk_size, skip);
         *self.follower.lock().unwrap_or_else(|p| p.into_inner()) = follower;
-        f()
     }
 
     /// A fresh clock for the moments of a dump CRIU writes itself (the freeze's report).
