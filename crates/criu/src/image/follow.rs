@@ -118,12 +118,19 @@ impl Follower {
         })
     }
 
-    /// Stops the follower and takes what it hashed.
+    /// Stops the follower and takes what it hashed. Publish waits for it here, so it runs at
+    /// the normal priority from now on: an idle thread stopped mid-chunk on a busy host would
+    /// otherwise hold publish back for as long as the other threads keep the cores.
     pub(crate) fn finish(mut self) -> Follow {
-        self.stop.store(true, Ordering::Relaxed);
+        self.stop.store(true, Ordering::SeqCst);
         let Some(t) = self.thread.take() else {
             return Follow::new();
         };
+        // Made idle before it looked at `stop` (see `follow`): this comes after, or it saw
+        // `stop` and put itself back.
+        if let Err(e) = sys::set_normal_priority_of(&t) {
+            tracing::debug!(error = %e, "the follower stays idle while publish waits for it");
+        }
         t.thread().unpark();
         t.join().unwrap_or_default()
     }
@@ -146,6 +153,11 @@ impl Drop for Follower {
 pub(crate) fn follow(dir: &Path, chunk: u64, skip: &[&str], stop: &AtomicBool) -> Follow {
     if let Err(e) = sys::set_idle_priority(true) {
         tracing::debug!(error = %e, "the follower keeps its priority");
+    }
+    // Stopped before it made itself idle: [`Follower::finish`] may have put it back at the
+    // normal priority before that, and waits for it.
+    if stop.load(Ordering::SeqCst) {
+        let _ = sys::set_idle_priority(false);
     }
     let chunk = chunk.max(1);
     let mut files = Follow::new();

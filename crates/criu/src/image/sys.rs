@@ -43,6 +43,21 @@ pub(crate) fn inherit(cmd: &mut std::process::Command, fd: std::os::fd::RawFd) {
     }
 }
 
+/// Puts the thread `t` of this process back at the normal policy (`SCHED_OTHER`), e.g. one
+/// that made itself idle and is now waited for.
+pub(crate) fn set_normal_priority_of<T>(t: &std::thread::JoinHandle<T>) -> std::io::Result<()> {
+    use std::os::unix::thread::JoinHandleExt;
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: `t` is not joined yet (we borrow its handle), so its `pthread_t` is valid; the
+    // parameter is ours for the call's duration.
+    let r = unsafe { libc::pthread_setschedparam(t.as_pthread_t(), libc::SCHED_OTHER, &param) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::from_raw_os_error(r))
+    }
+}
+
 /// Makes the calling thread run only when no other thread wants its core (`SCHED_IDLE`), or
 /// back at the normal policy (`SCHED_OTHER`).
 pub(crate) fn set_idle_priority(idle: bool) -> std::io::Result<()> {
@@ -59,5 +74,34 @@ pub(crate) fn set_idle_priority(idle: bool) -> std::io::Result<()> {
         Ok(())
     } else {
         Err(std::io::Error::last_os_error())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn policy() -> i32 {
+        // SAFETY: a plain system call about the calling thread.
+        unsafe { libc::sched_getscheduler(0) }
+    }
+
+    /// A thread that made itself idle is put back at the normal policy by the thread that is
+    /// about to wait for it (what `Follower::finish` does before its join).
+    #[test]
+    fn an_idle_thread_waited_for_runs_at_the_normal_policy_again() {
+        let (idle_tx, idle_rx) = std::sync::mpsc::channel();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::spawn(move || {
+            set_idle_priority(true).unwrap();
+            idle_tx.send(policy()).unwrap();
+            go_rx.recv().unwrap();
+            policy()
+        });
+        assert_eq!(idle_rx.recv().unwrap(), libc::SCHED_IDLE);
+        set_normal_priority_of(&t).unwrap();
+        go_tx.send(()).unwrap();
+        assert_eq!(t.join().unwrap(), libc::SCHED_OTHER);
     }
 }
