@@ -1162,8 +1162,8 @@ fn a_directory_that_is_no_image_is_refused_before_the_driver() {
     assert!(!err.contains("simulated GPU driver"), "{err}");
 }
 
-/// Images written by the previous formats (2: SHA-256 per 64 MiB chunk; 1: whole-file SHA-256)
-/// still thaw, through the same streamer, with their own checks.
+/// Images written by the previous formats (3: no namespace pids; 2: SHA-256 per 64 MiB chunk;
+/// 1: whole-file SHA-256) still thaw, through the same streamer, with their own checks.
 #[test]
 fn images_of_the_previous_formats_still_thaw() {
     let mut env = Env::start("1GiB");
@@ -1171,11 +1171,18 @@ fn images_of_the_previous_formats_still_thaw() {
     let before = answers(&sock);
     let image = env.path().join("img");
     env.freeze(pid, &image);
-    assert_eq!(manifest(&image)["format_version"], 3);
-    for format in [2, 1] {
+    assert_eq!(
+        manifest(&image)["format_version"],
+        cryo_criu::image::FORMAT_VERSION
+    );
+    for format in [3, 2, 1] {
         let m = cryo_criu::image::rewrite_as_format(&image, format, None).unwrap();
         assert_eq!(manifest(&image)["format_version"], format);
-        assert!(m.files.iter().all(|f| !f.sha256.is_empty()));
+        assert_eq!(
+            m.files.iter().all(|f| !f.sha256.is_empty()),
+            format < 3,
+            "format {format}"
+        );
         let out = env.thaw(&image, &[]);
         assert!(out.status.success(), "format {format}: {}", stderr(&out));
         assert_eq!(answers(&sock), before, "format {format}");
@@ -2791,6 +2798,88 @@ fn a_namespaced_thaw_s_criu_killed_at_its_deadline_leaves_nothing_it_forked() {
 fn a_namespaced_thaw_takes_the_restored_tree_by_its_host_pid() {
     let mut env = Env::start("1GiB");
     let (_, image, pids) = frozen_namespaced(&env, false);
+    assert_eq!(
+        manifest(&image)["processes"][0]["nspid"],
+        serde_json::json!([pids[0], 1])
+    );
+    // As written, then as format 3 wrote it (no namespace pids: paired by order).
+    for format in [None, Some(3)] {
+        if let Some(f) = format {
+            cryo_criu::image::rewrite_as_format(&image, f, None).unwrap();
+            assert_eq!(manifest(&image)["format_version"], f);
+        }
+        let out = env.cryo(&["thaw", image.to_str().unwrap()]);
+        let err = stderr(&out);
+        assert!(out.status.success(), "format {format:?}: {err}");
+        let root: i32 = stdout(&out)
+            .split_whitespace()
+            .find_map(|w| w.parse().ok())
+            .unwrap_or_else(|| panic!("no pid in {:?}", stdout(&out)));
+        env.thawed.push(root);
+        assert!(!pids.contains(&root), "restored under an image pid {root}");
+        assert_eq!(nspid(root).last(), Some(&1), "{err}");
+        let done: Vec<Vec<i32>> = events(&env)
+            .into_iter()
+            .filter_map(|e| match e {
+                cryo_journal::Event::ThawCompleted { pids, .. } => {
+                    Some(pids.iter().map(|p| p.pid).collect())
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(done.last(), Some(&vec![root]), "format {format:?}: {err}");
+        env.stop(root);
+    }
+    env.sim.assert_no_wedge();
+}
+
+/// Attack (session 10) on the pairing of a tree with a pid namespace of its own (`cryo run`),
+/// whose manifest names only host pids: its namespace numbered its children out of the order
+/// they were forked in (a process of the namespace set `ns_last_pid`, as CRIU itself and
+/// checkpointing runtimes do), so the host pids' order and the namespace's disagree. A `sleep`
+/// forked first is the namespace's pid 101, a copy of `sleep` named `nap` forked second its pid
+/// 11. The thaw must take each restored process for its own entry of the image and succeed.
+/// (Before: the thaw paired by order, `nap` against the image's `sleep`, and refused a sound
+/// image with "cannot tell the processes apart"; two children of one command name would have
+/// been swapped silently, a CUDA one given the other's GPU plan.)
+#[test]
+fn a_namespaced_tree_numbered_out_of_fork_order_is_paired_process_by_process() {
+    let mut env = Env::start("1GiB");
+    let nap = env.path().join("nap");
+    fs::copy("/bin/sleep", &nap).unwrap();
+    let script = format!(
+        "echo 100 > /proc/sys/kernel/ns_last_pid; sleep 1000 & \
+         echo 10 > /proc/sys/kernel/ns_last_pid; {} 1000 & wait",
+        nap.display()
+    );
+    let pid = common::run_isolated(env.cmd(), env.path(), None, &["sh", "-c", &script]);
+    let comms = |root: i32| -> Vec<(i32, String)> {
+        let mut v: Vec<(i32, String)> = cryo_proc::tree(root)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|p| {
+                let comm = cryo_proc::ProcHandle::open(p)
+                    .and_then(|h| h.stat())
+                    .map(|s| s.comm)
+                    .unwrap_or_default();
+                (nspid(p).last().copied().unwrap_or(0), comm)
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let want = vec![
+        (1, "sh".to_string()),
+        (11, "nap".to_string()),
+        (101, "sleep".to_string()),
+    ];
+    eventually(PATIENCE, "the namespace's children to run", || {
+        comms(pid) == want
+    });
+    let image = env.path().join("img");
+    let out = env.try_freeze(pid, &image, &[]);
+    assert!(out.status.success(), "freeze failed: {}", stderr(&out));
+    procs::reap(pid);
     let out = env.cryo(&["thaw", image.to_str().unwrap()]);
     let err = stderr(&out);
     assert!(out.status.success(), "{err}");
@@ -2799,18 +2888,7 @@ fn a_namespaced_thaw_takes_the_restored_tree_by_its_host_pid() {
         .find_map(|w| w.parse().ok())
         .unwrap_or_else(|| panic!("no pid in {:?}", stdout(&out)));
     env.thawed.push(root);
-    assert!(!pids.contains(&root), "restored under an image pid {root}");
-    assert_eq!(nspid(root).last(), Some(&1), "{err}");
-    let done: Vec<Vec<i32>> = events(&env)
-        .into_iter()
-        .filter_map(|e| match e {
-            cryo_journal::Event::ThawCompleted { pids, .. } => {
-                Some(pids.iter().map(|p| p.pid).collect())
-            }
-            _ => None,
-        })
-        .collect();
-    assert_eq!(done, vec![vec![root]], "{err}");
+    assert_eq!(comms(root), want, "{err}");
     env.stop(root);
     env.sim.assert_no_wedge();
 }

@@ -11,7 +11,7 @@ use cryo_criu::image::{
     self, clean_stale, verify, DeviceUse, ImageError, ImageMeta, ProcessEntry, ProcessGpu, Staging,
     MANIFEST_FILE,
 };
-use cryo_criu::CriuVersion;
+use cryo_criu::{CriuVersion, Manifest};
 use cryo_gpu::ProcessState;
 
 fn meta() -> ImageMeta {
@@ -23,6 +23,7 @@ fn meta() -> ImageMeta {
                 ppid: 1,
                 comm: "worker".into(),
                 cmdline: vec!["worker".into(), "--port".into(), "8000".into()],
+                nspid: vec![4242],
                 gpu: Some(ProcessGpu {
                     state: ProcessState::Checkpointed,
                     devices: vec![DeviceUse {
@@ -36,6 +37,7 @@ fn meta() -> ImageMeta {
                 ppid: 4242,
                 comm: "helper".into(),
                 cmdline: vec!["helper".into()],
+                nspid: vec![4243],
                 gpu: None,
             },
         ],
@@ -238,6 +240,33 @@ fn newer_format_and_missing_manifest_are_refused() {
     assert!(
         matches!(verify(&dir), Err(ImageError::Missing { file }) if file_name(&file) == MANIFEST_FILE)
     );
+}
+
+/// Namespace pids come with format 4: a format-4 manifest whose process has none (or others
+/// than its own pid first) is refused, as is a format-3 one that has them.
+#[test]
+fn namespace_pids_must_fit_the_format() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = published(t.path(), "img");
+    let mp = dir.join(MANIFEST_FILE);
+    let good: Manifest = serde_json::from_slice(&fs::read(&mp).unwrap()).unwrap();
+    type Edit = fn(&mut Manifest);
+    let edits: [(&str, Edit); 3] = [
+        ("none", |m| m.processes[1].nspid.clear()),
+        ("another pid first", |m| m.processes[1].nspid = vec![7, 1]),
+        ("format 3 with them", |m| m.format_version = 3),
+    ];
+    for (what, edit) in edits {
+        let mut m = good.clone();
+        edit(&mut m);
+        m.manifest_sha256 = m.self_digest().unwrap();
+        fs::write(&mp, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+        let err = verify(&dir).unwrap_err();
+        assert!(
+            matches!(&err, ImageError::BadManifest { reason, .. } if reason.contains("namespace pids")),
+            "{what}: {err:?}"
+        );
+    }
 }
 
 #[test]

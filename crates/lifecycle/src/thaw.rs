@@ -734,9 +734,13 @@ fn thaw_inner(
 /// restored root, by its host pid, and its descendants). A tree in cryo's pid namespace is back
 /// under the image's pids (CRIU restores them): paired by pid, a process it forked since left
 /// out. A tree that is pid 1 of a namespace of its own (a container, `cryo run`) is back under
-/// other host pids and the image names only the host pids it had: paired root first, then in
-/// the order the namespace numbers them against the image's pid order (both the order they
-/// were forked in), each checked by its command name.
+/// other host pids but the same pids of its namespace (CRIU restores those): paired by its
+/// namespace's pid, which the image records from format 4 ([`ProcessEntry::nspid`]). An older
+/// image names only the host pids it had: paired root first, then in the order the namespace
+/// numbers them against the image's pid order (both the order they were forked in, unless a
+/// process of the namespace set `ns_last_pid`). Each pair is checked by its command name.
+///
+/// [`ProcessEntry::nspid`]: cryo_criu::image::ProcessEntry::nspid
 pub(crate) fn pair_restored<'t, 'm>(
     tree: &'t Resolved,
     manifest: &'m Manifest,
@@ -750,7 +754,8 @@ pub(crate) fn pair_restored<'t, 'm>(
             .map(|s| s.nspid)
             .map_err(|e| format!("pid {}: {e}", h.pid()))
     };
-    if nspid(root)?.len() == 1 {
+    let levels = nspid(root)?.len();
+    if levels == 1 {
         return manifest
             .processes
             .iter()
@@ -770,18 +775,57 @@ pub(crate) fn pair_restored<'t, 'm>(
             manifest.processes.len()
         ));
     }
-    let mut ordered: Vec<(Pid, &ProcHandle)> = Vec::with_capacity(handles.len());
-    for h in &handles[1..] {
-        ordered.push((nspid(h)?.last().copied().unwrap_or(h.pid()), h));
+    // Each process by its pid in the root's namespace, on both sides.
+    let mut restored: Vec<(Pid, &ProcHandle)> = Vec::with_capacity(handles.len());
+    for h in &handles {
+        let ns = nspid(h)?;
+        let at = ns
+            .get(levels - 1)
+            .copied()
+            .ok_or_else(|| format!("pid {} is not in the restored root's namespace", h.pid()))?;
+        restored.push((at, h));
     }
-    ordered.sort_by_key(|(n, _)| *n);
-    let mut entries: Vec<_> = manifest.processes.iter().collect();
-    entries[1..].sort_by_key(|e| e.pid);
-    let mut out = Vec::with_capacity(entries.len());
-    for (h, e) in std::iter::once(*root)
-        .chain(ordered.into_iter().map(|(_, h)| h))
-        .zip(entries)
+    let pairs: Vec<(&ProcHandle, &cryo_criu::image::ProcessEntry)> = match manifest
+        .processes
+        .first()
+        .map(|e| e.nspid.len())
     {
+        Some(image_levels) if image_levels > 0 => {
+            let mut out: Vec<(&ProcHandle, _)> = Vec::with_capacity(handles.len());
+            for e in &manifest.processes {
+                let at = e.nspid.get(image_levels - 1).ok_or_else(|| {
+                    format!("pid {} of the image is not in its root's namespace", e.pid)
+                })?;
+                let mut found = restored.iter().filter(|(n, _)| n == at);
+                match (found.next(), found.next()) {
+                        (Some((_, h)), None)
+                            if !out.iter().any(|(o, _)| std::ptr::eq(*o, *h)) =>
+                        {
+                            out.push((*h, e))
+                        }
+                        _ => {
+                            return Err(format!(
+                                "pid {} of the image (pid {at} of its namespace) is not one restored process",
+                                e.pid
+                            ))
+                        }
+                    }
+            }
+            out
+        }
+        // Older images: by order.
+        _ => {
+            let mut ordered = restored[1..].to_vec();
+            ordered.sort_by_key(|(n, _)| *n);
+            let mut entries: Vec<_> = manifest.processes.iter().collect();
+            entries[1..].sort_by_key(|e| e.pid);
+            std::iter::once(*root)
+                .chain(ordered.into_iter().map(|(_, h)| h))
+                .zip(entries)
+                .collect()
+        }
+    };
+    for (h, e) in &pairs {
         let comm = h.stat().map(|s| s.comm).unwrap_or_default();
         if comm != e.comm {
             return Err(format!(
@@ -791,9 +835,8 @@ pub(crate) fn pair_restored<'t, 'm>(
                 e.pid
             ));
         }
-        out.push((h, e));
     }
-    Ok(out)
+    Ok(pairs)
 }
 
 /// Suspends and kills the restored tree through the stop path; says what became of it.
@@ -894,6 +937,7 @@ mod tests {
             ppid: 1,
             comm: "w".into(),
             cmdline: vec![],
+            nspid: vec![],
             gpu: Some(ProcessGpu {
                 state: ProcessState::Checkpointed,
                 devices: vec![DeviceUse {
@@ -947,6 +991,7 @@ mod tests {
             ppid: 10,
             comm: "w".into(),
             cmdline: vec![],
+            nspid: vec![],
             gpu: Some(ProcessGpu {
                 state: ProcessState::Checkpointed,
                 devices: vec![DeviceUse {
@@ -1144,6 +1189,7 @@ mod tests {
                     let mut e = ProcessEntry::of(&ProcHandle::open(p).unwrap()).unwrap();
                     if p == pids[0] {
                         e.pid = image_pid.unwrap_or(p);
+                        e.nspid = vec![e.pid];
                     }
                     e.gpu = Some(ProcessGpu {
                         state: ProcessState::Checkpointed,

@@ -366,11 +366,22 @@ pub fn stderr(o: &Output) -> String {
 /// at `proc.crtools` there: two dumps at once in one directory collide), its log there too,
 /// with none of the test's fds but `lock` (a lock the test holds: it waits until the program
 /// holds it too). Its host pid.
-pub fn run_isolated_sleep(mut cmd: Command, dir: &Path, lock: Option<std::os::fd::RawFd>) -> i32 {
+pub fn run_isolated_sleep(cmd: Command, dir: &Path, lock: Option<std::os::fd::RawFd>) -> i32 {
+    run_isolated(cmd, dir, lock, &["sleep", "1000"])
+}
+
+/// [`run_isolated_sleep`] of any program: `argv` run detached by `cryo run` in `dir`.
+pub fn run_isolated(
+    mut cmd: Command,
+    dir: &Path,
+    lock: Option<std::os::fd::RawFd>,
+    argv: &[&str],
+) -> i32 {
     let log = dir.join("run.log");
     cmd.args(["run", "--detach", "--log", log.to_str().unwrap()])
         .args(["--dir", dir.to_str().unwrap()])
-        .args(["--", "sleep", "1000"]);
+        .arg("--")
+        .args(argv);
     cryo_testkit::fds::close_inherited(&mut cmd, lock);
     let o = cmd.output().unwrap();
     assert!(o.status.success(), "{}", stderr(&o));

@@ -13,8 +13,9 @@ use crate::version::CriuVersion;
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The manifest format this build writes. 2 added [`Manifest::chunk_size`] and
 /// [`FileEntry::chunks`] (SHA-256); 3 hashes with BLAKE3 ([`Manifest::digest`]), gives every
-/// file chunk digests and drops the whole-file SHA-256.
-pub const FORMAT_VERSION: u32 = 3;
+/// file chunk digests and drops the whole-file SHA-256; 4 records every process's pid in each
+/// pid namespace it was in ([`ProcessEntry::nspid`]).
+pub const FORMAT_VERSION: u32 = 4;
 /// The oldest manifest format this build still reads (1: whole-file checksums only).
 pub const OLDEST_FORMAT_VERSION: u32 = 1;
 /// The chunk size [`super::Staging::publish`] uses unless told otherwise. Thaw serves an image
@@ -90,13 +91,18 @@ pub struct ProcessEntry {
     pub comm: String,
     /// Its command line, split at NULs.
     pub cmdline: Vec<String>,
+    /// Its pid in each pid namespace it was in, ours (the host's for cryo) first, its own last
+    /// (`NSpid`): what tells the processes of a tree with a pid namespace of its own apart once
+    /// CRIU restores them under other host pids. Format 4 on; empty (absent) before.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nspid: Vec<Pid>,
     /// Its CUDA state, `None` for a process without a CUDA context.
     pub gpu: Option<ProcessGpu>,
 }
 
 impl ProcessEntry {
-    /// What the manifest records of `process` now: pid, ppid, comm and cmdline (without the GPU
-    /// side: the caller adds it).
+    /// What the manifest records of `process` now: pid, ppid, comm, cmdline and namespace pids
+    /// (without the GPU side: the caller adds it).
     pub fn of(process: &ProcHandle) -> Result<ProcessEntry, ProcError> {
         let stat = process.stat()?;
         Ok(ProcessEntry {
@@ -104,6 +110,7 @@ impl ProcessEntry {
             ppid: stat.ppid,
             comm: stat.comm,
             cmdline: process.cmdline()?,
+            nspid: process.status()?.nspid,
             gpu: None,
         })
     }

@@ -29,8 +29,9 @@
 //!
 //! # Checksums
 //! Format 3: the BLAKE3 of every [`DEFAULT_CHUNK_SIZE`] chunk of every file; the manifest's own
-//! SHA-256 covers the lists. Formats 1 (whole-file SHA-256) and 2 (and per 64 MiB chunk) are
-//! still read and checked; [`rewrite_as_format`] still writes them, for tests.
+//! SHA-256 covers the lists (format 4 is 3 with every process's namespace pids). Formats 1
+//! (whole-file SHA-256), 2 (and per 64 MiB chunk) and 3 are still read and checked;
+//! [`rewrite_as_format`] still writes them, for tests.
 //!
 //! # Limitations
 //! Images are flat directories of regular files (what CRIU writes); anything else is refused.
@@ -351,10 +352,10 @@ fn write_manifest(dir: &Path, manifest: &Manifest, over: bool) -> Result<(), Ima
     Ok(())
 }
 
-/// Rewrites the manifest of the image at `dir` in format 1 (whole-file SHA-256) or 2 (and a
-/// SHA-256 per `chunk_size` bytes, default [`FORMAT_2_CHUNK_SIZE`]), as the cryo of those
-/// formats wrote it. The writer of the previous formats, kept so that tests make images of
-/// them from what this build dumps.
+/// Rewrites the manifest of the image at `dir` in format 1 (whole-file SHA-256), 2 (and a
+/// SHA-256 per `chunk_size` bytes, default [`FORMAT_2_CHUNK_SIZE`]) or 3 (BLAKE3 chunks as
+/// written, no namespace pids), as the cryo of those formats wrote it. The writer of the
+/// previous formats, kept so that tests make images of them from what this build dumps.
 pub fn rewrite_as_format(
     dir: &Path,
     format: u32,
@@ -362,14 +363,23 @@ pub fn rewrite_as_format(
 ) -> Result<Manifest, ImageError> {
     let mpath = dir.join(MANIFEST_FILE);
     let mut m = read_manifest(&mpath)?;
+    for p in &mut m.processes {
+        p.nspid.clear();
+    }
     let chunk = match format {
         1 => None,
         2 => Some(chunk_size.map_or(FORMAT_2_CHUNK_SIZE, NonZeroU64::get)),
+        3 if m.format_version >= 3 => {
+            m.format_version = format;
+            m.manifest_sha256 = m.self_digest().map_err(ImageError::Serialize)?;
+            write_manifest(dir, &m, true)?;
+            return Ok(m);
+        }
         other => {
             return Err(ImageError::UnsupportedFormat {
                 file: mpath,
                 found: u64::from(other),
-                supported: 2,
+                supported: 3,
             })
         }
     };

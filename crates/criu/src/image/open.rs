@@ -287,7 +287,32 @@ fn parse_manifest(mpath: &Path, bytes: &[u8]) -> Result<Manifest, ImageError> {
         )));
     }
     check_chunk_layout(&manifest).map_err(bad)?;
+    check_nspids(&manifest).map_err(bad)?;
     Ok(manifest)
+}
+
+/// Whether the processes' namespace pids fit the format: from format 4 every process has them,
+/// its pid (ours) first; before, none has.
+fn check_nspids(m: &Manifest) -> Result<(), String> {
+    for p in &m.processes {
+        match (m.format_version >= 4, p.nspid.first()) {
+            (true, Some(first)) if *first == p.pid => {}
+            (true, _) => {
+                return Err(format!(
+                    "process {}: namespace pids {:?} do not start with its pid",
+                    p.pid, p.nspid
+                ))
+            }
+            (false, None) => {}
+            (false, Some(_)) => {
+                return Err(format!(
+                    "process {}: namespace pids are format 4 on, this is format {}",
+                    p.pid, m.format_version
+                ))
+            }
+        }
+    }
+    Ok(())
 }
 
 fn check_names(m: &Manifest) -> Result<(), String> {
@@ -306,11 +331,11 @@ fn check_names(m: &Manifest) -> Result<(), String> {
 
 /// Whether the digests fit the sizes: format 1 has whole-file SHA-256 only; format 2 a chunk
 /// size and, for every file longer than one chunk, one SHA-256 per chunk; format 3 BLAKE3, a
-/// chunk size and one digest per chunk of every file (so the chunks cover every byte).
+/// chunk size and one digest per chunk of every file (so the chunks cover every byte), as 4.
 fn check_chunk_layout(m: &Manifest) -> Result<(), String> {
     let v = m.format_version;
     match (v, m.digest) {
-        (1 | 2, None) | (3, Some(DigestAlg::Blake3)) => {}
+        (1 | 2, None) | (3 | 4, Some(DigestAlg::Blake3)) => {}
         (_, d) => return Err(format!("format {v} with digest {d:?}")),
     }
     let Some(chunk) = m.chunk_size else {
@@ -344,7 +369,7 @@ fn check_chunk_layout(m: &Manifest) -> Result<(), String> {
                 f.size
             ));
         }
-        if (v == 3) != f.sha256.is_empty() {
+        if (v >= 3) != f.sha256.is_empty() {
             return Err(format!(
                 "file {:?}: a whole-file sha256 is format 1-2 only",
                 f.name
