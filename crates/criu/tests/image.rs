@@ -880,3 +880,65 @@ fn a_change_after_the_check_read_the_image_is_refused_at_the_verdict() {
         "{err}"
     );
 }
+
+/// The follower threads of this process (`cryo-follow`) and the fds it holds on dump files
+/// (`pages-*`) under `dir`.
+fn followers_and_fds(dir: &Path) -> (usize, usize) {
+    let threads = fs::read_dir("/proc/self/task")
+        .unwrap()
+        .flatten()
+        .filter(|t| {
+            fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "cryo-follow")
+        })
+        .count();
+    let fds = fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .flatten()
+        .filter(|f| {
+            fs::read_link(f.path()).is_ok_and(|l| {
+                l.starts_with(dir)
+                    && l.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with("pages-"))
+            })
+        })
+        .count();
+    (threads, fds)
+}
+
+/// Attack (session 10) on a long-lived process (the agent) whose dumps fail after CRIU's gate,
+/// where the follower started hashing the staging directory: each failed dump drops its
+/// staging directory unpublished. Every one must end its follower thread and close its files
+/// by then, not leave them to an idle-priority thread that a busy host may not run for long
+/// (threads, fds and the unlinked dumps' disk space piling up). (Before: the follower was only
+/// told to stop, not waited for.)
+#[test]
+fn a_dump_that_fails_after_the_gate_leaves_no_follower_thread_or_fd() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("img");
+    let pages = vec![7u8; 16 << 20];
+    for round in 0..20 {
+        let st = Staging::create(&dir)
+            .unwrap()
+            .with_chunk_size(NonZeroU64::new(256 << 10).unwrap());
+        fs::write(st.path().join("pages-1.img"), &pages).unwrap();
+        st.follow_written(&["dump.log"]);
+        // The follower runs and reads the dump.
+        cryo_testkit::eventually_said(
+            cryo_testkit::PATIENCE,
+            || {
+                format!(
+                    "round {round}: the follower to open the dump; followers and fds: {:?}",
+                    followers_and_fds(t.path())
+                )
+            },
+            || followers_and_fds(t.path()) == (1, 1),
+        );
+        drop(st);
+        assert_eq!(
+            followers_and_fds(t.path()),
+            (0, 0),
+            "round {round}: follower threads and their fds left after the failed dump"
+        );
+    }
+    assert!(leftovers(t.path()).is_empty());
+}

@@ -87,7 +87,7 @@ impl Followed {
 /// What the follower read, by file name.
 pub(crate) type Follow = BTreeMap<String, Followed>;
 
-/// A follower thread, stopped when dropped (without waiting for it).
+/// A follower thread, stopped and waited for when dropped.
 #[derive(Debug)]
 pub(crate) struct Follower {
     stop: std::sync::Arc<AtomicBool>,
@@ -122,6 +122,12 @@ impl Follower {
     /// the normal priority from now on: an idle thread stopped mid-chunk on a busy host would
     /// otherwise hold publish back for as long as the other threads keep the cores.
     pub(crate) fn finish(mut self) -> Follow {
+        self.stop_and_join()
+    }
+
+    /// Tells the thread to stop, puts it back at the normal priority and waits for it (at most
+    /// the chunk it is reading).
+    fn stop_and_join(&mut self) -> Follow {
         self.stop.store(true, Ordering::SeqCst);
         let Some(t) = self.thread.take() else {
             return Follow::new();
@@ -136,12 +142,13 @@ impl Follower {
     }
 }
 
+/// A dump that failed (its staging directory dropped unpublished) waits for its follower too:
+/// in a long-lived process (the agent) a follower left to run at idle priority on a busy host
+/// would keep its thread and the dump's files (their disk space) for as long as the host stays
+/// busy, one more each failed dump.
 impl Drop for Follower {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = &self.thread {
-            t.thread().unpark();
-        }
+        drop(self.stop_and_join());
     }
 }
 
