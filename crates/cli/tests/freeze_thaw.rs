@@ -2892,3 +2892,67 @@ fn a_namespaced_tree_numbered_out_of_fork_order_is_paired_process_by_process() {
     env.stop(root);
     env.sim.assert_no_wedge();
 }
+
+/// The restored root when CRIU writes no pidfile (session 9's fallback had no test: CRIU 4.2
+/// always writes it here). A CRIU run without `--pidfile` (a wrapper drops it and says so)
+/// restores an image of a program in a pid namespace of its own: the thaw must take the root
+/// CRIU named at its gate, the restored pid 1 of the namespace under its new host pid (not the
+/// image's), succeed, and journal that root.
+#[test]
+fn without_criu_s_pidfile_the_thaw_takes_the_root_criu_named_at_its_gate() {
+    let mut env = Env::start("1GiB");
+    let (_, image, pids) = frozen_namespaced(&env, false);
+    let real = cryo_criu::CriuRpc::locate(None)
+        .unwrap()
+        .path()
+        .to_path_buf();
+    let said = env.path().join("pidfile-dropped");
+    let wrapper = env.path().join("criu-without-pidfile");
+    fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nskip=0\nfor a in \"$@\"; do\n  shift\n  if [ $skip = 1 ]; then skip=0; continue; fi\n  \
+             if [ \"$a\" = --pidfile ]; then skip=1; echo dropped >> '{}'; continue; fi\n  \
+             set -- \"$@\" \"$a\"\ndone\nexec {} \"$@\"\n",
+            said.display(),
+            real.display()
+        ),
+    )
+    .unwrap();
+    fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let out = env
+        .cmd()
+        .env("CRYO_CRIU", &wrapper)
+        .args(["thaw", image.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert!(
+        fs::read_to_string(&said).is_ok_and(|s| s.contains("dropped")),
+        "the wrapper never dropped CRIU's --pidfile: {err}"
+    );
+    assert!(out.status.success(), "{err}");
+    let root: i32 = stdout(&out)
+        .split_whitespace()
+        .find_map(|w| w.parse().ok())
+        .unwrap_or_else(|| panic!("no pid in {:?}", stdout(&out)));
+    env.thawed.push(root);
+    assert!(!pids.contains(&root), "restored under an image pid {root}");
+    assert_eq!(nspid(root).last(), Some(&1), "{err}");
+    let done: Vec<Vec<i32>> = events(&env)
+        .into_iter()
+        .filter_map(|e| match e {
+            cryo_journal::Event::ThawCompleted { pids, .. } => {
+                Some(pids.iter().map(|p| p.pid).collect())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(done, vec![vec![root]], "{err}");
+    env.stop(root);
+    env.sim.assert_no_wedge();
+}
