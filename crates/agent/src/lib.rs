@@ -187,8 +187,8 @@ impl Agent {
     /// directory, given back by the kernel with its life: no polling) and then sweeps: a thaw
     /// killed before CRIU's gate has its CRIU and what it half restored ended at once (nothing
     /// of it ran, no live context: the safe kind), journaled `ThawFailed`, instead of holding
-    /// their host memory until the next command. (While the agent runs, thaws run in it; their
-    /// directories are watched too, and swept after, harmlessly.)
+    /// their host memory until the next command. The agent's own restores (thaws and standbys
+    /// it runs) are left out: they end in the agent's own call, which removes their directory.
     fn sweep_when_restores_end(
         self: &Arc<Self>,
         in_flight: Vec<PathBuf>,

@@ -116,7 +116,62 @@ pub const UNLOCKED_GRACE: Duration = Duration::from_secs(60);
 pub(crate) struct Private {
     path: PathBuf,
     kept: bool,
+    /// Its device and inode, in [`own`] while this lives.
+    id: Option<(u64, u64)>,
     _owner: Flock<File>,
+}
+
+/// The run directories this process made and still holds (device, inode): a [`RestoreWatch`]
+/// in this process leaves them out. An agent's own restores end with its own call (which
+/// removes their directory) or with the agent: no thread waits on them and no sweep follows.
+fn own() -> std::sync::MutexGuard<'static, Vec<(u64, u64)>> {
+    static OWN: std::sync::Mutex<Vec<(u64, u64)>> = std::sync::Mutex::new(Vec::new());
+    OWN.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Whether the directory at `path` is one this process holds (see [`own`]).
+fn held_here(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok_and(|m| own().contains(&(m.dev(), m.ino())))
+}
+
+/// Makes a directory named `prefix` + random under `root` (made if missing, 0700) under a
+/// hidden name, makes and locks its lock file, calls `before` with its device and inode, and
+/// only then renames it into place (see [`Private::new`]).
+fn make_locked(
+    root: &Path,
+    prefix: &str,
+    before: impl FnOnce((u64, u64)),
+) -> std::io::Result<(PathBuf, Flock<File>)> {
+    make_root(root)?;
+    let staging = tempfile::Builder::new()
+        .prefix(&format!(".{prefix}"))
+        .tempdir_in(root)?;
+    let f = File::options()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(staging.path().join(OWNER))?;
+    let owner = Flock::lock(f, FlockArg::LockExclusiveNonblock)
+        .map_err(|(_, e)| std::io::Error::from(e))?;
+    let m = std::fs::symlink_metadata(staging.path())?;
+    let hidden = staging
+        .path()
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| std::io::Error::other("unusable directory name"))?;
+    let path = root.join(hidden.trim_start_matches('.'));
+    before((m.dev(), m.ino()));
+    rustix::fs::renameat_with(
+        rustix::fs::CWD,
+        staging.path(),
+        rustix::fs::CWD,
+        &path,
+        rustix::fs::RenameFlags::NOREPLACE,
+    )?;
+    // Renamed: the staging name is gone, nothing for its guard to remove.
+    let _ = staging.keep();
+    Ok((path, owner))
 }
 
 impl Private {
@@ -126,36 +181,22 @@ impl Private {
     /// lock, so whoever sees it appear ([`RestoreWatch`]) can wait on that lock at once. (A
     /// hidden one whose maker died is swept as a directory without a lock.)
     pub(crate) fn new(root: &Path, prefix: &str) -> std::io::Result<Private> {
-        make_root(root)?;
-        let staging = tempfile::Builder::new()
-            .prefix(&format!(".{prefix}"))
-            .tempdir_in(root)?;
-        let f = File::options()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(staging.path().join(OWNER))?;
-        let owner = Flock::lock(f, FlockArg::LockExclusiveNonblock)
-            .map_err(|(_, e)| std::io::Error::from(e))?;
-        let hidden = staging
-            .path()
-            .file_name()
-            .and_then(|n| n.to_str())
-            .ok_or_else(|| std::io::Error::other("unusable directory name"))?;
-        let path = root.join(hidden.trim_start_matches('.'));
-        rustix::fs::renameat_with(
-            rustix::fs::CWD,
-            staging.path(),
-            rustix::fs::CWD,
-            &path,
-            rustix::fs::RenameFlags::NOREPLACE,
-        )?;
-        // Renamed: the staging name is gone, nothing for its guard to remove.
-        let _ = staging.keep();
+        // Known as this process's before it appears under its name: a watch in this process
+        // never takes it for another's.
+        let mut id = None;
+        let made = make_locked(root, prefix, |dir| {
+            id = Some(dir);
+            own().push(dir);
+        });
+        let (path, owner) = made.inspect_err(|_| {
+            if let Some(id) = id {
+                own().retain(|o| *o != id);
+            }
+        })?;
         Ok(Private {
             path,
             kept: false,
+            id,
             _owner: owner,
         })
     }
@@ -186,6 +227,9 @@ impl Drop for Private {
     fn drop(&mut self) {
         if !self.kept {
             let _ = std::fs::remove_dir_all(&self.path);
+        }
+        if let Some(id) = self.id {
+            own().retain(|o| *o != id);
         }
     }
 }
@@ -349,7 +393,7 @@ impl RestoreWatch {
 
     /// Blocks until directories are made under the root, then returns the restore directories
     /// not returned before (whether their owner still lives or not: [`wait_for_owner`] returns
-    /// at once for a dead one).
+    /// at once for a dead one), but this process's own.
     pub fn wait_new(&mut self) -> std::io::Result<Vec<PathBuf>> {
         let mut buf = [0u8; 4096];
         loop {
@@ -363,7 +407,7 @@ impl RestoreWatch {
             self.seen.retain(|d| now.contains(d));
             let new: Vec<PathBuf> = now
                 .into_iter()
-                .filter(|d| self.seen.insert(d.clone()))
+                .filter(|d| self.seen.insert(d.clone()) && !held_here(d))
                 .collect();
             if !new.is_empty() {
                 return Ok(new);
@@ -485,6 +529,12 @@ mod tests {
         }
     }
 
+    /// A restore directory as another process makes it ([`Private::new`] there): locked by
+    /// an open file of its own, not this process's.
+    fn another_process_s(root: &Path) -> (PathBuf, Flock<File>) {
+        make_locked(root, RESTORE_PREFIX, |_| {}).unwrap()
+    }
+
     /// A restore directory appears under its name only with its owner's lock held, so an agent
     /// that sees it appear waits on that lock (no window where it would take the run for done).
     #[test]
@@ -493,11 +543,11 @@ mod tests {
         let before = Private::new(root.path(), RESTORE_PREFIX).unwrap();
         let mut watch = RestoreWatch::start(root.path()).unwrap();
         let _dump = Private::new(root.path(), DUMP_PREFIX).unwrap();
-        let new = Private::new(root.path(), RESTORE_PREFIX).unwrap();
-        assert_eq!(watch.wait_new().unwrap(), vec![new.path().to_path_buf()]);
+        let (new, _lock) = another_process_s(root.path());
+        assert_eq!(watch.wait_new().unwrap(), vec![new.clone()]);
         let mut live = live_restores(root.path());
         live.sort();
-        let mut both = vec![before.path().to_path_buf(), new.path().to_path_buf()];
+        let mut both = vec![before.path().to_path_buf(), new];
         both.sort();
         assert_eq!(live, both);
         let names: Vec<String> = std::fs::read_dir(root.path())
@@ -505,6 +555,31 @@ mod tests {
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         assert!(names.iter().all(|n| !n.starts_with('.')), "{names:?}");
+    }
+
+    /// Attack (session 10) on an agent's watch: the restores the agent runs itself (its
+    /// thaws, its standbys) are its own to clean up; the watch must not hand them over to a
+    /// thread that waits for their end and sweeps after (work done for nothing), only another
+    /// process's. (Before: every restore directory was returned, the agent's own too.)
+    #[test]
+    fn a_watch_leaves_out_this_process_s_own_restores() {
+        let root = tempfile::tempdir().unwrap();
+        let mut watch = RestoreWatch::start(root.path()).unwrap();
+        let mine = Private::new(root.path(), RESTORE_PREFIX).unwrap();
+        let (theirs, _lock) = another_process_s(root.path());
+        assert_eq!(
+            watch.wait_new().unwrap(),
+            vec![theirs],
+            "this process's own restore {} was returned",
+            mine.path().display()
+        );
+        // Once this process let its directory go (kept for its log, owner gone), it is no
+        // longer its own: a later watch's look at it is the sweep's business.
+        let mut mine = mine;
+        mine.keep();
+        let kept = mine.path().to_path_buf();
+        drop(mine);
+        assert!(!held_here(&kept));
     }
 
     #[test]
