@@ -344,21 +344,24 @@ pub fn pids_in_use(wanted: &[Pid]) -> Vec<Pid> {
         // Without /proc nothing can be ruled out: report everything as taken.
         return wanted.into_iter().collect();
     };
-    let mut busy = BTreeSet::new();
+    // A process or thread id: `/proc/ID` is there for every task the kernel has, threads
+    // (which `/proc` does not list) and zombies included. One lookup per wanted id instead
+    // of listing every thread of the host (issue 16: the thaw's precheck walked every task
+    // directory before CRIU could start).
+    let mut busy: BTreeSet<Pid> = wanted
+        .iter()
+        .copied()
+        .filter(|id| std::fs::symlink_metadata(format!("/proc/{id}")).is_ok())
+        .collect();
+    // A group or session id outlives its leader while a member lives: only the members'
+    // `stat` says so.
     for p in all.flatten() {
-        let pid = p.pid();
-        if wanted.contains(&pid) {
-            busy.insert(pid);
-        }
         if let Ok(st) = p.stat() {
             busy.extend(
                 [st.pgrp, st.session]
                     .into_iter()
                     .filter(|id| wanted.contains(id)),
             );
-        }
-        if let Ok(tasks) = tasks_of(&p, pid) {
-            busy.extend(tasks.into_iter().filter(|t| wanted.contains(t)));
         }
     }
     busy.into_iter().collect()
@@ -674,6 +677,24 @@ mod tests {
         }
         child.kill().unwrap();
         child.wait().unwrap();
+    }
+
+    /// A thread's id is taken although `/proc` does not list it: CRIU cannot give it to a
+    /// restored process; it is free once the thread has ended.
+    #[test]
+    fn a_thread_id_is_in_use_until_the_thread_ends() {
+        let thread = cryo_testkit::procs::Thread::start();
+        let tid = thread.tid;
+        assert_ne!(tid, me());
+        assert!(
+            !std::fs::read_dir("/proc")
+                .unwrap()
+                .any(|e| e.unwrap().file_name().to_str() == Some(&tid.to_string())),
+            "/proc lists thread {tid}"
+        );
+        assert_eq!(pids_in_use(&[tid]), vec![tid]);
+        drop(thread);
+        assert!(pids_in_use(&[tid]).is_empty());
     }
 
     #[test]
