@@ -125,6 +125,44 @@ fn published_image_verifies_and_describes_the_tree() {
     assert!(leftovers(t.path()).is_empty());
 }
 
+/// Issue 16: the page contents are read into the page cache as soon as asked (a cold thaw's
+/// two readers, CRIU and the check, then find them there); opening the image reads none.
+#[test]
+fn prefetch_reads_the_page_contents_into_the_page_cache() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = published(t.path(), "img");
+    let path = dir.join("pages-1.img");
+    let pages = fs::File::open(&path).unwrap();
+    // Bytes of the file in the page cache, as `fincore` (mincore(2)) tells without reading.
+    let cached = || {
+        let out = Command::new("fincore")
+            .args(["--bytes", "--noheadings", "--output", "RES"])
+            .arg(&path)
+            .output()
+            .expect("fincore (util-linux) runs");
+        assert!(out.status.success(), "fincore: {out:?}");
+        String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse::<u64>()
+            .unwrap()
+    };
+    pages.sync_all().unwrap();
+    rustix::fs::fadvise(&pages, 0, 0, rustix::fs::Advice::DontNeed).unwrap();
+    assert_eq!(
+        cached(),
+        0,
+        "pages-1.img stayed cached after POSIX_FADV_DONTNEED: this filesystem cannot show a prefetch"
+    );
+    let img = image::Image::open(&dir).unwrap();
+    assert_eq!(cached(), 0, "opening the image read the page contents");
+    img.prefetch_page_contents();
+    cryo_testkit::eventually(
+        cryo_testkit::PATIENCE,
+        "the whole of pages-1.img in the page cache",
+        || cached() >= 300_000,
+    );
+}
+
 #[test]
 fn flipped_byte_is_a_checksum_error_naming_the_file() {
     let t = tempfile::tempdir().unwrap();

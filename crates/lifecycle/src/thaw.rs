@@ -399,6 +399,8 @@ pub fn thaw(
     journal_ended_restores(journal, &criu.ended_restores());
     // Trust, manifest, listing and sizes; the bytes are checked as CRIU reads them.
     let opened = Image::open(dir)?;
+    // From a cold cache the disk reads the bulk while the prechecks run.
+    opened.prefetch_page_contents();
     let manifest = opened.manifest().clone();
     let verify_ms = ms(t.elapsed());
     let fenced = fence.list()?;

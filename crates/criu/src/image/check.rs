@@ -81,7 +81,7 @@ fn changes() -> inotify::WatchFlags {
 
 /// Whether the file named `name` holds page contents (CRIU's `pages-<id>.img`): data copied
 /// into the restored memory, never read as instructions by CRIU.
-fn is_page_contents(name: &str) -> bool {
+pub(crate) fn is_page_contents(name: &str) -> bool {
     name.strip_prefix("pages-")
         .and_then(|r| r.strip_suffix(".img"))
         .is_some_and(|id| !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit()))
