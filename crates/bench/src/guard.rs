@@ -67,12 +67,14 @@ use serde::Serialize;
 use cryo_state::StateDir;
 
 use crate::args::BenchGuardArgs;
-use crate::measure::{a_first, load_average, load_line, HostMemory, Samples};
+use crate::measure::{a_first, load_average, load_line, HostMemory, Interval, Samples};
 use crate::private_sim::{DriverOptions, PrivateSim, WorkerOptions};
 use crate::stop::PrivateAgent;
 
 /// Issue 10's budget for the guard's p99 overhead.
 const P99_BUDGET: f64 = 1.05;
+/// The level of the pairs' bootstrap interval.
+const LEVEL: f64 = 0.95;
 
 /// Batches per arm in each repeat of the latency measurement.
 const BATCHES: usize = 40;
@@ -219,59 +221,6 @@ impl Latency {
             p50_us: us(pct(&v, 0.5)),
             p99_us: us(pct(&v, 0.99)),
         }
-    }
-}
-
-/// A median and the 95% interval of it a bootstrap gives (the samples resampled with
-/// replacement [`BOOTSTRAP`] times, a fixed seed: the same samples give the same interval).
-#[derive(Debug, Serialize)]
-struct Interval {
-    median: f64,
-    low: f64,
-    high: f64,
-    samples: usize,
-}
-
-/// Bootstrap resamples.
-const BOOTSTRAP: usize = 2000;
-
-impl Interval {
-    fn of(s: &Samples) -> Interval {
-        let n = s.0.len();
-        let mut rng = 0x9E37_79B9_7F4A_7C15_u64;
-        let mut next = move || {
-            // xorshift64*: uniform enough for resampling indices.
-            rng ^= rng >> 12;
-            rng ^= rng << 25;
-            rng ^= rng >> 27;
-            rng.wrapping_mul(0x2545_F491_4F6C_DD1D)
-        };
-        let mut medians = Samples::default();
-        for _ in 0..BOOTSTRAP {
-            let mut r = Samples::default();
-            for _ in 0..n {
-                let i = usize::try_from(next() % (n.max(1) as u64)).unwrap_or(0);
-                r.push(s.0.get(i).copied().unwrap_or(f64::NAN));
-            }
-            medians.push(r.median());
-        }
-        let mut m = medians.0;
-        m.sort_by(f64::total_cmp);
-        let at = |q: f64| {
-            m.get(((m.len() as f64 - 1.0) * q).round() as usize)
-                .copied()
-        };
-        Interval {
-            median: s.median(),
-            low: at(0.025).unwrap_or(f64::NAN),
-            high: at(0.975).unwrap_or(f64::NAN),
-            samples: n,
-        }
-    }
-
-    /// `median [low, high]`, three decimals.
-    fn cell(&self) -> String {
-        format!("{:.3} [{:.3}, {:.3}]", self.median, self.low, self.high)
     }
 }
 
@@ -486,7 +435,7 @@ fn latency(
     }
     let (bare, guarded) = (Latency::of(all_bare), Latency::of(all_guarded));
     let p99_ratio = guarded.p99_us / bare.p99_us.max(1e-9);
-    let p99_ratio_per_pair = Interval::of(&pair99);
+    let p99_ratio_per_pair = Interval::of(&pair99, LEVEL);
     let threads: std::collections::BTreeSet<&String> = cost_bare
         .agent_ns
         .keys()
@@ -512,7 +461,7 @@ fn latency(
         p99_ratio_spread_pct: 100.0 * (p99s.max() - p99s.min()) / p99s.median().max(1e-9),
         p50_ratio_per_repeat: p50s,
         p99_ratio_per_repeat: p99s,
-        p50_ratio_per_pair: Interval::of(&pair50),
+        p50_ratio_per_pair: Interval::of(&pair50, LEVEL),
         p99_within_budget: p99_ratio_per_pair.median <= P99_BUDGET && p99_ratio <= P99_BUDGET,
         p99_ratio_per_pair,
         p50_ratio: guarded.p50_us / bare.p50_us.max(1e-9),

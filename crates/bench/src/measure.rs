@@ -1,5 +1,6 @@
-//! What the three benchmarks share: samples over rounds (median, min-max), the alternating arm
-//! order, and the host's load average as a noise indicator.
+//! What the benchmarks share: samples over rounds (median, min-max), a bootstrap interval of a
+//! median ([`Interval`]), paired ratios of two arms run back to back, the alternating arm order,
+//! and the host's load average as a noise indicator.
 
 use serde::Serialize;
 
@@ -51,6 +52,69 @@ impl Serialize for Samples {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         self.0.serialize(s)
     }
+}
+
+/// A median and the interval of it a bootstrap gives at `level` (0.9: the middle 90% of the
+/// medians of [`BOOTSTRAP`] resamples with replacement; a fixed seed: the same samples give
+/// the same interval). With few samples it is as wide as they are apart: that is the point.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Interval {
+    pub(crate) median: f64,
+    pub(crate) low: f64,
+    pub(crate) high: f64,
+    /// The interval's level (0.9, 0.95).
+    pub(crate) level: f64,
+    pub(crate) samples: usize,
+}
+
+/// Bootstrap resamples.
+pub(crate) const BOOTSTRAP: usize = 2000;
+
+impl Interval {
+    pub(crate) fn of(s: &Samples, level: f64) -> Interval {
+        let n = s.0.len();
+        let mut rng = 0x9E37_79B9_7F4A_7C15_u64;
+        let mut next = move || {
+            // xorshift64*: uniform enough for resampling indices.
+            rng ^= rng >> 12;
+            rng ^= rng << 25;
+            rng ^= rng >> 27;
+            rng.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        };
+        let mut medians = Samples::default();
+        for _ in 0..BOOTSTRAP {
+            let mut r = Samples::default();
+            for _ in 0..n {
+                let i = usize::try_from(next() % (n.max(1) as u64)).unwrap_or(0);
+                r.push(s.0.get(i).copied().unwrap_or(f64::NAN));
+            }
+            medians.push(r.median());
+        }
+        let m = medians.sorted();
+        let at = |q: f64| {
+            m.get(((m.len() as f64 - 1.0) * q).round() as usize)
+                .copied()
+        };
+        let tail = (1.0 - level) / 2.0;
+        Interval {
+            median: s.median(),
+            low: at(tail).unwrap_or(f64::NAN),
+            high: at(1.0 - tail).unwrap_or(f64::NAN),
+            level,
+            samples: n,
+        }
+    }
+
+    /// `median [low, high]`, three decimals.
+    pub(crate) fn cell(&self) -> String {
+        format!("{:.3} [{:.3}, {:.3}]", self.median, self.low, self.high)
+    }
+}
+
+/// The ratio `a / b` of each round's pair of samples (arms run back to back in that round, so
+/// what drifts between rounds cancels in it).
+pub(crate) fn paired_ratios(a: &Samples, b: &Samples) -> Samples {
+    Samples(a.0.iter().zip(&b.0).map(|(x, y)| x / y).collect())
 }
 
 /// Whether arm A goes first in round `round` (0 is the warm-up): A B, B A, A B, ...
@@ -122,5 +186,72 @@ impl HostMemory {
             available_mib: sum(&meminfo, &|k| k == "MemAvailable") / 1024,
             dirty_mib: sum(&meminfo, &|k| k == "Dirty" || k == "Writeback") / 1024,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    /// Deterministic pseudo-random noise in [0, 1) for synthetic samples.
+    fn noise(seed: u64, n: usize) -> Vec<f64> {
+        let mut x = seed | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 11) as f64 / (1u64 << 53) as f64
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_interval_of_equal_samples_is_that_value() {
+        let i = Interval::of(&Samples(vec![1.25; 7]), 0.9);
+        assert_eq!((i.median, i.low, i.high, i.samples), (1.25, 1.25, 1.25, 7));
+    }
+
+    #[test]
+    fn the_interval_holds_the_median_within_the_samples_and_is_reproducible() {
+        let s = Samples(noise(7, 15).iter().map(|u| 0.8 + 0.4 * u).collect());
+        let (i90, i95) = (Interval::of(&s, 0.9), Interval::of(&s, 0.95));
+        assert!(s.min() <= i95.low && i95.low <= i90.low, "{i90:?} {i95:?}");
+        assert!(i90.low <= i90.median && i90.median <= i90.high, "{i90:?}");
+        assert!(
+            i90.high <= i95.high && i95.high <= s.max(),
+            "{i90:?} {i95:?}"
+        );
+        assert!(i90.high > i90.low, "{i90:?}");
+        let again = Interval::of(&s, 0.9);
+        assert_eq!((again.low, again.high), (i90.low, i90.high));
+    }
+
+    /// Rounds whose host speed drifts (both arms of a round slowed alike, 0.7x-1.6x) and one
+    /// arm 10% faster: every paired ratio is the true 1.1 and so is its whole interval, while
+    /// the arms' own samples swing by the drift.
+    #[test]
+    fn paired_ratios_cancel_what_drifts_between_rounds() {
+        let drift: Vec<f64> = noise(3, 9).iter().map(|u| 0.7 + 0.9 * u).collect();
+        let cryo = Samples(drift.iter().map(|d| 1000.0 * d).collect());
+        let bare = Samples(drift.iter().map(|d| 1100.0 * d).collect());
+        assert!(cryo.max() / cryo.min() > 1.3, "{cryo:?}");
+        let i = Interval::of(&paired_ratios(&bare, &cryo), 0.9);
+        for v in [i.median, i.low, i.high] {
+            assert!((v - 1.1).abs() < 1e-9, "{i:?}");
+        }
+    }
+
+    /// Paired ratios scattered around 1.0: the 90% interval straddles 1 (no verdict either
+    /// way); around 1.2 with the same scatter it lies above 1.
+    #[test]
+    fn the_interval_says_whether_a_ratio_is_told_apart_from_one() {
+        let u = noise(11, 21);
+        let around = |c: f64| Samples(u.iter().map(|x| c + 0.2 * (x - 0.5)).collect());
+        let even = Interval::of(&around(1.0), 0.9);
+        assert!(even.low < 1.0 && 1.0 < even.high, "{even:?}");
+        let faster = Interval::of(&around(1.2), 0.9);
+        assert!(faster.low > 1.0, "{faster:?}");
     }
 }
