@@ -114,9 +114,7 @@ impl Agent {
         req: &FreezeRequest,
         progress: &dyn Progress,
     ) -> Result<FreezeReport, ApiError> {
-        let criu = cryo_criu::CriuRpc::locate(None)
-            .map_err(failed)?
-            .in_scratch(&self.state.criu_dir());
+        let criu = cryo_criu::CriuRpc::locate_in(None, &self.state.criu_dir()).map_err(failed)?;
         let root = cryo_lifecycle::open_process(req.pid)
             .map_err(|e| ApiError::new(ErrorKind::NotFound, e.to_string()))?;
         let tree = Resolved::tree(root)
@@ -164,9 +162,7 @@ impl Agent {
             h.validate()
                 .map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))?;
         }
-        let criu = cryo_criu::CriuRpc::locate(None)
-            .map_err(failed)?
-            .in_scratch(&self.state.criu_dir());
+        let criu = cryo_criu::CriuRpc::locate_in(None, &self.state.criu_dir()).map_err(failed)?;
         match cryo_lifecycle::thaw(
             &self.gpu,
             &criu,

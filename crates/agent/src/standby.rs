@@ -528,9 +528,8 @@ impl Agent {
         let agent = Arc::clone(self);
         let dir = image.to_path_buf();
         let made = self.parent.run(move || {
-            let criu = cryo_criu::CriuRpc::locate(None)
-                .map_err(|e| e.to_string())?
-                .in_scratch(&agent.state.criu_dir());
+            let criu = cryo_criu::CriuRpc::locate_in(None, &agent.state.criu_dir())
+                .map_err(|e| e.to_string())?;
             sb::prepare(
                 &agent.gpu,
                 &criu,

@@ -22,6 +22,10 @@ use crate::version::CriuVersion;
 
 /// The environment variable naming the CRIU binary.
 pub const CRIU_ENV: &str = "CRYO_CRIU";
+
+/// The file in the scratch root that caches CRIU's version ([`CriuRpc::locate_in`]); not a
+/// run's directory, so the sweep leaves it alone.
+pub const VERSION_CACHE: &str = "criu-version.json";
 /// Where `scripts/install-criu.sh` installs CRIU.
 pub const DEFAULT_CRIU: &str = "/usr/local/sbin/criu";
 /// The log CRIU writes into the image directory while dumping.
@@ -171,20 +175,38 @@ impl CriuRpc {
     /// directory also holds shared libraries (a carried build: `.carry/criu/`) runs with that
     /// directory in `LD_LIBRARY_PATH`.
     pub fn locate(explicit: Option<&Path>) -> Result<CriuRpc, CriuError> {
+        Self::at_with(Self::find(explicit)?, None)
+    }
+
+    /// [`CriuRpc::locate`] for cryo's commands: the version is answered from a cache in
+    /// `scratch` when this very binary was asked before (the `version` module), and every
+    /// CRIU command gets its private directory there ([`CriuRpc::in_scratch`]).
+    pub fn locate_in(explicit: Option<&Path>, scratch: &Path) -> Result<CriuRpc, CriuError> {
+        let cache = scratch.join(VERSION_CACHE);
+        Ok(Self::at_with(Self::find(explicit)?, Some(&cache))?.in_scratch(scratch))
+    }
+
+    fn find(explicit: Option<&Path>) -> Result<PathBuf, CriuError> {
         let env = std::env::var_os(CRIU_ENV).filter(|v| !v.is_empty());
-        let bin = match (explicit, env) {
-            (Some(p), _) => Self::exists(p.to_path_buf())?,
-            (None, Some(p)) => Self::exists(PathBuf::from(p))?,
-            (None, None) => Self::search()?,
-        };
-        Self::at(bin)
+        match (explicit, env) {
+            (Some(p), _) => Self::exists(p.to_path_buf()),
+            (None, Some(p)) => Self::exists(PathBuf::from(p)),
+            (None, None) => Self::search(),
+        }
     }
 
     /// Uses the binary at `bin` (no search), checking its version.
     pub fn at(bin: PathBuf) -> Result<CriuRpc, CriuError> {
+        Self::at_with(bin, None)
+    }
+
+    fn at_with(bin: PathBuf, cache: Option<&Path>) -> Result<CriuRpc, CriuError> {
         let bin = Self::exists(bin)?;
         let lib_dir = bin.parent().filter(|d| has_libs(d)).map(Path::to_path_buf);
-        let version = CriuVersion::of_binary(&bin, lib_dir.as_deref())?;
+        let version = match cache {
+            Some(c) => CriuVersion::of_binary_cached(&bin, lib_dir.as_deref(), c)?,
+            None => CriuVersion::of_binary(&bin, lib_dir.as_deref())?,
+        };
         if version < CriuVersion::MIN {
             return Err(CriuError::TooOld {
                 path: bin,

@@ -47,6 +47,7 @@ mod version;
 pub use criu::{
     error_lines, AtGate, Criu, CriuFlags, CriuRpc, DumpOpts, DumpPhases, RestoreOpts,
     RestorePhases, Restored, ThawRoute, CRIU_ENV, DEFAULT_CRIU, DUMP_LOG, RESTORE_LOG,
+    VERSION_CACHE,
 };
 pub use error::{CriuError, CriuOp};
 pub use image::{ImageError, Manifest};

@@ -1,6 +1,22 @@
-//! CRIU versions, as `criu --version` prints them.
+//! CRIU versions, as `criu --version` prints them, and a cache of the answer per binary.
+//!
+//! # Design
+//! Every `cryo freeze` and `cryo thaw` (and every agent operation) checks the version of the
+//! CRIU it is about to run: a `criu --version` process, 2-11 ms measured on this project's host
+//! (issue 16), on the path to the suspend and to the restore. The answer is a property of the
+//! binary, so it is kept in a file of cryo's state directory (the CRIU scratch root, root's
+//! and 0700) next to the binary's identity: device, inode, size, modification and change
+//! times. A binary replaced (another inode) or changed in place (its change time moves, which
+//! no user can set back) misses the cache and is asked again. A cache file that is not a
+//! regular file of the caller's, or is writable by anyone else, or does not parse, is ignored.
+//!
+//! # Limitations
+//! Libraries beside a carried build (`LD_LIBRARY_PATH`) are not part of the identity: they do
+//! not change the version a binary prints, and a build that no longer loads fails at its run.
 
 use std::fmt;
+use std::io::Read;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
@@ -72,6 +88,98 @@ impl CriuVersion {
         CriuVersion::parse_output(&stdout)
             .ok_or_else(|| err(format!("no 'Version: X.Y' in {:?}", stdout.trim())))
     }
+}
+
+/// What identifies a binary's content without reading it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct BinaryId {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl BinaryId {
+    /// Of the file `bin` names (links followed: the binary that would run).
+    fn of(bin: &Path) -> Option<BinaryId> {
+        let m = std::fs::metadata(bin).ok()?;
+        Some(BinaryId {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.size(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        })
+    }
+}
+
+/// The cache file's content.
+#[derive(Debug, Serialize, Deserialize)]
+struct Cached {
+    binary: BinaryId,
+    version: CriuVersion,
+}
+
+impl CriuVersion {
+    /// [`CriuVersion::of_binary`], answered from `cache` when it was written for this very
+    /// binary (see the module docs); a version read anew is written there (best effort).
+    pub(crate) fn of_binary_cached(
+        bin: &Path,
+        lib_dir: Option<&Path>,
+        cache: &Path,
+    ) -> Result<CriuVersion, CriuError> {
+        let Some(id) = BinaryId::of(bin) else {
+            return Self::of_binary(bin, lib_dir);
+        };
+        if let Some(c) = read_cache(cache).filter(|c| c.binary == id) {
+            return Ok(c.version);
+        }
+        let version = Self::of_binary(bin, lib_dir)?;
+        // Recorded only for the binary that answered: not one replaced while it ran.
+        if BinaryId::of(bin).as_ref() == Some(&id) {
+            if let Err(e) = write_cache(
+                cache,
+                &Cached {
+                    binary: id,
+                    version,
+                },
+            ) {
+                tracing::debug!(cache = %cache.display(), error = %e, "cannot cache CRIU's version");
+            }
+        }
+        Ok(version)
+    }
+}
+
+/// The cache at `path`, if it is a regular file of ours that nobody else can write, and parses.
+fn read_cache(path: &Path) -> Option<Cached> {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    let m = f.metadata().ok()?;
+    if !m.is_file() || m.uid() != rustix::process::geteuid().as_raw() || m.mode() & 0o022 != 0 {
+        return None;
+    }
+    serde_json::from_reader(std::io::BufReader::new(f).take(4096)).ok()
+}
+
+/// Writes `c` to `path` whole (a new file renamed over the old one), private to its owner.
+fn write_cache(path: &Path, c: &Cached) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".criu-version-")
+        .permissions(std::fs::Permissions::from_mode(0o600))
+        .tempfile_in(dir)?;
+    serde_json::to_writer(&mut tmp, c)?;
+    tmp.persist(path).map_err(|e| e.error)?;
+    Ok(())
 }
 
 impl fmt::Display for CriuVersion {

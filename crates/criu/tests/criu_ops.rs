@@ -445,6 +445,82 @@ fn recent_fake_criu_is_accepted_and_garbage_is_not() {
     assert!(matches!(CriuRpc::at(junk), Err(CriuError::Version { .. })));
 }
 
+/// A fake CRIU that prints `version_line` and counts its runs in `runs` beside it.
+fn counting_criu(dir: &Path, version_line: &str) -> PathBuf {
+    let p = dir.join("criu");
+    let runs = dir.join("runs");
+    fs::write(
+        &p,
+        format!(
+            "#!/bin/sh\necho x >> '{}'\necho '{version_line}'\n",
+            runs.display()
+        ),
+    )
+    .unwrap();
+    fs::set_permissions(&p, fs::Permissions::from_mode(0o755)).unwrap();
+    p
+}
+
+fn runs(dir: &Path) -> usize {
+    fs::read_to_string(dir.join("runs")).map_or(0, |s| s.lines().count())
+}
+
+/// Issue 16: `criu --version` is asked once per binary; a binary changed in place or replaced
+/// by an older CRIU is asked again and refused, never answered from the cache.
+#[test]
+fn criu_s_version_is_cached_per_binary_and_asked_again_when_the_binary_changes() {
+    let t = tempfile::tempdir().unwrap();
+    let scratch = t.path().join("scratch");
+    let fake = counting_criu(t.path(), "Version: 4.2");
+    for _ in 0..3 {
+        let c = CriuRpc::locate_in(Some(&fake), &scratch).unwrap();
+        assert_eq!(c.version().to_string(), "4.2");
+    }
+    assert_eq!(runs(t.path()), 1, "asked more than once");
+    // Changed in place (same inode): its change time moved.
+    let script = fs::read_to_string(&fake).unwrap().replace("4.2", "3.17");
+    fs::write(&fake, &script).unwrap();
+    let err = CriuRpc::locate_in(Some(&fake), &scratch).unwrap_err();
+    assert!(matches!(err, CriuError::TooOld { .. }), "{err:?}");
+    assert_eq!(runs(t.path()), 2);
+    // Replaced by another file renamed over it.
+    let new = t.path().join("criu.new");
+    fs::write(&new, script.replace("3.17", "4.1.1")).unwrap();
+    fs::set_permissions(&new, fs::Permissions::from_mode(0o755)).unwrap();
+    fs::rename(&new, &fake).unwrap();
+    let err = CriuRpc::locate_in(Some(&fake), &scratch).unwrap_err();
+    assert!(matches!(err, CriuError::TooOld { found, .. } if found.to_string() == "4.1.1"));
+    assert_eq!(runs(t.path()), 3);
+}
+
+/// A cache file anyone else could have written, or reached through a link, is not believed.
+#[test]
+fn a_criu_version_cache_others_can_write_or_a_link_to_one_is_ignored() {
+    let t = tempfile::tempdir().unwrap();
+    let scratch = t.path().join("scratch");
+    let fake = counting_criu(t.path(), "Version: 4.2");
+    CriuRpc::locate_in(Some(&fake), &scratch).unwrap();
+    let cache = scratch.join(cryo_criu::VERSION_CACHE);
+    fs::set_permissions(&cache, fs::Permissions::from_mode(0o666)).unwrap();
+    CriuRpc::locate_in(Some(&fake), &scratch).unwrap();
+    assert_eq!(runs(t.path()), 2, "a world-writable cache was believed");
+    let real = t.path().join("elsewhere.json");
+    fs::rename(&cache, &real).unwrap();
+    fs::set_permissions(&real, fs::Permissions::from_mode(0o600)).unwrap();
+    std::os::unix::fs::symlink(&real, &cache).unwrap();
+    CriuRpc::locate_in(Some(&fake), &scratch).unwrap();
+    assert_eq!(
+        runs(t.path()),
+        3,
+        "a cache reached through a link was believed"
+    );
+    // Without a usable cache the answer is written anew, and believed next time.
+    fs::remove_file(&cache).unwrap();
+    CriuRpc::locate_in(Some(&fake), &scratch).unwrap();
+    CriuRpc::locate_in(Some(&fake), &scratch).unwrap();
+    assert_eq!(runs(t.path()), 4);
+}
+
 #[test]
 fn missing_criu_is_not_found() {
     let p = PathBuf::from("/nonexistent/cryo-test/criu");

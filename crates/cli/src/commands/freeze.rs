@@ -95,9 +95,7 @@ fn standalone(
 ) -> Result<FreezeReport, Outcome> {
     let failed = Outcome::Failed;
     // CRIU first: a missing or old CRIU is one clear line before anything is touched.
-    let criu = CriuRpc::locate(None)
-        .map_err(|e| failed(e.into()))?
-        .in_scratch(&ctx.state.criu_dir());
+    let criu = CriuRpc::locate_in(None, &ctx.state.criu_dir()).map_err(|e| failed(e.into()))?;
     route::standalone_note(client);
     // Resolved once: the root must be a process (not a thread), and the freeze acts on exactly
     // the tree found now.

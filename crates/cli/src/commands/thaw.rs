@@ -100,9 +100,7 @@ fn standalone(
     progress: &dyn cryo_lifecycle::Progress,
 ) -> Result<ThawReport, Outcome> {
     let failed = Outcome::Failed;
-    let criu = CriuRpc::locate(None)
-        .map_err(|e| failed(e.into()))?
-        .in_scratch(&ctx.state.criu_dir());
+    let criu = CriuRpc::locate_in(None, &ctx.state.criu_dir()).map_err(|e| failed(e.into()))?;
     // A cheap first look at the image (the full verification, every checksum, runs in the thaw
     // itself): a directory that is no image is refused before the driver is looked for.
     let manifest = req.image.join(cryo_criu::image::MANIFEST_FILE);
