@@ -76,12 +76,24 @@ impl Image {
     /// the disk reads at its full rate and both find the pages cached. Only advice: nothing is
     /// read into cryo's memory or mapped (a file truncated meanwhile is the check's to refuse),
     /// the kernel drops the request under memory pressure, and a file that does not open is
-    /// left to the check to report.
+    /// left to the check to report. At most half the memory the host has available is asked
+    /// for (the restore needs as much again for the restored memory; what is read ahead past
+    /// that would be evicted before CRIU gets to it), the front of the files first.
     pub fn prefetch_page_contents(&self) {
-        let files: Vec<(File, u64)> = (0..self.manifest.files.len())
-            .filter(|&i| super::check::is_page_contents(&self.manifest.files[i].name))
-            .filter_map(|i| self.open_file(i).ok())
-            .collect();
+        let Ok(available) = cryo_proc::mem_available() else {
+            return;
+        };
+        let mut budget = available / 2;
+        let mut files = Vec::new();
+        for i in 0..self.manifest.files.len() {
+            if budget == 0 || !super::check::is_page_contents(&self.manifest.files[i].name) {
+                continue;
+            }
+            if let Ok((f, len)) = self.open_file(i) {
+                files.push((f, len.min(budget)));
+                budget -= len.min(budget);
+            }
+        }
         if files.is_empty() {
             return;
         }
