@@ -2956,3 +2956,43 @@ fn without_criu_s_pidfile_the_thaw_takes_the_root_criu_named_at_its_gate() {
     env.stop(root);
     env.sim.assert_no_wedge();
 }
+
+/// Attack (session 10) on the thaw's pid check, with an image of a program in a pid namespace
+/// of its own (`cryo run`): CRIU restores it into a fresh namespace under host pids of its
+/// own, so the host pid it had at freeze may be taken by anyone since (here a bystander made at
+/// that pid). The thaw must restore it and leave the bystander alone. (Before: refused, "pids
+/// of the image are in use on this host", a refusal that could last as long as the bystander.)
+/// An image of format 3 says nothing of its namespaces: its pids must still be free.
+#[test]
+fn a_namespaced_image_thaws_while_a_host_process_holds_its_freeze_time_pid() {
+    use cryo_testkit::procs::sleep_at_pid;
+    let mut env = Env::start("1GiB");
+    let (_, image, pids) = frozen_namespaced(&env, false);
+    let bystander = sleep_at_pid(pids[0])
+        .unwrap_or_else(|e| panic!("a bystander with the image's pid {}: {e}", pids[0]));
+    let out = env.cryo(&["thaw", image.to_str().unwrap()]);
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    let root: i32 = stdout(&out)
+        .split_whitespace()
+        .find_map(|w| w.parse().ok())
+        .unwrap_or_else(|| panic!("no pid in {:?}", stdout(&out)));
+    env.thawed.push(root);
+    assert_ne!(root, pids[0], "{err}");
+    assert_eq!(nspid(root).last(), Some(&1), "{err}");
+    assert!(
+        procs::alive(bystander.pid),
+        "the bystander was touched: {err}"
+    );
+    env.stop(root);
+    cryo_criu::image::rewrite_as_format(&image, 3, None).unwrap();
+    let out = env.cryo(&["thaw", image.to_str().unwrap()]);
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("in use on this host"), "{err}");
+    assert!(
+        procs::alive(bystander.pid),
+        "the bystander was touched: {err}"
+    );
+    env.sim.assert_no_wedge();
+}

@@ -8,7 +8,8 @@
 //! target GPU (after `--gpu-map`) exists, is the image's GPU model, is not quarantined, and has
 //! the free device memory the image needs (a restore
 //! that fails on memory leaves the process stuck in CHECKPOINTED for good, NVIDIA/cuda-checkpoint#44);
-//! the driver is compatible (same major version); every pid, pgid and sid of the image is free.
+//! the driver is compatible (same major version); every pid, pgid and sid of the image is free
+//! (unless its tree had a pid namespace of its own: CRIU restores it into a fresh one).
 //!
 //! Then: CRIU restore (the tree comes back CHECKPOINTED, as a child of the caller), GPU restore of
 //! every CUDA process in parallel with its UUID pairs (a complete list for a process whose GPUs
@@ -143,6 +144,17 @@ pub(crate) fn pids_taken(criu: &dyn Criu, pids: &[Pid]) -> Result<Vec<Pid>, Prec
         return Err(PrecheckError::Unreaped(held));
     }
     Ok(held.iter().map(cryo_proc::PidHolder::pid).collect())
+}
+
+/// [`pids_taken`] of the image's pids, but none for a tree that had a pid namespace of its own
+/// ([`Manifest::own_pid_namespace`]): CRIU restores it into a fresh namespace, under host pids of
+/// its own, so the host pids it had at freeze may be anyone's now. An older image says nothing
+/// of its namespaces: its pids must be free (the safe side).
+fn pids_needed_taken(criu: &dyn Criu, manifest: &Manifest) -> Result<Vec<Pid>, PrecheckError> {
+    if manifest.own_pid_namespace() {
+        return Ok(Vec::new());
+    }
+    pids_taken(criu, &manifest.pids())
 }
 
 /// This host cannot take the image; nothing was run.
@@ -416,7 +428,7 @@ pub fn thaw(
         driver.as_deref(),
         &opts.gpu_map,
         &fenced,
-        &pids_taken(criu, &manifest.pids())?,
+        &pids_needed_taken(criu, &manifest)?,
     )?;
 
     let image = dir.display().to_string();

@@ -219,6 +219,13 @@ impl Manifest {
         self.digest.unwrap_or(DigestAlg::Sha256)
     }
 
+    /// Whether the tree's root was in a pid namespace of its own at freeze (its namespace pids,
+    /// format 4 on, name more than one namespace): CRIU restores such a tree into a fresh pid
+    /// namespace, under host pids of its own. `false` for older images (nothing says so).
+    pub fn own_pid_namespace(&self) -> bool {
+        self.processes.first().is_some_and(|r| r.nspid.len() > 1)
+    }
+
     /// The pids of the tree.
     pub fn pids(&self) -> Vec<Pid> {
         self.processes.iter().map(|p| p.pid).collect()
