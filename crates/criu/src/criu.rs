@@ -567,11 +567,13 @@ impl Criu for CriuRpc {
     /// itself, with nothing of cryo's beside it; at the gate cryo's follower starts hashing
     /// every whole chunk at idle priority and starting its writeback
     /// ([`Staging::follow_written`]) while CRIU ends the tree; publish hashes the rest while it
-    /// fsyncs. CRIU runs as a command (`criu dump -D /proc/self/fd/N`, the staging directory
-    /// cryo made and opened) whose `post-dump` action script waits at cryo's gate: CRIU kills
-    /// the tree only once cryo checked that the staging directory holds nothing but regular
-    /// files, and a cryo that died meanwhile never wrote its verdict, so CRIU resumes the tree
-    /// instead of killing it (the worker outlives a killed freeze). Measured (issue 16, 1 GiB,
+    /// fsyncs, and only then is CRIU's private directory removed
+    /// ([`Staging::drop_after_publish`]). CRIU runs as a command (`criu dump -D
+    /// /proc/self/fd/N`, the staging directory cryo made and opened) whose `post-dump` action
+    /// script waits at cryo's gate: CRIU kills the tree only once cryo checked that the
+    /// staging directory holds nothing but regular files, and a cryo that died meanwhile never
+    /// wrote its verdict, so CRIU resumes the tree instead of killing it (the worker outlives a
+    /// killed freeze). Measured (issue 16, 1 GiB,
     /// 2 cores, load 3-4, 8 rounds interleaved): this dump 553 ms median against the bare
     /// `criu dump`'s 494 in the same run; streamed through cryo's capture
     /// (`CRYO_DUMP_STREAM=1`, [`CriuRpc::dump_streamed`]) 789 against 476 (load 5-6), and
@@ -622,7 +624,10 @@ impl Criu for CriuRpc {
         image::CaptureClock::mark(&clock.criu_exit);
         drop(dir);
         tracing::debug!(%status, ms = start.elapsed().as_millis() as u64, "criu dump ended");
-        self.dump_outcome(op, staging, status, verdict, stderr)
+        let outcome = self.dump_outcome(op, staging, status, verdict, &stderr);
+        // Removed once publish has fsync'd the image, not while the worker's end is awaited.
+        staging.drop_after_publish((private, stderr));
+        outcome
     }
 
     /// Restores the tree of the opened image `image` and returns the pid of its root; no
@@ -825,7 +830,7 @@ impl Criu for CriuRpc {
                         lines.push("CRIU resumed the tree without passing cryo's gate".into());
                     }
                     if lines.iter().all(|l| l.starts_with("cannot read")) {
-                        lines.extend(stderr_tail(stderr));
+                        lines.extend(stderr_tail(&stderr));
                     }
                 }
                 return Err(err);
@@ -897,7 +902,7 @@ impl CriuRpc {
         staging: &Staging,
         status: std::process::ExitStatus,
         verdict: Option<Result<(), CriuError>>,
-        stderr: File,
+        stderr: &File,
     ) -> Result<(), CriuError> {
         match verdict {
             Some(Err(e)) => Err(e),
@@ -965,7 +970,7 @@ impl CriuRpc {
         if let Some(e) = capture.failure() {
             return Err(CriuError::Image(e));
         }
-        self.dump_outcome(op, staging, status, verdict, stderr)?;
+        self.dump_outcome(op, staging, status, verdict, &stderr)?;
         staging.adopt(capture).map_err(CriuError::Image)
     }
 }
@@ -1143,7 +1148,7 @@ fn last_lines(log: &Path) -> Vec<String> {
         .collect()
 }
 
-fn stderr_tail(mut f: File) -> Vec<String> {
+fn stderr_tail(mut f: &File) -> Vec<String> {
     let mut text = String::new();
     let _ = f.rewind();
     let _ = f.read_to_string(&mut text);

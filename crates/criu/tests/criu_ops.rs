@@ -265,6 +265,55 @@ fn a_dump_that_cannot_be_written_leaves_the_tree_running() {
     counter.count_at_least(before + 1);
 }
 
+/// A dump's CRIU run directory (its gate, its plugin-less plugin directory) is removed once
+/// publish has fsync'd the image, not between CRIU's exit and the worker gone, where removing
+/// it waited on the file system's journal, itself waiting for the image's writeback; and it is
+/// removed all the same when the staging directory goes unpublished (a freeze that failed).
+#[test]
+fn a_dump_s_criu_directory_goes_after_publish_or_with_the_unpublished_staging() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let scratch = tempfile::tempdir().unwrap();
+    let criu = criu().in_scratch(scratch.path());
+    let runs = || -> Vec<String> {
+        entries(scratch.path())
+            .into_iter()
+            .filter(|n| n.contains("cryo-criu-dump-"))
+            .collect()
+    };
+    for publish in [true, false] {
+        let mut counter = Counter::start();
+        let dir = counter.path().join("image");
+        let staging = Staging::create(&dir).unwrap();
+        criu.dump_staged(counter.pid, &staging, &DumpOpts::default())
+            .unwrap();
+        assert!(
+            !counter.child.wait().unwrap().success(),
+            "the dumped tree is killed"
+        );
+        assert_eq!(
+            runs().len(),
+            1,
+            "CRIU's run directory outlives the worker until publish"
+        );
+        if publish {
+            let meta = ImageMeta {
+                root_pid: counter.pid,
+                processes: Vec::new(),
+                gpu_model: None,
+                driver_version: None,
+                criu_version: criu.version(),
+                shrunk: None,
+            };
+            staging.publish(meta, false).unwrap();
+            verify(&dir).unwrap();
+        } else {
+            drop(staging);
+            assert!(!dir.exists(), "nothing published");
+        }
+        assert_eq!(runs(), Vec::<String>::new(), "published: {publish}");
+    }
+}
+
 /// The streamed route (`CRYO_DUMP_STREAM=1`, kept to measure against) still dumps a tree that
 /// publishes and verifies.
 #[test]

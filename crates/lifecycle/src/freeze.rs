@@ -560,15 +560,6 @@ fn freeze_inner(
     let worker_gone_ms = ms(start.elapsed());
     let dump_start = t;
     let dump_clock = staging.capture_clock();
-    // A record for the timeline and metrics only: the dump is done (and the tree gone unless
-    // left running), so failing the freeze over it would lose the image.
-    if let Err(e) = journal.append(Event::Dumped {
-        image: image_name(opts),
-        ms: dump_ms,
-        bytes: dumped_bytes,
-    }) {
-        tracing::error!(error = %e, "cannot journal the dump");
-    }
 
     failpoint::stall_if(FREEZE_BEFORE_PUBLISH);
 
@@ -587,6 +578,18 @@ fn freeze_inner(
     });
     progress.end(root, "publish", published.is_ok(), "");
     let publish_ms = ms(t.elapsed());
+    // A record for the timeline and metrics only (no recovery reads it), so it waits for
+    // publish: its fdatasync between CRIU's exit and publish commits the file system's
+    // journal, which (ext4's ordered data) waits for the image's writeback the follower
+    // started at the gate. The dump is done (and the tree gone unless left running), so
+    // failing the freeze over it would lose the image.
+    if let Err(e) = journal.append(Event::Dumped {
+        image: image_name(opts),
+        ms: dump_ms,
+        bytes: dumped_bytes,
+    }) {
+        tracing::error!(error = %e, "cannot journal the dump");
+    }
     let dump_phases = dump_clock.map(|c| cryo_criu::DumpPhases::of(&c, dump_start));
     let manifest = match published {
         Ok(m) => m,
