@@ -2996,3 +2996,47 @@ fn a_namespaced_image_thaws_while_a_host_process_holds_its_freeze_time_pid() {
     );
     env.sim.assert_no_wedge();
 }
+
+/// Attack (session 10) on the thaw's pairing of the restored tree with its image: a worker in a
+/// pid namespace of its own (`cryo run`) whose shell forks and reaps a `/bin/true` all the
+/// time has, from the moment CRIU resumes it, other processes than its image's (the image's
+/// child exits, new ones come). The thaw must pair the image's processes as CRIU restored them
+/// (at CRIU's gate, before any of them ran) and complete, every time. (Before: the tree was
+/// listed after CRIU's exit, with the loop running: "N of M processes came back" or "not one
+/// restored process", and the thaw failed.)
+#[test]
+fn a_tree_that_forks_as_soon_as_it_resumes_is_paired_by_its_image_s_processes() {
+    let mut env = Env::start("1GiB");
+    let pid = common::run_isolated(
+        env.cmd(),
+        env.path(),
+        None,
+        &["sh", "-c", "while :; do /bin/true; done"],
+    );
+    let image = env.path().join("img");
+    let out = env.try_freeze(pid, &image, &[]);
+    assert!(out.status.success(), "freeze failed: {}", stderr(&out));
+    procs::reap(pid);
+    let n = manifest(&image)["processes"].as_array().unwrap().len();
+    for round in 0..3 {
+        let out = env.cryo(&["thaw", image.to_str().unwrap()]);
+        let err = stderr(&out);
+        assert!(out.status.success(), "round {round}: {err}");
+        let root: i32 = stdout(&out)
+            .split_whitespace()
+            .find_map(|w| w.parse().ok())
+            .unwrap_or_else(|| panic!("no pid in {:?}", stdout(&out)));
+        env.thawed.push(root);
+        assert_eq!(nspid(root).last(), Some(&1), "{err}");
+        let done: Vec<usize> = events(&env)
+            .into_iter()
+            .filter_map(|e| match e {
+                cryo_journal::Event::ThawCompleted { pids, .. } => Some(pids.len()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(done, vec![n; round + 1], "round {round}: {err}");
+        env.stop(root);
+    }
+    env.sim.assert_no_wedge();
+}

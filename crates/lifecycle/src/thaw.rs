@@ -11,7 +11,9 @@
 //! the driver is compatible (same major version); every pid, pgid and sid of the image is free
 //! (unless its tree had a pid namespace of its own: CRIU restores it into a fresh one).
 //!
-//! Then: CRIU restore (the tree comes back CHECKPOINTED, as a child of the caller), GPU restore of
+//! Then: CRIU restore (the tree comes back CHECKPOINTED, as a child of the caller; listed, paired
+//! with the image and held by pidfds at CRIU's gate, before any of it runs: a tree that cannot be
+//! paired is refused there and never runs), GPU restore of
 //! every CUDA process in parallel with its UUID pairs (a complete list for a process whose GPUs
 //! the map names: one pair for each GPU it used, identity pairs included, as the driver demands;
 //! none otherwise; a map that lands two of the image's GPUs on one is refused before anything runs), `RestoreCompleted` journaled for every
@@ -529,8 +531,16 @@ fn thaw_inner(
         ),
         ..RestoreOpts::default()
     };
-    let restored = criu.restore_gated(opened, &restore_opts, &|_| {
+    // The restored tree, listed and paired with the image at CRIU's gate: every process is
+    // restored there and none runs yet (CRIU's `post-restore` stage), so the tree is the
+    // image's, whole, with none forked or exited since; held by pidfds from there on, and off
+    // the path between CRIU's exit and the GPU restore. A tree that cannot be listed or paired
+    // is refused at the gate: CRIU ends it, it never ran.
+    let listed: std::sync::OnceLock<(Pid, Vec<ProcHandle>, Vec<Pid>)> = std::sync::OnceLock::new();
+    let restored = criu.restore_gated(opened, &restore_opts, &|root| {
         failpoint::pause_if(THAW_AT_CRIU_GATE);
+        let (handles, image_pids) = list_restored(root, manifest)?;
+        let _ = listed.set((root, handles, image_pids));
         Ok(())
     });
     progress.end(
@@ -555,45 +565,29 @@ fn thaw_inner(
         tracing::error!(error = %e, "cannot journal the CRIU restore");
     }
 
-    // The restored tree: the root CRIU named (its host pid) and its descendants, never the
-    // image's pids (a tree with a pid namespace of its own is back under other host pids, and
-    // a host process may hold one of the image's by now). From here on, every failure removes
-    // it safely.
-    let tree = match ProcHandle::open(root) {
-        Ok(h) => Resolved::tree(h).map_err(|e| {
-            (
-                format!("listing the restored tree of pid {root}: {e}"),
-                "left as it is (its contexts are CHECKPOINTED)",
-            )
-        }),
-        Err(e) => Err((format!("the restored root pid {root}: {e}"), "already gone")),
-    };
-    let tree = match tree {
-        Ok(t) => t,
-        Err((error, cleanup)) => {
-            return Err(ThawError::AfterRestore {
-                step: "criu restore",
-                error,
-                cleanup: cleanup.into(),
-            })
-        }
-    };
-    let paired = match pair_restored(&tree, manifest) {
-        Ok(p) => p
-            .iter()
-            .map(|(h, e)| h.try_clone().map(|h| (h, e.pid)))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| e.to_string()),
-        Err(e) => Err(e),
-    };
-    let (handles, image_pids): (Vec<ProcHandle>, Vec<Pid>) = match paired {
-        Ok(p) => p.into_iter().unzip(),
-        Err(error) => {
+    // The root CRIU names after its exit (its pidfile) is the one it named at the gate: the
+    // tree listed there is the one that runs. From here on, every failure removes it safely.
+    let (handles, image_pids) = match listed.into_inner() {
+        Some((at_gate, handles, image_pids)) if at_gate == root => (handles, image_pids),
+        other => {
+            let (error, tree) = match other {
+                Some((at_gate, handles, _)) => (
+                    format!("CRIU named root pid {root}, and pid {at_gate} at its gate"),
+                    Resolved::from_handles(Target::Tree(at_gate), handles),
+                ),
+                None => (
+                    format!("CRIU resumed root pid {root} without cryo listing it at the gate"),
+                    match ProcHandle::open(root).map(Resolved::tree) {
+                        Ok(Ok(t)) => t,
+                        _ => Resolved::from_handles(Target::Tree(root), Vec::new()),
+                    },
+                ),
+            };
             return Err(ThawError::AfterRestore {
                 step: "criu restore",
                 error,
                 cleanup: remove_safely(gpu, &tree, opts, journal, progress),
-            })
+            });
         }
     };
     let restored = Resolved::from_handles(Target::Tree(root), handles);
@@ -742,6 +736,25 @@ fn thaw_inner(
         elapsed_ms: ms(opts.requested.elapsed()),
         shrink: None,
     })
+}
+
+/// The tree CRIU restored under `root` (the host pid it named at its gate, never the image's:
+/// a tree with a pid namespace of its own is back under other host pids, and a host process
+/// may hold one of the image's by now), paired with the image: each of the image's processes
+/// as a handle, and its pid in the image. Run at CRIU's gate, where the tree is whole and none
+/// of it runs yet; an `Err` refuses the restore there.
+fn list_restored(root: Pid, manifest: &Manifest) -> Result<(Vec<ProcHandle>, Vec<Pid>), String> {
+    let tree = ProcHandle::open(root)
+        .map_err(|e| format!("the restored root pid {root}: {e}"))
+        .and_then(|h| {
+            Resolved::tree(h).map_err(|e| format!("listing the restored tree of pid {root}: {e}"))
+        })?;
+    pair_restored(&tree, manifest)?
+        .iter()
+        .map(|(h, e)| h.try_clone().map(|h| (h, e.pid)))
+        .collect::<Result<Vec<_>, _>>()
+        .map(|p| p.into_iter().unzip())
+        .map_err(|e| e.to_string())
 }
 
 /// Pairs each process of the image with the restored process that is it, in `tree` (the
@@ -1325,6 +1338,47 @@ mod tests {
                 "{steps:?}"
             );
             assert!(at("checkpointed").is_some(), "{steps:?}");
+        }
+
+        /// The restored tree is not the image's (the image's root pid did not come back): the
+        /// pairing fails at CRIU's gate, where nothing of the tree runs yet, and the restore is
+        /// refused there (CRIU ends the tree); no context is asked to restore, the thaw is
+        /// journaled as failed and nothing as restored.
+        #[test]
+        fn a_tree_that_cannot_be_paired_is_refused_at_criu_s_gate() {
+            let mut gone = std::process::Command::new("true").spawn().unwrap();
+            let free = gone.id() as Pid;
+            gone.wait().unwrap();
+            let s = scene_with(Some(free));
+            let err = s.thaw().unwrap_err();
+            match &err {
+                ThawError::Criu(CriuError::Gate(e)) => {
+                    assert!(e.contains(&format!("pid {free} of the image")), "{err}")
+                }
+                other => panic!("expected a refusal at CRIU's gate, got {other}"),
+            }
+            assert_eq!(s.criu.restore_count(), 1);
+            assert!(
+                !s.fake.calls().iter().any(|(_, c)| *c == Call::Restore),
+                "{:?}",
+                s.fake.calls()
+            );
+            let labels: Vec<&str> = cryo_journal::read(s.journal.dir())
+                .unwrap()
+                .records
+                .iter()
+                .map(|r| r.event.label())
+                .collect();
+            assert!(labels.contains(&"thaw failed"), "{labels:?}");
+            assert!(
+                !labels
+                    .iter()
+                    .any(|l| l.contains("restored") || l.starts_with("restore")),
+                "{labels:?}"
+            );
+            for p in s.pids.clone() {
+                assert_eq!(s.fake.state_of(p), ProcessState::Checkpointed);
+            }
         }
 
         /// The unlock fails after every GPU restore succeeded: every restored process (one of them
