@@ -795,13 +795,6 @@ pub(crate) fn pair_restored<'t, 'm>(
             })
             .collect();
     }
-    if handles.len() != manifest.processes.len() {
-        return Err(format!(
-            "{} of {} processes came back",
-            handles.len(),
-            manifest.processes.len()
-        ));
-    }
     // Each process by its pid in the root's namespace, on both sides.
     let mut restored: Vec<(Pid, &ProcHandle)> = Vec::with_capacity(handles.len());
     for h in &handles {
@@ -840,8 +833,18 @@ pub(crate) fn pair_restored<'t, 'm>(
             }
             out
         }
-        // Older images: by order.
+        // Older images: by order, which needs every process and no other. A newer image is
+        // paired by namespace pid, so a process CRIU dumped beside the image's (forked between
+        // the freeze's listing and CRIU's seize, as a fork loop's child is) is left out, as
+        // in cryo's own namespace above.
         _ => {
+            if handles.len() != manifest.processes.len() {
+                return Err(format!(
+                    "{} of {} processes came back",
+                    handles.len(),
+                    manifest.processes.len()
+                ));
+            }
             let mut ordered = restored[1..].to_vec();
             ordered.sort_by_key(|(n, _)| *n);
             let mut entries: Vec<_> = manifest.processes.iter().collect();
