@@ -2659,6 +2659,28 @@ fn restored_root(thaw: u32) -> Option<i32> {
         ns.len() > 1 && ns.last() == Some(&1)
     })
 }
+/// The restored root a successful `cryo thaw` printed, kept in `env.thawed` (stopped with it).
+fn thawed_root(env: &mut Env, out: &std::process::Output) -> i32 {
+    let root: i32 = stdout(out)
+        .split_whitespace()
+        .find_map(|w| w.parse().ok())
+        .unwrap_or_else(|| panic!("no pid in {:?}", stdout(out)));
+    env.thawed.push(root);
+    root
+}
+
+/// The pids each journaled `ThawCompleted` names, in order.
+fn thaws_completed(env: &Env) -> Vec<Vec<i32>> {
+    events(env)
+        .into_iter()
+        .filter_map(|e| match e {
+            cryo_journal::Event::ThawCompleted { pids, .. } => {
+                Some(pids.iter().map(|p| p.pid).collect())
+            }
+            _ => None,
+        })
+        .collect()
+}
 
 /// Its `NSpid` line: its pid in each pid namespace it is in, the host's first.
 fn nspid(pid: i32) -> Vec<i32> {
@@ -2811,22 +2833,10 @@ fn a_namespaced_thaw_takes_the_restored_tree_by_its_host_pid() {
         let out = env.cryo(&["thaw", image.to_str().unwrap()]);
         let err = stderr(&out);
         assert!(out.status.success(), "format {format:?}: {err}");
-        let root: i32 = stdout(&out)
-            .split_whitespace()
-            .find_map(|w| w.parse().ok())
-            .unwrap_or_else(|| panic!("no pid in {:?}", stdout(&out)));
-        env.thawed.push(root);
+        let root = thawed_root(&mut env, &out);
         assert!(!pids.contains(&root), "restored under an image pid {root}");
         assert_eq!(nspid(root).last(), Some(&1), "{err}");
-        let done: Vec<Vec<i32>> = events(&env)
-            .into_iter()
-            .filter_map(|e| match e {
-                cryo_journal::Event::ThawCompleted { pids, .. } => {
-                    Some(pids.iter().map(|p| p.pid).collect())
-                }
-                _ => None,
-            })
-            .collect();
+        let done = thaws_completed(&env);
         assert_eq!(done.last(), Some(&vec![root]), "format {format:?}: {err}");
         env.stop(root);
     }
@@ -2883,11 +2893,7 @@ fn a_namespaced_tree_numbered_out_of_fork_order_is_paired_process_by_process() {
     let out = env.cryo(&["thaw", image.to_str().unwrap()]);
     let err = stderr(&out);
     assert!(out.status.success(), "{err}");
-    let root: i32 = stdout(&out)
-        .split_whitespace()
-        .find_map(|w| w.parse().ok())
-        .unwrap_or_else(|| panic!("no pid in {:?}", stdout(&out)));
-    env.thawed.push(root);
+    let root = thawed_root(&mut env, &out);
     assert_eq!(comms(root), want, "{err}");
     env.stop(root);
     env.sim.assert_no_wedge();
@@ -2936,22 +2942,10 @@ fn without_criu_s_pidfile_the_thaw_takes_the_root_criu_named_at_its_gate() {
         "the wrapper never dropped CRIU's --pidfile: {err}"
     );
     assert!(out.status.success(), "{err}");
-    let root: i32 = stdout(&out)
-        .split_whitespace()
-        .find_map(|w| w.parse().ok())
-        .unwrap_or_else(|| panic!("no pid in {:?}", stdout(&out)));
-    env.thawed.push(root);
+    let root = thawed_root(&mut env, &out);
     assert!(!pids.contains(&root), "restored under an image pid {root}");
     assert_eq!(nspid(root).last(), Some(&1), "{err}");
-    let done: Vec<Vec<i32>> = events(&env)
-        .into_iter()
-        .filter_map(|e| match e {
-            cryo_journal::Event::ThawCompleted { pids, .. } => {
-                Some(pids.iter().map(|p| p.pid).collect())
-            }
-            _ => None,
-        })
-        .collect();
+    let done = thaws_completed(&env);
     assert_eq!(done, vec![vec![root]], "{err}");
     env.stop(root);
     env.sim.assert_no_wedge();
@@ -2973,11 +2967,7 @@ fn a_namespaced_image_thaws_while_a_host_process_holds_its_freeze_time_pid() {
     let out = env.cryo(&["thaw", image.to_str().unwrap()]);
     let err = stderr(&out);
     assert!(out.status.success(), "{err}");
-    let root: i32 = stdout(&out)
-        .split_whitespace()
-        .find_map(|w| w.parse().ok())
-        .unwrap_or_else(|| panic!("no pid in {:?}", stdout(&out)));
-    env.thawed.push(root);
+    let root = thawed_root(&mut env, &out);
     assert_ne!(root, pids[0], "{err}");
     assert_eq!(nspid(root).last(), Some(&1), "{err}");
     assert!(
@@ -3022,19 +3012,9 @@ fn a_tree_that_forks_as_soon_as_it_resumes_is_paired_by_its_image_s_processes() 
         let out = env.cryo(&["thaw", image.to_str().unwrap()]);
         let err = stderr(&out);
         assert!(out.status.success(), "round {round}: {err}");
-        let root: i32 = stdout(&out)
-            .split_whitespace()
-            .find_map(|w| w.parse().ok())
-            .unwrap_or_else(|| panic!("no pid in {:?}", stdout(&out)));
-        env.thawed.push(root);
+        let root = thawed_root(&mut env, &out);
         assert_eq!(nspid(root).last(), Some(&1), "{err}");
-        let done: Vec<usize> = events(&env)
-            .into_iter()
-            .filter_map(|e| match e {
-                cryo_journal::Event::ThawCompleted { pids, .. } => Some(pids.len()),
-                _ => None,
-            })
-            .collect();
+        let done: Vec<usize> = thaws_completed(&env).iter().map(Vec::len).collect();
         assert_eq!(done, vec![n; round + 1], "round {round}: {err}");
         env.stop(root);
     }
