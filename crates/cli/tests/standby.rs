@@ -850,3 +850,63 @@ fn a_standby_restore_killed_before_its_gate_leaves_no_half_restored_process() {
         !cryo_testkit::procs::alive(root)
     });
 }
+
+/// Attack (the standby analogue of freeze_thaw's fork-loop test): the image's tree is a shell
+/// (pid 1 of its namespaces, `cryo run`) and a child that spins until a file exists; the file
+/// is made after the freeze, so the restored child exits as soon as CRIU resumes it, and the
+/// root reaps it and forks a `sleep` in its place. A standby that lists and pairs its tree
+/// after CRIU's exit finds the image's child gone and drops a sound standby, again and again;
+/// paired at CRIU's gate (every process restored, none run), the standby is ready: its root,
+/// the exited child left out (the worker's business: no context).
+#[test]
+fn a_standby_whose_child_exits_as_soon_as_it_resumes_is_paired_at_criu_s_gate() {
+    let env = Env::start();
+    let go = env.sim.path().join("go");
+    let script = format!(
+        "sh -c 'while [ ! -e {} ]; do :; done' & wait; while :; do sleep 1000; done",
+        go.display()
+    );
+    let pid = common::run_isolated(common::cryo(), env.sim.path(), None, &["sh", "-c", &script]);
+    eventually(PATIENCE, "the spinning child", || {
+        cryo_proc::tree(pid).is_ok_and(|t| t.len() == 2)
+    });
+    let image = env.sim.path().join("img");
+    let frozen = env.run(&[
+        "freeze",
+        &pid.to_string(),
+        "--image",
+        image.to_str().unwrap(),
+    ]);
+    if !frozen.status.success() {
+        cryo_testkit::procs::kill(pid, libc::SIGKILL);
+    }
+    assert!(frozen.status.success(), "{}", stderr(&frozen));
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(image.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["processes"].as_array().unwrap().len(), 2);
+    std::fs::write(&go, "").unwrap();
+    env.ok(&[
+        "standby",
+        "create",
+        "--image",
+        image.to_str().unwrap(),
+        "--count",
+        "1",
+    ]);
+    // The positive event: the first refill ended, ready or dropped.
+    let first = eventually(PATIENCE, "the first standby to be ready or dropped", || {
+        env.events()
+            .into_iter()
+            .find(|e| matches!(e, Event::StandbyReady { .. } | Event::StandbyDropped { .. }))
+    });
+    let Event::StandbyReady { root, pids, .. } = first else {
+        panic!("the standby was dropped: {first:?}");
+    };
+    assert_eq!(pids, vec![root]);
+    assert_eq!(env.wait_ready(1), vec![root.pid]);
+    env.ok(&["standby", "remove", "--image", image.to_str().unwrap()]);
+    eventually(PATIENCE, "the standby to be removed", || {
+        !cryo_testkit::procs::alive(root.pid)
+    });
+    env.sim.assert_no_wedge();
+}

@@ -35,10 +35,18 @@
 //!   thread's children: it never ran, so no context of it is live. Both by the kernel's evidence
 //!   (no driver fd, not listed by NVML), journaled [`Event::StandbyDropped`].
 //!
+//! - **Paired at CRIU's gate.** The restored tree is listed and paired with the image's
+//!   processes where CRIU's gate holds it (every process restored, none run), as a thaw's
+//!   (`GateTree` in [`crate::thaw`]), and held by pidfds from there on: once CRIU exits the tree
+//!   runs, and a child that exits or forks, or a pid taken by another process, cannot make the
+//!   pairing wrong or drop a sound standby. A tree that cannot be paired is refused at the gate
+//!   (CRIU ends it; it never ran). A plain process of the image that exits once the tree runs is
+//!   left out of the standby; a CUDA process (or the root) that exits drops it.
+//!
 //! # Limitations
-//! The processes of a restored tree are matched with the manifest's in tree order (children by
-//! pid) and checked by command name: a tree whose processes the pid namespace numbered in
-//! another order than the host did is refused, not guessed.
+//! The processes of a restored tree are paired as a thaw pairs them (by pid in cryo's pid
+//! namespace, by namespace pid for a format-4 image of a tree with its own, else in fork order)
+//! and checked by command name: a tree that cannot be told apart is refused, not guessed.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -57,7 +65,7 @@ use crate::progress::Progress;
 use crate::stop::{stop, StopOptions};
 use crate::suspend::id;
 use crate::target::{Resolved, Target};
-use crate::thaw::{pids_taken, precheck, PrecheckError};
+use crate::thaw::{pids_taken, precheck, GateTree, PrecheckError};
 use crate::watcher::Watcher;
 
 /// Failpoint: a standby's image is opened and checked, CRIU not started (tests kill the agent
@@ -240,14 +248,14 @@ pub fn prepare(
     // next one ends or guards ([`sweep`]); one that dies before it makes CRIU abort the restore.
     // The tree as journaled at the gate: what a restore that fails after it (CRIU killed at its
     // deadline) leaves behind, never run, in namespaces CRIU's own clean-up cannot see.
+    // The tree is listed and paired with the image there, as a thaw's ([`GateTree`]): a tree
+    // that cannot be paired is refused at the gate (CRIU ends it, it never ran, nothing is
+    // journaled); one that can is held by pidfds from there on, never listed again once it runs.
     let gated: std::sync::Mutex<Vec<ProcId>> = std::sync::Mutex::new(Vec::new());
+    let listed: std::sync::OnceLock<GateTree> = std::sync::OnceLock::new();
     let at_gate = |root: Pid| -> Result<(), String> {
-        let tree = ProcHandle::open(root)
-            .map_err(|e| format!("the restored root pid {root}: {e}"))
-            .and_then(|h| {
-                Resolved::tree(h).map_err(|e| format!("listing the restored tree of {root}: {e}"))
-            })?;
-        let pids: Vec<ProcId> = tree.handles().iter().map(id).collect();
+        let gate = GateTree::list(root, &manifest)?;
+        let pids: Vec<ProcId> = gate.tree.handles().iter().map(id).collect();
         journal
             .append(Event::StandbyRestoring {
                 image: image.clone(),
@@ -257,6 +265,7 @@ pub fn prepare(
             .map(drop)
             .map_err(|e| format!("cannot journal the restored standby: {e}"))?;
         *gated.lock().unwrap_or_else(|p| p.into_inner()) = pids;
+        let _ = listed.set(gate);
         failpoint::pause_if(STANDBY_AT_GATE);
         Ok(())
     };
@@ -324,26 +333,24 @@ pub fn prepare(
     }) {
         tracing::error!(error = %e, "cannot journal the CRIU restore");
     }
-    let root = ProcHandle::open(restored.pid);
-    let root_id = root.as_ref().map(id).ok();
-    let tree = match root.map(Resolved::tree) {
-        Ok(Ok(t)) => t,
-        Ok(Err(e)) => {
-            // Left to the next agent's sweep (no `StandbyDropped`): it ends it once the driver
-            // says CHECKPOINTED, or guards it.
-            return Err(StandbyError::AfterRestore {
-                error: format!("listing the restored tree of pid {}: {e}", restored.pid),
-                cleanup: "left as it is (its contexts are CHECKPOINTED)".into(),
-            });
-        }
-        Err(e) => {
-            return Err(StandbyError::AfterRestore {
-                error: format!("the restored root pid {} is gone: {e}", restored.pid),
-                cleanup: "already gone".into(),
-            })
+    // The tree listed at the gate is the one that runs; from here on, a failure removes it.
+    let gate = match GateTree::resumed(listed.into_inner(), restored.pid) {
+        Ok(gate) => gate,
+        Err((error, tree)) => {
+            let cleanup = remove(gpu, &tree, journal, progress);
+            if let Some(root) = tree.handles().first() {
+                let _ = journal.append(Event::StandbyDropped {
+                    image,
+                    root: id(root),
+                    reason: format!("{error}; the restored tree was {cleanup}"),
+                });
+            }
+            return Err(StandbyError::AfterRestore { error, cleanup });
         }
     };
-    let kept = keep(gpu, &tree, &manifest, &image, journal);
+    let root_id = gate.tree.handles().first().map(id);
+    let tree = &gate.tree;
+    let kept = keep(gpu, &gate.paired, &manifest, &image, journal);
     if kept.is_ok() {
         // CRIU wrote the memory back in 4 KiB pages: what the worker had in huge pages goes back
         // into huge pages now, off the request path (the claim's GPU restore reads all of it:
@@ -381,7 +388,7 @@ pub fn prepare(
             Ok(standby)
         }
         Err(error) => {
-            let cleanup = remove(gpu, &tree, journal, progress);
+            let cleanup = remove(gpu, tree, journal, progress);
             if let Some(root) = root_id {
                 let _ = journal.append(Event::StandbyDropped {
                     image,
@@ -394,26 +401,48 @@ pub fn prepare(
     }
 }
 
-/// Checks the restored tree against the manifest (every CUDA process CHECKPOINTED) and journals
-/// each CUDA process as parked; its processes, root first.
+/// Checks the restored tree (`paired`: the image's processes as paired at CRIU's gate, each
+/// with its pid in the image) against the manifest (every CUDA process CHECKPOINTED) and
+/// journals each CUDA process as parked; the standby's processes, root first. The tree has run
+/// since CRIU's exit, so each is judged by its pidfd: a CUDA process, or the root, that exited
+/// fails the standby (the driver was asked by pid: its answer may be of another process); any
+/// other process that exited is the worker's business and left out.
 fn keep(
     gpu: &Gpu,
-    tree: &Resolved,
+    paired: &[(ProcHandle, Pid)],
     manifest: &Manifest,
     image: &str,
     journal: &Journal,
 ) -> Result<Vec<ProcId>, String> {
-    // Each process of the image paired with the restored one that is it (by host identity).
-    let paired = crate::thaw::pair_restored(tree, manifest)?;
-    let handles: Vec<&ProcHandle> = paired.iter().map(|(h, _)| *h).collect();
-    let root = handles
+    let root = paired
         .first()
-        .map(|h| h.pid())
+        .map(|(h, _)| h.pid())
         .ok_or_else(|| "no restored process".to_string())?;
+    let mut handles: Vec<&ProcHandle> = Vec::with_capacity(paired.len());
     let mut parked = Vec::new();
-    for (h, e) in &paired {
-        let Some(g) = &e.gpu else { continue };
-        match gpu.driver.state(h.pid()) {
+    for (h, image_pid) in paired {
+        let e = manifest
+            .processes
+            .iter()
+            .find(|e| e.pid == *image_pid)
+            .ok_or_else(|| format!("pid {image_pid} is not in the image"))?;
+        let Some(g) = &e.gpu else {
+            if h.is_alive() {
+                handles.push(h);
+            } else if h.pid() == root {
+                return Err(format!("the restored root pid {root} exited"));
+            }
+            continue;
+        };
+        let state = gpu.driver.state(h.pid());
+        if !h.is_alive() {
+            return Err(format!(
+                "restored pid {} (a CUDA process of the image) exited",
+                h.pid()
+            ));
+        }
+        handles.push(h);
+        match state {
             Ok(ProcessState::Checkpointed) => {}
             Ok(s) => {
                 return Err(format!(
@@ -852,4 +881,112 @@ pub fn standby_pids(records: &[cryo_journal::Record]) -> Vec<ProcId> {
         .into_iter()
         .flat_map(|s| s.pids)
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use cryo_testkit::fake::Call;
+    use cryo_testkit::procs::{self, Procs};
+    use cryo_testkit::{eventually, PATIENCE};
+
+    use super::*;
+    use crate::thaw::tests::after_restore::{scene_of, scene_with, Scene};
+    use crate::NoProgress;
+
+    fn prepare(s: &Scene) -> Result<Standby, StandbyError> {
+        let fence = cryo_state::StateDir::new(s.dir.path()).fence();
+        super::prepare(
+            &s.fake.gpu(),
+            &s.criu,
+            &s.dir.path().join("img"),
+            0,
+            None,
+            &s.journal,
+            &fence,
+            &NoProgress,
+        )
+    }
+
+    /// A CUDA root (a shell) and one plain child; once "CRIU" resumes the tree, the child is
+    /// SIGKILLed and the root reaps it and forks another in its place, all before CRIU exits.
+    fn a_tree_whose_child_is_replaced_as_soon_as_it_resumes(cuda_child: bool) -> Scene {
+        let s = scene_of(
+            Procs::session_shell("sleep 600 & wait; sleep 600 & wait", 1),
+            None,
+            &[true, cuda_child],
+        );
+        let (root, child) = (s.pids[0], s.pids[1]);
+        s.criu.on_resume(move || {
+            procs::kill(child, nix::libc::SIGKILL);
+            eventually(PATIENCE, "the child replaced", || {
+                !procs::alive(child)
+                    && cryo_proc::tree(root).is_ok_and(|t| t.len() == 2 && t[1] != child)
+            });
+        });
+        s
+    }
+
+    /// The standby analogue of `cryo thaw`'s pairing at CRIU's gate: the restored tree runs
+    /// once CRIU resumes it, and a child of the image that exits (the root forks another in its
+    /// place) before CRIU's exit must not make the pairing wrong or refuse a tree that already
+    /// runs. Paired at the gate, the standby is the image's processes still running: its root;
+    /// the exited plain child is left out, and so is the child forked since.
+    #[test]
+    fn a_standby_whose_child_exits_and_is_replaced_as_soon_as_it_resumes_is_paired_at_the_gate() {
+        let s = a_tree_whose_child_is_replaced_as_soon_as_it_resumes(false);
+        let root = ProcHandle::open(s.pids[0]).unwrap();
+        let standby = prepare(&s).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(standby.pids, vec![id(&root)]);
+        let labels = s.labels();
+        assert!(labels.contains(&"standby ready"), "{labels:?}");
+        assert!(!labels.contains(&"standby dropped"), "{labels:?}");
+    }
+
+    /// A CUDA process of the image exits once the tree resumes: the driver's answer for its pid
+    /// (CHECKPOINTED, as a fake that answers by pid gives for whatever process holds it now) is
+    /// not taken for it: the standby is dropped, never ready.
+    #[test]
+    fn a_standby_whose_cuda_process_exits_as_soon_as_it_resumes_is_dropped() {
+        let s = a_tree_whose_child_is_replaced_as_soon_as_it_resumes(true);
+        let err = prepare(&s).unwrap_err();
+        match &err {
+            StandbyError::AfterRestore { error, .. } => assert!(
+                error.contains(&format!(
+                    "pid {} (a CUDA process of the image) exited",
+                    s.pids[1]
+                )),
+                "{err}"
+            ),
+            other => panic!("expected a failure after the restore, got {other}"),
+        }
+        let labels = s.labels();
+        assert!(labels.contains(&"standby dropped"), "{labels:?}");
+        assert!(!labels.contains(&"standby ready"), "{labels:?}");
+        assert!(s.fake.wedges().is_empty(), "{:?}", s.fake.wedges());
+    }
+
+    /// The standby analogue of `cryo thaw`'s refusal at CRIU's gate: the restored tree is not
+    /// the image's (the image's root pid did not come back). Refused at the gate, where nothing
+    /// of it runs yet (CRIU ends it): nothing journaled, the driver never asked.
+    #[test]
+    fn a_standby_tree_that_cannot_be_paired_is_refused_at_criu_s_gate() {
+        let mut gone = std::process::Command::new("true").spawn().unwrap();
+        let free = gone.id() as Pid;
+        gone.wait().unwrap();
+        let s = scene_with(Some(free));
+        let err = prepare(&s).unwrap_err();
+        match &err {
+            StandbyError::Criu(CriuError::Gate(e)) => {
+                assert!(e.contains(&format!("pid {free} of the image")), "{err}")
+            }
+            other => panic!("expected a refusal at CRIU's gate, got {other}"),
+        }
+        assert_eq!(s.criu.restore_count(), 1);
+        assert!(
+            !s.fake.calls().iter().any(|(_, c)| *c == Call::State),
+            "{:?}",
+            s.fake.calls()
+        );
+        assert_eq!(s.labels(), Vec::<&str>::new());
+    }
 }

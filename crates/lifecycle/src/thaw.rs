@@ -531,16 +531,13 @@ fn thaw_inner(
         ),
         ..RestoreOpts::default()
     };
-    // The restored tree, listed and paired with the image at CRIU's gate: every process is
-    // restored there and none runs yet (CRIU's `post-restore` stage), so the tree is the
-    // image's, whole, with none forked or exited since; held by pidfds from there on, and off
+    // The restored tree, listed and paired with the image at CRIU's gate ([`GateTree`]), off
     // the path between CRIU's exit and the GPU restore. A tree that cannot be listed or paired
     // is refused at the gate: CRIU ends it, it never ran.
-    let listed: std::sync::OnceLock<(Pid, Vec<ProcHandle>, Vec<Pid>)> = std::sync::OnceLock::new();
+    let listed: std::sync::OnceLock<GateTree> = std::sync::OnceLock::new();
     let restored = criu.restore_gated(opened, &restore_opts, &|root| {
         failpoint::pause_if(THAW_AT_CRIU_GATE);
-        let (handles, image_pids) = list_restored(root, manifest)?;
-        let _ = listed.set((root, handles, image_pids));
+        let _ = listed.set(GateTree::list(root, manifest)?);
         Ok(())
     });
     progress.end(
@@ -565,31 +562,19 @@ fn thaw_inner(
         tracing::error!(error = %e, "cannot journal the CRIU restore");
     }
 
-    // The root CRIU names after its exit (its pidfile) is the one it named at the gate: the
-    // tree listed there is the one that runs. From here on, every failure removes it safely.
-    let (handles, image_pids) = match listed.into_inner() {
-        Some((at_gate, handles, image_pids)) if at_gate == root => (handles, image_pids),
-        other => {
-            let (error, tree) = match other {
-                Some((at_gate, handles, _)) => (
-                    format!("CRIU named root pid {root}, and pid {at_gate} at its gate"),
-                    Resolved::from_handles(Target::Tree(at_gate), handles),
-                ),
-                None => (
-                    format!("CRIU resumed root pid {root} without cryo listing it at the gate"),
-                    match ProcHandle::open(root).map(Resolved::tree) {
-                        Ok(Ok(t)) => t,
-                        _ => Resolved::from_handles(Target::Tree(root), Vec::new()),
-                    },
-                ),
-            };
-            return Err(ThawError::AfterRestore {
-                step: "criu restore",
-                error,
-                cleanup: remove_safely(gpu, &tree, opts, journal, progress),
-            });
-        }
-    };
+    // The tree listed at the gate is the one that runs. From here on, every failure removes it
+    // safely.
+    let (handles, image_pids): (Vec<ProcHandle>, Vec<Pid>) =
+        match GateTree::resumed(listed.into_inner(), root) {
+            Ok(gate) => gate.paired.into_iter().unzip(),
+            Err((error, tree)) => {
+                return Err(ThawError::AfterRestore {
+                    step: "criu restore",
+                    error,
+                    cleanup: remove_safely(gpu, &tree, opts, journal, progress),
+                });
+            }
+        };
     let restored = Resolved::from_handles(Target::Tree(root), handles);
     let handles = restored.handles();
     let fail = |step: &'static str, error: String| -> ThawError {
@@ -738,23 +723,65 @@ fn thaw_inner(
     })
 }
 
-/// The tree CRIU restored under `root` (the host pid it named at its gate, never the image's:
-/// a tree with a pid namespace of its own is back under other host pids, and a host process
-/// may hold one of the image's by now), paired with the image: each of the image's processes
-/// as a handle, and its pid in the image. Run at CRIU's gate, where the tree is whole and none
-/// of it runs yet; an `Err` refuses the restore there.
-fn list_restored(root: Pid, manifest: &Manifest) -> Result<(Vec<ProcHandle>, Vec<Pid>), String> {
-    let tree = ProcHandle::open(root)
-        .map_err(|e| format!("the restored root pid {root}: {e}"))
-        .and_then(|h| {
-            Resolved::tree(h).map_err(|e| format!("listing the restored tree of pid {root}: {e}"))
-        })?;
-    pair_restored(&tree, manifest)?
-        .iter()
-        .map(|(h, e)| h.try_clone().map(|h| (h, e.pid)))
-        .collect::<Result<Vec<_>, _>>()
-        .map(|p| p.into_iter().unzip())
-        .map_err(|e| e.to_string())
+/// A restored tree as CRIU's gate shows it (its `post-restore` stage: every process restored,
+/// none resumed), so the image's tree, whole, with none of it forked, exited or its pid reused
+/// since. `cryo thaw` and a standby's restore both list and pair it there
+/// ([`GateTree::list`]) and hold it by pidfds from then on ([`GateTree::resumed`]), never by
+/// listing it again once it runs.
+pub(crate) struct GateTree {
+    /// The root CRIU named at its gate (its host pid).
+    root: Pid,
+    /// Every process under it there, root first: the image's, and any CRIU dumped beside them
+    /// (a child born between the freeze's listing and CRIU's seize).
+    pub(crate) tree: Resolved,
+    /// The image's processes, in the manifest's order (root first), each with its pid in the
+    /// image.
+    pub(crate) paired: Vec<(ProcHandle, Pid)>,
+}
+
+impl GateTree {
+    /// Lists the tree CRIU restored under `root` (the host pid it named at its gate, never the
+    /// image's: a tree with a pid namespace of its own is back under other host pids, and a host
+    /// process may hold one of the image's by now) and pairs it with the image
+    /// ([`pair_restored`]). Run at CRIU's gate; an `Err` refuses the restore there.
+    pub(crate) fn list(root: Pid, manifest: &Manifest) -> Result<Self, String> {
+        let tree = ProcHandle::open(root)
+            .map_err(|e| format!("the restored root pid {root}: {e}"))
+            .and_then(|h| {
+                Resolved::tree(h)
+                    .map_err(|e| format!("listing the restored tree of pid {root}: {e}"))
+            })?;
+        let paired = pair_restored(&tree, manifest)?
+            .iter()
+            .map(|(h, e)| h.try_clone().map(|h| (h, e.pid)))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
+        Ok(GateTree { root, tree, paired })
+    }
+
+    /// The tree that runs, once CRIU has exited naming `root` (its pidfile, else the pid of
+    /// its gate): the one listed at the gate (`listed`), if CRIU named the same root there.
+    /// Otherwise why not, and the tree to remove (the gate's; the one under `root` now when
+    /// the gate listed none).
+    pub(crate) fn resumed(listed: Option<Self>, root: Pid) -> Result<Self, (String, Resolved)> {
+        match listed {
+            Some(gate) if gate.root == root => Ok(gate),
+            Some(gate) => Err((
+                format!(
+                    "CRIU named root pid {root}, and pid {} at its gate",
+                    gate.root
+                ),
+                gate.tree,
+            )),
+            None => Err((
+                format!("CRIU resumed root pid {root} without cryo listing it at the gate"),
+                match ProcHandle::open(root).map(Resolved::tree) {
+                    Ok(Ok(t)) => t,
+                    _ => Resolved::from_handles(Target::Tree(root), Vec::new()),
+                },
+            )),
+        }
+    }
 }
 
 /// Pairs each process of the image with the restored process that is it, in `tree` (the
@@ -917,7 +944,7 @@ fn ms(d: Duration) -> u64 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use cryo_criu::image::{DeviceUse, ProcessEntry, ProcessGpu};
     use cryo_gpu::ProcessState;
@@ -1171,7 +1198,7 @@ mod tests {
 
     /// The failure paths after the CRIU restore, with the fake driver and CRIU: the restored tree
     /// (some contexts already live again) is suspended, verified and only then killed.
-    mod after_restore {
+    pub(crate) mod after_restore {
         use cryo_criu::image::{ImageMeta, ProcessEntry, ProcessGpu, Staging};
         use cryo_criu::CriuVersion;
         use cryo_gpu::{CuResult, GpuInspector, ProcessState};
@@ -1183,15 +1210,17 @@ mod tests {
         use super::*;
         use crate::NoProgress;
 
-        struct Scene {
+        /// A tree "in an image" (`dir/img`) that the fake CRIU "restores", and a journal
+        /// (`dir/journal`).
+        pub(crate) struct Scene {
             /// Keeps the tree alive (killed with its process group when dropped).
             _procs: Procs,
             /// Its processes, root first (the image's pids: CRIU restores them).
-            pids: Vec<Pid>,
-            fake: FakeGpu,
-            criu: FakeCriu,
-            dir: tempfile::TempDir,
-            journal: Journal,
+            pub(crate) pids: Vec<Pid>,
+            pub(crate) fake: FakeGpu,
+            pub(crate) criu: FakeCriu,
+            pub(crate) dir: tempfile::TempDir,
+            pub(crate) journal: Journal,
         }
 
         /// Two processes "in an image" (a root and its child): both CUDA processes, CHECKPOINTED,
@@ -1201,11 +1230,18 @@ mod tests {
         }
 
         /// [`scene`], with the first process's pid in the image replaced by `image_pid`.
-        fn scene_with(image_pid: Option<Pid>) -> Scene {
-            let procs = Procs::session_tree(1);
+        pub(crate) fn scene_with(image_pid: Option<Pid>) -> Scene {
+            scene_of(Procs::session_tree(1), image_pid, &[true, true])
+        }
+
+        /// The tree of `procs` in an image, the first process's pid there replaced by
+        /// `image_pid`; the `i`th process of the tree (root first) is a CUDA process
+        /// (CHECKPOINTED) if `cuda[i]`.
+        pub(crate) fn scene_of(procs: Procs, image_pid: Option<Pid>, cuda: &[bool]) -> Scene {
             let pids = procs.tree();
+            assert_eq!(pids.len(), cuda.len(), "{pids:?}");
             let fake = FakeGpu::new();
-            for p in pids.iter().copied() {
+            for (p, _) in pids.iter().copied().zip(cuda).filter(|(_, c)| **c) {
                 fake.add(p).set_state(p, ProcessState::Checkpointed);
             }
             let criu = FakeCriu::watching(&fake);
@@ -1215,13 +1251,14 @@ mod tests {
             std::fs::write(staging.path().join("pages-1.img"), b"pages").unwrap();
             let processes = pids
                 .iter()
-                .map(|&p| {
+                .zip(cuda)
+                .map(|(&p, &cuda)| {
                     let mut e = ProcessEntry::of(&ProcHandle::open(p).unwrap()).unwrap();
                     if p == pids[0] {
                         e.pid = image_pid.unwrap_or(p);
                         e.nspid = vec![e.pid];
                     }
-                    e.gpu = Some(ProcessGpu {
+                    e.gpu = cuda.then(|| ProcessGpu {
                         state: ProcessState::Checkpointed,
                         devices: vec![DeviceUse {
                             uuid: GPUS[0].parse().unwrap(),
@@ -1287,6 +1324,16 @@ mod tests {
                     watcher,
                     &NoProgress,
                 )
+            }
+
+            /// Every journaled event's label, in order.
+            pub(crate) fn labels(&self) -> Vec<&'static str> {
+                cryo_journal::read(self.journal.dir())
+                    .unwrap()
+                    .records
+                    .iter()
+                    .map(|r| r.event.label())
+                    .collect()
             }
 
             fn steps(&self, pid: Pid) -> Vec<&'static str> {
@@ -1366,12 +1413,7 @@ mod tests {
                 "{:?}",
                 s.fake.calls()
             );
-            let labels: Vec<&str> = cryo_journal::read(s.journal.dir())
-                .unwrap()
-                .records
-                .iter()
-                .map(|r| r.event.label())
-                .collect();
+            let labels = s.labels();
             assert!(labels.contains(&"thaw failed"), "{labels:?}");
             assert!(
                 !labels

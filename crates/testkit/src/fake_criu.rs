@@ -7,6 +7,8 @@
 //! injected with [`FakeCriu::fail_next_dump`]: CRIU's log then holds the error line, nothing is
 //! killed. A restore needs the image's pids, which only CRIU can hand out: the fake "restores"
 //! processes the test started itself ([`FakeCriu::restores`]), which count as free until then.
+//! What the restored tree does once CRIU resumes it and before CRIU exits (a process of it
+//! exits, forks) is the test's [`FakeCriu::on_resume`].
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -46,11 +48,24 @@ struct Inner {
     restores: usize,
 }
 
+/// What the restored tree does between CRIU's resume (its gate let it through) and CRIU's exit.
+type OnResume = Arc<dyn Fn() + Send + Sync>;
+
 /// The fake CRIU; clones share one record.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct FakeCriu {
     inner: Arc<Mutex<Inner>>,
     gpu: FakeGpu,
+    on_resume: Arc<Mutex<Option<OnResume>>>,
+}
+
+impl std::fmt::Debug for FakeCriu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FakeCriu")
+            .field("inner", &self.inner)
+            .field("gpu", &self.gpu)
+            .finish_non_exhaustive()
+    }
 }
 
 impl FakeCriu {
@@ -59,7 +74,16 @@ impl FakeCriu {
         FakeCriu {
             inner: Arc::default(),
             gpu: gpu.clone(),
+            on_resume: Arc::default(),
         }
+    }
+
+    /// Every restore runs `f` once its gate let the tree through, before it returns: what the
+    /// restored tree does once CRIU resumed it and before CRIU exits (a process of it exits,
+    /// forks, its pid is taken by another).
+    pub fn on_resume(&self, f: impl Fn() + Send + Sync + 'static) -> &Self {
+        *self.on_resume.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(f));
+        self
     }
 
     fn inner(&self) -> MutexGuard<'_, Inner> {
@@ -148,7 +172,8 @@ impl Criu for FakeCriu {
         Ok(())
     }
 
-    /// The "restored" processes already run: `at_gate` is told of them, a refusal is CRIU's.
+    /// The "restored" processes already run: `at_gate` is told of them, a refusal is CRIU's;
+    /// then [`FakeCriu::on_resume`]'s action, as the tree runs before CRIU exits.
     fn restore_gated(
         &self,
         image: &Image,
@@ -161,6 +186,14 @@ impl Criu for FakeCriu {
             Some(root) => {
                 drop(g);
                 at_gate(root).map_err(CriuError::Gate)?;
+                let resume = self
+                    .on_resume
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone();
+                if let Some(f) = resume {
+                    f();
+                }
                 Ok(Restored {
                     pid: root,
                     served_bytes: 0,

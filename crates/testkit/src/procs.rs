@@ -144,19 +144,30 @@ impl Procs {
     /// CRIU dumps as a whole). [`Procs::pids`] gives the root only; [`Procs::tree`] all.
     pub fn session_tree(children: usize) -> Procs {
         let script = format!("{}exec sleep 600", "sleep 600 & ".repeat(children));
+        let procs = Self::session_shell(&script, children);
+        eventually(PATIENCE, "the session tree's root to run sleep", || {
+            cryo_proc::stat(procs.pid(0)).is_ok_and(|s| s.comm == "sleep")
+        });
+        procs
+    }
+
+    /// A tree that leads its own session: `sh -c script`, once it has `children` children, each
+    /// of them running `sleep` (its root is `sh` unless the script `exec`s).
+    pub fn session_shell(script: &str, children: usize) -> Procs {
         let mut cmd = Command::new("setsid");
-        cmd.args(["sh", "-c", &script])
+        cmd.args(["sh", "-c", script])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         crate::fds::close_inherited(&mut cmd, None);
         let root = cmd.spawn().unwrap();
         let pid = root.id() as Pid;
-        eventually(PATIENCE, "the session tree", || {
-            cryo_proc::stat(pid).is_ok_and(|s| s.session == pid && s.comm == "sleep")
+        eventually(PATIENCE, "the session shell's tree", || {
+            cryo_proc::stat(pid).is_ok_and(|s| s.session == pid)
                 && cryo_proc::tree(pid).is_ok_and(|t| {
                     t.len() == children + 1
-                        && t.iter()
+                        && t[1..]
+                            .iter()
                             .all(|p| cryo_proc::stat(*p).is_ok_and(|s| s.comm == "sleep"))
                 })
         });
