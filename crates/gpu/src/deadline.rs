@@ -203,13 +203,51 @@ impl std::fmt::Debug for Bounded {
     }
 }
 
+impl Limits {
+    /// Both limits at once: the tighter of each kind and of the overall deadlines (what a call
+    /// bounded by one and then by the other would be waited for).
+    fn tighter(self, other: Limits) -> Limits {
+        let until = match (self.until, other.until) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        Limits {
+            query: self.query.min(other.query),
+            lock_grace: self.lock_grace.min(other.lock_grace),
+            transfer: self.transfer.min(other.transfer),
+            until,
+        }
+    }
+}
+
+/// The [`Bounded`] layer behind `gpu`, when both its APIs are that one layer (what
+/// [`Gpu::bounded`] makes).
+fn bounded_layer(gpu: &Gpu) -> Option<&Bounded> {
+    let driver = Arc::as_ptr(&gpu.driver).cast::<()>();
+    let inspect = Arc::as_ptr(&gpu.inspect).cast::<()>();
+    if driver != inspect {
+        return None;
+    }
+    gpu.driver.as_bounded()
+}
+
 impl Gpu {
-    /// The same backend with every call bounded by `limits` (see [`crate::deadline`]).
+    /// The same backend with every call bounded by `limits` (see [`crate::deadline`]). A backend
+    /// that is already bounded gets one layer with the tighter limits of both, not a second
+    /// layer: each layer is a thread and a wake-up more per call (a freeze bounded its calls
+    /// three times over, and on a loaded host every wake-up waits for a core).
     pub fn bounded(&self, limits: Limits) -> Gpu {
-        let b = Arc::new(Bounded {
-            driver: Arc::clone(&self.driver),
-            inspect: Arc::clone(&self.inspect),
-            limits,
+        let b = Arc::new(match bounded_layer(self) {
+            Some(inner) => Bounded {
+                driver: Arc::clone(&inner.driver),
+                inspect: Arc::clone(&inner.inspect),
+                limits: inner.limits.tighter(limits),
+            },
+            None => Bounded {
+                driver: Arc::clone(&self.driver),
+                inspect: Arc::clone(&self.inspect),
+                limits,
+            },
         });
         Gpu {
             kind: self.kind,
@@ -252,6 +290,10 @@ fn inspect<T: Send + 'static>(
 }
 
 impl CheckpointDriver for Bounded {
+    fn as_bounded(&self) -> Option<&Bounded> {
+        Some(self)
+    }
+
     fn state(&self, pid: Pid) -> Result<ProcessState, DriverError> {
         let d = Arc::clone(&self.driver);
         const CALL: &str = "cuCheckpointProcessGetState";
@@ -414,6 +456,87 @@ mod tests {
     #[test]
     fn a_call_that_returns_in_time_is_its_answer() {
         assert_eq!(within(Duration::from_secs(60), || 3, |_| {}), Ok(3));
+    }
+
+    /// A backend whose `state` blocks until a test opens its gate, counting the threads named
+    /// for driver calls while it blocks.
+    #[derive(Default)]
+    struct Blocking {
+        gate: Gate,
+        threads: Mutex<Vec<usize>>,
+    }
+
+    /// This process's threads named as the deadline layer names its call threads (`comm` is
+    /// cut at 15 bytes).
+    fn call_threads() -> usize {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.unwrap().path().join("comm")).ok())
+            .filter(|c| c.trim_end() == "cryo-driver-cal")
+            .count()
+    }
+
+    impl CheckpointDriver for Blocking {
+        fn state(&self, _pid: Pid) -> Result<ProcessState, DriverError> {
+            self.threads.lock().unwrap().push(call_threads());
+            self.gate.wait();
+            Ok(ProcessState::Running)
+        }
+        fn lock(&self, _: Pid, _: Option<Duration>) -> Result<(), DriverError> {
+            Ok(())
+        }
+        fn checkpoint(&self, _: Pid) -> Result<(), DriverError> {
+            Ok(())
+        }
+        fn restore(&self, _: Pid, _: &[GpuPair]) -> Result<(), DriverError> {
+            Ok(())
+        }
+        fn unlock(&self, _: Pid) -> Result<(), DriverError> {
+            Ok(())
+        }
+        fn restore_thread_id(&self, pid: Pid) -> Result<Pid, DriverError> {
+            Ok(pid)
+        }
+    }
+
+    impl GpuInspector for Blocking {
+        fn gpus(&self) -> Result<Vec<GpuInfo>, InspectError> {
+            Ok(Vec::new())
+        }
+        fn processes(&self) -> Result<Vec<GpuProcess>, InspectError> {
+            Ok(Vec::new())
+        }
+        fn driver_version(&self) -> Result<String, InspectError> {
+            Ok(String::new())
+        }
+        fn driver_fds(&self, _: Pid) -> Result<Vec<i32>, InspectError> {
+            Ok(Vec::new())
+        }
+    }
+
+    #[test]
+    fn bounding_a_bounded_backend_again_is_one_layer_with_the_tighter_limits() {
+        let fake = Arc::new(Blocking::default());
+        let gpu = Gpu {
+            kind: crate::BackendKind::Sim,
+            driver: fake.clone(),
+            inspect: fake.clone(),
+        };
+        let before = call_threads();
+        // The inner layer's deadline is the tighter one: it must survive the outer layer.
+        let tight = Limits::default().until(Instant::now() + Duration::from_millis(200));
+        let twice = gpu.bounded(tight).bounded(Limits::default());
+        let t = Instant::now();
+        let r = twice.driver.state(1);
+        assert!(
+            matches!(r, Err(DriverError::NoAnswer { .. })),
+            "{r:?} after {:?}",
+            t.elapsed()
+        );
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        // One thread carried the call, not one per layer.
+        assert_eq!(*fake.threads.lock().unwrap(), vec![before + 1]);
+        fake.gate.open();
     }
 
     #[test]

@@ -49,6 +49,13 @@ pub trait CheckpointDriver: Send + Sync {
     fn unlock(&self, pid: Pid) -> Result<(), DriverError>;
     /// `cuCheckpointProcessGetRestoreThreadId`: the driver's thread inside the process.
     fn restore_thread_id(&self, pid: Pid) -> Result<Pid, DriverError>;
+
+    /// The deadline layer this is, if it is one ([`Gpu::bounded`] flattens layers with it);
+    /// no backend overrides it.
+    #[doc(hidden)]
+    fn as_bounded(&self) -> Option<&deadline::Bounded> {
+        None
+    }
 }
 
 /// NVML-style inspection of GPUs and of the processes using them.

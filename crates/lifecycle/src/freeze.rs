@@ -55,7 +55,7 @@ use crate::cuda::Class;
 use crate::failpoint;
 use crate::progress::Progress;
 use crate::runnable::Runnable;
-use crate::suspend::{id, suspend_watched, SuspendFailure, SuspendOptions, Suspended};
+use crate::suspend::{id, suspend_listed, SuspendFailure, SuspendOptions, Suspended};
 use crate::target::Resolved;
 use crate::watcher::{Lease, Watcher, WatcherError};
 
@@ -349,10 +349,50 @@ fn freeze_tree(
     progress: &dyn Progress,
 ) -> Result<FreezeReport, FreezeError> {
     let start = Instant::now();
-    let image = opts.image.display().to_string();
+    // The GPUs and the driver's version are for the manifest only: asked beside the listing and
+    // the classification, not one round trip to the driver after the other before the first
+    // lock. The version only counts (its error included) when there is a CUDA process.
+    let (about, classified) = std::thread::scope(|s| {
+        let about = s.spawn(|| (gpu.inspect.gpus(), gpu.inspect.driver_version()));
+        // What NVML lists before the checkpoint is all the manifest will ever know about
+        // device use.
+        let classified = gpu
+            .inspect
+            .processes()
+            .map_err(FreezeError::from)
+            .and_then(|listed| classify_tree(gpu, handles, listed));
+        (about.join(), classified)
+    });
+    let (gpus, driver_version) = about.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+    let (listed, cuda) = classified?;
+    let gpus = gpus?;
+    let driver_version = if cuda.is_empty() {
+        None
+    } else {
+        Some(driver_version?)
+    };
+    freeze_listed(
+        gpu,
+        criu,
+        root,
+        handles,
+        opts,
+        shrunk,
+        journal,
+        watcher,
+        progress,
+        start,
+        (listed, cuda, gpus, driver_version),
+    )
+}
 
-    // What NVML lists before the checkpoint is all the manifest will ever know about device use.
-    let listed = gpu.inspect.processes()?;
+/// Classifies every process of `handles`: refuses one that cannot run or holds driver files
+/// without CUDA state; returns NVML's listing and the CUDA processes.
+fn classify_tree<'h>(
+    gpu: &Gpu,
+    handles: &'h [ProcHandle],
+    listed: Vec<cryo_gpu::GpuProcess>,
+) -> Result<(Vec<cryo_gpu::GpuProcess>, Vec<&'h ProcHandle>), FreezeError> {
     let mut cuda: Vec<&ProcHandle> = Vec::new();
     for h in handles {
         match crate::runnable::runnable(h)? {
@@ -374,7 +414,33 @@ fn freeze_tree(
             }
         }
     }
-    let gpus = gpu.inspect.gpus()?;
+    Ok((listed, cuda))
+}
+
+/// What the freeze learnt before it acts: NVML's listing, the CUDA processes, the GPUs, the
+/// driver's version (with a CUDA process).
+type Found<'h> = (
+    Vec<cryo_gpu::GpuProcess>,
+    Vec<&'h ProcHandle>,
+    Vec<cryo_gpu::GpuInfo>,
+    Option<String>,
+);
+
+#[allow(clippy::too_many_arguments)]
+fn freeze_listed(
+    gpu: &Gpu,
+    criu: &dyn Criu,
+    root: Pid,
+    handles: &[ProcHandle],
+    opts: &FreezeOptions,
+    shrunk: Option<FrozenShrink>,
+    journal: &Journal,
+    watcher: &dyn Watcher,
+    progress: &dyn Progress,
+    start: Instant,
+    (listed, cuda, gpus, driver_version): Found<'_>,
+) -> Result<FreezeReport, FreezeError> {
+    let image = opts.image.display().to_string();
     let mut entries = Vec::with_capacity(handles.len());
     for h in handles {
         let mut e = ProcessEntry::of(h)?;
@@ -403,11 +469,6 @@ fn freeze_tree(
         .iter()
         .find(|g| used.contains(&g.uuid))
         .map(|g| g.name.clone());
-    let driver_version = if cuda.is_empty() {
-        None
-    } else {
-        Some(gpu.inspect.driver_version()?)
-    };
 
     journal.append(Event::FreezeStarted {
         image: image.clone(),
@@ -422,6 +483,7 @@ fn freeze_tree(
         progress,
         handles,
         &cuda,
+        &listed,
         entries,
         gpu_model,
         driver_version,
@@ -458,6 +520,7 @@ fn freeze_inner(
     progress: &dyn Progress,
     handles: &[ProcHandle],
     cuda: &[&ProcHandle],
+    listed: &[cryo_gpu::GpuProcess],
     entries: Vec<ProcessEntry>,
     gpu_model: Option<String>,
     driver_version: Option<String>,
@@ -473,7 +536,15 @@ fn freeze_inner(
     let mut suspended = Vec::new();
     let mut refusals = Vec::new();
     if !cuda.is_empty() {
-        for o in suspend_watched(gpu, cuda, &sopts, Some(journal), progress, watcher) {
+        for o in suspend_listed(
+            gpu,
+            cuda,
+            Some(listed),
+            &sopts,
+            Some(journal),
+            progress,
+            watcher,
+        ) {
             match o.result {
                 Ok(s) => suspended.push(s),
                 Err(reason) => refusals.push(FreezeRefusal { pid: o.pid, reason }),

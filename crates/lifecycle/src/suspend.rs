@@ -13,7 +13,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use cryo_gpu::{CuResult, DriverError, Gpu, Limits, ProcessState};
+use cryo_gpu::{CuResult, DriverError, Gpu, GpuProcess, Limits, ProcessState};
 pub use cryo_journal::Purpose;
 use cryo_journal::{Event, Journal, ProcId};
 use cryo_proc::Pid;
@@ -342,6 +342,22 @@ pub fn suspend_watched(
     progress: &dyn Progress,
     watcher: &dyn crate::Watcher,
 ) -> Vec<SuspendOutcome> {
+    suspend_listed(gpu, procs, None, opts, journal, progress, watcher)
+}
+
+/// As [`suspend_watched`], with NVML's process list as the caller took it a moment ago (a
+/// freeze lists the processes before it classifies them): the device memory of each process
+/// is read from it instead of asking NVML again (a round trip to the driver before the first
+/// lock).
+pub(crate) fn suspend_listed(
+    gpu: &Gpu,
+    procs: &[&ProcHandle],
+    listed: Option<&[GpuProcess]>,
+    opts: &SuspendOptions,
+    journal: Option<&Journal>,
+    progress: &dyn Progress,
+    watcher: &dyn crate::Watcher,
+) -> Vec<SuspendOutcome> {
     let gpu = &gpu.bounded(opts.limits());
     let by = me();
     for p in procs {
@@ -356,12 +372,18 @@ pub fn suspend_watched(
     }
     let memory_before: Vec<u64> = procs
         .iter()
-        .map(|p| {
-            gpu.inspect
+        .map(|p| match listed {
+            Some(listed) => listed
+                .iter()
+                .filter(|l| l.pid == p.pid())
+                .map(|l| l.used_memory)
+                .sum(),
+            None => gpu
+                .inspect
                 .process_memory(p.pid())
                 .ok()
                 .flatten()
-                .unwrap_or(0)
+                .unwrap_or(0),
         })
         .collect();
     let mut rows: Vec<Row> = procs
@@ -407,25 +429,19 @@ pub fn suspend_watched(
     // Lock phase, in parallel.
     let reserve = opts.reserve(rows.iter().map(|r| r.mem).sum());
     if rows.iter().all(|r| r.failure.is_none()) {
-        thread::scope(|s| {
-            for row in rows
-                .iter_mut()
-                .filter(|r| r.state == Some(ProcessState::Running))
-            {
-                s.spawn(move || lock_one(gpu, row, opts, reserve, journal, progress));
-            }
-        });
+        in_parallel(
+            rows.iter_mut()
+                .filter(|r| r.state == Some(ProcessState::Running)),
+            |row| lock_one(gpu, row, opts, reserve, journal, progress),
+        );
     }
     // Checkpoint phase, in parallel: concurrent checkpoints are much faster than serial ones.
     if rows.iter().all(|r| r.failure.is_none()) {
-        thread::scope(|s| {
-            for row in rows
-                .iter_mut()
-                .filter(|r| r.locked_here || r.state == Some(ProcessState::Locked))
-            {
-                s.spawn(move || checkpoint_one(gpu, row, journal, progress));
-            }
-        });
+        in_parallel(
+            rows.iter_mut()
+                .filter(|r| r.locked_here || r.state == Some(ProcessState::Locked)),
+            |row| checkpoint_one(gpu, row, journal, progress),
+        );
     }
     if rows.iter().all(|r| r.failure.is_none()) {
         let verify = match opts.left() {
@@ -465,6 +481,25 @@ pub fn suspend_watched(
             SuspendOutcome { pid, result }
         })
         .collect()
+}
+
+/// Runs `f` on every row at once, each on a thread of its own; a lone row on the calling
+/// thread (a thread more is a wake-up more, and on a loaded host each waits for a core).
+fn in_parallel<'r, 'a: 'r>(
+    rows: impl Iterator<Item = &'r mut Row<'a>>,
+    f: impl Fn(&mut Row<'a>) + Sync,
+) {
+    let mut rows: Vec<&'r mut Row<'a>> = rows.collect();
+    if let [row] = rows.as_mut_slice() {
+        f(row);
+        return;
+    }
+    let f = &f;
+    thread::scope(|s| {
+        for row in rows {
+            s.spawn(move || f(row));
+        }
+    });
 }
 
 struct Row<'a> {
