@@ -208,6 +208,11 @@ impl Resolved {
         &self.handles
     }
 
+    /// Every process, the root of a tree first, handed over.
+    pub fn into_handles(self) -> Vec<ProcHandle> {
+        self.handles
+    }
+
     /// The root of a tree (`None` for another kind of target).
     pub fn root(&self) -> Option<&ProcHandle> {
         match self.target {

@@ -110,7 +110,8 @@ pub struct ThawReport {
     pub image: PathBuf,
     /// The restored root.
     pub root_pid: Pid,
-    /// Every restored process.
+    /// Every process of the image restored and still running when the thaw ended (by its
+    /// pidfd: one that exited since CRIU's gate, a plain process the worker ended, is not).
     pub pids: Vec<Pid>,
     /// The CUDA processes.
     pub gpu: Vec<RestoredGpu>,
@@ -438,15 +439,18 @@ pub fn thaw(
         image: image.clone(),
     })?;
     failpoint::pause_if(THAW_BEFORE_RESTORE);
-    let mut result = thaw_inner(
+    let inner = thaw_inner(
         gpu, criu, &opened, &manifest, &plans, opts, journal, watcher, progress, verify_ms,
     );
+    // The processes by the pidfds taken at CRIU's gate, never their pids again: one that exited
+    // is left out, and a pid taken since by another process names nothing of the thaw.
+    let (mut result, running) = match inner {
+        Ok((r, running)) => (Ok(r), running),
+        Err(e) => (Err(e), Vec::new()),
+    };
+    let ids: Vec<cryo_journal::ProcId> = running.iter().map(id).collect();
     if let Ok(r) = result.as_mut() {
-        let pids: Vec<_> = r
-            .pids
-            .iter()
-            .filter_map(|p| cryo_journal::ProcId::of(*p).ok())
-            .collect();
+        let pids = ids.clone();
         let shrink = match (&opts.shrunk, &manifest.shrunk) {
             (Some(s), _) => Ok(s.clone()),
             (None, Some(frozen)) => crate::shrink::Shrunk::of_image(frozen),
@@ -461,12 +465,7 @@ pub fn thaw(
             Ok(shrink) => {
                 let mut s = crate::shrink::Shrunk::to_grow(&shrink, &image, pids);
                 // The engine as the restored tree sees it (a namespace of its own, restored).
-                let restored: Vec<ProcHandle> = r
-                    .pids
-                    .iter()
-                    .filter_map(|p| ProcHandle::open(*p).ok())
-                    .collect();
-                s.reached_through(gpu, &restored);
+                s.reached_through(gpu, &running);
                 s.grow(journal, progress)?;
                 r.shrink = Some(s.report);
             }
@@ -484,14 +483,9 @@ pub fn thaw(
     }
     match &result {
         Ok(r) => {
-            let pids = r
-                .pids
-                .iter()
-                .filter_map(|p| cryo_journal::ProcId::of(*p).ok())
-                .collect();
             journal.append(Event::ThawCompleted {
                 image,
-                pids,
+                pids: ids,
                 ms: r.elapsed_ms,
             })?;
         }
@@ -519,7 +513,7 @@ fn thaw_inner(
     watcher: &dyn Watcher,
     progress: &dyn Progress,
     verify_ms: u64,
-) -> Result<ThawReport, ThawError> {
+) -> Result<(ThawReport, Vec<ProcHandle>), ThawError> {
     let dir = opened.path();
     let image = dir.display().to_string();
     let t = Instant::now();
@@ -706,21 +700,31 @@ fn thaw_inner(
             }
         },
     };
-    Ok(ThawReport {
-        image: dir.to_path_buf(),
-        root_pid: root,
-        pids: handles.iter().map(ProcHandle::pid).collect(),
-        gpu: gpu_report,
-        verify_ms,
-        criu_ms,
-        served_bytes: streamed.served_bytes,
-        criu_phases: streamed.phases,
-        gpu_restore_ms,
-        first_answer_ms,
-        guarded,
-        elapsed_ms: ms(opts.requested.elapsed()),
-        shrink: None,
-    })
+    // Judged by the pidfds taken at the gate: a process of the image that exited since (a plain
+    // one the worker ended; a CUDA one would have failed its restore) is not reported running.
+    let running: Vec<ProcHandle> = restored
+        .into_handles()
+        .into_iter()
+        .filter(ProcHandle::is_alive)
+        .collect();
+    Ok((
+        ThawReport {
+            image: dir.to_path_buf(),
+            root_pid: root,
+            pids: running.iter().map(ProcHandle::pid).collect(),
+            gpu: gpu_report,
+            verify_ms,
+            criu_ms,
+            served_bytes: streamed.served_bytes,
+            criu_phases: streamed.phases,
+            gpu_restore_ms,
+            first_answer_ms,
+            guarded,
+            elapsed_ms: ms(opts.requested.elapsed()),
+            shrink: None,
+        },
+        running,
+    ))
 }
 
 /// A restored tree as CRIU's gate shows it (its `post-restore` stage: every process restored,
@@ -1206,6 +1210,7 @@ pub(crate) mod tests {
         use cryo_testkit::fake::{Call, FakeGpu, DEFAULT_BYTES, GPUS, MODEL};
         use cryo_testkit::fake_criu::FakeCriu;
         use cryo_testkit::procs::{self, Procs};
+        use cryo_testkit::{eventually, PATIENCE};
 
         use super::*;
         use crate::NoProgress;
@@ -1584,6 +1589,35 @@ pub(crate) mod tests {
                 assert!(procs::alive(p));
                 assert_eq!(s.fake.state_of(p), ProcessState::Running);
             }
+        }
+
+        /// A plain process of the image exits between CRIU's gate and the GPU restore (it stays a
+        /// zombie: its parent does not reap it): the thaw succeeds, and what it reports and
+        /// journals as running is what the pidfds taken at the gate say, the CUDA root alone,
+        /// never the exited child (which a look by its pid still finds, as a zombie or as
+        /// another process that took its pid).
+        #[test]
+        fn a_plain_process_that_exits_before_the_gpu_restore_is_not_reported_running() {
+            let s = scene_of(Procs::session_tree(1), None, &[true, false]);
+            let (root, child) = (s.pids[0], s.pids[1]);
+            s.criu.on_resume(move || {
+                procs::kill(child, nix::libc::SIGKILL);
+                eventually(PATIENCE, "the child to be a zombie", || {
+                    procs::state(child) == Some('Z')
+                });
+            });
+            let report = s.thaw().unwrap();
+            assert_eq!(report.pids, vec![root]);
+            let completed: Vec<Vec<Pid>> = cryo_journal::read(s.journal.dir())
+                .unwrap()
+                .records
+                .into_iter()
+                .filter_map(|r| match r.event {
+                    Event::ThawCompleted { pids, .. } => Some(pids.iter().map(|p| p.pid).collect()),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(completed, vec![vec![root]]);
         }
     }
 }
