@@ -3031,3 +3031,88 @@ fn a_tree_that_forks_as_soon_as_it_resumes_is_paired_by_its_image_s_processes() 
     }
     env.sim.assert_no_wedge();
 }
+
+/// Attack (the real-CRIU half of thaw::tests::after_restore::a_tree_that_cannot_be_paired_is_
+/// refused_at_criu_s_gate): an image whose restored tree cannot be paired with its manifest is
+/// refused at CRIU's gate, where every process is restored and none has run: the restored tree
+/// is ended by CRIU without ever running, and no GPU restore is asked. The tree is a shell (pid
+/// 1 of its namespaces, `cryo run`) with a sim worker child (a CUDA process); the shell spins
+/// until a file exists, which is made after the freeze, then writes `ran`: once resumed it
+/// would write it at once. The manifest is re-signed with another command name for the shell
+/// (as a tree that changed its name between the freeze's listing and CRIU's dump shows it).
+/// Then the untampered image thaws, and its shell writes `ran`: the proof the check can fail.
+#[test]
+fn a_tree_refused_at_criu_s_gate_never_runs_and_no_gpu_restore_is_asked() {
+    let mut env = Env::start("1GiB");
+    let dir = env.path().to_path_buf();
+    let (go, ran, ready) = (dir.join("go"), dir.join("ran"), dir.join("worker.ready"));
+    let worker = format!(
+        "{} sim worker --dir {} --gpu 0 --memory 32MiB --ready-file {}",
+        env.bin.bin().display(),
+        dir.display(),
+        ready.display()
+    );
+    let script = format!(
+        "{worker} & while [ ! -e {} ]; do :; done; echo ran > {}; wait",
+        go.display(),
+        ran.display()
+    );
+    let pid = common::run_isolated(env.cmd(), &dir, None, &["sh", "-c", &script]);
+    eventually(PATIENCE, "the worker to be ready", || ready.exists());
+    let image = dir.join("img");
+    let out = env.try_freeze(pid, &image, &[]);
+    if !out.status.success() {
+        procs::kill(pid, libc::SIGKILL);
+    }
+    assert!(out.status.success(), "freeze failed: {}", stderr(&out));
+    procs::reap(pid);
+    let m = manifest(&image);
+    let processes = m["processes"].as_array().unwrap();
+    assert_eq!(processes.len(), 2, "{m}");
+    assert!(
+        processes[0]["gpu"].is_null() && !processes[1]["gpu"].is_null(),
+        "{m}"
+    );
+    fs::write(&go, "").unwrap();
+
+    let renamed = dir.join("renamed");
+    copy_image(&image, &renamed);
+    let mpath = renamed.join("manifest.json");
+    let mut m: cryo_criu::Manifest = serde_json::from_slice(&fs::read(&mpath).unwrap()).unwrap();
+    m.processes[0].comm = "not-sh".into();
+    m.manifest_sha256 = m.self_digest().unwrap();
+    fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    let before = events(&env).len();
+    let out = env.cryo(&["thaw", renamed.to_str().unwrap()]);
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("refused at cryo's gate"), "{err}");
+    assert!(err.contains("\"not-sh\""), "{err}");
+    // The positive event first: nothing of the restored tree is left (the shell's command line
+    // names the ready file, the worker's too).
+    let marker = ready.to_str().unwrap().to_string();
+    eventually(PATIENCE, "the refused tree to be gone", || {
+        !std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
+            std::fs::read(e.path().join("cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&marker))
+        })
+    });
+    assert!(!ran.exists(), "the refused tree ran");
+    let labels: Vec<&str> = events(&env)[before..].iter().map(|e| e.label()).collect();
+    assert!(labels.contains(&"thaw failed"), "{labels:?}");
+    assert!(
+        !labels
+            .iter()
+            .any(|l| l.contains("restore") || l.contains("unlock")),
+        "{labels:?}"
+    );
+    env.sim.assert_no_wedge();
+
+    // The image as frozen thaws, and its shell runs.
+    let out = env.thaw_ok(&image, &[]);
+    let root = thawed_root(&mut env, &out);
+    eventually(PATIENCE, "the thawed shell to write its file", || {
+        ran.exists()
+    });
+    env.stop_clean(root);
+}
