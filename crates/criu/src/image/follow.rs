@@ -27,9 +27,10 @@
 //! publish records: a byte changed in the staging directory after the follower hashed it is
 //! refused at thaw; one changed before is what the image holds, as for any file root changes
 //! in a directory only root can enter (0700, see [`super::Staging`]). Files are opened with
-//! `O_NOFOLLOW` and publish takes a followed file's digests only if the file at that name is
-//! still the inode the follower read (a file swapped in during the dump is refused) and is not
-//! shorter than what was hashed.
+//! `O_NOFOLLOW | O_NONBLOCK` (no link followed, no FIFO waited on) and refused unless fstat
+//! says a regular file, and publish takes a followed file's digests only if the file at that
+//! name is still the inode the follower read (a file swapped in during the dump is refused)
+//! and is not shorter than what was hashed.
 //!
 //! # Limitations
 //! The files the follower is told to skip (CRIU's log, which cryo caps and rewrites) and those
@@ -38,7 +39,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -208,16 +209,11 @@ pub(crate) fn follow(dir: &Path, chunk: u64, skip: &[&str], stop: &AtomicBool) -
     }
 }
 
-/// A regular file opened for reading without following a link.
+/// A regular file opened for reading ([`super::open_staged`]: no link followed, no FIFO
+/// waited on).
 fn open(path: &Path) -> std::io::Result<Followed> {
-    let file = File::options()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)?;
+    let file = super::open_staged(path)?;
     let m = file.metadata()?;
-    if !m.file_type().is_file() {
-        return Err(std::io::ErrorKind::InvalidInput.into());
-    }
     Ok(Followed {
         file,
         dev: m.dev(),
@@ -273,6 +269,7 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
     use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
 
     const CHUNK: u64 = 4096;
 
@@ -284,11 +281,7 @@ mod tests {
 
     /// Opens `path` as publish does.
     fn reopen(path: &Path) -> (File, u64) {
-        let f = File::options()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(path)
-            .unwrap();
+        let f = super::super::open_staged(path).unwrap();
         let size = f.metadata().unwrap().len();
         (f, size)
     }
@@ -390,6 +383,82 @@ mod tests {
         // Stopped at once: one pass opens what is there and hashes nothing.
         let files = follow(dir.path(), CHUNK, &["dump.log"], &AtomicBool::new(true));
         assert_eq!(files.keys().collect::<Vec<_>>(), ["core-1.img", "target"]);
+    }
+
+    /// Runs `f` on a thread; its result, or `None` if it did not return within the test kit's
+    /// patience (it blocks: the thread is left to `unblock`, which must make it return).
+    fn returns<T: Send + 'static>(
+        f: impl FnOnce() -> T + Send + 'static,
+        unblock: impl FnOnce(),
+    ) -> Option<T> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        let got = rx.recv_timeout(cryo_testkit::PATIENCE).ok();
+        if got.is_none() {
+            unblock();
+        }
+        t.join().unwrap();
+        got
+    }
+
+    /// Opens `fifo` for writing without blocking (a reader blocked in its open returns).
+    fn release(fifo: &Path) {
+        let _ = File::options()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(fifo);
+    }
+
+    /// Attack: a FIFO put in the staging directory (by root, after the gate's listing: the
+    /// follower lists regular files, then opens them) is never waited on: opening it for
+    /// reading would block until a writer comes, i.e. forever, and the follower with it
+    /// (publish waits for the follower). It is refused (not a regular file) at once.
+    #[test]
+    fn the_follower_never_waits_on_a_fifo_put_in_the_staging_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("pages-1.img");
+        nix::unistd::mkfifo(
+            &fifo,
+            nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR,
+        )
+        .unwrap();
+        let path = fifo.clone();
+        let got = returns(move || open(&path).map(drop), || release(&fifo));
+        let err = got.expect("the follower blocked opening a FIFO");
+        assert!(err.is_err(), "a FIFO was followed");
+    }
+
+    /// Attack: the same FIFO reaches publish (put there between publish's listing and its
+    /// open): refused at once, never waited on.
+    #[test]
+    fn publish_never_waits_on_a_fifo_put_in_the_staging_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("pages-1.img");
+        nix::unistd::mkfifo(
+            &fifo,
+            nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR,
+        )
+        .unwrap();
+        let d = dir.path().to_path_buf();
+        let got = returns(
+            move || {
+                super::super::hash_and_sync(
+                    &d,
+                    &["pages-1.img".to_string()],
+                    CHUNK,
+                    || Ok(BTreeMap::new()),
+                    &Follow::new(),
+                )
+                .map(drop)
+                .map_err(|e| e.to_string())
+            },
+            || release(&fifo),
+        );
+        let err = got.expect("publish blocked opening a FIFO").unwrap_err();
+        assert!(err.contains("pages-1.img"), "{err}");
     }
 
     #[test]

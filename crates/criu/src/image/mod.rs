@@ -221,6 +221,26 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ImageError + '_ {
     }
 }
 
+/// Opens a file of a staging directory for reading (the follower's and publish's opens): not
+/// following a link, not waiting on a FIFO (root may put one there after the listing; opening
+/// it for reading would wait for a writer, i.e. forever), not taking a terminal; then, by fstat
+/// of the opened fd, refuses anything but a regular file.
+fn open_staged(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = File::options()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)?;
+    let kind = file.metadata()?.file_type();
+    if !kind.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("not a regular file ({kind:?})"),
+        ));
+    }
+    Ok(file)
+}
+
 fn errno(path: &Path) -> impl FnOnce(nix::Error) -> ImageError + '_ {
     move |e| ImageError::Io {
         path: path.to_path_buf(),
@@ -265,15 +285,10 @@ fn hash_and_sync(
     known: impl FnOnce() -> Result<BTreeMap<String, FileEntry>, ImageError>,
     followed: &follow::Follow,
 ) -> Result<Vec<FileEntry>, ImageError> {
-    use std::os::unix::fs::OpenOptionsExt;
     let mut opened = Vec::with_capacity(names.len());
     for n in names {
         let path = dir.join(n);
-        let f = File::options()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path)
-            .map_err(io(&path))?;
+        let f = open_staged(&path).map_err(io(&path))?;
         let size = f.metadata().map_err(io(&path))?.len();
         opened.push((path, f, size));
     }
