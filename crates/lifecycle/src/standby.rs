@@ -16,9 +16,12 @@
 //! - **Pids and ports.** CRIU restores a process with the pids and listening addresses it had.
 //!   More than one standby of an image therefore needs the worker to have run in its own pid and
 //!   network namespaces (as in a container): CRIU then restores each standby into fresh ones
-//!   (the same pids and ports inside, distinct on the host). An image holds its network
-//!   namespace when CRIU dumped one (`netns-*.img`); [`prepare`] refuses a second standby of an
-//!   image without, and checks the pids of one that shares the host's.
+//!   (the same pids and ports inside, distinct on the host). An image's tree had a pid
+//!   namespace of its own when its manifest's namespace pids say so (format 4 on,
+//!   [`Manifest::own_pid_namespace`]) and a network namespace of its own when CRIU dumped one
+//!   (`netns-*.img`); [`prepare`] refuses a second standby of an image without both
+//!   ([`own_namespaces`]), and checks the pids of one that shares the host's pid namespace (as
+//!   a thaw does).
 //! - **Evidence, not assumptions.** [`claim`] reads the image's manifest again: a standby of an
 //!   image that changed since (another digest) is stale and never handed out
 //!   ([`ClaimError::Stale`]); the fence and the free memory are the wake's checks; a standby
@@ -65,7 +68,7 @@ use crate::progress::Progress;
 use crate::stop::{stop, StopOptions};
 use crate::suspend::id;
 use crate::target::{Resolved, Target};
-use crate::thaw::{pids_taken, precheck, GateTree, PrecheckError};
+use crate::thaw::{pids_needed_taken, precheck, GateTree, PrecheckError};
 use crate::watcher::Watcher;
 
 /// Failpoint: a standby's image is opened and checked, CRIU not started (tests kill the agent
@@ -174,10 +177,13 @@ impl StandbyError {
     }
 }
 
-/// Whether the image holds its own network namespace (CRIU dumped one): then CRIU restores each
-/// standby into fresh pid and network namespaces.
+/// Whether the image's tree had pid and network namespaces of its own, so that CRIU restores
+/// each standby into fresh ones (pids and ports of its own on the host): its manifest's
+/// namespace pids name a namespace of its own ([`Manifest::own_pid_namespace`], format 4 on;
+/// an older image says nothing, and counts as sharing the host's), and CRIU dumped its network
+/// namespace (`netns-*.img`). A network namespace alone leaves every standby the same host pids.
 pub fn own_namespaces(manifest: &Manifest) -> bool {
-    manifest.files.iter().any(|f| f.name.starts_with("netns-"))
+    manifest.own_pid_namespace() && manifest.files.iter().any(|f| f.name.starts_with("netns-"))
 }
 
 /// Restores one standby of the image at `dir` (see the module docs). `others`: how many
@@ -204,14 +210,8 @@ pub fn prepare(
         }
         .into());
     }
-    let in_use = if namespaced {
-        Vec::new()
-    } else {
-        match pids_taken(criu, &manifest.pids()) {
-            Ok(p) => p,
-            Err(e) => return Err(StandbyRefusal::Precheck(e).into()),
-        }
-    };
+    // As a thaw: the image's pids, unless its tree had a pid namespace of its own.
+    let in_use = pids_needed_taken(criu, &manifest).map_err(StandbyRefusal::Precheck)?;
     let fenced = fence.list()?;
     // Free device memory is the claim's check: a standby holds none.
     let gpus: Vec<GpuInfo> = gpu
@@ -890,16 +890,21 @@ mod tests {
     use cryo_testkit::{eventually, PATIENCE};
 
     use super::*;
-    use crate::thaw::tests::after_restore::{scene_of, scene_with, Scene};
+    use crate::thaw::tests::after_restore::{scene_of, scene_of_files, scene_with, Scene};
     use crate::NoProgress;
 
     fn prepare(s: &Scene) -> Result<Standby, StandbyError> {
+        prepare_beside(s, 0)
+    }
+
+    /// [`super::prepare`] of the scene's image, `others` standbys of it said to exist.
+    fn prepare_beside(s: &Scene, others: usize) -> Result<Standby, StandbyError> {
         let fence = cryo_state::StateDir::new(s.dir.path()).fence();
         super::prepare(
             &s.fake.gpu(),
             &s.criu,
             &s.dir.path().join("img"),
-            0,
+            others,
             None,
             &s.journal,
             &fence,
@@ -988,5 +993,40 @@ mod tests {
             s.fake.calls()
         );
         assert_eq!(s.labels(), Vec::<&str>::new());
+    }
+
+    /// Attack: an image of a tree that had a network namespace of its own (CRIU dumped one,
+    /// `netns-*.img`) but shared the host's pid namespace (its manifest's namespace pids name
+    /// one namespace). Each standby of it would hold the same host pids: a second one is
+    /// refused before anything is restored, and the first one's pids are checked free.
+    #[test]
+    fn an_image_in_its_own_network_namespace_but_the_host_s_pids_gets_one_standby() {
+        let s = scene_of_files(
+            Procs::session_tree(1),
+            None,
+            &[true, true],
+            &["netns-10.img"],
+        );
+        let err = prepare_beside(&s, 1).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                StandbyError::Refused(StandbyRefusal::SharedNamespaces { .. })
+            ),
+            "{err}"
+        );
+        assert_eq!(s.criu.restore_count(), 0);
+        // The pids are checked: the fake CRIU counts the image's as free until it restored
+        // them once, as the original's would be once it was frozen; now they are taken.
+        prepare(&s).unwrap_or_else(|e| panic!("{e}"));
+        let err = prepare(&s).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                StandbyError::Refused(StandbyRefusal::Precheck(PrecheckError::PidsInUse(_)))
+            ),
+            "{err}"
+        );
+        assert_eq!(s.criu.restore_count(), 1);
     }
 }

@@ -153,7 +153,10 @@ pub(crate) fn pids_taken(criu: &dyn Criu, pids: &[Pid]) -> Result<Vec<Pid>, Prec
 /// ([`Manifest::own_pid_namespace`]): CRIU restores it into a fresh namespace, under host pids of
 /// its own, so the host pids it had at freeze may be anyone's now. An older image says nothing
 /// of its namespaces: its pids must be free (the safe side).
-fn pids_needed_taken(criu: &dyn Criu, manifest: &Manifest) -> Result<Vec<Pid>, PrecheckError> {
+pub(crate) fn pids_needed_taken(
+    criu: &dyn Criu,
+    manifest: &Manifest,
+) -> Result<Vec<Pid>, PrecheckError> {
     if manifest.own_pid_namespace() {
         return Ok(Vec::new());
     }
@@ -1239,10 +1242,29 @@ pub(crate) mod tests {
             scene_of(Procs::session_tree(1), image_pid, &[true, true])
         }
 
+        /// [`scene_of`], the image holding `files` (each a few bytes) beside its pages.
+        pub(crate) fn scene_of_files(
+            procs: Procs,
+            image_pid: Option<Pid>,
+            cuda: &[bool],
+            files: &[&str],
+        ) -> Scene {
+            scene_built(procs, image_pid, cuda, files)
+        }
+
         /// The tree of `procs` in an image, the first process's pid there replaced by
         /// `image_pid`; the `i`th process of the tree (root first) is a CUDA process
         /// (CHECKPOINTED) if `cuda[i]`.
         pub(crate) fn scene_of(procs: Procs, image_pid: Option<Pid>, cuda: &[bool]) -> Scene {
+            scene_built(procs, image_pid, cuda, &[])
+        }
+
+        fn scene_built(
+            procs: Procs,
+            image_pid: Option<Pid>,
+            cuda: &[bool],
+            files: &[&str],
+        ) -> Scene {
             let pids = procs.tree();
             assert_eq!(pids.len(), cuda.len(), "{pids:?}");
             let fake = FakeGpu::new();
@@ -1254,6 +1276,9 @@ pub(crate) mod tests {
             let dir = tempfile::tempdir().unwrap();
             let staging = Staging::create(&dir.path().join("img")).unwrap();
             std::fs::write(staging.path().join("pages-1.img"), b"pages").unwrap();
+            for f in files {
+                std::fs::write(staging.path().join(f), b"file").unwrap();
+            }
             let processes = pids
                 .iter()
                 .zip(cuda)
