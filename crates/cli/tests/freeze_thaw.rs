@@ -895,6 +895,77 @@ fn a_freeze_killed_mid_lease_hands_the_worker_back_to_the_guard() {
     guard.kill();
 }
 
+/// A freeze killed after a driver action whose outcome is not journaled yet: a lock's `Locked`
+/// goes to disk with the checkpoint's `CheckpointStarted`, a checkpoint's `Checkpointed` with
+/// `Verified` (one `fdatasync` each instead of two). The journal then shows the suspension in
+/// flight at its last intent (`LockStarted`, `CheckpointStarted`), with the freeze's purpose,
+/// and the next stop settles the worker from what the driver says: a locked one is unlocked
+/// and serves again; a checkpointed one is left checkpointed (a stop has no guard to resume it
+/// under), and `cryo stop` then ends it without a wedge.
+#[test]
+fn a_freeze_killed_before_its_lock_or_checkpoint_is_journaled_is_settled_by_the_next_stop() {
+    use cryo_journal::{Event, Purpose, StopStep};
+    for (failpoint, found, step) in [
+        ("suspend-after-lock", "locked", StopStep::LockStarted),
+        (
+            "suspend-after-checkpoint",
+            "checkpointed",
+            StopStep::CheckpointStarted,
+        ),
+    ] {
+        let mut env = Env::start("1GiB");
+        let (pid, ep) = env.worker("64MiB", 0);
+        let before = answers(&ep);
+        let image = env.path().join("img");
+        freeze_killed_at(&env, pid, &image, false, failpoint);
+        let state = |env: &Env| env.sim.gpu.driver.state(pid).unwrap().to_string();
+        assert_eq!(state(&env), found, "{failpoint}");
+        let id = cryo_journal::ProcId::of(pid).unwrap();
+        let journal = cryo_journal::read(env.path().join("state").join("journal")).unwrap();
+        let inflight = cryo_journal::in_flight_stops(&journal.records);
+        let f = inflight
+            .get(&id)
+            .unwrap_or_else(|| panic!("{failpoint}: not in flight: {:?}", events(&env)));
+        assert_eq!(f.step, Some(step), "{failpoint}");
+        assert_eq!(f.purpose, Some(Purpose::Freeze), "{failpoint}");
+        // The outcome of the action it was killed after is not on disk: what recovery gets is
+        // the intent alone.
+        assert!(
+            !events(&env).iter().any(|e| match (failpoint, e) {
+                ("suspend-after-lock", Event::Locked { pid: p, .. }) => *p == id,
+                ("suspend-after-checkpoint", Event::Checkpointed { pid: p, .. }) => *p == id,
+                _ => false,
+            }),
+            "{failpoint}: {:?}",
+            events(&env)
+        );
+        assert!(!image.exists());
+
+        let (other, _) = env.worker("16MiB", 1);
+        let out = env.cryo(&["stop", "--json", &other.to_string()]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        env.reap_worker(other);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let settled = v["settled"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .into_iter()
+            .find(|s| s["pid"]["pid"] == pid)
+            .unwrap_or_else(|| panic!("{failpoint}: not settled: {v}"));
+        assert_eq!(settled["found"], found, "{settled}");
+        if found == "locked" {
+            assert_eq!(settled["action"]["kind"], "unlocked", "{settled}");
+            assert_eq!(state(&env), "running");
+            assert_eq!(answers(&ep), before, "it serves as before");
+        } else {
+            assert_eq!(settled["action"]["kind"], "left", "{settled}");
+            assert_eq!(state(&env), "checkpointed");
+        }
+        env.stop_clean(pid);
+    }
+}
+
 /// The staging directories beside `image`.
 fn staging(image: &Path) -> Vec<PathBuf> {
     let name = format!("{}.tmp-", image.file_name().unwrap().to_str().unwrap());

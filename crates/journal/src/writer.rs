@@ -101,6 +101,24 @@ impl Journal {
         })
     }
 
+    /// Appends `events` in order, at once: one `write` of all their frames and one
+    /// `fdatasync`, under one lock (no other writer's record falls between them). Returns the
+    /// records as written, once they are all on stable storage. A writer killed mid-write
+    /// leaves a prefix of them (whole records, then at most one torn frame that the next
+    /// writer cuts), as if it had appended them one by one and died between two. Nothing is
+    /// written for an empty list.
+    pub fn append_all(&self, events: Vec<Event>) -> Result<Vec<Record>, AppendError> {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.locked(|st| {
+            if let Some(repair) = self.sync_tail(st)? {
+                self.write_record(st, repair)?;
+            }
+            self.write_records(st, events)
+        })
+    }
+
     /// Runs `f` holding both the in-process mutex (threads share one open file, and `flock`
     /// does not exclude holders of the same open file) and the `flock` (other processes).
     fn locked<T, E: From<FileError>>(
@@ -188,22 +206,44 @@ impl Journal {
             time: SystemTime::now(),
             event,
         };
-        let payload = serde_json::to_vec(&record).map_err(AppendError::Encode)?;
-        let frame = frame::encode(&payload).ok_or(AppendError::TooLarge {
-            len: payload.len(),
-            max: frame::MAX_PAYLOAD,
-        })?;
-        // One write() of the whole frame (O_APPEND), so a concurrent reader sees it grow from
-        // the front and a kill leaves at most a prefix of it.
+        let frame = encode(&record)?;
+        self.write_frames(st, &frame, record.seq)?;
+        Ok(record)
+    }
+
+    /// Under the lock, with the tail known good: writes the frames of `events` (one `write`)
+    /// and syncs them (one `fdatasync`).
+    fn write_records(
+        &self,
+        st: &mut State,
+        events: Vec<Event>,
+    ) -> Result<Vec<Record>, AppendError> {
+        let time = SystemTime::now();
+        let mut records = Vec::with_capacity(events.len());
+        let mut frames = Vec::new();
+        for (seq, event) in (st.last_seq + 1..).zip(events) {
+            let record = Record { seq, time, event };
+            frames.extend_from_slice(&encode(&record)?);
+            records.push(record);
+        }
+        let last = records.last().map_or(st.last_seq, |r| r.seq);
+        self.write_frames(st, &frames, last)?;
+        Ok(records)
+    }
+
+    /// Under the lock: appends `frames` (whole frames, the last of seq `last`) and syncs them.
+    fn write_frames(&self, st: &mut State, frames: &[u8], last: u64) -> Result<(), AppendError> {
+        // One write() of the whole frames (O_APPEND), so a concurrent reader sees them grow
+        // from the front and a kill leaves at most a prefix of them.
         let written = (&st.file)
-            .write_all(&frame)
+            .write_all(frames)
             .map_err(self.io_err("cannot write"))
             .and_then(|()| st.file.sync_data().map_err(self.io_err("cannot fdatasync")));
         match written {
             Ok(()) => {
-                st.end = st.end.map(|e| e + frame.len() as u64);
-                st.last_seq = record.seq;
-                Ok(record)
+                st.end = st.end.map(|e| e + frames.len() as u64);
+                st.last_seq = last;
+                Ok(())
             }
             Err(e) => {
                 // A partial frame may be on disk: the next append rescans and cuts it.
@@ -212,4 +252,13 @@ impl Journal {
             }
         }
     }
+}
+
+/// One record's frame.
+fn encode(record: &Record) -> Result<Vec<u8>, AppendError> {
+    let payload = serde_json::to_vec(record).map_err(AppendError::Encode)?;
+    frame::encode(&payload).ok_or(AppendError::TooLarge {
+        len: payload.len(),
+        max: frame::MAX_PAYLOAD,
+    })
 }

@@ -297,6 +297,79 @@ fn flipped_byte_in_the_last_record_is_cut_as_a_torn_tail() {
 }
 
 #[test]
+fn a_batch_is_appended_in_order_at_once_and_a_torn_one_keeps_its_whole_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let j = Journal::open(dir.path()).unwrap();
+    j.append(Event::LockStarted { pid: p(1) }).unwrap();
+    let batch = vec![
+        Event::Locked { pid: p(1), ms: 3 },
+        Event::CheckpointStarted { pid: p(1) },
+        Event::Killed { pid: p(2) },
+    ];
+    let written = j.append_all(batch.clone()).unwrap();
+    assert_eq!(
+        written.iter().map(|r| r.seq).collect::<Vec<_>>(),
+        vec![2, 3, 4]
+    );
+    assert!(j.append_all(Vec::new()).unwrap().is_empty());
+    // Another writer (process) appends after the batch, never inside it.
+    let other = Journal::open(dir.path()).unwrap();
+    assert_eq!(other.append(Event::Killed { pid: p(3) }).unwrap().seq, 5);
+    assert_eq!(
+        j.append_all(vec![Event::Killed { pid: p(4) }]).unwrap()[0].seq,
+        6
+    );
+    let scan = read(dir.path()).unwrap();
+    let events: Vec<Event> = scan.records.iter().map(|r| r.event.clone()).collect();
+    assert_eq!(events[1..4], batch[..]);
+    assert_eq!(scan.records.len(), 6);
+
+    // A writer killed in the middle of a batch's write: the records before the tear are kept,
+    // the torn one is cut by the next writer, as after single appends.
+    let path = dir.path().join(FILE_NAME);
+    let len = std::fs::metadata(&path).unwrap().len();
+    let end_of_third = {
+        let scan = read(dir.path()).unwrap();
+        assert!(scan.tail.is_none());
+        len
+    };
+    let j = Journal::open(dir.path()).unwrap();
+    j.append_all(vec![
+        Event::Locked { pid: p(5), ms: 1 },
+        Event::CheckpointStarted { pid: p(5) },
+    ])
+    .unwrap();
+    let whole = std::fs::metadata(&path).unwrap().len();
+    assert_eq!(read(dir.path()).unwrap().records.len(), 8);
+    // Cut inside the batch's second frame: the first one's header says its payload's length.
+    let mut header = [0u8; 16];
+    std::fs::File::open(&path)
+        .unwrap()
+        .read_exact_at(&mut header, end_of_third)
+        .unwrap();
+    assert_eq!(&header[..4], b"CRJ1");
+    let payload = u32::from_le_bytes(header[4..8].try_into().unwrap()) as u64;
+    let first_frame = end_of_third + 16 + payload + 10;
+    assert!(first_frame < whole);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(first_frame)
+        .unwrap();
+    let scan = read(dir.path()).unwrap();
+    assert_eq!(scan.records.len(), 7, "the batch's first record is whole");
+    assert_eq!(scan.records[6].event, Event::Locked { pid: p(5), ms: 1 });
+    assert!(scan.tail.is_some());
+    let j = Journal::open(dir.path()).unwrap();
+    assert!(matches!(
+        read(dir.path()).unwrap().records[7].event,
+        Event::JournalRepaired { .. }
+    ));
+    assert_eq!(j.append(Event::Killed { pid: p(6) }).unwrap().seq, 9);
+}
+
+#[test]
 fn threads_share_one_journal() {
     let dir = tempfile::tempdir().unwrap();
     let j = Journal::open(dir.path()).unwrap();

@@ -60,6 +60,14 @@ impl Default for SuspendOptions {
 /// `resume_on_failure`, what it checkpointed is restored and unlocked in place).
 pub const SUSPEND_ROLL_BACK: &str = "suspend-roll-back";
 
+/// Failpoint (stalling until killed, [`failpoint::stall_if`]): a process is locked, its
+/// `Locked` not journaled yet (it goes with `CheckpointStarted`), nothing checkpointed.
+pub const SUSPEND_AFTER_LOCK: &str = "suspend-after-lock";
+
+/// Failpoint (stalling until killed): every process is checkpointed, its `Checkpointed` not
+/// journaled yet (it goes with `Verified`), nothing verified.
+pub const SUSPEND_AFTER_CHECKPOINT: &str = "suspend-after-checkpoint";
+
 /// The checkpoint rate assumed when budgeting a deadline: half the slowest rate measured on an
 /// H200 (1.7 GB/s), since page faulting, not the bus, bounds it.
 pub const CHECKPOINT_BYTES_PER_SEC: u64 = 850_000_000;
@@ -360,16 +368,6 @@ pub(crate) fn suspend_listed(
 ) -> Vec<SuspendOutcome> {
     let gpu = &gpu.bounded(opts.limits());
     let by = me();
-    for p in procs {
-        record(
-            journal,
-            Event::SuspendStarted {
-                pid: id(p),
-                purpose: opts.purpose,
-                by,
-            },
-        );
-    }
     let memory_before: Vec<u64> = procs
         .iter()
         .map(|p| match listed {
@@ -399,6 +397,13 @@ pub(crate) fn suspend_listed(
             failure: None,
             locked_here: false,
             ckpt_here: false,
+            // Journaled with the first record that goes before a driver action on it (or at
+            // the end): nothing was done to it before.
+            pending: vec![Event::SuspendStarted {
+                pid: id(p),
+                purpose: opts.purpose,
+                by,
+            }],
         })
         .collect();
 
@@ -450,6 +455,9 @@ pub(crate) fn suspend_listed(
         };
         verify_all(gpu, &mut rows, verify, journal);
     }
+    // Every outcome not journaled yet, before anything else is journaled or done (a roll-back,
+    // the caller's next step).
+    flush(journal, &mut rows);
     if rows.iter().all(|r| r.failure.is_none()) && failpoint::active(SUSPEND_ROLL_BACK) {
         failpoint::pause_if(SUSPEND_ROLL_BACK);
         for row in &mut rows {
@@ -512,6 +520,39 @@ struct Row<'a> {
     failure: Option<SuspendFailure>,
     locked_here: bool,
     ckpt_here: bool,
+    /// Records of it not journaled yet: outcomes (and its `SuspendStarted`), written with the
+    /// next record that must be on disk before an action ([`record_row`]), or by [`flush`].
+    pending: Vec<Event>,
+}
+
+/// Journals `event` about `row`, after its records not journaled yet, in one append (one
+/// `fdatasync` instead of one each). What must precede a driver action (an intent:
+/// `LockStarted`, `CheckpointStarted`) goes through here, so it is on disk, with everything
+/// before it, before the action; an outcome (`Locked`, `Checkpointed`) waits in
+/// [`Row::pending`] for the next one. A crash in between loses only outcomes, and recovery
+/// never trusts those: it asks the driver the state of every process whose last step is not
+/// final ([`crate::settle_in_flight`]).
+fn record_row(journal: Option<&Journal>, row: &mut Row<'_>, event: Event) {
+    row.pending.push(event);
+    record_all(journal, std::mem::take(&mut row.pending));
+}
+
+/// Journals what every row still has pending, in one append.
+fn flush(journal: Option<&Journal>, rows: &mut [Row<'_>]) {
+    let events: Vec<Event> = rows
+        .iter_mut()
+        .flat_map(|r| std::mem::take(&mut r.pending))
+        .collect();
+    record_all(journal, events);
+}
+
+fn record_all(journal: Option<&Journal>, events: Vec<Event>) {
+    if let Some(j) = journal {
+        // As `record`: a journal that cannot take it is loud, not a reason to stop half-way.
+        if let Err(e) = j.append_all(events) {
+            tracing::error!(error = %e, "cannot write the journal");
+        }
+    }
 }
 
 fn record(journal: Option<&Journal>, event: Event) {
@@ -601,45 +642,37 @@ fn lock_one(
                 opts.lock_timeout.min(budget)
             }
         };
-        record(
-            journal,
-            Event::LockStarted {
-                pid: id(row.handle),
-            },
-        );
+        let lock_started = Event::LockStarted {
+            pid: id(row.handle),
+        };
+        record_row(journal, row, lock_started);
         match gpu.driver.lock(pid, Some(timeout)) {
             Ok(()) => {
                 let took = start.elapsed();
                 row.lock = Some(took);
                 row.locked_here = true;
-                record(
-                    journal,
-                    Event::Locked {
-                        pid: id(row.handle),
-                        ms: ms(took),
-                    },
-                );
+                // An outcome: journaled with the checkpoint's intent (or by `flush`).
+                row.pending.push(Event::Locked {
+                    pid: id(row.handle),
+                    ms: ms(took),
+                });
                 progress.end(pid, "lock", true, &format!("{} ms", took.as_millis()));
                 return;
             }
             Err(e) if e.code() == Some(CuResult::NOT_READY) && attempt < attempts => {
-                record(
-                    journal,
-                    Event::LockFailed {
-                        pid: id(row.handle),
-                        error: e.to_string(),
-                    },
-                );
+                // Journaled with the next attempt's intent.
+                row.pending.push(Event::LockFailed {
+                    pid: id(row.handle),
+                    error: e.to_string(),
+                });
                 tracing::warn!(pid, attempt, "lock timed out with work in flight; retrying");
             }
             Err(e) => {
-                record(
-                    journal,
-                    Event::LockFailed {
-                        pid: id(row.handle),
-                        error: e.to_string(),
-                    },
-                );
+                let failed = Event::LockFailed {
+                    pid: id(row.handle),
+                    error: e.to_string(),
+                };
+                record_row(journal, row, failed);
                 abandoned(journal, row.handle, &e);
                 row.failure = Some(if e.code() == Some(CuResult::NOT_READY) {
                     SuspendFailure::LockTimedOut {
@@ -692,12 +725,12 @@ fn checkpoint_one(
     let pid = row.handle.pid();
     let rss_before = row.handle.rss().unwrap_or(0);
     progress.begin(pid, "checkpoint", row.mem);
-    record(
-        journal,
-        Event::CheckpointStarted {
-            pid: id(row.handle),
-        },
-    );
+    // The lock's outcome is not on disk yet: a crash here leaves the lock's intent last.
+    failpoint::stall_if(SUSPEND_AFTER_LOCK);
+    let started = Event::CheckpointStarted {
+        pid: id(row.handle),
+    };
+    record_row(journal, row, started);
     let start = Instant::now();
     let result = thread::scope(|s| {
         let (tx, rx) = mpsc::channel();
@@ -722,27 +755,23 @@ fn checkpoint_one(
     match result {
         Err(_panic) => {
             let f = SuspendFailure::Panicked { step: "checkpoint" };
-            record(
-                journal,
-                Event::CheckpointFailed {
-                    pid: id(row.handle),
-                    error: f.reason(),
-                },
-            );
+            let failed = Event::CheckpointFailed {
+                pid: id(row.handle),
+                error: f.reason(),
+            };
+            record_row(journal, row, failed);
             progress.end(pid, "checkpoint", false, &f.reason());
             row.failure = Some(f);
         }
         Ok(Ok(())) => {
             row.ckpt = Some(took);
             row.ckpt_here = true;
-            record(
-                journal,
-                Event::Checkpointed {
-                    pid: id(row.handle),
-                    ms: ms(took),
-                    bytes: row.mem,
-                },
-            );
+            // An outcome: journaled with the verification's (or by `flush`).
+            row.pending.push(Event::Checkpointed {
+                pid: id(row.handle),
+                ms: ms(took),
+                bytes: row.mem,
+            });
             progress.end(
                 pid,
                 "checkpoint",
@@ -755,13 +784,11 @@ fn checkpoint_one(
             );
         }
         Ok(Err(e)) => {
-            record(
-                journal,
-                Event::CheckpointFailed {
-                    pid: id(row.handle),
-                    error: e.to_string(),
-                },
-            );
+            let failed = Event::CheckpointFailed {
+                pid: id(row.handle),
+                error: e.to_string(),
+            };
+            record_row(journal, row, failed);
             abandoned(journal, row.handle, &e);
             let f = classify("checkpoint", &e, row.handle);
             progress.end(pid, "checkpoint", false, &f.reason());
@@ -771,6 +798,8 @@ fn checkpoint_one(
 }
 
 fn verify_all(gpu: &Gpu, rows: &mut [Row<'_>], timeout: Duration, journal: Option<&Journal>) {
+    // The checkpoints' outcomes are not on disk yet: a crash here leaves their intents last.
+    failpoint::stall_if(SUSPEND_AFTER_CHECKPOINT);
     let start = Instant::now();
     let deadline = start + timeout;
     let mut pending: Vec<usize> = (0..rows.len()).collect();
@@ -787,6 +816,8 @@ fn verify_all(gpu: &Gpu, rows: &mut [Row<'_>], timeout: Duration, journal: Optio
                 return;
             }
         };
+        // What this look found, journaled at once (with each row's pending outcomes).
+        let mut found = Vec::new();
         pending.retain(|&i| {
             let pid = rows[i].handle.pid();
             let bytes: u64 = listed
@@ -798,28 +829,25 @@ fn verify_all(gpu: &Gpu, rows: &mut [Row<'_>], timeout: Duration, journal: Optio
             if !still {
                 let took = start.elapsed();
                 rows[i].verify = Some(took);
-                record(
-                    journal,
-                    Event::Verified {
-                        pid: id(rows[i].handle),
-                        ms: Some(ms(took)),
-                    },
-                );
+                found.append(&mut rows[i].pending);
+                found.push(Event::Verified {
+                    pid: id(rows[i].handle),
+                    ms: Some(ms(took)),
+                });
                 return false;
             }
             if Instant::now() >= deadline {
-                record(
-                    journal,
-                    Event::VerifyFailed {
-                        pid: id(rows[i].handle),
-                        bytes_left: bytes,
-                    },
-                );
+                found.append(&mut rows[i].pending);
+                found.push(Event::VerifyFailed {
+                    pid: id(rows[i].handle),
+                    bytes_left: bytes,
+                });
                 rows[i].failure = Some(SuspendFailure::MemoryStillListed { bytes });
                 return false;
             }
             true
         });
+        record_all(journal, found);
         if pending.is_empty() {
             return;
         }
