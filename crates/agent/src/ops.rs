@@ -129,9 +129,11 @@ impl Agent {
             progress,
         ) {
             Ok(r) => Ok(r),
-            Err(e @ (FreezeError::Refused(_) | FreezeError::CrossProcessCuda { .. })) => {
-                Err(refused(e))
-            }
+            Err(
+                e @ (FreezeError::Refused(_)
+                | FreezeError::CrossProcessCuda { .. }
+                | FreezeError::CudaProcessEnded { .. }),
+            ) => Err(refused(e)),
             Err(e) => Err(failed(e)),
         }
     }

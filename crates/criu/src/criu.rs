@@ -110,13 +110,18 @@ pub trait Criu: std::fmt::Debug + Send + Sync {
 
     /// [`Criu::dump`] into `staging`, what a freeze publishes; cryo starts hashing once CRIU
     /// has written it ([`Staging::follow_written`]) and publish hashes what is left.
-    /// [`CriuRpc`] runs CRIU as a command whose `post-dump` stage waits at cryo's gate (see
-    /// there), and starts hashing there, while CRIU ends the tree.
-    fn dump_staged(&self, pid: Pid, staging: &Staging, opts: &DumpOpts) -> Result<(), CriuError> {
-        self.dump(pid, staging.path(), opts)?;
-        staging.follow_written(&[DUMP_LOG]);
-        Ok(())
-    }
+    /// `at_gate` runs at CRIU's `post-dump` stage: every image written, every process CRIU
+    /// dumped still frozen (none can exit or fork), none killed yet; an `Err` from it makes
+    /// CRIU resume the tree instead of killing it ([`CriuError::DumpGate`]), as the caller
+    /// dying there does. [`CriuRpc`] runs CRIU as a command whose `post-dump` stage waits at
+    /// cryo's gate (see there), and starts hashing there, while CRIU ends the tree.
+    fn dump_staged(
+        &self,
+        pid: Pid,
+        staging: &Staging,
+        opts: &DumpOpts,
+        at_gate: &DumpGate<'_>,
+    ) -> Result<(), CriuError>;
 
     /// Restores the tree of `image` (opened and trusted by [`Image::open`]) and returns the pid
     /// of its root as CRIU names it: the host pid, which is the pid it had when dumped unless
@@ -154,6 +159,10 @@ pub trait Criu: std::fmt::Debug + Send + Sync {
 
 /// What a caller of [`Criu::restore_gated`] runs at the gate, with the restored root's pid.
 pub type AtGate<'a> = dyn Fn(Pid) -> Result<(), String> + Sync + 'a;
+
+/// What a caller of [`Criu::dump_staged`] runs at the dump's gate (the tree frozen, every
+/// image written, nothing killed): what CRIU dumped is what lives in the tree now.
+pub type DumpGate<'a> = dyn Fn() -> Result<(), String> + Sync + 'a;
 
 /// A CRIU binary that was found and is recent enough, driven through `criu swrk` RPC.
 #[derive(Debug, Clone)]
@@ -582,9 +591,15 @@ impl Criu for CriuRpc {
     /// and the pipe's hand-over cost CRIU its core. The follower beside CRIU's writing (from
     /// the dump's start) cost it too: dump 853 against 670 ms median (session 9, load 5-9, see
     /// `image/follow.rs`).
-    fn dump_staged(&self, pid: Pid, staging: &Staging, opts: &DumpOpts) -> Result<(), CriuError> {
+    fn dump_staged(
+        &self,
+        pid: Pid,
+        staging: &Staging,
+        opts: &DumpOpts,
+        at_gate: &DumpGate<'_>,
+    ) -> Result<(), CriuError> {
         if std::env::var_os("CRYO_DUMP_STREAM").is_some_and(|v| v == "1") {
-            return self.dump_streamed(pid, staging, opts);
+            return self.dump_streamed(pid, staging, opts, at_gate);
         }
         let op = CriuOp::Dump;
         // Private to root (0700): the gate.
@@ -610,7 +625,9 @@ impl Criu for CriuRpc {
                 // CRIU wrote every byte before its post-dump stage.
                 image::CaptureClock::mark(&clock.received);
                 image::CaptureClock::mark(&clock.gate);
-                let v = staging.check_dumped().map_err(CriuError::Image);
+                let v = at_gate()
+                    .map_err(CriuError::DumpGate)
+                    .and_then(|()| staging.check_dumped().map_err(CriuError::Image));
                 if v.is_ok() {
                     // Behind the verdict, while CRIU ends the tree: CRIU wrote with the cores
                     // to itself.
@@ -933,6 +950,7 @@ impl CriuRpc {
         pid: Pid,
         staging: &Staging,
         opts: &DumpOpts,
+        at_gate: &DumpGate<'_>,
     ) -> Result<(), CriuError> {
         let op = CriuOp::Dump;
         let dir_err = |path: &Path| {
@@ -959,7 +977,9 @@ impl CriuRpc {
             || capture.serve(&listener),
             |_| {
                 image::CaptureClock::mark(&clock.gate);
-                let v = capture.written().map_err(CriuError::Image);
+                let v = at_gate()
+                    .map_err(CriuError::DumpGate)
+                    .and_then(|()| capture.written().map_err(CriuError::Image));
                 image::CaptureClock::mark(&clock.verdict);
                 v
             },

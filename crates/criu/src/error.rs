@@ -117,6 +117,10 @@ pub enum CriuError {
     /// CRIU aborted the restore and removed it.
     #[error("restore refused at cryo's gate: {0}; CRIU removed the restored tree")]
     Gate(String),
+    /// The caller's check at the dump's gate (every image written, the tree still frozen)
+    /// refused the tree: CRIU resumed it instead of killing it.
+    #[error("dump refused at cryo's gate: {0}; CRIU resumed the tree")]
+    DumpGate(String),
 }
 
 fn fmt_paths(p: &[PathBuf]) -> String {

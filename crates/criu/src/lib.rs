@@ -45,7 +45,7 @@ mod unresumed;
 mod version;
 
 pub use criu::{
-    error_lines, AtGate, Criu, CriuFlags, CriuRpc, DumpOpts, DumpPhases, RestoreOpts,
+    error_lines, AtGate, Criu, CriuFlags, CriuRpc, DumpGate, DumpOpts, DumpPhases, RestoreOpts,
     RestorePhases, Restored, ThawRoute, CRIU_ENV, DEFAULT_CRIU, DUMP_LOG, RESTORE_LOG,
     VERSION_CACHE,
 };

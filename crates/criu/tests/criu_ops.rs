@@ -168,7 +168,7 @@ fn dump_publish_verify_restore_keeps_pid_and_memory() {
     let dir = t.path().join("image");
     let staging = Staging::create(&dir).unwrap();
     // CRIU writes the files, cryo hashes behind it.
-    criu.dump_staged(pid, &staging, &DumpOpts::default())
+    criu.dump_staged(pid, &staging, &DumpOpts::default(), &|| Ok(()))
         .unwrap();
     // CRIU killed the tree; reap our child so its pid is free for the restore.
     let status = child.wait().unwrap();
@@ -243,7 +243,7 @@ fn a_dump_that_cannot_be_written_leaves_the_tree_running() {
     assert!(mounted.success(), "mount tmpfs: {mounted}");
     let staging = Staging::create(&small.join("image")).unwrap();
     let err = criu
-        .dump_staged(counter.pid, &staging, &DumpOpts::default())
+        .dump_staged(counter.pid, &staging, &DumpOpts::default(), &|| Ok(()))
         .unwrap_err();
     drop(staging);
     // The staging's follower (a thread at idle priority, told to stop, not joined) may hold a
@@ -265,6 +265,43 @@ fn a_dump_that_cannot_be_written_leaves_the_tree_running() {
     counter.count_at_least(before + 1);
 }
 
+/// The caller's gate runs while CRIU holds the tree frozen, every image written (the tree's
+/// process is there, stopped), and its refusal makes CRIU resume the tree instead of killing
+/// it, for both dump routes (CRIU's files and the stream).
+#[test]
+fn a_dump_refused_at_the_caller_s_gate_resumes_the_tree() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let criu = criu();
+    for streamed in [false, true] {
+        let mut counter = Counter::start();
+        let before = counter.count_at_least(1);
+        let staging = Staging::create(&counter.path().join("image")).unwrap();
+        let pid = counter.pid;
+        let seen = std::sync::Mutex::new(None);
+        let at_gate = || {
+            *seen.lock().unwrap() = cryo_proc::stat(pid).ok().map(|s| s.state);
+            Err("the tree changed".to_string())
+        };
+        let err = if streamed {
+            criu.dump_streamed(pid, &staging, &DumpOpts::default(), &at_gate)
+        } else {
+            criu.dump_staged(pid, &staging, &DumpOpts::default(), &at_gate)
+        }
+        .unwrap_err();
+        assert!(
+            matches!(&err, CriuError::DumpGate(m) if m == "the tree changed"),
+            "{err}"
+        );
+        let state = seen.lock().unwrap().take();
+        assert!(
+            matches!(state, Some('t' | 'T')),
+            "the tree was not held stopped at the gate: {state:?}"
+        );
+        assert!(counter.runs(), "the tree died: {err}");
+        counter.count_at_least(before + 1);
+    }
+}
+
 /// A dump's CRIU run directory (its gate, its plugin-less plugin directory) is removed once
 /// publish has fsync'd the image, not between CRIU's exit and the worker gone, where removing
 /// it waited on the file system's journal, itself waiting for the image's writeback; and it is
@@ -284,7 +321,7 @@ fn a_dump_s_criu_directory_goes_after_publish_or_with_the_unpublished_staging() 
         let mut counter = Counter::start();
         let dir = counter.path().join("image");
         let staging = Staging::create(&dir).unwrap();
-        criu.dump_staged(counter.pid, &staging, &DumpOpts::default())
+        criu.dump_staged(counter.pid, &staging, &DumpOpts::default(), &|| Ok(()))
             .unwrap();
         assert!(
             !counter.child.wait().unwrap().success(),
@@ -323,7 +360,7 @@ fn a_streamed_dump_publishes_and_verifies() {
     let mut counter = Counter::start();
     let dir = counter.path().join("image");
     let staging = Staging::create(&dir).unwrap();
-    criu.dump_streamed(counter.pid, &staging, &DumpOpts::default())
+    criu.dump_streamed(counter.pid, &staging, &DumpOpts::default(), &|| Ok(()))
         .unwrap();
     assert!(
         !counter.child.wait().unwrap().success(),
@@ -371,7 +408,7 @@ fn a_link_in_the_staging_directory_refuses_the_dump_and_the_tree_runs_on() {
     );
     std::os::unix::fs::symlink("/etc/hostname", staging.path().join("evil.img")).unwrap();
     let err = criu
-        .dump_staged(counter.pid, &staging, &DumpOpts::default())
+        .dump_staged(counter.pid, &staging, &DumpOpts::default(), &|| Ok(()))
         .unwrap_err();
     assert!(err.to_string().contains("evil.img"), "{err}");
     assert!(counter.runs(), "the tree died: {err}");

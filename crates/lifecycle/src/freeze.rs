@@ -2,7 +2,8 @@
 //! publish it atomically.
 //!
 //! # Design
-//! 1. The tree comes resolved to pidfd handles (the caller resolved it once); refuse what CRIU
+//! 1. The tree comes resolved to pidfd handles (the caller resolved it once); a member (not
+//!    the root) that ends while it is looked at is not part of it; refuse what CRIU
 //!    cannot dump cleanly (a root that does not lead its own session, a process traced by anything
 //!    but cryo's guard, e.g. a debugger).
 //! 2. Record from NVML, *before* the checkpoint, which GPUs each CUDA process uses and how much
@@ -16,7 +17,16 @@
 //!    let go of the processes it traces (CRIU must trace them itself); the guard itself refuses to
 //!    let go of a process whose context the journal does not show suspended. A death between the
 //!    let-go and the dump is the safe kind (its context is checkpointed) and is journaled as such.
-//! 5. CRIU dump into the staging directory. Without `leave_running` CRIU kills the tree: every
+//! 5. CRIU dump into the staging directory. At CRIU's `post-dump` gate (every image written,
+//!    the tree frozen) the manifest's list of processes is settled against what lives in the
+//!    tree then, which is what CRIU dumped (`at_dump_gate`): a listed process that ended
+//!    since is left out (a zombie CRIU dumped is no process a restore brings back), a process
+//!    forked since is added. A tree that forks all the time (health-check shells, tokenizer
+//!    workers) freezes as CRIU saw it. A CUDA process is never left out or added unseen: one
+//!    that ended after its suspension, or a forked one holding CUDA state or driver files,
+//!    refuses the dump there (CRIU resumes the tree, resumed in place as after a failed dump),
+//!    and one NVML listed that ended before its suspension refuses the freeze. Without
+//!    `leave_running` CRIU kills the tree: every
 //!    context was suspended and verified, so that teardown is the safe kind; each exit is
 //!    confirmed through its pidfd. Whatever still lives after CRIU (a failed dump, or
 //!    `leave_running`) goes back under watch while still CHECKPOINTED, and is then restored,
@@ -119,6 +129,14 @@ pub struct FreezeReport {
     /// the worker gone. A restore of the image needs them free.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pids_held: Vec<cryo_proc::PidHolder>,
+    /// Processes of the tree as it was listed that ended before CRIU froze it: not in the
+    /// image (none was a CUDA process: that refuses the freeze).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ended: Vec<Pid>,
+    /// Processes forked after the tree was listed that CRIU dumped with it (plain ones: one
+    /// with CUDA state or driver files refuses the freeze); in the image.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub forked: Vec<Pid>,
     /// Wall time of the whole freeze, ms: the image is published and durable (every file,
     /// the manifest and the directories fsync'd).
     pub elapsed_ms: u64,
@@ -209,6 +227,13 @@ pub enum FreezeError {
         /// What betrays it.
         evidence: Vec<crate::ipc::Evidence>,
     },
+    /// A CUDA process of the tree (NVML listed its device memory) ended during the freeze,
+    /// before its suspension: nothing was suspended or dumped.
+    #[error("freeze refused: pid {pid}, a CUDA process of the tree (NVML listed its device memory), ended during the freeze; nothing was suspended")]
+    CudaProcessEnded {
+        /// The process.
+        pid: Pid,
+    },
     /// A process CRIU should have killed is still alive after the dump.
     #[error("pid {0} is still alive after the dump; it stays CHECKPOINTED (safe to `cryo stop`)")]
     NotExited(Pid),
@@ -298,8 +323,13 @@ pub fn freeze(
 
 /// Refuses a tree one of whose processes shares GPU memory with others.
 pub(crate) fn refuse_cross_process_cuda(handles: &[ProcHandle]) -> Result<(), FreezeError> {
+    let root = handles.first().map(ProcHandle::pid);
     for h in handles {
-        let evidence = crate::ipc::cross_process_cuda(h)?;
+        let evidence = match crate::ipc::cross_process_cuda(h) {
+            Ok(e) => e,
+            Err(e) if Some(h.pid()) != root && ended(h, &e) => continue,
+            Err(e) => return Err(e.into()),
+        };
         if !evidence.is_empty() {
             return Err(FreezeError::CrossProcessCuda {
                 pid: h.pid(),
@@ -394,7 +424,21 @@ fn classify_tree<'h>(
     listed: Vec<cryo_gpu::GpuProcess>,
 ) -> Result<(Vec<cryo_gpu::GpuProcess>, Vec<&'h ProcHandle>), FreezeError> {
     let mut cuda: Vec<&ProcHandle> = Vec::new();
+    let root = handles.first().map(ProcHandle::pid);
     for h in handles {
+        // A member that ended since the tree was listed (the root must stay) is not part of
+        // it, unless NVML listed it: a CUDA process is never left out unseen. What the image
+        // lists is settled at CRIU's gate (`at_dump_gate`).
+        if Some(h.pid()) != root && !h.is_alive() {
+            if listed.iter().any(|p| p.pid == h.pid()) {
+                return Err(FreezeError::CudaProcessEnded { pid: h.pid() });
+            }
+            tracing::debug!(
+                pid = h.pid(),
+                "ended since the tree was listed: not part of it"
+            );
+            continue;
+        }
         match crate::runnable::runnable(h)? {
             Runnable::Runs | Runnable::Exited => {}
             r => {
@@ -443,7 +487,25 @@ fn freeze_listed(
     let image = opts.image.display().to_string();
     let mut entries = Vec::with_capacity(handles.len());
     for h in handles {
-        let mut e = ProcessEntry::of(h)?;
+        let is_cuda = cuda.iter().any(|c| c.pid() == h.pid());
+        // A member that ended since it was classified is not part of the tree either; a CUDA
+        // one is never left out unseen.
+        if h.pid() != root && !h.is_alive() {
+            if is_cuda {
+                return Err(FreezeError::CudaProcessEnded { pid: h.pid() });
+            }
+            continue;
+        }
+        let mut e = match ProcessEntry::of(h) {
+            Ok(e) => e,
+            Err(e) if h.pid() != root && ended(h, &e) => {
+                if is_cuda {
+                    return Err(FreezeError::CudaProcessEnded { pid: h.pid() });
+                }
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
         if cuda.iter().any(|c| c.pid() == h.pid()) {
             let devices = listed
                 .iter()
@@ -521,7 +583,7 @@ fn freeze_inner(
     handles: &[ProcHandle],
     cuda: &[&ProcHandle],
     listed: &[cryo_gpu::GpuProcess],
-    entries: Vec<ProcessEntry>,
+    mut entries: Vec<ProcessEntry>,
     gpu_model: Option<String>,
     driver_version: Option<String>,
     shrunk: Option<FrozenShrink>,
@@ -586,9 +648,17 @@ fn freeze_inner(
     // After the checkpoint, device memory is part of each process's resident memory.
     let expected: u64 = handles.iter().filter_map(|h| h.rss().ok()).sum();
     // CRIU writes alone; from its gate on, while it ends the tree, cryo hashes what it wrote
-    // and starts the writeback (publish's fsync then waits for the rest only).
+    // and starts the writeback (publish's fsync then waits for the rest only). At the gate
+    // the tree is frozen: what lives in it then is what CRIU dumped, and what the manifest
+    // lists.
+    let seen = std::sync::OnceLock::new();
+    let at_gate = || {
+        let s = at_dump_gate(gpu, handles, cuda)?;
+        let _ = seen.set(s);
+        Ok(())
+    };
     let dumped = with_dir_progress(progress, root, "dump", expected, staging.path(), || {
-        criu.dump_staged(root, &staging, &dump_opts)
+        criu.dump_staged(root, &staging, &dump_opts, &at_gate)
     });
     let dumped_bytes = cryo_criu::image::dir_bytes(staging.path());
     let detail = format!(
@@ -612,11 +682,21 @@ fn freeze_inner(
         );
         return Err(keep_log(e, &opts.image).into());
     }
+    // Both CRIUs reach the gate before a dump succeeds; a seam without one changed nothing.
+    let seen = seen.into_inner().unwrap_or_default();
+    // Those that ended before the classification were left out then.
+    let ended: Vec<Pid> = handles
+        .iter()
+        .map(ProcHandle::pid)
+        .filter(|p| seen.ended.contains(p) || !entries.iter().any(|e| e.pid == *p))
+        .collect();
+    entries.retain(|e| !seen.ended.contains(&e.pid));
+    entries.extend(seen.forked.iter().map(|(_, e)| e.clone()));
     if opts.leave_running {
         // CRIU let go of the tree: back under watch while still CHECKPOINTED.
         drop(leases);
     } else {
-        for h in handles {
+        for h in handles.iter().chain(seen.forked.iter().map(|(h, _)| h)) {
             if !h.wait_exit(Duration::from_secs(10)) {
                 // Still CHECKPOINTED (safe): back under watch.
                 drop(leases);
@@ -688,7 +768,7 @@ fn freeze_inner(
     let pids_held = if opts.leave_running {
         Vec::new()
     } else {
-        let pids: Vec<Pid> = handles.iter().map(ProcHandle::pid).collect();
+        let pids: Vec<Pid> = manifest.processes.iter().map(|e| e.pid).collect();
         crate::reaped::wait_reaped(|| criu.pids_in_use(&pids), crate::reaped::REAP_WAIT)
     };
     Ok(FreezeReport {
@@ -703,9 +783,93 @@ fn freeze_inner(
         dump_phases,
         left_running: opts.leave_running,
         pids_held,
+        ended,
+        forked: seen.forked.iter().map(|(h, _)| h.pid()).collect(),
         elapsed_ms: ms(start.elapsed()),
         shrink: None,
     })
+}
+
+/// The tree as CRIU dumped it, seen at its gate against the processes the freeze listed.
+#[derive(Debug, Default)]
+struct AtGate {
+    /// Listed processes that ended before CRIU froze the tree: not in its image (or there as
+    /// zombies, which no restore brings back as processes).
+    ended: Vec<Pid>,
+    /// Processes CRIU dumped that the freeze never listed (forked since), plain ones only.
+    forked: Vec<(ProcHandle, ProcessEntry)>,
+}
+
+/// At CRIU's dump gate (every image written, the tree frozen: none of it can exit or fork, so
+/// what lives in it now is what CRIU dumped alive): which of the listed `handles` (the root
+/// first) ended before CRIU froze the tree, and which processes it dumped that the freeze
+/// never listed. Refused (CRIU then resumes the tree, and the freeze resumes it in place): a
+/// CUDA process that ended after its suspension (the image would lack it: never left out
+/// unseen), a listed process that left the tree (CRIU did not dump it), and an unlisted one
+/// with CUDA state or driver files (the freeze never suspended it).
+fn at_dump_gate(gpu: &Gpu, handles: &[ProcHandle], cuda: &[&ProcHandle]) -> Result<AtGate, String> {
+    let root = handles
+        .first()
+        .ok_or_else(|| "the tree has no processes".to_string())?;
+    let mut seen = AtGate::default();
+    let in_tree = root.descendants();
+    for h in handles {
+        if h.is_alive() {
+            if h.pid() != root.pid() && !in_tree.iter().any(|d| d.pid() == h.pid()) {
+                return Err(format!(
+                    "pid {} left the tree before CRIU froze it: CRIU did not dump it",
+                    h.pid()
+                ));
+            }
+            continue;
+        }
+        if h.pid() == root.pid() || cuda.iter().any(|c| c.pid() == h.pid()) {
+            return Err(format!(
+                "pid {}, suspended for the freeze, ended before CRIU froze the tree: the image would not hold it",
+                h.pid()
+            ));
+        }
+        seen.ended.push(h.pid());
+    }
+    let listed = |d: &ProcHandle| handles.iter().any(|h| h.pid() == d.pid() && h.is_alive());
+    let forked: Vec<ProcHandle> = in_tree.into_iter().filter(|d| !listed(d)).collect();
+    if forked.is_empty() {
+        return Ok(seen);
+    }
+    let nvml = gpu.inspect.processes().map_err(|e| {
+        format!("cannot ask NVML about the processes forked since the tree was listed: {e}")
+    })?;
+    for h in forked {
+        let never = |what: String| {
+            format!(
+                "pid {} was forked after the freeze listed the tree and {what}: it was never suspended",
+                h.pid()
+            )
+        };
+        match crate::cuda::classify(gpu, &h, &nvml, crate::cuda::SETTLE) {
+            Ok(Class::Plain) => {}
+            Ok(Class::Exited) => continue,
+            Ok(Class::Cuda { state }) => {
+                return Err(never(format!("holds CUDA state ({state:?})")))
+            }
+            Ok(Class::DriverOnly { fds }) => {
+                return Err(never(format!("holds {} driver files", fds.len())))
+            }
+            Err(u) => return Err(never(format!("cannot be classified ({u})"))),
+        }
+        match ProcessEntry::of(&h) {
+            Ok(e) => {
+                tracing::info!(
+                    pid = h.pid(),
+                    "forked after the tree was listed: in the image"
+                );
+                seen.forked.push((h, e));
+            }
+            Err(e) if ended(&h, &e) => {}
+            Err(e) => return Err(format!("pid {}: {e}", h.pid())),
+        }
+    }
+    Ok(seen)
 }
 
 /// The staging directory (and CRIU's log in it) goes when the freeze fails: keep the log beside
@@ -816,7 +980,12 @@ fn check_dumpable(root: Pid, handles: &[ProcHandle]) -> Result<(), FreezeError> 
                 return Err(FreezeError::NotSessionLeader { pid: root, sid });
             }
         }
-        if let Some(tracer) = h.tracer()? {
+        let tracer = match h.tracer() {
+            Ok(t) => t,
+            Err(e) if h.pid() != root && ended(h, &e) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        if let Some(tracer) = tracer {
             if !cryo_proc::runs_our_executable(tracer) {
                 return Err(FreezeError::Traced {
                     pid: h.pid(),
@@ -826,6 +995,12 @@ fn check_dumpable(root: Pid, handles: &[ProcHandle]) -> Result<(), FreezeError> 
         }
     }
     Ok(())
+}
+
+/// Whether `e`, from a look at `h`, says that `h` ended since the tree was listed (reaped, or
+/// a zombie whose files are gone): such a member is not part of the tree any more.
+fn ended(h: &ProcHandle, e: &ProcError) -> bool {
+    matches!(e, ProcError::NoSuchProcess(_)) && !h.is_alive()
 }
 
 /// Reaps `pid` if it is a zombie child of ours (a worker the caller spawned); a zombie keeps its

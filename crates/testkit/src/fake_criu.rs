@@ -9,13 +9,19 @@
 //! processes the test started itself ([`FakeCriu::restores`]), which count as free until then.
 //! What the restored tree does once CRIU resumes it and before CRIU exits (a process of it
 //! exits, forks) is the test's [`FakeCriu::on_resume`].
+//! A staged dump runs the caller's gate after writing and before killing, as CRIU's
+//! `post-dump` stage does; [`FakeCriu::before_next_dump`] changes the tree just before the
+//! fake looks at it (where the real CRIU seizes it), so a test can end or fork a process of
+//! the tree between the freeze's listing and CRIU's.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cryo_criu::image::Image;
+use cryo_criu::image::Staging;
 use cryo_criu::{
-    AtGate, Criu, CriuError, CriuOp, CriuVersion, DumpOpts, RestoreOpts, Restored, DUMP_LOG,
+    AtGate, Criu, CriuError, CriuOp, CriuVersion, DumpGate, DumpOpts, RestoreOpts, Restored,
+    DUMP_LOG,
 };
 use cryo_gpu::ProcessState;
 use cryo_proc::Pid;
@@ -39,10 +45,14 @@ pub struct Dump {
     pub ok: bool,
 }
 
-#[derive(Debug, Default)]
+/// What [`FakeCriu::before_next_dump`] runs.
+type Hook = Box<dyn FnOnce() + Send>;
+
+#[derive(Default)]
 struct Inner {
     dumps: Vec<Dump>,
     fail_next: Option<String>,
+    before_next: Option<Hook>,
     /// The processes a restore brings back (root first), and how many restores ran.
     image: Vec<Pid>,
     restores: usize,
@@ -50,6 +60,18 @@ struct Inner {
 
 /// What the restored tree does between CRIU's resume (its gate let it through) and CRIU's exit.
 type OnResume = Arc<dyn Fn() + Send + Sync>;
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inner")
+            .field("dumps", &self.dumps)
+            .field("fail_next", &self.fail_next)
+            .field("before_next", &self.before_next.is_some())
+            .field("image", &self.image)
+            .field("restores", &self.restores)
+            .finish()
+    }
+}
 
 /// The fake CRIU; clones share one record.
 #[derive(Clone)]
@@ -96,6 +118,12 @@ impl FakeCriu {
         self
     }
 
+    /// The next dump runs `hook` first, before it looks at the tree (where CRIU seizes it).
+    pub fn before_next_dump(&self, hook: impl FnOnce() + Send + 'static) -> &Self {
+        self.inner().before_next = Some(Box::new(hook));
+        self
+    }
+
     /// A restore brings back `pids` (root first): processes the test started, which the fake
     /// reports free until then, as the image's pids are on a host where it was not restored.
     pub fn restores(&self, pids: &[Pid]) -> &Self {
@@ -120,55 +148,18 @@ impl Criu for FakeCriu {
     }
 
     fn dump(&self, pid: Pid, images_dir: &Path, opts: &DumpOpts) -> Result<(), CriuError> {
-        let tree = cryo_proc::tree(pid)
-            .unwrap_or_else(|e| panic!("CRIU cannot see the tree of {pid}: {e}"));
-        let states = tree
-            .iter()
-            .map(|p| (*p, self.gpu.driver_state(*p)))
-            .collect();
-        let failure = self.inner().fail_next.take();
-        let log = images_dir.join(DUMP_LOG);
-        let write = |name: &str, text: &str| {
-            std::fs::write(images_dir.join(name), text).map_err(|source| CriuError::Dir {
-                op: CriuOp::Dump,
-                path: images_dir.to_path_buf(),
-                source,
-            })
-        };
-        let mut dump = Dump {
-            root: pid,
-            dir: images_dir.to_path_buf(),
-            leave_running: opts.leave_running,
-            states,
-            ok: failure.is_none(),
-        };
-        if let Some(line) = failure {
-            write(DUMP_LOG, &format!("(00.000001) Error (fake.c:1): {line}\n"))?;
-            self.inner().dumps.push(dump);
-            return Err(CriuError::Failed {
-                op: CriuOp::Dump,
-                log,
-                lines: vec![format!("Error (fake.c:1): {line}")],
-            });
-        }
-        write(DUMP_LOG, "(00.000001) Dumping finished successfully\n")?;
-        write("inventory.img", "fake inventory\n")?;
-        for p in &tree {
-            write(&format!("core-{p}.img"), &format!("fake core of {p}\n"))?;
-        }
-        if !opts.leave_running {
-            for p in &tree {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(*p),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-            for p in &tree {
-                eventually(PATIENCE, "the dumped tree to die", || !procs::alive(*p));
-            }
-        }
-        dump.ok = true;
-        self.inner().dumps.push(dump);
+        self.dump_gated(pid, images_dir, opts, &|| Ok(()))
+    }
+
+    fn dump_staged(
+        &self,
+        pid: Pid,
+        staging: &Staging,
+        opts: &DumpOpts,
+        at_gate: &DumpGate<'_>,
+    ) -> Result<(), CriuError> {
+        self.dump_gated(pid, staging.path(), opts, at_gate)?;
+        staging.follow_written(&[DUMP_LOG]);
         Ok(())
     }
 
@@ -217,5 +208,77 @@ impl Criu for FakeCriu {
             .into_iter()
             .filter(|p| !g.image.contains(p))
             .collect()
+    }
+}
+
+impl FakeCriu {
+    /// A dump that runs `at_gate` once every file is written, before the tree is killed; a
+    /// refusal there leaves the tree as it was.
+    fn dump_gated(
+        &self,
+        pid: Pid,
+        images_dir: &Path,
+        opts: &DumpOpts,
+        at_gate: &DumpGate<'_>,
+    ) -> Result<(), CriuError> {
+        let hook = self.inner().before_next.take();
+        if let Some(hook) = hook {
+            hook();
+        }
+        let tree = cryo_proc::tree(pid)
+            .unwrap_or_else(|e| panic!("CRIU cannot see the tree of {pid}: {e}"));
+        let states = tree
+            .iter()
+            .map(|p| (*p, self.gpu.driver_state(*p)))
+            .collect();
+        let failure = self.inner().fail_next.take();
+        let log = images_dir.join(DUMP_LOG);
+        let write = |name: &str, text: &str| {
+            std::fs::write(images_dir.join(name), text).map_err(|source| CriuError::Dir {
+                op: CriuOp::Dump,
+                path: images_dir.to_path_buf(),
+                source,
+            })
+        };
+        let mut dump = Dump {
+            root: pid,
+            dir: images_dir.to_path_buf(),
+            leave_running: opts.leave_running,
+            states,
+            ok: failure.is_none(),
+        };
+        if let Some(line) = failure {
+            write(DUMP_LOG, &format!("(00.000001) Error (fake.c:1): {line}\n"))?;
+            self.inner().dumps.push(dump);
+            return Err(CriuError::Failed {
+                op: CriuOp::Dump,
+                log,
+                lines: vec![format!("Error (fake.c:1): {line}")],
+            });
+        }
+        write(DUMP_LOG, "(00.000001) Dumping finished successfully\n")?;
+        write("inventory.img", "fake inventory\n")?;
+        for p in &tree {
+            write(&format!("core-{p}.img"), &format!("fake core of {p}\n"))?;
+        }
+        if let Err(e) = at_gate() {
+            dump.ok = false;
+            self.inner().dumps.push(dump);
+            return Err(CriuError::DumpGate(e));
+        }
+        if !opts.leave_running {
+            for p in &tree {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(*p),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            for p in &tree {
+                eventually(PATIENCE, "the dumped tree to die", || !procs::alive(*p));
+            }
+        }
+        dump.ok = true;
+        self.inner().dumps.push(dump);
+        Ok(())
     }
 }

@@ -174,6 +174,30 @@ impl Procs {
         Procs(vec![root], true)
     }
 
+    /// A tree that leads its own session whose root is a shell that reaps its `children`
+    /// `sleep` children as they end (a child killed is gone, its pid free, not a zombie) and
+    /// forks one more `sleep` on every SIGUSR1.
+    pub fn reaping_tree(children: usize) -> Procs {
+        let script = format!(
+            "trap 'sleep 600 &' USR1; {}while :; do wait; done",
+            "sleep 600 & ".repeat(children)
+        );
+        let mut cmd = Command::new("setsid");
+        cmd.args(["sh", "-c", &script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        crate::fds::close_inherited(&mut cmd, None);
+        let root = cmd.spawn().unwrap();
+        let pid = root.id() as Pid;
+        eventually(PATIENCE, "the reaping tree", || {
+            cryo_proc::stat(pid).is_ok_and(|s| s.session == pid && s.comm == "sh")
+                && catches(pid, libc::SIGUSR1)
+                && cryo_proc::tree(pid).is_ok_and(|t| t.len() == children + 1)
+        });
+        Procs(vec![root], true)
+    }
+
     /// Every process of the tree of the first one (root first).
     pub fn tree(&self) -> Vec<Pid> {
         cryo_proc::tree(self.pid(0)).unwrap()

@@ -79,6 +79,13 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
                 )
             }
         );
+        if !report.ended.is_empty() || !report.forked.is_empty() {
+            println!(
+                "  the tree changed during the freeze: ended before the dump (not in the image): {}; forked before the dump (in the image): {}",
+                fmt_pid_list(&report.ended),
+                fmt_pid_list(&report.forked)
+            );
+        }
         if let Some(s) = &report.shrink {
             println!("  {}", s.summary());
         }
@@ -121,9 +128,22 @@ fn standalone(
         progress,
     ) {
         Ok(r) => Ok(r),
-        Err(e @ (FreezeError::Refused(_) | FreezeError::CrossProcessCuda { .. })) => {
-            Err(Outcome::Refused(e.to_string()))
-        }
+        Err(
+            e @ (FreezeError::Refused(_)
+            | FreezeError::CrossProcessCuda { .. }
+            | FreezeError::CudaProcessEnded { .. }),
+        ) => Err(Outcome::Refused(e.to_string())),
         Err(e) => Err(failed(e.into())),
     }
+}
+
+/// `12,13`, or `none`.
+fn fmt_pid_list(pids: &[i32]) -> String {
+    if pids.is_empty() {
+        return "none".into();
+    }
+    pids.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
 }

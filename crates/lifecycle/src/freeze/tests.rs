@@ -52,6 +52,16 @@ impl Scene {
     }
 
     fn freeze(&self, leave_running: bool) -> Result<FreezeReport, FreezeError> {
+        let tree = crate::Target::Tree(self.tree.pid(0)).resolve().unwrap();
+        self.freeze_listed(&tree, leave_running)
+    }
+
+    /// The freeze of `tree`, listed by the test beforehand.
+    fn freeze_listed(
+        &self,
+        tree: &Resolved,
+        leave_running: bool,
+    ) -> Result<FreezeReport, FreezeError> {
         let opts = FreezeOptions {
             image: self.image(),
             leave_running,
@@ -65,7 +75,7 @@ impl Scene {
         freeze(
             &self.fake.gpu(),
             &self.criu,
-            &crate::Target::Tree(self.tree.pid(0)).resolve().unwrap(),
+            tree,
             &opts,
             &self.journal,
             &NoWatcher,
@@ -103,6 +113,197 @@ impl Scene {
             .collect();
         assert!(left.is_empty(), "staging left behind: {left:?}");
     }
+}
+
+/// A session-leading shell that reaps its `children` `sleep`s as they end and forks one more on
+/// SIGUSR1 ([`Procs::reaping_tree`]); the root is a CUDA process of the fake driver, and so are
+/// the children whose indexes (1 = the first child) `cuda` names.
+fn reaping_scene(children: usize, cuda: &[usize]) -> Scene {
+    let tree = Procs::reaping_tree(children);
+    let pids = tree.tree();
+    let fake = FakeGpu::new();
+    fake.add(pids[0]);
+    for i in cuda {
+        fake.add(pids[*i]);
+    }
+    let criu = FakeCriu::watching(&fake);
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path().join("journal")).unwrap();
+    Scene {
+        tree,
+        pids,
+        fake,
+        criu,
+        dir,
+        journal,
+    }
+}
+
+/// SIGKILLs `pid`, a child of a [`Procs::reaping_tree`]'s root, and waits until its parent has
+/// reaped it (its pid free: every look at it now fails).
+fn end_and_wait_reaped(pid: Pid) {
+    let h = ProcHandle::open(pid).unwrap();
+    procs::kill(pid, nix::sys::signal::Signal::SIGKILL as i32);
+    cryo_testkit::eventually(cryo_testkit::PATIENCE, "the child to be reaped", || {
+        h.liveness() == cryo_proc::Liveness::Gone
+    });
+}
+
+fn sorted(mut pids: Vec<Pid>) -> Vec<Pid> {
+    pids.sort_unstable();
+    pids
+}
+
+/// Attack (session 11): a child of the tree ends (and is reaped) between the tree's listing
+/// and the freeze's looks at it, as a fork loop's child does. It is simply not part of the
+/// tree: the freeze publishes an image of the rest, which does not name it. (Before: "pid N
+/// does not exist", the freeze refused.)
+#[test]
+fn a_child_that_ends_between_the_listing_and_the_looks_is_left_out() {
+    let s = reaping_scene(2, &[]);
+    let tree = crate::Target::Tree(s.pids[0]).resolve().unwrap();
+    assert_eq!(tree.handles().len(), 3);
+    end_and_wait_reaped(s.pids[1]);
+    let report = s.freeze_listed(&tree, false).unwrap();
+    assert_eq!(
+        sorted(report.manifest.pids()),
+        sorted(vec![s.pids[0], s.pids[2]])
+    );
+    assert_eq!(report.ended, vec![s.pids[1]]);
+    let dumps = s.criu.dumps();
+    assert_eq!(
+        sorted(dumps[0].states.iter().map(|(p, _)| *p).collect()),
+        sorted(report.manifest.pids()),
+        "the manifest does not name what CRIU dumped"
+    );
+    assert!(s.fake.wedges().is_empty());
+}
+
+/// Attack (session 11): a child ends after every look of the freeze and before CRIU freezes
+/// the tree. CRIU's image does not hold it, so neither may the manifest (a thaw pairs every
+/// process the manifest names with one CRIU restored: such an image could never be thawed).
+#[test]
+fn a_child_that_ends_before_criu_freezes_the_tree_is_not_in_the_manifest() {
+    let s = reaping_scene(2, &[]);
+    let gone = s.pids[1];
+    s.criu.before_next_dump(move || end_and_wait_reaped(gone));
+    let report = s.freeze(false).unwrap();
+    assert_eq!(
+        sorted(report.manifest.pids()),
+        sorted(vec![s.pids[0], s.pids[2]])
+    );
+    assert_eq!(report.ended, vec![gone]);
+    let dumps = s.criu.dumps();
+    assert_eq!(
+        sorted(dumps[0].states.iter().map(|(p, _)| *p).collect()),
+        sorted(report.manifest.pids())
+    );
+}
+
+/// Attack (session 11): a child forked after the tree was listed and before CRIU froze it is
+/// in CRIU's image: the manifest names it too (a plain process), and the freeze waits for its
+/// end as for the others'.
+#[test]
+fn a_child_forked_before_criu_freezes_the_tree_is_in_the_manifest() {
+    let s = reaping_scene(1, &[]);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let root = s.pids[0];
+    let tree = crate::Target::Tree(root).resolve().unwrap();
+    // The hook runs in the freeze's thread: the tree forks through its root's trap.
+    s.criu.before_next_dump(move || {
+        let before = cryo_proc::tree(root).unwrap();
+        procs::kill(root, nix::sys::signal::Signal::SIGUSR1 as i32);
+        let new = cryo_testkit::eventually(cryo_testkit::PATIENCE, "the root to fork", || {
+            cryo_proc::tree(root).unwrap().into_iter().find(|p| {
+                !before.contains(p) && cryo_proc::stat(*p).is_ok_and(|s| s.comm == "sleep")
+            })
+        });
+        tx.send(new).unwrap();
+    });
+    let report = s.freeze_listed(&tree, false).unwrap();
+    let forked = rx.recv().unwrap();
+    assert_eq!(
+        sorted(report.manifest.pids()),
+        sorted(vec![s.pids[0], s.pids[1], forked])
+    );
+    assert_eq!(report.forked, vec![forked]);
+    assert!(!procs::alive(forked), "the forked child outlived the dump");
+    let dumps = s.criu.dumps();
+    assert_eq!(
+        sorted(dumps[0].states.iter().map(|(p, _)| *p).collect()),
+        sorted(report.manifest.pids())
+    );
+}
+
+/// Attack (session 11): a CUDA process ends after its suspension, before CRIU froze the tree.
+/// The image would lack a CUDA process of the worker: never left out unseen. CRIU resumes the
+/// tree at cryo's gate, the rest is resumed in place, and the death is journaled as the safe
+/// kind (its context was checkpointed).
+#[test]
+fn a_cuda_process_that_ends_before_criu_freezes_the_tree_refuses_the_dump() {
+    let s = reaping_scene(2, &[1]);
+    let gone = s.pids[1];
+    s.criu.before_next_dump(move || end_and_wait_reaped(gone));
+    let err = s.freeze(false).unwrap_err();
+    assert!(
+        matches!(&err, FreezeError::Criu(CriuError::DumpGate(m)) if m.contains(&format!("pid {gone}"))),
+        "{err}"
+    );
+    assert!(!s.criu.dumps()[0].ok);
+    assert!(procs::alive(s.pids[0]) && procs::alive(s.pids[2]));
+    assert_eq!(s.fake.state_of(s.pids[0]), ProcessState::Running);
+    assert!(
+        s.steps(gone).contains(&"exited"),
+        "the end is not journaled: {:?}",
+        s.steps(gone)
+    );
+    s.assert_no_image();
+    assert!(s.fake.wedges().is_empty());
+}
+
+/// Attack (session 11): a process forked before CRIU froze the tree holds CUDA state the freeze
+/// never suspended: CRIU must not dump (and kill) it. Refused at the gate, the tree resumed.
+#[test]
+fn a_forked_process_with_cuda_state_refuses_the_dump() {
+    let s = reaping_scene(1, &[]);
+    let root = s.pids[0];
+    let fake = s.fake.clone();
+    s.criu.before_next_dump(move || {
+        let before = cryo_proc::tree(root).unwrap();
+        procs::kill(root, nix::sys::signal::Signal::SIGUSR1 as i32);
+        let new = cryo_testkit::eventually(cryo_testkit::PATIENCE, "the root to fork", || {
+            cryo_proc::tree(root).unwrap().into_iter().find(|p| {
+                !before.contains(p) && cryo_proc::stat(*p).is_ok_and(|s| s.comm == "sleep")
+            })
+        });
+        fake.add(new);
+    });
+    let err = s.freeze(false).unwrap_err();
+    assert!(
+        matches!(&err, FreezeError::Criu(CriuError::DumpGate(m)) if m.contains("CUDA state")),
+        "{err}"
+    );
+    assert!(procs::alive(root) && procs::alive(s.pids[1]));
+    assert_eq!(s.fake.state_of(root), ProcessState::Running);
+    s.assert_no_image();
+}
+
+/// A CUDA process NVML listed ends before the freeze suspends it: refused, nothing suspended.
+#[test]
+fn a_cuda_process_that_ends_before_its_suspension_refuses_the_freeze() {
+    let s = reaping_scene(2, &[1]);
+    let gone = s.pids[1];
+    s.fake.keep_listed(gone);
+    let tree = crate::Target::Tree(s.pids[0]).resolve().unwrap();
+    end_and_wait_reaped(gone);
+    let err = s.freeze_listed(&tree, false).unwrap_err();
+    assert!(
+        matches!(&err, FreezeError::CudaProcessEnded { pid } if *pid == gone),
+        "{err}"
+    );
+    assert!(s.criu.dumps().is_empty());
+    assert_eq!(s.fake.state_of(s.pids[0]), ProcessState::Running);
+    s.assert_no_image();
 }
 
 /// A process that cannot be suspended refuses the freeze: CRIU never runs, and the tree keeps
