@@ -2696,8 +2696,9 @@ fn frozen_namespaced(
         let f = fs::File::create(env.path().join("held.lock")).unwrap();
         nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive).unwrap()
     });
-    let pid =
+    let isolated =
         common::run_isolated_sleep(env.cmd(), env.path(), held.as_ref().map(|h| h.as_raw_fd()));
+    let pid = isolated.pid;
     let image = env.path().join("img");
     let out = env.try_freeze(pid, &image, &[]);
     assert!(out.status.success(), "freeze failed: {}", stderr(&out));
@@ -2933,7 +2934,8 @@ fn a_namespaced_tree_numbered_out_of_fork_order_is_paired_process_by_process() {
          echo 10 > /proc/sys/kernel/ns_last_pid; {} 1000 & wait",
         nap.display()
     );
-    let pid = common::run_isolated(env.cmd(), env.path(), None, &["sh", "-c", &script]);
+    let isolated = common::run_isolated(env.cmd(), env.path(), None, &["sh", "-c", &script]);
+    let pid = isolated.pid;
     let comms = |root: i32| -> Vec<(i32, String)> {
         let mut v: Vec<(i32, String)> = cryo_proc::tree(root)
             .unwrap_or_default()
@@ -3058,6 +3060,40 @@ fn a_namespaced_image_thaws_while_a_host_process_holds_its_freeze_time_pid() {
     env.sim.assert_no_wedge();
 }
 
+/// Attack (session 11) on the tests' own hygiene: a test built on `common::run_isolated` that
+/// fails before it froze its process (here: panics) leaves nothing running. The guard ends the
+/// isolated fork loop and every process of its pid namespace (a `sleep` beside the loop) as the
+/// test unwinds. (Before: `run_isolated` gave a bare pid, and such a loop ran on for good.)
+#[test]
+fn an_isolated_fork_loop_of_a_test_that_fails_before_its_freeze_is_ended() {
+    let env = Env::start("1GiB");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let isolated = common::run_isolated(
+            env.cmd(),
+            env.path(),
+            None,
+            &["sh", "-c", "sleep 1000 & while :; do /bin/true; done"],
+        );
+        let root = isolated.handle();
+        let sleep = eventually(PATIENCE, "the loop's sleep", || {
+            root.descendants().into_iter().find(|d| d.comm() == "sleep")
+        });
+        tx.send((root, sleep)).unwrap();
+        panic!("a test that fails before its freeze");
+    }));
+    assert!(failed.is_err());
+    let (root, sleep) = rx.recv().unwrap();
+    assert!(
+        root.wait_exit(PATIENCE),
+        "the isolated fork loop outlived its failed test"
+    );
+    assert!(
+        sleep.wait_exit(PATIENCE),
+        "a process of its pid namespace outlived its failed test"
+    );
+}
+
 /// Attack (session 10) on the thaw's pairing of the restored tree with its image: a worker in a
 /// pid namespace of its own (`cryo run`) whose shell forks and reaps a `/bin/true` all the
 /// time has, from the moment CRIU resumes it, other processes than its image's (the image's
@@ -3068,20 +3104,18 @@ fn a_namespaced_image_thaws_while_a_host_process_holds_its_freeze_time_pid() {
 #[test]
 fn a_tree_that_forks_as_soon_as_it_resumes_is_paired_by_its_image_s_processes() {
     let mut env = Env::start("1GiB");
-    let pid = common::run_isolated(
+    let isolated = common::run_isolated(
         env.cmd(),
         env.path(),
         None,
         &["sh", "-c", "while :; do /bin/true; done"],
     );
+    let pid = isolated.pid;
     let image = env.path().join("img");
     // A child of the loop ends between the freeze's listing and its looks, or before CRIU
     // froze the tree, and another is forked: the freeze leaves the first out and lists the
     // other, as CRIU dumped them (session 11; before, "pid N does not exist" refused it).
     let out = env.try_freeze(pid, &image, &[]);
-    if !out.status.success() {
-        procs::kill(pid, libc::SIGKILL);
-    }
     assert!(out.status.success(), "freeze failed: {}", stderr(&out));
     procs::reap(pid);
     let n = manifest(&image)["processes"].as_array().unwrap().len();
@@ -3130,13 +3164,11 @@ fn a_tree_refused_at_criu_s_gate_never_runs_and_no_gpu_restore_is_asked() {
         go.display(),
         ran.display()
     );
-    let pid = common::run_isolated(env.cmd(), &dir, None, &["sh", "-c", &script]);
+    let isolated = common::run_isolated(env.cmd(), &dir, None, &["sh", "-c", &script]);
+    let pid = isolated.pid;
     eventually(PATIENCE, "the worker to be ready", || ready.exists());
     let image = dir.join("img");
     let out = env.try_freeze(pid, &image, &[]);
-    if !out.status.success() {
-        procs::kill(pid, libc::SIGKILL);
-    }
     assert!(out.status.success(), "freeze failed: {}", stderr(&out));
     procs::reap(pid);
     let m = manifest(&image);

@@ -798,7 +798,9 @@ fn a_standby_restore_killed_before_its_gate_leaves_no_half_restored_process() {
     let env = Env::start();
     let lock = std::fs::File::create(env.sim.path().join("held.lock")).unwrap();
     let held = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive).unwrap();
-    let pid = common::run_isolated_sleep(common::cryo(), env.sim.path(), Some(held.as_raw_fd()));
+    let isolated =
+        common::run_isolated_sleep(common::cryo(), env.sim.path(), Some(held.as_raw_fd()));
+    let pid = isolated.pid;
     let image = env.sim.path().join("img");
     env.ok(&[
         "freeze",
@@ -866,7 +868,9 @@ fn a_standby_whose_child_exits_as_soon_as_it_resumes_is_paired_at_criu_s_gate() 
         "sh -c 'while [ ! -e {} ]; do :; done' & wait; while :; do sleep 1000; done",
         go.display()
     );
-    let pid = common::run_isolated(common::cryo(), env.sim.path(), None, &["sh", "-c", &script]);
+    let isolated =
+        common::run_isolated(common::cryo(), env.sim.path(), None, &["sh", "-c", &script]);
+    let pid = isolated.pid;
     eventually(PATIENCE, "the spinning child", || {
         cryo_proc::tree(pid).is_ok_and(|t| t.len() == 2)
     });
@@ -877,9 +881,6 @@ fn a_standby_whose_child_exits_as_soon_as_it_resumes_is_paired_at_criu_s_gate() 
         "--image",
         image.to_str().unwrap(),
     ]);
-    if !frozen.status.success() {
-        cryo_testkit::procs::kill(pid, libc::SIGKILL);
-    }
     assert!(frozen.status.success(), "{}", stderr(&frozen));
     let manifest: serde_json::Value =
         serde_json::from_slice(&std::fs::read(image.join("manifest.json")).unwrap()).unwrap();

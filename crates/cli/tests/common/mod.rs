@@ -361,12 +361,51 @@ pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// A program `cryo run --detach` started as pid 1 of pid and network namespaces of its own
+/// ([`run_isolated`]). Dropped (at the end of the test, or while a failed test unwinds), it
+/// SIGKILLs that process through its pidfd (never a process that took its pid since), which
+/// ends every process of its pid namespace with it, waits for its end and reaps it if it is
+/// the test's child. So a test that fails before it froze or stopped it leaves nothing
+/// running (session 10: a fork loop left so ran for 27 minutes). A process frozen since (CRIU
+/// killed it) or stopped is already gone: nothing to do.
+pub struct Isolated {
+    /// Its host pid.
+    pub pid: i32,
+    handle: cryo_proc::ProcHandle,
+}
+
+impl Isolated {
+    /// Another handle on the process (its pidfd), which outlives this guard.
+    pub fn handle(&self) -> cryo_proc::ProcHandle {
+        self.handle.try_clone().unwrap()
+    }
+}
+
+impl Drop for Isolated {
+    fn drop(&mut self) {
+        // ESRCH: it already exited.
+        let _ = self.handle.signal(cryo_proc::Signal::SIGKILL);
+        if !self.handle.wait_exit(PATIENCE) {
+            eprintln!("the isolated pid {} survived its SIGKILL", self.pid);
+            return;
+        }
+        // Our zombie holds its pid until reaped: the pid is still this process's when it is
+        // our child that started when the handle's did.
+        let ours = cryo_proc::stat(self.pid).is_ok_and(|s| {
+            s.ppid == std::process::id() as i32 && s.start_time == self.handle.start_time()
+        });
+        if ours {
+            let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(self.pid), None);
+        }
+    }
+}
+
 /// `sleep 1000` as pid 1 of pid and network namespaces of its own (`cryo run --detach` through
 /// `cmd`, a `cryo` command), working in `dir` (CRIU's parasite mounts a /proc of its namespace
 /// at `proc.crtools` there: two dumps at once in one directory collide), its log there too,
 /// with none of the test's fds but `lock` (a lock the test holds: it waits until the program
-/// holds it too). Its host pid.
-pub fn run_isolated_sleep(cmd: Command, dir: &Path, lock: Option<std::os::fd::RawFd>) -> i32 {
+/// holds it too). Ended when the guard drops ([`Isolated`]).
+pub fn run_isolated_sleep(cmd: Command, dir: &Path, lock: Option<std::os::fd::RawFd>) -> Isolated {
     run_isolated(cmd, dir, lock, &["sleep", "1000"])
 }
 
@@ -376,7 +415,7 @@ pub fn run_isolated(
     dir: &Path,
     lock: Option<std::os::fd::RawFd>,
     argv: &[&str],
-) -> i32 {
+) -> Isolated {
     let log = dir.join("run.log");
     cmd.args(["run", "--detach", "--log", log.to_str().unwrap()])
         .args(["--dir", dir.to_str().unwrap()])
@@ -390,13 +429,19 @@ pub fn run_isolated(
         .nth(1)
         .and_then(|p| p.parse().ok())
         .unwrap_or_else(|| panic!("no pid in {:?}", stdout(&o)));
+    // Detached and running: nothing can have reaped it yet.
+    let guard = Isolated {
+        pid,
+        handle: cryo_proc::ProcHandle::open(pid)
+            .unwrap_or_else(|e| panic!("the isolated pid {pid}: {e}")),
+    };
     if let Some(fd) = lock {
         eventually(PATIENCE, "the program to hold the lock", || {
             std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}"))
                 .is_ok_and(|i| i.contains("lock:"))
         });
     }
-    pid
+    guard
 }
 
 /// A process that is certainly not a CUDA process.
