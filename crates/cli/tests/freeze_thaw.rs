@@ -3060,6 +3060,69 @@ fn a_namespaced_image_thaws_while_a_host_process_holds_its_freeze_time_pid() {
     env.sim.assert_no_wedge();
 }
 
+/// Attack (session 11) on e04ea30's pairing of a format-4 image with a process CRIU dumped that
+/// the manifest does not name (what a freeze before session 11 made of a child forked between
+/// its listing and CRIU's seize; made here by leaving the namespaced root's `sleep` child out
+/// of the manifest, its digest recomputed as cryo writes it). The thaw pairs the image's
+/// processes by their namespace pids and leaves the other out, as in cryo's own namespace: it
+/// is restored by CRIU and runs, under its namespace pid, but is none of the thaw's processes
+/// (ThawCompleted names the root alone). A format-3 image of it, paired by order, still needs
+/// every process and no other: refused at CRIU's gate, where nothing of it has run.
+#[test]
+fn a_format_4_image_with_a_process_its_manifest_does_not_name_is_paired_without_it() {
+    let mut env = Env::start("1GiB");
+    let isolated = common::run_isolated(
+        env.cmd(),
+        env.path(),
+        None,
+        &["sh", "-c", "sleep 1000 & wait"],
+    );
+    let pid = isolated.pid;
+    eventually(PATIENCE, "the root's sleep child", || {
+        cryo_proc::tree(pid)
+            .is_ok_and(|t| t.len() == 2 && cryo_proc::stat(t[1]).is_ok_and(|s| s.comm == "sleep"))
+    });
+    let image = env.path().join("img");
+    let out = env.try_freeze(pid, &image, &[]);
+    assert!(out.status.success(), "freeze failed: {}", stderr(&out));
+    procs::reap(pid);
+    let mpath = image.join("manifest.json");
+    let mut m = cryo_criu::image::read_manifest(&mpath).unwrap();
+    assert_eq!(m.format_version, 4);
+    assert_eq!(m.processes.len(), 2, "{:?}", m.processes);
+    let at = m.processes.iter().position(|p| p.comm == "sleep").unwrap();
+    let left_out = m.processes.remove(at);
+    m.manifest_sha256 = m.self_digest().unwrap();
+    fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+
+    let out = env.cryo(&["thaw", image.to_str().unwrap()]);
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    let root = thawed_root(&mut env, &out);
+    assert_eq!(nspid(root).last(), Some(&1), "{err}");
+    let extra = eventually(PATIENCE, "the restored sleep", || {
+        cryo_proc::tree(root).ok().and_then(|t| {
+            t.into_iter()
+                .find(|p| cryo_proc::stat(*p).is_ok_and(|s| s.comm == "sleep"))
+        })
+    });
+    assert_eq!(
+        nspid(extra).last(),
+        left_out.nspid.last(),
+        "CRIU restored the left-out process under its namespace pid"
+    );
+    assert_eq!(thaws_completed(&env), vec![vec![root]], "{err}");
+    env.stop(root);
+
+    cryo_criu::image::rewrite_as_format(&image, 3, None).unwrap();
+    let out = env.cryo(&["thaw", image.to_str().unwrap()]);
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("2 of 1 processes came back"), "{err}");
+    assert_eq!(thaws_completed(&env).len(), 1, "{err}");
+    env.sim.assert_no_wedge();
+}
+
 /// Attack (session 11) on the tests' own hygiene: a test built on `common::run_isolated` that
 /// fails before it froze its process (here: panics) leaves nothing running. The guard ends the
 /// isolated fork loop and every process of its pid namespace (a `sleep` beside the loop) as the
