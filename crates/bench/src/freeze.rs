@@ -74,7 +74,9 @@ use cryo_state::StateDir;
 use cryo_units::fmt_bytes;
 
 use crate::args::BenchFreezeArgs;
-use crate::measure::{a_first, load_average, load_line, paired_ratios, Interval, Samples};
+use crate::measure::{
+    a_first, load_average, load_line, paired_ratios, HostMemory, Interval, Samples,
+};
 use crate::private_sim::{private_exe, DriverOptions, PrivateSim, WorkerOptions};
 
 /// The level of the paired ratios' bootstrap interval.
@@ -158,8 +160,46 @@ struct Row {
     bare_thaw_warm_steps: [Samples; 3],
     /// The same after dropping the caches.
     bare_thaw_cold_steps: [Samples; 3],
+    /// What each thaw's CRIU restore had to work with and what it cost, cryo then the bare route
+    /// ([`ThawHost`]).
+    thaw_host: [ThawHost; 2],
     load_before: [f64; 3],
     load_after: [f64; 3],
+}
+
+/// Per arm, what its thaws' CRIU restores had to work with and what they cost: the restored
+/// root's CPU time (CRIU's restorer reads the image's pages into it, faulting in every page of
+/// its memory: the bulk of a restore's work), the host's free memory when each thaw started,
+/// and how long after the worker was gone the page-cache thaw started (freed memory comes back
+/// cheaper the sooner it is used again in a VM whose balloon reports free pages: see
+/// `cryo_sim`'s `vram`). They say whether a slower restore did more work or waited.
+#[derive(Debug, Default, Serialize)]
+struct ThawHost {
+    /// CPU ms of the restored root's main thread when its thaw answered: page cache, cold.
+    restored_cpu: [Samples; 2],
+    /// `MemFree` (MiB) when the thaw started: page cache, cold.
+    free_mib: [Samples; 2],
+    /// ms from the worker gone to the start of the page-cache thaw.
+    thaw_after_gone: Samples,
+}
+
+impl ThawHost {
+    fn push(&mut self, arm: &Arm) {
+        for k in 0..2 {
+            self.restored_cpu[k].push(arm.restored_cpu[k]);
+            self.free_mib[k].push(arm.free_mib[k]);
+        }
+        self.thaw_after_gone.push(arm.thaw_after_gone);
+    }
+}
+
+/// CPU ms so far of the main thread of `pid` (the thread CRIU's restorer ran in); NaN when it
+/// cannot be read, since a benchmark should not fail for want of an explanation.
+fn main_thread_cpu(pid: i32) -> f64 {
+    cryo_proc::threads_cpu(pid)
+        .ok()
+        .and_then(|ts| ts.into_iter().find(|t| t.tid == pid))
+        .map_or(f64::NAN, |t| t.cpu_ns as f64 / 1e6)
 }
 
 /// Runs `cryo bench freeze` with the binary `cryo`.
@@ -212,6 +252,7 @@ pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
         let mut bare_steps: [[Samples; 3]; 3] = Default::default();
         let mut phases: [[Samples; 5]; 2] = Default::default();
         let mut dump_phases: [Samples; 5] = Default::default();
+        let mut thaw_host: [ThawHost; 2] = Default::default();
         let mut image_bytes = 0;
         for round in 1..=args.rounds {
             let (c, b) = if a_first(round) {
@@ -222,6 +263,8 @@ pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
                 (bench.cryo_arm(*size)?, b)
             };
             image_bytes = c.image_bytes;
+            thaw_host[0].push(&c);
+            thaw_host[1].push(&b);
             for i in 0..5 {
                 cryo_s[i].push(c.moments[i]);
                 bare_s[i].push(b.moments[i]);
@@ -264,6 +307,7 @@ pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
             bare_freeze_steps,
             bare_thaw_warm_steps: bare_warm_steps,
             bare_thaw_cold_steps: bare_cold_steps,
+            thaw_host,
             load_before,
             load_after: load_average(),
         };
@@ -360,6 +404,25 @@ fn print_row(row: &Row) {
         "  bare steps (medians):   freeze = suspend {bs:.0} + dump {bd:.0} + fsync {bf:.0} ms; \
          thaw = criu restore {bwc:.0} + GPU {bwg:.0} ms (cold: {bcc:.0} + {bcg:.0})"
     );
+    let [hc, hb] = &row.thaw_host;
+    let m = |s: &Samples| s.median();
+    println!(
+        "  each thaw's CRIU restore (medians): the restored root's CPU ms (CRIU's restorer \
+         faults its memory in) page cache cryo {:.0}, bare {:.0}; cold cryo {:.0}, bare {:.0}; \
+         host memory free at the thaw's start page cache cryo {:.0}, bare {:.0} MiB; cold cryo \
+         {:.0}, bare {:.0} MiB; page-cache thaw started {:.0} (cryo) and {:.0} (bare) ms after \
+         the worker was gone",
+        m(&hc.restored_cpu[0]),
+        m(&hb.restored_cpu[0]),
+        m(&hc.restored_cpu[1]),
+        m(&hb.restored_cpu[1]),
+        m(&hc.free_mib[0]),
+        m(&hb.free_mib[0]),
+        m(&hc.free_mib[1]),
+        m(&hb.free_mib[1]),
+        m(&hc.thaw_after_gone),
+        m(&hb.thaw_after_gone),
+    );
     println!(
         "  throughput of the dump (image bytes / time): cryo to every byte received {:.2}, to \
          CRIU's exit {:.2}; bare CRIU into the page cache {:.2} GB/s (page cache read {:.2})",
@@ -395,7 +458,27 @@ pub(crate) struct Arm {
     phases: [[f64; 5]; 2],
     /// cryo's dump phases ([`DUMP_PHASES`]); NaN for the bare route.
     dump_phases: [f64; 5],
+    /// CPU ms of the restored root's main thread when each thaw answered: page cache, cold.
+    restored_cpu: [f64; 2],
+    /// `MemFree` (MiB) when each thaw started: page cache, cold.
+    free_mib: [f64; 2],
+    /// ms from the worker gone to the start of the page-cache thaw.
+    thaw_after_gone: f64,
     image_bytes: u64,
+}
+
+/// One thaw of either route, to the first answered health request.
+struct Thawed {
+    /// ms to the answer.
+    wall: f64,
+    /// The arm's thaw steps (see [`Row`]).
+    steps: [f64; 3],
+    /// cryo's CRIU restore phases ([`PHASES`]); NaN for the bare route.
+    phases: [f64; 5],
+    /// CPU ms of the restored root's main thread at the answer ([`main_thread_cpu`]).
+    restored_cpu: f64,
+    /// `MemFree` (MiB) when the thaw started.
+    free_mib: f64,
 }
 
 pub(crate) struct Bench {
@@ -560,9 +643,9 @@ impl Bench {
         Ok(())
     }
 
-    /// `cryo thaw` to the first answered health request; returns its wall time, its steps and
-    /// its CRIU restore's phases.
-    fn cryo_thaw(&self, image: &Path, sock: &Path) -> anyhow::Result<(f64, [f64; 3], [f64; 5])> {
+    /// `cryo thaw` of the worker `pid` to the first answered health request.
+    fn cryo_thaw(&self, image: &Path, pid: i32, sock: &Path) -> anyhow::Result<Thawed> {
+        let free_mib = HostMemory::now().free_mib as f64;
         let t = Instant::now();
         let mut c = self.cryo();
         c.arg("thaw").arg(image).args([
@@ -572,14 +655,16 @@ impl Bench {
         ]);
         let out = self.run(c, "cryo thaw")?;
         let wall = ms(t.elapsed());
+        let restored_cpu = main_thread_cpu(pid);
         let v: serde_json::Value =
             serde_json::from_str(&out).context("parsing cryo thaw --json")?;
-        let phases = PHASES.map(|k| v["criu_phases"][k].as_f64().unwrap_or(f64::NAN));
-        Ok((
+        Ok(Thawed {
             wall,
-            steps(&v, ["verify_ms", "criu_ms", "gpu_restore_ms"]),
-            phases,
-        ))
+            steps: steps(&v, ["verify_ms", "criu_ms", "gpu_restore_ms"]),
+            phases: PHASES.map(|k| v["criu_phases"][k].as_f64().unwrap_or(f64::NAN)),
+            restored_cpu,
+            free_mib,
+        })
     }
 
     pub(crate) fn cryo_arm(&self, memory: u64) -> anyhow::Result<Arm> {
@@ -608,17 +693,21 @@ impl Bench {
             .context("reaping the frozen worker")?;
         let image_bytes = cryo_criu::image::dir_bytes(&image);
 
-        let (warm, warm_steps, warm_phases) = self.cryo_thaw(&image, &sock)?;
+        let thaw_after_gone = ms(t.elapsed()) - gone;
+        let warm = self.cryo_thaw(&image, pid, &sock)?;
         self.stop(pid)?;
         drop_caches()?;
-        let (cold, cold_steps, cold_phases) = self.cryo_thaw(&image, &sock)?;
+        let cold = self.cryo_thaw(&image, pid, &sock)?;
         self.stop(pid)?;
         fs::remove_dir_all(&image).context("removing the image")?;
         Ok(Arm {
-            moments: [gpu_free, gone, durable, warm, cold],
-            steps: [freeze_steps, warm_steps, cold_steps],
-            phases: [warm_phases, cold_phases],
+            moments: [gpu_free, gone, durable, warm.wall, cold.wall],
+            steps: [freeze_steps, warm.steps, cold.steps],
+            phases: [warm.phases, cold.phases],
             dump_phases,
+            restored_cpu: [warm.restored_cpu, cold.restored_cpu],
+            free_mib: [warm.free_mib, cold.free_mib],
+            thaw_after_gone,
             image_bytes,
         })
     }
@@ -649,9 +738,10 @@ impl Bench {
         c
     }
 
-    /// The bare thaw: `criu restore -d`, GPU restore and unlock, health; ms to the answer,
-    /// and the steps (0, `criu restore`, GPU restore + unlock).
-    fn bare_thaw(&self, image: &Path, pid: i32, sock: &Path) -> anyhow::Result<(f64, [f64; 3])> {
+    /// The bare thaw: `criu restore -d`, GPU restore and unlock, health; its steps are 0,
+    /// `criu restore`, GPU restore + unlock.
+    fn bare_thaw(&self, image: &Path, pid: i32, sock: &Path) -> anyhow::Result<Thawed> {
+        let free_mib = HostMemory::now().free_mib as f64;
         let t = Instant::now();
         let mut c = self.criu_cmd();
         c.args(["restore", "-d", "-D"])
@@ -668,6 +758,7 @@ impl Bench {
             .wait(deadline.saturating_duration_since(Instant::now()))
             .context("the bare route's worker never answered")?;
         let thaw_ms = ms(t.elapsed());
+        let restored_cpu = main_thread_cpu(pid);
         let handle = ProcHandle::open(pid)?;
         cryo_lifecycle::record_restored(
             &StateDir::new(self.dir.join("state")),
@@ -676,7 +767,13 @@ impl Bench {
         )
         .with_context(|| format!("journaling the restore of worker {pid}"))?;
         self.stop(pid)?;
-        Ok((thaw_ms, [0.0, criu_ms, gpu_ms]))
+        Ok(Thawed {
+            wall: thaw_ms,
+            steps: [0.0, criu_ms, gpu_ms],
+            phases: [f64::NAN; 5],
+            restored_cpu,
+            free_mib,
+        })
     }
 
     pub(crate) fn bare_arm(&self, memory: u64) -> anyhow::Result<Arm> {
@@ -705,19 +802,23 @@ impl Bench {
         let durable = ms(t.elapsed());
         child.wait().context("reaping the frozen worker")?;
 
-        let (warm, warm_steps) = self.bare_thaw(&image, pid, &sock)?;
+        let thaw_after_gone = ms(t.elapsed()) - gone;
+        let warm = self.bare_thaw(&image, pid, &sock)?;
         drop_caches()?;
-        let (cold, cold_steps) = self.bare_thaw(&image, pid, &sock)?;
+        let cold = self.bare_thaw(&image, pid, &sock)?;
         fs::remove_dir_all(&image).context("removing the image")?;
         Ok(Arm {
-            moments: [gpu_free, gone, durable, warm, cold],
+            moments: [gpu_free, gone, durable, warm.wall, cold.wall],
             steps: [
                 [gpu_free, gone - gpu_free, durable - gone],
-                warm_steps,
-                cold_steps,
+                warm.steps,
+                cold.steps,
             ],
-            phases: [[f64::NAN; 5]; 2],
+            phases: [warm.phases, cold.phases],
             dump_phases: [f64::NAN; 5],
+            restored_cpu: [warm.restored_cpu, cold.restored_cpu],
+            free_mib: [warm.free_mib, cold.free_mib],
+            thaw_after_gone,
             image_bytes: 0,
         })
     }

@@ -1207,6 +1207,19 @@ fn bench_freeze_runs_tiny() {
         assert!(row["limits"][k].as_f64().unwrap() > 0.0, "{k}: {row}");
     }
     assert!(row["image_bytes"].as_u64().unwrap() > 16 << 20, "{row}");
+    // What each arm's thaws worked with: the restored root's CPU (it ran CRIU's restorer, at
+    // least the faulting-in of its memory), the host's free memory at the start, and when the
+    // page-cache thaw started after the worker was gone (after it: the image was published).
+    let hosts = row["thaw_host"].as_array().unwrap();
+    assert_eq!(hosts.len(), 2, "{row}");
+    for h in hosts {
+        for k in ["restored_cpu", "free_mib"] {
+            for warm_cold in h[k].as_array().unwrap() {
+                assert!(warm_cold[0].as_f64().unwrap() > 0.0, "{k}: {row}");
+            }
+        }
+        assert!(h["thaw_after_gone"][0].as_f64().unwrap() > 0.0, "{row}");
+    }
 }
 
 /// A directory that is no image is refused (exit 3, nothing run) before the driver is looked for.
