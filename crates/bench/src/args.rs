@@ -105,7 +105,18 @@ fn parse_batch(s: &str) -> Result<usize, String> {
 }
 
 /// `cryo bench freeze`.
-pub type BenchFreezeArgs = BenchSizesArgs;
+#[derive(Debug, Clone, Args)]
+pub struct BenchFreezeArgs {
+    #[command(flatten)]
+    pub sizes: BenchSizesArgs,
+    /// Start each page-cache thaw no sooner than MS ms after its worker was gone, in both arms
+    /// alike (default: at once after the freeze, the arm's own freeze deciding when). Memory
+    /// the host freed a moment ago can cost less to fault in again than memory freed longer
+    /// ago (a VM's balloon reporting free pages): this takes the freeze's length out of the
+    /// thaw's number.
+    #[arg(long, value_name = "MS")]
+    pub thaw_after_gone: Option<u64>,
+}
 
 /// `cryo bench activate`.
 pub type BenchActivateArgs = BenchSizesArgs;

@@ -203,7 +203,8 @@ fn main_thread_cpu(pid: i32) -> f64 {
 }
 
 /// Runs `cryo bench freeze` with the binary `cryo`.
-pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
+pub fn run(freeze_args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
+    let args = &freeze_args.sizes;
     ensure!(!args.sizes.is_empty(), "--sizes needs at least one size");
     let criu = cryo_criu::CriuRpc::locate(None)?;
     // Thawed workers are children of the short-lived `cryo thaw` / `criu restore -d`: adopt them.
@@ -218,7 +219,8 @@ pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
     .context("creating the benchmark's directory")?;
     let max = args.sizes.iter().copied().max().unwrap_or(0);
     let min = args.sizes.iter().copied().min().unwrap_or(0);
-    let bench = Bench::start(tmp.path(), criu.path().to_path_buf(), max, cryo)?;
+    let mut bench = Bench::start(tmp.path(), criu.path().to_path_buf(), max, cryo)?;
+    bench.thaw_after_gone = freeze_args.thaw_after_gone.map(Duration::from_millis);
     let load_start = load_average();
     if !args.json {
         println!(
@@ -237,6 +239,12 @@ pub fn run(args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
             args.rounds,
             fmt_bytes(min)
         );
+        if let Some(ms) = freeze_args.thaw_after_gone {
+            println!(
+                "each page-cache thaw starts no sooner than {ms} ms after its worker was gone \
+                 (--thaw-after-gone), in both arms"
+            );
+        }
         println!("{}", load_line("start", load_start));
     }
     // Warm-up, not counted.
@@ -487,6 +495,8 @@ pub(crate) struct Bench {
     criu: PathBuf,
     sim: PrivateSim,
     started: std::cell::Cell<usize>,
+    /// `--thaw-after-gone`: the earliest start of a page-cache thaw after the worker was gone.
+    pub(crate) thaw_after_gone: Option<Duration>,
 }
 
 fn ms(d: Duration) -> f64 {
@@ -532,6 +542,7 @@ impl Bench {
             criu,
             sim,
             started: std::cell::Cell::new(0),
+            thaw_after_gone: None,
         })
     }
 
@@ -693,6 +704,7 @@ impl Bench {
             .context("reaping the frozen worker")?;
         let image_bytes = cryo_criu::image::dir_bytes(&image);
 
+        self.wait_to_thaw(t, gone);
         let thaw_after_gone = ms(t.elapsed()) - gone;
         let warm = self.cryo_thaw(&image, pid, &sock)?;
         self.stop(pid)?;
@@ -802,6 +814,7 @@ impl Bench {
         let durable = ms(t.elapsed());
         child.wait().context("reaping the frozen worker")?;
 
+        self.wait_to_thaw(t, gone);
         let thaw_after_gone = ms(t.elapsed()) - gone;
         let warm = self.bare_thaw(&image, pid, &sock)?;
         drop_caches()?;
@@ -821,6 +834,18 @@ impl Bench {
             thaw_after_gone,
             image_bytes: 0,
         })
+    }
+
+    /// Waits until `--thaw-after-gone` ms after the worker was gone (`gone` ms after `t`), if
+    /// asked to and not already past it.
+    fn wait_to_thaw(&self, t: Instant, gone: f64) {
+        let Some(after) = self.thaw_after_gone else {
+            return;
+        };
+        let gone = Duration::from_secs_f64((gone / 1e3).max(0.0));
+        if let Some(left) = (t + gone + after).checked_duration_since(Instant::now()) {
+            std::thread::sleep(left);
+        }
     }
 
     pub(crate) fn ledger_empty(&self) -> anyhow::Result<()> {

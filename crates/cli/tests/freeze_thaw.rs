@@ -1222,6 +1222,35 @@ fn bench_freeze_runs_tiny() {
     }
 }
 
+/// `--thaw-after-gone MS`: both arms' page-cache thaws start no sooner than MS ms after their
+/// worker was gone (at once after the freeze without it: well under a second for 16 MiB).
+#[test]
+fn bench_freeze_thaws_no_sooner_than_asked_after_the_worker_is_gone() {
+    criu_present();
+    nix::sys::prctl::set_child_subreaper(true).unwrap();
+    let out = Command::new(CRYO)
+        .args([
+            "bench",
+            "freeze",
+            "--sizes",
+            "16MiB",
+            "--rounds",
+            "1",
+            "--json",
+            "--thaw-after-gone",
+            "1500",
+        ])
+        .env_remove("CRYO_GPU")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for h in rows[0]["thaw_host"].as_array().unwrap() {
+        let after = h["thaw_after_gone"][0].as_f64().unwrap();
+        assert!(after >= 1500.0, "{after}: {}", rows[0]);
+    }
+}
+
 /// A directory that is no image is refused (exit 3, nothing run) before the driver is looked for.
 #[test]
 fn a_directory_that_is_no_image_is_refused_before_the_driver() {
