@@ -911,3 +911,91 @@ fn a_standby_whose_child_exits_as_soon_as_it_resumes_is_paired_at_criu_s_gate() 
     });
     env.sim.assert_no_wedge();
 }
+
+/// Attack (the real-CRIU half of standby::tests::a_standby_tree_that_cannot_be_paired_is_
+/// refused_at_criu_s_gate): a pool's refill of an image whose restored tree cannot be paired
+/// with its manifest is refused at CRIU's gate, where nothing of the tree has run: the refill
+/// fails saying so, nothing is journaled restoring or ready, and the tree never runs. The image
+/// is of a `cryo run` shell that spins until a file made after the freeze exists, then writes
+/// `ran` (a resumed shell writes it at once); its manifest is re-signed with another command
+/// name for the shell. The untampered image then makes a standby whose shell writes `ran`.
+#[test]
+fn a_standby_refill_refused_at_criu_s_gate_never_runs() {
+    let env = Env::start();
+    let dir = env.sim.path().to_path_buf();
+    let (go, ran) = (dir.join("go"), dir.join("ran"));
+    let script = format!(
+        "while [ ! -e {} ]; do :; done; echo ran > {}; while :; do sleep 1000; done",
+        go.display(),
+        ran.display()
+    );
+    let isolated = common::run_isolated(common::cryo(), &dir, None, &["sh", "-c", &script]);
+    let image = dir.join("img");
+    let frozen = env.run(&[
+        "freeze",
+        &isolated.pid.to_string(),
+        "--image",
+        image.to_str().unwrap(),
+    ]);
+    assert!(frozen.status.success(), "{}", stderr(&frozen));
+    std::fs::write(&go, "").unwrap();
+
+    let renamed = dir.join("renamed");
+    std::fs::create_dir(&renamed).unwrap();
+    for e in std::fs::read_dir(&image).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), renamed.join(e.file_name())).unwrap();
+    }
+    let mpath = renamed.join("manifest.json");
+    let mut m: cryo_criu::Manifest =
+        serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    m.processes[0].comm = "not-sh".into();
+    m.manifest_sha256 = m.self_digest().unwrap();
+    std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    let renamed = renamed.to_str().unwrap();
+    env.ok(&["standby", "create", "--image", renamed, "--count", "1"]);
+    let error = eventually(PATIENCE, "the refill to fail", || {
+        env.list()["pools"][0]["last_error"]
+            .as_str()
+            .map(str::to_string)
+    });
+    assert!(error.contains("refused at cryo's gate"), "{error}");
+    assert!(error.contains("\"not-sh\""), "{error}");
+    env.ok(&["standby", "remove", "--image", renamed]);
+    // The positive event first: nothing of a restored tree is left (the shell's command line
+    // names the file it waits for).
+    let marker = go.to_str().unwrap().to_string();
+    eventually(PATIENCE, "the refused trees to be gone", || {
+        !std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
+            std::fs::read(e.path().join("cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&marker))
+        })
+    });
+    assert!(!ran.exists(), "a refused tree ran");
+    let events = env.events();
+    assert!(
+        !events.iter().any(|e| matches!(
+            e,
+            Event::StandbyRestoring { .. } | Event::StandbyReady { .. } | Event::Parked { .. }
+        )),
+        "{events:?}"
+    );
+
+    // The image as frozen makes a standby, and its shell runs.
+    env.ok(&[
+        "standby",
+        "create",
+        "--image",
+        image.to_str().unwrap(),
+        "--count",
+        "1",
+    ]);
+    let root = env.wait_ready(1)[0];
+    eventually(PATIENCE, "the standby's shell to write its file", || {
+        ran.exists()
+    });
+    env.ok(&["standby", "remove", "--image", image.to_str().unwrap()]);
+    eventually(PATIENCE, "the standby to be removed", || {
+        !cryo_testkit::procs::alive(root)
+    });
+}
