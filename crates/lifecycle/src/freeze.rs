@@ -65,7 +65,7 @@ use crate::cuda::Class;
 use crate::failpoint;
 use crate::progress::Progress;
 use crate::runnable::Runnable;
-use crate::suspend::{id, suspend_listed, SuspendFailure, SuspendOptions, Suspended};
+use crate::suspend::{id, suspend_listed, Known, SuspendFailure, SuspendOptions, Suspended};
 use crate::target::Resolved;
 use crate::watcher::{Lease, Watcher, WatcherError};
 
@@ -394,37 +394,43 @@ fn freeze_tree(
         (about.join(), classified)
     });
     let (gpus, driver_version) = about.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-    let (listed, cuda) = classified?;
+    let (listed, cuda, states) = classified?;
     let gpus = gpus?;
     let driver_version = if cuda.is_empty() {
         None
     } else {
         Some(driver_version?)
     };
+    let found = Found {
+        listed,
+        cuda,
+        states,
+        gpus,
+        driver_version,
+    };
     freeze_listed(
-        gpu,
-        criu,
-        root,
-        handles,
-        opts,
-        shrunk,
-        journal,
-        watcher,
-        progress,
-        start,
-        (listed, cuda, gpus, driver_version),
+        gpu, criu, root, handles, opts, shrunk, journal, watcher, progress, start, found,
     )
 }
 
+/// Classified processes: NVML's listing, the CUDA processes and the state the driver answered
+/// for each of them.
+type Classified<'h> = (
+    Vec<cryo_gpu::GpuProcess>,
+    Vec<&'h ProcHandle>,
+    Vec<ProcessState>,
+);
+
 /// Classifies every process of `handles`: refuses one that cannot run or holds driver files
-/// without CUDA state; returns NVML's listing and the CUDA processes.
+/// without CUDA state.
 fn classify_tree<'h>(
     gpu: &Gpu,
     handles: &'h [ProcHandle],
     listed: Vec<cryo_gpu::GpuProcess>,
-) -> Result<(Vec<cryo_gpu::GpuProcess>, Vec<&'h ProcHandle>), FreezeError> {
+) -> Result<Classified<'h>, FreezeError> {
     let mut cuda: Vec<&ProcHandle> = Vec::new();
     let root = handles.first().map(ProcHandle::pid);
+    let mut states = Vec::new();
     for h in handles {
         // A member that ended since the tree was listed (the root must stay) is not part of
         // it, unless NVML listed it: a CUDA process is never left out unseen. What the image
@@ -448,7 +454,10 @@ fn classify_tree<'h>(
             }
         }
         match crate::cuda::classify(gpu, h, &listed, crate::cuda::SETTLE)? {
-            Class::Cuda { .. } => cuda.push(h),
+            Class::Cuda { state } => {
+                cuda.push(h);
+                states.push(state);
+            }
             Class::Plain | Class::Exited => {}
             Class::DriverOnly { fds } => {
                 return Err(FreezeError::DriverFilesWithoutState {
@@ -458,17 +467,22 @@ fn classify_tree<'h>(
             }
         }
     }
-    Ok((listed, cuda))
+    Ok((listed, cuda, states))
 }
 
-/// What the freeze learnt before it acts: NVML's listing, the CUDA processes, the GPUs, the
-/// driver's version (with a CUDA process).
-type Found<'h> = (
-    Vec<cryo_gpu::GpuProcess>,
-    Vec<&'h ProcHandle>,
-    Vec<cryo_gpu::GpuInfo>,
-    Option<String>,
-);
+/// What the freeze learnt before it acts.
+struct Found<'h> {
+    /// NVML's process list.
+    listed: Vec<cryo_gpu::GpuProcess>,
+    /// The CUDA processes.
+    cuda: Vec<&'h ProcHandle>,
+    /// The state the driver answered for each of them.
+    states: Vec<ProcessState>,
+    /// The GPUs.
+    gpus: Vec<cryo_gpu::GpuInfo>,
+    /// The driver's version (with a CUDA process).
+    driver_version: Option<String>,
+}
 
 #[allow(clippy::too_many_arguments)]
 fn freeze_listed(
@@ -482,8 +496,15 @@ fn freeze_listed(
     watcher: &dyn Watcher,
     progress: &dyn Progress,
     start: Instant,
-    (listed, cuda, gpus, driver_version): Found<'_>,
+    found: Found<'_>,
 ) -> Result<FreezeReport, FreezeError> {
+    let Found {
+        listed,
+        cuda,
+        states,
+        gpus,
+        driver_version,
+    } = found;
     let image = opts.image.display().to_string();
     let mut entries = Vec::with_capacity(handles.len());
     for h in handles {
@@ -545,7 +566,10 @@ fn freeze_listed(
         progress,
         handles,
         &cuda,
-        &listed,
+        Known {
+            listed: &listed,
+            states: &states,
+        },
         entries,
         gpu_model,
         driver_version,
@@ -582,7 +606,7 @@ fn freeze_inner(
     progress: &dyn Progress,
     handles: &[ProcHandle],
     cuda: &[&ProcHandle],
-    listed: &[cryo_gpu::GpuProcess],
+    known: Known<'_>,
     mut entries: Vec<ProcessEntry>,
     gpu_model: Option<String>,
     driver_version: Option<String>,
@@ -601,7 +625,7 @@ fn freeze_inner(
         for o in suspend_listed(
             gpu,
             cuda,
-            Some(listed),
+            Some(known),
             &sopts,
             Some(journal),
             progress,

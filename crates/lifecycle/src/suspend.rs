@@ -353,14 +353,26 @@ pub fn suspend_watched(
     suspend_listed(gpu, procs, None, opts, journal, progress, watcher)
 }
 
-/// As [`suspend_watched`], with NVML's process list as the caller took it a moment ago (a
-/// freeze lists the processes before it classifies them): the device memory of each process
-/// is read from it instead of asking NVML again (a round trip to the driver before the first
-/// lock).
+/// What a caller learnt of the processes a moment before it suspends them (a freeze lists and
+/// classifies its tree first).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Known<'a> {
+    /// NVML's process list.
+    pub(crate) listed: &'a [GpuProcess],
+    /// The state the driver answered for each process, in the order of the processes.
+    pub(crate) states: &'a [ProcessState],
+}
+
+/// As [`suspend_watched`], with what the caller learnt a moment ago ([`Known`]): each process's
+/// device memory is read from the caller's NVML list and its state is the one the caller's
+/// classification got, instead of asking NVML and the driver again (two round trips to the
+/// driver before the first lock). A state that changed since is no risk: the driver refuses a
+/// lock or a checkpoint from any other state (a refused freeze, rolled back), and the
+/// verification refuses a process whose memory is still listed.
 pub(crate) fn suspend_listed(
     gpu: &Gpu,
     procs: &[&ProcHandle],
-    listed: Option<&[GpuProcess]>,
+    known: Option<Known<'_>>,
     opts: &SuspendOptions,
     journal: Option<&Journal>,
     progress: &dyn Progress,
@@ -370,8 +382,8 @@ pub(crate) fn suspend_listed(
     let by = me();
     let memory_before: Vec<u64> = procs
         .iter()
-        .map(|p| match listed {
-            Some(listed) => listed
+        .map(|p| match known {
+            Some(Known { listed, .. }) => listed
                 .iter()
                 .filter(|l| l.pid == p.pid())
                 .map(|l| l.used_memory)
@@ -407,7 +419,7 @@ pub(crate) fn suspend_listed(
         })
         .collect();
 
-    for row in &mut rows {
+    for (i, row) in rows.iter_mut().enumerate() {
         let pid = row.handle.pid();
         // The driver's restore thread must run for anything to happen: tell up front.
         match runnable(row.handle) {
@@ -421,7 +433,11 @@ pub(crate) fn suspend_listed(
                 continue;
             }
         }
-        match crate::cuda::settled_state(gpu, pid, crate::cuda::SETTLE) {
+        let state = match known.and_then(|k| k.states.get(i)) {
+            Some(state) => Ok(*state),
+            None => crate::cuda::settled_state(gpu, pid, crate::cuda::SETTLE),
+        };
+        match state {
             Ok(ProcessState::Failed) => {
                 row.state = Some(ProcessState::Failed);
                 row.failure = Some(SuspendFailure::DriverFailedState);

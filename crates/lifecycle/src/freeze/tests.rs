@@ -397,6 +397,35 @@ fn criu_dumps_only_suspended_processes_and_the_image_is_published() {
     assert!(s.fake.wedges().is_empty());
 }
 
+/// Issue 16: the freeze asks the driver each process's state once (its classification's answer
+/// is the suspension's), and journals every step of the suspension, in order, each intent
+/// before its action although outcomes go to disk with the next intent.
+#[test]
+fn a_freeze_asks_each_state_once_and_journals_every_step_in_order() {
+    use cryo_journal::Event;
+    use cryo_testkit::fake::Call;
+    let s = scene();
+    s.freeze(false).unwrap();
+    let records = cryo_journal::read(s.journal.dir()).unwrap().records;
+    for p in &s.pids {
+        assert_eq!(s.fake.count(*p, Call::State), 1, "pid {p}");
+        let kinds: Vec<u8> = records
+            .iter()
+            .filter(|r| r.event.pids().iter().any(|x| x.pid == *p))
+            .filter_map(|r| match r.event {
+                Event::SuspendStarted { .. } => Some(0),
+                Event::LockStarted { .. } => Some(1),
+                Event::Locked { .. } => Some(2),
+                Event::CheckpointStarted { .. } => Some(3),
+                Event::Checkpointed { .. } => Some(4),
+                Event::Verified { .. } => Some(5),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(kinds, vec![0, 1, 2, 3, 4, 5], "pid {p}: {:?}", s.steps(*p));
+    }
+}
+
 /// `leave_running`: the tree is restored and unlocked in place, and journaled as restored
 /// before its contexts come back (from then on they get a restored process's protection).
 #[test]
