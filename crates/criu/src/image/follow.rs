@@ -403,6 +403,18 @@ mod tests {
         got
     }
 
+    /// A staging directory holding a FIFO named as a pages file; the directory and the FIFO.
+    fn staged_fifo() -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("pages-1.img");
+        nix::unistd::mkfifo(
+            &fifo,
+            nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR,
+        )
+        .unwrap();
+        (dir, fifo)
+    }
+
     /// Opens `fifo` for writing without blocking (a reader blocked in its open returns).
     fn release(fifo: &Path) {
         let _ = File::options()
@@ -418,13 +430,7 @@ mod tests {
     /// (publish waits for the follower). It is refused (not a regular file) at once.
     #[test]
     fn the_follower_never_waits_on_a_fifo_put_in_the_staging_directory() {
-        let dir = tempfile::tempdir().unwrap();
-        let fifo = dir.path().join("pages-1.img");
-        nix::unistd::mkfifo(
-            &fifo,
-            nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR,
-        )
-        .unwrap();
+        let (_dir, fifo) = staged_fifo();
         let path = fifo.clone();
         let got = returns(move || open(&path).map(drop), || release(&fifo));
         let err = got.expect("the follower blocked opening a FIFO");
@@ -435,13 +441,7 @@ mod tests {
     /// open): refused at once, never waited on.
     #[test]
     fn publish_never_waits_on_a_fifo_put_in_the_staging_directory() {
-        let dir = tempfile::tempdir().unwrap();
-        let fifo = dir.path().join("pages-1.img");
-        nix::unistd::mkfifo(
-            &fifo,
-            nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR,
-        )
-        .unwrap();
+        let (dir, fifo) = staged_fifo();
         let d = dir.path().to_path_buf();
         let got = returns(
             move || {
