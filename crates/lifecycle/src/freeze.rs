@@ -293,17 +293,18 @@ pub fn freeze(
     // The image records a shrink that may have released memory, so a thaw grows it again.
     let frozen_shrink = shrunk.as_ref().and_then(crate::shrink::Shrunk::frozen);
     failpoint::pause_if(FREEZE_BEFORE_SUSPEND);
-    let mut result = freeze_tree(
+    let cx = Ctx {
         gpu,
         criu,
         root,
         handles,
         opts,
-        frozen_shrink,
+        shrunk: frozen_shrink,
         journal,
         watcher,
         progress,
-    );
+    };
+    let mut result = freeze_tree(&cx);
     if let Some(s) = shrunk.as_mut() {
         // The tree runs on (left running, or the freeze left it as it found it): its engine
         // takes its memory back. A tree that is gone has no engine to ask.
@@ -366,18 +367,24 @@ fn let_go_traced<'w>(
     Ok(leases)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn freeze_tree(
-    gpu: &Gpu,
-    criu: &dyn Criu,
+/// What every step of one freeze works with, the same from the listing to the publish.
+struct Ctx<'a> {
+    gpu: &'a Gpu,
+    criu: &'a dyn Criu,
+    /// The tree's root (`handles[0]`).
     root: Pid,
-    handles: &[ProcHandle],
-    opts: &FreezeOptions,
+    /// The tree as resolved, the root first.
+    handles: &'a [ProcHandle],
+    opts: &'a FreezeOptions,
+    /// The engine's shrink the image records, if it may have released memory.
     shrunk: Option<FrozenShrink>,
-    journal: &Journal,
-    watcher: &dyn Watcher,
-    progress: &dyn Progress,
-) -> Result<FreezeReport, FreezeError> {
+    journal: &'a Journal,
+    watcher: &'a dyn Watcher,
+    progress: &'a dyn Progress,
+}
+
+fn freeze_tree(cx: &Ctx<'_>) -> Result<FreezeReport, FreezeError> {
+    let Ctx { gpu, handles, .. } = *cx;
     let start = Instant::now();
     // The GPUs and the driver's version are for the manifest only: asked beside the listing and
     // the classification, not one round trip to the driver after the other before the first
@@ -408,9 +415,7 @@ fn freeze_tree(
         gpus,
         driver_version,
     };
-    freeze_listed(
-        gpu, criu, root, handles, opts, shrunk, journal, watcher, progress, start, found,
-    )
+    freeze_listed(cx, start, found)
 }
 
 /// Classified processes: NVML's listing, the CUDA processes and the state the driver answered
@@ -484,20 +489,18 @@ struct Found<'h> {
     driver_version: Option<String>,
 }
 
-#[allow(clippy::too_many_arguments)]
 fn freeze_listed(
-    gpu: &Gpu,
-    criu: &dyn Criu,
-    root: Pid,
-    handles: &[ProcHandle],
-    opts: &FreezeOptions,
-    shrunk: Option<FrozenShrink>,
-    journal: &Journal,
-    watcher: &dyn Watcher,
-    progress: &dyn Progress,
+    cx: &Ctx<'_>,
     start: Instant,
     found: Found<'_>,
 ) -> Result<FreezeReport, FreezeError> {
+    let Ctx {
+        root,
+        handles,
+        opts,
+        journal,
+        ..
+    } = *cx;
     let Found {
         listed,
         cuda,
@@ -557,14 +560,7 @@ fn freeze_listed(
         image: image.clone(),
     })?;
     let result = freeze_inner(
-        gpu,
-        criu,
-        root,
-        opts,
-        journal,
-        watcher,
-        progress,
-        handles,
+        cx,
         &cuda,
         Known {
             listed: &listed,
@@ -573,7 +569,6 @@ fn freeze_listed(
         entries,
         gpu_model,
         driver_version,
-        shrunk,
         start,
     );
     match &result {
@@ -595,24 +590,26 @@ fn freeze_listed(
     result
 }
 
-#[allow(clippy::too_many_arguments)]
 fn freeze_inner(
-    gpu: &Gpu,
-    criu: &dyn Criu,
-    root: Pid,
-    opts: &FreezeOptions,
-    journal: &Journal,
-    watcher: &dyn Watcher,
-    progress: &dyn Progress,
-    handles: &[ProcHandle],
+    cx: &Ctx<'_>,
     cuda: &[&ProcHandle],
     known: Known<'_>,
     mut entries: Vec<ProcessEntry>,
     gpu_model: Option<String>,
     driver_version: Option<String>,
-    shrunk: Option<FrozenShrink>,
     start: Instant,
 ) -> Result<FreezeReport, FreezeError> {
+    let Ctx {
+        gpu,
+        criu,
+        root,
+        handles,
+        opts,
+        journal,
+        watcher,
+        progress,
+        ..
+    } = *cx;
     let staging = Staging::create(&opts.image)?;
 
     let t = Instant::now();
@@ -745,7 +742,7 @@ fn freeze_inner(
         gpu_model,
         driver_version,
         criu_version: criu.version(),
-        shrunk,
+        shrunk: cx.shrunk.clone(),
     };
     progress.begin(root, "publish", 0);
     let published = staging.publish_with(meta, opts.replace, &|step| {
