@@ -637,16 +637,19 @@ fn a_criu_that_logs_without_end_is_cut_to_its_cap() {
     assert!(nix::unistd::geteuid().is_root(), "trusted images need root");
     let t = tempfile::tempdir().unwrap();
     let fake = t.path().join("criu");
-    // Answers `--version`; a restore logs one first line, then the same error line 300 MB
-    // long into the log it is given (`-o NAME` in `-W DIR`), and hangs until its deadline.
+    // Answers `--version`; a restore logs one first line into the log it is given (`-o NAME`
+    // in `-W DIR`), then the same error line without end until it is killed at its deadline.
+    // CRIU itself writes (`exec`): nothing outlives its kill to write past the cap after the
+    // log was finished. (A `yes | head -c 300M` pipeline did: under load its `head`, orphaned
+    // by the deadline's kill, kept appending to the finished log, 721,009 bytes against the
+    // cap of 128 KiB.)
     fs::write(
         &fake,
         "#!/bin/sh\ncase \"$*\" in *--version*) echo 'Version: 4.2'; exit 0;; esac\n\
          while [ $# -gt 0 ]; do case \"$1\" in -W) w=$2;; -o) o=$2;; esac; shift; done\n\
          echo '(00.000001) the first line' >>\"$w/$o\"\n\
-         yes '(00.000002) pie: 1: Error (criu/pie/restorer.c:1): preadv returned 0' \
-         | head -c 300000000 >>\"$w/$o\"\n\
-         exec sleep 1000\n",
+         exec yes '(00.000002) pie: 1: Error (criu/pie/restorer.c:1): preadv returned 0' \
+         >>\"$w/$o\"\n",
     )
     .unwrap();
     fs::set_permissions(&fake, fs::Permissions::from_mode(0o755)).unwrap();
