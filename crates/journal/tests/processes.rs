@@ -127,20 +127,41 @@ fn wait_ok(child: &mut Child) {
     assert!(status.success(), "child writer failed: {status}");
 }
 
+/// How many whole frames a watched child may append without being caught inside one before
+/// the watch kills it anyway: a bound on the disk one round takes (48 MiB of 768 KiB records),
+/// counted in the child's writes, not in time.
+const WATCH_FRAMES: u32 = 64;
+
 /// Kills the child while it is inside the `write` of a frame (the file has grown past the last
-/// complete frame but not to the end of the one being written), or after `deadline`.
-fn kill_mid_write(child: &mut Child, path: &Path, mut end: u64, deadline: Instant) -> bool {
+/// complete frame but not to the end of the one being written) and returns true; returns false
+/// (the child killed all the same, possibly inside a write too) after it appended
+/// [`WATCH_FRAMES`] whole frames unseen inside one. Waits for the child's writes, however slow
+/// a loaded machine makes them (its open's directory fsync, a first `fdatasync` behind another
+/// test's writeback: a 20 s deadline here failed "child never wrote" under load); a child that
+/// exits, or that writes nothing for [`PATIENCE`], fails the test (a hang guard).
+fn kill_mid_write(child: &mut Child, path: &Path, mut end: u64) -> bool {
     let file = loop {
         if let Ok(f) = File::open(path) {
             break f;
         }
     };
     let mut header = [0u8; 16];
-    while Instant::now() < deadline {
+    let mut frames = 0;
+    let mut grew = Instant::now();
+    loop {
         let size = file.metadata().unwrap().len();
         if size == end {
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!("child writer exited after {frames} frames: {status}");
+            }
+            assert!(
+                grew.elapsed() < PATIENCE,
+                "child wrote nothing for {PATIENCE:?} after {frames} frames: {}",
+                stuck(child.id())
+            );
             continue;
         }
+        grew = Instant::now();
         if size - end < 16 {
             child.kill().unwrap();
             return true;
@@ -153,9 +174,12 @@ fn kill_mid_write(child: &mut Child, path: &Path, mut end: u64, deadline: Instan
             return true;
         }
         end = frame_end;
+        frames += 1;
+        if frames == WATCH_FRAMES {
+            child.kill().unwrap();
+            return false;
+        }
     }
-    child.kill().unwrap();
-    false
 }
 
 #[test]
@@ -177,11 +201,9 @@ fn torn_tail_after_kill_9_is_cut_and_complete_records_survive() {
         let end = std::fs::metadata(&path).unwrap().len();
         // 768 KiB records: copying one into the page cache takes long enough to be caught.
         let (mut child, acks) = spawn_writer(dir.path(), "kill", 1_000_000, 768 * 1024);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        assert!(
-            kill_mid_write(&mut child, &path, end, deadline),
-            "child never wrote"
-        );
+        // Whether the kill was seen to land inside a write or not, the journal must read
+        // as a consistent prefix: `torn` below says which it was.
+        kill_mid_write(&mut child, &path, end);
         child.wait().unwrap();
         acked_all.extend(acks.iter().map(|s| s.parse::<u64>().unwrap()));
 
@@ -253,12 +275,7 @@ fn open_cuts_a_torn_tail_left_by_a_killed_writer() {
     for _ in 0..40 {
         let end = std::fs::metadata(&path).unwrap().len();
         let (mut child, _acks) = spawn_writer(dir.path(), "open", 1_000_000, 768 * 1024);
-        assert!(kill_mid_write(
-            &mut child,
-            &path,
-            end,
-            Instant::now() + Duration::from_secs(20)
-        ));
+        kill_mid_write(&mut child, &path, end);
         child.wait().unwrap();
         torn = read(dir.path()).unwrap().tail;
         if torn.is_some() {
