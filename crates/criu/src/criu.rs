@@ -164,6 +164,21 @@ pub type AtGate<'a> = dyn Fn(Pid) -> Result<(), String> + Sync + 'a;
 /// image written, nothing killed): what CRIU dumped is what lives in the tree now.
 pub type DumpGate<'a> = dyn Fn() -> Result<(), String> + Sync + 'a;
 
+/// The verdict at a staged dump's gate (CRIU's `post-dump` stage: every image written, the
+/// tree frozen, none of it killed yet), one home for every [`Criu`] that writes into a
+/// [`Staging`] ([`CriuRpc`], and the tests' fake): the caller's `at_gate` first (its refusal is
+/// [`CriuError::DumpGate`]), then the staging directory must still be the one made and locked
+/// for the dump, holding only regular files ([`CriuError::Image`] otherwise). Once both passed,
+/// the follower starts hashing what CRIU wrote ([`Staging::follow_written`], CRIU's log left to
+/// publish): behind the verdict, while CRIU ends the tree, CRIU having written with the cores
+/// to itself. An `Err` makes CRIU resume the tree instead of killing it.
+pub fn dump_gate_verdict(staging: &Staging, at_gate: &DumpGate<'_>) -> Result<(), CriuError> {
+    at_gate().map_err(CriuError::DumpGate)?;
+    staging.check_dumped().map_err(CriuError::Image)?;
+    staging.follow_written(&[DUMP_LOG]);
+    Ok(())
+}
+
 /// A CRIU binary that was found and is recent enough, driven through `criu swrk` RPC.
 #[derive(Debug, Clone)]
 pub struct CriuRpc {
@@ -625,14 +640,7 @@ impl Criu for CriuRpc {
                 // CRIU wrote every byte before its post-dump stage.
                 image::CaptureClock::mark(&clock.received);
                 image::CaptureClock::mark(&clock.gate);
-                let v = at_gate()
-                    .map_err(CriuError::DumpGate)
-                    .and_then(|()| staging.check_dumped().map_err(CriuError::Image));
-                if v.is_ok() {
-                    // Behind the verdict, while CRIU ends the tree: CRIU wrote with the cores
-                    // to itself.
-                    staging.follow_written(&[DUMP_LOG]);
-                }
+                let v = dump_gate_verdict(staging, at_gate);
                 image::CaptureClock::mark(&clock.verdict);
                 v
             },

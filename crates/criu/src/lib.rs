@@ -45,9 +45,9 @@ mod unresumed;
 mod version;
 
 pub use criu::{
-    error_lines, AtGate, Criu, CriuFlags, CriuRpc, DumpGate, DumpOpts, DumpPhases, RestoreOpts,
-    RestorePhases, Restored, ThawRoute, CRIU_ENV, DEFAULT_CRIU, DUMP_LOG, RESTORE_LOG,
-    VERSION_CACHE,
+    dump_gate_verdict, error_lines, AtGate, Criu, CriuFlags, CriuRpc, DumpGate, DumpOpts,
+    DumpPhases, RestoreOpts, RestorePhases, Restored, ThawRoute, CRIU_ENV, DEFAULT_CRIU, DUMP_LOG,
+    RESTORE_LOG, VERSION_CACHE,
 };
 pub use error::{CriuError, CriuOp};
 pub use image::{ImageError, Manifest};

@@ -45,6 +45,9 @@ pub struct Dump {
     pub ok: bool,
 }
 
+/// The verdict a dump asks at its gate.
+type Verdict<'a> = dyn Fn() -> Result<(), CriuError> + Sync + 'a;
+
 /// What [`FakeCriu::before_next_dump`] runs.
 type Hook = Box<dyn FnOnce() + Send>;
 
@@ -151,6 +154,8 @@ impl Criu for FakeCriu {
         self.dump_gated(pid, images_dir, opts, &|| Ok(()))
     }
 
+    /// The gate's verdict is the real CRIU's ([`cryo_criu::dump_gate_verdict`]): the caller's
+    /// `at_gate`, the staging directory's check, then the follower, all before the kill.
     fn dump_staged(
         &self,
         pid: Pid,
@@ -158,9 +163,9 @@ impl Criu for FakeCriu {
         opts: &DumpOpts,
         at_gate: &DumpGate<'_>,
     ) -> Result<(), CriuError> {
-        self.dump_gated(pid, staging.path(), opts, at_gate)?;
-        staging.follow_written(&[DUMP_LOG]);
-        Ok(())
+        self.dump_gated(pid, staging.path(), opts, &|| {
+            cryo_criu::dump_gate_verdict(staging, at_gate)
+        })
     }
 
     /// The "restored" processes already run: `at_gate` is told of them, a refusal is CRIU's;
@@ -212,14 +217,14 @@ impl Criu for FakeCriu {
 }
 
 impl FakeCriu {
-    /// A dump that runs `at_gate` once every file is written, before the tree is killed; a
-    /// refusal there leaves the tree as it was.
+    /// A dump that asks `verdict` once every file is written, before the tree is killed, as
+    /// CRIU's `post-dump` stage waits at cryo's gate; a refusal there leaves the tree as it was.
     fn dump_gated(
         &self,
         pid: Pid,
         images_dir: &Path,
         opts: &DumpOpts,
-        at_gate: &DumpGate<'_>,
+        verdict: &Verdict<'_>,
     ) -> Result<(), CriuError> {
         let hook = self.inner().before_next.take();
         if let Some(hook) = hook {
@@ -261,10 +266,10 @@ impl FakeCriu {
         for p in &tree {
             write(&format!("core-{p}.img"), &format!("fake core of {p}\n"))?;
         }
-        if let Err(e) = at_gate() {
+        if let Err(e) = verdict() {
             dump.ok = false;
             self.inner().dumps.push(dump);
-            return Err(CriuError::DumpGate(e));
+            return Err(e);
         }
         if !opts.leave_running {
             for p in &tree {
