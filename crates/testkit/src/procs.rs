@@ -154,13 +154,7 @@ impl Procs {
     /// A tree that leads its own session: `sh -c script`, once it has `children` children, each
     /// of them running `sleep` (its root is `sh` unless the script `exec`s).
     pub fn session_shell(script: &str, children: usize) -> Procs {
-        let mut cmd = Command::new("setsid");
-        cmd.args(["sh", "-c", script])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        crate::fds::close_inherited(&mut cmd, None);
-        let root = cmd.spawn().unwrap();
+        let root = session_sh(script);
         let pid = root.id() as Pid;
         eventually(PATIENCE, "the session shell's tree", || {
             cryo_proc::stat(pid).is_ok_and(|s| s.session == pid)
@@ -182,13 +176,7 @@ impl Procs {
             "trap 'sleep 600 &' USR1; {}while :; do wait; done",
             "sleep 600 & ".repeat(children)
         );
-        let mut cmd = Command::new("setsid");
-        cmd.args(["sh", "-c", &script])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        crate::fds::close_inherited(&mut cmd, None);
-        let root = cmd.spawn().unwrap();
+        let root = session_sh(&script);
         let pid = root.id() as Pid;
         eventually(PATIENCE, "the reaping tree", || {
             cryo_proc::stat(pid).is_ok_and(|s| s.session == pid && s.comm == "sh")
@@ -233,6 +221,18 @@ impl Drop for Procs {
             let _ = c.wait();
         }
     }
+}
+
+/// `sh -c script` leading a session of its own (`setsid` execs in place), stdio null, none of
+/// the test's descriptors inherited; the caller waits for the tree it builds.
+fn session_sh(script: &str) -> Child {
+    let mut cmd = Command::new("setsid");
+    cmd.args(["sh", "-c", script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    crate::fds::close_inherited(&mut cmd, None);
+    cmd.spawn().unwrap()
 }
 
 fn sleeper(session: bool) -> Child {
