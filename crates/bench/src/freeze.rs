@@ -19,8 +19,21 @@
 //!
 //! The moments an operator waits for, from the first process started: **GPU free** (every CUDA
 //! process suspended), **worker gone** (the dump done, the tree gone), **published and
-//! durable** (cryo's exit; the bare route's dump plus its fsyncs), and the thaws to the first
-//! answered health request.
+//! durable** (cryo's image renamed into place with every file fsync'd; the bare route's dump
+//! plus its fsyncs), and the thaws to the first answered health request.
+//!
+//! Every moment of both arms is measured on `CLOCK_MONOTONIC` ([`Moment`]) from one origin per
+//! arm: the instant the benchmark launches the arm's first process (`cryo freeze`, or the first
+//! `cuda-checkpoint`; for a thaw, `cryo thaw` or `criu restore`). The bare route's moments are
+//! when its tools exited (`cuda-checkpoint --action checkpoint`, `criu dump`, the last fsync:
+//! when a script running them would know). cryo reports each of its moments as an absolute
+//! `CLOCK_MONOTONIC` time in its `--json` report (`moments`, `first_answer_at`), read as the
+//! step that reaches it returns, and the benchmark subtracts the origin: all of cryo's start
+//! (exec, listing the tree, opening the journal, connecting to the driver) is counted, and
+//! nothing that follows the moment (the journal records after it, the process's exit) is,
+//! since the GPU is free when the checkpoint returned, not when `cryo freeze` exits. The bare
+//! route's tools are charged their exits (a `cuda-checkpoint` process's exit is about a
+//! millisecond), cryo its whole start: neither arm is flattered by what the other is not.
 //!
 //! *Worker gone* is the same moment in both arms: every process of the tree has exited (its
 //! pidfd is readable: it is a zombie or reaped, its memory is released, it can never run
@@ -31,9 +44,8 @@
 //! held as `pids_held`). The bare route reaches it at `criu dump`'s exit: CRIU kills the tree
 //! and, as its tracer, waits for every task it killed before it exits (measured: the dumped
 //! worker was a zombie the moment `criu dump` exited); the benchmark checks the pidfd all the
-//! same. cryo reaches it once its CRIU has exited and each exit is confirmed by pidfd. cryo's first two moments are its own (`gpu_free_ms`,
-//! `worker_gone_ms`) plus all of the process's start and exit cost (its wall time minus its own
-//! elapsed time), so they are never flattered. Each cell is the median over the rounds with the
+//! same. cryo reaches it once its CRIU has exited and each exit is confirmed by pidfd. Each cell
+//! is the median over the rounds with the
 //! min-max beside it; ratios are ratios of medians (bare / cryo: above 1, cryo is faster), and
 //! beside each the paired ratio: bare / cryo of each round, whose two arms ran back to back (so
 //! what drifts between rounds cancels), their median with a 90% bootstrap interval
@@ -47,8 +59,10 @@
 //! and of cryo's dump (`dump_phases`: every byte received, CRIU at the gate, the
 //! verdict, CRIU's exit, every chunk hashed), which say what the worker's end waited for.
 //! Throughputs are image bytes over a moment or step, next to the disk's limit for those bytes.
-//! Every worker is stopped with `cryo stop` and the wedge ledger must stay empty. The host's
-//! load average is printed at the start and end.
+//! Every worker is stopped with `cryo stop` and the wedge ledger must stay empty; an arm that
+//! fails (or panics) ends the workers it started on its way out ([`Workers`]: suspended, then
+//! killed by pidfd), so a failed run leaves no worker holding its memory. The host's load
+//! average is printed at the start and end.
 //!
 //! # What the numbers mean, and limitations
 //! Needs root (CRIU, `drop_caches`). Only ratios mean anything, and only as far as the paired
@@ -71,13 +85,13 @@ use serde::Serialize;
 
 use cryo_proc::ProcHandle;
 use cryo_state::StateDir;
-use cryo_units::fmt_bytes;
+use cryo_units::{fmt_bytes, Moment};
 
 use crate::args::BenchFreezeArgs;
 use crate::measure::{
     a_first, load_average, load_line, paired_ratios, HostMemory, Interval, Samples,
 };
-use crate::private_sim::{private_exe, DriverOptions, PrivateSim, WorkerOptions};
+use crate::private_sim::{private_exe, DriverOptions, PrivateSim, WorkerOptions, Workers};
 
 /// The level of the paired ratios' bootstrap interval.
 const LEVEL: f64 = 0.9;
@@ -388,7 +402,7 @@ fn print_row(row: &Row) {
         row.cryo_restore_phases[k]
             .iter()
             .zip(PHASES)
-            .map(|(s, name)| format!("{} {:.0}", name.trim_end_matches("_ms"), s.median()))
+            .map(|(s, name)| phase_cell(name, s))
             .collect::<Vec<_>>()
             .join(", ")
     };
@@ -401,7 +415,7 @@ fn print_row(row: &Row) {
         .cryo_dump_phases
         .iter()
         .zip(DUMP_PHASES)
-        .map(|(s, name)| format!("{} {:.0}", name.trim_end_matches("_ms"), s.median()))
+        .map(|(s, name)| phase_cell(name, s))
         .collect::<Vec<_>>()
         .join(", ");
     println!("  cryo's dump, ms from its start (medians): {dump}");
@@ -455,6 +469,21 @@ fn print_row(row: &Row) {
         gbps(img, cc),
         l.read_cold / 1e9,
     );
+}
+
+/// One phase's median as printed: `name ms`, or `name n/a (why)` where cryo's report had no
+/// such moment in any round (a dump's `hashed_ms` when CRIU wrote the files itself).
+fn phase_cell(name: &str, s: &Samples) -> String {
+    let short = name.trim_end_matches("_ms");
+    let median = s.median();
+    if !median.is_nan() {
+        return format!("{short} {median:.0}");
+    }
+    let why = match name {
+        "hashed_ms" => "CRIU wrote the files itself: publish hashes them, in its step",
+        _ => "not in cryo's report",
+    };
+    format!("{short} n/a ({why})")
 }
 
 pub(crate) struct Arm {
@@ -657,7 +686,7 @@ impl Bench {
     /// `cryo thaw` of the worker `pid` to the first answered health request.
     fn cryo_thaw(&self, image: &Path, pid: i32, sock: &Path) -> anyhow::Result<Thawed> {
         let free_mib = HostMemory::now().free_mib as f64;
-        let t = Instant::now();
+        let origin = Moment::now();
         let mut c = self.cryo();
         c.arg("thaw").arg(image).args([
             "--json",
@@ -665,12 +694,11 @@ impl Bench {
             &format!("unix:{}:/health", sock.display()),
         ]);
         let out = self.run(c, "cryo thaw")?;
-        let wall = ms(t.elapsed());
         let restored_cpu = main_thread_cpu(pid);
         let v: serde_json::Value =
             serde_json::from_str(&out).context("parsing cryo thaw --json")?;
         Ok(Thawed {
-            wall,
+            wall: thaw_answered(&v, origin)?,
             steps: steps(&v, ["verify_ms", "criu_ms", "gpu_restore_ms"]),
             phases: PHASES.map(|k| v["criu_phases"][k].as_f64().unwrap_or(f64::NAN)),
             restored_cpu,
@@ -679,25 +707,25 @@ impl Bench {
     }
 
     pub(crate) fn cryo_arm(&self, memory: u64) -> anyhow::Result<Arm> {
+        // Ends the worker (or its restored tree) on any error or panic of this arm.
+        let mut workers = Workers::new(&self.dir);
         let (mut child, pid, sock) = self.worker(memory)?;
+        workers.hold(pid);
         let image = self.dir.join("cryo-img");
         // The worker's parent reaps it as soon as CRIU ends it, as a real parent does: `cryo
         // freeze` waits for its pids to be free before it reports the image published.
         let reaper = std::thread::spawn(move || child.wait());
+        let origin = Moment::now();
         let t = Instant::now();
         let mut c = self.cryo();
         c.args(["freeze", "--json", &pid.to_string(), "--image"])
             .arg(&image);
         let out = self.run(c, "cryo freeze")?;
-        let durable = ms(t.elapsed());
         let f: serde_json::Value =
             serde_json::from_str(&out).context("parsing cryo freeze --json")?;
         let freeze_steps = steps(&f, ["suspend_ms", "dump_ms", "publish_ms"]);
         let dump_phases = DUMP_PHASES.map(|k| f["dump_phases"][k].as_f64().unwrap_or(f64::NAN));
-        // Every cost of the process outside its own clock counts against its moments.
-        let outside = durable - f["elapsed_ms"].as_f64().unwrap_or(0.0);
-        let [gpu_free, gone] =
-            ["gpu_free_ms", "worker_gone_ms"].map(|k| f[k].as_f64().unwrap_or(f64::NAN) + outside);
+        let [gpu_free, gone, durable] = freeze_moments(&f, origin)?;
         reaper
             .join()
             .map_err(|_| anyhow::anyhow!("the reaper thread panicked"))?
@@ -754,22 +782,22 @@ impl Bench {
     /// `criu restore`, GPU restore + unlock.
     fn bare_thaw(&self, image: &Path, pid: i32, sock: &Path) -> anyhow::Result<Thawed> {
         let free_mib = HostMemory::now().free_mib as f64;
-        let t = Instant::now();
+        let origin = Moment::now();
         let mut c = self.criu_cmd();
         c.args(["restore", "-d", "-D"])
             .arg(image)
             .args(["-o", "restore.log"]);
         self.run(c, "criu restore")?;
-        let criu_ms = ms(t.elapsed());
+        let criu_ms = Moment::now().ms_since(origin);
         self.compat("restore", pid)?;
         self.compat("unlock", pid)?;
-        let gpu_ms = ms(t.elapsed()) - criu_ms;
+        let gpu_ms = Moment::now().ms_since(origin) - criu_ms;
         let deadline = Instant::now() + Duration::from_secs(60);
         let check = cryo_lifecycle::HealthCheck::Url(format!("unix:{}:/health", sock.display()));
         check
             .wait(deadline.saturating_duration_since(Instant::now()))
             .context("the bare route's worker never answered")?;
-        let thaw_ms = ms(t.elapsed());
+        let thaw_ms = Moment::now().ms_since(origin);
         let restored_cpu = main_thread_cpu(pid);
         let handle = ProcHandle::open(pid)?;
         cryo_lifecycle::record_restored(
@@ -789,13 +817,19 @@ impl Bench {
     }
 
     pub(crate) fn bare_arm(&self, memory: u64) -> anyhow::Result<Arm> {
+        // Ends the worker (or its restored tree) on any error or panic of this arm.
+        let mut workers = Workers::new(&self.dir);
         let (mut child, pid, sock) = self.worker(memory)?;
+        workers.hold(pid);
         let image = self.dir.join("bare-img");
         fs::create_dir(&image).context("creating the bare route's image directory")?;
+        // Each moment is when its tool exited (when a script running them would know), on the
+        // clock cryo's moments are read on, from the same kind of origin: the first launch.
+        let origin = Moment::now();
         let t = Instant::now();
         self.compat("lock", pid)?;
         self.compat("checkpoint", pid)?;
-        let gpu_free = ms(t.elapsed());
+        let gpu_free = Moment::now().ms_since(origin);
         // Opened before the dump: the worker's own pidfd says when it has exited.
         let handle = ProcHandle::open(pid)?;
         let mut c = self.criu_cmd();
@@ -809,9 +843,9 @@ impl Bench {
             handle.wait_exit(Duration::from_secs(30)),
             "worker {pid} still alive 30 s after `criu dump`"
         );
-        let gone = ms(t.elapsed());
+        let gone = Moment::now().ms_since(origin);
         sync_dir(&image)?;
-        let durable = ms(t.elapsed());
+        let durable = Moment::now().ms_since(origin);
         child.wait().context("reaping the frozen worker")?;
 
         self.wait_to_thaw(t, gone);
@@ -871,6 +905,102 @@ fn reap(pid: i32) {
     }
 }
 
+/// cryo's freeze moments, GPU free, worker gone, published and durable, ms from `origin` (the
+/// instant `cryo freeze` was launched), from the absolute `CLOCK_MONOTONIC` times of its
+/// `--json` report (`moments`): all of its start is counted, nothing after the moment is.
+fn freeze_moments(report: &serde_json::Value, origin: Moment) -> anyhow::Result<[f64; 3]> {
+    let m = &report["moments"];
+    let at = |k: &str| -> anyhow::Result<f64> {
+        let ns = m[k]
+            .as_u64()
+            .with_context(|| format!("cryo freeze --json reports no moments.{k}: {report}"))?;
+        let ms = Moment(ns).ms_since(origin);
+        ensure!(
+            ms >= 0.0,
+            "cryo freeze reports moments.{k} {ms:.3} ms before it was launched"
+        );
+        Ok(ms)
+    };
+    Ok([at("gpu_free")?, at("worker_gone")?, at("published")?])
+}
+
+/// cryo's thaw moment, its first answered health request, ms from `origin` (the instant `cryo
+/// thaw` was launched), from the `first_answer_at` of its `--json` report.
+fn thaw_answered(report: &serde_json::Value, origin: Moment) -> anyhow::Result<f64> {
+    let ns = report["first_answer_at"]
+        .as_u64()
+        .with_context(|| format!("cryo thaw --json reports no first_answer_at: {report}"))?;
+    let ms = Moment(ns).ms_since(origin);
+    ensure!(
+        ms >= 0.0,
+        "cryo thaw reports its first answer {ms:.3} ms before it was launched"
+    );
+    Ok(ms)
+}
+
 fn steps(v: &serde_json::Value, keys: [&str; 3]) -> [f64; 3] {
     keys.map(|k| v[k].as_f64().unwrap_or(f64::NAN))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// cryo's moments are its report's absolute clocks less the benchmark's origin: what came
+    /// before its own start is counted, its exit (long after, here) is not.
+    #[test]
+    fn cryo_moments_are_its_clocks_from_the_launch() {
+        let origin = Moment(5_000_000_000);
+        let report = serde_json::json!({
+            "gpu_free_ms": 100,
+            "worker_gone_ms": 300,
+            "elapsed_ms": 900,
+            "moments": {
+                "started": 5_040_000_000_u64,
+                "gpu_free": 5_140_500_000_u64,
+                "worker_gone": 5_340_000_000_u64,
+                "published": 5_700_250_000_u64,
+            },
+        });
+        let [gpu_free, gone, durable] = freeze_moments(&report, origin).unwrap();
+        assert!((gpu_free - 140.5).abs() < 1e-9, "{gpu_free}");
+        assert!((gone - 340.0).abs() < 1e-9, "{gone}");
+        assert!((durable - 700.25).abs() < 1e-9, "{durable}");
+        let thaw = serde_json::json!({"first_answer_at": 5_012_000_000_u64});
+        assert!((thaw_answered(&thaw, origin).unwrap() - 12.0).abs() < 1e-9);
+    }
+
+    /// A report without the clocks (an older cryo) or with one before the launch (another
+    /// clock, another boot) is an error, never a moment made up from elapsed times.
+    #[test]
+    fn a_report_without_clocks_or_with_one_before_the_launch_is_refused() {
+        let origin = Moment(5_000_000_000);
+        let old = serde_json::json!({"gpu_free_ms": 100, "worker_gone_ms": 300});
+        let e = freeze_moments(&old, origin).unwrap_err().to_string();
+        assert!(e.contains("moments.gpu_free"), "{e}");
+        let early = serde_json::json!({"moments": {
+            "gpu_free": 4_999_000_000_u64, "worker_gone": 5_100_000_000_u64,
+            "published": 5_200_000_000_u64,
+        }});
+        let e = freeze_moments(&early, origin).unwrap_err().to_string();
+        assert!(e.contains("before it was launched"), "{e}");
+        let e = thaw_answered(&serde_json::json!({}), origin)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("first_answer_at"), "{e}");
+    }
+
+    /// A phase cryo's report never had prints as n/a with its reason, never as NaN.
+    #[test]
+    fn a_missing_phase_prints_na_with_its_reason() {
+        let none = Samples(vec![f64::NAN, f64::NAN]);
+        let cell = phase_cell("hashed_ms", &none);
+        assert!(
+            cell.starts_with("hashed n/a (CRIU wrote the files"),
+            "{cell}"
+        );
+        assert!(!cell.contains("NaN"), "{cell}");
+        assert_eq!(phase_cell("gate_ms", &Samples(vec![12.4])), "gate 12");
+        assert!(phase_cell("gate_ms", &none).contains("n/a"));
+    }
 }

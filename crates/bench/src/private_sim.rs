@@ -4,7 +4,9 @@
 //! # Design
 //! [`PrivateSim`] owns the driver process: it is killed and reaped on drop. Workers are handed to
 //! the caller as [`SimWorker`]s, since each caller ends them its own way (`cryo stop`, a freeze,
-//! a kill after a suspension); [`retire`] is the best-effort suspend-then-kill for a failure path.
+//! a kill after a suspension); [`retire`] is the best-effort suspend-then-kill for a failure path,
+//! and [`Workers`] does it on drop for every worker a caller started (and the restored trees it
+//! adopted), so an error or a panic anywhere in a benchmark's arm ends what it started.
 //! What differs between callers is a parameter: the binary (a private copy where CRIU will restore
 //! the worker: CRIU refuses a process whose executable changed on disk), whether the driver logs
 //! to `driver.log`, and for workers `setsid` (CRIU dumps a tree that leads its session), the GPU,
@@ -21,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _};
 use cryo_gpu::{Gpu, ProcessState};
-use cryo_proc::Pid;
+use cryo_proc::{Pid, ProcHandle, Signal};
 use cryo_sim::SimControl;
 
 /// A `cryo sim driver` child serving in `dir`.
@@ -240,4 +242,161 @@ pub(crate) fn log_tail(path: &Path) -> String {
     let lines: Vec<&str> = text.lines().rev().take(5).collect();
     let tail: Vec<&str> = lines.into_iter().rev().collect();
     format!("{} ends with: {}", path.display(), tail.join(" | "))
+}
+
+/// The sim workers of one benchmark arm, ended on drop whatever ends the arm: its success (then
+/// they are already stopped and reaped, and nothing is left to do), an error returned with `?`
+/// anywhere, or a panic (drop runs while unwinding). A worker the arm gave up on (a `cryo stop`
+/// that timed out, a failed freeze that resumed it, a thaw that failed after CRIU restored it)
+/// would otherwise run on with its memory after the benchmark exits.
+///
+/// A worker is known by its pid, because a thaw brings it back as another process with the
+/// same pid. It is this arm's only while it is the benchmark's child: the worker was spawned by
+/// it, and a restored tree's root is adopted by it (the benchmark is a child subreaper, and
+/// `cryo thaw` / `criu restore -d` have exited by then); a child's pid is not reused before its
+/// parent reaps it. So on drop each pid is opened as a pidfd and acted on only if the process
+/// of that pidfd is alive and the benchmark's child; it is then suspended as the invariant
+/// demands (lock and checkpoint, bounded: a driver that does not answer is given up on),
+/// SIGKILLed through the pidfd and reaped.
+pub(crate) struct Workers {
+    /// The private driver's directory, to suspend a worker before its kill.
+    dir: PathBuf,
+    pids: Vec<Pid>,
+}
+
+impl Workers {
+    /// No worker yet, on the driver in `dir`.
+    pub(crate) fn new(dir: &Path) -> Workers {
+        Workers {
+            dir: dir.to_path_buf(),
+            pids: Vec::new(),
+        }
+    }
+
+    /// A worker this arm started (its pid also names the tree a thaw restores).
+    pub(crate) fn hold(&mut self, pid: Pid) {
+        if !self.pids.contains(&pid) {
+            self.pids.push(pid);
+        }
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        let mut gpu = None;
+        for &pid in &self.pids {
+            let Some(h) = own_child(pid) else {
+                continue;
+            };
+            let gpu = gpu.get_or_insert_with(|| {
+                cryo_sim::connect(&self.dir).ok().map(|g| {
+                    g.bounded(cryo_gpu::Limits {
+                        until: Some(Instant::now() + Duration::from_secs(30)),
+                        ..cryo_gpu::Limits::default()
+                    })
+                })
+            });
+            eprintln!("cryo bench: ending sim worker {pid}, left running by a failed arm");
+            suspend(gpu.as_ref(), pid);
+            if let Err(e) = h.signal(Signal::SIGKILL) {
+                eprintln!("cryo bench: cannot kill sim worker {pid}: {e}");
+                continue;
+            }
+            h.wait_exit(Duration::from_secs(10));
+            if let Some(p) = rustix::process::Pid::from_raw(pid) {
+                let _ = rustix::process::waitpid(Some(p), rustix::process::WaitOptions::NOHANG);
+            }
+        }
+    }
+}
+
+/// A pidfd on `pid` if the process it names is alive and this process's child (a child's pid
+/// is not reused before we reap it, so what is read through the pidfd is about that child).
+fn own_child(pid: Pid) -> Option<ProcHandle> {
+    let h = ProcHandle::open(pid).ok()?;
+    let me = rustix::process::getpid().as_raw_nonzero().get();
+    let st = h.stat().ok()?;
+    (st.ppid == me && h.is_alive()).then_some(h)
+}
+
+/// Suspends `pid` if it holds a running or locked context (best effort, within `gpu`'s
+/// deadline): a live context is never torn down by a kill.
+fn suspend(gpu: Option<&Gpu>, pid: Pid) {
+    let Some(gpu) = gpu else {
+        return;
+    };
+    if matches!(gpu.driver.state(pid), Ok(ProcessState::Running)) {
+        let _ = gpu.driver.lock(pid, Some(Duration::from_secs(10)));
+    }
+    if matches!(gpu.driver.state(pid), Ok(ProcessState::Locked)) {
+        let _ = gpu.driver.checkpoint(pid);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sleeper() -> (std::process::Child, ProcHandle) {
+        let child = Command::new("sleep").arg("1000").spawn().unwrap();
+        let h = ProcHandle::open(Pid::try_from(child.id()).unwrap()).unwrap();
+        (child, h)
+    }
+
+    /// A panic in an arm ends the workers it held (by pidfd, and reaps them), not the others.
+    #[test]
+    fn a_panicking_arm_ends_the_workers_it_started() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut held, held_h) = sleeper();
+        let (mut other, other_h) = sleeper();
+        let pid = held_h.pid();
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut w = Workers::new(dir.path());
+            w.hold(pid);
+            panic!("the arm failed");
+        }));
+        assert!(panicked.is_err());
+        assert!(
+            held_h.wait_exit(Duration::from_secs(10)),
+            "worker {pid} left running"
+        );
+        // Reaped by the guard: its pid is free.
+        assert_eq!(held_h.liveness(), cryo_proc::Liveness::Gone);
+        assert!(held.try_wait().is_err());
+        assert!(
+            other_h.is_alive(),
+            "a process the arm did not hold was ended"
+        );
+        other.kill().unwrap();
+        other.wait().unwrap();
+    }
+
+    /// A held pid that is not this process's child (a pid freed and taken by someone else) is
+    /// never signalled.
+    #[test]
+    fn a_held_pid_that_is_not_our_child_is_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        // A grandchild: its parent is the shell, not this process.
+        let mut sh = Command::new("sh")
+            .args(["-c", "sleep 1000 & echo $!; wait"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(sh.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let pid: Pid = line.trim().parse().unwrap();
+        let h = ProcHandle::open(pid).unwrap();
+        drop({
+            let mut w = Workers::new(dir.path());
+            w.hold(pid);
+            w
+        });
+        assert!(h.is_alive(), "pid {pid}, not our child, was ended");
+        h.signal(Signal::SIGKILL).unwrap();
+        sh.wait().unwrap();
+    }
 }

@@ -1222,6 +1222,58 @@ fn bench_freeze_runs_tiny() {
     }
 }
 
+/// An arm that fails ends the sim worker it started: here the `criu dump` command line fails
+/// (a CRIU that execs the real one for everything else: cryo's own dump goes through), so the
+/// warm-up's bare arm fails with its worker suspended; the benchmark fails, and no sim worker
+/// of its directory is left running once it has exited (one was, holding its memory, before
+/// `Workers`).
+#[test]
+fn bench_freeze_ends_its_workers_when_an_arm_fails() {
+    criu_present();
+    let real = cryo_criu::CriuRpc::locate(None)
+        .unwrap()
+        .path()
+        .to_path_buf();
+    let dir = tempfile::tempdir().unwrap();
+    let criu = dir.path().join("criu");
+    fs::write(
+        &criu,
+        format!(
+            "#!/bin/sh\ncase \"$1\" in dump) echo 'dump refused by the test' >&2; exit 1;; esac\nexec {} \"$@\"\n",
+            real.display()
+        ),
+    )
+    .unwrap();
+    fs::set_permissions(&criu, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let out = Command::new(CRYO)
+        .args([
+            "bench", "freeze", "--sizes", "16MiB", "--rounds", "1", "--dir",
+        ])
+        .arg(dir.path())
+        .env_remove("CRYO_GPU")
+        .env("CRYO_CRIU", &criu)
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("criu dump failed"), "{err}");
+    assert!(err.contains("ending sim worker"), "{err}");
+    // The benchmark has exited: whatever it started and did not end runs now.
+    let needle = dir.path().to_string_lossy().into_owned();
+    let left: Vec<String> = fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| {
+            let e = e.ok()?;
+            e.file_name().to_str()?.parse::<i32>().ok()?;
+            let cmd = fs::read(e.path().join("cmdline")).ok()?;
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            (cmd.contains("sim worker") && cmd.contains(&needle))
+                .then(|| format!("{}: {cmd}", e.file_name().to_string_lossy()))
+        })
+        .collect();
+    assert!(left.is_empty(), "sim workers left running: {left:?}; {err}");
+}
+
 /// `--thaw-after-gone MS`: both arms' page-cache thaws start no sooner than MS ms after their
 /// worker was gone (at once after the freeze without it: well under a second for 16 MiB).
 #[test]

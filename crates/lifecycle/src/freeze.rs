@@ -60,6 +60,7 @@ use cryo_gpu::{Gpu, ProcessState};
 use cryo_journal::{Event, Journal};
 use cryo_proc::Pid;
 use cryo_proc::{ProcError, ProcHandle};
+use cryo_units::Moment;
 
 use crate::cuda::Class;
 use crate::failpoint;
@@ -122,6 +123,11 @@ pub struct FreezeReport {
     /// itself).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dump_phases: Option<cryo_criu::DumpPhases>,
+    /// The same moments as `gpu_free_ms`, `worker_gone_ms` and the publish's end, as absolute
+    /// times on the host's `CLOCK_MONOTONIC`, so a caller measures them from its own origin
+    /// (absent from an older agent's report).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moments: Option<FreezeMoments>,
     /// Whether the tree is still running (`leave_running`).
     pub left_running: bool,
     /// Without `leave_running`: what still holds the tree's pids after [`crate::reaped::REAP_WAIT`]
@@ -143,6 +149,22 @@ pub struct FreezeReport {
     /// The engine's shrink before the suspension, if one was asked for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shrink: Option<crate::shrink::ShrinkReport>,
+}
+
+/// A freeze's moments on the host's `CLOCK_MONOTONIC` ([`Moment`]), each read as the step that
+/// reaches it returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FreezeMoments {
+    /// The freeze started: the tree resolved, the journal open (the caller's costs before it
+    /// are not in `gpu_free_ms`, but are between a caller's origin and these moments).
+    pub started: Moment,
+    /// Every CUDA process suspended (its device memory free).
+    pub gpu_free: Moment,
+    /// The dump done and, unless left running, every process of the tree exited.
+    pub worker_gone: Moment,
+    /// The image published and durable: every file, the manifest and the directories
+    /// fsync'd, renamed into place.
+    pub published: Moment,
 }
 
 /// A CUDA process that could not be suspended: nothing was dumped, the tree keeps serving.
@@ -637,6 +659,7 @@ fn freeze_inner(
     if !refusals.is_empty() {
         return Err(FreezeError::Refused(refusals));
     }
+    let gpu_free_at = Moment::now();
     let suspend_ms = ms(t.elapsed());
     let gpu_free_ms = ms(start.elapsed());
 
@@ -728,6 +751,7 @@ fn freeze_inner(
         // Gone: nothing for the guard to take back.
         drop(leases);
     }
+    let worker_gone_at = Moment::now();
     let dump_ms = ms(t.elapsed());
     let worker_gone_ms = ms(start.elapsed());
     let dump_start = t;
@@ -748,6 +772,7 @@ fn freeze_inner(
     let published = staging.publish_with(meta, opts.replace, &|step| {
         failpoint::stall_if(&format!("{FREEZE_PUBLISH_PREFIX}{}", step.name()));
     });
+    let published_at = Moment::now();
     progress.end(root, "publish", published.is_ok(), "");
     let publish_ms = ms(t.elapsed());
     // A record for the timeline and metrics only (no recovery reads it), so it waits for
@@ -802,6 +827,12 @@ fn freeze_inner(
         gpu_free_ms,
         worker_gone_ms,
         dump_phases,
+        moments: Some(FreezeMoments {
+            started: Moment::of(start),
+            gpu_free: gpu_free_at,
+            worker_gone: worker_gone_at,
+            published: published_at,
+        }),
         left_running: opts.leave_running,
         pids_held,
         ended,

@@ -37,7 +37,7 @@ pub mod thaw;
 pub mod watcher;
 
 pub use cuda::{classify, Class, Unsure};
-pub use freeze::{freeze, FreezeError, FreezeOptions, FreezeReport};
+pub use freeze::{freeze, FreezeError, FreezeMoments, FreezeOptions, FreezeReport};
 pub use health::HealthCheck;
 pub use inflight::{settle_in_flight, SettleError, Settled, Settlement};
 pub use park::{

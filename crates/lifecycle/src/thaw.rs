@@ -129,6 +129,11 @@ pub struct ThawReport {
     pub gpu_restore_ms: u64,
     /// From the request to the first healthy answer, ms (`None` without a health check).
     pub first_answer_ms: Option<u64>,
+    /// The first healthy answer on the host's `CLOCK_MONOTONIC` ([`cryo_units::Moment`]), so
+    /// a caller measures it from its own origin (`None` without a health check, or from an
+    /// older agent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_answer_at: Option<cryo_units::Moment>,
     /// Whether a guard traced every CUDA process before its unlock (false: no guard runs here).
     pub guarded: bool,
     /// From the request to the end, ms.
@@ -685,10 +690,12 @@ fn thaw_inner(
     }
     let gpu_restore_ms = ms(t.elapsed());
 
+    let mut first_answer_at = None;
     let first_answer_ms = match &opts.health {
         None => None,
         Some(check) => match check.wait(opts.health_timeout) {
             Ok(at) => {
+                first_answer_at = Some(cryo_units::Moment::of(at));
                 let check_ms = ms(at.duration_since(t));
                 if let Some(h) = handle(root) {
                     journal.append(Event::HealthOk {
@@ -722,6 +729,7 @@ fn thaw_inner(
             criu_phases: streamed.phases,
             gpu_restore_ms,
             first_answer_ms,
+            first_answer_at,
             guarded,
             elapsed_ms: ms(opts.requested.elapsed()),
             shrink: None,

@@ -8,6 +8,13 @@
 //! common crates' (`bytesize` reads `16G` as 16·10⁹; here a single letter is binary, as in
 //! `nvidia-smi` and the simulated GPU's `--memory`, and `GB` is decimal), and the output is the
 //! binary units NVML uses.
+//!
+//! Moments ([`Moment`]): absolute times on `CLOCK_MONOTONIC`, the one clock cryo's reports give
+//! absolute times on, so a caller measures from its own origin (see `clock`).
+
+mod clock;
+
+pub use clock::Moment;
 
 use std::fmt;
 use std::str::FromStr;
