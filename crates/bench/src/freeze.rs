@@ -35,6 +35,15 @@
 //! route's tools are charged their exits (a `cuda-checkpoint` process's exit is about a
 //! millisecond), cryo its whole start: neither arm is flattered by what the other is not.
 //!
+//! Beside each moment, its **overhead**: the moment less the simulated driver's copies of the
+//! arm's device memory before it (the checkpoint's for the freeze moments, each thaw's restore
+//! for the thaws), as the driver timed them (`cryo_sim::proto::MemCopy`, asked right after each
+//! phase). The copies are the same work in both arms, but on the simulator their cost is
+//! mostly first-touch page zeroing that swings 2-3x with the host's free memory between rounds,
+//! which drowns a difference of a few percent; the overhead is what each route itself adds (cryo,
+//! or the tools and their processes), with its own ratio and paired interval. The raw moment
+//! stays the headline: it is what an operator waits for.
+//!
 //! *Worker gone* is the same moment in both arms: every process of the tree has exited (its
 //! pidfd is readable: it is a zombie or reaped, its memory is released, it can never run
 //! again), taken through the worker's pidfd. That is what an operator waits for: the host
@@ -155,6 +164,15 @@ struct Row {
     /// Per moment, bare / cryo of each round (its two arms ran back to back): their median and
     /// [`LEVEL`] bootstrap interval.
     paired: [Interval; 5],
+    /// Per moment, its sample less the simulated driver's device-memory copies before it in
+    /// the same arm ([`Arm::copies`]): each route's own cost, cryo's then the bare route's.
+    overhead: [[Samples; 5]; 2],
+    /// bare / cryo medians of `overhead`.
+    overhead_ratio: [f64; 5],
+    /// bare / cryo of each round's `overhead`: median and [`LEVEL`] interval.
+    overhead_paired: [Interval; 5],
+    /// The simulated driver's copies ([`Arm::copies`]), cryo's then the bare route's, ms.
+    sim_copies: [[Samples; 3]; 2],
     /// cryo's freeze steps: suspend, dump, publish (hash + fsync + manifest + rename), ms.
     cryo_freeze_steps: [Samples; 3],
     /// cryo's thaw from the page cache: checks before CRIU, CRIU restore (every byte checked
@@ -275,6 +293,8 @@ pub fn run(freeze_args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
         let mut phases: [[Samples; 5]; 2] = Default::default();
         let mut dump_phases: [Samples; 5] = Default::default();
         let mut thaw_host: [ThawHost; 2] = Default::default();
+        let mut overhead: [[Samples; 5]; 2] = Default::default();
+        let mut sim_copies: [[Samples; 3]; 2] = Default::default();
         let mut image_bytes = 0;
         for round in 1..=args.rounds {
             let (c, b) = if a_first(round) {
@@ -290,6 +310,14 @@ pub fn run(freeze_args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
             for i in 0..5 {
                 cryo_s[i].push(c.moments[i]);
                 bare_s[i].push(b.moments[i]);
+            }
+            for (k, arm) in [&c, &b].into_iter().enumerate() {
+                for (i, v) in arm.overhead().into_iter().enumerate() {
+                    overhead[k][i].push(v);
+                }
+                for (j, v) in arm.copies.into_iter().enumerate() {
+                    sim_copies[k][j].push(v);
+                }
             }
             for (j, v) in c.dump_phases.iter().enumerate() {
                 dump_phases[j].push(*v);
@@ -310,6 +338,11 @@ pub fn run(freeze_args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
         let ratio: [f64; 5] = std::array::from_fn(|i| bare_s[i].median() / cryo_s[i].median());
         let paired: [Interval; 5] =
             std::array::from_fn(|i| Interval::of(&paired_ratios(&bare_s[i], &cryo_s[i]), LEVEL));
+        let overhead_ratio: [f64; 5] =
+            std::array::from_fn(|i| overhead[1][i].median() / overhead[0][i].median());
+        let overhead_paired: [Interval; 5] = std::array::from_fn(|i| {
+            Interval::of(&paired_ratios(&overhead[1][i], &overhead[0][i]), LEVEL)
+        });
         let [freeze_steps, warm_steps, cold_steps] = steps;
         let [bare_freeze_steps, bare_warm_steps, bare_cold_steps] = bare_steps;
         let row = Row {
@@ -321,6 +354,10 @@ pub fn run(freeze_args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
             bare: bare_s,
             ratio,
             paired,
+            overhead,
+            overhead_ratio,
+            overhead_paired,
+            sim_copies,
             cryo_freeze_steps: freeze_steps,
             cryo_thaw_warm_steps: warm_steps,
             cryo_thaw_cold_steps: cold_steps,
@@ -371,7 +408,7 @@ fn print_row(row: &Row) {
         l.read_cached / 1e9,
     );
     println!(
-        "  {:<20} {:>22} {:>22} {:>7}  {}",
+        "  {:<28} {:>22} {:>22} {:>7}  {}",
         "moment",
         "cryo ms",
         "bare ms",
@@ -380,7 +417,7 @@ fn print_row(row: &Row) {
     );
     for (i, m) in MOMENTS.iter().enumerate() {
         println!(
-            "  {:<20} {:>22} {:>22} {:>6.2}x  {}",
+            "  {:<28} {:>22} {:>22} {:>6.2}x  {}",
             m,
             row.cryo[i].cell(),
             row.bare[i].cell(),
@@ -388,6 +425,27 @@ fn print_row(row: &Row) {
             row.paired[i].cell()
         );
     }
+    println!(
+        "  each moment less the simulated driver's device-memory copies before it in its arm \
+         (the same work in both arms, and the noisy part: first-touch page faults): each \
+         route's own cost"
+    );
+    for (i, m) in MOMENTS.iter().enumerate() {
+        println!(
+            "  {:<28} {:>22} {:>22} {:>6.2}x  {}",
+            format!("{m}, overhead"),
+            row.overhead[0][i].cell(),
+            row.overhead[1][i].cell(),
+            row.overhead_ratio[i],
+            row.overhead_paired[i].cell()
+        );
+    }
+    let copies = |k: usize| row.sim_copies[k].each_ref().map(Samples::median);
+    let ([cc, cw, ccold], [bc, bw, bcold]) = (copies(0), copies(1));
+    println!(
+        "  the simulated driver's copies (medians): checkpoint cryo {cc:.0}, bare {bc:.0} ms; \
+         restore page cache cryo {cw:.0}, bare {bw:.0} ms; cold cryo {ccold:.0}, bare {bcold:.0} ms"
+    );
     let med = |s: &[Samples; 3]| s.each_ref().map(Samples::median);
     let [sp, d, p] = med(&row.cryo_freeze_steps);
     let [wv, wc, wg] = med(&row.cryo_thaw_warm_steps);
@@ -489,6 +547,10 @@ fn phase_cell(name: &str, s: &Samples) -> String {
 pub(crate) struct Arm {
     /// Per moment ([`MOMENTS`]), ms.
     pub(crate) moments: [f64; 5],
+    /// The simulated driver's device-memory copies of the arm's worker, ms, as the driver timed
+    /// them ([`cryo_sim::proto::MemCopy`]): the checkpoint's (before GPU free, so before every
+    /// freeze moment), the page-cache thaw's restore, the cold thaw's restore.
+    copies: [f64; 3],
     /// Freeze, warm thaw, cold thaw steps (see [`Row`]).
     steps: [[f64; 3]; 3],
     /// cryo's CRIU restore phases ([`PHASES`]), warm then cold; NaN for the bare route.
@@ -504,10 +566,47 @@ pub(crate) struct Arm {
     image_bytes: u64,
 }
 
+impl Arm {
+    /// Each moment less the copies before it in its phase (the freeze's checkpoint, each
+    /// thaw's restore).
+    fn overhead(&self) -> [f64; 5] {
+        let [checkpoint, warm, cold] = self.copies;
+        let m = self.moments;
+        [
+            m[0] - checkpoint,
+            m[1] - checkpoint,
+            m[2] - checkpoint,
+            m[3] - warm,
+            m[4] - cold,
+        ]
+    }
+}
+
+/// ms the simulated driver spent copying `pid`'s device memory `kind`-wise in copies that
+/// started at `from` or later: one phase's copies, when asked right after it.
+fn copy_ms(
+    copies: &[cryo_sim::proto::MemCopy],
+    pid: i32,
+    kind: cryo_sim::proto::CopyKind,
+    from: Moment,
+) -> anyhow::Result<f64> {
+    let mine: Vec<_> = copies
+        .iter()
+        .filter(|c| c.pid == pid && c.kind == kind && c.start >= from)
+        .collect();
+    ensure!(
+        !mine.is_empty(),
+        "the simulated driver reports no {kind:?} copy of worker {pid}"
+    );
+    Ok(mine.iter().map(|c| c.end.ms_since(c.start)).sum())
+}
+
 /// One thaw of either route, to the first answered health request.
 struct Thawed {
     /// ms to the answer.
     wall: f64,
+    /// The restore's copies of device memory ([`copy_ms`]), ms.
+    copy: f64,
     /// The arm's thaw steps (see [`Row`]).
     steps: [f64; 3],
     /// cryo's CRIU restore phases ([`PHASES`]); NaN for the bare route.
@@ -622,6 +721,19 @@ impl Bench {
         })
     }
 
+    /// The simulated driver's copies of `pid`'s device memory `kind`-wise since `from`, ms.
+    fn sim_copy(
+        &self,
+        pid: i32,
+        kind: cryo_sim::proto::CopyKind,
+        from: Moment,
+    ) -> anyhow::Result<f64> {
+        let copies = cryo_sim::SimControl::new(&self.dir)
+            .copies()
+            .context("asking the simulated driver for its copies")?;
+        copy_ms(&copies, pid, kind, from)
+    }
+
     /// The benchmark's directory (the simulated driver's too).
     pub(crate) fn dir(&self) -> &Path {
         &self.dir
@@ -699,6 +811,7 @@ impl Bench {
             serde_json::from_str(&out).context("parsing cryo thaw --json")?;
         Ok(Thawed {
             wall: thaw_answered(&v, origin)?,
+            copy: self.sim_copy(pid, cryo_sim::proto::CopyKind::Restore, origin)?,
             steps: steps(&v, ["verify_ms", "criu_ms", "gpu_restore_ms"]),
             phases: PHASES.map(|k| v["criu_phases"][k].as_f64().unwrap_or(f64::NAN)),
             restored_cpu,
@@ -726,6 +839,7 @@ impl Bench {
         let freeze_steps = steps(&f, ["suspend_ms", "dump_ms", "publish_ms"]);
         let dump_phases = DUMP_PHASES.map(|k| f["dump_phases"][k].as_f64().unwrap_or(f64::NAN));
         let [gpu_free, gone, durable] = freeze_moments(&f, origin)?;
+        let checkpoint_copy = self.sim_copy(pid, cryo_sim::proto::CopyKind::Checkpoint, origin)?;
         reaper
             .join()
             .map_err(|_| anyhow::anyhow!("the reaper thread panicked"))?
@@ -742,6 +856,7 @@ impl Bench {
         fs::remove_dir_all(&image).context("removing the image")?;
         Ok(Arm {
             moments: [gpu_free, gone, durable, warm.wall, cold.wall],
+            copies: [checkpoint_copy, warm.copy, cold.copy],
             steps: [freeze_steps, warm.steps, cold.steps],
             phases: [warm.phases, cold.phases],
             dump_phases,
@@ -799,6 +914,7 @@ impl Bench {
             .context("the bare route's worker never answered")?;
         let thaw_ms = Moment::now().ms_since(origin);
         let restored_cpu = main_thread_cpu(pid);
+        let copy = self.sim_copy(pid, cryo_sim::proto::CopyKind::Restore, origin)?;
         let handle = ProcHandle::open(pid)?;
         cryo_lifecycle::record_restored(
             &StateDir::new(self.dir.join("state")),
@@ -809,6 +925,7 @@ impl Bench {
         self.stop(pid)?;
         Ok(Thawed {
             wall: thaw_ms,
+            copy,
             steps: [0.0, criu_ms, gpu_ms],
             phases: [f64::NAN; 5],
             restored_cpu,
@@ -846,6 +963,7 @@ impl Bench {
         let gone = Moment::now().ms_since(origin);
         sync_dir(&image)?;
         let durable = Moment::now().ms_since(origin);
+        let checkpoint_copy = self.sim_copy(pid, cryo_sim::proto::CopyKind::Checkpoint, origin)?;
         child.wait().context("reaping the frozen worker")?;
 
         self.wait_to_thaw(t, gone);
@@ -856,6 +974,7 @@ impl Bench {
         fs::remove_dir_all(&image).context("removing the image")?;
         Ok(Arm {
             moments: [gpu_free, gone, durable, warm.wall, cold.wall],
+            copies: [checkpoint_copy, warm.copy, cold.copy],
             steps: [
                 [gpu_free, gone - gpu_free, durable - gone],
                 warm.steps,
@@ -988,6 +1107,46 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("first_answer_at"), "{e}");
+    }
+
+    /// A phase's copies are the worker's own of that kind since the phase's origin, summed (a
+    /// worker of several contexts); a phase without one is an error, never a zero taken off.
+    #[test]
+    fn a_phase_takes_off_the_copies_of_its_worker_since_its_origin() {
+        use cryo_sim::proto::{CopyKind, MemCopy};
+        let c = |pid, kind, start: u64, end: u64| MemCopy {
+            pid,
+            kind,
+            bytes: 1,
+            start: Moment(start),
+            end: Moment(end),
+        };
+        let copies = [
+            c(7, CopyKind::Checkpoint, 1_000_000, 90_000_000), // an earlier phase
+            c(7, CopyKind::Checkpoint, 100_000_000, 150_000_000),
+            c(7, CopyKind::Checkpoint, 150_000_000, 175_500_000),
+            c(8, CopyKind::Checkpoint, 100_000_000, 900_000_000), // another worker
+            c(7, CopyKind::Restore, 200_000_000, 260_000_000),
+        ];
+        let origin = Moment(100_000_000);
+        let ms = copy_ms(&copies, 7, CopyKind::Checkpoint, origin).unwrap();
+        assert!((ms - 75.5).abs() < 1e-9, "{ms}");
+        let ms = copy_ms(&copies, 7, CopyKind::Restore, origin).unwrap();
+        assert!((ms - 60.0).abs() < 1e-9, "{ms}");
+        let e = copy_ms(&copies, 9, CopyKind::Restore, origin).unwrap_err();
+        assert!(e.to_string().contains("no Restore copy of worker 9"), "{e}");
+        let arm = Arm {
+            moments: [200.0, 400.0, 600.0, 300.0, 700.0],
+            copies: [75.5, 60.0, 80.0],
+            steps: Default::default(),
+            phases: [[f64::NAN; 5]; 2],
+            dump_phases: [f64::NAN; 5],
+            restored_cpu: [0.0; 2],
+            free_mib: [0.0; 2],
+            thaw_after_gone: 0.0,
+            image_bytes: 0,
+        };
+        assert_eq!(arm.overhead(), [124.5, 324.5, 524.5, 240.0, 620.0]);
     }
 
     /// A phase cryo's report never had prints as n/a with its reason, never as NaN.

@@ -1203,6 +1203,22 @@ fn bench_freeze_runs_tiny() {
     for r in row["ratio"].as_array().unwrap() {
         assert!(r.as_f64().unwrap() > 0.0, "{row}");
     }
+    // The simulated driver timed every copy of each arm (checkpoint, both restores), and each
+    // moment's overhead is the moment less them: below the moment, above zero.
+    for (k, arm) in ["cryo", "bare"].into_iter().enumerate() {
+        let copies = row["sim_copies"][k].as_array().unwrap();
+        assert_eq!(copies.len(), 3, "{row}");
+        for c in copies {
+            assert!(c[0].as_f64().unwrap() > 0.0, "{arm}: {row}");
+        }
+        for (i, o) in row["overhead"][k].as_array().unwrap().iter().enumerate() {
+            let o = o[0].as_f64().unwrap();
+            assert!(
+                o > 0.0 && o < row[arm][i][0].as_f64().unwrap(),
+                "{arm}: {row}"
+            );
+        }
+    }
     for k in ["write_fsync", "read_cold", "read_cached"] {
         assert!(row["limits"][k].as_f64().unwrap() > 0.0, "{k}: {row}");
     }

@@ -323,6 +323,15 @@ impl SimControl {
         }
     }
 
+    /// The device-memory copies of the last checkpoints and restores, oldest first (the
+    /// daemon keeps [`crate::daemon::COPIES_KEPT`]).
+    pub fn copies(&self) -> Result<Vec<crate::proto::MemCopy>, SimClientError> {
+        match self.client.request(&Request::Copies)? {
+            Reply::Copies(c) => Ok(c),
+            other => Err(self.client.unexpected(&other)),
+        }
+    }
+
     /// How many calls injected hangs hold right now (wait for it to know a call is held).
     pub fn held(&self) -> Result<u32, SimClientError> {
         match self.client.request(&Request::Held)? {

@@ -27,11 +27,12 @@ use cryo_proc::Pid;
 
 use crate::ledger::{self, Wedge};
 use crate::proto::{
-    self, ApiCall, ApiDone, CallKind, CtxReply, CtxRequest, GpuSel, HangRule, Init, OpenContext,
-    Reply, Request, WorkerOp, WorkerRequest,
+    self, ApiCall, ApiDone, CallKind, CopyKind, CtxReply, CtxRequest, GpuSel, HangRule, Init,
+    MemCopy, OpenContext, Reply, Request, WorkerOp, WorkerRequest,
 };
 use crate::vram::Vram;
 use cryo_proc::{DriverFiles, FdTarget, Liveness};
+use cryo_units::Moment;
 
 use crate::memory;
 
@@ -121,7 +122,12 @@ struct Daemon {
     drivers: Mutex<HashMap<u64, (Pid, u64)>>,
     next_ctx: AtomicU64,
     hangs: Hangs,
+    /// The last [`COPIES_KEPT`] device-memory copies, oldest first.
+    copies: Mutex<std::collections::VecDeque<MemCopy>>,
 }
+
+/// How many copies the daemon remembers (bounded: a long-lived daemon keeps no history).
+pub const COPIES_KEPT: usize = 256;
 
 /// A process's restore thread, found through its listening socket.
 #[derive(Debug)]
@@ -291,6 +297,7 @@ fn start(cfg: DaemonConfig) -> Result<(Arc<Daemon>, UnixListener, PathBuf), Daem
         drivers: Mutex::new(HashMap::new()),
         next_ctx: AtomicU64::new(1),
         hangs: Hangs::default(),
+        copies: Mutex::new(std::collections::VecDeque::new()),
     });
     Ok((daemon, listener, socket))
 }
@@ -388,6 +395,7 @@ impl Daemon {
             }
             Request::Release => Reply::Held(self.hangs.release()),
             Request::Held => Reply::Held(self.hangs.held()),
+            Request::Copies => Reply::Copies(self.copies().iter().copied().collect()),
             Request::Gpus => {
                 self.settle();
                 Reply::Gpus(self.gpus())
@@ -407,6 +415,26 @@ impl Daemon {
     /// Waits until every context whose worker end is closed has been torn down by its thread
     /// (ledger written, table entry removed). Bounded: a thread that never gets there (it cannot)
     /// does not hang the query.
+    fn copies(&self) -> MutexGuard<'_, std::collections::VecDeque<MemCopy>> {
+        // A panic while holding the lock leaves a list with one copy more or less.
+        self.copies.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Remembers a copy of `meta`'s device memory that started at `start` and ends now.
+    fn copied(&self, meta: &CtxMeta, kind: CopyKind, bytes: u64, start: Moment) {
+        let mut copies = self.copies();
+        if copies.len() == COPIES_KEPT {
+            copies.pop_front();
+        }
+        copies.push_back(MemCopy {
+            pid: meta.pid,
+            kind,
+            bytes,
+            start,
+            end: Moment::now(),
+        });
+    }
+
     fn settle(&self) {
         let deadline = Instant::now() + Duration::from_secs(5);
         let mut table = self.table();
@@ -795,9 +823,11 @@ impl Daemon {
                 {
                     return false;
                 }
+                let start = Moment::now();
                 if io::Read::read_exact(&mut r, mem).is_err() {
                     return false;
                 }
+                self.copied(meta, CopyKind::Restore, mem.len() as u64, start);
                 if proto::send(s, &CtxReply::Uploaded).is_err() {
                     return false;
                 }
@@ -835,8 +865,13 @@ impl Daemon {
                 ),
                 (CtxRequest::Hash, false) => proto::send(s, &CtxReply::Hash(memory::hash(mem))),
                 (CtxRequest::Download, false) => {
-                    proto::send(s, &CtxReply::Download(mem.len() as u64))
-                        .and_then(|()| s.write_all(mem))
+                    let start = Moment::now();
+                    let sent = proto::send(s, &CtxReply::Download(mem.len() as u64))
+                        .and_then(|()| s.write_all(mem));
+                    if sent.is_ok() {
+                        self.copied(meta, CopyKind::Checkpoint, mem.len() as u64, start);
+                    }
+                    sent
                 }
                 (CtxRequest::Release, false) => {
                     // Checkpoint frees device memory now, even while duplicates of the fd live.

@@ -59,6 +59,36 @@ pub enum Request {
     Release,
     /// How many calls are held right now.
     Held,
+    /// The device-memory copies of the last checkpoints and restores ([`MemCopy`]).
+    Copies,
+}
+
+/// Which way device memory was copied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CopyKind {
+    /// A checkpoint's copy of device memory to the process (`CtxRequest::Download`).
+    Checkpoint,
+    /// A restore's copy of the process's host copy into a new context (`Init::Upload`).
+    Restore,
+}
+
+/// One copy of a context's device memory, as the daemon timed it: from the request to its last
+/// byte written (checkpoint: into the context socket, so the process has read all but what the
+/// socket buffers) or read (restore). On the simulated GPU this is the bulk of a checkpoint's
+/// and a restore's time, and the noisy part: the process's side faults its copy's pages in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemCopy {
+    /// The process whose context it was.
+    pub pid: Pid,
+    /// Which way.
+    pub kind: CopyKind,
+    /// Bytes copied.
+    pub bytes: u64,
+    /// Its start on `CLOCK_MONOTONIC`.
+    pub start: cryo_units::Moment,
+    /// Its end on `CLOCK_MONOTONIC`.
+    pub end: cryo_units::Moment,
 }
 
 /// Which calls an injected hang holds.
@@ -253,6 +283,8 @@ pub enum Reply {
     DriverOpened,
     /// Calls held by injected hangs (answer to `Held`, and to `Release`: those it let go).
     Held(u32),
+    /// The last copies, oldest first (answer to `Copies`).
+    Copies(Vec<MemCopy>),
     /// The driver answered with an error code.
     Cuda(CuResult),
     /// Something outside the driver model went wrong (bad request, I/O).

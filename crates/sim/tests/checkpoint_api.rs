@@ -422,3 +422,50 @@ fn unusual_fds(pid: i32) -> Result<usize, (bool, String)> {
     }
     Ok(sockets)
 }
+
+/// The daemon times every copy of device memory, checkpoint and restore, per process, on
+/// `CLOCK_MONOTONIC`, within the call that made it: what `cryo bench freeze` takes out of its
+/// moments to see the rest of each route's cost.
+#[test]
+fn every_checkpoint_and_restore_copy_is_timed_within_its_call() {
+    use cryo_sim::proto::CopyKind;
+    use cryo_units::Moment;
+    let sim = common::sim();
+    let w = common::worker(&sim, "64MiB", 0, 3);
+    let other = common::worker(&sim, "16MiB", 0, 4);
+    let d = &sim.gpu.driver;
+    d.lock(w.pid, Some(Duration::from_secs(10))).unwrap();
+    let before = Moment::now();
+    d.checkpoint(w.pid).unwrap();
+    let checkpointed = Moment::now();
+    d.restore(w.pid, &[]).unwrap();
+    let restored = Moment::now();
+    d.unlock(w.pid).unwrap();
+    let copies: Vec<_> = sim
+        .control
+        .copies()
+        .unwrap()
+        .into_iter()
+        .filter(|c| c.pid == w.pid)
+        .collect();
+    assert_eq!(copies.len(), 2, "{copies:?}");
+    let [ck, rs] = [copies[0], copies[1]];
+    assert_eq!((ck.kind, ck.bytes), (CopyKind::Checkpoint, 64 * MIB));
+    assert_eq!((rs.kind, rs.bytes), (CopyKind::Restore, 64 * MIB));
+    assert!(
+        before <= ck.start && ck.start <= ck.end && ck.end <= checkpointed,
+        "{ck:?}"
+    );
+    assert!(
+        checkpointed <= rs.start && rs.start <= rs.end && rs.end <= restored,
+        "{rs:?}"
+    );
+    // The other worker's contexts were never copied.
+    assert!(sim
+        .control
+        .copies()
+        .unwrap()
+        .iter()
+        .all(|c| c.pid != other.pid));
+    assert_eq!(w.verify()["ok"], true);
+}
