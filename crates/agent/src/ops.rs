@@ -117,8 +117,8 @@ impl Agent {
         let criu = cryo_criu::CriuRpc::locate_in(None, &self.state.criu_dir()).map_err(failed)?;
         let root = cryo_lifecycle::open_process(req.pid)
             .map_err(|e| ApiError::new(ErrorKind::NotFound, e.to_string()))?;
-        let tree = Resolved::tree(root)
-            .map_err(|e| failed(format!("listing the process tree of pid {}: {e}", req.pid)))?;
+        // Walked from the root, settled again at CRIU's gate (`Resolved::tree_walked`).
+        let tree = Resolved::tree_walked(root);
         match cryo_lifecycle::freeze(
             &self.gpu,
             &criu,

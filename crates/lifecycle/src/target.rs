@@ -155,6 +155,28 @@ fn process_of(pid: Pid) -> Result<Pid, ProcError> {
 }
 
 impl Resolved {
+    /// The tree under `root` walked through its children files (`/proc/PID/task/TID/children`,
+    /// [`ProcHandle::descendants`]: each child opened and checked to still be its parent's),
+    /// parents before children: what a freeze lists. It reads the tree's own processes only,
+    /// where [`Resolved::tree`] reads every process of the host (measured at load ~14, median
+    /// of 30: 0.07 ms against 17.5 ms with 126 processes on the host, 23.7 ms with 327, 141 ms
+    /// with 2133). The kernel documents those files as unreliable while the tree forks or
+    /// exits: a process forked or ended during the walk may be missed (as a scan of /proc
+    /// misses one forked while it runs). So only for a caller that settles the tree again once
+    /// it cannot change, as the freeze does at CRIU's post-dump gate with the tree frozen
+    /// (`freeze::at_dump_gate`): a process the walk missed is seen there, a plain one added to
+    /// the image as forked since, one with CUDA state or driver files refusing the dump (the
+    /// tree resumed, nothing published).
+    pub fn tree_walked(root: ProcHandle) -> Resolved {
+        let mut handles = root.descendants();
+        handles.insert(0, root);
+        Resolved {
+            target: Target::Tree(handles[0].pid()),
+            handles,
+            spared: Vec::new(),
+        }
+    }
+
     /// The tree under `root`, a process the caller already holds (and checked).
     pub fn tree(root: ProcHandle) -> Result<Resolved, ResolveError> {
         let pids = cryo_proc::tree(root.pid())?;

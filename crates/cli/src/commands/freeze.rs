@@ -104,12 +104,10 @@ fn standalone(
     // CRIU first: a missing or old CRIU is one clear line before anything is touched.
     let criu = CriuRpc::locate_in(None, &ctx.state.criu_dir()).map_err(|e| failed(e.into()))?;
     route::standalone_note(client);
-    // Resolved once: the root must be a process (not a thread), and the freeze acts on exactly
-    // the tree found now.
+    // Resolved once: the root must be a process (not a thread), and the freeze acts on the tree
+    // found now, walked from its root (settled again at CRIU's gate: `Resolved::tree_walked`).
     let root = crate::process::open_process(req.pid).map_err(failed)?;
-    let tree = Resolved::tree(root)
-        .with_context(|| format!("listing the process tree of pid {}", req.pid))
-        .map_err(failed)?;
+    let tree = Resolved::tree_walked(root);
     let gpu = ctx.gpu().map_err(failed)?;
     let journal = ctx
         .state

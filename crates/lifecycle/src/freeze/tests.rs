@@ -235,6 +235,81 @@ fn a_child_forked_before_criu_freezes_the_tree_is_in_the_manifest() {
     );
 }
 
+/// The tree as the walk missed a child of it (the children files the freeze lists through are
+/// unreliable while the tree forks or exits): the root alone.
+fn missed_child(s: &Scene) -> Resolved {
+    Resolved::from_handles(
+        crate::Target::Tree(s.pids[0]),
+        vec![ProcHandle::open(s.pids[0]).unwrap()],
+    )
+}
+
+/// Attack (session 12): the freeze lists its tree by walking the children files, which may miss
+/// a process that forks or exits meanwhile. A plain child the listing missed is seen at CRIU's
+/// gate, with the tree frozen, and is in the manifest as CRIU dumped it.
+#[test]
+fn a_plain_child_the_listing_missed_is_in_the_image() {
+    let s = reaping_scene(1, &[]);
+    let report = s.freeze_listed(&missed_child(&s), false).unwrap();
+    assert_eq!(sorted(report.manifest.pids()), sorted(s.pids.clone()));
+    assert_eq!(report.forked, vec![s.pids[1]]);
+    assert!(
+        !procs::alive(s.pids[1]),
+        "the missed child outlived the dump"
+    );
+}
+
+/// Attack (session 12): a CUDA child the listing missed was never suspended: CRIU must not dump
+/// (and kill) it. Refused at the gate, the tree resumed, the child's context untouched.
+#[test]
+fn a_cuda_child_the_listing_missed_refuses_the_dump() {
+    let s = reaping_scene(1, &[1]);
+    let err = s.freeze_listed(&missed_child(&s), false).unwrap_err();
+    assert!(
+        matches!(&err, FreezeError::Criu(CriuError::DumpGate(m)) if m.contains("CUDA state")),
+        "{err}"
+    );
+    assert!(procs::alive(s.pids[0]) && procs::alive(s.pids[1]));
+    assert_eq!(s.fake.state_of(s.pids[1]), ProcessState::Running);
+    assert_eq!(s.fake.state_of(s.pids[0]), ProcessState::Running);
+    s.assert_no_image();
+    assert!(s.fake.wedges().is_empty());
+}
+
+/// The walk lists what the scan of /proc lists for a tree that does not change: the root
+/// first, then every descendant, grandchildren included.
+#[test]
+fn the_walk_lists_the_tree_the_scan_lists() {
+    // A root shell, a subshell with its own `sleep` (a grandchild), and a `sleep`.
+    let mut child = std::process::Command::new("setsid")
+        .args(["sh", "-c", "(sleep 1000; true) & sleep 1000 & wait"])
+        .spawn()
+        .unwrap();
+    let root_pid = Pid::try_from(child.id()).unwrap();
+    cryo_testkit::eventually(
+        cryo_testkit::PATIENCE,
+        "the tree to have 4 processes",
+        || cryo_proc::tree(root_pid).is_ok_and(|t| t.len() == 4),
+    );
+    let root = ProcHandle::open(root_pid).unwrap();
+    let walked: Vec<Pid> = Resolved::tree_walked(root.try_clone().unwrap())
+        .handles()
+        .iter()
+        .map(ProcHandle::pid)
+        .collect();
+    let scanned: Vec<Pid> = Resolved::tree(root)
+        .unwrap()
+        .handles()
+        .iter()
+        .map(ProcHandle::pid)
+        .collect();
+    procs::kill(-root_pid, nix::sys::signal::Signal::SIGKILL as i32);
+    child.wait().unwrap();
+    assert_eq!(walked[0], root_pid);
+    assert_eq!(walked.len(), 4, "{walked:?}");
+    assert_eq!(sorted(walked), sorted(scanned));
+}
+
 /// Attack (session 11): a CUDA process ends after its suspension, before CRIU froze the tree.
 /// The image would lack a CUDA process of the worker: never left out unseen. CRIU resumes the
 /// tree at cryo's gate, the rest is resumed in place, and the death is journaled as the safe
