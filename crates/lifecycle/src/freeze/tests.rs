@@ -27,11 +27,16 @@ struct Scene {
 
 /// A session-leading tree of a root and one child, both CUDA processes of the fake driver.
 fn scene() -> Scene {
-    let tree = Procs::session_tree(1);
+    scene_of(Procs::session_tree(1), &[0, 1])
+}
+
+/// The scene of `tree`: the processes whose indexes in [`Procs::tree`] `cuda` names (0 = the
+/// root) are CUDA processes of the fake driver.
+fn scene_of(tree: Procs, cuda: &[usize]) -> Scene {
     let pids = tree.tree();
     let fake = FakeGpu::new();
-    for p in &pids {
-        fake.add(*p);
+    for i in cuda {
+        fake.add(pids[*i]);
     }
     let criu = FakeCriu::watching(&fake);
     let dir = tempfile::tempdir().unwrap();
@@ -103,6 +108,16 @@ impl Scene {
         )
     }
 
+    /// The manifest names what CRIU dumped (its first dump), no more, no less.
+    fn assert_manifest_names_the_dump(&self, report: &FreezeReport) {
+        let dumps = self.criu.dumps();
+        assert_eq!(
+            sorted(dumps[0].states.iter().map(|(p, _)| *p).collect()),
+            sorted(report.manifest.pids()),
+            "the manifest does not name what CRIU dumped"
+        );
+    }
+
     /// Nothing at the image path, and no staging directory left beside it.
     fn assert_no_image(&self) {
         assert!(!self.image().exists(), "an image was published");
@@ -119,24 +134,21 @@ impl Scene {
 /// SIGUSR1 ([`Procs::reaping_tree`]); the root is a CUDA process of the fake driver, and so are
 /// the children whose indexes (1 = the first child) `cuda` names.
 fn reaping_scene(children: usize, cuda: &[usize]) -> Scene {
-    let tree = Procs::reaping_tree(children);
-    let pids = tree.tree();
-    let fake = FakeGpu::new();
-    fake.add(pids[0]);
-    for i in cuda {
-        fake.add(pids[*i]);
-    }
-    let criu = FakeCriu::watching(&fake);
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path().join("journal")).unwrap();
-    Scene {
-        tree,
-        pids,
-        fake,
-        criu,
-        dir,
-        journal,
-    }
+    let cuda: Vec<usize> = std::iter::once(0).chain(cuda.iter().copied()).collect();
+    scene_of(Procs::reaping_tree(children), &cuda)
+}
+
+/// Has the root of a [`Procs::reaping_tree`] fork one more `sleep` (SIGUSR1 to its trap) and
+/// returns the new child's pid once it runs `sleep`.
+fn fork_a_child(root: Pid) -> Pid {
+    let before = cryo_proc::tree(root).unwrap();
+    procs::kill(root, nix::sys::signal::Signal::SIGUSR1 as i32);
+    cryo_testkit::eventually(cryo_testkit::PATIENCE, "the root to fork", || {
+        cryo_proc::tree(root)
+            .unwrap()
+            .into_iter()
+            .find(|p| !before.contains(p) && cryo_proc::stat(*p).is_ok_and(|s| s.comm == "sleep"))
+    })
 }
 
 /// SIGKILLs `pid`, a child of a [`Procs::reaping_tree`]'s root, and waits until its parent has
@@ -170,12 +182,7 @@ fn a_child_that_ends_between_the_listing_and_the_looks_is_left_out() {
         sorted(vec![s.pids[0], s.pids[2]])
     );
     assert_eq!(report.ended, vec![s.pids[1]]);
-    let dumps = s.criu.dumps();
-    assert_eq!(
-        sorted(dumps[0].states.iter().map(|(p, _)| *p).collect()),
-        sorted(report.manifest.pids()),
-        "the manifest does not name what CRIU dumped"
-    );
+    s.assert_manifest_names_the_dump(&report);
     assert!(s.fake.wedges().is_empty());
 }
 
@@ -193,11 +200,7 @@ fn a_child_that_ends_before_criu_freezes_the_tree_is_not_in_the_manifest() {
         sorted(vec![s.pids[0], s.pids[2]])
     );
     assert_eq!(report.ended, vec![gone]);
-    let dumps = s.criu.dumps();
-    assert_eq!(
-        sorted(dumps[0].states.iter().map(|(p, _)| *p).collect()),
-        sorted(report.manifest.pids())
-    );
+    s.assert_manifest_names_the_dump(&report);
 }
 
 /// Attack (session 11): a child forked after the tree was listed and before CRIU froze it is
@@ -210,16 +213,8 @@ fn a_child_forked_before_criu_freezes_the_tree_is_in_the_manifest() {
     let root = s.pids[0];
     let tree = crate::Target::Tree(root).resolve().unwrap();
     // The hook runs in the freeze's thread: the tree forks through its root's trap.
-    s.criu.before_next_dump(move || {
-        let before = cryo_proc::tree(root).unwrap();
-        procs::kill(root, nix::sys::signal::Signal::SIGUSR1 as i32);
-        let new = cryo_testkit::eventually(cryo_testkit::PATIENCE, "the root to fork", || {
-            cryo_proc::tree(root).unwrap().into_iter().find(|p| {
-                !before.contains(p) && cryo_proc::stat(*p).is_ok_and(|s| s.comm == "sleep")
-            })
-        });
-        tx.send(new).unwrap();
-    });
+    s.criu
+        .before_next_dump(move || tx.send(fork_a_child(root)).unwrap());
     let report = s.freeze_listed(&tree, false).unwrap();
     let forked = rx.recv().unwrap();
     assert_eq!(
@@ -228,11 +223,7 @@ fn a_child_forked_before_criu_freezes_the_tree_is_in_the_manifest() {
     );
     assert_eq!(report.forked, vec![forked]);
     assert!(!procs::alive(forked), "the forked child outlived the dump");
-    let dumps = s.criu.dumps();
-    assert_eq!(
-        sorted(dumps[0].states.iter().map(|(p, _)| *p).collect()),
-        sorted(report.manifest.pids())
-    );
+    s.assert_manifest_names_the_dump(&report);
 }
 
 /// The tree as the walk missed a child of it (the children files the freeze lists through are
@@ -344,14 +335,7 @@ fn a_forked_process_with_cuda_state_refuses_the_dump() {
     let root = s.pids[0];
     let fake = s.fake.clone();
     s.criu.before_next_dump(move || {
-        let before = cryo_proc::tree(root).unwrap();
-        procs::kill(root, nix::sys::signal::Signal::SIGUSR1 as i32);
-        let new = cryo_testkit::eventually(cryo_testkit::PATIENCE, "the root to fork", || {
-            cryo_proc::tree(root).unwrap().into_iter().find(|p| {
-                !before.contains(p) && cryo_proc::stat(*p).is_ok_and(|s| s.comm == "sleep")
-            })
-        });
-        fake.add(new);
+        fake.add(fork_a_child(root));
     });
     let err = s.freeze(false).unwrap_err();
     assert!(
