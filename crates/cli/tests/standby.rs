@@ -89,16 +89,20 @@ impl Env {
     fn pool_of_one(&self, seed: u64) -> (PathBuf, String, u16, i32) {
         let image = self.sim.path().join("img");
         let (before, port) = self.frozen_at(&image, seed, false);
-        self.ok(&[
-            "standby",
-            "create",
-            "--image",
-            image.to_str().unwrap(),
-            "--count",
-            "1",
-        ]);
+        self.ok(&create_args(image.to_str().unwrap(), "1", &[]));
         let root = self.wait_ready(1)[0];
         (image, before, port, root)
+    }
+
+    /// An agent of this state directory (the test dropped the one before) that stops at the
+    /// failpoint `failpoint`; let through once `resume` exists, if named.
+    fn agent_at(&self, failpoint: &str, resume: Option<&Path>) -> AgentProc {
+        AgentProc::start_with(&self.sim, &self.state, &["--no-memory-watch"], |c| {
+            c.env("CRYO_FAILPOINT", failpoint);
+            if let Some(r) = resume {
+                c.env("CRYO_FAILPOINT_RESUME", r);
+            }
+        })
     }
 
     fn list(&self) -> serde_json::Value {
@@ -214,7 +218,7 @@ fn two_standbys_of_one_image_two_claims_at_once_and_the_pool_refills() {
     let image = env.sim.path().join("img");
     let before = env.frozen(&image, 7, false);
     let img = image.to_str().unwrap();
-    env.ok(&["standby", "create", "--image", img, "--count", "2"]);
+    env.ok(&create_args(img, "2", &[]));
     let roots = env.wait_ready(2);
     assert_ne!(roots[0], roots[1]);
     for r in &roots {
@@ -304,7 +308,7 @@ fn a_killed_standby_is_refilled_and_a_replaced_image_makes_the_pool_stale() {
     let image = env.sim.path().join("img");
     let old = env.frozen(&image, 7, false);
     let img = image.to_str().unwrap();
-    env.ok(&["standby", "create", "--image", img, "--count", "1"]);
+    env.ok(&create_args(img, "1", &[]));
     let first = env.wait_ready(1)[0];
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(first),
@@ -345,13 +349,8 @@ fn the_agent_killed_mid_refill_a_fenced_gpu_and_an_image_without_namespaces() {
     let img = image.to_str().unwrap();
     // An agent that stalls in the refill, CRIU not yet started.
     drop(env.agent.take());
-    let stalled = AgentProc::start_with(&env.sim, &env.state, &["--no-memory-watch"], |c| {
-        c.env(
-            "CRYO_FAILPOINT",
-            cryo_lifecycle::standby::STANDBY_BEFORE_RESTORE,
-        );
-    });
-    env.ok(&["standby", "create", "--image", img, "--count", "1"]);
+    let stalled = env.agent_at(cryo_lifecycle::standby::STANDBY_BEFORE_RESTORE, None);
+    env.ok(&create_args(img, "1", &[]));
     eventually(PATIENCE, "the refill to reach the failpoint", || {
         stalled
             .log()
@@ -396,14 +395,7 @@ fn the_agent_killed_mid_refill_a_fenced_gpu_and_an_image_without_namespaces() {
         flat.to_str().unwrap(),
     ]);
     w.reap();
-    let o = env.run(&[
-        "standby",
-        "create",
-        "--image",
-        flat.to_str().unwrap(),
-        "--count",
-        "2",
-    ]);
+    let o = env.run(&create_args(flat.to_str().unwrap(), "2", &[]));
     assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
     assert!(
         stderr(&o).contains("its own pid and network namespaces"),
@@ -413,27 +405,22 @@ fn the_agent_killed_mid_refill_a_fenced_gpu_and_an_image_without_namespaces() {
     env.sim.assert_no_wedge();
 }
 
+/// `cryo standby create --image IMAGE --count COUNT EXTRA...`'s arguments.
+fn create_args<'a>(image: &'a str, count: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["standby", "create", "--image", image, "--count", count];
+    args.extend_from_slice(extra);
+    args
+}
+
 /// Starts an agent of `env` that stalls between a standby's restore and its `StandbyReady`
 /// (the orphan window), has it refill one standby (`count` in the pool), and SIGKILLs it there;
 /// returns the root of the tree it left (CHECKPOINTED, unrecorded as ready).
 fn orphan_left_by_a_killed_agent(env: &mut Env, count: &str) -> i32 {
     drop(env.agent.take());
     let before = procs_of(&env.bin);
-    let mut stalled = AgentProc::start_with(&env.sim, &env.state, &["--no-memory-watch"], |c| {
-        c.env(
-            "CRYO_FAILPOINT",
-            cryo_lifecycle::standby::STANDBY_BEFORE_READY,
-        );
-    });
+    let mut stalled = env.agent_at(cryo_lifecycle::standby::STANDBY_BEFORE_READY, None);
     let img = env.sim.path().join("img");
-    env.ok(&[
-        "standby",
-        "create",
-        "--image",
-        img.to_str().unwrap(),
-        "--count",
-        count,
-    ]);
+    env.ok(&create_args(img.to_str().unwrap(), count, &[]));
     eventually(PATIENCE, "the refill to reach the failpoint", || {
         stalled
             .log()
@@ -520,20 +507,8 @@ fn a_standby_restore_past_its_criu_deadline_leaves_no_orphan_and_no_live_context
     let img = image.to_str().unwrap();
     drop(env.agent.take());
     let resume = env.sim.path().join("let-the-gate-go");
-    let agent = AgentProc::start_with(&env.sim, &env.state, &["--no-memory-watch"], |c| {
-        c.env("CRYO_FAILPOINT", cryo_lifecycle::standby::STANDBY_AT_GATE)
-            .env("CRYO_FAILPOINT_RESUME", &resume);
-    });
-    env.ok(&[
-        "standby",
-        "create",
-        "--image",
-        img,
-        "--count",
-        "1",
-        "--criu-timeout",
-        "3",
-    ]);
+    let agent = env.agent_at(cryo_lifecycle::standby::STANDBY_AT_GATE, Some(&resume));
+    env.ok(&create_args(img, "1", &["--criu-timeout", "3"]));
     eventually(PATIENCE, "CRIU to reach its gate", || {
         agent.log().contains("failpoint standby-at-gate reached")
     });
@@ -809,16 +784,11 @@ fn a_standby_restore_killed_before_its_gate_leaves_no_half_restored_process() {
         image.to_str().unwrap(),
     ]);
     let agent = env.agent.as_ref().unwrap().pid();
-    env.ok(&[
-        "standby",
-        "create",
-        "--image",
+    env.ok(&create_args(
         image.to_str().unwrap(),
-        "--count",
         "1",
-        "--criu-timeout",
-        "3",
-    ]);
+        &["--criu-timeout", "3"],
+    ));
     // The positive event: the refill failed at its CRIU deadline.
     eventually(PATIENCE, "the refill to fail at its CRIU deadline", || {
         env.list()["pools"][0]["last_error"]
@@ -886,14 +856,7 @@ fn a_standby_whose_child_exits_as_soon_as_it_resumes_is_paired_at_criu_s_gate() 
         serde_json::from_slice(&std::fs::read(image.join("manifest.json")).unwrap()).unwrap();
     assert_eq!(manifest["processes"].as_array().unwrap().len(), 2);
     std::fs::write(&go, "").unwrap();
-    env.ok(&[
-        "standby",
-        "create",
-        "--image",
-        image.to_str().unwrap(),
-        "--count",
-        "1",
-    ]);
+    env.ok(&create_args(image.to_str().unwrap(), "1", &[]));
     // The positive event: the first refill ended, ready or dropped.
     let first = eventually(PATIENCE, "the first standby to be ready or dropped", || {
         env.events()
@@ -953,7 +916,7 @@ fn a_standby_refill_refused_at_criu_s_gate_never_runs() {
     m.manifest_sha256 = m.self_digest().unwrap();
     std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
     let renamed = renamed.to_str().unwrap();
-    env.ok(&["standby", "create", "--image", renamed, "--count", "1"]);
+    env.ok(&create_args(renamed, "1", &[]));
     let error = eventually(PATIENCE, "the refill to fail", || {
         env.list()["pools"][0]["last_error"]
             .as_str()
@@ -982,14 +945,7 @@ fn a_standby_refill_refused_at_criu_s_gate_never_runs() {
     );
 
     // The image as frozen makes a standby, and its shell runs.
-    env.ok(&[
-        "standby",
-        "create",
-        "--image",
-        image.to_str().unwrap(),
-        "--count",
-        "1",
-    ]);
+    env.ok(&create_args(image.to_str().unwrap(), "1", &[]));
     let root = env.wait_ready(1)[0];
     eventually(PATIENCE, "the standby's shell to write its file", || {
         ran.exists()
