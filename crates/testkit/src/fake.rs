@@ -79,6 +79,9 @@ struct Inner {
     procs: HashMap<Pid, Proc>,
     injected: Vec<(Option<Pid>, Call, Injected)>,
     calls: Vec<(Pid, Call)>,
+    /// The transition calls (lock, checkpoint, restore, unlock) that returned, their effect
+    /// applied (or refused).
+    returned: Vec<(Pid, Call)>,
     lock_timeouts: Vec<Option<Duration>>,
     restore_pairs: Vec<Vec<GpuPair>>,
     scripted: Vec<(Pid, Call, usize, ProcessState)>,
@@ -304,6 +307,17 @@ impl FakeGpu {
             .count()
     }
 
+    /// How many times `call` (a transition: lock, checkpoint, restore, unlock) returned for
+    /// `pid`, its effect on the state applied or refused. [`FakeGpu::count`] counts a call as
+    /// it enters, before its effect: a test that waits for a call's effect waits for this.
+    pub fn returned(&self, pid: Pid, call: Call) -> usize {
+        self.inner()
+            .returned
+            .iter()
+            .filter(|c| **c == (pid, call))
+            .count()
+    }
+
     /// NVML's process list fails from now on (`down`: as a wedged NVML, no answer in time), or
     /// answers again.
     pub fn nvml_down(&self, down: bool) -> &Self {
@@ -385,6 +399,8 @@ impl FakeGpu {
     ) -> Result<(), DriverError> {
         self.enter(pid, call)?;
         let mut g = self.inner();
+        // Under the same lock as the effect below: once this is counted, the state is set.
+        g.returned.push((pid, call));
         let err = |code| {
             Err(DriverError::Cuda {
                 call: call.name(),

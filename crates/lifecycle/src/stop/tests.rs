@@ -390,9 +390,12 @@ fn a_driver_call_that_never_returns_is_a_refusal_not_a_hang() {
         Event::CallAbandoned { .. }
     )));
     hang.release();
+    // The unlock's return, not its entry: the fake counts a call before it sets the state
+    // (waiting for the count alone failed "Locked" against "Running" under load).
     cryo_testkit::eventually(cryo_testkit::PATIENCE, "the late lock to be undone", || {
-        fake.count(procs.pid(0), Call::Unlock) == 1
+        fake.returned(procs.pid(0), Call::Unlock) == 1
     });
+    assert_eq!(fake.count(procs.pid(0), Call::Unlock), 1);
     assert_eq!(fake.state_of(procs.pid(0)), ProcessState::Running);
 }
 
