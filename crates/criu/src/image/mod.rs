@@ -275,9 +275,9 @@ fn fsync_dir(dir: &Path) -> Result<(), ImageError> {
 const SYNC_THREADS: usize = 16;
 
 /// Format-3 checksums of every file of `dir` (BLAKE3 per chunk, on rayon's pool), while every
-/// file is fsync'd on plain threads (a fsync waits on the disk, not on a core). The files
-/// `known` gives (waited for while the fsyncs run) were hashed as they were written (the
-/// capture): only their size is checked.
+/// file is fsync'd on plain threads, the biggest first (a fsync waits on the disk, not on a
+/// core). The files `known` gives (waited for while the fsyncs run) were hashed as they were
+/// written (the capture): only their size is checked.
 fn hash_and_sync(
     dir: &Path,
     names: &[String],
@@ -292,11 +292,16 @@ fn hash_and_sync(
         let size = f.metadata().map_err(io(&path))?.len();
         opened.push((path, f, size));
     }
+    // The biggest files first: the pages file's fsync is the one that waits for the disk, and
+    // queued behind small files' fsyncs (each a journal commit) it started 4-74 ms late (4 GiB
+    // dumps: 24 files on 16 threads, sorted by name).
+    let mut order: Vec<&(PathBuf, File, u64)> = opened.iter().collect();
+    order.sort_by_key(|(_, _, size)| std::cmp::Reverse(*size));
     let next = std::sync::atomic::AtomicUsize::new(0);
     let sync_one = || -> Result<(), ImageError> {
         loop {
             let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let Some((path, f, _)) = opened.get(i) else {
+            let Some((path, f, _)) = order.get(i) else {
                 return Ok(());
             };
             f.sync_all().map_err(io(path))?;
