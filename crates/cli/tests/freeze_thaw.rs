@@ -3394,3 +3394,69 @@ fn a_tree_refused_at_criu_s_gate_never_runs_and_no_gpu_restore_is_asked() {
     });
     env.stop_clean(root);
 }
+
+/// The children of `pid` (of its main thread) that are zombies now.
+fn zombie_children(pid: i32) -> Vec<i32> {
+    fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|c| c.parse().ok())
+        .filter(|c| procs::state(*c) == Some('Z'))
+        .collect()
+}
+
+/// Attack (session 12) on the pids a thaw in cryo's own pid namespace needs: a zombie of the
+/// frozen tree (a child its parent has not reaped when CRIU seizes it) is dumped by CRIU and
+/// restored by it as a zombie, under its pid (CRIU 4.2, checked by hand: "Can't fork for N:
+/// File exists" when another process holds it). The image must say so, so that the freeze
+/// waits for that pid as for the others and the thaw's pid check refuses, before CRIU runs,
+/// while another process holds it; once it is free the thaw restores the zombie. (Before: the
+/// manifest left the zombie out, the pid check passed, and the thaw failed inside CRIU.)
+#[test]
+fn a_zombie_of_the_frozen_tree_is_a_pid_of_its_image_that_the_thaw_checks() {
+    use cryo_testkit::procs::sleep_at_pid;
+    let mut env = Env::start("1GiB");
+    // A root that never reaps (`sleep`): its child exits and stays a zombie.
+    let mut cmd = Command::new("setsid");
+    cmd.args(["sh", "-c", "sh -c 'exit 0' & exec sleep 1000"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    // Nothing of the test's (a file another process holds a lock on) for CRIU to restore.
+    cryo_testkit::fds::close_inherited(&mut cmd, None);
+    let mut root = cmd.spawn().unwrap();
+    let pid = root.id() as i32;
+    let zombie = eventually(PATIENCE, "the root's child to be a zombie", || {
+        let ready = cryo_proc::stat(pid).is_ok_and(|s| s.comm == "sleep" && s.session == pid);
+        zombie_children(pid).first().copied().filter(|_| ready)
+    });
+    let image = env.path().join("img");
+    let out = env.try_freeze(pid, &image, &[]);
+    assert!(out.status.success(), "freeze failed: {}", stderr(&out));
+    root.wait().unwrap();
+    // CRIU killed the root: its zombie child is ours now (the test is a subreaper).
+    procs::reap(zombie);
+    let m = manifest(&image);
+    assert_eq!(m["zombies"], serde_json::json!([zombie]), "{m}");
+
+    let holder = sleep_at_pid(zombie)
+        .unwrap_or_else(|e| panic!("a process with the zombie's pid {zombie}: {e}"));
+    let out = env.cryo(&["thaw", image.to_str().unwrap()]);
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains(&format!("pids {zombie} of the image are in use")),
+        "{err}"
+    );
+    assert!(!err.contains("File exists"), "CRIU ran: {err}");
+    assert!(procs::alive(holder.pid), "the holder was touched: {err}");
+    drop(holder);
+
+    let out = env.thaw_ok(&image, &[]);
+    let root = thawed_root(&mut env, &out);
+    assert_eq!(root, pid);
+    assert_eq!(zombie_children(root), vec![zombie]);
+    env.stop(root);
+    procs::reap(zombie);
+    env.sim.assert_no_wedge();
+}

@@ -184,6 +184,7 @@ fn dump_publish_verify_restore_keeps_pid_and_memory() {
             ImageMeta {
                 root_pid: pid,
                 processes: entries_before,
+                zombies: Vec::new(),
                 gpu_model: None,
                 driver_version: None,
                 criu_version: criu.version(),
@@ -336,6 +337,7 @@ fn a_dump_s_criu_directory_goes_after_publish_or_with_the_unpublished_staging() 
             let meta = ImageMeta {
                 root_pid: counter.pid,
                 processes: Vec::new(),
+                zombies: Vec::new(),
                 gpu_model: None,
                 driver_version: None,
                 criu_version: criu.version(),
@@ -369,6 +371,7 @@ fn a_streamed_dump_publishes_and_verifies() {
     let meta = ImageMeta {
         root_pid: counter.pid,
         processes: Vec::new(),
+        zombies: Vec::new(),
         gpu_model: None,
         driver_version: None,
         criu_version: criu.version(),
@@ -661,6 +664,7 @@ fn a_criu_that_logs_without_end_is_cut_to_its_cap() {
         ImageMeta {
             root_pid: 4242,
             processes: Vec::new(),
+            zombies: Vec::new(),
             gpu_model: None,
             driver_version: None,
             criu_version: CriuVersion {

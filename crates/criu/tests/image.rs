@@ -41,6 +41,7 @@ fn meta() -> ImageMeta {
                 gpu: None,
             },
         ],
+        zombies: Vec::new(),
         gpu_model: Some("Sim GPU".into()),
         driver_version: Some("595.0-sim".into()),
         criu_version: CriuVersion {

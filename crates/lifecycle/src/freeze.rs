@@ -20,8 +20,10 @@
 //! 5. CRIU dump into the staging directory. At CRIU's `post-dump` gate (every image written,
 //!    the tree frozen) the manifest's list of processes is settled against what lives in the
 //!    tree then, which is what CRIU dumped (`at_dump_gate`): a listed process that ended
-//!    since is left out (a zombie CRIU dumped is no process a restore brings back), a process
-//!    forked since is added. A tree that forks all the time (health-check shells, tokenizer
+//!    since is left out, a process forked since is added, and every zombie of the tree
+//!    (listed or not) is named apart ([`Manifest::zombies`]): no process of the image, but
+//!    CRIU restores it as a zombie under its pid, so the freeze waits for that pid to be free
+//!    as for the others' and a thaw checks it. A tree that forks all the time (health-check shells, tokenizer
 //!    workers) freezes as CRIU saw it. A CUDA process is never left out or added unseen: one
 //!    that ended after its suspension, or a forked one holding CUDA state or driver files,
 //!    refuses the dump there (CRIU resumes the tree, resumed in place as after a failed dump),
@@ -748,6 +750,11 @@ fn freeze_inner(
             }
             reap_if_ours(h.pid());
         }
+        // A zombie of the tree is reparented when its parent is killed: to us, if we are the
+        // nearest subreaper.
+        for z in &seen.zombies {
+            reap_if_ours(*z);
+        }
         // Gone: nothing for the guard to take back.
         drop(leases);
     }
@@ -763,6 +770,7 @@ fn freeze_inner(
     let meta = ImageMeta {
         root_pid: root,
         processes: entries,
+        zombies: seen.zombies.clone(),
         gpu_model,
         driver_version,
         criu_version: criu.version(),
@@ -814,7 +822,8 @@ fn freeze_inner(
     let pids_held = if opts.leave_running {
         Vec::new()
     } else {
-        let pids: Vec<Pid> = manifest.processes.iter().map(|e| e.pid).collect();
+        // Its zombies' too: CRIU restores them under their pids.
+        let pids = manifest.restore_pids();
         crate::reaped::wait_reaped(|| criu.pids_in_use(&pids), crate::reaped::REAP_WAIT)
     };
     Ok(FreezeReport {
@@ -845,11 +854,14 @@ fn freeze_inner(
 /// The tree as CRIU dumped it, seen at its gate against the processes the freeze listed.
 #[derive(Debug, Default)]
 struct AtGate {
-    /// Listed processes that ended before CRIU froze the tree: not in its image (or there as
-    /// zombies, which no restore brings back as processes).
+    /// Listed processes that ended before CRIU froze the tree: not in its image, or there as
+    /// zombies (`zombies`), no processes of it.
     ended: Vec<Pid>,
     /// Processes CRIU dumped that the freeze never listed (forked since), plain ones only.
     forked: Vec<(ProcHandle, ProcessEntry)>,
+    /// The zombies of the tree (children its processes have not reaped, listed or not): CRIU
+    /// dumps each and restores it as a zombie under its pid ([`Manifest::zombies`]).
+    zombies: Vec<Pid>,
 }
 
 /// At CRIU's dump gate (every image written, the tree frozen: none of it can exit or fork, so
@@ -883,6 +895,18 @@ fn at_dump_gate(gpu: &Gpu, handles: &[ProcHandle], cuda: &[&ProcHandle]) -> Resu
         }
         seen.ended.push(h.pid());
     }
+    // CRIU dumps every zombie of the tree and restores it under its pid: the image needs
+    // those pids as much as its processes' (a zombie has no handle: its parent names it).
+    for p in std::iter::once(root).chain(in_tree.iter()) {
+        match p.zombie_children() {
+            Ok(z) => seen.zombies.extend(z),
+            Err(e) if !p.is_alive() => {
+                tracing::debug!(pid = p.pid(), error = %e, "ended at CRIU's gate");
+            }
+            Err(e) => return Err(format!("the zombies of pid {}: {e}", p.pid())),
+        }
+    }
+    seen.zombies.sort_unstable();
     let listed = |d: &ProcHandle| handles.iter().any(|h| h.pid() == d.pid() && h.is_alive());
     let forked: Vec<ProcHandle> = in_tree.into_iter().filter(|d| !listed(d)).collect();
     if forked.is_empty() {

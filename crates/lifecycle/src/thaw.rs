@@ -154,7 +154,8 @@ pub(crate) fn pids_taken(criu: &dyn Criu, pids: &[Pid]) -> Result<Vec<Pid>, Prec
     Ok(held.iter().map(cryo_proc::PidHolder::pid).collect())
 }
 
-/// [`pids_taken`] of the image's pids, but none for a tree that had a pid namespace of its own
+/// [`pids_taken`] of the image's pids (its processes' and its zombies', which CRIU restores as
+/// zombies under their pids: [`Manifest::restore_pids`]), but none for a tree that had a pid namespace of its own
 /// ([`Manifest::own_pid_namespace`]): CRIU restores it into a fresh namespace, under host pids of
 /// its own, so the host pids it had at freeze may be anyone's now. An older image says nothing
 /// of its namespaces: its pids must be free (the safe side).
@@ -165,7 +166,7 @@ pub(crate) fn pids_needed_taken(
     if manifest.own_pid_namespace() {
         return Ok(Vec::new());
     }
-    pids_taken(criu, &manifest.pids())
+    pids_taken(criu, &manifest.restore_pids())
 }
 
 /// This host cannot take the image; nothing was run.
@@ -1311,6 +1312,7 @@ pub(crate) mod tests {
                     ImageMeta {
                         root_pid: pids[0],
                         processes,
+                        zombies: Vec::new(),
                         gpu_model: Some(MODEL.into()),
                         driver_version: Some(fake.driver_version().unwrap()),
                         criu_version: CriuVersion::MIN,

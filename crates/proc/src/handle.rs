@@ -466,6 +466,33 @@ impl ProcHandle {
     /// Its children (of any of its threads, `/proc/PID/task/TID/children`), each opened and
     /// then checked to still be its child: never a process that took a child's pid since.
     pub fn children(&self) -> Result<Vec<ProcHandle>, ProcError> {
+        Ok(self
+            .child_pids()?
+            .into_iter()
+            .filter_map(|c| ProcHandle::open(c).ok())
+            .filter(|c| self.is_parent_of(c))
+            .collect())
+    }
+
+    /// Its children that have exited and that it has not reaped (zombies: each keeps its pid
+    /// until then), ascending; each read as a zombie whose parent is this process, while this
+    /// process was not reaped (so the pid was still its own). No handle: a zombie has none
+    /// ([`ProcHandle::open`]).
+    pub fn zombie_children(&self) -> Result<Vec<Pid>, ProcError> {
+        let mut zombies: Vec<Pid> = self
+            .child_pids()?
+            .into_iter()
+            .filter(|c| read::stat(*c).is_ok_and(|s| s.state == 'Z' && s.ppid == self.pid))
+            .collect();
+        if self.liveness() == Liveness::Gone {
+            zombies.clear();
+        }
+        zombies.sort_unstable();
+        Ok(zombies)
+    }
+
+    /// The pids `/proc/PID/task/TID/children` lists for each of its threads.
+    fn child_pids(&self) -> Result<Vec<Pid>, ProcError> {
         let dir = self.dir()?;
         let mut pids = Vec::new();
         for task in dir
@@ -479,8 +506,6 @@ impl ProcHandle {
         Ok(pids
             .into_iter()
             .filter_map(|c| Pid::try_from(c).ok())
-            .filter_map(|c| ProcHandle::open(c).ok())
-            .filter(|c| self.is_parent_of(c))
             .collect())
     }
 

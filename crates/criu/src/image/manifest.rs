@@ -51,6 +51,13 @@ pub struct Manifest {
     pub root_pid: Pid,
     /// Every process of the tree, root first.
     pub processes: Vec<ProcessEntry>,
+    /// The pids of the tree's zombies when CRIU dumped it (children that had exited and that
+    /// their parents had not reaped): no process of the image, but CRIU restores each as a
+    /// zombie under its pid, so a restore in this pid namespace needs those pids free too
+    /// ([`Manifest::restore_pids`]). Absent when there were none (and in images from before
+    /// they were recorded), so those manifests read and digest as they always did.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub zombies: Vec<Pid>,
     /// The GPU model the CUDA processes ran on (NVML's product name); `None` without any.
     pub gpu_model: Option<String>,
     /// The driver version at freeze; `None` without CUDA processes.
@@ -177,6 +184,8 @@ pub struct ImageMeta {
     pub root_pid: Pid,
     /// See [`Manifest::processes`].
     pub processes: Vec<ProcessEntry>,
+    /// See [`Manifest::zombies`].
+    pub zombies: Vec<Pid>,
     /// See [`Manifest::gpu_model`].
     pub gpu_model: Option<String>,
     /// See [`Manifest::driver_version`].
@@ -229,6 +238,16 @@ impl Manifest {
     /// The pids of the tree.
     pub fn pids(&self) -> Vec<Pid> {
         self.processes.iter().map(|p| p.pid).collect()
+    }
+
+    /// Every pid CRIU restores the tree with: its processes' and its zombies'
+    /// ([`Manifest::zombies`]). A restore in the pid namespace the tree was dumped from needs
+    /// each of them free.
+    pub fn restore_pids(&self) -> Vec<Pid> {
+        self.pids()
+            .into_iter()
+            .chain(self.zombies.iter().copied())
+            .collect()
     }
 
     /// The SHA-256 that `manifest_sha256` must hold.

@@ -719,6 +719,7 @@ impl Staging {
             created,
             root_pid: meta.root_pid,
             processes: meta.processes,
+            zombies: meta.zombies,
             gpu_model: meta.gpu_model,
             driver_version: meta.driver_version,
             criu_version: meta.criu_version,

@@ -203,6 +203,43 @@ fn a_child_that_ends_before_criu_freezes_the_tree_is_not_in_the_manifest() {
     s.assert_manifest_names_the_dump(&report);
 }
 
+/// Attack (session 12): a listed child ends before CRIU freezes the tree and its parent (a
+/// `sleep`) never reaps it: CRIU dumps it as a zombie and restores it as one under its pid.
+/// It is no process of the image, but the manifest names its pid among the tree's zombies, so
+/// that the freeze's wait and a thaw's pid check cover it. (Before: the manifest left it out
+/// altogether, and a thaw found its pid free when CRIU needed it.)
+#[test]
+fn a_child_that_is_a_zombie_when_criu_freezes_the_tree_is_a_zombie_of_the_image() {
+    let tree = Procs::session_tree(1);
+    let pids = tree.tree();
+    let (root, child) = (pids[0], pids[1]);
+    let fake = FakeGpu::new();
+    fake.add(root);
+    let criu = FakeCriu::watching(&fake);
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path().join("journal")).unwrap();
+    let s = Scene {
+        tree,
+        pids,
+        fake,
+        criu,
+        dir,
+        journal,
+    };
+    s.criu.before_next_dump(move || {
+        procs::kill(child, nix::sys::signal::Signal::SIGKILL as i32);
+        cryo_testkit::eventually(cryo_testkit::PATIENCE, "the child to be a zombie", || {
+            procs::state(child) == Some('Z')
+        });
+    });
+    let report = s.freeze(false).unwrap();
+    assert_eq!(report.manifest.pids(), vec![root]);
+    assert_eq!(report.manifest.zombies, vec![child]);
+    assert_eq!(report.manifest.restore_pids(), vec![root, child]);
+    assert_eq!(report.ended, vec![child]);
+    assert!(s.fake.wedges().is_empty());
+}
+
 /// Attack (session 11): a child forked after the tree was listed and before CRIU froze it is
 /// in CRIU's image: the manifest names it too (a plain process), and the freeze waits for its
 /// end as for the others'.
