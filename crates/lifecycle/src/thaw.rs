@@ -18,7 +18,8 @@
 //! the map names: one pair for each GPU it used, identity pairs included, as the driver demands;
 //! none otherwise; a map that lands two of the image's GPUs on one is refused before anything runs), `RestoreCompleted` journaled for every
 //! process (from then on they are *restored*), unlock, health check. Any failure after the CRIU
-//! restore ends in [`crate::stop`] of the restored tree: suspended (lock, checkpoint, verified)
+//! restore ends in [`crate::stop`] of the restored tree as CRIU's gate listed it (processes the
+//! pairing left out included: nothing else owns them): suspended (lock, checkpoint, verified)
 //! first, then killed. A live restored context is never torn down.
 //!
 //! # Limitations
@@ -566,10 +567,14 @@ fn thaw_inner(
     }
 
     // The tree listed at the gate is the one that runs. From here on, every failure removes it
-    // safely.
-    let (handles, image_pids): (Vec<ProcHandle>, Vec<Pid>) =
+    // safely: all of it, the processes the pairing left out (extras CRIU restored beside the
+    // image's) included, which nothing else owns.
+    let (gate_tree, handles, image_pids): (Resolved, Vec<ProcHandle>, Vec<Pid>) =
         match GateTree::resumed(listed.into_inner(), root) {
-            Ok(gate) => gate.paired.into_iter().unzip(),
+            Ok(gate) => {
+                let (handles, image_pids) = gate.paired.into_iter().unzip();
+                (gate.tree, handles, image_pids)
+            }
             Err((error, tree)) => {
                 return Err(ThawError::AfterRestore {
                     step: "criu restore",
@@ -581,7 +586,7 @@ fn thaw_inner(
     let restored = Resolved::from_handles(Target::Tree(root), handles);
     let handles = restored.handles();
     let fail = |step: &'static str, error: String| -> ThawError {
-        let cleanup = remove_safely(gpu, &restored, opts, journal, progress);
+        let cleanup = remove_safely(gpu, &gate_tree, opts, journal, progress);
         ThawError::AfterRestore {
             step,
             error,
@@ -1258,14 +1263,21 @@ pub(crate) mod tests {
             cuda: &[bool],
             files: &[&str],
         ) -> Scene {
-            scene_built(procs, image_pid, cuda, files)
+            scene_built(procs, image_pid, cuda, files, usize::MAX)
         }
 
         /// The tree of `procs` in an image, the first process's pid there replaced by
         /// `image_pid`; the `i`th process of the tree (root first) is a CUDA process
         /// (CHECKPOINTED) if `cuda[i]`.
         pub(crate) fn scene_of(procs: Procs, image_pid: Option<Pid>, cuda: &[bool]) -> Scene {
-            scene_built(procs, image_pid, cuda, &[])
+            scene_built(procs, image_pid, cuda, &[], usize::MAX)
+        }
+
+        /// [`scene_of`], the manifest naming only the first `named` processes of the tree: the
+        /// others are restored by the fake CRIU with them (as a process CRIU dumped that the
+        /// manifest does not name), extras the pairing leaves out.
+        pub(crate) fn scene_with_extras(procs: Procs, cuda: &[bool], named: usize) -> Scene {
+            scene_built(procs, None, cuda, &[], named)
         }
 
         fn scene_built(
@@ -1273,6 +1285,7 @@ pub(crate) mod tests {
             image_pid: Option<Pid>,
             cuda: &[bool],
             files: &[&str],
+            named: usize,
         ) -> Scene {
             let pids = procs.tree();
             assert_eq!(pids.len(), cuda.len(), "{pids:?}");
@@ -1291,6 +1304,7 @@ pub(crate) mod tests {
             let processes = pids
                 .iter()
                 .zip(cuda)
+                .take(named)
                 .map(|(&p, &cuda)| {
                     let mut e = ProcessEntry::of(&ProcHandle::open(p).unwrap()).unwrap();
                     if p == pids[0] {
@@ -1464,6 +1478,36 @@ pub(crate) mod tests {
             for p in s.pids.clone() {
                 assert_eq!(s.fake.state_of(p), ProcessState::Checkpointed);
             }
+        }
+
+        /// Attack (session 12): a thaw fails after CRIU's exit (a GPU restore runs out of
+        /// memory) while the restored tree holds processes its image does not name (extras CRIU
+        /// restored beside the image's, left out of the pairing at CRIU's gate: a plain one and
+        /// one with a CUDA context, CHECKPOINTED). Nothing of the tree may be left running
+        /// unowned: the extras are removed with the rest, each CUDA process suspended first, and
+        /// no live context torn down. (Before: the stop took the paired processes only and the
+        /// extras ran on, named nowhere.)
+        #[test]
+        fn a_failed_thaw_removes_the_processes_left_out_of_the_pairing_too() {
+            let s = scene_with_extras(Procs::session_tree(3), &[true, true, true, false], 2);
+            let (paired, extras) = (s.pids[..2].to_vec(), s.pids[2..].to_vec());
+            s.fake
+                .fail_next_on(paired[1], Call::Restore, CuResult::OUT_OF_MEMORY);
+            let err = s.thaw().unwrap_err();
+            match &err {
+                ThawError::AfterRestore { step, cleanup, .. } => {
+                    assert_eq!(*step, "GPU restore", "{err}");
+                    assert_eq!(cleanup, "suspended and removed", "{err}");
+                }
+                other => panic!("expected a failure after the restore, got {other}"),
+            }
+            for p in paired.iter().chain(&extras) {
+                assert!(!procs::alive(*p), "pid {p} outlived the failed thaw: {err}");
+            }
+            for p in paired.iter().chain(&extras[..1]) {
+                assert_eq!(s.fake.state_of(*p), ProcessState::Checkpointed);
+            }
+            assert!(s.fake.wedges().is_empty(), "{:?}", s.fake.wedges());
         }
 
         /// The unlock fails after every GPU restore succeeded: every restored process (one of them
