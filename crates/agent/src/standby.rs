@@ -193,9 +193,13 @@ impl Drop for KickOnDrop<'_> {
 
 /// Why a standby leaves the pool, and what became of it.
 fn drop_it(agent: &Agent, s: &Standby, why: &str) {
-    let what = match sb::open(s) {
-        Some(tree) => sb::remove(&agent.gpu, &tree, &agent.journal, &NoProgress),
-        None => "already gone (it was CHECKPOINTED: nothing live was torn down)".into(),
+    // What is left of it (all of it, or what outlived a process it needed) is owned by nothing
+    // else: removed through the stop path.
+    let what = match sb::drop_standby(&agent.gpu, s, &agent.journal, &NoProgress) {
+        gone if gone == sb::ALREADY_GONE => {
+            "already gone (it was CHECKPOINTED: nothing live was torn down)".into()
+        }
+        what => what,
     };
     let reason = format!("{why}: {what}");
     tracing::info!(image = %s.image.display(), root = s.root.pid, %reason, "standby dropped");

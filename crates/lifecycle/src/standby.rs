@@ -25,7 +25,9 @@
 //! - **Evidence, not assumptions.** [`claim`] reads the image's manifest again: a standby of an
 //!   image that changed since (another digest) is stale and never handed out
 //!   ([`ClaimError::Stale`]); the fence and the free memory are the wake's checks; a standby
-//!   whose process is gone ([`ClaimError::Gone`]) is not woken.
+//!   whose root or CUDA process is gone ([`ClaimError::Gone`]) is not woken (a plain process
+//!   that exited while it waited, a helper of the worker, is left out of the claim), and what
+//!   is left of it is removed when it is dropped ([`drop_standby`]).
 //! - **Huge pages.** CRIU writes a restored process's memory back 4 KiB at a time, so memory the
 //!   worker held in transparent huge pages (it asked with `MADV_HUGEPAGE`) comes back in small
 //!   pages; the claim's GPU restore reads all of it. [`prepare`] collapses it into huge pages
@@ -105,6 +107,11 @@ pub struct Standby {
     pub root: ProcId,
     /// Every process of it, root first.
     pub pids: Vec<ProcId>,
+    /// Those of `pids` without CUDA state, the root aside (a worker's helpers): one that exits
+    /// is the worker's business and left out of the claim, as a thaw leaves it out. Absent
+    /// (a standby said by an older record or agent): every process is needed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub plain: Vec<ProcId>,
     /// Host memory it holds (resident), bytes.
     pub host_bytes: u64,
     /// Device memory it will take on the GPU, bytes.
@@ -365,13 +372,14 @@ pub fn prepare(
         failpoint::stall_if(STANDBY_BEFORE_READY);
     }
     match kept {
-        Ok(pids) => {
+        Ok((pids, plain)) => {
             let host_bytes = tree.handles().iter().map(|h| h.rss().unwrap_or(0)).sum();
             let standby = Standby {
                 image: dir.to_path_buf(),
                 digest: manifest.manifest_sha256.clone(),
                 root: pids[0],
                 pids,
+                plain,
                 host_bytes,
                 device_bytes: manifest
                     .cuda_processes()
@@ -406,19 +414,21 @@ pub fn prepare(
 /// journals each CUDA process as parked; the standby's processes, root first. The tree has run
 /// since CRIU's exit, so each is judged by its pidfd: a CUDA process, or the root, that exited
 /// fails the standby (the driver was asked by pid: its answer may be of another process); any
-/// other process that exited is the worker's business and left out.
+/// other process that exited is the worker's business and left out. The second list: those
+/// of the first without CUDA state, the root aside ([`Standby::plain`]).
 fn keep(
     gpu: &Gpu,
     paired: &[(ProcHandle, Pid)],
     manifest: &Manifest,
     image: &str,
     journal: &Journal,
-) -> Result<Vec<ProcId>, String> {
+) -> Result<(Vec<ProcId>, Vec<ProcId>), String> {
     let root = paired
         .first()
         .map(|(h, _)| h.pid())
         .ok_or_else(|| "no restored process".to_string())?;
     let mut handles: Vec<&ProcHandle> = Vec::with_capacity(paired.len());
+    let mut plain = Vec::new();
     let mut parked = Vec::new();
     for (h, image_pid) in paired {
         let e = manifest
@@ -429,6 +439,9 @@ fn keep(
         let Some(g) = &e.gpu else {
             if h.is_alive() {
                 handles.push(h);
+                if h.pid() != root {
+                    plain.push(id(h));
+                }
             } else if h.pid() == root {
                 return Err(format!("the restored root pid {root} exited"));
             }
@@ -478,7 +491,7 @@ fn keep(
             .map_err(|e| e.to_string())?;
     }
     tracing::debug!(root, image, "standby kept");
-    Ok(handles.iter().map(|h| id(h)).collect())
+    Ok((handles.iter().map(|h| id(h)).collect(), plain))
 }
 
 /// Ends what a CRIU restore that failed past its gate left of a standby's tree (`pids`, as
@@ -529,11 +542,14 @@ fn end_unresumed(gpu: &Gpu, pids: &[ProcId]) -> String {
     }
 }
 
+/// What [`remove`] and [`drop_standby`] say of a standby none of whose processes runs.
+pub const ALREADY_GONE: &str = "already gone";
+
 /// Removes a standby's processes through the stop path (their contexts are CHECKPOINTED:
 /// verified again, then killed); says what became of them.
 pub fn remove(gpu: &Gpu, tree: &Resolved, journal: &Journal, progress: &dyn Progress) -> String {
     if !tree.handles().iter().any(ProcHandle::is_alive) {
-        return "already gone".into();
+        return ALREADY_GONE.into();
     }
     let opts = StopOptions {
         deadline: None,
@@ -553,17 +569,58 @@ pub fn remove(gpu: &Gpu, tree: &Resolved, journal: &Journal, progress: &dyn Prog
     }
 }
 
-/// The standby's processes, opened by pid and start time; `None` when any is gone.
+/// The standby's processes that still run, opened by pid and start time, root first; and the
+/// first it cannot be handed out without (its root, a CUDA process) that is gone, if any. A
+/// plain process that exited ([`Standby::plain`]) is only left out.
+fn live(standby: &Standby) -> (Vec<ProcHandle>, Option<Pid>) {
+    let mut handles = Vec::with_capacity(standby.pids.len());
+    let mut gone = None;
+    for p in &standby.pids {
+        match p.open().ok().filter(ProcHandle::is_alive) {
+            Some(h) => handles.push(h),
+            None if standby.plain.contains(p) => {
+                tracing::debug!(
+                    pid = p.pid,
+                    "a plain process of the standby exited: left out"
+                );
+            }
+            None => {
+                gone.get_or_insert(p.pid);
+            }
+        }
+    }
+    (handles, gone)
+}
+
+/// The processes of `handles` as a target of pids.
+fn as_target(handles: Vec<ProcHandle>) -> Resolved {
+    Resolved::from_handles(
+        Target::Pids(handles.iter().map(ProcHandle::pid).collect()),
+        handles,
+    )
+}
+
+/// The standby as it can be handed out: its processes that still run, opened by pid and start
+/// time; `None` when its root or a CUDA process of it is gone (a plain one that exited is left
+/// out).
 pub fn open(standby: &Standby) -> Option<Resolved> {
-    let handles: Option<Vec<ProcHandle>> = standby
-        .pids
-        .iter()
-        .map(|p| p.open().ok().filter(ProcHandle::is_alive))
-        .collect();
-    Some(Resolved::from_handles(
-        Target::Pids(standby.pids.iter().map(|p| p.pid).collect()),
-        handles?,
-    ))
+    match live(standby) {
+        (handles, None) => Some(as_target(handles)),
+        (_, Some(_)) => None,
+    }
+}
+
+/// Removes what still runs of a standby that leaves its pool (see [`remove`]), a standby that
+/// lost its root or a CUDA process included: what is left of it is owned by nothing else. Says
+/// what became of it.
+pub fn drop_standby(
+    gpu: &Gpu,
+    standby: &Standby,
+    journal: &Journal,
+    progress: &dyn Progress,
+) -> String {
+    let (handles, _) = live(standby);
+    remove(gpu, &as_target(handles), journal, progress)
 }
 
 /// A standby CRIU restored whose preparation did not finish (its agent died between the
@@ -692,7 +749,7 @@ pub enum ClaimError {
     /// The image cannot be read any more (removed, no longer trusted).
     #[error("image refused: {0}")]
     Image(#[from] ImageError),
-    /// A process of the standby is gone.
+    /// The standby's root or a CUDA process of it is gone.
     #[error("standby pid {0} is gone")]
     Gone(Pid),
     /// The wake failed (see its error: a refusal restored nothing).
@@ -723,8 +780,9 @@ pub fn claim(
         });
     }
     watch.mark("claim: image manifest check");
-    let Some(tree) = open(standby) else {
-        return Err(ClaimError::Gone(standby.root.pid));
+    let tree = match live(standby) {
+        (handles, None) => as_target(handles),
+        (_, Some(pid)) => return Err(ClaimError::Gone(pid)),
     };
     watch.mark("claim: open the processes (pidfds)");
     let mut report = wake(gpu, &tree, opts, journal, fence, watcher, progress)?;
@@ -755,8 +813,11 @@ pub fn from_journal(
 ) {
     let mut pools = std::collections::BTreeMap::new();
     let mut ready: Vec<Standby> = Vec::new();
+    // The CUDA processes of a standby are journaled `Parked` before its `StandbyReady`.
+    let mut parked: Vec<ProcId> = Vec::new();
     for r in records {
         match &r.event {
+            Event::Parked { pid, .. } => parked.push(*pid),
             Event::StandbyPool {
                 image,
                 count,
@@ -784,6 +845,11 @@ pub fn from_journal(
                 digest: digest.clone(),
                 root: *root,
                 pids: pids.clone(),
+                plain: pids
+                    .iter()
+                    .filter(|p| *p != root && !parked.contains(p))
+                    .copied()
+                    .collect(),
                 host_bytes: 0,
                 device_bytes: 0,
                 criu_ms: 0,
@@ -967,6 +1033,82 @@ mod tests {
         let labels = s.labels();
         assert!(labels.contains(&"standby dropped"), "{labels:?}");
         assert!(!labels.contains(&"standby ready"), "{labels:?}");
+        assert!(s.fake.wedges().is_empty(), "{:?}", s.fake.wedges());
+    }
+
+    /// [`super::claim`] of `standby`, with the scene's fence and no guard.
+    fn claim_it(s: &Scene, standby: &Standby) -> Result<WakeReport, ClaimError> {
+        let fence = cryo_state::StateDir::new(s.dir.path()).fence();
+        super::claim(
+            &s.fake.gpu(),
+            standby,
+            &WakeOptions::default(),
+            &s.journal,
+            &fence,
+            &crate::NoWatcher,
+            &NoProgress,
+        )
+    }
+
+    /// SIGKILLs `pid` (a child of a `sleep` root that never reaps it) and waits until it has
+    /// exited.
+    fn end(pid: Pid) {
+        procs::kill(pid, nix::libc::SIGKILL);
+        eventually(PATIENCE, "the process to exit", || !procs::alive(pid));
+    }
+
+    /// Attack (session 12): a plain process of a ready standby (a helper of the worker, no
+    /// CUDA state) exits while the standby waits for its claim. The worker's root and its CUDA
+    /// processes are there, CHECKPOINTED: the claim hands them out, the exited helper left out,
+    /// as a thaw leaves out a plain process that exits once it runs. (Before: the claim needed
+    /// every process alive, failed "gone", and the pool dropped a sound standby.)
+    #[test]
+    fn a_standby_whose_plain_process_exited_while_ready_is_claimed_without_it() {
+        let s = scene_of(Procs::session_tree(1), None, &[true, false]);
+        let (root, helper) = (s.pids[0], s.pids[1]);
+        let standby = prepare(&s).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(standby.pids.len(), 2);
+        assert_eq!(standby.plain, vec![standby.pids[1]]);
+        // An agent that starts again knows it from the journal alike.
+        let records = cryo_journal::read(s.journal.dir()).unwrap().records;
+        assert_eq!(
+            from_journal(&records).1,
+            vec![Standby {
+                host_bytes: 0,
+                device_bytes: 0,
+                criu_ms: 0,
+                ..standby.clone()
+            }]
+        );
+        end(helper);
+        let report = claim_it(&s, &standby).unwrap_or_else(|e| panic!("{e}"));
+        let woken: Vec<Pid> = report.woken.iter().map(|p| p.pid).collect();
+        assert_eq!(woken, vec![root]);
+        assert_eq!(s.fake.state_of(root), ProcessState::Running);
+        assert!(s.fake.wedges().is_empty(), "{:?}", s.fake.wedges());
+    }
+
+    /// Attack (session 12): a CUDA process of a ready standby (not its root) exits (its context
+    /// CHECKPOINTED: the safe kind). The standby is not handed out without it ("gone", naming
+    /// that process), and dropping it removes what is left of it, the root, CHECKPOINTED,
+    /// through the stop path. (Before: the claim named the root as gone, and the agent's drop
+    /// found "already gone" and left the root running, owned by nothing.)
+    #[test]
+    fn a_standby_whose_cuda_process_exited_while_ready_is_not_claimed_and_its_rest_is_removed() {
+        let s = scene_of(Procs::session_tree(1), None, &[true, true]);
+        let (root, child) = (s.pids[0], s.pids[1]);
+        let standby = prepare(&s).unwrap_or_else(|e| panic!("{e}"));
+        end(child);
+        match claim_it(&s, &standby) {
+            Err(ClaimError::Gone(pid)) => assert_eq!(pid, child),
+            Err(e) => panic!("expected the standby gone, got {e}"),
+            Ok(_) => panic!("a standby without its CUDA process {child} was handed out"),
+        }
+        assert!(procs::alive(root));
+        let what = drop_standby(&s.fake.gpu(), &standby, &s.journal, &NoProgress);
+        assert_eq!(what, "removed", "{what}");
+        assert!(!procs::alive(root), "the standby's root outlived its drop");
+        assert_eq!(s.fake.state_of(root), ProcessState::Checkpointed);
         assert!(s.fake.wedges().is_empty(), "{:?}", s.fake.wedges());
     }
 
