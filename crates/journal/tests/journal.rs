@@ -599,3 +599,139 @@ fn in_flight_gives_the_last_stop_step_of_unfinished_processes() {
     assert_eq!(last[&b].seq, 10);
     assert_eq!(last[&c].seq, 9);
 }
+
+/// A tmpfs of `size` mounted on a directory of its own (root), unmounted when dropped.
+struct SmallDisk {
+    _dir: tempfile::TempDir,
+    path: std::path::PathBuf,
+}
+
+impl SmallDisk {
+    fn mount(size: &str) -> SmallDisk {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("small");
+        std::fs::create_dir(&path).unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0755"),
+                "tmpfs",
+            ])
+            .arg(&path)
+            .status()
+            .unwrap();
+        assert!(
+            mounted.success(),
+            "mount tmpfs (the tests run as root): {mounted}"
+        );
+        SmallDisk { _dir: dir, path }
+    }
+
+    /// Fills what is left of the disk with one file; returns its path.
+    fn fill(&self) -> std::path::PathBuf {
+        use std::io::Write;
+        let filler = self.path.join("filler");
+        let mut f = std::fs::File::create(&filler).unwrap();
+        let block = [0xaau8; 512];
+        loop {
+            match f.write(&block) {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc_enospc()) => break,
+                Err(e) => panic!("filling the small disk: {e}"),
+            }
+        }
+        filler
+    }
+}
+
+fn libc_enospc() -> i32 {
+    rustix::io::Errno::NOSPC.raw_os_error()
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.path)
+            .status();
+    }
+}
+
+/// Every record of the journal in `dir` is one that was appended whole, in order (`appended`:
+/// every event handed to an append, in order; the journal may hold a prefix of a batch that
+/// failed, never a record that differs from the one handed in), with strictly increasing seqs.
+fn assert_whole(dir: &std::path::Path, appended: &[Event]) -> cryo_journal::Scan {
+    let scan = read(dir).unwrap();
+    assert!(scan.corruptions.is_empty(), "{:?}", scan.corruptions);
+    let mut at = 0;
+    for r in &scan.records {
+        if matches!(r.event, Event::JournalRepaired { .. }) {
+            continue;
+        }
+        let found = appended[at..].iter().position(|e| *e == r.event);
+        assert!(
+            found.is_some(),
+            "record {} was never appended whole: {:?}",
+            r.seq,
+            r.event
+        );
+        at += found.unwrap_or(0) + 1;
+    }
+    for w in scan.records.windows(2) {
+        assert!(w[0].seq < w[1].seq, "seqs {} then {}", w[0].seq, w[1].seq);
+    }
+    scan
+}
+
+/// Attack (session 12): the disk fills in the middle of a batch (not a kill: the writer lives
+/// on and appends again). The append fails; the journal then holds whole records only (a
+/// prefix of the batch at most, never a torn record read as a whole one), every later append
+/// while the disk is full fails too, and once there is room again the next append cuts the
+/// torn tail, journals the repair and goes on, seqs never reused.
+#[test]
+fn a_batch_torn_by_a_full_disk_leaves_whole_records_and_the_next_append_recovers() {
+    let disk = SmallDisk::mount("64k");
+    let dir = disk.path.join("journal");
+    let j = Journal::open(&dir).unwrap();
+    let big = |i: usize| Event::StopRequested {
+        target: format!("pid {i} {}", "x".repeat(1500)),
+    };
+    let mut appended = vec![big(0)];
+    j.append(big(0)).unwrap();
+    let filler = disk.fill();
+    // Three frames of ~1.5 KiB do not fit in what is left of the journal's last page.
+    let batch: Vec<Event> = (1..4).map(big).collect();
+    appended.extend(batch.iter().cloned());
+    let err = j.append_all(batch).unwrap_err();
+    assert!(err.to_string().contains("No space left on device"), "{err}");
+    let scan = assert_whole(&dir, &appended);
+    assert!(scan.records.len() < 4, "the whole batch is there: {err}");
+    assert!(scan.tail.is_some(), "no torn frame: the attack missed");
+    // (Here: the first record and the batch's first, then 862 bytes of its second.)
+    // Still full: refused again (the torn tail cut or not), and still only whole records.
+    for i in 4..6 {
+        appended.push(big(i));
+        assert!(j.append(big(i)).is_err(), "appended on a full disk");
+        assert_whole(&dir, &appended);
+    }
+    // A writer that opens it now may cut a torn tail and journal the repair, or fail.
+    let _ = Journal::open(&dir);
+    assert_whole(&dir, &appended);
+    std::fs::remove_file(filler).unwrap();
+    let after = Event::Killed { pid: p(7) };
+    appended.push(after.clone());
+    let last = j.append(after.clone()).unwrap();
+    let scan = assert_whole(&dir, &appended);
+    assert!(scan.tail.is_none(), "{:?}", scan.tail);
+    assert_eq!(scan.records.last().map(|r| &r.event), Some(&after));
+    assert_eq!(scan.records.last().map(|r| r.seq), Some(last.seq));
+    // Another writer (a process) opens it as it is.
+    let other = Journal::open(&dir).unwrap();
+    assert_eq!(
+        other.append(Event::Killed { pid: p(8) }).unwrap().seq,
+        last.seq + 1
+    );
+}
