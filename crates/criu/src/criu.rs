@@ -289,6 +289,17 @@ impl CriuRpc {
         self
     }
 
+    /// The lock of the working directory of `pid`, the root of a tree about to be dumped, when
+    /// it has a pid namespace of its own (see [`crate::crtools`]), in the scratch root.
+    fn cwd_lock(&self, pid: Pid) -> Result<Option<crate::crtools::CwdLock>, CriuError> {
+        let root = self.scratch.clone().unwrap_or_else(std::env::temp_dir);
+        crate::crtools::CwdLock::take(pid, &root).map_err(|source| CriuError::Dir {
+            op: CriuOp::Dump,
+            path: root,
+            source,
+        })
+    }
+
     /// A fresh private directory for one command.
     fn private(&self, op: CriuOp, prefix: &str) -> Result<Private, CriuError> {
         let root = self.scratch.clone().unwrap_or_else(std::env::temp_dir);
@@ -580,6 +591,7 @@ impl Criu for CriuRpc {
 
     fn dump(&self, pid: Pid, images_dir: &Path, opts: &DumpOpts) -> Result<(), CriuError> {
         let op = CriuOp::Dump;
+        let _cwd = self.cwd_lock(pid)?;
         let dir = open_dir(op, images_dir)?;
         let req = CriuReq {
             r#type: CriuReqType::Dump as i32,
@@ -639,6 +651,7 @@ impl Criu for CriuRpc {
             return self.dump_streamed(pid, staging, opts, at_gate);
         }
         let op = CriuOp::Dump;
+        let _cwd = self.cwd_lock(pid)?;
         // Private to root (0700): the gate.
         let private = self.private(op, scratch::DUMP_PREFIX)?;
         let p = private.path().to_path_buf();
@@ -987,6 +1000,7 @@ impl CriuRpc {
             let path = path.to_path_buf();
             move |source| CriuError::Dir { op, path, source }
         };
+        let _cwd = self.cwd_lock(pid)?;
         // Private to root (0700): the capture's socket, the gate.
         let private = self.private(op, scratch::DUMP_PREFIX)?;
         let p = private.path().to_path_buf();

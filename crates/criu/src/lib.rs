@@ -25,6 +25,9 @@
 //! The [`image`] module stages, publishes (atomically, crash-safe) and verifies image directories
 //! with their [`image::Manifest`].
 //!
+//! Every dump of a tree with a pid namespace of its own holds the lock of its root's working
+//! directory, where CRIU's parasite makes `proc.crtools` ([`crtools`]).
+//!
 //! # Limitations
 //! Needs root and CRIU >= 4.2 (`scripts/install-criu.sh`). Without `shell_job`, the dumped root
 //! must lead its own session, and its stdio must not be a terminal outside the tree. The caller
@@ -36,6 +39,7 @@
 //! the call.
 
 mod criu;
+pub mod crtools;
 mod error;
 pub mod image;
 mod log;

@@ -235,7 +235,7 @@ impl Drop for Private {
 }
 
 /// Makes `root` (and its parents) if missing; `root` itself 0700.
-fn make_root(root: &Path) -> std::io::Result<()> {
+pub(crate) fn make_root(root: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::DirBuilderExt;
     match std::fs::DirBuilder::new()
         .recursive(true)

@@ -792,3 +792,81 @@ fn a_criu_behind_swrk_that_logs_without_end_is_cut_to_its_cap() {
     assert!(matches!(err, CriuError::Rpc { .. }), "{err}");
     check(&restore_log);
 }
+
+/// A `sleep 1000` in fresh pid and network namespaces (`cryo run`'s), working in `dir`;
+/// SIGKILLed and reaped when dropped.
+struct Isolated(i32);
+
+impl Isolated {
+    fn start(dir: &Path) -> Isolated {
+        let pid = cryo_proc::isolate::spawn_isolated(
+            &cryo_proc::isolate::IsolatedCommand {
+                argv: vec!["sleep".into(), "1000".into()],
+                dir: dir.to_path_buf(),
+                log: Some(dir.join("sleep.log")),
+            },
+            None,
+        )
+        .unwrap();
+        eventually(PATIENCE, "the isolated sleep to run", || {
+            cryo_proc::stat(pid).is_ok_and(|s| s.comm == "sleep")
+        });
+        Isolated(pid)
+    }
+}
+
+impl Drop for Isolated {
+    fn drop(&mut self) {
+        let _ = kill(NixPid::from_raw(self.0), Signal::SIGKILL);
+        let _ = waitpid(NixPid::from_raw(self.0), None);
+    }
+}
+
+/// Attack (session 12) on CRIU's `proc.crtools`: dumping the root of a tree with a pid
+/// namespace of its own, CRIU's parasite makes that directory in the root's working directory
+/// (and mounts a proc there); one left there by a CRIU that died in that window (or a
+/// concurrent dump's, made in the same directory) failed the dump: "Can't create a directory
+/// (-17)", every later dump of a worker working there too. cryo holds a lock of that working
+/// directory for each dump, so a `proc.crtools` found there under it is nobody's: an empty one
+/// is removed and the dump succeeds. Anything else there is left alone (the dump fails as
+/// before and the tree runs on). (Before: the first dump failed.)
+#[test]
+fn a_leftover_proc_crtools_in_a_namespaced_root_s_working_directory_is_removed_for_its_dump() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let scratch = tempfile::tempdir().unwrap();
+    let criu = criu().in_scratch(scratch.path());
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    fs::create_dir(&work).unwrap();
+    let leftover = work.join("proc.crtools");
+    fs::create_dir(&leftover).unwrap();
+    let tree = Isolated::start(&work);
+    let opts = DumpOpts {
+        leave_running: true,
+        ..DumpOpts::default()
+    };
+    let staging = Staging::create(&dir.path().join("img")).unwrap();
+    criu.dump_staged(tree.0, &staging, &opts, &|| Ok(()))
+        .unwrap_or_else(|e| panic!("the dump failed on the leftover: {e}"));
+    drop(staging);
+    assert!(!leftover.exists(), "the leftover is still there");
+    assert!(cryo_proc::stat(tree.0).is_ok_and(|s| s.state != 'Z'));
+
+    // Not an empty directory: not CRIU's leftover, left alone; the dump fails, safely.
+    fs::create_dir(&leftover).unwrap();
+    fs::write(leftover.join("keep"), "not CRIU's").unwrap();
+    let staging = Staging::create(&dir.path().join("img2")).unwrap();
+    let err = criu
+        .dump_staged(tree.0, &staging, &opts, &|| Ok(()))
+        .unwrap_err();
+    drop(staging);
+    assert!(
+        err.to_string().contains("Can't create a directory"),
+        "{err}"
+    );
+    assert!(leftover.join("keep").exists());
+    assert!(
+        cryo_proc::stat(tree.0).is_ok_and(|s| s.state != 'Z'),
+        "{err}"
+    );
+}
