@@ -23,10 +23,13 @@
 //!    since is left out, a process forked since is added, and every zombie of the tree
 //!    (listed or not) is named apart ([`Manifest::zombies`]): no process of the image, but
 //!    CRIU restores it as a zombie under its pid, so the freeze waits for that pid to be free
-//!    as for the others' and a thaw checks it. A tree that forks all the time (health-check shells, tokenizer
-//!    workers) freezes as CRIU saw it. A CUDA process is never left out or added unseen: one
-//!    that ended after its suspension, or a forked one holding CUDA state or driver files,
-//!    refuses the dump there (CRIU resumes the tree, resumed in place as after a failed dump),
+//!    as for the others' and a thaw checks it. A listed plain process that left the tree
+//!    (reparented out when its parent ended: a daemonized helper) is not in CRIU's image:
+//!    left out, not waited for, and left running, no longer the worker's. A tree that forks
+//!    all the time (health-check shells, tokenizer workers) freezes as CRIU saw it. A CUDA
+//!    process is never left out or added unseen: one that ended or left the tree after its
+//!    suspension, or a forked (or departed) one holding CUDA state or driver files, refuses
+//!    the dump there (CRIU resumes the tree, resumed in place as after a failed dump),
 //!    and one NVML listed that ended before its suspension refuses the freeze. Without
 //!    `leave_running` CRIU kills the tree: every
 //!    context was suspended and verified, so that teardown is the safe kind; each exit is
@@ -145,6 +148,11 @@ pub struct FreezeReport {
     /// with CUDA state or driver files refuses the freeze); in the image.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub forked: Vec<Pid>,
+    /// Plain processes of the tree as it was listed that left it before CRIU froze it
+    /// (reparented out when their parent ended: a daemonized helper): not in the image, and
+    /// left running (no longer the tree's). A CUDA process that left refuses the freeze.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub left: Vec<Pid>,
     /// Wall time of the whole freeze, ms: the image is published and durable (every file,
     /// the manifest and the directories fsync'd).
     pub elapsed_ms: u64,
@@ -736,13 +744,15 @@ fn freeze_inner(
         .map(ProcHandle::pid)
         .filter(|p| seen.ended.contains(p) || !entries.iter().any(|e| e.pid == *p))
         .collect();
-    entries.retain(|e| !seen.ended.contains(&e.pid));
+    entries.retain(|e| !seen.ended.contains(&e.pid) && !seen.left.contains(&e.pid));
     entries.extend(seen.forked.iter().map(|(_, e)| e.clone()));
     if opts.leave_running {
         // CRIU let go of the tree: back under watch while still CHECKPOINTED.
         drop(leases);
     } else {
-        for h in handles.iter().chain(seen.forked.iter().map(|(h, _)| h)) {
+        // What left the tree is not CRIU's to kill: it runs on.
+        let dumped = handles.iter().filter(|h| !seen.left.contains(&h.pid()));
+        for h in dumped.chain(seen.forked.iter().map(|(h, _)| h)) {
             if !h.wait_exit(Duration::from_secs(10)) {
                 // Still CHECKPOINTED (safe): back under watch.
                 drop(leases);
@@ -846,6 +856,7 @@ fn freeze_inner(
         pids_held,
         ended,
         forked: seen.forked.iter().map(|(h, _)| h.pid()).collect(),
+        left: seen.left,
         elapsed_ms: ms(start.elapsed()),
         shrink: None,
     })
@@ -859,6 +870,9 @@ struct AtGate {
     ended: Vec<Pid>,
     /// Processes CRIU dumped that the freeze never listed (forked since), plain ones only.
     forked: Vec<(ProcHandle, ProcessEntry)>,
+    /// Listed plain processes that left the tree (reparented out) before CRIU froze it: CRIU
+    /// did not dump them.
+    left: Vec<Pid>,
     /// The zombies of the tree (children its processes have not reaped, listed or not): CRIU
     /// dumps each and restores it as a zombie under its pid ([`Manifest::zombies`]).
     zombies: Vec<Pid>,
@@ -867,23 +881,38 @@ struct AtGate {
 /// At CRIU's dump gate (every image written, the tree frozen: none of it can exit or fork, so
 /// what lives in it now is what CRIU dumped alive): which of the listed `handles` (the root
 /// first) ended before CRIU froze the tree, and which processes it dumped that the freeze
-/// never listed. Refused (CRIU then resumes the tree, and the freeze resumes it in place): a
-/// CUDA process that ended after its suspension (the image would lack it: never left out
-/// unseen), a listed process that left the tree (CRIU did not dump it), and an unlisted one
-/// with CUDA state or driver files (the freeze never suspended it).
+/// never listed, and which listed ones left it (reparented out: CRIU did not dump them; a
+/// plain one is left out of the image). Refused (CRIU then resumes the tree, and the freeze
+/// resumes it in place): a CUDA process that ended after its suspension or left the tree (the
+/// image would lack it: never left out unseen), a listed process that left it with CUDA state
+/// or driver files now, and an unlisted one with CUDA state or driver files (the freeze never
+/// suspended it).
 fn at_dump_gate(gpu: &Gpu, handles: &[ProcHandle], cuda: &[&ProcHandle]) -> Result<AtGate, String> {
     let root = handles
         .first()
         .ok_or_else(|| "the tree has no processes".to_string())?;
     let mut seen = AtGate::default();
     let in_tree = root.descendants();
+    let mut nvml = None;
     for h in handles {
         if h.is_alive() {
             if h.pid() != root.pid() && !in_tree.iter().any(|d| d.pid() == h.pid()) {
-                return Err(format!(
-                    "pid {} left the tree before CRIU froze it: CRIU did not dump it",
-                    h.pid()
-                ));
+                let why = if cuda.iter().any(|c| c.pid() == h.pid()) {
+                    Some("it was suspended for the freeze".to_string())
+                } else {
+                    plain_now(gpu, h, &mut nvml).err()
+                };
+                if let Some(why) = why {
+                    return Err(format!(
+                        "pid {} left the tree before CRIU froze it (CRIU did not dump it), and {why}",
+                        h.pid()
+                    ));
+                }
+                tracing::info!(
+                    pid = h.pid(),
+                    "left the tree before CRIU froze it (reparented out): not in the image"
+                );
+                seen.left.push(h.pid());
             }
             continue;
         }
@@ -912,9 +941,12 @@ fn at_dump_gate(gpu: &Gpu, handles: &[ProcHandle], cuda: &[&ProcHandle]) -> Resu
     if forked.is_empty() {
         return Ok(seen);
     }
-    let nvml = gpu.inspect.processes().map_err(|e| {
-        format!("cannot ask NVML about the processes forked since the tree was listed: {e}")
-    })?;
+    let nvml = match nvml {
+        Some(l) => l,
+        None => gpu.inspect.processes().map_err(|e| {
+            format!("cannot ask NVML about the processes forked since the tree was listed: {e}")
+        })?,
+    };
     for h in forked {
         let never = |what: String| {
             format!(
@@ -946,6 +978,29 @@ fn at_dump_gate(gpu: &Gpu, handles: &[ProcHandle], cuda: &[&ProcHandle]) -> Resu
         }
     }
     Ok(seen)
+}
+
+/// Whether `h`, a process that left the tree, is plain now (no CUDA state, no driver files);
+/// `Err`: what it is instead. NVML's list is asked once (`nvml`), for every such process.
+fn plain_now(
+    gpu: &Gpu,
+    h: &ProcHandle,
+    nvml: &mut Option<Vec<cryo_gpu::GpuProcess>>,
+) -> Result<(), String> {
+    let listed = match nvml {
+        Some(l) => l,
+        None => nvml.insert(
+            gpu.inspect
+                .processes()
+                .map_err(|e| format!("NVML cannot be asked about it: {e}"))?,
+        ),
+    };
+    match crate::cuda::classify(gpu, h, listed, crate::cuda::SETTLE) {
+        Ok(Class::Plain | Class::Exited) => Ok(()),
+        Ok(Class::Cuda { state }) => Err(format!("it holds CUDA state ({state:?})")),
+        Ok(Class::DriverOnly { fds }) => Err(format!("it holds {} driver files", fds.len())),
+        Err(u) => Err(format!("it cannot be classified ({u})")),
+    }
 }
 
 /// The staging directory (and CRIU's log in it) goes when the freeze fails: keep the log beside

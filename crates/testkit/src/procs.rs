@@ -168,6 +168,18 @@ impl Procs {
         Procs(vec![root], true)
     }
 
+    /// A tree that leads its own session: `sh -c script`, once its tree has `size` processes
+    /// (the root included), whatever they run.
+    pub fn session_script(script: &str, size: usize) -> Procs {
+        let root = session_sh(script);
+        let pid = root.id() as Pid;
+        eventually(PATIENCE, "the session script's tree", || {
+            cryo_proc::stat(pid).is_ok_and(|s| s.session == pid)
+                && cryo_proc::tree(pid).is_ok_and(|t| t.len() == size)
+        });
+        Procs(vec![root], true)
+    }
+
     /// A tree that leads its own session whose root is a shell that reaps its `children`
     /// `sleep` children as they end (a child killed is gone, its pid free, not a zombie) and
     /// forks one more `sleep` on every SIGUSR1.

@@ -86,6 +86,12 @@ pub fn run(ctx: &Context, args: &FreezeArgs) -> anyhow::Result<u8> {
                 fmt_pid_list(&report.forked)
             );
         }
+        if !report.left.is_empty() {
+            println!(
+                "  left the tree before the dump (reparented out; not in the image, left running): {}",
+                fmt_pid_list(&report.left)
+            );
+        }
         if let Some(s) = &report.shrink {
             println!("  {}", s.summary());
         }

@@ -598,3 +598,109 @@ fn a_dumped_worker_whose_parent_has_not_reaped_it_is_not_gone() {
     parent.kill().unwrap();
     parent.wait().unwrap();
 }
+
+/// Attack (session 12): a listed plain process leaves the tree before CRIU freezes it: its
+/// parent (a shell of the worker) ends, and it is reparented out of the tree (as a daemonized
+/// child is). CRIU does not dump it, so the manifest must not name it, and the freeze must not
+/// wait for its end (CRIU does not kill it): it is left out, said in the report, and runs on,
+/// no longer the worker's. The image is what CRIU dumped: the root, and the shell as a zombie.
+/// (Before: the dump was refused at CRIU's gate, "left the tree", and a worker that daemonizes
+/// helpers all the time could never be frozen.)
+#[test]
+fn a_plain_process_reparented_out_of_the_tree_before_criu_freezes_it_is_left_out() {
+    let tree = Procs::session_script("sh -c 'sleep 600 & wait' & exec sleep 600", 3);
+    let pids = tree.tree();
+    let (root, shell, daemon) = (pids[0], pids[1], pids[2]);
+    cryo_testkit::eventually(cryo_testkit::PATIENCE, "the root to run sleep", || {
+        cryo_proc::stat(root).is_ok_and(|s| s.comm == "sleep")
+    });
+    assert_eq!(cryo_proc::stat(daemon).unwrap().ppid, shell);
+    let fake = FakeGpu::new();
+    fake.add(root);
+    let criu = FakeCriu::watching(&fake);
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path().join("journal")).unwrap();
+    let s = Scene {
+        tree,
+        pids,
+        fake,
+        criu,
+        dir,
+        journal,
+    };
+    s.criu.before_next_dump(move || {
+        procs::kill(shell, nix::sys::signal::Signal::SIGKILL as i32);
+        cryo_testkit::eventually(
+            cryo_testkit::PATIENCE,
+            "the daemon to leave the tree",
+            || {
+                cryo_proc::stat(daemon).is_ok_and(|s| s.ppid != shell)
+                    && procs::state(shell) == Some('Z')
+            },
+        );
+    });
+    let report = s.freeze(false);
+    let alive = procs::alive(daemon);
+    procs::kill(daemon, nix::sys::signal::Signal::SIGKILL as i32);
+    let report = report.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(report.manifest.pids(), vec![root]);
+    assert_eq!(report.manifest.zombies, vec![shell]);
+    assert_eq!(report.left, vec![daemon]);
+    assert!(alive, "the daemon, no longer the worker's, was killed");
+    // The image names what CRIU dumped: its processes and its zombie, not the daemon.
+    let dumps = s.criu.dumps();
+    assert_eq!(
+        sorted(dumps[0].states.iter().map(|(p, _)| *p).collect()),
+        sorted(report.manifest.restore_pids())
+    );
+    assert!(s.fake.wedges().is_empty());
+}
+
+/// A listed CUDA process (suspended for the freeze) leaves the tree before CRIU freezes it:
+/// CRIU did not dump it, and a CUDA process is never left out unseen. The dump is refused at
+/// CRIU's gate and every CUDA process, the departed one included, is resumed in place.
+#[test]
+fn a_cuda_process_reparented_out_of_the_tree_before_criu_freezes_it_refuses_the_dump() {
+    let tree = Procs::session_script("sh -c 'sleep 600 & wait' & exec sleep 600", 3);
+    let pids = tree.tree();
+    let (root, shell, daemon) = (pids[0], pids[1], pids[2]);
+    let fake = FakeGpu::new();
+    fake.add(root);
+    fake.add(daemon);
+    let criu = FakeCriu::watching(&fake);
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path().join("journal")).unwrap();
+    let s = Scene {
+        tree,
+        pids,
+        fake,
+        criu,
+        dir,
+        journal,
+    };
+    s.criu.before_next_dump(move || {
+        procs::kill(shell, nix::sys::signal::Signal::SIGKILL as i32);
+        cryo_testkit::eventually(
+            cryo_testkit::PATIENCE,
+            "the daemon to leave the tree",
+            || cryo_proc::stat(daemon).is_ok_and(|s| s.ppid != shell),
+        );
+    });
+    let err = s.freeze(false);
+    let alive = procs::alive(daemon);
+    let state = s.fake.state_of(daemon);
+    // Before the test ends the daemon (resumed in place: a live restored context).
+    let wedges = s.fake.wedges();
+    procs::kill(daemon, nix::sys::signal::Signal::SIGKILL as i32);
+    let err = err.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains(&format!("pid {daemon} left the tree before CRIU froze it")),
+        "{err}"
+    );
+    assert!(alive, "{err}");
+    assert_eq!(state, ProcessState::Running, "{err}");
+    assert_eq!(s.fake.state_of(root), ProcessState::Running, "{err}");
+    s.assert_no_image();
+    assert!(wedges.is_empty(), "{wedges:?}");
+}
