@@ -273,6 +273,14 @@ fn exists(pid: i32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
 
+/// Whether `err` is the thaw's refusal of pids of the image in use, naming `pid` among them
+/// (with the image's other pids and thread ids that are taken).
+fn in_use(err: &str, pid: i32) -> bool {
+    err.split("pids ")
+        .filter_map(|rest| rest.split_once(" of the image are in use"))
+        .any(|(list, _)| list.split(',').any(|p| p == pid.to_string()))
+}
+
 fn manifest(image: &Path) -> serde_json::Value {
     serde_json::from_slice(&fs::read(image.join("manifest.json")).unwrap()).unwrap()
 }
@@ -347,11 +355,7 @@ fn freeze_thaw_serves_the_same_answers_twice_and_refuses_while_the_original_runs
             // The original (here: the first thaw) still running: refused before CRIU runs.
             let again = env.cryo(&["thaw", image.to_str().unwrap()]);
             assert_eq!(again.status.code(), Some(3), "{}", stderr(&again));
-            assert!(
-                stderr(&again).contains(&format!("pids {pid} of the image are in use")),
-                "{}",
-                stderr(&again)
-            );
+            assert!(in_use(&stderr(&again), pid), "{}", stderr(&again));
             assert_eq!(answers(&sock), before);
         }
         env.stop(pid);
@@ -1730,11 +1734,7 @@ fn freeze_and_thaw_go_through_the_agent_whose_guard_takes_the_restored_worker() 
     // A refusal keeps its exit code through the agent.
     let again = env.cryo(&["thaw", image.to_str().unwrap()]);
     assert_eq!(again.status.code(), Some(3), "{}", stderr(&again));
-    assert!(
-        stderr(&again).contains(&format!("pids {pid} of the image are in use")),
-        "{}",
-        stderr(&again)
-    );
+    assert!(in_use(&stderr(&again), pid), "{}", stderr(&again));
     // The restored root is the agent's child: the agent reaps it once stopped (no zombie).
     let ppid = |pid: i32| {
         fs::read_to_string(format!("/proc/{pid}/status"))
@@ -3459,4 +3459,56 @@ fn a_zombie_of_the_frozen_tree_is_a_pid_of_its_image_that_the_thaw_checks() {
     env.stop(root);
     procs::reap(zombie);
     env.sim.assert_no_wedge();
+}
+
+/// Attack (session 12) on the ids a thaw in cryo's own pid namespace needs: CRIU restores every
+/// thread of the tree under its thread id, not only every process under its pid (CRIU 4.2,
+/// checked by hand: "Unable to create a thread: -17" when another process holds one). A sim
+/// worker (threads beside its main one) is frozen, and one of its thread ids is then held by
+/// another process: the thaw's pid check must refuse before CRIU runs, naming it; once it is
+/// free the thaw restores the worker. (Before: the manifest named no thread, the check passed,
+/// and the thaw failed inside CRIU.)
+#[test]
+fn a_thread_id_of_the_image_held_by_another_process_refuses_the_thaw_before_criu() {
+    use cryo_testkit::procs::sleep_at_pid;
+    let mut env = Env::start("1GiB");
+    let (pid, _ep) = env.worker("64MiB", 0);
+    // A thread of the idle worker (its threads are made at its start).
+    let tid = fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .find(|t| *t != pid)
+        .expect("the sim worker has threads beside its main one");
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+    let m = manifest(&image);
+    let threads: Vec<i32> = m["threads"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|t| t.as_i64())
+                .map(|t| t as i32)
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(threads.contains(&tid) && !threads.contains(&pid), "{m}");
+    let holder = sleep_at_pid(tid)
+        .unwrap_or_else(|e| panic!("a process with the worker's thread id {tid}: {e}"));
+    let out = env.cryo(&["thaw", image.to_str().unwrap()]);
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("of the image are in use") && err.contains(&tid.to_string()),
+        "{err}"
+    );
+    assert!(
+        !err.contains("Unable to create a thread"),
+        "CRIU ran: {err}"
+    );
+    assert!(procs::alive(holder.pid), "the holder was touched: {err}");
+    drop(holder);
+    let out = env.thaw_ok(&image, &[]);
+    let root = thawed_root(&mut env, &out);
+    assert_eq!(root, pid);
+    env.stop_clean(root);
 }

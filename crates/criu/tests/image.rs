@@ -42,6 +42,7 @@ fn meta() -> ImageMeta {
             },
         ],
         zombies: Vec::new(),
+        threads: Vec::new(),
         gpu_model: Some("Sim GPU".into()),
         driver_version: Some("595.0-sim".into()),
         criu_version: CriuVersion {

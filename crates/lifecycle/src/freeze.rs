@@ -23,7 +23,8 @@
 //!    since is left out, a process forked since is added, and every zombie of the tree
 //!    (listed or not) is named apart ([`Manifest::zombies`]): no process of the image, but
 //!    CRIU restores it as a zombie under its pid, so the freeze waits for that pid to be free
-//!    as for the others' and a thaw checks it. A listed plain process that left the tree
+//!    as for the others' and a thaw checks it; so are the ids of the tree's threads
+//!    ([`Manifest::threads`]), each restored under its id. A listed plain process that left the tree
 //!    (reparented out when its parent ended: a daemonized helper) is not in CRIU's image:
 //!    left out, not waited for, and left running, no longer the worker's. A tree that forks
 //!    all the time (health-check shells, tokenizer workers) freezes as CRIU saw it. A CUDA
@@ -781,6 +782,7 @@ fn freeze_inner(
         root_pid: root,
         processes: entries,
         zombies: seen.zombies.clone(),
+        threads: seen.threads.clone(),
         gpu_model,
         driver_version,
         criu_version: criu.version(),
@@ -876,6 +878,9 @@ struct AtGate {
     /// The zombies of the tree (children its processes have not reaped, listed or not): CRIU
     /// dumps each and restores it as a zombie under its pid ([`Manifest::zombies`]).
     zombies: Vec<Pid>,
+    /// The ids of the threads of the tree's processes, main threads aside: CRIU restores each
+    /// under its id ([`Manifest::threads`]).
+    threads: Vec<Pid>,
 }
 
 /// At CRIU's dump gate (every image written, the tree frozen: none of it can exit or fork, so
@@ -924,18 +929,23 @@ fn at_dump_gate(gpu: &Gpu, handles: &[ProcHandle], cuda: &[&ProcHandle]) -> Resu
         }
         seen.ended.push(h.pid());
     }
-    // CRIU dumps every zombie of the tree and restores it under its pid: the image needs
-    // those pids as much as its processes' (a zombie has no handle: its parent names it).
+    // CRIU dumps every zombie of the tree and restores it under its pid, and every thread
+    // under its id: the image needs those as much as its processes' pids (a zombie has no
+    // handle: its parent names it).
     for p in std::iter::once(root).chain(in_tree.iter()) {
-        match p.zombie_children() {
-            Ok(z) => seen.zombies.extend(z),
+        match p.zombie_children().and_then(|z| Ok((z, p.tasks()?))) {
+            Ok((z, t)) => {
+                seen.zombies.extend(z);
+                seen.threads.extend(t.into_iter().filter(|t| *t != p.pid()));
+            }
             Err(e) if !p.is_alive() => {
                 tracing::debug!(pid = p.pid(), error = %e, "ended at CRIU's gate");
             }
-            Err(e) => return Err(format!("the zombies of pid {}: {e}", p.pid())),
+            Err(e) => return Err(format!("the zombies and threads of pid {}: {e}", p.pid())),
         }
     }
     seen.zombies.sort_unstable();
+    seen.threads.sort_unstable();
     let listed = |d: &ProcHandle| handles.iter().any(|h| h.pid() == d.pid() && h.is_alive());
     let forked: Vec<ProcHandle> = in_tree.into_iter().filter(|d| !listed(d)).collect();
     if forked.is_empty() {

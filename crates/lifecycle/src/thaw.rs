@@ -1327,6 +1327,7 @@ pub(crate) mod tests {
                         root_pid: pids[0],
                         processes,
                         zombies: Vec::new(),
+                        threads: Vec::new(),
                         gpu_model: Some(MODEL.into()),
                         driver_version: Some(fake.driver_version().unwrap()),
                         criu_version: CriuVersion::MIN,

@@ -58,6 +58,12 @@ pub struct Manifest {
     /// they were recorded), so those manifests read and digest as they always did.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub zombies: Vec<Pid>,
+    /// The ids of the tree's threads when CRIU dumped it, each process's main thread aside
+    /// (whose id is its pid): CRIU restores every thread under its id, so a restore in this pid
+    /// namespace needs those free too ([`Manifest::restore_pids`]). Absent when there were none
+    /// (and in images from before they were recorded).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub threads: Vec<Pid>,
     /// The GPU model the CUDA processes ran on (NVML's product name); `None` without any.
     pub gpu_model: Option<String>,
     /// The driver version at freeze; `None` without CUDA processes.
@@ -186,6 +192,8 @@ pub struct ImageMeta {
     pub processes: Vec<ProcessEntry>,
     /// See [`Manifest::zombies`].
     pub zombies: Vec<Pid>,
+    /// See [`Manifest::threads`].
+    pub threads: Vec<Pid>,
     /// See [`Manifest::gpu_model`].
     pub gpu_model: Option<String>,
     /// See [`Manifest::driver_version`].
@@ -240,13 +248,14 @@ impl Manifest {
         self.processes.iter().map(|p| p.pid).collect()
     }
 
-    /// Every pid CRIU restores the tree with: its processes' and its zombies'
-    /// ([`Manifest::zombies`]). A restore in the pid namespace the tree was dumped from needs
-    /// each of them free.
+    /// Every id CRIU restores the tree with: its processes', its zombies'
+    /// ([`Manifest::zombies`]) and its threads' ([`Manifest::threads`]). A restore in the pid
+    /// namespace the tree was dumped from needs each of them free.
     pub fn restore_pids(&self) -> Vec<Pid> {
         self.pids()
             .into_iter()
             .chain(self.zombies.iter().copied())
+            .chain(self.threads.iter().copied())
             .collect()
     }
 

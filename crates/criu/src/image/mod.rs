@@ -720,6 +720,7 @@ impl Staging {
             root_pid: meta.root_pid,
             processes: meta.processes,
             zombies: meta.zombies,
+            threads: meta.threads,
             gpu_model: meta.gpu_model,
             driver_version: meta.driver_version,
             criu_version: meta.criu_version,
