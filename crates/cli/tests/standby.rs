@@ -955,3 +955,53 @@ fn a_standby_refill_refused_at_criu_s_gate_never_runs() {
         !cryo_testkit::procs::alive(root)
     });
 }
+
+/// Attack (session 12) on a standby's claim: a plain helper of the worker (no CUDA state)
+/// exits while the standby waits for its claim. The worker (its shell and its CUDA process) is
+/// there, CHECKPOINTED: the pool keeps the standby and the claim hands that very one out,
+/// serving, the exited helper left out. (Before: a claim needed every process of the standby
+/// alive; the pool dropped it as "exited while ready" and the claim got another, or none.)
+#[test]
+fn a_standby_whose_plain_helper_exited_while_ready_is_kept_and_claimed() {
+    let env = Env::start();
+    let dir = env.sim.path().to_path_buf();
+    let ready = dir.join("worker.ready");
+    let script = format!(
+        "{} sim worker --dir {} --gpu 0 --memory 32MiB --ready-file {} & sleep 1000 & wait",
+        env.bin.bin().display(),
+        dir.display(),
+        ready.display()
+    );
+    let isolated = common::run_isolated(common::cryo(), &dir, None, &["sh", "-c", &script]);
+    eventually(PATIENCE, "the worker to be ready", || ready.exists());
+    let image = dir.join("img");
+    let img = image.to_str().unwrap();
+    let frozen = env.run(&["freeze", &isolated.pid.to_string(), "--image", img]);
+    assert!(frozen.status.success(), "{}", stderr(&frozen));
+    env.ok(&["standby", "create", "--image", img, "--count", "1"]);
+    let root = env.wait_ready(1)[0];
+    let helper = cryo_proc::tree(root)
+        .unwrap()
+        .into_iter()
+        .find(|p| cryo_proc::stat(*p).is_ok_and(|s| s.comm == "sleep"))
+        .expect("the standby's helper");
+    cryo_testkit::procs::kill(helper, nix::libc::SIGKILL);
+    eventually(PATIENCE, "the helper to exit", || {
+        !cryo_testkit::procs::alive(helper)
+    });
+    let out = env.claim(&image);
+    assert!(out.status.success(), "{}\n{}", stdout(&out), stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["outcome"], "serving", "{v}");
+    assert_eq!(
+        v["standby"]["root"]["pid"], root,
+        "another standby was handed out: {v}"
+    );
+    let dropped: Vec<Event> = env
+        .events()
+        .into_iter()
+        .filter(|e| matches!(e, Event::StandbyDropped { .. }))
+        .collect();
+    assert!(dropped.is_empty(), "{dropped:?}");
+    env.sim.assert_no_wedge();
+}
