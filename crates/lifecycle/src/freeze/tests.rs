@@ -608,26 +608,15 @@ fn a_dumped_worker_whose_parent_has_not_reaped_it_is_not_gone() {
 /// helpers all the time could never be frozen.)
 #[test]
 fn a_plain_process_reparented_out_of_the_tree_before_criu_freezes_it_is_left_out() {
-    let tree = Procs::session_script("sh -c 'sleep 600 & wait' & exec sleep 600", 3);
-    let pids = tree.tree();
-    let (root, shell, daemon) = (pids[0], pids[1], pids[2]);
+    let s = scene_of(
+        Procs::session_script("sh -c 'sleep 600 & wait' & exec sleep 600", 3),
+        &[0],
+    );
+    let (root, shell, daemon) = (s.pids[0], s.pids[1], s.pids[2]);
     cryo_testkit::eventually(cryo_testkit::PATIENCE, "the root to run sleep", || {
         cryo_proc::stat(root).is_ok_and(|s| s.comm == "sleep")
     });
     assert_eq!(cryo_proc::stat(daemon).unwrap().ppid, shell);
-    let fake = FakeGpu::new();
-    fake.add(root);
-    let criu = FakeCriu::watching(&fake);
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path().join("journal")).unwrap();
-    let s = Scene {
-        tree,
-        pids,
-        fake,
-        criu,
-        dir,
-        journal,
-    };
     s.criu.before_next_dump(move || {
         procs::kill(shell, nix::sys::signal::Signal::SIGKILL as i32);
         cryo_testkit::eventually(
@@ -661,23 +650,11 @@ fn a_plain_process_reparented_out_of_the_tree_before_criu_freezes_it_is_left_out
 /// CRIU's gate and every CUDA process, the departed one included, is resumed in place.
 #[test]
 fn a_cuda_process_reparented_out_of_the_tree_before_criu_freezes_it_refuses_the_dump() {
-    let tree = Procs::session_script("sh -c 'sleep 600 & wait' & exec sleep 600", 3);
-    let pids = tree.tree();
-    let (root, shell, daemon) = (pids[0], pids[1], pids[2]);
-    let fake = FakeGpu::new();
-    fake.add(root);
-    fake.add(daemon);
-    let criu = FakeCriu::watching(&fake);
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path().join("journal")).unwrap();
-    let s = Scene {
-        tree,
-        pids,
-        fake,
-        criu,
-        dir,
-        journal,
-    };
+    let s = scene_of(
+        Procs::session_script("sh -c 'sleep 600 & wait' & exec sleep 600", 3),
+        &[0, 2],
+    );
+    let (root, shell, daemon) = (s.pids[0], s.pids[1], s.pids[2]);
     s.criu.before_next_dump(move || {
         procs::kill(shell, nix::sys::signal::Signal::SIGKILL as i32);
         cryo_testkit::eventually(
