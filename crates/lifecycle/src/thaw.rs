@@ -19,10 +19,18 @@
 //! none otherwise; a map that lands two of the image's GPUs on one is refused before anything runs), `RestoreCompleted` journaled for every
 //! process (from then on they are *restored*), unlock, health check. Any failure after the CRIU
 //! restore ends in [`crate::stop`] of the restored tree as CRIU's gate listed it (processes the
-//! pairing left out included: nothing else owns them): suspended (lock, checkpoint, verified)
-//! first, then killed. A live restored context is never torn down.
+//! pairing left out included: nothing else owns them) and of what it forked since CRIU resumed
+//! it (its descendants, and the members of the sessions it leads, where a fork whose parent
+//! exited still is), looked for again after each stop until none is left (bounded, else
+//! said): suspended (lock, checkpoint, verified) first, then killed; the forks are named in
+//! the error. A live restored context is never torn down.
 //!
 //! # Limitations
+//! A process the restored tree forked since CRIU resumed it that started a session of its own
+//! and whose parent has exited is tied to the tree by nothing the kernel shows: a failed thaw
+//! does not find it. A session of the tree whose every member exited during the removal, its
+//! id taken at once by another process's new session, would be looked at as the tree's (pid
+//! reuse within the removal).
 //! The restored root is the caller's child (CRIU's `rst_sibling`): a long-lived caller reaps it;
 //! the `cryo` CLI exits and leaves it to its reaper (init or a subreaper), as a detached worker.
 
@@ -917,7 +925,74 @@ pub(crate) fn pair_restored<'t, 'm>(
     Ok(pairs)
 }
 
-/// Suspends and kills the restored tree through the stop path; says what became of it.
+/// How many times a failed thaw looks again for processes the restored tree forked while it
+/// was being removed, before it gives up on a tree that keeps forking (and says so).
+const FORK_ROUNDS: usize = 8;
+
+/// The sessions the restored tree started: each led by a process of the tree CRIU's gate
+/// listed, with that leader's handle. Read from the tree's live processes, so each session id
+/// has been the tree's since the gate (a member was in it all along: a session cannot be
+/// joined).
+fn own_sessions(gate: &[ProcHandle]) -> Vec<(Pid, &ProcHandle)> {
+    let mut out: Vec<(Pid, &ProcHandle)> = Vec::new();
+    for h in gate {
+        let Ok(st) = h.stat() else { continue };
+        if out.iter().any(|(s, _)| *s == st.session) {
+            continue;
+        }
+        if let Some(leader) = gate.iter().find(|l| l.pid() == st.session) {
+            out.push((st.session, leader));
+        }
+    }
+    out
+}
+
+/// The processes of the restored tree that neither the gate's listing (`gate`) nor an earlier
+/// look (`known`) holds: the descendants of every one of them still alive, and every member of
+/// its own sessions (`sessions`, [`own_sessions`]), where a process forked since and
+/// reparented out of the tree (its parent exited) still is. A session whose leader was reaped
+/// and whose id another process holds now is no longer the tree's and is not looked at.
+fn forked_since(
+    gate: &[ProcHandle],
+    known: &[ProcHandle],
+    sessions: &[(Pid, &ProcHandle)],
+) -> Vec<ProcHandle> {
+    let held = |pid: Pid| {
+        gate.iter()
+            .chain(known)
+            .any(|h| h.pid() == pid && h.is_alive())
+    };
+    let ours: Vec<Pid> = sessions
+        .iter()
+        .filter(|(sid, leader)| {
+            leader.liveness() != cryo_proc::Liveness::Gone
+                || cryo_proc::liveness(*sid) == cryo_proc::Liveness::Gone
+        })
+        .map(|(sid, _)| *sid)
+        .collect();
+    let members = ProcHandle::in_sessions(&ours).unwrap_or_else(|e| {
+        tracing::error!(error = %e, "cannot list the restored tree's sessions");
+        Vec::new()
+    });
+    let mut out: Vec<ProcHandle> = Vec::new();
+    let descendants = gate
+        .iter()
+        .chain(known)
+        .filter(|h| h.is_alive())
+        .flat_map(ProcHandle::descendants);
+    for h in descendants.chain(members) {
+        if !held(h.pid()) && !out.iter().any(|o| o.pid() == h.pid()) {
+            out.push(h);
+        }
+    }
+    out
+}
+
+/// Suspends and kills the restored tree through the stop path; says what became of it. The
+/// tree is the one CRIU's gate listed and whatever it forked since CRIU resumed it (found
+/// through its descendants and its own sessions, [`forked_since`]), looked for again after
+/// each stop until none is left, bounded: none of it runs on unnamed. Every CUDA process among
+/// them is suspended and verified before its kill, as any stop's.
 fn remove_safely(
     gpu: &Gpu,
     restored: &Resolved,
@@ -925,39 +1000,88 @@ fn remove_safely(
     journal: &Journal,
     progress: &dyn Progress,
 ) -> String {
-    let handles = restored.handles();
-    let alive: Vec<Pid> = handles
-        .iter()
-        .filter(|h| h.is_alive())
-        .map(ProcHandle::pid)
-        .collect();
-    if alive.is_empty() {
-        return "already gone".into();
+    let gate = restored.handles();
+    let sessions = own_sessions(gate);
+    let mut forked: Vec<ProcHandle> = Vec::new();
+    let mut outcome: Option<String> = None;
+    let mut stopped = false;
+    for round in 0..=FORK_ROUNDS {
+        let new = forked_since(gate, &forked, &sessions);
+        if round > 0 && new.is_empty() {
+            break;
+        }
+        if round == FORK_ROUNDS {
+            outcome = Some(format!(
+                "NOT removed: it kept forking, pids {} still run after {FORK_ROUNDS} stops (run `cryo stop` on them)",
+                fmt_pids(&new.iter().map(ProcHandle::pid).collect::<Vec<_>>())
+            ));
+            break;
+        }
+        let mut handles: Vec<ProcHandle> = Vec::new();
+        if round == 0 {
+            handles.extend(gate.iter().filter_map(|h| h.try_clone().ok()));
+        }
+        handles.extend(new.iter().filter_map(|h| h.try_clone().ok()));
+        forked.extend(new);
+        let alive: Vec<Pid> = handles
+            .iter()
+            .filter(|h| h.is_alive())
+            .map(ProcHandle::pid)
+            .collect();
+        if alive.is_empty() {
+            continue;
+        }
+        let target = if round == 0 {
+            restored.target().clone()
+        } else {
+            Target::Pids(alive.clone())
+        };
+        let target = Resolved::from_handles(target, handles);
+        stopped = true;
+        match stop(gpu, &target, &opts.stop, journal, progress) {
+            Ok(r) if r.stopped() => {}
+            Ok(r) => {
+                outcome = Some(format!(
+                    "NOT removed: {} (left alive and safe; run `cryo stop` on pids {})",
+                    r.refusals
+                        .iter()
+                        .map(|x| format!("pid {}: {}", x.pid, x.reason.reason()))
+                        .collect::<Vec<_>>()
+                        .join("; "),
+                    fmt_pids(&alive)
+                ));
+                break;
+            }
+            Err(e) => {
+                outcome = Some(format!(
+                    "NOT removed: {e} (run `cryo stop` on pids {})",
+                    fmt_pids(&alive)
+                ));
+                break;
+            }
+        }
     }
-    let out = match stop(gpu, restored, &opts.stop, journal, progress) {
-        Ok(r) if r.stopped() => "suspended and removed".to_string(),
-        Ok(r) => format!(
-            "NOT removed: {} (left alive and safe; run `cryo stop` on pids {})",
-            r.refusals
-                .iter()
-                .map(|x| format!("pid {}: {}", x.pid, x.reason.reason()))
-                .collect::<Vec<_>>()
-                .join("; "),
-            fmt_pids(&alive)
-        ),
-        Err(e) => format!(
-            "NOT removed: {e} (run `cryo stop` on pids {})",
-            fmt_pids(&alive)
-        ),
-    };
-    for h in handles {
+    for h in gate.iter().chain(&forked) {
         if !h.is_alive() {
             if let Some(p) = rustix::process::Pid::from_raw(h.pid()) {
                 let _ = rustix::process::waitpid(Some(p), rustix::process::WaitOptions::NOHANG);
             }
         }
     }
-    out
+    let forks = if forked.is_empty() {
+        String::new()
+    } else {
+        format!(
+            ", with the {} processes it forked since CRIU resumed it (pids {})",
+            forked.len(),
+            fmt_pids(&forked.iter().map(ProcHandle::pid).collect::<Vec<_>>())
+        )
+    };
+    match outcome {
+        Some(failed) => format!("{failed}{forks}"),
+        None if stopped => format!("suspended and removed{forks}"),
+        None => format!("already gone{forks}"),
+    }
 }
 
 fn ms(d: Duration) -> u64 {
@@ -1508,6 +1632,71 @@ pub(crate) mod tests {
             for p in paired.iter().chain(&extras[..1]) {
                 assert_eq!(s.fake.state_of(*p), ProcessState::Checkpointed);
             }
+            assert!(s.fake.wedges().is_empty(), "{:?}", s.fake.wedges());
+        }
+
+        /// Attack (session 13): the restored tree forks once CRIU resumed it, before the thaw
+        /// fails (a GPU restore runs out of memory): the root forks a child that holds a CUDA
+        /// context (RUNNING, as if restored: the worst case), and a helper that forks a
+        /// grandchild and exits at once, so the grandchild is reparented out of the tree
+        /// (only its session still ties it to the restored tree). None of them is in the tree
+        /// CRIU's gate listed. A failed thaw leaves nothing of the image running that it does
+        /// not name, and never kills a CUDA process that is not CHECKPOINTED. (Before: the stop
+        /// took the gate's tree only; both forks ran on, owned and named by nothing.)
+        #[test]
+        fn a_failed_thaw_removes_what_the_tree_forked_after_criu_resumed_it() {
+            let procs = Procs::session_script(
+                "trap 'sleep 600 & sh -c \"sleep 601 &\"' USR1; sleep 600 & while :; do wait; done",
+                2,
+            );
+            let root = procs.pid(0);
+            eventually(PATIENCE, "the root's trap", || {
+                procs::catches(root, nix::sys::signal::Signal::SIGUSR1 as i32)
+            });
+            let s = scene_of(procs, None, &[false, true]);
+            let forked = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Pid>::new()));
+            {
+                let (fake, forked, gate) = (s.fake.clone(), forked.clone(), s.pids.clone());
+                s.criu.on_resume(move || {
+                    procs::kill(root, nix::sys::signal::Signal::SIGUSR1 as i32);
+                    let child = eventually(PATIENCE, "the root's new child", || {
+                        cryo_proc::tree(root).unwrap().into_iter().find(|p| {
+                            !gate.contains(p)
+                                && cryo_proc::stat(*p).is_ok_and(|s| s.comm == "sleep")
+                        })
+                    });
+                    fake.add(child).mark_restored(child);
+                    let orphan = eventually(PATIENCE, "the orphaned grandchild", || {
+                        std::fs::read_dir("/proc").unwrap().flatten().find_map(|e| {
+                            let pid: Pid = e.file_name().to_str()?.parse().ok()?;
+                            let st = cryo_proc::stat(pid).ok()?;
+                            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+                            (st.session == root && st.ppid != root && cmd == b"sleep\x00601\x00")
+                                .then_some(pid)
+                        })
+                    });
+                    forked.lock().unwrap().extend([child, orphan]);
+                });
+            }
+            s.fake
+                .fail_next_on(s.pids[1], Call::Restore, CuResult::OUT_OF_MEMORY);
+            let err = s.thaw().unwrap_err();
+            let forked = forked.lock().unwrap().clone();
+            assert_eq!(forked.len(), 2, "the tree did not fork: {err}");
+            match &err {
+                ThawError::AfterRestore { step, cleanup, .. } => {
+                    assert_eq!(*step, "GPU restore", "{err}");
+                    assert!(cleanup.starts_with("suspended and removed"), "{err}");
+                    for p in &forked {
+                        assert!(cleanup.contains(&p.to_string()), "pid {p} not named: {err}");
+                    }
+                }
+                other => panic!("expected a failure after the restore, got {other}"),
+            }
+            for p in s.pids.iter().chain(&forked) {
+                assert!(!procs::alive(*p), "pid {p} outlived the failed thaw: {err}");
+            }
+            assert_eq!(s.fake.state_of(forked[0]), ProcessState::Checkpointed);
             assert!(s.fake.wedges().is_empty(), "{:?}", s.fake.wedges());
         }
 

@@ -529,6 +529,23 @@ impl ProcHandle {
         out
     }
 
+    /// Every process in one of `sessions` now, each opened and then checked through its pidfd
+    /// to still be in one of them: never a process that took a listed pid since. A session
+    /// cannot be joined (`setsid` starts a new one, `setpgid` stays within its own), so the
+    /// members of a session a process of a tree started are that tree's, its descendants
+    /// reparented out of it included, as long as the session id was never free meanwhile (it
+    /// stays taken while any member lives). A process that exits meanwhile is left out.
+    pub fn in_sessions(sessions: &[Pid]) -> Result<Vec<ProcHandle>, ProcError> {
+        if sessions.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(read::in_sessions(sessions)?
+            .into_iter()
+            .filter_map(|p| ProcHandle::open(p).ok())
+            .filter(|h| h.stat().is_ok_and(|s| sessions.contains(&s.session)))
+            .collect())
+    }
+
     /// The processes it traces (`TracerPid` in their `/proc/PID/status` names one of its
     /// threads), each opened and then checked to still be traced by it.
     pub fn tracees(&self) -> Result<Vec<ProcHandle>, ProcError> {

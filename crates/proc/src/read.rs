@@ -333,6 +333,20 @@ pub fn tree(root: Pid) -> Result<Vec<Pid>, ProcError> {
     Ok(out)
 }
 
+/// Every process whose session id is one of `sessions` now (a scan of `/proc`; a process that
+/// exits meanwhile is left out). Bare pids: [`crate::ProcHandle::in_sessions`] opens and checks
+/// them.
+pub(crate) fn in_sessions(sessions: &[Pid]) -> Result<Vec<Pid>, ProcError> {
+    let all = procfs::process::all_processes()
+        .map_err(|source| ProcError::ReadSystem { file: "", source })?;
+    Ok(all
+        .flatten()
+        .filter_map(|p| p.stat().ok())
+        .filter(|st| sessions.contains(&st.session))
+        .map(|st| st.pid)
+        .collect())
+}
+
 /// The pids of `wanted` that the kernel still has allocated: as a process or thread id, or as
 /// the process group or session id of any process. CRIU restores every process with its
 /// original pid and fails with `EEXIST` ("Can't fork for N: File exists") on any of these. A
