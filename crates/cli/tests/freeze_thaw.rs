@@ -3175,9 +3175,11 @@ fn a_namespaced_image_thaws_while_a_host_process_holds_its_freeze_time_pid() {
 /// its listing and CRIU's seize; made here by leaving the namespaced root's `sleep` child out
 /// of the manifest, its digest recomputed as cryo writes it). The thaw pairs the image's
 /// processes by their namespace pids and leaves the other out, as in cryo's own namespace: it
-/// is restored by CRIU and runs, under its namespace pid, but is none of the thaw's processes
-/// (ThawCompleted names the root alone). A format-3 image of it, paired by order, still needs
-/// every process and no other: refused at CRIU's gate, where nothing of it has run.
+/// is restored by CRIU and runs, under its namespace pid, but is none of the image's processes.
+/// It runs as part of the worker's tree, so the thaw names it (session 13: ThawCompleted names
+/// the root and it, `cryo thaw` prints it apart as restored beside the image's; before,
+/// ThawCompleted named the root alone and the extra ran on unnamed). A format-3 image of it, paired by order, still
+/// needs every process and no other: refused at CRIU's gate, where nothing of it has run.
 #[test]
 fn a_format_4_image_with_a_process_its_manifest_does_not_name_is_paired_without_it() {
     let mut env = Env::start("1GiB");
@@ -3221,7 +3223,14 @@ fn a_format_4_image_with_a_process_its_manifest_does_not_name_is_paired_without_
         left_out.nspid.last(),
         "CRIU restored the left-out process under its namespace pid"
     );
-    assert_eq!(thaws_completed(&env), vec![vec![root]], "{err}");
+    assert_eq!(thaws_completed(&env), vec![vec![root, extra]], "{err}");
+    assert!(
+        stdout(&out).contains(&format!(
+            "1 of them restored beside the image's processes (its manifest does not name them): pids {extra}"
+        )),
+        "{}",
+        stdout(&out)
+    );
     env.stop(root);
 
     cryo_criu::image::rewrite_as_format(&image, 3, None).unwrap();

@@ -105,9 +105,11 @@ pub struct Standby {
     pub digest: String,
     /// Its root.
     pub root: ProcId,
-    /// Every process of it, root first.
+    /// Every process of it, root first: the image's, then those CRIU restored beside them
+    /// (processes it dumped that the manifest does not name, left out of the pairing).
     pub pids: Vec<ProcId>,
-    /// Those of `pids` without CUDA state, the root aside (a worker's helpers): one that exits
+    /// Those of `pids` without CUDA state, the root aside (a worker's helpers, and the processes
+    /// restored beside the image's): one that exits
     /// is the worker's business and left out of the claim, as a thaw leaves it out. Absent
     /// (a standby said by an older record or agent): every process is needed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -357,7 +359,19 @@ pub fn prepare(
     };
     let root_id = gate.tree.handles().first().map(id);
     let tree = &gate.tree;
-    let kept = keep(gpu, &gate.paired, &manifest, &image, journal);
+    // The processes CRIU restored beside the image's (the pairing left them out) are the
+    // standby's too, plain: nothing else owns them, so its drop removes them with the rest.
+    let kept =
+        keep(gpu, &gate.paired, &manifest, &image, journal).and_then(|(mut pids, mut plain)| {
+            let extras = gate
+                .extras()
+                .map_err(|e| format!("holding the processes restored beside the image's: {e}"))?;
+            for h in extras.iter().filter(|h| h.is_alive()) {
+                pids.push(id(h));
+                plain.push(id(h));
+            }
+            Ok((pids, plain))
+        });
     if kept.is_ok() {
         // CRIU wrote the memory back in 4 KiB pages: what the worker had in huge pages goes back
         // into huge pages now, off the request path (the claim's GPU restore reads all of it:
@@ -956,7 +970,9 @@ mod tests {
     use cryo_testkit::{eventually, PATIENCE};
 
     use super::*;
-    use crate::thaw::tests::after_restore::{scene_of, scene_of_files, scene_with, Scene};
+    use crate::thaw::tests::after_restore::{
+        scene_of, scene_of_files, scene_with, scene_with_extras, Scene,
+    };
     use crate::NoProgress;
 
     fn prepare(s: &Scene) -> Result<Standby, StandbyError> {
@@ -1109,6 +1125,30 @@ mod tests {
         assert_eq!(what, "removed", "{what}");
         assert!(!procs::alive(root), "the standby's root outlived its drop");
         assert_eq!(s.fake.state_of(root), ProcessState::Checkpointed);
+        assert!(s.fake.wedges().is_empty(), "{:?}", s.fake.wedges());
+    }
+
+    /// Attack (session 13): a standby restored with processes beside the image's (extras the
+    /// pairing leaves out, plain). They are part of the standby's tree and nothing else owns
+    /// them: the standby names them (its `pids`, and `plain`: one that exits does not fail the
+    /// claim; its `StandbyReady` alike) and removes them when it is dropped. (Before: the
+    /// standby named the image's processes only, and a dropped standby left its extras
+    /// running, owned and named by nothing.)
+    #[test]
+    fn a_standby_owns_the_processes_restored_beside_the_image_s() {
+        let s = scene_with_extras(Procs::session_tree(2), &[true, false, false], 2);
+        let extra = id(&ProcHandle::open(s.pids[2]).unwrap());
+        let standby = prepare(&s).unwrap_or_else(|e| panic!("{e}"));
+        assert!(standby.pids.contains(&extra), "{standby:?}");
+        assert!(standby.plain.contains(&extra), "{standby:?}");
+        let records = cryo_journal::read(s.journal.dir()).unwrap().records;
+        assert_eq!(from_journal(&records).1[0].pids, standby.pids);
+        let what = drop_standby(&s.fake.gpu(), &standby, &s.journal, &NoProgress);
+        assert_eq!(what, "removed", "{what}");
+        for p in &s.pids {
+            assert!(!procs::alive(*p), "pid {p} outlived the standby's drop");
+        }
+        assert_eq!(s.fake.state_of(s.pids[0]), ProcessState::Checkpointed);
         assert!(s.fake.wedges().is_empty(), "{:?}", s.fake.wedges());
     }
 

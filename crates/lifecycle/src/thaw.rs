@@ -119,9 +119,15 @@ pub struct ThawReport {
     pub image: PathBuf,
     /// The restored root.
     pub root_pid: Pid,
-    /// Every process of the image restored and still running when the thaw ended (by its
-    /// pidfd: one that exited since CRIU's gate, a plain process the worker ended, is not).
+    /// Every process CRIU restored and still running when the thaw ended (by its pidfd: one
+    /// that exited since CRIU's gate, a plain process the worker ended, is not): the image's,
+    /// then those of [`ThawReport::extras`].
     pub pids: Vec<Pid>,
+    /// The processes CRIU restored beside the image's (the pairing at its gate left them out:
+    /// a process CRIU dumped that the manifest does not name, plain as the freeze makes them)
+    /// and still running: part of the worker's tree, journaled restored like the rest.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub extras: Vec<Pid>,
     /// The CUDA processes.
     pub gpu: Vec<RestoredGpu>,
     /// The checks before CRIU runs (trust, manifest, listing, sizes), ms.
@@ -462,9 +468,9 @@ pub fn thaw(
     );
     // The processes by the pidfds taken at CRIU's gate, never their pids again: one that exited
     // is left out, and a pid taken since by another process names nothing of the thaw.
-    let (mut result, running) = match inner {
-        Ok((r, running)) => (Ok(r), running),
-        Err(e) => (Err(e), Vec::new()),
+    let (mut result, running, extras) = match inner {
+        Ok((r, running, extras)) => (Ok(r), running, extras),
+        Err(e) => (Err(e), Vec::new(), Vec::new()),
     };
     let ids: Vec<cryo_journal::ProcId> = running.iter().map(id).collect();
     if let Ok(r) = result.as_mut() {
@@ -503,7 +509,7 @@ pub fn thaw(
         Ok(r) => {
             journal.append(Event::ThawCompleted {
                 image,
-                pids: ids,
+                pids: ids.into_iter().chain(extras.iter().map(id)).collect(),
                 ms: r.elapsed_ms,
             })?;
         }
@@ -531,7 +537,7 @@ fn thaw_inner(
     watcher: &dyn Watcher,
     progress: &dyn Progress,
     verify_ms: u64,
-) -> Result<(ThawReport, Vec<ProcHandle>), ThawError> {
+) -> Result<(ThawReport, Vec<ProcHandle>, Vec<ProcHandle>), ThawError> {
     let dir = opened.path();
     let image = dir.display().to_string();
     let t = Instant::now();
@@ -577,11 +583,12 @@ fn thaw_inner(
     // The tree listed at the gate is the one that runs. From here on, every failure removes it
     // safely: all of it, the processes the pairing left out (extras CRIU restored beside the
     // image's) included, which nothing else owns.
-    let (gate_tree, handles, image_pids): (Resolved, Vec<ProcHandle>, Vec<Pid>) =
+    let (gate_tree, handles, image_pids, extras): (Resolved, Vec<ProcHandle>, Vec<Pid>, _) =
         match GateTree::resumed(listed.into_inner(), root) {
             Ok(gate) => {
+                let extras = gate.extras();
                 let (handles, image_pids) = gate.paired.into_iter().unzip();
-                (gate.tree, handles, image_pids)
+                (gate.tree, handles, image_pids, extras)
             }
             Err((error, tree)) => {
                 return Err(ThawError::AfterRestore {
@@ -601,6 +608,12 @@ fn thaw_inner(
             cleanup,
         }
     };
+    let extras = extras.map_err(|e| {
+        fail(
+            "criu restore",
+            format!("holding the processes restored beside the image's: {e}"),
+        )
+    })?;
     // The image's processes as restored here: the same plans under their host pids.
     let plans: Vec<Placement> = plans
         .iter()
@@ -614,9 +627,11 @@ fn thaw_inner(
         .collect();
     let plans = &plans[..];
     let handle = |pid: Pid| handles.iter().find(|h| h.pid() == pid);
+    // The plain processes, the extras among them: restored by CRIU, like the rest.
     for h in handles
         .iter()
         .filter(|h| !plans.iter().any(|p| p.pid == h.pid()))
+        .chain(&extras)
     {
         journal.append(Event::RestoreCompleted {
             pid: id(h),
@@ -731,11 +746,13 @@ fn thaw_inner(
         .into_iter()
         .filter(ProcHandle::is_alive)
         .collect();
+    let extras: Vec<ProcHandle> = extras.into_iter().filter(ProcHandle::is_alive).collect();
     Ok((
         ThawReport {
             image: dir.to_path_buf(),
             root_pid: root,
-            pids: running.iter().map(ProcHandle::pid).collect(),
+            pids: running.iter().chain(&extras).map(ProcHandle::pid).collect(),
+            extras: extras.iter().map(ProcHandle::pid).collect(),
             gpu: gpu_report,
             verify_ms,
             criu_ms,
@@ -749,6 +766,7 @@ fn thaw_inner(
             shrink: None,
         },
         running,
+        extras,
     ))
 }
 
@@ -786,6 +804,18 @@ impl GateTree {
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| e.to_string())?;
         Ok(GateTree { root, tree, paired })
+    }
+
+    /// The processes of the tree that the pairing left out (CRIU restored them beside the
+    /// image's: processes it dumped that the manifest does not name), each a handle of its own:
+    /// part of the worker's tree, owned with the rest.
+    pub(crate) fn extras(&self) -> Result<Vec<ProcHandle>, cryo_proc::ProcError> {
+        self.tree
+            .handles()
+            .iter()
+            .filter(|h| !self.paired.iter().any(|(p, _)| p.pid() == h.pid()))
+            .map(ProcHandle::try_clone)
+            .collect()
     }
 
     /// The tree that runs, once CRIU has exited naming `root` (its pidfile, else the pid of
@@ -1698,6 +1728,41 @@ pub(crate) mod tests {
             }
             assert_eq!(s.fake.state_of(forked[0]), ProcessState::Checkpointed);
             assert!(s.fake.wedges().is_empty(), "{:?}", s.fake.wedges());
+        }
+
+        /// Attack (session 13): a thaw succeeds with processes CRIU restored beside the image's
+        /// (extras the pairing leaves out: plain ones, as the freeze makes them). They run as
+        /// part of the worker's tree, so the thaw names them where it names the image's: its
+        /// report (`pids`, and `extras` apart), its `ThawCompleted`, and a `RestoreCompleted`
+        /// each, so that a later stop knows them as restored. (Before: named nowhere.)
+        #[test]
+        fn a_thaw_reports_the_processes_restored_beside_the_image_s() {
+            let s = scene_with_extras(Procs::session_tree(3), &[true, true, false, false], 2);
+            let extras = s.pids[2..].to_vec();
+            let ids: Vec<cryo_journal::ProcId> = s
+                .pids
+                .iter()
+                .map(|p| id(&ProcHandle::open(*p).unwrap()))
+                .collect();
+            let report = s.thaw().unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(report.extras, extras);
+            assert_eq!(report.pids, s.pids);
+            let records = cryo_journal::read(s.journal.dir()).unwrap().records;
+            let completed: Vec<Vec<cryo_journal::ProcId>> = records
+                .iter()
+                .filter_map(|r| match &r.event {
+                    Event::ThawCompleted { pids, .. } => Some(pids.clone()),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(completed, vec![ids.clone()]);
+            let origins = cryo_journal::Origins::from_records(&records);
+            for p in &ids[2..] {
+                assert!(
+                    matches!(origins.of(p), cryo_journal::Origin::Restored { .. }),
+                    "{p:?} is not journaled restored"
+                );
+            }
         }
 
         /// The unlock fails after every GPU restore succeeded: every restored process (one of them

@@ -81,6 +81,18 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
             "  verify {} ms, criu restore {} ms, GPU restore+unlock {} ms, total {} ms",
             report.verify_ms, report.criu_ms, report.gpu_restore_ms, report.elapsed_ms
         );
+        if !report.extras.is_empty() {
+            println!(
+                "  {} of them restored beside the image's processes (its manifest does not name them): pids {}",
+                report.extras.len(),
+                report
+                    .extras
+                    .iter()
+                    .map(|p| p.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            );
+        }
         if let Some(ms) = report.first_answer_ms {
             println!("  first answered health request {ms} ms after the thaw request");
         }
