@@ -503,6 +503,38 @@ impl CriuRpc {
     fn run_gated(
         &self,
         op: CriuOp,
+        cmd: Command,
+        log: FileCap,
+        listener: Option<&UnixListener>,
+        gate: Gate,
+        deadline: Option<std::time::Duration>,
+        work: impl FnOnce() + Send,
+        verdict: impl FnOnce(Option<Pid>) -> Result<(), CriuError> + Send,
+        spawned: impl FnOnce(Pid),
+    ) -> Result<Gated, CriuError> {
+        self.run_gated_then(
+            op,
+            cmd,
+            log,
+            listener,
+            gate,
+            deadline,
+            work,
+            verdict,
+            spawned,
+            |_| {},
+        )
+    }
+
+    /// [`CriuRpc::run_gated`], with `ended` run once CRIU was waited for and its verdict is
+    /// known, before its log is cut (on the thread that spawned CRIU): what ends the processes
+    /// CRIU left (a restore's, at its deadline) ends them there, since they write the log too
+    /// (CRIU's restorer runs inside them), and whatever writes it after the cut appends past
+    /// the cap.
+    #[allow(clippy::too_many_arguments)]
+    fn run_gated_then(
+        &self,
+        op: CriuOp,
         mut cmd: Command,
         log: FileCap,
         listener: Option<&UnixListener>,
@@ -511,6 +543,7 @@ impl CriuRpc {
         work: impl FnOnce() + Send,
         verdict: impl FnOnce(Option<Pid>) -> Result<(), CriuError> + Send,
         spawned: impl FnOnce(Pid),
+        ended: impl FnOnce(&Gated),
     ) -> Result<Gated, CriuError> {
         let spawn_err = |source| CriuError::Rpc {
             op,
@@ -528,15 +561,14 @@ impl CriuRpc {
             rustix::process::PidfdFlags::empty(),
         )
         .ok();
-        // Dropped once CRIU has been waited for: a log file's keeper finishes it then.
-        let (ended, ended_rx) = std::sync::mpsc::channel::<()>();
-        let (status, verdict, timed_out) = std::thread::scope(|s| {
+        // Dropped once what CRIU left was ended: a log file's keeper finishes it then.
+        let (done, done_rx) = std::sync::mpsc::channel::<()>();
+        std::thread::scope(|s| {
             s.spawn(work);
             let log_path = log.path().to_path_buf();
-            let copied = s.spawn(move || log.keep_capped(&ended_rx));
+            let copied = s.spawn(move || log.keep_capped(&done_rx));
             let judged = s.spawn(move || gate.judge(verdict, gate_pidfd));
             let (status, timed_out) = wait_until(&mut child, deadline);
-            drop(ended);
             // Unblocks the accept if CRIU never connected (a connection ends with CRIU).
             if let Some(l) = listener {
                 let _ = nix::sys::socket::shutdown(l.as_raw_fd(), nix::sys::socket::Shutdown::Both);
@@ -547,13 +579,17 @@ impl CriuRpc {
                     reason: "the gate thread panicked".into(),
                 })))
             });
+            let gated = status.map_err(spawn_err).map(|status| Gated {
+                status,
+                verdict,
+                timed_out,
+            });
+            if let Ok(g) = &gated {
+                ended(g);
+            }
+            drop(done);
             report_log(&log_path, copied.join());
-            (status, verdict, timed_out)
-        });
-        Ok(Gated {
-            status: status.map_err(spawn_err)?,
-            verdict,
-            timed_out,
+            gated
         })
     }
 
@@ -785,12 +821,34 @@ impl Criu for CriuRpc {
             let _ = verdict_at.set(std::time::Instant::now());
             r
         };
+        // CRIU ended without passing the gate: what it restored never ran. CRIU removes it when
+        // it fails by itself, not when it was killed (at its deadline, or by anyone else). Ended
+        // before CRIU's log is cut: CRIU's restorer writes the log from inside those processes.
+        let left: std::sync::OnceLock<unresumed::EndedRun> = std::sync::OnceLock::new();
+        let end_left = |g: &Gated| {
+            let passed = matches!(g.verdict, Some(Ok(())));
+            let Some(since) = criu_start.get().copied() else {
+                return;
+            };
+            if g.timed_out || (!passed && !g.status.success()) {
+                let run = unresumed::Run {
+                    private: &p,
+                    bin: bin.as_deref(),
+                    criu_start: since,
+                };
+                let ended = unresumed::end_run(None, unresumed::thread_children_since(since), &run);
+                unresumed::reap_children_since(since, true);
+                let _ = left.set(ended);
+            } else if !g.status.success() {
+                unresumed::reap_children_since(since, false);
+            }
+        };
         let (gated, served, refused) = match route {
             ThawRoute::Stream => {
                 let listener =
                     UnixListener::bind(p.join(image::SERVE_SOCKET)).map_err(dir_err(&p))?;
                 let server = image::Server::new(image);
-                let gated = self.run_gated(
+                let gated = self.run_gated_then(
                     op,
                     cmd,
                     log,
@@ -804,13 +862,14 @@ impl Criu for CriuRpc {
                         at_gate(root)
                     },
                     record,
+                    end_left,
                 )?;
                 (gated, server.served_bytes(), server.failure())
             }
             ThawRoute::Files => {
                 let check = image::Check::new(image).map_err(CriuError::Image)?;
                 phases.checked_ms = since(std::time::Instant::now());
-                let gated = self.run_gated(
+                let gated = self.run_gated_then(
                     op,
                     cmd,
                     log,
@@ -824,6 +883,7 @@ impl Criu for CriuRpc {
                         at_gate(root)
                     },
                     record,
+                    end_left,
                 )?;
                 phases.hashed_ms = check.hashed_at().and_then(since);
                 (gated, image.manifest().total_bytes, check.failure())
@@ -839,22 +899,9 @@ impl Criu for CriuRpc {
         phases.verdict_ms = verdict_at.get().copied().and_then(since);
         tracing::debug!(?phases, "criu restore phases");
         let log = work.join(RESTORE_LOG);
-        // CRIU ended without passing the gate: what it restored never ran. CRIU removes it when
-        // it fails by itself, not when it was killed (at its deadline, or by anyone else).
         let passed = matches!(verdict, Some(Ok(())));
-        let criu_start = criu_start.get().copied();
         if timed_out || (!passed && !status.success()) {
-            let ended = criu_start.map(|since| {
-                let run = unresumed::Run {
-                    private: &p,
-                    bin: bin.as_deref(),
-                    criu_start: since,
-                };
-                let ended = unresumed::end_run(None, unresumed::thread_children_since(since), &run);
-                unresumed::reap_children_since(since, true);
-                ended
-            });
-            let ended = ended.unwrap_or_default();
+            let ended = left.into_inner().unwrap_or_default();
             if timed_out {
                 private.keep();
                 return Err(CriuError::TimedOut {
@@ -868,10 +915,6 @@ impl Criu for CriuRpc {
             }
             if !ended.killed.is_empty() || !ended.left.is_empty() {
                 tracing::warn!(killed = ?ended.killed, left = ?ended.left, "CRIU ended before its gate: what it left was ended");
-            }
-        } else if !status.success() {
-            if let Some(since) = criu_start {
-                unresumed::reap_children_since(since, false);
             }
         }
         tracing::debug!(%status, served, "criu restore ended");

@@ -711,6 +711,103 @@ fn a_criu_that_logs_without_end_is_cut_to_its_cap() {
     );
 }
 
+/// Attack (session 13): a restore past its deadline whose restored task still logs (CRIU's
+/// restorer writes the log from inside the restored processes). CRIU is killed at the deadline,
+/// and what it restored is ended too; the log must be cut once nothing writes it any more.
+/// The fake CRIU (perl) forks its "restored task" as its caller's child
+/// (`clone(CLONE_PARENT)`, as `--restore-sibling` does), which writes the log without end,
+/// and waits. (Before: the log was cut when CRIU died, and the task, killed only after,
+/// appended uncut bytes past the cap.)
+#[test]
+fn a_restored_task_that_logs_past_the_deadline_is_ended_before_the_log_is_cut() {
+    assert!(nix::unistd::geteuid().is_root(), "trusted images need root");
+    let t = tempfile::tempdir().unwrap();
+    let fake = t.path().join("criu");
+    fs::write(
+        &fake,
+        concat!(
+            "#!/usr/bin/perl\n",
+            "if (\"@ARGV\" =~ /--version/) { print \"Version: 4.2\\n\"; exit 0 }\n",
+            "my ($w, $o);\n",
+            "for my $i (0 .. $#ARGV) { $w = $ARGV[$i + 1] if $ARGV[$i] eq '-W'; ",
+            "$o = $ARGV[$i + 1] if $ARGV[$i] eq '-o' }\n",
+            "open(my $log, '>>', \"$w/$o\") or die \"$w/$o: $!\";\n",
+            "$log->autoflush(1);\n",
+            "print $log \"(00.000001) the first line\\n\";\n",
+            // x86_64 clone(CLONE_PARENT | SIGCHLD): a sibling of CRIU, its caller's child.
+            "my $pid = syscall(56, 0x8000 | 17, 0, 0, 0, 0);\n",
+            "die \"clone: $!\" if $pid < 0;\n",
+            "if ($pid == 0) { while (1) { print $log ",
+            "\"(00.000002) pie: 1: Error (criu/pie/restorer.c:1): preadv returned 0\\n\" } }\n",
+            "sleep 1000;\n",
+        ),
+    )
+    .unwrap();
+    fs::set_permissions(&fake, fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = t.path().join("image");
+    let st = Staging::create(&dir).unwrap();
+    fs::write(st.path().join("pages-1.img"), vec![7u8; 100_000]).unwrap();
+    fs::write(st.path().join("core-4242.img"), b"core").unwrap();
+    st.publish(
+        ImageMeta {
+            root_pid: 4242,
+            processes: Vec::new(),
+            zombies: Vec::new(),
+            threads: Vec::new(),
+            gpu_model: None,
+            driver_version: None,
+            criu_version: CriuVersion {
+                major: 4,
+                minor: 2,
+                sublevel: 0,
+            },
+            shrunk: None,
+        },
+        false,
+    )
+    .unwrap();
+    let cap = cryo_criu::LogCap {
+        head: 64 << 10,
+        tail: 64 << 10,
+    };
+    let scratch = t.path().join("scratch");
+    let criu = CriuRpc::at(fake)
+        .unwrap()
+        .with_log_cap(cap)
+        .in_scratch(&scratch);
+    let image = Image::open(&dir).unwrap();
+    let err = criu
+        .restore(
+            &image,
+            &RestoreOpts {
+                deadline: Some(std::time::Duration::from_secs(2)),
+                ..RestoreOpts::default()
+            },
+        )
+        .unwrap_err();
+    let CriuError::TimedOut { log, killed, .. } = &err else {
+        panic!("expected the deadline, got {err}");
+    };
+    assert_eq!(killed.len(), 1, "the restored task was not ended: {err}");
+    let task = killed[0].0;
+    assert!(
+        !Path::new(&format!("/proc/{task}")).exists(),
+        "the restored task {task} is still there: {err}"
+    );
+    let text = fs::read(log).unwrap();
+    let at = text
+        .windows(10)
+        .position(|w| w == b"cut here: ")
+        .expect("no cut line");
+    assert!(
+        text.len() <= (128 << 10) + 200,
+        "{}: {} bytes, {} after the cut line",
+        log.display(),
+        text.len(),
+        text.len() - at
+    );
+}
+
 /// The fake CRIU's endless log, kept within a 64 KiB + 64 KiB cap: its first line, the cut
 /// line, and where CRIU was when it stopped or was killed (possibly mid-line) at the end.
 fn assert_capped_to_128k(log: &Path) {
