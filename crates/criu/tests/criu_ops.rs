@@ -923,6 +923,129 @@ impl Drop for Isolated {
     }
 }
 
+/// Attack (session 13) on the lock of a namespaced root's working directory (6bad3fa): two
+/// cryo dumps, at once, of two trees with pid namespaces of their own that work in one
+/// directory (where CRIU's parasite makes its `proc.crtools`). The second waits for the first:
+/// with the first held at its gate (its CRIU mid-dump), the second holds the directory's lock
+/// file open, waiting, and reaches its own gate only once the first let go; both dumps
+/// succeed and both images are whole (published, every file verified, each with its root's
+/// core and pages). (Two CRIUs there at once collide: "Can't create a directory (-17)".)
+#[test]
+fn two_dumps_of_trees_in_one_working_directory_wait_for_each_other_and_both_are_whole() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let scratch = tempfile::tempdir().unwrap();
+    let criu = criu().in_scratch(scratch.path());
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    fs::create_dir(&work).unwrap();
+    let (a, b) = (Isolated::start(&work), Isolated::start(&work));
+    let opts = DumpOpts {
+        leave_running: true,
+        ..DumpOpts::default()
+    };
+    // The working directory's lock files this test process holds open (one per dump in it).
+    let lock_fds = || {
+        fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| fs::read_link(e.path()).ok())
+            .filter(|t| {
+                t.parent() == Some(scratch.path())
+                    && t.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with("cwd-"))
+            })
+            .count()
+    };
+    let (at_gate, first_at_gate) = std::sync::mpsc::channel::<()>();
+    let (release, released_rx) = std::sync::mpsc::channel::<()>();
+    let (at_gate, released_rx) = (
+        std::sync::Mutex::new(at_gate),
+        std::sync::Mutex::new(released_rx),
+    );
+    let released = AtomicBool::new(false);
+    let second_saw_first_released = AtomicBool::new(false);
+    let publish = |st: Staging, root: i32| {
+        let m = st
+            .publish(
+                ImageMeta {
+                    root_pid: root,
+                    processes: Vec::new(),
+                    zombies: Vec::new(),
+                    threads: Vec::new(),
+                    gpu_model: None,
+                    driver_version: None,
+                    criu_version: criu.version(),
+                    shrunk: None,
+                },
+                false,
+            )
+            .unwrap();
+        for kind in ["core-", "pages-"] {
+            assert!(
+                m.files.iter().any(|f| f.name.starts_with(kind)),
+                "no {kind} file: {:?}",
+                m.files
+            );
+        }
+    };
+    std::thread::scope(|s| {
+        // Dropped if the test fails in here: the first dump's gate then lets go at once.
+        let release = release;
+        let first = s.spawn(|| {
+            let st = Staging::create(&dir.path().join("img-a")).unwrap();
+            criu.dump_staged(a.0, &st, &opts, &|| {
+                at_gate.lock().unwrap().send(()).unwrap();
+                // Bounded, and ended by the test's failure (its sender dropped): never a hang.
+                released_rx
+                    .lock()
+                    .unwrap()
+                    .recv_timeout(PATIENCE)
+                    .map_err(|e| format!("the test never let the first dump go: {e}"))
+            })
+            .map(|()| st)
+        });
+        first_at_gate.recv().unwrap();
+        assert_eq!(
+            lock_fds(),
+            1,
+            "the first dump holds no lock of its directory"
+        );
+        let second = s.spawn(|| {
+            let st = Staging::create(&dir.path().join("img-b")).unwrap();
+            criu.dump_staged(b.0, &st, &opts, &|| {
+                second_saw_first_released.store(released.load(Ordering::SeqCst), Ordering::SeqCst);
+                Ok(())
+            })
+            .map(|()| st)
+        });
+        eventually(PATIENCE, "the second dump to wait for the lock", || {
+            lock_fds() == 2
+        });
+        released.store(true, Ordering::SeqCst);
+        release.send(()).unwrap();
+        let first = first.join().unwrap();
+        let second = second.join().unwrap();
+        let (first, second) = (
+            first.unwrap_or_else(|e| panic!("the first dump failed: {e}")),
+            second.unwrap_or_else(|e| panic!("the second dump failed: {e}")),
+        );
+        publish(first, a.0);
+        publish(second, b.0);
+    });
+    assert!(
+        second_saw_first_released.load(Ordering::SeqCst),
+        "the second dump reached its gate while the first was held at its own"
+    );
+    for img in ["img-a", "img-b"] {
+        verify(&dir.path().join(img)).unwrap_or_else(|e| panic!("{img}: {e}"));
+    }
+    assert!(!work.join("proc.crtools").exists());
+    for t in [&a, &b] {
+        assert!(cryo_proc::stat(t.0).is_ok_and(|s| s.state != 'Z'));
+    }
+}
+
 /// Attack (session 12) on CRIU's `proc.crtools`: dumping the root of a tree with a pid
 /// namespace of its own, CRIU's parasite makes that directory in the root's working directory
 /// (and mounts a proc there); one left there by a CRIU that died in that window (or a
