@@ -1019,6 +1019,7 @@ impl CriuRpc {
                     if lines.iter().all(|l| l.starts_with("cannot read")) {
                         lines.extend(stderr_tail(stderr));
                     }
+                    lines.extend(full_file_system(staging.path()));
                 }
                 Err(err)
             }
@@ -1442,6 +1443,25 @@ fn failed(op: CriuOp, log: PathBuf, errmsg: Option<String>) -> CriuError {
         }
     }
     CriuError::Failed { op, log, lines }
+}
+
+/// Below this many bytes free, the file system of a failed dump's image counts as full.
+const FULL_BELOW: u64 = 1 << 20;
+
+/// A line saying that the file system of `dir` (a failed dump's staging directory) is full,
+/// when it is: the kernel's word for why the dump failed, where CRIU's own error line may be
+/// missing (its log is in the same directory: filled by CRIU's lines first, one per host
+/// mount at its dump level, it takes no error line any more).
+fn full_file_system(dir: &Path) -> Option<String> {
+    let st = rustix::fs::statvfs(dir).ok()?;
+    let free = st.f_bavail.saturating_mul(st.f_frsize);
+    (free < FULL_BELOW).then(|| {
+        format!(
+            "the image's file system is full ({free} bytes free of {} at {}): No space left on device",
+            st.f_blocks.saturating_mul(st.f_frsize),
+            dir.display()
+        )
+    })
 }
 
 /// CRIU's own `Error (file:line): ...` lines from `log`, the last few; the log's last lines when
