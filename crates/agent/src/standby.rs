@@ -45,7 +45,6 @@ use cryo_api::{
     path, Access, ApiError, ErrorKind, PoolStatus, StandbyClaim, StandbyClaimRequest,
     StandbyCreateRequest, StandbyList, StandbyRemoveRequest, StandbyRemoved,
 };
-use cryo_gpu::ProcessState;
 use cryo_journal::Event;
 use cryo_lifecycle::standby::{self as sb, ClaimError};
 use cryo_lifecycle::{NoProgress, Standby, WakeError};
@@ -212,20 +211,6 @@ fn drop_it(agent: &Agent, s: &Standby, why: &str) {
     }
 }
 
-/// Whether every CUDA process of the standby is CHECKPOINTED, as the driver says (`Err`: what
-/// was found instead).
-fn still_checkpointed(agent: &Agent, s: &Standby) -> Result<(), String> {
-    for p in &s.pids {
-        match agent.gpu.driver.state(p.pid) {
-            Ok(ProcessState::Checkpointed) => {}
-            Ok(other) => return Err(format!("pid {} is {other:?}", p.pid)),
-            // A process without CUDA state (a launcher) answers an error: not a context.
-            Err(_) => {}
-        }
-    }
-    Ok(())
-}
-
 impl Agent {
     /// Rebuilds the pools from the journal at start (see the module docs).
     pub(crate) fn adopt_standbys(&self) {
@@ -259,7 +244,11 @@ impl Agent {
             let (image, root) = (s.image.clone(), s.root);
             let alive = sb::open(&s).is_some();
             let mut pools = self.pools.lock();
-            match (pools.get_mut(&image), alive, still_checkpointed(self, &s)) {
+            match (
+                pools.get_mut(&image),
+                alive,
+                sb::still_checkpointed(&self.gpu, &s),
+            ) {
                 (Some(pool), true, Ok(())) => {
                     tracing::info!(image = %image.display(), root = root.pid, "standby adopted");
                     pool.ready.push_back(s);

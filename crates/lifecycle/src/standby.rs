@@ -606,6 +606,29 @@ fn live(standby: &Standby) -> (Vec<ProcHandle>, Option<Pid>) {
     (handles, gone)
 }
 
+/// Whether every CUDA process of the standby is CHECKPOINTED, as the driver says (`Err`: what
+/// was found instead): what an agent that starts again checks before it adopts a standby.
+/// Asked of the standby's processes that still run (each opened by pid and start time) and
+/// not of its plain ones ([`Standby::plain`]: no CUDA state to ask about); an answer counts
+/// only if its process was still alive after it, so the pid was still its own. A process that
+/// exited gave its pid away: the driver's answer for that pid is of whoever holds it now.
+pub fn still_checkpointed(gpu: &Gpu, standby: &Standby) -> Result<(), String> {
+    let (handles, _) = live(standby);
+    for h in handles.iter().filter(|h| !standby.plain.contains(&id(h))) {
+        let state = gpu.driver.state(h.pid());
+        if !h.is_alive() {
+            continue;
+        }
+        match state {
+            Ok(ProcessState::Checkpointed) => {}
+            Ok(other) => return Err(format!("pid {} is {other:?}", h.pid())),
+            // A process without CUDA state (a launcher) answers an error: not a context.
+            Err(_) => {}
+        }
+    }
+    Ok(())
+}
+
 /// The processes of `handles` as a target of pids.
 fn as_target(handles: Vec<ProcHandle>) -> Resolved {
     Resolved::from_handles(
@@ -1150,6 +1173,40 @@ mod tests {
         }
         assert_eq!(s.fake.state_of(s.pids[0]), ProcessState::Checkpointed);
         assert!(s.fake.wedges().is_empty(), "{:?}", s.fake.wedges());
+    }
+
+    /// Attack (session 13) on the adoption of a standby by an agent that starts again: a
+    /// plain process of the standby exited while no agent ran, and its pid now names another
+    /// process, one the driver answers RUNNING for (a CUDA process of someone else). The
+    /// standby is sound (its root and CUDA process CHECKPOINTED): it is adopted, and the
+    /// driver is never asked about the exited process's pid. (Before: every pid of the
+    /// standby was asked by bare pid; the stranger's RUNNING made the standby "a claim cut
+    /// short", left as it was, never adopted.)
+    #[test]
+    fn a_standby_whose_plain_process_exited_and_whose_pid_was_reused_is_still_checkpointed() {
+        let s = scene_of(Procs::reaping_tree(1), None, &[true, false]);
+        let helper = s.pids[1];
+        let standby = prepare(&s).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(standby.plain.len(), 1, "{standby:?}");
+        // Ended and reaped (the root reaps its children): its pid is free, then taken.
+        let h = ProcHandle::open(helper).unwrap();
+        procs::kill(helper, nix::libc::SIGKILL);
+        eventually(PATIENCE, "the helper to be reaped", || {
+            h.liveness() == cryo_proc::Liveness::Gone
+        });
+        let _stranger = procs::sleep_at_pid(helper).unwrap();
+        // What the driver answers for the pid now: the stranger's live context.
+        s.fake.add(helper);
+        let asked = s.fake.calls().len();
+        assert_eq!(still_checkpointed(&s.fake.gpu(), &standby), Ok(()));
+        assert!(
+            !s.fake.calls()[asked..].iter().any(|(p, _)| *p == helper),
+            "the driver was asked about the exited process's pid: {:?}",
+            &s.fake.calls()[asked..]
+        );
+        // A CUDA process of the standby that is not CHECKPOINTED still says so.
+        s.fake.set_state(s.pids[0], ProcessState::Locked);
+        assert!(still_checkpointed(&s.fake.gpu(), &standby).is_err());
     }
 
     /// The standby analogue of `cryo thaw`'s refusal at CRIU's gate: the restored tree is not
