@@ -257,7 +257,9 @@ pub(crate) fn log_tail(path: &Path) -> String {
 /// parent reaps it. So on drop each pid is opened as a pidfd and acted on only if the process
 /// of that pidfd is alive and the benchmark's child; it is then suspended as the invariant
 /// demands (lock and checkpoint, bounded: a driver that does not answer is given up on),
-/// SIGKILLed through the pidfd and reaped.
+/// SIGKILLed through the pidfd and reaped. Its descendants (a worker's helpers, the rest of a
+/// restored tree) are ended the same way first, by pidfds taken from the live worker: killed
+/// after it, they would be reparented away from it.
 pub(crate) struct Workers {
     /// The private driver's directory, to suspend a worker before its kill.
     dir: PathBuf,
@@ -297,6 +299,22 @@ impl Drop for Workers {
                 })
             });
             eprintln!("cryo bench: ending sim worker {pid}, left running by a failed arm");
+            // Its descendants first, while it is alive to hold them under it: killed after it,
+            // they would be reparented away. Walked again until none is left (bounded).
+            for _ in 0..8 {
+                let below = h.descendants();
+                if below.is_empty() {
+                    break;
+                }
+                for d in &below {
+                    eprintln!("cryo bench: ending pid {} of sim worker {pid}", d.pid());
+                    suspend(gpu.as_ref(), d.pid());
+                    let _ = d.signal(Signal::SIGKILL);
+                }
+                for d in &below {
+                    d.wait_exit(Duration::from_secs(10));
+                }
+            }
             suspend(gpu.as_ref(), pid);
             if let Err(e) = h.signal(Signal::SIGKILL) {
                 eprintln!("cryo bench: cannot kill sim worker {pid}: {e}");
@@ -369,6 +387,40 @@ mod tests {
         );
         other.kill().unwrap();
         other.wait().unwrap();
+    }
+
+    /// Attack (session 13): a held worker has a child of its own (a worker's helper, or a
+    /// restored tree's other process). A failed arm ends it too, not only the worker's root:
+    /// killed first, the root's children are reparented away and nothing ends them. (Before:
+    /// only each root pid was held, and the child outlived the arm.)
+    #[test]
+    fn a_failed_arm_ends_the_children_of_its_workers_too() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut sh = Command::new("sh")
+            .args(["-c", "sleep 1000 & echo $!; wait"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(sh.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let child = ProcHandle::open(line.trim().parse().unwrap()).unwrap();
+        let root = ProcHandle::open(Pid::try_from(sh.id()).unwrap()).unwrap();
+        drop({
+            let mut w = Workers::new(dir.path());
+            w.hold(root.pid());
+            w
+        });
+        assert!(
+            child.wait_exit(Duration::from_secs(10)),
+            "the worker's child {} outlived the arm",
+            child.pid()
+        );
+        assert!(root.wait_exit(Duration::from_secs(10)));
+        let _ = sh.wait();
     }
 
     /// A held pid that is not this process's child (a pid freed and taken by someone else) is
