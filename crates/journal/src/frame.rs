@@ -145,23 +145,111 @@ pub(crate) struct Scanned {
 /// frame is a [`Corruption`] and the scan resumes at that frame; damage with no valid frame after
 /// it is the [`Tail`].
 pub(crate) fn scan(buf: &[u8], base: u64) -> Scanned {
-    let mut out = Scanned {
+    let mut records = Vec::new();
+    let walked = walk(buf, base, |at, payload| {
+        match serde_json::from_slice::<Record>(payload) {
+            Ok(rec) => {
+                records.push(rec);
+                None
+            }
+            // The frame is intact, so its boundary is sure: skip just this frame.
+            Err(e) => Some(bad_payload(base, at, payload, &e)),
+        }
+    });
+    Scanned {
+        records,
+        corruptions: walked.corruptions,
+        valid_end: walked.valid_end,
+        tail: walked.tail,
+    }
+}
+
+/// What a writer needs of a byte range ([`bounds`]): where its frames end and the last
+/// record's seq, without the records.
+#[derive(Debug, Default)]
+pub(crate) struct Bounds {
+    /// The seq of the last intact frame whose payload is a record (`None`: no such frame).
+    pub last_seq: Option<u64>,
+    /// Damage that valid frames follow: what [`scan`] finds, less a payload that is not a
+    /// record before the last one that is (a writer needs no payload but that one).
+    pub corruptions: Vec<Corruption>,
+    /// As [`Scanned::valid_end`].
+    pub valid_end: u64,
+    /// As [`Scanned::tail`].
+    pub tail: Option<Tail>,
+}
+
+/// As [`scan`], but decodes only the last record: a writer needs the frames' end, the damage
+/// and the tail (checked as [`scan`] checks them: magic, both checksums) and the last seq, which
+/// is the last record's (each append is the highest seq so far plus one, under the lock). A
+/// writer's open then costs the read and the checksums of the file, not a JSON decode of every
+/// record.
+pub(crate) fn bounds(buf: &[u8], base: u64) -> Bounds {
+    let mut frames: Vec<(usize, &[u8])> = Vec::new();
+    let walked = walk(buf, base, |at, payload| {
+        frames.push((at, payload));
+        None
+    });
+    let mut corruptions = walked.corruptions;
+    let mut last_seq = None;
+    let mut bad = Vec::new();
+    for &(at, payload) in frames.iter().rev() {
+        match serde_json::from_slice::<Record>(payload) {
+            Ok(rec) => {
+                last_seq = Some(rec.seq);
+                break;
+            }
+            Err(e) => bad.push(bad_payload(base, at, payload, &e)),
+        }
+    }
+    corruptions.extend(bad.into_iter().rev());
+    corruptions.sort_by_key(|c| c.offset);
+    Bounds {
+        last_seq,
+        corruptions,
+        valid_end: walked.valid_end,
+        tail: walked.tail,
+    }
+}
+
+/// An intact frame at `at` whose payload is not a record.
+fn bad_payload(base: u64, at: usize, payload: &[u8], e: &serde_json::Error) -> Corruption {
+    Corruption {
+        offset: base + at as u64,
+        len: (HEADER_LEN + payload.len()) as u64,
+        fault: FrameFault::BadPayload(e.to_string()),
+    }
+}
+
+/// The frame structure of a byte range: damage, the end of the last intact frame, the tail.
+#[derive(Debug, Default)]
+struct Walked {
+    corruptions: Vec<Corruption>,
+    valid_end: u64,
+    tail: Option<Tail>,
+}
+
+/// Walks the frames of `buf` (the file's bytes from offset `base`): `frame` gets each intact
+/// frame's offset in `buf` and its payload, and says whether that payload is damage (a
+/// [`Corruption`], in file order with the others). Damage followed by an intact frame is a
+/// [`Corruption`] and the walk resumes at that frame; damage with no intact frame after it is
+/// the [`Tail`].
+fn walk<'b>(
+    buf: &'b [u8],
+    base: u64,
+    mut frame: impl FnMut(usize, &'b [u8]) -> Option<Corruption>,
+) -> Walked {
+    let mut out = Walked {
         valid_end: base,
-        ..Scanned::default()
+        ..Walked::default()
     };
     let mut at = 0usize;
     while at < buf.len() {
         match parse(&buf[at..]) {
             Ok(payload) => {
                 let next = at + HEADER_LEN + payload.len();
-                match serde_json::from_slice::<Record>(payload) {
-                    Ok(rec) => out.records.push(rec),
-                    // The frame is intact, so its boundary is sure: skip just this frame.
-                    Err(e) => out.corruptions.push(Corruption {
-                        offset: base + at as u64,
-                        len: (next - at) as u64,
-                        fault: FrameFault::BadPayload(e.to_string()),
-                    }),
+                if let Some(c) = frame(at, payload) {
+                    out.corruptions.push(c);
                 }
                 at = next;
                 out.valid_end = base + at as u64;
@@ -266,6 +354,64 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// What a writer's [`bounds`] must agree with [`scan`] on: the frames' end, the tail, the
+    /// damage (none of it a payload that is not a record, here) and the last seq.
+    fn agrees(buf: &[u8], what: &str) {
+        for base in [0u64, 4096] {
+            let s = scan(buf, base);
+            let b = bounds(buf, base);
+            assert_eq!(b.valid_end, s.valid_end, "{what}");
+            assert_eq!(b.tail, s.tail, "{what}");
+            assert_eq!(b.corruptions, s.corruptions, "{what}");
+            assert_eq!(b.last_seq, s.records.iter().map(|r| r.seq).max(), "{what}");
+        }
+    }
+
+    #[test]
+    fn bounds_agree_with_the_whole_scan_on_every_truncation_and_byte_flip() {
+        let (buf, _) = file(4);
+        for cut in 0..=buf.len() {
+            agrees(&buf[..cut], &format!("cut at {cut}"));
+        }
+        for i in 0..buf.len() {
+            for bit in [0x01u8, 0x80] {
+                let mut bad = buf.clone();
+                bad[i] ^= bit;
+                agrees(&bad, &format!("flip at {i}"));
+                // Torn after the damage, too.
+                agrees(&bad[..buf.len() - 7], &format!("flip at {i}, torn"));
+            }
+        }
+        let mut zeros = buf.clone();
+        zeros.extend(std::iter::repeat_n(0u8, 4096));
+        agrees(&zeros, "zero-filled tail");
+    }
+
+    #[test]
+    fn bounds_take_the_seq_of_the_last_frame_that_is_a_record() {
+        // Intact frames (both checksums hold) whose payloads are not records: a broken writer.
+        let (mut buf, starts) = file(3);
+        let not_a_record = encode(br#"{"seq": 99}"#).unwrap();
+        let at = buf.len() as u64;
+        buf.extend_from_slice(&not_a_record);
+        let b = bounds(&buf, 0);
+        assert_eq!(b.last_seq, Some(3));
+        assert_eq!(b.valid_end, buf.len() as u64, "an intact frame is no tail");
+        assert!(b.tail.is_none());
+        assert_eq!(b.corruptions.len(), 1);
+        assert_eq!(b.corruptions[0].offset, at);
+        assert!(matches!(b.corruptions[0].fault, FrameFault::BadPayload(_)));
+        // Only damage after the last record matters to a writer: one before it is left to the
+        // readers (which report it).
+        let mut mid = buf[..starts[2]].to_vec();
+        mid.extend_from_slice(&not_a_record);
+        mid.extend_from_slice(&buf[starts[2]..at as usize]);
+        let b = bounds(&mid, 0);
+        assert_eq!(b.last_seq, Some(3));
+        assert!(b.corruptions.is_empty(), "{:?}", b.corruptions);
+        assert_eq!(scan(&mid, 0).corruptions.len(), 1);
     }
 
     #[test]

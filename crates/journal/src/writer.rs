@@ -10,7 +10,7 @@ use std::time::SystemTime;
 use rustix::fs::{flock, FlockOperation};
 
 use crate::error::{AppendError, FileError, OpenError};
-use crate::frame::{self, scan};
+use crate::frame::{self, bounds};
 use crate::{Event, Record, FILE_NAME};
 
 /// An open journal, for appending. Cheap to share between threads (`&self` appends); any number
@@ -56,12 +56,26 @@ impl Journal {
                 source,
             })?;
         // Make the file's directory entry durable, or a power cut could lose the whole journal.
-        File::open(&dir)
-            .and_then(|d| d.sync_all())
-            .map_err(|source| OpenError::SyncDir {
-                path: dir.clone(),
+        // Once, before the first frame: every writer opens the journal before it appends, and
+        // one that finds the file empty syncs the directory, so a file that holds a frame had
+        // its entry synced after it was created (by the writer that found it empty). A journal
+        // cut back to nothing is synced again, which does no harm.
+        let empty = file
+            .metadata()
+            .map_err(|source| OpenError::OpenFile {
+                path: path.clone(),
                 source,
-            })?;
+            })?
+            .len()
+            == 0;
+        if empty {
+            File::open(&dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|source| OpenError::SyncDir {
+                    path: dir.clone(),
+                    source,
+                })?;
+        }
         let journal = Journal {
             dir,
             path,
@@ -119,6 +133,25 @@ impl Journal {
         })
     }
 
+    /// As [`Journal::append_all`], but returns once the frames are written, without waiting
+    /// for stable storage: the records are in the file (a reader sees them; a writer killed
+    /// after this returns loses nothing), and a power cut may lose them (a torn tail the next
+    /// writer cuts) until an append that syncs returns, this writer's or another's
+    /// (`fdatasync` syncs every byte of the file). For records that no recovery needs on disk
+    /// before the next synced append: what may happen between them must be safe to recover
+    /// without them. A write the file system refuses (full, read-only) is still an error here.
+    pub fn append_unsynced(&self, events: Vec<Event>) -> Result<Vec<Record>, AppendError> {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.locked(|st| {
+            if let Some(repair) = self.sync_tail(st)? {
+                self.write_record(st, repair)?;
+            }
+            self.write_records_as(st, events, Durable::Later)
+        })
+    }
+
     /// Runs `f` holding both the in-process mutex (threads share one open file, and `flock`
     /// does not exclude holders of the same open file) and the `flock` (other processes).
     fn locked<T, E: From<FileError>>(
@@ -168,11 +201,13 @@ impl Journal {
         st.file
             .read_exact_at(&mut buf, from)
             .map_err(self.io_err("cannot read"))?;
-        let found = scan(&buf, from);
+        // Frames checked, only the last record decoded: the open of a long journal costs its
+        // read and checksums, not a decode of every record.
+        let found = bounds(&buf, from);
         for c in &found.corruptions {
             tracing::error!(path = %self.path.display(), "{c}; the records after it are kept");
         }
-        if let Some(last) = found.records.iter().map(|r| r.seq).max() {
+        if let Some(last) = found.last_seq {
             st.last_seq = st.last_seq.max(last);
         }
         let mut repair = None;
@@ -207,7 +242,7 @@ impl Journal {
             event,
         };
         let frame = encode(&record)?;
-        self.write_frames(st, &frame, record.seq)?;
+        self.write_frames(st, &frame, record.seq, Durable::Now)?;
         Ok(record)
     }
 
@@ -218,6 +253,16 @@ impl Journal {
         st: &mut State,
         events: Vec<Event>,
     ) -> Result<Vec<Record>, AppendError> {
+        self.write_records_as(st, events, Durable::Now)
+    }
+
+    /// As [`Journal::write_records`], syncing now or not.
+    fn write_records_as(
+        &self,
+        st: &mut State,
+        events: Vec<Event>,
+        sync: Durable,
+    ) -> Result<Vec<Record>, AppendError> {
         let time = SystemTime::now();
         let mut records = Vec::with_capacity(events.len());
         let mut frames = Vec::new();
@@ -227,18 +272,28 @@ impl Journal {
             records.push(record);
         }
         let last = records.last().map_or(st.last_seq, |r| r.seq);
-        self.write_frames(st, &frames, last)?;
+        self.write_frames(st, &frames, last, sync)?;
         Ok(records)
     }
 
-    /// Under the lock: appends `frames` (whole frames, the last of seq `last`) and syncs them.
-    fn write_frames(&self, st: &mut State, frames: &[u8], last: u64) -> Result<(), AppendError> {
+    /// Under the lock: appends `frames` (whole frames, the last of seq `last`) and syncs them
+    /// (or not: [`Durable::Later`]).
+    fn write_frames(
+        &self,
+        st: &mut State,
+        frames: &[u8],
+        last: u64,
+        sync: Durable,
+    ) -> Result<(), AppendError> {
         // One write() of the whole frames (O_APPEND), so a concurrent reader sees them grow
         // from the front and a kill leaves at most a prefix of them.
         let written = (&st.file)
             .write_all(frames)
             .map_err(self.io_err("cannot write"))
-            .and_then(|()| st.file.sync_data().map_err(self.io_err("cannot fdatasync")));
+            .and_then(|()| match sync {
+                Durable::Now => st.file.sync_data().map_err(self.io_err("cannot fdatasync")),
+                Durable::Later => Ok(()),
+            });
         match written {
             Ok(()) => {
                 st.end = st.end.map(|e| e + frames.len() as u64);
@@ -252,6 +307,15 @@ impl Journal {
             }
         }
     }
+}
+
+/// Whether an append waits for stable storage.
+#[derive(Debug, Clone, Copy)]
+enum Durable {
+    /// `fdatasync` before it returns.
+    Now,
+    /// The next synced append (any writer's) makes it durable.
+    Later,
 }
 
 /// One record's frame.

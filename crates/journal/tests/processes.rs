@@ -89,14 +89,27 @@ fn testee(args: &[&OsStr]) -> (Kid, mpsc::Receiver<String>) {
 /// Spawns a child writer appending `count` records of `len` bytes tagged `tag`; the seqs it
 /// acknowledged arrive on the returned channel.
 fn spawn_writer(dir: &Path, tag: &str, count: u64, len: usize) -> (Kid, mpsc::Receiver<String>) {
+    spawn_writer_as(dir, tag, count, len, &[])
+}
+
+/// As [`spawn_writer`], with more arguments (`unsynced`).
+fn spawn_writer_as(
+    dir: &Path,
+    tag: &str,
+    count: u64,
+    len: usize,
+    more: &[&str],
+) -> (Kid, mpsc::Receiver<String>) {
     let (count, len) = (count.to_string(), len.to_string());
-    let (kid, lines) = testee(&[
+    let mut args: Vec<&OsStr> = vec![
         "write".as_ref(),
         dir.as_os_str(),
         tag.as_ref(),
         count.as_ref(),
         len.as_ref(),
-    ]);
+    ];
+    args.extend(more.iter().map(|m| OsStr::new(*m)));
+    let (kid, lines) = testee(&args);
     let (tx, rx) = mpsc::channel();
     thread::spawn(move || {
         for line in lines {
@@ -268,22 +281,46 @@ fn torn_tail_after_kill_9_is_cut_and_complete_records_survive() {
 
 #[test]
 fn open_cuts_a_torn_tail_left_by_a_killed_writer() {
+    open_cuts_a_torn_tail_left_by_a_writer_killed_in(&[]);
+}
+
+/// A writer killed inside an unsynced append (`Journal::append_unsynced`: the freeze's
+/// `FreezeStarted`, `CheckpointStarted`, `Dumped`) leaves what a killed synced one leaves:
+/// every record it was told was written, then at most one torn frame the next open cuts (and
+/// journals), with the seqs going on from the last whole record.
+#[test]
+fn open_cuts_a_torn_tail_left_by_a_writer_killed_in_an_unsynced_append() {
+    open_cuts_a_torn_tail_left_by_a_writer_killed_in(&["unsynced"]);
+}
+
+fn open_cuts_a_torn_tail_left_by_a_writer_killed_in(how: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join(cryo_journal::FILE_NAME);
     Journal::open(dir.path()).unwrap();
     let mut torn = None;
+    let mut acked: Vec<u64> = Vec::new();
     for _ in 0..40 {
         let end = std::fs::metadata(&path).unwrap().len();
-        let (mut child, _acks) = spawn_writer(dir.path(), "open", 1_000_000, 768 * 1024);
+        let (mut child, acks) = spawn_writer_as(dir.path(), "open", 1_000_000, 768 * 1024, how);
         kill_mid_write(&mut child, &path, end);
         child.wait().unwrap();
+        acked.extend(acks.iter().map(|s| s.parse::<u64>().unwrap()));
         torn = read(dir.path()).unwrap().tail;
         if torn.is_some() {
             break;
         }
     }
     let torn = torn.expect("no kill landed inside a write in 40 tries");
-    let n = read(dir.path()).unwrap().records.len();
+    let before = read(dir.path()).unwrap();
+    seqs_contiguous(&before.records);
+    let n = before.records.len();
+    let last = before.records.last().map_or(0, |r| r.seq);
+    for a in &acked {
+        assert!(
+            *a <= last,
+            "{how:?}: acknowledged record {a} lost (last is {last})"
+        );
+    }
     Journal::open(dir.path()).unwrap();
     let after = read(dir.path()).unwrap();
     assert!(after.tail.is_none());
@@ -295,6 +332,7 @@ fn open_cuts_a_torn_tail_left_by_a_killed_writer() {
             bytes: torn.len
         }
     );
+    assert_eq!(after.records[n].seq, last + 1, "{how:?}");
 }
 
 #[test]

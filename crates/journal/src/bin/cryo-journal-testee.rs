@@ -1,8 +1,9 @@
 //! Helper process for cryo-journal's integration tests only (`tests/processes.rs`): a journal
 //! writer in a process of its own, so tests can kill it mid-append or race several of them.
 //!
-//! `cryo-journal-testee write DIR TAG COUNT LEN`: appends COUNT `Refused` records whose reason is
-//! `TAG:N:LEN:` padded to LEN bytes, printing `acked SEQ` after each.
+//! `cryo-journal-testee write DIR TAG COUNT LEN [unsynced]`: appends COUNT `Refused` records whose
+//! reason is `TAG:N:LEN:` padded to LEN bytes, printing `acked SEQ` after each (`unsynced`: with
+//! [`Journal::append_unsynced`], acked once written).
 //! `cryo-journal-testee intent DIR`: journals the intents of a stop up to `CheckpointStarted`,
 //! prints `ready`, and waits to be killed.
 //!
@@ -39,19 +40,30 @@ fn run(args: &[String]) -> Res<()> {
     let me = ProcId::of(std::process::id() as i32).map_err(|e| e.to_string())?;
     let mut out = std::io::stdout().lock();
     match args {
-        [mode, dir, tag, count, len] if mode == "write" => {
+        [mode, dir, tag, count, len, how @ ..] if mode == "write" => {
             let journal = open(dir)?;
             let count: u64 = count.parse().map_err(|_| format!("bad COUNT {count}"))?;
             let len: usize = len.parse().map_err(|_| format!("bad LEN {len}"))?;
+            let unsynced = match how {
+                [] => false,
+                [u] if u == "unsynced" => true,
+                _ => return Err(format!("bad mode {how:?}")),
+            };
             for n in 0..count {
-                let r = journal
-                    .append(Event::Refused {
-                        pid: me,
-                        reason: reason(tag, n, len),
-                        hint: String::new(),
-                    })
-                    .map_err(|e| format!("appending record {n}: {e}"))?;
-                say(&mut out, &format!("acked {}", r.seq))?;
+                let event = Event::Refused {
+                    pid: me,
+                    reason: reason(tag, n, len),
+                    hint: String::new(),
+                };
+                let seq = if unsynced {
+                    journal
+                        .append_unsynced(vec![event])
+                        .map(|r| r.last().map_or(0, |r| r.seq))
+                } else {
+                    journal.append(event).map(|r| r.seq)
+                }
+                .map_err(|e| format!("appending record {n}: {e}"))?;
+                say(&mut out, &format!("acked {seq}"))?;
             }
             Ok(())
         }
@@ -74,7 +86,9 @@ fn run(args: &[String]) -> Res<()> {
                 std::thread::park();
             }
         }
-        _ => Err("usage: cryo-journal-testee write DIR TAG COUNT LEN | intent DIR".into()),
+        _ => {
+            Err("usage: cryo-journal-testee write DIR TAG COUNT LEN [unsynced] | intent DIR".into())
+        }
     }
 }
 
