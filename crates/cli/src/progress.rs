@@ -36,6 +36,9 @@ impl Progress for Lines {
         let verdict = if ok { "done" } else { "FAILED" };
         eprintln!("cryo: pid {pid}: {step} {verdict} ({detail})");
     }
+    fn shows_advance(&self) -> bool {
+        false
+    }
 }
 
 /// A bar per process on stderr.

@@ -970,6 +970,107 @@ fn a_freeze_killed_before_its_lock_or_checkpoint_is_journaled_is_settled_by_the_
     }
 }
 
+/// A freeze writes some records without an `fdatasync` of their own, carried to disk by the
+/// next synced append: `FreezeStarted` (with the suspension's first intent), a checkpoint's
+/// `CheckpointStarted` and the lock's `Locked` once the lock's intent is on disk (with the
+/// verification's records), `Dumped` (with `ImagePublished`). A kill keeps them; a power cut may
+/// lose them. A freeze of a live restored worker killed after its lock and after its checkpoint,
+/// its journal then cut back to its last synced record (what a power cut may leave), still names
+/// the worker a live restored context (what the guard watches) with its suspension in flight
+/// from the lock's intent: an agent started then traces it and, the context found checkpointed,
+/// resumes it in place under its guard; it serves as before and stops without a wedge.
+#[test]
+fn a_freeze_of_a_restored_worker_cut_back_to_its_last_synced_record_is_found_by_the_agent() {
+    use cryo_journal::{Event, Purpose, StopStep};
+    for (failpoint, unsynced) in [
+        ("suspend-after-lock", &[][..]),
+        (
+            "suspend-after-checkpoint",
+            &["Locked", "CheckpointStarted"][..],
+        ),
+    ] {
+        let mut env = Env::start("1GiB");
+        let (pid, ep) = env.worker("64MiB", 0);
+        make_restored(&env, pid);
+        let before = answers(&ep);
+        let id = cryo_journal::ProcId::of(pid).unwrap();
+        let image = env.path().join("img");
+        freeze_killed_at(&env, pid, &image, false, failpoint);
+        let dir = env.path().join("state").join("journal");
+        let records = cryo_journal::read(&dir).unwrap().records;
+        // The records after the last synced one are the ones written unsynced, in this order.
+        let tail: Vec<String> = records[records.len() - unsynced.len()..]
+            .iter()
+            .map(|r| format!("{:?}", r.event))
+            .collect();
+        for (kind, said) in unsynced.iter().zip(&tail) {
+            assert!(said.starts_with(kind), "{failpoint}: {tail:?}");
+        }
+        // The lock's intent, synced, carries the freeze's start with it.
+        let synced = &records[..records.len() - unsynced.len()];
+        let last = synced
+            .iter()
+            .rev()
+            .take(3)
+            .map(|r| &r.event)
+            .collect::<Vec<_>>();
+        assert!(
+            matches!(last[..], [Event::LockStarted { pid: p }, Event::SuspendStarted { purpose: Purpose::Freeze, .. }, Event::FreezeStarted { .. }] if *p == id),
+            "{failpoint}: {last:?}"
+        );
+        cut_last_frames(&dir.join(cryo_journal::FILE_NAME), unsynced.len());
+        let records = cryo_journal::read(&dir).unwrap().records;
+        assert_eq!(
+            cryo_journal::Origins::from_records(&records).live_restored(),
+            vec![id],
+            "{failpoint}"
+        );
+        let inflight = cryo_journal::in_flight_stops(&records);
+        assert_eq!(
+            inflight[&id].step,
+            Some(StopStep::LockStarted),
+            "{failpoint}"
+        );
+
+        let agent = Agent::start(&env);
+        eventually(PATIENCE, "the agent to trace the worker", || {
+            agent.traces(pid)
+        });
+        eventually(PATIENCE, "the agent to settle the worker", || {
+            env.sim.gpu.driver.state(pid).ok() == Some(cryo_gpu::ProcessState::Running)
+        });
+        assert!(agent.traces(pid), "{failpoint}: resumed unguarded");
+        assert_eq!(answers(&ep), before, "{failpoint}: it serves as before");
+        env.stop_clean(pid);
+        drop(agent);
+    }
+}
+
+/// Cuts the journal file `path` back to before its last `n` frames: what a power cut may leave
+/// of records written but not synced yet.
+fn cut_last_frames(path: &Path, n: usize) {
+    let bytes = fs::read(path).unwrap();
+    let mut starts = Vec::new();
+    let mut at = 0;
+    while at + 16 <= bytes.len() {
+        starts.push(at);
+        let len = u32::from_le_bytes(bytes[at + 4..at + 8].try_into().unwrap()) as usize;
+        at += 16 + len;
+    }
+    assert_eq!(at, bytes.len(), "whole frames only");
+    let cut = if n == 0 {
+        bytes.len()
+    } else {
+        starts[starts.len() - n]
+    };
+    fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_len(cut as u64)
+        .unwrap();
+}
+
 /// The staging directories beside `image`.
 fn staging(image: &Path) -> Vec<PathBuf> {
     let name = format!("{}.tmp-", image.file_name().unwrap().to_str().unwrap());

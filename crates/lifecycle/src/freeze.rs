@@ -589,9 +589,12 @@ fn freeze_listed(
         .find(|g| used.contains(&g.uuid))
         .map(|g| g.name.clone());
 
-    journal.append(Event::FreezeStarted {
+    // Written, not synced: no recovery reads it (the suspension's first intent, synced before
+    // the first lock, carries it to disk; a power cut before that loses a freeze that had done
+    // nothing yet). A journal that cannot take it still refuses the freeze before it acts.
+    journal.append_unsynced(vec![Event::FreezeStarted {
         image: image.clone(),
-    })?;
+    }])?;
     let result = freeze_inner(
         cx,
         &cuda,
@@ -795,16 +798,15 @@ fn freeze_inner(
     let published_at = Moment::now();
     progress.end(root, "publish", published.is_ok(), "");
     let publish_ms = ms(t.elapsed());
-    // A record for the timeline and metrics only (no recovery reads it), so it waits for
-    // publish: its fdatasync between CRIU's exit and publish commits the file system's
-    // journal, which (ext4's ordered data) waits for the image's writeback the follower
-    // started at the gate. The dump is done (and the tree gone unless left running), so
-    // failing the freeze over it would lose the image.
-    if let Err(e) = journal.append(Event::Dumped {
+    // A record for the timeline and metrics only (no recovery reads it): written, not synced
+    // (the next synced append, `ImagePublished` or `FreezeFailed`, carries it to disk: one
+    // `fdatasync` for both), after publish. The dump is done (and the tree gone unless left
+    // running), so failing the freeze over it would lose the image.
+    if let Err(e) = journal.append_unsynced(vec![Event::Dumped {
         image: image_name(opts),
         ms: dump_ms,
         bytes: dumped_bytes,
-    }) {
+    }]) {
         tracing::error!(error = %e, "cannot journal the dump");
     }
     let dump_phases = dump_clock.map(|c| cryo_criu::DumpPhases::of(&c, dump_start));

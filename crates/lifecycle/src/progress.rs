@@ -10,6 +10,13 @@ pub trait Progress: Sync {
     fn advance(&self, pid: Pid, done: u64);
     /// The step ended; `ok` tells whether it succeeded, `detail` is a short human summary.
     fn end(&self, pid: Pid, step: &'static str, ok: bool, detail: &str);
+    /// Whether [`Progress::advance`] goes anywhere. When it does not, a step that would sample
+    /// its progress (a checkpoint: a thread beside the driver call reading the process's
+    /// memory) makes its call on the calling thread: one thread and one wake-up less between
+    /// the driver's answer and the next step, which a loaded host charges in scheduling delay.
+    fn shows_advance(&self) -> bool {
+        true
+    }
 }
 
 /// The steps this crate names, by the literals it passes to [`Progress`] and journals.
@@ -47,6 +54,9 @@ impl Progress for NoProgress {
     fn begin(&self, _: Pid, _: &'static str, _: u64) {}
     fn advance(&self, _: Pid, _: u64) {}
     fn end(&self, _: Pid, _: &'static str, _: bool, _: &str) {}
+    fn shows_advance(&self) -> bool {
+        false
+    }
 }
 
 /// The time spent in each step of one operation, in order, ms (for reports and benchmarks:

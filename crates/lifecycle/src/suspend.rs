@@ -65,7 +65,8 @@ pub const SUSPEND_ROLL_BACK: &str = "suspend-roll-back";
 pub const SUSPEND_AFTER_LOCK: &str = "suspend-after-lock";
 
 /// Failpoint (stalling until killed): every process is checkpointed, its `Checkpointed` not
-/// journaled yet (it goes with `Verified`), nothing verified.
+/// journaled yet (it goes with `Verified`, which syncs the `CheckpointStarted` written before
+/// the checkpoint too), nothing verified.
 pub const SUSPEND_AFTER_CHECKPOINT: &str = "suspend-after-checkpoint";
 
 /// The checkpoint rate assumed when budgeting a deadline: half the slowest rate measured on an
@@ -543,11 +544,13 @@ struct Row<'a> {
 
 /// Journals `event` about `row`, after its records not journaled yet, in one append (one
 /// `fdatasync` instead of one each). What must precede a driver action (an intent:
-/// `LockStarted`, `CheckpointStarted`) goes through here, so it is on disk, with everything
-/// before it, before the action; an outcome (`Locked`, `Checkpointed`) waits in
-/// [`Row::pending`] for the next one. A crash in between loses only outcomes, and recovery
-/// never trusts those: it asks the driver the state of every process whose last step is not
-/// final ([`crate::settle_in_flight`]).
+/// `LockStarted`; `CheckpointStarted` of a process found LOCKED, whose suspension has nothing
+/// on disk yet) goes through here, so it is on disk, with everything before it, before the
+/// action; an outcome (`Locked`, `Checkpointed`) waits in [`Row::pending`] for the next one. A
+/// crash in between loses only outcomes (and, once the lock's intent is on disk, the
+/// checkpoint's: written unsynced, see `checkpoint_one`), and recovery never trusts those: it
+/// asks the driver the state of every process whose last step is not final
+/// ([`crate::settle_in_flight`]).
 fn record_row(journal: Option<&Journal>, row: &mut Row<'_>, event: Event) {
     row.pending.push(event);
     record_all(journal, std::mem::take(&mut row.pending));
@@ -566,6 +569,15 @@ fn record_all(journal: Option<&Journal>, events: Vec<Event>) {
     if let Some(j) = journal {
         // As `record`: a journal that cannot take it is loud, not a reason to stop half-way.
         if let Err(e) = j.append_all(events) {
+            tracing::error!(error = %e, "cannot write the journal");
+        }
+    }
+}
+
+/// As [`record_all`], without waiting for stable storage ([`Journal::append_unsynced`]).
+fn record_unsynced(journal: Option<&Journal>, events: Vec<Event>) {
+    if let Some(j) = journal {
+        if let Err(e) = j.append_unsynced(events) {
             tracing::error!(error = %e, "cannot write the journal");
         }
     }
@@ -746,27 +758,27 @@ fn checkpoint_one(
     let started = Event::CheckpointStarted {
         pid: id(row.handle),
     };
-    record_row(journal, row, started);
+    if row.locked_here {
+        // The suspension's intent is on disk since before the lock (`SuspendStarted`, with its
+        // purpose and owner, and `LockStarted`, synced), and recovery treats every step short
+        // of a final one alike (it asks the driver: `settle_in_flight`): the checkpoint's
+        // intent and the lock's outcome need not be on stable storage before the checkpoint.
+        // Written now (a killed suspension leaves them, the timeline gets their time), synced
+        // with the verification's records: one `fdatasync` less between lock and checkpoint.
+        row.pending.push(started);
+        record_unsynced(journal, std::mem::take(&mut row.pending));
+    } else {
+        // Found LOCKED: nothing of this suspension is on disk yet.
+        record_row(journal, row, started);
+    }
     let start = Instant::now();
-    let result = thread::scope(|s| {
-        let (tx, rx) = mpsc::channel();
-        let call = s.spawn(move || {
-            let r = gpu.driver.checkpoint(pid);
-            // The receiver only goes away once this thread is joined.
-            let _ = tx.send(());
-            r
-        });
-        // The driver gives no progress; the process's resident memory grows by its device memory
-        // as the checkpoint moves it, which is the best estimate there is. The wait wakes as soon
-        // as the call returns, so sampling adds no latency to the checkpoint.
-        while let Err(mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(Duration::from_millis(100))
-        {
-            if let Ok(rss) = row.handle.rss() {
-                progress.advance(pid, rss.saturating_sub(rss_before).min(row.mem));
-            }
-        }
-        call.join()
-    });
+    let result = if progress.shows_advance() {
+        checkpoint_sampled(gpu, row, rss_before, progress)
+    } else {
+        // Nobody renders the advance: the call on this thread (a panic in it is the same
+        // failure as on a thread of its own).
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| gpu.driver.checkpoint(pid)))
+    };
     let took = start.elapsed();
     match result {
         Err(_panic) => {
@@ -811,6 +823,35 @@ fn checkpoint_one(
             row.failure = Some(f);
         }
     }
+}
+
+/// The checkpoint of `row` on a thread of its own, this thread sampling its progress meanwhile.
+fn checkpoint_sampled(
+    gpu: &Gpu,
+    row: &Row<'_>,
+    rss_before: u64,
+    progress: &dyn Progress,
+) -> thread::Result<Result<(), DriverError>> {
+    let pid = row.handle.pid();
+    thread::scope(|s| {
+        let (tx, rx) = mpsc::channel();
+        let call = s.spawn(move || {
+            let r = gpu.driver.checkpoint(pid);
+            // The receiver only goes away once this thread is joined.
+            let _ = tx.send(());
+            r
+        });
+        // The driver gives no progress; the process's resident memory grows by its device memory
+        // as the checkpoint moves it, which is the best estimate there is. The wait wakes as soon
+        // as the call returns, so sampling adds no latency to the checkpoint.
+        while let Err(mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(Duration::from_millis(100))
+        {
+            if let Ok(rss) = row.handle.rss() {
+                progress.advance(pid, rss.saturating_sub(rss_before).min(row.mem));
+            }
+        }
+        call.join()
+    })
 }
 
 fn verify_all(gpu: &Gpu, rows: &mut [Row<'_>], timeout: Duration, journal: Option<&Journal>) {

@@ -119,6 +119,9 @@ impl Progress for ReturnAtKill<'_> {
     fn end(&self, pid: Pid, step: &'static str, ok: bool, detail: &str) {
         self.0.end(pid, step, ok, detail);
     }
+    fn shows_advance(&self) -> bool {
+        self.0.shows_advance()
+    }
 }
 
 /// The cgroup `--self` stops without an agent: the first of this process's v2 and v1 `pids`
