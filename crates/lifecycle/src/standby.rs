@@ -67,7 +67,7 @@ use cryo_units::fmt_bytes;
 use crate::failpoint;
 use crate::park::{wake, WakeError, WakeOptions, WakeReport};
 use crate::progress::Progress;
-use crate::stop::{stop, StopOptions};
+use crate::stop::StopOptions;
 use crate::suspend::id;
 use crate::target::{Resolved, Target};
 use crate::thaw::{pids_needed_taken, precheck, GateTree, PrecheckError};
@@ -560,26 +560,22 @@ fn end_unresumed(gpu: &Gpu, pids: &[ProcId]) -> String {
 pub const ALREADY_GONE: &str = "already gone";
 
 /// Removes a standby's processes through the stop path (their contexts are CHECKPOINTED:
-/// verified again, then killed); says what became of them.
+/// verified again, then killed), and what its tree forked since it was restored (its plain
+/// processes run while it waits: [`crate::thaw::remove_with_forks`]); says what became of
+/// them, the forks named.
 pub fn remove(gpu: &Gpu, tree: &Resolved, journal: &Journal, progress: &dyn Progress) -> String {
-    if !tree.handles().iter().any(ProcHandle::is_alive) {
-        return ALREADY_GONE.into();
-    }
     let opts = StopOptions {
         deadline: None,
         ..StopOptions::default()
     };
-    match stop(gpu, tree, &opts, journal, progress) {
-        Ok(r) if r.stopped() => "removed".into(),
-        Ok(r) => format!(
-            "NOT removed: {} (left alive and safe)",
-            r.refusals
-                .iter()
-                .map(|x| format!("pid {}: {}", x.pid, x.reason.reason()))
-                .collect::<Vec<_>>()
-                .join("; ")
-        ),
-        Err(e) => format!("NOT removed: {e} (left alive; run `cryo stop` on it)"),
+    // What its tree forked since (a ready standby's plain processes run) is removed with it.
+    let r = crate::thaw::remove_with_forks(gpu, tree, &opts, journal, progress);
+    let forks = r.forks("it was restored");
+    match r.failure {
+        Some(failed) => format!("{failed}{forks}"),
+        None if r.stopped => format!("removed{forks}"),
+        None if forks.is_empty() => ALREADY_GONE.into(),
+        None => format!("{ALREADY_GONE}{forks}"),
     }
 }
 
@@ -1207,6 +1203,37 @@ mod tests {
         // A CUDA process of the standby that is not CHECKPOINTED still says so.
         s.fake.set_state(s.pids[0], ProcessState::Locked);
         assert!(still_checkpointed(&s.fake.gpu(), &standby).is_err());
+    }
+
+    /// Attack (session 13): a ready standby's tree runs (its plain processes do), and forks:
+    /// its root forks a child while the standby waits for a claim. Dropping the standby must
+    /// remove that child too, which nothing else owns, and name it. (Before: the drop stopped
+    /// the standby's processes as journaled at its restore, and the child ran on.)
+    #[test]
+    fn a_dropped_standby_removes_what_its_tree_forked_while_ready() {
+        let s = scene_of(Procs::reaping_tree(1), None, &[true, false]);
+        let root = s.pids[0];
+        let standby = prepare(&s).unwrap_or_else(|e| panic!("{e}"));
+        procs::kill(root, nix::libc::SIGUSR1);
+        let child = eventually(PATIENCE, "the root to fork", || {
+            cryo_proc::tree(root).unwrap().into_iter().find(|p| {
+                !s.pids.contains(p) && cryo_proc::stat(*p).is_ok_and(|s| s.comm == "sleep")
+            })
+        });
+        let what = drop_standby(&s.fake.gpu(), &standby, &s.journal, &NoProgress);
+        assert!(what.starts_with("removed"), "{what}");
+        assert!(
+            what.contains(&child.to_string()),
+            "the fork is not named: {what}"
+        );
+        for p in s.pids.iter().chain([&child]) {
+            assert!(
+                !procs::alive(*p),
+                "pid {p} outlived the standby's drop: {what}"
+            );
+        }
+        assert_eq!(s.fake.state_of(root), ProcessState::Checkpointed);
+        assert!(s.fake.wedges().is_empty(), "{:?}", s.fake.wedges());
     }
 
     /// The standby analogue of `cryo thaw`'s refusal at CRIU's gate: the restored tree is not

@@ -1018,22 +1018,46 @@ fn forked_since(
     out
 }
 
-/// Suspends and kills the restored tree through the stop path; says what became of it. The
-/// tree is the one CRIU's gate listed and whatever it forked since CRIU resumed it (found
-/// through its descendants and its own sessions, [`forked_since`]), looked for again after
-/// each stop until none is left, bounded: none of it runs on unnamed. Every CUDA process among
-/// them is suspended and verified before its kill, as any stop's.
-fn remove_safely(
+/// What became of a restored tree that [`remove_with_forks`] removed.
+pub(crate) struct Removal {
+    /// Whether a stop ran (something of the tree was alive).
+    pub(crate) stopped: bool,
+    /// Why not everything was removed (`None`: it was), naming what is left.
+    pub(crate) failure: Option<String>,
+    /// The processes the tree forked since it was listed, found and stopped with it.
+    pub(crate) forked: Vec<Pid>,
+}
+
+impl Removal {
+    /// `, with the N processes it forked since ... (pids ...)`, or nothing.
+    pub(crate) fn forks(&self, since: &str) -> String {
+        if self.forked.is_empty() {
+            return String::new();
+        }
+        format!(
+            ", with the {} processes it forked since {since} (pids {})",
+            self.forked.len(),
+            fmt_pids(&self.forked)
+        )
+    }
+}
+
+/// Suspends and kills a restored tree through the stop path (`stop`'s options): the tree as
+/// listed (`restored`: CRIU's gate's, or a standby's processes) and whatever it forked since
+/// (found through its descendants and its own sessions, [`forked_since`]), looked for again
+/// after each stop until none is left, bounded: none of it runs on unnamed. Every CUDA
+/// process among them is suspended and verified before its kill, as any stop's.
+pub(crate) fn remove_with_forks(
     gpu: &Gpu,
     restored: &Resolved,
-    opts: &ThawOptions,
+    stop_opts: &StopOptions,
     journal: &Journal,
     progress: &dyn Progress,
-) -> String {
+) -> Removal {
     let gate = restored.handles();
     let sessions = own_sessions(gate);
     let mut forked: Vec<ProcHandle> = Vec::new();
-    let mut outcome: Option<String> = None;
+    let mut failure: Option<String> = None;
     let mut stopped = false;
     for round in 0..=FORK_ROUNDS {
         let new = forked_since(gate, &forked, &sessions);
@@ -1041,7 +1065,7 @@ fn remove_safely(
             break;
         }
         if round == FORK_ROUNDS {
-            outcome = Some(format!(
+            failure = Some(format!(
                 "NOT removed: it kept forking, pids {} still run after {FORK_ROUNDS} stops (run `cryo stop` on them)",
                 fmt_pids(&new.iter().map(ProcHandle::pid).collect::<Vec<_>>())
             ));
@@ -1068,10 +1092,10 @@ fn remove_safely(
         };
         let target = Resolved::from_handles(target, handles);
         stopped = true;
-        match stop(gpu, &target, &opts.stop, journal, progress) {
+        match stop(gpu, &target, stop_opts, journal, progress) {
             Ok(r) if r.stopped() => {}
             Ok(r) => {
-                outcome = Some(format!(
+                failure = Some(format!(
                     "NOT removed: {} (left alive and safe; run `cryo stop` on pids {})",
                     r.refusals
                         .iter()
@@ -1083,7 +1107,7 @@ fn remove_safely(
                 break;
             }
             Err(e) => {
-                outcome = Some(format!(
+                failure = Some(format!(
                     "NOT removed: {e} (run `cryo stop` on pids {})",
                     fmt_pids(&alive)
                 ));
@@ -1098,18 +1122,27 @@ fn remove_safely(
             }
         }
     }
-    let forks = if forked.is_empty() {
-        String::new()
-    } else {
-        format!(
-            ", with the {} processes it forked since CRIU resumed it (pids {})",
-            forked.len(),
-            fmt_pids(&forked.iter().map(ProcHandle::pid).collect::<Vec<_>>())
-        )
-    };
-    match outcome {
+    Removal {
+        stopped,
+        failure,
+        forked: forked.iter().map(ProcHandle::pid).collect(),
+    }
+}
+
+/// Suspends and kills the restored tree of a failed thaw and what it forked since CRIU resumed
+/// it ([`remove_with_forks`]); says what became of it.
+fn remove_safely(
+    gpu: &Gpu,
+    restored: &Resolved,
+    opts: &ThawOptions,
+    journal: &Journal,
+    progress: &dyn Progress,
+) -> String {
+    let r = remove_with_forks(gpu, restored, &opts.stop, journal, progress);
+    let forks = r.forks("CRIU resumed it");
+    match r.failure {
         Some(failed) => format!("{failed}{forks}"),
-        None if stopped => format!("suspended and removed{forks}"),
+        None if r.stopped => format!("suspended and removed{forks}"),
         None => format!("already gone{forks}"),
     }
 }
