@@ -44,6 +44,14 @@
 //! or the tools and their processes), with its own ratio and paired interval. The raw moment
 //! stays the headline: it is what an operator waits for.
 //!
+//! The dump step (GPU free to worker gone) is split the same way: CRIU's page loop, as CRIU
+//! times it in the image's `stats-dump` (`cryo_criu::stats`), is the same pages in both arms,
+//! moved at the host's speed (the first touch of the page cache it writes, the load; it swung
+//! by more than the routes' difference in every A/B of session 13), and the rest of the step is
+//! what each route adds around it: its set-up, CRIU's start and seize, the action scripts (cryo's
+//! gate), the kill and the wait for the worker's end. A route that slowed CRIU's page loop itself
+//! (work beside CRIU) shows in the loop's line and in the raw moment, not in the rest.
+//!
 //! *Worker gone* is the same moment in both arms: every process of the tree has exited (its
 //! pidfd is readable: it is a zombie or reaped, its memory is released, it can never run
 //! again), taken through the worker's pidfd. That is what an operator waits for: the host
@@ -173,6 +181,14 @@ struct Row {
     overhead_paired: [Interval; 5],
     /// The simulated driver's copies ([`Arm::copies`]), cryo's then the bare route's, ms.
     sim_copies: [[Samples; 3]; 2],
+    /// CRIU's page loop in the freeze's dump ([`Arm::criu_pages`]), cryo's then the bare
+    /// route's, ms: the same pages in both arms, moved at the host's speed.
+    criu_pages: [Samples; 2],
+    /// The dump step less CRIU's page loop ([`Arm::dump_besides_pages`]), cryo's then the bare
+    /// route's, ms.
+    dump_besides_pages: [Samples; 2],
+    /// bare / cryo of each round's `dump_besides_pages`: median and [`LEVEL`] interval.
+    dump_besides_pages_paired: Interval,
     /// cryo's freeze steps: suspend, dump, publish (hash + fsync + manifest + rename), ms.
     cryo_freeze_steps: [Samples; 3],
     /// cryo's thaw from the page cache: checks before CRIU, CRIU restore (every byte checked
@@ -295,6 +311,8 @@ pub fn run(freeze_args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
         let mut thaw_host: [ThawHost; 2] = Default::default();
         let mut overhead: [[Samples; 5]; 2] = Default::default();
         let mut sim_copies: [[Samples; 3]; 2] = Default::default();
+        let mut criu_pages: [Samples; 2] = Default::default();
+        let mut dump_besides_pages: [Samples; 2] = Default::default();
         let mut image_bytes = 0;
         for round in 1..=args.rounds {
             let (c, b) = if a_first(round) {
@@ -318,6 +336,8 @@ pub fn run(freeze_args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
                 for (j, v) in arm.copies.into_iter().enumerate() {
                     sim_copies[k][j].push(v);
                 }
+                criu_pages[k].push(arm.criu_pages);
+                dump_besides_pages[k].push(arm.dump_besides_pages());
             }
             for (j, v) in c.dump_phases.iter().enumerate() {
                 dump_phases[j].push(*v);
@@ -343,6 +363,10 @@ pub fn run(freeze_args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
         let overhead_paired: [Interval; 5] = std::array::from_fn(|i| {
             Interval::of(&paired_ratios(&overhead[1][i], &overhead[0][i]), LEVEL)
         });
+        let dump_besides_pages_paired = Interval::of(
+            &paired_ratios(&dump_besides_pages[1], &dump_besides_pages[0]),
+            LEVEL,
+        );
         let [freeze_steps, warm_steps, cold_steps] = steps;
         let [bare_freeze_steps, bare_warm_steps, bare_cold_steps] = bare_steps;
         let row = Row {
@@ -358,6 +382,9 @@ pub fn run(freeze_args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
             overhead_ratio,
             overhead_paired,
             sim_copies,
+            criu_pages,
+            dump_besides_pages,
+            dump_besides_pages_paired,
             cryo_freeze_steps: freeze_steps,
             cryo_thaw_warm_steps: warm_steps,
             cryo_thaw_cold_steps: cold_steps,
@@ -445,6 +472,15 @@ fn print_row(row: &Row) {
     println!(
         "  the simulated driver's copies (medians): checkpoint cryo {cc:.0}, bare {bc:.0} ms; \
          restore page cache cryo {cw:.0}, bare {bw:.0} ms; cold cryo {ccold:.0}, bare {bcold:.0} ms"
+    );
+    let [pc, pb] = row.criu_pages.each_ref().map(Samples::median);
+    let [oc, ob] = row.dump_besides_pages.each_ref().map(Samples::median);
+    println!(
+        "  CRIU's page loop in the dump (CRIU's own timing, its stats-dump; the same pages in \
+         both arms, moved at the host's speed), medians: cryo {pc:.0}, bare {pb:.0} ms; the dump \
+         step (GPU free to worker gone) besides it: cryo {oc:.0}, bare {ob:.0} ms, {:.2}x  {}",
+        ob / oc,
+        row.dump_besides_pages_paired.cell()
     );
     let med = |s: &[Samples; 3]| s.each_ref().map(Samples::median);
     let [sp, d, p] = med(&row.cryo_freeze_steps);
@@ -564,6 +600,9 @@ pub(crate) struct Arm {
     /// ms from the worker gone to the start of the page-cache thaw.
     thaw_after_gone: f64,
     image_bytes: u64,
+    /// CRIU's page loop in the freeze's dump, ms, as CRIU timed it (its `stats-dump`:
+    /// [`cryo_criu::stats::DumpStats::memdump_ms`]).
+    criu_pages: f64,
 }
 
 impl Arm {
@@ -580,6 +619,20 @@ impl Arm {
             m[4] - cold,
         ]
     }
+
+    /// The dump step (GPU free to worker gone) less CRIU's page loop: what each route adds to
+    /// moving the pages (its set-up, CRIU's start and seize, the gate, the kill, the wait for
+    /// the worker's end).
+    fn dump_besides_pages(&self) -> f64 {
+        self.moments[1] - self.moments[0] - self.criu_pages
+    }
+}
+
+/// CRIU's page loop of the dump into `dir`, ms (its `stats-dump`).
+fn criu_pages(dir: &Path) -> anyhow::Result<f64> {
+    let stats =
+        cryo_criu::stats::DumpStats::read(dir).context("reading CRIU's statistics of the dump")?;
+    Ok(stats.memdump_ms)
 }
 
 /// ms the simulated driver spent copying `pid`'s device memory `kind`-wise in copies that
@@ -845,6 +898,7 @@ impl Bench {
             .map_err(|_| anyhow::anyhow!("the reaper thread panicked"))?
             .context("reaping the frozen worker")?;
         let image_bytes = cryo_criu::image::dir_bytes(&image);
+        let pages = criu_pages(&image)?;
 
         self.wait_to_thaw(t, gone);
         let thaw_after_gone = ms(t.elapsed()) - gone;
@@ -864,6 +918,7 @@ impl Bench {
             free_mib: [warm.free_mib, cold.free_mib],
             thaw_after_gone,
             image_bytes,
+            criu_pages: pages,
         })
     }
 
@@ -962,6 +1017,7 @@ impl Bench {
         );
         let gone = Moment::now().ms_since(origin);
         sync_dir(&image)?;
+        let pages = criu_pages(&image)?;
         let durable = Moment::now().ms_since(origin);
         let checkpoint_copy = self.sim_copy(pid, cryo_sim::proto::CopyKind::Checkpoint, origin)?;
         child.wait().context("reaping the frozen worker")?;
@@ -986,6 +1042,7 @@ impl Bench {
             free_mib: [warm.free_mib, cold.free_mib],
             thaw_after_gone,
             image_bytes: 0,
+            criu_pages: pages,
         })
     }
 
@@ -1145,8 +1202,10 @@ mod tests {
             free_mib: [0.0; 2],
             thaw_after_gone: 0.0,
             image_bytes: 0,
+            criu_pages: 150.0,
         };
         assert_eq!(arm.overhead(), [124.5, 324.5, 524.5, 240.0, 620.0]);
+        assert_eq!(arm.dump_besides_pages(), 50.0);
     }
 
     /// A phase cryo's report never had prints as n/a with its reason, never as NaN.

@@ -1324,6 +1324,15 @@ fn bench_freeze_runs_tiny() {
             );
         }
     }
+    // CRIU's page loop, as CRIU timed it in each arm's image (its stats-dump), lies inside the
+    // dump step (GPU free to worker gone), and the rest of the step is what is left of it.
+    for (k, arm) in ["cryo", "bare"].into_iter().enumerate() {
+        let pages = row["criu_pages"][k][0].as_f64().unwrap();
+        let step = row[arm][1][0].as_f64().unwrap() - row[arm][0][0].as_f64().unwrap();
+        assert!(pages > 0.0 && pages < step, "{arm}: {row}");
+        let besides = row["dump_besides_pages"][k][0].as_f64().unwrap();
+        assert!((besides - (step - pages)).abs() < 1e-6, "{arm}: {row}");
+    }
     for k in ["write_fsync", "read_cold", "read_cached"] {
         assert!(row["limits"][k].as_f64().unwrap() > 0.0, "{k}: {row}");
     }

@@ -45,6 +45,7 @@ pub mod image;
 mod log;
 mod rpc;
 pub mod scratch;
+pub mod stats;
 mod unresumed;
 mod version;
 
