@@ -694,7 +694,10 @@ impl Criu for CriuRpc {
         let dir = open_dir(op, staging.path())?;
         let (cmd, stderr, log, gate) =
             self.dump_command(pid, staging, opts, Images::Dir(dir.as_fd()), &p)?;
-        tracing::debug!(pid, staging = %staging.path().display(), "criu dump");
+        // CRIU and its parasite in the tree hand every chunk of pages to each other: one CPU
+        // for both (see `colocate`); the tree gets its CPU sets back when CRIU has exited.
+        let colocated = crate::colocate::Colocated::pin_tree(pid);
+        tracing::debug!(pid, staging = %staging.path().display(), cpu = ?colocated.cpu(), "criu dump");
         let clock = staging.dump_clock();
         let start = std::time::Instant::now();
         let Gated {
@@ -715,9 +718,10 @@ impl Criu for CriuRpc {
                 image::CaptureClock::mark(&clock.verdict);
                 v
             },
-            |_| {},
+            |criu| colocated.pin_criu(criu),
         )?;
         image::CaptureClock::mark(&clock.criu_exit);
+        drop(colocated);
         drop(dir);
         tracing::debug!(%status, ms = start.elapsed().as_millis() as u64, "criu dump ended");
         let outcome = self.dump_outcome(op, staging, status, verdict, &stderr);

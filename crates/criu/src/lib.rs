@@ -38,6 +38,7 @@
 //! [`Criu::restore`] has a deadline ([`RestoreOpts::deadline`]); elsewhere a hung CRIU hangs
 //! the call.
 
+mod colocate;
 mod criu;
 pub mod crtools;
 mod error;

@@ -312,6 +312,72 @@ fn a_dump_refused_at_the_caller_s_gate_resumes_the_tree() {
     }
 }
 
+/// CRIU and the processes it dumps hand every chunk of pages to each other: for the dump they
+/// share one CPU (the tree's main threads are pinned to it before CRIU starts, CRIU when it is
+/// spawned), and a tree CRIU resumed (here refused at the gate) gets its CPU sets back, its
+/// child's too. Before the pinning, CRIU and its parasite ran wherever the scheduler put them
+/// (on two CPUs: 1226 against 736 ms for a 1 GiB page loop, see `colocate`).
+#[test]
+fn a_dump_runs_criu_and_the_tree_on_one_cpu_and_a_resumed_tree_gets_its_cpus_back() {
+    use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let criu = criu();
+    let all = sched_getaffinity(NixPid::from_raw(0)).unwrap();
+    let cpus: Vec<usize> = (0..CpuSet::count())
+        .filter(|c| all.is_set(*c).unwrap())
+        .collect();
+    assert!(cpus.len() >= 2, "this attack needs two CPUs: {cpus:?}");
+    let mut counter = Counter::start();
+    let pid = counter.pid;
+    let child = tree_pids(pid).into_iter().find(|p| *p != pid).unwrap();
+    // Sets of their own (as a worker bound to its NUMA node has): two CPUs, then all of them.
+    let mut two = CpuSet::new();
+    for c in &cpus[..2] {
+        two.set(*c).unwrap();
+    }
+    sched_setaffinity(NixPid::from_raw(pid), &two).unwrap();
+    sched_setaffinity(NixPid::from_raw(child), &all).unwrap();
+    let criu_pid = |root: i32| -> Option<i32> {
+        // CRIU is this test process's child, its command line naming the dumped root.
+        let me = std::process::id();
+        std::fs::read_dir("/proc").unwrap().flatten().find_map(|e| {
+            let p: i32 = e.file_name().to_str()?.parse().ok()?;
+            let s = cryo_proc::stat(p).ok()?;
+            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).ok()?;
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            (s.ppid == me as i32 && cmd.contains(&format!("dump -t {root} "))).then_some(p)
+        })
+    };
+    let seen = std::sync::Mutex::new(None);
+    let at_gate = || {
+        let one = |p: i32| {
+            let set = sched_getaffinity(NixPid::from_raw(p)).unwrap();
+            (0..CpuSet::count())
+                .filter(|c| set.is_set(*c).unwrap())
+                .collect::<Vec<_>>()
+        };
+        let c = criu_pid(pid).map(one);
+        *seen.lock().unwrap() = Some((one(pid), one(child), c));
+        Err("refused to resume the tree".to_string())
+    };
+    let staging = Staging::create(&counter.path().join("image")).unwrap();
+    let err = criu
+        .dump_staged(pid, &staging, &DumpOpts::default(), &at_gate)
+        .unwrap_err();
+    assert!(matches!(&err, CriuError::DumpGate(_)), "{err}");
+    let (root_at_gate, child_at_gate, criu_at_gate) = seen.lock().unwrap().take().unwrap();
+    assert_eq!(
+        root_at_gate.len(),
+        1,
+        "the root at the gate: {root_at_gate:?}"
+    );
+    assert_eq!(child_at_gate, root_at_gate, "the child at the gate");
+    assert_eq!(criu_at_gate, Some(root_at_gate.clone()), "CRIU at the gate");
+    assert!(counter.runs(), "the tree died: {err}");
+    assert_eq!(sched_getaffinity(NixPid::from_raw(pid)).unwrap(), two);
+    assert_eq!(sched_getaffinity(NixPid::from_raw(child)).unwrap(), all);
+}
+
 /// A dump's CRIU run directory (its gate, its plugin-less plugin directory) is removed once
 /// publish has fsync'd the image, not between CRIU's exit and the worker gone, where removing
 /// it waited on the file system's journal, itself waiting for the image's writeback; and it is

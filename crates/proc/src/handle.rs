@@ -166,6 +166,30 @@ impl ProcHandle {
         !self.poll_exit(Duration::ZERO)
     }
 
+    /// The CPUs its main thread may run on (`sched_getaffinity`).
+    pub fn affinity(&self) -> Result<nix::sched::CpuSet, ProcError> {
+        let cpus = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(self.pid))
+            .map_err(|e| ProcError::os("sched_getaffinity", self.pid, e.into()))?;
+        // By pid: only this process's answer while its pid is still its own.
+        if self.liveness() == Liveness::Gone {
+            return Err(ProcError::NoSuchProcess(self.pid));
+        }
+        Ok(cpus)
+    }
+
+    /// Lets its main thread run on `cpus` only (`sched_setaffinity`). The kernel takes a pid,
+    /// not a pidfd: the call reached this process if its pid was still its own afterwards (alive
+    /// or a zombie); reaped by then, it is [`ProcError::NoSuchProcess`] (the pid may have named
+    /// another process).
+    pub fn set_affinity(&self, cpus: &nix::sched::CpuSet) -> Result<(), ProcError> {
+        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(self.pid), cpus)
+            .map_err(|e| ProcError::os("sched_setaffinity", self.pid, e.into()))?;
+        if self.liveness() == Liveness::Gone {
+            return Err(ProcError::NoSuchProcess(self.pid));
+        }
+        Ok(())
+    }
+
     /// Alive, a zombie (exited, not reaped), or gone (reaped: its pid is free for reuse).
     pub fn liveness(&self) -> Liveness {
         if self.is_alive() {
