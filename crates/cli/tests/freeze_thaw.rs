@@ -1176,6 +1176,66 @@ fn killing_cryo_during_the_dump_publishes_nothing_and_tears_nothing_down() {
     env.stop_clean(pid);
 }
 
+/// Issue 16: cryo's follower hashes CRIU's pages files as CRIU writes them. A freeze killed at
+/// CRIU's gate, its follower holding the digests of pages CRIU wrote (their writeback started),
+/// publishes nothing and tears nothing down: CRIU gets no verdict and resumes the tree; the
+/// next freeze of the path removes the abandoned staging directory, and its image thaws.
+#[test]
+fn a_freeze_killed_at_the_dump_gate_with_the_pages_followed_publishes_nothing() {
+    let mut env = Env::start("1GiB");
+    let (pid, _) = env.worker("64MiB", 0);
+    let image = env.path().join("img");
+    let mut freeze = freeze_at(&env, pid, &image, false, "freeze-at-dump-gate");
+    eventually(
+        PATIENCE,
+        "the follower to read a chunk of CRIU's pages before the gate",
+        || follower_read(freeze.id()) >= 4 << 20,
+    );
+    freeze.kill().unwrap();
+    freeze.wait().unwrap();
+    eventually(
+        PATIENCE * 2,
+        &format!("CRIU to end and let go of pid {pid}"),
+        || criu_procs(&env).is_empty() && (!alive(pid) || tracer(pid) == 0),
+    );
+    assert!(
+        alive(pid),
+        "the worker died with the freeze killed at the gate"
+    );
+    assert_eq!(
+        staging(&image).len(),
+        1,
+        "the dump stays staged, unpublished"
+    );
+    after_killed_freeze(&mut env, pid, &image);
+
+    let (pid, _) = env.worker("16MiB", 1);
+    env.freeze(pid, &image);
+    assert!(staging(&image).is_empty());
+    env.thaw_ok(&image, &[]);
+    env.stop_clean(pid);
+}
+
+/// Bytes the follower thread (`cryo-follow`) of process `pid` has read (`rchar`); 0 if it has
+/// none.
+fn follower_read(pid: u32) -> u64 {
+    let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter(|t| {
+            fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "cryo-follow")
+        })
+        .filter_map(|t| fs::read_to_string(t.path().join("io")).ok())
+        .filter_map(|io| {
+            io.lines()
+                .find_map(|l| l.strip_prefix("rchar: "))
+                .and_then(|n| n.trim().parse::<u64>().ok())
+        })
+        .sum()
+}
+
 /// The private directories of CRIU runs under `env`'s state directory.
 fn criu_dirs(env: &Env) -> Vec<PathBuf> {
     let root = env.path().join("state").join("criu");

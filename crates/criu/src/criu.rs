@@ -130,8 +130,9 @@ pub trait Criu: std::fmt::Debug + Send + Sync {
     /// its own children among them.
     fn dump(&self, pid: Pid, images_dir: &Path, opts: &DumpOpts) -> Result<(), CriuError>;
 
-    /// [`Criu::dump`] into `staging`, what a freeze publishes; cryo starts hashing once CRIU
-    /// has written it ([`Staging::follow_written`]) and publish hashes what is left.
+    /// [`Criu::dump`] into `staging`, what a freeze publishes; cryo hashes CRIU's pages files
+    /// as CRIU writes them ([`Staging::follow_pages`]), every file once CRIU has written them
+    /// ([`Staging::follow_written`]), and publish hashes what is left.
     /// `at_gate` runs at CRIU's `post-dump` stage: every image written, every process CRIU
     /// dumped still frozen (none can exit or fork), none killed yet; an `Err` from it makes
     /// CRIU resume the tree instead of killing it ([`CriuError::DumpGate`]), as the caller
@@ -191,14 +192,24 @@ pub type DumpGate<'a> = dyn Fn() -> Result<(), String> + Sync + 'a;
 /// [`Staging`] ([`CriuRpc`], and the tests' fake): the caller's `at_gate` first (its refusal is
 /// [`CriuError::DumpGate`]), then the staging directory must still be the one made and locked
 /// for the dump, holding only regular files ([`CriuError::Image`] otherwise). Once both passed,
-/// the follower starts hashing what CRIU wrote ([`Staging::follow_written`], CRIU's log left to
-/// publish): behind the verdict, while CRIU ends the tree, CRIU having written with the cores
-/// to itself. An `Err` makes CRIU resume the tree instead of killing it.
+/// the follower takes every file CRIU wrote ([`Staging::follow_written`], CRIU's log left to
+/// publish; until then it took only the pages files, [`Staging::follow_pages`]), while CRIU
+/// ends the tree. An `Err` makes CRIU resume the tree instead of killing it.
 pub fn dump_gate_verdict(staging: &Staging, at_gate: &DumpGate<'_>) -> Result<(), CriuError> {
     at_gate().map_err(CriuError::DumpGate)?;
     staging.check_dumped().map_err(CriuError::Image)?;
     staging.follow_written(&[DUMP_LOG]);
     Ok(())
+}
+
+/// `CRYO_FOLLOW_EARLY=0` starts the follower at the dump's gate instead of with the dump (see
+/// [`follow_early`]); for A/B measurements.
+pub const FOLLOW_EARLY_ENV: &str = "CRYO_FOLLOW_EARLY";
+
+/// Whether a dump CRIU writes itself is followed from its start ([`Staging::follow_pages`]):
+/// unless [`FOLLOW_EARLY_ENV`] is `0`.
+fn follow_early() -> bool {
+    std::env::var_os(FOLLOW_EARLY_ENV).is_none_or(|v| v != "0")
 }
 
 /// A CRIU binary that was found and is recent enough, driven through `criu swrk` RPC.
@@ -658,10 +669,11 @@ impl Criu for CriuRpc {
     }
 
     /// Dumps into the staging directory as the bare `criu dump -D` does: CRIU writes its files
-    /// itself, with nothing of cryo's beside it; at the gate cryo's follower starts hashing
-    /// every whole chunk at idle priority and starting its writeback
-    /// ([`Staging::follow_written`]) while CRIU ends the tree; publish hashes the rest while it
-    /// fsyncs, and only then is CRIU's private directory removed
+    /// itself; cryo's follower, one thread at idle priority, hashes every whole chunk of
+    /// CRIU's pages files as CRIU writes them and starts its writeback
+    /// ([`Staging::follow_pages`], unless [`FOLLOW_EARLY_ENV`] is `0`), and from the gate on
+    /// every file ([`Staging::follow_written`]) while CRIU ends the tree; publish hashes the
+    /// rest while it fsyncs, and only then is CRIU's private directory removed
     /// ([`Staging::drop_after_publish`]). CRIU runs as a command (`criu dump -D
     /// /proc/self/fd/N`, the staging directory cryo made and opened) whose `post-dump` action
     /// script waits at cryo's gate: CRIU kills the tree only once cryo checked that the
@@ -674,8 +686,7 @@ impl Criu for CriuRpc {
     /// CRIU writing its files with the writeback started behind it every 50 ms (the previous
     /// `criu swrk` route) 920 against 450: the writeback of ranges CRIU was still writing into
     /// and the pipe's hand-over cost CRIU its core. The follower beside CRIU's writing (from
-    /// the dump's start) cost it too: dump 853 against 670 ms median (session 9, load 5-9, see
-    /// `image/follow.rs`).
+    /// the dump's start) costs CRIU nothing measurable (see `image/follow.rs`).
     fn dump_staged(
         &self,
         pid: Pid,
@@ -699,6 +710,9 @@ impl Criu for CriuRpc {
         let colocated = crate::colocate::Colocated::pin_tree(pid);
         tracing::debug!(pid, staging = %staging.path().display(), cpu = ?colocated.cpu(), "criu dump");
         let clock = staging.dump_clock();
+        if follow_early() {
+            staging.follow_pages(&[DUMP_LOG]);
+        }
         let start = std::time::Instant::now();
         let Gated {
             status, verdict, ..
@@ -1176,6 +1190,10 @@ pub struct DumpPhases {
     /// Every chunk hashed (publish waits for it while it fsyncs); `None` when CRIU wrote the
     /// files itself (publish hashes what the follower left beside its fsyncs).
     pub hashed_ms: Option<u64>,
+    /// Bytes cryo's follower hashed before publish took over (a dump CRIU wrote itself):
+    /// what publish did not hash again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub followed_bytes: Option<u64>,
 }
 
 impl DumpPhases {
@@ -1192,6 +1210,7 @@ impl DumpPhases {
             verdict_ms: since(clock.verdict()),
             criu_exit_ms: since(clock.criu_exit()),
             hashed_ms: since(clock.hashed()),
+            followed_bytes: clock.followed(),
         }
     }
 }

@@ -53,7 +53,7 @@ mod version;
 pub use criu::{
     dump_gate_verdict, error_lines, AtGate, Criu, CriuFlags, CriuRpc, DumpGate, DumpOpts,
     DumpPhases, RestoreOpts, RestorePhases, Restored, ThawRoute, CRIU_ENV, DEFAULT_CRIU, DUMP_LOG,
-    DUMP_LOG_LEVEL, RESTORE_LOG, VERSION_CACHE,
+    DUMP_LOG_LEVEL, FOLLOW_EARLY_ENV, RESTORE_LOG, VERSION_CACHE,
 };
 pub use error::{CriuError, CriuOp};
 pub use image::{ImageError, Manifest};

@@ -39,9 +39,10 @@
 //!    traced before its unlock ([`Watcher::guard_before_unlock`]) and unlocked in place, journaled
 //!    as *restored* (its context went through a driver restore, so it gets the restored
 //!    processes' protection).
-//! 5. Publish: hash every chunk (BLAKE3, all cores; what the follower hashed since CRIU's gate
-//!    is not hashed again) and fsync every file (all at once; the follower started the
-//!    writeback of what it hashed), write the manifest, rename into place.
+//! 5. Publish: hash every chunk (BLAKE3, all cores; what the follower hashed as CRIU wrote the
+//!    pages, and of every file since CRIU's gate, is not hashed again) and fsync every file
+//!    (all at once; the follower started the writeback of what it hashed), write the
+//!    manifest, rename into place.
 //!
 //! A crash at any point leaves at the image path either nothing or a whole image (the staging
 //! directory is removed by the next freeze of the same path), and the worker RUNNING (before the
@@ -85,6 +86,11 @@ pub const FREEZE_PUBLISH_PREFIX: &str = "freeze-publish-";
 /// Failpoint (pausing, [`failpoint::pause_if`]): every CUDA process is suspended and the guard
 /// let go of the traced processes (their leases are held), nothing dumped.
 pub const FREEZE_AFTER_LET_GO: &str = "freeze-after-let-go";
+
+/// Failpoint (pausing): CRIU wrote the dump and waits at its gate (the tree frozen, nothing
+/// killed), before cryo's checks there; the follower has been hashing CRIU's pages files since
+/// the dump started.
+pub const FREEZE_AT_DUMP_GATE: &str = "freeze-at-dump-gate";
 
 /// Failpoint (pausing): the engine's shrink is done, no CUDA process is suspended yet.
 pub const FREEZE_BEFORE_SUSPEND: &str = "freeze-before-suspend";
@@ -705,12 +711,13 @@ fn freeze_inner(
     };
     // After the checkpoint, device memory is part of each process's resident memory.
     let expected: u64 = handles.iter().filter_map(|h| h.rss().ok()).sum();
-    // CRIU writes alone; from its gate on, while it ends the tree, cryo hashes what it wrote
-    // and starts the writeback (publish's fsync then waits for the rest only). At the gate
-    // the tree is frozen: what lives in it then is what CRIU dumped, and what the manifest
-    // lists.
+    // CRIU writes the dump; cryo's follower hashes the pages as CRIU writes them, and from
+    // CRIU's gate on, while it ends the tree, every file, starting their writeback (publish's
+    // fsync then waits for the rest only). At the gate the tree is frozen: what lives in it
+    // then is what CRIU dumped, and what the manifest lists.
     let seen = std::sync::OnceLock::new();
     let at_gate = || {
+        failpoint::pause_if(FREEZE_AT_DUMP_GATE);
         let s = at_dump_gate(gpu, handles, cuda)?;
         let _ = seen.set(s);
         Ok(())

@@ -155,6 +155,8 @@ pub struct CaptureClock {
     pub(crate) gate: Mutex<Option<Instant>>,
     pub(crate) verdict: Mutex<Option<Instant>>,
     pub(crate) criu_exit: Mutex<Option<Instant>>,
+    /// Bytes the follower hashed before publish took over (a dump CRIU writes itself).
+    pub(crate) followed: Mutex<Option<u64>>,
 }
 
 impl CaptureClock {
@@ -189,6 +191,11 @@ impl CaptureClock {
     /// CRIU exited.
     pub fn criu_exit(&self) -> Option<Instant> {
         Self::get(&self.criu_exit)
+    }
+
+    /// Bytes the follower hashed before publish took over.
+    pub fn followed(&self) -> Option<u64> {
+        *self.followed.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 

@@ -1,47 +1,61 @@
-//! Hashing a dump behind CRIU: once CRIU has written its image files into the staging
-//! directory itself (`criu dump -D STAGING`, the bare route's writes) and waits at cryo's
-//! `post-dump` gate, one thread at idle priority reads back every whole chunk (from the page
-//! cache) and hashes it, then starts its writeback, while CRIU kills the tree and waits for it
-//! to exit; publish, once the worker is gone, hashes only the tails and what the follower did
-//! not reach, and its fsync finds part of the image on its way to the disk.
+//! Hashing a dump as CRIU writes it: while CRIU writes its image files into the staging
+//! directory itself (`criu dump -D STAGING`, the bare route's writes), one thread at idle
+//! priority reads back every whole chunk of CRIU's pages files (from the page cache) as CRIU
+//! writes them, hashes it and starts its writeback; once CRIU waits at cryo's `post-dump`
+//! gate (every file written) it takes every other file too, while CRIU kills the tree and
+//! waits for it to exit. Publish, once the worker is gone, hashes only the tails and what the
+//! follower did not reach, and its fsync finds the image on its way to the disk.
 //!
 //! # Design
-//! Measured (issue 16, 1 GiB, 2 cores, load 3-6, 5-8 rounds interleaved with the bare `criu
-//! dump`): CRIU's page phase took ~400-450 ms into its own files with nothing beside it,
-//! 600-900 ms while cryo started the writeback of what it had just written (a flusher every
-//! 50 ms over the files' new ranges, partial pages included) or received it through the image
-//! streamer. A follower beside CRIU's writing, even at `SCHED_IDLE` and without its writeback,
-//! still cost CRIU's dump ~100-200 ms of the worker's end (session 9, 1 GiB, 2 cores, load
-//! 5-9, 8-10 rounds interleaved: dump median 853 against 670 ms, 663 against 462 with no
-//! follower at all; reading 1 GiB back and hashing it beside CRIU takes the memory and the
-//! core that CRIU's splices and the worker's parasite use), while publish hashes 1 GiB on
-//! every core in ~100 ms beside its fsync. So the follower starts at the gate, behind the
-//! verdict: the tree's teardown (CRIU waits for every killed task to exit) leaves a core to it,
-//! and publish waits for the disk, not for the hashes. Whole files are not written back at
-//! once at the gate: a `sync_file_range` over a whole file blocks on the disk's queue and held
-//! the hashes back (publish 756 against 450 ms).
+//! Publish's hashing is CPU: BLAKE3 of a pages file read back from the page cache costs 1.18
+//! core-s per 4 GiB on this 2-core VM (issue 16, session 12), so a follower started at the
+//! gate (CRIU exits 17-60 ms after the verdict) reached 4-46 MiB of a 4 GiB dump and publish
+//! took >= ~590 ms against the bare route's sync of ~466-552 ms. CRIU's dump writes the pages
+//! on about one core for ~2.8 s at 4 GiB: the follower hashes them there, on what CRIU leaves
+//! of the cores (`SCHED_IDLE`: it runs only on a core nothing else wants), and publish is
+//! left with the fsyncs. Measured (session 13, release binaries, interleaved ABBA with the
+//! follower started at the gate, fresh worker each, under the other helpers' load):
+//! at 1 GiB (6 rounds, load 11.6-13.4) CRIU's CPU time (user + system, /usr/bin/time) 375
+//! against 380 ms median, its dump 1262 against 1276 ms; at 4 GiB (5 rounds, load 9.9-11.6)
+//! the dump 8716 against 8314 ms (paired ratio 0.986), publish 2260 against 3079 ms (paired
+//! 1.195), the follower reaching 2.1 GB of 4.3 before publish. (Sessions 9-10 measured a
+//! follower beside CRIU at +100-280 ms of dump at 1 GiB under load 5-9, 8-10 rounds; not seen
+//! in CRIU's CPU time here.) Its writeback covers only whole chunks CRIU is done with: the writeback of ranges CRIU was still writing into (partial pages included)
+//! cost CRIU's page phase 400-450 -> 600-900 ms at 1 GiB (session 9). Whole files are not
+//! written back at once at the gate: a `sync_file_range` over a whole file blocks on the
+//! disk's queue and held the hashes back (publish 756 against 450 ms).
 //!
-//! A chunk is hashed only once the file is longer than its end: CRIU writes each file front
-//! to back (pages, pagemaps, and the small images through its buffered writer), and a file's
-//! length grows only once its bytes are in the page cache. What the follower read is what
-//! publish records: a byte changed in the staging directory after the follower hashed it is
-//! refused at thaw; one changed before is what the image holds, as for any file root changes
-//! in a directory only root can enter (0700, see [`super::Staging`]). Files are opened with
-//! `O_NOFOLLOW | O_NONBLOCK` (no link followed, no FIFO waited on) and refused unless fstat
-//! says a regular file, and publish takes a followed file's digests only if the file at that
-//! name is still the inode the follower read (a file swapped in during the dump is refused)
-//! and is not shorter than what was hashed.
+//! A chunk is hashed only when it can no longer change. Before the gate only CRIU's pages
+//! files (`pages-<id>.img`) are taken: CRIU 4.2 opens each once (`open_page_local_xfer`:
+//! `O_WRONLY | O_CREAT | O_TRUNC`, the id from a counter of the CRIU process, so no second
+//! open truncates it) and writes it only by `splice` at the file's own position
+//! (`write_pages_loc`), i.e. front to back, never seeking back or punching (auto-dedup and
+//! parent images, which do, are not used by cryo); `splice` copies the pages into the page
+//! cache as it writes them. A file's length grows only once its bytes are in the page
+//! cache, so a chunk below the length is final. Every other file (the small images CRIU's
+//! buffered writer may still rewrite) is taken only once CRIU is at its gate, done writing.
+//! Nothing but CRIU writes in the staging directory: it is cryo's own, made fresh and private
+//! to root (0700, see [`super::Staging`]), so a byte changed there after the follower hashed
+//! it is root's doing and is refused at thaw (the manifest holds what CRIU wrote); one changed
+//! before is what the image holds. Files are opened with `O_NOFOLLOW | O_NONBLOCK` (no link
+//! followed, no FIFO waited on) and refused unless fstat says a regular file, and publish
+//! takes a followed file's digests only if the file at that name is still the inode the
+//! follower read (a file swapped in during the dump is refused) and is not shorter than what
+//! was hashed.
 //!
 //! # Limitations
 //! The files the follower is told to skip (CRIU's log, which cryo caps and rewrites) and those
 //! it did not reach are hashed whole at publish. One thread: on a host whose cores CRIU and
-//! others keep busy it hashes little, and publish does the rest at the normal priority.
+//! others keep busy it hashes little, and publish does the rest at the normal priority. The
+//! pages-file argument is CRIU 4.2's code: a CRIU that rewrote a pages file would make the
+//! manifest refuse the image at thaw (safe, but the image lost); `CRYO_FOLLOW_EARLY=0` starts
+//! the follower at the gate instead.
 
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::manifest::DigestAlg;
@@ -92,31 +106,57 @@ pub(crate) type Follow = BTreeMap<String, Followed>;
 #[derive(Debug)]
 pub(crate) struct Follower {
     stop: std::sync::Arc<AtomicBool>,
+    /// Set once CRIU wrote every file (its gate): the follower takes every file from then on,
+    /// only the pages files before.
+    all: std::sync::Arc<AtomicBool>,
+    /// Bytes hashed so far.
+    hashed: std::sync::Arc<AtomicU64>,
     thread: Option<std::thread::JoinHandle<Follow>>,
 }
 
 impl Follower {
     /// Starts following `dir` (see [`follow`]); `None` if no thread could be started (then
     /// publish hashes everything).
-    pub(crate) fn start(dir: &Path, chunk: u64, skip: &[&str]) -> Option<Follower> {
+    pub(crate) fn start(dir: &Path, chunk: u64, skip: &[&str], all: bool) -> Option<Follower> {
         let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let all = std::sync::Arc::new(AtomicBool::new(all));
+        let hashed = std::sync::Arc::new(AtomicU64::new(0));
         let (dir, skip_owned) = (
             dir.to_path_buf(),
             skip.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
         );
-        let s = std::sync::Arc::clone(&stop);
+        let (s, a, h) = (
+            std::sync::Arc::clone(&stop),
+            std::sync::Arc::clone(&all),
+            std::sync::Arc::clone(&hashed),
+        );
         let thread = std::thread::Builder::new()
             .name("cryo-follow".into())
             .spawn(move || {
                 let skip: Vec<&str> = skip_owned.iter().map(String::as_str).collect();
-                follow(&dir, chunk, &skip, &s)
+                follow(&dir, chunk, &skip, &s, &a, &h)
             })
             .map_err(|e| tracing::warn!(error = %e, "no follower: publish hashes the whole dump"))
             .ok()?;
         Some(Follower {
             stop,
+            all,
+            hashed,
             thread: Some(thread),
         })
+    }
+
+    /// Bytes hashed so far.
+    pub(crate) fn hashed(&self) -> u64 {
+        self.hashed.load(Ordering::SeqCst)
+    }
+
+    /// CRIU wrote every file: the follower takes them all from its next look on.
+    pub(crate) fn take_all(&self) {
+        self.all.store(true, Ordering::SeqCst);
+        if let Some(t) = &self.thread {
+            t.thread().unpark();
+        }
     }
 
     /// Stops the follower and takes what it hashed. Publish waits for it here, so it runs at
@@ -139,7 +179,9 @@ impl Follower {
             tracing::debug!(error = %e, "the follower stays idle while publish waits for it");
         }
         t.thread().unpark();
-        t.join().unwrap_or_default()
+        let followed = t.join().unwrap_or_default();
+        tracing::debug!(bytes = self.hashed(), "the follower stopped");
+        followed
     }
 }
 
@@ -158,7 +200,14 @@ impl Drop for Follower {
 /// whole `chunk` CRIU has written since is hashed (all of them at once when started at the
 /// gate, CRIU done writing). Runs at
 /// idle priority where the kernel lets it. Never fails: what it cannot read is left to publish.
-pub(crate) fn follow(dir: &Path, chunk: u64, skip: &[&str], stop: &AtomicBool) -> Follow {
+pub(crate) fn follow(
+    dir: &Path,
+    chunk: u64,
+    skip: &[&str],
+    stop: &AtomicBool,
+    all: &AtomicBool,
+    hashed: &AtomicU64,
+) -> Follow {
     if let Err(e) = sys::set_idle_priority(true) {
         tracing::debug!(error = %e, "the follower keeps its priority");
     }
@@ -172,12 +221,15 @@ pub(crate) fn follow(dir: &Path, chunk: u64, skip: &[&str], stop: &AtomicBool) -
     let mut dropped: Vec<String> = Vec::new();
     let mut buf = vec![0u8; usize::try_from(chunk).unwrap_or(usize::MAX)];
     loop {
+        // Read before the listing: a file listed after CRIU's gate is one CRIU wrote whole.
+        let every = all.load(Ordering::SeqCst);
         if let Ok(rd) = std::fs::read_dir(dir) {
             for e in rd.flatten() {
                 let Ok(name) = e.file_name().into_string() else {
                     continue;
                 };
-                if skip.contains(&name.as_str())
+                if !(every || is_pages(&name))
+                    || skip.contains(&name.as_str())
                     || files.contains_key(&name)
                     || dropped.contains(&name)
                     || !e.file_type().is_ok_and(|t| t.is_file())
@@ -196,7 +248,7 @@ pub(crate) fn follow(dir: &Path, chunk: u64, skip: &[&str], stop: &AtomicBool) -
             }
         }
         for (name, f) in &mut files {
-            if !catch_up(f, chunk, &mut buf, stop) {
+            if !catch_up(f, chunk, &mut buf, stop, hashed) {
                 dropped.push(name.clone());
             }
         }
@@ -207,6 +259,14 @@ pub(crate) fn follow(dir: &Path, chunk: u64, skip: &[&str], stop: &AtomicBool) -
         // Woken early when told to stop.
         std::thread::park_timeout(FOLLOW_EVERY);
     }
+}
+
+/// Whether `name` is a pages file of CRIU's (`pages-<id>.img`), the only files followed while
+/// CRIU writes (see the module's notes).
+fn is_pages(name: &str) -> bool {
+    name.strip_prefix("pages-")
+        .and_then(|n| n.strip_suffix(".img"))
+        .is_some_and(|id| !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// A regular file opened for reading ([`super::open_staged`]: no link followed, no FIFO
@@ -224,7 +284,13 @@ fn open(path: &Path) -> std::io::Result<Followed> {
 
 /// Hashes every whole chunk of `f` written since; `false` if it cannot be read (publish then
 /// hashes it whole).
-fn catch_up(f: &mut Followed, chunk: u64, buf: &mut [u8], stop: &AtomicBool) -> bool {
+fn catch_up(
+    f: &mut Followed,
+    chunk: u64,
+    buf: &mut [u8],
+    stop: &AtomicBool,
+    hashed: &AtomicU64,
+) -> bool {
     let Ok(size) = f.file.metadata().map(|m| m.len()) else {
         return false;
     };
@@ -233,6 +299,7 @@ fn catch_up(f: &mut Followed, chunk: u64, buf: &mut [u8], stop: &AtomicBool) -> 
             return false;
         }
         f.chunks.push(hash::digest(DigestAlg::Blake3, buf));
+        hashed.fetch_add(chunk, Ordering::SeqCst);
         // Only a hint (publish's fsync does what it did not): a whole chunk CRIU is done
         // with, never the page it still writes into.
         let _ = sys::start_writeback(&f.file, f.hashed(chunk) - chunk, chunk);
@@ -297,7 +364,13 @@ mod tests {
         fs_write(&path, &data);
         let mut f = open(&path).unwrap();
         let mut buf = vec![0u8; CHUNK as usize];
-        assert!(catch_up(&mut f, CHUNK, &mut buf, &AtomicBool::new(false)));
+        assert!(catch_up(
+            &mut f,
+            CHUNK,
+            &mut buf,
+            &AtomicBool::new(false),
+            &AtomicU64::new(0)
+        ));
         assert_eq!(f.chunks.len(), chunks, "whole chunks only");
         (dir, path, data, f)
     }
@@ -320,7 +393,13 @@ mod tests {
             .unwrap();
         data.extend_from_slice(&more);
         let mut buf = vec![0u8; CHUNK as usize];
-        assert!(catch_up(&mut f, CHUNK, &mut buf, &AtomicBool::new(false)));
+        assert!(catch_up(
+            &mut f,
+            CHUNK,
+            &mut buf,
+            &AtomicBool::new(false),
+            &AtomicU64::new(0)
+        ));
         assert_eq!(f.chunks.len(), 3);
         let (pf, size) = reopen(&path);
         let got = finish(&path, &pf, size, CHUNK, Some(&f)).unwrap();
@@ -370,6 +449,94 @@ mod tests {
         assert_ne!(got, finish(&path, &pf, size, CHUNK, None).unwrap());
     }
 
+    /// Waits until `f` hashed `bytes` (the positive event the follower's tests wait for).
+    fn until_hashed(f: &Follower, bytes: u64) {
+        let deadline = std::time::Instant::now() + cryo_testkit::PATIENCE;
+        while f.hashed() < bytes {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the follower hashed {} of {bytes} bytes",
+                f.hashed()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Attack: a follower started with CRIU's dump hashes what CRIU has not finished with.
+    /// CRIU writes its pages files once, front to back; any other file (a small image CRIU's
+    /// buffered writer may still rewrite, one it truncates and writes again) is taken only
+    /// once CRIU reached its gate. Here a non-pages file is rewritten in place, to the same
+    /// length, after the follower has seen it (it listed a pages file made after it and
+    /// hashed that whole): the manifest must hold what the file holds at the gate.
+    #[test]
+    fn before_the_gate_only_pages_files_are_hashed() {
+        let dir = tempfile::tempdir().unwrap();
+        let other = dir.path().join("files.img");
+        let before = vec![1u8; 2 * CHUNK as usize];
+        fs_write(&other, &before);
+        let f = Follower::start(dir.path(), CHUNK, &["dump.log"], false).unwrap();
+        let pages = dir.path().join("pages-1.img");
+        let data: Vec<u8> = (0..3 * CHUNK as usize).map(|i| i as u8).collect();
+        fs_write(&pages, &data);
+        until_hashed(&f, 3 * CHUNK);
+        // CRIU writes `files.img` again before its gate.
+        let after = vec![2u8; 2 * CHUNK as usize];
+        fs_write(&other, &after);
+        f.take_all();
+        let followed = f.finish();
+        let (pf, size) = reopen(&other);
+        let got = finish(&other, &pf, size, CHUNK, followed.get("files.img")).unwrap();
+        assert_eq!(
+            got,
+            blake3_chunks(&after),
+            "a chunk CRIU rewrote was hashed early"
+        );
+        let (pf, size) = reopen(&pages);
+        let got = finish(&pages, &pf, size, CHUNK, followed.get("pages-1.img")).unwrap();
+        assert_eq!(got, blake3_chunks(&data));
+        assert_eq!(followed["pages-1.img"].chunks.len(), 3, "hashed as written");
+    }
+
+    /// Past the gate the follower takes every file CRIU wrote, the pages files it followed
+    /// keeping what it hashed of them.
+    #[test]
+    fn past_the_gate_every_file_is_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let pages = dir.path().join("pages-1.img");
+        fs_write(&pages, &[3u8; 2 * CHUNK as usize]);
+        let f = Follower::start(dir.path(), CHUNK, &["dump.log"], false).unwrap();
+        until_hashed(&f, 2 * CHUNK);
+        fs_write(&dir.path().join("core-1.img"), &[4u8; 2 * CHUNK as usize]);
+        fs_write(&dir.path().join("dump.log"), &[5u8; 2 * CHUNK as usize]);
+        f.take_all();
+        until_hashed(&f, 4 * CHUNK);
+        let followed = f.finish();
+        assert_eq!(
+            followed.keys().collect::<Vec<_>>(),
+            ["core-1.img", "pages-1.img"]
+        );
+        assert_eq!(
+            followed["core-1.img"].chunks,
+            blake3_chunks(&[4u8; 2 * CHUNK as usize])
+        );
+    }
+
+    #[test]
+    fn only_criu_s_pages_file_names_are_pages_files() {
+        for n in ["pages-1.img", "pages-65537.img"] {
+            assert!(is_pages(n), "{n}");
+        }
+        for n in [
+            "pages-.img",
+            "pages-1.img.tmp",
+            "pagemap-1.img",
+            "pages-1a.img",
+            "xpages-1.img",
+        ] {
+            assert!(!is_pages(n), "{n}");
+        }
+    }
+
     #[test]
     fn a_link_is_never_followed() {
         let dir = tempfile::tempdir().unwrap();
@@ -381,7 +548,14 @@ mod tests {
         fs_write(&dir.path().join("core-1.img"), b"core");
         fs_write(&dir.path().join("dump.log"), b"log");
         // Stopped at once: one pass opens what is there and hashes nothing.
-        let files = follow(dir.path(), CHUNK, &["dump.log"], &AtomicBool::new(true));
+        let files = follow(
+            dir.path(),
+            CHUNK,
+            &["dump.log"],
+            &AtomicBool::new(true),
+            &AtomicBool::new(true),
+            &AtomicU64::new(0),
+        );
         assert_eq!(files.keys().collect::<Vec<_>>(), ["core-1.img", "target"]);
     }
 

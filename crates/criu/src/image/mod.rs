@@ -4,9 +4,11 @@
 //!
 //! # Design
 //! A freeze writes into `DIR.tmp-<random>` in DIR's parent ([`Staging`]), so the final rename
-//! stays on one filesystem. CRIU writes its dump into it itself; once every byte is written
-//! (CRIU at its `post-dump` gate), a follower hashes every whole chunk at idle priority and
-//! starts its writeback while CRIU ends the tree ([`Staging::follow_written`], `follow.rs`). (Or CRIU streams its dump to a [`Capture`] ([`Staging::capture`]), which
+//! stays on one filesystem. CRIU writes its dump into it itself; a follower hashes every whole
+//! chunk of its pages files as CRIU writes them ([`Staging::follow_pages`]), and of every file
+//! once every byte is written (CRIU at its `post-dump` gate, [`Staging::follow_written`]), at
+//! idle priority, starting each hashed chunk's writeback (`follow.rs`). (Or CRIU streams its
+//! dump to a [`Capture`] ([`Staging::capture`]), which
 //! writes each file into the staging directory, hashing every chunk on the way;
 //! [`Staging::adopt`] hands those digests to publish.)
 //! [`Staging::publish`] hashes every chunk of every file not captured (BLAKE3, chunks in
@@ -592,14 +594,27 @@ impl Staging {
         &self.dir
     }
 
-    /// Starts the follower (see `follow.rs`) over what CRIU has written so far: a dump CRIU
-    /// writes itself calls it at its `post-dump` gate, once every byte is written, so the
-    /// hashes and the writeback run behind the gate's verdict while CRIU ends the tree, and
-    /// never beside CRIU's writing. The files named in `skip` (CRIU's log) are left to publish,
-    /// which hashes what the follower did not. The follower goes on until publish.
+    /// CRIU wrote every file (a dump CRIU writes itself calls it at its `post-dump` gate): the
+    /// follower (see `follow.rs`) takes every file from now on, the pages files it followed
+    /// since [`Staging::follow_pages`] included; started here if it was not then. The files
+    /// named in `skip` (CRIU's log) are left to publish, which hashes what the follower did
+    /// not. The follower goes on until publish.
     pub fn follow_written(&self, skip: &[&str]) {
-        let follower = follow::Follower::start(&self.path, self.chunk_size, skip);
-        *self.follower.lock().unwrap_or_else(|p| p.into_inner()) = follower;
+        let mut held = self.follower.lock().unwrap_or_else(|p| p.into_inner());
+        match &*held {
+            Some(f) => f.take_all(),
+            None => *held = follow::Follower::start(&self.path, self.chunk_size, skip, true),
+        }
+    }
+
+    /// Starts the follower as CRIU starts writing: until [`Staging::follow_written`] it hashes
+    /// only CRIU's pages files, each written once front to back (see `follow.rs`), at idle
+    /// priority beside CRIU.
+    pub fn follow_pages(&self, skip: &[&str]) {
+        let mut held = self.follower.lock().unwrap_or_else(|p| p.into_inner());
+        if held.is_none() {
+            *held = follow::Follower::start(&self.path, self.chunk_size, skip, false);
+        }
     }
 
     /// Keeps `what` (a CRIU run's private directory, its stderr file) until publish has
@@ -698,13 +713,17 @@ impl Staging {
             }
             Ok(known)
         };
-        let followed = self
+        let follower = self
             .follower
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .take()
-            .map(follow::Follower::finish)
-            .unwrap_or_default();
+            .take();
+        let was_followed = follower.is_some();
+        let followed = follower.map(follow::Follower::finish).unwrap_or_default();
+        if let (true, Some(c)) = (was_followed, self.capture_clock()) {
+            let bytes = followed.values().map(|f| f.hashed(self.chunk_size)).sum();
+            *c.followed.lock().unwrap_or_else(|p| p.into_inner()) = Some(bytes);
+        }
         let files = hash_and_sync(&self.path, &names, self.chunk_size, known, &followed)?;
         drop(std::mem::take(
             &mut *self.after_publish.lock().unwrap_or_else(|p| p.into_inner()),
