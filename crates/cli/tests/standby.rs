@@ -866,7 +866,16 @@ fn a_standby_whose_child_exits_as_soon_as_it_resumes_is_paired_at_criu_s_gate() 
     let Event::StandbyReady { root, pids, .. } = first else {
         panic!("the standby was dropped: {first:?}");
     };
-    assert_eq!(pids, vec![root]);
+    // The image's child exits as soon as it runs; still alive when the standby was kept (a
+    // loaded host), it is named as a plain process of the standby, and then exits (the forked
+    // `sleep` never does): either way the standby is its root, ready.
+    assert_eq!(pids[0], root, "{pids:?}");
+    assert!(pids.len() <= 2, "{pids:?}");
+    if let Some(child) = pids.get(1) {
+        eventually(PATIENCE, "the image's child to exit", || {
+            !cryo_testkit::procs::alive(child.pid)
+        });
+    }
     assert_eq!(env.wait_ready(1), vec![root.pid]);
     env.ok(&["standby", "remove", "--image", image.to_str().unwrap()]);
     eventually(PATIENCE, "the standby to be removed", || {
