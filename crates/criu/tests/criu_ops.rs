@@ -732,48 +732,8 @@ fn a_criu_that_logs_without_end_is_cut_to_its_cap() {
          >>\"$w/$o\"\n",
     )
     .unwrap();
-    fs::set_permissions(&fake, fs::Permissions::from_mode(0o755)).unwrap();
-    let dir = t.path().join("image");
-    let st = Staging::create(&dir).unwrap();
-    fs::write(st.path().join("pages-1.img"), vec![7u8; 100_000]).unwrap();
-    fs::write(st.path().join("core-4242.img"), b"core").unwrap();
-    st.publish(
-        ImageMeta {
-            root_pid: 4242,
-            processes: Vec::new(),
-            zombies: Vec::new(),
-            threads: Vec::new(),
-            gpu_model: None,
-            driver_version: None,
-            criu_version: CriuVersion {
-                major: 4,
-                minor: 2,
-                sublevel: 0,
-            },
-            shrunk: None,
-        },
-        false,
-    )
-    .unwrap();
-    let cap = cryo_criu::LogCap {
-        head: 64 << 10,
-        tail: 64 << 10,
-    };
     let scratch = t.path().join("scratch");
-    let criu = CriuRpc::at(fake)
-        .unwrap()
-        .with_log_cap(cap)
-        .in_scratch(&scratch);
-    let image = Image::open(&dir).unwrap();
-    let err = criu
-        .restore(
-            &image,
-            &RestoreOpts {
-                deadline: Some(std::time::Duration::from_secs(2)),
-                ..RestoreOpts::default()
-            },
-        )
-        .unwrap_err();
+    let err = restore_past_a_2s_deadline(&fake, t.path(), &scratch);
     let CriuError::TimedOut { log, lines, .. } = &err else {
         panic!("expected the deadline, got {err}");
     };
@@ -817,8 +777,37 @@ fn a_restored_task_that_logs_past_the_deadline_is_ended_before_the_log_is_cut() 
         ),
     )
     .unwrap();
-    fs::set_permissions(&fake, fs::Permissions::from_mode(0o755)).unwrap();
-    let dir = t.path().join("image");
+    let scratch = t.path().join("scratch");
+    let err = restore_past_a_2s_deadline(&fake, t.path(), &scratch);
+    let CriuError::TimedOut { log, killed, .. } = &err else {
+        panic!("expected the deadline, got {err}");
+    };
+    assert_eq!(killed.len(), 1, "the restored task was not ended: {err}");
+    let task = killed[0].0;
+    assert!(
+        !Path::new(&format!("/proc/{task}")).exists(),
+        "the restored task {task} is still there: {err}"
+    );
+    let text = fs::read(log).unwrap();
+    let at = text
+        .windows(10)
+        .position(|w| w == b"cut here: ")
+        .expect("no cut line");
+    assert!(
+        text.len() <= (128 << 10) + 200,
+        "{}: {} bytes, {} after the cut line",
+        log.display(),
+        text.len(),
+        text.len() - at
+    );
+}
+
+/// Makes `fake` (a fake CRIU script) executable, publishes a tiny image under `dir`, and
+/// restores it with `fake` at a 2 s deadline and a 64 KiB + 64 KiB log cap, scratch files in
+/// `scratch`: the restore's error (the deadline, for the callers' fakes that never end).
+fn restore_past_a_2s_deadline(fake: &Path, dir: &Path, scratch: &Path) -> CriuError {
+    fs::set_permissions(fake, fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = dir.join("image");
     let st = Staging::create(&dir).unwrap();
     fs::write(st.path().join("pages-1.img"), vec![7u8; 100_000]).unwrap();
     fs::write(st.path().join("core-4242.img"), b"core").unwrap();
@@ -844,42 +833,19 @@ fn a_restored_task_that_logs_past_the_deadline_is_ended_before_the_log_is_cut() 
         head: 64 << 10,
         tail: 64 << 10,
     };
-    let scratch = t.path().join("scratch");
-    let criu = CriuRpc::at(fake)
+    let criu = CriuRpc::at(fake.to_path_buf())
         .unwrap()
         .with_log_cap(cap)
-        .in_scratch(&scratch);
+        .in_scratch(scratch);
     let image = Image::open(&dir).unwrap();
-    let err = criu
-        .restore(
-            &image,
-            &RestoreOpts {
-                deadline: Some(std::time::Duration::from_secs(2)),
-                ..RestoreOpts::default()
-            },
-        )
-        .unwrap_err();
-    let CriuError::TimedOut { log, killed, .. } = &err else {
-        panic!("expected the deadline, got {err}");
-    };
-    assert_eq!(killed.len(), 1, "the restored task was not ended: {err}");
-    let task = killed[0].0;
-    assert!(
-        !Path::new(&format!("/proc/{task}")).exists(),
-        "the restored task {task} is still there: {err}"
-    );
-    let text = fs::read(log).unwrap();
-    let at = text
-        .windows(10)
-        .position(|w| w == b"cut here: ")
-        .expect("no cut line");
-    assert!(
-        text.len() <= (128 << 10) + 200,
-        "{}: {} bytes, {} after the cut line",
-        log.display(),
-        text.len(),
-        text.len() - at
-    );
+    criu.restore(
+        &image,
+        &RestoreOpts {
+            deadline: Some(std::time::Duration::from_secs(2)),
+            ..RestoreOpts::default()
+        },
+    )
+    .unwrap_err()
 }
 
 /// The fake CRIU's endless log, kept within a 64 KiB + 64 KiB cap: its first line, the cut
