@@ -389,13 +389,9 @@ mod tests {
         other.wait().unwrap();
     }
 
-    /// Attack (session 13): a held worker has a child of its own (a worker's helper, or a
-    /// restored tree's other process). A failed arm ends it too, not only the worker's root:
-    /// killed first, the root's children are reparented away and nothing ends them. (Before:
-    /// only each root pid was held, and the child outlived the arm.)
-    #[test]
-    fn a_failed_arm_ends_the_children_of_its_workers_too() {
-        let dir = tempfile::tempdir().unwrap();
+    /// A shell (this process's child) running `sleep` in the background (its child, not
+    /// ours), and the sleep's pid.
+    fn shell_with_a_child() -> (std::process::Child, Pid) {
         let mut sh = Command::new("sh")
             .args(["-c", "sleep 1000 & echo $!; wait"])
             .stdout(Stdio::piped())
@@ -407,7 +403,18 @@ mod tests {
             &mut line,
         )
         .unwrap();
-        let child = ProcHandle::open(line.trim().parse().unwrap()).unwrap();
+        (sh, line.trim().parse().unwrap())
+    }
+
+    /// Attack (session 13): a held worker has a child of its own (a worker's helper, or a
+    /// restored tree's other process). A failed arm ends it too, not only the worker's root:
+    /// killed first, the root's children are reparented away and nothing ends them. (Before:
+    /// only each root pid was held, and the child outlived the arm.)
+    #[test]
+    fn a_failed_arm_ends_the_children_of_its_workers_too() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut sh, child) = shell_with_a_child();
+        let child = ProcHandle::open(child).unwrap();
         let root = ProcHandle::open(Pid::try_from(sh.id()).unwrap()).unwrap();
         drop({
             let mut w = Workers::new(dir.path());
@@ -429,18 +436,7 @@ mod tests {
     fn a_held_pid_that_is_not_our_child_is_left_alone() {
         let dir = tempfile::tempdir().unwrap();
         // A grandchild: its parent is the shell, not this process.
-        let mut sh = Command::new("sh")
-            .args(["-c", "sleep 1000 & echo $!; wait"])
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        std::io::BufRead::read_line(
-            &mut std::io::BufReader::new(sh.stdout.take().unwrap()),
-            &mut line,
-        )
-        .unwrap();
-        let pid: Pid = line.trim().parse().unwrap();
+        let (mut sh, pid) = shell_with_a_child();
         let h = ProcHandle::open(pid).unwrap();
         drop({
             let mut w = Workers::new(dir.path());
