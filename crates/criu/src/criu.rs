@@ -509,41 +509,13 @@ impl CriuRpc {
     /// beside it (serving or capturing the image on `listener`, or checking it), and, when CRIU
     /// reaches the gate's stage, `verdict`, and waits for CRIU, past `deadline` no longer: then
     /// it kills CRIU. Returns its exit status and the verdict (`None`: CRIU ended before it
-    /// reached the gate); the log is whole (as capped) when it returns.
+    /// reached the gate); the log is whole (as capped) when it returns. `ended` runs once CRIU
+    /// was waited for and its verdict is known, before its log is cut (on the thread that
+    /// spawned CRIU): what ends the processes CRIU left (a restore's, at its deadline) ends them
+    /// there, since they write the log too (CRIU's restorer runs inside them), and whatever
+    /// writes it after the cut appends past the cap.
     #[allow(clippy::too_many_arguments)]
     fn run_gated(
-        &self,
-        op: CriuOp,
-        cmd: Command,
-        log: FileCap,
-        listener: Option<&UnixListener>,
-        gate: Gate,
-        deadline: Option<std::time::Duration>,
-        work: impl FnOnce() + Send,
-        verdict: impl FnOnce(Option<Pid>) -> Result<(), CriuError> + Send,
-        spawned: impl FnOnce(Pid),
-    ) -> Result<Gated, CriuError> {
-        self.run_gated_then(
-            op,
-            cmd,
-            log,
-            listener,
-            gate,
-            deadline,
-            work,
-            verdict,
-            spawned,
-            |_| {},
-        )
-    }
-
-    /// [`CriuRpc::run_gated`], with `ended` run once CRIU was waited for and its verdict is
-    /// known, before its log is cut (on the thread that spawned CRIU): what ends the processes
-    /// CRIU left (a restore's, at its deadline) ends them there, since they write the log too
-    /// (CRIU's restorer runs inside them), and whatever writes it after the cut appends past
-    /// the cap.
-    #[allow(clippy::too_many_arguments)]
-    fn run_gated_then(
         &self,
         op: CriuOp,
         mut cmd: Command,
@@ -733,6 +705,7 @@ impl Criu for CriuRpc {
                 v
             },
             |criu| colocated.pin_criu(criu),
+            |_| {},
         )?;
         image::CaptureClock::mark(&clock.criu_exit);
         drop(colocated);
@@ -866,7 +839,7 @@ impl Criu for CriuRpc {
                 let listener =
                     UnixListener::bind(p.join(image::SERVE_SOCKET)).map_err(dir_err(&p))?;
                 let server = image::Server::new(image);
-                let gated = self.run_gated_then(
+                let gated = self.run_gated(
                     op,
                     cmd,
                     log,
@@ -887,7 +860,7 @@ impl Criu for CriuRpc {
             ThawRoute::Files => {
                 let check = image::Check::new(image).map_err(CriuError::Image)?;
                 phases.checked_ms = since(std::time::Instant::now());
-                let gated = self.run_gated_then(
+                let gated = self.run_gated(
                     op,
                     cmd,
                     log,
@@ -1089,6 +1062,7 @@ impl CriuRpc {
                 image::CaptureClock::mark(&clock.verdict);
                 v
             },
+            |_| {},
             |_| {},
         )?;
         image::CaptureClock::mark(&clock.criu_exit);
