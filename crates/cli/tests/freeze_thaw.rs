@@ -1216,6 +1216,206 @@ fn a_freeze_killed_at_the_dump_gate_with_the_pages_followed_publishes_nothing() 
     env.stop_clean(pid);
 }
 
+/// The CPUs the main thread of `pid` may run on.
+fn cpus_of(pid: i32) -> Vec<usize> {
+    let set = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(pid)).unwrap();
+    (0..nix::sched::CpuSet::count())
+        .filter(|c| set.is_set(*c).unwrap())
+        .collect()
+}
+
+/// Lets the main thread of `pid` run on `cpus` only.
+fn set_cpus(pid: i32, cpus: &[usize]) {
+    let mut set = nix::sched::CpuSet::new();
+    for c in cpus {
+        set.set(*c).unwrap();
+    }
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(pid), &set).unwrap();
+}
+
+/// A worker's freeze killed at CRIU's gate (its pages dumped, the worker pinned to one CPU for
+/// the dump and frozen by CRIU): `at_gate` runs there with the pinned CPU first. CRIU gets no
+/// verdict and resumes the worker. Returns the worker's pid, its own CPUs and the CPU it was
+/// pinned to.
+fn freeze_killed_pinned(
+    env: &mut Env,
+    at_gate: impl FnOnce(i32, usize),
+) -> (i32, Vec<usize>, usize) {
+    let (pid, _) = env.worker("16MiB", 0);
+    let own = cpus_of(pid);
+    assert!(
+        own.len() > 1,
+        "the attack needs a worker that may run on two CPUs or more: {own:?}"
+    );
+    let image = env.path().join(format!("img-{pid}"));
+    let mut freeze = freeze_at(env, pid, &image, false, "freeze-at-dump-gate");
+    let pinned = cpus_of(pid);
+    assert_eq!(pinned.len(), 1, "the dump pins the worker to one CPU");
+    at_gate(pid, pinned[0]);
+    freeze.kill().unwrap();
+    freeze.wait().unwrap();
+    eventually(
+        PATIENCE * 2,
+        &format!("CRIU to end and let go of pid {pid}"),
+        || criu_procs(env).is_empty() && (!alive(pid) || tracer(pid) == 0),
+    );
+    assert!(alive(pid), "CRIU resumes the worker without a verdict");
+    (pid, own, pinned[0])
+}
+
+/// Whoever finds a dead freeze (here a guard that starts, as the agent's start does) closes the
+/// CPU pinning of its dump: the journal's `CpusReturned` of the recovery.
+fn wait_pins_settled(env: &Env) -> Vec<cryo_journal::ProcId> {
+    eventually(
+        PATIENCE,
+        "the recovery to settle the dump's CPU sets",
+        || {
+            events(env).iter().find_map(|e| match e {
+                cryo_journal::Event::CpusReturned {
+                    recovery: true,
+                    returned,
+                    ..
+                } => Some(returned.clone()),
+                _ => None,
+            })
+        },
+    )
+}
+
+/// Seam (session 14): a dump pins the main thread of every process of the tree to one CPU. A
+/// freeze killed at CRIU's gate (SIGKILL, OOM, a crash) gets no verdict: CRIU resumes the
+/// worker, still pinned. The guard that starts next (the agent's start does the same) gives it
+/// its own CPU set back from the journal. Before: the worker stayed on one CPU for the rest of
+/// its life, and nothing in the journal said so.
+#[test]
+fn a_worker_left_pinned_by_a_freeze_killed_at_the_dump_gate_gets_its_cpus_back() {
+    let mut env = Env::start("1GiB");
+    let (pid, own, _) = freeze_killed_pinned(&mut env, |_, _| {});
+    let guard = common::GuardProc::spawn(
+        env.cmd(),
+        &env.path().join("state"),
+        &["--no-memory-watch", "--poll-ms", "3600000"],
+    );
+    // The guard resumes the worker (its freeze left it CHECKPOINTED) after it gave back the
+    // dump's CPU sets.
+    eventually(PATIENCE, "the guard to resume the worker", || {
+        events(&env).iter().any(
+            |e| matches!(e, cryo_journal::Event::SuspensionSettled { pid: p, .. } if p.pid == pid),
+        )
+    });
+    assert_eq!(cpus_of(pid), own, "the worker got its own CPU set back");
+    let returned = wait_pins_settled(&env);
+    assert_eq!(
+        returned.iter().map(|p| p.pid).collect::<Vec<_>>(),
+        vec![pid]
+    );
+    drop(guard);
+    env.stop_clean(pid);
+}
+
+/// The same change of a worker's CPU set at the gate, the freeze let go on (`--leave-running`):
+/// the dump gives back only sets that are still its pin. Before: it wrote the saved set over
+/// the new one.
+#[test]
+fn a_cpu_set_changed_during_the_dump_is_not_overwritten_when_the_dump_ends() {
+    let mut env = Env::start("1GiB");
+    let (pid, _) = env.worker("16MiB", 0);
+    let image = env.path().join("img");
+    let resume = env.path().join("resume");
+    // Its stderr in a file: it goes on writing there after the gate.
+    let log = env.path().join("freeze.err");
+    let mut freeze = env
+        .cmd()
+        .env("CRYO_FAILPOINT", "freeze-at-dump-gate")
+        .env("CRYO_FAILPOINT_RESUME", &resume)
+        .args(["freeze", &pid.to_string(), "--leave-running", "--image"])
+        .arg(&image)
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    eventually(PATIENCE, "the freeze to reach CRIU's gate", || {
+        fs::read_to_string(&log).is_ok_and(|l| l.contains("failpoint"))
+    });
+    let pinned = cpus_of(pid);
+    assert_eq!(pinned.len(), 1, "the dump pins the worker to one CPU");
+    let moved = usize::from(pinned[0] == 0);
+    set_cpus(pid, &[moved]);
+    fs::write(&resume, "").unwrap();
+    let status = freeze.wait().unwrap();
+    assert!(
+        status.success(),
+        "freeze: {}",
+        fs::read_to_string(&log).unwrap()
+    );
+    assert_eq!(
+        cpus_of(pid),
+        vec![moved],
+        "a set changed since was overwritten"
+    );
+    assert!(events(&env).iter().any(|e| matches!(
+        e,
+        cryo_journal::Event::CpusReturned { left, recovery: false, .. }
+            if left.iter().map(|p| p.pid).collect::<Vec<_>>() == vec![pid]
+    )));
+    env.stop_clean(pid);
+}
+
+/// As above, the worker gone and its pid taken by another process (pinned to the same CPU, as
+/// a leftover would be) before the recovery: the recovery opens only the process recorded, so
+/// it touches nothing, and closes the record.
+#[test]
+fn a_reused_pid_of_a_worker_left_pinned_is_not_touched() {
+    let mut env = Env::start("1GiB");
+    let (pid, _, cpu) = freeze_killed_pinned(&mut env, |_, _| {});
+    // CHECKPOINTED by the freeze: its end is the safe kind.
+    sigkill(pid);
+    env.reap_worker(pid);
+    eventually(PATIENCE, &format!("pid {pid} to be free"), || !exists(pid));
+    let mut reuser = procs::spawn_with_pid(pid).expect("pid reused");
+    set_cpus(pid, &[cpu]);
+    let guard = common::GuardProc::spawn(
+        env.cmd(),
+        &env.path().join("state"),
+        &["--no-memory-watch", "--poll-ms", "3600000"],
+    );
+    assert_eq!(wait_pins_settled(&env), Vec::new());
+    assert_eq!(
+        cpus_of(pid),
+        vec![cpu],
+        "the reused pid's process was touched"
+    );
+    drop(guard);
+    reuser.kill().unwrap();
+    reuser.wait().unwrap();
+    env.sim.assert_no_wedge();
+}
+
+/// As above, the worker's CPU set changed by someone else while CRIU held it at the gate (the
+/// CPU manager of Kubernetes rewrites cpusets): the set is theirs, the recovery leaves it.
+#[test]
+fn a_cpu_set_changed_during_the_dump_is_not_overwritten_by_the_recovery() {
+    let mut env = Env::start("1GiB");
+    let mut moved = 0;
+    let (pid, _, _) = freeze_killed_pinned(&mut env, |pid, cpu| {
+        moved = usize::from(cpu == 0);
+        set_cpus(pid, &[moved]);
+    });
+    let guard = common::GuardProc::spawn(
+        env.cmd(),
+        &env.path().join("state"),
+        &["--no-memory-watch", "--poll-ms", "3600000"],
+    );
+    assert_eq!(wait_pins_settled(&env), Vec::new());
+    assert_eq!(
+        cpus_of(pid),
+        vec![moved],
+        "a set changed since was overwritten"
+    );
+    drop(guard);
+    env.stop_clean(pid);
+}
+
 /// Bytes the follower thread (`cryo-follow`) of process `pid` has read (`rchar`); 0 if it has
 /// none.
 fn follower_read(pid: u32) -> u64 {

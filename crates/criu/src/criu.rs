@@ -11,6 +11,7 @@ use std::process::{Command, Stdio};
 use cryo_proc::Pid;
 use nix::fcntl::{Flock, FlockArg};
 
+use crate::colocate::PinRecord;
 use crate::error::{CriuError, CriuOp};
 use crate::image::{self, Image, ImageError, Staging};
 use crate::log::{FileCap, LogCap};
@@ -145,6 +146,21 @@ pub trait Criu: std::fmt::Debug + Send + Sync {
         opts: &DumpOpts,
         at_gate: &DumpGate<'_>,
     ) -> Result<(), CriuError>;
+
+    /// [`Criu::dump_staged`], telling `pins` what the dump pins to one CPU before it pins it
+    /// and what it gave back afterwards (see [`PinRecord`]). A [`Criu`] that pins nothing
+    /// tells nothing (the default).
+    fn dump_staged_recorded(
+        &self,
+        pid: Pid,
+        staging: &Staging,
+        opts: &DumpOpts,
+        at_gate: &DumpGate<'_>,
+        pins: &dyn PinRecord,
+    ) -> Result<(), CriuError> {
+        let _ = pins;
+        self.dump_staged(pid, staging, opts, at_gate)
+    }
 
     /// Restores the tree of `image` (opened and trusted by [`Image::open`]) and returns the pid
     /// of its root as CRIU names it: the host pid, which is the pid it had when dumped unless
@@ -666,6 +682,17 @@ impl Criu for CriuRpc {
         opts: &DumpOpts,
         at_gate: &DumpGate<'_>,
     ) -> Result<(), CriuError> {
+        self.dump_staged_recorded(pid, staging, opts, at_gate, &crate::colocate::Unrecorded)
+    }
+
+    fn dump_staged_recorded(
+        &self,
+        pid: Pid,
+        staging: &Staging,
+        opts: &DumpOpts,
+        at_gate: &DumpGate<'_>,
+        pins: &dyn PinRecord,
+    ) -> Result<(), CriuError> {
         if std::env::var_os("CRYO_DUMP_STREAM").is_some_and(|v| v == "1") {
             return self.dump_streamed(pid, staging, opts, at_gate);
         }
@@ -679,7 +706,7 @@ impl Criu for CriuRpc {
             self.dump_command(pid, staging, opts, Images::Dir(dir.as_fd()), &p)?;
         // CRIU and its parasite in the tree hand every chunk of pages to each other: one CPU
         // for both (see `colocate`); the tree gets its CPU sets back when CRIU has exited.
-        let colocated = crate::colocate::Colocated::pin_tree(pid);
+        let colocated = crate::colocate::Colocated::pin_tree(pid, pins);
         tracing::debug!(pid, staging = %staging.path().display(), cpu = ?colocated.cpu(), "criu dump");
         let clock = staging.dump_clock();
         if follow_early() {

@@ -50,6 +50,7 @@ pub mod stats;
 mod unresumed;
 mod version;
 
+pub use colocate::{PinRecord, Unrecorded};
 pub use criu::{
     dump_gate_verdict, error_lines, AtGate, Criu, CriuFlags, CriuRpc, DumpGate, DumpOpts,
     DumpPhases, RestoreOpts, RestorePhases, Restored, ThawRoute, CRIU_ENV, DEFAULT_CRIU, DUMP_LOG,

@@ -264,6 +264,45 @@ pub enum Event {
         error: String,
     },
 
+    /// A dump is about to run CRIU and the main thread of every process of the tree rooted at
+    /// `root` on one CPU (`cpu`), each one's own CPU set kept here; written (not synced) before
+    /// the first is pinned. The dump gives the sets back once CRIU has exited
+    /// ([`Event::CpusReturned`]); a dump that died first leaves this record open, and whoever
+    /// finds its owner `by` gone gives them back (a power cut needs nothing: it ends every
+    /// process the record names, and the record says which boot it is of).
+    CpusPinned {
+        /// The tree's root.
+        root: ProcId,
+        /// The cryo process that dumps it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        by: Option<ProcId>,
+        /// The one CPU.
+        cpu: u32,
+        /// Every process to be pinned, with the CPUs its main thread may run on before.
+        procs: Vec<PinnedCpus>,
+        /// The host's boot (`/proc/sys/kernel/random/boot_id`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        boot: Option<String>,
+    },
+    /// The CPU sets a dump of `root` took are settled: given back to `returned`; left to
+    /// `left`, whose sets someone else changed since the pin (theirs now) or that cannot be
+    /// looked at; the others have ended (or their pids name other processes now).
+    CpusReturned {
+        /// The tree's root.
+        root: ProcId,
+        /// The cryo process that dumped it (the owner of its [`Event::CpusPinned`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        by: Option<ProcId>,
+        /// Given back their own CPU sets.
+        returned: Vec<ProcId>,
+        /// Left as they are.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        left: Vec<ProcId>,
+        /// Settled by a later run: the dump died before it gave them back.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        recovery: bool,
+    },
+
     // ---- thaw ----
     /// About to restore `image`.
     ThawStarted {
@@ -623,6 +662,16 @@ pub enum Event {
     Unknown,
 }
 
+/// A process a dump pins to one CPU, with the CPUs its main thread may run on before
+/// ([`Event::CpusPinned`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PinnedCpus {
+    /// The process.
+    pub pid: ProcId,
+    /// Its own CPU set (CPU numbers, ascending).
+    pub cpus: Vec<u32>,
+}
+
 /// Whether an event is written before an action or after it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
@@ -702,6 +751,8 @@ impl Event {
             | ActivatorRemoved { .. }
             | GpuQuarantined { .. }
             | JournalRepaired { .. }
+            | CpusPinned { .. }
+            | CpusReturned { .. }
             | Unknown => None,
         }
     }
@@ -721,6 +772,10 @@ impl Event {
             | Event::StandbyRestoring { pids, .. }
             | Event::StandbyReady { pids, .. }
             | Event::ActivatorListening { pids, .. } => pids.clone(),
+            Event::CpusPinned { procs, .. } => procs.iter().map(|p| p.pid).collect(),
+            Event::CpusReturned { returned, left, .. } => {
+                returned.iter().chain(left).copied().collect()
+            }
             other => other.proc().into_iter().collect(),
         }
     }
@@ -743,7 +798,8 @@ impl Event {
             | ParkStarted { .. }
             | WakeStarted { .. }
             | ShrinkStarted { .. }
-            | StandbyRestoring { .. } => Phase::Intent,
+            | StandbyRestoring { .. }
+            | CpusPinned { .. } => Phase::Intent,
             Locked { .. }
             | LockFailed { .. }
             | Checkpointed { .. }
@@ -783,7 +839,8 @@ impl Event {
             | ProcessExited { .. }
             | Execed { .. }
             | CallAbandoned { .. }
-            | SuspensionSettled { .. } => Phase::Outcome,
+            | SuspensionSettled { .. }
+            | CpusReturned { .. } => Phase::Outcome,
             FreshDeclared { .. }
             | StandbyPool { .. }
             | ActivatorListening { .. }
@@ -824,6 +881,11 @@ impl Event {
             Dumped { .. } => "dumped",
             ImagePublished { .. } => "image published",
             FreezeFailed { .. } => "freeze failed",
+            CpusPinned { .. } => "dump pinned to one CPU",
+            CpusReturned {
+                recovery: false, ..
+            } => "CPU sets given back",
+            CpusReturned { recovery: true, .. } => "CPU sets given back (recovery)",
             ThawStarted { .. } => "thaw started",
             CriuRestored { .. } => "criu restored",
             RestoreCompleted { .. } => "restore completed",
@@ -998,6 +1060,33 @@ impl Event {
                     .into()
             }
             Execed { thread, .. } => format!("execve by thread {thread}"),
+            CpusPinned {
+                root, cpu, procs, ..
+            } => format!(
+                "tree of pid {}: {} processes on CPU {cpu}",
+                root.pid,
+                procs.len()
+            ),
+            CpusReturned {
+                root,
+                returned,
+                left,
+                ..
+            } => {
+                let list = |l: &[ProcId]| -> String {
+                    let pids: Vec<String> = l.iter().map(|p| p.pid.to_string()).collect();
+                    pids.join(", ")
+                };
+                match left.len() {
+                    0 => format!("tree of pid {}: [{}]", root.pid, list(returned)),
+                    _ => format!(
+                        "tree of pid {}: [{}]; left as they are (changed since): [{}]",
+                        root.pid,
+                        list(returned),
+                        list(left)
+                    ),
+                }
+            }
             JournalRepaired { offset, bytes } => {
                 format!("cut {bytes} torn bytes at offset {offset}")
             }

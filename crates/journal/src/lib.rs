@@ -54,10 +54,12 @@ mod timeline;
 mod writer;
 
 pub use error::{AppendError, FileError, OpenError, ReadError, SinceError};
-pub use event::{AttachSource, Event, Phase, Purpose, Record};
+pub use event::{AttachSource, Event, Phase, PinnedCpus, Purpose, Record};
 pub use frame::{Corruption, FrameFault, Tail, MAX_PAYLOAD};
 pub use procid::ProcId;
-pub use query::{in_flight_stops, last_steps, Filter, InFlight, Origin, Origins, StopStep};
+pub use query::{
+    in_flight_stops, last_steps, open_pins, Filter, InFlight, OpenPins, Origin, Origins, StopStep,
+};
 pub use reader::{read, Reader, Scan};
 pub use timeline::{fmt_utc, parse_since, parse_since_at, render_json, render_timeline, Subsec};
 pub use writer::Journal;

@@ -242,3 +242,35 @@ pub fn in_flight_stops<'a>(
     all.retain(|_, f| f.step.is_some_and(|s| !s.is_done()) || f.abandoned.is_some());
     all
 }
+
+/// A dump's CPU pinning that nothing has settled yet: its [`Event::CpusPinned`] record, with no
+/// [`Event::CpusReturned`] of the same root and owner after it.
+#[derive(Debug, Clone)]
+pub struct OpenPins {
+    /// The record (an [`Event::CpusPinned`]).
+    pub record: Record,
+    /// Its tree's root.
+    pub root: ProcId,
+    /// The cryo process that pinned it (`None`: not recorded; settled like a dead owner's).
+    pub by: Option<ProcId>,
+}
+
+/// Every dump's CPU pinning not given back yet, oldest first: what whoever finds its owner
+/// ([`OpenPins::by`]) gone gives back.
+pub fn open_pins<'a>(records: impl IntoIterator<Item = &'a Record>) -> Vec<OpenPins> {
+    let mut open: Vec<OpenPins> = Vec::new();
+    for r in records {
+        match &r.event {
+            Event::CpusPinned { root, by, .. } => open.push(OpenPins {
+                record: r.clone(),
+                root: *root,
+                by: *by,
+            }),
+            Event::CpusReturned { root, by, .. } => {
+                open.retain(|o| !(o.root == *root && o.by == *by));
+            }
+            _ => {}
+        }
+    }
+    open
+}

@@ -716,6 +716,15 @@ fn freeze_inner(
     // fsync then waits for the rest only). At the gate the tree is frozen: what lives in it
     // then is what CRIU dumped, and what the manifest lists.
     let seen = std::sync::OnceLock::new();
+    // What the dump pins to one CPU, journaled before it pins it (given back by whoever finds
+    // this freeze dead, `cpus`).
+    let journaled = handles
+        .first()
+        .map(|r| crate::cpus::Journaled::new(journal, r));
+    let pins: &dyn cryo_criu::PinRecord = match &journaled {
+        Some(j) => j,
+        None => &cryo_criu::Unrecorded,
+    };
     let at_gate = || {
         failpoint::pause_if(FREEZE_AT_DUMP_GATE);
         let s = at_dump_gate(gpu, handles, cuda)?;
@@ -723,7 +732,7 @@ fn freeze_inner(
         Ok(())
     };
     let dumped = with_dir_progress(progress, root, "dump", expected, staging.path(), || {
-        criu.dump_staged(root, &staging, &dump_opts, &at_gate)
+        criu.dump_staged_recorded(root, &staging, &dump_opts, &at_gate, pins)
     });
     let dumped_bytes = cryo_criu::image::dir_bytes(staging.path());
     let detail = format!(

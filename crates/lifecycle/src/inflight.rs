@@ -21,6 +21,9 @@
 //!
 //! Each settled process gets an [`Event::SuspensionSettled`] record saying what was found and done,
 //! so it is settled once; callers print the returned [`Settled`] list.
+//!
+//! Before the suspensions, the CPU sets a dump that died left pinned are given back
+//! ([`crate::cpus`]; each such dump closed with an [`Event::CpusReturned`]).
 
 use std::time::Duration;
 
@@ -44,6 +47,9 @@ pub enum Settlement {
     Killed,
     /// It was CHECKPOINTED by a freeze that did not finish: restored and unlocked in place.
     Resumed,
+    /// Its main thread was left pinned to one CPU by a dump that did not finish (see
+    /// [`crate::cpus`]): its own CPU set is back.
+    CpusReturned,
     /// Left as it is, for the reason given.
     Left {
         /// Why.
@@ -87,6 +93,9 @@ impl std::fmt::Display for Settled {
                 f,
                 "pid {pid}: {what} left it checkpointed; restored and unlocked in place"
             ),
+            Settlement::CpusReturned => {
+                write!(f, "pid {pid}: {}; its own CPU set given back", self.found)
+            }
             Settlement::Left { why } => write!(
                 f,
                 "pid {pid}: {what} left it {}; left as it is: {why}",
@@ -121,7 +130,8 @@ pub fn settle_in_flight(
     let gpu = &gpu.bounded(cryo_gpu::Limits::default());
     let records = cryo_journal::read(journal.dir())?.records;
     let mine = me();
-    let mut out = Vec::new();
+    // First the CPU sets a dead dump left pinned: a worker resumed below runs on all of them.
+    let mut out = crate::cpus::give_back_dead(journal, &records)?;
     for (pid, f) in cryo_journal::in_flight_stops(&records) {
         if !pid.is_alive_same() {
             continue;
@@ -144,6 +154,7 @@ pub fn settle_in_flight(
                 Settlement::Unlocked => "unlocked".to_string(),
                 Settlement::Killed => "killed".to_string(),
                 Settlement::Resumed => "resumed".to_string(),
+                Settlement::CpusReturned => "its CPU set given back".to_string(),
                 Settlement::Left { why } => format!("left as it is: {why}"),
             },
         })?;

@@ -17,6 +17,7 @@
 //! Test hooks: [`failpoint`] (`CRYO_FAILPOINT=stop-before-kill`) makes `stop` stall after the
 //! suspension is verified and before anything is killed, so crash recovery can be tested.
 
+pub mod cpus;
 pub mod cuda;
 pub mod failpoint;
 pub mod freeze;

@@ -13,6 +13,17 @@ use crate::fds::{driver_fds, DriverFiles, Fd};
 use crate::read::{self, Stat, Status};
 use crate::{OomAdjError, Pid, ProcError, Signal};
 
+/// What [`ProcHandle::unpin`] found and did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unpinned {
+    /// It was still pinned: its own CPU set is back.
+    Returned,
+    /// It already had its own CPU set (given back before).
+    Already,
+    /// Someone changed its CPU set since the pin (to this one): left as it is.
+    Changed(nix::sched::CpuSet),
+}
+
 /// Whether a process still runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Liveness {
@@ -188,6 +199,28 @@ impl ProcHandle {
             return Err(ProcError::NoSuchProcess(self.pid));
         }
         Ok(())
+    }
+
+    /// Gives its main thread `cpus` back if it may still run on `pinned` only, the set this
+    /// process was given by whoever pinned it: a set anyone else changed since (Kubernetes' CPU
+    /// manager rewrites cpusets; the process may set its own) is theirs, and left as it is.
+    /// One look, then one call: a change that falls between them is overwritten (the kernel
+    /// has no compare-and-set of an affinity). By pid, as [`ProcHandle::set_affinity`]: checked
+    /// against the pidfd before and after.
+    pub fn unpin(
+        &self,
+        pinned: &nix::sched::CpuSet,
+        cpus: &nix::sched::CpuSet,
+    ) -> Result<Unpinned, ProcError> {
+        let now = self.affinity()?;
+        if now == *cpus {
+            return Ok(Unpinned::Already);
+        }
+        if now != *pinned {
+            return Ok(Unpinned::Changed(now));
+        }
+        self.set_affinity(cpus)?;
+        Ok(Unpinned::Returned)
     }
 
     /// Alive, a zombie (exited, not reaped), or gone (reaped: its pid is free for reuse).

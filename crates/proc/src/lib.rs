@@ -47,11 +47,13 @@ mod sys;
 pub use cgroup::{cgroup_procs, cgroup_tree_procs, is_hierarchy_root, CgroupEntry, Cgroups};
 pub use error::{OomAdjError, ProcError};
 pub use fds::{driver_fds, DriverFiles, Fd, FdTarget};
-pub use handle::{pidfs_inode, Liveness, ProcHandle};
+pub use handle::{pidfs_inode, Liveness, ProcHandle, Unpinned};
 pub use netns::{in_net_namespace, in_net_namespace_of};
+/// A set of CPUs, as [`ProcHandle::affinity`] answers it.
+pub use nix::sched::CpuSet;
 pub use read::{
-    driver_file_holders, fds, liveness, load_average, mem_available, naming, pid_holders, pid_max,
-    pids_in_use, pin_to_cpus, runs_our_executable, same_namespace, stat, status, tgid,
+    boot_id, driver_file_holders, fds, liveness, load_average, mem_available, naming, pid_holders,
+    pid_max, pids_in_use, pin_to_cpus, runs_our_executable, same_namespace, stat, status, tgid,
     thread_children, thread_named, threads_cpu, tree, unix_listeners_of, NamespaceKind, PidHolder,
     Stat, Status, ThreadCpu, SYSTEM_MEMORY_PRESSURE,
 };

@@ -581,6 +581,16 @@ pub fn load_average() -> Result<[f64; 3], ProcError> {
     Ok([l.one.into(), l.five.into(), l.fifteen.into()])
 }
 
+/// This boot of the host (`/proc/sys/kernel/random/boot_id`): what a record about live
+/// processes names so that it is not taken, after a reboot, for one about this boot's (pids and
+/// start times from boot repeat across boots). `None` if the kernel does not say.
+pub fn boot_id() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
