@@ -1216,6 +1216,46 @@ fn a_freeze_killed_at_the_dump_gate_with_the_pages_followed_publishes_nothing() 
     env.stop_clean(pid);
 }
 
+/// Seam (session 14): the suspension's first intent (its `LockStarted`, synced before the first
+/// lock) that cannot be made durable (the journal's `fdatasync` fails with EIO; failpoint)
+/// refuses the freeze before the driver is touched: nothing locked, the worker serves on. Before:
+/// the failure was only logged and the freeze locked, checkpointed and dumped the worker with
+/// nothing on disk for a recovery had it died (and failed only at the end, the worker gone).
+#[test]
+fn a_freeze_whose_lock_intent_cannot_be_synced_refuses_and_never_locks() {
+    use cryo_journal::Event;
+    let mut env = Env::start("1GiB");
+    let (pid, sock) = env.worker("16MiB", 0);
+    let before = answers(&sock);
+    let image = env.path().join("img");
+    let out = env
+        .cmd()
+        .env("CRYO_FAILPOINT", cryo_journal::SYNC_FAILPOINT)
+        .args(["freeze", &pid.to_string(), "--image"])
+        .arg(&image)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3), "refused: {}", stderr(&out));
+    assert!(
+        stderr(&out).contains("journal cannot take the suspension's intent"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!image.exists());
+    assert!(alive(pid), "the worker was ended");
+    assert_eq!(
+        env.sim.gpu.driver.state(pid).unwrap(),
+        cryo_gpu::ProcessState::Running
+    );
+    assert_eq!(answers(&sock), before);
+    // Every record was written (only the syncs failed): none says it was locked.
+    let locked = events(&env).into_iter().filter(|e| {
+        matches!(e, Event::Locked { pid: p, .. } | Event::Checkpointed { pid: p, .. } if p.pid == pid)
+    });
+    assert_eq!(locked.count(), 0, "the worker was locked");
+    env.stop_clean(pid);
+}
+
 /// The CPUs the main thread of `pid` may run on.
 fn cpus_of(pid: i32) -> Vec<usize> {
     let set = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(pid)).unwrap();

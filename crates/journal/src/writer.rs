@@ -291,6 +291,9 @@ impl Journal {
             .write_all(frames)
             .map_err(self.io_err("cannot write"))
             .and_then(|()| match sync {
+                Durable::Now if sync_fails() => Err(self.io_err("cannot fdatasync")(
+                    io::Error::from_raw_os_error(rustix::io::Errno::IO.raw_os_error()),
+                )),
                 Durable::Now => st.file.sync_data().map_err(self.io_err("cannot fdatasync")),
                 Durable::Later => Ok(()),
             });
@@ -307,6 +310,17 @@ impl Journal {
             }
         }
     }
+}
+
+/// Failpoint (a test hook, `CRYO_FAILPOINT=journal-sync-eio`; the variable is the one
+/// `cryo_lifecycle::failpoint` reads): every append that syncs writes its frames, then fails
+/// as an `fdatasync` that met an I/O error does (EIO): the records are in the file, not known
+/// to be on stable storage.
+pub const SYNC_FAILPOINT: &str = "journal-sync-eio";
+
+/// Whether [`SYNC_FAILPOINT`] is active (one `getenv` per synced append).
+fn sync_fails() -> bool {
+    std::env::var_os("CRYO_FAILPOINT").is_some_and(|v| v == SYNC_FAILPOINT)
 }
 
 /// Whether an append waits for stable storage.

@@ -4,15 +4,16 @@
 //! # Design
 //! A failpoint is named by the environment variable [`ENV`] (`CRYO_FAILPOINT=stop-before-kill`).
 //! When the name matches, the step announces itself on stderr and sleeps until the process is
-//! killed. Nothing else reads the variable; unset (always, outside tests) it costs one `getenv`.
+//! killed. Only the journal's writer reads it besides ([`cryo_journal::SYNC_FAILPOINT`]); unset (always, outside tests) it costs one `getenv`.
 //!
 //! A pausing failpoint ([`pause_if`]) waits instead until a file the test names exists, so the
 //! test can change the world at that exact point and let the step go on.
 //!
 //! # Limitations
-//! No injected errors (the crash itself is the test's SIGKILL), except one:
+//! No injected errors (the crash itself is the test's SIGKILL), except two:
 //! [`crate::suspend::SUSPEND_ROLL_BACK`] fails a suspension that succeeded, so that its roll-back
-//! runs.
+//! runs, and the journal's [`cryo_journal::SYNC_FAILPOINT`] (read by the journal's writer from
+//! the same variable) fails every `fdatasync` of the journal with EIO.
 
 use std::time::Duration;
 

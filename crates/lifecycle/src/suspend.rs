@@ -228,6 +228,13 @@ pub enum SuspendFailure {
         #[serde(deserialize_with = "step_name")]
         step: StepName,
     },
+    /// The suspension's intent could not be made durable (the journal's write or `fdatasync`
+    /// failed) before its first driver action: nothing was done, since a cryo that died then
+    /// would leave nothing on disk for the recovery.
+    Journal {
+        /// The journal's error.
+        error: String,
+    },
 }
 
 impl SuspendFailure {
@@ -274,6 +281,9 @@ impl SuspendFailure {
             SuspendFailure::Panicked { step } => {
                 format!("the {step} call panicked in cryo; its outcome is unknown")
             }
+            SuspendFailure::Journal { error } => format!(
+                "the journal cannot take the suspension's intent ({error}); nothing was done to it"
+            ),
         }
     }
 
@@ -311,6 +321,7 @@ impl SuspendFailure {
             }
             SuspendFailure::Exited => "check the journal and the wedge/host state: the process ended on its own",
             SuspendFailure::Panicked { .. } => "do not kill it: check its state with `cryo gpu state`, run the stop again, and report the panic (stderr has it)",
+            SuspendFailure::Journal { .. } => "make the journal's file system writable (space, errors in dmesg: the state directory's), then run it again",
         }
     }
 }
@@ -410,6 +421,7 @@ pub(crate) fn suspend_listed(
             failure: None,
             locked_here: false,
             ckpt_here: false,
+            intent_on_disk: false,
             // Journaled with the first record that goes before a driver action on it (or at
             // the end): nothing was done to it before.
             pending: vec![Event::SuspendStarted {
@@ -448,8 +460,12 @@ pub(crate) fn suspend_listed(
         }
     }
 
-    // Lock phase, in parallel.
+    // Lock phase, in parallel, once every lock's intent is on disk (one append: see
+    // `intents`).
     let reserve = opts.reserve(rows.iter().map(|r| r.mem).sum());
+    if rows.iter().all(|r| r.failure.is_none()) {
+        intents(journal, &mut rows, opts.purpose, Intent::Lock);
+    }
     if rows.iter().all(|r| r.failure.is_none()) {
         in_parallel(
             rows.iter_mut()
@@ -458,6 +474,10 @@ pub(crate) fn suspend_listed(
         );
     }
     // Checkpoint phase, in parallel: concurrent checkpoints are much faster than serial ones.
+    // The intents of those found LOCKED (nothing of their suspension is on disk yet) first.
+    if rows.iter().all(|r| r.failure.is_none()) {
+        intents(journal, &mut rows, opts.purpose, Intent::Checkpoint);
+    }
     if rows.iter().all(|r| r.failure.is_none()) {
         in_parallel(
             rows.iter_mut()
@@ -537,6 +557,8 @@ struct Row<'a> {
     failure: Option<SuspendFailure>,
     locked_here: bool,
     ckpt_here: bool,
+    /// Its first action's intent is on disk already ([`intents`]).
+    intent_on_disk: bool,
     /// Records of it not journaled yet: outcomes (and its `SuspendStarted`), written with the
     /// next record that must be on disk before an action ([`record_row`]), or by [`flush`].
     pending: Vec<Event>,
@@ -554,6 +576,81 @@ struct Row<'a> {
 fn record_row(journal: Option<&Journal>, row: &mut Row<'_>, event: Event) {
     row.pending.push(event);
     record_all(journal, std::mem::take(&mut row.pending));
+}
+
+/// The first driver action of a phase, whose intent [`intents`] journals for every row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Intent {
+    /// The lock of every row found RUNNING.
+    Lock,
+    /// The checkpoint of every row found LOCKED (a row this run locks has its lock's intent on
+    /// disk).
+    Checkpoint,
+}
+
+/// Journals, in one append before the phase's first driver action, the intent of `phase` for
+/// every row it acts on first (after what each has pending: its `SuspendStarted`), one
+/// `fdatasync` for all. An intent that cannot be made durable (the write or the `fdatasync`
+/// fails: EIO, a full disk) before any driver action of this suspension fails closed: every
+/// row is refused ([`SuspendFailure::Journal`]) and nothing is done, since a cryo that died
+/// after acting would leave nothing on disk for the recovery (the locked worker would serve
+/// nothing, forever). Once actions are under way (a checkpoint phase after locks), and for the
+/// guard (whose alternative, a death let through unsuspended, is worse), it is loud and the
+/// suspension goes on, as every later record's failure is.
+fn intents(journal: Option<&Journal>, rows: &mut [Row<'_>], purpose: Purpose, phase: Intent) {
+    let Some(j) = journal else { return };
+    let first = |r: &Row<'_>| match phase {
+        Intent::Lock => r.state == Some(ProcessState::Running),
+        Intent::Checkpoint => r.state == Some(ProcessState::Locked),
+    };
+    let mut events = Vec::new();
+    for row in rows.iter_mut().filter(|r| first(r)) {
+        events.append(&mut row.pending);
+        let pid = id(row.handle);
+        events.push(match phase {
+            Intent::Lock => Event::LockStarted { pid },
+            Intent::Checkpoint => Event::CheckpointStarted { pid },
+        });
+    }
+    if events.is_empty() {
+        return;
+    }
+    let error = match j.append_all(events) {
+        Ok(_) => {
+            for row in rows.iter_mut().filter(|r| first(r)) {
+                row.intent_on_disk = true;
+            }
+            return;
+        }
+        Err(e) => e,
+    };
+    let acted = rows.iter().any(|r| r.locked_here || r.ckpt_here);
+    if acted || purpose == Purpose::Guard {
+        tracing::error!(error = %error, "cannot write the journal: the suspension goes on unrecorded");
+        for row in rows.iter_mut().filter(|r| first(r)) {
+            row.intent_on_disk = true;
+        }
+        return;
+    }
+    tracing::error!(error = %error, "the suspension's intent cannot be made durable: refused, nothing done");
+    // What did reach the file (a failed `fdatasync`) is closed, so no recovery looks again.
+    let closed = rows
+        .iter_mut()
+        .map(|row| {
+            row.failure = Some(SuspendFailure::Journal {
+                error: error.to_string(),
+            });
+            Event::SuspensionSettled {
+                pid: id(row.handle),
+                found: row
+                    .state
+                    .map_or_else(|| "unknown".to_string(), |s| s.to_string()),
+                action: "left as it is: its intent could not be made durable, nothing done"
+                    .to_string(),
+            }
+        })
+        .collect();
+    record_unsynced(journal, closed);
 }
 
 /// Journals what every row still has pending, in one append.
@@ -670,10 +767,12 @@ fn lock_one(
                 opts.lock_timeout.min(budget)
             }
         };
-        let lock_started = Event::LockStarted {
-            pid: id(row.handle),
-        };
-        record_row(journal, row, lock_started);
+        if attempt > 1 || !row.intent_on_disk {
+            let lock_started = Event::LockStarted {
+                pid: id(row.handle),
+            };
+            record_row(journal, row, lock_started);
+        }
         match gpu.driver.lock(pid, Some(timeout)) {
             Ok(()) => {
                 let took = start.elapsed();
@@ -767,7 +866,7 @@ fn checkpoint_one(
         // with the verification's records: one `fdatasync` less between lock and checkpoint.
         row.pending.push(started);
         record_unsynced(journal, std::mem::take(&mut row.pending));
-    } else {
+    } else if !row.intent_on_disk {
         // Found LOCKED: nothing of this suspension is on disk yet.
         record_row(journal, row, started);
     }
