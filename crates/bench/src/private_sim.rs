@@ -308,14 +308,14 @@ impl Drop for Workers {
                 }
                 for d in &below {
                     eprintln!("cryo bench: ending pid {} of sim worker {pid}", d.pid());
-                    suspend(gpu.as_ref(), d.pid());
+                    suspend(gpu.as_ref(), d);
                     let _ = d.signal(Signal::SIGKILL);
                 }
                 for d in &below {
                     d.wait_exit(Duration::from_secs(10));
                 }
             }
-            suspend(gpu.as_ref(), pid);
+            suspend(gpu.as_ref(), &h);
             if let Err(e) = h.signal(Signal::SIGKILL) {
                 eprintln!("cryo bench: cannot kill sim worker {pid}: {e}");
                 continue;
@@ -337,16 +337,22 @@ fn own_child(pid: Pid) -> Option<ProcHandle> {
     (st.ppid == me && h.is_alive()).then_some(h)
 }
 
-/// Suspends `pid` if it holds a running or locked context (best effort, within `gpu`'s
-/// deadline): a live context is never torn down by a kill.
-fn suspend(gpu: Option<&Gpu>, pid: Pid) {
+/// Suspends the process of `h` if it holds a running or locked context (best effort, within
+/// `gpu`'s deadline): a live context is never torn down by a kill. The driver names a process
+/// by its pid: each call is made only while `h`'s process is alive, so its pid is still its
+/// own (a pid is not reused before its process is reaped). A descendant that ended since it
+/// was listed, its pid taken by another process, is not acted on.
+fn suspend(gpu: Option<&Gpu>, h: &ProcHandle) {
     let Some(gpu) = gpu else {
         return;
     };
-    if matches!(gpu.driver.state(pid), Ok(ProcessState::Running)) {
+    let pid = h.pid();
+    let in_state =
+        |s: ProcessState| h.is_alive() && matches!(gpu.driver.state(pid), Ok(x) if x == s);
+    if in_state(ProcessState::Running) && h.is_alive() {
         let _ = gpu.driver.lock(pid, Some(Duration::from_secs(10)));
     }
-    if matches!(gpu.driver.state(pid), Ok(ProcessState::Locked)) {
+    if in_state(ProcessState::Locked) && h.is_alive() {
         let _ = gpu.driver.checkpoint(pid);
     }
 }
@@ -428,6 +434,31 @@ mod tests {
         );
         assert!(root.wait_exit(Duration::from_secs(10)));
         let _ = sh.wait();
+    }
+
+    /// Attack (session 14): a descendant the guard listed ends, and its pid is taken by another
+    /// CUDA process before the guard suspends it. The guard acts through the descendant's
+    /// pidfd: the other process is never locked. (Before: suspended by bare pid, the other
+    /// process was locked and checkpointed.)
+    #[test]
+    fn a_descendant_whose_pid_was_reused_is_not_suspended() {
+        use cryo_testkit::fake::{Call, FakeGpu};
+        let (mut child, h) = sleeper();
+        let pid = h.pid();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let mut reuser = cryo_testkit::procs::spawn_with_pid(pid).expect("pid reused");
+        let fake = FakeGpu::new();
+        fake.add(pid);
+        suspend(Some(&fake.gpu()), &h);
+        assert_eq!(
+            fake.count(pid, Call::Lock),
+            0,
+            "the pid's new process was locked"
+        );
+        assert_eq!(fake.state_of(pid), ProcessState::Running);
+        reuser.kill().unwrap();
+        reuser.wait().unwrap();
     }
 
     /// A held pid that is not this process's child (a pid freed and taken by someone else) is
