@@ -20,6 +20,7 @@
 pub mod cpus;
 pub mod cuda;
 pub mod failpoint;
+mod forks;
 pub mod freeze;
 pub mod health;
 pub mod inflight;

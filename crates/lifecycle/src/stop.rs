@@ -13,15 +13,18 @@
 //! 3. Suspend every CUDA process ([`crate::suspend`]): lock in parallel, checkpoint in parallel,
 //!    verify. With `fresh`, a process that cannot be suspended and that the journal does not know
 //!    as restored is killed without suspension instead of refusing the stop.
-//! 4. A cgroup target is listed again; processes that joined meanwhile go through 2 and 3, until
-//!    the set is stable (bounded).
+//! 4. A cgroup target is listed again, a tree target walked again (its descendants and the
+//!    members of the sessions it leads: `forks`); processes that joined (that it forked)
+//!    meanwhile go through 2 and 3, until the set is stable (bounded; a set that keeps changing
+//!    is refused, nothing killed).
 //! 5. The last look, before the first kill: every CUDA process is CHECKPOINTED, holds no driver
 //!    files, and NVML lists nothing for it; every other process holds no context either. Anything
 //!    else, or an error on that look, is a refusal, and nothing is killed.
 //! 6. End the CUDA processes, then the others, each CUDA process looked at once more right
 //!    before its own kill: a refusal there ends the kill phase at once. Every exit is confirmed
 //!    through its pidfd, and NVML must attribute no memory to them afterwards. A cgroup is listed
-//!    once more: processes that joined during the kills go through the same steps.
+//!    (a tree walked) once more: processes that joined (were forked) during the kills go
+//!    through the same steps.
 //!
 //! Every driver call runs under a caller-side deadline, and the whole stop under
 //! [`StopOptions::deadline`] (by default below Kubernetes' default grace period of 30 s): lock
@@ -158,6 +161,15 @@ impl StopReport {
     pub fn stopped(&self) -> bool {
         self.refusals.is_empty() && self.processes.iter().all(|p| p.ended)
     }
+
+    /// The processes a tree target forked during the stop, found by its later looks.
+    pub fn forked(&self) -> Vec<Pid> {
+        self.processes
+            .iter()
+            .filter(|p| p.notes.iter().any(|n| n.starts_with(FORKED)))
+            .map(|p| p.pid)
+            .collect()
+    }
 }
 
 /// The stop could not be carried out at all (nothing was killed).
@@ -278,6 +290,12 @@ pub fn stop(
     for h in target.handles() {
         run.add(h.try_clone()?);
     }
+    // A tree is taken as a whole: what it forks during the stop is looked for again (its
+    // descendants, the members of the sessions it leads), as a cgroup is listed again.
+    let sessions = match target.target() {
+        Target::Tree(_) => crate::forks::own_sessions(target.handles()),
+        _ => Vec::new(),
+    };
 
     let mut from = 0;
     let mut round = 0;
@@ -287,10 +305,11 @@ pub fn stop(
         if run.blocked() {
             break Outcome::Refused;
         }
-        // A cgroup is taken as a whole: processes that joined it meanwhile go through the same.
-        let joined = run.joiners(target, round)?;
+        // A cgroup (a tree) is taken as a whole: processes that joined it (that it forked)
+        // meanwhile go through the same.
+        let joined = run.joiners(target, &sessions, round)?;
         if !joined.is_empty() {
-            from = run.add_joined(joined, "joined the cgroup during the stop");
+            from = run.add_joined(joined, joined_note(target, "during the stop"));
             round += 1;
             continue;
         }
@@ -301,11 +320,11 @@ pub fn stop(
         if !run.kill_all()? {
             break Outcome::Refused;
         }
-        let joined = run.joiners(target, round)?;
+        let joined = run.joiners(target, &sessions, round)?;
         if joined.is_empty() {
             break Outcome::Ended;
         }
-        from = run.add_joined(joined, "joined the cgroup during the kills");
+        from = run.add_joined(joined, joined_note(target, "during the kills"));
         round += 1;
     };
 
@@ -355,6 +374,18 @@ pub fn stop(
     })
 }
 
+/// What a process found by a later look at the target is noted as (`when`: `during the
+/// stop`): it joined the cgroup, or the tree forked it.
+fn joined_note(target: &Resolved, when: &str) -> String {
+    match target.target() {
+        Target::Tree(_) => format!("{FORKED} {when}"),
+        _ => format!("joined the cgroup {when}"),
+    }
+}
+
+/// The start of the note of a process a tree forked during its stop ([`StopReport::forked`]).
+const FORKED: &str = "forked by the tree";
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Outcome {
     Ended,
@@ -388,13 +419,14 @@ impl Run<'_> {
         });
     }
 
-    /// Adds processes that joined a cgroup target, noted as such; returns the index of the first.
-    fn add_joined(&mut self, joined: Vec<ProcHandle>, note: &str) -> usize {
+    /// Adds processes that joined a cgroup target (that a tree forked), noted as such; returns
+    /// the index of the first.
+    fn add_joined(&mut self, joined: Vec<ProcHandle>, note: String) -> usize {
         let from = self.members.len();
         for h in joined {
             self.add(h);
             if let Some(m) = self.members.last_mut() {
-                m.report.notes.push(note.to_string());
+                m.report.notes.push(note.clone());
             }
         }
         from
@@ -605,10 +637,53 @@ impl Run<'_> {
     }
 
     /// Processes that joined a cgroup target since it was listed (none for other targets).
-    fn joiners(&mut self, target: &Resolved, round: usize) -> Result<Vec<ProcHandle>, StopError> {
-        let Target::Cgroup(path) = target.target() else {
-            return Ok(Vec::new());
+    fn joiners(
+        &mut self,
+        target: &Resolved,
+        sessions: &[(Pid, &ProcHandle)],
+        round: usize,
+    ) -> Result<Vec<ProcHandle>, StopError> {
+        let out = match target.target() {
+            Target::Cgroup(path) => self.cgroup_joiners(target, path)?,
+            Target::Tree(_) => {
+                let held: Vec<&ProcHandle> = self.members.iter().map(|m| &m.h).collect();
+                let mut forked = crate::forks::forked_since(&held, sessions);
+                forked.retain(|h| !target.spares(h.pid()));
+                forked
+            }
+            Target::Pids(_) => return Ok(Vec::new()),
         };
+        if !out.is_empty() && (round >= JOIN_ROUNDS || self.left() == Some(Duration::ZERO)) {
+            // It does not settle: refuse rather than kill a set that keeps changing.
+            let found = match target.target() {
+                Target::Tree(_) => format!(
+                    "processes still forked by the tree after {} looks",
+                    round + 1
+                ),
+                _ => format!(
+                    "processes still joining the cgroup after {} listings",
+                    round + 1
+                ),
+            };
+            for h in &out {
+                self.refuse(
+                    h,
+                    SuspendFailure::LastLook {
+                        found: found.clone(),
+                    },
+                )?;
+            }
+            return Ok(Vec::new());
+        }
+        Ok(out)
+    }
+
+    /// The processes of the cgroup `path` that are not members yet.
+    fn cgroup_joiners(
+        &mut self,
+        target: &Resolved,
+        path: &std::path::Path,
+    ) -> Result<Vec<ProcHandle>, StopError> {
         let mut out = Vec::new();
         for pid in cryo_proc::cgroup_tree_procs(path)? {
             if target.spares(pid) {
@@ -626,21 +701,6 @@ impl Run<'_> {
                 Err(ProcError::NoSuchProcess(_)) => {}
                 Err(e) => return Err(e.into()),
             }
-        }
-        if !out.is_empty() && (round >= JOIN_ROUNDS || self.left() == Some(Duration::ZERO)) {
-            // It does not settle: refuse rather than kill a set that keeps changing.
-            for h in &out {
-                self.refuse(
-                    h,
-                    SuspendFailure::LastLook {
-                        found: format!(
-                            "processes still joining the cgroup after {} listings",
-                            round + 1
-                        ),
-                    },
-                )?;
-            }
-            return Ok(Vec::new());
         }
         Ok(out)
     }

@@ -48,6 +48,7 @@ use cryo_proc::ProcHandle;
 use cryo_state::fence::{Fence, FenceError, FencedGpu, Quarantine};
 
 use crate::failpoint;
+use crate::forks::ROUNDS as FORK_ROUNDS;
 use crate::health::{HealthCheck, HealthError};
 use crate::progress::Progress;
 use crate::restore::{restore_to_unlock, Placement};
@@ -955,69 +956,6 @@ pub(crate) fn pair_restored<'t, 'm>(
     Ok(pairs)
 }
 
-/// How many times a failed thaw looks again for processes the restored tree forked while it
-/// was being removed, before it gives up on a tree that keeps forking (and says so).
-const FORK_ROUNDS: usize = 8;
-
-/// The sessions the restored tree started: each led by a process of the tree CRIU's gate
-/// listed, with that leader's handle. Read from the tree's live processes, so each session id
-/// has been the tree's since the gate (a member was in it all along: a session cannot be
-/// joined).
-fn own_sessions(gate: &[ProcHandle]) -> Vec<(Pid, &ProcHandle)> {
-    let mut out: Vec<(Pid, &ProcHandle)> = Vec::new();
-    for h in gate {
-        let Ok(st) = h.stat() else { continue };
-        if out.iter().any(|(s, _)| *s == st.session) {
-            continue;
-        }
-        if let Some(leader) = gate.iter().find(|l| l.pid() == st.session) {
-            out.push((st.session, leader));
-        }
-    }
-    out
-}
-
-/// The processes of the restored tree that neither the gate's listing (`gate`) nor an earlier
-/// look (`known`) holds: the descendants of every one of them still alive, and every member of
-/// its own sessions (`sessions`, [`own_sessions`]), where a process forked since and
-/// reparented out of the tree (its parent exited) still is. A session whose leader was reaped
-/// and whose id another process holds now is no longer the tree's and is not looked at.
-fn forked_since(
-    gate: &[ProcHandle],
-    known: &[ProcHandle],
-    sessions: &[(Pid, &ProcHandle)],
-) -> Vec<ProcHandle> {
-    let held = |pid: Pid| {
-        gate.iter()
-            .chain(known)
-            .any(|h| h.pid() == pid && h.is_alive())
-    };
-    let ours: Vec<Pid> = sessions
-        .iter()
-        .filter(|(sid, leader)| {
-            leader.liveness() != cryo_proc::Liveness::Gone
-                || cryo_proc::liveness(*sid) == cryo_proc::Liveness::Gone
-        })
-        .map(|(sid, _)| *sid)
-        .collect();
-    let members = ProcHandle::in_sessions(&ours).unwrap_or_else(|e| {
-        tracing::error!(error = %e, "cannot list the restored tree's sessions");
-        Vec::new()
-    });
-    let mut out: Vec<ProcHandle> = Vec::new();
-    let descendants = gate
-        .iter()
-        .chain(known)
-        .filter(|h| h.is_alive())
-        .flat_map(ProcHandle::descendants);
-    for h in descendants.chain(members) {
-        if !held(h.pid()) && !out.iter().any(|o| o.pid() == h.pid()) {
-            out.push(h);
-        }
-    }
-    out
-}
-
 /// What became of a restored tree that [`remove_with_forks`] removed.
 pub(crate) struct Removal {
     /// Whether a stop ran (something of the tree was alive).
@@ -1055,12 +993,15 @@ pub(crate) fn remove_with_forks(
     progress: &dyn Progress,
 ) -> Removal {
     let gate = restored.handles();
-    let sessions = own_sessions(gate);
+    let sessions = crate::forks::own_sessions(gate);
     let mut forked: Vec<ProcHandle> = Vec::new();
+    // Forks each stop found itself (it walks the tree the same way while it stops it).
+    let mut found: Vec<Pid> = Vec::new();
     let mut failure: Option<String> = None;
     let mut stopped = false;
     for round in 0..=FORK_ROUNDS {
-        let new = forked_since(gate, &forked, &sessions);
+        let held: Vec<&ProcHandle> = gate.iter().chain(&forked).collect();
+        let new = crate::forks::forked_since(&held, &sessions);
         if round > 0 && new.is_empty() {
             break;
         }
@@ -1093,7 +1034,7 @@ pub(crate) fn remove_with_forks(
         let target = Resolved::from_handles(target, handles);
         stopped = true;
         match stop(gpu, &target, stop_opts, journal, progress) {
-            Ok(r) if r.stopped() => {}
+            Ok(r) if r.stopped() => found.extend(r.forked()),
             Ok(r) => {
                 failure = Some(format!(
                     "NOT removed: {} (left alive and safe; run `cryo stop` on pids {})",
@@ -1125,7 +1066,7 @@ pub(crate) fn remove_with_forks(
     Removal {
         stopped,
         failure,
-        forked: forked.iter().map(ProcHandle::pid).collect(),
+        forked: forked.iter().map(ProcHandle::pid).chain(found).collect(),
     }
 }
 

@@ -577,3 +577,46 @@ fn a_process_that_joins_the_cgroup_during_the_stop_is_caught() {
     assert!(!first.alive(0) && !late.alive(0));
     assert_eq!(fake.state_of(late.pid(0)), ProcessState::Checkpointed);
 }
+
+/// Seam (session 14): a tree that forks while it is stopped (a worker's health-check shells,
+/// tokenizer workers). The stop walks the tree again as a cgroup is listed again: a child
+/// forked after the listing (here while the root's lock is held) is found, stopped with the
+/// rest, and named. Before: the tree was listed once, the child reparented out of it when its
+/// parent was killed, and left running.
+#[test]
+fn a_child_forked_during_the_stop_of_a_tree_is_stopped_too() {
+    let tree = Procs::reaping_tree(1);
+    let root = tree.pid(0);
+    let fake = FakeGpu::new();
+    fake.add(root);
+    let hang = fake.hang_next(root, Call::Lock);
+    let (_dir, journal) = temp_journal();
+    let target = Target::Tree(root).resolve().unwrap();
+    let gpu = fake.gpu();
+    let (report, late) = std::thread::scope(|s| {
+        let t = s.spawn(|| stop(&gpu, &target, &opts(), &journal, &NoProgress));
+        hang.wait_reached();
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(root),
+            nix::sys::signal::Signal::SIGUSR1,
+        )
+        .unwrap();
+        let late =
+            cryo_testkit::eventually(cryo_testkit::PATIENCE, "the root to fork a child", || {
+                let now = cryo_proc::tree(root).unwrap();
+                let listed: Vec<Pid> = target.handles().iter().map(ProcHandle::pid).collect();
+                now.into_iter().find(|p| !listed.contains(p))
+            });
+        let late = ProcHandle::open(late).unwrap();
+        hang.release();
+        (t.join().unwrap(), late)
+    });
+    let report = report.unwrap();
+    assert!(report.stopped(), "{report:?}");
+    assert!(
+        late.wait_exit(Duration::from_secs(10)),
+        "the child forked during the stop, pid {}, was left running",
+        late.pid()
+    );
+    assert_eq!(report.forked(), vec![late.pid()], "{report:?}");
+}
