@@ -132,7 +132,8 @@ impl Agent {
             Err(
                 e @ (FreezeError::Refused(_)
                 | FreezeError::CrossProcessCuda { .. }
-                | FreezeError::CudaProcessEnded { .. }),
+                | FreezeError::CudaProcessEnded { .. }
+                | FreezeError::KeepsForking { .. }),
             ) => Err(refused(e)),
             Err(e) => Err(failed(e)),
         }

@@ -273,6 +273,16 @@ pub enum FreezeError {
         /// The process.
         pid: Pid,
     },
+    /// The tree kept forking CUDA processes while they were suspended: after every look, one
+    /// more turned up (or one still opening the driver). Every process was resumed in place,
+    /// nothing dumped.
+    #[error("freeze refused: the tree kept forking CUDA processes during the freeze (pids {}, still new after {rounds} looks); every process was resumed in place, nothing dumped", crate::thaw::fmt_pids(pids))]
+    KeepsForking {
+        /// The processes the last look found.
+        pids: Vec<Pid>,
+        /// The looks made.
+        rounds: usize,
+    },
     /// A process CRIU should have killed is still alive after the dump.
     #[error("pid {0} is still alive after the dump; it stays CHECKPOINTED (safe to `cryo stop`)")]
     NotExited(Pid),
@@ -570,18 +580,7 @@ fn freeze_listed(
             Err(e) => return Err(e.into()),
         };
         if cuda.iter().any(|c| c.pid() == h.pid()) {
-            let devices = listed
-                .iter()
-                .filter(|p| p.pid == h.pid())
-                .map(|p| DeviceUse {
-                    uuid: p.gpu_uuid.clone(),
-                    memory_bytes: p.used_memory,
-                })
-                .collect();
-            e.gpu = Some(ProcessGpu {
-                state: ProcessState::Checkpointed,
-                devices,
-            });
+            e.gpu = Some(suspended_gpu(h.pid(), &listed));
         }
         entries.push(e);
     }
@@ -679,6 +678,39 @@ fn freeze_inner(
     if !refusals.is_empty() {
         return Err(FreezeError::Refused(refusals));
     }
+    // What the tree forked meanwhile: its CUDA processes suspended too, from here on part of
+    // the tree as listed.
+    let mut forks = Forks::default();
+    if let Err(e) = suspend_forks(cx, &sopts, &mut forks) {
+        let alive: Vec<&ProcHandle> = cuda
+            .iter()
+            .copied()
+            .chain(&forks.cuda)
+            .filter(|h| h.is_alive())
+            .collect();
+        resume_in_place(
+            gpu,
+            &alive,
+            journal,
+            watcher,
+            "resumed in place: the tree's forks could not be suspended",
+        );
+        return Err(e);
+    }
+    let forked_cuda: Vec<Pid> = forks.cuda.iter().map(ProcHandle::pid).collect();
+    let all: Vec<ProcHandle> = handles
+        .iter()
+        .filter_map(|h| h.try_clone().ok())
+        .chain(forks.cuda)
+        .collect();
+    let handles: &[ProcHandle] = &all;
+    let cuda: Vec<&ProcHandle> = handles
+        .iter()
+        .filter(|h| cuda.iter().any(|c| c.pid() == h.pid()) || forked_cuda.contains(&h.pid()))
+        .collect();
+    let cuda: &[&ProcHandle] = &cuda;
+    entries.extend(forks.entries);
+    suspended.extend(forks.suspended);
     let gpu_free_at = Moment::now();
     let suspend_ms = ms(t.elapsed());
     let gpu_free_ms = ms(start.elapsed());
@@ -880,6 +912,132 @@ fn freeze_inner(
         elapsed_ms: ms(start.elapsed()),
         shrink: None,
     })
+}
+
+/// A CUDA process's part of the manifest once it is suspended: the device memory NVML listed
+/// for it (`listed`, before its checkpoint).
+fn suspended_gpu(pid: Pid, listed: &[cryo_gpu::GpuProcess]) -> ProcessGpu {
+    ProcessGpu {
+        state: ProcessState::Checkpointed,
+        devices: listed
+            .iter()
+            .filter(|p| p.pid == pid)
+            .map(|p| DeviceUse {
+                uuid: p.gpu_uuid.clone(),
+                memory_bytes: p.used_memory,
+            })
+            .collect(),
+    }
+}
+
+/// What the tree forked while its CUDA processes were suspended, and what became of it.
+#[derive(Default)]
+struct Forks {
+    /// The CUDA processes among them, suspended as the listed ones were.
+    cuda: Vec<ProcHandle>,
+    /// Their manifest entries.
+    entries: Vec<ProcessEntry>,
+    /// Their suspensions.
+    suspended: Vec<Suspended>,
+}
+
+/// The tree walked again once its CUDA processes are suspended (a suspension takes a while, and
+/// a worker forks: tokenizer workers, one more rank): every CUDA process it forked meanwhile
+/// is classified and suspended as the listed ones were, and the tree walked again, until a
+/// walk finds no new CUDA process (bounded, [`crate::forks::ROUNDS`]). Plain forks are left to
+/// CRIU's gate (`at_dump_gate` adds what CRIU dumped of them to the image). Without this, one
+/// forked between the listing and CRIU's seize made CRIU fail on its live context; a fork
+/// after the last walk still does (or refuses the dump at the gate), the tree resumed.
+/// `Err`: the new ones could not be suspended (their suspension rolled back) or the tree did
+/// not settle; the caller resumes what was suspended before.
+fn suspend_forks(
+    cx: &Ctx<'_>,
+    opts: &SuspendOptions,
+    forks: &mut Forks,
+) -> Result<(), FreezeError> {
+    let Ctx {
+        gpu,
+        handles,
+        journal,
+        watcher,
+        progress,
+        ..
+    } = *cx;
+    // Every process found so far (its descendants are looked at again).
+    let mut found: Vec<ProcHandle> = Vec::new();
+    for round in 0..=crate::forks::ROUNDS {
+        let held: Vec<&ProcHandle> = handles.iter().chain(&found).collect();
+        let new = crate::forks::forked_since(&held, &[]);
+        if new.is_empty() {
+            return Ok(());
+        }
+        let listed = gpu.inspect.processes()?;
+        let (mut batch, mut states, mut opening) = (Vec::new(), Vec::new(), Vec::new());
+        for h in new {
+            match crate::runnable::runnable(&h)? {
+                Runnable::Runs | Runnable::Exited => {}
+                r => {
+                    return Err(FreezeError::NotRunnable(
+                        r.why_not(h.pid()).unwrap_or_default(),
+                    ))
+                }
+            }
+            match crate::cuda::classify(gpu, &h, &listed, crate::cuda::SETTLE)? {
+                Class::Cuda { state } => {
+                    states.push(state);
+                    batch.push(h);
+                }
+                Class::Plain | Class::Exited => found.push(h),
+                // Opening the driver (a CUDA process to be): looked at again.
+                Class::DriverOnly { .. } => opening.push(h.pid()),
+            }
+        }
+        if batch.is_empty() && opening.is_empty() {
+            return Ok(());
+        }
+        if round == crate::forks::ROUNDS {
+            return Err(FreezeError::KeepsForking {
+                pids: batch.iter().map(ProcHandle::pid).chain(opening).collect(),
+                rounds: round + 1,
+            });
+        }
+        refuse_cross_process_cuda(&batch)?;
+        for h in &batch {
+            tracing::info!(
+                pid = h.pid(),
+                "forked by the tree during the freeze: suspended too"
+            );
+            let mut e = ProcessEntry::of(h)?;
+            e.gpu = Some(suspended_gpu(h.pid(), &listed));
+            forks.entries.push(e);
+        }
+        let refs: Vec<&ProcHandle> = batch.iter().collect();
+        let known = Known {
+            listed: &listed,
+            states: &states,
+        };
+        let mut refusals = Vec::new();
+        for o in suspend_listed(
+            gpu,
+            &refs,
+            Some(known),
+            opts,
+            Some(journal),
+            progress,
+            watcher,
+        ) {
+            match o.result {
+                Ok(s) => forks.suspended.push(s),
+                Err(reason) => refusals.push(FreezeRefusal { pid: o.pid, reason }),
+            }
+        }
+        if !refusals.is_empty() {
+            return Err(FreezeError::Refused(refusals));
+        }
+        found.extend(batch.iter().filter_map(|h| h.try_clone().ok()));
+        forks.cuda.extend(batch);
+    }
+    Ok(())
 }
 
 /// The tree as CRIU dumped it, seen at its gate against the processes the freeze listed.

@@ -245,7 +245,7 @@ pub enum PrecheckError {
     Overlap(GpuUuid),
 }
 
-fn fmt_pids(p: &[Pid]) -> String {
+pub(crate) fn fmt_pids(p: &[Pid]) -> String {
     p.iter()
         .map(|p| p.to_string())
         .collect::<Vec<_>>()

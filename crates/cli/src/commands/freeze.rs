@@ -135,7 +135,8 @@ fn standalone(
         Err(
             e @ (FreezeError::Refused(_)
             | FreezeError::CrossProcessCuda { .. }
-            | FreezeError::CudaProcessEnded { .. }),
+            | FreezeError::CudaProcessEnded { .. }
+            | FreezeError::KeepsForking { .. }),
         ) => Err(Outcome::Refused(e.to_string())),
         Err(e) => Err(failed(e.into())),
     }

@@ -8,7 +8,7 @@ use cryo_criu::CriuError;
 use cryo_gpu::ProcessState;
 use cryo_journal::Journal;
 use cryo_proc::Pid;
-use cryo_testkit::fake::FakeGpu;
+use cryo_testkit::fake::{Call, FakeGpu};
 use cryo_testkit::fake_criu::FakeCriu;
 use cryo_testkit::procs::{self, Procs};
 
@@ -288,19 +288,28 @@ fn a_plain_child_the_listing_missed_is_in_the_image() {
 }
 
 /// Attack (session 12): a CUDA child the listing missed was never suspended: CRIU must not dump
-/// (and kill) it. Refused at the gate, the tree resumed, the child's context untouched.
+/// (and kill) it live. Since session 14 the walk after the suspension finds it: suspended as
+/// the listed ones, dumped CHECKPOINTED, in the manifest with its device memory (session 12's
+/// refusal at the gate stays for a fork after that walk:
+/// `a_forked_process_with_cuda_state_refuses_the_dump`).
 #[test]
-fn a_cuda_child_the_listing_missed_refuses_the_dump() {
+fn a_cuda_child_the_listing_missed_is_suspended_and_in_the_image() {
     let s = reaping_scene(1, &[1]);
-    let err = s.freeze_listed(&missed_child(&s), false).unwrap_err();
-    assert!(
-        matches!(&err, FreezeError::Criu(CriuError::DumpGate(m)) if m.contains("CUDA state")),
-        "{err}"
+    let report = s.freeze_listed(&missed_child(&s), false).unwrap();
+    assert_eq!(sorted(report.manifest.pids()), sorted(s.pids.clone()));
+    let child = report
+        .manifest
+        .processes
+        .iter()
+        .find(|e| e.pid == s.pids[1]);
+    assert!(child.is_some_and(|e| e.gpu.is_some()), "{report:?}");
+    assert_eq!(
+        s.criu.dumps()[0].states,
+        vec![
+            (s.pids[0], Some(ProcessState::Checkpointed)),
+            (s.pids[1], Some(ProcessState::Checkpointed))
+        ]
     );
-    assert!(procs::alive(s.pids[0]) && procs::alive(s.pids[1]));
-    assert_eq!(s.fake.state_of(s.pids[1]), ProcessState::Running);
-    assert_eq!(s.fake.state_of(s.pids[0]), ProcessState::Running);
-    s.assert_no_image();
     assert!(s.fake.wedges().is_empty());
 }
 
@@ -382,6 +391,75 @@ fn a_forked_process_with_cuda_state_refuses_the_dump() {
     assert!(procs::alive(root) && procs::alive(s.pids[1]));
     assert_eq!(s.fake.state_of(root), ProcessState::Running);
     s.assert_no_image();
+}
+
+/// Seam (session 14): a CUDA tree forks during its freeze (here while the root's lock is
+/// held): the new CUDA process is found by the walk after the suspension, suspended too, and
+/// dumped CHECKPOINTED, named in the manifest with its device memory. Before: listed once, it
+/// reached CRIU with a live context (the real CRIU fails on it, "External socket is used";
+/// here the gate refuses it): a tree forking every second was refused 8 times in 8.
+#[test]
+fn a_cuda_child_forked_during_the_suspension_is_suspended_and_dumped() {
+    let s = reaping_scene(1, &[]);
+    let root = s.pids[0];
+    let hang = s.fake.hang_next(root, Call::Lock);
+    let (report, late) = std::thread::scope(|t| {
+        let frozen = t.spawn(|| s.freeze(false));
+        hang.wait_reached();
+        let late = fork_a_child(root);
+        s.fake.add(late);
+        hang.release();
+        (frozen.join().unwrap(), late)
+    });
+    let report = report.unwrap();
+    let entry = report
+        .manifest
+        .processes
+        .iter()
+        .find(|e| e.pid == late)
+        .unwrap_or_else(|| panic!("pid {late} not in the manifest: {report:?}"));
+    assert!(entry.gpu.is_some(), "{entry:?}");
+    assert!(report.suspended.iter().any(|x| x.pid == late));
+    let dumps = s.criu.dumps();
+    assert!(
+        dumps[0]
+            .states
+            .iter()
+            .all(|(_, st)| !matches!(st, Some(ProcessState::Running | ProcessState::Locked))),
+        "CRIU saw a live context: {:?}",
+        dumps[0].states
+    );
+    s.assert_manifest_names_the_dump(&report);
+    assert!(s.fake.wedges().is_empty());
+}
+
+/// The same fork, a CUDA process that cannot be suspended (a sticky error): the freeze is
+/// refused before CRIU runs, every process resumed and serving, no image. Before: CRIU ran on
+/// the tree with the fork's live context (refused only at its gate).
+#[test]
+fn a_fork_that_cannot_be_suspended_refuses_the_freeze_and_resumes_every_process() {
+    let s = reaping_scene(1, &[]);
+    let root = s.pids[0];
+    let hang = s.fake.hang_next(root, Call::Lock);
+    let (err, late) = std::thread::scope(|t| {
+        let frozen = t.spawn(|| s.freeze(false));
+        hang.wait_reached();
+        let late = fork_a_child(root);
+        s.fake.add(late).make_sticky(late);
+        hang.release();
+        (frozen.join().unwrap().unwrap_err(), late)
+    });
+    assert!(
+        matches!(&err, FreezeError::Refused(r) if r.iter().any(|x| x.pid == late)),
+        "{err}"
+    );
+    assert!(s.criu.dumps().is_empty(), "CRIU ran");
+    assert!(procs::alive(root) && procs::alive(late));
+    assert_eq!(s.fake.state_of(root), ProcessState::Running);
+    assert_eq!(s.fake.state_of(late), ProcessState::Running);
+    assert!(s.restored(root), "the root went through a driver restore");
+    s.assert_no_image();
+    assert!(s.fake.wedges().is_empty());
 }
 
 /// A CUDA process NVML listed ends before the freeze suspends it: refused, nothing suspended.
