@@ -116,6 +116,13 @@ pub struct BenchFreezeArgs {
     /// thaw's number.
     #[arg(long, value_name = "MS")]
     pub thaw_after_gone: Option<u64>,
+    /// Start each freeze and thaw after the settle step, the same in both arms: as much memory
+    /// as the phase's worker will take faulted in and freed just before, so that its copies
+    /// start on memory the host freed a moment ago rather than memory the VM's balloon has
+    /// handed back to the hypervisor (see the module docs; not yet shown to narrow the copies'
+    /// spread, so off by default).
+    #[arg(long)]
+    pub settle: bool,
 }
 
 /// `cryo bench activate`.

@@ -44,6 +44,28 @@
 //! or the tools and their processes), with its own ratio and paired interval. The raw moment
 //! stays the headline: it is what an operator waits for.
 //!
+//! **The settle step** (`--settle`; [`Bench::settle`], one function both arms call): right
+//! before each measured phase (the freeze, once the worker is up; each thaw, once the caches are dropped for
+//! the cold one), the benchmark faults in as much memory as the phase's worker will take (its
+//! device memory and 64 MiB, on huge pages as the simulated driver's host copy asks) and frees
+//! it, then the phase's first process starts. Why: the copies are first-touch page faults,
+//! and on this project's machines (VMs whose balloon reports free pages to the hypervisor,
+//! `VIRTIO_BALLOON_F_REPORTING`) what a fault costs depends on when the page was freed:
+//! memory freed under 2 s earlier is the host's still (measured, 1 GiB: 160 ms of CPU per GiB),
+//! memory freed longer ago has been handed back and costs 5-15x more to fault in again (2 s:
+//! 1.0 s/GiB, 5 s: 1.3-2.1, 8 s and more: 2.5-2.9, under load 7-10; the kernel reports a
+//! fraction of the free lists per pass, every 2 s). Without the step, each arm's copy drew on
+//! whatever mix the previous arm's frees (its worker stopped, its image deleted) and the
+//! balloon's passes had left, which swung a 4 GiB checkpoint copy by 2x between rounds and
+//! arms with the same work. With it, both arms' phases start on memory freed a moment ago, as
+//! on a host without a balloon (bare metal, where a GPU's host runs), and the step is never
+//! timed. It is off by default: the kernel reports free memory in passes every 2 s, most
+//! recently freed first, so a copy that runs past the next pass (under load, a 4 GiB one
+//! always does) still meets reported memory, and the A/B runs so far (loaded host) did not
+//! show a narrower spread of the copies with it. The host's free memory and page cache at each
+//! freeze's start, and each copy's median (min-max) with its paired ratio, are printed either
+//! way.
+//!
 //! The dump step (GPU free to worker gone) is split the same way: CRIU's page loop, as CRIU
 //! times it in the image's `stats-dump` (`cryo_criu::stats`), is the same pages in both arms,
 //! moved at the host's speed (the first touch of the page cache it writes, the load; it swung
@@ -112,6 +134,10 @@ use crate::private_sim::{private_exe, DriverOptions, PrivateSim, WorkerOptions, 
 
 /// The level of the paired ratios' bootstrap interval.
 const LEVEL: f64 = 0.9;
+
+/// What [`Bench::settle`] faults in beyond the phase's device memory: the worker's own
+/// allocations beside its copy of it.
+const SETTLE_MARGIN: u64 = 64 << 20;
 
 /// The moments compared, in the order printed.
 const MOMENTS: [&str; 5] = [
@@ -201,6 +227,9 @@ struct Row {
     cryo_restore_phases: [[Samples; 5]; 2],
     /// cryo's dump moment by moment ([`DUMP_PHASES`]), ms from the dump's start.
     cryo_dump_phases: [Samples; 5],
+    /// Bytes cryo's follower hashed while CRIU wrote them, before publish took over
+    /// (`dump_phases.followed_bytes`): what publish did not hash again.
+    cryo_followed_bytes: Samples,
     /// The bare route's freeze steps: lock + checkpoint, `criu dump`, fsync of the files, ms.
     bare_freeze_steps: [Samples; 3],
     /// The bare route's thaw from the page cache: nothing (0), `criu restore`, GPU restore +
@@ -213,6 +242,8 @@ struct Row {
     thaw_host: [ThawHost; 2],
     load_before: [f64; 3],
     load_after: [f64; 3],
+    /// Whether each phase started after [`Bench::settle`].
+    settled: bool,
 }
 
 /// Per arm, what its thaws' CRIU restores had to work with and what they cost: the restored
@@ -229,6 +260,8 @@ struct ThawHost {
     free_mib: [Samples; 2],
     /// ms from the worker gone to the start of the page-cache thaw.
     thaw_after_gone: Samples,
+    /// `MemFree` and `Cached` (MiB) when the freeze started.
+    freeze_host: [Samples; 2],
 }
 
 impl ThawHost {
@@ -238,6 +271,9 @@ impl ThawHost {
             self.free_mib[k].push(arm.free_mib[k]);
         }
         self.thaw_after_gone.push(arm.thaw_after_gone);
+        for k in 0..2 {
+            self.freeze_host[k].push(arm.freeze_host[k]);
+        }
     }
 }
 
@@ -269,6 +305,7 @@ pub fn run(freeze_args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
     let min = args.sizes.iter().copied().min().unwrap_or(0);
     let mut bench = Bench::start(tmp.path(), criu.path().to_path_buf(), max, cryo)?;
     bench.thaw_after_gone = freeze_args.thaw_after_gone.map(Duration::from_millis);
+    bench.settle = freeze_args.settle;
     let load_start = load_average();
     if !args.json {
         println!(
@@ -287,6 +324,13 @@ pub fn run(freeze_args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
             args.rounds,
             fmt_bytes(min)
         );
+        if bench.settle {
+            println!(
+                "each freeze and thaw of both arms starts after the same settle step: as much \
+                 memory as its worker's faulted in (huge pages) and freed at once, so that \
+                 both arms' copies fault in the host's freshly freed memory (--settle)"
+            );
+        }
         if let Some(ms) = freeze_args.thaw_after_gone {
             println!(
                 "each page-cache thaw starts no sooner than {ms} ms after its worker was gone \
@@ -308,6 +352,7 @@ pub fn run(freeze_args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
         let mut bare_steps: [[Samples; 3]; 3] = Default::default();
         let mut phases: [[Samples; 5]; 2] = Default::default();
         let mut dump_phases: [Samples; 5] = Default::default();
+        let mut followed = Samples::default();
         let mut thaw_host: [ThawHost; 2] = Default::default();
         let mut overhead: [[Samples; 5]; 2] = Default::default();
         let mut sim_copies: [[Samples; 3]; 2] = Default::default();
@@ -342,6 +387,7 @@ pub fn run(freeze_args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
             for (j, v) in c.dump_phases.iter().enumerate() {
                 dump_phases[j].push(*v);
             }
+            followed.push(c.followed_bytes);
             for (k, warm_cold) in c.phases.iter().enumerate() {
                 for (j, v) in warm_cold.iter().enumerate() {
                     phases[k][j].push(*v);
@@ -390,12 +436,14 @@ pub fn run(freeze_args: &BenchFreezeArgs, cryo: &Path) -> anyhow::Result<()> {
             cryo_thaw_cold_steps: cold_steps,
             cryo_restore_phases: phases,
             cryo_dump_phases: dump_phases,
+            cryo_followed_bytes: followed,
             bare_freeze_steps,
             bare_thaw_warm_steps: bare_warm_steps,
             bare_thaw_cold_steps: bare_cold_steps,
             thaw_host,
             load_before,
             load_after: load_average(),
+            settled: bench.settle,
         };
         if !args.json {
             print_row(&row);
@@ -467,11 +515,38 @@ fn print_row(row: &Row) {
             row.overhead_paired[i].cell()
         );
     }
-    let copies = |k: usize| row.sim_copies[k].each_ref().map(Samples::median);
-    let ([cc, cw, ccold], [bc, bw, bcold]) = (copies(0), copies(1));
+    let copy = |j: usize| {
+        format!(
+            "cryo {}, bare {} ms, paired {}",
+            row.sim_copies[0][j].cell(),
+            row.sim_copies[1][j].cell(),
+            Interval::of(
+                &paired_ratios(&row.sim_copies[1][j], &row.sim_copies[0][j]),
+                LEVEL
+            )
+            .cell()
+        )
+    };
     println!(
-        "  the simulated driver's copies (medians): checkpoint cryo {cc:.0}, bare {bc:.0} ms; \
-         restore page cache cryo {cw:.0}, bare {bw:.0} ms; cold cryo {ccold:.0}, bare {bcold:.0} ms"
+        "  the simulated driver's copies, median (min-max): checkpoint {}; restore page cache \
+         {}; cold {}",
+        copy(0),
+        copy(1),
+        copy(2)
+    );
+    let [hc, hb] = &row.thaw_host;
+    println!(
+        "  host memory at each freeze's start (medians{}): free cryo {:.0}, bare {:.0} MiB; page \
+         cache cryo {:.0}, bare {:.0} MiB",
+        if row.settled {
+            ", after the settle step"
+        } else {
+            ", no settle step"
+        },
+        hc.freeze_host[0].median(),
+        hb.freeze_host[0].median(),
+        hc.freeze_host[1].median(),
+        hb.freeze_host[1].median(),
     );
     let [pc, pb] = row.criu_pages.each_ref().map(Samples::median);
     let [oc, ob] = row.dump_besides_pages.each_ref().map(Samples::median);
@@ -512,7 +587,10 @@ fn print_row(row: &Row) {
         .map(|(s, name)| phase_cell(name, s))
         .collect::<Vec<_>>()
         .join(", ");
-    println!("  cryo's dump, ms from its start (medians): {dump}");
+    println!(
+        "  cryo's dump, ms from its start (medians): {dump}; {}",
+        followed_cell(&row.cryo_followed_bytes, img)
+    );
     let [bs, bd, bf] = med(&row.bare_freeze_steps);
     let [_, bwc, bwg] = med(&row.bare_thaw_warm_steps);
     let [_, bcc, bcg] = med(&row.bare_thaw_cold_steps);
@@ -520,7 +598,6 @@ fn print_row(row: &Row) {
         "  bare steps (medians):   freeze = suspend {bs:.0} + dump {bd:.0} + fsync {bf:.0} ms; \
          thaw = criu restore {bwc:.0} + GPU {bwg:.0} ms (cold: {bcc:.0} + {bcg:.0})"
     );
-    let [hc, hb] = &row.thaw_host;
     let m = |s: &Samples| s.median();
     println!(
         "  each thaw's CRIU restore (medians): the restored root's CPU ms (CRIU's restorer \
@@ -574,10 +651,24 @@ fn phase_cell(name: &str, s: &Samples) -> String {
         return format!("{short} {median:.0}");
     }
     let why = match name {
-        "hashed_ms" => "CRIU wrote the files itself: publish hashes them, in its step",
+        "hashed_ms" => "CRIU wrote the files itself: its follower hashed them as they came",
         _ => "not in cryo's report",
     };
     format!("{short} n/a ({why})")
+}
+
+/// What cryo's follower hashed while CRIU wrote the image (median of `followed`, bytes) against
+/// the image's `image_bytes`: publish hashed only the rest.
+fn followed_cell(followed: &Samples, image_bytes: u64) -> String {
+    let median = followed.median();
+    if median.is_nan() {
+        return "followed n/a (not in cryo's report: publish hashed every byte)".to_string();
+    }
+    format!(
+        "the follower hashed {} of the image's {} while CRIU wrote it (publish hashed the rest)",
+        fmt_bytes(median as u64),
+        fmt_bytes(image_bytes)
+    )
 }
 
 pub(crate) struct Arm {
@@ -593,12 +684,17 @@ pub(crate) struct Arm {
     phases: [[f64; 5]; 2],
     /// cryo's dump phases ([`DUMP_PHASES`]); NaN for the bare route.
     dump_phases: [f64; 5],
+    /// Bytes cryo's follower hashed before publish (`dump_phases.followed_bytes`); NaN for the
+    /// bare route.
+    followed_bytes: f64,
     /// CPU ms of the restored root's main thread when each thaw answered: page cache, cold.
     restored_cpu: [f64; 2],
     /// `MemFree` (MiB) when each thaw started: page cache, cold.
     free_mib: [f64; 2],
     /// ms from the worker gone to the start of the page-cache thaw.
     thaw_after_gone: f64,
+    /// `MemFree` and `Cached` (MiB) when the freeze started (after [`Bench::settle`]).
+    freeze_host: [f64; 2],
     image_bytes: u64,
     /// CRIU's page loop in the freeze's dump, ms, as CRIU timed it (its `stats-dump`:
     /// [`cryo_criu::stats::DumpStats::memdump_ms`]).
@@ -678,6 +774,8 @@ pub(crate) struct Bench {
     started: std::cell::Cell<usize>,
     /// `--thaw-after-gone`: the earliest start of a page-cache thaw after the worker was gone.
     pub(crate) thaw_after_gone: Option<Duration>,
+    /// Whether each measured phase starts after [`Bench::settle`] (`--settle`).
+    pub(crate) settle: bool,
 }
 
 fn ms(d: Duration) -> f64 {
@@ -724,6 +822,7 @@ impl Bench {
             sim,
             started: std::cell::Cell::new(0),
             thaw_after_gone: None,
+            settle: false,
         })
     }
 
@@ -842,15 +941,23 @@ impl Bench {
 
     pub(crate) fn stop(&self, pid: i32) -> anyhow::Result<()> {
         let mut c = self.cryo();
-        c.args(["stop", &pid.to_string()]);
+        // No deadline: an arm's teardown is not measured, and a 4 GiB checkpoint of memory the
+        // host must fault in again took past the default 25 s under load (the run failed).
+        c.args(["stop", &pid.to_string(), "--deadline", "0"]);
         self.run(c, "cryo stop")?;
         reap(pid);
         Ok(())
     }
 
     /// `cryo thaw` of the worker `pid` to the first answered health request.
-    fn cryo_thaw(&self, image: &Path, pid: i32, sock: &Path) -> anyhow::Result<Thawed> {
-        let free_mib = HostMemory::now().free_mib as f64;
+    fn cryo_thaw(
+        &self,
+        image: &Path,
+        pid: i32,
+        sock: &Path,
+        memory: u64,
+    ) -> anyhow::Result<Thawed> {
+        let free_mib = self.settle(memory)?.free_mib as f64;
         let origin = Moment::now();
         let mut c = self.cryo();
         c.arg("thaw").arg(image).args([
@@ -877,6 +984,7 @@ impl Bench {
         let mut workers = Workers::new(&self.dir);
         let (mut child, pid, sock) = self.worker(memory)?;
         workers.hold(pid);
+        let host = self.settle(memory)?;
         let image = self.dir.join("cryo-img");
         // The worker's parent reaps it as soon as CRIU ends it, as a real parent does: `cryo
         // freeze` waits for its pids to be free before it reports the image published.
@@ -891,6 +999,9 @@ impl Bench {
             serde_json::from_str(&out).context("parsing cryo freeze --json")?;
         let freeze_steps = steps(&f, ["suspend_ms", "dump_ms", "publish_ms"]);
         let dump_phases = DUMP_PHASES.map(|k| f["dump_phases"][k].as_f64().unwrap_or(f64::NAN));
+        let followed_bytes = f["dump_phases"]["followed_bytes"]
+            .as_f64()
+            .unwrap_or(f64::NAN);
         let [gpu_free, gone, durable] = freeze_moments(&f, origin)?;
         let checkpoint_copy = self.sim_copy(pid, cryo_sim::proto::CopyKind::Checkpoint, origin)?;
         reaper
@@ -902,10 +1013,10 @@ impl Bench {
 
         self.wait_to_thaw(t, gone);
         let thaw_after_gone = ms(t.elapsed()) - gone;
-        let warm = self.cryo_thaw(&image, pid, &sock)?;
+        let warm = self.cryo_thaw(&image, pid, &sock, memory)?;
         self.stop(pid)?;
         drop_caches()?;
-        let cold = self.cryo_thaw(&image, pid, &sock)?;
+        let cold = self.cryo_thaw(&image, pid, &sock, memory)?;
         self.stop(pid)?;
         fs::remove_dir_all(&image).context("removing the image")?;
         Ok(Arm {
@@ -914,9 +1025,11 @@ impl Bench {
             steps: [freeze_steps, warm.steps, cold.steps],
             phases: [warm.phases, cold.phases],
             dump_phases,
+            followed_bytes,
             restored_cpu: [warm.restored_cpu, cold.restored_cpu],
             free_mib: [warm.free_mib, cold.free_mib],
             thaw_after_gone,
+            freeze_host: [host.free_mib as f64, host.cached_mib as f64],
             image_bytes,
             criu_pages: pages,
         })
@@ -950,8 +1063,14 @@ impl Bench {
 
     /// The bare thaw: `criu restore -d`, GPU restore and unlock, health; its steps are 0,
     /// `criu restore`, GPU restore + unlock.
-    fn bare_thaw(&self, image: &Path, pid: i32, sock: &Path) -> anyhow::Result<Thawed> {
-        let free_mib = HostMemory::now().free_mib as f64;
+    fn bare_thaw(
+        &self,
+        image: &Path,
+        pid: i32,
+        sock: &Path,
+        memory: u64,
+    ) -> anyhow::Result<Thawed> {
+        let free_mib = self.settle(memory)?.free_mib as f64;
         let origin = Moment::now();
         let mut c = self.criu_cmd();
         c.args(["restore", "-d", "-D"])
@@ -995,6 +1114,7 @@ impl Bench {
         workers.hold(pid);
         let image = self.dir.join("bare-img");
         fs::create_dir(&image).context("creating the bare route's image directory")?;
+        let host = self.settle(memory)?;
         // Each moment is when its tool exited (when a script running them would know), on the
         // clock cryo's moments are read on, from the same kind of origin: the first launch.
         let origin = Moment::now();
@@ -1024,9 +1144,9 @@ impl Bench {
 
         self.wait_to_thaw(t, gone);
         let thaw_after_gone = ms(t.elapsed()) - gone;
-        let warm = self.bare_thaw(&image, pid, &sock)?;
+        let warm = self.bare_thaw(&image, pid, &sock, memory)?;
         drop_caches()?;
-        let cold = self.bare_thaw(&image, pid, &sock)?;
+        let cold = self.bare_thaw(&image, pid, &sock, memory)?;
         fs::remove_dir_all(&image).context("removing the image")?;
         Ok(Arm {
             moments: [gpu_free, gone, durable, warm.wall, cold.wall],
@@ -1038,12 +1158,36 @@ impl Bench {
             ],
             phases: [warm.phases, cold.phases],
             dump_phases: [f64::NAN; 5],
+            followed_bytes: f64::NAN,
             restored_cpu: [warm.restored_cpu, cold.restored_cpu],
             free_mib: [warm.free_mib, cold.free_mib],
             thaw_after_gone,
+            freeze_host: [host.free_mib as f64, host.cached_mib as f64],
             image_bytes: 0,
             criu_pages: pages,
         })
+    }
+
+    /// The step both arms take right before each measured phase (the freeze, each thaw), in
+    /// this one place so that both are treated alike (see the module docs): fault in as much
+    /// memory as the phase's worker will take ([`SETTLE_MARGIN`] more), on huge pages as the
+    /// simulated driver's host copy asks, and free it. The memory the phase then faults in
+    /// (the checkpoint's host copy, CRIU's restore of the worker) is the host's memory freed a
+    /// moment ago in both arms, never memory the VM's balloon has since handed back to the
+    /// hypervisor (which costs several times more to fault in again, how much depending on
+    /// how long ago it was freed: the arms' copies swung by 2x and more with it). Returns the
+    /// host's memory at its end: what the phase starts with.
+    fn settle(&self, memory: u64) -> anyhow::Result<HostMemory> {
+        if self.settle {
+            let len = usize::try_from(memory.saturating_add(SETTLE_MARGIN))
+                .context("the settle step's size")?;
+            let mut ballast = vec![0u8; len];
+            cryo_sim::advise_huge_pages(&mut ballast);
+            // Every page written (a read would map the shared zero page): each is faulted in.
+            ballast.fill(1);
+            std::hint::black_box(&mut ballast);
+        }
+        Ok(HostMemory::now())
     }
 
     /// Waits until `--thaw-after-gone` ms after the worker was gone (`gone` ms after `t`), if
@@ -1198,9 +1342,11 @@ mod tests {
             steps: Default::default(),
             phases: [[f64::NAN; 5]; 2],
             dump_phases: [f64::NAN; 5],
+            followed_bytes: f64::NAN,
             restored_cpu: [0.0; 2],
             free_mib: [0.0; 2],
             thaw_after_gone: 0.0,
+            freeze_host: [0.0; 2],
             image_bytes: 0,
             criu_pages: 150.0,
         };
@@ -1218,6 +1364,13 @@ mod tests {
             "{cell}"
         );
         assert!(!cell.contains("NaN"), "{cell}");
+        let gib = f64::from(1u32 << 30);
+        let followed = followed_cell(&Samples(vec![3.0 * gib, 2.0 * gib, 2.5 * gib]), 4 << 30);
+        assert!(
+            followed.contains("hashed 2.5 GiB of the image's 4 GiB"),
+            "{followed}"
+        );
+        assert!(followed_cell(&none, 1 << 30).contains("n/a"));
         assert_eq!(phase_cell("gate_ms", &Samples(vec![12.4])), "gate 12");
         assert!(phase_cell("gate_ms", &none).contains("n/a"));
     }

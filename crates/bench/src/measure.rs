@@ -167,6 +167,8 @@ pub(crate) struct HostMemory {
     pub(crate) available_mib: u64,
     /// Memory no one uses (`MemFree`): what an allocation gets without reclaiming.
     pub(crate) free_mib: u64,
+    /// The page cache (`Cached`).
+    pub(crate) cached_mib: u64,
     pub(crate) dirty_mib: u64,
 }
 
@@ -187,6 +189,7 @@ impl HostMemory {
             thp_fault_alloc: sum(&vmstat, &|k| k == "thp_fault_alloc"),
             available_mib: sum(&meminfo, &|k| k == "MemAvailable") / 1024,
             free_mib: sum(&meminfo, &|k| k == "MemFree") / 1024,
+            cached_mib: sum(&meminfo, &|k| k == "Cached") / 1024,
             dirty_mib: sum(&meminfo, &|k| k == "Dirty" || k == "Writeback") / 1024,
         }
     }

@@ -1649,7 +1649,12 @@ fn bench_freeze_runs_tiny() {
             }
         }
         assert!(h["thaw_after_gone"][0].as_f64().unwrap() > 0.0, "{row}");
+        // The host's free memory and page cache when each freeze started.
+        assert!(h["freeze_host"][0][0].as_f64().unwrap() > 0.0, "{row}");
+        assert!(h["freeze_host"][1][0].as_f64().unwrap() >= 0.0, "{row}");
     }
+    // Without --settle no phase starts after the settle step.
+    assert_eq!(row["settled"], false, "{row}");
 }
 
 /// An arm that fails ends the sim worker it started: here the `criu dump` command line fails

@@ -59,6 +59,7 @@ use std::path::PathBuf;
 pub use cli::{SimCommand, SimError};
 pub use client::{connect, SimClient, SimClientError, SimControl};
 pub use ledger::Wedge;
+pub use sys::advise_huge_pages;
 
 /// Where the simulated driver lives unless told otherwise (`--sim-dir`, `CRYO_SIM_DIR`).
 pub fn default_dir() -> PathBuf {

@@ -6,8 +6,9 @@ use std::os::unix::net::UnixStream;
 const SOCKET_BUFFER: usize = 4 << 20;
 
 /// Asks for transparent huge pages on a large buffer: faulting in GiBs of fresh 4 KiB pages is
-/// what bounds checkpoint speed (as on the real driver). Best effort.
-pub(crate) fn advise_huge_pages(buf: &mut [u8]) {
+/// what bounds checkpoint speed (as on the real driver). Best effort. (Public for the benchmark's
+/// settle step, which faults memory in as a checkpoint's host copy does.)
+pub fn advise_huge_pages(buf: &mut [u8]) {
     const HUGE: usize = 2 << 20;
     let start = (buf.as_mut_ptr() as usize).next_multiple_of(HUGE);
     let end = (buf.as_mut_ptr() as usize + buf.len()) & !(HUGE - 1);
