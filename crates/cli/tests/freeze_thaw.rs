@@ -1401,6 +1401,45 @@ fn a_cpu_set_changed_during_the_dump_is_not_overwritten_when_the_dump_ends() {
     env.stop_clean(pid);
 }
 
+/// As above, the tree forking once CRIU resumed it and before the recovery (a worker starts
+/// threads and helpers as it serves): what a pinned main thread starts takes its pin. The
+/// recovery gives that back too (the tree's own set, to what started after the pin). Before:
+/// the fork stayed on one CPU.
+#[test]
+fn what_a_tree_left_pinned_forks_before_the_recovery_gets_its_cpus_back() {
+    let env = Env::start("1GiB");
+    let tree = procs::Procs::reaping_tree(1);
+    let root = tree.pid(0);
+    let own = cpus_of(root);
+    assert!(own.len() > 1, "needs two CPUs or more: {own:?}");
+    let image = env.path().join("img");
+    let mut freeze = freeze_at(&env, root, &image, false, "freeze-at-dump-gate");
+    assert_eq!(cpus_of(root).len(), 1, "the dump pins the root to one CPU");
+    freeze.kill().unwrap();
+    freeze.wait().unwrap();
+    eventually(PATIENCE * 2, "CRIU to end and let go of the tree", || {
+        criu_procs(&env).is_empty() && tracer(root) == 0
+    });
+    let before = cryo_proc::tree(root).unwrap();
+    procs::kill(root, nix::sys::signal::Signal::SIGUSR1 as i32);
+    let late = eventually(PATIENCE, "the root to fork", || {
+        cryo_proc::tree(root)
+            .unwrap()
+            .into_iter()
+            .find(|p| !before.contains(p) && cryo_proc::stat(*p).is_ok_and(|s| s.comm == "sleep"))
+    });
+    assert_eq!(cpus_of(late).len(), 1, "the fork took the root's pin");
+    let guard = common::GuardProc::spawn(
+        env.cmd(),
+        &env.path().join("state"),
+        &["--no-memory-watch", "--poll-ms", "3600000"],
+    );
+    wait_pins_settled(&env);
+    assert_eq!(cpus_of(root), own);
+    assert_eq!(cpus_of(late), own, "the fork kept the pin");
+    drop(guard);
+}
+
 /// As above, the worker gone and its pid taken by another process (pinned to the same CPU, as
 /// a leftover would be) before the recovery: the recovery opens only the process recorded, so
 /// it touches nothing, and closes the record.

@@ -22,13 +22,15 @@
 //! record that cannot be kept pins nothing. After CRIU exited, every process still alive (a
 //! failed dump resumed it, or `leave_running`) gets its CPU set back, if its set is still the
 //! pin: one someone else changed during the dump (Kubernetes' CPU manager rewrites cpusets) is
-//! theirs, left as it is ([`ProcHandle::unpin`]); the record is told what was given back. The
+//! theirs, left as it is ([`ProcHandle::unpin`]), and so does what inherited the pin from a
+//! pinned main thread since (a thread it started, a child it forked once CRIU resumed it:
+//! [`ProcHandle::unpin_inherited`]); the record is told what was given back. The
 //! dumped processes are frozen by CRIU for all of the dump but the few milliseconds before its
 //! seize, so they lose nothing.
 //!
 //! # Limitations
-//! Main threads only (where CRIU runs its parasite); a process forked after the pinning runs
-//! where the scheduler puts it. Affinity takes a pid: each call is checked against the
+//! Main threads only (where CRIU runs its parasite); a process forked after the pinning by an
+//! unpinned thread runs where the scheduler puts it. Affinity takes a pid: each call is checked against the
 //! process's pidfd afterwards (see [`cryo_proc::ProcHandle::set_affinity`]). Nothing is pinned
 //! when no CPU is allowed to both cryo and the tree's root.
 
@@ -64,6 +66,9 @@ impl PinRecord for Unrecorded {
 pub(crate) struct Colocated<'r> {
     cpu: Option<usize>,
     pinned: Vec<(ProcHandle, CpuSet)>,
+    /// When they were pinned (clock ticks after boot): what started since in the tree
+    /// inherited the pin.
+    since: Option<u64>,
     record: &'r dyn PinRecord,
 }
 
@@ -84,6 +89,7 @@ impl<'r> Colocated<'r> {
         let mut c = Colocated {
             cpu: None,
             pinned: Vec::new(),
+            since: None,
             record,
         };
         let Ok(root) = ProcHandle::open(root) else {
@@ -116,6 +122,7 @@ impl<'r> Colocated<'r> {
             return c;
         }
         c.cpu = Some(cpu);
+        c.since = cryo_proc::boot_ticks();
         for (h, k) in kept {
             match h.set_affinity(&one) {
                 Ok(()) => c.pinned.push((h, k)),
@@ -172,6 +179,11 @@ impl Drop for Colocated<'_> {
                     tracing::warn!(pid = h.pid(), error = %e, "cannot give a dumped process its CPU set back");
                     left.push(h);
                 }
+            }
+            // What it started between CRIU's resume and now (a thread, a child) took the pin;
+            // after its own set is back, so that what it starts from now on does not.
+            if let Some(since) = self.since {
+                h.unpin_inherited(&one, kept, since);
             }
         }
         self.record.given_back(&returned, &left);

@@ -283,6 +283,10 @@ pub enum Event {
         /// The host's boot (`/proc/sys/kernel/random/boot_id`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         boot: Option<String>,
+        /// When (clock ticks after boot, as start times): a thread or child a pinned main
+        /// thread started since inherited the pin.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        since: Option<u64>,
     },
     /// The CPU sets a dump of `root` took are settled: given back to `returned`; left to
     /// `left`, whose sets someone else changed since the pin (theirs now) or that cannot be
@@ -298,6 +302,10 @@ pub enum Event {
         /// Left as they are.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         left: Vec<ProcId>,
+        /// Threads and child processes that inherited the pin since (started by a pinned main
+        /// thread) given the CPU set of the process they came from.
+        #[serde(default, skip_serializing_if = "is_zero")]
+        inherited: u64,
         /// Settled by a later run: the dump died before it gave them back.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         recovery: bool,
@@ -660,6 +668,10 @@ pub enum Event {
     /// An event of a newer cryo that this build does not know.
     #[serde(other)]
     Unknown,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// A process a dump pins to one CPU, with the CPUs its main thread may run on before

@@ -67,6 +67,7 @@ impl PinRecord for Journaled<'_> {
                 cpu,
                 procs,
                 boot: cryo_proc::boot_id(),
+                since: cryo_proc::boot_ticks(),
             }])
             .map(|_| ())
             .map_err(|e| e.to_string())
@@ -78,6 +79,7 @@ impl PinRecord for Journaled<'_> {
             by: self.by,
             returned: returned.iter().map(|h| id(h)).collect(),
             left: left.iter().map(|h| id(h)).collect(),
+            inherited: 0,
             recovery: false,
         };
         // Unsynced: lost, the record stays open and a later run finds every set already given
@@ -126,12 +128,13 @@ pub(crate) fn give_back_dead(
             cpu,
             procs,
             boot: pinned_boot,
+            since,
             ..
         } = &open.record.event
         else {
             continue;
         };
-        let (mut returned, mut left) = (Vec::new(), Vec::new());
+        let (mut returned, mut left, mut inherited) = (Vec::new(), Vec::new(), 0u64);
         // Of another boot: every process it names ended with that boot.
         let this_boot = pinned_boot.is_none() || *pinned_boot == boot;
         let one = cpu_set(&[*cpu]);
@@ -178,12 +181,29 @@ pub(crate) fn give_back_dead(
                     }));
                 }
             }
+            // What it started since the pin (a thread, a child) took the pin from it; after
+            // its own set is back, so that what it starts from now on does not.
+            if let Some(since) = since {
+                let n = h.unpin_inherited(&one, &own, *since);
+                if n > 0 {
+                    inherited += n as u64;
+                    out.push(Settled {
+                        pid: p.pid,
+                        purpose: Some(Purpose::Freeze),
+                        found: format!(
+                            "{n} threads or child processes it started since inherited the pin to CPU {cpu} of a dump that did not finish"
+                        ),
+                        action: Settlement::CpusReturned,
+                    });
+                }
+            }
         }
         journal.append(Event::CpusReturned {
             root: open.root,
             by: open.by,
             returned,
             left,
+            inherited,
             recovery: true,
         })?;
     }
@@ -230,6 +250,7 @@ mod tests {
                     cpus: own.to_vec(),
                 }],
                 boot,
+                since: None,
             })
             .unwrap();
     }

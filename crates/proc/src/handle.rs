@@ -223,6 +223,58 @@ impl ProcHandle {
         Ok(Unpinned::Returned)
     }
 
+    /// What inherited a pin of its main thread (a thread takes its creator's CPU set, a child
+    /// its parent's): gives `cpus` back to each of its other threads, and to each thread of
+    /// each of its descendants, that started at or after `since` (clock ticks after boot, as
+    /// [`ProcHandle::start_time`]) and whose set is still exactly `pinned` (one whose set
+    /// someone changed since is left). Returns how many were given back. By thread id: each
+    /// call is made while the thread is listed under its process with the start time read,
+    /// and counted only if it still is afterwards (a thread's id is free for reuse as soon as
+    /// it exits: a thread that ends between the look and the call may let the call reach
+    /// whatever took its id).
+    pub fn unpin_inherited(
+        &self,
+        pinned: &nix::sched::CpuSet,
+        cpus: &nix::sched::CpuSet,
+        since: u64,
+    ) -> usize {
+        let mut n = self.unpin_threads(pinned, cpus, since, false);
+        for d in self.descendants().iter().filter(|d| d.start_time >= since) {
+            n += d.unpin_threads(pinned, cpus, since, true);
+        }
+        n
+    }
+
+    /// [`ProcHandle::unpin_inherited`] for its own threads (its main thread too if `main`).
+    fn unpin_threads(
+        &self,
+        pinned: &nix::sched::CpuSet,
+        cpus: &nix::sched::CpuSet,
+        since: u64,
+        main: bool,
+    ) -> usize {
+        let Ok(dir) = self.dir() else { return 0 };
+        let Ok(tasks) = dir.tasks() else { return 0 };
+        let mut n = 0;
+        for t in tasks.flatten() {
+            if t.tid == self.pid && !main {
+                continue;
+            }
+            let Ok(start) = t.stat().map(|s| s.starttime) else {
+                continue;
+            };
+            let still = || t.stat().is_ok_and(|s| s.starttime == start);
+            let tid = nix::unistd::Pid::from_raw(t.tid);
+            if start < since || nix::sched::sched_getaffinity(tid).ok() != Some(*pinned) {
+                continue;
+            }
+            if still() && nix::sched::sched_setaffinity(tid, cpus).is_ok() && still() {
+                n += 1;
+            }
+        }
+        n
+    }
+
     /// Alive, a zombie (exited, not reaped), or gone (reaped: its pid is free for reuse).
     pub fn liveness(&self) -> Liveness {
         if self.is_alive() {
@@ -722,6 +774,68 @@ mod tests {
     use super::*;
     use cryo_testkit::procs::{spawn_with_pid, Thread};
     use std::process::Command;
+
+    fn cpus_of(tid: Pid) -> nix::sched::CpuSet {
+        nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(tid)).unwrap()
+    }
+
+    /// Seam (session 14): a pinned main thread's set is taken by what it starts (a thread, a
+    /// child process): `unpin_inherited` gives theirs back too, and leaves one started before
+    /// the pin or whose set someone changed since.
+    #[test]
+    fn what_inherited_a_pin_gets_its_cpus_back() {
+        let own = cpus_of(0);
+        let first = (0..nix::sched::CpuSet::count())
+            .find(|c| own.is_set(*c).unwrap())
+            .unwrap();
+        let mut one = nix::sched::CpuSet::new();
+        one.set(first).unwrap();
+        assert_ne!(own, one, "needs two CPUs or more");
+        // A process: the shell pinned, then it forks a child (which takes the pin).
+        let sh = cryo_testkit::procs::Procs::reaping_tree(1);
+        let root = ProcHandle::open(sh.pid(0)).unwrap();
+        let before = root.descendants();
+        let since = crate::boot_ticks().unwrap();
+        root.set_affinity(&one).unwrap();
+        before[0].set_affinity(&one).unwrap();
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(root.pid()),
+            nix::sys::signal::Signal::SIGUSR1,
+        )
+        .unwrap();
+        let late = cryo_testkit::eventually(cryo_testkit::PATIENCE, "the fork", || {
+            root.descendants()
+                .into_iter()
+                .find(|d| d.pid() != before[0].pid())
+        });
+        assert_eq!(cpus_of(late.pid()), one, "the fork took the pin");
+        assert_eq!(root.unpin(&one, &own).unwrap(), Unpinned::Returned);
+        let n = root.unpin_inherited(&one, &own, since);
+        assert_eq!(cpus_of(late.pid()), own, "the fork kept the pin");
+        // Started before the pin: not the pin's (its set was someone's choice).
+        if before[0].start_time() < since {
+            assert_eq!(cpus_of(before[0].pid()), one);
+            assert_eq!(n, 1);
+        }
+        // A thread: this one pinned, then it starts one.
+        let since = crate::boot_ticks().unwrap();
+        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &one).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::spawn(move || {
+            tx.send(rustix::thread::gettid().as_raw_nonzero().get())
+                .unwrap();
+            let _ = stop_rx.recv();
+        });
+        let tid = rx.recv().unwrap();
+        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &own).unwrap();
+        assert_eq!(cpus_of(tid), one, "the thread took the pin");
+        let me = ProcHandle::open(std::process::id() as Pid).unwrap();
+        assert!(me.unpin_inherited(&one, &own, since) >= 1);
+        assert_eq!(cpus_of(tid), own, "the thread kept the pin");
+        stop_tx.send(()).unwrap();
+        t.join().unwrap();
+    }
 
     /// A process's children and descendants are found by the kernel's parent links, and its
     /// tracees by their `TracerPid`; nothing else is.

@@ -52,10 +52,10 @@ pub use netns::{in_net_namespace, in_net_namespace_of};
 /// A set of CPUs, as [`ProcHandle::affinity`] answers it.
 pub use nix::sched::CpuSet;
 pub use read::{
-    boot_id, driver_file_holders, fds, liveness, load_average, mem_available, naming, pid_holders,
-    pid_max, pids_in_use, pin_to_cpus, runs_our_executable, same_namespace, stat, status, tgid,
-    thread_children, thread_named, threads_cpu, tree, unix_listeners_of, NamespaceKind, PidHolder,
-    Stat, Status, ThreadCpu, SYSTEM_MEMORY_PRESSURE,
+    boot_id, boot_ticks, driver_file_holders, fds, liveness, load_average, mem_available, naming,
+    pid_holders, pid_max, pids_in_use, pin_to_cpus, runs_our_executable, same_namespace, stat,
+    status, tgid, thread_children, thread_named, threads_cpu, tree, unix_listeners_of,
+    NamespaceKind, PidHolder, Stat, Status, ThreadCpu, SYSTEM_MEMORY_PRESSURE,
 };
 pub use signal::{describe_wait_status, signal_name, Signal};
 

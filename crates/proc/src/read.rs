@@ -581,6 +581,20 @@ pub fn load_average() -> Result<[f64; 3], ProcError> {
     Ok([l.one.into(), l.five.into(), l.fifteen.into()])
 }
 
+/// Now, in clock ticks after boot (`/proc/uptime`, rounded down): comparable with a process's
+/// or thread's start time ([`Stat::start_time`]). `None` if it cannot be read.
+pub fn boot_ticks() -> Option<u64> {
+    let up = std::fs::read_to_string("/proc/uptime").ok()?;
+    let (secs, cs) = up.split_whitespace().next()?.split_once('.')?;
+    let cs: u64 = format!("{cs:0<2}").get(..2)?.parse().ok()?;
+    let centis = secs
+        .parse::<u64>()
+        .ok()?
+        .checked_mul(100)?
+        .checked_add(cs)?;
+    Some(centis.checked_mul(procfs::ticks_per_second())? / 100)
+}
+
 /// This boot of the host (`/proc/sys/kernel/random/boot_id`): what a record about live
 /// processes names so that it is not taken, after a reboot, for one about this boot's (pids and
 /// start times from boot repeat across boots). `None` if the kernel does not say.
