@@ -45,6 +45,17 @@ pub(crate) fn forked_since(
     held: &[&ProcHandle],
     sessions: &[(Pid, &ProcHandle)],
 ) -> Vec<ProcHandle> {
+    forked_below(held, held, sessions)
+}
+
+/// [`forked_since`], walking the descendants of `from` only (a freeze: what CRIU dumps is
+/// the root's tree, one walk of it; each process's children are listed per thread, and a
+/// worker has hundreds of threads).
+pub(crate) fn forked_below(
+    from: &[&ProcHandle],
+    held: &[&ProcHandle],
+    sessions: &[(Pid, &ProcHandle)],
+) -> Vec<ProcHandle> {
     let holds = |pid: Pid| held.iter().any(|h| h.pid() == pid && h.is_alive());
     let ours: Vec<Pid> = sessions
         .iter()
@@ -59,7 +70,7 @@ pub(crate) fn forked_since(
         Vec::new()
     });
     let mut out: Vec<ProcHandle> = Vec::new();
-    let descendants = held
+    let descendants = from
         .iter()
         .filter(|h| h.is_alive())
         .flat_map(|h| h.descendants());

@@ -967,7 +967,9 @@ fn suspend_forks(
     let mut found: Vec<ProcHandle> = Vec::new();
     for round in 0..=crate::forks::ROUNDS {
         let held: Vec<&ProcHandle> = handles.iter().chain(&found).collect();
-        let new = crate::forks::forked_since(&held, &[]);
+        // What CRIU dumps: the root's tree.
+        let root: Vec<&ProcHandle> = handles.first().into_iter().collect();
+        let new = crate::forks::forked_below(&root, &held, &[]);
         if new.is_empty() {
             return Ok(());
         }
