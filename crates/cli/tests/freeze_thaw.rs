@@ -1495,6 +1495,37 @@ fn a_cpu_set_changed_during_the_dump_is_not_overwritten_by_the_recovery() {
     env.stop_clean(pid);
 }
 
+/// A freeze writes its suspension's last records (`Verified`, the outcomes with it) without
+/// waiting for stable storage and syncs them beside CRIU's start, so that GPU free waits for one
+/// `fdatasync` (the lock's intent): CRIU's gate, where the tree would be ended, waits for that
+/// sync. A sync that fails (injected) ends nothing: the gate refuses the dump, CRIU resumes the
+/// tree and the freeze resumes the worker in place; it serves as before, nothing is published,
+/// nothing was torn down.
+#[test]
+fn a_freeze_whose_suspension_cannot_be_synced_ends_nothing() {
+    let mut env = Env::start("1GiB");
+    let (pid, ep) = env.worker("64MiB", 0);
+    let before = answers(&ep);
+    let image = env.path().join("img");
+    let out = env
+        .cmd()
+        .env("CRYO_FAILPOINT", "freeze-suspension-unsynced")
+        .args(["freeze", &pid.to_string(), "--image"])
+        .arg(&image)
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert!(!out.status.success(), "published: {}", stdout(&out));
+    assert!(err.contains("cannot be made durable"), "{err}");
+    assert!(
+        alive(pid),
+        "the worker ended with its suspension not on disk"
+    );
+    assert!(!image.exists(), "an image was published");
+    assert_eq!(answers(&ep), before, "it serves as before");
+    env.stop_clean(pid);
+}
+
 /// Bytes the follower thread (`cryo-follow`) of process `pid` has read (`rchar`); 0 if it has
 /// none.
 fn follower_read(pid: u32) -> u64 {

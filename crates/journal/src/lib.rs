@@ -62,7 +62,7 @@ pub use query::{
 };
 pub use reader::{read, Reader, Scan};
 pub use timeline::{fmt_utc, parse_since, parse_since_at, render_json, render_timeline, Subsec};
-pub use writer::{Journal, SYNC_FAILPOINT};
+pub use writer::{Journal, Syncer, SYNC_FAILPOINT};
 
 /// Name of the journal file inside the journal directory.
 pub const FILE_NAME: &str = "journal.log";

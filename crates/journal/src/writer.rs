@@ -152,6 +152,22 @@ impl Journal {
         })
     }
 
+    /// A handle that makes every record written to the journal so far durable from any thread
+    /// ([`Syncer::sync`]: one `fdatasync`, which syncs every byte of the file, whoever wrote
+    /// it), so that what [`Journal::append_unsynced`] wrote can be synced beside other work and
+    /// waited for where it must be on disk.
+    pub fn syncer(&self) -> Result<Syncer, AppendError> {
+        let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let file = st
+            .file
+            .try_clone()
+            .map_err(self.io_err("cannot duplicate"))?;
+        Ok(Syncer {
+            file,
+            path: self.path.clone(),
+        })
+    }
+
     /// Runs `f` holding both the in-process mutex (threads share one open file, and `flock`
     /// does not exclude holders of the same open file) and the `flock` (other processes).
     fn locked<T, E: From<FileError>>(
@@ -321,6 +337,34 @@ pub const SYNC_FAILPOINT: &str = "journal-sync-eio";
 /// Whether [`SYNC_FAILPOINT`] is active (one `getenv` per synced append).
 fn sync_fails() -> bool {
     std::env::var_os("CRYO_FAILPOINT").is_some_and(|v| v == SYNC_FAILPOINT)
+}
+
+/// The journal's file, to sync from another thread ([`Journal::syncer`]).
+#[derive(Debug)]
+pub struct Syncer {
+    file: File,
+    path: PathBuf,
+}
+
+impl Syncer {
+    /// Returns once every record written to the journal before this call is on stable storage
+    /// (fails as every sync does under [`SYNC_FAILPOINT`]).
+    pub fn sync(&self) -> Result<(), AppendError> {
+        let synced = if sync_fails() {
+            Err(io::Error::from_raw_os_error(
+                rustix::io::Errno::IO.raw_os_error(),
+            ))
+        } else {
+            self.file.sync_data()
+        };
+        synced.map_err(|source| {
+            AppendError::File(FileError {
+                what: "cannot fdatasync",
+                path: self.path.clone(),
+                source,
+            })
+        })
+    }
 }
 
 /// Whether an append waits for stable storage.

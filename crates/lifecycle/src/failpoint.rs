@@ -10,10 +10,12 @@
 //! test can change the world at that exact point and let the step go on.
 //!
 //! # Limitations
-//! No injected errors (the crash itself is the test's SIGKILL), except two:
+//! No injected errors (the crash itself is the test's SIGKILL), except three:
 //! [`crate::suspend::SUSPEND_ROLL_BACK`] fails a suspension that succeeded, so that its roll-back
-//! runs, and the journal's [`cryo_journal::SYNC_FAILPOINT`] (read by the journal's writer from
-//! the same variable) fails every `fdatasync` of the journal with EIO.
+//! runs, the journal's [`cryo_journal::SYNC_FAILPOINT`] (read by the journal's writer from
+//! the same variable) fails every `fdatasync` of the journal with EIO, and
+//! [`crate::freeze::FREEZE_SUSPENSION_UNSYNCED`] fails only the sync of a freeze's suspension
+//! records (started at GPU free), so that CRIU's gate refuses to let the tree end.
 
 use std::time::Duration;
 

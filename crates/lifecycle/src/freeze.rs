@@ -13,6 +13,11 @@
 //!    CUDA processes ([`suspend`] with `resume_on_failure`: a refused freeze leaves the worker
 //!    serving). The guard traces them throughout (the engine's shrink and the suspension
 //!    included), standing duplicates and all: a death or an `execve` there is pinned.
+//!    The suspension's last records (`Verified`, the outcomes journaled with it) are written
+//!    unsynced and synced on a thread of their own from GPU free on, beside the next steps;
+//!    CRIU's gate waits for that sync before its verdict, so every suspension is on stable
+//!    storage before anything can end its process (a sync that fails refuses the dump), and GPU
+//!    free waits for one `fdatasync` (the lock's intent, which must be on disk before the lock).
 //! 4. Only now, every context checkpointed and journaled so, ask the [`Watcher`] (the guard) to
 //!    let go of the processes it traces (CRIU must trace them itself); the guard itself refuses to
 //!    let go of a process whose context the journal does not show suspended. A death between the
@@ -73,7 +78,9 @@ use crate::cuda::Class;
 use crate::failpoint;
 use crate::progress::Progress;
 use crate::runnable::Runnable;
-use crate::suspend::{id, suspend_listed, Known, SuspendFailure, SuspendOptions, Suspended};
+use crate::suspend::{
+    id, suspend_listed, Known, SuspendFailure, SuspendOptions, Suspended, Verified,
+};
 use crate::target::Resolved;
 use crate::watcher::{Lease, Watcher, WatcherError};
 
@@ -91,6 +98,11 @@ pub const FREEZE_AFTER_LET_GO: &str = "freeze-after-let-go";
 /// killed), before cryo's checks there; the follower has been hashing CRIU's pages files since
 /// the dump started.
 pub const FREEZE_AT_DUMP_GATE: &str = "freeze-at-dump-gate";
+
+/// Failpoint (an injected error): the `fdatasync` of the suspension's last records, started at
+/// GPU free, fails; CRIU's gate then refuses the dump (CRIU resumes the tree, the freeze resumes
+/// it in place).
+pub const FREEZE_SUSPENSION_UNSYNCED: &str = "freeze-suspension-unsynced";
 
 /// Failpoint (pausing): the engine's shrink is done, no CUDA process is suspended yet.
 pub const FREEZE_BEFORE_SUSPEND: &str = "freeze-before-suspend";
@@ -606,6 +618,8 @@ fn freeze_listed(
         Known {
             listed: &listed,
             states: &states,
+            // Synced beside the dump, waited for at CRIU's gate (`VerifiedSync`).
+            verified: Verified::SyncedByCaller,
         },
         entries,
         gpu_model,
@@ -714,6 +728,12 @@ fn freeze_inner(
     let gpu_free_at = Moment::now();
     let suspend_ms = ms(t.elapsed());
     let gpu_free_ms = ms(start.elapsed());
+    // The verification's records are written, not synced (`Verified::SyncedByCaller`): synced
+    // now on a thread of their own, beside the let-go and CRIU's start, and waited for at CRIU's
+    // gate, before its verdict lets CRIU end the tree. Every suspension is on stable storage
+    // before its process can end, and GPU free waits for one `fdatasync` (the lock's intent),
+    // not two.
+    let verified_synced = VerifiedSync::start(journal);
 
     // Every context is checkpointed (journaled): only now does the guard let go, for CRIU.
     let leases = match let_go_traced(watcher, handles).and_then(|leases| {
@@ -759,6 +779,7 @@ fn freeze_inner(
     };
     let at_gate = || {
         failpoint::pause_if(FREEZE_AT_DUMP_GATE);
+        verified_synced.wait()?;
         let s = at_dump_gate(gpu, handles, cuda)?;
         let _ = seen.set(s);
         Ok(())
@@ -1017,6 +1038,8 @@ fn suspend_forks(
         let known = Known {
             listed: &listed,
             states: &states,
+            // Synced with the first suspension's, from GPU free on (`VerifiedSync`).
+            verified: Verified::SyncedByCaller,
         };
         let mut refusals = Vec::new();
         for o in suspend_listed(
@@ -1040,6 +1063,57 @@ fn suspend_forks(
         forks.cuda.extend(batch);
     }
     Ok(())
+}
+
+/// The `fdatasync` of the suspension's last records, started at GPU free on a thread of its own
+/// and waited for at CRIU's gate (before anything can end the tree).
+struct VerifiedSync(std::sync::Mutex<Option<std::thread::JoinHandle<Result<(), String>>>>);
+
+impl VerifiedSync {
+    fn start(journal: &Journal) -> VerifiedSync {
+        let sync = |syncer: cryo_journal::Syncer| {
+            if failpoint::active(FREEZE_SUSPENSION_UNSYNCED) {
+                return Err(format!(
+                    "failpoint {FREEZE_SUSPENSION_UNSYNCED}: the sync fails on purpose"
+                ));
+            }
+            syncer.sync().map_err(|e| e.to_string())
+        };
+        let handle = journal
+            .syncer()
+            .map_err(|e| e.to_string())
+            .and_then(|syncer| {
+                std::thread::Builder::new()
+                    .name("cryo-journal-sync".into())
+                    .spawn(move || sync(syncer))
+                    .map_err(|e| format!("cannot start the journal's sync: {e}"))
+            });
+        let handle = handle.unwrap_or_else(|e| {
+            // Without a thread of its own the sync is the gate's to find failed: nothing can end
+            // the tree before its suspension is on disk.
+            std::thread::spawn(move || Err(e))
+        });
+        VerifiedSync(std::sync::Mutex::new(Some(handle)))
+    }
+
+    /// Waits for the sync; an error refuses the dump at CRIU's gate (CRIU resumes the tree).
+    fn wait(&self) -> Result<(), String> {
+        let handle = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        let Some(handle) = handle else {
+            // Waited for already (and found synced: a failure refused the dump then).
+            return Ok(());
+        };
+        handle
+            .join()
+            .unwrap_or_else(|_| Err("the journal's sync panicked".to_string()))
+            .map_err(|e| {
+                format!("the suspension's records cannot be made durable before the tree ends: {e}")
+            })
+    }
 }
 
 /// The tree as CRIU dumped it, seen at its gate against the processes the freeze listed.

@@ -365,6 +365,19 @@ pub fn suspend_watched(
     suspend_listed(gpu, procs, None, opts, journal, progress, watcher)
 }
 
+/// How the verification's records (`Verified`, with the outcomes journaled with them) reach
+/// stable storage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Verified {
+    /// Synced before the suspension returns (whoever kills the processes next may do so at
+    /// once).
+    Synced,
+    /// Written without waiting for stable storage: the caller syncs the journal before
+    /// anything ends the processes (a freeze: beside CRIU's dump, waited for at its gate, before
+    /// CRIU may kill the tree). A suspension that fails still syncs what it journaled.
+    SyncedByCaller,
+}
+
 /// What a caller learnt of the processes a moment before it suspends them (a freeze lists and
 /// classifies its tree first).
 #[derive(Debug, Clone, Copy)]
@@ -373,6 +386,9 @@ pub(crate) struct Known<'a> {
     pub(crate) listed: &'a [GpuProcess],
     /// The state the driver answered for each process, in the order of the processes.
     pub(crate) states: &'a [ProcessState],
+    /// How the verification's records reach stable storage (without a `Known`: before the
+    /// suspension returns, [`Verified::Synced`]).
+    pub(crate) verified: Verified,
 }
 
 /// As [`suspend_watched`], with what the caller learnt a moment ago ([`Known`]): each process's
@@ -391,6 +407,7 @@ pub(crate) fn suspend_listed(
     watcher: &dyn crate::Watcher,
 ) -> Vec<SuspendOutcome> {
     let gpu = &gpu.bounded(opts.limits());
+    let verified = known.map_or(Verified::Synced, |k| k.verified);
     let by = me();
     let memory_before: Vec<u64> = procs
         .iter()
@@ -490,7 +507,7 @@ pub(crate) fn suspend_listed(
             Some(left) => opts.verify_timeout.min(left),
             None => opts.verify_timeout,
         };
-        verify_all(gpu, &mut rows, verify, journal);
+        verify_all(gpu, &mut rows, verify, journal, verified);
     }
     // Every outcome not journaled yet, before anything else is journaled or done (a roll-back,
     // the caller's next step).
@@ -953,7 +970,13 @@ fn checkpoint_sampled(
     })
 }
 
-fn verify_all(gpu: &Gpu, rows: &mut [Row<'_>], timeout: Duration, journal: Option<&Journal>) {
+fn verify_all(
+    gpu: &Gpu,
+    rows: &mut [Row<'_>],
+    timeout: Duration,
+    journal: Option<&Journal>,
+    verified: Verified,
+) {
     // The checkpoints' outcomes are not on disk yet: a crash here leaves their intents last.
     failpoint::stall_if(SUSPEND_AFTER_CHECKPOINT);
     let start = Instant::now();
@@ -1003,7 +1026,14 @@ fn verify_all(gpu: &Gpu, rows: &mut [Row<'_>], timeout: Duration, journal: Optio
             }
             true
         });
-        record_all(journal, found);
+        let failed = found
+            .iter()
+            .any(|e| matches!(e, Event::VerifyFailed { .. }));
+        if verified == Verified::SyncedByCaller && !failed {
+            record_unsynced(journal, found);
+        } else {
+            record_all(journal, found);
+        }
         if pending.is_empty() {
             return;
         }
