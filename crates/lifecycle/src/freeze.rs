@@ -951,6 +951,10 @@ fn suspended_gpu(pid: Pid, listed: &[cryo_gpu::GpuProcess]) -> ProcessGpu {
     }
 }
 
+/// How long the walk after the suspension waits before it looks again at a fork that is
+/// still opening the driver (driver files, no context yet).
+const OPENING_PAUSE: Duration = Duration::from_millis(50);
+
 /// What the tree forked while its CUDA processes were suspended, and what became of it.
 #[derive(Default)]
 struct Forks {
@@ -1023,6 +1027,11 @@ fn suspend_forks(
                 pids: batch.iter().map(ProcHandle::pid).chain(opening).collect(),
                 rounds: round + 1,
             });
+        }
+        if batch.is_empty() {
+            // Only processes opening the driver: give them a moment before the next look.
+            std::thread::sleep(OPENING_PAUSE);
+            continue;
         }
         refuse_cross_process_cuda(&batch)?;
         for h in &batch {

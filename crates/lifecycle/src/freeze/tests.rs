@@ -462,6 +462,32 @@ fn a_fork_that_cannot_be_suspended_refuses_the_freeze_and_resumes_every_process(
     assert!(s.fake.wedges().is_empty());
 }
 
+/// The same fork, still opening the driver (driver files, no context) at every look: the tree
+/// does not settle within the looks' bound, so the freeze is refused before CRIU runs, the
+/// root resumed and serving, no image.
+#[test]
+fn a_fork_still_opening_the_driver_at_every_look_refuses_the_freeze() {
+    let s = reaping_scene(1, &[]);
+    let root = s.pids[0];
+    let hang = s.fake.hang_next(root, Call::Lock);
+    let (err, late) = std::thread::scope(|t| {
+        let frozen = t.spawn(|| s.freeze(false));
+        hang.wait_reached();
+        let late = fork_a_child(root);
+        s.fake.driver_files(late, &[5]);
+        hang.release();
+        (frozen.join().unwrap().unwrap_err(), late)
+    });
+    assert!(
+        matches!(&err, FreezeError::KeepsForking { pids, .. } if pids == &vec![late]),
+        "{err}"
+    );
+    assert!(s.criu.dumps().is_empty(), "CRIU ran");
+    assert!(procs::alive(root) && procs::alive(late));
+    assert_eq!(s.fake.state_of(root), ProcessState::Running);
+    s.assert_no_image();
+}
+
 /// A CUDA process NVML listed ends before the freeze suspends it: refused, nothing suspended.
 #[test]
 fn a_cuda_process_that_ends_before_its_suspension_refuses_the_freeze() {
