@@ -460,9 +460,12 @@ pub fn thaw(
     )?;
 
     let image = dir.display().to_string();
-    journal.append(Event::ThawStarted {
+    // Written, not synced: no recovery reads it (the timeline and the kube events do); the next
+    // synced append (a CUDA process's `RestoreStarted`, or `ThawFailed`) carries it to disk. A
+    // journal that cannot take it still refuses the thaw before CRIU runs.
+    journal.append_unsynced(vec![Event::ThawStarted {
         image: image.clone(),
-    })?;
+    }])?;
     failpoint::pause_if(THAW_BEFORE_RESTORE);
     let inner = thaw_inner(
         gpu, criu, &opened, &manifest, &plans, opts, journal, watcher, progress, verify_ms,
@@ -573,11 +576,12 @@ fn thaw_inner(
     };
     let root = streamed.pid;
     let criu_ms = ms(t.elapsed());
-    // For the timeline and metrics only: not worth failing a restore that happened.
-    if let Err(e) = journal.append(Event::CriuRestored {
+    // For the timeline and metrics only: not worth failing a restore that happened, nor an
+    // `fdatasync` between CRIU's exit and the GPU restore (the next synced append carries it).
+    if let Err(e) = journal.append_unsynced(vec![Event::CriuRestored {
         image: image.clone(),
         ms: criu_ms,
-    }) {
+    }]) {
         tracing::error!(error = %e, "cannot journal the CRIU restore");
     }
 

@@ -94,7 +94,14 @@ pub const CHECK_THREADS: usize = 4;
 /// restore, which reads the pages on one thread per process; at least one, at most
 /// [`CHECK_THREADS`]. One thread hashes 1 GiB from the page cache in about 370 ms on this
 /// project's host, ahead of CRIU (its gate at 540 ms in the same run); two on its two cores
-/// slowed CRIU down instead (gate at 730-817 ms, load 4-5).
+/// slowed CRIU down instead (gate at 730-817 ms, load 4-5). The threads keep the normal
+/// policy: idle priority (`SCHED_IDLE`, as the freeze's follower) does not take them out of
+/// CRIU's way here, since the scheduler shares the cores between sessions first (autogroups,
+/// on in this project's host): the restored tree runs in its own session's group, the check in
+/// its caller's, and a group's share does not shrink with its threads' policy (measured at
+/// 4 GiB, load 5-7: the restorer's run-queue wait was no shorter with it). What the
+/// check costs CRIU's restorer under load is its CPU time (BLAKE3 at about 4 GB/s per thread
+/// here) for as long as it runs; it is done well before CRIU's gate from the page cache.
 pub fn check_threads(cores: usize) -> usize {
     cores.saturating_sub(1).clamp(1, CHECK_THREADS)
 }
