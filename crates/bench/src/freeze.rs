@@ -42,7 +42,10 @@
 //! mostly first-touch page zeroing that swings 2-3x with the host's free memory between rounds,
 //! which drowns a difference of a few percent; the overhead is what each route itself adds (cryo,
 //! or the tools and their processes), with its own ratio and paired interval. The raw moment
-//! stays the headline: it is what an operator waits for.
+//! stays the headline: it is what an operator waits for. A checkpoint copy ends when the
+//! worker has read its last byte (the driver waits for the socket's send queue to drain: up
+//! to 8 MiB are still on their way when its last write returns; measured 0.1-7 ms, so that
+//! tail is not why the overhead grows with the size in both arms).
 //!
 //! **The settle step** (`--settle`; [`Bench::settle`], one function both arms call): right
 //! before each measured phase (the freeze, once the worker is up; each thaw, once the caches are dropped for

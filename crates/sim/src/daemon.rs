@@ -869,6 +869,15 @@ impl Daemon {
                     let sent = proto::send(s, &CtxReply::Download(mem.len() as u64))
                         .and_then(|()| s.write_all(mem));
                     if sent.is_ok() {
+                        // Copied once the worker has read it all: the last socket buffer's
+                        // worth is still on its way when the write returns.
+                        let written = Instant::now();
+                        crate::sys::wait_read(s, Duration::from_secs(5));
+                        tracing::debug!(
+                            pid = meta.pid,
+                            tail_ms = written.elapsed().as_secs_f64() * 1e3,
+                            "checkpoint copy: the worker read its last bytes"
+                        );
                         self.copied(meta, CopyKind::Checkpoint, mem.len() as u64, start);
                     }
                     sent

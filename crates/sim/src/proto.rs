@@ -74,8 +74,8 @@ pub enum CopyKind {
 }
 
 /// One copy of a context's device memory, as the daemon timed it: from the request to its last
-/// byte written (checkpoint: into the context socket, so the process has read all but what the
-/// socket buffers) or read (restore). On the simulated GPU this is the bulk of a checkpoint's
+/// byte read by the process (checkpoint: the context socket's send queue drained, not just its
+/// last byte queued; up to 8 MiB were still in flight then) or by the daemon (restore). On the simulated GPU this is the bulk of a checkpoint's
 /// and a restore's time, and the noisy part: the process's side faults its copy's pages in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemCopy {

@@ -39,6 +39,25 @@ pub(crate) fn grow_socket_buffers(s: &UnixStream) {
     }
 }
 
+/// Waits until the peer of `s` has read every byte written to it (`SIOCOUTQ` is 0), at most
+/// `limit`: a copy is done when the receiver has it, not when its last bytes are queued (up to
+/// the send buffer, twice [`SOCKET_BUFFER`], in flight). Best effort: returns at once where the
+/// kernel cannot tell.
+pub(crate) fn wait_read(s: &UnixStream, limit: std::time::Duration) {
+    use std::os::fd::AsRawFd;
+    let until = std::time::Instant::now() + limit;
+    loop {
+        let mut queued: nix::libc::c_int = 0;
+        // SAFETY: SIOCOUTQ (TIOCOUTQ) writes one int through the pointer, which points at
+        // `queued`, alive for the call; the fd is `s`'s, open for the call.
+        let r = unsafe { nix::libc::ioctl(s.as_raw_fd(), nix::libc::TIOCOUTQ, &mut queued) };
+        if r != 0 || queued <= 0 || std::time::Instant::now() >= until {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_micros(100));
+    }
+}
+
 /// Whether the peer of a connected unix stream socket has closed its end (every duplicate of
 /// it): `POLLHUP` without waiting (the kernel sets it on a stream socket whose peer is released).
 pub(crate) fn peer_closed(s: &UnixStream) -> bool {
