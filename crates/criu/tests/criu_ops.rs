@@ -134,6 +134,20 @@ fn wait_pids_free(pids: &[i32]) {
     });
 }
 
+/// The meta of a test image of a plain tree rooted at `root` (no process list, no GPU).
+fn plain_meta(root_pid: i32, criu_version: CriuVersion) -> ImageMeta {
+    ImageMeta {
+        root_pid,
+        processes: Vec::new(),
+        zombies: Vec::new(),
+        threads: Vec::new(),
+        gpu_model: None,
+        driver_version: None,
+        criu_version,
+        shrunk: None,
+    }
+}
+
 fn entries(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = fs::read_dir(dir)
         .unwrap()
@@ -409,16 +423,7 @@ fn a_dump_s_criu_directory_goes_after_publish_or_with_the_unpublished_staging() 
             "CRIU's run directory outlives the worker until publish"
         );
         if publish {
-            let meta = ImageMeta {
-                root_pid: counter.pid,
-                processes: Vec::new(),
-                zombies: Vec::new(),
-                threads: Vec::new(),
-                gpu_model: None,
-                driver_version: None,
-                criu_version: criu.version(),
-                shrunk: None,
-            };
+            let meta = plain_meta(counter.pid, criu.version());
             staging.publish(meta, false).unwrap();
             verify(&dir).unwrap();
         } else {
@@ -444,16 +449,7 @@ fn a_streamed_dump_publishes_and_verifies() {
         !counter.child.wait().unwrap().success(),
         "the dumped tree is killed"
     );
-    let meta = ImageMeta {
-        root_pid: counter.pid,
-        processes: Vec::new(),
-        zombies: Vec::new(),
-        threads: Vec::new(),
-        gpu_model: None,
-        driver_version: None,
-        criu_version: criu.version(),
-        shrunk: None,
-    };
+    let meta = plain_meta(counter.pid, criu.version());
     let manifest = staging.publish(meta, false).unwrap();
     assert!(manifest.files.iter().any(|f| f.name.starts_with("pages-")));
     verify(&dir).unwrap();
@@ -812,20 +808,14 @@ fn restore_past_a_2s_deadline(fake: &Path, dir: &Path, scratch: &Path) -> CriuEr
     fs::write(st.path().join("pages-1.img"), vec![7u8; 100_000]).unwrap();
     fs::write(st.path().join("core-4242.img"), b"core").unwrap();
     st.publish(
-        ImageMeta {
-            root_pid: 4242,
-            processes: Vec::new(),
-            zombies: Vec::new(),
-            threads: Vec::new(),
-            gpu_model: None,
-            driver_version: None,
-            criu_version: CriuVersion {
+        plain_meta(
+            4242,
+            CriuVersion {
                 major: 4,
                 minor: 2,
                 sublevel: 0,
             },
-            shrunk: None,
-        },
+        ),
         false,
     )
     .unwrap();
@@ -1006,21 +996,7 @@ fn two_dumps_of_trees_in_one_working_directory_wait_for_each_other_and_both_are_
     let released = AtomicBool::new(false);
     let second_saw_first_released = AtomicBool::new(false);
     let publish = |st: Staging, root: i32| {
-        let m = st
-            .publish(
-                ImageMeta {
-                    root_pid: root,
-                    processes: Vec::new(),
-                    zombies: Vec::new(),
-                    threads: Vec::new(),
-                    gpu_model: None,
-                    driver_version: None,
-                    criu_version: criu.version(),
-                    shrunk: None,
-                },
-                false,
-            )
-            .unwrap();
+        let m = st.publish(plain_meta(root, criu.version()), false).unwrap();
         for kind in ["core-", "pages-"] {
             assert!(
                 m.files.iter().any(|f| f.name.starts_with(kind)),
