@@ -61,6 +61,25 @@ impl Scene {
         self.freeze_listed(&tree, leave_running)
     }
 
+    /// The freeze of the tree, whose root forks one more child while its lock hangs (after the
+    /// listing, before the suspension's walk); `prepare` sets the fork up in the fake driver
+    /// before the lock goes on. The freeze's result and the fork's pid.
+    fn freeze_forking_at_lock(
+        &self,
+        prepare: impl FnOnce(Pid),
+    ) -> (Result<FreezeReport, FreezeError>, Pid) {
+        let root = self.pids[0];
+        let hang = self.fake.hang_next(root, Call::Lock);
+        std::thread::scope(|t| {
+            let frozen = t.spawn(|| self.freeze(false));
+            hang.wait_reached();
+            let late = fork_a_child(root);
+            prepare(late);
+            hang.release();
+            (frozen.join().unwrap(), late)
+        })
+    }
+
     /// The freeze of `tree`, listed by the test beforehand.
     fn freeze_listed(
         &self,
@@ -402,14 +421,8 @@ fn a_forked_process_with_cuda_state_refuses_the_dump() {
 fn a_cuda_child_forked_during_the_suspension_is_suspended_and_dumped() {
     let s = reaping_scene(1, &[]);
     let root = s.pids[0];
-    let hang = s.fake.hang_next(root, Call::Lock);
-    let (report, late) = std::thread::scope(|t| {
-        let frozen = t.spawn(|| s.freeze(false));
-        hang.wait_reached();
-        let late = fork_a_child(root);
+    let (report, late) = s.freeze_forking_at_lock(|late| {
         s.fake.add(late);
-        hang.release();
-        (frozen.join().unwrap(), late)
     });
     let report = report.unwrap();
     let entry = report
@@ -440,15 +453,10 @@ fn a_cuda_child_forked_during_the_suspension_is_suspended_and_dumped() {
 fn a_fork_that_cannot_be_suspended_refuses_the_freeze_and_resumes_every_process() {
     let s = reaping_scene(1, &[]);
     let root = s.pids[0];
-    let hang = s.fake.hang_next(root, Call::Lock);
-    let (err, late) = std::thread::scope(|t| {
-        let frozen = t.spawn(|| s.freeze(false));
-        hang.wait_reached();
-        let late = fork_a_child(root);
+    let (result, late) = s.freeze_forking_at_lock(|late| {
         s.fake.add(late).make_sticky(late);
-        hang.release();
-        (frozen.join().unwrap().unwrap_err(), late)
     });
+    let err = result.unwrap_err();
     assert!(
         matches!(&err, FreezeError::Refused(r) if r.iter().any(|x| x.pid == late)),
         "{err}"
@@ -469,15 +477,10 @@ fn a_fork_that_cannot_be_suspended_refuses_the_freeze_and_resumes_every_process(
 fn a_fork_still_opening_the_driver_at_every_look_refuses_the_freeze() {
     let s = reaping_scene(1, &[]);
     let root = s.pids[0];
-    let hang = s.fake.hang_next(root, Call::Lock);
-    let (err, late) = std::thread::scope(|t| {
-        let frozen = t.spawn(|| s.freeze(false));
-        hang.wait_reached();
-        let late = fork_a_child(root);
+    let (result, late) = s.freeze_forking_at_lock(|late| {
         s.fake.driver_files(late, &[5]);
-        hang.release();
-        (frozen.join().unwrap().unwrap_err(), late)
     });
+    let err = result.unwrap_err();
     assert!(
         matches!(&err, FreezeError::KeepsForking { pids, .. } if pids == &vec![late]),
         "{err}"
