@@ -420,7 +420,6 @@ fn a_forked_process_with_cuda_state_refuses_the_dump() {
 #[test]
 fn a_cuda_child_forked_during_the_suspension_is_suspended_and_dumped() {
     let s = reaping_scene(1, &[]);
-    let root = s.pids[0];
     let (report, late) = s.freeze_forking_at_lock(|late| {
         s.fake.add(late);
     });
