@@ -485,19 +485,16 @@ impl Inner {
     /// `PinsLost` is journaled loudly (their contexts were torn down: a likely wedge) and their
     /// GPUs stay quarantined. Nothing is concluded when the holder cannot be asked.
     fn adopt_pins(&self, records: &[Record]) {
-        let mut open: BTreeMap<ProcId, Vec<FencedGpu>> = BTreeMap::new();
-        for r in records {
-            match &r.event {
-                Event::Pinned { pid, gpu, .. } => open
-                    .entry(*pid)
-                    .or_default()
-                    .push(gpu.parse().unwrap_or(FencedGpu::Unknown)),
-                Event::PinsReleased { pid } | Event::PinsLost { pid, .. } => {
-                    open.remove(pid);
-                }
-                _ => {}
-            }
-        }
+        let mut open: BTreeMap<ProcId, Vec<FencedGpu>> = cryo_journal::pinned(records)
+            .into_iter()
+            .map(|(pid, gpus)| {
+                let gpus = gpus
+                    .iter()
+                    .map(|g| g.parse().unwrap_or(FencedGpu::Unknown))
+                    .collect();
+                (pid, gpus)
+            })
+            .collect();
         let held = match self.holder.inventory() {
             Ok(Some((_, pins))) => pins,
             Ok(None) => Vec::new(),
@@ -1117,22 +1114,7 @@ impl Guard {
     fn adopt(&self, records: &[Record]) -> StartReport {
         let mut report = StartReport::default();
         // Guarded before and not let go of since: with the reason it was guarded for.
-        let mut open: BTreeMap<ProcId, AttachSource> = BTreeMap::new();
-        for r in records {
-            match &r.event {
-                Event::GuardAttached { pid, source } => {
-                    open.insert(*pid, *source);
-                }
-                Event::GuardLost { pid }
-                | Event::ProcessExited { pid, .. }
-                | Event::Pinned { pid, .. }
-                | Event::Execed { pid, .. }
-                | Event::Killed { pid } => {
-                    open.remove(pid);
-                }
-                _ => {}
-            }
-        }
+        let open: BTreeMap<ProcId, AttachSource> = cryo_journal::guarded(records);
         let origins = cryo_journal::Origins::from_records(records);
         let mut wanted = open.clone();
         for id in origins.live_restored() {

@@ -99,3 +99,23 @@ pub struct SinceError {
     /// The value given.
     pub input: String,
 }
+
+/// Rotating the journal failed: the active segment is the old one, whole (a crash or error at
+/// any step leaves it so; what a failed step left, a `.next` or an archive link, the next
+/// rotation replaces or reuses).
+#[derive(Debug, thiserror::Error)]
+pub enum RotateError {
+    /// Locking, reading, writing, syncing, linking or renaming failed.
+    #[error(transparent)]
+    File(#[from] FileError),
+    /// Journaling the repair of a torn tail, or encoding the rotation record, failed.
+    #[error(transparent)]
+    Append(#[from] AppendError),
+    /// The archive's name is taken by another file than the active segment (not ours to
+    /// replace).
+    #[error("cannot archive the journal as {path}: another file has that name")]
+    ArchiveTaken {
+        /// The archive path.
+        path: PathBuf,
+    },
+}

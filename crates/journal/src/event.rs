@@ -665,6 +665,27 @@ pub enum Event {
         bytes: u64,
     },
 
+    /// The journal was rotated ([`crate::Journal::rotate`]): the segment before this record is
+    /// kept as the archive `archive`, and this segment begins with copies of its records that
+    /// recovery still needs (their own seq and time), then this record, then new appends. A
+    /// follower that has returned every record up to `last_seq` goes on in this segment; one
+    /// behind it finds the records it has not seen in `archive` (and the archives before it).
+    Rotated {
+        /// File name of the archive in the journal directory (`journal.<first_seq>.log`).
+        archive: String,
+        /// The seq of the first record appended to the archived segment (after its own carried
+        /// records and rotation record, if it had any).
+        first_seq: u64,
+        /// The last seq of the archived segment: this segment holds every record after it.
+        last_seq: u64,
+        /// How many records were carried (copied before this record).
+        carried: u64,
+        /// Time of the journal's first record (seq 1), as it was stored (RFC 3339): the journal's
+        /// identity, kept across rotations for followers that store a position.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        origin: Option<String>,
+    },
+
     /// An event of a newer cryo that this build does not know.
     #[serde(other)]
     Unknown,
@@ -763,6 +784,7 @@ impl Event {
             | ActivatorRemoved { .. }
             | GpuQuarantined { .. }
             | JournalRepaired { .. }
+            | Rotated { .. }
             | CpusPinned { .. }
             | CpusReturned { .. }
             | Unknown => None,
@@ -858,6 +880,7 @@ impl Event {
             | ActivatorListening { .. }
             | ActivatorRemoved { .. }
             | JournalRepaired { .. }
+            | Rotated { .. }
             | WakeWaiting { .. }
             | Unknown => Phase::Note,
         }
@@ -936,6 +959,7 @@ impl Event {
             PinsKeptByGuard { .. } => "PINS KEPT BY THE GUARD (no holder)",
             PinsLost { .. } => "PINS LOST (likely wedge)",
             JournalRepaired { .. } => "journal repaired",
+            Rotated { .. } => "journal rotated",
             Unknown => "unknown event",
         }
     }
@@ -1101,6 +1125,15 @@ impl Event {
             }
             JournalRepaired { offset, bytes } => {
                 format!("cut {bytes} torn bytes at offset {offset}")
+            }
+            Rotated {
+                archive,
+                first_seq,
+                last_seq,
+                carried,
+                ..
+            } => {
+                format!("records {first_seq}..{last_seq} archived as {archive}, {carried} carried")
             }
             LockStarted { .. }
             | CheckpointStarted { .. }

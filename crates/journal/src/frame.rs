@@ -164,6 +164,19 @@ pub(crate) fn scan(buf: &[u8], base: u64) -> Scanned {
     }
 }
 
+/// Every intact frame of `buf` whose payload is a record, with the frame's bytes (header and
+/// payload, verbatim): what a rotation copies. Damage is skipped as [`scan`] skips it.
+pub(crate) fn frames(buf: &[u8]) -> Vec<(Record, &[u8])> {
+    let mut out = Vec::new();
+    walk(buf, 0, |at, payload| {
+        if let Ok(rec) = serde_json::from_slice::<Record>(payload) {
+            out.push((rec, &buf[at..at + HEADER_LEN + payload.len()]));
+        }
+        None
+    });
+    out
+}
+
 /// What a writer needs of a byte range ([`bounds`]): where its frames end and the last
 /// record's seq, without the records.
 #[derive(Debug, Default)]

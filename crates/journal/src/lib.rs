@@ -32,16 +32,23 @@
 //!   as a [`Corruption`] with its offset and resynchronises on the next intact frame (magic,
 //!   header checksum and payload checksum all valid), so one damaged record does not hide the
 //!   rest. Writers keep such damage in place (cutting there would throw away good records).
+//! - **Rotation** ([`Journal::rotate`], module `rotate`): the active segment is archived
+//!   (`journal.<seq>.log`, a hard link) and replaced, atomically, by one that starts with the
+//!   records recovery still needs (every record of a process that may be alive, of a dead one a
+//!   guard still acts on, of an unfinished standby or dump pinning: [`carried`]), then an
+//!   [`Event::Rotated`]. Recovery reads the active segment only ([`read`]); followers
+//!   ([`Reader`]) cross a rotation returning every record once; the whole history is
+//!   [`read_all`]. Writers that hold the retired file notice it after their `flock` (another
+//!   inode at the path) and move on.
 //!
 //! # Limitations
 //! - A damaged *last* frame cannot be told from a torn write: a writer cuts it (and journals the
 //!   cut with its offset and size). A record damaged that way is lost.
-//! - The file grows without bound; there is no rotation or compaction yet (records are ~150
-//!   bytes; a busy node writes a few MB a year).
-//! - Each writer reads and checksums the whole file once when it opens the journal (not a
-//!   decode: 0.8 ms at 10,000 records where decoding them takes 62 ms, load 12-18; the
-//!   `open_bench` example); later appends read only what other writers appended since. Readers ([`read`]) decode every record: O(records) until a rotation bounds the file
-//!   (designed, not built: `docs/journal-rotation.md`).
+//! - Each writer reads and checksums the whole active segment once when it opens the journal
+//!   (not a decode: 0.8 ms at 10,000 records where decoding them takes 62 ms, load 12-18; the
+//!   `open_bench` example); later appends read only what other writers appended since. Readers
+//!   ([`read`]) decode every record of the active segment: O(records since the last rotation,
+//!   plus the carried ones).
 //! - Processes are identified by pid and start time read from `/proc` in cryo's pid namespace.
 
 mod error;
@@ -50,17 +57,23 @@ mod frame;
 mod procid;
 mod query;
 mod reader;
+mod rotate;
 mod timeline;
 mod writer;
 
-pub use error::{AppendError, FileError, OpenError, ReadError, SinceError};
+pub use error::{AppendError, FileError, OpenError, ReadError, RotateError, SinceError};
 pub use event::{AttachSource, Event, Phase, PinnedCpus, Purpose, Record};
 pub use frame::{Corruption, FrameFault, Tail, MAX_PAYLOAD};
 pub use procid::ProcId;
 pub use query::{
-    in_flight_stops, last_steps, open_pins, Filter, InFlight, OpenPins, Origin, Origins, StopStep,
+    guarded, in_flight_stops, last_steps, open_pins, pinned, Filter, InFlight, OpenPins, Origin,
+    Origins, StopStep,
 };
-pub use reader::{read, Reader, Scan};
+pub use reader::{read, read_all, read_segment, Reader, Scan};
+pub use rotate::{
+    archive_name, archive_seq, carried, may_be_alive, Rotation, NEXT_NAME, ROTATE_LINKED,
+    ROTATE_NEXT_WRITTEN, ROTATE_RENAMED,
+};
 pub use timeline::{fmt_utc, parse_since, parse_since_at, render_json, render_timeline, Subsec};
 pub use writer::{Journal, Syncer, SYNC_FAILPOINT};
 

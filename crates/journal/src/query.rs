@@ -274,3 +274,46 @@ pub fn open_pins<'a>(records: impl IntoIterator<Item = &'a Record>) -> Vec<OpenP
     }
     open
 }
+
+/// Processes a guard attached and has not let go of since (no `GuardLost`, `ProcessExited`,
+/// `Pinned`, `Execed` or `Killed` after its last `GuardAttached`), with why it was guarded: what
+/// a guard that starts re-attaches, or journals as lost when the process died unwatched.
+pub fn guarded<'a>(
+    records: impl IntoIterator<Item = &'a Record>,
+) -> BTreeMap<ProcId, crate::AttachSource> {
+    let mut open = BTreeMap::new();
+    for r in records {
+        match &r.event {
+            Event::GuardAttached { pid, source } => {
+                open.insert(*pid, *source);
+            }
+            Event::GuardLost { pid }
+            | Event::ProcessExited { pid, .. }
+            | Event::Pinned { pid, .. }
+            | Event::Execed { pid, .. }
+            | Event::Killed { pid } => {
+                open.remove(pid);
+            }
+            _ => {}
+        }
+    }
+    open
+}
+
+/// Processes (dead ones above all) whose driver fds were pinned and never released nor
+/// declared lost (`Pinned` with no `PinsReleased` or `PinsLost` after it), with the GPUs of
+/// their pins as journaled: what a guard that starts finds held by the pin holder, or declares
+/// lost (and keeps fenced).
+pub fn pinned<'a>(records: impl IntoIterator<Item = &'a Record>) -> BTreeMap<ProcId, Vec<String>> {
+    let mut open: BTreeMap<ProcId, Vec<String>> = BTreeMap::new();
+    for r in records {
+        match &r.event {
+            Event::Pinned { pid, gpu, .. } => open.entry(*pid).or_default().push(gpu.clone()),
+            Event::PinsReleased { pid } | Event::PinsLost { pid, .. } => {
+                open.remove(pid);
+            }
+            _ => {}
+        }
+    }
+    open
+}

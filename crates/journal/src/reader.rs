@@ -2,11 +2,12 @@
 
 use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use crate::error::ReadError;
 use crate::frame::{scan, Corruption, Tail};
-use crate::{Filter, Record, FILE_NAME};
+use crate::{Event, Filter, Record, FILE_NAME};
 
 /// What a read found.
 #[derive(Debug, Clone, Default)]
@@ -18,6 +19,10 @@ pub struct Scan {
     /// Bytes after the last valid frame that no valid frame follows: a record being written
     /// right now, or a torn one the next writer will cut. Not an error.
     pub tail: Option<Tail>,
+    /// The file at the journal's path was replaced by one that does not continue what this
+    /// reader returned (another journal, not a rotation): these records are that file's from
+    /// its first.
+    pub restarted: bool,
 }
 
 impl Scan {
@@ -32,33 +37,86 @@ impl Scan {
     }
 }
 
-/// Reads the whole journal in `dir`. A journal that does not exist yet reads as empty.
+/// Reads the whole journal in `dir` (its active segment: after a rotation, the records recovery
+/// still needs and everything since; `cryo timeline --all` reads the archives too). A journal
+/// that does not exist yet reads as empty.
 pub fn read(dir: impl AsRef<Path>) -> Result<Scan, ReadError> {
     Reader::new(dir).read_new()
 }
 
+/// Reads one segment file of the journal whole (an archive, `journal.<seq>.log`), never through
+/// a symlink.
+pub fn read_segment(path: impl AsRef<Path>) -> Result<Scan, ReadError> {
+    let path = path.as_ref();
+    let found = read_archive(path).map_err(|source| ReadError::Open {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    Ok(Scan {
+        records: found.records,
+        corruptions: found.corruptions,
+        tail: found.tail,
+        restarted: false,
+    })
+}
+
+/// Reads every record the journal in `dir` still holds: its archives, oldest first, then its
+/// active segment, each record once (by seq: a rotation's carried copies left out). For the
+/// timeline of the whole history (`cryo timeline --all`); recovery reads [`read`]. An archive
+/// that cannot be read is skipped and logged.
+pub fn read_all(dir: impl AsRef<Path>) -> Result<Scan, ReadError> {
+    Reader::after(dir, 0).read_new()
+}
+
 /// Follows a journal: each [`Reader::read_new`] returns what was appended since the last call
-/// (for streaming records off the host, or watching).
+/// (for streaming records off the host, or watching), across rotations: every record once, in
+/// seq order (a rotation's carried copies, whose seqs it has returned, skipped; what it has not
+/// returned of a retired segment read from the segment it holds open, then from the archives).
 #[derive(Debug)]
 pub struct Reader {
+    dir: PathBuf,
     path: PathBuf,
     file: Option<File>,
+    /// Device and inode of `file`.
+    identity: Option<(u64, u64)>,
     /// End of the last valid frame returned.
     offset: u64,
+    /// The seq of the last record returned (or the starting point): later reads return only
+    /// records after it.
+    last: Option<u64>,
 }
 
 impl Reader {
-    /// A reader of the journal in `dir`, from its start. Does no I/O.
+    /// A reader of the journal in `dir`, from the start of its active segment. Does no I/O.
     pub fn new(dir: impl AsRef<Path>) -> Reader {
         Reader {
+            dir: dir.as_ref().to_path_buf(),
             path: dir.as_ref().join(FILE_NAME),
             file: None,
+            identity: None,
             offset: 0,
+            last: None,
+        }
+    }
+
+    /// A reader of every record of the journal in `dir` after seq `after`, from the archives
+    /// where the active segment does not hold them (0: every record the archives still hold).
+    /// Does no I/O.
+    pub fn after(dir: impl AsRef<Path>, after: u64) -> Reader {
+        Reader {
+            last: Some(after),
+            ..Reader::new(dir)
         }
     }
 
     /// Records appended since the last call (all of them the first time).
     pub fn read_new(&mut self) -> Result<Scan, ReadError> {
+        if self.file.is_none() {
+            return self.open_and_read(false);
+        }
+        // Which file has the journal's name now, looked at before ours is read: once it names
+        // another file, ours was retired before this look and holds its last record already.
+        let at_path = identity_of(&self.path);
         let mut found = self.scan_from_offset()?;
         if !found.corruptions.is_empty() {
             // A writer may have been cutting a dead writer's torn tail and appending while we
@@ -67,11 +125,129 @@ impl Reader {
             found = self.scan_from_offset()?;
         }
         self.offset = found.valid_end;
-        Ok(Scan {
-            records: found.records,
+        let mut out = Scan {
+            records: self.newer(found.records),
             corruptions: found.corruptions,
             tail: found.tail,
+            restarted: false,
+        };
+        if at_path.is_some() && at_path != self.identity {
+            // Rotated (or replaced): go on in the file at the path.
+            let next = self.open_and_read(true)?;
+            if next.restarted {
+                return Ok(next);
+            }
+            out.records.extend(next.records);
+            out.corruptions.extend(next.corruptions);
+            out.tail = next.tail;
+        }
+        Ok(out)
+    }
+
+    /// Opens the file at the journal's path and reads it whole: what it holds after the last
+    /// record returned (archives first where it does not hold them all), or everything in it
+    /// with [`Scan::restarted`] if it replaced (`switched`) a file read before and does not
+    /// continue it (another journal).
+    fn open_and_read(&mut self, switched: bool) -> Result<Scan, ReadError> {
+        self.file = None;
+        self.identity = None;
+        self.offset = 0;
+        if self.file()?.is_none() {
+            return Ok(Scan::default());
+        }
+        let mut found = self.scan_from_offset()?;
+        if !found.corruptions.is_empty() {
+            found = self.scan_from_offset()?;
+        }
+        self.offset = found.valid_end;
+        let rotated = found.records.iter().find_map(|r| match &r.event {
+            Event::Rotated {
+                archive, last_seq, ..
+            } => Some((archive.clone(), *last_seq)),
+            _ => None,
+        });
+        let mut records = Vec::new();
+        let mut corruptions = Vec::new();
+        let mut restarted = false;
+        match (self.last, rotated) {
+            (None, _) => {}
+            (Some(last), Some((archive, covered))) if last < covered => {
+                // Records after `last` and up to `covered` are in the archives.
+                let (old, bad) = self.archived_after(last, &archive);
+                records = old;
+                corruptions = bad;
+            }
+            (Some(last), None)
+                if switched
+                    && (found.records.first().is_some_and(|r| r.seq <= last)
+                        || found.records.is_empty() && last > 0) =>
+            {
+                // Not a rotation of what was read: another journal at the path.
+                tracing::warn!(path = %self.path.display(), after = last, "the journal file was replaced; reading it from its first record");
+                self.last = None;
+                restarted = true;
+            }
+            _ => {}
+        }
+        records.extend(found.records);
+        corruptions.extend(found.corruptions);
+        Ok(Scan {
+            records: self.newer(records),
+            corruptions,
+            tail: found.tail,
+            restarted,
         })
+    }
+
+    /// The records after `last` in the archive `name` and the archives before it, oldest first,
+    /// with their damage. An archive that is gone (retention) leaves a gap, logged.
+    fn archived_after(&self, last: u64, name: &str) -> (Vec<Record>, Vec<Corruption>) {
+        let mut chain: Vec<crate::frame::Scanned> = Vec::new();
+        let mut next = Some(name.to_string());
+        // Bounded: each archive names an older one, and there are at most as many as files.
+        for _ in 0..4096 {
+            let Some(name) = next.take() else { break };
+            if crate::archive_seq(&name).is_none() {
+                tracing::error!(archive = %name, "a rotation record names an archive that is no archive name; not read");
+                break;
+            }
+            let path = self.dir.join(&name);
+            let scanned = match read_archive(&path) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, after = last, "an archive of the journal cannot be read: the records only it held are not returned");
+                    break;
+                }
+            };
+            next = scanned.records.iter().find_map(|r| match &r.event {
+                Event::Rotated {
+                    archive, last_seq, ..
+                } if last < *last_seq => Some(archive.clone()),
+                _ => None,
+            });
+            chain.push(scanned);
+        }
+        let mut records = Vec::new();
+        let mut corruptions = Vec::new();
+        for s in chain.into_iter().rev() {
+            records.extend(s.records);
+            corruptions.extend(s.corruptions);
+        }
+        (records, corruptions)
+    }
+
+    /// The records of `records` after the last one returned (in seq order: a later segment's
+    /// carried copies dropped), remembering the last.
+    fn newer(&mut self, records: Vec<Record>) -> Vec<Record> {
+        let mut out = Vec::with_capacity(records.len());
+        for r in records {
+            if self.last.is_some_and(|last| r.seq <= last) {
+                continue;
+            }
+            self.last = Some(r.seq);
+            out.push(r);
+        }
+        out
     }
 
     fn scan_from_offset(&mut self) -> Result<crate::frame::Scanned, ReadError> {
@@ -92,7 +268,10 @@ impl Reader {
     fn file(&mut self) -> Result<Option<&mut File>, ReadError> {
         if self.file.is_none() {
             match File::open(&self.path) {
-                Ok(f) => self.file = Some(f),
+                Ok(f) => {
+                    self.identity = f.metadata().ok().map(|m| (m.dev(), m.ino()));
+                    self.file = Some(f);
+                }
                 Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
                 Err(source) => {
                     return Err(ReadError::Open {
@@ -104,4 +283,20 @@ impl Reader {
         }
         Ok(self.file.as_mut())
     }
+}
+
+/// Device and inode of the file at `path`, if there is one.
+fn identity_of(path: &Path) -> Option<(u64, u64)> {
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// An archive, read whole (never through a symlink).
+pub(crate) fn read_archive(path: &Path) -> io::Result<crate::frame::Scanned> {
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(path)?;
+    let mut buf = Vec::new();
+    f.read_to_end(&mut buf)?;
+    Ok(scan(&buf, 0))
 }

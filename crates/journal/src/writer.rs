@@ -4,7 +4,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::SystemTime;
 
 use rustix::fs::{flock, FlockOperation};
@@ -17,18 +17,20 @@ use crate::{Event, Record, FILE_NAME};
 /// of processes may hold one on the same directory at once.
 #[derive(Debug)]
 pub struct Journal {
-    dir: PathBuf,
-    path: PathBuf,
+    pub(crate) dir: PathBuf,
+    pub(crate) path: PathBuf,
     state: Mutex<State>,
+    /// The file this writer appends to now, for its [`Syncer`]s (a rotation replaces it).
+    current: Arc<Mutex<Arc<File>>>,
 }
 
 #[derive(Debug)]
-struct State {
-    file: File,
+pub(crate) struct State {
+    pub(crate) file: Arc<File>,
     /// End of the last valid frame as this writer last saw it; `None` after an error, which
     /// forces a full scan at the next append.
-    end: Option<u64>,
-    last_seq: u64,
+    pub(crate) end: Option<u64>,
+    pub(crate) last_seq: u64,
 }
 
 impl Journal {
@@ -45,45 +47,16 @@ impl Journal {
                 source,
             })?;
         let path = dir.join(FILE_NAME);
-        let file = OpenOptions::new()
-            .read(true)
-            .append(true)
-            .create(true)
-            .mode(0o640)
-            .open(&path)
-            .map_err(|source| OpenError::OpenFile {
-                path: path.clone(),
-                source,
-            })?;
-        // Make the file's directory entry durable, or a power cut could lose the whole journal.
-        // Once, before the first frame: every writer opens the journal before it appends, and
-        // one that finds the file empty syncs the directory, so a file that holds a frame had
-        // its entry synced after it was created (by the writer that found it empty). A journal
-        // cut back to nothing is synced again, which does no harm.
-        let empty = file
-            .metadata()
-            .map_err(|source| OpenError::OpenFile {
-                path: path.clone(),
-                source,
-            })?
-            .len()
-            == 0;
-        if empty {
-            File::open(&dir)
-                .and_then(|d| d.sync_all())
-                .map_err(|source| OpenError::SyncDir {
-                    path: dir.clone(),
-                    source,
-                })?;
-        }
+        let file = Arc::new(open_file(&dir, &path)?);
         let journal = Journal {
             dir,
             path,
             state: Mutex::new(State {
-                file,
+                file: Arc::clone(&file),
                 end: None,
                 last_seq: 0,
             }),
+            current: Arc::new(Mutex::new(file)),
         };
         journal.locked(|st| -> Result<(), OpenError> {
             if let Some(repair) = journal.sync_tail(st)? {
@@ -156,40 +129,81 @@ impl Journal {
     /// ([`Syncer::sync`]: one `fdatasync`, which syncs every byte of the file, whoever wrote
     /// it), so that what [`Journal::append_unsynced`] wrote can be synced beside other work and
     /// waited for where it must be on disk.
+    ///
+    /// After a rotation the records are in another file than before: the syncer syncs the file
+    /// its journal appends to when [`Syncer::sync`] is called (a rotation by another process
+    /// synced the segment it retired before it let anyone append again).
     pub fn syncer(&self) -> Result<Syncer, AppendError> {
-        let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        let file = st
-            .file
-            .try_clone()
-            .map_err(self.io_err("cannot duplicate"))?;
         Ok(Syncer {
-            file,
+            current: Arc::clone(&self.current),
             path: self.path.clone(),
         })
     }
 
     /// Runs `f` holding both the in-process mutex (threads share one open file, and `flock`
-    /// does not exclude holders of the same open file) and the `flock` (other processes).
-    fn locked<T, E: From<FileError>>(
+    /// does not exclude holders of the same open file) and the `flock` (other processes), on
+    /// the journal file that is at the journal's path now: a writer that finds it holds a file
+    /// a rotation retired (another inode at the path once it has the lock) opens the new one
+    /// and locks again, so no append lands in a retired segment.
+    pub(crate) fn locked<T, E: From<FileError>>(
         &self,
         f: impl FnOnce(&mut State) -> Result<T, E>,
     ) -> Result<T, E> {
         // A panic mid-append leaves nothing in `State` that the next `sync_tail` (which
         // re-reads the file under the lock) does not correct.
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        flock(&st.file, FlockOperation::LockExclusive).map_err(|e| FileError {
-            what: "cannot lock",
-            path: self.path.clone(),
-            source: e.into(),
-        })?;
-        let out = f(&mut st);
-        if let Err(err) = flock(&st.file, FlockOperation::Unlock) {
-            tracing::warn!(%err, path = %self.path.display(), "cannot unlock the journal");
+        loop {
+            flock(&*st.file, FlockOperation::LockExclusive).map_err(|e| FileError {
+                what: "cannot lock",
+                path: self.path.clone(),
+                source: e.into(),
+            })?;
+            match self.is_current(&st.file) {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(e) => {
+                    unlock(&st.file, &self.path);
+                    return Err(e.into());
+                }
+            }
+            // Rotated under us (or removed): the rotator held this lock until the new file was
+            // in place, so what is at the path now is the journal.
+            unlock(&st.file, &self.path);
+            let file = Arc::new(open_file(&self.dir, &self.path).map_err(|e| match e {
+                OpenError::File(f) => f,
+                other => FileError {
+                    what: "cannot open again",
+                    path: self.path.clone(),
+                    source: io::Error::other(other.to_string()),
+                },
+            })?);
+            st.file = Arc::clone(&file);
+            st.end = None;
+            st.last_seq = 0;
+            *self.current.lock().unwrap_or_else(PoisonError::into_inner) = file;
         }
+        let out = f(&mut st);
+        unlock(&st.file, &self.path);
         out
     }
 
-    fn io_err(&self, what: &'static str) -> impl FnOnce(io::Error) -> FileError + '_ {
+    /// Whether `file` is the one at the journal's path (same device and inode).
+    fn is_current(&self, file: &File) -> Result<bool, FileError> {
+        use std::os::unix::fs::MetadataExt;
+        let held = file.metadata().map_err(self.io_err("cannot stat"))?;
+        match std::fs::metadata(&self.path) {
+            Ok(m) => Ok(m.dev() == held.dev() && m.ino() == held.ino()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(self.io_err("cannot stat")(e)),
+        }
+    }
+
+    /// Makes the file appends go to now the one [`Syncer`]s sync.
+    pub(crate) fn set_current(&self, file: Arc<File>) {
+        *self.current.lock().unwrap_or_else(PoisonError::into_inner) = file;
+    }
+
+    pub(crate) fn io_err(&self, what: &'static str) -> impl FnOnce(io::Error) -> FileError + '_ {
         move |source| FileError {
             what,
             path: self.path.clone(),
@@ -199,7 +213,7 @@ impl Journal {
 
     /// Under the lock: validates what other writers appended since our last look, learns the
     /// last seq, and cuts a torn tail. Returns the repair event to journal, if it cut anything.
-    fn sync_tail(&self, st: &mut State) -> Result<Option<Event>, FileError> {
+    pub(crate) fn sync_tail(&self, st: &mut State) -> Result<Option<Event>, FileError> {
         let size = st
             .file
             .metadata()
@@ -251,7 +265,7 @@ impl Journal {
     }
 
     /// Under the lock, with the tail known good: writes one frame and syncs it.
-    fn write_record(&self, st: &mut State, event: Event) -> Result<Record, AppendError> {
+    pub(crate) fn write_record(&self, st: &mut State, event: Event) -> Result<Record, AppendError> {
         let record = Record {
             seq: st.last_seq + 1,
             time: SystemTime::now(),
@@ -303,7 +317,7 @@ impl Journal {
     ) -> Result<(), AppendError> {
         // One write() of the whole frames (O_APPEND), so a concurrent reader sees them grow
         // from the front and a kill leaves at most a prefix of them.
-        let written = (&st.file)
+        let written = (&*st.file)
             .write_all(frames)
             .map_err(self.io_err("cannot write"))
             .and_then(|()| match sync {
@@ -342,20 +356,31 @@ fn sync_fails() -> bool {
 /// The journal's file, to sync from another thread ([`Journal::syncer`]).
 #[derive(Debug)]
 pub struct Syncer {
-    file: File,
+    /// The file its journal appends to now (shared with it: a rotation replaces it).
+    current: Arc<Mutex<Arc<File>>>,
     path: PathBuf,
 }
 
 impl Syncer {
+    /// The file a sync syncs now.
+    #[cfg(test)]
+    pub(crate) fn file(&self) -> Arc<File> {
+        Arc::clone(&self.current.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
     /// Returns once every record written to the journal before this call is on stable storage
-    /// (fails as every sync does under [`SYNC_FAILPOINT`]).
+    /// (fails as every sync does under [`SYNC_FAILPOINT`]): the records its journal wrote are in
+    /// the file it appends to now, or in a segment a rotation retired, which the rotator synced
+    /// before it let anyone append again (their copies it carried included).
     pub fn sync(&self) -> Result<(), AppendError> {
+        // Cloned out of the lock: an `fdatasync` never holds up a rotation's switch.
+        let file = Arc::clone(&self.current.lock().unwrap_or_else(PoisonError::into_inner));
         let synced = if sync_fails() {
             Err(io::Error::from_raw_os_error(
                 rustix::io::Errno::IO.raw_os_error(),
             ))
         } else {
-            self.file.sync_data()
+            file.sync_data()
         };
         synced.map_err(|source| {
             AppendError::File(FileError {
@@ -376,8 +401,55 @@ enum Durable {
     Later,
 }
 
+/// Opens (creating if needed) the journal file at `path` in `dir` for appending.
+fn open_file(dir: &Path, path: &Path) -> Result<File, OpenError> {
+    let file = OpenOptions::new()
+        .read(true)
+        .append(true)
+        .create(true)
+        .mode(0o640)
+        .open(path)
+        .map_err(|source| OpenError::OpenFile {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    // Make the file's directory entry durable, or a power cut could lose the whole journal.
+    // Once, before the first frame: every writer opens the journal before it appends, and
+    // one that finds the file empty syncs the directory, so a file that holds a frame had
+    // its entry synced after it was created (by the writer that found it empty). A journal
+    // cut back to nothing is synced again, which does no harm. (A rotation syncs the
+    // directory itself after its rename, before any writer may append to the new file.)
+    let empty = file
+        .metadata()
+        .map_err(|source| OpenError::OpenFile {
+            path: path.to_path_buf(),
+            source,
+        })?
+        .len()
+        == 0;
+    if empty {
+        sync_dir(dir).map_err(|source| OpenError::SyncDir {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    }
+    Ok(file)
+}
+
+/// `fsync` of a directory (its entries durable).
+pub(crate) fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir).and_then(|d| d.sync_all())
+}
+
+/// Releases the `flock` on `file` (a failure is only logged: closing the file releases it).
+pub(crate) fn unlock(file: &File, path: &Path) {
+    if let Err(err) = flock(file, FlockOperation::Unlock) {
+        tracing::warn!(%err, path = %path.display(), "cannot unlock the journal");
+    }
+}
+
 /// One record's frame.
-fn encode(record: &Record) -> Result<Vec<u8>, AppendError> {
+pub(crate) fn encode(record: &Record) -> Result<Vec<u8>, AppendError> {
     let payload = serde_json::to_vec(record).map_err(AppendError::Encode)?;
     frame::encode(&payload).ok_or(AppendError::TooLarge {
         len: payload.len(),

@@ -9,16 +9,17 @@
 //! is not available the follower polls every [`FALLBACK_POLL`].
 //!
 //! The journal's `seq` has no gaps and only grows, so "after seq N" is a complete, ordered
-//! position. If the journal file is replaced (another inode at its path: restored from a backup,
-//! deleted and started again), the follower starts over from its first record and says so.
+//! position, across rotations too: the [`Reader`] finishes the retired segment, skips the copies
+//! a rotation carried, and reads what it missed from the archives. If the journal file is
+//! replaced by another journal (restored from a backup, deleted and started again: another file
+//! that is no rotation of it), the follower starts over from its first record and says so.
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use cryo_journal::{Reader, Record, FILE_NAME};
+use cryo_journal::{Reader, Record};
 use rustix::event::{poll, PollFd, PollFlags};
 use rustix::fs::inotify;
 
@@ -38,8 +39,6 @@ pub struct Follow {
     queue: VecDeque<Record>,
     inotify: Option<OwnedFd>,
     watching: bool,
-    /// Device and inode of the journal file when it was first read.
-    identity: Option<(u64, u64)>,
 }
 
 /// What ended a [`Follow::wait`].
@@ -68,12 +67,11 @@ impl Follow {
         };
         let mut f = Follow {
             dir: dir.as_ref().to_path_buf(),
-            reader: Reader::new(dir.as_ref()),
+            reader: Reader::after(dir.as_ref(), after),
             after,
             queue: VecDeque::new(),
             inotify,
             watching: false,
-            identity: None,
         };
         f.watch();
         f
@@ -162,8 +160,16 @@ impl Follow {
 
     /// Reads what was appended into the queue, skipping what is at or before `after`.
     fn fill(&mut self) -> Result<(), FollowError> {
-        self.check_identity();
         let scan = self.reader.read_new().map_err(FollowError::Read)?;
+        if scan.restarted {
+            tracing::warn!(
+                dir = %self.dir.display(),
+                after = self.after,
+                "the journal file was replaced; following it from its first record"
+            );
+            self.queue.clear();
+            self.after = 0;
+        }
         for c in &scan.corruptions {
             tracing::error!(dir = %self.dir.display(), "{c}; the records after it are followed");
         }
@@ -171,29 +177,6 @@ impl Follow {
         self.queue
             .extend(scan.records.into_iter().filter(|r| r.seq > last));
         Ok(())
-    }
-
-    /// Starts over from the first record if the journal file was replaced.
-    fn check_identity(&mut self) {
-        let Ok(meta) = std::fs::metadata(self.dir.join(FILE_NAME)) else {
-            return;
-        };
-        let now = (meta.dev(), meta.ino());
-        match self.identity {
-            None => self.identity = Some(now),
-            Some(was) if was == now => {}
-            Some(_) => {
-                tracing::warn!(
-                    dir = %self.dir.display(),
-                    after = self.after,
-                    "the journal file was replaced; following it from its first record"
-                );
-                self.identity = Some(now);
-                self.reader = Reader::new(&self.dir);
-                self.queue.clear();
-                self.after = 0;
-            }
-        }
     }
 
     fn watch(&mut self) {

@@ -277,7 +277,16 @@ impl Run {
                 return;
             }
         };
-        let first = scan.records.first().filter(|r| r.seq == 1).map(time_of);
+        // The journal's identity: the time of its first record, which a rotated segment keeps
+        // in its rotation record (its own first record is a carried one, or the rotation's).
+        let first = scan
+            .records
+            .iter()
+            .find_map(|r| match &r.event {
+                cryo_journal::Event::Rotated { origin, .. } => Some(origin.clone()),
+                _ => None,
+            })
+            .unwrap_or_else(|| scan.records.first().filter(|r| r.seq == 1).map(time_of));
         let last = scan.records.last().map_or(0, |r| r.seq);
         let other_journal =
             matches!((&self.stored.journal_first, &first), (Some(a), Some(b)) if a != b);

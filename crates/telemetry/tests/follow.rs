@@ -52,6 +52,46 @@ fn follows_from_a_seq_and_wakes_on_each_append() {
 }
 
 #[test]
+fn a_rotation_under_a_follower_neither_repeats_nor_loses_a_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let j = Journal::open(dir.path()).unwrap();
+    // A live process's records, which a rotation carries into the new segment.
+    let me = ProcId::of(std::process::id() as i32).unwrap();
+    j.append(Event::RestoreCompleted {
+        pid: me,
+        image: "/img".into(),
+        ms: None,
+    })
+    .unwrap();
+    for i in 2..=5 {
+        locked(&j, i);
+    }
+    let mut f = Follow::new(dir.path(), 2);
+    let mut seqs: Vec<u64> = f.poll_new().unwrap().iter().map(|r| r.seq).collect();
+    locked(&j, 6);
+    j.rotate().unwrap().unwrap();
+    locked(&j, 8);
+    seqs.extend(f.poll_new().unwrap().iter().map(|r| r.seq));
+    // Woken by the rotation's rename as by an append, and two rotations between two looks.
+    j.rotate().unwrap().unwrap();
+    locked(&j, 10);
+    j.rotate().unwrap().unwrap();
+    let writer = std::thread::spawn(move || locked(&j, 12));
+    while let Some(r) = f.next_timeout(LONG).unwrap() {
+        seqs.push(r.seq);
+        if r.seq == 12 {
+            break;
+        }
+    }
+    writer.join().unwrap();
+    assert_eq!(seqs, (3..=12).collect::<Vec<_>>());
+    // A follower that starts behind the rotations reads the archives.
+    let mut late = Follow::new(dir.path(), 1);
+    let all: Vec<u64> = late.poll_new().unwrap().iter().map(|r| r.seq).collect();
+    assert_eq!(all, (2..=12).collect::<Vec<_>>());
+}
+
+#[test]
 fn a_journal_created_after_the_follower_is_followed() {
     let dir = tempfile::tempdir().unwrap();
     let jdir = dir.path().join("not/yet");

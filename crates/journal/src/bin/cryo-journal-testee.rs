@@ -6,6 +6,8 @@
 //! [`Journal::append_unsynced`], acked once written).
 //! `cryo-journal-testee intent DIR`: journals the intents of a stop up to `CheckpointStarted`,
 //! prints `ready`, and waits to be killed.
+//! `cryo-journal-testee rotate DIR`: rotates the journal once, printing `rotated CARRIED LAST`
+//! (or `empty`); with a rotation failpoint (`CRYO_FAILPOINT`) it stalls there until killed.
 //!
 //! A plain binary rather than the test binary re-executed into an ignored test: no test harness
 //! between the test and the writer, and no ignored test.
@@ -86,9 +88,17 @@ fn run(args: &[String]) -> Res<()> {
                 std::thread::park();
             }
         }
-        _ => {
-            Err("usage: cryo-journal-testee write DIR TAG COUNT LEN [unsynced] | intent DIR".into())
+        [mode, dir] if mode == "rotate" => {
+            let journal = open(dir)?;
+            match journal.rotate().map_err(|e| format!("rotating: {e}"))? {
+                Some(r) => say(&mut out, &format!("rotated {} {}", r.carried, r.last_seq)),
+                None => say(&mut out, "empty"),
+            }
         }
+        _ => Err(
+            "usage: cryo-journal-testee write DIR TAG COUNT LEN [unsynced] | intent DIR | rotate DIR"
+                .into(),
+        ),
     }
 }
 

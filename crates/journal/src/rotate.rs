@@ -1,0 +1,450 @@
+//! Rotation: the active segment is archived and replaced by one that starts with the records
+//! recovery still needs (see `docs/journal-rotation.md`).
+//!
+//! # Design
+//! - **What is carried** ([`carried`]): the records of every process recovery may still act
+//!   on, and of every operation it treats as unfinished. Processes are grouped: records that
+//!   name several processes (a tree's `ThawCompleted`, a standby's pids, a dump's pinned CPUs)
+//!   join them into one group, and a group is kept whole when any process of it may be alive
+//!   (same pid and start time, or anything short of proof that it is gone: `/proc` unreadable
+//!   counts as alive), or is dead with a fact a guard still acts on (pins never released or
+//!   declared lost, a guard attachment never closed), or is an unfinished standby or dump
+//!   pinning. Every record of such a group is carried, in order, so every fold a reader makes
+//!   per process (origins, suspensions in flight, parks, restores to finish, shrinks to grow)
+//!   answers the same on the new segment as on the whole history. Besides groups: the last
+//!   `StandbyPool` of each image (the pools the agent keeps) and every event this build does not
+//!   know (a newer build may need it). Over-carrying costs bytes; under-carrying a wedge.
+//! - **Steps** ([`Journal::rotate`]), under the `flock` of the active file: cut a torn tail,
+//!   sync, decode; write `journal.log.next` (a new file: a name left there, a symlink or another
+//!   user's file included, is removed first, and the file is created exclusively) with the
+//!   carried frames verbatim and an [`Event::Rotated`], synced and locked; hard-link the active
+//!   file as the archive `journal.<first>.log`, sync the directory; rename the new file over
+//!   `journal.log`, sync the directory; unlock both. Every open sees the old or the new active
+//!   file, never none. A writer that locks the retired file afterwards sees another inode at
+//!   the path and moves on (`Journal::locked`); one that opens the new file waits on its lock
+//!   until its name is durable.
+//! - **A crash** at any step leaves `journal.log` whole: before the rename it is the old file
+//!   (a `.next` nobody reads, or an archive link to the same inode, which the next rotation
+//!   finds and goes on with); after it, the new one.
+//!
+//! # Limitations
+//! - Damaged frames in the middle of the old segment are not carried (no reader could use
+//!   them); the archive keeps them.
+//! - The carried records of a process alive for a long time are copied at every rotation.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use rustix::fs::{flock, FlockOperation};
+
+use crate::error::{FileError, RotateError};
+use crate::writer::{encode, sync_dir, unlock};
+use crate::{Event, Journal, ProcId, Record};
+
+/// Name of the file a rotation writes before it renames it over the journal.
+pub const NEXT_NAME: &str = "journal.log.next";
+
+/// Failpoint (`CRYO_FAILPOINT`): a rotation stalls (until killed) once `journal.log.next` is
+/// written and synced.
+pub const ROTATE_NEXT_WRITTEN: &str = "journal-rotate-next-written";
+/// Failpoint: a rotation stalls once the archive link is made and the directory synced.
+pub const ROTATE_LINKED: &str = "journal-rotate-linked";
+/// Failpoint: a rotation stalls once the new file is renamed over the journal and the directory
+/// synced, still holding both locks.
+pub const ROTATE_RENAMED: &str = "journal-rotate-renamed";
+
+/// The archive name of a segment whose first own record has seq `first` (`journal.17.log`).
+pub fn archive_name(first: u64) -> String {
+    format!("journal.{first}.log")
+}
+
+/// The seq an archive's name carries, if `name` is an archive's name.
+pub fn archive_seq(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("journal.")?.strip_suffix(".log")?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// What a rotation did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rotation {
+    /// The archive of the retired segment.
+    pub archive: PathBuf,
+    /// The seq of the retired segment's first own record.
+    pub first_seq: u64,
+    /// Its last seq.
+    pub last_seq: u64,
+    /// Records copied into the new segment.
+    pub carried: u64,
+    /// Records the retired segment held.
+    pub records: u64,
+    /// Size of the retired segment, bytes.
+    pub old_bytes: u64,
+    /// Size of the new segment, bytes.
+    pub new_bytes: u64,
+}
+
+/// Whether `proc` may still be alive as the process the journal names: `false` only on proof
+/// that it is gone (no such pid, another start time, a zombie, another pidfs inode); `/proc`
+/// that cannot be read counts as alive.
+pub fn may_be_alive(proc: &ProcId) -> bool {
+    match cryo_proc::stat(proc.pid) {
+        Err(cryo_proc::ProcError::NoSuchProcess(_)) => false,
+        Err(_) => true,
+        Ok(st) if st.start_time != proc.start_time || st.state == 'Z' || st.state == 'X' => false,
+        Ok(_) => match (proc.pidfs, cryo_proc::pidfs_inode(proc.pid)) {
+            (Some(a), Some(b)) => a == b,
+            _ => true,
+        },
+    }
+}
+
+/// The processes a record names, for grouping (its `pids`, and the roots of standbys and dump
+/// pinnings, which closing records name alone).
+fn names(event: &Event) -> Vec<ProcId> {
+    let mut out = event.pids();
+    match event {
+        Event::CpusPinned { root, .. }
+        | Event::CpusReturned { root, .. }
+        | Event::StandbyReady { root, .. }
+        | Event::StandbyRestoring { root, .. } => out.push(*root),
+        _ => {}
+    }
+    out
+}
+
+/// Union-find over processes keyed by pid and start time (two processes that differ only in
+/// their pidfs inode fall in one group: more carried, never less).
+#[derive(Default)]
+struct Groups {
+    index: HashMap<(i32, u64), usize>,
+    parent: Vec<usize>,
+}
+
+impl Groups {
+    fn id(&mut self, p: &ProcId) -> usize {
+        let next = self.parent.len();
+        let i = *self.index.entry((p.pid, p.start_time)).or_insert(next);
+        if i == next {
+            self.parent.push(next);
+        }
+        i
+    }
+
+    fn root(&mut self, mut i: usize) -> usize {
+        while self.parent[i] != i {
+            self.parent[i] = self.parent[self.parent[i]];
+            i = self.parent[i];
+        }
+        i
+    }
+
+    fn join(&mut self, a: usize, b: usize) {
+        let (a, b) = (self.root(a), self.root(b));
+        if a != b {
+            self.parent[a] = b;
+        }
+    }
+}
+
+/// The indices (ascending) of the records of `records` (one segment, in file order) that a
+/// rotation carries, `alive` telling whether a process may still be alive ([`may_be_alive`] in
+/// production). See the module docs for the rule.
+pub fn carried(records: &[Record], alive: impl Fn(&ProcId) -> bool) -> Vec<usize> {
+    let mut groups = Groups::default();
+    let named: Vec<Vec<usize>> = records
+        .iter()
+        .map(|r| {
+            let ids: Vec<usize> = names(&r.event).iter().map(|p| groups.id(p)).collect();
+            for w in ids.windows(2) {
+                groups.join(w[0], w[1]);
+            }
+            ids
+        })
+        .collect();
+    // Processes a reader still acts on: every one that may be alive, and the dead ones with a
+    // fact still open.
+    let mut needed: BTreeSet<ProcId> = BTreeSet::new();
+    let mut seen: HashMap<(i32, u64), bool> = HashMap::new();
+    for r in records {
+        for p in names(&r.event) {
+            let live = seen
+                .entry((p.pid, p.start_time))
+                .or_insert_with(|| alive(&p));
+            if *live {
+                needed.insert(p);
+            }
+        }
+    }
+    needed.extend(crate::pinned(records).into_keys());
+    needed.extend(crate::guarded(records).into_keys());
+    for o in crate::open_pins(records) {
+        needed.insert(o.root);
+    }
+    needed.extend(open_standbys(records));
+    let keep: BTreeSet<usize> = needed
+        .iter()
+        .map(|p| {
+            let i = groups.id(p);
+            groups.root(i)
+        })
+        .collect();
+    // The last pool setting of each image.
+    let mut pools: BTreeMap<&str, usize> = BTreeMap::new();
+    for (i, r) in records.iter().enumerate() {
+        if let Event::StandbyPool { image, .. } = &r.event {
+            pools.insert(image, i);
+        }
+    }
+    let pools: BTreeSet<usize> = pools.into_values().collect();
+    (0..records.len())
+        .filter(|&i| {
+            pools.contains(&i)
+                || matches!(records[i].event, Event::Unknown)
+                || named[i].iter().any(|&g| keep.contains(&groups.root(g)))
+        })
+        .collect()
+}
+
+/// Roots of standbys restored or ready and neither claimed nor dropped since.
+fn open_standbys(records: &[Record]) -> Vec<ProcId> {
+    let mut open: Vec<ProcId> = Vec::new();
+    for r in records {
+        match &r.event {
+            Event::StandbyRestoring { root, .. } | Event::StandbyReady { root, .. } => {
+                open.push(*root);
+            }
+            Event::StandbyClaimed { root, .. } | Event::StandbyDropped { root, .. } => {
+                open.retain(|p| p != root);
+            }
+            _ => {}
+        }
+    }
+    open
+}
+
+/// Stalls forever (until killed) if failpoint `name` is active (announced on stderr).
+fn stall_if(name: &str) {
+    if std::env::var_os("CRYO_FAILPOINT").is_some_and(|v| v == name) {
+        eprintln!(
+            "cryo: failpoint {name} reached; stalling until killed (CRYO_FAILPOINT is a test hook)"
+        );
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
+    }
+}
+
+impl Journal {
+    /// Rotates the journal (see the module docs): archives the active segment and starts a new
+    /// one with the records recovery still needs. `None` when the journal holds no record.
+    /// Costs a decode of the whole segment and a write of the carried records, under the lock
+    /// (other writers wait): for a quiet moment, not a command's path.
+    pub fn rotate(&self) -> Result<Option<Rotation>, RotateError> {
+        self.locked(|st| -> Result<Option<Rotation>, RotateError> {
+            if let Some(repair) = self.sync_tail(st)? {
+                self.write_record(st, repair)?;
+            }
+            let old = Arc::clone(&st.file);
+            let io = |what| {
+                let path = self.path.clone();
+                move |source| FileError { what, path, source }
+            };
+            // Every record of the segment durable before it becomes the archive.
+            old.sync_data().map_err(io("cannot fdatasync"))?;
+            let meta = old.metadata().map_err(io("cannot stat"))?;
+            let mut buf = vec![0u8; usize::try_from(meta.len()).unwrap_or(usize::MAX)];
+            old.read_exact_at(&mut buf, 0).map_err(io("cannot read"))?;
+            let frames = crate::frame::frames(&buf);
+            let Some((head, _)) = frames.first() else {
+                return Ok(None);
+            };
+            let records: Vec<Record> = frames.iter().map(|(r, _)| r.clone()).collect();
+            let before = records.iter().find_map(|r| match &r.event {
+                Event::Rotated { origin, .. } => Some((r.seq, origin.clone())),
+                _ => None,
+            });
+            let first_seq = before.as_ref().map_or(head.seq, |(seq, _)| *seq);
+            let origin = match before {
+                Some((_, origin)) => origin,
+                None if head.seq == 1 => crate::timeline::fmt_utc(head.time, crate::Subsec::Nanos),
+                None => None,
+            };
+            let last_seq = st.last_seq;
+            let keep = carried(&records, may_be_alive);
+            let archive = self.dir.join(archive_name(first_seq));
+            let rotated = Record {
+                seq: last_seq + 1,
+                time: SystemTime::now(),
+                event: Event::Rotated {
+                    archive: archive_name(first_seq),
+                    first_seq,
+                    last_seq,
+                    carried: keep.len() as u64,
+                    origin,
+                },
+            };
+            let mut out = Vec::new();
+            for &i in &keep {
+                out.extend_from_slice(frames[i].1);
+            }
+            out.extend_from_slice(&encode(&rotated)?);
+
+            // 1. The new segment, under its own lock until its name is durable.
+            let next_path = self.dir.join(NEXT_NAME);
+            let next = self.write_next(&next_path, &out)?;
+            stall_if(ROTATE_NEXT_WRITTEN);
+            let undo = |e: RotateError| {
+                let _ = std::fs::remove_file(&next_path);
+                e
+            };
+            // 2. The archive: another name of the retired segment's inode.
+            link_archive(&self.path, &archive, &meta).map_err(undo)?;
+            sync_dir(&self.dir)
+                .map_err(io("cannot fsync the directory of"))
+                .map_err(|e| undo(e.into()))?;
+            stall_if(ROTATE_LINKED);
+            // 3. The new segment in place, atomically.
+            std::fs::rename(&next_path, &self.path)
+                .map_err(io("cannot rename the new segment over"))
+                .map_err(|e| undo(e.into()))?;
+            let synced = sync_dir(&self.dir).map_err(io("cannot fsync the directory of"));
+            stall_if(ROTATE_RENAMED);
+            let next = Arc::new(next);
+            st.file = Arc::clone(&next);
+            st.end = Some(out.len() as u64);
+            st.last_seq = rotated.seq;
+            self.set_current(Arc::clone(&next));
+            // 4. Writers waiting on either lock go on (to the new file).
+            unlock(&old, &self.path);
+            unlock(&next, &self.path);
+            synced?;
+            tracing::info!(
+                archive = %archive.display(),
+                records = records.len(),
+                carried = keep.len(),
+                "journal rotated"
+            );
+            Ok(Some(Rotation {
+                archive,
+                first_seq,
+                last_seq,
+                carried: keep.len() as u64,
+                records: records.len() as u64,
+                old_bytes: meta.len(),
+                new_bytes: out.len() as u64,
+            }))
+        })
+    }
+
+    /// Writes `bytes` into a new file at `path` (removing whatever has the name: a stale
+    /// `.next`, a symlink, a file of someone else), synced, and returns it locked.
+    fn write_next(&self, path: &Path, bytes: &[u8]) -> Result<File, RotateError> {
+        let err = |what| {
+            let path = path.to_path_buf();
+            move |source| FileError { what, path, source }
+        };
+        match std::fs::remove_file(path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(err("cannot remove the stale")(e).into()),
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create_new(true)
+            .mode(0o640)
+            .custom_flags(libc_nofollow())
+            .open(path)
+            .map_err(err("cannot create"))?;
+        let written = flock(&file, FlockOperation::LockExclusive)
+            .map_err(|e| err("cannot lock")(e.into()))
+            .and_then(|()| (&file).write_all(bytes).map_err(err("cannot write")))
+            .and_then(|()| file.sync_data().map_err(err("cannot fdatasync")));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(path);
+            return Err(e.into());
+        }
+        Ok(file)
+    }
+}
+
+/// `O_NOFOLLOW` (with `create_new` a symlink at the name fails the open anyway; this says so).
+fn libc_nofollow() -> i32 {
+    rustix::fs::OFlags::NOFOLLOW.bits() as i32
+}
+
+/// Hard-links the journal at `active` (whose metadata, taken through the locked file, is
+/// `held`) as `archive`; an archive already there is fine only if it is the same inode (a
+/// rotation that died after its link).
+fn link_archive(
+    active: &Path,
+    archive: &Path,
+    held: &std::fs::Metadata,
+) -> Result<(), RotateError> {
+    match std::fs::hard_link(active, archive) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+            let there = std::fs::symlink_metadata(archive).map_err(|source| FileError {
+                what: "cannot stat the archive",
+                path: archive.to_path_buf(),
+                source,
+            })?;
+            if there.file_type().is_file() && there.dev() == held.dev() && there.ino() == held.ino()
+            {
+                Ok(())
+            } else {
+                Err(RotateError::ArchiveTaken {
+                    path: archive.to_path_buf(),
+                })
+            }
+        }
+        Err(source) => Err(FileError {
+            what: "cannot link the archive",
+            path: archive.to_path_buf(),
+            source,
+        }
+        .into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn identity(file: &File) -> (u64, u64) {
+        let m = file.metadata().unwrap();
+        (m.dev(), m.ino())
+    }
+
+    #[test]
+    fn a_syncer_syncs_the_segment_its_journal_appends_to_after_a_rotation() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = Journal::open(dir.path()).unwrap();
+        let b = Journal::open(dir.path()).unwrap();
+        let (sa, sb) = (a.syncer().unwrap(), b.syncer().unwrap());
+        a.append(Event::FreezeStarted { image: "x".into() })
+            .unwrap();
+        let retired = identity(&sa.file());
+        // Rotated by this journal: its syncer follows at once.
+        a.rotate().unwrap().unwrap();
+        let active = identity(&File::open(dir.path().join(crate::FILE_NAME)).unwrap());
+        assert_ne!(active, retired);
+        assert_eq!(identity(&sa.file()), active);
+        sa.sync().unwrap();
+        // Rotated by another writer: its records went to the retired file (synced by the
+        // rotator) until its next append, which moves it and its syncer to the new one.
+        assert_eq!(identity(&sb.file()), retired);
+        b.append_unsynced(vec![Event::FreezeStarted { image: "y".into() }])
+            .unwrap();
+        assert_eq!(identity(&sb.file()), active);
+        sb.sync().unwrap();
+    }
+}

@@ -1,0 +1,370 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! Rotation attacked: what recovery needs survives it, followers see every record once across
+//! it, writers holding the retired file move on, hostile names in the journal directory, and
+//! the rotator killed at each of its steps (`cryo-journal-testee rotate` with a failpoint).
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use cryo_journal::{
+    guarded, in_flight_stops, pinned, read, AttachSource, Event, Journal, Origins, ProcId, Purpose,
+    Reader, Record, RotateError, FILE_NAME, NEXT_NAME,
+};
+
+/// A child process, killed and reaped when dropped.
+struct Kid(Child);
+
+impl Drop for Kid {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A live process (a `sleep`), with its identity.
+fn live() -> (Kid, ProcId) {
+    let child = Command::new("sleep").arg("600").spawn().unwrap();
+    let id = ProcId::of(child.id() as i32).unwrap();
+    (Kid(child), id)
+}
+
+/// The identity of a process that has exited and been reaped.
+fn exited() -> ProcId {
+    let mut child = Command::new("sleep").arg("600").spawn().unwrap();
+    let id = ProcId::of(child.id() as i32).unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    id
+}
+
+fn restored(j: &Journal, p: ProcId, image: &str) {
+    j.append(Event::RestoreStarted {
+        pid: p,
+        image: image.into(),
+        unlock_by: None,
+    })
+    .unwrap();
+    j.append(Event::RestoreCompleted {
+        pid: p,
+        image: image.into(),
+        ms: Some(1),
+    })
+    .unwrap();
+}
+
+fn in_flight(j: &Journal, p: ProcId) {
+    j.append(Event::SuspendStarted {
+        pid: p,
+        purpose: Purpose::Stop,
+        by: None,
+    })
+    .unwrap();
+    j.append(Event::LockStarted { pid: p }).unwrap();
+}
+
+fn filler(j: &Journal, n: usize) {
+    for i in 0..n {
+        j.append(Event::FreezeStarted {
+            image: format!("/img/{i}"),
+        })
+        .unwrap();
+    }
+}
+
+/// What recovery asks of the journal, restricted to processes alive now, plus what a guard acts
+/// on for dead ones (pins, attachments).
+#[derive(Debug, PartialEq)]
+struct Answers {
+    live_restored: Vec<ProcId>,
+    in_flight: Vec<ProcId>,
+    pinned: BTreeMap<ProcId, Vec<String>>,
+    guarded: BTreeMap<ProcId, AttachSource>,
+}
+
+fn answers(records: &[Record]) -> Answers {
+    Answers {
+        live_restored: Origins::from_records(records).live_restored(),
+        in_flight: in_flight_stops(records)
+            .into_keys()
+            .filter(ProcId::is_alive_same)
+            .collect(),
+        pinned: pinned(records),
+        guarded: guarded(records),
+    }
+}
+
+/// A journal with live and dead processes' facts: restored, in flight, pinned, guarded, and
+/// records no reader needs.
+struct Scene {
+    dir: tempfile::TempDir,
+    journal: Journal,
+    live: ProcId,
+    dead: ProcId,
+    _kid: Kid,
+}
+
+fn scene() -> Scene {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let (kid, live) = live();
+    let dead = exited();
+    let (pinned_dead, guarded_dead, tree_dead) = (exited(), exited(), exited());
+    filler(&journal, 5);
+    restored(&journal, live, "/img/live");
+    restored(&journal, dead, "/img/dead");
+    in_flight(&journal, dead);
+    journal
+        .append(Event::GuardAttached {
+            pid: live,
+            source: AttachSource::Restore,
+        })
+        .unwrap();
+    journal
+        .append(Event::Pinned {
+            pid: pinned_dead,
+            gpu: "GPU-1".into(),
+            fds: vec![3],
+        })
+        .unwrap();
+    journal
+        .append(Event::GuardAttached {
+            pid: guarded_dead,
+            source: AttachSource::Scan,
+        })
+        .unwrap();
+    journal
+        .append(Event::ThawCompleted {
+            image: "/img/live".into(),
+            pids: vec![live, tree_dead],
+            ms: 3,
+        })
+        .unwrap();
+    filler(&journal, 5);
+    in_flight(&journal, live);
+    Scene {
+        dir,
+        journal,
+        live,
+        dead,
+        _kid: kid,
+    }
+}
+
+fn seqs(records: &[Record]) -> Vec<u64> {
+    records.iter().map(|r| r.seq).collect()
+}
+
+#[test]
+fn a_rotation_keeps_every_fact_recovery_needs_and_drops_the_dead() {
+    let s = scene();
+    let whole = read(s.dir.path()).unwrap().records;
+    let before = answers(&whole);
+    assert_eq!(before.live_restored, vec![s.live]);
+    assert_eq!(before.in_flight, vec![s.live]);
+    let rotation = s.journal.rotate().unwrap().unwrap();
+    assert_eq!(rotation.last_seq, whole.last().unwrap().seq);
+    let now = read(s.dir.path()).unwrap().records;
+    assert_eq!(answers(&now), before);
+    // The dead restored process is gone from the active segment, the archive has everything.
+    assert!(!now.iter().any(|r| r.event.pids().contains(&s.dead)));
+    assert!(now.len() < whole.len(), "nothing dropped: {}", now.len());
+    let archived = cryo_journal::read_segment(&rotation.archive)
+        .unwrap()
+        .records;
+    assert_eq!(archived, whole);
+    let Event::Rotated {
+        last_seq, carried, ..
+    } = &now.last().unwrap().event
+    else {
+        panic!("no rotation record last: {:?}", now.last());
+    };
+    assert_eq!(*last_seq, rotation.last_seq);
+    assert_eq!(*carried as usize, now.len() - 1);
+    // Seqs go on past the old last.
+    let r = s.journal.append(Event::Killed { pid: s.live }).unwrap();
+    assert_eq!(r.seq, rotation.last_seq + 2);
+    // A second rotation carries the carried records again, and names another archive.
+    let second = s.journal.rotate().unwrap().unwrap();
+    assert_ne!(second.archive, rotation.archive);
+    assert_eq!(second.first_seq, rotation.last_seq + 1);
+}
+
+#[test]
+fn a_writer_holding_the_retired_file_appends_to_the_new_segment() {
+    let s = scene();
+    let other = Journal::open(s.dir.path()).unwrap();
+    let rotation = s.journal.rotate().unwrap().unwrap();
+    let archived = std::fs::metadata(&rotation.archive).unwrap().len();
+    let r = other.append(Event::Killed { pid: s.live }).unwrap();
+    assert_eq!(r.seq, rotation.last_seq + 2);
+    assert_eq!(
+        std::fs::metadata(&rotation.archive).unwrap().len(),
+        archived,
+        "an append landed in the retired segment"
+    );
+    assert_eq!(read(s.dir.path()).unwrap().records.last().unwrap(), &r);
+}
+
+#[test]
+fn a_follower_mid_file_returns_every_record_once_across_rotations() {
+    let s = scene();
+    let mut follower = Reader::new(s.dir.path());
+    let mut got = follower.read_new().unwrap().records;
+    filler(&s.journal, 3);
+    s.journal.rotate().unwrap().unwrap();
+    filler(&s.journal, 2);
+    got.extend(follower.read_new().unwrap().records);
+    // Two rotations between two reads: the middle segment is read from its archive.
+    filler(&s.journal, 4);
+    s.journal.rotate().unwrap().unwrap();
+    filler(&s.journal, 3);
+    s.journal.rotate().unwrap().unwrap();
+    filler(&s.journal, 1);
+    got.extend(follower.read_new().unwrap().records);
+    let end = s.journal.append(Event::Killed { pid: s.live }).unwrap().seq;
+    got.extend(follower.read_new().unwrap().records);
+    assert_eq!(seqs(&got), (1..=end).collect::<Vec<_>>());
+    // A reader from a position reads the archives it needs.
+    let mut late = Reader::after(s.dir.path(), 7);
+    assert_eq!(
+        seqs(&late.read_new().unwrap().records),
+        (8..=end).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn a_stale_or_hostile_next_file_is_replaced_not_written_through() {
+    let s = scene();
+    let victim_dir = tempfile::tempdir().unwrap();
+    let victim = victim_dir.path().join("victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    let next = s.dir.path().join(NEXT_NAME);
+    std::os::unix::fs::symlink(&victim, &next).unwrap();
+    s.journal.rotate().unwrap().unwrap();
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+    // A hard link of another file under the name.
+    let victim2 = s.dir.path().join("victim2");
+    std::fs::write(&victim2, b"precious").unwrap();
+    std::fs::hard_link(&victim2, &next).unwrap();
+    filler(&s.journal, 1);
+    s.journal.rotate().unwrap().unwrap();
+    assert_eq!(std::fs::read(&victim2).unwrap(), b"precious");
+    assert!(!next.exists());
+}
+
+#[test]
+fn an_archive_name_taken_by_another_file_fails_the_rotation_and_keeps_the_journal() {
+    let s = scene();
+    let whole = read(s.dir.path()).unwrap().records;
+    let first = whole[0].seq;
+    let taken = s.dir.path().join(cryo_journal::archive_name(first));
+    std::fs::write(&taken, b"not ours").unwrap();
+    let err = s.journal.rotate().unwrap_err();
+    assert!(matches!(err, RotateError::ArchiveTaken { .. }), "{err}");
+    assert_eq!(std::fs::read(&taken).unwrap(), b"not ours");
+    assert!(!s.dir.path().join(NEXT_NAME).exists());
+    assert_eq!(read(s.dir.path()).unwrap().records, whole);
+    let r = s.journal.append(Event::Killed { pid: s.live }).unwrap();
+    assert_eq!(r.seq, whole.last().unwrap().seq + 1);
+    // A symlink with the name is no archive of ours either.
+    std::fs::remove_file(&taken).unwrap();
+    std::os::unix::fs::symlink(s.dir.path().join(FILE_NAME), &taken).unwrap();
+    assert!(matches!(
+        s.journal.rotate().unwrap_err(),
+        RotateError::ArchiveTaken { .. }
+    ));
+}
+
+/// Kills a rotator stalled at `failpoint`, then checks what any later run sees.
+fn rotator_killed_at(failpoint: &str) {
+    let s = scene();
+    let whole = read(s.dir.path()).unwrap().records;
+    let before = answers(&whole);
+    let mut follower = Reader::after(s.dir.path(), 4);
+    let mut got = follower.read_new().unwrap().records;
+    filler(&s.journal, 2);
+    let old_last = s.journal.append(Event::Killed { pid: s.dead }).unwrap().seq;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cryo-journal-testee"))
+        .args(["rotate".as_ref(), s.dir.path().as_os_str()])
+        .env("CRYO_FAILPOINT", failpoint)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let kid = Kid(child);
+    let mut lines = BufReader::new(stderr).lines();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let line = lines.next().expect("the rotator exited").unwrap();
+        if line.contains(&format!("failpoint {failpoint} reached")) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no failpoint");
+    }
+    drop(kid);
+    // (a) A writer goes on, past the old last (and the rotation record, if it was renamed in).
+    let j = Journal::open(s.dir.path()).unwrap();
+    let next = j.append(Event::Killed { pid: s.live }).unwrap().seq;
+    let active = read(s.dir.path()).unwrap().records;
+    let renamed = active
+        .iter()
+        .any(|r| matches!(r.event, Event::Rotated { .. }));
+    assert_eq!(renamed, failpoint == cryo_journal::ROTATE_RENAMED);
+    assert_eq!(next, old_last + 1 + u64::from(renamed));
+    let mut prev = 0;
+    for r in &active {
+        assert!(r.seq > prev, "seqs not increasing at {}", r.seq);
+        prev = r.seq;
+    }
+    // (b) Recovery answers as on the whole history (less the kill just journaled).
+    assert_eq!(
+        answers(&active[..active.len() - 1]).live_restored,
+        before.live_restored
+    );
+    assert_eq!(
+        answers(&active[..active.len() - 1]),
+        answers(&read_all(&s, old_last))
+    );
+    // (d) The follower returns every record once.
+    got.extend(follower.read_new().unwrap().records);
+    assert_eq!(seqs(&got), (5..=next).collect::<Vec<_>>());
+    // A later rotation finishes the job (a leftover `.next` or archive link is no obstacle).
+    j.rotate().unwrap().unwrap();
+    got.extend(follower.read_new().unwrap().records);
+    let end = j.append(Event::Killed { pid: s.live }).unwrap().seq;
+    got.extend(follower.read_new().unwrap().records);
+    assert_eq!(seqs(&got), (5..=end).collect::<Vec<_>>());
+    assert_eq!(
+        answers(&read(s.dir.path()).unwrap().records).live_restored,
+        vec![s.live]
+    );
+}
+
+/// Every record up to `last`, archives first (the whole history as a timeline would read it).
+fn read_all(s: &Scene, last: u64) -> Vec<Record> {
+    let mut r = Reader::after(s.dir.path(), 0);
+    r.read_new()
+        .unwrap()
+        .records
+        .into_iter()
+        .filter(|r| r.seq <= last)
+        .collect()
+}
+
+#[test]
+fn a_rotator_killed_once_the_next_file_is_written_leaves_the_journal_whole() {
+    rotator_killed_at(cryo_journal::ROTATE_NEXT_WRITTEN);
+}
+
+#[test]
+fn a_rotator_killed_once_the_archive_is_linked_leaves_the_journal_whole() {
+    rotator_killed_at(cryo_journal::ROTATE_LINKED);
+}
+
+#[test]
+fn a_rotator_killed_once_the_new_segment_is_renamed_in_leaves_it_whole() {
+    rotator_killed_at(cryo_journal::ROTATE_RENAMED);
+}
