@@ -270,6 +270,42 @@ impl Agent {
     }
 }
 
+/// How often the agent looks at the journal's size.
+const JOURNAL_CHECK: Duration = Duration::from_secs(30);
+
+/// How long the journal must have had no append for a rotation to start (a rotation holds the
+/// writers' lock for a decode and a write of the carried records).
+const QUIET: Duration = Duration::from_secs(2);
+
+/// Rotates the journal if it is past [`cryo_journal::AGENT_ROTATE_BYTES`] and quiet, and prunes
+/// its archives ([`cryo_journal::Retention::default`]).
+fn maintain_journal(journal: &cryo_journal::Journal) {
+    let Ok(meta) = std::fs::metadata(journal.path()) else {
+        return;
+    };
+    let quiet = meta
+        .modified()
+        .ok()
+        .and_then(|m| m.elapsed().ok())
+        .is_some_and(|e| e >= QUIET);
+    if meta.len() <= cryo_journal::AGENT_ROTATE_BYTES || !quiet {
+        return;
+    }
+    match journal.maintain(
+        cryo_journal::AGENT_ROTATE_BYTES,
+        cryo_journal::Retention::default(),
+    ) {
+        Ok(Some(r)) => tracing::info!(
+            archive = %r.archive.display(),
+            records = r.records,
+            carried = r.carried,
+            "journal rotated"
+        ),
+        Ok(None) => {}
+        Err(err) => tracing::warn!(%err, "cannot rotate the journal; it stays as it is"),
+    }
+}
+
 /// Runs the agent until a shutdown is asked for (and accepted). See the module docs.
 pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
     // Before any thread exists, so that no thread runs with the default dispositions.
@@ -383,6 +419,24 @@ pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
             move || {
                 service.run_until(&|| agent.stopping(), &mut log_notice);
                 let _ = guard_done_tx.send(());
+            }
+        })
+        .map_err(|source| AgentError::Socket {
+            path: cfg.socket.clone(),
+            source,
+        })?;
+    // The journal rotated past AGENT_ROTATE_BYTES at a quiet moment (nothing appended for
+    // QUIET), its oldest archives pruned: what every command's recovery reads stays bounded.
+    std::thread::Builder::new()
+        .name("cryod-journal".into())
+        .spawn({
+            let agent = Arc::downgrade(&agent);
+            move || {
+                while let Some(agent) = agent.upgrade() {
+                    maintain_journal(&agent.journal);
+                    drop(agent);
+                    std::thread::sleep(JOURNAL_CHECK);
+                }
             }
         })
         .map_err(|source| AgentError::Socket {

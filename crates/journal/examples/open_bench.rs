@@ -2,12 +2,19 @@
 //! Open cost: `Journal::open` of a journal of N records against two baselines measured in the
 //! same run: a bare read of the same file (what any open must at least do without a rotation),
 //! and `cryo_journal::read`, which decodes every record as a writer's open did before it
-//! decoded only the last one (and as every reader still does).
+//! decoded only the last one (and as every reader still does). Then the journal is rotated (one
+//! record in 100 names this process, alive: those are carried) and the readers' decode measured
+//! again on the new active segment, with the rotation's own cost.
 //! `cargo run --release -p cryo-journal --example open_bench [DIR] [N,N,...] [ROUNDS]`
 
 use std::time::Instant;
 
 use cryo_journal::{Event, Journal, ProcId};
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -27,11 +34,16 @@ fn main() {
             "cryo-journal-open-bench-{}-{n}",
             std::process::id()
         ));
+        let me = ProcId::of(std::process::id() as i32).unwrap();
         {
             let j = Journal::open(&dir).unwrap();
             let events: Vec<Event> = (0..n)
                 .map(|i| {
-                    let pid = ProcId::new(1000 + (i % 30_000) as i32, 7);
+                    let pid = if i % 100 == 0 {
+                        me
+                    } else {
+                        ProcId::new(1000 + (i % 30_000) as i32, 7)
+                    };
                     match i % 4 {
                         0 => Event::LockStarted { pid },
                         1 => Event::Locked { pid, ms: 3 },
@@ -66,17 +78,31 @@ fn main() {
             decode.push(t.elapsed().as_secs_f64() * 1e3);
             assert_eq!(all.records.len(), n);
         }
-        let med = |v: &mut Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
-        let (o, r, d) = (med(&mut open), med(&mut read), med(&mut decode));
+        let (o, r, d) = (median(&mut open), median(&mut read), median(&mut decode));
         println!(
             "{n} records ({size} B): open median {o:.2} ms (min {:.2}); bare read {r:.2} ms, open/read {:.1}; decode all {d:.2} ms, open/decode {:.2}",
             open[0],
             o / r,
             o / d
         );
+        let t = Instant::now();
+        let rotation = Journal::open(&dir).unwrap().rotate().unwrap().unwrap();
+        let rotate_ms = t.elapsed().as_secs_f64() * 1e3;
+        let mut after = Vec::new();
+        let mut kept = 0;
+        for _ in 0..rounds {
+            let t = Instant::now();
+            kept = cryo_journal::read(&dir).unwrap().records.len();
+            after.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        let a = median(&mut after);
+        println!(
+            "  rotated in {rotate_ms:.1} ms ({} carried, {} B): decode all after {a:.3} ms, before/after {:.0}",
+            rotation.carried,
+            rotation.new_bytes,
+            d / a
+        );
+        assert_eq!(kept as u64, rotation.carried + 1);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

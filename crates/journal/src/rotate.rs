@@ -72,6 +72,54 @@ pub fn archive_seq(name: &str) -> Option<u64> {
     digits.parse().ok()
 }
 
+/// Size past which the agent rotates the journal (at a quiet moment): ~25,000 records.
+pub const AGENT_ROTATE_BYTES: u64 = 4 << 20;
+
+/// Size past which any writer rotates the journal when it opens it (a node without an agent).
+pub const STANDALONE_ROTATE_BYTES: u64 = 64 << 20;
+
+/// How many archives are kept, and how many bytes of them, at most: the oldest go first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retention {
+    /// Archives kept at most.
+    pub count: usize,
+    /// Bytes of archives kept at most.
+    pub bytes: u64,
+}
+
+impl Default for Retention {
+    /// 16 archives, 256 MiB.
+    fn default() -> Self {
+        Retention {
+            count: 16,
+            bytes: 256 << 20,
+        }
+    }
+}
+
+/// The archives in `dir`, oldest first: (seq, path, size), regular files of this user only (a
+/// symlink or another user's file with an archive's name is no archive of ours: logged, left).
+pub fn archives(dir: &Path) -> io::Result<Vec<(u64, PathBuf, u64)>> {
+    let me = rustix::process::geteuid().as_raw();
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let name = entry.file_name();
+        let Some(seq) = name.to_str().and_then(archive_seq) else {
+            continue;
+        };
+        let path = entry.path();
+        let meta = std::fs::symlink_metadata(&path)?;
+        if !meta.file_type().is_file() || meta.uid() != me {
+            tracing::warn!(path = %path.display(), "a file with a journal archive's name is not a regular file of this user: not treated as an archive");
+            continue;
+        }
+        out.push((seq, path, meta.len()));
+    }
+    out.sort();
+    Ok(out)
+}
+
 /// What a rotation did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rotation {
@@ -342,6 +390,57 @@ impl Journal {
                 new_bytes: out.len() as u64,
             }))
         })
+    }
+
+    /// Rotates if the active segment is larger than `past` bytes, then removes the oldest
+    /// archives beyond `keep` (never the active segment: an archive that is still its inode, left
+    /// by a rotation that died after its link, is not counted nor removed).
+    pub fn maintain(&self, past: u64, keep: Retention) -> Result<Option<Rotation>, RotateError> {
+        let size = std::fs::metadata(&self.path)
+            .map_err(|source| FileError {
+                what: "cannot stat",
+                path: self.path.clone(),
+                source,
+            })?
+            .len();
+        let rotated = if size > past { self.rotate()? } else { None };
+        self.prune(keep)?;
+        Ok(rotated)
+    }
+
+    /// Removes the oldest archives beyond `keep`; returns what it removed.
+    pub fn prune(&self, keep: Retention) -> Result<Vec<PathBuf>, RotateError> {
+        let err = |what| {
+            let path = self.dir.clone();
+            move |source| FileError { what, path, source }
+        };
+        let active = std::fs::metadata(&self.path).map_err(err("cannot stat the journal in"))?;
+        let mut list: Vec<(u64, PathBuf, u64)> = archives(&self.dir)
+            .map_err(err("cannot list the archives in"))?
+            .into_iter()
+            .filter(|(_, p, _)| {
+                std::fs::symlink_metadata(p)
+                    .map(|m| !(m.dev() == active.dev() && m.ino() == active.ino()))
+                    .unwrap_or(false)
+            })
+            .collect();
+        let mut bytes: u64 = list.iter().map(|(_, _, n)| n).sum();
+        let mut removed = Vec::new();
+        while !list.is_empty() && (list.len() > keep.count || bytes > keep.bytes) {
+            let (_, path, n) = list.remove(0);
+            std::fs::remove_file(&path).map_err(|source| FileError {
+                what: "cannot remove the archive",
+                path: path.clone(),
+                source,
+            })?;
+            bytes -= n;
+            removed.push(path);
+        }
+        if !removed.is_empty() {
+            sync_dir(&self.dir).map_err(err("cannot fsync"))?;
+            tracing::info!(removed = removed.len(), "old journal archives removed");
+        }
+        Ok(removed)
     }
 
     /// Writes `bytes` into a new file at `path` (removing whatever has the name: a stale

@@ -58,12 +58,22 @@ impl Journal {
             }),
             current: Arc::new(Mutex::new(file)),
         };
-        journal.locked(|st| -> Result<(), OpenError> {
+        let size = journal.locked(|st| -> Result<u64, OpenError> {
             if let Some(repair) = journal.sync_tail(st)? {
                 journal.write_record(st, repair)?;
             }
-            Ok(())
+            Ok(st.end.unwrap_or(0))
         })?;
+        // A node without an agent (which rotates far earlier, at a quiet moment) rotates here,
+        // rarely: once per STANDALONE_ROTATE_BYTES appended. A failure leaves the journal as it
+        // was, and this open goes on.
+        if size > crate::STANDALONE_ROTATE_BYTES {
+            if let Err(err) =
+                journal.maintain(crate::STANDALONE_ROTATE_BYTES, crate::Retention::default())
+            {
+                tracing::warn!(%err, "cannot rotate the journal; it stays as it is");
+            }
+        }
         Ok(journal)
     }
 

@@ -368,3 +368,118 @@ fn a_rotator_killed_once_the_archive_is_linked_leaves_the_journal_whole() {
 fn a_rotator_killed_once_the_new_segment_is_renamed_in_leaves_it_whole() {
     rotator_killed_at(cryo_journal::ROTATE_RENAMED);
 }
+
+#[test]
+fn retention_removes_the_oldest_archives_and_leaves_what_is_not_ours() {
+    let s = scene();
+    let mut made = Vec::new();
+    for _ in 0..4 {
+        filler(&s.journal, 3);
+        made.push(s.journal.rotate().unwrap().unwrap().archive);
+    }
+    // A symlink and another user's file with archive names, older than every archive.
+    let link = s.dir.path().join(cryo_journal::archive_name(0));
+    std::os::unix::fs::symlink(s.dir.path().join(FILE_NAME), &link).unwrap();
+    let foreign = s.dir.path().join("journal.00.log");
+    std::fs::write(&foreign, b"someone's").unwrap();
+    std::os::unix::fs::chown(&foreign, Some(65534), Some(65534)).unwrap();
+    let keep = cryo_journal::Retention {
+        count: 2,
+        bytes: u64::MAX,
+    };
+    let removed = s.journal.prune(keep).unwrap();
+    assert_eq!(removed, made[..2]);
+    assert!(made[2..].iter().all(|p| p.exists()));
+    assert!(link.symlink_metadata().is_ok() && foreign.exists());
+    // By bytes: the newest alone is kept.
+    let newest = std::fs::metadata(&made[3]).unwrap().len();
+    let removed = s
+        .journal
+        .prune(cryo_journal::Retention {
+            count: 10,
+            bytes: newest,
+        })
+        .unwrap();
+    assert_eq!(removed, made[2..3]);
+    // The active segment is never pruned, even when a rotation that died left an archive name
+    // on it.
+    let stale = s.dir.path().join(cryo_journal::archive_name(1_000_000));
+    std::fs::hard_link(s.dir.path().join(FILE_NAME), &stale).unwrap();
+    let removed = s
+        .journal
+        .prune(cryo_journal::Retention { count: 0, bytes: 0 })
+        .unwrap();
+    assert_eq!(removed, made[3..]);
+    assert!(stale.exists());
+    assert!(answers(&read(s.dir.path()).unwrap().records).live_restored == vec![s.live]);
+}
+
+#[test]
+fn maintain_rotates_only_past_its_size() {
+    let s = scene();
+    let size = std::fs::metadata(s.dir.path().join(FILE_NAME))
+        .unwrap()
+        .len();
+    let keep = cryo_journal::Retention::default();
+    assert_eq!(s.journal.maintain(size, keep).unwrap(), None);
+    assert!(s.journal.maintain(size - 1, keep).unwrap().is_some());
+}
+
+/// A tmpfs of `size` mounted on a fresh directory, unmounted when dropped.
+struct Tmpfs(tempfile::TempDir);
+
+impl Tmpfs {
+    fn mount(size: &str) -> Tmpfs {
+        let dir = tempfile::tempdir().unwrap();
+        let st = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .unwrap();
+        assert!(st.success(), "mounting a tmpfs (this test runs as root)");
+        Tmpfs(dir)
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.0.path()).status();
+    }
+}
+
+#[test]
+fn a_full_disk_during_a_rotation_leaves_the_old_segment_active_and_whole() {
+    let fs = Tmpfs::mount("256k");
+    let dir = fs.0.path().join("journal");
+    let journal = Journal::open(&dir).unwrap();
+    let (_kid, me) = live();
+    restored(&journal, me, "/img");
+    for i in 0..200 {
+        journal
+            .append(Event::Refused {
+                pid: me,
+                reason: format!("{i:0>400}"),
+                hint: String::new(),
+            })
+            .unwrap();
+    }
+    let whole = read(&dir).unwrap().records;
+    // Fill the rest of the file system.
+    let mut fill = std::fs::File::create(fs.0.path().join("fill")).unwrap();
+    let block = vec![0u8; 4096];
+    while std::io::Write::write_all(&mut fill, &block).is_ok() {}
+    drop(fill);
+    let err = journal.rotate().unwrap_err();
+    println!("rotation on a full disk: {err}");
+    assert_eq!(read(&dir).unwrap().records, whole);
+    assert!(!dir.join(NEXT_NAME).exists());
+    std::fs::remove_file(fs.0.path().join("fill")).unwrap();
+    let r = journal.append(Event::Killed { pid: me }).unwrap();
+    assert_eq!(r.seq, whole.last().unwrap().seq + 1);
+    let rotation = journal.rotate().unwrap().unwrap();
+    assert_eq!(rotation.last_seq, r.seq);
+    assert_eq!(
+        Origins::from_records(&read(&dir).unwrap().records).live_restored(),
+        vec![me]
+    );
+}

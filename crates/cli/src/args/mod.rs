@@ -30,7 +30,7 @@ pub use gpu::{GpuArgs, GpuCommand};
 pub use gpu_map::GpuMap;
 pub use guard::{GuardArgs, GuardRunArgs, StatusArgs};
 pub use shrink::{GrowArgs, ShrinkArgs};
-pub use stop::{SignalArg, StopArgs, TimelineArgs};
+pub use stop::{JournalArgs, JournalCommand, SignalArg, StopArgs, TimelineArgs};
 
 use crate::backend::GpuChoice;
 
@@ -100,6 +100,8 @@ pub enum Command {
     Stop(StopArgs),
     /// Prints the journal as an incident timeline (UTC).
     Timeline(TimelineArgs),
+    /// The journal itself: rotation.
+    Journal(JournalArgs),
     /// Benchmarks on a private simulated GPU.
     Bench(cryo_bench::BenchArgs),
     /// Freezes a worker's process tree into an image (CUDA suspend + CRIU dump), published atomically.

@@ -125,4 +125,26 @@ pub struct TimelineArgs {
     /// One JSON record per line, as stored.
     #[arg(long)]
     pub json: bool,
+    /// The whole history the node keeps: the journal's archives, then its active segment (each
+    /// record once), not only the active segment (which starts with the records a rotation
+    /// carried).
+    #[arg(long)]
+    pub all: bool,
+}
+
+/// `cryo journal`.
+#[derive(Debug, clap::Args)]
+pub struct JournalArgs {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: JournalCommand,
+}
+
+/// `cryo journal` commands.
+#[derive(Debug, clap::Subcommand)]
+pub enum JournalCommand {
+    /// Rotates the journal now: archives the active segment (`journal.<seq>.log`) and starts a
+    /// new one with the records recovery still needs, then removes the oldest archives beyond
+    /// the retention (16 archives, 256 MiB). The agent does this by itself past 4 MiB.
+    Rotate,
 }

@@ -85,6 +85,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::InstallCompat(i) => install_compat::run(&i).map(|()| crate::exit::SUCCESS),
         Command::Stop(a) => stop::run(&ctx, &a),
         Command::Timeline(a) => timeline::run(&ctx, &a).map(|()| crate::exit::SUCCESS),
+        Command::Journal(a) => timeline::run_journal(&ctx, &a).map(|()| crate::exit::SUCCESS),
         Command::Bench(b) => cryo_bench::bench(&b, &this_binary()?).map(|()| crate::exit::SUCCESS),
         Command::Freeze(a) => freeze::run(&ctx, &a),
         Command::Thaw(a) => thaw::run(&ctx, &a),
