@@ -574,3 +574,44 @@ fn log_guarded(guard: &Guard) {
         tracing::warn!(pid = p.pid, cause = %p.cause, "holding a pinned context");
     }
 }
+
+#[cfg(test)]
+mod journal_tests {
+    #![allow(clippy::unwrap_used)]
+    //! The agent's journal rotation: past its size, at a quiet moment only.
+
+    use std::time::{Duration, SystemTime};
+
+    use cryo_journal::{Event, Journal};
+
+    fn set_mtime(path: &std::path::Path, ago: Duration) {
+        let f = std::fs::File::options().write(true).open(path).unwrap();
+        f.set_modified(SystemTime::now() - ago).unwrap();
+    }
+
+    #[test]
+    fn the_agent_rotates_a_large_journal_once_it_is_quiet() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        let filler: Vec<Event> = (0..1000)
+            .map(|i| Event::FreezeStarted {
+                image: format!("/var/lib/cryo/images/{i:0>120}"),
+            })
+            .collect();
+        while std::fs::metadata(journal.path()).unwrap().len() <= cryo_journal::AGENT_ROTATE_BYTES {
+            journal.append_all(filler.clone()).unwrap();
+        }
+        // Appended to just now: not quiet, left as it is.
+        super::maintain_journal(&journal);
+        assert!(cryo_journal::archives(dir.path()).unwrap().is_empty());
+        // Quiet for longer than QUIET: rotated, the new segment small.
+        set_mtime(journal.path(), super::QUIET + Duration::from_secs(1));
+        super::maintain_journal(&journal);
+        assert_eq!(cryo_journal::archives(dir.path()).unwrap().len(), 1);
+        assert!(std::fs::metadata(journal.path()).unwrap().len() < 4096);
+        // Small now: nothing more, however quiet.
+        set_mtime(journal.path(), super::QUIET + Duration::from_secs(1));
+        super::maintain_journal(&journal);
+        assert_eq!(cryo_journal::archives(dir.path()).unwrap().len(), 1);
+    }
+}

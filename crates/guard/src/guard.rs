@@ -2011,3 +2011,60 @@ mod tests {
         s.wait_exited();
     }
 }
+
+#[cfg(test)]
+mod journal_view_tests {
+    #![allow(clippy::unwrap_used)]
+    //! The guard's view of the journal (what it polls for restores and checkpoints) while the
+    //! journal rotates under it.
+
+    use super::*;
+
+    #[test]
+    fn a_rotation_under_the_guard_neither_hides_nor_repeats_a_restored_workers_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path());
+        let journal = state.open_journal().unwrap();
+        // A live restored worker (this process stands for it: alive, so its records are carried).
+        let worker = ProcId::of(std::process::id() as i32).unwrap();
+        journal
+            .append(Event::RestoreCompleted {
+                pid: worker,
+                image: "/img".into(),
+                ms: None,
+            })
+            .unwrap();
+        let mut view = JournalView {
+            reader: state.journal_reader(),
+            suspended: BTreeSet::new(),
+            restores: Vec::new(),
+        };
+        view.catch_up().unwrap();
+        assert_eq!(view.restores, [worker]);
+        view.restores.clear();
+        // Checkpointed, then rotated (the restore and the checkpoint carried), then checked.
+        journal
+            .append(Event::Checkpointed {
+                pid: worker,
+                ms: 1,
+                bytes: 1,
+            })
+            .unwrap();
+        journal.rotate().unwrap().unwrap();
+        view.catch_up().unwrap();
+        assert!(view.suspended.contains(&worker));
+        assert!(view.restores.is_empty(), "a carried restore read again");
+        // Restored again after the rotation: seen once, and no longer suspended.
+        journal.rotate().unwrap().unwrap();
+        journal
+            .append(Event::RestoreCompleted {
+                pid: worker,
+                image: "/img".into(),
+                ms: None,
+            })
+            .unwrap();
+        view.catch_up().unwrap();
+        assert_eq!(view.restores, [worker]);
+        assert!(!view.suspended.contains(&worker));
+    }
+}

@@ -290,12 +290,20 @@ fn identity_of(path: &Path) -> Option<(u64, u64)> {
     std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }
 
-/// An archive, read whole (never through a symlink).
+/// An archive, read whole: never through a symlink, and only a file the state directory's
+/// rules trust (regular, owned by root or this user, not writable by group or others: anyone
+/// else's records are not ours to return).
 pub(crate) fn read_archive(path: &Path) -> io::Result<crate::frame::Scanned> {
     let mut f = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .custom_flags((rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::NONBLOCK).bits() as i32)
         .open(path)?;
+    if !crate::rotate::trusted(&f.metadata()?) {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "not a regular file only root or this user can write",
+        ));
+    }
     let mut buf = Vec::new();
     f.read_to_end(&mut buf)?;
     Ok(scan(&buf, 0))

@@ -97,10 +97,19 @@ impl Default for Retention {
     }
 }
 
-/// The archives in `dir`, oldest first: (seq, path, size), regular files of this user only (a
-/// symlink or another user's file with an archive's name is no archive of ours: logged, left).
+/// Whether a file (its metadata, not following a symlink) can be an archive of ours, by the
+/// state directory's rules (as the fence's): a regular file owned by root or this user that
+/// neither group nor others may write.
+pub(crate) fn trusted(meta: &std::fs::Metadata) -> bool {
+    let uid = meta.uid();
+    meta.file_type().is_file()
+        && (uid == 0 || uid == rustix::process::geteuid().as_raw())
+        && meta.mode() & 0o022 == 0
+}
+
+/// The archives in `dir`, oldest first: (seq, path, size). A symlink, another user's file or a
+/// file others may write with an archive's name is no archive of ours: logged, left.
 pub fn archives(dir: &Path) -> io::Result<Vec<(u64, PathBuf, u64)>> {
-    let me = rustix::process::geteuid().as_raw();
     let mut out = Vec::new();
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
@@ -110,8 +119,8 @@ pub fn archives(dir: &Path) -> io::Result<Vec<(u64, PathBuf, u64)>> {
         };
         let path = entry.path();
         let meta = std::fs::symlink_metadata(&path)?;
-        if !meta.file_type().is_file() || meta.uid() != me {
-            tracing::warn!(path = %path.display(), "a file with a journal archive's name is not a regular file of this user: not treated as an archive");
+        if !trusted(&meta) {
+            tracing::warn!(path = %path.display(), "a file with a journal archive's name is not a regular file only root or this user can write: not treated as an archive");
             continue;
         }
         out.push((seq, path, meta.len()));

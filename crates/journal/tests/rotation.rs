@@ -483,3 +483,129 @@ fn a_full_disk_during_a_rotation_leaves_the_old_segment_active_and_whole() {
         vec![me]
     );
 }
+
+/// Whether `/proc/locks` shows process `pid` waiting for a `flock` on inode `ino`.
+fn waits_for_flock(pid: u32, ino: u64) -> bool {
+    let locks = std::fs::read_to_string("/proc/locks").unwrap();
+    locks.lines().any(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        // "7: -> FLOCK  ADVISORY  WRITE 4242 08:01:1234 0 EOF"
+        f.get(1) == Some(&"->")
+            && f.get(2) == Some(&"FLOCK")
+            && f.get(5) == Some(&pid.to_string().as_str())
+            && f.get(6)
+                .and_then(|d| d.rsplit(':').next())
+                .and_then(|i| i.parse::<u64>().ok())
+                == Some(ino)
+    })
+}
+
+#[test]
+fn a_writer_that_opens_the_new_segment_waits_until_the_rotator_lets_go() {
+    use std::os::unix::fs::MetadataExt;
+    let s = scene();
+    let old_last = read(s.dir.path()).unwrap().records.last().unwrap().seq;
+    let mut rotator = Command::new(env!("CARGO_BIN_EXE_cryo-journal-testee"))
+        .args(["rotate".as_ref(), s.dir.path().as_os_str()])
+        .env("CRYO_FAILPOINT", cryo_journal::ROTATE_RENAMED)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = rotator.stderr.take().unwrap();
+    let rotator = Kid(rotator);
+    for line in BufReader::new(stderr).lines() {
+        if line.unwrap().contains("reached") {
+            break;
+        }
+    }
+    // Renamed in, its name durable, the rotator still at work: a writer that opens the journal
+    // now opens the new segment, and must wait for the rotator's lock on it.
+    let ino = std::fs::metadata(s.dir.path().join(FILE_NAME))
+        .unwrap()
+        .ino();
+    let mut writer = Command::new(env!("CARGO_BIN_EXE_cryo-journal-testee"))
+        .args(["write".as_ref(), s.dir.path().as_os_str()])
+        .args(["w", "1", "10"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = writer.stdout.take().unwrap();
+    let writer = Kid(writer);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !waits_for_flock(writer.0.id(), ino) {
+        assert!(
+            Instant::now() < deadline,
+            "the writer never waited for the new segment's lock"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop(rotator);
+    let acked = BufReader::new(out).lines().next().unwrap().unwrap();
+    assert_eq!(acked, format!("acked {}", old_last + 2));
+    drop(writer);
+}
+
+#[test]
+fn an_archive_someone_else_could_have_written_is_not_read() {
+    use std::os::unix::fs::PermissionsExt;
+    let s = scene();
+    let rotation = s.journal.rotate().unwrap().unwrap();
+    filler(&s.journal, 2);
+    let all = seqs(&cryo_journal::read_all(s.dir.path()).unwrap().records);
+    assert_eq!(all, (1..=rotation.last_seq + 3).collect::<Vec<_>>());
+    // Record 1 is a filler: only the archive has it.
+    std::fs::set_permissions(&rotation.archive, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let now = seqs(&cryo_journal::read_all(s.dir.path()).unwrap().records);
+    assert!(
+        !now.contains(&1),
+        "a world-writable archive was read: {now:?}"
+    );
+    // A symlink under the archive's name, to a copy of it.
+    std::fs::set_permissions(&rotation.archive, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let copy = s.dir.path().join("copy");
+    std::fs::copy(&rotation.archive, &copy).unwrap();
+    std::fs::remove_file(&rotation.archive).unwrap();
+    std::os::unix::fs::symlink(&copy, &rotation.archive).unwrap();
+    let now = seqs(&cryo_journal::read_all(s.dir.path()).unwrap().records);
+    assert!(
+        !now.contains(&1),
+        "an archive was read through a symlink: {now:?}"
+    );
+    assert!(cryo_journal::read_segment(&rotation.archive).is_err());
+}
+
+#[test]
+fn a_writer_rotates_a_journal_past_the_standalone_size_when_it_opens_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let gone = exited();
+    {
+        let j = Journal::open(dir.path()).unwrap();
+        let big = "x".repeat(1000 * 1000);
+        while std::fs::metadata(dir.path().join(FILE_NAME)).unwrap().len()
+            <= cryo_journal::STANDALONE_ROTATE_BYTES
+        {
+            j.append_unsynced(vec![Event::Refused {
+                pid: gone,
+                reason: big.clone(),
+                hint: String::new(),
+            }])
+            .unwrap();
+        }
+    }
+    let last = cryo_journal::read_all(dir.path())
+        .unwrap()
+        .records
+        .last()
+        .unwrap()
+        .seq;
+    let j = Journal::open(dir.path()).unwrap();
+    let active = read(dir.path()).unwrap().records;
+    assert_eq!(
+        seqs(&active),
+        [last + 1],
+        "only the rotation record is left"
+    );
+    assert_eq!(cryo_journal::archives(dir.path()).unwrap().len(), 1);
+    assert_eq!(j.append(Event::Killed { pid: gone }).unwrap().seq, last + 2);
+}
