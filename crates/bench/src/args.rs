@@ -123,6 +123,13 @@ pub struct BenchFreezeArgs {
     /// spread, so off by default).
     #[arg(long)]
     pub settle: bool,
+    /// Start each freeze and thaw of both arms after a pause drawn at random between 0 and MS
+    /// (the same distribution for both arms, a fixed seed): the copies' cost depends on how long
+    /// before them the host freed memory, and without it that time is set by the arms' own
+    /// durations, the same in every round of a run; the pause spreads it over the rounds, so
+    /// that the paired interval sees what it does to the copies (see the module docs).
+    #[arg(long, value_name = "MS")]
+    pub jitter: Option<u64>,
 }
 
 /// `cryo bench activate`.

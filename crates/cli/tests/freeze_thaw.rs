@@ -1659,7 +1659,7 @@ fn bench_freeze_runs_tiny() {
     nix::sys::prctl::set_child_subreaper(true).unwrap();
     let out = Command::new(CRYO)
         .args([
-            "bench", "freeze", "--sizes", "16MiB", "--rounds", "1", "--json",
+            "bench", "freeze", "--sizes", "16MiB", "--rounds", "1", "--jitter", "20", "--json",
         ])
         .env_remove("CRYO_GPU")
         .output()
@@ -1667,6 +1667,7 @@ fn bench_freeze_runs_tiny() {
     assert!(out.status.success(), "{}", stderr(&out));
     let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let row = &rows[0];
+    assert_eq!(row["jitter_ms"], 20, "{row}");
     // Every moment measured on both arms: GPU free, worker gone, durable, thaw warm and cold.
     for arm in ["cryo", "bare"] {
         let moments = row[arm].as_array().unwrap();
