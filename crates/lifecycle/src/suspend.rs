@@ -614,6 +614,16 @@ enum Intent {
 /// nothing, forever). Once actions are under way (a checkpoint phase after locks), and for the
 /// guard (whose alternative, a death let through unsuspended, is worse), it is loud and the
 /// suspension goes on, as every later record's failure is.
+///
+/// Why the lock's intent is synced *before* the lock, although durability is not what the
+/// recovery needs from it (session 15): a written record survives any process's death (the
+/// page cache keeps it for every reader: the recovery, the guard's view, the event stream), and
+/// a power cut or kernel crash that loses it ends the worker too, so the sync could run beside
+/// the lock and be waited for before the checkpoint. It was built and measured (branch
+/// `gpufree2-intent-sync`): the sync then needs a thread of its own, bounded (a hung disk must
+/// not leave the worker locked), and on a loaded 2-CPU host that thread's wake-up costs as much
+/// as the `fdatasync` it hides (0.4-3 ms here): the lock-to-copy part of a 1 GiB freeze went
+/// from 4.4 to 8.9 ms (median of 10, load 4-8), the GPU-free overhead unchanged. Kept here.
 fn intents(journal: Option<&Journal>, rows: &mut [Row<'_>], purpose: Purpose, phase: Intent) {
     let Some(j) = journal else { return };
     let first = |r: &Row<'_>| match phase {
