@@ -119,7 +119,7 @@ impl Agent {
             .map_err(|e| ApiError::new(ErrorKind::NotFound, e.to_string()))?;
         // Walked from the root, settled again at CRIU's gate (`Resolved::tree_walked`).
         let tree = Resolved::tree_walked(root);
-        match cryo_lifecycle::freeze(
+        let frozen = cryo_lifecycle::freeze(
             &self.gpu,
             &criu,
             &tree,
@@ -127,7 +127,16 @@ impl Agent {
             &self.journal,
             self.guard.as_ref(),
             progress,
-        ) {
+        );
+        // What an earlier freeze that died mid-dump left pinned (after this freeze's own pins
+        // are given back, and after its report's moments).
+        match cryo_lifecycle::cpus::give_back_dead_pins(&self.journal) {
+            Ok(settled) => settled.iter().for_each(|s| tracing::warn!("{s}")),
+            Err(err) => {
+                tracing::warn!(%err, "cannot give back the CPU sets a dead freeze left pinned")
+            }
+        }
+        match frozen {
             Ok(r) => Ok(r),
             Err(
                 e @ (FreezeError::Refused(_)

@@ -1353,6 +1353,36 @@ fn a_worker_left_pinned_by_a_freeze_killed_at_the_dump_gate_gets_its_cpus_back()
     env.stop_clean(pid);
 }
 
+/// Seam (session 14): the next `cryo freeze` of a worker a dead freeze left pinned gives the
+/// worker its own CPU set back once its own dump is over (its own pin given back first), without
+/// waiting for a stop or a guard start. Before: the worker stayed on the dead dump's CPU through
+/// every later freeze (each gave back the set it found: the pin).
+#[test]
+fn the_next_freeze_gives_back_what_a_dead_freeze_left_pinned() {
+    let mut env = Env::start("1GiB");
+    let (pid, own, _) = freeze_killed_pinned(&mut env, |_, _| {});
+    let image = env.path().join("img-again");
+    let out = env.cryo(&[
+        "freeze",
+        &pid.to_string(),
+        "--leave-running",
+        "--image",
+        image.to_str().unwrap(),
+    ]);
+    println!(
+        "second freeze: {} {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(cpus_of(pid), own, "the worker got its own CPU set back");
+    let returned = wait_pins_settled(&env);
+    assert_eq!(
+        returned.iter().map(|p| p.pid).collect::<Vec<_>>(),
+        vec![pid]
+    );
+    env.stop_clean(pid);
+}
+
 /// The same change of a worker's CPU set at the gate, the freeze let go on (`--leave-running`):
 /// the dump gives back only sets that are still its pin. Before: it wrote the saved set over
 /// the new one.

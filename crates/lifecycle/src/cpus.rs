@@ -8,7 +8,8 @@
 //! dump gives the sets back and writes [`Event::CpusReturned`]. If cryo dies in between (killed,
 //! OOM, a crash), CRIU gets no verdict and resumes the tree, still pinned: the record stays open,
 //! and [`give_back_dead`] (run by [`crate::settle_in_flight`]: every stop, every guard start,
-//! the agent's start) gives each process whose owner is gone its own set back, through its
+//! the agent's start; and by every freeze once its own dump is over: [`give_back_dead_pins`])
+//! gives each process whose owner is gone its own set back, through its
 //! pidfd (opened from the recorded identity: a process whose pid was reused since is never
 //! touched), and only where its set is still the pin (a set changed since is someone else's:
 //! Kubernetes' CPU manager, the process itself), then closes the record.
@@ -105,6 +106,16 @@ fn cpu_set(list: &[u32]) -> Option<CpuSet> {
         set.set(usize::try_from(*c).ok()?).ok()?;
     }
     (!list.is_empty()).then_some(set)
+}
+
+/// [`give_back_dead`] from the journal's active segment (a rotation carries every open pinning):
+/// what `cryo freeze` runs once its own dump is over (after its own pins are given back, and
+/// after its report's moments), so that a worker a dead earlier freeze left on one CPU gets its
+/// CPU set back at the next freeze, not only at the next stop or guard start. Returns what was
+/// done to each process it found.
+pub fn give_back_dead_pins(journal: &Journal) -> Result<Vec<Settled>, SettleError> {
+    let records = cryo_journal::read(journal.dir())?.records;
+    give_back_dead(journal, &records)
 }
 
 /// Gives back the CPU sets of every dump in `records` that pinned its tree and died before it

@@ -122,7 +122,7 @@ fn standalone(
         .map_err(failed)?;
     // CRIU must trace the tree itself: a running standalone guard lets go of it for the dump.
     let guard = GuardClient::new(&ctx.state);
-    match cryo_lifecycle::freeze(
+    let frozen = cryo_lifecycle::freeze(
         &gpu,
         &criu,
         &tree,
@@ -130,7 +130,9 @@ fn standalone(
         &journal,
         &guard,
         progress,
-    ) {
+    );
+    give_back_dead_pins(&journal);
+    match frozen {
         Ok(r) => Ok(r),
         Err(
             e @ (FreezeError::Refused(_)
@@ -139,6 +141,22 @@ fn standalone(
             | FreezeError::KeepsForking { .. }),
         ) => Err(Outcome::Refused(e.to_string())),
         Err(e) => Err(failed(e.into())),
+    }
+}
+
+/// After a freeze (whatever its outcome): the CPU sets an earlier freeze that died mid-dump left
+/// pinned are given back (`cryo_lifecycle::cpus::give_back_dead_pins`); a failure is only
+/// logged, the freeze's outcome stands.
+pub(crate) fn give_back_dead_pins(journal: &cryo_journal::Journal) {
+    match cryo_lifecycle::cpus::give_back_dead_pins(journal) {
+        Ok(settled) => {
+            for s in settled {
+                tracing::warn!("{s}");
+            }
+        }
+        Err(err) => {
+            tracing::warn!(%err, "cannot give back the CPU sets a dead freeze left pinned")
+        }
     }
 }
 
