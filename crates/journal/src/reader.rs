@@ -84,6 +84,8 @@ pub struct Reader {
     /// The seq of the last record returned (or the starting point): later reads return only
     /// records after it.
     last: Option<u64>,
+    /// From the active segment's own records ([`Reader::own`]).
+    own: bool,
 }
 
 impl Reader {
@@ -96,6 +98,17 @@ impl Reader {
             identity: None,
             offset: 0,
             last: None,
+            own: false,
+        }
+    }
+
+    /// A reader of the records the active segment of the journal in `dir` holds as its own (the
+    /// copies a rotation carried left out, no archive read), then of every later record: what
+    /// was appended since the last rotation. Does no I/O.
+    pub fn own(dir: impl AsRef<Path>) -> Reader {
+        Reader {
+            own: true,
+            ..Reader::new(dir)
         }
     }
 
@@ -169,6 +182,9 @@ impl Reader {
         let mut records = Vec::new();
         let mut corruptions = Vec::new();
         let mut restarted = false;
+        if std::mem::take(&mut self.own) && self.last.is_none() {
+            self.last = Some(rotated.as_ref().map_or(0, |(_, covered)| *covered));
+        }
         match (self.last, rotated) {
             (None, _) => {}
             (Some(last), Some((archive, covered))) if last < covered => {

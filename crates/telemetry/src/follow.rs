@@ -77,6 +77,14 @@ impl Follow {
         f
     }
 
+    /// Follows what the journal in `dir` appended since its last rotation (its active segment's
+    /// own records, no archive read and no carried copy), then each record appended later.
+    pub fn own(dir: impl AsRef<Path>) -> Follow {
+        let mut f = Follow::new(dir.as_ref(), 0);
+        f.reader = Reader::own(dir.as_ref());
+        f
+    }
+
     /// The journal directory.
     pub fn dir(&self) -> &Path {
         &self.dir

@@ -15,8 +15,8 @@ use crate::metrics::{Metrics, CONTENT_TYPE};
 /// them further (a pod IP, a node port) by choice.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:9477";
 
-/// A thread that feeds every journal record, from the first, into [`Metrics::observe`], then
-/// each new one as it is written. Dropping it stops the thread.
+/// A thread that feeds every journal record since the journal's last rotation into
+/// [`Metrics::observe`], then each new one as it is written. Dropping it stops the thread.
 #[derive(Debug)]
 pub struct JournalFeed {
     stop: Option<OwnedFd>,
@@ -24,10 +24,11 @@ pub struct JournalFeed {
 }
 
 impl JournalFeed {
-    /// Reads the whole journal in `dir` into `metrics` before returning (so the first scrape
-    /// shows the node's totals), then follows it in a thread.
+    /// Reads the journal's active segment into `metrics` before returning (so the first scrape
+    /// shows the node's totals since the last rotation: the agent's start reads no archive, and
+    /// counts no record a rotation carried), then follows it in a thread.
     pub fn start(dir: &Path, metrics: Arc<Metrics>) -> Result<JournalFeed, ServeError> {
-        let mut follow = Follow::new(dir, 0);
+        let mut follow = Follow::own(dir);
         for r in follow.poll_new()? {
             metrics.observe(&r);
         }

@@ -207,6 +207,40 @@ fn served_over_http_while_following_the_journal() {
     assert!(head.starts_with("HTTP/1.1 404"), "{head}");
 }
 
+/// After a rotation the feed counts what the active segment holds as its own: no archive read
+/// (an agent's start stays bounded), no carried copy counted again.
+#[test]
+fn the_feed_counts_the_records_since_the_last_rotation_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let j = busy_journal(dir.path());
+    // A live process's pin: carried by the rotation.
+    let me = ProcId::of(std::process::id() as i32).unwrap();
+    j.append(Event::Pinned {
+        pid: me,
+        gpu: "GPU-1".into(),
+        fds: vec![4],
+    })
+    .unwrap();
+    let rotation = j.rotate().unwrap().unwrap();
+    assert!(rotation.carried >= 1);
+    // The archive is unreadable to the feed (it is not read).
+    std::fs::write(&rotation.archive, b"garbage").unwrap();
+    j.append(Event::Pinned {
+        pid: p(9),
+        gpu: "GPU-1".into(),
+        fds: vec![4],
+    })
+    .unwrap();
+    let metrics = Arc::new(Metrics::new().unwrap());
+    let _feed = JournalFeed::start(dir.path(), Arc::clone(&metrics)).unwrap();
+    let text = metrics.encode();
+    assert_eq!(sample(&text, "cryo_pins_total"), Some(1.0), "{text}");
+    assert_eq!(
+        sample(&text, "cryo_journal_last_seq"),
+        Some((rotation.last_seq + 2) as f64)
+    );
+}
+
 #[test]
 fn forwarder_state_is_exposed() {
     let dir = tempfile::tempdir().unwrap();
