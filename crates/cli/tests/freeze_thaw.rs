@@ -2314,6 +2314,73 @@ impl Agent {
     }
 }
 
+/// A journal rotation (`cryo journal rotate`) killed at each of its steps: an agent that starts
+/// next still finds and traces the live restored worker (its records carried, or the old segment
+/// whole), and the journal answers recovery's questions as before.
+#[test]
+fn an_agent_after_a_rotation_killed_at_each_step_traces_every_live_restored_worker() {
+    for failpoint in [
+        cryo_journal::ROTATE_NEXT_WRITTEN,
+        cryo_journal::ROTATE_LINKED,
+        cryo_journal::ROTATE_RENAMED,
+    ] {
+        let mut env = Env::start("1GiB");
+        let (pid, _) = env.worker("16MiB", 0);
+        make_restored(&env, pid);
+        let id = cryo_journal::ProcId::of(pid).unwrap();
+        let dir = env.path().join("state").join("journal");
+        {
+            // History a rotation drops: a restored process long gone, and notes.
+            let j = cryo_journal::Journal::open(&dir).unwrap();
+            let gone = cryo_journal::ProcId::new(pid, id.start_time.saturating_sub(1));
+            for e in [
+                cryo_journal::Event::RestoreCompleted {
+                    pid: gone,
+                    image: "/old".into(),
+                    ms: None,
+                },
+                cryo_journal::Event::FreezeStarted {
+                    image: "/old".into(),
+                },
+            ] {
+                j.append(e).unwrap();
+            }
+        }
+        let mut rotate = env
+            .cmd()
+            .env("CRYO_FAILPOINT", failpoint)
+            .args(["journal", "rotate"])
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_failpoint(&mut rotate);
+        rotate.kill().unwrap();
+        rotate.wait().unwrap();
+        let records = cryo_journal::read(&dir).unwrap().records;
+        assert_eq!(
+            cryo_journal::Origins::from_records(&records).live_restored(),
+            vec![id],
+            "{failpoint}"
+        );
+        let agent = Agent::start(&env);
+        eventually(PATIENCE, "the agent to trace the restored worker", || {
+            agent.traces(pid)
+        });
+        // The rotation finishes at the next try, the worker still traced.
+        let out = env.cryo(&["journal", "rotate"]);
+        assert!(out.status.success(), "{failpoint}: {}", stderr(&out));
+        let records = cryo_journal::read(&dir).unwrap().records;
+        assert_eq!(
+            cryo_journal::Origins::from_records(&records).live_restored(),
+            vec![id],
+            "{failpoint}"
+        );
+        assert!(agent.traces(pid), "{failpoint}");
+        env.stop_clean(pid);
+        drop(agent);
+    }
+}
+
 /// `cryo gpu lock|checkpoint|restore|unlock` of `pid` (through the agent when one runs).
 fn make_restored(env: &Env, pid: i32) {
     for action in ["lock", "checkpoint", "restore", "unlock"] {
