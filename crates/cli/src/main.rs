@@ -28,6 +28,10 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
+    // A thaw's image checker (a child of a thaw of this binary): nothing else of `cryo` runs.
+    if let Some(code) = cryo_criu::image::checker_main() {
+        return code;
+    }
     let mut argv = std::env::args_os();
     let argv0 = argv.next().unwrap_or_default();
     if invoked_as_cuda_checkpoint(&argv0) {

@@ -4104,3 +4104,198 @@ fn a_thread_id_of_the_image_held_by_another_process_refuses_the_thaw_before_criu
     assert_eq!(root, pid);
     env.stop_clean(root);
 }
+
+/// A `cryo thaw` whose image checker (a process of its own, forced with `CRYO_THAW_CHECKER`
+/// whatever the host's load) paused before its verdict.
+struct CheckerPaused {
+    thaw: Child,
+    /// The checker's pid (our grandchild).
+    checker: i32,
+    resume: PathBuf,
+    said: PathBuf,
+}
+
+fn thaw_with_checker_paused(env: &Env, image: &Path, extra: &[&str]) -> CheckerPaused {
+    let resume = env.path().join("resume-checker");
+    let said = env.path().join("thaw-checker.err");
+    let _ = fs::remove_file(&resume);
+    let mut thaw = env
+        .cmd()
+        .env(cryo_criu::image::CHECKER_ENV, "child")
+        .env("CRYO_FAILPOINT", cryo_criu::image::CHECKER_BEFORE_VERDICT)
+        .env("CRYO_FAILPOINT_RESUME", &resume)
+        .arg("thaw")
+        .arg(image)
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(&said).unwrap())
+        .spawn()
+        .unwrap();
+    let mut checker = None;
+    eventually(PATIENCE, "the image checker at its failpoint", || {
+        let text = fs::read_to_string(&said).unwrap_or_default();
+        assert!(
+            thaw.try_wait().unwrap().is_none(),
+            "the thaw ended first: {text}"
+        );
+        checker = text
+            .split("reached in the image checker (pid ")
+            .nth(1)
+            .and_then(|r| r.split(')').next())
+            .and_then(|p| p.parse::<i32>().ok());
+        checker.is_some()
+    });
+    CheckerPaused {
+        thaw,
+        checker: checker.unwrap(),
+        resume,
+        said,
+    }
+}
+
+impl CheckerPaused {
+    fn wait(mut self) -> (std::process::ExitStatus, String) {
+        let status = self.thaw.wait().unwrap();
+        (status, fs::read_to_string(&self.said).unwrap())
+    }
+}
+
+/// Issue 16 (the thaw's checker in a process of its own): a checker that dies before its
+/// verdict, killed or with a passing line forged into its verdict pipe by another process (root
+/// can open `/proc/PID/fd/1`) for an image with a flipped byte, never passes the image: the
+/// thaw is refused and no restored process runs. The intact image then thaws and serves as
+/// before.
+#[test]
+fn a_thaw_whose_image_checker_dies_or_is_forged_is_refused_before_anything_runs() {
+    let mut env = Env::start("1GiB");
+    let (pid, sock) = env.worker("48MiB", 0);
+    let before = answers(&sock);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+
+    // Killed before its verdict.
+    let paused = thaw_with_checker_paused(&env, &image, &[]);
+    sigkill(paused.checker);
+    let (status, err) = paused.wait();
+    assert_eq!(status.code(), Some(3), "{err}");
+    assert!(err.contains("image checker ended without passing"), "{err}");
+    assert!(!exists(pid), "a restored process runs: {err}");
+
+    // A flipped byte, and the passing line forged into the verdict pipe, the checker killed
+    // before it could say anything else.
+    let pages = image_files(&image)
+        .into_iter()
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("pages-")
+        })
+        .unwrap();
+    let original = fs::read(&pages).unwrap();
+    flip_byte(&pages, original.len() / 2);
+    let paused = thaw_with_checker_paused(&env, &image, &[]);
+    let digest = manifest(&image)["manifest_sha256"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut pipe = fs::OpenOptions::new()
+        .write(true)
+        .open(format!("/proc/{}/fd/1", paused.checker))
+        .unwrap();
+    std::io::Write::write_all(&mut pipe, format!("ok {digest}\n").as_bytes()).unwrap();
+    drop(pipe);
+    sigkill(paused.checker);
+    let (status, err) = paused.wait();
+    assert_eq!(status.code(), Some(3), "a forged verdict passed: {err}");
+    assert!(!exists(pid), "a restored process runs: {err}");
+
+    // Left to say its own verdict, the checker names the damage.
+    let paused = thaw_with_checker_paused(&env, &image, &[]);
+    fs::write(&paused.resume, b"").unwrap();
+    let (status, err) = paused.wait();
+    assert_eq!(status.code(), Some(3), "{err}");
+    assert!(err.contains("checksum mismatch"), "{err}");
+    assert!(!exists(pid), "a restored process runs: {err}");
+
+    fs::write(&pages, &original).unwrap();
+    env.thaw_ok(&image, &[]);
+    assert_eq!(answers(&sock), before);
+    env.stop_clean(pid);
+}
+
+/// Issue 16: a checker that never gives its verdict (hung) is given up at the restore's
+/// deadline: the thaw fails, nothing restored runs, and the checker is ended.
+#[test]
+fn a_hung_image_checker_is_ended_at_the_restore_s_deadline_and_nothing_runs() {
+    let mut env = Env::start("1GiB");
+    let (pid, _) = env.worker("16MiB", 0);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+
+    // No resume file is ever made: the checker stays at its failpoint.
+    let paused = thaw_with_checker_paused(&env, &image, &["--criu-timeout", "5"]);
+    let checker = paused.checker;
+    let (status, err) = paused.wait();
+    assert!(!status.success(), "{err}");
+    assert!(
+        err.contains("did not end before the restore's deadline"),
+        "{err}"
+    );
+    assert!(!exists(pid), "a restored process runs: {err}");
+    eventually(PATIENCE, "the hung checker to be ended", || {
+        !exists(checker)
+    });
+
+    env.thaw_ok(&image, &[]);
+    env.stop_clean(pid);
+}
+
+/// Issue 16: the checker leads a session of its own (its own scheduling group), is never at
+/// full priority before CRIU's gate, is raised at the gate; its group niced again by someone
+/// else only slows it: the image it checked still thaws and serves.
+#[test]
+fn the_image_checker_runs_in_its_own_session_raised_at_criu_s_gate_and_tampering_only_slows_it() {
+    let mut env = Env::start("1GiB");
+    let (pid, sock) = env.worker("48MiB", 0);
+    let before = answers(&sock);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+
+    let paused = thaw_with_checker_paused(&env, &image, &[]);
+    let c = paused.checker;
+    let stat = fs::read_to_string(format!("/proc/{c}/stat")).unwrap();
+    let sid: i32 = stat
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .nth(3)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(sid, c, "the checker does not lead a session of its own");
+    let nice = || fs::read_to_string(format!("/proc/{c}/autogroup")).unwrap();
+    let autogroups = fs::read_to_string("/proc/sys/kernel/sched_autogroup_enabled")
+        .is_ok_and(|s| s.trim() == "1");
+    if autogroups {
+        // Before the gate niced; at the gate (the restored tree exists then) raised.
+        let n = nice();
+        assert!(
+            n.ends_with("nice 19\n") || (n.ends_with("nice 0\n") && exists(pid)),
+            "{n}"
+        );
+        eventually(PATIENCE, "the checker raised at CRIU's gate", || {
+            nice().ends_with("nice 0\n")
+        });
+        assert!(exists(pid), "raised before CRIU's gate");
+        fs::write(format!("/proc/{c}/autogroup"), "19\n").unwrap();
+    }
+    fs::write(&paused.resume, b"").unwrap();
+    let (status, err) = paused.wait();
+    assert!(status.success(), "{err}");
+    env.thawed.push(pid);
+    assert_eq!(answers(&sock), before);
+    env.stop_clean(pid);
+}

@@ -885,7 +885,9 @@ impl Criu for CriuRpc {
                 (gated, server.served_bytes(), server.failure())
             }
             ThawRoute::Files => {
-                let check = image::Check::new(image).map_err(CriuError::Image)?;
+                let check = image::Check::new(image)
+                    .map_err(CriuError::Image)?
+                    .until(deadline.map(|d| t0 + d));
                 phases.checked_ms = since(std::time::Instant::now());
                 let gated = self.run_gated(
                     op,
@@ -897,11 +899,22 @@ impl Criu for CriuRpc {
                     || check.run(),
                     |root| {
                         let _ = gate_at.set(std::time::Instant::now());
+                        check.raise();
                         check.finish().map_err(CriuError::Image)?;
                         at_gate(root)
                     },
                     record,
-                    end_left,
+                    |g: &Gated| {
+                        // CRIU ended: the check's answer is waited for at full speed (the
+                        // image's fault is what a failed CRIU reports), or not at all when
+                        // CRIU was killed at its deadline.
+                        if g.timed_out {
+                            check.end();
+                        } else {
+                            check.raise();
+                        }
+                        end_left(g)
+                    },
                 )?;
                 phases.hashed_ms = check.hashed_at().and_then(since);
                 (gated, image.manifest().total_bytes, check.failure())

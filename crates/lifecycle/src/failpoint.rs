@@ -4,7 +4,8 @@
 //! # Design
 //! A failpoint is named by the environment variable [`ENV`] (`CRYO_FAILPOINT=stop-before-kill`).
 //! When the name matches, the step announces itself on stderr and sleeps until the process is
-//! killed. Only the journal's writer reads it besides ([`cryo_journal::SYNC_FAILPOINT`]); unset (always, outside tests) it costs one `getenv`.
+//! killed. Only the journal's writer reads it besides ([`cryo_journal::SYNC_FAILPOINT`]), and
+//! the thaw's image checker ([`cryo_criu::image::CHECKER_BEFORE_VERDICT`], a pause); unset (always, outside tests) it costs one `getenv`.
 //!
 //! A pausing failpoint ([`pause_if`]) waits instead until a file the test names exists, so the
 //! test can change the world at that exact point and let the step go on.

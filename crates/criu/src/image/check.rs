@@ -10,7 +10,9 @@
 //! it unpacks, how many tasks it forks and waits for), and a flipped byte there made CRIU hang
 //! for minutes in the tests. They are small (kilobytes to a few megabytes). The page contents
 //! only become memory of processes that do not run before the verdict. [`Check::run`] checks
-//! every chunk of those (all cores) while CRIU reads them into place. [`Check::finish`] is the verdict at
+//! every chunk of those while CRIU reads them into place: on threads of cryo's own, or (asked
+//! for with `CRYO_THAW_CHECKER=child`) in the background checker process (`checker`, raised at
+//! the gate by [`Check::raise`]). [`Check::finish`] is the verdict at
 //! CRIU's `post-restore` gate (every process restored, none resumed): it waits for the hashing,
 //! then refuses if any chunk did not match, or if anything happened to the directory since the
 //! watch was set (a write, truncation, attribute change, link, rename, creation or removal,
@@ -37,6 +39,7 @@ use std::sync::{mpsc, Mutex};
 
 use rustix::fs::inotify;
 
+use super::checker::{plan, serves, Parent, Plan};
 use super::open::Image;
 use super::ImageError;
 
@@ -90,7 +93,8 @@ pub(crate) fn is_page_contents(name: &str) -> bool {
 /// Threads that check the page contents beside CRIU's restore, at most.
 pub const CHECK_THREADS: usize = 4;
 
-/// How many threads check the page contents on a host of `cores`: one core is left to CRIU's
+/// How many threads check the page contents on a host of `cores` (see `checker::plan`): one
+/// core is left to CRIU's
 /// restore, which reads the pages on one thread per process; at least one, at most
 /// [`CHECK_THREADS`]. One thread hashes 1 GiB from the page cache in about 370 ms on this
 /// project's host, ahead of CRIU (its gate at 540 ms in the same run); two on its two cores
@@ -142,6 +146,12 @@ pub struct Check<'a> {
     outcome: Mutex<mpsc::Receiver<Result<(), ImageError>>>,
     /// When [`Check::run`] ended.
     hashed: std::sync::OnceLock<std::time::Instant>,
+    /// How the page contents are checked (decided at [`Check::new`], by the host).
+    plan: Plan,
+    /// The checker process, when [`Plan::Child`].
+    checker: Parent,
+    /// Past it, [`Check::finish`] gives up on the check (and ends its checker): refused.
+    deadline: Option<std::time::Instant>,
 }
 
 impl<'a> Check<'a> {
@@ -175,7 +185,31 @@ impl<'a> Check<'a> {
             done,
             outcome: Mutex::new(outcome),
             hashed: std::sync::OnceLock::new(),
+            plan: plan(
+                std::thread::available_parallelism().map_or(1, usize::from),
+                serves(),
+            ),
+            checker: Parent::default(),
+            deadline: None,
         })
+    }
+
+    /// The check gives up at `deadline` (the restore's): [`Check::finish`] refuses the image
+    /// then, and a checker process still running is ended.
+    pub fn until(mut self, deadline: Option<std::time::Instant>) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    /// CRIU reached its gate, or ended: a background checker gets the CPU it was kept from
+    /// (see `checker`); nothing else waits for CPU that the check should leave.
+    pub fn raise(&self) {
+        self.checker.raise();
+    }
+
+    /// The restore gave up (CRIU killed at its deadline): a checker process is ended.
+    pub fn end(&self) {
+        self.checker.end();
     }
 
     /// When the page contents were all checked, if they were.
@@ -187,8 +221,11 @@ impl<'a> Check<'a> {
     /// to back, so the kernel's readahead serves both), on [`check_threads`] threads; the
     /// outcome goes to [`Check::finish`].
     pub fn run(&self) {
-        let threads = check_threads(std::thread::available_parallelism().map_or(1, usize::from));
-        let r = self.image.verify_files_in_order(is_page_contents, threads);
+        tracing::debug!(plan = ?self.plan, "checking the page contents");
+        let r = match self.plan {
+            Plan::Threads(n) => self.image.verify_files_in_order(is_page_contents, n),
+            Plan::Child { at_gate } => self.checker.run(self.image, at_gate),
+        };
         let _ = self.hashed.set(std::time::Instant::now());
         if let Err(e) = &r {
             tracing::warn!(error = %e, "image refused while CRIU reads it");
@@ -199,12 +236,30 @@ impl<'a> Check<'a> {
     /// The verdict before anything restored runs: waits for [`Check::run`], then refuses a
     /// chunk that did not match or any change to the image since [`Check::new`].
     pub fn finish(&self) -> Result<(), ImageError> {
-        let outcome = self
+        let rx = self
             .outcome
             .lock()
-            .map_err(|_| self.stream_error("the check's lock is poisoned".into()))?
-            .recv()
-            .map_err(|_| self.stream_error("the check ended without an outcome".into()))?;
+            .map_err(|_| self.stream_error("the check's lock is poisoned".into()))?;
+        let outcome = match self.deadline {
+            None => rx
+                .recv()
+                .map_err(|_| self.stream_error("the check ended without an outcome".into()))?,
+            Some(d) => {
+                match rx.recv_timeout(d.saturating_duration_since(std::time::Instant::now())) {
+                    Ok(o) => o,
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        self.checker.end();
+                        return Err(self.stream_error(
+                        "the check of the page contents did not end before the restore's deadline"
+                            .into(),
+                    ));
+                    }
+                    Err(mpsc::RecvTimeoutError::Disconnected) => {
+                        return Err(self.stream_error("the check ended without an outcome".into()))
+                    }
+                }
+            }
+        };
         outcome?;
         self.unchanged()
     }

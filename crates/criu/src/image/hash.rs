@@ -18,7 +18,7 @@ use sha2::{Digest, Sha256};
 use super::manifest::DigestAlg;
 
 /// Bytes read per call when a span is checked without keeping it.
-const BUF: usize = 1 << 20;
+pub(crate) const BUF: usize = 1 << 20;
 
 /// A running digest of one of the manifest's algorithms.
 enum Hasher {

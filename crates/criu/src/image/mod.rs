@@ -42,6 +42,7 @@
 
 mod capture;
 mod check;
+mod checker;
 mod follow;
 mod hash;
 mod manifest;
@@ -63,6 +64,7 @@ use time::format_description::well_known::Rfc3339;
 pub(crate) use capture::CAPTURE_SOCKET;
 pub use capture::{Capture, CaptureClock};
 pub use check::Check;
+pub use checker::{checker_main, CHECKER_ARG, CHECKER_BEFORE_VERDICT, CHECKER_ENV};
 pub use manifest::{
     DeviceUse, DigestAlg, FileEntry, FrozenShrink, ImageMeta, Manifest, ProcessEntry, ProcessGpu,
     DEFAULT_CHUNK_SIZE, FORMAT_2_CHUNK_SIZE, FORMAT_VERSION, MANIFEST_FILE, OLDEST_FORMAT_VERSION,

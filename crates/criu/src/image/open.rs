@@ -49,6 +49,13 @@ impl Image {
         Ok(image)
     }
 
+    /// The image whose directory `fd` is (opened and checked by another process: the image
+    /// checker's, see `checker`), with the manifest that process read; `dir` names it in
+    /// messages. Each file is still opened through the trust checks ([`Image::open_file`]).
+    pub(crate) fn adopt(dir: PathBuf, fd: OwnedFd, manifest: Manifest) -> Image {
+        Image { dir, fd, manifest }
+    }
+
     /// The manifest.
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
@@ -295,7 +302,7 @@ pub fn read_manifest(mpath: &Path) -> Result<Manifest, ImageError> {
     parse_manifest(mpath, &bytes)
 }
 
-fn parse_manifest(mpath: &Path, bytes: &[u8]) -> Result<Manifest, ImageError> {
+pub(crate) fn parse_manifest(mpath: &Path, bytes: &[u8]) -> Result<Manifest, ImageError> {
     let bad = |reason: String| ImageError::BadManifest {
         file: mpath.to_path_buf(),
         reason,

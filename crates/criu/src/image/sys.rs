@@ -43,6 +43,52 @@ pub(crate) fn inherit(cmd: &mut std::process::Command, fd: std::os::fd::RawFd) {
     }
 }
 
+/// Makes the child that `cmd` starts the leader of a new session (`setsid` after the fork), so
+/// that it gets a scheduling group of its own where autogroups apply (the image checker).
+pub(crate) fn new_session(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the forked child before exec; it makes one async-signal-safe
+    // system call (setsid) and allocates nothing (an OS error is not boxed).
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Takes ownership of `fd`, inherited from the process that started this one (the image
+/// checker's image directory), after checking that it is an open directory.
+pub(crate) fn adopt_inherited(fd: std::os::fd::RawFd) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    if fd < 3 {
+        return Err(std::io::ErrorKind::InvalidInput.into());
+    }
+    // SAFETY: fcntl and fstat on an fd number only read the kernel's fd table; no memory but
+    // the stat buffer we own is passed.
+    let is_dir = unsafe {
+        if libc::fcntl(fd, libc::F_GETFD) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let mut st = std::mem::MaybeUninit::<libc::stat>::zeroed();
+        if libc::fstat(fd, st.as_mut_ptr()) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        st.assume_init().st_mode & libc::S_IFMT == libc::S_IFDIR
+    };
+    if !is_dir {
+        return Err(std::io::Error::other("not a directory"));
+    }
+    // SAFETY: the fd is open (checked above), was inherited for this process to use, and
+    // nothing else in this process owns it (it is only named by the checker's arguments).
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    // Not inherited further.
+    rustix::io::fcntl_setfd(&fd, rustix::io::FdFlags::CLOEXEC)?;
+    Ok(fd)
+}
+
 /// Puts the thread `t` of this process back at the normal policy (`SCHED_OTHER`), e.g. one
 /// that made itself idle and is now waited for.
 pub(crate) fn set_normal_priority_of<T>(t: &std::thread::JoinHandle<T>) -> std::io::Result<()> {
