@@ -83,10 +83,26 @@ impl Interval {
     /// they do not divide evenly): a block bootstrap, for samples taken in order whose
     /// neighbours are alike (what drifts slowly with the host is kept within a block, so its
     /// spread between blocks shows in the interval instead of averaging out over samples
-    /// drawn one by one). With `block` 1 it is the plain bootstrap.
+    /// drawn one by one). With `block` 1 it is the plain bootstrap; with more it is never
+    /// narrower than the plain one (it spans both): with few blocks a block bootstrap has few
+    /// distinct resamples (one block: none), and that must not read as certainty.
     pub(crate) fn of_blocks(s: &Samples, level: f64, block: usize) -> Interval {
-        let n = s.0.len();
         let block = block.max(1);
+        let blocked = Interval::resampled(s, level, block);
+        if block == 1 {
+            return blocked;
+        }
+        let plain = Interval::resampled(s, level, 1);
+        Interval {
+            low: blocked.low.min(plain.low),
+            high: blocked.high.max(plain.high),
+            ..blocked
+        }
+    }
+
+    /// The bootstrap of [`Interval::of_blocks`], resampling blocks of `block` samples.
+    fn resampled(s: &Samples, level: f64, block: usize) -> Interval {
+        let n = s.0.len();
         let blocks: Vec<&[f64]> = s.0.chunks(block).collect();
         let mut rng = 0x9E37_79B9_7F4A_7C15_u64;
         let mut next = move || {
@@ -288,6 +304,13 @@ mod tests {
         assert_eq!(one.median, two.median);
         assert!(two.high - two.low > one.high - one.low, "{one:?} {two:?}");
         assert!(s.min() <= two.low && two.high <= s.max(), "{two:?}");
+        // A single block (two rounds) has one resample: the interval is still the rounds'.
+        let lone = Samples(vec![0.8, 1.3]);
+        let (p, b) = (Interval::of(&lone, 0.9), Interval::of_blocks(&lone, 0.9, 2));
+        assert!(
+            b.low <= p.low && p.high <= b.high && b.high > b.low,
+            "{p:?} {b:?}"
+        );
         // Equal blocks: the value, however they are cut; a last block shorter than the rest.
         let flat = Interval::of_blocks(&Samples(vec![0.97; 5]), 0.9, 2);
         assert_eq!((flat.low, flat.high, flat.samples), (0.97, 0.97, 5));
