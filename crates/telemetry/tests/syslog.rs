@@ -268,6 +268,64 @@ fn an_offset_of_another_journal_is_not_trusted() {
     assert_eq!(got.iter().map(|r| r.seq).collect::<Vec<_>>(), [1, 2, 3]);
 }
 
+/// The journal's identity survives rotations (the time of its first record, kept in every
+/// rotation record): an offset of another journal is still not trusted once the active segment
+/// no longer holds record 1, and the journal is forwarded from its first record, archives
+/// included.
+#[test]
+fn an_offset_of_another_journal_is_not_trusted_after_a_rotation() {
+    let state = tempfile::tempdir().unwrap();
+    let rs = Rsyslog::start();
+    OffsetFile::new(state.path().join("syslog.offset"))
+        .store(&Offset {
+            seq: 2,
+            journal_first: Some("2020-01-01T00:00:00.000000000Z".into()),
+        })
+        .unwrap();
+    let j = Journal::open(state.path().join("journal")).unwrap();
+    for i in 1..=3 {
+        j.append(Event::Killed { pid: p(i) }).unwrap();
+    }
+    j.rotate().unwrap().unwrap();
+    j.append(Event::Killed { pid: p(5) }).unwrap();
+    let _fwd = Forwarder::start(cfg(state.path(), &rs.addr())).unwrap();
+    let got = rs.wait_for(LONG, "five records", |g| g.iter().any(|r| r.seq == 5));
+    assert_eq!(
+        got.iter().map(|r| r.seq).collect::<Vec<_>>(),
+        [1, 2, 3, 4, 5]
+    );
+}
+
+/// A forwarder stopped while the journal rotated (twice) resumes from its offset: what it
+/// missed is read from the archives, nothing is sent twice.
+#[test]
+fn a_forwarder_resumes_across_rotations_from_its_offset() {
+    let state = tempfile::tempdir().unwrap();
+    let rs = Rsyslog::start();
+    let j = Journal::open(state.path().join("journal")).unwrap();
+    for i in 1..=5 {
+        j.append(Event::Locked { pid: p(i), ms: 1 }).unwrap();
+    }
+    let fwd = Forwarder::start(cfg(state.path(), &rs.addr())).unwrap();
+    support::eventually(LONG, "delivery of five", || {
+        (fwd.status().delivered_seq == 5).then_some(())
+    });
+    fwd.stop();
+    j.append(Event::Locked { pid: p(6), ms: 1 }).unwrap();
+    j.rotate().unwrap().unwrap();
+    j.append(Event::Locked { pid: p(8), ms: 1 }).unwrap();
+    j.rotate().unwrap().unwrap();
+    j.append(Event::Locked { pid: p(10), ms: 1 }).unwrap();
+    let fwd = Forwarder::start(cfg(state.path(), &rs.addr())).unwrap();
+    let got = rs.wait_for(LONG, "record 10", |g| g.iter().any(|r| r.seq == 10));
+    assert_eq!(
+        got.iter().map(|r| r.seq).collect::<Vec<_>>(),
+        (1..=10).collect::<Vec<_>>(),
+        "every record once across the rotations"
+    );
+    drop(fwd);
+}
+
 #[test]
 fn a_collector_that_is_not_there_is_retried_without_blocking_appends() {
     let state = tempfile::tempdir().unwrap();
