@@ -982,3 +982,36 @@ fn a_dump_that_fails_after_the_gate_leaves_no_follower_thread_or_fd() {
     }
     assert!(leftovers(t.path()).is_empty());
 }
+
+/// Attack: an image replaced while others open it (a standby pool's check, a thaw, a claim).
+/// Publishing exchanges the directories atomically, then removes the old one: an open that took
+/// the old directory just before the exchange must not fail as if the image were gone; every
+/// open sees a whole image, the old or the new.
+#[test]
+fn an_image_replaced_while_it_is_opened_is_always_opened_whole() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = published(t.path(), "img");
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let opener = s.spawn(|| {
+            let mut opens = 0u32;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Err(e) = image::Image::open(&dir) {
+                    return Err(format!("open {opens} failed during a replace: {e}"));
+                }
+                opens += 1;
+            }
+            Ok(opens)
+        });
+        for round in 0..60 {
+            let st = Staging::create(&dir).unwrap();
+            for f in 0..16 {
+                fs::write(st.path().join(format!("f{f}.img")), format!("{round}")).unwrap();
+            }
+            st.publish(meta(), true).unwrap();
+        }
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        let opens = opener.join().unwrap().unwrap();
+        assert!(opens > 0);
+    });
+}

@@ -22,31 +22,75 @@ pub struct Image {
     manifest: Manifest,
 }
 
+/// How many times [`Image::open`] opens an image again that was replaced while it opened it.
+const REPLACED_RETRIES: u32 = 3;
+
+/// Whether `dir` names another directory now than the one `taken` is (a publish exchanged
+/// it); a path that cannot be looked at is not taken for a replacement.
+fn replaced(dir: &Path, taken: &OwnedFd) -> bool {
+    let (Ok(now), Ok(then)) = (rustix::fs::stat(dir), rustix::fs::fstat(taken)) else {
+        return false;
+    };
+    (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino)
+}
+
 impl Image {
     /// Opens the image at `dir`: nobody but root can change it or the path to it, the manifest
     /// parses, is of a known format and matches its own digest, the chunk lists cover every
     /// byte, every listed file is there (a regular file of the listed size) and nothing else
     /// is. Reads no file content but the manifest's.
+    ///
+    /// A publish that replaces the image exchanges the directories and then removes the old
+    /// one, so an open that took the old directory just before the exchange may find its files
+    /// going: such a failure, when `dir` names another directory by then, is an open of the
+    /// image that replaced it (the path held a whole image at every moment), tried again a few
+    /// times, never a refusal of an image that is there.
     pub fn open(dir: &Path) -> Result<Image, ImageError> {
-        let (_, name) = split(dir)?;
-        if is_staging_name(&name) {
-            return Err(ImageError::Staging {
-                dir: dir.to_path_buf(),
-            });
+        let mut tries = 0;
+        loop {
+            match Self::open_once(dir) {
+                Ok(image) => return Ok(image),
+                Err((e, Some(taken))) if tries < REPLACED_RETRIES && replaced(dir, &taken) => {
+                    tracing::debug!(dir = %dir.display(), %e, "image replaced while opened: opening the new one");
+                    tries += 1;
+                }
+                Err((e, _)) => return Err(e),
+            }
         }
-        let (_, fd) = trust::open_image_dir(dir)?;
-        let mpath = dir.join(MANIFEST_FILE);
-        let (mut mf, _) = trust::open_image_file(&fd, dir, MANIFEST_FILE)?;
-        let mut bytes = Vec::new();
-        mf.read_to_end(&mut bytes).map_err(io(&mpath))?;
-        let manifest = parse_manifest(&mpath, &bytes)?;
+    }
+
+    /// One [`Image::open`]; a failure after the directory was opened comes with its fd.
+    fn open_once(dir: &Path) -> Result<Image, (ImageError, Option<OwnedFd>)> {
+        let (_, name) = split(dir).map_err(|e| (e, None))?;
+        if is_staging_name(&name) {
+            return Err((
+                ImageError::Staging {
+                    dir: dir.to_path_buf(),
+                },
+                None,
+            ));
+        }
+        let (_, fd) = trust::open_image_dir(dir).map_err(|e| (e, None))?;
+        let read = |fd: &OwnedFd| -> Result<Manifest, ImageError> {
+            let mpath = dir.join(MANIFEST_FILE);
+            let (mut mf, _) = trust::open_image_file(fd, dir, MANIFEST_FILE)?;
+            let mut bytes = Vec::new();
+            mf.read_to_end(&mut bytes).map_err(io(&mpath))?;
+            parse_manifest(&mpath, &bytes)
+        };
+        let manifest = match read(&fd) {
+            Ok(m) => m,
+            Err(e) => return Err((e, Some(fd))),
+        };
         let image = Image {
             dir: dir.to_path_buf(),
             fd,
             manifest,
         };
-        image.check_listing()?;
-        Ok(image)
+        match image.check_listing() {
+            Ok(()) => Ok(image),
+            Err(e) => Err((e, Some(image.fd))),
+        }
     }
 
     /// The image whose directory `fd` is (opened and checked by another process: the image
