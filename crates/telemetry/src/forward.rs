@@ -15,6 +15,15 @@
 //!   and the stored position trails the acknowledged one by that window. A collector therefore
 //!   sees some records twice after an outage (never one missing); each message carries the
 //!   record's `seq` (structured data and MSG) to drop duplicates by.
+//! - **A position that a power cut cannot fool.** The journal's unsynced appends can be lost in
+//!   a power cut after the forwarder sent them; the records written after the next boot then
+//!   take the lost records' seqs. So the stored position carries marks of the records it stands
+//!   on (digests of seq, time and type at the position and at up to 63 seqs before it, each at
+//!   most twice as far back: [`crate::OffsetFile`]); at start the forwarder resumes after the
+//!   newest mark whose record the journal still holds unchanged (the records a power cut leaves
+//!   are a prefix of what was written), logging how far it went back. The records after that
+//!   mark and up to the stored position are sent again (at most about twice as many as the power
+//!   cut took); none is skipped.
 //! - **Reconnects** back off exponentially from [`ForwardConfig::retry_min`] to
 //!   [`ForwardConfig::retry_max`], also after connections that end within 2 s (a collector that
 //!   accepts and drops every connection is not hammered). A connection whose oldest unacknowledged byte waits longer than
@@ -28,7 +37,7 @@
 //! - Records of event types this build does not know go out as type `unknown` with their seq and
 //!   time only (the journal reader keeps no raw payload).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::io::{self, Write as _};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsFd, OwnedFd};
@@ -45,7 +54,7 @@ use rustix::net::RecvFlags;
 
 use crate::error::{ConnectError, ForwardError};
 use crate::follow::{Follow, Wake};
-use crate::offset::{Offset, OffsetFile};
+use crate::offset::{mark_seqs, record_mark, Offset, OffsetFile};
 use crate::syslog::SyslogFormat;
 
 /// Where and how to forward.
@@ -238,6 +247,12 @@ struct Run {
     max_sent: u64,
     /// Acknowledged records with the time of their acknowledgement, oldest first.
     acks: VecDeque<(u64, Instant)>,
+    /// The highest seq acknowledged before the replay window (or the position this run or its
+    /// last connection resumed from): where to send again from.
+    settled: u64,
+    /// Marks of the records this position may stand on ([`record_mark`]): those of the stored
+    /// position and of every record sent since, pruned to [`mark_seqs`] at each store.
+    marks: BTreeMap<u64, String>,
     journal_first: Option<String>,
 }
 
@@ -258,6 +273,8 @@ impl Run {
             file,
             delivered: stored.seq,
             max_sent: stored.seq,
+            settled: stored.seq,
+            marks: stored.marks.iter().cloned().collect(),
             journal_first: stored.journal_first.clone(),
             stored,
             stored_at: Instant::now(),
@@ -290,19 +307,83 @@ impl Run {
         let last = scan.records.last().map_or(0, |r| r.seq);
         let other_journal =
             matches!((&self.stored.journal_first, &first), (Some(a), Some(b)) if a != b);
-        if self.stored.seq > last || other_journal {
+        if other_journal || self.stored.marks.is_empty() && self.stored.seq > last {
             tracing::warn!(
                 offset = self.stored.seq,
                 journal_last = last,
                 "the forwarder's offset belongs to another journal; forwarding this one from its first record"
             );
-            self.delivered = 0;
-            self.max_sent = 0;
-            self.stored = Offset::default();
+            self.resume_from(0);
+        } else if !self.stored.marks.is_empty() {
+            let proven = self.proven_position(&scan);
+            if proven < self.stored.seq {
+                tracing::warn!(
+                    offset = self.stored.seq,
+                    resume_after = proven,
+                    journal_last = last,
+                    "the journal no longer holds the records the forwarder's offset counts as sent (a power cut took back unsynced records and new ones reused their seqs): forwarding again after the last record proven sent; the collector may get some records twice"
+                );
+                self.resume_from(proven);
+            }
         }
         if first.is_some() {
             self.journal_first = first;
         }
+    }
+
+    /// Starts this run's position over at `seq`, keeping only the marks at or before it.
+    fn resume_from(&mut self, seq: u64) {
+        self.delivered = seq;
+        self.max_sent = seq;
+        self.settled = seq;
+        self.marks.retain(|s, _| *s <= seq);
+        self.stored = Offset {
+            seq,
+            journal_first: None,
+            marks: Vec::new(),
+        };
+    }
+
+    /// The newest seq among the stored marks whose record the journal still holds unchanged
+    /// (0 if none): the records before it are those forwarded (what a power cut leaves of a
+    /// journal is a prefix of what was written), those after it may not be.
+    fn proven_position(&self, active: &cryo_journal::Scan) -> u64 {
+        let mut marks = self.stored.marks.clone();
+        marks.sort_unstable_by_key(|m| std::cmp::Reverse(m.0));
+        let wanted: std::collections::HashSet<u64> = marks.iter().map(|(s, _)| *s).collect();
+        let mut held: HashMap<u64, String> = active
+            .records
+            .iter()
+            .filter(|r| wanted.contains(&r.seq))
+            .map(|r| (r.seq, record_mark(r)))
+            .collect();
+        let last = active.records.last().map_or(0, |r| r.seq);
+        let mut archives_read = false;
+        for (seq, mark) in &marks {
+            if !held.contains_key(seq) && *seq <= last && !archives_read {
+                // A record the active segment no longer holds (the forwarder was behind a
+                // rotation): the archives, read once, from the oldest mark on.
+                archives_read = true;
+                let oldest = marks.last().map_or(*seq, |(s, _)| *s);
+                match cryo_journal::Reader::after(&self.cfg.journal_dir, oldest.saturating_sub(1))
+                    .read_new()
+                {
+                    Ok(scan) => held.extend(
+                        scan.records
+                            .iter()
+                            .filter(|r| wanted.contains(&r.seq))
+                            .map(|r| (r.seq, record_mark(r))),
+                    ),
+                    Err(err) => {
+                        tracing::warn!(%err, "cannot read the journal's archives to check the forwarder's offset")
+                    }
+                }
+            }
+            if held.get(seq) == Some(mark) {
+                return *seq;
+            }
+        }
+        0
     }
 
     fn run(mut self) {
@@ -415,6 +496,7 @@ impl Run {
             if r.seq == 1 {
                 self.journal_first = Some(time_of(&r));
             }
+            self.marks.insert(r.seq, record_mark(&r));
             let frame = self.cfg.format.frame(&r);
             c.stream.write_all(&frame)?;
             c.written += frame.len() as u64;
@@ -452,7 +534,9 @@ impl Run {
             self.delivered = self.delivered.max(seq);
             self.acks.push_back((seq, now));
             if self.acks.len() > MAX_REMEMBERED_ACKS {
-                self.acks.pop_front();
+                if let Some((old, _)) = self.acks.pop_front() {
+                    self.settled = self.settled.max(old);
+                }
             }
         }
         self.shared
@@ -467,21 +551,19 @@ impl Run {
         }
     }
 
-    /// The position to send again from: before the records acknowledged within the replay
-    /// window, else the last acknowledged one.
+    /// The position to send again from: the last record acknowledged before the replay window
+    /// (every record acknowledged within it is sent again), else where this run or its last
+    /// connection resumed from.
     fn resume_point(&mut self) -> u64 {
         let now = Instant::now();
-        while self
-            .acks
-            .front()
-            .is_some_and(|&(_, at)| now.duration_since(at) > self.cfg.replay)
-        {
+        while let Some(&(seq, at)) = self.acks.front() {
+            if now.duration_since(at) <= self.cfg.replay {
+                break;
+            }
             self.acks.pop_front();
+            self.settled = self.settled.max(seq);
         }
-        match self.acks.front() {
-            Some(&(seq, _)) => seq.saturating_sub(1).min(self.delivered),
-            None => self.delivered,
-        }
+        self.settled.min(self.delivered)
     }
 
     /// Ends the connection and rewinds the follower to the resume point.
@@ -502,6 +584,7 @@ impl Run {
         // resume point is what is stored and reported.
         self.acks.clear();
         self.delivered = resume;
+        self.settled = resume;
         self.shared.delivered.store(resume, Ordering::Relaxed);
     }
 
@@ -519,9 +602,17 @@ impl Run {
         if !now && self.stored_at.elapsed() < STORE_EVERY {
             return;
         }
+        // The marks of this position; those of records before it that no later position needs
+        // are forgotten (a later position's mark seqs are after this one or among its own).
+        let keep: Vec<u64> = mark_seqs(seq).collect();
+        self.marks.retain(|s, _| *s > seq || keep.contains(s));
         let next = Offset {
             seq,
             journal_first: self.journal_first.clone(),
+            marks: keep
+                .iter()
+                .filter_map(|s| self.marks.get(s).map(|m| (*s, m.clone())))
+                .collect(),
         };
         match self.file.store(&next) {
             Ok(()) => self.stored = next,
@@ -597,7 +688,7 @@ fn peer_closed(stream: &TcpStream) -> bool {
 }
 
 /// A record's time as the journal stores it.
-fn time_of(r: &Record) -> String {
+pub(crate) fn time_of(r: &Record) -> String {
     serde_json::to_value(r)
         .ok()
         .and_then(|v| v.get("time").and_then(|t| t.as_str()).map(str::to_owned))

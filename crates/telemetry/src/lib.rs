@@ -49,7 +49,7 @@ pub use error::{ConnectError, FollowError, ForwardError, MetricsError, OffsetErr
 pub use follow::{ndjson_line, Follow, Wake};
 pub use forward::{ForwardConfig, ForwardShared, ForwardStatus, Forwarder};
 pub use metrics::{LiveGauges, Metrics, CONTENT_TYPE, DURATION_BUCKETS, PREFIX};
-pub use offset::{Offset, OffsetFile};
+pub use offset::{mark_seqs, record_mark, Offset, OffsetFile};
 pub use server::{JournalFeed, MetricsServer, DEFAULT_LISTEN};
 pub use service::{StartError, Telemetry, TelemetryConfig};
 pub use syslog::{severity, Severity, SyslogFormat};

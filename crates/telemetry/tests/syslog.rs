@@ -257,6 +257,7 @@ fn an_offset_of_another_journal_is_not_trusted() {
         .store(&Offset {
             seq: 500,
             journal_first: Some("2020-01-01T00:00:00.000000000Z".into()),
+            marks: Vec::new(),
         })
         .unwrap();
     let j = Journal::open(state.path().join("journal")).unwrap();
@@ -280,6 +281,7 @@ fn an_offset_of_another_journal_is_not_trusted_after_a_rotation() {
         .store(&Offset {
             seq: 2,
             journal_first: Some("2020-01-01T00:00:00.000000000Z".into()),
+            marks: Vec::new(),
         })
         .unwrap();
     let j = Journal::open(state.path().join("journal")).unwrap();
@@ -323,6 +325,88 @@ fn a_forwarder_resumes_across_rotations_from_its_offset() {
         (1..=10).collect::<Vec<_>>(),
         "every record once across the rotations"
     );
+    drop(fwd);
+}
+
+/// A power cut after the forwarder sent records the journal had not synced yet: the journal
+/// comes back cut to its last synced length and new records take the lost records' seqs. The
+/// forwarder's stored position (past those seqs) must not make it skip them: every new record
+/// reaches the collector (some old ones may come twice, none is lost).
+#[test]
+fn records_that_reuse_the_seqs_a_power_cut_lost_are_all_forwarded() {
+    power_cut_then(false);
+}
+
+/// The same, with the journal rotated after the new boot's records: the records the forwarder's
+/// position names are in an archive by then, and are checked there.
+#[test]
+fn records_that_reuse_the_seqs_a_power_cut_lost_are_all_forwarded_across_a_rotation() {
+    power_cut_then(true);
+}
+
+fn power_cut_then(rotate: bool) {
+    let state = tempfile::tempdir().unwrap();
+    let rs = Rsyslog::start();
+    let dir = state.path().join("journal");
+    let path = dir.join(cryo_journal::FILE_NAME);
+    let j = Journal::open(&dir).unwrap();
+    for i in 1..=5 {
+        j.append(Event::Locked { pid: p(i), ms: 1 }).unwrap();
+    }
+    // What a power cut leaves: everything up to the last synced append.
+    let synced = std::fs::metadata(&path).unwrap().len();
+    j.append_unsynced(
+        (6..=10)
+            .map(|i| Event::Locked { pid: p(i), ms: 1 })
+            .collect(),
+    )
+    .unwrap();
+    drop(j);
+    let fwd = Forwarder::start(cfg(state.path(), &rs.addr())).unwrap();
+    support::eventually(LONG, "delivery of ten", || {
+        (fwd.status().delivered_seq == 10).then_some(())
+    });
+    fwd.stop();
+
+    // The power cut, then the host's next boot appends records 6..=12 (other events).
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(synced)
+        .unwrap();
+    let j = Journal::open(&dir).unwrap();
+    let mut after: Vec<Record> = (6..=12)
+        .map(|i| j.append(Event::Killed { pid: p(100 + i) }).unwrap())
+        .collect();
+    assert_eq!(
+        after.first().unwrap().seq,
+        6,
+        "the cut journal reuses the lost seqs"
+    );
+    if rotate {
+        j.rotate().unwrap().unwrap();
+        after.push(j.append(Event::Killed { pid: p(200) }).unwrap());
+        let active = cryo_journal::read(&dir).unwrap();
+        assert!(
+            active.records.iter().all(|r| r.seq > 12),
+            "records 1..=12 are archived"
+        );
+    }
+    let end = after.last().unwrap().seq;
+
+    let fwd = Forwarder::start(cfg(state.path(), &rs.addr())).unwrap();
+    let got = rs.wait_for(LONG, "the last record", |g| g.iter().any(|r| r.seq == end));
+    for w in &after {
+        assert!(
+            got.iter()
+                .any(|r| r.seq == w.seq && format!("{}\n", r.msg) == cryo_telemetry::ndjson_line(w)),
+            "record {} of the new boot ({}) never reached the collector: {:?}",
+            w.seq,
+            cryo_telemetry::event_type(&w.event),
+            got.iter().map(|r| (r.seq, r.msgid.as_str())).collect::<Vec<_>>()
+        );
+    }
     drop(fwd);
 }
 
