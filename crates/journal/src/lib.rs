@@ -69,7 +69,7 @@ pub use query::{
     guarded, in_flight_stops, last_steps, open_pins, pinned, Filter, InFlight, OpenPins, Origin,
     Origins, StopStep,
 };
-pub use reader::{read, read_all, read_segment, Reader, Scan};
+pub use reader::{read, read_all, read_segment, Gap, Reader, Scan};
 pub use rotate::{
     archive_name, archive_seq, archives, carried, may_be_alive, Retention, Rotation,
     AGENT_ROTATE_BYTES, NEXT_NAME, ROTATE_LINKED, ROTATE_NEXT_WRITTEN, ROTATE_RENAMED,

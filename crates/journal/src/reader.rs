@@ -23,6 +23,29 @@ pub struct Scan {
     /// reader returned (another journal, not a rotation): these records are that file's from
     /// its first.
     pub restarted: bool,
+    /// Seqs this reader skipped because no file it can read holds them any more (archives
+    /// removed by the retention while it was behind, or damaged frames: [`Scan::corruptions`]),
+    /// in order. Reported only where the reader follows seq by seq ([`Reader::after`], and every
+    /// later read of a [`Reader::new`]/[`Reader::own`]), never for the carried copies a
+    /// rotated segment starts with.
+    pub gaps: Vec<Gap>,
+}
+
+/// A range of seqs a follower will never return: every seq from `first` to `last`, both
+/// included, was journaled, and is lost to the follower.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gap {
+    /// The first seq lost.
+    pub first: u64,
+    /// The last seq lost.
+    pub last: u64,
+}
+
+impl Gap {
+    /// How many records were lost.
+    pub fn lost(&self) -> u64 {
+        self.last - self.first + 1
+    }
 }
 
 impl Scan {
@@ -57,6 +80,7 @@ pub fn read_segment(path: impl AsRef<Path>) -> Result<Scan, ReadError> {
         corruptions: found.corruptions,
         tail: found.tail,
         restarted: false,
+        gaps: Vec::new(),
     })
 }
 
@@ -86,6 +110,9 @@ pub struct Reader {
     last: Option<u64>,
     /// From the active segment's own records ([`Reader::own`]).
     own: bool,
+    /// Whether the next record returned must be the one after `last` (seq by seq: a jump is a
+    /// gap). Not while a [`Reader::new`] reads a segment from its start (carried copies).
+    contiguous: bool,
 }
 
 impl Reader {
@@ -99,6 +126,7 @@ impl Reader {
             offset: 0,
             last: None,
             own: false,
+            contiguous: false,
         }
     }
 
@@ -108,6 +136,7 @@ impl Reader {
     pub fn own(dir: impl AsRef<Path>) -> Reader {
         Reader {
             own: true,
+            contiguous: true,
             ..Reader::new(dir)
         }
     }
@@ -118,12 +147,22 @@ impl Reader {
     pub fn after(dir: impl AsRef<Path>, after: u64) -> Reader {
         Reader {
             last: Some(after),
+            contiguous: true,
             ..Reader::new(dir)
         }
     }
 
     /// Records appended since the last call (all of them the first time).
     pub fn read_new(&mut self) -> Result<Scan, ReadError> {
+        let scan = self.read_next();
+        if scan.is_ok() {
+            // What follows the records returned comes seq by seq.
+            self.contiguous = self.last.is_some();
+        }
+        scan
+    }
+
+    fn read_next(&mut self) -> Result<Scan, ReadError> {
         if self.file.is_none() {
             return self.open_and_read(false);
         }
@@ -138,11 +177,13 @@ impl Reader {
             found = self.scan_from_offset()?;
         }
         self.offset = found.valid_end;
+        let mut gaps = Vec::new();
         let mut out = Scan {
-            records: self.newer(found.records),
+            records: self.newer(found.records, &mut gaps),
             corruptions: found.corruptions,
             tail: found.tail,
             restarted: false,
+            gaps,
         };
         if at_path.is_some() && at_path != self.identity {
             // Rotated (or replaced): go on in the file at the path.
@@ -152,6 +193,7 @@ impl Reader {
             }
             out.records.extend(next.records);
             out.corruptions.extend(next.corruptions);
+            out.gaps.extend(next.gaps);
             out.tail = next.tail;
         }
         Ok(out)
@@ -201,17 +243,20 @@ impl Reader {
                 // Not a rotation of what was read: another journal at the path.
                 tracing::warn!(path = %self.path.display(), after = last, "the journal file was replaced; reading it from its first record");
                 self.last = None;
+                self.contiguous = false;
                 restarted = true;
             }
             _ => {}
         }
         records.extend(found.records);
         corruptions.extend(found.corruptions);
+        let mut gaps = Vec::new();
         Ok(Scan {
-            records: self.newer(records),
+            records: self.newer(records, &mut gaps),
             corruptions,
             tail: found.tail,
             restarted,
+            gaps,
         })
     }
 
@@ -253,12 +298,21 @@ impl Reader {
     }
 
     /// The records of `records` after the last one returned (in seq order: a later segment's
-    /// carried copies dropped), remembering the last.
-    fn newer(&mut self, records: Vec<Record>) -> Vec<Record> {
+    /// carried copies dropped), remembering the last; a jump past the next seq, where the
+    /// reader follows seq by seq, goes to `gaps`.
+    fn newer(&mut self, records: Vec<Record>, gaps: &mut Vec<Gap>) -> Vec<Record> {
         let mut out = Vec::with_capacity(records.len());
         for r in records {
-            if self.last.is_some_and(|last| r.seq <= last) {
-                continue;
+            if let Some(last) = self.last {
+                if r.seq <= last {
+                    continue;
+                }
+                if self.contiguous && r.seq > last + 1 {
+                    gaps.push(Gap {
+                        first: last + 1,
+                        last: r.seq - 1,
+                    });
+                }
             }
             self.last = Some(r.seq);
             out.push(r);

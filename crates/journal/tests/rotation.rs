@@ -234,6 +234,102 @@ fn a_follower_mid_file_returns_every_record_once_across_rotations() {
     );
 }
 
+/// Every seq after `after` up to `end`, each once: either returned or inside a reported gap.
+fn returned_or_lost(scan: &cryo_journal::Scan, after: u64, end: u64) {
+    let mut all: Vec<u64> = seqs(&scan.records);
+    for g in &scan.gaps {
+        assert!(g.first <= g.last, "{g:?}");
+        all.extend(g.first..=g.last);
+    }
+    all.sort_unstable();
+    assert_eq!(
+        all,
+        (after + 1..=end).collect::<Vec<_>>(),
+        "records {:?}, gaps {:?}",
+        seqs(&scan.records),
+        scan.gaps
+    );
+}
+
+/// A follower that fell behind the retention: the records only pruned archives held are reported
+/// as gaps (the seq ranges lost), never skipped silently, and the records after them are
+/// returned. A follower that lost nothing reports no gap, carried copies between its reads
+/// included.
+#[test]
+fn a_follower_behind_a_pruned_archive_is_told_which_seqs_it_lost() {
+    let keep_one = cryo_journal::Retention {
+        count: 1,
+        bytes: u64::MAX,
+    };
+    // Records of the dead only (nothing carried): exact ranges.
+    let dir = tempfile::tempdir().unwrap();
+    let j = Journal::open(dir.path()).unwrap();
+    let dead = exited();
+    let kill = |j: &Journal| j.append(Event::Killed { pid: dead }).unwrap().seq;
+    (1..=3).for_each(|_| {
+        kill(&j);
+    });
+    let mut mid = Reader::after(dir.path(), 0);
+    let first = mid.read_new().unwrap();
+    assert_eq!((seqs(&first.records), first.gaps.len()), (vec![1, 2, 3], 0));
+    (4..=6).for_each(|_| {
+        kill(&j);
+    });
+    j.rotate().unwrap().unwrap(); // 7: journal.1.log holds 1..=6
+    (8..=9).for_each(|_| {
+        kill(&j);
+    });
+    j.rotate().unwrap().unwrap(); // 10: journal.7.log holds 7..=9
+    kill(&j);
+    j.rotate().unwrap().unwrap(); // 12: journal.10.log holds 10..=11
+    let end = kill(&j);
+    assert_eq!(j.prune(keep_one).unwrap().len(), 2);
+    // The follower finishes the segment it holds open (4..=6), then 7..=9 are gone.
+    let scan = mid.read_new().unwrap();
+    returned_or_lost(&scan, 3, end);
+    assert_eq!(
+        scan.gaps,
+        [cryo_journal::Gap { first: 7, last: 9 }],
+        "{:?}",
+        seqs(&scan.records)
+    );
+    // A reader started later (a forwarder restarted from its offset) loses 3..=9.
+    let late = Reader::after(dir.path(), 2).read_new().unwrap();
+    returned_or_lost(&late, 2, end);
+    assert_eq!(late.gaps, [cryo_journal::Gap { first: 3, last: 9 }]);
+    assert!(mid.read_new().unwrap().gaps.is_empty(), "reported once");
+
+    // With carried copies (live processes' records) in every segment: every seq once, as a
+    // record or in a gap, whatever the follower's starting point.
+    let s = scene();
+    let mut follower = Reader::after(s.dir.path(), 0);
+    let read = follower.read_new().unwrap();
+    assert!(read.gaps.is_empty());
+    let read_to = read.records.last().unwrap().seq;
+    for _ in 0..3 {
+        filler(&s.journal, 3);
+        s.journal.rotate().unwrap().unwrap();
+    }
+    let end = s.journal.append(Event::Killed { pid: s.dead }).unwrap().seq;
+    let caught_up = follower.read_new().unwrap();
+    returned_or_lost(&caught_up, read_to, end);
+    assert!(caught_up.gaps.is_empty(), "{:?}", caught_up.gaps);
+    let whole = Reader::after(s.dir.path(), 0).read_new().unwrap();
+    assert!(
+        whole.gaps.is_empty(),
+        "nothing pruned, no gap: {:?}",
+        whole.gaps
+    );
+    s.journal.prune(keep_one).unwrap();
+    for after in 0..end {
+        returned_or_lost(
+            &Reader::after(s.dir.path(), after).read_new().unwrap(),
+            after,
+            end,
+        );
+    }
+}
+
 #[test]
 fn a_stale_or_hostile_next_file_is_replaced_not_written_through() {
     let s = scene();

@@ -13,13 +13,16 @@
 //! a rotation carried, and reads what it missed from the archives. If the journal file is
 //! replaced by another journal (restored from a backup, deleted and started again: another file
 //! that is no rotation of it), the follower starts over from its first record and says so.
+//! Records no file holds any more when the follower comes to them (it fell behind the archives'
+//! retention) are skipped as seq ranges the consumer is given ([`Follow::take_gaps`]): lost,
+//! never silently.
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use cryo_journal::{Reader, Record};
+use cryo_journal::{Gap, Reader, Record};
 use rustix::event::{poll, PollFd, PollFlags};
 use rustix::fs::inotify;
 
@@ -37,6 +40,8 @@ pub struct Follow {
     /// The last `seq` handed out (or the starting point).
     after: u64,
     queue: VecDeque<Record>,
+    /// Seq ranges lost since the last [`Follow::take_gaps`].
+    gaps: Vec<Gap>,
     inotify: Option<OwnedFd>,
     watching: bool,
 }
@@ -70,6 +75,7 @@ impl Follow {
             reader: Reader::after(dir.as_ref(), after),
             after,
             queue: VecDeque::new(),
+            gaps: Vec::new(),
             inotify,
             watching: false,
         };
@@ -93,6 +99,15 @@ impl Follow {
     /// The `seq` of the last record handed out (or the starting point).
     pub fn after(&self) -> u64 {
         self.after
+    }
+
+    /// The seq ranges this follower skipped since the last call, oldest first: records the
+    /// journal no longer holds when the follower comes to them (archives the retention removed
+    /// while it was behind, damaged frames). Each lies before the records handed out after it;
+    /// a consumer that must not lose records silently reports them (the forwarder sends a
+    /// `records_lost` message).
+    pub fn take_gaps(&mut self) -> Vec<Gap> {
+        std::mem::take(&mut self.gaps)
     }
 
     /// Every record appended since the last call (after the starting point the first time),
@@ -176,8 +191,18 @@ impl Follow {
                 "the journal file was replaced; following it from its first record"
             );
             self.queue.clear();
+            self.gaps.clear();
             self.after = 0;
         }
+        for g in &scan.gaps {
+            tracing::warn!(
+                dir = %self.dir.display(),
+                first = g.first,
+                last = g.last,
+                "journal records lost to this follower: no file holds them any more (archives removed by the retention, or damaged)"
+            );
+        }
+        self.gaps.extend(scan.gaps);
         for c in &scan.corruptions {
             tracing::error!(dir = %self.dir.display(), "{c}; the records after it are followed");
         }

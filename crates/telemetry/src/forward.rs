@@ -109,6 +109,7 @@ pub struct ForwardShared {
     sent: AtomicU64,
     resent: AtomicU64,
     connections: AtomicU64,
+    lost: AtomicU64,
     connected: AtomicBool,
     last_error: Mutex<Option<String>>,
 }
@@ -124,6 +125,10 @@ pub struct ForwardStatus {
     pub resent_total: u64,
     /// Connections made.
     pub connections_total: u64,
+    /// Records the collector will never get: the journal no longer held them when the
+    /// forwarder came to them (archives removed by the retention while it was behind, damaged
+    /// frames). Each range was reported to the collector in a `records_lost` message.
+    pub lost_total: u64,
     /// Whether a connection is up now.
     pub connected: bool,
     /// The last connection failure, if any since the start.
@@ -138,6 +143,7 @@ impl ForwardShared {
             sent_total: self.sent.load(Ordering::Relaxed),
             resent_total: self.resent.load(Ordering::Relaxed),
             connections_total: self.connections.load(Ordering::Relaxed),
+            lost_total: self.lost.load(Ordering::Relaxed),
             connected: self.connected.load(Ordering::Relaxed),
             last_error: self
                 .last_error
@@ -245,6 +251,8 @@ struct Run {
     delivered: u64,
     /// The highest seq ever written (to count resends).
     max_sent: u64,
+    /// The highest seq counted as lost (a gap found again after a reconnect counts once).
+    lost_to: u64,
     /// Acknowledged records with the time of their acknowledgement, oldest first.
     acks: VecDeque<(u64, Instant)>,
     /// The highest seq acknowledged before the replay window (or the position this run or its
@@ -273,6 +281,7 @@ impl Run {
             file,
             delivered: stored.seq,
             max_sent: stored.seq,
+            lost_to: 0,
             settled: stored.seq,
             marks: stored.marks.iter().cloned().collect(),
             journal_first: stored.journal_first.clone(),
@@ -358,30 +367,49 @@ impl Run {
             .map(|r| (r.seq, record_mark(r)))
             .collect();
         let last = active.records.last().map_or(0, |r| r.seq);
-        let mut archives_read = false;
+        // The oldest record the journal holds at or after the oldest mark, once the archives
+        // were read.
+        let mut oldest_held = None;
         for (seq, mark) in &marks {
-            if !held.contains_key(seq) && *seq <= last && !archives_read {
+            if !held.contains_key(seq) && *seq <= last && oldest_held.is_none() {
                 // A record the active segment no longer holds (the forwarder was behind a
                 // rotation): the archives, read once, from the oldest mark on.
-                archives_read = true;
                 let oldest = marks.last().map_or(*seq, |(s, _)| *s);
                 match cryo_journal::Reader::after(&self.cfg.journal_dir, oldest.saturating_sub(1))
                     .read_new()
                 {
-                    Ok(scan) => held.extend(
-                        scan.records
-                            .iter()
-                            .filter(|r| wanted.contains(&r.seq))
-                            .map(|r| (r.seq, record_mark(r))),
-                    ),
+                    Ok(scan) => {
+                        oldest_held = Some(scan.records.first().map_or(u64::MAX, |r| r.seq));
+                        held.extend(
+                            scan.records
+                                .iter()
+                                .filter(|r| wanted.contains(&r.seq))
+                                .map(|r| (r.seq, record_mark(r))),
+                        );
+                    }
                     Err(err) => {
-                        tracing::warn!(%err, "cannot read the journal's archives to check the forwarder's offset")
+                        tracing::warn!(%err, "cannot read the journal's archives to check the forwarder's offset");
+                        return 0;
                     }
                 }
             }
             if held.get(seq) == Some(mark) {
                 return *seq;
             }
+        }
+        let newest = marks.first().map_or(0, |(s, _)| *s);
+        if oldest_held.is_some_and(|o| o > newest) {
+            // Every record the marks name was removed with the archives that held them: they can
+            // be neither checked nor sent again, and what the journal holds all comes after
+            // them. Resuming at the stored position tells the collector exactly which records
+            // it will never get (a power cut that replaced them before they were archived cannot
+            // be told from here: those are lost with the archives either way).
+            tracing::warn!(
+                offset = newest,
+                oldest_held = oldest_held.unwrap_or_default(),
+                "the records the forwarder's offset names were removed by the journal's retention; resuming from the offset"
+            );
+            return self.stored.seq;
         }
         0
     }
@@ -492,6 +520,31 @@ impl Run {
                 return Ok(());
             }
         };
+        let gaps = follow.take_gaps();
+        if let (Some(first), Some(last)) = (gaps.first(), gaps.last()) {
+            // One message for what one read skipped (a pruned stretch between carried copies is
+            // several ranges): its first and last seq and how many records are lost.
+            let lost: u64 = gaps.iter().map(cryo_journal::Gap::lost).sum();
+            let new: u64 = gaps
+                .iter()
+                .map(|g| {
+                    g.last
+                        .saturating_sub(g.first.max(self.lost_to + 1).saturating_sub(1))
+                })
+                .sum();
+            tracing::warn!(
+                first = first.first,
+                last = last.last,
+                lost,
+                "journal records lost before they were forwarded (the journal no longer holds them); telling the collector"
+            );
+            let frame = self.cfg.format.lost_frame(first.first, last.last, lost);
+            c.stream.write_all(&frame)?;
+            c.written += frame.len() as u64;
+            self.shared.sent.fetch_add(1, Ordering::Relaxed);
+            self.shared.lost.fetch_add(new, Ordering::Relaxed);
+            self.lost_to = self.lost_to.max(last.last);
+        }
         for r in records {
             if r.seq == 1 {
                 self.journal_first = Some(time_of(&r));

@@ -166,7 +166,8 @@ impl Metrics {
     }
 
     /// Exposes a forwarder's state: `cryo_syslog_connected`, `cryo_syslog_delivered_seq`,
-    /// `cryo_syslog_sent_total`, `cryo_syslog_resent_total`, `cryo_syslog_connections_total`.
+    /// `cryo_syslog_sent_total`, `cryo_syslog_resent_total`, `cryo_syslog_connections_total`,
+    /// `cryo_syslog_lost_records_total`.
     pub fn watch_forwarder(&self, shared: Arc<ForwardShared>) -> Result<(), MetricsError> {
         let c = ForwarderCollector::new(shared)?;
         self.registry
@@ -319,6 +320,7 @@ struct ForwarderCollector {
     sent: IntCounter,
     resent: IntCounter,
     connections: IntCounter,
+    lost: IntCounter,
     descs: Vec<Desc>,
 }
 
@@ -357,12 +359,17 @@ impl ForwarderCollector {
             "syslog_connections_total",
             "Connections made to the syslog collector.",
         )?;
+        let lost = counter(
+            "syslog_lost_records_total",
+            "Journal records the collector will never get: the journal no longer held them when the forwarder came to them (archives removed by the retention while it was behind); each range is sent as a records_lost message.",
+        )?;
         let descs = [
             connected.desc(),
             delivered.desc(),
             sent.desc(),
             resent.desc(),
             connections.desc(),
+            lost.desc(),
         ]
         .into_iter()
         .flatten()
@@ -375,6 +382,7 @@ impl ForwarderCollector {
             sent,
             resent,
             connections,
+            lost,
             descs,
         })
     }
@@ -395,12 +403,14 @@ impl Collector for ForwarderCollector {
         bump(&self.sent, s.sent_total);
         bump(&self.resent, s.resent_total);
         bump(&self.connections, s.connections_total);
+        bump(&self.lost, s.lost_total);
         [
             &self.connected as &dyn Collector,
             &self.delivered,
             &self.sent,
             &self.resent,
             &self.connections,
+            &self.lost,
         ]
         .iter()
         .flat_map(|c| c.collect())

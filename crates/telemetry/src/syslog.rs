@@ -129,6 +129,28 @@ impl SyslogFormat {
         out
     }
 
+    /// The framed message that tells the collector the records with seqs `first..=last` will
+    /// never come (`lost` of them; the journal no longer held them when the forwarder came to
+    /// them): MSGID `records_lost`, severity warning, no `seq` (it is no record), the current
+    /// time; MSG `{"type":"records_lost","first":..,"last":..,"lost":..}`.
+    pub fn lost_frame(&self, first: u64, last: u64, lost: u64) -> Vec<u8> {
+        let pri = u16::from(self.facility.min(23)) * 8 + Severity::Warning as u16;
+        let time =
+            cryo_journal::fmt_utc(std::time::SystemTime::now(), cryo_journal::Subsec::Micros)
+                .unwrap_or_else(|| "-".to_owned());
+        let msg = format!(
+            "<{pri}>1 {time} {} {} {} records_lost [{} type=\"records_lost\" first=\"{first}\" last=\"{last}\" lost=\"{lost}\"] {}",
+            header_field(&self.hostname, 255),
+            header_field(&self.app_name, 48),
+            header_field(&self.procid, 128),
+            header_field(&self.sd_id, 32),
+            serde_json::json!({"type": "records_lost", "first": first, "last": last, "lost": lost}),
+        );
+        let mut out = format!("{} ", msg.len()).into_bytes();
+        out.extend_from_slice(msg.as_bytes());
+        out
+    }
+
     fn structured_data(&self, record: &Record, out: &mut String) {
         let _ = write!(
             out,
@@ -282,6 +304,20 @@ mod tests {
         assert!(m.starts_with("<30>1 "), "{m}");
         assert!(
             m.contains(" locked [cryo@32473 seq=\"12\" type=\"locked\" ms=\"3\""),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn lost_records_are_one_warning_with_their_range() {
+        let f = String::from_utf8(fmt().lost_frame(4, 9, 6)).unwrap();
+        let (len, m) = f.split_once(' ').unwrap();
+        assert_eq!(len.parse::<usize>().unwrap(), m.len());
+        assert!(m.starts_with("<28>1 "), "{m}");
+        assert!(
+            m.contains(
+                " node7 cryo 42 records_lost [cryo@32473 type=\"records_lost\" first=\"4\" last=\"9\" lost=\"6\"] {\"first\":4,"
+            ),
             "{m}"
         );
     }

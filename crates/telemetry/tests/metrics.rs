@@ -257,6 +257,7 @@ fn forwarder_state_is_exposed() {
     assert_eq!(sample(&text, "cryo_syslog_connected"), Some(0.0));
     assert_eq!(sample(&text, "cryo_syslog_delivered_seq"), Some(0.0));
     assert_eq!(sample(&text, "cryo_syslog_connections_total"), Some(0.0));
+    assert_eq!(sample(&text, "cryo_syslog_lost_records_total"), Some(0.0));
 }
 
 /// The agent's wiring in one call: journal totals, live gauges, forwarder state, one listener.

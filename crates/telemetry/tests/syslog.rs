@@ -410,6 +410,83 @@ fn power_cut_then(rotate: bool) {
     drop(fwd);
 }
 
+/// A forwarder down longer than the journal's retention: the records only the pruned archives
+/// held can no longer be sent, and the collector is told which (a `records_lost` message with
+/// the seq range) before the records after them; the forwarder counts them.
+#[test]
+fn a_forwarder_down_past_the_retention_tells_the_collector_which_records_it_lost() {
+    let state = tempfile::tempdir().unwrap();
+    let rs = Rsyslog::start();
+    let dir = state.path().join("journal");
+    let j = Journal::open(&dir).unwrap();
+    let lock = |i: i32| j.append(Event::Locked { pid: p(i), ms: 1 }).unwrap().seq;
+    (1..=3).for_each(|i| {
+        lock(i);
+    });
+    let fwd = Forwarder::start(cfg(state.path(), &rs.addr())).unwrap();
+    support::eventually(LONG, "delivery of three", || {
+        (fwd.status().delivered_seq == 3).then_some(())
+    });
+    fwd.stop();
+    (4..=6).for_each(|i| {
+        lock(i);
+    });
+    j.rotate().unwrap().unwrap(); // 7; journal.1.log holds 1..=6
+    (8..=9).for_each(|i| {
+        lock(i);
+    });
+    j.rotate().unwrap().unwrap(); // 10; journal.7.log holds 7..=9
+    lock(11);
+    j.rotate().unwrap().unwrap(); // 12; journal.10.log holds 10..=11
+    let end = lock(13);
+    let keep_one = cryo_journal::Retention {
+        count: 1,
+        bytes: u64::MAX,
+    };
+    assert_eq!(j.prune(keep_one).unwrap().len(), 2, "1..=9 pruned");
+
+    let fwd = Forwarder::start(cfg(state.path(), &rs.addr())).unwrap();
+    let metrics = cryo_telemetry::Metrics::new().unwrap();
+    metrics.watch_forwarder(fwd.shared()).unwrap();
+    let got = rs.wait_for(LONG, "the last record", |g| g.iter().any(|r| r.seq == end));
+    let lost: Vec<&Received> = got.iter().filter(|r| r.msgid == "records_lost").collect();
+    assert_eq!(
+        lost.len(),
+        1,
+        "the collector is told once: {:?}",
+        got.iter()
+            .map(|r| (r.seq, r.msgid.as_str()))
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        lost[0]
+            .structured_data
+            .contains(r#"first="4" last="9" lost="6""#),
+        "{}",
+        lost[0].structured_data
+    );
+    assert_eq!(lost[0].pri, "28", "daemon.warning");
+    let msg: serde_json::Value = serde_json::from_str(&lost[0].msg).unwrap();
+    assert_eq!(
+        (msg["first"].as_u64(), msg["last"].as_u64()),
+        (Some(4), Some(9))
+    );
+    // Before the records after the gap, which all arrive.
+    let at = got.iter().position(|r| r.msgid == "records_lost").unwrap();
+    let after: Vec<u64> = got[at + 1..].iter().map(|r| r.seq).collect();
+    assert_eq!(after, (10..=end).collect::<Vec<_>>());
+    assert_eq!(fwd.status().lost_total, 6);
+    assert!(
+        metrics
+            .encode()
+            .lines()
+            .any(|l| l == "cryo_syslog_lost_records_total 6"),
+        "{}",
+        metrics.encode()
+    );
+    drop(fwd);
+}
+
 #[test]
 fn a_collector_that_is_not_there_is_retried_without_blocking_appends() {
     let state = tempfile::tempdir().unwrap();
