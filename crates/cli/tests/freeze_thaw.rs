@@ -4252,6 +4252,67 @@ fn a_hung_image_checker_is_ended_at_the_restore_s_deadline_and_nothing_runs() {
     env.stop_clean(pid);
 }
 
+/// A child process killed (and reaped) when dropped: a test that fails while waiting for it
+/// leaves nothing running.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// With the check's threads (the default route), a read of the page contents that never returns
+/// (a hung disk, a FUSE server that stopped answering: the failpoint stalls the check's read for
+/// good) is refused at the restore's deadline and the thaw returns: the stuck thread is
+/// abandoned, not waited for, and nothing restored runs. The image then thaws as before.
+#[test]
+fn a_thaw_whose_check_read_never_returns_is_refused_at_the_deadline_and_nothing_runs() {
+    let mut env = Env::start("1GiB");
+    let (pid, _) = env.worker("16MiB", 0);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+
+    let said = env.path().join("thaw-stuck.err");
+    let mut thaw = Killed(
+        env.cmd()
+            .env("CRYO_FAILPOINT", cryo_criu::image::CHECK_READ_STALLS)
+            .arg("thaw")
+            .arg(&image)
+            .args(["--criu-timeout", "5"])
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(&said).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    // The deadline is 5 s; PATIENCE (60 s) leaves CRIU's teardown all the time it needs.
+    let mut status = None;
+    eventually(PATIENCE, "the thaw to return after its deadline", || {
+        status = thaw.0.try_wait().unwrap();
+        status.is_some()
+    });
+    let status = status.unwrap();
+    let err = fs::read_to_string(&said).unwrap();
+    assert!(
+        err.contains(&format!(
+            "failpoint {} reached",
+            cryo_criu::image::CHECK_READ_STALLS
+        )),
+        "the check's read never stalled: {err}"
+    );
+    assert!(!status.success(), "{err}");
+    assert!(
+        err.contains("did not end before the restore's deadline"),
+        "{err}"
+    );
+    assert!(!exists(pid), "a restored process runs: {err}");
+    drop(thaw);
+
+    env.thaw_ok(&image, &[]);
+    env.stop_clean(pid);
+}
+
 /// Issue 16: the checker leads a session of its own (its own scheduling group), is never at
 /// full priority before CRIU's gate, is raised at the gate; its group niced again by someone
 /// else only slows it: the image it checked still thaws and serves.

@@ -21,6 +21,14 @@
 //! same bytes for CRIU as for cryo, so every byte a restored process gets was checked before it
 //! runs.
 //!
+//! A read that never returns (a hung disk, a FUSE server that stopped answering) cannot be
+//! cancelled: the check's threads run on a thread that owns what it reads (a duplicate of the
+//! image's directory fd, its manifest), and past the restore's deadline [`Check::run`] and
+//! [`Check::finish`] give up on it: the image is refused, the restore returns, and the thread is
+//! *abandoned* (counted by [`abandoned_checks`]; it ends whenever its read returns). Past
+//! [`MAX_ABANDONED_CHECKS`] of them still stuck, [`Check::new`] refuses at once instead of adding
+//! threads that would hang the same way (a long-lived agent must not pile them up).
+//!
 //! # Why not only the stream
 //! The streamer (`stream`) hands CRIU cryo's own checked copy of every chunk, so a change of a
 //! file after its check cannot reach CRIU at all; the price is a pipe between them (CRIU cannot
@@ -35,7 +43,8 @@
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
-use std::sync::{mpsc, Mutex};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering::SeqCst};
+use std::sync::{mpsc, Arc, Mutex};
 
 use rustix::fs::inotify;
 
@@ -89,6 +98,31 @@ pub(crate) fn is_page_contents(name: &str) -> bool {
         .and_then(|r| r.strip_suffix(".img"))
         .is_some_and(|id| !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit()))
 }
+
+/// Failpoint (`CRYO_FAILPOINT`, a test hook): the check's first read of the page contents, on
+/// the check's threads, does not return (until the file named by `CRYO_FAILPOINT_RESUME`
+/// exists; never without one), as a read of a hung disk or of a FUSE server that stopped
+/// answering does (a thread in such a read cannot be cancelled).
+pub const CHECK_READ_STALLS: &str = "image-check-read-stalls";
+
+/// How many checks given up on at their restore's deadline may still be stuck in a read before a
+/// new check refuses at once.
+pub const MAX_ABANDONED_CHECKS: usize = 16;
+
+static ABANDONED: AtomicUsize = AtomicUsize::new(0);
+
+/// Checks of this process given up on at their restore's deadline whose read has still not
+/// returned (their threads are still there).
+pub fn abandoned_checks() -> usize {
+    ABANDONED.load(SeqCst)
+}
+
+/// A check's thread: still reading.
+const READING: u8 = 0;
+/// A check's thread: done (its outcome sent).
+const DONE: u8 = 1;
+/// A check's thread: given up on while reading (counted in [`ABANDONED`] until it is done).
+const GIVEN_UP: u8 = 2;
 
 /// Threads that check the page contents beside CRIU's restore, at most.
 pub const CHECK_THREADS: usize = 4;
@@ -158,6 +192,15 @@ impl<'a> Check<'a> {
     /// Watches `image`, notes its files and checks every file but the page contents.
     pub fn new(image: &'a Image) -> Result<Check<'a>, ImageError> {
         let dir = image.path();
+        let stuck = abandoned_checks();
+        if stuck >= MAX_ABANDONED_CHECKS {
+            return Err(ImageError::Stream {
+                dir: dir.to_path_buf(),
+                reason: format!(
+                    "{stuck} earlier checks of images are still stuck in a read that never returned (a hung disk?): no new check is started"
+                ),
+            });
+        }
         let err = |e: std::io::Error| ImageError::Io {
             path: dir.to_path_buf(),
             source: e,
@@ -223,7 +266,11 @@ impl<'a> Check<'a> {
     pub fn run(&self) {
         tracing::debug!(plan = ?self.plan, "checking the page contents");
         let r = match self.plan {
-            Plan::Threads(n) => self.image.verify_files_in_order(is_page_contents, n),
+            Plan::Threads(n) => match self.run_threads(n) {
+                Some(r) => r,
+                // Given up on at the deadline: no outcome, [`Check::finish`] refuses.
+                None => return,
+            },
             Plan::Child { at_gate } => self.checker.run(self.image, at_gate),
         };
         let _ = self.hashed.set(std::time::Instant::now());
@@ -231,6 +278,59 @@ impl<'a> Check<'a> {
             tracing::warn!(error = %e, "image refused while CRIU reads it");
         }
         let _ = self.done.send(r);
+    }
+
+    /// The page contents checked on `threads` threads under a thread that owns what it reads,
+    /// waited for until the deadline: `None` if it had not ended by then (it is abandoned and
+    /// counted, see the module docs).
+    fn run_threads(&self, threads: usize) -> Option<Result<(), ImageError>> {
+        let image = match self.image.try_clone() {
+            Ok(i) => i,
+            Err(e) => return Some(Err(e)),
+        };
+        let (tx, rx) = mpsc::sync_channel(1);
+        let state = Arc::new(AtomicU8::new(READING));
+        let spawned = std::thread::Builder::new()
+            .name("cryo-check".into())
+            .spawn({
+                let state = Arc::clone(&state);
+                move || {
+                    read_stall_failpoint();
+                    let _ = tx.send(image.verify_files_in_order(is_page_contents, threads));
+                    if state.swap(DONE, SeqCst) == GIVEN_UP {
+                        ABANDONED.fetch_sub(1, SeqCst);
+                        tracing::info!("a check given up on at its restore's deadline ended");
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            return Some(Err(
+                self.stream_error(format!("cannot start the check's thread: {e}"))
+            ));
+        }
+        let got = match self.deadline {
+            None => rx.recv().ok(),
+            Some(d) => rx
+                .recv_timeout(d.saturating_duration_since(std::time::Instant::now()))
+                .ok(),
+        };
+        if got.is_some() {
+            return got;
+        }
+        if state
+            .compare_exchange(READING, GIVEN_UP, SeqCst, SeqCst)
+            .is_ok()
+        {
+            let stuck = ABANDONED.fetch_add(1, SeqCst) + 1;
+            tracing::warn!(
+                image = %self.image.path().display(),
+                stuck,
+                "the check of the page contents did not end before the restore's deadline (a read that never returns?): its thread is abandoned"
+            );
+            return None;
+        }
+        // It ended just now: its outcome was sent before it said so.
+        rx.try_recv().ok()
     }
 
     /// The verdict before anything restored runs: waits for [`Check::run`], then refuses a
@@ -321,6 +421,20 @@ impl<'a> Check<'a> {
         ImageError::Stream {
             dir: self.image.path().to_path_buf(),
             reason,
+        }
+    }
+}
+
+/// [`CHECK_READ_STALLS`]: the read does not return until the file named by
+/// `CRYO_FAILPOINT_RESUME` exists (never without one).
+fn read_stall_failpoint() {
+    if std::env::var("CRYO_FAILPOINT").is_ok_and(|v| v == CHECK_READ_STALLS) {
+        let resume = std::env::var_os("CRYO_FAILPOINT_RESUME").map(std::path::PathBuf::from);
+        eprintln!(
+            "cryo: failpoint {CHECK_READ_STALLS} reached; the check's read does not return (CRYO_FAILPOINT is a test hook)"
+        );
+        while !resume.as_ref().is_some_and(|r| r.exists()) {
+            std::thread::sleep(std::time::Duration::from_millis(20));
         }
     }
 }

@@ -611,6 +611,67 @@ mod tests {
         std::env::remove_var(CHECKER_ENV);
     }
 
+    /// An image of one page file (`pages`) and one core file (`core`), published under `parent`.
+    fn image_of(parent: &std::path::Path, name: &str, pages: &[u8], core: &[u8]) -> Image {
+        let dir = parent.join(name);
+        let st = crate::image::Staging::create(&dir).unwrap();
+        std::fs::write(st.path().join("pages-1.img"), pages).unwrap();
+        std::fs::write(st.path().join("core-7.img"), core).unwrap();
+        let meta = crate::image::ImageMeta {
+            root_pid: 7,
+            processes: vec![crate::image::ProcessEntry {
+                pid: 7,
+                ppid: 1,
+                comm: "w".into(),
+                cmdline: vec!["w".into()],
+                nspid: vec![7],
+                gpu: None,
+            }],
+            zombies: Vec::new(),
+            threads: Vec::new(),
+            gpu_model: None,
+            driver_version: None,
+            criu_version: crate::CriuVersion {
+                major: 4,
+                minor: 2,
+                sublevel: 0,
+            },
+            shrunk: None,
+        };
+        st.publish(meta, false).unwrap();
+        Image::open(&dir).unwrap()
+    }
+
+    /// A checker handed another manifest than the image's (here one whose page contents are the
+    /// image's very bytes, so its check passes: only the core file differs) says `ok` with that
+    /// manifest's digest and exits 0: the image is refused all the same. Only the digest of the
+    /// image's own manifest passes it.
+    #[test]
+    fn a_checker_that_checked_another_manifest_does_not_pass_the_image() {
+        use std::os::unix::process::ExitStatusExt;
+        let t = tempfile::tempdir().unwrap();
+        let pages = vec![3u8; 70_000];
+        let image = image_of(t.path(), "a", &pages, b"core of a");
+        let other = image_of(t.path(), "b", &pages, b"core of b");
+        let (mine, theirs) = (
+            &image.manifest().manifest_sha256,
+            &other.manifest().manifest_sha256,
+        );
+        assert_ne!(mine, theirs);
+        let exited_0 = std::process::ExitStatus::from_raw(0);
+        match verdict(&image, &format!("ok {theirs}"), exited_0) {
+            Err(Verdict::NoVerdict(why)) => assert!(why.contains("without passing"), "{why}"),
+            other => panic!("another manifest's ok passed or was misread: {other:?}"),
+        }
+        // The same words with the image's own digest pass; and the right words with another
+        // exit, or more said after them, do not.
+        assert!(verdict(&image, &format!("ok {mine}"), exited_0).is_ok());
+        let exited_1 = std::process::ExitStatus::from_raw(1 << 8);
+        assert!(verdict(&image, &format!("ok {mine}"), exited_1).is_err());
+        assert!(verdict(&image, &format!("ok {mine} {theirs}"), exited_0).is_err());
+        assert!(verdict(&image, &format!("ok {mine}\nok {mine}"), exited_0).is_err());
+    }
+
     #[test]
     fn refusals_read_back_as_written() {
         for e in [

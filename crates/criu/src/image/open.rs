@@ -100,6 +100,16 @@ impl Image {
         Image { dir, fd, manifest }
     }
 
+    /// Another handle on the same opened image (the directory's fd duplicated): for a thread
+    /// that may outlive the caller's borrow (the thaw's check, abandoned when its read hangs).
+    pub(crate) fn try_clone(&self) -> Result<Image, ImageError> {
+        let fd = self.fd.try_clone().map_err(|source| ImageError::Io {
+            path: self.dir.clone(),
+            source,
+        })?;
+        Ok(Image::adopt(self.dir.clone(), fd, self.manifest.clone()))
+    }
+
     /// The manifest.
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
