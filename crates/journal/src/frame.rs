@@ -164,17 +164,18 @@ pub(crate) fn scan(buf: &[u8], base: u64) -> Scanned {
     }
 }
 
-/// Every intact frame of `buf` whose payload is a record, with the frame's bytes (header and
-/// payload, verbatim): what a rotation copies. Damage is skipped as [`scan`] skips it.
-pub(crate) fn frames(buf: &[u8]) -> Vec<(Record, &[u8])> {
+/// Every intact frame of `buf` whose payload is a record, with where the frame (header and
+/// payload) lies in `buf`: what a rotation copies, verbatim. Damage is skipped as [`scan`]
+/// skips it. Also returns the end of the last intact frame.
+pub(crate) fn frames(buf: &[u8]) -> (Vec<(Record, std::ops::Range<usize>)>, usize) {
     let mut out = Vec::new();
-    walk(buf, 0, |at, payload| {
+    let walked = walk(buf, 0, |at, payload| {
         if let Ok(rec) = serde_json::from_slice::<Record>(payload) {
-            out.push((rec, &buf[at..at + HEADER_LEN + payload.len()]));
+            out.push((rec, at..at + HEADER_LEN + payload.len()));
         }
         None
     });
-    out
+    (out, usize::try_from(walked.valid_end).unwrap_or(buf.len()))
 }
 
 /// What a writer needs of a byte range ([`bounds`]): where its frames end and the last

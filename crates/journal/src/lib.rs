@@ -71,9 +71,9 @@ pub use query::{
 };
 pub use reader::{read, read_all, read_segment, Gap, Reader, Scan};
 pub use rotate::{
-    archive_name, archive_seq, archives, carried, may_be_alive, Retention, Rotation,
-    AGENT_ROTATE_BYTES, NEXT_NAME, ROTATE_LINKED, ROTATE_NEXT_WRITTEN, ROTATE_RENAMED,
-    STANDALONE_ROTATE_BYTES,
+    archive_name, archive_seq, archives, carried, may_be_alive, Carry, Retention, Rotation,
+    AGENT_ROTATE_BYTES, NEXT_NAME, ROTATE_DECODED, ROTATE_LINKED, ROTATE_NEXT_WRITTEN,
+    ROTATE_RENAMED, STANDALONE_ROTATE_BYTES,
 };
 pub use timeline::{fmt_utc, parse_since, parse_since_at, render_json, render_timeline, Subsec};
 pub use writer::{Journal, Syncer, SYNC_FAILPOINT};

@@ -14,8 +14,15 @@
 //!   answers the same on the new segment as on the whole history. Besides groups: the last
 //!   `StandbyPool` of each image (the pools the agent keeps) and every event this build does not
 //!   know (a newer build may need it). Over-carrying costs bytes; under-carrying a wedge.
+//! - **Before the lock**, the rotator reads the active segment, decodes it, looks up every
+//!   process it names and chooses what to carry ([`Carry::of`]): nearly all of a rotation's
+//!   cost (100-300 ms at the agent's 4 MiB), which every writer's append waited for when it ran
+//!   under the lock. Under the lock it uses that only if the file is the same inode and still
+//!   starts with the very bytes decoded; the records appended since are decoded there and
+//!   carried whole when every group stays whole, else everything is chosen again
+//!   ([`Carry::extend`]; the carry property test checks both against [`carried`]).
 //! - **Steps** ([`Journal::rotate`]), under the `flock` of the active file: cut a torn tail,
-//!   sync, decode; write `journal.log.next` (a new file: a name left there, a symlink or another
+//!   sync, decode what was appended since the read before the lock; write `journal.log.next` (a new file: a name left there, a symlink or another
 //!   user's file included, is removed first, and the file is created exclusively) with the
 //!   carried frames verbatim and an [`Event::Rotated`], synced and locked; hard-link the active
 //!   file as the archive `journal.<first>.log`, sync the directory; rename the new file over
@@ -32,7 +39,7 @@
 //!   them); the archive keeps them.
 //! - The carried records of a process alive for a long time are copied at every rotation.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
@@ -52,6 +59,10 @@ pub const NEXT_NAME: &str = "journal.log.next";
 /// Failpoint (`CRYO_FAILPOINT`): a rotation stalls (until killed) once `journal.log.next` is
 /// written and synced.
 pub const ROTATE_NEXT_WRITTEN: &str = "journal-rotate-next-written";
+/// Failpoint: a rotation pauses once it has read and decoded the active segment and looked up
+/// its processes, before it takes the writers' lock, until the file named by
+/// `CRYO_FAILPOINT_RESUME` exists (for good without one).
+pub const ROTATE_DECODED: &str = "journal-rotate-decoded";
 /// Failpoint: a rotation stalls once the archive link is made and the directory synced.
 pub const ROTATE_LINKED: &str = "journal-rotate-linked";
 /// Failpoint: a rotation stalls once the new file is renamed over the journal and the directory
@@ -270,6 +281,72 @@ pub fn carried(records: &[Record], alive: impl Fn(&ProcId) -> bool) -> Vec<usize
         .collect()
 }
 
+/// [`carried`] of a segment's first records, to be extended by the records appended after them
+/// (a rotation chooses before it takes the writers' lock, then sees what was appended since).
+#[derive(Debug, Clone)]
+pub struct Carry {
+    /// [`carried`] of the first `len` records.
+    keep: Vec<usize>,
+    len: usize,
+    /// Every process those records name, by pid and start time (as [`carried`] groups them).
+    named: HashSet<(i32, u64)>,
+    /// The processes of the groups carried (every member of a group is named by a record of the
+    /// group, all of which are carried).
+    kept: HashSet<(i32, u64)>,
+}
+
+impl Carry {
+    /// [`carried`] of `records` (a segment's first records).
+    pub fn of(records: &[Record], alive: impl Fn(&ProcId) -> bool) -> Carry {
+        let keep = carried(records, alive);
+        let key = |p: ProcId| (p.pid, p.start_time);
+        let named = records
+            .iter()
+            .flat_map(|r| names(&r.event))
+            .map(key)
+            .collect();
+        // Pool settings and unknown events are carried whoever they name: no evidence of a
+        // group carried.
+        let kept = keep
+            .iter()
+            .map(|&i| &records[i].event)
+            .filter(|e| !matches!(e, Event::StandbyPool { .. } | Event::Unknown))
+            .flat_map(names)
+            .map(key)
+            .collect();
+        Carry {
+            keep,
+            len: records.len(),
+            named,
+            kept,
+        }
+    }
+
+    /// What [`carried`] would answer for `records`, whose first records are those this was
+    /// made of, over-carrying where that is safe: when every later record names only processes
+    /// of the groups carried, or processes the first records never name, the later records
+    /// are all carried (each group stays whole: a group a later record reaches was carried
+    /// whole already, or is made of later records alone); otherwise all of `records` is chosen
+    /// again ([`carried`]).
+    pub fn extend(self, records: &[Record], alive: impl Fn(&ProcId) -> bool) -> Vec<usize> {
+        let later = records.get(self.len..).unwrap_or_default();
+        let whole = later.iter().all(|r| {
+            names(&r.event).iter().all(|p| {
+                let k = (p.pid, p.start_time);
+                !self.named.contains(&k) || self.kept.contains(&k)
+            })
+        });
+        if whole && records.len() >= self.len {
+            self.keep
+                .into_iter()
+                .chain(self.len..records.len())
+                .collect()
+        } else {
+            carried(records, alive)
+        }
+    }
+}
+
 /// Roots of standbys restored or ready and neither claimed nor dropped since.
 fn open_standbys(records: &[Record]) -> Vec<ProcId> {
     let mut open: Vec<ProcId> = Vec::new();
@@ -299,12 +376,83 @@ fn stall_if(name: &str) {
     }
 }
 
+/// What a rotation reads and decides before it takes the writers' lock: the active segment's
+/// intact frames, decoded, and the liveness of every process they name (the decode and the
+/// `/proc` look-ups are nearly all of a rotation's cost: 100-300 ms at the agent's 4 MiB, which
+/// every append waited for when they ran under the lock). Under the lock the rotation uses it
+/// only if the file is the same inode and still starts with these very bytes.
+struct Early {
+    /// Device and inode of the file read.
+    identity: (u64, u64),
+    /// Its bytes up to the end of its last intact frame.
+    bytes: Vec<u8>,
+    records: Vec<Record>,
+    /// Where each record's frame lies in `bytes`.
+    ranges: Vec<std::ops::Range<usize>>,
+    /// [`may_be_alive`] of every process the records name, by pid, start time and pidfs inode.
+    alive: HashMap<(i32, u64, Option<u64>), bool>,
+    /// The carried records among them.
+    carry: Carry,
+}
+
+impl Early {
+    /// Reads the active segment at `path` without any lock; `None` if it cannot be read (the
+    /// rotation then reads it all under the lock, as before).
+    fn read(path: &Path) -> Option<Early> {
+        let f = File::open(path).ok()?;
+        let meta = f.metadata().ok()?;
+        let mut bytes = vec![0u8; usize::try_from(meta.len()).ok()?];
+        f.read_exact_at(&mut bytes, 0).ok()?;
+        let (frames, end) = crate::frame::frames(&bytes);
+        bytes.truncate(end);
+        let mut alive = HashMap::new();
+        let (records, ranges): (Vec<Record>, Vec<_>) = frames.into_iter().unzip();
+        for r in &records {
+            for p in names(&r.event) {
+                alive
+                    .entry((p.pid, p.start_time, p.pidfs))
+                    .or_insert_with(|| may_be_alive(&p));
+            }
+        }
+        let carry = Carry::of(&records, |p| {
+            alive
+                .get(&(p.pid, p.start_time, p.pidfs))
+                .copied()
+                .unwrap_or_else(|| may_be_alive(p))
+        });
+        Some(Early {
+            identity: (meta.dev(), meta.ino()),
+            bytes,
+            records,
+            ranges,
+            alive,
+            carry,
+        })
+    }
+}
+
+/// Pauses at failpoint `name` (announced on stderr) until the file named by
+/// `CRYO_FAILPOINT_RESUME` exists (for good without one).
+fn pause_if(name: &str) {
+    if std::env::var_os("CRYO_FAILPOINT").is_some_and(|v| v == name) {
+        let resume = std::env::var_os("CRYO_FAILPOINT_RESUME").map(PathBuf::from);
+        eprintln!("cryo: failpoint {name} reached; paused (CRYO_FAILPOINT is a test hook)");
+        while !resume.as_ref().is_some_and(|r| r.exists()) {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+}
+
 impl Journal {
     /// Rotates the journal (see the module docs): archives the active segment and starts a new
     /// one with the records recovery still needs. `None` when the journal holds no record.
-    /// Costs a decode of the whole segment and a write of the carried records, under the lock
-    /// (other writers wait): for a quiet moment, not a command's path.
+    /// The segment is read, decoded and every process it names looked up in `/proc` before the
+    /// lock ([`Early`]); under the lock (other writers wait) only what was appended since is
+    /// decoded, the carried records chosen and the new segment written: for a quiet moment, not
+    /// a command's path.
     pub fn rotate(&self) -> Result<Option<Rotation>, RotateError> {
+        let early = Early::read(&self.path);
+        pause_if(ROTATE_DECODED);
         self.locked(|st| -> Result<Option<Rotation>, RotateError> {
             if let Some(repair) = self.sync_tail(st)? {
                 self.write_record(st, repair)?;
@@ -319,11 +467,43 @@ impl Journal {
             let meta = old.metadata().map_err(io("cannot stat"))?;
             let mut buf = vec![0u8; usize::try_from(meta.len()).unwrap_or(usize::MAX)];
             old.read_exact_at(&mut buf, 0).map_err(io("cannot read"))?;
-            let frames = crate::frame::frames(&buf);
-            let Some((head, _)) = frames.first() else {
+            // What was decoded before the lock, if it is still the start of this very file (an
+            // append-only file: anything else, another rotation or a cut, decodes it all again).
+            let early = early.filter(|e| {
+                e.identity == (meta.dev(), meta.ino())
+                    && buf.get(..e.bytes.len()) == Some(&e.bytes[..])
+            });
+            // The carried records: chosen before the lock for the records read then, extended
+            // by those appended since ([`Carry::extend`]).
+            let (records, ranges, keep) = match early {
+                Some(e) => {
+                    let from = e.bytes.len();
+                    let (since, _) = crate::frame::frames(&buf[from..]);
+                    let (mut records, mut ranges) = (e.records, e.ranges);
+                    for (r, range) in since {
+                        records.push(r);
+                        ranges.push(range.start + from..range.end + from);
+                    }
+                    // Liveness as looked up before the lock (a process gone then is gone now;
+                    // one alive then and gone since is carried, which is safe).
+                    let keep = e.carry.extend(&records, |p| {
+                        e.alive
+                            .get(&(p.pid, p.start_time, p.pidfs))
+                            .copied()
+                            .unwrap_or_else(|| may_be_alive(p))
+                    });
+                    (records, ranges, keep)
+                }
+                None => {
+                    let (frames, _) = crate::frame::frames(&buf);
+                    let (records, ranges): (Vec<Record>, Vec<_>) = frames.into_iter().unzip();
+                    let keep = carried(&records, may_be_alive);
+                    (records, ranges, keep)
+                }
+            };
+            let Some(head) = records.first() else {
                 return Ok(None);
             };
-            let records: Vec<Record> = frames.iter().map(|(r, _)| r.clone()).collect();
             let before = records.iter().find_map(|r| match &r.event {
                 Event::Rotated { origin, .. } => Some((r.seq, origin.clone())),
                 _ => None,
@@ -335,7 +515,6 @@ impl Journal {
                 None => None,
             };
             let last_seq = st.last_seq;
-            let keep = carried(&records, may_be_alive);
             let archive = self.dir.join(archive_name(first_seq));
             let rotated = Record {
                 seq: last_seq + 1,
@@ -350,7 +529,7 @@ impl Journal {
             };
             let mut out = Vec::new();
             for &i in &keep {
-                out.extend_from_slice(frames[i].1);
+                out.extend_from_slice(&buf[ranges[i].clone()]);
             }
             out.extend_from_slice(&encode(&rotated)?);
 

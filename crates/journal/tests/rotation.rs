@@ -373,6 +373,102 @@ fn an_archive_name_taken_by_another_file_fails_the_rotation_and_keeps_the_journa
     ));
 }
 
+/// The rotator reads, decodes and looks processes up before it takes the writers' lock: a
+/// writer appends meanwhile without waiting, and what it appended (a process restored since,
+/// a record joining a live process with a dead one, a dead process's pin, a torn tail cut) is
+/// decoded and chosen under the lock: recovery answers on the new segment as on the whole
+/// history, and nothing appended is lost or duplicated.
+#[test]
+fn what_is_appended_while_the_rotator_decodes_is_chosen_under_the_lock() {
+    let s = scene();
+    let resume = s.dir.path().join("resume");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cryo-journal-testee"))
+        .args(["rotate".as_ref(), s.dir.path().as_os_str()])
+        .env("CRYO_FAILPOINT", cryo_journal::ROTATE_DECODED)
+        .env("CRYO_FAILPOINT_RESUME", &resume)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let kid = Kid(child);
+    let mut lines = BufReader::new(stderr).lines();
+    loop {
+        let line = lines.next().expect("the rotator exited").unwrap();
+        if line.contains(&format!(
+            "failpoint {} reached",
+            cryo_journal::ROTATE_DECODED
+        )) {
+            break;
+        }
+    }
+    // Meanwhile (the rotator holds no lock): a second live process restored, a tree record
+    // joining it with a process that is dead (whose in-flight stop must then come along), a
+    // dead process's pin, and a torn tail that the next writer cuts.
+    let (_kid2, live2) = live();
+    let (dead2, pinned2) = (exited(), exited());
+    restored(&s.journal, live2, "/img/second");
+    in_flight(&s.journal, dead2);
+    s.journal
+        .append(Event::ThawCompleted {
+            image: "/img/second".into(),
+            pids: vec![live2, dead2],
+            ms: 2,
+        })
+        .unwrap();
+    s.journal
+        .append(Event::Pinned {
+            pid: pinned2,
+            gpu: "GPU-2".into(),
+            fds: vec![4],
+        })
+        .unwrap();
+    filler(&s.journal, 3);
+    {
+        use std::io::Write as _;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(s.dir.path().join(FILE_NAME))
+            .unwrap();
+        f.write_all(b"CRJ1\x10\x00").unwrap();
+    }
+    let other = Journal::open(s.dir.path()).unwrap(); // cuts the torn tail, journals the cut
+    let last = other.append(Event::Killed { pid: s.dead }).unwrap().seq;
+    let whole = read(s.dir.path()).unwrap().records;
+    assert_eq!(whole.last().unwrap().seq, last);
+    let before = answers(&whole);
+    assert_eq!(before.live_restored, vec![s.live, live2]);
+    assert!(before.pinned.contains_key(&pinned2));
+
+    std::fs::write(&resume, b"").unwrap();
+    let mut said = String::new();
+    std::io::Read::read_to_string(&mut BufReader::new(stdout), &mut said).unwrap();
+    drop(kid);
+    let rotated_last: u64 = said
+        .split_whitespace()
+        .nth(2)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("the rotator said {said:?}"));
+    assert_eq!(
+        rotated_last, last,
+        "the rotation covers every record appended"
+    );
+    let now = read(s.dir.path()).unwrap().records;
+    assert_eq!(answers(&now), before);
+    // The new segment's records are the old one's (carried) plus the rotation record, once each.
+    let mut prev = 0;
+    for r in &now {
+        assert!(r.seq > prev, "seqs not increasing at {}", r.seq);
+        prev = r.seq;
+        if !matches!(r.event, Event::Rotated { .. }) {
+            assert!(whole.contains(r), "not a record of the old segment: {r:?}");
+        }
+    }
+    let all = Reader::after(s.dir.path(), 0).read_new().unwrap();
+    assert_eq!(seqs(&all.records), (1..=last + 1).collect::<Vec<_>>());
+}
+
 /// Kills a rotator stalled at `failpoint`, then checks what any later run sees.
 fn rotator_killed_at(failpoint: &str) {
     let s = scene();

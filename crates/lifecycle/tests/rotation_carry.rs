@@ -7,8 +7,8 @@
 use std::time::{Duration, UNIX_EPOCH};
 
 use cryo_journal::{
-    carried, guarded, in_flight_stops, open_pins, pinned, AttachSource, Event, Origins, PinnedCpus,
-    ProcId, Purpose, Record,
+    carried, guarded, in_flight_stops, open_pins, pinned, AttachSource, Carry, Event, Origins,
+    PinnedCpus, ProcId, Purpose, Record,
 };
 use cryo_lifecycle::park::parked_records;
 use cryo_lifecycle::standby::{from_journal, unfinished};
@@ -311,6 +311,22 @@ fn every_recovery_question_answers_the_same_on_the_rotated_segment() {
         }
         // Rotating the rotated segment again changes nothing (nothing dies in between).
         assert_eq!(carried(&rotated, alive).len(), rotated.len(), "seed {seed}");
+        // Chosen as a rotation does (before its lock, for the records there then; under it,
+        // extended by those appended since), at any point: the same answers, never less kept.
+        let split = rng.below(n + 1);
+        let extended = Carry::of(&records[..split], alive).extend(&records, alive);
+        assert!(
+            keep.iter().all(|i| extended.contains(i)),
+            "seed {seed}, split {split}: fewer carried than carried() keeps"
+        );
+        let rotated: Vec<Record> = extended.iter().map(|&i| records[i].clone()).collect();
+        let after = answers(&rotated, &alive, &ps);
+        for (w, a) in whole.iter().zip(&after) {
+            assert_eq!(
+                w, a,
+                "seed {seed}, split {split}: the segment chosen around the lock answers differently (live mask {live_mask:b})"
+            );
+        }
     }
     println!("{cases} journals, {dropped} of {total} records dropped");
     assert!(dropped > 0, "the selection never drops anything");
