@@ -371,13 +371,27 @@ pub(crate) fn follow_events(agent: &Agent, since: u64, follow: bool, tx: &mpsc::
                 return;
             }
         };
+        // Seqs no file holds any more (archives the retention removed while the caller was
+        // behind): one line each, `{"type":"records_lost","first":..,"last":..,"lost":..}`,
+        // before the first record after them.
+        let mut gaps = f.take_gaps().into_iter().peekable();
         for r in &records {
+            while let Some(g) = gaps.next_if(|g| g.first < r.seq) {
+                if tx.blocking_send(lost_line(&g)).is_err() {
+                    return;
+                }
+            }
             let mut line = cryo_telemetry::ndjson_line(r);
             if !line.ends_with('\n') {
                 line.push('\n');
             }
             if tx.blocking_send(Bytes::from(line)).is_err() {
                 return; // the caller left
+            }
+        }
+        for g in gaps {
+            if tx.blocking_send(lost_line(&g)).is_err() {
+                return;
             }
         }
         if !follow || agent.stopping() || tx.is_closed() {
@@ -388,6 +402,19 @@ pub(crate) fn follow_events(agent: &Agent, since: u64, follow: bool, tx: &mpsc::
             std::thread::sleep(FOLLOW_TICK);
         }
     }
+}
+
+/// The `GET /v1/events` line for seqs lost to the caller.
+fn lost_line(g: &cryo_journal::Gap) -> Bytes {
+    let mut line = serde_json::json!({
+        "type": "records_lost",
+        "first": g.first,
+        "last": g.last,
+        "lost": g.lost(),
+    })
+    .to_string();
+    line.push('\n');
+    Bytes::from(line)
 }
 
 /// CRIU's pid, when CRIU traces `process` (its cuda plugin restores under CRIU's ptrace).

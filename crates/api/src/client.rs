@@ -161,7 +161,8 @@ impl AgentClient {
     }
 
     /// `GET /v1/events?follow=...&since=SEQ`: the journal's records, one JSON line each, as
-    /// they come (with `follow`, until the agent stops or the caller drops the iterator).
+    /// they come (with `follow`, until the agent stops or the caller drops the iterator), and a
+    /// `records_lost` line for seqs the journal no longer holds (see the crate docs).
     pub fn events(
         &self,
         since: u64,

@@ -14,7 +14,10 @@
 //!   progress, then one `done` (the report) or one `error` line. The HTTP status is 200 once the
 //!   stream starts; a refusal before it (authorisation, a malformed request) is a plain error.
 //! - `GET /v1/events?follow=1&since=SEQ`: the journal's records as NDJSON, one per line
-//!   (`cryo timeline --json`'s format), followed as they are written.
+//!   (`cryo timeline --json`'s format), followed as they are written. Records the journal no
+//!   longer holds when the stream comes to them (archives removed by the retention) are one
+//!   line `{"type":"records_lost","first":SEQ,"last":SEQ,"lost":N}` (no `seq`) before the
+//!   records after them.
 //! - `GET /v1/metrics`: the Prometheus text exposition (also served on TCP, loopback by default).
 //!
 //! Authorisation is by the peer's credentials (`SO_PEERCRED`, `SO_PEERGROUPS`): root for every

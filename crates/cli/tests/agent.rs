@@ -382,6 +382,61 @@ fn metrics_and_events_come_from_the_agent() {
     assert_eq!(api.kind, ErrorKind::NotFound);
 }
 
+/// A caller of `GET /v1/events` behind the journal's archive retention is told which records it
+/// will never get: a `records_lost` line with the seq range, before the records after it.
+#[test]
+fn events_behind_a_pruned_archive_say_which_records_are_lost() {
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    {
+        let j =
+            cryo_journal::Journal::open(cryo_state::StateDir::new(&state).journal_dir()).unwrap();
+        let freeze = || Event::FreezeStarted {
+            image: "/img/x".into(),
+        };
+        for _ in 1..=5 {
+            j.append(freeze()).unwrap();
+        }
+        j.rotate().unwrap().unwrap(); // 6; journal.1.log holds 1..=5
+        j.append(freeze()).unwrap();
+        j.append(freeze()).unwrap();
+        j.rotate().unwrap().unwrap(); // 9; journal.6.log holds 6..=8
+        let keep_one = cryo_journal::Retention {
+            count: 1,
+            bytes: u64::MAX,
+        };
+        assert_eq!(j.prune(keep_one).unwrap().len(), 1, "1..=5 pruned");
+    }
+    let agent = AgentProc::start(&sim, &state, &[]);
+    let lines: Vec<String> = agent
+        .client()
+        .events(2, false)
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    let at = lines
+        .iter()
+        .position(|l| l.contains("\"records_lost\""))
+        .unwrap_or_else(|| panic!("no records_lost line: {lines:#?}"));
+    assert_eq!(at, 0, "{lines:#?}");
+    let lost: serde_json::Value = serde_json::from_str(&lines[at]).unwrap();
+    assert_eq!(
+        (&lost["first"], &lost["last"], &lost["lost"]),
+        (&3.into(), &5.into(), &3.into()),
+        "{}",
+        lines[at]
+    );
+    let seqs: Vec<u64> = lines[at + 1..]
+        .iter()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["seq"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(&seqs[..4], [6, 7, 8, 9], "{lines:#?}");
+}
+
 #[test]
 fn gpu_actions_and_the_cuda_checkpoint_front_end_go_through_the_agent_with_the_same_output() {
     let mut sim = Sim::start();
