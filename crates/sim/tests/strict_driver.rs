@@ -366,6 +366,57 @@ fn an_injected_hang_holds_calls_until_released_or_abandoned() {
     );
 }
 
+/// The daemon keeps its connection threads between connections (a few wait in `accept`): a
+/// connection that never says anything, or one held by a hang, keeps its thread and nothing
+/// else. Many of them at once (more than the daemon keeps waiting) still leave every other
+/// request answered, and once they are gone the daemon answers as before.
+#[test]
+fn silent_and_held_connections_never_hold_up_other_requests() {
+    let sim = common::sim();
+    let w = common::worker(&sim, "8MiB", 0, 1);
+    let socket = cryo_sim::socket_path(sim.path());
+    // Connected, never a request: each holds the thread that accepted it.
+    let silent: Vec<UnixStream> = (0..16)
+        .map(|_| UnixStream::connect(&socket).unwrap())
+        .collect();
+    for _ in 0..3 {
+        assert!(
+            request_within(&sim, &Request::Processes, PATIENCE).is_some(),
+            "a query waited behind silent connections"
+        );
+    }
+    // Held calls too.
+    sim.control
+        .hang(HangRule {
+            call: CallKind::Gpus,
+            pid: None,
+            times: None,
+        })
+        .unwrap();
+    let held: Vec<_> = (0..8)
+        .map(|_| {
+            let dir = sim.path().to_path_buf();
+            std::thread::spawn(move || {
+                cryo_gpu::GpuInspector::gpus(&cryo_sim::SimClient::new(&dir))
+            })
+        })
+        .collect();
+    eventually(PATIENCE, "every query to be held", || {
+        sim.control.held().unwrap() == 8
+    });
+    assert_eq!(sim.gpu.driver.state(w.pid).unwrap(), ProcessState::Running);
+    assert!(sim.listed(w.pid));
+    assert_eq!(sim.control.release().unwrap(), 8);
+    for h in held {
+        assert!(h.join().unwrap().is_ok());
+    }
+    drop(silent);
+    for _ in 0..3 {
+        assert!(sim.gpu.inspect.gpus().is_ok());
+        assert_eq!(sim.gpu.driver.state(w.pid).unwrap(), ProcessState::Running);
+    }
+}
+
 #[test]
 fn hangs_are_injected_by_hand_too() {
     let sim = common::sim();

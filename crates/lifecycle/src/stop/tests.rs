@@ -371,8 +371,11 @@ fn a_driver_call_that_never_returns_is_a_refusal_not_a_hang() {
     fake.add(procs.pid(0));
     let hang = fake.hang_next(procs.pid(0), Call::Lock);
     let (dir, journal) = temp_journal();
+    // The suspension gets the deadline less a fifth, and a lock is tried only with 2.1 s of it
+    // left (the checkpoint's and the verification's reserve): with 3 s, everything before the
+    // lock had 300 ms, which a loaded host exceeded (refused out of time, no hung call).
     let o = StopOptions {
-        deadline: Some(Duration::from_secs(3)),
+        deadline: Some(Duration::from_secs(6)),
         ..opts()
     };
     let report = stop_pids(&fake, procs.pids(), &o, &journal);
