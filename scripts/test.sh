@@ -28,5 +28,16 @@ k8s_env="$(bash scripts/k8s-cluster.sh start "$(mktemp -u /tmp/cryo-k8s-test.XXX
 eval "$k8s_env"
 # ---- end kube ----
 
+# ---- leaks: no process the run starts may outlive it (scripts/lib/leaks.sh) ----
+. scripts/lib/leaks.sh
+leaks_begin
+leaks_on_exit() {
+  local status=$?
+  leaks_end || status=1
+  exit "$status"
+}
+trap leaks_on_exit EXIT
+# ---- end leaks ----
+
 cargo build --workspace --all-targets
 cargo nextest run --workspace --no-fail-fast "$@"

@@ -4370,3 +4370,123 @@ fn the_image_checker_runs_in_its_own_session_raised_at_criu_s_gate_and_tampering
     assert_eq!(answers(&sock), before);
     env.stop_clean(pid);
 }
+
+/// Set in the child test process of
+/// [`a_test_that_dies_in_the_middle_of_a_thaw_leaves_nothing_running`]: how it dies (`panic` or
+/// `sigkill`), and the directory where it says it is ready and is told to go on.
+const DIES_MID_THAW: &str = "CRYO_TEST_DIES_MID_THAW";
+
+/// The test kit owns every process a test starts: a test that dies in the middle of a thaw
+/// (its image checker paused before its verdict, the restored worker held at CRIU's gate) by a
+/// panic or by a SIGKILL of the test process (what a runner's timeout or an operator's ^C does)
+/// leaves nothing running: not the sim driver, the `cryo thaw`, CRIU, the checker (a session
+/// of its own) or the restored worker. Session 15: a test killed so left a sim worker running
+/// for two hours. The test runs itself again as the dying test, takes every process of that
+/// test's tree (by pidfd) while it is paused, then makes it die.
+#[test]
+fn a_test_that_dies_in_the_middle_of_a_thaw_leaves_nothing_running() {
+    const NAME: &str = "a_test_that_dies_in_the_middle_of_a_thaw_leaves_nothing_running";
+    if let Ok(how) = std::env::var(DIES_MID_THAW) {
+        return dies_mid_thaw(&how);
+    }
+    criu_present();
+    for how in ["panic", "sigkill"] {
+        let dir = tempfile::Builder::new()
+            .prefix("cryo-dies-mid-thaw-")
+            .tempdir()
+            .unwrap();
+        let mut test = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", NAME, "--nocapture", "--test-threads", "1"])
+            .env(DIES_MID_THAW, format!("{how}:{}", dir.path().display()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(dir.path().join("test.err")).unwrap())
+            .spawn()
+            .unwrap();
+        let tpid = test.id() as i32;
+        eventually_said(
+            PATIENCE,
+            || fs::read_to_string(dir.path().join("test.err")).unwrap_or_default(),
+            || {
+                assert!(test.try_wait().unwrap().is_none(), "the test ended first");
+                dir.path().join("ready").exists()
+            },
+        );
+        // Everything the test started, held by pidfd from now on.
+        let held: Vec<(i32, String, cryo_proc::ProcHandle)> = cryo_proc::tree(tpid)
+            .unwrap()
+            .into_iter()
+            .filter(|p| *p != tpid)
+            .filter_map(|p| {
+                let cmd = fs::read(format!("/proc/{p}/cmdline"))
+                    .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+                    .unwrap_or_default();
+                Some((p, cmd, cryo_proc::ProcHandle::open(p).ok()?))
+            })
+            .collect();
+        // The restored worker (the frozen one's pid, said in `ready`) may not have its command
+        // line back yet at CRIU's gate.
+        let worker: i32 = fs::read_to_string(dir.path().join("ready"))
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(
+            held.iter().any(|(p, _, _)| *p == worker),
+            "{how}: the restored worker {worker} is not among {held:#?}"
+        );
+        for part in [" sim driver ", " thaw ", "criu"] {
+            assert!(
+                held.iter().any(|(_, c, _)| c.contains(part)),
+                "{how}: no {part:?} among {held:#?}"
+            );
+        }
+        if how == "sigkill" {
+            test.kill().unwrap();
+        } else {
+            fs::write(dir.path().join("go"), b"").unwrap();
+        }
+        let status = test.wait().unwrap();
+        assert!(!status.success(), "{how}: the dying test passed");
+        // Every one gone, waited for together (each pidfd turns readable at its exit).
+        let deadline = std::time::Instant::now() + PATIENCE;
+        let left: Vec<&(i32, String, cryo_proc::ProcHandle)> = held
+            .iter()
+            .filter(|(_, _, h)| {
+                !h.wait_exit(deadline.saturating_duration_since(std::time::Instant::now()))
+            })
+            .collect();
+        let listed = format!("{left:#?}");
+        for (_, _, h) in &left {
+            let _ = h.signal(cryo_proc::Signal::SIGKILL);
+        }
+        assert!(
+            left.is_empty(),
+            "{how}: left running by the test that died: {listed}"
+        );
+    }
+}
+
+/// The dying test: a worker frozen, its thaw paused with the restored worker at CRIU's gate,
+/// then `ready` made in `DIR` (holding the worker's pid), and a panic once `go` is made there
+/// (`panic:DIR`), or a wait for the SIGKILL (`sigkill:DIR`).
+fn dies_mid_thaw(how: &str) {
+    let (how, dir) = how.split_once(':').unwrap();
+    let dir = Path::new(dir);
+    let mut env = Env::start("1GiB");
+    let (pid, _) = env.worker("16MiB", 0);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+    let _paused = thaw_with_checker_paused(&env, &image, &[]);
+    eventually(PATIENCE, "the restored worker at CRIU's gate", || {
+        exists(pid)
+    });
+    fs::write(dir.join("ready.tmp"), pid.to_string()).unwrap();
+    fs::rename(dir.join("ready.tmp"), dir.join("ready")).unwrap();
+    let go = dir.join("go");
+    if how == "sigkill" {
+        // Until the SIGKILL: the wait is the hang guard.
+        eventually(PATIENCE, "the SIGKILL", || false);
+    }
+    eventually(PATIENCE, "the go", || go.exists());
+    panic!("dying in the middle of a thaw, as asked");
+}

@@ -17,6 +17,10 @@
 //!   that kill the tree after a complete dump, failures on demand, and a record of the driver
 //!   state of every process at the moment it was dumped.
 //! - [`cgroup`]: a memory cgroup per test with a unique name (several test runs share a machine).
+//! - [`own`]: every process a test starts is in a cgroup of the test's own, ended by a watchdog
+//!   once the test process is gone, however it ended (a panic, an abort, a runner's SIGKILL).
+//!   Every kit helper that starts a process calls [`own()`] first; a test that starts processes
+//!   by other means calls it before.
 //! - [`procs`]: plain processes to act on (one with a given pid, to reuse a dead one's; a
 //!   thread of the test's own process), and what `/proc` says about a process.
 //!
@@ -33,15 +37,18 @@ pub mod fake;
 pub mod fake_criu;
 pub mod fds;
 pub mod http;
+pub mod own;
 pub mod procs;
 pub mod sim;
 mod wait;
 
+pub use own::own;
 pub use wait::{eventually, eventually_said, Ready, PATIENCE};
 
 /// Fails the test loudly unless it runs as root with CRIU >= 4.2 found (what the tests that
 /// drive real CRIU need: `scripts/install-criu.sh`, root); never a silent skip.
 pub fn require_criu_and_root() {
+    own();
     if let Err(e) = cryo_criu::CriuRpc::locate(None) {
         panic!("CRIU is required for this test (run scripts/install-criu.sh as root): {e}");
     }

@@ -238,6 +238,7 @@ impl Drop for Procs {
 /// `sh -c script` leading a session of its own (`setsid` execs in place), stdio null, none of
 /// the test's descriptors inherited; the caller waits for the tree it builds.
 fn session_sh(script: &str) -> Child {
+    crate::own();
     let mut cmd = Command::new("setsid");
     cmd.args(["sh", "-c", script])
         .stdin(Stdio::null())
@@ -248,6 +249,7 @@ fn session_sh(script: &str) -> Child {
 }
 
 fn sleeper(session: bool) -> Child {
+    crate::own();
     // `setsid` execs in place: a child of ours is never a process-group leader.
     let mut c = if session {
         let mut c = Command::new("setsid");
@@ -283,6 +285,7 @@ pub struct Debugger(Child);
 impl Debugger {
     /// Attaches to every thread of `pid` (`PTRACE_ATTACH`) and waits until they are all stopped.
     pub fn attach(pid: Pid) -> Debugger {
+        crate::own();
         use std::io::BufRead;
         // ptrace(PTRACE_ATTACH = 16, pid, 0, 0) is system call 101 on x86_64, 117 on aarch64.
         let nr = if cfg!(target_arch = "aarch64") {
@@ -333,6 +336,7 @@ impl Drop for Debugger {
 /// Spawns `sleep 30` with exactly `pid` (root: through the host's `ns_last_pid`), to reuse the
 /// pid of a process that is gone; `None` when another process took the pid first.
 pub fn spawn_with_pid(pid: Pid) -> Option<Child> {
+    crate::own();
     std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string())
         .expect("setting ns_last_pid (the tests run as root)");
     let mut child = Command::new("sleep").arg("30").spawn().unwrap();
@@ -368,6 +372,7 @@ impl Drop for AtPid {
 /// unlike [`spawn_with_pid`]: it fails only when `pid` is taken now (`EEXIST`), never because
 /// another process forked in between.
 pub fn sleep_at_pid(pid: Pid) -> std::io::Result<AtPid> {
+    crate::own();
     use std::ffi::CString;
     // `struct clone_args` of linux/sched.h, up to `set_tid_size` (CLONE_ARGS_SIZE_VER1).
     #[repr(C)]

@@ -61,6 +61,7 @@ impl Program {
 
     /// `BIN [sim] COMMAND`, with no cryo settings inherited from the test's environment.
     pub fn command(&self, command: &str) -> Command {
+        crate::own();
         let mut c = Command::new(&self.bin);
         clean_env(&mut c);
         c.args(&self.prefix).arg(command);
@@ -107,6 +108,7 @@ impl Sim {
 
     /// With these `driver` arguments (`--gpus N --gpu-memory SIZE`...).
     pub fn start_with(program: &Program, args: &[&str]) -> Sim {
+        crate::own();
         let dir = tempfile::Builder::new()
             .prefix("cryo-sim-test-")
             .tempdir()
@@ -486,6 +488,7 @@ pub struct Worker {
 
 impl Worker {
     fn spawn(sim: &Sim, spec: WorkerSpec) -> Worker {
+        crate::own();
         static N: AtomicU32 = AtomicU32::new(0);
         let tag = format!(
             "worker-{}-{}",
@@ -683,14 +686,21 @@ impl Worker {
     /// Waits for it to exit and reaps it.
     pub fn wait_exit(&mut self) -> ExitStatus {
         let child = self.child.as_mut().expect("the worker was reaped already");
-        procs::wait_exit(child)
+        let status = procs::wait_exit(child);
+        self.disown();
+        status
     }
 
     /// Whether it has exited (reaping it then).
     pub fn has_exited(&mut self) -> bool {
-        self.child
+        let exited = self
+            .child
             .as_mut()
-            .is_none_or(|c| c.try_wait().unwrap().is_some())
+            .is_none_or(|c| c.try_wait().unwrap().is_some());
+        if exited {
+            self.disown();
+        }
+        exited
     }
 
     /// Reaps it after something else ended it (CRIU after a dump); no-op once reaped.
@@ -698,6 +708,13 @@ impl Worker {
         if let Some(mut c) = self.child.take() {
             c.wait().unwrap();
         }
+        self.disown();
+    }
+
+    /// Reaped, its pid no longer names it: a process with that pid later (its thaw) is no
+    /// longer this handle's to end, and [`Sim`]'s drop counts it as left behind.
+    fn disown(&self) {
+        owned().retain(|p| *p != self.pid);
     }
 
     /// Whether this handle still owns the (unreaped) child.

@@ -20,6 +20,7 @@ pub fn program() -> Program {
 
 /// A `cryo` command with no inherited cryo settings.
 pub fn cryo() -> Command {
+    cryo_testkit::own();
     let mut c = Command::new(CRYO);
     cryo_testkit::sim::clean_env(&mut c);
     c
@@ -159,6 +160,7 @@ impl GuardProc {
     /// `CMD guard EXTRA...` (`cmd`: `cryo` with its backend and `state` chosen), once its control
     /// socket answers.
     pub fn spawn(mut cmd: Command, state: &Path, extra: &[&str]) -> GuardProc {
+        cryo_testkit::own();
         static N: AtomicU32 = AtomicU32::new(0);
         let log = state.join(format!("guard-{}.log", N.fetch_add(1, Ordering::Relaxed)));
         std::fs::create_dir_all(state).unwrap();
@@ -416,6 +418,7 @@ pub fn run_isolated(
     lock: Option<std::os::fd::RawFd>,
     argv: &[&str],
 ) -> Isolated {
+    cryo_testkit::own();
     let log = dir.join("run.log");
     cmd.args(["run", "--detach", "--log", log.to_str().unwrap()])
         .args(["--dir", dir.to_str().unwrap()])
@@ -446,6 +449,7 @@ pub fn run_isolated(
 
 /// A process that is certainly not a CUDA process.
 pub fn sleeper() -> Child {
+    cryo_testkit::own();
     Command::new("sleep").arg("60").spawn().unwrap()
 }
 
