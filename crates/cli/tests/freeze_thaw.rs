@@ -146,6 +146,24 @@ impl Env {
         out
     }
 
+    /// A worker with `memory` on GPU 0 frozen to `img` in the sim directory, after it answered:
+    /// `(pid, endpoint, answers, image)`.
+    fn frozen(&mut self, memory: &str) -> (i32, Ep, Vec<String>, PathBuf) {
+        let (pid, sock) = self.worker(memory, 0);
+        let before = answers(&sock);
+        let image = self.path().join("img");
+        self.freeze(pid, &image);
+        (pid, sock, before, image)
+    }
+
+    /// `cryo thaw IMAGE` succeeds, the restored `pid` answers `before`, and it is stopped with
+    /// nothing torn down live.
+    fn thaws_as_before(&mut self, image: &Path, pid: i32, sock: &Ep, before: &[String]) {
+        self.thaw_ok(image, &[]);
+        assert_eq!(answers(sock), before);
+        self.stop_clean(pid);
+    }
+
     /// `cryo stop PID`, then reap it (it is ours: thawed workers are reparented to us).
     fn stop(&mut self, pid: i32) {
         let out = self.cryo(&["stop", &pid.to_string()]);
@@ -205,14 +223,19 @@ impl Drop for Env {
 }
 
 /// A running `cryo guard` of `env`'s state directory that reads its journal once an hour (so
-/// only a restore's own request can have it trace a process), and a worker restored through
-/// `cryo gpu` (traced by it); the worker's pid.
-fn guarded_worker(env: &mut Env) -> (common::GuardProc, i32) {
-    let guard = common::GuardProc::spawn(
+/// only a restore's own request can have it trace a process), memory watch off.
+fn hourly_guard(env: &Env) -> common::GuardProc {
+    common::GuardProc::spawn(
         env.cmd(),
         &env.path().join("state"),
         &["--no-memory-watch", "--poll-ms", "3600000"],
-    );
+    )
+}
+
+/// An [`hourly_guard`], and a worker restored through `cryo gpu` (traced by it); the worker's
+/// pid.
+fn guarded_worker(env: &mut Env) -> (common::GuardProc, i32) {
+    let guard = hourly_guard(env);
     let (pid, _sock) = env.worker("64MiB", 0);
     for action in ["lock", "checkpoint", "restore", "unlock"] {
         let out = env.cryo(&["gpu", action, "--pid", &pid.to_string()]);
@@ -378,10 +401,7 @@ fn freeze_thaw_serves_the_same_answers_twice_and_refuses_while_the_original_runs
 #[test]
 fn thaw_onto_the_other_gpu_with_gpu_map() {
     let mut env = Env::start("1GiB");
-    let (pid, sock) = env.worker("64MiB", 0);
-    let before = answers(&sock);
-    let image = env.path().join("img");
-    env.freeze(pid, &image);
+    let (pid, sock, before, image) = env.frozen("64MiB");
     let gpus = env.gpus();
     let (g0, g1) = (
         gpus[0]["uuid"].as_str().unwrap().to_string(),
@@ -450,10 +470,7 @@ impl Drop for GivenGpus {
 #[test]
 fn thaw_onto_the_gpus_a_container_was_given_by_uuid_never_by_index() {
     let mut env = Env::start("1GiB");
-    let (pid, sock) = env.worker("64MiB", 0);
-    let before = answers(&sock);
-    let image = env.path().join("img");
-    env.freeze(pid, &image);
+    let (pid, sock, before, image) = env.frozen("64MiB");
     let g1 = env.gpus()[1]["uuid"].as_str().unwrap().to_string();
     let by_index = GivenGpus::start("1");
     let out = env.thaw(&image, &["--gpus-of", &by_index.pid()]);
@@ -570,6 +587,20 @@ fn image_files(image: &Path) -> Vec<PathBuf> {
     v
 }
 
+/// The image's (first) pages file, `pages-N.img`.
+fn pages_file(image: &Path) -> PathBuf {
+    image_files(image)
+        .into_iter()
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("pages-")
+        })
+        .unwrap()
+}
+
 fn flip_byte(file: &Path, at: usize) {
     let mut bytes = fs::read(file).unwrap();
     bytes[at] ^= 0x01;
@@ -617,16 +648,7 @@ fn damaged_or_foreign_images_are_refused_before_anything_runs() {
     // A truncated pages file and an extra file: refused before CRIU runs.
     let truncated = env.path().join("truncated-pages");
     copy_image(&image, &truncated);
-    let pages = image_files(&truncated)
-        .into_iter()
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_str()
-                .unwrap()
-                .starts_with("pages-")
-        })
-        .unwrap();
+    let pages = pages_file(&truncated);
     let len = fs::metadata(&pages).unwrap().len();
     fs::File::options()
         .write(true)
@@ -1331,11 +1353,7 @@ fn wait_pins_settled(env: &Env) -> Vec<cryo_journal::ProcId> {
 fn a_worker_left_pinned_by_a_freeze_killed_at_the_dump_gate_gets_its_cpus_back() {
     let mut env = Env::start("1GiB");
     let (pid, own, _) = freeze_killed_pinned(&mut env, |_, _| {});
-    let guard = common::GuardProc::spawn(
-        env.cmd(),
-        &env.path().join("state"),
-        &["--no-memory-watch", "--poll-ms", "3600000"],
-    );
+    let guard = hourly_guard(&env);
     // The guard resumes the worker (its freeze left it CHECKPOINTED) after it gave back the
     // dump's CPU sets.
     eventually(PATIENCE, "the guard to resume the worker", || {
@@ -1459,11 +1477,7 @@ fn what_a_tree_left_pinned_forks_before_the_recovery_gets_its_cpus_back() {
             .find(|p| !before.contains(p) && cryo_proc::stat(*p).is_ok_and(|s| s.comm == "sleep"))
     });
     assert_eq!(cpus_of(late).len(), 1, "the fork took the root's pin");
-    let guard = common::GuardProc::spawn(
-        env.cmd(),
-        &env.path().join("state"),
-        &["--no-memory-watch", "--poll-ms", "3600000"],
-    );
+    let guard = hourly_guard(&env);
     wait_pins_settled(&env);
     assert_eq!(cpus_of(root), own);
     assert_eq!(cpus_of(late), own, "the fork kept the pin");
@@ -1483,11 +1497,7 @@ fn a_reused_pid_of_a_worker_left_pinned_is_not_touched() {
     eventually(PATIENCE, &format!("pid {pid} to be free"), || !exists(pid));
     let mut reuser = procs::spawn_with_pid(pid).expect("pid reused");
     set_cpus(pid, &[cpu]);
-    let guard = common::GuardProc::spawn(
-        env.cmd(),
-        &env.path().join("state"),
-        &["--no-memory-watch", "--poll-ms", "3600000"],
-    );
+    let guard = hourly_guard(&env);
     assert_eq!(wait_pins_settled(&env), Vec::new());
     assert_eq!(
         cpus_of(pid),
@@ -1510,11 +1520,7 @@ fn a_cpu_set_changed_during_the_dump_is_not_overwritten_by_the_recovery() {
         moved = usize::from(cpu == 0);
         set_cpus(pid, &[moved]);
     });
-    let guard = common::GuardProc::spawn(
-        env.cmd(),
-        &env.path().join("state"),
-        &["--no-memory-watch", "--poll-ms", "3600000"],
-    );
+    let guard = hourly_guard(&env);
     assert_eq!(wait_pins_settled(&env), Vec::new());
     assert_eq!(
         cpus_of(pid),
@@ -1602,10 +1608,7 @@ fn criu_dirs(env: &Env) -> Vec<PathBuf> {
 #[test]
 fn a_thaw_killed_mid_restore_leaves_no_directory_behind() {
     let mut env = Env::start("1GiB");
-    let (pid, sock) = env.worker("16MiB", 0);
-    let before = answers(&sock);
-    let image = env.path().join("img");
-    env.freeze(pid, &image);
+    let (pid, sock, before, image) = env.frozen("16MiB");
 
     let mut thaw = env
         .cmd()
@@ -1868,10 +1871,7 @@ fn a_directory_that_is_no_image_is_refused_before_the_driver() {
 #[test]
 fn images_of_the_previous_formats_still_thaw() {
     let mut env = Env::start("1GiB");
-    let (pid, sock) = env.worker("96MiB", 0);
-    let before = answers(&sock);
-    let image = env.path().join("img");
-    env.freeze(pid, &image);
+    let (pid, sock, before, image) = env.frozen("96MiB");
     assert_eq!(
         manifest(&image)["format_version"],
         cryo_criu::image::FORMAT_VERSION
@@ -1891,16 +1891,7 @@ fn images_of_the_previous_formats_still_thaw() {
     }
     // A damaged format-2 image is refused as CRIU reads it, like a new one.
     cryo_criu::image::rewrite_as_format(&image, 2, None).unwrap();
-    let pages = image_files(&image)
-        .into_iter()
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_str()
-                .unwrap()
-                .starts_with("pages-")
-        })
-        .unwrap();
+    let pages = pages_file(&image);
     flip_byte(&pages, 70 << 20);
     assert_refused_while_read(
         &mut env,
@@ -1971,20 +1962,8 @@ fn thaw_paused(env: &Env, image: &Path) -> (Child, PathBuf) {
 #[test]
 fn an_image_changed_during_the_thaw_never_reaches_the_worker() {
     let mut env = Env::start("1GiB");
-    let (pid, sock) = env.worker("48MiB", 0);
-    let before = answers(&sock);
-    let image = env.path().join("img");
-    env.freeze(pid, &image);
-    let pages = image_files(&image)
-        .into_iter()
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_str()
-                .unwrap()
-                .starts_with("pages-")
-        })
-        .unwrap();
+    let (pid, sock, before, image) = env.frozen("48MiB");
+    let pages = pages_file(&image);
     let original = fs::read(&pages).unwrap();
 
     // Edited in place (same inode) while the thaw waits.
@@ -2013,9 +1992,7 @@ fn an_image_changed_during_the_thaw_never_reaches_the_worker() {
 
     // Put back, the image thaws and serves what it served.
     fs::write(&core, &core_bytes).unwrap();
-    env.thaw_ok(&image, &[]);
-    assert_eq!(answers(&sock), before);
-    env.stop_clean(pid);
+    env.thaws_as_before(&image, pid, &sock, &before);
 }
 
 /// Issue 9 item 11 through the command line: an image directory that another user owns is
@@ -3109,16 +3086,8 @@ fn a_thaw_killed_between_its_verdict_and_criu_s_exit_leaves_the_worker_running_w
     use nix::sys::signal::Signal;
     use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
     let mut env = Env::start("1GiB");
-    let state = env.path().join("state");
-    let _guard = common::GuardProc::spawn(
-        env.cmd(),
-        &state,
-        &["--no-memory-watch", "--poll-ms", "3600000"],
-    );
-    let (pid, sock) = env.worker("16MiB", 0);
-    let before = answers(&sock);
-    let image = env.path().join("img");
-    env.freeze(pid, &image);
+    let _guard = hourly_guard(&env);
+    let (pid, sock, before, image) = env.frozen("16MiB");
 
     // Its stderr into a file that stays open: it writes on after its failpoint.
     let PausedThaw {
@@ -4170,10 +4139,7 @@ impl CheckerPaused {
 #[test]
 fn a_thaw_whose_image_checker_dies_or_is_forged_is_refused_before_anything_runs() {
     let mut env = Env::start("1GiB");
-    let (pid, sock) = env.worker("48MiB", 0);
-    let before = answers(&sock);
-    let image = env.path().join("img");
-    env.freeze(pid, &image);
+    let (pid, sock, before, image) = env.frozen("48MiB");
 
     // Killed before its verdict.
     let paused = thaw_with_checker_paused(&env, &image, &[]);
@@ -4185,16 +4151,7 @@ fn a_thaw_whose_image_checker_dies_or_is_forged_is_refused_before_anything_runs(
 
     // A flipped byte, and the passing line forged into the verdict pipe, the checker killed
     // before it could say anything else.
-    let pages = image_files(&image)
-        .into_iter()
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_str()
-                .unwrap()
-                .starts_with("pages-")
-        })
-        .unwrap();
+    let pages = pages_file(&image);
     let original = fs::read(&pages).unwrap();
     flip_byte(&pages, original.len() / 2);
     let paused = thaw_with_checker_paused(&env, &image, &[]);
@@ -4222,9 +4179,7 @@ fn a_thaw_whose_image_checker_dies_or_is_forged_is_refused_before_anything_runs(
     assert!(!exists(pid), "a restored process runs: {err}");
 
     fs::write(&pages, &original).unwrap();
-    env.thaw_ok(&image, &[]);
-    assert_eq!(answers(&sock), before);
-    env.stop_clean(pid);
+    env.thaws_as_before(&image, pid, &sock, &before);
 }
 
 /// Issue 16: a checker that never gives its verdict (hung) is given up at the restore's
@@ -4321,10 +4276,7 @@ fn a_thaw_whose_check_read_never_returns_is_refused_at_the_deadline_and_nothing_
 #[test]
 fn the_image_checker_runs_in_its_own_session_raised_at_criu_s_gate_and_tampering_only_slows_it() {
     let mut env = Env::start("1GiB");
-    let (pid, sock) = env.worker("48MiB", 0);
-    let before = answers(&sock);
-    let image = env.path().join("img");
-    env.freeze(pid, &image);
+    let (pid, sock, before, image) = env.frozen("48MiB");
 
     let paused = thaw_with_checker_paused(&env, &image, &[]);
     let c = paused.checker;

@@ -216,17 +216,7 @@ fn cell(death: Death, sticky: bool) {
             "release without the flag must be a usage error"
         );
         sim.assert_no_wedge();
-        ok({
-            let mut c = sim.cmd_at(&state);
-            c.args([
-                "guard",
-                "release",
-                "--gpu",
-                &gpu0,
-                "--i-understand-this-may-wedge-the-host",
-            ]);
-            c
-        });
+        sim.release_pins(&state, &gpu0);
         assert!(!fence.fences(&gpu0.parse().unwrap()).unwrap());
         // The release is what tears the held context down: the ledger names exactly that.
         eventually(PATIENCE, "the release's teardown in the ledger", || {
@@ -597,17 +587,7 @@ fn drain_endgame_stops_the_others_safely_then_runs_the_restart_command() {
 
     // The operator's release: the explicit flag, then the teardown it causes.
     sim.assert_no_wedge();
-    ok({
-        let mut c = sim.cmd_at(&state);
-        c.args([
-            "guard",
-            "release",
-            "--gpu",
-            &gpu0,
-            "--i-understand-this-may-wedge-the-host",
-        ]);
-        c
-    });
+    sim.release_pins(&state, &gpu0);
     assert!(!fence.fences(&gpu0.parse().unwrap()).unwrap());
     eventually(PATIENCE, "the release's teardown in the ledger", || {
         !sim.ledger().is_empty()

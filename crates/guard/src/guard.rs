@@ -2027,13 +2027,16 @@ mod journal_view_tests {
         let journal = state.open_journal().unwrap();
         // A live restored worker (this process stands for it: alive, so its records are carried).
         let worker = ProcId::of(std::process::id() as i32).unwrap();
-        journal
-            .append(Event::RestoreCompleted {
-                pid: worker,
-                image: "/img".into(),
-                ms: None,
-            })
-            .unwrap();
+        let restored = || {
+            journal
+                .append(Event::RestoreCompleted {
+                    pid: worker,
+                    image: "/img".into(),
+                    ms: None,
+                })
+                .unwrap();
+        };
+        restored();
         let mut view = JournalView {
             reader: state.journal_reader(),
             suspended: BTreeSet::new(),
@@ -2056,13 +2059,7 @@ mod journal_view_tests {
         assert!(view.restores.is_empty(), "a carried restore read again");
         // Restored again after the rotation: seen once, and no longer suspended.
         journal.rotate().unwrap().unwrap();
-        journal
-            .append(Event::RestoreCompleted {
-                pid: worker,
-                image: "/img".into(),
-                ms: None,
-            })
-            .unwrap();
+        restored();
         view.catch_up().unwrap();
         assert_eq!(view.restores, [worker]);
         assert!(!view.suspended.contains(&worker));

@@ -363,16 +363,21 @@ mod tests {
             .collect();
         fs_write(&path, &data);
         let mut f = open(&path).unwrap();
+        caught_up(&mut f);
+        assert_eq!(f.chunks.len(), chunks, "whole chunks only");
+        (dir, path, data, f)
+    }
+
+    /// The follower takes every whole chunk written so far (never stopped, nothing to yield to).
+    fn caught_up(f: &mut Followed) {
         let mut buf = vec![0u8; CHUNK as usize];
         assert!(catch_up(
-            &mut f,
+            f,
             CHUNK,
             &mut buf,
             &AtomicBool::new(false),
             &AtomicU64::new(0)
         ));
-        assert_eq!(f.chunks.len(), chunks, "whole chunks only");
-        (dir, path, data, f)
     }
 
     fn fs_write(path: &Path, data: &[u8]) {
@@ -392,14 +397,7 @@ mod tests {
             .write_all(&more)
             .unwrap();
         data.extend_from_slice(&more);
-        let mut buf = vec![0u8; CHUNK as usize];
-        assert!(catch_up(
-            &mut f,
-            CHUNK,
-            &mut buf,
-            &AtomicBool::new(false),
-            &AtomicU64::new(0)
-        ));
+        caught_up(&mut f);
         assert_eq!(f.chunks.len(), 3);
         let (pf, size) = reopen(&path);
         let got = finish(&path, &pf, size, CHUNK, Some(&f)).unwrap();
