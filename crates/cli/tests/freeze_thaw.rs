@@ -1971,7 +1971,12 @@ fn an_image_changed_during_the_thaw_never_reaches_the_worker() {
     flip_byte(&pages, original.len() / 3);
     fs::write(&resume, b"").unwrap();
     let out = thaw.wait_with_output().unwrap();
-    assert_eq!(out.status.code(), Some(3), "an edited image was thawed");
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "an edited image was thawed: {}",
+        fs::read_to_string(env.path().join("thaw.err")).unwrap_or_default()
+    );
     assert!(!exists(pid), "a process is left from a refused image");
     fs::write(&pages, &original).unwrap();
 
@@ -1987,7 +1992,12 @@ fn an_image_changed_during_the_thaw_never_reaches_the_worker() {
     fs::rename(&swap, &core).unwrap();
     fs::write(&resume, b"").unwrap();
     let out = thaw.wait_with_output().unwrap();
-    assert_eq!(out.status.code(), Some(3), "a swapped image was thawed");
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "a swapped image was thawed: {}",
+        fs::read_to_string(env.path().join("thaw.err")).unwrap_or_default()
+    );
     assert!(!exists(pid), "a process is left from a refused image");
 
     // Put back, the image thaws and serves what it served.

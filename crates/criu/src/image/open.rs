@@ -20,6 +20,11 @@ pub struct Image {
     dir: PathBuf,
     fd: OwnedFd,
     manifest: Manifest,
+    /// Every file of the manifest, in its order, as [`Image::open`] checked it
+    /// ([`Image::open_file`] reads it once its name is gone: a publish that replaced the image
+    /// removes the old one's files). Empty for an image [`Image::adopt`]ed from another
+    /// process (its files are opened by name alone then).
+    files: Vec<File>,
 }
 
 /// How many times [`Image::open`] opens an image again that was replaced while it opened it.
@@ -44,7 +49,10 @@ impl Image {
     /// one, so an open that took the old directory just before the exchange may find its files
     /// going: such a failure, when `dir` names another directory by then, is an open of the
     /// image that replaced it (the path held a whole image at every moment), tried again a few
-    /// times, never a refusal of an image that is there.
+    /// times, never a refusal of an image that is there. Every file stays open from then on
+    /// (one descriptor each): a reader of an image replaced after it was opened reads the old
+    /// one whole though its files lost their names, and a name that comes to hold another file
+    /// is refused ([`Image::open_file`]).
     pub fn open(dir: &Path) -> Result<Image, ImageError> {
         let mut tries = 0;
         loop {
@@ -82,13 +90,17 @@ impl Image {
             Ok(m) => m,
             Err(e) => return Err((e, Some(fd))),
         };
-        let image = Image {
+        let mut image = Image {
             dir: dir.to_path_buf(),
             fd,
             manifest,
+            files: Vec::new(),
         };
         match image.check_listing() {
-            Ok(()) => Ok(image),
+            Ok(files) => {
+                image.files = files;
+                Ok(image)
+            }
             Err(e) => Err((e, Some(image.fd))),
         }
     }
@@ -97,7 +109,12 @@ impl Image {
     /// checker's, see `checker`), with the manifest that process read; `dir` names it in
     /// messages. Each file is still opened through the trust checks ([`Image::open_file`]).
     pub(crate) fn adopt(dir: PathBuf, fd: OwnedFd, manifest: Manifest) -> Image {
-        Image { dir, fd, manifest }
+        Image {
+            dir,
+            fd,
+            manifest,
+            files: Vec::new(),
+        }
     }
 
     /// Another handle on the same opened image (the directory's fd duplicated): for a thread
@@ -211,11 +228,31 @@ impl Image {
         self.manifest.digest_alg()
     }
 
-    /// Opens file `i` of the manifest (trusted, see `trust`); checks its size.
+    /// Opens file `i` of the manifest (trusted, see `trust`) by its name in the directory (what
+    /// CRIU reads, so what is checked is what is restored); checks its size. The name must
+    /// still be the file [`Image::open`] checked (another file there: refused as changed);
+    /// once gone (a publish that replaced the image removes the old one's files), it is that
+    /// file still, a description of its own.
     pub(crate) fn open_file(&self, i: usize) -> Result<(File, u64), ImageError> {
         let f = &self.manifest.files[i];
-        let (file, size) = trust::open_image_file(&self.fd, &self.dir, &f.name)?;
         let path = self.dir.join(&f.name);
+        let (file, size) = match trust::open_image_file(&self.fd, &self.dir, &f.name) {
+            Ok((file, size)) => {
+                if let Some(held) = self.files.get(i) {
+                    if !same_file(&file, held, &path)? {
+                        return Err(ImageError::Changed {
+                            dir: self.dir.clone(),
+                            what: format!("{}: another file than the one opened", f.name),
+                        });
+                    }
+                }
+                (file, size)
+            }
+            Err(ImageError::Missing { .. }) if i < self.files.len() => {
+                trust::reopen_image_file(&self.files[i], &path)?
+            }
+            Err(e) => return Err(e),
+        };
         if size < f.size {
             return Err(ImageError::Truncated {
                 file: path,
@@ -267,7 +304,9 @@ impl Image {
 
     /// Every entry of the directory is the manifest or a listed file; every listed file opens
     /// as a trusted regular file of its listed size.
-    fn check_listing(&self) -> Result<(), ImageError> {
+    /// Checks that the directory holds the manifest's files and nothing else; returns them,
+    /// opened and checked, in the manifest's order.
+    fn check_listing(&self) -> Result<Vec<File>, ImageError> {
         let listed: BTreeSet<&str> = self
             .manifest
             .files
@@ -286,11 +325,20 @@ impl Image {
                 });
             }
         }
-        for i in 0..self.manifest.files.len() {
-            self.open_file(i)?;
-        }
-        Ok(())
+        (0..self.manifest.files.len())
+            .map(|i| self.open_file(i).map(|(f, _)| f))
+            .collect()
     }
+}
+
+/// Whether `a` and `b` are the same file (device and inode); `path` names `a` in messages.
+fn same_file(a: &File, b: &File, path: &Path) -> Result<bool, ImageError> {
+    use std::os::unix::fs::MetadataExt;
+    let (a, b) = (
+        a.metadata().map_err(io(path))?,
+        b.metadata().map_err(io(path))?,
+    );
+    Ok((a.dev(), a.ino()) == (b.dev(), b.ino()))
 }
 
 fn to_io(e: ImageError) -> std::io::Error {

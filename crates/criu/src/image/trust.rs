@@ -11,7 +11,8 @@
 //!   or remove it, and the next directory must be root's;
 //! - the image directory itself: owned by root, not writable by group or others;
 //! - every file: a regular file (a symlink is refused, never followed), owned by root, not
-//!   writable by group or others, with exactly one link (a second name could live anywhere).
+//!   writable by group or others, with no second link (a second name could live anywhere; no
+//!   name at all once a replace removed it).
 //!
 //! Group write is accepted for group 0 (root's group), as anything else would be arbitrary.
 //!
@@ -165,7 +166,7 @@ pub(crate) fn check_parent(dir: &Path) -> Result<(), ImageError> {
 
 /// Opens file `name` of the image directory `dir` (whose path is `path`) for reading: not
 /// following a symlink, not blocking on a FIFO; then checks it is a regular file that only root
-/// can change, with one link. Returns the file and its size.
+/// can change, with no second link. Returns the file and its size.
 pub(crate) fn open_image_file(
     dir: &OwnedFd,
     path: &Path,
@@ -199,6 +200,34 @@ pub(crate) fn open_image_file(
             })
         }
     };
+    checked_image_file(fd, file)
+}
+
+/// A description of its own (its own offset) of `held`, an image file [`open_image_file`]
+/// opened, through `/proc/self/fd` (the inode `held` is, never a name that could have been
+/// swapped), checked as then; `path` names it in messages. The file may have lost its name
+/// since (a publish that replaced the image removes the old one): no link is fine, another one
+/// is not.
+pub(crate) fn reopen_image_file(held: &File, path: &Path) -> Result<(File, u64), ImageError> {
+    let flags = OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_NOCTTY | OFlag::O_CLOEXEC;
+    let proc = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(held));
+    let fd = match nix::fcntl::open(proc.as_str(), flags, Mode::empty()) {
+        // SAFETY: open returned a new fd that nothing else owns.
+        Ok(fd) => unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) },
+        Err(e) => {
+            return Err(ImageError::Io {
+                path: path.to_path_buf(),
+                source: e.into(),
+            })
+        }
+    };
+    checked_image_file(fd, path.to_path_buf())
+}
+
+/// `fd`, the image file `file`, is a regular file that only root can change, with no other
+/// link than its name (none once removed: a publish that replaced the image removes the old
+/// one's files, maybe between an open by name and this look).
+fn checked_image_file(fd: OwnedFd, file: PathBuf) -> Result<(File, u64), ImageError> {
     let st = stat(&fd, &file)?;
     if !is(&st, SFlag::S_IFREG) {
         return Err(ImageError::Unexpected {
@@ -209,11 +238,11 @@ pub(crate) fn open_image_file(
     if let Some(reason) = writable_by_others(&st, false) {
         return Err(untrusted(&file, reason));
     }
-    if st.st_nlink != 1 {
+    if st.st_nlink > 1 {
         return Err(untrusted(
             &file,
             format!(
-                "has {} hard links: another name elsewhere reaches the same file; an image file must have exactly one",
+                "has {} hard links: another name elsewhere reaches the same file; an image file must have one at most",
                 st.st_nlink
             ),
         ));
