@@ -250,3 +250,70 @@ fn park_and_wake_go_through_the_agent_and_its_guard_traces_the_wake() {
     drop(agent);
     common::stop_pin_holder(st.path());
 }
+
+/// A park that cannot record its suspension's intent (the journal's `fdatasync` fails: EIO,
+/// failpoint) fails closed: it fails before the driver is touched, nothing locked or recorded
+/// as parked, the worker serves on, on the GPU it had.
+#[test]
+fn a_park_that_cannot_be_recorded_never_locks_and_the_worker_serves_on() {
+    use cryo_journal::Event;
+    let sim = Sim::start();
+    let st = state();
+    let w = worker(&sim, "64MiB", 0);
+    let before = w.complete("the same question");
+    let o = sim
+        .cmd_at(st.path())
+        .env("CRYO_FAILPOINT", cryo_journal::SYNC_FAILPOINT)
+        .args(["park", &w.pid.to_string()])
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "parked unrecorded: {}", stdout(&o));
+    assert!(stderr(&o).contains("Input/output error"), "{}", stderr(&o));
+    assert_eq!(sim.state(w.pid), "running");
+    assert!(
+        sim.listed(w.pid),
+        "the GPU let go of a worker that was not parked"
+    );
+    assert_eq!(w.complete("the same question"), before);
+    // Every record was written (only the syncs failed): none says it was locked or parked.
+    let touched = events(st.path()).into_iter().filter(|e| {
+        matches!(e, Event::Locked { pid: p, .. } | Event::Checkpointed { pid: p, .. } | Event::Parked { pid: p, .. } if p.pid == w.pid)
+    });
+    assert_eq!(touched.count(), 0, "the worker was touched");
+    sim.assert_no_wedge();
+}
+
+/// A park whose process cannot be suspended (its context faulted: a sticky error, the lock
+/// fails at once) fails closed: the worker keeps its context on the GPU (never torn down, never
+/// left locked), the failure is journaled and nothing is recorded as parked.
+#[test]
+fn a_park_that_cannot_suspend_its_worker_leaves_it_running_and_unparked() {
+    use cryo_journal::Event;
+    let sim = Sim::start();
+    let st = state();
+    let w = worker(&sim, "64MiB", 0);
+    sim.control.inject_sticky(w.pid).unwrap();
+    let o = run(&sim, st.path(), &["park", &w.pid.to_string()]);
+    assert!(
+        !o.status.success(),
+        "parked a faulted context: {}",
+        stdout(&o)
+    );
+    assert_eq!(sim.state(w.pid), "running", "{}", stderr(&o));
+    assert!(
+        sim.listed(w.pid),
+        "its context left the GPU: {}",
+        stderr(&o)
+    );
+    let ev = events(st.path());
+    assert!(
+        ev.iter().any(|e| matches!(e, Event::ParkFailed { .. })),
+        "{ev:?}"
+    );
+    assert!(
+        !ev.iter()
+            .any(|e| matches!(e, Event::Parked { pid, .. } if pid.pid == w.pid)),
+        "{ev:?}"
+    );
+    sim.assert_no_wedge();
+}
