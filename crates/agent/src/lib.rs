@@ -273,12 +273,22 @@ impl Agent {
 /// How often the agent looks at the journal's size.
 const JOURNAL_CHECK: Duration = Duration::from_secs(30);
 
-/// How long the journal must have had no append for a rotation to start (a rotation holds the
-/// writers' lock for a decode and a write of the carried records).
+/// How long the journal must have had no append for a rotation to start past
+/// [`cryo_journal::AGENT_ROTATE_BYTES`] (a rotation holds the writers' lock for what was
+/// appended while it decoded, the carried records' write and its fsyncs).
 const QUIET: Duration = Duration::from_secs(2);
 
-/// Rotates the journal if it is past [`cryo_journal::AGENT_ROTATE_BYTES`] and quiet, and prunes
-/// its archives ([`cryo_journal::Retention::default`]).
+/// Past this size the agent rotates the journal even if it is never quiet: a node whose journal
+/// gets a record at least every [`QUIET`] would otherwise grow it to
+/// [`cryo_journal::STANDALONE_ROTATE_BYTES`], where the next command's open rotates it on that
+/// command's path (a freeze before its GPU free included). The rotator decodes before it takes
+/// the writers' lock, so a busy moment costs the appends tens of milliseconds (40 ms median
+/// longest append at 4 MiB, `rotate_bench`), not the whole decode.
+const BUSY_ROTATE_BYTES: u64 = 2 * cryo_journal::AGENT_ROTATE_BYTES;
+
+/// Rotates the journal if it is past [`cryo_journal::AGENT_ROTATE_BYTES`] and quiet, or past
+/// [`BUSY_ROTATE_BYTES`] whatever, and prunes its archives
+/// ([`cryo_journal::Retention::default`]).
 fn maintain_journal(journal: &cryo_journal::Journal) {
     let Ok(meta) = std::fs::metadata(journal.path()) else {
         return;
@@ -288,7 +298,8 @@ fn maintain_journal(journal: &cryo_journal::Journal) {
         .ok()
         .and_then(|m| m.elapsed().ok())
         .is_some_and(|e| e >= QUIET);
-    if meta.len() <= cryo_journal::AGENT_ROTATE_BYTES || !quiet {
+    if meta.len() <= cryo_journal::AGENT_ROTATE_BYTES || (!quiet && meta.len() <= BUSY_ROTATE_BYTES)
+    {
         return;
     }
     match journal.maintain(
@@ -426,7 +437,8 @@ pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
             source,
         })?;
     // The journal rotated past AGENT_ROTATE_BYTES at a quiet moment (nothing appended for
-    // QUIET), its oldest archives pruned: what every command's recovery reads stays bounded.
+    // QUIET), or past BUSY_ROTATE_BYTES whatever, its oldest archives pruned: what every
+    // command's recovery reads stays bounded.
     std::thread::Builder::new()
         .name("cryod-journal".into())
         .spawn({
@@ -578,7 +590,7 @@ fn log_guarded(guard: &Guard) {
 #[cfg(test)]
 mod journal_tests {
     #![allow(clippy::unwrap_used)]
-    //! The agent's journal rotation: past its size, at a quiet moment only.
+    //! The agent's journal rotation: past its size at a quiet moment, past twice it whatever.
 
     use std::time::{Duration, SystemTime};
 
@@ -613,5 +625,32 @@ mod journal_tests {
         set_mtime(journal.path(), super::QUIET + Duration::from_secs(1));
         super::maintain_journal(&journal);
         assert_eq!(cryo_journal::archives(dir.path()).unwrap().len(), 1);
+    }
+
+    /// A journal that is never quiet (a record at least every QUIET) is still rotated by the
+    /// agent once past BUSY_ROTATE_BYTES, long before a command's open would have to (64 MiB).
+    #[test]
+    fn the_agent_rotates_a_journal_that_is_never_quiet_past_twice_its_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        let filler: Vec<Event> = (0..1000)
+            .map(|i| Event::FreezeStarted {
+                image: format!("/var/lib/cryo/images/{i:0>120}"),
+            })
+            .collect();
+        let size = || std::fs::metadata(journal.path()).unwrap().len();
+        while size() <= cryo_journal::AGENT_ROTATE_BYTES {
+            journal.append_all(filler.clone()).unwrap();
+        }
+        // Busy (appended to just now), past the quiet size only: left for a quiet moment.
+        super::maintain_journal(&journal);
+        assert!(cryo_journal::archives(dir.path()).unwrap().is_empty());
+        while size() <= super::BUSY_ROTATE_BYTES {
+            journal.append_all(filler.clone()).unwrap();
+        }
+        // Still busy, past twice the size: rotated all the same.
+        super::maintain_journal(&journal);
+        assert_eq!(cryo_journal::archives(dir.path()).unwrap().len(), 1);
+        assert!(size() < 4096);
     }
 }
