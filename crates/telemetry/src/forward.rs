@@ -23,7 +23,9 @@
 //!   newest mark whose record the journal still holds unchanged (the records a power cut leaves
 //!   are a prefix of what was written), logging how far it went back. The records after that
 //!   mark and up to the stored position are sent again (at most about twice as many as the power
-//!   cut took); none is skipped.
+//!   cut took); none is skipped. The collector is told first (a `records_replaced` message with
+//!   the seq range): the records with those seqs that follow are other records, not duplicates
+//!   to drop by seq.
 //! - **Reconnects** back off exponentially from [`ForwardConfig::retry_min`] to
 //!   [`ForwardConfig::retry_max`], also after connections that end within 2 s (a collector that
 //!   accepts and drops every connection is not hammered). A connection whose oldest unacknowledged byte waits longer than
@@ -237,6 +239,8 @@ struct Conn {
     inflight: VecDeque<(u64, u64, Instant)>,
     /// When it was made.
     since: Instant,
+    /// Whether the `records_replaced` notice went out on it.
+    told_replaced: bool,
 }
 
 struct Run {
@@ -253,6 +257,10 @@ struct Run {
     max_sent: u64,
     /// The highest seq counted as lost (a gap found again after a reconnect counts once).
     lost_to: u64,
+    /// Seqs the collector may have got other records for (the start found the journal no
+    /// longer holds what its offset counted as sent): told on each connection until records
+    /// past them are delivered.
+    replaced: Option<(u64, u64)>,
     /// Acknowledged records with the time of their acknowledgement, oldest first.
     acks: VecDeque<(u64, Instant)>,
     /// The highest seq acknowledged before the replay window (or the position this run or its
@@ -282,6 +290,7 @@ impl Run {
             delivered: stored.seq,
             max_sent: stored.seq,
             lost_to: 0,
+            replaced: None,
             settled: stored.seq,
             marks: stored.marks.iter().cloned().collect(),
             journal_first: stored.journal_first.clone(),
@@ -332,6 +341,7 @@ impl Run {
                     journal_last = last,
                     "the journal no longer holds the records the forwarder's offset counts as sent (a power cut took back unsynced records and new ones reused their seqs): forwarding again after the last record proven sent; the collector may get some records twice"
                 );
+                self.replaced = Some((proven + 1, self.stored.seq));
                 self.resume_from(proven);
             }
         }
@@ -520,6 +530,17 @@ impl Run {
                 return Ok(());
             }
         };
+        if let Some((first, last)) = self.replaced {
+            if self.delivered >= last {
+                self.replaced = None;
+            } else if !c.told_replaced {
+                let frame = self.cfg.format.replaced_frame(first, last);
+                c.stream.write_all(&frame)?;
+                c.written += frame.len() as u64;
+                self.shared.sent.fetch_add(1, Ordering::Relaxed);
+                c.told_replaced = true;
+            }
+        }
         let gaps = follow.take_gaps();
         if let (Some(first), Some(last)) = (gaps.first(), gaps.last()) {
             // One message for what one read skipped (a pruned stretch between carried copies is
@@ -713,6 +734,7 @@ fn connect(cfg: &ForwardConfig) -> Result<Conn, ConnectError> {
                     written: 0,
                     inflight: VecDeque::new(),
                     since: Instant::now(),
+                    told_replaced: false,
                 });
             }
             Err(source) => last = Some(ConnectError::Connect { addr, source }),

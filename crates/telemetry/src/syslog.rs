@@ -134,17 +134,41 @@ impl SyslogFormat {
     /// them): MSGID `records_lost`, severity warning, no `seq` (it is no record), the current
     /// time; MSG `{"type":"records_lost","first":..,"last":..,"lost":..}`.
     pub fn lost_frame(&self, first: u64, last: u64, lost: u64) -> Vec<u8> {
+        self.notice_frame(
+            "records_lost",
+            &[("first", first), ("last", last), ("lost", lost)],
+        )
+    }
+
+    /// The framed message that tells the collector the records with seqs `first..=last` it may
+    /// have got are no longer the node's (a power cut took back unsynced records after they were
+    /// sent; new records took their seqs): the records with those seqs that follow are other
+    /// records, not copies to drop. MSGID `records_replaced`, severity warning, no `seq`; MSG
+    /// `{"type":"records_replaced","first":..,"last":..}`.
+    pub fn replaced_frame(&self, first: u64, last: u64) -> Vec<u8> {
+        self.notice_frame("records_replaced", &[("first", first), ("last", last)])
+    }
+
+    /// A message of the forwarder's own (`kind` as MSGID and type), numbers as its fields.
+    fn notice_frame(&self, kind: &str, fields: &[(&str, u64)]) -> Vec<u8> {
         let pri = u16::from(self.facility.min(23)) * 8 + Severity::Warning as u16;
         let time =
             cryo_journal::fmt_utc(std::time::SystemTime::now(), cryo_journal::Subsec::Micros)
                 .unwrap_or_else(|| "-".to_owned());
+        let mut sd = format!("[{} type=\"{kind}\"", header_field(&self.sd_id, 32));
+        let mut json = serde_json::Map::new();
+        json.insert("type".into(), kind.into());
+        for (name, v) in fields {
+            let _ = write!(sd, " {name}=\"{v}\"");
+            json.insert((*name).into(), (*v).into());
+        }
+        sd.push(']');
         let msg = format!(
-            "<{pri}>1 {time} {} {} {} records_lost [{} type=\"records_lost\" first=\"{first}\" last=\"{last}\" lost=\"{lost}\"] {}",
+            "<{pri}>1 {time} {} {} {} {kind} {sd} {}",
             header_field(&self.hostname, 255),
             header_field(&self.app_name, 48),
             header_field(&self.procid, 128),
-            header_field(&self.sd_id, 32),
-            serde_json::json!({"type": "records_lost", "first": first, "last": last, "lost": lost}),
+            serde_json::Value::Object(json),
         );
         let mut out = format!("{} ", msg.len()).into_bytes();
         out.extend_from_slice(msg.as_bytes());

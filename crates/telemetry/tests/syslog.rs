@@ -397,6 +397,28 @@ fn power_cut_then(rotate: bool) {
 
     let fwd = Forwarder::start(cfg(state.path(), &rs.addr())).unwrap();
     let got = rs.wait_for(LONG, "the last record", |g| g.iter().any(|r| r.seq == end));
+    // The collector is told, before the new records, which seqs it got other records for.
+    let told = got
+        .iter()
+        .position(|r| r.msgid == "records_replaced")
+        .unwrap_or_else(|| panic!("no records_replaced message: {got:?}"));
+    let told = &got[told..];
+    assert!(
+        told[0].structured_data.contains(r#"last="10""#),
+        "{}",
+        told[0].structured_data
+    );
+    let first: u64 = serde_json::from_str::<serde_json::Value>(&told[0].msg).unwrap()["first"]
+        .as_u64()
+        .unwrap();
+    assert!((1..=6).contains(&first), "{}", told[0].msg);
+    for w in &after {
+        assert!(
+            told.iter().any(|r| r.seq == w.seq && format!("{}\n", r.msg) == cryo_telemetry::ndjson_line(w)),
+            "record {} of the new boot came before the notice",
+            w.seq
+        );
+    }
     for w in &after {
         assert!(
             got.iter()
