@@ -4236,6 +4236,16 @@ impl Drop for Killed {
 /// abandoned, not waited for, and nothing restored runs. The image then thaws as before.
 #[test]
 fn a_thaw_whose_check_read_never_returns_is_refused_at_the_deadline_and_nothing_runs() {
+    thaw_with_a_check_read_stuck(cryo_criu::image::CHECK_READ_STALLS);
+}
+
+/// The same for the check of the files CRIU reads as instructions, before CRIU starts.
+#[test]
+fn a_thaw_whose_check_of_criu_s_files_never_returns_is_refused_at_the_deadline() {
+    thaw_with_a_check_read_stuck(cryo_criu::image::CHECK_STEERING_READ_STALLS);
+}
+
+fn thaw_with_a_check_read_stuck(failpoint: &str) {
     let mut env = Env::start("1GiB");
     let (pid, _) = env.worker("16MiB", 0);
     let image = env.path().join("img");
@@ -4244,7 +4254,7 @@ fn a_thaw_whose_check_read_never_returns_is_refused_at_the_deadline_and_nothing_
     let said = env.path().join("thaw-stuck.err");
     let mut thaw = Killed(
         env.cmd()
-            .env("CRYO_FAILPOINT", cryo_criu::image::CHECK_READ_STALLS)
+            .env("CRYO_FAILPOINT", failpoint)
             .arg("thaw")
             .arg(&image)
             .args(["--criu-timeout", "5"])
@@ -4262,10 +4272,7 @@ fn a_thaw_whose_check_read_never_returns_is_refused_at_the_deadline_and_nothing_
     let status = status.unwrap();
     let err = fs::read_to_string(&said).unwrap();
     assert!(
-        err.contains(&format!(
-            "failpoint {} reached",
-            cryo_criu::image::CHECK_READ_STALLS
-        )),
+        err.contains(&format!("failpoint {failpoint} reached")),
         "the check's read never stalled: {err}"
     );
     assert!(!status.success(), "{err}");

@@ -885,9 +885,8 @@ impl Criu for CriuRpc {
                 (gated, server.served_bytes(), server.failure())
             }
             ThawRoute::Files => {
-                let check = image::Check::new(image)
-                    .map_err(CriuError::Image)?
-                    .until(deadline.map(|d| t0 + d));
+                let check = image::Check::new_until(image, deadline.map(|d| t0 + d))
+                    .map_err(CriuError::Image)?;
                 phases.checked_ms = since(std::time::Instant::now());
                 let gated = self.run_gated(
                     op,

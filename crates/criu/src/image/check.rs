@@ -22,9 +22,10 @@
 //! runs.
 //!
 //! A read that never returns (a hung disk, a FUSE server that stopped answering) cannot be
-//! cancelled: the check's threads run on a thread that owns what it reads (a duplicate of the
-//! image's directory fd, its manifest), and past the restore's deadline [`Check::run`] and
-//! [`Check::finish`] give up on it: the image is refused, the restore returns, and the thread is
+//! cancelled: both checks (of the files CRIU reads as instructions, in [`Check::new_until`],
+//! and of the page contents) run under a thread that owns what it reads (a duplicate of the
+//! image's directory fd, its manifest), and past the restore's deadline [`Check::new_until`],
+//! [`Check::run`] and [`Check::finish`] give up on it: the image is refused, the restore returns, and the thread is
 //! *abandoned* (counted by [`abandoned_checks`]; it ends whenever its read returns). Past
 //! [`MAX_ABANDONED_CHECKS`] of them still stuck, [`Check::new`] refuses at once instead of adding
 //! threads that would hang the same way (a long-lived agent must not pile them up).
@@ -124,6 +125,10 @@ const DONE: u8 = 1;
 /// A check's thread: given up on while reading (counted in [`ABANDONED`] until it is done).
 const GIVEN_UP: u8 = 2;
 
+/// Failpoint (`CRYO_FAILPOINT`, a test hook): as [`CHECK_READ_STALLS`], for the check of the
+/// files CRIU reads as instructions, before CRIU starts.
+pub const CHECK_STEERING_READ_STALLS: &str = "image-check-steering-read-stalls";
+
 /// Threads that check the page contents beside CRIU's restore, at most.
 pub const CHECK_THREADS: usize = 4;
 
@@ -191,6 +196,16 @@ pub struct Check<'a> {
 impl<'a> Check<'a> {
     /// Watches `image`, notes its files and checks every file but the page contents.
     pub fn new(image: &'a Image) -> Result<Check<'a>, ImageError> {
+        Check::new_until(image, None)
+    }
+
+    /// [`Check::new`], giving up at `deadline` (the restore's) on the check of the files CRIU
+    /// reads as instructions, and on the page contents later ([`Check::until`]): a read that
+    /// does not return is refused there (nothing was restored yet), its thread abandoned.
+    pub fn new_until(
+        image: &'a Image,
+        deadline: Option<std::time::Instant>,
+    ) -> Result<Check<'a>, ImageError> {
         let dir = image.path();
         let stuck = abandoned_checks();
         if stuck >= MAX_ABANDONED_CHECKS {
@@ -219,7 +234,22 @@ impl<'a> Check<'a> {
             })
             .collect::<Result<Vec<_>, _>>()?;
         // Before CRIU reads any of them; changes afterwards are the watch's.
-        image.verify_files(|name| !is_page_contents(name))?;
+        let threads = check_threads(std::thread::available_parallelism().map_or(1, usize::from));
+        let steering = on_own_thread(image, deadline, move |image| {
+            read_stall_failpoint(CHECK_STEERING_READ_STALLS);
+            image.verify_files_in_order(|name| !is_page_contents(name), threads)
+        });
+        match steering {
+            Some(r) => r?,
+            None => {
+                return Err(ImageError::Stream {
+                    dir: dir.to_path_buf(),
+                    reason:
+                        "the check of the image's files did not end before the restore's deadline"
+                            .into(),
+                })
+            }
+        }
         let (done, outcome) = mpsc::sync_channel(1);
         Ok(Check {
             image,
@@ -233,7 +263,7 @@ impl<'a> Check<'a> {
                 serves(),
             ),
             checker: Parent::default(),
-            deadline: None,
+            deadline,
         })
     }
 
@@ -284,53 +314,10 @@ impl<'a> Check<'a> {
     /// waited for until the deadline: `None` if it had not ended by then (it is abandoned and
     /// counted, see the module docs).
     fn run_threads(&self, threads: usize) -> Option<Result<(), ImageError>> {
-        let image = match self.image.try_clone() {
-            Ok(i) => i,
-            Err(e) => return Some(Err(e)),
-        };
-        let (tx, rx) = mpsc::sync_channel(1);
-        let state = Arc::new(AtomicU8::new(READING));
-        let spawned = std::thread::Builder::new()
-            .name("cryo-check".into())
-            .spawn({
-                let state = Arc::clone(&state);
-                move || {
-                    read_stall_failpoint();
-                    let _ = tx.send(image.verify_files_in_order(is_page_contents, threads));
-                    if state.swap(DONE, SeqCst) == GIVEN_UP {
-                        ABANDONED.fetch_sub(1, SeqCst);
-                        tracing::info!("a check given up on at its restore's deadline ended");
-                    }
-                }
-            });
-        if let Err(e) = spawned {
-            return Some(Err(
-                self.stream_error(format!("cannot start the check's thread: {e}"))
-            ));
-        }
-        let got = match self.deadline {
-            None => rx.recv().ok(),
-            Some(d) => rx
-                .recv_timeout(d.saturating_duration_since(std::time::Instant::now()))
-                .ok(),
-        };
-        if got.is_some() {
-            return got;
-        }
-        if state
-            .compare_exchange(READING, GIVEN_UP, SeqCst, SeqCst)
-            .is_ok()
-        {
-            let stuck = ABANDONED.fetch_add(1, SeqCst) + 1;
-            tracing::warn!(
-                image = %self.image.path().display(),
-                stuck,
-                "the check of the page contents did not end before the restore's deadline (a read that never returns?): its thread is abandoned"
-            );
-            return None;
-        }
-        // It ended just now: its outcome was sent before it said so.
-        rx.try_recv().ok()
+        on_own_thread(self.image, self.deadline, move |image| {
+            read_stall_failpoint(CHECK_READ_STALLS);
+            image.verify_files_in_order(is_page_contents, threads)
+        })
     }
 
     /// The verdict before anything restored runs: waits for [`Check::run`], then refuses a
@@ -425,13 +412,71 @@ impl<'a> Check<'a> {
     }
 }
 
-/// [`CHECK_READ_STALLS`]: the read does not return until the file named by
-/// `CRYO_FAILPOINT_RESUME` exists (never without one).
-fn read_stall_failpoint() {
-    if std::env::var("CRYO_FAILPOINT").is_ok_and(|v| v == CHECK_READ_STALLS) {
+/// Runs `work` on a copy of `image` (its directory fd duplicated) under a thread of its own,
+/// waited for until `deadline`: `None` if it had not ended by then. Such a thread is abandoned
+/// (a read that does not return cannot be cancelled) and counted in [`abandoned_checks`] until
+/// it ends.
+fn on_own_thread<T: Send + 'static>(
+    image: &Image,
+    deadline: Option<std::time::Instant>,
+    work: impl FnOnce(&Image) -> Result<T, ImageError> + Send + 'static,
+) -> Option<Result<T, ImageError>> {
+    let copy = match image.try_clone() {
+        Ok(i) => i,
+        Err(e) => return Some(Err(e)),
+    };
+    let (tx, rx) = mpsc::sync_channel(1);
+    let state = Arc::new(AtomicU8::new(READING));
+    let spawned = std::thread::Builder::new()
+        .name("cryo-check".into())
+        .spawn({
+            let state = Arc::clone(&state);
+            move || {
+                let _ = tx.send(work(&copy));
+                if state.swap(DONE, SeqCst) == GIVEN_UP {
+                    ABANDONED.fetch_sub(1, SeqCst);
+                    tracing::info!("a check given up on at its restore's deadline ended");
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        return Some(Err(ImageError::Stream {
+            dir: image.path().to_path_buf(),
+            reason: format!("cannot start the check's thread: {e}"),
+        }));
+    }
+    let got = match deadline {
+        None => rx.recv().ok(),
+        Some(d) => rx
+            .recv_timeout(d.saturating_duration_since(std::time::Instant::now()))
+            .ok(),
+    };
+    if got.is_some() {
+        return got;
+    }
+    if state
+        .compare_exchange(READING, GIVEN_UP, SeqCst, SeqCst)
+        .is_ok()
+    {
+        let stuck = ABANDONED.fetch_add(1, SeqCst) + 1;
+        tracing::warn!(
+            image = %image.path().display(),
+            stuck,
+            "a check of the image did not end before the restore's deadline (a read that never returns?): its thread is abandoned"
+        );
+        return None;
+    }
+    // It ended just now: its outcome was sent before it said so.
+    rx.try_recv().ok()
+}
+
+/// Failpoint `name` ([`CHECK_READ_STALLS`], [`CHECK_STEERING_READ_STALLS`]): the read does not
+/// return until the file named by `CRYO_FAILPOINT_RESUME` exists (never without one).
+fn read_stall_failpoint(name: &str) {
+    if std::env::var("CRYO_FAILPOINT").is_ok_and(|v| v == name) {
         let resume = std::env::var_os("CRYO_FAILPOINT_RESUME").map(std::path::PathBuf::from);
         eprintln!(
-            "cryo: failpoint {CHECK_READ_STALLS} reached; the check's read does not return (CRYO_FAILPOINT is a test hook)"
+            "cryo: failpoint {name} reached; the check's read does not return (CRYO_FAILPOINT is a test hook)"
         );
         while !resume.as_ref().is_some_and(|r| r.exists()) {
             std::thread::sleep(std::time::Duration::from_millis(20));
