@@ -60,11 +60,15 @@ pub fn own() -> &'static Owner {
 const WATCHDOG: &str = r#"
 while read -r _; do :; done
 left=""
-for p in $(cat "$1/cgroup.procs" 2>/dev/null); do
+for p in $(find "$1" -name cgroup.procs -exec cat {} + 2>/dev/null); do
   [ "$p" = "$2" ] && continue
   left="$left$p $(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null)
 "
 done
+# Said first: a watchdog of a test this test ran is in this test's cgroup, ended with it.
+if [ -n "$left" ] && [ -n "$3" ]; then
+  printf 'ended at the end of %s:\n%s' "$4" "$left" >"$3"
+fi
 echo 1 >"$1/cgroup.kill"
 i=0
 while ! grep -qx 'populated 0' "$1/cgroup.events" 2>/dev/null && [ "$i" -lt 600 ]; do
@@ -73,9 +77,6 @@ while ! grep -qx 'populated 0' "$1/cgroup.events" 2>/dev/null && [ "$i" -lt 600 
 done
 # Children first: the cgroups of tests this test ran as processes of its own.
 find "$1" -depth -type d -exec rmdir {} + 2>/dev/null
-if [ -n "$left" ] && [ -n "$3" ]; then
-  printf 'ended at the end of %s:\n%s' "$4" "$left" >"$3"
-fi
 "#;
 
 fn start() -> Owner {
