@@ -52,11 +52,36 @@ use crate::{
 /// How many abandoned calls may still be blocked in the driver before new calls fail at once.
 pub const MAX_ABANDONED: usize = 64;
 
-static ABANDONED: AtomicUsize = AtomicUsize::new(0);
+/// Abandoned calls of one kind still blocked, and how many of them are allowed before a new call
+/// of that kind fails at once ([`Late::Unresponsive`]). The driver's calls share one
+/// ([`abandoned`]); another user of [`within_counted`] (the image check's reads) keeps its own,
+/// so a dead disk and a dead driver do not use up each other's budget.
+#[derive(Debug)]
+pub struct Abandoned {
+    count: AtomicUsize,
+    max: usize,
+}
+
+impl Abandoned {
+    /// A budget of `max` abandoned calls.
+    pub const fn new(max: usize) -> Self {
+        Abandoned {
+            count: AtomicUsize::new(0),
+            max,
+        }
+    }
+
+    /// Calls of this kind whose caller gave up and that have not returned yet.
+    pub fn get(&self) -> usize {
+        self.count.load(Ordering::Relaxed)
+    }
+}
+
+static ABANDONED: Abandoned = Abandoned::new(MAX_ABANDONED);
 
 /// Calls whose caller gave up and that are still blocked in the driver.
 pub fn abandoned() -> usize {
-    ABANDONED.load(Ordering::Relaxed)
+    ABANDONED.get()
 }
 
 /// How long a caller waits for each kind of call.
@@ -134,8 +159,19 @@ pub fn within<T: Send + 'static>(
     call: impl FnOnce() -> T + Send + 'static,
     on_late: impl FnOnce(T) + Send + 'static,
 ) -> Result<T, Late> {
-    let pending = abandoned();
-    if pending >= MAX_ABANDONED {
+    within_counted(&ABANDONED, limit, call, on_late)
+}
+
+/// [`within`], its abandoned calls counted in `budget` (and refused past its maximum) instead
+/// of the driver's.
+pub fn within_counted<T: Send + 'static>(
+    budget: &'static Abandoned,
+    limit: Duration,
+    call: impl FnOnce() -> T + Send + 'static,
+    on_late: impl FnOnce(T) + Send + 'static,
+) -> Result<T, Late> {
+    let pending = budget.get();
+    if pending >= budget.max {
         return Err(Late::Unresponsive(pending));
     }
     let slot = Arc::new((Mutex::new(Slot::Waiting), Condvar::new()));
@@ -149,7 +185,7 @@ pub fn within<T: Send + 'static>(
         let mut s = m.lock().unwrap_or_else(|p| p.into_inner());
         if matches!(*s, Slot::Abandoned) {
             drop(s);
-            ABANDONED.fetch_sub(1, Ordering::Relaxed);
+            budget.count.fetch_sub(1, Ordering::Relaxed);
             on_late(out);
         } else {
             // Free for the next call before its caller wakes: a caller that calls again at
@@ -176,7 +212,7 @@ pub fn within<T: Send + 'static>(
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             *s = Slot::Abandoned;
-            ABANDONED.fetch_add(1, Ordering::Relaxed);
+            budget.count.fetch_add(1, Ordering::Relaxed);
             return Err(Late::Elapsed(start.elapsed()));
         }
         s = cv

@@ -44,8 +44,9 @@
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering::SeqCst};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Mutex};
+
+use cryo_gpu::deadline::{self, Abandoned, Late};
 
 use rustix::fs::inotify;
 
@@ -110,20 +111,13 @@ pub const CHECK_READ_STALLS: &str = "image-check-read-stalls";
 /// new check refuses at once.
 pub const MAX_ABANDONED_CHECKS: usize = 16;
 
-static ABANDONED: AtomicUsize = AtomicUsize::new(0);
+static ABANDONED: Abandoned = Abandoned::new(MAX_ABANDONED_CHECKS);
 
 /// Checks of this process given up on at their restore's deadline whose read has still not
 /// returned (their threads are still there).
 pub fn abandoned_checks() -> usize {
-    ABANDONED.load(SeqCst)
+    ABANDONED.get()
 }
-
-/// A check's thread: still reading.
-const READING: u8 = 0;
-/// A check's thread: done (its outcome sent).
-const DONE: u8 = 1;
-/// A check's thread: given up on while reading (counted in [`ABANDONED`] until it is done).
-const GIVEN_UP: u8 = 2;
 
 /// Failpoint (`CRYO_FAILPOINT`, a test hook): as [`CHECK_READ_STALLS`], for the check of the
 /// files CRIU reads as instructions, before CRIU starts.
@@ -412,62 +406,48 @@ impl<'a> Check<'a> {
     }
 }
 
-/// Runs `work` on a copy of `image` (its directory fd duplicated) under a thread of its own,
-/// waited for until `deadline`: `None` if it had not ended by then. Such a thread is abandoned
-/// (a read that does not return cannot be cancelled) and counted in [`abandoned_checks`] until
-/// it ends.
+/// Runs `work` on a copy of `image` (its directory fd duplicated) on a thread of the deadline
+/// layer (`cryo_gpu::deadline`, whose driver calls have the same problem: a call that never
+/// returns cannot be cancelled), waited for until `deadline`: `None` if it had not ended by then.
+/// Such a thread is abandoned and counted in [`abandoned_checks`] until it ends. Without a
+/// deadline the work runs here, waited for however long it takes.
 fn on_own_thread<T: Send + 'static>(
     image: &Image,
     deadline: Option<std::time::Instant>,
     work: impl FnOnce(&Image) -> Result<T, ImageError> + Send + 'static,
 ) -> Option<Result<T, ImageError>> {
+    let Some(deadline) = deadline else {
+        return Some(work(image));
+    };
     let copy = match image.try_clone() {
         Ok(i) => i,
         Err(e) => return Some(Err(e)),
     };
-    let (tx, rx) = mpsc::sync_channel(1);
-    let state = Arc::new(AtomicU8::new(READING));
-    let spawned = std::thread::Builder::new()
-        .name("cryo-check".into())
-        .spawn({
-            let state = Arc::clone(&state);
-            move || {
-                let _ = tx.send(work(&copy));
-                if state.swap(DONE, SeqCst) == GIVEN_UP {
-                    ABANDONED.fetch_sub(1, SeqCst);
-                    tracing::info!("a check given up on at its restore's deadline ended");
-                }
-            }
-        });
-    if let Err(e) = spawned {
-        return Some(Err(ImageError::Stream {
-            dir: image.path().to_path_buf(),
-            reason: format!("cannot start the check's thread: {e}"),
-        }));
-    }
-    let got = match deadline {
-        None => rx.recv().ok(),
-        Some(d) => rx
-            .recv_timeout(d.saturating_duration_since(std::time::Instant::now()))
-            .ok(),
+    let limit = deadline.saturating_duration_since(std::time::Instant::now());
+    let late = |_: Result<T, ImageError>| {
+        tracing::info!("a check given up on at its restore's deadline ended");
     };
-    if got.is_some() {
-        return got;
+    match deadline::within_counted(&ABANDONED, limit, move || work(&copy), late) {
+        Ok(r) => Some(r),
+        Err(Late::Elapsed(_)) => {
+            tracing::warn!(
+                image = %image.path().display(),
+                stuck = ABANDONED.get(),
+                "a check of the image did not end before the restore's deadline (a read that never returns?): its thread is abandoned"
+            );
+            None
+        }
+        Err(Late::Unresponsive(stuck)) => Some(Err(ImageError::Stream {
+            dir: image.path().to_path_buf(),
+            reason: format!(
+                "{stuck} earlier checks of images are still stuck in a read that never returned (a hung disk?): no new check is started"
+            ),
+        })),
+        Err(Late::NoThread) => Some(Err(ImageError::Stream {
+            dir: image.path().to_path_buf(),
+            reason: "cannot start the check's thread".into(),
+        })),
     }
-    if state
-        .compare_exchange(READING, GIVEN_UP, SeqCst, SeqCst)
-        .is_ok()
-    {
-        let stuck = ABANDONED.fetch_add(1, SeqCst) + 1;
-        tracing::warn!(
-            image = %image.path().display(),
-            stuck,
-            "a check of the image did not end before the restore's deadline (a read that never returns?): its thread is abandoned"
-        );
-        return None;
-    }
-    // It ended just now: its outcome was sent before it said so.
-    rx.try_recv().ok()
 }
 
 /// Failpoint `name` ([`CHECK_READ_STALLS`], [`CHECK_STEERING_READ_STALLS`]): the read does not
