@@ -12,7 +12,7 @@ use cryo_proc::Pid;
 use nix::fcntl::{Flock, FlockArg};
 
 use crate::colocate::PinRecord;
-use crate::error::{CriuError, CriuOp};
+use crate::error::{CriuError, CriuOp, Stuck};
 use crate::image::{self, Image, ImageError, Staging};
 use crate::log::{FileCap, LogCap};
 use crate::rpc::RpcError;
@@ -20,6 +20,7 @@ use crate::rpc::{CriuOpts, CriuReq, CriuReqType, Swrk};
 use crate::scratch::{self, Private};
 use crate::unresumed;
 use crate::version::CriuVersion;
+use cryo_gpu::deadline::{Abandoned, Late};
 
 /// The environment variable naming the CRIU binary.
 pub const CRIU_ENV: &str = "CRYO_CRIU";
@@ -115,6 +116,19 @@ pub struct RestoreOpts {
     /// `unresumed`), and the restore is [`CriuError::TimedOut`], which names them. A restore can block
     /// forever: a restored process that must take back a file lock someone else holds waits
     /// for it (`--file-locks`).
+    ///
+    /// A CRIU that does not exit within [`KILLED_GRACE`] of its kill waits where no signal
+    /// reaches it (a read of a dead disk, an NFS hard mount, a FUSE server that stopped
+    /// answering: state `D`): the restore returns then all the same, [`CriuError::TimedOut`]
+    /// naming it ([`Stuck`]: pid, state, kernel wait), and a thread of the deadline layer
+    /// reaps it when its wait ends ([`stuck_crius`]; past [`MAX_STUCK_CRIUS`] of them a new
+    /// restore is refused at once, [`CriuError::TooManyStuck`]). Nothing it restored can run:
+    /// its SIGKILL is pending, so it never again runs a line of its own to resume the tree,
+    /// and the tree was before the gate (no restored process ran the image's code, so none
+    /// holds a live GPU context: each is CHECKPOINTED until cryo's GPU restore, which a failed
+    /// restore never reaches); what it had restored is killed as at any deadline (a restored
+    /// process stuck the same way is named in the error's `left` until it exits). The guard
+    /// and the agent see a thaw that failed, and no restored process.
     pub deadline: Option<std::time::Duration>,
 }
 
@@ -551,7 +565,15 @@ impl CriuRpc {
                 source,
             },
         };
-        let mut child = cmd.spawn().map_err(spawn_err)?;
+        let stuck = STUCK.get();
+        if deadline.is_some() && stuck >= MAX_STUCK_CRIUS {
+            return Err(CriuError::TooManyStuck { op, stuck });
+        }
+        // The judge's way out when CRIU neither reaches the gate nor exits (stuck past its
+        // kill): its write end goes when CRIU was waited for or given up on.
+        let (stop_rx, stop_tx) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+            .map_err(|e| spawn_err(e.into()))?;
+        let child = cmd.spawn().map_err(spawn_err)?;
         spawned(child.id() as Pid);
         // Our copy of a log pipe's write end goes with the command: the copy sees its end.
         drop(cmd);
@@ -566,8 +588,13 @@ impl CriuRpc {
             s.spawn(work);
             let log_path = log.path().to_path_buf();
             let copied = s.spawn(move || log.keep_capped(&done_rx));
-            let judged = s.spawn(move || gate.judge(verdict, gate_pidfd));
-            let (status, timed_out) = wait_until(&mut child, deadline);
+            let judged = s.spawn(move || gate.judge(verdict, gate_pidfd, stop_rx));
+            let Waited {
+                status,
+                timed_out,
+                stuck,
+            } = wait_until(child, deadline);
+            drop(stop_tx);
             // Unblocks the accept if CRIU never connected (a connection ends with CRIU).
             if let Some(l) = listener {
                 let _ = nix::sys::socket::shutdown(l.as_raw_fd(), nix::sys::socket::Shutdown::Both);
@@ -582,6 +609,7 @@ impl CriuRpc {
                 status,
                 verdict,
                 timed_out,
+                stuck,
             });
             if let Ok(g) = &gated {
                 ended(g);
@@ -713,9 +741,7 @@ impl Criu for CriuRpc {
             staging.follow_pages(&[DUMP_LOG]);
         }
         let start = std::time::Instant::now();
-        let Gated {
-            status, verdict, ..
-        } = self.run_gated(
+        let gated = self.run_gated(
             op,
             cmd,
             log,
@@ -737,8 +763,8 @@ impl Criu for CriuRpc {
         image::CaptureClock::mark(&clock.criu_exit);
         drop(colocated);
         drop(dir);
-        tracing::debug!(%status, ms = start.elapsed().as_millis() as u64, "criu dump ended");
-        let outcome = self.dump_outcome(op, staging, status, verdict, &stderr);
+        tracing::debug!(status = ?gated.status, ms = start.elapsed().as_millis() as u64, "criu dump ended");
+        let outcome = self.dump_outcome(op, staging, gated, &stderr);
         // Removed once publish has fsync'd the image, not while the worker's end is awaited.
         staging.drop_after_publish((private, stderr));
         outcome
@@ -848,17 +874,22 @@ impl Criu for CriuRpc {
             let Some(since) = criu_start.get().copied() else {
                 return;
             };
-            if g.timed_out || (!passed && !g.status.success()) {
+            // A CRIU given up on after its kill is waited for by the deadline layer's thread
+            // (see `wait_until`): neither ended again nor reaped here.
+            let criu = g.stuck.as_ref().map(|s| s.pid);
+            if g.timed_out || (!passed && !g.succeeded()) {
                 let run = unresumed::Run {
                     private: &p,
                     bin: bin.as_deref(),
                     criu_start: since,
                 };
-                let ended = unresumed::end_run(None, unresumed::thread_children_since(since), &run);
-                unresumed::reap_children_since(since, true);
+                let mut roots = unresumed::thread_children_since(since);
+                roots.retain(|h| Some(h.pid()) != criu);
+                let ended = unresumed::end_run(None, roots, &run);
+                unresumed::reap_children_since(since, true, criu);
                 let _ = left.set(ended);
-            } else if !g.status.success() {
-                unresumed::reap_children_since(since, false);
+            } else if !g.succeeded() {
+                unresumed::reap_children_since(since, false, criu);
             }
         };
         let (gated, served, refused) = match route {
@@ -919,10 +950,12 @@ impl Criu for CriuRpc {
                 (gated, image.manifest().total_bytes, check.failure())
             }
         };
+        let succeeded = gated.succeeded();
         let Gated {
             status,
             verdict,
             timed_out,
+            stuck,
         } = gated;
         phases.criu_exit_ms = since(std::time::Instant::now());
         phases.gate_ms = gate_at.get().copied().and_then(since);
@@ -930,36 +963,37 @@ impl Criu for CriuRpc {
         tracing::debug!(?phases, "criu restore phases");
         let log = work.join(RESTORE_LOG);
         let passed = matches!(verdict, Some(Ok(())));
-        if timed_out || (!passed && !status.success()) {
+        if timed_out || (!passed && !succeeded) {
             let ended = left.into_inner().unwrap_or_default();
             if timed_out {
                 private.keep();
                 return Err(CriuError::TimedOut {
                     op,
                     after: deadline.unwrap_or_default(),
-                    lines: last_lines(&log),
+                    lines: last_lines(&log).into_boxed_slice(),
                     log,
                     killed: ended.killed,
                     left: ended.left,
+                    stuck,
                 });
             }
             if !ended.killed.is_empty() || !ended.left.is_empty() {
                 tracing::warn!(killed = ?ended.killed, left = ?ended.left, "CRIU ended before its gate: what it left was ended");
             }
         }
-        tracing::debug!(%status, served, "criu restore ended");
+        tracing::debug!(?status, served, "criu restore ended");
         // A refused image: the reason is the image's, CRIU's log of it is of no use.
         if let Some(e) = refused {
             return Err(CriuError::Image(e));
         }
         match verdict {
             Some(Err(e)) => return Err(e),
-            Some(Ok(())) if status.success() => {}
+            Some(Ok(())) if succeeded => {}
             _ => {
                 private.keep();
                 let mut err = failed(op, log, None);
                 if let CriuError::Failed { lines, .. } = &mut err {
-                    if status.success() {
+                    if succeeded {
                         lines.push("CRIU resumed the tree without passing cryo's gate".into());
                     }
                     if lines.iter().all(|l| l.starts_with("cannot read")) {
@@ -1027,23 +1061,23 @@ impl CriuRpc {
         Ok((cmd, stderr, log, gate))
     }
 
-    /// What a gated dump's end says: the gate's refusal, CRIU's failure (with its log's
+    /// What a gated dump's end (`gated`) says: the gate's refusal, CRIU's failure (with its log's
     /// error lines, or its stderr when the log cannot be read), or success.
     fn dump_outcome(
         &self,
         op: CriuOp,
         staging: &Staging,
-        status: std::process::ExitStatus,
-        verdict: Option<Result<(), CriuError>>,
+        gated: Gated,
         stderr: &File,
     ) -> Result<(), CriuError> {
-        match verdict {
+        let succeeded = gated.succeeded();
+        match gated.verdict {
             Some(Err(e)) => Err(e),
-            Some(Ok(())) if status.success() => Ok(()),
+            Some(Ok(())) if succeeded => Ok(()),
             _ => {
                 let mut err = failed(op, staging.path().join(DUMP_LOG), None);
                 if let CriuError::Failed { lines, .. } = &mut err {
-                    if status.success() {
+                    if succeeded {
                         lines.push("CRIU ended the dump without passing cryo's gate".into());
                     }
                     if lines.iter().all(|l| l.starts_with("cannot read")) {
@@ -1083,9 +1117,7 @@ impl CriuRpc {
         tracing::debug!(pid, staging = %staging.path().display(), "criu dump --stream");
         let capture = staging.capture();
         let clock = capture.clock();
-        let Gated {
-            status, verdict, ..
-        } = self.run_gated(
+        let gated = self.run_gated(
             op,
             cmd,
             log,
@@ -1105,11 +1137,11 @@ impl CriuRpc {
             |_| {},
         )?;
         image::CaptureClock::mark(&clock.criu_exit);
-        tracing::debug!(%status, written = capture.written_bytes(), "criu dump --stream ended");
+        tracing::debug!(status = ?gated.status, written = capture.written_bytes(), "criu dump --stream ended");
         if let Some(e) = capture.failure() {
             return Err(CriuError::Image(e));
         }
-        self.dump_outcome(op, staging, status, verdict, &stderr)?;
+        self.dump_outcome(op, staging, gated, &stderr)?;
         staging.adopt(capture).map_err(CriuError::Image)
     }
 }
@@ -1230,50 +1262,146 @@ impl DumpPhases {
 
 /// What [`CriuRpc::run_gated`] saw.
 struct Gated {
-    status: std::process::ExitStatus,
+    /// CRIU's exit status; `None`: it did not exit after its kill ([`Gated::stuck`]).
+    status: Option<std::process::ExitStatus>,
     verdict: Option<Result<(), CriuError>>,
     /// CRIU ran past its deadline and was killed.
     timed_out: bool,
+    /// CRIU, killed at its deadline, had not exited a while later: given up on (reaped later).
+    stuck: Option<Box<Stuck>>,
 }
 
-/// Waits for `child`, past `deadline` no longer: then kills it (SIGKILL) and reaps it. Returns
-/// its status and whether it was killed for the deadline.
-fn wait_until(
-    child: &mut std::process::Child,
-    deadline: Option<std::time::Duration>,
-) -> (std::io::Result<std::process::ExitStatus>, bool) {
+impl Gated {
+    /// CRIU exited, successfully.
+    fn succeeded(&self) -> bool {
+        self.status.is_some_and(|s| s.success())
+    }
+}
+
+/// How long a CRIU killed at its deadline may take to exit before cryo gives up on it: a killed
+/// process exits within milliseconds unless it waits where no signal reaches it.
+pub const KILLED_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// How many CRIUs given up on after their kill ([`Stuck`]) may still be waited for before a new
+/// CRIU with a deadline is refused ([`CriuError::TooManyStuck`]): each holds a thread of the
+/// deadline layer until it exits.
+pub const MAX_STUCK_CRIUS: usize = 8;
+
+static STUCK: Abandoned = Abandoned::new(MAX_STUCK_CRIUS);
+
+/// CRIUs of this process killed at their deadlines and given up on that have still not exited
+/// (each is waited for by a thread of the deadline layer, which reaps it when it exits).
+pub fn stuck_crius() -> usize {
+    STUCK.get()
+}
+
+/// What [`wait_until`] found.
+struct Waited {
+    /// CRIU's exit status; `Ok(None)`: it is stuck, and waited for elsewhere.
+    status: std::io::Result<Option<std::process::ExitStatus>>,
+    /// Killed at the deadline.
+    timed_out: bool,
+    /// Killed and not exited within [`KILLED_GRACE`].
+    stuck: Option<Box<Stuck>>,
+}
+
+/// Whether the process of `pidfd` exits within `limit`.
+fn exits_within(pidfd: &OwnedFd, limit: std::time::Duration) -> std::io::Result<bool> {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-    let Some(deadline) = deadline else {
-        return (child.wait(), false);
-    };
-    let pidfd = match rustix::process::pidfd_open(
-        rustix::process::Pid::from_child(child),
-        rustix::process::PidfdFlags::empty(),
-    ) {
-        Ok(fd) => fd,
-        Err(e) => return (Err(e.into()), false),
-    };
-    let until = std::time::Instant::now() + deadline;
+    let until = std::time::Instant::now() + limit;
     loop {
         let left = until.saturating_duration_since(std::time::Instant::now());
-        let ms = u16::try_from(left.as_millis()).unwrap_or(u16::MAX);
         if left.is_zero() {
-            break;
+            return Ok(false);
         }
+        let ms = u16::try_from(left.as_millis()).unwrap_or(u16::MAX);
         let mut fds = [PollFd::new(pidfd.as_fd(), PollFlags::POLLIN)];
         match poll(&mut fds, PollTimeout::from(ms)) {
             Ok(0) | Err(nix::Error::EINTR) => continue,
-            Ok(_) => return (child.wait(), false),
-            Err(e) => return (Err(e.into()), false),
+            Ok(_) => return Ok(true),
+            Err(e) => return Err(e.into()),
         }
     }
-    tracing::warn!(
-        pid = child.id(),
-        ?deadline,
-        "CRIU ran past its deadline: killing it"
-    );
+}
+
+/// Waits for `child`, past `deadline` no longer: then kills it (SIGKILL) and reaps it. A child
+/// that has not exited [`KILLED_GRACE`] after its kill is stuck where no signal reaches it (an
+/// uninterruptible wait: a read of a hung disk or file server, see [`Stuck`]): it is named, from
+/// `/proc` while it is still this process's unreaped child, and handed to a thread of the
+/// deadline layer that reaps it whenever its wait ends, and the caller gets on at once.
+fn wait_until(mut child: std::process::Child, deadline: Option<std::time::Duration>) -> Waited {
+    let exited = |status: std::io::Result<std::process::ExitStatus>, timed_out| Waited {
+        status: status.map(Some),
+        timed_out,
+        stuck: None,
+    };
+    let Some(deadline) = deadline else {
+        return exited(child.wait(), false);
+    };
+    let pidfd = match rustix::process::pidfd_open(
+        rustix::process::Pid::from_child(&child),
+        rustix::process::PidfdFlags::empty(),
+    ) {
+        Ok(fd) => fd,
+        Err(e) => return exited(Err(e.into()), false),
+    };
+    match exits_within(&pidfd, deadline) {
+        Ok(true) => return exited(child.wait(), false),
+        Ok(false) => {}
+        Err(e) => return exited(Err(e), false),
+    }
+    let pid = child.id() as Pid;
+    tracing::warn!(pid, ?deadline, "CRIU ran past its deadline: killing it");
     let _ = child.kill();
-    (child.wait(), true)
+    match exits_within(&pidfd, KILLED_GRACE) {
+        Ok(true) => return exited(child.wait(), true),
+        Ok(false) => {}
+        Err(e) => return exited(Err(e), true),
+    }
+    // Not reaped: the pid is still this child's, a bare pid names it.
+    let stuck = Stuck {
+        pid,
+        state: cryo_proc::stat(pid).map_or('?', |s| s.state),
+        wchan: cryo_proc::wchan(pid).unwrap_or_default(),
+        waited: KILLED_GRACE,
+    };
+    tracing::error!(pid, state = %stuck.state, wchan = %stuck.wchan, "CRIU did not exit after its kill: given up on, reaped when its wait ends");
+    reap_later(child);
+    Waited {
+        status: Ok(None),
+        timed_out: true,
+        stuck: Some(Box::new(stuck)),
+    }
+}
+
+/// Hands `child` (killed, stuck) to a thread of the deadline layer that waits for it and reaps
+/// it, counted in [`stuck_crius`] until then.
+fn reap_later(mut child: std::process::Child) {
+    let pid = child.id();
+    let late = cryo_gpu::deadline::within_counted(
+        &STUCK,
+        std::time::Duration::ZERO,
+        move || child.wait(),
+        move |waited| match waited {
+            Ok(status) => {
+                tracing::warn!(pid, %status, "a CRIU given up on after its kill exited: reaped")
+            }
+            Err(e) => {
+                tracing::warn!(pid, error = %e, "waiting for a CRIU given up on after its kill")
+            }
+        },
+    );
+    match late {
+        // Exited meanwhile (reaped) or handed over (counted, reaped when it exits).
+        Ok(_) | Err(Late::Elapsed(_)) => {}
+        Err(e) => {
+            tracing::error!(
+                pid,
+                ?e,
+                "no thread to wait for a stuck CRIU: it stays a zombie once it exits"
+            );
+        }
+    }
 }
 
 /// The file CRIU writes the restored root's pid into (in the work directory).
@@ -1390,10 +1518,15 @@ impl Gate {
         self,
         verdict: impl FnOnce(Option<Pid>) -> Result<(), CriuError>,
         criu: Option<OwnedFd>,
+        stop: OwnedFd,
     ) -> Option<Result<(), CriuError>> {
         use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
         loop {
-            let mut fds = vec![PollFd::new(self.reached.as_fd(), PollFlags::POLLIN)];
+            // `stop` ends (hangs up) once CRIU was waited for or given up on (stuck).
+            let mut fds = vec![
+                PollFd::new(self.reached.as_fd(), PollFlags::POLLIN),
+                PollFd::new(stop.as_fd(), PollFlags::POLLIN),
+            ];
             if let Some(c) = &criu {
                 fds.push(PollFd::new(c.as_fd(), PollFlags::POLLIN));
             }
@@ -1408,11 +1541,14 @@ impl Gate {
                 Ok(_) => {}
             }
             let ready =
-                |f: &PollFd<'_>| f.revents().is_some_and(|r| r.intersects(PollFlags::POLLIN));
-            if ready(&fds[0]) {
+                |f: &PollFd<'_>, on: PollFlags| f.revents().is_some_and(|r| r.intersects(on));
+            if ready(&fds[0], PollFlags::POLLIN) {
                 break;
             }
-            if fds.get(1).is_some_and(ready) {
+            if fds[1..]
+                .iter()
+                .any(|f| ready(f, PollFlags::POLLIN | PollFlags::POLLHUP))
+            {
                 return None;
             }
         }

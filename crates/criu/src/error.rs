@@ -78,12 +78,14 @@ pub enum CriuError {
     #[error("{0}")]
     Image(#[source] ImageError),
     /// CRIU did not finish its work in time and was killed, with every process it had restored
-    /// (none had run); `lines` are the last of its log (where it was).
+    /// (none had run); `lines` are the last of its log (where it was). A CRIU that did not exit
+    /// after its kill is named in `stuck`: the restore returned without it.
     #[error(
-        "criu {op} did not finish within {} s and was killed with what it had restored{}{} (log {}): {}",
+        "criu {op} did not finish within {} s and was killed with what it had restored{}{}{} (log {}): {}",
         .after.as_secs(),
         fmt_killed(.killed),
         fmt_left(.left),
+        fmt_stuck(.stuck.as_deref()),
         .log.display(),
         fmt_lines(.lines)
     )]
@@ -94,13 +96,28 @@ pub enum CriuError {
         after: std::time::Duration,
         /// CRIU's log file.
         log: PathBuf,
-        /// Its last lines.
-        lines: Vec<String>,
+        /// Its last lines (a boxed slice, as `stuck` is boxed: every `Result` of this crate
+        /// carries this error's size).
+        lines: Box<[String]>,
         /// Processes it had restored or forked, killed: host pid and start time, the restored
         /// root first (found by the kernel's evidence, never by the image's pids).
         killed: Vec<(Pid, u64)>,
         /// Restored processes that could not be removed, and why.
         left: Vec<String>,
+        /// CRIU itself, when it did not exit after its kill (boxed: the error stays small).
+        stuck: Option<Box<Stuck>>,
+    },
+    /// Too many CRIUs killed at their deadlines are still stuck where no signal reaches them
+    /// (see [`Stuck`]): no new one is started, since it would most likely hang the same way
+    /// and each holds a thread until it exits.
+    #[error(
+        "criu {op} not started: {stuck} CRIUs killed at their deadlines have still not exited (stuck in the kernel: a hung disk or file server?)"
+    )]
+    TooManyStuck {
+        /// The operation.
+        op: CriuOp,
+        /// CRIUs killed and still not exited.
+        stuck: usize,
     },
     /// CRIU ran and reported failure; `lines` are its own `Error (...)` lines from `log`
     /// (the last few), or the log's last lines when it has none.
@@ -121,6 +138,42 @@ pub enum CriuError {
     /// refused the tree: CRIU resumed it instead of killing it.
     #[error("dump refused at cryo's gate: {0}; CRIU resumed the tree")]
     DumpGate(String),
+}
+
+/// A CRIU killed (SIGKILL) at its deadline that had not exited a while later: it waits where no
+/// signal reaches it, in an uninterruptible wait (state `D`: a read of a dead disk, of an NFS
+/// hard mount, of a FUSE server that stopped answering) that ends only when the kernel's wait
+/// does. Its kill is pending: it never runs CRIU's code again, so it resumes nothing; it exits
+/// when its wait ends, and is reaped then by a thread of cryo's deadline layer
+/// (`cryo_gpu::deadline`, counted by [`crate::stuck_crius`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stuck {
+    /// CRIU's pid (cryo's child, not reaped: the pid is still its).
+    pub pid: Pid,
+    /// Its state letter from `/proc/PID/stat` (`D`: uninterruptible) when cryo gave up on it;
+    /// `?` when it could not be read.
+    pub state: char,
+    /// Where in the kernel it waited (`/proc/PID/wchan`), empty when unknown.
+    pub wchan: String,
+    /// How long cryo waited for it to exit after its kill.
+    pub waited: std::time::Duration,
+}
+
+fn fmt_stuck(stuck: Option<&Stuck>) -> String {
+    let Some(s) = stuck else {
+        return String::new();
+    };
+    let wchan = if s.wchan.is_empty() || s.wchan == "0" {
+        String::new()
+    } else {
+        format!(" in {}", s.wchan)
+    };
+    format!(
+        "; CRIU (pid {}) did not exit within {} ms of its kill: state {}{wchan} (an uninterruptible wait: a hung disk or file server?); it is reaped when that wait ends",
+        s.pid,
+        s.waited.as_millis(),
+        s.state
+    )
 }
 
 fn fmt_paths(p: &[PathBuf]) -> String {

@@ -175,13 +175,14 @@ pub(crate) fn thread_children_since(since: u64) -> Vec<ProcHandle> {
 /// Reaps this thread's children that started at or after `since` (CRIU's start) once they
 /// exited: what CRIU restored as our child and then killed, or what [`end_run`] killed (a zombie
 /// holds its pid until reaped). With `wait`, waits up to 5 s for each to exit (they were
-/// killed); without, reaps only those already exited.
-pub(crate) fn reap_children_since(since: u64, wait: bool) {
+/// killed); without, reaps only those already exited. `except` (a CRIU given up on, whose
+/// waiter reaps it) is left alone.
+pub(crate) fn reap_children_since(since: u64, wait: bool, except: Option<Pid>) {
     use rustix::process::{waitpid, Pid as RPid, WaitOptions};
     // Our children: each pid names its child until we reap it (a zombie too, which no pidfd
     // opens any more).
     for pid in cryo_proc::thread_children().unwrap_or_default() {
-        if !cryo_proc::stat(pid).is_ok_and(|s| s.start_time >= since) {
+        if Some(pid) == except || !cryo_proc::stat(pid).is_ok_and(|s| s.start_time >= since) {
             continue;
         }
         if wait {

@@ -9,36 +9,14 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use cryo_criu::image::{self, ImageError, ImageMeta, ProcessEntry, Staging};
-use cryo_criu::CriuVersion;
+use cryo_criu::image::{self, ImageError};
 
 fn published(parent: &Path) -> PathBuf {
     let dir = parent.join("img");
-    let st = Staging::create(&dir).unwrap();
-    fs::write(st.path().join("pages-1.img"), vec![7u8; 300_000]).unwrap();
-    fs::write(st.path().join("core-4242.img"), b"core").unwrap();
-    let meta = ImageMeta {
-        root_pid: 4242,
-        processes: vec![ProcessEntry {
-            pid: 4242,
-            ppid: 1,
-            comm: "worker".into(),
-            cmdline: vec!["worker".into()],
-            nspid: vec![4242],
-            gpu: None,
-        }],
-        zombies: Vec::new(),
-        threads: Vec::new(),
-        gpu_model: None,
-        driver_version: None,
-        criu_version: CriuVersion {
-            major: 4,
-            minor: 2,
-            sublevel: 0,
-        },
-        shrunk: None,
-    };
-    st.publish(meta, false).unwrap();
+    cryo_testkit::image::publish(
+        &dir,
+        &[("pages-1.img", &[7u8; 300_000]), ("core-4242.img", b"core")],
+    );
     dir
 }
 

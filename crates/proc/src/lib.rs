@@ -14,7 +14,7 @@
 //!
 //! Parsing is the `procfs` crate's; this crate decides what cryo needs from it and maps its errors
 //! into one [`ProcError`]. The free functions ([`stat`], [`status`], [`fds`], [`liveness`],
-//! [`tree`], [`pids_in_use`]) take bare pids: for those who have nothing else (the simulated
+//! [`tree`], [`pids_in_use`], [`wchan`]) take bare pids: for those who have nothing else (the simulated
 //! driver answers for a pid, as the real one does; a tracer names threads by tid; a command looks a
 //! pid up before it opens it).
 //!
@@ -54,7 +54,7 @@ pub use nix::sched::CpuSet;
 pub use read::{
     boot_id, boot_ticks, driver_file_holders, fds, liveness, load_average, mem_available, naming,
     pid_holders, pid_max, pids_in_use, pin_to_cpus, runs_our_executable, same_namespace, stat,
-    status, tgid, thread_children, thread_named, threads_cpu, tree, unix_listeners_of,
+    status, tgid, thread_children, thread_named, threads_cpu, tree, unix_listeners_of, wchan,
     NamespaceKind, PidHolder, Stat, Status, ThreadCpu, SYSTEM_MEMORY_PRESSURE,
 };
 pub use signal::{describe_wait_status, signal_name, Signal};

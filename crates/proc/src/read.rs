@@ -104,6 +104,15 @@ pub fn stat(pid: Pid) -> Result<Stat, ProcError> {
     Ok(s.into())
 }
 
+/// Where in the kernel `pid` waits (`/proc/PID/wchan`: the function of its wait, such as
+/// `request_wait_answer` for a FUSE request or `folio_wait_bit_common` for a page of a hung
+/// disk; `0` while it runs).
+pub fn wchan(pid: Pid) -> Result<String, ProcError> {
+    process(pid)?
+        .wchan()
+        .map_err(|e| ProcError::read(pid, "wchan", e))
+}
+
 /// One thread's name and CPU time so far (`/proc/PID/task/TID/schedstat`: time on a CPU, ns).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ThreadCpu {

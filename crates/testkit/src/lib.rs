@@ -16,6 +16,9 @@
 //! - [`fake_criu`]: [`fake_criu::FakeCriu`], the `cryo-criu` seam (`Criu`) in process: dumps
 //!   that kill the tree after a complete dump, failures on demand, and a record of the driver
 //!   state of every process at the moment it was dumped.
+//! - [`image`]: small published images for tests of the image's files (not restorable).
+//! - [`fuse`]: a FUSE mirror of a directory whose server never answers the requests it is told
+//!   to hold: a real uninterruptible wait (state `D`) for the process that sent one.
 //! - [`cgroup`]: a memory cgroup per test with a unique name (several test runs share a machine).
 //! - [`own`]: every process a test starts is in a cgroup of the test's own, ended by a watchdog
 //!   once the test process is gone, however it ended (a panic, an abort, a runner's SIGKILL).
@@ -36,7 +39,9 @@ pub mod cgroup;
 pub mod fake;
 pub mod fake_criu;
 pub mod fds;
+pub mod fuse;
 pub mod http;
+pub mod image;
 pub mod own;
 pub mod procs;
 pub mod sim;
