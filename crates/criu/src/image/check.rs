@@ -21,11 +21,13 @@
 //! same bytes for CRIU as for cryo, so every byte a restored process gets was checked before it
 //! runs.
 //!
-//! A read that never returns (a hung disk, a FUSE server that stopped answering) cannot be
-//! cancelled: both checks (of the files CRIU reads as instructions, in [`Check::new_until`],
-//! and of the page contents) run under a thread that owns what it reads (a duplicate of the
-//! image's directory fd, its manifest), and past the restore's deadline [`Check::new_until`],
-//! [`Check::run`] and [`Check::finish`] give up on it: the image is refused, the restore returns, and the thread is
+//! A read, an open or a stat that never returns (a hung disk, a FUSE server that stopped
+//! answering) cannot be cancelled: the watch, the files' identities and the check of the files
+//! CRIU reads as instructions (in [`Check::new_until`]), the check of the page contents, and
+//! the verdict's second look at every file's identity all run under a thread that owns what it
+//! reads (a duplicate of the image's directory fd and of every file [`Image::open`] holds, its
+//! manifest), and past the restore's deadline [`Check::new_until`], [`Check::run`] and
+//! [`Check::finish`] give up on it: the image is refused, the restore returns, and the thread is
 //! *abandoned* (counted by [`abandoned_checks`]; it ends whenever its read returns). Past
 //! [`MAX_ABANDONED_CHECKS`] of them still stuck, [`Check::new`] refuses at once instead of adding
 //! threads that would hang the same way (a long-lived agent must not pile them up).
@@ -210,40 +212,39 @@ impl<'a> Check<'a> {
                 ),
             });
         }
-        let err = |e: std::io::Error| ImageError::Io {
-            path: dir.to_path_buf(),
-            source: e,
-        };
         let watch = inotify::init(inotify::CreateFlags::CLOEXEC | inotify::CreateFlags::NONBLOCK)
-            .map_err(|e| err(e.into()))?;
-        let proc_path = format!("/proc/self/fd/{}", image.dir_fd().as_raw_fd());
-        inotify::add_watch(&watch, proc_path.as_str(), changes()).map_err(|e| err(e.into()))?;
-        let stamps = (0..image.manifest().files.len())
-            .map(|i| {
-                let (f, _) = image.open_file(i)?;
-                let path = dir.join(&image.manifest().files[i].name);
-                f.metadata()
-                    .map(|m| Stamp::of(&m))
-                    .map_err(|source| ImageError::Io { path, source })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        // Before CRIU reads any of them; changes afterwards are the watch's.
+            .map_err(|e| ImageError::Io {
+            path: dir.to_path_buf(),
+            source: e.into(),
+        })?;
         let threads = check_threads(std::thread::available_parallelism().map_or(1, usize::from));
+        // The watch, the files' identities and the check of the files CRIU reads as
+        // instructions, all before CRIU reads any of them (changes afterwards are the watch's),
+        // and all under the deadline: an open or a stat of a hung file system does not return
+        // either.
         let steering = on_own_thread(image, deadline, move |image| {
+            let proc_path = format!("/proc/self/fd/{}", image.dir_fd().as_raw_fd());
+            inotify::add_watch(&watch, proc_path.as_str(), changes()).map_err(|e| {
+                ImageError::Io {
+                    path: image.path().to_path_buf(),
+                    source: e.into(),
+                }
+            })?;
+            let stamps = stamps_of(image)?;
             read_stall_failpoint(CHECK_STEERING_READ_STALLS);
-            image.verify_files_in_order(|name| !is_page_contents(name), threads)
+            image.verify_files_in_order(|name| !is_page_contents(name), threads)?;
+            Ok((watch, stamps))
         });
-        match steering {
-            Some(r) => r?,
-            None => {
-                return Err(ImageError::Stream {
+        let (watch, stamps) =
+            match steering {
+                Some(r) => r?,
+                None => return Err(ImageError::Stream {
                     dir: dir.to_path_buf(),
                     reason:
                         "the check of the image's files did not end before the restore's deadline"
                             .into(),
-                })
-            }
-        }
+                }),
+            };
         let (done, outcome) = mpsc::sync_channel(1);
         Ok(Check {
             image,
@@ -375,20 +376,24 @@ impl<'a> Check<'a> {
             Err(rustix::io::Errno::AGAIN) => {}
             Err(e) => return Err(self.stream_error(format!("reading the watch: {e}"))),
         }
-        for (i, noted) in self.stamps.iter().enumerate() {
-            let (f, _) = self.image.open_file(i)?;
-            let now = f.metadata().map_err(|source| ImageError::Io {
-                path: self.image.path().join(&self.image.manifest().files[i].name),
-                source,
-            })?;
-            if Stamp::of(&now) != *noted {
-                return Err(self.changed(format!(
-                    "{}: not the file checked (identity, size or times differ)",
-                    self.image.manifest().files[i].name
-                )));
-            }
+        // Opens and stats, under the deadline as the reads are (see the module docs).
+        let noted = self.stamps.clone();
+        let now = on_own_thread(self.image, self.deadline, move |image| {
+            let now = stamps_of(image)?;
+            Ok(noted.iter().zip(&now).position(|(noted, now)| noted != now))
+        });
+        match now {
+            Some(Ok(None)) => Ok(()),
+            Some(Ok(Some(i))) => Err(self.changed(format!(
+                "{}: not the file checked (identity, size or times differ)",
+                self.image.manifest().files[i].name
+            ))),
+            Some(Err(e)) => Err(e),
+            None => Err(self.stream_error(
+                "looking at the image's files again did not end before the restore's deadline"
+                    .into(),
+            )),
         }
-        Ok(())
     }
 
     fn changed(&self, what: String) -> ImageError {
@@ -404,6 +409,22 @@ impl<'a> Check<'a> {
             reason,
         }
     }
+}
+
+/// Every file of `image`, in the manifest's order, opened (through the trust checks) and
+/// looked at.
+fn stamps_of(image: &Image) -> Result<Vec<Stamp>, ImageError> {
+    (0..image.manifest().files.len())
+        .map(|i| {
+            let (f, _) = image.open_file(i)?;
+            f.metadata()
+                .map(|m| Stamp::of(&m))
+                .map_err(|source| ImageError::Io {
+                    path: image.path().join(&image.manifest().files[i].name),
+                    source,
+                })
+        })
+        .collect()
 }
 
 /// Runs `work` on a copy of `image` (its directory fd duplicated) on a thread of the deadline

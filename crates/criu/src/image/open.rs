@@ -117,14 +117,26 @@ impl Image {
         }
     }
 
-    /// Another handle on the same opened image (the directory's fd duplicated): for a thread
-    /// that may outlive the caller's borrow (the thaw's check, abandoned when its read hangs).
+    /// Another handle on the same opened image (the directory's fd and every file's held
+    /// open duplicated, so a name that comes to hold another file is refused through it too):
+    /// for a thread that may outlive the caller's borrow (the thaw's check, abandoned when its
+    /// read, open or stat hangs).
     pub(crate) fn try_clone(&self) -> Result<Image, ImageError> {
-        let fd = self.fd.try_clone().map_err(|source| ImageError::Io {
+        let err = |source| ImageError::Io {
             path: self.dir.clone(),
             source,
-        })?;
-        Ok(Image::adopt(self.dir.clone(), fd, self.manifest.clone()))
+        };
+        let fd = self.fd.try_clone().map_err(err)?;
+        let files = self
+            .files
+            .iter()
+            .map(File::try_clone)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(err)?;
+        Ok(Image {
+            files,
+            ..Image::adopt(self.dir.clone(), fd, self.manifest.clone())
+        })
     }
 
     /// The manifest.
