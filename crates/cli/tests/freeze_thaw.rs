@@ -4350,7 +4350,8 @@ const DIES_MID_THAW: &str = "CRYO_TEST_DIES_MID_THAW";
 /// panic or by a SIGKILL of the test process (what a runner's timeout or an operator's ^C does)
 /// leaves nothing running: not the sim driver, the `cryo thaw`, CRIU, the checker (a session
 /// of its own) or the restored worker. Session 15: a test killed so left a sim worker running
-/// for two hours. The test runs itself again as the dying test, takes every process of that
+/// for two hours. Nor its simulated driver's directory (a worker binary's copy and an image,
+/// ~150 MB: session 16's killed tests left ten). The test runs itself again as the dying test, takes every process of that
 /// test's tree (by pidfd) while it is paused, then makes it die.
 #[test]
 fn a_test_that_dies_in_the_middle_of_a_thaw_leaves_nothing_running() {
@@ -4432,6 +4433,10 @@ fn a_test_that_dies_in_the_middle_of_a_thaw_leaves_nothing_running() {
             left.is_empty(),
             "{how}: left running by the test that died: {listed}"
         );
+        let sim_dir = PathBuf::from(fs::read_to_string(dir.path().join("sim")).unwrap());
+        eventually(PATIENCE, "the dead test's sim directory removed", || {
+            !sim_dir.exists()
+        });
     }
 }
 
@@ -4449,6 +4454,7 @@ fn dies_mid_thaw(how: &str) {
     eventually(PATIENCE, "the restored worker at CRIU's gate", || {
         exists(pid)
     });
+    fs::write(dir.join("sim"), env.path().as_os_str().as_encoded_bytes()).unwrap();
     fs::write(dir.join("ready.tmp"), pid.to_string()).unwrap();
     fs::rename(dir.join("ready.tmp"), dir.join("ready")).unwrap();
     let go = dir.join("go");

@@ -14,7 +14,9 @@
 //! process is gone, returned, panicked, aborted or SIGKILLed by a runner's timeout, the kernel
 //! closes that end; the watchdog writes what is still in the cgroup to `CRYO_TEST_LEFT_DIR` (when
 //! set: `scripts/test.sh` lists it), ends the whole cgroup at once (`cgroup.kill`), waits until it
-//! is empty and removes it.
+//! is empty and removes it, then removes the test's scratch directory ([`Owner::scratch`]: where
+//! the kit puts a simulated driver's directory, a worker binary's copy and images included), which
+//! a test that dies never removes itself.
 //!
 //! # Limitations
 //! A process that moves itself to another v2 cgroup leaves the test's (cryo's pin holder does,
@@ -35,6 +37,7 @@ pub const LEFT_DIR_ENV: &str = "CRYO_TEST_LEFT_DIR";
 #[derive(Debug)]
 pub struct Owner {
     cgroup: PathBuf,
+    scratch: PathBuf,
     _alive: std::os::fd::OwnedFd,
 }
 
@@ -42,6 +45,13 @@ impl Owner {
     /// The test's cgroup (unified hierarchy).
     pub fn cgroup(&self) -> &Path {
         &self.cgroup
+    }
+
+    /// A directory of the test's own in the temporary directory, removed with everything in it by
+    /// the watchdog once the test process is gone and its processes are ended (however the test
+    /// ended): make the test's large temporary directories in it.
+    pub fn scratch(&self) -> &Path {
+        &self.scratch
     }
 }
 
@@ -54,7 +64,8 @@ pub fn own() -> &'static Owner {
 }
 
 /// What the watchdog runs (`sh -c`): `$1` the test's cgroup, `$2` the test's pid, `$3` the file
-/// to list what is left in (or empty), `$4` the test's command line. Its stdin is the pipe.
+/// to list what is left in (or empty), `$4` the test's command line, `$5` the test's scratch
+/// directory. Its stdin is the pipe.
 /// It forks nothing until the pipe's end (a builtin `read`): a test that makes a process take a
 /// given pid (`ns_last_pid`) right after its first [`own`] must not see the watchdog take it.
 const WATCHDOG: &str = r#"
@@ -77,6 +88,8 @@ while ! grep -qx 'populated 0' "$1/cgroup.events" 2>/dev/null && [ "$i" -lt 600 
 done
 # Children first: the cgroups of tests this test ran as processes of its own.
 find "$1" -depth -type d -exec rmdir {} + 2>/dev/null
+# Only once nothing of the test can still write in it. `rm` does not follow links in it.
+rm -rf -- "$5"
 "#;
 
 fn start() -> Owner {
@@ -91,9 +104,18 @@ fn start() -> Owner {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos());
-    let cgroup = parent.join(format!("cryo-test-{me}-{nanos}"));
+    let name = format!("cryo-test-{me}-{nanos}");
+    let cgroup = parent.join(&name);
     std::fs::create_dir(&cgroup)
         .unwrap_or_else(|e| panic!("making the test's cgroup {}: {e}", cgroup.display()));
+    let scratch = std::env::temp_dir().join(&name);
+    if let Err(e) = std::fs::create_dir(&scratch) {
+        let _ = std::fs::remove_dir(&cgroup);
+        panic!(
+            "making the test's scratch directory {}: {e}",
+            scratch.display()
+        );
+    }
     let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
     let left = std::env::var_os(LEFT_DIR_ENV)
         .map(|d| PathBuf::from(d).join(format!("{me}-{nanos}")))
@@ -108,6 +130,7 @@ fn start() -> Owner {
         .arg(me.to_string())
         .arg(&left)
         .arg(argv.join(" "))
+        .arg(&scratch)
         .stdin(Stdio::from(read))
         .stdout(Stdio::null())
         .stderr(Stdio::null());
@@ -116,6 +139,7 @@ fn start() -> Owner {
         Ok(s) if s.success() => {}
         other => {
             let _ = std::fs::remove_dir(&cgroup);
+            let _ = std::fs::remove_dir(&scratch);
             panic!("starting the test's watchdog (setsid --fork sh): {other:?}");
         }
     }
@@ -124,6 +148,7 @@ fn start() -> Owner {
         .unwrap_or_else(|e| panic!("moving the test into {}: {e}", cgroup.display()));
     Owner {
         cgroup,
+        scratch,
         _alive: write,
     }
 }

@@ -108,10 +108,10 @@ impl Sim {
 
     /// With these `driver` arguments (`--gpus N --gpu-memory SIZE`...).
     pub fn start_with(program: &Program, args: &[&str]) -> Sim {
-        crate::own();
+        let owner = crate::own();
         let dir = tempfile::Builder::new()
             .prefix("cryo-sim-test-")
-            .tempdir()
+            .tempdir_in(owner.scratch())
             .unwrap();
         let log = std::fs::File::create(dir.path().join("driver.log")).unwrap();
         let daemon = program
