@@ -7,6 +7,12 @@
 //!
 //! The request goes through `cryo_http`, cryo's one HTTP client.
 //!
+//! Attempts are `Pauses` apart: 1 ms after the first, doubling to 20 ms (a command's exit is
+//! looked for the same way, up to 10 ms apart). A thawed worker usually answers within a few
+//! milliseconds of its unlock, and a fixed 20 ms period made every thaw's first answer wait up
+//! to 20 ms for the next attempt; a worker that is still starting gets at most 5 attempts in
+//! its first 31 ms and 50 a second after that, as before.
+//!
 //! # Limitations
 //! Plain `http://` only (the worker is on loopback or the node's network); no TLS, no redirects.
 
@@ -59,6 +65,7 @@ impl HealthCheck {
             HealthCheck::Cmd(c) => format!("`{c}`"),
         };
         let mut last = String::from(NOT_TRIED);
+        let mut pauses = Pauses::new(FIRST_PAUSE, MAX_PAUSE);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -81,13 +88,45 @@ impl HealthCheck {
                 Err(HealthAttempt::Cut(_)) => {}
             }
             std::thread::sleep(
-                Duration::from_millis(20).min(deadline.saturating_duration_since(Instant::now())),
+                pauses
+                    .next_pause()
+                    .min(deadline.saturating_duration_since(Instant::now())),
             );
         }
     }
 }
 
 const NOT_TRIED: &str = "not tried";
+
+/// The pause after a health check's first failed attempt.
+const FIRST_PAUSE: Duration = Duration::from_millis(1);
+/// The longest pause between two attempts: at most 50 a second at length.
+const MAX_PAUSE: Duration = Duration::from_millis(20);
+/// The longest pause between two looks at a check command's exit.
+const MAX_EXIT_PAUSE: Duration = Duration::from_millis(10);
+
+/// Pauses between attempts: `first`, doubling each time up to `max`, then `max` for good.
+#[derive(Debug, Clone)]
+pub(crate) struct Pauses {
+    next: Duration,
+    max: Duration,
+}
+
+impl Pauses {
+    pub(crate) fn new(first: Duration, max: Duration) -> Pauses {
+        Pauses {
+            next: first.min(max),
+            max,
+        }
+    }
+
+    /// The pause to take now.
+    pub(crate) fn next_pause(&mut self) -> Duration {
+        let now = self.next;
+        self.next = (now * 2).min(self.max);
+        now
+    }
+}
 
 enum HealthAttempt {
     /// The check ran and failed.
@@ -120,6 +159,7 @@ fn run_cmd(cmd: &str, timeout: Duration) -> Result<(), HealthAttempt> {
         .spawn()
         .map_err(|e| HealthAttempt::Failed(format!("cannot run sh: {e}")))?;
     let deadline = Instant::now() + timeout;
+    let mut pauses = Pauses::new(FIRST_PAUSE, MAX_EXIT_PAUSE);
     loop {
         match child.try_wait() {
             Ok(Some(st)) if st.success() => return Ok(()),
@@ -131,7 +171,7 @@ fn run_cmd(cmd: &str, timeout: Duration) -> Result<(), HealthAttempt> {
                 let _ = child.wait();
                 return Err(HealthAttempt::Cut("still running at the deadline".into()));
             }
-            Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+            Ok(None) => std::thread::sleep(pauses.next_pause()),
             Err(e) => return Err(HealthAttempt::Failed(e.to_string())),
         }
     }
@@ -140,6 +180,76 @@ fn run_cmd(cmd: &str, timeout: Duration) -> Result<(), HealthAttempt> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::{Read, Write};
+
+    #[test]
+    fn pauses_start_at_a_millisecond_and_double_to_their_bound() {
+        let mut p = Pauses::new(FIRST_PAUSE, MAX_PAUSE);
+        let ms: Vec<u128> = (0..8).map(|_| p.next_pause().as_millis()).collect();
+        assert_eq!(ms, [1, 2, 4, 8, 16, 20, 20, 20]);
+        let mut p = Pauses::new(Duration::from_millis(50), MAX_PAUSE);
+        assert_eq!(p.next_pause(), MAX_PAUSE);
+    }
+
+    /// The most attempts a check may make within `elapsed`, by the promise in the module docs
+    /// (not by [`Pauses`], whose breakage this bounds): the first at once, the next ones 1, 2,
+    /// 4, 8, 16 ms and then 20 ms after the one before (a sleep is never shorter than asked).
+    fn most_attempts_within(elapsed: Duration) -> usize {
+        let mut pause = 1;
+        let (mut n, mut t) = (1, 0);
+        loop {
+            t += pause;
+            if Duration::from_millis(t) > elapsed {
+                return n;
+            }
+            n += 1;
+            pause = (pause * 2).min(20);
+        }
+    }
+
+    /// Attack: a worker that is starting (answering 503 to its first 40 requests) is polled no
+    /// faster than the pauses allow, however fast it answers; counted by the worker, bounded by
+    /// the time the check took (a fixed rate of attempts must not become a loop).
+    #[test]
+    fn a_worker_that_is_starting_is_not_hammered() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("w.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        const REFUSED: usize = 40;
+        let server = std::thread::spawn(move || {
+            let mut served = 0;
+            for conn in listener.incoming() {
+                let mut c = conn.unwrap();
+                let mut req = [0u8; 1024];
+                let _ = c.read(&mut req);
+                served += 1;
+                let status = if served > REFUSED {
+                    "200 OK"
+                } else {
+                    "503 Service Unavailable"
+                };
+                let _ = write!(
+                    c,
+                    "HTTP/1.1 {status}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                );
+                if served > REFUSED {
+                    return served;
+                }
+            }
+            served
+        });
+        let check = HealthCheck::Url(format!("unix:{}:/health", sock.display()));
+        let t = Instant::now();
+        let answered = check.wait(Duration::from_secs(30)).unwrap();
+        let took = answered.duration_since(t);
+        let attempts = server.join().unwrap();
+        assert_eq!(attempts, REFUSED + 1);
+        assert!(
+            attempts <= most_attempts_within(took),
+            "{attempts} attempts in {took:?}: at most {} allowed",
+            most_attempts_within(took)
+        );
+    }
 
     #[test]
     fn malformed_urls_are_refused_before_any_attempt() {
