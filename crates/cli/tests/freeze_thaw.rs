@@ -923,11 +923,12 @@ fn a_freeze_killed_mid_lease_hands_the_worker_back_to_the_guard() {
 
 /// A freeze killed after a driver action whose outcome is not journaled yet: a lock's `Locked`
 /// goes to disk with the checkpoint's `CheckpointStarted`, a checkpoint's `Checkpointed` with
-/// `Verified` (one `fdatasync` each instead of two). The journal then shows the suspension in
-/// flight at its last intent (`LockStarted`, `CheckpointStarted`), with the freeze's purpose,
-/// and the next stop settles the worker from what the driver says: a locked one is unlocked
-/// and serves again; a checkpointed one is left checkpointed (a stop has no guard to resume it
-/// under), and `cryo stop` then ends it without a wedge.
+/// `Verified` (one `fdatasync` each instead of two), and those after the GPU-free moment
+/// (`freeze-after-gpu-free`: NVML already verified the GPU free). The journal then shows the
+/// suspension in flight at its last intent (`LockStarted`, `CheckpointStarted`), with the
+/// freeze's purpose, and the next stop settles the worker from what the driver says: a locked
+/// one is unlocked and serves again; a checkpointed one is left checkpointed (a stop has no
+/// guard to resume it under), and `cryo stop` then ends it without a wedge.
 #[test]
 fn a_freeze_killed_before_its_lock_or_checkpoint_is_journaled_is_settled_by_the_next_stop() {
     use cryo_journal::{Event, Purpose, StopStep};
@@ -935,6 +936,11 @@ fn a_freeze_killed_before_its_lock_or_checkpoint_is_journaled_is_settled_by_the_
         ("suspend-after-lock", "locked", StopStep::LockStarted),
         (
             "suspend-after-checkpoint",
+            "checkpointed",
+            StopStep::CheckpointStarted,
+        ),
+        (
+            "freeze-after-gpu-free",
             "checkpointed",
             StopStep::CheckpointStarted,
         ),
@@ -959,7 +965,10 @@ fn a_freeze_killed_before_its_lock_or_checkpoint_is_journaled_is_settled_by_the_
         assert!(
             !events(&env).iter().any(|e| match (failpoint, e) {
                 ("suspend-after-lock", Event::Locked { pid: p, .. }) => *p == id,
-                ("suspend-after-checkpoint", Event::Checkpointed { pid: p, .. }) => *p == id,
+                (
+                    "suspend-after-checkpoint" | "freeze-after-gpu-free",
+                    Event::Checkpointed { pid: p, .. } | Event::Verified { pid: p, .. },
+                ) => *p == id,
                 _ => false,
             }),
             "{failpoint}: {:?}",
@@ -1008,6 +1017,10 @@ fn a_freeze_of_a_restored_worker_cut_back_to_its_last_synced_record_is_found_by_
         ("suspend-after-lock", &[][..]),
         (
             "suspend-after-checkpoint",
+            &["Locked", "CheckpointStarted"][..],
+        ),
+        (
+            "freeze-after-gpu-free",
             &["Locked", "CheckpointStarted"][..],
         ),
     ] {

@@ -14,10 +14,12 @@
 //!    serving). The guard traces them throughout (the engine's shrink and the suspension
 //!    included), standing duplicates and all: a death or an `execve` there is pinned.
 //!    The suspension's last records (`Verified`, the outcomes journaled with it) are written
-//!    unsynced and synced on a thread of their own from GPU free on, beside the next steps;
-//!    CRIU's gate waits for that sync before its verdict, so every suspension is on stable
-//!    storage before anything can end its process (a sync that fails refuses the dump), and GPU
-//!    free waits for one `fdatasync` (the lock's intent, which must be on disk before the lock).
+//!    right after GPU free, unsynced, and synced on a thread of their own from then on, beside
+//!    the next steps; CRIU's gate waits for that sync before its verdict, so every suspension
+//!    is on stable storage before anything can end its process (a sync that fails refuses the
+//!    dump), and GPU free waits for one `fdatasync` (the lock's intent, which must be on disk
+//!    before the lock) and no write of the journal after the checkpoint (see
+//!    [`write_verified`] for why the write may follow the moment).
 //! 4. Only now, every context checkpointed and journaled so, ask the [`Watcher`] (the guard) to
 //!    let go of the processes it traces (CRIU must trace them itself); the guard itself refuses to
 //!    let go of a process whose context the journal does not show suspended. A death between the
@@ -103,6 +105,11 @@ pub const FREEZE_AT_DUMP_GATE: &str = "freeze-at-dump-gate";
 /// GPU free, fails; CRIU's gate then refuses the dump (CRIU resumes the tree, the freeze resumes
 /// it in place).
 pub const FREEZE_SUSPENSION_UNSYNCED: &str = "freeze-suspension-unsynced";
+
+/// Failpoint (stalling until killed): the GPU-free moment is taken (every CUDA process of the
+/// tree suspended, NVML lists none of them), the verification's records (each process's
+/// `Checkpointed` and `Verified`) are not written yet ([`write_verified`]).
+pub const FREEZE_AFTER_GPU_FREE: &str = "freeze-after-gpu-free";
 
 /// Failpoint (pausing): the engine's shrink is done, no CUDA process is suspended yet.
 pub const FREEZE_BEFORE_SUSPEND: &str = "freeze-before-suspend";
@@ -618,8 +625,9 @@ fn freeze_listed(
         Known {
             listed: &listed,
             states: &states,
-            // Synced beside the dump, waited for at CRIU's gate (`VerifiedSync`).
-            verified: Verified::SyncedByCaller,
+            // Written after GPU free (`write_verified`), synced beside the dump, waited for at
+            // CRIU's gate (`VerifiedSync`).
+            verified: Verified::ByCaller,
         },
         entries,
         gpu_model,
@@ -673,8 +681,10 @@ fn freeze_inner(
     sopts.purpose = cryo_journal::Purpose::Freeze;
     let mut suspended = Vec::new();
     let mut refusals = Vec::new();
+    // The verification's records, written after GPU free (`write_verified`).
+    let mut unwritten = Vec::new();
     if !cuda.is_empty() {
-        for o in suspend_listed(
+        let s = suspend_listed(
             gpu,
             cuda,
             Some(known),
@@ -682,7 +692,9 @@ fn freeze_inner(
             Some(journal),
             progress,
             watcher,
-        ) {
+        );
+        unwritten = s.unwritten;
+        for o in s.outcomes {
             match o.result {
                 Ok(s) => suspended.push(s),
                 Err(reason) => refusals.push(FreezeRefusal { pid: o.pid, reason }),
@@ -695,7 +707,8 @@ fn freeze_inner(
     // What the tree forked meanwhile: its CUDA processes suspended too, from here on part of
     // the tree as listed.
     let mut forks = Forks::default();
-    if let Err(e) = suspend_forks(cx, &sopts, &mut forks) {
+    if let Err(e) = suspend_forks(cx, &sopts, &mut forks, &mut unwritten) {
+        write_verified(journal, &mut unwritten);
         let alive: Vec<&ProcHandle> = cuda
             .iter()
             .copied()
@@ -728,11 +741,12 @@ fn freeze_inner(
     let gpu_free_at = Moment::now();
     let suspend_ms = ms(t.elapsed());
     let gpu_free_ms = ms(start.elapsed());
-    // The verification's records are written, not synced (`Verified::SyncedByCaller`): synced
-    // now on a thread of their own, beside the let-go and CRIU's start, and waited for at CRIU's
-    // gate, before its verdict lets CRIU end the tree. Every suspension is on stable storage
-    // before its process can end, and GPU free waits for one `fdatasync` (the lock's intent),
-    // not two.
+    failpoint::stall_if(FREEZE_AFTER_GPU_FREE);
+    write_verified(journal, &mut unwritten);
+    // The verification's records are written, not synced (`Verified::ByCaller`): synced now on
+    // a thread of their own, beside the let-go and CRIU's start, and waited for at CRIU's gate,
+    // before its verdict lets CRIU end the tree. Every suspension is on stable storage before
+    // its process can end, and GPU free waits for one `fdatasync` (the lock's intent), not two.
     let verified_synced = VerifiedSync::start(journal);
 
     // Every context is checkpointed (journaled): only now does the guard let go, for CRIU.
@@ -979,6 +993,7 @@ fn suspend_forks(
     cx: &Ctx<'_>,
     opts: &SuspendOptions,
     forks: &mut Forks,
+    unwritten: &mut Vec<Event>,
 ) -> Result<(), FreezeError> {
     let Ctx {
         gpu,
@@ -1047,11 +1062,14 @@ fn suspend_forks(
         let known = Known {
             listed: &listed,
             states: &states,
-            // Synced with the first suspension's, from GPU free on (`VerifiedSync`).
-            verified: Verified::SyncedByCaller,
+            // Written with the first suspension's after GPU free, synced from then on
+            // (`VerifiedSync`).
+            verified: Verified::ByCaller,
         };
+        // What the suspensions so far verified goes first: nothing is journaled before it.
+        write_verified(journal, unwritten);
         let mut refusals = Vec::new();
-        for o in suspend_listed(
+        let s = suspend_listed(
             gpu,
             &refs,
             Some(known),
@@ -1059,7 +1077,9 @@ fn suspend_forks(
             Some(journal),
             progress,
             watcher,
-        ) {
+        );
+        unwritten.extend(s.unwritten);
+        for o in s.outcomes {
             match o.result {
                 Ok(s) => forks.suspended.push(s),
                 Err(reason) => refusals.push(FreezeRefusal { pid: o.pid, reason }),
@@ -1072,6 +1092,34 @@ fn suspend_forks(
         forks.cuda.extend(batch);
     }
     Ok(())
+}
+
+/// Writes the records the suspensions handed back unwritten ([`Verified::ByCaller`]: each
+/// process's `Checkpointed` and `Verified`), unsynced: right after the GPU-free moment, before
+/// anything else is journaled or done (the guard's let-go reads them; [`VerifiedSync`] then
+/// syncs them before CRIU's gate lets the tree end).
+///
+/// Why the write may follow the moment: the moment is a reading of the clock once NVML no longer
+/// lists any process of the tree (what "free" means, `gpu-facts.md`) and the walk found no
+/// CUDA process it had not suspended; the write records what was found, it does not act. A
+/// cryo that dies between the two (killed, crashed) leaves each process's `LockStarted`
+/// synced and its `CheckpointStarted` written, no outcome after it, and the process alive and
+/// CHECKPOINTED: nothing can have ended it, since CRIU's verdict waits for the sync that
+/// follows this write. That is what a death during the verification's NVML query left before
+/// (those records were written after the query): the next `cryo stop`, guard or agent start
+/// (`settle_in_flight`) finds the suspension's last step not final and its owner gone, asks
+/// the driver (CHECKPOINTED, purpose freeze) and restores and unlocks it in place under watch.
+/// A power cut could always lose these records (they were never synced before the moment).
+/// A write that fails is logged, as every outcome's is; the sync then finds the journal's state
+/// and the guard refuses to let go of what the journal does not show suspended.
+fn write_verified(journal: &Journal, unwritten: &mut Vec<Event>) {
+    let events = std::mem::take(unwritten);
+    if events.is_empty() {
+        return;
+    }
+    if let Err(e) = journal.append_unsynced(events) {
+        tracing::error!(error = %e, "cannot journal the suspension's verification");
+    }
 }
 
 /// The `fdatasync` of the suspension's last records, started at GPU free on a thread of its own

@@ -362,20 +362,34 @@ pub fn suspend_watched(
     progress: &dyn Progress,
     watcher: &dyn crate::Watcher,
 ) -> Vec<SuspendOutcome> {
-    suspend_listed(gpu, procs, None, opts, journal, progress, watcher)
+    // Without `Known` the records are written and synced here: nothing is left unwritten.
+    suspend_listed(gpu, procs, None, opts, journal, progress, watcher).outcomes
 }
 
 /// How the verification's records (`Verified`, with the outcomes journaled with them) reach
-/// stable storage.
+/// the journal and stable storage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Verified {
-    /// Synced before the suspension returns (whoever kills the processes next may do so at
-    /// once).
+    /// Written and synced before the suspension returns (whoever kills the processes next may
+    /// do so at once).
     Synced,
-    /// Written without waiting for stable storage: the caller syncs the journal before
-    /// anything ends the processes (a freeze: beside CRIU's dump, waited for at its gate, before
-    /// CRIU may kill the tree). A suspension that fails still syncs what it journaled.
-    SyncedByCaller,
+    /// Handed back unwritten ([`Suspension::unwritten`]): the caller writes them before it
+    /// journals or does anything else, and syncs the journal before anything ends the processes
+    /// (a freeze: written right after its GPU-free moment, before the guard lets go, which
+    /// reads them; synced beside CRIU's dump and waited for at its gate, before CRIU may kill
+    /// the tree). A suspension that fails writes and syncs everything itself, as with `Synced`.
+    ByCaller,
+}
+
+/// What [`suspend_listed`] did: each process's outcome, and, with [`Verified::ByCaller`] and
+/// every process suspended, the records the caller is to write.
+#[derive(Debug)]
+pub(crate) struct Suspension {
+    /// One per process, in order.
+    pub(crate) outcomes: Vec<SuspendOutcome>,
+    /// Records not written yet, in order (the verification's and the outcomes that go with
+    /// them); empty unless [`Verified::ByCaller`] and every process was suspended.
+    pub(crate) unwritten: Vec<Event>,
 }
 
 /// What a caller learnt of the processes a moment before it suspends them (a freeze lists and
@@ -405,9 +419,10 @@ pub(crate) fn suspend_listed(
     journal: Option<&Journal>,
     progress: &dyn Progress,
     watcher: &dyn crate::Watcher,
-) -> Vec<SuspendOutcome> {
+) -> Suspension {
     let gpu = &gpu.bounded(opts.limits());
     let verified = known.map_or(Verified::Synced, |k| k.verified);
+    let mut unwritten = Vec::new();
     let by = me();
     let memory_before: Vec<u64> = procs
         .iter()
@@ -507,13 +522,18 @@ pub(crate) fn suspend_listed(
             Some(left) => opts.verify_timeout.min(left),
             None => opts.verify_timeout,
         };
-        verify_all(gpu, &mut rows, verify, journal, verified);
+        verify_all(gpu, &mut rows, verify, journal, verified, &mut unwritten);
     }
     // Every outcome not journaled yet, before anything else is journaled or done (a roll-back,
-    // the caller's next step).
+    // the caller's next step); a suspension that failed writes and syncs what its verification
+    // found too, first.
+    if rows.iter().any(|r| r.failure.is_some()) {
+        record_all(journal, std::mem::take(&mut unwritten));
+    }
     flush(journal, &mut rows);
     if rows.iter().all(|r| r.failure.is_none()) && failpoint::active(SUSPEND_ROLL_BACK) {
         failpoint::pause_if(SUSPEND_ROLL_BACK);
+        record_all(journal, std::mem::take(&mut unwritten));
         for row in &mut rows {
             row.failure = Some(SuspendFailure::Driver {
                 step: "failpoint",
@@ -525,7 +545,8 @@ pub(crate) fn suspend_listed(
         roll_back(gpu, &mut rows, opts.resume_on_failure, journal, watcher);
     }
 
-    rows.into_iter()
+    let outcomes = rows
+        .into_iter()
         .map(|r| {
             let pid = r.handle.pid();
             let result = match (r.failure, r.state) {
@@ -542,7 +563,11 @@ pub(crate) fn suspend_listed(
             };
             SuspendOutcome { pid, result }
         })
-        .collect()
+        .collect();
+    Suspension {
+        outcomes,
+        unwritten,
+    }
 }
 
 /// Runs `f` on every row at once, each on a thread of its own; a lone row on the calling
@@ -986,6 +1011,7 @@ fn verify_all(
     timeout: Duration,
     journal: Option<&Journal>,
     verified: Verified,
+    unwritten: &mut Vec<Event>,
 ) {
     // The checkpoints' outcomes are not on disk yet: a crash here leaves their intents last.
     failpoint::stall_if(SUSPEND_AFTER_CHECKPOINT);
@@ -1039,10 +1065,12 @@ fn verify_all(
         let failed = found
             .iter()
             .any(|e| matches!(e, Event::VerifyFailed { .. }));
-        if verified == Verified::SyncedByCaller && !failed {
-            record_unsynced(journal, found);
+        if verified == Verified::ByCaller && !failed {
+            unwritten.append(&mut found);
         } else {
-            record_all(journal, found);
+            let mut all = std::mem::take(unwritten);
+            all.append(&mut found);
+            record_all(journal, all);
         }
         if pending.is_empty() {
             return;
