@@ -251,6 +251,27 @@ fn park_and_wake_go_through_the_agent_and_its_guard_traces_the_wake() {
     common::stop_pin_holder(st.path());
 }
 
+/// `cryo park` of `w` with failpoint `failpoint` set: it fails, and `w` serves as before
+/// (running, its context on the GPU, the same answer).
+fn park_failing_at(sim: &Sim, st: &Path, w: &Worker, failpoint: &str) -> Output {
+    let before = w.complete("the same question");
+    let o = sim
+        .cmd_at(st)
+        .env("CRYO_FAILPOINT", failpoint)
+        .args(["park", &w.pid.to_string()])
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "parked unrecorded: {}", stdout(&o));
+    assert_eq!(sim.state(w.pid), "running", "{}", stderr(&o));
+    assert!(
+        sim.listed(w.pid),
+        "its context is not on the GPU: {}",
+        stderr(&o)
+    );
+    assert_eq!(w.complete("the same question"), before);
+    o
+}
+
 /// A park that cannot record its suspension's intent (the journal's `fdatasync` fails: EIO,
 /// failpoint) fails closed: it fails before the driver is touched, nothing locked or recorded
 /// as parked, the worker serves on, on the GPU it had.
@@ -260,26 +281,49 @@ fn a_park_that_cannot_be_recorded_never_locks_and_the_worker_serves_on() {
     let sim = Sim::start();
     let st = state();
     let w = worker(&sim, "64MiB", 0);
-    let before = w.complete("the same question");
-    let o = sim
-        .cmd_at(st.path())
-        .env("CRYO_FAILPOINT", cryo_journal::SYNC_FAILPOINT)
-        .args(["park", &w.pid.to_string()])
-        .output()
-        .unwrap();
-    assert!(!o.status.success(), "parked unrecorded: {}", stdout(&o));
+    let o = park_failing_at(&sim, st.path(), &w, cryo_journal::SYNC_FAILPOINT);
     assert!(stderr(&o).contains("Input/output error"), "{}", stderr(&o));
-    assert_eq!(sim.state(w.pid), "running");
-    assert!(
-        sim.listed(w.pid),
-        "the GPU let go of a worker that was not parked"
-    );
-    assert_eq!(w.complete("the same question"), before);
     // Every record was written (only the syncs failed): none says it was locked or parked.
     let touched = events(st.path()).into_iter().filter(|e| {
         matches!(e, Event::Locked { pid: p, .. } | Event::Checkpointed { pid: p, .. } | Event::Parked { pid: p, .. } if p.pid == w.pid)
     });
     assert_eq!(touched.count(), 0, "the worker was touched");
+    sim.assert_no_wedge();
+}
+
+/// Attack (session 17): a park whose `Parked` record cannot be written after the suspension
+/// (failpoint: the first `Parked` append fails with EIO). The record is what a wake, `cryo
+/// status` and the agent find a parked worker by: without it the worker was left CHECKPOINTED
+/// and unfound, no longer serving. It must end serving again (resumed in place and unlocked),
+/// the error saying so, and nothing recorded as parked. (Before: the park returned the
+/// journal's error and the worker stayed CHECKPOINTED: this test failed with state
+/// "checkpointed".)
+#[test]
+fn a_park_whose_record_cannot_be_written_resumes_the_worker_and_says_so() {
+    use cryo_journal::Event;
+    let sim = Sim::start();
+    let st = state();
+    let w = worker(&sim, "64MiB", 0);
+    let o = park_failing_at(&sim, st.path(), &w, cryo_lifecycle::park::PARK_RECORD_FAILS);
+    assert!(
+        stderr(&o).contains("could not be recorded")
+            && stderr(&o).contains("the worker serves again"),
+        "{}",
+        stderr(&o)
+    );
+    let ev = events(st.path());
+    assert!(
+        !ev.iter()
+            .any(|e| matches!(e, Event::Parked { pid, .. } if pid.pid == w.pid)),
+        "{ev:?}"
+    );
+    assert!(
+        ev.iter()
+            .any(|e| matches!(e, Event::Unlocked { pid, .. } if pid.pid == w.pid)),
+        "the resume is not journaled: {ev:?}"
+    );
+    let s = json(&run(&sim, st.path(), &["status", "--json"]));
+    assert_eq!(s["parked"], serde_json::json!([]), "{s}");
     sim.assert_no_wedge();
 }
 

@@ -11,7 +11,9 @@
 //! test can change the world at that exact point and let the step go on.
 //!
 //! # Limitations
-//! No injected errors (the crash itself is the test's SIGKILL), except three:
+//! No injected errors (the crash itself is the test's SIGKILL), except four:
+//! [`crate::park::PARK_RECORD_FAILS`] fails a park's first `Parked` record after its
+//! suspension (so that the park's undo runs),
 //! [`crate::suspend::SUSPEND_ROLL_BACK`] fails a suspension that succeeded, so that its roll-back
 //! runs, the journal's [`cryo_journal::SYNC_FAILPOINT`] (read by the journal's writer from
 //! the same variable) fails every `fdatasync` of the journal with EIO, and

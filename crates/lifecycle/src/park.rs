@@ -9,8 +9,11 @@
 //!   `resume_on_failure`: a park that cannot suspend every CUDA process of the target brings back
 //!   the ones it suspended, so the worker keeps serving. Each parked process is journaled
 //!   ([`Event::Parked`]: its device memory and its GPUs), which is what a wake, `cryo status` and
-//!   the metrics read. [`ParkOptions::max_parked_host`] refuses a park that would take the host
-//!   memory held by parked workers past a limit.
+//!   the metrics read. A park whose record cannot be written is undone: what it suspended is
+//!   restored and unlocked in place ([`ParkError::Unrecorded`] says so, or names what could not
+//!   be brought back, left suspended: never a CHECKPOINTED worker nothing can find).
+//!   [`ParkOptions::max_parked_host`] refuses a park that would take the host memory held by
+//!   parked workers past a limit.
 //! - [`wake`] checks first, pure ([`place`]): the node's fence (every GPU when it holds an entry
 //!   for an unknown GPU), and for each process, on every GPU it goes to, the free device memory
 //!   it held on the GPU that one replaces ([`Event::Parked`] records each GPU's share): a
@@ -144,7 +147,39 @@ pub enum ParkError {
         /// Why.
         failure: SuspendFailure,
     },
+    /// Every process was suspended, but the record that it is parked (what a wake, `cryo
+    /// status` and the agent find it by) could not be written: the processes this park
+    /// suspended were restored and unlocked in place, so the worker serves again; those that
+    /// could not be are named in `left` (CHECKPOINTED or LOCKED, never torn down).
+    #[error("pid {pid} was suspended but its park could not be recorded ({source}); {}", fmt_resumed(.left))]
+    Unrecorded {
+        /// The process whose record failed.
+        pid: Pid,
+        /// The journal's error.
+        source: cryo_journal::AppendError,
+        /// Processes not brought back, and why.
+        left: Vec<(Pid, String)>,
+    },
 }
+
+fn fmt_resumed(left: &[(Pid, String)]) -> String {
+    if left.is_empty() {
+        return "every process it suspended was resumed in place: the worker serves again".into();
+    }
+    let left: Vec<String> = left
+        .iter()
+        .map(|(pid, why)| format!("pid {pid}: {why}"))
+        .collect();
+    format!(
+        "not every process could be resumed, and those stay suspended with their device memory in their host memory, never torn down (`cryo gpu restore PID`, then `cryo gpu unlock PID`, brings one back; `cryo stop PID` ends it safely): {}",
+        left.join("; ")
+    )
+}
+
+/// Failpoint (`CRYO_FAILPOINT`, a test hook): every process is suspended and verified, and the
+/// first `Parked` record of the park fails as a journal that cannot be written does (EIO), so
+/// that the park's undo runs.
+pub const PARK_RECORD_FAILS: &str = "park-record-fails";
 
 /// Parks every CUDA process of `target` (see the module docs).
 pub fn park(
@@ -274,12 +309,31 @@ fn park_inner(
             }
         };
         if !already || !known.contains_key(&id(h)) {
-            journal.append(Event::Parked {
-                pid: id(h),
-                bytes,
-                gpus: gpus.iter().map(ToString::to_string).collect(),
-                gpu_bytes,
-            })?;
+            let recorded = if crate::failpoint::active(PARK_RECORD_FAILS) {
+                Err(cryo_journal::AppendError::File(cryo_journal::FileError {
+                    what: "cannot write (failpoint park-record-fails) to",
+                    path: journal.path().to_path_buf(),
+                    source: std::io::Error::from(rustix::io::Errno::IO),
+                }))
+            } else {
+                journal.append(Event::Parked {
+                    pid: id(h),
+                    bytes,
+                    gpus: gpus.iter().map(ToString::to_string).collect(),
+                    gpu_bytes,
+                })
+            };
+            if let Err(source) = recorded {
+                return Err(unpark(
+                    gpu,
+                    &cuda,
+                    &outcomes,
+                    journal,
+                    watcher,
+                    h.pid(),
+                    source,
+                ));
+            }
         }
         parked.push(ParkedProc {
             pid: h.pid(),
@@ -296,6 +350,41 @@ fn park_inner(
         elapsed_ms: ms(start.elapsed()),
         shrink: None,
     })
+}
+
+/// A park whose record of `pid` could not be written (`source`): every process of `cuda` this
+/// park suspended (`outcomes`: not parked before it) is restored and unlocked in place, traced
+/// by `watcher` before its unlock as after any restore; a process already parked before stays
+/// as it was, its record written then. Whatever cannot be brought back stays suspended (safe)
+/// and is named in the error.
+fn unpark(
+    gpu: &Gpu,
+    cuda: &[&ProcHandle],
+    outcomes: &[crate::suspend::SuspendOutcome],
+    journal: &Journal,
+    watcher: &dyn Watcher,
+    pid: Pid,
+    source: cryo_journal::AppendError,
+) -> ParkError {
+    tracing::error!(pid, error = %source, "the park cannot be recorded: resuming what it suspended");
+    let mut left = Vec::new();
+    for (h, o) in cuda.iter().zip(outcomes) {
+        let suspended_here =
+            matches!(&o.result, Ok(s) if s.state_before != ProcessState::Checkpointed);
+        if !suspended_here {
+            continue;
+        }
+        if let Err(e) = crate::restore::resume_in_place(
+            gpu,
+            journal,
+            h,
+            "resumed in place: its park could not be recorded",
+            watcher,
+        ) {
+            left.push((h.pid(), e.to_string()));
+        }
+    }
+    ParkError::Unrecorded { pid, source, left }
 }
 
 /// What NVML lists for `pid`: each GPU (in the order listed) and its device memory there.
