@@ -7,7 +7,9 @@
 //!   API server show them afterwards. The quarantine file is the truth for the fence (taint,
 //!   condition, Event: [`cryo_kube::NodeClient::reconcile_fence`], idempotent); the journal is the
 //!   queue for Events, read after a durable position (`STATE_DIR/kube-events.offset`, advanced
-//!   only once the API server took the Event or refused it for good). While the API server is
+//!   only once the API server took the Event or refused it for good: the journal's
+//!   [`cryo_journal::Position`], whose marks a power cut cannot fool; records the retention
+//!   pruned before they were posted become one Node Warning, `CryoJournalRecordsLost`). While the API server is
 //!   down or hangs (every call is bounded: [`cryo_kube::client::CALL_TIMEOUT`]), both are
 //!   retried with a backoff; when it is back, the node shows the fence as the file has it now
 //!   and the Events missed are posted (aggregated and rate-limited as always). The fence is
@@ -756,68 +758,148 @@ async fn publish(agent: Arc<Agent>, client: Arc<NodeClient>, drain_on_fence: boo
     }
 }
 
-/// Journal records to post as Events, after a durable position.
+/// Journal records to post as Events, after a durable position: the journal's
+/// [`cryo_journal::Position`] (the one the syslog forwarder stores too), so that records a power
+/// cut took back and new records reused the seqs of are posted (the feed resumes after the last
+/// record proven posted), and records the retention pruned before they were posted are said to
+/// be lost (a Node Warning Event), never skipped in silence.
 struct EventFeed {
     follow: cryo_telemetry::Follow,
-    pending: VecDeque<Record>,
-    offset_file: PathBuf,
+    pending: VecDeque<Due>,
+    file: cryo_telemetry::OffsetFile,
+    marks: cryo_journal::Marks,
     saved: u64,
 }
 
+/// What the feed has to post next.
+#[derive(Debug, Clone, PartialEq)]
+enum Due {
+    /// A journal record (posted as an Event if it is a step operators should see).
+    Record(Record),
+    /// Records the journal no longer held when the feed came to them: `lost` of them, between
+    /// `first` and `last`.
+    Lost { first: u64, last: u64, lost: u64 },
+}
+
 impl EventFeed {
-    /// From the saved position; the first time, from the journal's end (the past is not
-    /// posted: it happened before Kubernetes was told to look).
+    /// From the saved position (checked against the journal there now: see
+    /// [`cryo_journal::Position::resume`]); the first time, from the journal's end (the past is
+    /// not posted: it happened before Kubernetes was told to look).
     fn open(state: &StateDir) -> Self {
-        let offset_file = state.kube_events_offset_file();
-        let saved = match read_offset(&offset_file) {
-            Some(n) => n,
+        let dir = state.journal_dir();
+        let file = cryo_telemetry::OffsetFile::new(state.kube_events_offset_file());
+        let scan = cryo_journal::read(&dir).unwrap_or_else(|e| {
+            tracing::warn!(err = %e, "Kubernetes: reading the journal");
+            cryo_journal::Scan::default()
+        });
+        let stored = if file.path().exists() {
+            file.load().ok().or_else(|| {
+                // A bare seq, as builds before session 17 stored it.
+                read_offset(file.path()).map(|seq| cryo_journal::Position {
+                    seq,
+                    ..Default::default()
+                })
+            })
+        } else {
+            None
+        };
+        let (saved, marks) = match stored {
+            Some(stored) => {
+                let resume = stored.resume(&dir, &scan, "Kubernetes Events");
+                let mut marks = cryo_journal::Marks::of(&stored, resume.journal_first);
+                marks.resume_after(resume.after);
+                (resume.after, marks)
+            }
             None => {
-                let end = cryo_journal::read(state.journal_dir())
-                    .ok()
-                    .and_then(|s| s.records.last().map(|r| r.seq))
-                    .unwrap_or(0);
-                write_offset(&offset_file, end);
-                end
+                let mut marks = cryo_journal::Marks::of(
+                    &cryo_journal::Position::default(),
+                    cryo_journal::journal_first(&scan),
+                );
+                let end = scan.records.last().map_or(0, |r| {
+                    marks.note(r);
+                    r.seq
+                });
+                store(&file, &marks.position(end));
+                (end, marks)
             }
         };
         EventFeed {
-            follow: cryo_telemetry::Follow::new(state.journal_dir(), saved),
+            follow: cryo_telemetry::Follow::new(&dir, saved),
             pending: VecDeque::new(),
-            offset_file,
+            file,
+            marks,
             saved,
+        }
+    }
+
+    /// Reads what the journal appended into what is due, the records the journal no longer
+    /// held first.
+    fn read(&mut self) {
+        match self.follow.poll_new() {
+            Ok(records) => {
+                let gaps = self.follow.take_gaps();
+                if let (Some(first), Some(last)) = (gaps.first(), gaps.last()) {
+                    self.pending.push_back(Due::Lost {
+                        first: first.first,
+                        last: last.last,
+                        lost: gaps.iter().map(cryo_journal::Gap::lost).sum(),
+                    });
+                }
+                self.pending.extend(records.into_iter().map(Due::Record));
+            }
+            Err(e) => tracing::warn!(err = %e, "Kubernetes: reading the journal"),
+        }
+    }
+
+    /// The front of what is due was posted (or refused for good): the position moves past it,
+    /// saved per Event (an agent killed mid-way posts again at most the one in flight).
+    fn posted(&mut self) {
+        let Some(Due::Record(r)) = self.pending.pop_front() else {
+            return;
+        };
+        self.marks.note(&r);
+        if r.seq > self.saved {
+            store(&self.file, &self.marks.position(r.seq));
+            self.saved = r.seq;
         }
     }
 
     /// Posts what is pending; on a failure worth retrying, stops there (the rest waits).
     async fn post_pending(&mut self, client: &NodeClient) -> Result<(), cryo_kube::ApiError> {
-        match self.follow.poll_new() {
-            Ok(r) => self.pending.extend(r),
-            Err(e) => tracing::warn!(err = %e, "Kubernetes: reading the journal"),
-        }
-        let mut result = Ok(());
-        while let Some(r) = self.pending.front() {
-            if let Some(step) = step_of(&r.event) {
-                let subject = subject_of(&step.about, &CgroupLocator);
-                match client.post(&subject, &step).await {
-                    Ok(_) => {}
-                    Err(e) if permanent(&e) => {
-                        tracing::warn!(seq = r.seq, reason = step.reason, err = %e, "Kubernetes: the API server refused an Event; it is not posted");
+        use cryo_kube::events::{About, EventType, Step, Subject};
+        self.read();
+        while let Some(due) = self.pending.front() {
+            let (subject, step, seq) = match due {
+                Due::Record(r) => match step_of(&r.event) {
+                    Some(step) => (subject_of(&step.about, &CgroupLocator), step, r.seq),
+                    None => {
+                        self.posted();
+                        continue;
                     }
-                    Err(e) => {
-                        result = Err(e);
-                        break;
-                    }
+                },
+                Due::Lost { first, last, lost } => (
+                    Subject::Node,
+                    Step {
+                        kind: EventType::Warning,
+                        reason: "CryoJournalRecordsLost",
+                        message: format!(
+                            "{lost} journal records (seq {first} to {last}) were removed by the journal's retention before they were posted as Events; `cryo timeline` on the node shows what it still holds"
+                        ),
+                        about: About::Node,
+                    },
+                    *first,
+                ),
+            };
+            match client.post(&subject, &step).await {
+                Ok(_) => {}
+                Err(e) if permanent(&e) => {
+                    tracing::warn!(seq, reason = step.reason, err = %e, "Kubernetes: the API server refused an Event; it is not posted");
                 }
+                Err(e) => return Err(e),
             }
-            let seq = r.seq;
-            self.pending.pop_front();
-            if seq > self.saved {
-                // Saved per Event: an agent killed mid-way posts again at most the one in flight.
-                write_offset(&self.offset_file, seq);
-                self.saved = seq;
-            }
+            self.posted();
         }
-        result
+        Ok(())
     }
 }
 
@@ -830,12 +912,10 @@ fn read_offset(path: &Path) -> Option<u64> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
-/// Replaces the offset file (a temporary file renamed over it: never half written).
-fn write_offset(path: &Path, seq: u64) {
-    let tmp = path.with_extension("offset.tmp");
-    let r = std::fs::write(&tmp, format!("{seq}\n")).and_then(|()| std::fs::rename(&tmp, path));
-    if let Err(e) = r {
-        tracing::warn!(path = %path.display(), err = %e, "Kubernetes: cannot save the Events' position");
+/// Stores `position` in `file` (replaced atomically and durably).
+fn store(file: &cryo_telemetry::OffsetFile, position: &cryo_journal::Position) {
+    if let Err(e) = file.store(position) {
+        tracing::warn!(err = %e, "Kubernetes: cannot save the Events' position");
     }
 }
 
@@ -894,8 +974,110 @@ mod tests {
         }
         let f = EventFeed::open(&state);
         assert_eq!(f.saved, 3);
-        assert_eq!(read_offset(&state.kube_events_offset_file()), Some(3));
-        write_offset(&state.kube_events_offset_file(), 2);
+        let file = cryo_telemetry::OffsetFile::new(state.kube_events_offset_file());
+        assert_eq!(file.load().unwrap().seq, 3);
+        // A bare seq, as older builds stored it, is read as it is.
+        std::fs::write(state.kube_events_offset_file(), "2\n").unwrap();
         assert_eq!(EventFeed::open(&state).saved, 2);
+    }
+
+    fn locked(i: i32) -> cryo_journal::Event {
+        cryo_journal::Event::Locked {
+            pid: cryo_journal::ProcId::new(i, 1),
+            ms: 1,
+        }
+    }
+
+    /// The seqs of the records `feed` has due, each record once posted ([`EventFeed::posted`]);
+    /// records lost as `(first, last, 0)` entries.
+    fn post_all(feed: &mut EventFeed) -> Vec<(u64, u64, bool)> {
+        feed.read();
+        let mut out = Vec::new();
+        while let Some(d) = feed.pending.front() {
+            out.push(match d {
+                Due::Record(r) => (r.seq, r.seq, true),
+                Due::Lost { first, last, .. } => (*first, *last, false),
+            });
+            feed.posted();
+        }
+        out
+    }
+
+    /// Attack (session 17): a power cut takes back records the feed had posted (the journal's
+    /// unsynced appends), and the next boot's records reuse their seqs. Each of those must be
+    /// posted. (Before: the feed's bare seq offset said 10, so the new records 6..=10 were never
+    /// posted: this test failed with only 11 and 12 due.)
+    #[test]
+    fn records_that_reuse_the_seqs_a_power_cut_lost_are_all_posted() {
+        let d = tempfile::tempdir().unwrap();
+        let state = StateDir::new(d.path());
+        let path = state.journal_dir().join(cryo_journal::FILE_NAME);
+        let j = state.open_journal().unwrap();
+        (1..=5).for_each(|i| drop(j.append(locked(i)).unwrap()));
+        let synced = std::fs::metadata(&path).unwrap().len();
+        j.append_unsynced((6..=10).map(locked).collect()).unwrap();
+        drop(j);
+        let mut feed = EventFeed::open(&state);
+        assert_eq!(feed.saved, 10);
+        drop(feed);
+        // The power cut, then the next boot appends records 6..=12 (other events).
+        let cut = std::fs::File::options().write(true).open(&path);
+        cut.and_then(|f| f.set_len(synced)).unwrap();
+        let j = state.open_journal().unwrap();
+        let new: Vec<u64> = (6..=12)
+            .map(|i| {
+                j.append(cryo_journal::Event::Killed {
+                    pid: cryo_journal::ProcId::new(100 + i, 1),
+                })
+                .unwrap()
+                .seq
+            })
+            .collect();
+        assert_eq!(new[0], 6, "the cut journal reuses the lost seqs");
+        feed = EventFeed::open(&state);
+        let due = post_all(&mut feed);
+        for seq in &new {
+            assert!(
+                due.contains(&(*seq, *seq, true)),
+                "record {seq} of the new boot is not posted: {due:?}"
+            );
+        }
+        // Posted once: a feed opened again has nothing due.
+        assert!(post_all(&mut EventFeed::open(&state)).is_empty());
+    }
+
+    /// Attack (session 17): an agent down past the journal's retention. The records only the
+    /// pruned archives held can no longer be posted; the feed must say which (one Node Warning
+    /// Event) before the records after them, never skip them in silence. (Before: the feed never
+    /// took the follower's gaps: this test failed with no lost range due.)
+    #[test]
+    fn records_behind_a_pruned_archive_are_said_to_be_lost() {
+        let d = tempfile::tempdir().unwrap();
+        let state = StateDir::new(d.path());
+        let j = state.open_journal().unwrap();
+        let lock = |i: i32| j.append(locked(i)).unwrap().seq;
+        (1..=3).for_each(|i| {
+            lock(i);
+        });
+        let feed = EventFeed::open(&state);
+        assert_eq!(feed.saved, 3);
+        drop(feed);
+        (4..=6).for_each(|i| {
+            lock(i);
+        });
+        // Two rotations (at 7 and 9): the retention keeps the newest archive (7..=8) alone.
+        for i in [8, 10] {
+            j.rotate().unwrap().unwrap();
+            lock(i);
+        }
+        let retention = cryo_journal::Retention {
+            count: 1,
+            bytes: u64::MAX,
+        };
+        assert_eq!(j.prune(retention).unwrap().len(), 1, "1..=6 pruned");
+        let due = post_all(&mut EventFeed::open(&state));
+        assert_eq!(due.first(), Some(&(4, 6, false)), "{due:?}");
+        let after: Vec<u64> = due[1..].iter().map(|d| d.0).collect();
+        assert_eq!(after, (7..=10).collect::<Vec<_>>());
     }
 }

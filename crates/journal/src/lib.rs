@@ -54,6 +54,7 @@
 mod error;
 mod event;
 mod frame;
+mod position;
 mod procid;
 mod query;
 mod reader;
@@ -64,6 +65,9 @@ mod writer;
 pub use error::{AppendError, FileError, OpenError, ReadError, RotateError, SinceError};
 pub use event::{AttachSource, Event, Phase, PinnedCpus, Purpose, Record};
 pub use frame::{Corruption, FrameFault, Tail, MAX_PAYLOAD};
+pub use position::{
+    event_type, journal_first, mark_seqs, record_mark, record_time, Marks, Position, Resume,
+};
 pub use procid::ProcId;
 pub use query::{
     guarded, in_flight_stops, last_steps, open_pins, pinned, Filter, InFlight, OpenPins, Origin,

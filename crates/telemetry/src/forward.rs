@@ -39,7 +39,7 @@
 //! - Records of event types this build does not know go out as type `unknown` with their seq and
 //!   time only (the journal reader keeps no raw payload).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::io::{self, Write as _};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsFd, OwnedFd};
@@ -49,15 +49,15 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use cryo_journal::Record;
 use cryo_state::StateDir;
 use rustix::event::{poll, PollFd, PollFlags};
 use rustix::net::RecvFlags;
 
 use crate::error::{ConnectError, ForwardError};
 use crate::follow::{Follow, Wake};
-use crate::offset::{mark_seqs, record_mark, Offset, OffsetFile};
+use crate::offset::{Offset, OffsetFile};
 use crate::syslog::SyslogFormat;
+use cryo_journal::Marks;
 
 /// Where and how to forward.
 #[derive(Debug, Clone)]
@@ -266,10 +266,9 @@ struct Run {
     /// The highest seq acknowledged before the replay window (or the position this run or its
     /// last connection resumed from): where to send again from.
     settled: u64,
-    /// Marks of the records this position may stand on ([`record_mark`]): those of the stored
-    /// position and of every record sent since, pruned to [`mark_seqs`] at each store.
-    marks: BTreeMap<u64, String>,
-    journal_first: Option<String>,
+    /// Marks of the records this position may stand on, and the journal's identity
+    /// ([`cryo_journal::Marks`]).
+    marks: Marks,
 }
 
 impl Run {
@@ -292,8 +291,7 @@ impl Run {
             lost_to: 0,
             replaced: None,
             settled: stored.seq,
-            marks: stored.marks.iter().cloned().collect(),
-            journal_first: stored.journal_first.clone(),
+            marks: Marks::of(&stored, None),
             stored,
             stored_at: Instant::now(),
             acks: VecDeque::new(),
@@ -303,7 +301,10 @@ impl Run {
         run
     }
 
-    /// Starts over when the stored position belongs to another journal than the one there now.
+    /// Where to resume ([`cryo_journal::Position::resume`]): from the first record when the
+    /// stored position belongs to another journal than the one there now, after the last record
+    /// proven sent when a power cut replaced records it counts as sent (the collector is told
+    /// which seqs, `replaced`).
     fn check_journal(&mut self) {
         let scan = match cryo_journal::read(&self.cfg.journal_dir) {
             Ok(s) => s,
@@ -312,41 +313,13 @@ impl Run {
                 return;
             }
         };
-        // The journal's identity: the time of its first record, which a rotated segment keeps
-        // in its rotation record (its own first record is a carried one, or the rotation's).
-        let first = scan
-            .records
-            .iter()
-            .find_map(|r| match &r.event {
-                cryo_journal::Event::Rotated { origin, .. } => Some(origin.clone()),
-                _ => None,
-            })
-            .unwrap_or_else(|| scan.records.first().filter(|r| r.seq == 1).map(time_of));
-        let last = scan.records.last().map_or(0, |r| r.seq);
-        let other_journal =
-            matches!((&self.stored.journal_first, &first), (Some(a), Some(b)) if a != b);
-        if other_journal || self.stored.marks.is_empty() && self.stored.seq > last {
-            tracing::warn!(
-                offset = self.stored.seq,
-                journal_last = last,
-                "the forwarder's offset belongs to another journal; forwarding this one from its first record"
-            );
-            self.resume_from(0);
-        } else if !self.stored.marks.is_empty() {
-            let proven = self.proven_position(&scan);
-            if proven < self.stored.seq {
-                tracing::warn!(
-                    offset = self.stored.seq,
-                    resume_after = proven,
-                    journal_last = last,
-                    "the journal no longer holds the records the forwarder's offset counts as sent (a power cut took back unsynced records and new ones reused their seqs): forwarding again after the last record proven sent; the collector may get some records twice"
-                );
-                self.replaced = Some((proven + 1, self.stored.seq));
-                self.resume_from(proven);
-            }
-        }
-        if first.is_some() {
-            self.journal_first = first;
+        let resume = self
+            .stored
+            .resume(&self.cfg.journal_dir, &scan, "the syslog forwarder");
+        self.marks = Marks::of(&self.stored, resume.journal_first);
+        if resume.other_journal || resume.replaced.is_some() {
+            self.replaced = resume.replaced;
+            self.resume_from(resume.after);
         }
     }
 
@@ -355,73 +328,12 @@ impl Run {
         self.delivered = seq;
         self.max_sent = seq;
         self.settled = seq;
-        self.marks.retain(|s, _| *s <= seq);
+        self.marks.resume_after(seq);
         self.stored = Offset {
             seq,
             journal_first: None,
             marks: Vec::new(),
         };
-    }
-
-    /// The newest seq among the stored marks whose record the journal still holds unchanged
-    /// (0 if none): the records before it are those forwarded (what a power cut leaves of a
-    /// journal is a prefix of what was written), those after it may not be.
-    fn proven_position(&self, active: &cryo_journal::Scan) -> u64 {
-        let mut marks = self.stored.marks.clone();
-        marks.sort_unstable_by_key(|m| std::cmp::Reverse(m.0));
-        let wanted: std::collections::HashSet<u64> = marks.iter().map(|(s, _)| *s).collect();
-        let mut held: HashMap<u64, String> = active
-            .records
-            .iter()
-            .filter(|r| wanted.contains(&r.seq))
-            .map(|r| (r.seq, record_mark(r)))
-            .collect();
-        let last = active.records.last().map_or(0, |r| r.seq);
-        // The oldest record the journal holds at or after the oldest mark, once the archives
-        // were read.
-        let mut oldest_held = None;
-        for (seq, mark) in &marks {
-            if !held.contains_key(seq) && *seq <= last && oldest_held.is_none() {
-                // A record the active segment no longer holds (the forwarder was behind a
-                // rotation): the archives, read once, from the oldest mark on.
-                let oldest = marks.last().map_or(*seq, |(s, _)| *s);
-                match cryo_journal::Reader::after(&self.cfg.journal_dir, oldest.saturating_sub(1))
-                    .read_new()
-                {
-                    Ok(scan) => {
-                        oldest_held = Some(scan.records.first().map_or(u64::MAX, |r| r.seq));
-                        held.extend(
-                            scan.records
-                                .iter()
-                                .filter(|r| wanted.contains(&r.seq))
-                                .map(|r| (r.seq, record_mark(r))),
-                        );
-                    }
-                    Err(err) => {
-                        tracing::warn!(%err, "cannot read the journal's archives to check the forwarder's offset");
-                        return 0;
-                    }
-                }
-            }
-            if held.get(seq) == Some(mark) {
-                return *seq;
-            }
-        }
-        let newest = marks.first().map_or(0, |(s, _)| *s);
-        if oldest_held.is_some_and(|o| o > newest) {
-            // Every record the marks name was removed with the archives that held them: they can
-            // be neither checked nor sent again, and what the journal holds all comes after
-            // them. Resuming at the stored position tells the collector exactly which records
-            // it will never get (a power cut that replaced them before they were archived cannot
-            // be told from here: those are lost with the archives either way).
-            tracing::warn!(
-                offset = newest,
-                oldest_held = oldest_held.unwrap_or_default(),
-                "the records the forwarder's offset names were removed by the journal's retention; resuming from the offset"
-            );
-            return self.stored.seq;
-        }
-        0
     }
 
     fn run(mut self) {
@@ -567,10 +479,7 @@ impl Run {
             self.lost_to = self.lost_to.max(last.last);
         }
         for r in records {
-            if r.seq == 1 {
-                self.journal_first = Some(time_of(&r));
-            }
-            self.marks.insert(r.seq, record_mark(&r));
+            self.marks.note(&r);
             let frame = self.cfg.format.frame(&r);
             c.stream.write_all(&frame)?;
             c.written += frame.len() as u64;
@@ -670,24 +579,15 @@ impl Run {
     }
 
     fn store(&mut self, seq: u64, now: bool) {
-        if seq == self.stored.seq && self.journal_first == self.stored.journal_first {
+        if seq == self.stored.seq
+            && self.marks.journal_first() == self.stored.journal_first.as_ref()
+        {
             return;
         }
         if !now && self.stored_at.elapsed() < STORE_EVERY {
             return;
         }
-        // The marks of this position; those of records before it that no later position needs
-        // are forgotten (a later position's mark seqs are after this one or among its own).
-        let keep: Vec<u64> = mark_seqs(seq).collect();
-        self.marks.retain(|s, _| *s > seq || keep.contains(s));
-        let next = Offset {
-            seq,
-            journal_first: self.journal_first.clone(),
-            marks: keep
-                .iter()
-                .filter_map(|s| self.marks.get(s).map(|m| (*s, m.clone())))
-                .collect(),
-        };
+        let next = self.marks.position(seq);
         match self.file.store(&next) {
             Ok(()) => self.stored = next,
             Err(err) => {
@@ -760,12 +660,4 @@ fn peer_closed(stream: &TcpStream) -> bool {
         }
     }
     false
-}
-
-/// A record's time as the journal stores it.
-pub(crate) fn time_of(r: &Record) -> String {
-    serde_json::to_value(r)
-        .ok()
-        .and_then(|v| v.get("time").and_then(|t| t.as_str()).map(str::to_owned))
-        .unwrap_or_default()
 }

@@ -45,22 +45,12 @@ mod service;
 mod sys;
 pub mod syslog;
 
+pub use cryo_journal::{event_type, mark_seqs, record_mark};
 pub use error::{ConnectError, FollowError, ForwardError, MetricsError, OffsetError, ServeError};
 pub use follow::{ndjson_line, Follow, Wake};
 pub use forward::{ForwardConfig, ForwardShared, ForwardStatus, Forwarder};
 pub use metrics::{LiveGauges, Metrics, CONTENT_TYPE, DURATION_BUCKETS, PREFIX};
-pub use offset::{mark_seqs, record_mark, Offset, OffsetFile};
+pub use offset::{Offset, OffsetFile};
 pub use server::{JournalFeed, MetricsServer, DEFAULT_LISTEN};
 pub use service::{StartError, Telemetry, TelemetryConfig};
 pub use syslog::{severity, Severity, SyslogFormat};
-
-use cryo_journal::Event;
-
-/// The event's type as the journal stores it (`checkpointed`, `gpu_quarantined`; `unknown` for
-/// an event of a newer cryo).
-pub fn event_type(event: &Event) -> String {
-    serde_json::to_value(event)
-        .ok()
-        .and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_owned))
-        .unwrap_or_else(|| "unknown".to_owned())
-}
