@@ -7,7 +7,10 @@
 //! connection it starts another first (a context's thread serves it for the context's life).
 //! The first message says what the connection is: a context
 //! (`OpenContext`; the connection then lives as long as the worker's context fd) or a one-shot
-//! request.
+//! request. It must come within [`FIRST_MESSAGE_TIMEOUT`], and at most [`MAX_UNIDENTIFIED`]
+//! connections wait for theirs at once (one more is refused with an error reply): a flood of
+//! connections that never say what they are holds a bounded number of threads, for a bounded
+//! time.
 //!
 //! Why kept threads (session 16): the real NVML answers a query in the caller's process in
 //! 0.03 ms (`shared/gpu-facts.md`); a thread started per connection made every simulated query
@@ -32,7 +35,7 @@ use std::io::{self, BufReader, Write};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -248,6 +251,7 @@ pub fn run(cfg: DaemonConfig) -> Result<(), DaemonError> {
         listener,
         daemon,
         idle: Mutex::new(0),
+        unidentified: AtomicUsize::new(0),
     });
     // The daemon's own thread is an acceptor that never ends.
     acceptors.accept_and_serve(true);
@@ -257,6 +261,15 @@ pub fn run(cfg: DaemonConfig) -> Result<(), DaemonError> {
 /// How many acceptors may wait in `accept` at once; one more ends after its connection.
 const ACCEPTORS_KEPT: usize = 4;
 
+/// How many accepted connections may wait for their first message (what says what they are) at
+/// once, each on a thread of its own; one more is refused at once with an error reply. Contexts
+/// and calls under way are not counted: a worker's context is as long-lived as its fd.
+pub const MAX_UNIDENTIFIED: usize = 64;
+
+/// How long a connection may take to send its first message before the daemon closes it (a
+/// client sends it as soon as it connected).
+pub const FIRST_MESSAGE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The threads that serve connections (see the module docs): each waits in `accept` on the one
 /// listener and serves what it accepted itself.
 struct Acceptors {
@@ -264,6 +277,18 @@ struct Acceptors {
     daemon: Arc<Daemon>,
     /// Acceptors waiting in `accept`.
     idle: Mutex<usize>,
+    /// Connections accepted whose first message has not come yet.
+    unidentified: AtomicUsize,
+}
+
+/// One of [`Acceptors::unidentified`], given back when dropped (the first message came, or the
+/// connection ended).
+struct Unidentified<'a>(&'a AtomicUsize);
+
+impl Drop for Unidentified<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Acceptors {
@@ -283,6 +308,14 @@ impl Acceptors {
                 *idle -= 1;
                 *idle == 0
             };
+            let conn = match conn {
+                Ok((s, _)) => match self.unidentified(s) {
+                    Some(c) => Ok(c),
+                    // Refused at once: this thread accepts again, no other is needed.
+                    None => continue,
+                },
+                Err(e) => Err(e),
+            };
             if none_waits {
                 let next = Arc::clone(self);
                 if let Err(err) = std::thread::Builder::new()
@@ -294,13 +327,37 @@ impl Acceptors {
                 }
             }
             match conn {
-                Ok((s, _)) => self.daemon.serve(s),
+                Ok((s, slot)) => self.daemon.serve(s, slot),
                 Err(err) => tracing::warn!(%err, "accept failed"),
             }
             if !lasting && *self.idle() >= ACCEPTORS_KEPT {
                 return;
             }
         }
+    }
+}
+
+impl Acceptors {
+    /// `s` counted among the connections not identified yet, or refused (an error reply, then
+    /// closed) when [`MAX_UNIDENTIFIED`] of them wait already: a flood of connections that never
+    /// say what they are does not take a thread each.
+    fn unidentified(&self, mut s: UnixStream) -> Option<(UnixStream, Unidentified<'_>)> {
+        let waiting = self.unidentified.fetch_add(1, Ordering::Relaxed);
+        let slot = Unidentified(&self.unidentified);
+        if waiting < MAX_UNIDENTIFIED {
+            return Some((s, slot));
+        }
+        tracing::warn!(
+            waiting,
+            "too many connections that have not said what they are: refusing one"
+        );
+        let _ = proto::send(
+            &mut s,
+            &Reply::Error(format!(
+                "the simulated driver is waiting for the first message of {MAX_UNIDENTIFIED} connections already; try again"
+            )),
+        );
+        None
     }
 }
 
@@ -415,15 +472,33 @@ impl Daemon {
         self.contexts.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn serve(&self, mut s: UnixStream) {
-        let req: Request = match proto::recv(&mut s) {
-            Ok(Some(r)) => r,
-            Ok(None) => return,
+    fn serve(&self, mut s: UnixStream, first: Unidentified<'_>) {
+        // The first message within its timeout; a connection silent past it is closed.
+        let _ = s.set_read_timeout(Some(FIRST_MESSAGE_TIMEOUT));
+        let req: Option<Request> = match proto::recv(&mut s) {
+            Ok(r) => r,
+            Err(err)
+                if matches!(
+                    err.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                tracing::debug!(
+                    "a connection sent nothing within {FIRST_MESSAGE_TIMEOUT:?}: closed"
+                );
+                None
+            }
             Err(err) => {
                 let _ = proto::send(&mut s, &Reply::Error(format!("bad request: {err}")));
-                return;
+                None
             }
         };
+        drop(first);
+        let Some(req) = req else { return };
+        if let Err(err) = s.set_read_timeout(None) {
+            tracing::warn!(%err, "cannot clear a connection's first-message timeout");
+            return;
+        }
         if let Some((kind, pid)) = CallKind::of(&req) {
             if !self.hangs.hold(kind, pid, &s) {
                 return;

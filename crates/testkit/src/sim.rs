@@ -142,6 +142,11 @@ impl Sim {
         }
     }
 
+    /// The daemon's pid.
+    pub fn daemon_pid(&self) -> cryo_proc::Pid {
+        self.daemon.id() as cryo_proc::Pid
+    }
+
     /// The daemon's directory (`--sim-dir`).
     pub fn path(&self) -> &Path {
         self.dir.path()
