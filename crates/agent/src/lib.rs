@@ -339,6 +339,13 @@ pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
     let in_flight = cryo_criu::scratch::live_restores(&cfg.state.criu_dir());
     let swept = cryo_criu::scratch::sweep(&cfg.state.criu_dir());
     protect_from_oom();
+    // Said once, at the start: on a host whose `/run` is not a tmpfs every CRIU run (each
+    // freeze's dump, each thaw's restore) pays its kernel probes again.
+    if let Some(why) =
+        cryo_criu::kdat::cache_unkept(std::path::Path::new(cryo_criu::kdat::KDAT_DIR))
+    {
+        tracing::warn!("{why}");
+    }
     let read_group = match &cfg.read_group {
         None => None,
         Some(name) => match nix::unistd::Group::from_name(name) {

@@ -43,6 +43,7 @@ mod criu;
 pub mod crtools;
 mod error;
 pub mod image;
+pub mod kdat;
 mod log;
 mod rpc;
 pub mod scratch;
