@@ -419,10 +419,17 @@ pub fn journal_ended_restores(journal: &Journal, ended: &[cryo_criu::scratch::En
     }
 }
 
-/// Thaws the image at `dir`, unless `fence` fences its GPUs. See the module docs. Between the
-/// GPU restore and the unlock, `watcher` (the guard, if any) traces every CUDA process while it
-/// is still LOCKED ([`Watcher::guard_before_unlock`]); if it cannot, the tree is suspended and
-/// removed instead of unlocked.
+/// Opens the image at `dir` for a thaw with `opts` (trust, manifest, listing and sizes; the
+/// bytes are checked as CRIU reads them), given up at the restore's deadline
+/// ([`ThawOptions::criu_timeout`] from the request, or [`criu_deadline`] of an empty image: the
+/// size is in the manifest not read yet): an image whose file system does not answer is
+/// refused then instead of hanging the thaw before any deadline applies.
+pub fn open_image(dir: &Path, opts: &ThawOptions) -> Result<Image, ThawError> {
+    let limit = opts.criu_timeout.unwrap_or_else(|| criu_deadline(0));
+    Ok(Image::open_until(dir, Some(opts.requested + limit))?)
+}
+
+/// Thaws the image at `dir` ([`open_image`], then [`thaw_opened`]).
 #[allow(clippy::too_many_arguments)]
 pub fn thaw(
     gpu: &Gpu,
@@ -434,11 +441,30 @@ pub fn thaw(
     watcher: &dyn Watcher,
     progress: &dyn Progress,
 ) -> Result<ThawReport, ThawError> {
+    let opened = open_image(dir, opts)?;
+    thaw_opened(gpu, criu, opened, opts, journal, fence, watcher, progress)
+}
+
+/// Thaws `opened` (see [`open_image`]), unless `fence` fences its GPUs. See the module docs.
+/// Between the GPU restore and the unlock, `watcher` (the guard, if any) traces every CUDA
+/// process while it is still LOCKED ([`Watcher::guard_before_unlock`]); if it cannot, the tree
+/// is suspended and removed instead of unlocked.
+#[allow(clippy::too_many_arguments)]
+pub fn thaw_opened(
+    gpu: &Gpu,
+    criu: &dyn Criu,
+    opened: Image,
+    opts: &ThawOptions,
+    journal: &Journal,
+    fence: &Fence,
+    watcher: &dyn Watcher,
+    progress: &dyn Progress,
+) -> Result<ThawReport, ThawError> {
     let gpu = &gpu.bounded(cryo_gpu::Limits::default());
     let t = Instant::now();
     journal_ended_restores(journal, &criu.ended_restores());
-    // Trust, manifest, listing and sizes; the bytes are checked as CRIU reads them.
-    let opened = Image::open(dir)?;
+    let dir = opened.path().to_path_buf();
+    let dir = dir.as_path();
     // From a cold cache the disk reads the bulk while the prechecks run.
     opened.prefetch_page_contents();
     let manifest = opened.manifest().clone();

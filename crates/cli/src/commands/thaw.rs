@@ -113,12 +113,12 @@ fn standalone(
 ) -> Result<ThawReport, Outcome> {
     let failed = Outcome::Failed;
     let criu = CriuRpc::locate_in(None, &ctx.state.criu_dir()).map_err(|e| failed(e.into()))?;
-    // A cheap first look at the image (the full verification, every checksum, runs in the thaw
-    // itself): a directory that is no image is refused before the driver is looked for.
-    let manifest = req.image.join(cryo_criu::image::MANIFEST_FILE);
-    if let Err(e) = cryo_criu::image::read_manifest(&manifest) {
-        return Err(Outcome::Refused(ThawError::Image(e).to_string()));
-    }
+    let opts = req.options(requested);
+    // The image opened once, under the restore's deadline (a file system that does not answer
+    // is refused there), and passed on: a directory that is no image is refused before the
+    // driver is looked for; every checksum is checked in the thaw itself.
+    let opened = cryo_lifecycle::open_image(&req.image, &opts)
+        .map_err(|e| Outcome::Refused(e.to_string()))?;
     route::standalone_note(client);
     let gpu = ctx.gpu().map_err(failed)?;
     let journal = ctx
@@ -126,11 +126,11 @@ fn standalone(
         .open_journal()
         .context("opening the journal")
         .map_err(failed)?;
-    match cryo_lifecycle::thaw(
+    match cryo_lifecycle::thaw_opened(
         &gpu,
         &criu,
-        &req.image,
-        &req.options(requested),
+        opened,
+        &opts,
         &journal,
         &ctx.state.fence(),
         &cryo_guard::control::GuardClient::new(&ctx.state),

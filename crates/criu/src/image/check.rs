@@ -444,28 +444,40 @@ fn on_own_thread<T: Send + 'static>(
         Ok(i) => i,
         Err(e) => return Some(Err(e)),
     };
+    within_deadline(image.path(), deadline, move || work(&copy))
+}
+
+/// Runs `work` (which touches only the image at `dir`) on a thread of the deadline layer,
+/// waited for until `deadline`: `None` if it had not ended by then; its thread is then
+/// abandoned and counted in [`abandoned_checks`] until it ends. The one place the image's
+/// opens, reads and stats meet the deadline ([`on_own_thread`], [`Image::open_until`]).
+pub(super) fn within_deadline<T: Send + 'static>(
+    dir: &std::path::Path,
+    deadline: std::time::Instant,
+    work: impl FnOnce() -> Result<T, ImageError> + Send + 'static,
+) -> Option<Result<T, ImageError>> {
     let limit = deadline.saturating_duration_since(std::time::Instant::now());
     let late = |_: Result<T, ImageError>| {
-        tracing::info!("a check given up on at its restore's deadline ended");
+        tracing::info!("a look at an image given up on at its restore's deadline ended");
     };
-    match deadline::within_counted(&ABANDONED, limit, move || work(&copy), late) {
+    match deadline::within_counted(&ABANDONED, limit, work, late) {
         Ok(r) => Some(r),
         Err(Late::Elapsed(_)) => {
             tracing::warn!(
-                image = %image.path().display(),
+                image = %dir.display(),
                 stuck = ABANDONED.get(),
-                "a check of the image did not end before the restore's deadline (a read that never returns?): its thread is abandoned"
+                "a look at the image did not end before the restore's deadline (an open, read or stat that never returns?): its thread is abandoned"
             );
             None
         }
         Err(Late::Unresponsive(stuck)) => Some(Err(ImageError::Stream {
-            dir: image.path().to_path_buf(),
+            dir: dir.to_path_buf(),
             reason: format!(
                 "{stuck} earlier checks of images are still stuck in a read that never returned (a hung disk?): no new check is started"
             ),
         })),
         Err(Late::NoThread) => Some(Err(ImageError::Stream {
-            dir: image.path().to_path_buf(),
+            dir: dir.to_path_buf(),
             reason: "cannot start the check's thread".into(),
         })),
     }

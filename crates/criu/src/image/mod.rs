@@ -193,6 +193,16 @@ pub enum ImageError {
         /// Who could change it, and how.
         reason: String,
     },
+    /// The image's file system did not answer an open, a read or a stat before the restore's
+    /// deadline (a dead disk, an NFS hard mount, a FUSE server that stopped answering): the
+    /// thread waiting on it is abandoned (counted by `abandoned_checks`).
+    #[error("{}: its file system did not answer before the restore's deadline ({what})", .dir.display())]
+    Unanswered {
+        /// The image.
+        dir: PathBuf,
+        /// What was waited for.
+        what: String,
+    },
     /// The thaw's streamer stopped before CRIU had read the image (see the log of the restore).
     #[error("{}: image streamer: {reason}", .dir.display())]
     Stream {

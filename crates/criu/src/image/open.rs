@@ -67,6 +67,29 @@ impl Image {
         }
     }
 
+    /// [`Image::open`], given up at `deadline` (the restore's): an image whose file system does
+    /// not answer (a dead disk, an NFS hard mount, a FUSE server) is refused then
+    /// ([`ImageError::Unanswered`]), and the thread left waiting on it is counted in
+    /// `abandoned_checks` until it returns, as the thaw's check does. `None`: no deadline, opened
+    /// on the caller's thread.
+    pub fn open_until(
+        dir: &Path,
+        deadline: Option<std::time::Instant>,
+    ) -> Result<Image, ImageError> {
+        let Some(deadline) = deadline else {
+            return Image::open(dir);
+        };
+        let owned = dir.to_path_buf();
+        super::check::within_deadline(dir, deadline, move || Image::open(&owned)).unwrap_or_else(
+            || {
+                Err(ImageError::Unanswered {
+                    dir: dir.to_path_buf(),
+                    what: "opening the image and reading its manifest".into(),
+                })
+            },
+        )
+    }
+
     /// One [`Image::open`]; a failure after the directory was opened comes with its fd.
     fn open_once(dir: &Path) -> Result<Image, (ImageError, Option<OwnedFd>)> {
         let (_, name) = split(dir).map_err(|e| (e, None))?;
@@ -173,21 +196,23 @@ impl Image {
         let Ok(available) = cryo_proc::mem_available() else {
             return;
         };
-        let mut budget = available / 2;
-        let mut files = Vec::new();
-        for i in 0..self.manifest.files.len() {
-            if budget == 0 || !super::check::is_page_contents(&self.manifest.files[i].name) {
-                continue;
-            }
-            if let Ok((f, len)) = self.open_file(i) {
-                files.push((f, len.min(budget)));
-                budget -= len.min(budget);
-            }
-        }
-        if files.is_empty() {
+        // The opens too on the prefetch's thread: on a file system that stops answering they
+        // hang it, never the thaw (whose own opens are under its deadline).
+        let Ok(image) = self.try_clone() else {
             return;
-        }
+        };
         let advise = move || {
+            let mut budget = available / 2;
+            let mut files = Vec::new();
+            for i in 0..image.manifest.files.len() {
+                if budget == 0 || !super::check::is_page_contents(&image.manifest.files[i].name) {
+                    continue;
+                }
+                if let Ok((f, len)) = image.open_file(i) {
+                    files.push((f, len.min(budget)));
+                    budget -= len.min(budget);
+                }
+            }
             for (f, len) in files {
                 if let Err(e) = rustix::fs::fadvise(&f, 0, len, rustix::fs::Advice::WillNeed) {
                     tracing::debug!(error = %e, "prefetching the page contents");

@@ -1,0 +1,137 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! `cryo thaw` of an image whose file system stops answering before the thaw's first look (the
+//! test kit's FUSE server holding every open of the image's files from the `cryo` process: its
+//! thread waits in the kernel, uninterruptibly, as on a dead disk or an NFS hard mount).
+
+use std::fs;
+use std::io::{BufRead, BufReader};
+use std::process::Stdio;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+mod common;
+
+use common::{eventually, state_dir, Sim};
+use cryo_testkit::fuse::{Hold, Stalling};
+use cryo_testkit::PATIENCE;
+
+/// The `--criu-timeout` of the attack, s: the restore's deadline.
+const DEADLINE_S: u64 = 2;
+
+/// How long past its deadline the thaw may take to say so before the test calls it hung.
+const PAST_DEADLINE: Duration = Duration::from_secs(20);
+
+/// Attack (session 17): the operator thaws an image whose file system does not answer the open
+/// of its manifest. At its deadline (`--criu-timeout`) the thaw must refuse, naming the image
+/// and that its file system did not answer; nothing is restored or journaled as started.
+/// (Before: the CLI's first look read the manifest by name on its own thread, with no
+/// deadline: "cryo thaw had not refused 20 s past its 2 s deadline (its threads then:
+/// [\"S request_wait_answer\"]); it said: []".)
+///
+/// The `cryo` process itself ends only once the file system answers: the kernel ends a
+/// process when all its threads ended, and one whose FUSE request was sent waits for the
+/// answer uninterruptibly (`request_wait_answer`), SIGKILL included. The refusal is said and
+/// the thaw's work is over at the deadline; the exit comes with the answer.
+#[test]
+fn a_thaw_whose_image_file_system_does_not_answer_refuses_at_its_deadline() {
+    cryo_testkit::require_criu_and_root();
+    let t = tempfile::tempdir().unwrap();
+    let backing = t.path().join("backing");
+    cryo_testkit::image::publish_tiny(&backing);
+    let mnt = t.path().join("img");
+    fs::create_dir(&mnt).unwrap();
+    let fuse = Stalling::mount(&backing, &mnt, Hold::Opens, |_| true);
+    let sim = Sim::start();
+    let state = state_dir("thaw-hung-fs");
+
+    let mut thaw = sim
+        .cmd_at(state.path())
+        .arg("thaw")
+        .arg(&mnt)
+        .args(["--criu-timeout", &DEADLINE_S.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (lines_tx, lines) = mpsc::channel();
+    let err_pipe = thaw.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(err_pipe).lines() {
+            let Ok(line) = line else { return };
+            if lines_tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    // The positive event first: the thaw's open reached the server and is held there.
+    eventually(
+        PATIENCE,
+        "the thaw's open of the image to reach the server",
+        || fuse.held() > 0,
+    );
+    let patience = Instant::now() + Duration::from_secs(DEADLINE_S) + PAST_DEADLINE;
+    let mut said = Vec::new();
+    let refusal = loop {
+        let left = patience.saturating_duration_since(Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(line) if line.contains("image refused") => break line,
+            Ok(line) => said.push(line),
+            Err(_) => {
+                let threads = threads_of(thaw.id());
+                fuse.answer_all();
+                let _ = thaw.kill();
+                let _ = thaw.wait();
+                panic!(
+                    "cryo thaw had not refused {} s past its {DEADLINE_S} s deadline (its threads then: {threads:?}); it said: {said:?}",
+                    PAST_DEADLINE.as_secs()
+                );
+            }
+        }
+    };
+    let image = mnt.display().to_string();
+    assert!(refusal.contains(&image), "names the image: {refusal}");
+    assert!(
+        refusal.contains("its file system did not answer before the restore's deadline"),
+        "says its file system did not answer: {refusal}"
+    );
+    assert!(refusal.contains("nothing was restored"), "{refusal}");
+
+    // Once the server answers, the stuck open ends and so does the process: refused (3).
+    fuse.answer_all();
+    let status = eventually(
+        PATIENCE,
+        "cryo thaw to exit once the server answered",
+        || thaw.try_wait().unwrap(),
+    );
+    assert_eq!(
+        status.code(),
+        Some(3),
+        "refused before anything ran: {said:?}"
+    );
+    // Nothing of the thaw started: no CRIU ran, nothing journaled as started.
+    if state.path().join("journal").exists() {
+        let events = common::events(state.path());
+        assert!(
+            !events
+                .iter()
+                .any(|e| matches!(e, cryo_journal::Event::ThawStarted { .. })),
+            "{events:?}"
+        );
+    }
+}
+
+/// Each thread of `pid`: its state letter and kernel wait.
+fn threads_of(pid: u32) -> Vec<String> {
+    fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| {
+            d.flatten()
+                .map(|t| {
+                    let stat = fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+                    let state = stat.rsplit(") ").next().and_then(|s| s.chars().next());
+                    let wchan = fs::read_to_string(t.path().join("wchan")).unwrap_or_default();
+                    format!("{} {wchan}", state.unwrap_or('?'))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
