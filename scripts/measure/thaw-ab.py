@@ -151,6 +151,8 @@ class Run:
         os.makedirs(self.work)
         self.driver = None
         self.pid = None
+        # A thaw ran and its worker was not stopped since.
+        self.thawed = False
 
     def start(self):
         self.driver = subprocess.Popen(
@@ -201,6 +203,7 @@ class Run:
     def stop_cryo(self):
         self.cryo(self.exe, ["stop", str(self.pid), "--deadline", "0"])
         self.reap()
+        self.thawed = False
 
     def stop_bare(self):
         # Suspended first (a live restored context is never torn down), then killed.
@@ -210,6 +213,7 @@ class Run:
                              str(self.pid)])
         os.kill(self.pid, signal.SIGKILL)
         self.reap()
+        self.thawed = False
 
     def cached(self):
         """Bytes of the image's page contents, the cryo binary and CRIU in the page cache."""
@@ -236,6 +240,7 @@ class Run:
         if cold:
             drop_caches()
         before = self.cached() if self.a.fincore else None
+        self.thawed = True
         origin = now_ns()
         if name == "bare":
             r = subprocess.run(self.traced([self.a.criu, "restore", "-d", "-D", self.image, "-o",
@@ -276,6 +281,13 @@ class Run:
         return rec
 
     def close(self):
+        # A thaw that failed after its restore (or a harness error between a thaw and its
+        # stop) leaves the restored worker: suspended and ended while the driver still runs.
+        if self.thawed and os.path.exists(f"/proc/{self.pid}"):
+            try:
+                self.stop_cryo()
+            except (RuntimeError, OSError) as e:
+                print(f"thaw-ab: cannot stop worker {self.pid}: {e}", file=sys.stderr)
         if self.driver:
             self.driver.kill()
             self.driver.wait()
