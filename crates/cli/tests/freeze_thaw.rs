@@ -867,11 +867,17 @@ fn a_thawed_worker_is_guarded_before_its_unlock() {
 }
 
 /// Waits until `cmd` (stderr piped) says it reached its failpoint.
+/// Reads the whole announcement line before the pipe is closed: the write of a part of it after
+/// the close would fail (session 17's flaky `a_freeze_killed_at_the_dump_gate_...`: the freeze's
+/// `eprintln!` panicked on EPIPE and its unwinding removed the staging directory).
 fn wait_failpoint(cmd: &mut std::process::Child) {
     let mut err = cmd.stderr.take().unwrap();
     let mut seen = String::new();
     let mut buf = [0u8; 256];
-    while !seen.contains("failpoint") {
+    while !seen
+        .split_once("failpoint")
+        .is_some_and(|(_, rest)| rest.contains('\n'))
+    {
         let n = err.read(&mut buf).unwrap();
         assert!(n > 0, "it ended before its failpoint: {seen}");
         seen.push_str(&String::from_utf8_lossy(&buf[..n]));

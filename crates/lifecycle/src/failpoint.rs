@@ -37,10 +37,21 @@ pub fn active(name: &str) -> bool {
     std::env::var(ENV).is_ok_and(|v| v == name)
 }
 
+/// Says on stderr that a failpoint was reached: one `write`, its error ignored. `eprintln!`
+/// writes each piece of its format separately, so a test that stopped reading at the word
+/// "failpoint" and closed its pipe made the next piece fail with EPIPE, and `eprintln!` panics
+/// then: the step it marks unwound (a freeze removed its staging directory) instead of stalling.
+fn announce(line: String) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(line.as_bytes());
+}
+
 /// Stalls forever if failpoint `name` is active.
 pub fn stall_if(name: &str) {
     if active(name) {
-        eprintln!("cryo: failpoint {name} reached; stalling until killed ({ENV} is a test hook)");
+        announce(format!(
+            "cryo: failpoint {name} reached; stalling until killed ({ENV} is a test hook)\n"
+        ));
         loop {
             std::thread::sleep(Duration::from_secs(3600));
         }
@@ -57,10 +68,10 @@ pub fn pause_if(name: &str) {
     let Some(resume) = std::env::var_os(RESUME_ENV) else {
         return stall_if(name);
     };
-    eprintln!(
-        "cryo: failpoint {name} reached; paused until {} exists ({ENV} is a test hook)",
+    announce(format!(
+        "cryo: failpoint {name} reached; paused until {} exists ({ENV} is a test hook)\n",
         std::path::Path::new(&resume).display()
-    );
+    ));
     while !std::path::Path::new(&resume).exists() {
         std::thread::sleep(Duration::from_millis(10));
     }
