@@ -361,7 +361,10 @@ impl Drop for Tree {
             let _ = c.kill();
             let _ = c.wait();
         }
-        // deepest first
+        // Deepest first. A process the test put in a directory (a sim worker its own drop
+        // killed) leaves it only once reaped, at its parent's pace: until then the directory is
+        // busy. One left behind names a pod UID the next run's tree uses too, and cryo then
+        // refuses that pod ("more than one cgroup"): a leak that failed a later suite.
         fn rm(p: &Path) {
             if let Ok(entries) = fs::read_dir(p) {
                 for e in entries.flatten() {
@@ -370,7 +373,15 @@ impl Drop for Tree {
                     }
                 }
             }
-            let _ = fs::remove_dir(p);
+            for _ in 0..1000 {
+                match fs::remove_dir(p) {
+                    Err(e) if e.kind() == std::io::ErrorKind::ResourceBusy => {
+                        std::thread::sleep(Duration::from_millis(10))
+                    }
+                    Ok(()) | Err(_) => return,
+                }
+            }
+            eprintln!("could not remove {}: still busy after 10 s", p.display());
         }
         rm(&self.top);
     }
