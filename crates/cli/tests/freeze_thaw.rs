@@ -1550,6 +1550,19 @@ fn a_cpu_set_changed_during_the_dump_is_not_overwritten_by_the_recovery() {
     env.stop_clean(pid);
 }
 
+/// `cryo freeze PID --image IMAGE` with `failpoint` active, which must fail it: its stderr.
+fn freeze_refused_at(env: &Env, pid: i32, image: &Path, failpoint: &str) -> String {
+    let out = env
+        .cmd()
+        .env("CRYO_FAILPOINT", failpoint)
+        .args(["freeze", &pid.to_string(), "--image"])
+        .arg(image)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "published: {}", stdout(&out));
+    stderr(&out)
+}
+
 /// A freeze writes its suspension's last records (`Verified`, the outcomes with it) without
 /// waiting for stable storage and syncs them beside CRIU's start, so that GPU free waits for one
 /// `fdatasync` (the lock's intent): CRIU's gate, where the tree would be ended, waits for that
@@ -1562,15 +1575,7 @@ fn a_freeze_whose_suspension_cannot_be_synced_ends_nothing() {
     let (pid, ep) = env.worker("64MiB", 0);
     let before = answers(&ep);
     let image = env.path().join("img");
-    let out = env
-        .cmd()
-        .env("CRYO_FAILPOINT", "freeze-suspension-unsynced")
-        .args(["freeze", &pid.to_string(), "--image"])
-        .arg(&image)
-        .output()
-        .unwrap();
-    let err = stderr(&out);
-    assert!(!out.status.success(), "published: {}", stdout(&out));
+    let err = freeze_refused_at(&env, pid, &image, "freeze-suspension-unsynced");
     assert!(err.contains("cannot be made durable"), "{err}");
     assert!(
         alive(pid),
@@ -1578,6 +1583,56 @@ fn a_freeze_whose_suspension_cannot_be_synced_ends_nothing() {
     );
     assert!(!image.exists(), "an image was published");
     assert_eq!(answers(&ep), before, "it serves as before");
+    env.stop_clean(pid);
+}
+
+/// A freeze writes what its verification found (each process's `Checkpointed` and `Verified`)
+/// right after GPU free; the guard's let-go and everything after it stand on those records. A
+/// write that fails there (a full disk, EIO: injected) must let nothing go and end nothing: the
+/// worker is a live restored one (the guard traces it), so the freeze stops there, resumes it in
+/// place under its guard and says so; it serves as before, nothing is published, nothing was
+/// torn down. (Before: the write's error was only logged, the guard let go on its liveness look,
+/// CRIU dumped and ended the worker, and the image was published with no record of the
+/// suspension in the journal.)
+#[test]
+fn a_freeze_whose_verification_cannot_be_journaled_lets_nothing_go_and_resumes_the_worker() {
+    use cryo_journal::Event;
+    let mut env = Env::start("1GiB");
+    let guard = hourly_guard(&env);
+    let (pid, ep) = env.worker("64MiB", 0);
+    make_restored(&env, pid);
+    assert_ne!(tracer(pid), 0, "a restore through cryo is traced");
+    let before = answers(&ep);
+    let image = env.path().join("img");
+    let err = freeze_refused_at(&env, pid, &image, "freeze-verified-unwritten");
+    assert!(!image.exists(), "an image was published");
+    assert!(alive(pid), "the worker was ended: {err}");
+    assert!(err.contains("verification"), "{err}");
+    assert!(err.contains("serves again"), "{err}");
+    assert_ne!(tracer(pid), 0, "the guard let go of the worker");
+    assert_eq!(
+        env.sim.gpu.driver.state(pid).unwrap(),
+        cryo_gpu::ProcessState::Running
+    );
+    assert_eq!(answers(&ep), before, "it serves as before");
+    env.sim.assert_no_wedge();
+    let id = cryo_journal::ProcId::of(pid).unwrap();
+    let all = events(&env);
+    let freeze = position(&env, |e| matches!(e, Event::FreezeStarted { .. })).unwrap();
+    let since = &all[freeze..];
+    assert!(
+        !since
+            .iter()
+            .any(|e| matches!(e, Event::Verified { pid: p, .. } if *p == id)),
+        "the failpoint wrote the verification: {since:?}"
+    );
+    assert!(
+        since
+            .iter()
+            .any(|e| matches!(e, Event::Unlocked { pid: p, .. } if *p == id)),
+        "not resumed in place: {since:?}"
+    );
+    drop(guard);
     env.stop_clean(pid);
 }
 

@@ -11,14 +11,16 @@
 //! test can change the world at that exact point and let the step go on.
 //!
 //! # Limitations
-//! No injected errors (the crash itself is the test's SIGKILL), except four:
+//! No injected errors (the crash itself is the test's SIGKILL), except five:
 //! [`crate::park::PARK_RECORD_FAILS`] fails a park's first `Parked` record after its
 //! suspension (so that the park's undo runs),
 //! [`crate::suspend::SUSPEND_ROLL_BACK`] fails a suspension that succeeded, so that its roll-back
 //! runs, the journal's [`cryo_journal::SYNC_FAILPOINT`] (read by the journal's writer from
 //! the same variable) fails every `fdatasync` of the journal with EIO, and
 //! [`crate::freeze::FREEZE_SUSPENSION_UNSYNCED`] fails only the sync of a freeze's suspension
-//! records (started at GPU free), so that CRIU's gate refuses to let the tree end.
+//! records (started at GPU free), so that CRIU's gate refuses to let the tree end, and
+//! [`crate::freeze::FREEZE_VERIFIED_UNWRITTEN`] fails the write of those records (EIO), so that
+//! the freeze undoes its suspension before anything is let go.
 
 use std::time::Duration;
 

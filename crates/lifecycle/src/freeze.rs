@@ -19,7 +19,9 @@
 //!    is on stable storage before anything can end its process (a sync that fails refuses the
 //!    dump), and GPU free waits for one `fdatasync` (the lock's intent, which must be on disk
 //!    before the lock) and no write of the journal after the checkpoint (see
-//!    [`write_verified`] for why the write may follow the moment).
+//!    [`write_verified`] for why the write may follow the moment). A write that fails there
+//!    refuses the freeze before anything is let go: the tree is resumed in place under the
+//!    guard ([`FreezeError::Unrecorded`]).
 //! 4. Only now, every context checkpointed and journaled so, ask the [`Watcher`] (the guard) to
 //!    let go of the processes it traces (CRIU must trace them itself); the guard itself refuses to
 //!    let go of a process whose context the journal does not show suspended. A death between the
@@ -110,6 +112,11 @@ pub const FREEZE_SUSPENSION_UNSYNCED: &str = "freeze-suspension-unsynced";
 /// tree suspended, NVML lists none of them), the verification's records (each process's
 /// `Checkpointed` and `Verified`) are not written yet ([`write_verified`]).
 pub const FREEZE_AFTER_GPU_FREE: &str = "freeze-after-gpu-free";
+
+/// Failpoint (an injected error): the write of the verification's records right after GPU free
+/// ([`write_verified`]) fails as a journal that cannot be written does (EIO; a full disk is
+/// ENOSPC), the suspensions done and verified.
+pub const FREEZE_VERIFIED_UNWRITTEN: &str = "freeze-verified-unwritten";
 
 /// Failpoint (pausing): the engine's shrink is done, no CUDA process is suspended yet.
 pub const FREEZE_BEFORE_SUSPEND: &str = "freeze-before-suspend";
@@ -312,6 +319,18 @@ pub enum FreezeError {
         pid: Pid,
         /// Why.
         error: crate::restore::RestoreError,
+    },
+    /// Every CUDA process was suspended and verified, but what the verification found (each
+    /// process's `Checkpointed` and `Verified`, which the guard's let-go and every later
+    /// reader stand on) could not be journaled: nothing was let go or dumped; the processes
+    /// were restored and unlocked in place (the worker serves again), those that could not be
+    /// are named in `left` (left suspended, never torn down).
+    #[error("the suspension was verified but its verification could not be journaled ({source}), so nothing was let go or dumped; {}", crate::restore::fmt_left(.left))]
+    Unrecorded {
+        /// The journal's error.
+        source: cryo_journal::AppendError,
+        /// Processes not brought back, and why.
+        left: Vec<(Pid, String)>,
     },
     /// The journal could not be written before acting.
     #[error("cannot write the journal: {0}")]
@@ -707,21 +726,28 @@ fn freeze_inner(
     // What the tree forked meanwhile: its CUDA processes suspended too, from here on part of
     // the tree as listed.
     let mut forks = Forks::default();
-    if let Err(e) = suspend_forks(cx, &sopts, &mut forks, &mut unwritten) {
-        write_verified(journal, &mut unwritten);
+    if let Err(mut e) = suspend_forks(cx, &sopts, &mut forks, &mut unwritten) {
+        // What was verified is journaled before the undo (a second try when its first write
+        // failed: the undo's records follow it either way).
+        if let Err(j) = write_verified(journal, &mut unwritten) {
+            tracing::error!(error = %j, "cannot journal the suspension's verification");
+        }
         let alive: Vec<&ProcHandle> = cuda
             .iter()
             .copied()
             .chain(&forks.cuda)
             .filter(|h| h.is_alive())
             .collect();
-        resume_in_place(
+        let not_back = resume_all(
             gpu,
             &alive,
             journal,
             watcher,
             "resumed in place: the tree's forks could not be suspended",
         );
+        if let FreezeError::Unrecorded { left, .. } = &mut e {
+            *left = not_back.iter().map(|(p, e)| (*p, e.to_string())).collect();
+        }
         return Err(e);
     }
     let forked_cuda: Vec<Pid> = forks.cuda.iter().map(ProcHandle::pid).collect();
@@ -742,7 +768,22 @@ fn freeze_inner(
     let suspend_ms = ms(t.elapsed());
     let gpu_free_ms = ms(start.elapsed());
     failpoint::stall_if(FREEZE_AFTER_GPU_FREE);
-    write_verified(journal, &mut unwritten);
+    if let Err(source) = write_verified(journal, &mut unwritten) {
+        // Nothing was let go yet: the guard still traces the tree. Its suspension is not on
+        // record, so nothing may end it: undone in place, under the guard, and said.
+        let alive: Vec<&ProcHandle> = cuda.iter().copied().filter(|h| h.is_alive()).collect();
+        let left = resume_all(
+            gpu,
+            &alive,
+            journal,
+            watcher,
+            "resumed in place: its suspension's verification could not be journaled",
+        );
+        return Err(FreezeError::Unrecorded {
+            source,
+            left: left.iter().map(|(p, e)| (*p, e.to_string())).collect(),
+        });
+    }
     // The verification's records are written, not synced (`Verified::ByCaller`): synced now on
     // a thread of their own, beside the let-go and CRIU's start, and waited for at CRIU's gate,
     // before its verdict lets CRIU end the tree. Every suspension is on stable storage before
@@ -1067,7 +1108,11 @@ fn suspend_forks(
             verified: Verified::ByCaller,
         };
         // What the suspensions so far verified goes first: nothing is journaled before it.
-        write_verified(journal, unwritten);
+        write_verified(journal, unwritten).map_err(|source| FreezeError::Unrecorded {
+            source,
+            // Named by the caller's undo.
+            left: Vec::new(),
+        })?;
         let mut refusals = Vec::new();
         let s = suspend_listed(
             gpu,
@@ -1110,16 +1155,35 @@ fn suspend_forks(
 /// (`settle_in_flight`) finds the suspension's last step not final and its owner gone, asks
 /// the driver (CHECKPOINTED, purpose freeze) and restores and unlocks it in place under watch.
 /// A power cut could always lose these records (they were never synced before the moment).
-/// A write that fails is logged, as every outcome's is; the sync then finds the journal's state
-/// and the guard refuses to let go of what the journal does not show suspended.
-fn write_verified(journal: &Journal, unwritten: &mut Vec<Event>) {
+///
+/// A write that fails (a full disk, EIO; torn or not: the next append cuts a torn frame) fails
+/// the freeze before anything is let go or dumped ([`FreezeError::Unrecorded`]): the guard's
+/// let-go would otherwise stand on its liveness look alone, and CRIU would end processes whose
+/// suspension no record shows. The caller resumes the tree in place, under the guard, journaled
+/// as restored; a process the journal also refuses that for stays CHECKPOINTED and traced, its
+/// suspension in flight at `CheckpointStarted` (the next guard or agent start resumes it, the
+/// next stop names it), and the error names it.
+fn write_verified(
+    journal: &Journal,
+    unwritten: &mut Vec<Event>,
+) -> Result<(), cryo_journal::AppendError> {
     let events = std::mem::take(unwritten);
     if events.is_empty() {
-        return;
+        return Ok(());
     }
-    if let Err(e) = journal.append_unsynced(events) {
+    let written = if failpoint::active(FREEZE_VERIFIED_UNWRITTEN) {
+        Err(cryo_journal::AppendError::File(cryo_journal::FileError {
+            what: "cannot write (failpoint freeze-verified-unwritten) to",
+            path: journal.path().to_path_buf(),
+            source: std::io::Error::from(rustix::io::Errno::IO),
+        }))
+    } else {
+        journal.append_unsynced(events).map(drop)
+    };
+    if let Err(e) = &written {
         tracing::error!(error = %e, "cannot journal the suspension's verification");
     }
+    written
 }
 
 /// The `fdatasync` of the suspension's last records, started at GPU free on a thread of its own
@@ -1406,7 +1470,20 @@ fn resume_in_place(
     watcher: &dyn Watcher,
     why: &str,
 ) -> Option<(Pid, crate::restore::RestoreError)> {
-    let mut first = None;
+    resume_all(gpu, procs, journal, watcher, why)
+        .into_iter()
+        .next()
+}
+
+/// As [`resume_in_place`], returning every failure.
+fn resume_all(
+    gpu: &Gpu,
+    procs: &[&ProcHandle],
+    journal: &Journal,
+    watcher: &dyn Watcher,
+    why: &str,
+) -> Vec<(Pid, crate::restore::RestoreError)> {
+    let mut failed = Vec::new();
     for h in procs {
         let pid = h.pid();
         if !matches!(gpu.driver.state(pid), Ok(ProcessState::Checkpointed)) {
@@ -1414,10 +1491,10 @@ fn resume_in_place(
         }
         if let Err(e) = crate::restore::resume_in_place(gpu, journal, h, why, watcher) {
             tracing::error!(pid, error = %e, "cannot bring the process back; it stays CHECKPOINTED (safe)");
-            first.get_or_insert((pid, e));
+            failed.push((pid, e));
         }
     }
-    first
+    failed
 }
 
 /// Refuses trees CRIU would dump badly: a root outside its own session, a process traced by

@@ -151,7 +151,7 @@ pub enum ParkError {
     /// status` and the agent find it by) could not be written: the processes this park
     /// suspended were restored and unlocked in place, so the worker serves again; those that
     /// could not be are named in `left` (CHECKPOINTED or LOCKED, never torn down).
-    #[error("pid {pid} was suspended but its park could not be recorded ({source}); {}", fmt_resumed(.left))]
+    #[error("pid {pid} was suspended but its park could not be recorded ({source}); {}", crate::restore::fmt_left(.left))]
     Unrecorded {
         /// The process whose record failed.
         pid: Pid,
@@ -160,20 +160,6 @@ pub enum ParkError {
         /// Processes not brought back, and why.
         left: Vec<(Pid, String)>,
     },
-}
-
-fn fmt_resumed(left: &[(Pid, String)]) -> String {
-    if left.is_empty() {
-        return "every process it suspended was resumed in place: the worker serves again".into();
-    }
-    let left: Vec<String> = left
-        .iter()
-        .map(|(pid, why)| format!("pid {pid}: {why}"))
-        .collect();
-    format!(
-        "not every process could be resumed, and those stay suspended with their device memory in their host memory, never torn down (`cryo gpu restore PID`, then `cryo gpu unlock PID`, brings one back; `cryo stop PID` ends it safely): {}",
-        left.join("; ")
-    )
 }
 
 /// Failpoint (`CRYO_FAILPOINT`, a test hook): every process is suspended and verified, and the

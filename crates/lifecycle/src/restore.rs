@@ -216,6 +216,22 @@ pub fn resume_in_place(
     Ok(())
 }
 
+/// What an undo that resumes processes in place (a park or a freeze that cannot record its
+/// suspension) says of the processes it could not bring back (`left`: each pid and why).
+pub(crate) fn fmt_left(left: &[(Pid, String)]) -> String {
+    if left.is_empty() {
+        return "every process it suspended was resumed in place: the worker serves again".into();
+    }
+    let left: Vec<String> = left
+        .iter()
+        .map(|(pid, why)| format!("pid {pid}: {why}"))
+        .collect();
+    format!(
+        "not every process could be resumed, and those stay suspended with their device memory in their host memory, never torn down (`cryo gpu restore PID`, then `cryo gpu unlock PID`, brings one back; `cryo stop PID` ends it safely): {}",
+        left.join("; ")
+    )
+}
+
 /// What [`finish_unlock`] did with a re-attached process.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FinishUnlock {
