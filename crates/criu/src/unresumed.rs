@@ -178,9 +178,8 @@ pub(crate) fn thread_children_since(since: u64) -> Vec<ProcHandle> {
 /// killed); without, reaps only those already exited. `except` (a CRIU given up on, whose
 /// waiter reaps it) is left alone.
 pub(crate) fn reap_children_since(since: u64, wait: bool, except: Option<Pid>) {
-    use rustix::process::{waitpid, Pid as RPid, WaitOptions};
     // Our children: each pid names its child until we reap it (a zombie too, which no pidfd
-    // opens any more).
+    // opens any more). One a thread of this process traces (the agent's guard) is its tracer's.
     for pid in cryo_proc::thread_children().unwrap_or_default() {
         if Some(pid) == except || !cryo_proc::stat(pid).is_ok_and(|s| s.start_time >= since) {
             continue;
@@ -190,8 +189,8 @@ pub(crate) fn reap_children_since(since: u64, wait: bool, except: Option<Pid>) {
                 h.wait_exit(Duration::from_secs(5));
             }
         }
-        if let Some(p) = RPid::from_raw(pid) {
-            let _ = waitpid(Some(p), WaitOptions::NOHANG);
+        if let Err(err) = cryo_proc::reap_child(pid) {
+            tracing::warn!(pid, %err, "cannot reap a restored process that was ended");
         }
     }
 }

@@ -41,6 +41,7 @@ pub mod isolate;
 mod netns;
 pub mod ns;
 mod read;
+mod reap;
 mod signal;
 mod sys;
 
@@ -57,6 +58,7 @@ pub use read::{
     status, tgid, thread_children, thread_named, threads_cpu, tree, unix_listeners_of, wchan,
     NamespaceKind, PidHolder, Stat, Status, ThreadCpu, SYSTEM_MEMORY_PRESSURE,
 };
+pub use reap::{reap_child, reap_children, ChildEnd, Reaped};
 pub use signal::{describe_wait_status, signal_name, Signal};
 
 /// A process or thread id, in cryo's pid namespace (the host's). The one name for it in cryo.
