@@ -340,10 +340,11 @@ pub fn run(gpu: Gpu, cfg: AgentConfig) -> Result<(), AgentError> {
     let swept = cryo_criu::scratch::sweep(&cfg.state.criu_dir());
     protect_from_oom();
     // Said once, at the start: on a host whose `/run` is not a tmpfs every CRIU run (each
-    // freeze's dump, each thaw's restore) pays its kernel probes again.
-    if let Some(why) =
-        cryo_criu::kdat::cache_unkept(std::path::Path::new(cryo_criu::kdat::KDAT_DIR))
-    {
+    // freeze's dump, each thaw's restore) pays its kernel probes again. A save a dead CRIU
+    // left is removed first (and again before every CRIU run).
+    let kdat_dir = std::path::Path::new(cryo_criu::kdat::KDAT_DIR);
+    cryo_criu::kdat::clear_and_say(kdat_dir);
+    if let Some(why) = cryo_criu::kdat::cache_unkept(kdat_dir) {
         tracing::warn!("{why}");
     }
     let read_group = match &cfg.read_group {

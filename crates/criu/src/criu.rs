@@ -458,8 +458,11 @@ impl CriuRpc {
 
     /// `criu` with the carried libraries' directory in `LD_LIBRARY_PATH` and no plugins: its
     /// plugin directory (`-L`) is an empty directory made in `private` (why: see
-    /// [`Swrk::start`]; CRIU loads its installed cuda plugin otherwise).
+    /// [`Swrk::start`]; CRIU loads its installed cuda plugin otherwise). A save of CRIU's
+    /// kernel-feature cache that a dead CRIU left behind is removed first, so that this CRIU
+    /// saves the cache again ([`crate::kdat::clear_left_write`]).
     fn command(&self, private: &Path) -> std::io::Result<Command> {
+        crate::kdat::clear_and_say(Path::new(crate::kdat::KDAT_DIR));
         let no_plugins = private.join("no-plugins");
         std::fs::create_dir(&no_plugins)?;
         let mut cmd = Command::new(&self.bin);
