@@ -126,8 +126,11 @@ pub struct RestoreOpts {
     /// its SIGKILL is pending, so it never again runs a line of its own to resume the tree,
     /// and the tree was before the gate (no restored process ran the image's code, so none
     /// holds a live GPU context: each is CHECKPOINTED until cryo's GPU restore, which a failed
-    /// restore never reaches); what it had restored is killed as at any deadline (a restored
-    /// process stuck the same way is named in the error's `left` until it exits). The guard
+    /// restore never reaches); what it had restored is killed as at any deadline. Restored
+    /// processes stuck the same way cost one more [`KILLED_GRACE`] for all of them (not one
+    /// each), are named in the error's `left`, and those that are the caller's children are
+    /// reaped by one thread of the deadline layer when their waits end (counted once in
+    /// [`stuck_crius`]). The guard
     /// and the agent see a thaw that failed, and no restored process.
     pub deadline: Option<std::time::Duration>,
 }
@@ -885,14 +888,17 @@ impl Criu for CriuRpc {
                     private: &p,
                     bin: bin.as_deref(),
                     criu_start: since,
+                    criu,
                 };
                 let mut roots = unresumed::thread_children_since(since);
                 roots.retain(|h| Some(h.pid()) != criu);
+                // Every child of ours since CRIU started is among the roots: killed and waited
+                // for (one grace for all), or handed to the deadline layer if stuck.
                 let ended = unresumed::end_run(None, roots, &run);
-                unresumed::reap_children_since(since, true, criu);
+                unresumed::reap_children_since(since, criu);
                 let _ = left.set(ended);
             } else if !g.succeeded() {
-                unresumed::reap_children_since(since, false, criu);
+                unresumed::reap_children_since(since, criu);
             }
         };
         let (gated, served, refused) = match route {
@@ -1285,15 +1291,17 @@ impl Gated {
 /// process exits within milliseconds unless it waits where no signal reaches it.
 pub const KILLED_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// How many CRIUs given up on after their kill ([`Stuck`]) may still be waited for before a new
-/// CRIU with a deadline is refused ([`CriuError::TooManyStuck`]): each holds a thread of the
-/// deadline layer until it exits.
+/// How many CRIUs given up on after their kill ([`Stuck`]), and groups of restored processes
+/// given up on with them, may still be waited for before a new CRIU with a deadline is refused
+/// ([`CriuError::TooManyStuck`]): each holds a thread of the deadline layer until it exits.
 pub const MAX_STUCK_CRIUS: usize = 8;
 
 static STUCK: Abandoned = Abandoned::new(MAX_STUCK_CRIUS);
 
 /// CRIUs of this process killed at their deadlines and given up on that have still not exited
-/// (each is waited for by a thread of the deadline layer, which reaps it when it exits).
+/// (each is waited for by a thread of the deadline layer, which reaps it when it exits), and
+/// groups of restored processes of one restore given up on after their kill (one thread
+/// reaps each of a group as it exits; the group counts until its last is reaped).
 pub fn stuck_crius() -> usize {
     STUCK.get()
 }
@@ -1404,6 +1412,81 @@ fn reap_later(mut child: std::process::Child) {
                 "no thread to wait for a stuck CRIU: it stays a zombie once it exits"
             );
         }
+    }
+}
+
+/// Hands `procs` (restored processes that did not exit within [`KILLED_GRACE`] of their kill:
+/// stuck where no signal reaches them; this process's children) to one thread of the deadline
+/// layer, which reaps each as soon as it exits, counted in [`stuck_crius`] (once for them all)
+/// until the last is reaped. `false`: no thread took them (past [`MAX_STUCK_CRIUS`], or none
+/// could start): each stays a zombie once it exits, until this process reaps its children
+/// otherwise or ends.
+pub(crate) fn reap_stuck_later(procs: Vec<cryo_proc::ProcHandle>) -> bool {
+    let pids: Vec<Pid> = procs.iter().map(cryo_proc::ProcHandle::pid).collect();
+    let late = cryo_gpu::deadline::within_counted(
+        &STUCK,
+        std::time::Duration::ZERO,
+        move || reap_each_when_ended(procs),
+        move |()| {
+            tracing::warn!(
+                ?pids,
+                "restored processes given up on after their kill exited: reaped"
+            )
+        },
+    );
+    match late {
+        // Exited meanwhile (reaped) or handed over (counted, reaped when they exit).
+        Ok(()) | Err(Late::Elapsed(_)) => true,
+        Err(e) => {
+            tracing::error!(?e, "no thread to reap restored processes stuck after their kill: each stays a zombie once it exits");
+            false
+        }
+    }
+}
+
+/// Waits for every one of `procs` (this process's children) to exit, reaping each as it does
+/// ([`cryo_proc::reap_ended`]: by its pidfd, so exactly that process, and never what a tracer of
+/// this process is owed).
+fn reap_each_when_ended(mut procs: Vec<cryo_proc::ProcHandle>) {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    while !procs.is_empty() {
+        let ended: Vec<bool> = {
+            let mut fds: Vec<PollFd<'_>> = procs
+                .iter()
+                .map(|h| PollFd::new(h.pidfd(), PollFlags::POLLIN))
+                .collect();
+            match poll(&mut fds, PollTimeout::NONE) {
+                Ok(_) | Err(nix::Error::EINTR) => {}
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot wait for restored processes stuck after their kill: each stays a zombie once it exits");
+                    return;
+                }
+            }
+            fds.iter()
+                .map(|f| f.revents().is_some_and(|r| !r.is_empty()))
+                .collect()
+        };
+        let mut left = Vec::with_capacity(procs.len());
+        for (h, ended) in procs.into_iter().zip(ended) {
+            if !ended {
+                left.push(h);
+                continue;
+            }
+            // `None`: reaped by another waiter of this process already (the agent's thaw
+            // thread reaps its own children), or its tracer's.
+            match cryo_proc::reap_ended(&h) {
+                Ok(Some(end)) => tracing::warn!(
+                    pid = h.pid(),
+                    %end,
+                    "a restored process given up on after its kill ended: reaped"
+                ),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(pid = h.pid(), error = %e, "cannot reap a restored process given up on after its kill")
+                }
+            }
+        }
+        procs = left;
     }
 }
 

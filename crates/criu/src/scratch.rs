@@ -458,6 +458,7 @@ fn end_restore(dir: &Path) -> Option<EndedRestore> {
             private: dir,
             bin: rec.bin.as_deref(),
             criu_start: rec.criu_start,
+            criu: Some(rec.criu),
         },
     );
     let ended = EndedRestore {

@@ -24,7 +24,7 @@
 //! while it still runs CRIU's command line.
 
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cryo_proc::{Pid, ProcHandle, Signal};
 
@@ -50,6 +50,11 @@ pub(crate) struct Run<'a> {
     pub(crate) bin: Option<&'a Path>,
     /// CRIU's start time: nothing that started before it is touched.
     pub(crate) criu_start: u64,
+    /// CRIU's pid, when it may still be there (killed by [`end_run`], or given up on after its
+    /// kill and waited for by the deadline layer): with `criu_start`, what tells CRIU from the
+    /// forks of it that the evidence finds, so that it is never killed and waited for again as
+    /// one of what it restored.
+    pub(crate) criu: Option<Pid>,
 }
 
 impl Run<'_> {
@@ -81,6 +86,7 @@ pub(crate) fn end_run(
         }
     }
     let started = |h: &ProcHandle| h.start_time() >= criu_start;
+    let is_criu = |h: &ProcHandle| Some(h.pid()) == run.criu && h.start_time() == criu_start;
     let mut killed: Vec<ProcHandle> = Vec::new();
     // Bounded: one may fork between a look and its kill (a killed process forks nothing more,
     // and is gone from the next look); a process left (a driver fd) is named by each look.
@@ -102,7 +108,10 @@ pub(crate) fn end_run(
             }
         }
         let mut all: Vec<ProcHandle> = Vec::new();
-        for h in found.into_iter().filter(|h| h.is_alive() && started(h)) {
+        for h in found
+            .into_iter()
+            .filter(|h| h.is_alive() && started(h) && !is_criu(h))
+        {
             let below = h.descendants();
             all.push(h);
             all.extend(below.into_iter().filter(started));
@@ -122,16 +131,62 @@ pub(crate) fn end_run(
             break;
         }
     }
-    // Gone, not dying: whoever looks next sees at most zombies.
-    for h in &killed {
-        if !h.wait_exit(Duration::from_secs(5)) {
-            ended
-                .left
-                .push(format!("pid {}: killed, still exiting after 5 s", h.pid()));
-        }
-    }
+    // Gone, not dying: whoever looks next sees at most zombies. One grace for them all: a
+    // process stuck where no signal reaches it (its memory's image on a file system that does
+    // not answer) costs the caller that grace once, not once each.
+    let until = Instant::now() + crate::KILLED_GRACE;
+    let stuck: Vec<&ProcHandle> = killed
+        .iter()
+        .filter(|h| !h.wait_exit(until.saturating_duration_since(Instant::now())))
+        .collect();
+    ended.left.extend(give_up_on(&stuck));
     ended.killed = killed.iter().map(|h| (h.pid(), h.start_time())).collect();
     ended
+}
+
+/// Names each of `stuck` (killed, not exited within [`crate::KILLED_GRACE`]: its SIGKILL is
+/// pending, it never runs its own code again) and hands those that are this process's children
+/// to the deadline layer, which reaps each when its wait ends ([`crate::criu::reap_stuck_later`]):
+/// a zombie of ours would keep its pid (an image's pid) taken for good.
+fn give_up_on(stuck: &[&ProcHandle]) -> Vec<String> {
+    use rustix::process::{waitid, WaitId, WaitidOptions};
+    let grace = crate::KILLED_GRACE.as_secs();
+    let mut said = Vec::new();
+    let mut ours = Vec::new();
+    for h in stuck {
+        let pid = h.pid();
+        let state = cryo_proc::stat(pid).map_or('?', |s| s.state);
+        let wchan = cryo_proc::wchan(pid).unwrap_or_default();
+        let first = format!(
+            "pid {pid}: killed, stuck in the kernel after {grace} s (state {state}, in {wchan})"
+        );
+        // Whether it is our child, by the kernel's answer for that very process (not its pid),
+        // taking nothing.
+        match waitid(
+            WaitId::PidFd(h.pidfd()),
+            WaitidOptions::EXITED | WaitidOptions::NOHANG | WaitidOptions::NOWAIT,
+        ) {
+            // Ended just now: reaped with the rest (`reap_children_since`).
+            Ok(Some(_)) => {}
+            Ok(None) => match h.try_clone() {
+                Ok(c) => {
+                    ours.push(c);
+                    said.push(format!("{first}; reaped when its wait ends"));
+                }
+                Err(e) => said.push(format!(
+                    "{first}; cannot hold it ({e}): it stays a zombie once it exits"
+                )),
+            },
+            // Not our child: its parent reaps it.
+            Err(_) => said.push(format!("{first}; it ends when its wait does")),
+        }
+    }
+    if !ours.is_empty() && !crate::criu::reap_stuck_later(ours) {
+        said.push(
+            "no thread could take the stuck processes: each stays a zombie once it exits".into(),
+        );
+    }
+    said
 }
 
 /// The same process (pid and start time).
@@ -172,22 +227,17 @@ pub(crate) fn thread_children_since(since: u64) -> Vec<ProcHandle> {
         .collect()
 }
 
-/// Reaps this thread's children that started at or after `since` (CRIU's start) once they
-/// exited: what CRIU restored as our child and then killed, or what [`end_run`] killed (a zombie
-/// holds its pid until reaped). With `wait`, waits up to 5 s for each to exit (they were
-/// killed); without, reaps only those already exited. `except` (a CRIU given up on, whose
-/// waiter reaps it) is left alone.
-pub(crate) fn reap_children_since(since: u64, wait: bool, except: Option<Pid>) {
+/// Reaps this thread's children that started at or after `since` (CRIU's start) and have
+/// exited: what CRIU restored as our child and then killed, or what [`end_run`] killed and
+/// waited for (a zombie holds its pid until reaped; one stuck past the grace is reaped by the
+/// deadline layer when it exits). `except` (a CRIU given up on, whose waiter reaps it) is left
+/// alone. Never waits.
+pub(crate) fn reap_children_since(since: u64, except: Option<Pid>) {
     // Our children: each pid names its child until we reap it (a zombie too, which no pidfd
     // opens any more). One a thread of this process traces (the agent's guard) is its tracer's.
     for pid in cryo_proc::thread_children().unwrap_or_default() {
         if Some(pid) == except || !cryo_proc::stat(pid).is_ok_and(|s| s.start_time >= since) {
             continue;
-        }
-        if wait {
-            if let Ok(h) = ProcHandle::open(pid) {
-                h.wait_exit(Duration::from_secs(5));
-            }
         }
         if let Err(err) = cryo_proc::reap_child(pid) {
             tracing::warn!(pid, %err, "cannot reap a restored process that was ended");

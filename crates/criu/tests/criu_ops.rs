@@ -10,6 +10,7 @@ use std::process::{Command, Stdio};
 
 use cryo_criu::image::{verify, Image, ImageMeta, ProcessEntry, Staging};
 use cryo_criu::{Criu, CriuError, CriuOp, CriuRpc, CriuVersion, DumpOpts, RestoreOpts};
+use cryo_testkit::image::plain_meta;
 use cryo_testkit::{eventually, PATIENCE};
 use nix::sys::signal::{kill, killpg, Signal};
 use nix::sys::wait::{waitpid, WaitStatus};
@@ -132,20 +133,6 @@ fn wait_pids_free(pids: &[i32]) {
     eventually(PATIENCE, &format!("pids {pids:?} to be free"), || {
         cryo_proc::pids_in_use(pids).is_empty()
     });
-}
-
-/// The meta of a test image of a plain tree rooted at `root` (no process list, no GPU).
-fn plain_meta(root_pid: i32, criu_version: CriuVersion) -> ImageMeta {
-    ImageMeta {
-        root_pid,
-        processes: Vec::new(),
-        zombies: Vec::new(),
-        threads: Vec::new(),
-        gpu_model: None,
-        driver_version: None,
-        criu_version,
-        shrunk: None,
-    }
 }
 
 fn entries(dir: &Path) -> Vec<String> {

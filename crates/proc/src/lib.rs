@@ -58,7 +58,7 @@ pub use read::{
     status, tgid, thread_children, thread_named, threads_cpu, tree, unix_listeners_of, wchan,
     NamespaceKind, PidHolder, Stat, Status, ThreadCpu, SYSTEM_MEMORY_PRESSURE,
 };
-pub use reap::{reap_child, reap_children, ChildEnd, Reaped};
+pub use reap::{reap_child, reap_children, reap_ended, ChildEnd, Reaped};
 pub use signal::{describe_wait_status, signal_name, Signal};
 
 /// A process or thread id, in cryo's pid namespace (the host's). The one name for it in cryo.

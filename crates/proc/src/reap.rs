@@ -58,9 +58,25 @@ pub fn reap_child(pid: Pid) -> Result<Option<ChildEnd>, ProcError> {
     let Some(rpid) = RPid::from_raw(pid) else {
         return Ok(None);
     };
+    reap(|| WaitId::Pid(rpid), pid, this_thread_only())
+}
+
+/// As [`reap_child`], for `h`, a child of any thread of this process (a carrier thread reaps
+/// what another thread's restore left stuck), named by its pidfd: exactly that process, never
+/// one that took its pid since.
+pub fn reap_ended(h: &crate::ProcHandle) -> Result<Option<ChildEnd>, ProcError> {
+    reap(|| WaitId::PidFd(h.pidfd()), h.pid(), WaitidOptions::empty())
+}
+
+/// [`reap_child`]'s look, then reap, of the child `id` names (`pid`), with `scope`'s flags.
+fn reap<'a>(
+    id: impl Fn() -> WaitId<'a>,
+    pid: Pid,
+    scope: WaitidOptions,
+) -> Result<Option<ChildEnd>, ProcError> {
     let wait = |options: WaitidOptions| match waitid(
-        WaitId::Pid(rpid),
-        options | WaitidOptions::EXITED | WaitidOptions::NOHANG | this_thread_only(),
+        id(),
+        options | WaitidOptions::EXITED | WaitidOptions::NOHANG | scope,
     ) {
         Ok(st) => Ok(st),
         // Not (or no longer) this thread's child: a tracer reaped it.

@@ -5,6 +5,21 @@ use std::path::Path;
 use cryo_criu::image::{ImageMeta, Staging};
 use cryo_criu::CriuVersion;
 
+/// The meta of a test image of a plain tree rooted at `root_pid`, dumped by CRIU
+/// `criu_version` (no process list, no GPU).
+pub fn plain_meta(root_pid: i32, criu_version: CriuVersion) -> ImageMeta {
+    ImageMeta {
+        root_pid,
+        processes: Vec::new(),
+        zombies: Vec::new(),
+        threads: Vec::new(),
+        gpu_model: None,
+        driver_version: None,
+        criu_version,
+        shrunk: None,
+    }
+}
+
 /// Publishes at `dir` an image of `files` (name, content) whose manifest names one process,
 /// 4242, without GPU state, dumped by CRIU 4.2.
 pub fn publish(dir: &Path, files: &[(&str, &[u8])]) {
