@@ -149,6 +149,8 @@ pub enum Late {
 enum Slot<T> {
     Waiting,
     Done(T),
+    /// The answer was taken by its caller ([`Pending::wait`]).
+    Taken,
     Abandoned,
 }
 
@@ -170,6 +172,27 @@ pub fn within_counted<T: Send + 'static>(
     call: impl FnOnce() -> T + Send + 'static,
     on_late: impl FnOnce(T) + Send + 'static,
 ) -> Result<T, Late> {
+    start_counted(budget, limit, call, on_late)?.wait()
+}
+
+/// Hands `call` to a carrier now and returns at once: its answer is waited for later
+/// ([`Pending::wait`]), at most `limit` from now, so the caller does other work meanwhile
+/// without a thread of its own for it. A [`Pending`] dropped unanswered is abandoned, as a
+/// call not answered in time is (counted; `on_late` gets the answer when it comes).
+pub fn start<T: Send + 'static>(
+    limit: Duration,
+    call: impl FnOnce() -> T + Send + 'static,
+    on_late: impl FnOnce(T) + Send + 'static,
+) -> Result<Pending<T>, Late> {
+    start_counted(&ABANDONED, limit, call, on_late)
+}
+
+fn start_counted<T: Send + 'static>(
+    budget: &'static Abandoned,
+    limit: Duration,
+    call: impl FnOnce() -> T + Send + 'static,
+    on_late: impl FnOnce(T) + Send + 'static,
+) -> Result<Pending<T>, Late> {
     let pending = budget.get();
     if pending >= budget.max {
         return Err(Late::Unresponsive(pending));
@@ -177,6 +200,7 @@ pub fn within_counted<T: Send + 'static>(
     let slot = Arc::new((Mutex::new(Slot::Waiting), Condvar::new()));
     let theirs = Arc::clone(&slot);
     let depth = DEPTH.with(std::cell::Cell::get) + 1;
+    let start = Instant::now();
     let handed = CARRIERS.hand(Box::new(move |free: &dyn Fn()| {
         DEPTH.with(|d| d.set(depth));
         let out = call();
@@ -198,27 +222,67 @@ pub fn within_counted<T: Send + 'static>(
     if handed.is_err() {
         return Err(Late::NoThread);
     }
-    let start = Instant::now();
-    let deadline = start + limit;
-    let (m, cv) = &*slot;
-    let mut s = m.lock().unwrap_or_else(|p| p.into_inner());
-    loop {
-        if let Slot::Done(_) = *s {
-            return match std::mem::replace(&mut *s, Slot::Waiting) {
-                Slot::Done(out) => Ok(out),
-                _ => Err(Late::NoThread),
-            };
+    Ok(Pending {
+        slot,
+        start,
+        deadline: start + limit,
+        budget,
+    })
+}
+
+/// A call handed to a carrier by [`start`], its answer not taken yet.
+pub struct Pending<T> {
+    slot: Arc<(Mutex<Slot<T>>, Condvar)>,
+    start: Instant,
+    deadline: Instant,
+    budget: &'static Abandoned,
+}
+
+impl<T> std::fmt::Debug for Pending<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pending")
+            .field("deadline", &self.deadline)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T> Pending<T> {
+    /// The call's answer, waited for until its limit (counted from [`start`]); past it the
+    /// call is abandoned ([`Late::Elapsed`]).
+    pub fn wait(self) -> Result<T, Late> {
+        let (m, cv) = &*self.slot;
+        let mut s = m.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Slot::Done(_) = *s {
+                return match std::mem::replace(&mut *s, Slot::Taken) {
+                    Slot::Done(out) => Ok(out),
+                    _ => Err(Late::NoThread),
+                };
+            }
+            let left = self.deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                *s = Slot::Abandoned;
+                self.budget.count.fetch_add(1, Ordering::Relaxed);
+                return Err(Late::Elapsed(self.start.elapsed()));
+            }
+            s = cv
+                .wait_timeout(s, left)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
         }
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
+    }
+}
+
+impl<T> Drop for Pending<T> {
+    /// Not waited for (a caller that failed before it needed the answer): abandoned, as if its
+    /// limit had passed, unless it was answered or given up on already.
+    fn drop(&mut self) {
+        let (m, _) = &*self.slot;
+        let mut s = m.lock().unwrap_or_else(|p| p.into_inner());
+        if matches!(*s, Slot::Waiting) {
             *s = Slot::Abandoned;
-            budget.count.fetch_add(1, Ordering::Relaxed);
-            return Err(Late::Elapsed(start.elapsed()));
+            self.budget.count.fetch_add(1, Ordering::Relaxed);
         }
-        s = cv
-            .wait_timeout(s, left)
-            .map(|(g, _)| g)
-            .unwrap_or_else(|p| p.into_inner().0);
     }
 }
 
@@ -438,6 +502,48 @@ impl Gpu {
             kind: self.kind,
             driver: b.clone(),
             inspect: b,
+        }
+    }
+}
+
+/// NVML-style questions handed to one carrier at once ([`Gpu::ask`]), their answer taken later.
+#[derive(Debug)]
+pub struct Asked<T> {
+    what: &'static str,
+    pending: Result<Pending<T>, Late>,
+}
+
+impl<T> Asked<T> {
+    /// The answer, waited for until the questions' limit; [`InspectError::NoAnswer`] past it.
+    pub fn wait(self) -> Result<T, InspectError> {
+        let what = self.what;
+        self.pending.and_then(Pending::wait).map_err(|late| {
+            tracing::error!(what, ?late, "NVML query abandoned: no answer in time");
+            late.inspect(what)
+        })
+    }
+}
+
+impl Gpu {
+    /// Starts `f` on one carrier of the deadline layer, with this backend's inspection API as
+    /// it is below the layer, and returns at once; [`Asked::wait`] takes the answer, waited for
+    /// at most one question's limit ([`Limits::query`], capped by the overall deadline) from
+    /// now. For questions the caller needs later than now (a freeze's GPUs and driver version,
+    /// for its manifest): asked beside the caller's own calls, with no thread of the caller's
+    /// own and one hand-over to a carrier for all of them, not one each. A backend that is not
+    /// bounded gets the default limits. `what` names the questions in an error.
+    pub fn ask<T: Send + 'static>(
+        &self,
+        what: &'static str,
+        f: impl FnOnce(&dyn GpuInspector) -> T + Send + 'static,
+    ) -> Asked<T> {
+        let (inspect, limits) = match bounded_layer(self) {
+            Some(b) => (Arc::clone(&b.inspect), b.limits),
+            None => (Arc::clone(&self.inspect), Limits::default()),
+        };
+        Asked {
+            what,
+            pending: start(limits.cap(limits.query), move || f(&*inspect), |_| {}),
         }
     }
 }
@@ -822,6 +928,94 @@ mod tests {
         ] {
             assert_ne!(blocked & (1 << (sig as i32 - 1)), 0, "{sig}: {blocked:x}");
         }
+    }
+
+    /// A call started now and waited for later is answered, on a carrier, while the caller
+    /// did other work.
+    #[test]
+    fn a_started_call_is_answered_when_waited_for_later() {
+        let pending = start(Duration::from_secs(20), carrier, |_| {}).unwrap();
+        let mine = std::thread::current().id();
+        assert_ne!(pending.wait().unwrap(), mine);
+    }
+
+    /// Attack: a started call that never returns, dropped by a caller that failed before it
+    /// needed the answer, is abandoned (counted, as one past its limit) and its late answer is
+    /// handed on; its wait, had it been made, would have ended at the limit.
+    #[test]
+    fn a_started_call_dropped_unanswered_is_abandoned_and_its_answer_handed_on() {
+        let gate = Arc::new(Gate::default());
+        let (late_tx, late_rx) = mpsc::channel();
+        let g = Arc::clone(&gate);
+        let tx = late_tx.clone();
+        let waited = start(
+            Duration::from_millis(50),
+            move || {
+                g.wait();
+                1
+            },
+            move |v| tx.send(v).unwrap(),
+        )
+        .unwrap();
+        let t = Instant::now();
+        assert!(matches!(waited.wait(), Err(Late::Elapsed(_))));
+        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+        assert_eq!(abandoned(), 1);
+        let g = Arc::clone(&gate);
+        let dropped = start(
+            Duration::from_secs(20),
+            move || {
+                g.wait();
+                2
+            },
+            move |v| late_tx.send(v).unwrap(),
+        )
+        .unwrap();
+        drop(dropped);
+        assert_eq!(abandoned(), 2, "a dropped call is counted as abandoned");
+        gate.open();
+        let mut late = vec![late_rx.recv().unwrap(), late_rx.recv().unwrap()];
+        late.sort_unstable();
+        assert_eq!(late, vec![1, 2]);
+        assert_eq!(abandoned(), 0);
+    }
+
+    /// Attack on [`Gpu::ask`]: questions that never return are an error at the bounded
+    /// layer's query limit (not the default 10 s), not a hung caller.
+    #[test]
+    fn questions_asked_on_a_carrier_that_never_return_are_an_error_at_the_layers_limit() {
+        let fake = Arc::new(Blocking::default());
+        let gpu = Gpu {
+            kind: crate::BackendKind::Sim,
+            driver: fake.clone(),
+            inspect: fake.clone(),
+        }
+        .bounded(Limits {
+            query: Duration::from_millis(100),
+            ..Limits::default()
+        });
+        let gate = Arc::new(Gate::default());
+        let g = Arc::clone(&gate);
+        let t = Instant::now();
+        let asked = gpu.ask("a question", move |i| {
+            g.wait();
+            i.gpus().map(|g| g.len())
+        });
+        let r = asked.wait();
+        assert!(
+            matches!(r, Err(InspectError::NoAnswer { what: "a question", after }) if after >= Duration::from_millis(100)),
+            "{r:?}"
+        );
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        gate.open();
+        // Answered questions are their answer.
+        assert_eq!(
+            gpu.ask("a question", |i| i.gpus().map(|g| g.len()))
+                .wait()
+                .unwrap()
+                .unwrap(),
+            0
+        );
     }
 
     #[test]

@@ -475,19 +475,18 @@ fn freeze_tree(cx: &Ctx<'_>) -> Result<FreezeReport, FreezeError> {
     let start = Instant::now();
     // The GPUs and the driver's version are for the manifest only: asked beside the listing and
     // the classification, not one round trip to the driver after the other before the first
-    // lock. The version only counts (its error included) when there is a CUDA process.
-    let (about, classified) = std::thread::scope(|s| {
-        let about = s.spawn(|| (gpu.inspect.gpus(), gpu.inspect.driver_version()));
-        // What NVML lists before the checkpoint is all the manifest will ever know about
-        // device use.
-        let classified = gpu
-            .inspect
-            .processes()
-            .map_err(FreezeError::from)
-            .and_then(|listed| classify_tree(gpu, handles, listed));
-        (about.join(), classified)
-    });
-    let (gpus, driver_version) = about.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+    // lock, and both on one carrier of the deadline layer (one hand-over, no thread of the
+    // freeze's own: on a loaded host each is a wake-up that waits for a core). The version
+    // only counts (its error included) when there is a CUDA process.
+    let about = gpu.ask(ABOUT, |i| (i.gpus(), i.driver_version()));
+    // What NVML lists before the checkpoint is all the manifest will ever know about device
+    // use.
+    let classified = gpu
+        .inspect
+        .processes()
+        .map_err(FreezeError::from)
+        .and_then(|listed| classify_tree(gpu, handles, listed));
+    let (gpus, driver_version) = about.wait().unwrap_or_else(|e| (Err(again(&e)), Err(e)));
     let (listed, cuda, states) = classified?;
     let gpus = gpus?;
     let driver_version = if cuda.is_empty() {
@@ -503,6 +502,19 @@ fn freeze_tree(cx: &Ctx<'_>) -> Result<FreezeReport, FreezeError> {
         driver_version,
     };
     freeze_listed(cx, start, found)
+}
+
+/// The questions a freeze asks beside its classification ([`Gpu::ask`]).
+const ABOUT: &str = "GPUs and driver version";
+
+/// The same error again, for the other of two questions asked together that did not answer
+/// ([`cryo_gpu::deadline::Asked::wait`] fails only that way).
+fn again(e: &cryo_gpu::InspectError) -> cryo_gpu::InspectError {
+    let after = match e {
+        cryo_gpu::InspectError::NoAnswer { after, .. } => *after,
+        _ => Duration::ZERO,
+    };
+    cryo_gpu::InspectError::NoAnswer { what: ABOUT, after }
 }
 
 /// Classified processes: NVML's listing, the CUDA processes and the state the driver answered
