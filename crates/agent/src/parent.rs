@@ -165,9 +165,14 @@ mod tests {
     fn the_parent_thread_reaps_an_untraced_child_that_ended() {
         let parent = Parent::start().unwrap();
         let pid = child_of(&parent, "sh", &["-c", "exit 3"]);
-        cryo_testkit::eventually(cryo_testkit::PATIENCE, "the child to end", || {
-            cryo_proc::stat(pid.as_raw()).is_ok_and(|s| s.state == 'Z')
-        });
+        // Waits for its end without taking it. The parent thread reaps every 500 ms as well as
+        // after each job, so it may have taken the end already (ECHILD): a poll for the zombie
+        // could miss it and wait forever (it did, under load, in a landing's suite).
+        let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT;
+        match waitid(Id::Pid(pid), flags) {
+            Ok(end) => assert_eq!(end, WaitStatus::Exited(pid, 3)),
+            Err(err) => assert_eq!(err, nix::errno::Errno::ECHILD, "waiting for the child"),
+        }
         let_it_reap(&parent);
         // Any thread of this process may wait for it: it is gone (ECHILD) once reaped.
         assert_eq!(
