@@ -762,7 +762,13 @@ async fn publish(agent: Arc<Agent>, client: Arc<NodeClient>, drain_on_fence: boo
 /// [`cryo_journal::Position`] (the one the syslog forwarder stores too), so that records a power
 /// cut took back and new records reused the seqs of are posted (the feed resumes after the last
 /// record proven posted), and records the retention pruned before they were posted are said to
-/// be lost (a Node Warning Event), never skipped in silence.
+/// be lost (a Node Warning Event), never skipped in silence. A journal that replaced the one the
+/// position was taken in (another first record: a journal restored from elsewhere, or moved in)
+/// is not posted from its first record: what it holds from before the feed last stored its
+/// position is history the feed never followed (an Event says "now" of each, and a burst of them
+/// takes the API server's budget for this node, [`cryo_kube::events::BURST`], from the Events
+/// that matter then); one Node Warning says how many were left to `cryo timeline`, and what was
+/// appended after is posted.
 struct EventFeed {
     follow: cryo_telemetry::Follow,
     pending: VecDeque<Due>,
@@ -779,6 +785,9 @@ enum Due {
     /// Records the journal no longer held when the feed came to them: `lost` of them, between
     /// `first` and `last`.
     Lost { first: u64, last: u64, lost: u64 },
+    /// The journal was replaced by another one: its records up to `last` (`records` of them,
+    /// appended before the feed last stored its position; the last at `at`) are not posted.
+    Replaced { last: u64, records: u64, at: String },
 }
 
 impl EventFeed {
@@ -803,12 +812,23 @@ impl EventFeed {
         } else {
             None
         };
+        let mut pending = VecDeque::new();
         let (saved, marks) = match stored {
             Some(stored) => {
                 let resume = stored.resume(&dir, &scan, "Kubernetes Events");
-                let mut marks = cryo_journal::Marks::of(&stored, resume.journal_first);
-                marks.resume_after(resume.after);
-                (resume.after, marks)
+                if resume.other_journal {
+                    let (replaced, marks) = past_of_replaced(&dir, &file, resume.journal_first);
+                    let saved = match &replaced {
+                        Some(Due::Replaced { last, .. }) => *last,
+                        _ => 0,
+                    };
+                    pending.extend(replaced);
+                    (saved, marks)
+                } else {
+                    let mut marks = cryo_journal::Marks::of(&stored, resume.journal_first);
+                    marks.resume_after(resume.after);
+                    (resume.after, marks)
+                }
             }
             None => {
                 let mut marks = cryo_journal::Marks::of(
@@ -825,7 +845,7 @@ impl EventFeed {
         };
         EventFeed {
             follow: cryo_telemetry::Follow::new(&dir, saved),
-            pending: VecDeque::new(),
+            pending,
             file,
             marks,
             saved,
@@ -889,6 +909,18 @@ impl EventFeed {
                     },
                     *first,
                 ),
+                Due::Replaced { last, records, at } => (
+                    Subject::Node,
+                    Step {
+                        kind: EventType::Warning,
+                        reason: "CryoJournalReplaced",
+                        message: format!(
+                            "the node's journal was replaced by another one: its {records} records up to seq {last} (the last appended at {at}), from before these Events were last posted, are not posted as Events; `cryo timeline` on the node shows them"
+                        ),
+                        about: About::Node,
+                    },
+                    *last,
+                ),
             };
             match client.post(&subject, &step).await {
                 Ok(_) => {}
@@ -901,6 +933,50 @@ impl EventFeed {
         }
         Ok(())
     }
+}
+
+/// What the feed makes of a journal that replaced the one its position was taken in
+/// ([`cryo_journal::Resume::other_journal`]), named `journal_first`: its records appended before
+/// the feed last stored its position (the time of `file`; now, when that cannot be read, as at
+/// a first start) are history the feed never followed, left out and said (the returned
+/// [`Due::Replaced`], none when there are none), and the position, stored, is after them.
+fn past_of_replaced(
+    dir: &Path,
+    file: &cryo_telemetry::OffsetFile,
+    journal_first: Option<String>,
+) -> (Option<Due>, cryo_journal::Marks) {
+    let stored_at = std::fs::metadata(file.path())
+        .and_then(|m| m.modified())
+        .unwrap_or_else(|_| std::time::SystemTime::now());
+    let mut marks = cryo_journal::Marks::of(&cryo_journal::Position::default(), journal_first);
+    // Every record, the archives' too: the past may span rotations.
+    let all = cryo_journal::read_all(dir).unwrap_or_else(|e| {
+        tracing::warn!(err = %e, "Kubernetes: reading the replaced journal");
+        cryo_journal::Scan::default()
+    });
+    let past: Vec<&Record> = all
+        .records
+        .iter()
+        .take_while(|r| r.time <= stored_at)
+        .collect();
+    let Some(last) = past.last() else {
+        return (None, marks);
+    };
+    marks.note(last);
+    store(file, &marks.position(last.seq));
+    let at = cryo_journal::record_time(last);
+    tracing::warn!(
+        records = past.len(),
+        last = last.seq,
+        %at,
+        "Kubernetes: the journal was replaced by another one; its records from before the Events were last posted are not posted"
+    );
+    let replaced = Due::Replaced {
+        last: last.seq,
+        records: past.len() as u64,
+        at,
+    };
+    (Some(replaced), marks)
 }
 
 /// A refusal that asking again will not change (a 4xx other than 408 and 429).
@@ -997,6 +1073,7 @@ mod tests {
             out.push(match d {
                 Due::Record(r) => (r.seq, r.seq, true),
                 Due::Lost { first, last, .. } => (*first, *last, false),
+                Due::Replaced { last, .. } => (0, *last, false),
             });
             feed.posted();
         }
@@ -1079,5 +1156,45 @@ mod tests {
         assert_eq!(due.first(), Some(&(4, 6, false)), "{due:?}");
         let after: Vec<u64> = due[1..].iter().map(|d| d.0).collect();
         assert_eq!(after, (7..=10).collect::<Vec<_>>());
+    }
+
+    /// A journal that replaced the one the position was taken in (moved in from elsewhere:
+    /// another first record): its records from before the feed last stored its position are
+    /// not posted (one Warning says how many), what was appended after them is, and the position
+    /// stored then holds: a later open posts none of them again. (Before: every record of it was
+    /// posted again, from its first, each as if it happened now.)
+    #[test]
+    fn a_replaced_journal_s_past_is_said_once_and_not_posted() {
+        let d = tempfile::tempdir().unwrap();
+        // Another node's journal, written first: its 40 records are older than the position.
+        let other = StateDir::new(d.path().join("other"));
+        let o = other.open_journal().unwrap();
+        (1..=40).for_each(|i| {
+            o.append(locked(i)).unwrap();
+        });
+        drop(o);
+        let state = StateDir::new(d.path().join("state"));
+        state.open_journal().unwrap().append(locked(100)).unwrap();
+        assert_eq!(EventFeed::open(&state).saved, 1);
+        // Stored after every record of the other journal (file times are coarser than the
+        // records' clock: said outright).
+        std::fs::File::options()
+            .write(true)
+            .open(state.kube_events_offset_file())
+            .unwrap()
+            .set_modified(std::time::SystemTime::now())
+            .unwrap();
+        std::fs::remove_dir_all(state.journal_dir()).unwrap();
+        std::fs::rename(other.journal_dir(), state.journal_dir()).unwrap();
+        let seq = state
+            .open_journal()
+            .unwrap()
+            .append(locked(41))
+            .unwrap()
+            .seq;
+        assert_eq!(seq, 41);
+        let due = post_all(&mut EventFeed::open(&state));
+        assert_eq!(due, vec![(0, 40, false), (41, 41, true)]);
+        assert!(post_all(&mut EventFeed::open(&state)).is_empty());
     }
 }

@@ -146,6 +146,69 @@ fn the_fence_and_the_steps_show_on_the_node_and_the_fence_lifts() {
     sim.assert_no_wedge();
 }
 
+/// Session 17's seam, attacked with the real API server: a journal that replaced the one the
+/// Events' position was taken in (moved in from another node, restored from elsewhere: another
+/// first record) was posted from its first record, each old step as an Event of now, a burst that
+/// also spends the node's Event budget (`cryo_kube::events::BURST`) before the steps that matter
+/// then. Now its records from before the feed last stored its position are not posted, one
+/// `CryoJournalReplaced` Warning says how many, and the steps after are posted. (Before: the 40
+/// old `CryoFreezing` steps were on the Node.)
+#[test]
+fn a_replaced_journal_s_past_is_not_posted_as_events() {
+    use cryo_journal::Event;
+    let rt = rt();
+    rt.block_on(ks::ensure_agent_rbac());
+    let admin = rt.block_on(ks::admin());
+    let node = ks::unique("agent-replaced");
+    rt.block_on(ks::create_node(&admin, &node));
+    let sim = Sim::start();
+    let state = sim.path().join("state");
+    let journal = |dir: &Path| cryo_journal::Journal::open(dir).unwrap();
+    // Another node's journal, written before this agent ever posted: its past.
+    let other = sim.path().join("other-journal");
+    let o = journal(&other);
+    for i in 0..40 {
+        o.append(Event::FreezeStarted {
+            image: format!("/old/image-{i}"),
+        })
+        .unwrap();
+    }
+    drop(o);
+
+    let dir = StateDir::new(&state).journal_dir();
+    let mut agent = kube_agent(&sim, &state, &node, &ks::agent_kubeconfig());
+    journal(&dir)
+        .append(Event::ThawStarted {
+            image: "/before".into(),
+        })
+        .unwrap();
+    eventually(API_PATIENCE, "the step before the replacement", || {
+        reasons(&rt, &admin, "default", &node, "Node").contains(&"CryoThawing".to_owned())
+    });
+    agent.kill();
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::rename(&other, &dir).unwrap();
+
+    let agent = kube_agent(&sim, &state, &node, &ks::agent_kubeconfig());
+    journal(&dir)
+        .append(Event::FreezeFailed {
+            image: "/after".into(),
+            error: "a step after the replacement".into(),
+        })
+        .unwrap();
+    // Posted in the journal's order: once the step after shows, whatever came before it did.
+    eventually(API_PATIENCE, "the step after the replacement", || {
+        reasons(&rt, &admin, "default", &node, "Node").contains(&"CryoFreezeFailed".to_owned())
+    });
+    let r = reasons(&rt, &admin, "default", &node, "Node");
+    assert!(
+        !r.contains(&"CryoFreezing".to_owned()),
+        "the replaced journal's past was posted: {r:?}"
+    );
+    assert!(r.contains(&"CryoJournalReplaced".to_owned()), "{r:?}");
+    drop(agent);
+}
+
 /// A private API server (scripts/k8s-cluster.sh), stopped and started again by the test.
 struct Cluster {
     dir: PathBuf,
