@@ -1636,6 +1636,85 @@ fn a_freeze_whose_verification_cannot_be_journaled_lets_nothing_go_and_resumes_t
     env.stop_clean(pid);
 }
 
+/// The same write on a disk that is full (a real `ENOSPC`: the state directory on a small
+/// tmpfs, filled while the freeze is paused at GPU free): that write is refused, and so is every
+/// one after it, the undo's restore intent included (journaled before it acts). The worker is
+/// left CHECKPOINTED, traced by its guard, neither let go nor torn down, and the freeze names it
+/// and how to bring it back; its suspension is in flight in the journal (`CheckpointStarted`),
+/// so once there is room again the next guard's start restores and unlocks it in place under
+/// watch, and it serves as before.
+#[test]
+fn a_freeze_meeting_a_full_disk_at_gpu_free_leaves_the_worker_suspended_and_guarded() {
+    let mut env = Env::start("1GiB");
+    let disk = cryo_testkit::disk::SmallDisk::mount_at(&env.path().join("state"), "16M");
+    let mut guard = hourly_guard(&env);
+    let (pid, ep) = env.worker("64MiB", 0);
+    make_restored(&env, pid);
+    let before = answers(&ep);
+    let image = env.path().join("img");
+    let go = env.path().join("go");
+    let mut freeze = env
+        .cmd()
+        .env("CRYO_FAILPOINT", "freeze-after-gpu-free")
+        .env("CRYO_FAILPOINT_RESUME", &go)
+        .args(["freeze", &pid.to_string(), "--image"])
+        .arg(&image)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = freeze.stderr.take().unwrap();
+    let mut said = String::new();
+    let mut buf = [0u8; 256];
+    while !said.contains("paused until") {
+        let n = err.read(&mut buf).unwrap();
+        assert!(n > 0, "it ended before its failpoint: {said}");
+        said.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    let filler = disk.fill();
+    // A full disk still takes a write into the slack of a file's last page: the journal's is
+    // taken too, by records of the timeline's (the last one, torn, is the next writer's to cut).
+    let journal = cryo_journal::Journal::open(env.path().join("state").join("journal")).unwrap();
+    let filled = (0..1000).find(|_| {
+        journal
+            .append_unsynced(vec![cryo_journal::Event::Dumped {
+                image: "filler".into(),
+                ms: 0,
+                bytes: 0,
+            }])
+            .is_err()
+    });
+    assert!(filled.is_some(), "the journal's last page never filled");
+    fs::write(&go, b"").unwrap();
+    err.read_to_string(&mut said).unwrap();
+    let status = freeze.wait().unwrap();
+    assert!(!status.success(), "{said}");
+    assert!(!image.exists(), "an image was published");
+    assert!(alive(pid), "the worker was ended: {said}");
+    assert_ne!(tracer(pid), 0, "the worker is not guarded: {said}");
+    assert_eq!(
+        env.sim.gpu.driver.state(pid).unwrap(),
+        cryo_gpu::ProcessState::Checkpointed
+    );
+    assert!(said.contains("could not be journaled"), "{said}");
+    assert!(said.contains(&format!("pid {pid}:")), "not named: {said}");
+    env.sim.assert_no_wedge();
+
+    // Room again; a guard that starts now settles what the freeze left in flight.
+    fs::remove_file(filler).unwrap();
+    guard.kill();
+    let guard = hourly_guard(&env);
+    eventually(PATIENCE, "the new guard to resume the worker", || {
+        env.sim.gpu.driver.state(pid).ok() == Some(cryo_gpu::ProcessState::Running)
+    });
+    assert_ne!(tracer(pid), 0, "resumed unguarded");
+    assert_eq!(answers(&ep), before, "it serves as before");
+    env.sim.assert_no_wedge();
+    env.stop_clean(pid);
+    drop(guard);
+    drop(disk);
+}
+
 /// Bytes the follower thread (`cryo-follow`) of process `pid` has read (`rchar`); 0 if it has
 /// none.
 fn follower_read(pid: u32) -> u64 {

@@ -600,66 +600,6 @@ fn in_flight_gives_the_last_stop_step_of_unfinished_processes() {
     assert_eq!(last[&c].seq, 9);
 }
 
-/// A tmpfs of `size` mounted on a directory of its own (root), unmounted when dropped.
-struct SmallDisk {
-    _dir: tempfile::TempDir,
-    path: std::path::PathBuf,
-}
-
-impl SmallDisk {
-    fn mount(size: &str) -> SmallDisk {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("small");
-        std::fs::create_dir(&path).unwrap();
-        let mounted = std::process::Command::new("mount")
-            .args([
-                "-t",
-                "tmpfs",
-                "-o",
-                &format!("size={size},mode=0755"),
-                "tmpfs",
-            ])
-            .arg(&path)
-            .status()
-            .unwrap();
-        assert!(
-            mounted.success(),
-            "mount tmpfs (the tests run as root): {mounted}"
-        );
-        SmallDisk { _dir: dir, path }
-    }
-
-    /// Fills what is left of the disk with one file; returns its path.
-    fn fill(&self) -> std::path::PathBuf {
-        use std::io::Write;
-        let filler = self.path.join("filler");
-        let mut f = std::fs::File::create(&filler).unwrap();
-        let block = [0xaau8; 512];
-        loop {
-            match f.write(&block) {
-                Ok(0) => break,
-                Ok(_) => {}
-                Err(e) if e.raw_os_error() == Some(libc_enospc()) => break,
-                Err(e) => panic!("filling the small disk: {e}"),
-            }
-        }
-        filler
-    }
-}
-
-fn libc_enospc() -> i32 {
-    rustix::io::Errno::NOSPC.raw_os_error()
-}
-
-impl Drop for SmallDisk {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount")
-            .arg("-l")
-            .arg(&self.path)
-            .status();
-    }
-}
-
 /// Every record of the journal in `dir` is one that was appended whole, in order (`appended`:
 /// every event handed to an append, in order; the journal may hold a prefix of a batch that
 /// failed, never a record that differs from the one handed in), with strictly increasing seqs.
@@ -693,8 +633,8 @@ fn assert_whole(dir: &std::path::Path, appended: &[Event]) -> cryo_journal::Scan
 /// torn tail, journals the repair and goes on, seqs never reused.
 #[test]
 fn a_batch_torn_by_a_full_disk_leaves_whole_records_and_the_next_append_recovers() {
-    let disk = SmallDisk::mount("64k");
-    let dir = disk.path.join("journal");
+    let disk = cryo_testkit::disk::SmallDisk::mount("64k");
+    let dir = disk.path().join("journal");
     let j = Journal::open(&dir).unwrap();
     let big = |i: usize| Event::StopRequested {
         target: format!("pid {i} {}", "x".repeat(1500)),

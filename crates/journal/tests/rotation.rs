@@ -617,32 +617,10 @@ fn maintain_rotates_only_past_its_size() {
     assert!(s.journal.maintain(size - 1, keep).unwrap().is_some());
 }
 
-/// A tmpfs of `size` mounted on a fresh directory, unmounted when dropped.
-struct Tmpfs(tempfile::TempDir);
-
-impl Tmpfs {
-    fn mount(size: &str) -> Tmpfs {
-        let dir = tempfile::tempdir().unwrap();
-        let st = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(dir.path())
-            .status()
-            .unwrap();
-        assert!(st.success(), "mounting a tmpfs (this test runs as root)");
-        Tmpfs(dir)
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(self.0.path()).status();
-    }
-}
-
 #[test]
 fn a_full_disk_during_a_rotation_leaves_the_old_segment_active_and_whole() {
-    let fs = Tmpfs::mount("256k");
-    let dir = fs.0.path().join("journal");
+    let fs = cryo_testkit::disk::SmallDisk::mount("256k");
+    let dir = fs.path().join("journal");
     let journal = Journal::open(&dir).unwrap();
     let (_kid, me) = live();
     restored(&journal, me, "/img");
@@ -657,15 +635,12 @@ fn a_full_disk_during_a_rotation_leaves_the_old_segment_active_and_whole() {
     }
     let whole = read(&dir).unwrap().records;
     // Fill the rest of the file system.
-    let mut fill = std::fs::File::create(fs.0.path().join("fill")).unwrap();
-    let block = vec![0u8; 4096];
-    while std::io::Write::write_all(&mut fill, &block).is_ok() {}
-    drop(fill);
+    let fill = fs.fill();
     let err = journal.rotate().unwrap_err();
     println!("rotation on a full disk: {err}");
     assert_eq!(read(&dir).unwrap().records, whole);
     assert!(!dir.join(NEXT_NAME).exists());
-    std::fs::remove_file(fs.0.path().join("fill")).unwrap();
+    std::fs::remove_file(fill).unwrap();
     let r = journal.append(Event::Killed { pid: me }).unwrap();
     assert_eq!(r.seq, whole.last().unwrap().seq + 1);
     let rotation = journal.rotate().unwrap().unwrap();

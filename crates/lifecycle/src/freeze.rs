@@ -108,9 +108,10 @@ pub const FREEZE_AT_DUMP_GATE: &str = "freeze-at-dump-gate";
 /// it in place).
 pub const FREEZE_SUSPENSION_UNSYNCED: &str = "freeze-suspension-unsynced";
 
-/// Failpoint (stalling until killed): the GPU-free moment is taken (every CUDA process of the
-/// tree suspended, NVML lists none of them), the verification's records (each process's
-/// `Checkpointed` and `Verified`) are not written yet ([`write_verified`]).
+/// Failpoint (pausing, [`failpoint::pause_if`]; stalling until killed without a resume file):
+/// the GPU-free moment is taken (every CUDA process of the tree suspended, NVML lists none of
+/// them), the verification's records (each process's `Checkpointed` and `Verified`) are not
+/// written yet ([`write_verified`]).
 pub const FREEZE_AFTER_GPU_FREE: &str = "freeze-after-gpu-free";
 
 /// Failpoint (an injected error): the write of the verification's records right after GPU free
@@ -779,7 +780,7 @@ fn freeze_inner(
     let gpu_free_at = Moment::now();
     let suspend_ms = ms(t.elapsed());
     let gpu_free_ms = ms(start.elapsed());
-    failpoint::stall_if(FREEZE_AFTER_GPU_FREE);
+    failpoint::pause_if(FREEZE_AFTER_GPU_FREE);
     if let Err(source) = write_verified(journal, &mut unwritten) {
         // Nothing was let go yet: the guard still traces the tree. Its suspension is not on
         // record, so nothing may end it: undone in place, under the guard, and said.

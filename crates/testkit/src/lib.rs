@@ -36,6 +36,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub mod cgroup;
+pub mod disk;
 pub mod fake;
 pub mod fake_criu;
 pub mod fds;
