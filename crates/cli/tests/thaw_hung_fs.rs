@@ -36,11 +36,8 @@ const PAST_DEADLINE: Duration = Duration::from_secs(20);
 fn a_thaw_whose_image_file_system_does_not_answer_refuses_at_its_deadline() {
     cryo_testkit::require_criu_and_root();
     let t = tempfile::tempdir().unwrap();
-    let backing = t.path().join("backing");
-    cryo_testkit::image::publish_tiny(&backing);
-    let mnt = t.path().join("img");
-    fs::create_dir(&mnt).unwrap();
-    let fuse = Stalling::mount(&backing, &mnt, Hold::Opens, |_| true);
+    let fuse = Stalling::tiny_image(t.path(), "img", Hold::Opens);
+    let mnt = fuse.path().to_path_buf();
     let sim = Sim::start();
     let state = state_dir("thaw-hung-fs");
 

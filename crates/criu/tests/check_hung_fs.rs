@@ -4,7 +4,6 @@
 //! as on a dead disk or an NFS hard mount). One test: the count of abandoned checks is the
 //! process's.
 
-use std::fs;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -38,15 +37,11 @@ fn answer<T>(rx: &mpsc::Receiver<T>, deadline: Instant, what: &str) -> T {
 fn a_check_whose_opens_or_stats_do_not_return_gives_up_at_the_restores_deadline() {
     cryo_testkit::require_criu_and_root();
     let t = tempfile::tempdir().unwrap();
-    let backing = t.path().join("backing");
-    cryo_testkit::image::publish_tiny(&backing);
     assert_eq!(image::abandoned_checks(), 0);
 
     // (1) The first look's opens.
-    let mnt = t.path().join("opens");
-    fs::create_dir(&mnt).unwrap();
-    let fuse = Stalling::mount(&backing, &mnt, Hold::Opens, |_| true);
-    let img = Image::open(&mnt).unwrap();
+    let fuse = Stalling::tiny_image(t.path(), "opens", Hold::Opens);
+    let img = Image::open(fuse.path()).unwrap();
     fuse.hold_own();
     let deadline = Instant::now() + Duration::from_millis(500);
     let (tx, rx) = mpsc::channel();
@@ -59,10 +54,8 @@ fn a_check_whose_opens_or_stats_do_not_return_gives_up_at_the_restores_deadline(
     drop(fuse);
 
     // (2) The verdict's stats, once the page contents were checked.
-    let mnt = t.path().join("stats");
-    fs::create_dir(&mnt).unwrap();
-    let fuse = Stalling::mount(&backing, &mnt, Hold::Stats, |_| true);
-    let img = Image::open(&mnt).unwrap();
+    let fuse = Stalling::tiny_image(t.path(), "stats", Hold::Stats);
+    let img = Image::open(fuse.path()).unwrap();
     let deadline = Instant::now() + Duration::from_secs(3);
     let (ran_tx, ran_rx) = mpsc::channel();
     let (go_tx, go_rx) = mpsc::channel::<()>();

@@ -24,12 +24,9 @@ use cryo_testkit::{eventually, PATIENCE};
 fn a_criu_stuck_in_an_uninterruptible_read_is_given_up_on_at_its_deadline_and_reaped_later() {
     cryo_testkit::require_criu_and_root();
     let t = tempfile::tempdir().unwrap();
-    let backing = t.path().join("backing");
-    cryo_testkit::image::publish_tiny(&backing);
-    let mnt = t.path().join("image");
-    fs::create_dir(&mnt).unwrap();
     // Every read by another process (CRIU) is held; cryo's own are answered.
-    let fuse = Stalling::mount(&backing, &mnt, Hold::Reads, |_| true);
+    let fuse = Stalling::tiny_image(t.path(), "image", Hold::Reads);
+    let mnt = fuse.path().to_path_buf();
     let criu = CriuRpc::locate(None)
         .unwrap()
         .in_scratch(&t.path().join("scratch"));
@@ -144,7 +141,6 @@ fn restore_held(
     mnt: &Path,
     hold: Vec<String>,
 ) -> (Stalling, std::sync::mpsc::Receiver<Result<i32, CriuError>>) {
-    fs::create_dir(mnt).unwrap();
     let reads = hold.len();
     let fuse = Stalling::mount(image, mnt, Hold::Reads, move |name| {
         hold.iter().any(|h| h == name)

@@ -8,7 +8,7 @@
 //! The request goes through `cryo_http`, cryo's one HTTP client.
 //!
 //! Attempts are `Pauses` apart: 1 ms after the first, doubling to 20 ms (a command's exit is
-//! looked for the same way, up to 10 ms apart). A thawed worker usually answers within a few
+//! waited for on its pidfd: seen the moment it comes). A thawed worker usually answers within a few
 //! milliseconds of its unlock, and a fixed 20 ms period made every thaw's first answer wait up
 //! to 20 ms for the next attempt; a worker that is still starting gets at most 5 attempts in
 //! its first 31 ms and 50 a second after that, as before.
@@ -102,8 +102,6 @@ const NOT_TRIED: &str = "not tried";
 const FIRST_PAUSE: Duration = Duration::from_millis(1);
 /// The longest pause between two attempts: at most 50 a second at length.
 const MAX_PAUSE: Duration = Duration::from_millis(20);
-/// The longest pause between two looks at a check command's exit.
-const MAX_EXIT_PAUSE: Duration = Duration::from_millis(10);
 
 /// Pauses between attempts: `first`, doubling each time up to `max`, then `max` for good.
 #[derive(Debug, Clone)]
@@ -158,20 +156,33 @@ fn run_cmd(cmd: &str, timeout: Duration) -> Result<(), HealthAttempt> {
         .process_group(0)
         .spawn()
         .map_err(|e| HealthAttempt::Failed(format!("cannot run sh: {e}")))?;
+    // Our child, not reaped yet: its pid names it. Its exit makes the pidfd readable.
+    let pid = rustix::process::Pid::from_child(&child);
+    let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
+        .map_err(|e| HealthAttempt::Failed(format!("cannot open a pidfd of sh: {e}")))?;
     let deadline = Instant::now() + timeout;
-    let mut pauses = Pauses::new(FIRST_PAUSE, MAX_EXIT_PAUSE);
     loop {
-        match child.try_wait() {
-            Ok(Some(st)) if st.success() => return Ok(()),
-            Ok(Some(st)) => return Err(HealthAttempt::Failed(format!("exited with {st}"))),
-            Ok(None) if Instant::now() >= deadline => {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut fds = [rustix::event::PollFd::new(
+            &pidfd,
+            rustix::event::PollFlags::IN,
+        )];
+        let ms = i32::try_from(left.as_millis()).unwrap_or(i32::MAX);
+        match rustix::event::poll(&mut fds, ms) {
+            Ok(0) if left.is_zero() => {
                 // The group's id is the child's pid, ours until we reap it.
-                let group = rustix::process::Pid::from_child(&child);
-                let _ = rustix::process::kill_process_group(group, rustix::process::Signal::Kill);
+                let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::Kill);
                 let _ = child.wait();
                 return Err(HealthAttempt::Cut("still running at the deadline".into()));
             }
-            Ok(None) => std::thread::sleep(pauses.next_pause()),
+            Ok(0) | Err(rustix::io::Errno::INTR) => {}
+            Ok(_) => {
+                return match child.wait() {
+                    Ok(st) if st.success() => Ok(()),
+                    Ok(st) => Err(HealthAttempt::Failed(format!("exited with {st}"))),
+                    Err(e) => Err(HealthAttempt::Failed(e.to_string())),
+                };
+            }
             Err(e) => return Err(HealthAttempt::Failed(e.to_string())),
         }
     }

@@ -244,15 +244,16 @@ pub struct Stalling {
 }
 
 impl Stalling {
-    /// Mounts at `mountpoint` (an empty directory) a read-only mirror of the flat directory
-    /// `backing` (its regular files), holding `hold` requests for the files `pick` takes, from
-    /// every process but this one.
+    /// Mounts at `mountpoint` (an empty directory, made if missing) a read-only mirror of the
+    /// flat directory `backing` (its regular files), holding `hold` requests for the files
+    /// `pick` takes, from every process but this one.
     pub fn mount(
         backing: &Path,
         mountpoint: &Path,
         hold: Hold,
         pick: impl Fn(&str) -> bool + Send + Sync + 'static,
     ) -> Stalling {
+        std::fs::create_dir_all(mountpoint).unwrap();
         let mut names = BTreeMap::new();
         let mut listed: Vec<String> = std::fs::read_dir(backing)
             .unwrap()
@@ -292,6 +293,17 @@ impl Stalling {
             shared,
             session: Some(session),
         }
+    }
+
+    /// The kit's tiny image ([`crate::image::publish_tiny`], published in `dir/backing` unless
+    /// it is there already) mirrored at `dir/NAME`, `hold` requests held for every file: what
+    /// the attacks on a file system that stops answering start from.
+    pub fn tiny_image(dir: &Path, name: &str, hold: Hold) -> Stalling {
+        let backing = dir.join("backing");
+        if !backing.exists() {
+            crate::image::publish_tiny(&backing);
+        }
+        Stalling::mount(&backing, &dir.join(name), hold, |_| true)
     }
 
     /// Where it is mounted.

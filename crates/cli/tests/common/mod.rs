@@ -313,8 +313,50 @@ pub fn stop_pin_holder(state: &Path) {
 
 impl Drop for AgentProc {
     fn drop(&mut self) {
+        let id = cryo_journal::ProcId::of(self.pid()).ok();
         self.kill();
         stop_pin_holder(&self.state);
+        if let Some(id) = id {
+            end_keepers_of(id);
+        }
+    }
+}
+
+/// SIGKILLs (by pidfd) the keepers of activator sockets that agent `agent` started (`cryo agent
+/// keep-listener --agent PID:START`, see `cryo_agent::keeper`): a keeper outlives its agent by
+/// design (`LINGER`, for the next agent), so a test that is done with its agent ends them, or
+/// the test kit finds them running after the test. Keepers of other agents (a next one the
+/// test started) are left alone.
+pub fn end_keepers_of(agent: cryo_journal::ProcId) {
+    let ours = [
+        "agent",
+        "keep-listener",
+        "--agent",
+        &format!("{}:{}", agent.pid, agent.start_time),
+    ];
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for pid in entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+    {
+        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).skip(1).take(4).collect();
+        if args
+            .iter()
+            .map(|a| String::from_utf8_lossy(a))
+            .ne(ours.iter().map(|a| std::borrow::Cow::Borrowed(*a)))
+        {
+            continue;
+        }
+        if let Ok(h) = cryo_proc::ProcHandle::open(pid) {
+            let _ = h.signal(cryo_proc::Signal::SIGKILL);
+            h.wait_exit(PATIENCE);
+            procs::reap(pid);
+        }
     }
 }
 
