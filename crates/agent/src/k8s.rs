@@ -816,7 +816,10 @@ impl EventFeed {
         let (saved, marks) = match stored {
             Some(stored) => {
                 let resume = stored.resume(&dir, &scan, "Kubernetes Events");
-                if resume.other_journal {
+                // A position taken at a first start on an empty journal names no journal: any
+                // record older than it is another journal's (this one was empty then).
+                let unnamed = stored.seq == 0 && stored.journal_first.is_none();
+                if resume.other_journal || unnamed {
                     let (replaced, marks) = past_of_replaced(&dir, &file, resume.journal_first);
                     let saved = match &replaced {
                         Some(Due::Replaced { last, .. }) => *last,
@@ -1163,6 +1166,33 @@ mod tests {
     /// not posted (one Warning says how many), what was appended after them is, and the position
     /// stored then holds: a later open posts none of them again. (Before: every record of it was
     /// posted again, from its first, each as if it happened now.)
+    /// The same when the position was taken at a first start on an empty journal (it names no
+    /// journal: the agent was killed before it stored a position after its first post).
+    #[test]
+    fn a_journal_replacing_an_empty_one_is_not_posted_from_its_first_record() {
+        let d = tempfile::tempdir().unwrap();
+        let other = StateDir::new(d.path().join("other"));
+        let o = other.open_journal().unwrap();
+        (1..=40).for_each(|i| {
+            o.append(locked(i)).unwrap();
+        });
+        drop(o);
+        let state = StateDir::new(d.path().join("state"));
+        std::fs::create_dir_all(state.root()).unwrap();
+        assert_eq!(EventFeed::open(&state).saved, 0);
+        std::fs::File::options()
+            .write(true)
+            .open(state.kube_events_offset_file())
+            .unwrap()
+            .set_modified(std::time::SystemTime::now())
+            .unwrap();
+        let _ = std::fs::remove_dir_all(state.journal_dir());
+        std::fs::rename(other.journal_dir(), state.journal_dir()).unwrap();
+        state.open_journal().unwrap().append(locked(41)).unwrap();
+        let due = post_all(&mut EventFeed::open(&state));
+        assert_eq!(due, vec![(0, 40, false), (41, 41, true)]);
+    }
+
     #[test]
     fn a_replaced_journal_s_past_is_said_once_and_not_posted() {
         let d = tempfile::tempdir().unwrap();
