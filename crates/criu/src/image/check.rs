@@ -483,6 +483,18 @@ pub(super) fn within_deadline<T: Send + 'static>(
     }
 }
 
+/// Starts `work` (which touches only an image, and that nobody waits for: the prefetch) on a
+/// thread of the deadline layer, counted in [`abandoned_checks`] until it ends: a file system
+/// that stops answering it holds that thread as it would a check's, and uses up the same
+/// budget. Not started (false) past [`MAX_ABANDONED_CHECKS`] stuck, or without a thread.
+pub(super) fn in_background(work: impl FnOnce() + Send + 'static) -> bool {
+    // Given up on at once: counted from now until it ends, as an abandoned look is.
+    match deadline::within_counted(&ABANDONED, std::time::Duration::ZERO, work, |()| ()) {
+        Ok(()) | Err(Late::Elapsed(_)) => true,
+        Err(Late::Unresponsive(_) | Late::NoThread) => false,
+    }
+}
+
 /// Failpoint `name` ([`CHECK_READ_STALLS`], [`CHECK_STEERING_READ_STALLS`]): the read does not
 /// return until the file named by `CRYO_FAILPOINT_RESUME` exists (never without one).
 fn read_stall_failpoint(name: &str) {

@@ -197,7 +197,8 @@ impl Image {
             return;
         };
         // The opens too on the prefetch's thread: on a file system that stops answering they
-        // hang it, never the thaw (whose own opens are under its deadline).
+        // hang it, never the thaw (whose own opens are under its deadline); it is counted with
+        // the checks' stuck looks until it ends, and none is started past their budget.
         let Ok(image) = self.try_clone() else {
             return;
         };
@@ -219,11 +220,11 @@ impl Image {
                 }
             }
         };
-        if let Err(e) = std::thread::Builder::new()
-            .name("cryo-prefetch".into())
-            .spawn(advise)
-        {
-            tracing::debug!(error = %e, "no thread to prefetch the page contents");
+        if !super::check::in_background(advise) {
+            tracing::debug!(
+                stuck = super::check::abandoned_checks(),
+                "no prefetch of the page contents (earlier looks at images are stuck, or no thread)"
+            );
         }
     }
 
