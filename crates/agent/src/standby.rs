@@ -45,6 +45,7 @@ use cryo_api::{
     path, Access, ApiError, ErrorKind, PoolStatus, StandbyClaim, StandbyClaimRequest,
     StandbyCreateRequest, StandbyList, StandbyRemoveRequest, StandbyRemoved,
 };
+use cryo_criu::image::ImageError;
 use cryo_journal::Event;
 use cryo_lifecycle::standby::{self as sb, ClaimError};
 use cryo_lifecycle::{NoProgress, Standby, WakeError};
@@ -190,6 +191,17 @@ impl Drop for KickOnDrop<'_> {
     }
 }
 
+/// Whether `e`, from a look at a pool's image, says the image is not there or not usable any
+/// more (its standbys are dropped), rather than that its file system did not answer or failed
+/// to read (a dead disk, an NFS hard mount: no word on the image; a claim looks again).
+fn tells_the_image_is_gone(e: &ImageError) -> bool {
+    match e {
+        ImageError::Unanswered { .. } | ImageError::Stream { .. } => false,
+        ImageError::Io { source, .. } => source.kind() == std::io::ErrorKind::NotFound,
+        _ => true,
+    }
+}
+
 /// Why a standby leaves the pool, and what became of it.
 fn drop_it(agent: &Agent, s: &Standby, why: &str) {
     // What is left of it (all of it, or what outlived a process it needed) is owned by nothing
@@ -286,8 +298,13 @@ impl Agent {
                 "--count must be at least 1 (remove a pool with `cryo standby remove`)",
             ));
         }
-        // Refused now rather than by every refill: an image that cannot be used.
-        let opened = cryo_criu::image::Image::open(&req.image)
+        // Refused now rather than by every refill: an image that cannot be used. Under the
+        // restore's deadline, as a refill's look: a file system that does not answer refuses
+        // the request then.
+        let limit = req
+            .criu_timeout_s
+            .map_or_else(|| cryo_lifecycle::criu_deadline(0), Duration::from_secs);
+        let opened = cryo_criu::image::Image::open_until(&req.image, Some(Instant::now() + limit))
             .map_err(|e| ApiError::new(ErrorKind::Refused, format!("image refused: {e}")))?;
         if req.count > 1 && !sb::own_namespaces(opened.manifest()) {
             return Err(ApiError::new(
@@ -564,18 +581,42 @@ impl Agent {
         }
     }
 
-    /// Drops the ready standbys that died or whose image changed.
+    /// Drops the ready standbys that died or whose image changed. Each image is looked at
+    /// outside the pools' lock (a claim must not wait for a file system), for at most
+    /// [`sb::CLAIM_IMAGE_LOOK`]: one that does not answer by then, or fails to read, changes
+    /// nothing this time ([`tells_the_image_is_gone`]: its standbys are neither dropped nor
+    /// trusted; a claim looks again and hands none out unlooked at).
     fn drop_dead_and_stale(&self) {
+        let images: Vec<PathBuf> = self
+            .pools
+            .lock()
+            .iter()
+            .filter(|(_, pool)| !pool.ready.is_empty())
+            .map(|(image, _)| image.clone())
+            .collect();
+        let mut digests: BTreeMap<PathBuf, Option<String>> = BTreeMap::new();
+        for image in images {
+            let until = Some(Instant::now() + sb::CLAIM_IMAGE_LOOK);
+            let digest = match cryo_criu::image::Image::open_until(&image, until) {
+                Ok(i) => Some(i.manifest().manifest_sha256.clone()),
+                Err(e) if !tells_the_image_is_gone(&e) => {
+                    tracing::warn!(image = %image.display(), error = %e, "cannot look at the image of ready standbys; they stay as they are");
+                    continue;
+                }
+                Err(_) => None,
+            };
+            digests.insert(image, digest);
+        }
         let mut out: Vec<(Standby, String)> = Vec::new();
         {
             let mut pools = self.pools.lock();
             for (image, pool) in pools.iter_mut() {
+                let Some(digest) = digests.get(image) else {
+                    continue;
+                };
                 if pool.ready.is_empty() {
                     continue;
                 }
-                let digest = cryo_criu::image::Image::open(image)
-                    .map(|i| i.manifest().manifest_sha256.clone())
-                    .ok();
                 let (keep, gone): (Vec<Standby>, Vec<Standby>) = pool
                     .ready
                     .drain(..)

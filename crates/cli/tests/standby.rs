@@ -1014,3 +1014,100 @@ fn a_standby_whose_plain_helper_exited_while_ready_is_kept_and_claimed() {
     assert!(dropped.is_empty(), "{dropped:?}");
     env.sim.assert_no_wedge();
 }
+
+/// How long past its bound a command on a stalled image may take before the test calls it hung.
+const PAST_BOUND: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// `cmd`'s output if it ends within `limit`; else its pid (left running: what it waits for is
+/// answered when the test's FUSE server goes).
+fn output_within(
+    mut cmd: std::process::Command,
+    limit: std::time::Duration,
+) -> Result<Output, u32> {
+    use std::process::Stdio;
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    rx.recv_timeout(limit).map(|o| o.unwrap()).map_err(|_| pid)
+}
+
+/// Attack (session 18): the file system of a pool's image stops answering once a standby of it
+/// is ready (a dead disk, an NFS hard mount: the test kit's FUSE server holds the agent's
+/// opens from then on). The agent looked at the image with no deadline, and its stale check did
+/// so holding the pools' lock: the refill loop, every claim and `standby list` then waited for
+/// the file system for good. Now a claim is refused within
+/// `cryo_lifecycle::standby::CLAIM_IMAGE_LOOK`, naming the image, and hands nothing out
+/// unlooked at; `standby create` of such an image is refused at its `--criu-timeout`; the
+/// standby stays ready, and once the file system answers it is claimed and serves as before.
+/// (Before: "the claim had not returned 30 s after it started".)
+#[test]
+fn a_standby_whose_image_stops_answering_stays_ready_and_its_claim_is_refused_in_time() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use cryo_testkit::fuse::{Hold, Stalling};
+    let env = Env::start();
+    let backing = env.sim.path().join("img");
+    let before = env.frozen(&backing, 11, false);
+    let mnt = env.sim.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let stalled = Arc::new(AtomicBool::new(false));
+    let hold = Arc::clone(&stalled);
+    // Declared after `env`: dropped (every held request answered) before the agent is ended.
+    let fuse = Stalling::mount(&backing, &mnt, Hold::Opens, move |_| {
+        hold.load(Ordering::SeqCst)
+    });
+    let img = mnt.to_str().unwrap();
+    env.ok(&create_args(img, "1", &[]));
+    let root = env.wait_ready(1)[0];
+
+    stalled.store(true, Ordering::SeqCst);
+    let limit = cryo_lifecycle::standby::CLAIM_IMAGE_LOOK + PAST_BOUND;
+    let mut claim = env.sim.cmd_at(&env.state);
+    claim.args(["standby", "claim", "--image", img]);
+    let out = output_within(claim, limit).unwrap_or_else(|pid| {
+        panic!(
+            "the claim (pid {pid}) had not returned {} s after it started",
+            limit.as_secs()
+        )
+    });
+    let err = stderr(&out);
+    assert!(!out.status.success(), "claimed from a stalled image: {err}");
+    assert!(
+        err.contains(img) && err.contains("its file system did not answer"),
+        "names the image and why: {err}"
+    );
+    assert!(fuse.held() > 0, "no open of the agent reached the server");
+
+    let mut create = env.sim.cmd_at(&env.state);
+    create.args(create_args(img, "2", &["--criu-timeout", "2"]));
+    let limit = std::time::Duration::from_secs(2) + PAST_BOUND;
+    let out = output_within(create, limit).unwrap_or_else(|pid| {
+        panic!(
+            "standby create (pid {pid}) had not returned {} s after it started",
+            limit.as_secs()
+        )
+    });
+    let err = stderr(&out);
+    assert!(
+        !out.status.success() && err.contains("its file system did not answer"),
+        "a pool of a stalled image: {err}"
+    );
+
+    // Once the file system answers, the standby that stayed ready is claimed and serves.
+    fuse.answer_all();
+    let o = env.claim(&mnt);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["standby"]["root"]["pid"], root, "{v}");
+    assert_eq!(answer(root, served_port(&env, root)), before);
+    env.sim.assert_no_wedge();
+}

@@ -1,7 +1,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 //! `cryo thaw` of an image whose file system stops answering before the thaw's first look (the
 //! test kit's FUSE server holding every open of the image's files from the `cryo` process: its
-//! thread waits in the kernel, uninterruptibly, as on a dead disk or an NFS hard mount).
+//! thread waits in the kernel, uninterruptibly, as on a dead disk or an NFS hard mount), plain
+//! and with `--gpus-of`.
 
 use std::fs;
 use std::io::{BufRead, BufReader};
@@ -36,55 +37,15 @@ const PAST_DEADLINE: Duration = Duration::from_secs(20);
 fn a_thaw_whose_image_file_system_does_not_answer_refuses_at_its_deadline() {
     cryo_testkit::require_criu_and_root();
     let t = tempfile::tempdir().unwrap();
-    let fuse = Stalling::tiny_image(t.path(), "img", Hold::Opens);
-    let mnt = fuse.path().to_path_buf();
+    let (mnt, fuse) = stalled_image(t.path());
     let sim = Sim::start();
     let state = state_dir("thaw-hung-fs");
 
-    let mut thaw = sim
-        .cmd_at(state.path())
-        .arg("thaw")
+    let mut thaw = sim.cmd_at(state.path());
+    thaw.arg("thaw")
         .arg(&mnt)
-        .args(["--criu-timeout", &DEADLINE_S.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (lines_tx, lines) = mpsc::channel();
-    let err_pipe = thaw.stderr.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(err_pipe).lines() {
-            let Ok(line) = line else { return };
-            if lines_tx.send(line).is_err() {
-                return;
-            }
-        }
-    });
-    // The positive event first: the thaw's open reached the server and is held there.
-    eventually(
-        PATIENCE,
-        "the thaw's open of the image to reach the server",
-        || fuse.held() > 0,
-    );
-    let patience = Instant::now() + Duration::from_secs(DEADLINE_S) + PAST_DEADLINE;
-    let mut said = Vec::new();
-    let refusal = loop {
-        let left = patience.saturating_duration_since(Instant::now());
-        match lines.recv_timeout(left) {
-            Ok(line) if line.contains("image refused") => break line,
-            Ok(line) => said.push(line),
-            Err(_) => {
-                let threads = threads_of(thaw.id());
-                fuse.answer_all();
-                let _ = thaw.kill();
-                let _ = thaw.wait();
-                panic!(
-                    "cryo thaw had not refused {} s past its {DEADLINE_S} s deadline (its threads then: {threads:?}); it said: {said:?}",
-                    PAST_DEADLINE.as_secs()
-                );
-            }
-        }
-    };
+        .args(["--criu-timeout", &DEADLINE_S.to_string()]);
+    let (refusal, status, said) = refused_in_time(thaw, &fuse, "image refused");
     let image = mnt.display().to_string();
     assert!(refusal.contains(&image), "names the image: {refusal}");
     assert!(
@@ -92,14 +53,6 @@ fn a_thaw_whose_image_file_system_does_not_answer_refuses_at_its_deadline() {
         "says its file system did not answer: {refusal}"
     );
     assert!(refusal.contains("nothing was restored"), "{refusal}");
-
-    // Once the server answers, the stuck open ends and so does the process: refused (3).
-    fuse.answer_all();
-    let status = eventually(
-        PATIENCE,
-        "cryo thaw to exit once the server answered",
-        || thaw.try_wait().unwrap(),
-    );
     assert_eq!(
         status.code(),
         Some(3),
@@ -115,6 +68,109 @@ fn a_thaw_whose_image_file_system_does_not_answer_refuses_at_its_deadline() {
             "{events:?}"
         );
     }
+}
+
+/// Attack (session 18): `cryo thaw --gpus-of PID` (the image's GPUs onto those PID's container
+/// was given, by UUID) read the image's manifest on the caller's thread with no deadline, before
+/// the thaw's own first look. On an image whose file system does not answer it must give up at
+/// the thaw's deadline as the thaw does, naming the image. (Before: "cryo had not said
+/// \"did not answer\" 20 s past its 2 s deadline (its threads then: [\"S
+/// request_wait_answer\"])".)
+#[test]
+fn a_thaw_mapped_by_gpus_of_whose_image_file_system_does_not_answer_gives_up_at_its_deadline() {
+    cryo_testkit::require_criu_and_root();
+    let t = tempfile::tempdir().unwrap();
+    let (mnt, fuse) = stalled_image(t.path());
+    let sim = Sim::start();
+    let state = state_dir("thaw-hung-fs-gpus-of");
+    // A process of a container given the first GPU, by UUID.
+    let mut container = std::process::Command::new("sleep")
+        .arg("600")
+        .env("NVIDIA_VISIBLE_DEVICES", sim.gpu_uuid(0))
+        .spawn()
+        .unwrap();
+
+    let mut thaw = sim.cmd_at(state.path());
+    thaw.arg("thaw")
+        .arg(&mnt)
+        .args(["--gpus-of", &container.id().to_string()])
+        .args(["--criu-timeout", &DEADLINE_S.to_string()]);
+    let (line, status, said) = refused_in_time(thaw, &fuse, "did not answer");
+    let _ = container.kill();
+    let _ = container.wait();
+    assert!(
+        line.contains(&mnt.display().to_string()),
+        "names the image: {line}"
+    );
+    assert!(!status.success(), "{said:?}");
+}
+
+/// The tiny image published under `dir`, and a mount of it (`DIR/img`) whose server holds every
+/// open of its files from other processes.
+fn stalled_image(dir: &std::path::Path) -> (std::path::PathBuf, Stalling) {
+    let fuse = Stalling::tiny_image(dir, "img", Hold::Opens);
+    (fuse.path().to_path_buf(), fuse)
+}
+
+/// Runs `cmd` (a command whose opens of the image `fuse` serves are held), waits for its open
+/// to reach the server, then for a line of its stderr that contains `refusal` within
+/// [`DEADLINE_S`] + [`PAST_DEADLINE`]; then has the server answer and waits for its exit. The
+/// line, the exit status, and what it said before.
+///
+/// The process itself ends only once the file system answers: the kernel ends a process when
+/// all its threads ended, and one whose FUSE request was sent waits for the answer
+/// uninterruptibly (`request_wait_answer`), SIGKILL included.
+fn refused_in_time(
+    mut cmd: std::process::Command,
+    fuse: &Stalling,
+    refusal: &str,
+) -> (String, std::process::ExitStatus, Vec<String>) {
+    let mut child = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (lines_tx, lines) = mpsc::channel();
+    let err_pipe = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(err_pipe).lines() {
+            let Ok(line) = line else { return };
+            if lines_tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    // The positive event first: the command's open reached the server and is held there.
+    eventually(
+        PATIENCE,
+        "the command's open of the image to reach the server",
+        || fuse.held() > 0,
+    );
+    let patience = Instant::now() + Duration::from_secs(DEADLINE_S) + PAST_DEADLINE;
+    let mut said = Vec::new();
+    let line = loop {
+        let left = patience.saturating_duration_since(Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(line) if line.contains(refusal) => break line,
+            Ok(line) => said.push(line),
+            Err(_) => {
+                let threads = threads_of(child.id());
+                fuse.answer_all();
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "cryo had not said {refusal:?} {} s past its {DEADLINE_S} s deadline (its threads then: {threads:?}); it said: {said:?}",
+                    PAST_DEADLINE.as_secs()
+                );
+            }
+        }
+    };
+    // Once the server answers, the stuck open ends and so does the process.
+    fuse.answer_all();
+    let status = eventually(PATIENCE, "cryo to exit once the server answered", || {
+        child.try_wait().unwrap()
+    });
+    (line, status, said)
 }
 
 /// Each thread of `pid`: its state letter and kernel wait.

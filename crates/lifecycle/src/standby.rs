@@ -73,6 +73,11 @@ use crate::target::{Resolved, Target};
 use crate::thaw::{pids_needed_taken, precheck, GateTree, PrecheckError};
 use crate::watcher::Watcher;
 
+/// How long a claim waits for the image's file system to answer its look at the manifest (is
+/// the standby stale?): a claim is a request someone waits on, and a standby whose image cannot
+/// be looked at is not handed out (it stays ready).
+pub const CLAIM_IMAGE_LOOK: Duration = Duration::from_secs(10);
+
 /// Failpoint: a standby's image is opened and checked, CRIU not started (tests kill the agent
 /// here: a refill cut short).
 pub const STANDBY_BEFORE_RESTORE: &str = "standby-before-restore";
@@ -210,7 +215,10 @@ pub fn prepare(
     progress: &dyn Progress,
 ) -> Result<Standby, StandbyError> {
     let gpu = &gpu.bounded(cryo_gpu::Limits::default());
-    let opened = Image::open(dir)?;
+    // Under the restore's deadline, as a thaw's first look ([`crate::open_image`]): an image
+    // whose file system does not answer is refused then, not waited for by the refill.
+    let limit = criu_timeout.unwrap_or_else(|| crate::criu_deadline(0));
+    let opened = Image::open_until(dir, Some(Instant::now() + limit))?;
     let manifest = opened.manifest().clone();
     let namespaced = own_namespaces(&manifest);
     if !namespaced && others > 0 {
@@ -803,7 +811,7 @@ pub fn claim(
     progress: &dyn Progress,
 ) -> Result<WakeReport, ClaimError> {
     let mut watch = crate::progress::Stopwatch::default();
-    let now = Image::open(&standby.image)?;
+    let now = Image::open_until(&standby.image, Some(Instant::now() + CLAIM_IMAGE_LOOK))?;
     let found = &now.manifest().manifest_sha256;
     if *found != standby.digest {
         return Err(ClaimError::Stale {

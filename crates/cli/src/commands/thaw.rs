@@ -37,7 +37,7 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
         h.validate().map_err(|e| UsageError(e.to_string()))?;
     }
     if let Some(pid) = args.gpus_of {
-        req.gpu_map = gpus_of(ctx, &args.image, pid)?;
+        req.gpu_map = gpus_of(ctx, &args.image, pid, &req.options(requested))?;
     }
     if let Some(m) = &args.gpu_map {
         // Indices name this host's GPUs as its driver numbers them: resolved here, once.
@@ -153,16 +153,18 @@ fn standalone(
 /// `--gpus-of PID`: the image's GPUs onto those PID's container was given, by UUID
 /// (NVIDIA/cuda-checkpoint#54: restores bound to the GPU index break under Kubernetes' device
 /// assignment). Refused (usage) before anything runs when the container was given GPUs by index,
-/// none, or fewer than the image used.
+/// none, or fewer than the image used. The image is looked at under the thaw's deadline
+/// ([`cryo_lifecycle::open_image`]).
 fn gpus_of(
     ctx: &Context,
     image: &std::path::Path,
     pid: cryo_proc::Pid,
+    opts: &cryo_lifecycle::ThawOptions,
 ) -> anyhow::Result<Vec<cryo_gpu::GpuPair>> {
     let h = cryo_proc::ProcHandle::open(pid).with_context(|| format!("--gpus-of {pid}"))?;
     let assigned = cryo_kube::gpus::assigned_to(&h)
         .map_err(|e| UsageError(format!("--gpus-of {pid}: {e}")))?;
-    let img = cryo_criu::image::Image::open(image)
+    let img = cryo_lifecycle::open_image(image, opts)
         .with_context(|| format!("reading the image {}", image.display()))?;
     let image_gpus: Vec<_> = img.manifest().gpu_uuids().into_iter().collect();
     let node: Vec<_> = ctx
