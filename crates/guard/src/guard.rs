@@ -109,6 +109,10 @@ pub enum Scan {
     None,
 }
 
+/// How long a drain looks again at a traced process whose stop it could not carry out, for its
+/// exit stop (a process killed while the drain looked: see `Inner::dies_under_hand`).
+pub const DYING_GRACE: Duration = Duration::from_secs(2);
+
 /// How often the scan of [`Scan::AllCuda`] looks for CUDA processes.
 pub const SCAN_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -773,6 +777,29 @@ impl Inner {
         lock(&self.exiting).contains(&pid) || lock(&self.pins).iter().any(|p| p.id.pid == pid)
     }
 
+    /// Whether `pid`, whose stop the drain could not carry out, died under the guard's hand:
+    /// pinned or held at its exit stop ([`Inner::dying`]), or gone. A process the guard traces
+    /// that was killed while the drain looked (two deaths at once) has its driver refuse the
+    /// stop before its exit stop is reported and handled (the kill pending, the tracer not yet
+    /// woken, the policy's thread not yet run): it is looked at again for up to
+    /// [`DYING_GRACE`], until its exit stop marks it or it is gone.
+    fn dies_under_hand(&self, pid: Pid) -> bool {
+        let handle = lock(&self.watched).get(&pid).map(|w| Arc::clone(&w.handle));
+        let Some(handle) = handle else {
+            return self.dying(pid);
+        };
+        let until = std::time::Instant::now() + DYING_GRACE;
+        loop {
+            if self.dying(pid) || handle.liveness() != cryo_proc::Liveness::Alive {
+                return true;
+            }
+            if std::time::Instant::now() >= until {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     fn drain_once(&self) -> bool {
         let others: BTreeSet<Pid> = match self.gpu.inspect.processes() {
             Ok(list) => list
@@ -790,7 +817,7 @@ impl Inner {
             match self.stop(Target::Pids(vec![pid]).resolve()) {
                 Ok(r) if r.stopped() => tracing::warn!(pid, "drain: stopped (suspended first)"),
                 // Died under the guard's hand meanwhile: its exit stop pins it, not a failure.
-                _ if self.dying(pid) => {
+                _ if self.dies_under_hand(pid) => {
                     tracing::warn!(pid, "drain: dying at its exit stop; the guard pins it")
                 }
                 Ok(r) => {
