@@ -60,6 +60,7 @@ pub use stop::{
 pub use suspend::{suspend, suspend_watched, SuspendOptions, SuspendOutcome, Suspended};
 pub use target::{open_process, OpenProcessError, ResolveError, Resolved, Target};
 pub use thaw::{
-    criu_deadline, open_image, thaw, thaw_opened, PrecheckError, ThawError, ThawOptions, ThawReport,
+    criu_deadline, open_image, open_image_apart, thaw, thaw_opened, PrecheckError, ThawError,
+    ThawOptions, ThawReport,
 };
 pub use watcher::{Coverage, Lease, NoWatcher, Watcher, WatcherError};

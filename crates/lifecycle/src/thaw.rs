@@ -425,8 +425,21 @@ pub fn journal_ended_restores(journal: &Journal, ended: &[cryo_criu::scratch::En
 /// size is in the manifest not read yet): an image whose file system does not answer is
 /// refused then instead of hanging the thaw before any deadline applies.
 pub fn open_image(dir: &Path, opts: &ThawOptions) -> Result<Image, ThawError> {
-    let limit = opts.criu_timeout.unwrap_or_else(|| criu_deadline(0));
-    Ok(Image::open_until(dir, Some(opts.requested + limit))?)
+    Ok(Image::open_until(dir, Some(first_look_deadline(opts)))?)
+}
+
+/// [`open_image`], the look made in a process of its own ([`Image::open_apart`]): for a command
+/// that must be able to exit at the deadline when the image's file system never answers
+/// (`cryo thaw`; a thread stuck in such a look would keep its process alive until the file
+/// system answers).
+pub fn open_image_apart(dir: &Path, opts: &ThawOptions) -> Result<Image, ThawError> {
+    Ok(Image::open_apart(dir, first_look_deadline(opts))?)
+}
+
+/// The first look's deadline: the restore's ([`ThawOptions::criu_timeout`] from the request, or
+/// [`criu_deadline`] of an empty image: the size is in the manifest not read yet).
+fn first_look_deadline(opts: &ThawOptions) -> std::time::Instant {
+    opts.requested + opts.criu_timeout.unwrap_or_else(|| criu_deadline(0))
 }
 
 /// Thaws the image at `dir` ([`open_image`], then [`thaw_opened`]).

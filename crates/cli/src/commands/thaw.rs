@@ -115,9 +115,10 @@ fn standalone(
     let criu = CriuRpc::locate_in(None, &ctx.state.criu_dir()).map_err(|e| failed(e.into()))?;
     let opts = req.options(requested);
     // The image opened once, under the restore's deadline (a file system that does not answer
-    // is refused there), and passed on: a directory that is no image is refused before the
-    // driver is looked for; every checksum is checked in the thaw itself.
-    let opened = cryo_lifecycle::open_image(&req.image, &opts)
+    // is refused there), in a process of its own (this one can then exit at the deadline), and
+    // passed on: a directory that is no image is refused before the driver is looked for; every
+    // checksum is checked in the thaw itself.
+    let opened = cryo_lifecycle::open_image_apart(&req.image, &opts)
         .map_err(|e| Outcome::Refused(e.to_string()))?;
     route::standalone_note(client);
     let gpu = ctx.gpu().map_err(failed)?;
@@ -153,8 +154,8 @@ fn standalone(
 /// `--gpus-of PID`: the image's GPUs onto those PID's container was given, by UUID
 /// (NVIDIA/cuda-checkpoint#54: restores bound to the GPU index break under Kubernetes' device
 /// assignment). Refused (usage) before anything runs when the container was given GPUs by index,
-/// none, or fewer than the image used. The image is looked at under the thaw's deadline
-/// ([`cryo_lifecycle::open_image`]).
+/// none, or fewer than the image used. The image is looked at under the thaw's deadline, in a
+/// process of its own ([`cryo_lifecycle::open_image_apart`]).
 fn gpus_of(
     ctx: &Context,
     image: &std::path::Path,
@@ -164,7 +165,7 @@ fn gpus_of(
     let h = cryo_proc::ProcHandle::open(pid).with_context(|| format!("--gpus-of {pid}"))?;
     let assigned = cryo_kube::gpus::assigned_to(&h)
         .map_err(|e| UsageError(format!("--gpus-of {pid}: {e}")))?;
-    let img = cryo_lifecycle::open_image(image, opts)
+    let img = cryo_lifecycle::open_image_apart(image, opts)
         .with_context(|| format!("reading the image {}", image.display()))?;
     let image_gpus: Vec<_> = img.manifest().gpu_uuids().into_iter().collect();
     let node: Vec<_> = ctx

@@ -68,13 +68,17 @@ static SERVES: AtomicBool = AtomicBool::new(false);
 /// The checker's entry point, called first thing in `main` by a binary that can be the checker
 /// (`cryo`): `Some(exit code)` when this process was started as the checker (it did its work),
 /// `None` otherwise (go on; the thaws of this process may then use a checker).
+/// The opener of a thaw's first look ([`super::opener`], [`super::OPENER_ARG`]) starts here too.
 pub fn checker_main() -> Option<ExitCode> {
     let mut args = std::env::args_os().skip(1);
-    if args.next().is_none_or(|a| a != CHECKER_ARG) {
-        SERVES.store(true, Relaxed);
-        return None;
+    match args.next() {
+        Some(a) if a == CHECKER_ARG => Some(child_main(args.collect())),
+        Some(a) if a == super::OPENER_ARG => Some(super::opener::child_main(args.collect())),
+        _ => {
+            SERVES.store(true, Relaxed);
+            None
+        }
     }
-    Some(child_main(args.collect()))
 }
 
 /// How a thaw checks the page contents.

@@ -47,6 +47,7 @@ mod follow;
 mod hash;
 mod manifest;
 mod open;
+mod opener;
 mod stream;
 mod sys;
 mod trust;
@@ -72,6 +73,7 @@ pub use manifest::{
     DEFAULT_CHUNK_SIZE, FORMAT_2_CHUNK_SIZE, FORMAT_VERSION, MANIFEST_FILE, OLDEST_FORMAT_VERSION,
 };
 pub use open::{read_manifest, Image};
+pub use opener::OPENER_ARG;
 pub(crate) use stream::{Server, SERVE_SOCKET};
 pub(crate) use sys::inherit as inherit_fd;
 
@@ -202,6 +204,13 @@ pub enum ImageError {
         dir: PathBuf,
         /// What was waited for.
         what: String,
+    },
+    /// The first look, made in a process of its own ([`Image::open_apart`]), refused the image:
+    /// what [`Image::open`] said there.
+    #[error("{said}")]
+    RefusedApart {
+        /// What the opener said ([`Image::open`]'s refusal, as displayed).
+        said: String,
     },
     /// The thaw's streamer stopped before CRIU had read the image (see the log of the restore).
     #[error("{}: image streamer: {reason}", .dir.display())]

@@ -140,6 +140,42 @@ impl Image {
         }
     }
 
+    /// An image opened by the opener process ([`super::opener`]): its directory's fd and every
+    /// file's, taken out of it, and the manifest as cryo parsed it.
+    pub(crate) fn adopt_opened(
+        dir: PathBuf,
+        fd: OwnedFd,
+        manifest: Manifest,
+        files: Vec<File>,
+    ) -> Image {
+        Image {
+            dir,
+            fd,
+            manifest,
+            files,
+        }
+    }
+
+    /// The fd numbers of the directory and of every file held (the opener says them).
+    pub(crate) fn raw_fds(&self) -> (std::os::fd::RawFd, Vec<std::os::fd::RawFd>) {
+        use std::os::fd::AsRawFd;
+        (
+            self.fd.as_raw_fd(),
+            self.files.iter().map(AsRawFd::as_raw_fd).collect(),
+        )
+    }
+
+    /// [`Image::open_until`], the look made in a process of its own where this binary serves
+    /// as one ([`super::opener`]): for a command that must be able to exit at `deadline` even
+    /// when the image's file system never answers (a thread stuck there would keep it alive).
+    pub fn open_apart(dir: &Path, deadline: std::time::Instant) -> Result<Image, ImageError> {
+        if super::checker::serves() {
+            super::opener::open_apart(dir, deadline)
+        } else {
+            Image::open_until(dir, Some(deadline))
+        }
+    }
+
     /// Another handle on the same opened image (the directory's fd and every file's held
     /// open duplicated, so a name that comes to hold another file is refused through it too):
     /// for a thread that may outlive the caller's borrow (the thaw's check, abandoned when its
