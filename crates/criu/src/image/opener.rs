@@ -18,7 +18,8 @@
 //! writes on its stdout, a pipe only it and cryo hold, one line (`{"opened":{"dir":FD,
 //! "files":[FD...],"manifest":LEN}}`, or `{"refused":"why"}`) and, when opened, the manifest's
 //! LEN bytes, and waits for its stdin to end. cryo takes those fds out of it with `pidfd_getfd`
-//! through the pidfd opened at its spawn (its child, not reaped: the pid is still its), parses
+//! through the pidfd opened at its spawn (its child, not reaped: the pid is still its, a zombie
+//! too, as an opener that refused at once is), parses
 //! the manifest itself (its own digest checked), checks that it got one file per manifest
 //! entry, then ends the opener's stdin: it exits. The fds cryo holds are the open file
 //! descriptions the opener checked, so what is restored is what was looked at, as with
@@ -84,17 +85,24 @@ pub(crate) fn open_apart(dir: &Path, deadline: Instant) -> Result<Image, ImageEr
         .spawn()
         .map_err(|e| stream_err(format!("cannot start the image opener: {e}")))?;
     let pid = i32::try_from(child.id()).unwrap_or(i32::MAX);
-    // Our child, not waited for: the pid is still its.
-    let handle = match cryo_proc::ProcHandle::open(pid) {
-        Ok(h) => h,
+    // Our child, not waited for: the pid is still its (a zombie too: an opener that refused
+    // may have exited already).
+    let pidfd = match rustix::process::pidfd_open(
+        rustix::process::Pid::from_child(&child),
+        rustix::process::PidfdFlags::empty(),
+    ) {
+        Ok(fd) => fd,
         Err(e) => {
             let _ = child.kill();
             let _ = child.wait();
             return Err(stream_err(format!("no pidfd for the image opener: {e}")));
         }
     };
+    let kill = || {
+        let _ = rustix::process::pidfd_send_signal(&pidfd, rustix::process::Signal::Kill);
+    };
     let (Some(stdin), Some(mut stdout)) = (child.stdin.take(), child.stdout.take()) else {
-        let _ = handle.signal(cryo_proc::Signal::SIGKILL);
+        kill();
         let _ = child.wait();
         return Err(stream_err("the image opener has no pipes".into()));
     };
@@ -103,7 +111,7 @@ pub(crate) fn open_apart(dir: &Path, deadline: Instant) -> Result<Image, ImageEr
         Heard::Said(line, manifest) => (line, manifest),
         Heard::Late => {
             // Stuck in the file system (or slowed past the deadline): ended, never waited for.
-            let _ = handle.signal(cryo_proc::Signal::SIGKILL);
+            kill();
             tracing::warn!(
                 image = %dir.display(),
                 pid,
@@ -115,13 +123,13 @@ pub(crate) fn open_apart(dir: &Path, deadline: Instant) -> Result<Image, ImageEr
             });
         }
         Heard::Failed(why) => {
-            let _ = handle.signal(cryo_proc::Signal::SIGKILL);
+            kill();
             drop(stdin);
             let _ = child.wait();
             return Err(stream_err(format!("the image opener: {why}")));
         }
     };
-    let taken = take(dir, &handle, said);
+    let taken = take(dir, &pidfd, said);
     // Its stdin ends: it exits (a refusal exited already).
     drop(stdin);
     let _ = child.wait();
@@ -187,7 +195,7 @@ fn read_until(stdout: &mut std::process::ChildStdout, deadline: Instant) -> Hear
 /// The image the opener said it opened, its fds taken out of it; or its refusal.
 fn take(
     dir: &Path,
-    handle: &cryo_proc::ProcHandle,
+    pidfd: &std::os::fd::OwnedFd,
     (line, manifest): (Vec<u8>, Vec<u8>),
 ) -> Result<Image, ImageError> {
     let stream_err = |reason: String| ImageError::Stream {
@@ -207,22 +215,16 @@ fn take(
             manifest.files.len()
         )));
     }
-    let mut wanted = vec![dir_fd];
-    wanted.extend(&files);
-    let (mut got, failed) = handle.get_fds(&wanted);
-    if let Some(e) = failed.into_iter().next() {
-        return Err(stream_err(format!(
-            "cannot take the opened image from the opener: {e}"
-        )));
+    // Taken while it waits for its stdin to end: its fds are still the ones it said.
+    let mut got = Vec::with_capacity(files.len() + 1);
+    for fd in std::iter::once(dir_fd).chain(files.iter().copied()) {
+        let taken =
+            rustix::process::pidfd_getfd(pidfd, fd, rustix::process::PidfdGetfdFlags::empty())
+                .map_err(|e| stream_err(format!("cannot take fd {fd} of the image opener: {e}")))?;
+        got.push(taken);
     }
-    if got.len() != wanted.len() || got.iter().zip(&wanted).any(|((n, _), w)| n != w) {
-        return Err(stream_err("the image opener's fds did not all come".into()));
-    }
-    let dir_fd = got.remove(0).1;
-    let files = got
-        .into_iter()
-        .map(|(_, f)| std::fs::File::from(f))
-        .collect();
+    let dir_fd = got.remove(0);
+    let files = got.into_iter().map(std::fs::File::from).collect();
     Ok(Image::adopt_opened(
         dir.to_path_buf(),
         dir_fd,
