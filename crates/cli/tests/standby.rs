@@ -1110,4 +1110,8 @@ fn a_standby_whose_image_stops_answering_stays_ready_and_its_claim_is_refused_in
     assert_eq!(v["standby"]["root"]["pid"], root, "{v}");
     assert_eq!(answer(root, served_port(&env, root)), before);
     env.sim.assert_no_wedge();
+    // No look of the agent's at the image any more (the refill loop looks at a pool's image
+    // every tick), so that the mount goes with the server, never left busy.
+    env.ok(&["standby", "remove", "--image", img]);
+    drop(fuse);
 }
