@@ -19,7 +19,10 @@ the host's memory: the *overhead* is the moment less the copy), and the steps (c
 the paired ratio (per round, the first-named arm's time over the other's; above 1: the other
 arm is faster) with a 90% interval resampling blocks of two rounds (a rotation and its reverse).
 `--fincore` records what of the pages files, the cryo binary and CRIU was cached before each
-thaw (other processes that drop the caches show there); `--trace DIR` runs the first rounds
+thaw (other processes that drop the caches show there); `--sample MS` records, every MS ms of
+each thaw, how much of the pages files is cached, the host's CPU split and the disk's reads,
+and per thaw the CPU of the arm's processes and of the restored root and the kernel's reclaim
+counters (in the `--out` records; the medians of the CPU are printed); `--trace DIR` runs the first rounds
 under `strace -f -b execve` (cryo's own threads; CRIU cannot restore under ptrace, so its
 children are let go at their exec and the bare route is not traced).
 
@@ -30,6 +33,7 @@ Needs root (CRIU, drop_caches). Hold the machine's benchmark lock around it:
 import argparse
 import ctypes
 import json
+import re
 import os
 import random
 import shutil
@@ -85,6 +89,122 @@ def recv_exact(s, n):
             raise OSError("connection closed")
         b += c
     return b
+
+
+class Sampler:
+    """Every `ms` during one thaw: how much of the pages files is cached (mincore over a
+    mapping never touched, so it faults nothing in), the host's CPU split (/proc/stat) and the
+    disk's reads (/proc/diskstats); and over the whole thaw the kernel's reclaim counters
+    (/proc/vmstat). Started before the arm's first process, stopped after its first answer."""
+
+    def __init__(self, files, ms):
+        import threading
+        self.ms = ms
+        self.files = files
+        self.samples = []
+        self.stop_ev = threading.Event()
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.mmap.restype = ctypes.c_void_p
+        self.libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                   ctypes.c_int, ctypes.c_long]
+        self.libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self.libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        self.maps = []
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            n = os.fstat(fd).st_size
+            addr = self.libc.mmap(None, n, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+            os.close(fd)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap {f}")
+            self.maps.append((addr, n, ctypes.create_string_buffer((n + 4095) // 4096)))
+        self.vm0 = self.vmstat()
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+
+    def cached_mib(self):
+        total = 0
+        for addr, n, vec in self.maps:
+            if self.libc.mincore(addr, n, vec) != 0:
+                return -1
+            total += len(vec) - vec.raw.count(0)
+        return total * 4096 / (1 << 20)
+
+    @staticmethod
+    def cpu():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:8]]
+        # user+nice, system+irq+softirq, idle, iowait (clock ticks)
+        return (v[0] + v[1], v[2] + v[5] + v[6], v[3], v[4])
+
+    @staticmethod
+    def disk_read_mib():
+        total = 0
+        with open("/proc/diskstats") as f:
+            for line in f:
+                x = line.split()
+                if re.fullmatch(r"(sd[a-z]+|vd[a-z]+|nvme\d+n\d+|xvd[a-z]+)", x[2]):
+                    total += int(x[5])
+        return total * 512 / (1 << 20)
+
+    @staticmethod
+    def vmstat():
+        keep = ("pgscan_kswapd", "pgscan_direct", "pgsteal_kswapd", "pgsteal_direct",
+                "pgmajfault", "workingset_refault_file", "allocstall_normal", "allocstall_movable")
+        out = {}
+        with open("/proc/vmstat") as f:
+            for line in f:
+                k, v = line.split()
+                if k in keep:
+                    out[k] = int(v)
+        return out
+
+    def loop(self):
+        t0 = now_ns()
+        while True:
+            self.samples.append(((now_ns() - t0) / 1e6, self.cached_mib(), self.cpu(),
+                                 self.disk_read_mib()))
+            if self.stop_ev.wait(self.ms / 1000):
+                break
+
+    def start(self):
+        self.thread.start()
+        return self
+
+    def stop(self):
+        self.stop_ev.set()
+        self.thread.join()
+        for addr, n, _ in self.maps:
+            self.libc.munmap(addr, n)
+        vm1 = self.vmstat()
+        reclaim = {k: vm1[k] - self.vm0.get(k, 0) for k in vm1}
+        rows = []
+        prev = None
+        for t, cached, cpu, disk in self.samples:
+            row = dict(t=round(t, 1), cached=round(cached), disk=round(disk))
+            if prev is not None:
+                d = [a - b for a, b in zip(cpu, prev[2])]
+                tot = sum(d) or 1
+                row.update(user=round(d[0] / tot, 2), sys=round(d[1] / tot, 2),
+                           idle=round(d[2] / tot, 2), iowait=round(d[3] / tot, 2),
+                           disk_mibs=round((disk - prev[3]) / ((t - prev[0]) / 1000)))
+            rows.append(row)
+            prev = (t, cached, cpu, disk)
+        if rows:
+            base = rows[0]["disk"]
+            for r in rows:
+                r["disk"] -= base
+        return dict(samples=rows, vm=reclaim)
+
+
+def children_cpu_ms():
+    r = os.times()
+    return (r.children_user + r.children_system) * 1000
+
+
+def proc_cpu_ms(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        x = f.read().rsplit(")", 1)[1].split()
+    return (int(x[11]) + int(x[12])) * 1000 / os.sysconf("SC_CLK_TCK")
 
 
 def restore_copy_ms(d, pid, origin):
@@ -240,6 +360,10 @@ class Run:
         if cold:
             drop_caches()
         before = self.cached() if self.a.fincore else None
+        pages = [os.path.join(self.image, f) for f in sorted(os.listdir(self.image))
+                 if f.startswith("pages-")]
+        sampler = Sampler(pages, self.a.sample).start() if self.a.sample else None
+        cpu0 = children_cpu_ms()
         self.thawed = True
         origin = now_ns()
         if name == "bare":
@@ -256,6 +380,7 @@ class Run:
             at = poll_health(self.sock, self.a.bare_poll)
             wall = (at - origin) / 1e6
             rec = dict(wall=wall, pre=0.0, criu=criu, gpu=gpu, rest=wall - criu - gpu)
+            rec.update(self.cpu_of_thaw(sampler, cpu0))
             copy = restore_copy_ms(self.dir, self.pid, origin)
             self.stop_bare()
         else:
@@ -272,6 +397,7 @@ class Run:
             rec = dict(wall=wall, verify=v["verify_ms"], criu=criu, gpu=gpu,
                        first_answer_ms=fa, phases=v.get("criu_phases", {}),
                        start=wall - fa, rest=fa - v["verify_ms"] - criu - gpu)
+            rec.update(self.cpu_of_thaw(sampler, cpu0))
             copy = restore_copy_ms(self.dir, self.pid, origin)
             self.stop_cryo()
         rec["copy"] = copy
@@ -279,6 +405,16 @@ class Run:
         if before is not None:
             rec["cached_mib"] = before
         return rec
+
+    def cpu_of_thaw(self, sampler, cpu0):
+        """CPU of the arm's processes (cryo with its CRIU, or the bare route's CRIU and
+        cuda-checkpoint calls: the children this harness waited for) and of the restored root,
+        and the sampler's timeline; the health poll of the bare arm is in this process, not
+        counted."""
+        out = dict(cpu_arm=children_cpu_ms() - cpu0, cpu_root=proc_cpu_ms(self.pid))
+        if sampler is not None:
+            out["timeline"] = sampler.stop()
+        return out
 
     def close(self):
         # A thaw that failed after its restore (or a harness error between a thaw and its
@@ -321,6 +457,8 @@ def main():
     p.add_argument("--out", default=None, help="every thaw's record, JSON lines")
     p.add_argument("--trace", default=None, help="strace -f -tt -T the first rounds into DIR")
     p.add_argument("--trace-rounds", type=int, default=1)
+    p.add_argument("--sample", type=float, default=0,
+                   help="every MS ms of each thaw: pages cached, CPU split, disk reads")
     p.add_argument("--fincore", action="store_true",
                    help="record what of the image, cryo and CRIU is cached before each thaw")
     a = p.parse_args()
@@ -375,6 +513,7 @@ def main():
                 continue
             keys = ["wall", "copy", "overhead", "criu", "gpu"]
             extra = ["start", "verify", "rest"] if n != "bare" else ["rest"]
+            extra += ["cpu_arm", "cpu_root"]
             cells = " ".join(f"{k} {statistics.median(r[k] for r in rs):7.1f}"
                              for k in keys + extra)
             print(f"  {n:6} {cells}")
