@@ -218,16 +218,18 @@ impl Image {
         self.verify_files(|_| true)
     }
 
-    /// Starts reading the page contents (`pages-*.img`, the image's bulk) into the page cache,
-    /// each file front to back, on a thread of its own, and returns at once. A cold thaw has
-    /// two readers of those files, CRIU and the check beside it, each reading as fast as it
-    /// copies or hashes and waiting on the disk in between; asked for the whole file at once,
-    /// the disk reads at its full rate and both find the pages cached. Only advice: nothing is
-    /// read into cryo's memory or mapped (a file truncated meanwhile is the check's to refuse),
-    /// the kernel drops the request under memory pressure, and a file that does not open is
-    /// left to the check to report. At most half the memory the host has available is asked
-    /// for (the restore needs as much again for the restored memory; what is read ahead past
-    /// that would be evicted before CRIU gets to it), the front of the files first.
+    /// Starts reading the front of the page contents (`pages-*.img`, the image's bulk) into the
+    /// page cache, on a thread of its own, and returns at once, so that CRIU's first reads and
+    /// the check's find them there after the prechecks. One `POSIX_FADV_WILLNEED` per file:
+    /// the kernel reads at most one readahead window of it per call (`force_page_cache_ra`
+    /// caps the request at the larger of the device's largest request and the readahead
+    /// window: 8 MiB on this project's host), not the whole file; from there CRIU's and the
+    /// check's own readahead carry the reads. Asking for the whole file in window-sized steps
+    /// was measured worse (issue 16, session 18, 4 GiB cold at load 8-9: CRIU's step about
+    /// twice as long; docs/benchmarks.md). Only advice: nothing is read into cryo's memory or
+    /// mapped (a file truncated meanwhile is the check's to refuse), the kernel drops the
+    /// request under memory pressure, and a file that does not open is left to the check to
+    /// report. At most half the memory the host has available is asked for.
     pub fn prefetch_page_contents(&self) {
         let Ok(available) = cryo_proc::mem_available() else {
             return;
