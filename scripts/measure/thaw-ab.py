@@ -472,6 +472,10 @@ def main():
     a.arm = arms
     a.size = parse_size(a.size)
     modes = a.modes.split(",")
+    # A timeout's SIGTERM ends the run like ^C: the worker stopped, the driver ended.
+    def interrupted(*_):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupted)
     libc = ctypes.CDLL(None, use_errno=True)
     PR_SET_CHILD_SUBREAPER = 36
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:

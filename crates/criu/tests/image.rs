@@ -820,6 +820,43 @@ fn images_others_could_change_are_refused() {
     assert!(matches!(err, ImageError::Untrusted { .. }), "{err:?}");
 }
 
+/// Attack (issue 16, session 18): the check reads the page contents through a mapping, and a
+/// read through a mapping that the storage cannot serve is SIGBUS, which ends a process that
+/// does not handle it. Here the storage under the image fails once the check was set up (a
+/// FUSE server that answers reads with EIO, the cached pages dropped): the image is refused
+/// as unreadable, naming the file, and this process goes on.
+#[test]
+fn the_check_of_an_image_whose_storage_fails_refuses_it_and_lives_on() {
+    cryo_testkit::require_criu_and_root();
+    let t = tempfile::tempdir().unwrap();
+    let backing = t.path().join("backing");
+    let pages = vec![7u8; 8 << 20];
+    cryo_testkit::image::publish(
+        &backing,
+        &[
+            ("inventory.img", &[0x5a; 64]),
+            ("pages-1.img", &pages),
+            ("core-4242.img", b"core"),
+        ],
+    );
+    let mnt = t.path().join("mnt");
+    fs::create_dir(&mnt).unwrap();
+    let fuse =
+        cryo_testkit::fuse::Stalling::mount_failing(&backing, &mnt, |n| n.starts_with("pages-"));
+    let img = image::Image::open(&mnt).unwrap();
+    // Unbroken, it passes through the same mount.
+    let check = image::Check::new(&img).unwrap();
+    check.run();
+    check.finish().unwrap();
+    drop(check);
+    let check = image::Check::new(&img).unwrap();
+    fuse.fail_reads();
+    check.run();
+    let err = check.finish().unwrap_err();
+    assert!(matches!(err, ImageError::Io { .. }), "{err:?}");
+    assert!(err.to_string().contains("pages-1.img"), "{err}");
+}
+
 /// The thaw's check beside CRIU (`image::Check`): CRIU reads the files while cryo hashes them,
 /// so a change after cryo read a chunk could reach CRIU unhashed. Every such change, whatever
 /// the bytes end up as, must refuse the image at the verdict (before anything restored runs).

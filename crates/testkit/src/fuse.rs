@@ -14,8 +14,12 @@
 //! told to ([`Hold`]) for the files whose names a predicate takes, from every process but the
 //! test's own (cryo's reads are answered; CRIU's, a child's, are not; cryo's too once
 //! [`Stalling::hold_own`] was called), until
-//! [`Stalling::answer_all`] answers each held one with `EIO` (or the value is dropped). Built on
-//! `fuser` (pure Rust, mounts directly as root: no libfuse, no `fusermount`).
+//! [`Stalling::answer_all`] answers each held one with `EIO` (or the value is dropped).
+//! [`Stalling::mount_failing`] mirrors the same way with opens served from the page cache (so
+//! that the files can be mapped) and holds nothing; once told ([`Stalling::fail_reads`]) it
+//! drops the cached pages of the files the predicate takes and answers every read of them with
+//! `EIO`: a disk that starts failing under a reader, a mapped one included. Built on `fuser`
+//! (pure Rust, mounts directly as root: no libfuse, no `fusermount`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeMap;
@@ -67,13 +71,18 @@ struct Shared {
     released: bool,
     /// This process's requests are held too (see [`Stalling::hold_own`]).
     own: bool,
+    /// Reads of the picked files are answered with `EIO` (see [`Stalling::fail_reads`]).
+    failing: bool,
 }
 
 struct Mirror {
     backing: PathBuf,
     /// Inode (2..) -> name, in the backing directory.
     names: BTreeMap<u64, String>,
-    hold: Hold,
+    /// `None`: nothing is held ([`Stalling::mount_failing`]).
+    hold: Option<Hold>,
+    /// Opens bypass the page cache (`FOPEN_DIRECT_IO`).
+    direct: bool,
     pick: Box<dyn Fn(&str) -> bool + Send + Sync>,
     shared: Arc<Mutex<Shared>>,
 }
@@ -120,7 +129,7 @@ impl Mirror {
 
     /// Whether a request of kind `hold` from `req` on inode `ino` is to be held.
     fn holds(&self, hold: Hold, req: &Request, ino: u64) -> bool {
-        if hold != self.hold || ino == 1 {
+        if Some(hold) != self.hold || ino == 1 {
             return false;
         }
         let Some(name) = self.names.get(&ino) else {
@@ -170,7 +179,12 @@ impl Filesystem for Mirror {
         if self.holds(Hold::Opens, req, ino.into()) {
             return self.hold(req, Held::Open(reply));
         }
-        reply.opened(FileHandle(0), FopenFlags::FOPEN_DIRECT_IO);
+        let flags = if self.direct {
+            FopenFlags::FOPEN_DIRECT_IO
+        } else {
+            FopenFlags::empty()
+        };
+        reply.opened(FileHandle(0), flags);
     }
 
     fn read(
@@ -190,6 +204,9 @@ impl Filesystem for Mirror {
         let Some(name) = self.names.get(&u64::from(ino)) else {
             return reply.error(Errno::ENOENT);
         };
+        if self.shared.lock().unwrap().failing && (self.pick)(name) {
+            return reply.error(Errno::EIO);
+        }
         let Ok(f) = std::fs::File::open(self.backing.join(name)) else {
             return reply.error(Errno::EIO);
         };
@@ -253,6 +270,27 @@ impl Stalling {
         hold: Hold,
         pick: impl Fn(&str) -> bool + Send + Sync + 'static,
     ) -> Stalling {
+        Stalling::mount_as(backing, mountpoint, Some(hold), true, pick)
+    }
+
+    /// Mounts at `mountpoint` a read-only mirror of `backing` whose opens are served from the
+    /// page cache and that holds nothing; reads of the files `pick` takes fail once
+    /// [`Stalling::fail_reads`] was called.
+    pub fn mount_failing(
+        backing: &Path,
+        mountpoint: &Path,
+        pick: impl Fn(&str) -> bool + Send + Sync + 'static,
+    ) -> Stalling {
+        Stalling::mount_as(backing, mountpoint, None, false, pick)
+    }
+
+    fn mount_as(
+        backing: &Path,
+        mountpoint: &Path,
+        hold: Option<Hold>,
+        direct: bool,
+        pick: impl Fn(&str) -> bool + Send + Sync + 'static,
+    ) -> Stalling {
         std::fs::create_dir_all(mountpoint).unwrap();
         let mut names = BTreeMap::new();
         let mut listed: Vec<String> = std::fs::read_dir(backing)
@@ -270,6 +308,7 @@ impl Stalling {
             backing: backing.to_path_buf(),
             names: names.clone(),
             hold,
+            direct,
             pick: Box::new(pick),
             shared: Arc::clone(&shared),
         };
@@ -322,6 +361,19 @@ impl Stalling {
                 // Never looked up yet: nothing cached, nothing to drop.
                 let _ = notifier.inval_entry(INodeNo::ROOT, OsStr::new(name));
                 let _ = notifier.inval_inode(INodeNo(*ino), -1, 0);
+            }
+        }
+    }
+
+    /// From now on every read of the picked files fails with `EIO`, and what the kernel cached
+    /// of their pages is dropped (unmapped from every mapping of them too), so that the next
+    /// read of any of it, through a mapping as well, asks the server.
+    pub fn fail_reads(&self) {
+        self.shared.lock().unwrap().failing = true;
+        if let Some(session) = &self.session {
+            let notifier = session.notifier();
+            for ino in self.names.keys() {
+                notifier.inval_inode(INodeNo(*ino), 0, 0).unwrap();
             }
         }
     }

@@ -4,6 +4,10 @@
 //! parallel on rayon's pool, read with `pread`, so one big pages file uses every core. Verify
 //! and the thaw streamer check the same chunks ([`Span`]s), in parallel too.
 //!
+//! The thaw's check beside CRIU ([`check_spans_in_order`]) hashes a span whose pages are all
+//! cached through a read-only mapping of its file (`mapped`: no copy into a buffer, a page that
+//! cannot be read an error, not a SIGBUS that ends the process), and reads the others.
+//!
 //! Formats 1 and 2 (SHA-256 of each file, and of each 64 MiB chunk in format 2) are still
 //! checked; their writer is kept ([`sha256_file`]) so that tests can make images of those
 //! formats.
@@ -16,6 +20,7 @@ use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
 use super::manifest::DigestAlg;
+use super::mapped::Mapped;
 
 /// Bytes read per call when a span is checked without keeping it.
 pub(crate) const BUF: usize = 1 << 20;
@@ -230,13 +235,65 @@ pub(crate) fn check_span(
         h.update(&buf[..n]);
         pos += n as u64;
     }
+    verdict(f, s, h)
+}
+
+/// Checks span `s` of `f` through `m`, `f` mapped ([`Mapped`]): hashed where its bytes lie in
+/// the page cache, no copy. A page that cannot be read (the file shrank, its storage failed) is
+/// an error, never a signal that ends the process.
+pub(crate) fn check_span_mapped(
+    m: &Mapped,
+    f: &File,
+    s: &Span<'_>,
+    alg: DigestAlg,
+) -> Result<(), SpanError> {
+    let end = s.offset + s.len;
+    let (Ok(offset), Ok(len)) = (usize::try_from(s.offset), usize::try_from(s.len)) else {
+        return Err(SpanError::Io(std::io::ErrorKind::OutOfMemory.into()));
+    };
+    if offset.saturating_add(len) > m.len() {
+        // Mapped as long as the file was when opened: it was shorter than the span then.
+        return Err(SpanError::Short {
+            found: m.len() as u64,
+        });
+    }
+    m.populate(offset, len).map_err(|e| lost(f, end, e))?;
+    let mut h = Hasher::new(alg);
+    h.update(&m.bytes()[offset..offset + len]);
+    m.release(offset, len);
+    if m.faulted() {
+        return Err(lost(f, end, std::io::Error::from_raw_os_error(libc::EIO)));
+    }
+    verdict(f, s, h)
+}
+
+/// The verdict on span `s` of `f`, hashed into `h`: nothing may follow a file's last span, and
+/// the digest must match (an empty span without a digest is an empty file of format 3).
+fn verdict(f: &File, s: &Span<'_>, h: Hasher) -> Result<(), SpanError> {
     if s.last {
-        ends_at(f, end)?;
+        ends_at(f, s.offset + s.len)?;
     }
     if s.len == 0 && s.digest.is_empty() || h.hex().eq_ignore_ascii_case(s.digest) {
         Ok(())
     } else {
         Err(SpanError::Mismatch)
+    }
+}
+
+/// Whether all of span `s` of the file mapped by `m` is in the page cache.
+fn resident(m: &Mapped, s: &Span<'_>) -> bool {
+    match (usize::try_from(s.offset), usize::try_from(s.len)) {
+        (Ok(offset), Ok(len)) => m.resident(offset, len),
+        _ => false,
+    }
+}
+
+/// Why a page of a mapped file up to `end` could not be read: the file is shorter now, or
+/// else its storage failed (`e`).
+fn lost(f: &File, end: u64, e: std::io::Error) -> SpanError {
+    match f.metadata() {
+        Ok(m) if m.len() < end => SpanError::Short { found: m.len() },
+        _ => SpanError::Io(e),
     }
 }
 
@@ -282,8 +339,9 @@ pub(crate) fn check_spans_in_order(
         for _ in 0..threads.max(1) {
             s.spawn(|| {
                 let mut buf = vec![0u8; BUF];
-                // The file the last span was in, kept open for the next ones.
-                let mut cur: Option<(usize, File)> = None;
+                // The file the last span was in, kept open (and mapped, where it can be: see
+                // `mapped`) for the next ones.
+                let mut cur: Option<(usize, File, Option<Mapped>)> = None;
                 loop {
                     let i = next.fetch_add(1, Relaxed);
                     if i >= spans.len() || failed.load(Relaxed) {
@@ -291,8 +349,12 @@ pub(crate) fn check_spans_in_order(
                     }
                     let sp = &spans[i];
                     if cur.as_ref().map(|c| c.0) != Some(sp.file) {
+                        drop(cur.take());
                         cur = match open(sp.file) {
-                            Ok(f) => Some((sp.file, f)),
+                            Ok(f) => {
+                                let m = f.metadata().ok().and_then(|md| Mapped::of(&f, md.len()));
+                                Some((sp.file, f, m))
+                            }
                             Err(e) => {
                                 failed.store(true, Relaxed);
                                 let mut errs = errors.lock().unwrap_or_else(|p| p.into_inner());
@@ -301,8 +363,14 @@ pub(crate) fn check_spans_in_order(
                             }
                         };
                     }
-                    let Some((_, f)) = &cur else { return };
-                    let r = check_span(f, sp, alg, &mut buf);
+                    let Some((_, f, m)) = &cur else { return };
+                    // Cached: hashed where it lies. Not (yet) cached, from a cold disk: read,
+                    // whose readahead streams the file (a mapping's faults read it in
+                    // smaller pieces).
+                    let r = match m {
+                        Some(m) if resident(m, sp) => check_span_mapped(m, f, sp, alg),
+                        _ => check_span(f, sp, alg, &mut buf),
+                    };
                     if let Err(e) = r {
                         failed.store(true, Relaxed);
                         errors

@@ -46,6 +46,7 @@ mod checker;
 mod follow;
 mod hash;
 mod manifest;
+mod mapped;
 mod open;
 mod opener;
 mod stream;
