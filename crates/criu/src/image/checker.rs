@@ -172,18 +172,8 @@ impl Parent {
             let _ = child.wait();
             return Err(stream_err("the image checker has no pipes".into()));
         };
-        // Our child, not waited for yet: the pid is still its.
-        let pidfd = match rustix::process::pidfd_open(
-            rustix::process::Pid::from_child(&child),
-            rustix::process::PidfdFlags::empty(),
-        ) {
-            Ok(fd) => fd,
-            Err(e) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(stream_err(format!("no pidfd for the image checker: {e}")));
-            }
-        };
+        let pidfd = pidfd_of_child(&mut child)
+            .map_err(|e| stream_err(format!("no pidfd for the image checker: {e}")))?;
         let manifest = serde_json::to_vec(image.manifest()).map_err(ImageError::Serialize);
         let sent = manifest.and_then(|mut m| {
             m.push(b'\n');
@@ -591,6 +581,21 @@ fn pause_before_verdict() {
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
+}
+
+/// A pidfd for `child`, a child of ours not waited for yet (the pid is still its, a zombie too:
+/// a child that refused at once may have exited already). When none can be had the child is
+/// killed and reaped: a helper process cryo cannot kill by pidfd is not left behind.
+pub(super) fn pidfd_of_child(child: &mut std::process::Child) -> std::io::Result<OwnedFd> {
+    rustix::process::pidfd_open(
+        rustix::process::Pid::from_child(child),
+        rustix::process::PidfdFlags::empty(),
+    )
+    .map_err(|e| {
+        let _ = child.kill();
+        let _ = child.wait();
+        std::io::Error::from(e)
+    })
 }
 
 #[cfg(test)]

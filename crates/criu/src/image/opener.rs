@@ -85,19 +85,8 @@ pub(crate) fn open_apart(dir: &Path, deadline: Instant) -> Result<Image, ImageEr
         .spawn()
         .map_err(|e| stream_err(format!("cannot start the image opener: {e}")))?;
     let pid = i32::try_from(child.id()).unwrap_or(i32::MAX);
-    // Our child, not waited for: the pid is still its (a zombie too: an opener that refused
-    // may have exited already).
-    let pidfd = match rustix::process::pidfd_open(
-        rustix::process::Pid::from_child(&child),
-        rustix::process::PidfdFlags::empty(),
-    ) {
-        Ok(fd) => fd,
-        Err(e) => {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(stream_err(format!("no pidfd for the image opener: {e}")));
-        }
-    };
+    let pidfd = super::checker::pidfd_of_child(&mut child)
+        .map_err(|e| stream_err(format!("no pidfd for the image opener: {e}")))?;
     let kill = || {
         let _ = rustix::process::pidfd_send_signal(&pidfd, rustix::process::Signal::Kill);
     };
