@@ -240,7 +240,8 @@ pub(crate) fn check_span(
 
 /// Checks span `s` of `f` through `m`, `f` mapped ([`Mapped`]): hashed where its bytes lie in
 /// the page cache, no copy. A page that cannot be read (the file shrank, its storage failed) is
-/// an error, never a signal that ends the process.
+/// an error, never a signal that ends the process, as long as [`Mapped::guarded`] (asked by the
+/// caller just before) holds.
 pub(crate) fn check_span_mapped(
     m: &Mapped,
     f: &File,
@@ -366,9 +367,12 @@ pub(crate) fn check_spans_in_order(
                     let Some((_, f, m)) = &cur else { return };
                     // Cached: hashed where it lies. Not (yet) cached, from a cold disk: read,
                     // whose readahead streams the file (a mapping's faults read it in
-                    // smaller pieces).
+                    // smaller pieces). Nor while a SIGBUS handler installed after cryo's
+                    // would get a lost page's fault (`mapped`).
                     let r = match m {
-                        Some(m) if resident(m, sp) => check_span_mapped(m, f, sp, alg),
+                        Some(m) if resident(m, sp) && m.guarded() => {
+                            check_span_mapped(m, f, sp, alg)
+                        }
                         _ => check_span(f, sp, alg, &mut buf),
                     };
                     if let Err(e) = r {

@@ -27,10 +27,35 @@
 //! before: Rust's own (it reports a stack overflow in a guard page and otherwise restores the
 //! default action, so that the fault kills as it always did), or the default action.
 //!
+//! # A handler installed after cryo's
+//! A library that installs its own SIGBUS handler after cryo's owns the signal from then on:
+//! cryo never takes it back, and reads no mapping while its handler is not the one in place
+//! ([`Mapped::guarded`], asked before each span; [`Mapped::of`] makes no new mapping): those
+//! spans are read with `pread`. Taking the signal back would put cryo's handler in front of one
+//! that may chain to cryo's (as a well-behaved library's does: it calls the handler it
+//! replaced): a fault that is no one's would then go round between the two until the signal
+//! stack overflows (measured: the process died of SIGSEGV instead of SIGBUS). Reading a mapping
+//! under the library's handler would hand a lost page's fault to it (one that does not chain
+//! ended the process its own way). Only the default action is taken back: it is what a handler
+//! of the chain restores before a fault kills, or after a *sent* SIGBUS it swallowed, and
+//! nothing chains from it. What remains: a library that installs its handler while a span is
+//! being hashed (between the look and the end of that span's hash) gets that span's fault, if a
+//! page is lost in that same moment.
+//!
+//! # Async-signal safety
+//! The handler loads atomics, calls `mmap` and `sigaction`, and the previous handler. `mmap`
+//! is not on POSIX's list of async-signal-safe functions; what makes a function unsafe there is
+//! state it shares with the code it interrupted (a lock, a heap, a buffer). The call here is
+//! rustix's raw system call (inline `syscall`, no libc wrapper, errno untouched), which has
+//! none in user space; in the kernel it takes the process's `mmap_lock` for writing, which the
+//! faulting thread does not hold when the signal is delivered (the fault released it before the
+//! return to user space), and another thread holding it only makes the handler wait. No
+//! `siglongjmp`: the faulting instruction runs again and reads the zero page.
+//!
 //! # Limitations
 //! A mapping that cannot be made (the table full, a file system that refuses shared mappings
-//! such as FUSE with direct I/O, no address space) is `None`: the caller reads with `pread`.
-//! A SIGBUS handler that a library installs after cryo's replaces it (none in cryo does).
+//! such as FUSE with direct I/O, no address space, a handler installed after cryo's) is `None`:
+//! the caller reads with `pread`.
 
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -83,7 +108,7 @@ impl Mapped {
     /// module's limitations; the caller reads with `pread`).
     pub(crate) fn of(file: &std::fs::File, len: u64) -> Option<Mapped> {
         let len = usize::try_from(len).ok().filter(|&l| l > 0)?;
-        if !installed() {
+        if !guard() {
             return None;
         }
         let slot = TABLE.iter().position(|s| {
@@ -207,6 +232,13 @@ impl Mapped {
         self.len
     }
 
+    /// Whether a fault under the mapping is cryo's to handle now: asked before each read of it
+    /// (see the module docs); `false` when a handler installed after cryo's owns SIGBUS, and
+    /// the caller reads with `pread` instead.
+    pub(crate) fn guarded(&self) -> bool {
+        guard()
+    }
+
     /// The mapped bytes. A page that cannot be read reads as zeros, and [`Mapped::faulted`]
     /// says so: never trust them without asking it afterwards.
     pub(crate) fn bytes(&self) -> &[u8] {
@@ -235,19 +267,22 @@ impl Drop for Mapped {
     }
 }
 
-/// Puts the SIGBUS handler in place, unless it is: whether it is. Asked at every mapping, not
-/// once: a handler installed after cryo's (the agent catches every fatal signal at its start)
-/// would replace it, and is chained to instead.
-fn installed() -> bool {
+/// Whether cryo's SIGBUS handler was ever put in place in this process.
+static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+/// Whether cryo's SIGBUS handler is the one in place, putting it there unless another handler
+/// replaced it (see the module docs): at the first mapping over whatever is there (chained to),
+/// later only over the default action. Asked at every mapping and before each read of one.
+fn guard() -> bool {
     static LOCK: Mutex<()> = Mutex::new(());
     static PAGE_NOTED: OnceLock<()> = OnceLock::new();
+    static REPLACED_SAID: AtomicBool = AtomicBool::new(false);
     PAGE_NOTED.get_or_init(|| PAGE.store(rustix::param::page_size(), Ordering::Relaxed));
     let _one = LOCK.lock().unwrap_or_else(|p| p.into_inner());
     let ours = on_sigbus as *const () as usize;
     // SAFETY: zeroed `sigaction`s are valid (empty masks, no flags); the first call only reads
-    // the current action; the second installs a handler that is async-signal-safe (atomics,
-    // mmap, sigaction: see `on_sigbus`), the one before it noted first for the faults that
-    // are not ours.
+    // the current action; the second installs a handler that is async-signal-safe (see the
+    // module docs), the one before it noted first for the faults that are not ours.
     unsafe {
         let mut now: libc::sigaction = std::mem::zeroed();
         if libc::sigaction(libc::SIGBUS, std::ptr::null(), &mut now) != 0 {
@@ -255,6 +290,15 @@ fn installed() -> bool {
         }
         if now.sa_sigaction == ours {
             return true;
+        }
+        if INSTALLED.load(Ordering::Acquire) && now.sa_sigaction != libc::SIG_DFL {
+            if !REPLACED_SAID.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    handler = now.sa_sigaction,
+                    "a SIGBUS handler was installed after cryo's: image files are read, not mapped, from now on"
+                );
+            }
+            return false;
         }
         PREVIOUS_SIGINFO.store(now.sa_flags & libc::SA_SIGINFO != 0, Ordering::Release);
         PREVIOUS.store(now.sa_sigaction, Ordering::Release);
@@ -266,12 +310,13 @@ fn installed() -> bool {
             tracing::debug!(error = %std::io::Error::last_os_error(), "no SIGBUS handler: image files are read, not mapped");
             return false;
         }
+        INSTALLED.store(true, Ordering::Release);
         true
     }
 }
 
-/// The SIGBUS handler (see the module docs). Async-signal-safe: atomics, `mmap` and
-/// `sigaction` (system calls), and the previous handler.
+/// The SIGBUS handler (see the module docs). Async-signal-safe: atomics, `mmap` (rustix's raw
+/// system call) and `sigaction`, and the previous handler.
 extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // SAFETY: the kernel hands a valid siginfo for a SA_SIGINFO handler; `si_addr` is the
     // faulting address for a SIGBUS the kernel raised (`si_code` > 0; one sent by a process
@@ -285,25 +330,19 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
         }
         let page = PAGE.load(Ordering::Relaxed);
         let at = addr - addr % page;
-        // errno is the interrupted code's: kept across the call.
-        // SAFETY: __errno_location is this thread's errno, valid for the thread's life.
-        let errno = unsafe { *libc::__errno_location() };
         // SAFETY: replaces one page inside a range this process mapped read-only and still
         // holds (registered until its `Drop` removes it before unmapping) by a private page of
-        // zeros; nothing else lives there.
+        // zeros; nothing else lives there. rustix's raw system call: nothing of libc's, errno
+        // (the interrupted code's) untouched.
         let r = unsafe {
-            libc::mmap(
+            rustix::mm::mmap_anonymous(
                 at as *mut libc::c_void,
                 page,
-                libc::PROT_READ,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
-                -1,
-                0,
+                rustix::mm::ProtFlags::READ,
+                rustix::mm::MapFlags::PRIVATE | rustix::mm::MapFlags::FIXED,
             )
         };
-        // SAFETY: as above.
-        unsafe { *libc::__errno_location() = errno };
-        if r != libc::MAP_FAILED {
+        if r.is_ok() {
             s.faulted.store(true, Ordering::Release);
             return;
         }
@@ -422,49 +461,370 @@ mod tests {
         drop((m, m2, f));
     }
 
-    /// A SIGBUS that is not a registered mapping's still kills, as the default action does.
-    /// Run in a child (this test again, told by its environment): the handler in place, then a
-    /// read past the end of a file mapped without [`Mapped`].
-    #[test]
-    fn a_fault_outside_every_mapping_still_kills() {
-        const CHILD: &str = "CRYO_MAPPED_FAULT_OUTSIDE";
-        if std::env::var_os(CHILD).is_some() {
-            let (f, data) = file_of(1 << 16);
-            let _ours = Mapped::of(f.as_file(), data.len() as u64).expect("mapped");
-            let (g, _) = file_of(2 << 12);
-            // SAFETY: the test's own read-only mapping of a file it owns, read past its end on
-            // purpose.
-            unsafe {
-                let p = libc::mmap(
-                    std::ptr::null_mut(),
-                    2 << 12,
-                    libc::PROT_READ,
-                    libc::MAP_SHARED,
-                    g.as_file().as_raw_fd(),
-                    0,
-                );
-                assert_ne!(p, libc::MAP_FAILED);
-                g.as_file().set_len(0).unwrap();
-                let v = std::ptr::read_volatile(p.cast::<u8>().add(4096));
-                eprintln!("read {v} past the end and lived");
-            }
-            return;
-        }
-        use std::os::unix::process::ExitStatusExt;
+    /// Set in the child process of a test run again by [`in_child`]: which part to play.
+    const CHILD: &str = "CRYO_MAPPED_TEST_CHILD";
+
+    /// Runs test `name` of this module again in a child process, told by its environment to
+    /// play its child's part, and returns how the child ended and what it wrote on stderr. A
+    /// child that outlives [`CHILD_BOUND`] is ended by its own `alarm` (SIGALRM): a fault that
+    /// loops (a handler chain that returns to the same fault) fails the test instead of hanging
+    /// it.
+    fn in_child(
+        name: &str,
+        env: &[(&str, &std::path::Path)],
+    ) -> (std::process::ExitStatus, String) {
         let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "image::mapped::tests::a_fault_outside_every_mapping_still_kills",
-            ])
-            .env(CHILD, "1")
+            .args(["--exact", &format!("image::mapped::tests::{name}")])
+            .env(CHILD, name)
+            .envs(env.iter().copied())
             .output()
             .unwrap();
-        assert_eq!(
-            out.status.signal(),
-            Some(libc::SIGBUS),
-            "{:?}: {}",
+        (
             out.status,
-            String::from_utf8_lossy(&out.stderr)
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    /// Seconds a child of [`in_child`] may run.
+    const CHILD_BOUND: u32 = 30;
+
+    /// Whether this process is the child of [`in_child`] for test `name`; if so its bound is
+    /// set.
+    fn child_of(name: &str) -> bool {
+        if std::env::var_os(CHILD).is_none_or(|v| v != name) {
+            return false;
+        }
+        // SAFETY: alarm only arms this process's timer.
+        unsafe { libc::alarm(CHILD_BOUND) };
+        true
+    }
+
+    /// Reads a byte past the end of a file mapped without [`Mapped`]: a SIGBUS at an address
+    /// no registered mapping holds.
+    fn fault_outside_every_mapping() {
+        let (g, _) = file_of(2 << 12);
+        // SAFETY: the test's own read-only mapping of a file it owns, read past its end on
+        // purpose.
+        unsafe {
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                2 << 12,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                g.as_file().as_raw_fd(),
+                0,
+            );
+            assert_ne!(p, libc::MAP_FAILED);
+            g.as_file().set_len(0).unwrap();
+            let v = std::ptr::read_volatile(p.cast::<u8>().add(4096));
+            eprintln!("read {v} past the end and lived");
+        }
+    }
+
+    /// How a child that must die of the fault died, for the failure message.
+    fn died_of_sigbus(status: std::process::ExitStatus, stderr: &str) {
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(
+            status.signal(),
+            Some(libc::SIGBUS),
+            "{status:?}: not SIGBUS (SIGALRM: it looped on its fault for {CHILD_BOUND} s): {stderr}"
+        );
+    }
+
+    /// A SIGBUS that is not a registered mapping's still kills, as the default action does.
+    /// Run in a child: the handler in place, then a read past the end of a file mapped without
+    /// [`Mapped`].
+    #[test]
+    fn a_fault_outside_every_mapping_still_kills() {
+        const NAME: &str = "a_fault_outside_every_mapping_still_kills";
+        if child_of(NAME) {
+            let (f, data) = file_of(1 << 16);
+            let _ours = Mapped::of(f.as_file(), data.len() as u64).expect("mapped");
+            fault_outside_every_mapping();
+            return;
+        }
+        let (status, stderr) = in_child(NAME, &[]);
+        died_of_sigbus(status, &stderr);
+    }
+
+    /// The SIGBUS action a library installed after cryo's (what [`foreign`] replaced).
+    static FOREIGN_PREVIOUS: AtomicUsize = AtomicUsize::new(libc::SIG_DFL);
+
+    /// A well-behaved library's SIGBUS handler: no fault is its own, each goes to the handler
+    /// it replaced (cryo's), or the default action.
+    extern "C" fn foreign_chaining(
+        sig: libc::c_int,
+        info: *mut libc::siginfo_t,
+        ctx: *mut libc::c_void,
+    ) {
+        let prev = FOREIGN_PREVIOUS.load(Ordering::Acquire);
+        if prev == libc::SIG_DFL || prev == libc::SIG_IGN {
+            // SAFETY: signal(2) with SIG_DFL, async-signal-safe.
+            unsafe { libc::signal(sig, libc::SIG_DFL) };
+            return;
+        }
+        // SAFETY: the test installs this only over cryo's handler, a SA_SIGINFO one.
+        let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
+            unsafe { std::mem::transmute(prev) };
+        f(sig, info, ctx);
+    }
+
+    /// A library's SIGBUS handler that ends the process its own way (exit code 42).
+    extern "C" fn foreign_ending(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+        // SAFETY: _exit is async-signal-safe.
+        unsafe { libc::_exit(42) };
+    }
+
+    /// Installs `handler` for SIGBUS as a library would, after cryo's, noting the one before.
+    fn foreign(handler: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void)) {
+        // SAFETY: zeroed sigactions are valid; the handler is async-signal-safe.
+        unsafe {
+            let mut new: libc::sigaction = std::mem::zeroed();
+            new.sa_sigaction = handler as *const () as usize;
+            new.sa_flags = libc::SA_SIGINFO;
+            let mut old: libc::sigaction = std::mem::zeroed();
+            assert_eq!(libc::sigaction(libc::SIGBUS, &new, &mut old), 0);
+            FOREIGN_PREVIOUS.store(old.sa_sigaction, Ordering::Release);
+        }
+    }
+
+    /// The attack on the chain: a library installs its handler after cryo's, chaining to
+    /// cryo's (as it should), then the check maps another file. Taking SIGBUS back then would
+    /// make cryo's handler chain to the library's, which chains to cryo's: a fault that is
+    /// no one's would go round for ever (on the signal stack, until it overflows) instead of
+    /// killing with SIGBUS.
+    #[test]
+    fn a_later_handler_that_chains_to_ours_makes_no_loop() {
+        const NAME: &str = "a_later_handler_that_chains_to_ours_makes_no_loop";
+        if child_of(NAME) {
+            let (f, data) = file_of(1 << 16);
+            let _a = Mapped::of(f.as_file(), data.len() as u64).expect("mapped");
+            foreign(foreign_chaining);
+            let _b = Mapped::of(f.as_file(), data.len() as u64);
+            fault_outside_every_mapping();
+            return;
+        }
+        let (status, stderr) = in_child(NAME, &[]);
+        died_of_sigbus(status, &stderr);
+    }
+
+    /// The attack on the window: a mapping is made, then a library installs a SIGBUS handler
+    /// of its own that does not chain (it ends the process its own way), then a page of the
+    /// mapping is lost (the file truncated) and the check reads it. The fault must be cryo's
+    /// error, never the library's death.
+    #[test]
+    fn a_mapping_made_before_a_later_handler_is_not_read_under_it() {
+        const NAME: &str = "a_mapping_made_before_a_later_handler_is_not_read_under_it";
+        if child_of(NAME) {
+            let (f, data) = file_of(4 << 20);
+            let m = Mapped::of(f.as_file(), data.len() as u64).expect("mapped");
+            m.populate(0, data.len()).unwrap();
+            assert!(m.guarded());
+            foreign(foreign_ending);
+            f.as_file().set_len(1 << 20).unwrap();
+            // What the check asks before each span: the mapping is read only while a fault
+            // under it is cryo's.
+            if m.guarded() {
+                let sum: u64 = m.bytes().iter().map(|&b| u64::from(b)).sum();
+                assert!(m.faulted(), "no fault ({sum})");
+            }
+            assert!(!m.guarded(), "read under the later handler");
+            assert!(
+                Mapped::of(f.as_file(), data.len() as u64).is_none(),
+                "mapped under the later handler"
+            );
+            return;
+        }
+        let (status, stderr) = in_child(NAME, &[]);
+        assert!(status.success(), "{status:?}: {stderr}");
+    }
+
+    /// The table full (a long-lived agent whose abandoned checks hold their mappings, or
+    /// checks at once on many threads): no new mapping, and the check reads with `pread`, with
+    /// the same verdicts.
+    #[test]
+    fn a_full_table_reads_with_pread_and_gives_the_same_verdicts() {
+        use crate::image::hash::{check_spans_in_order, Span, SpanError};
+        use crate::image::manifest::DigestAlg;
+        const CHUNK: usize = 64 << 10;
+        let (f, mut data) = file_of(20 * CHUNK + 1234);
+        let digests: Vec<String> = data
+            .chunks(CHUNK)
+            .map(|c| crate::image::hash::digest(DigestAlg::Blake3, c))
+            .collect();
+        let spans: Vec<Span<'_>> = digests
+            .iter()
+            .enumerate()
+            .map(|(k, d)| Span {
+                file: 0,
+                offset: (k * CHUNK) as u64,
+                len: CHUNK.min(data.len() - k * CHUNK) as u64,
+                digest: d,
+                last: k + 1 == digests.len(),
+            })
+            .collect();
+        let held: Vec<Mapped> = (0..SLOTS)
+            .map(|_| Mapped::of(f.as_file(), data.len() as u64).expect("a free slot"))
+            .collect();
+        assert!(
+            Mapped::of(f.as_file(), data.len() as u64).is_none(),
+            "mapped past the table"
+        );
+        let open = |_| std::fs::File::open(f.path());
+        // Just written: every page cached, what the check maps when it can.
+        for threads in [1, 3] {
+            check_spans_in_order(&spans, DigestAlg::Blake3, threads, open).unwrap();
+        }
+        data[7 * CHUNK + 5] ^= 1;
+        std::fs::write(f.path(), &data).unwrap();
+        let (i, e) = check_spans_in_order(&spans, DigestAlg::Blake3, 1, open).unwrap_err();
+        assert!(i == 7 && matches!(e, SpanError::Mismatch), "{i}: {e:?}");
+        std::fs::write(f.path(), &data[..data.len() - 10]).unwrap();
+        let (i, e) = check_spans_in_order(&spans, DigestAlg::Blake3, 1, open).unwrap_err();
+        assert!(i == 7 && matches!(e, SpanError::Mismatch), "{i}: {e:?}");
+        data[7 * CHUNK + 5] ^= 1;
+        std::fs::write(f.path(), &data[..data.len() - 10]).unwrap();
+        let (i, e) = check_spans_in_order(&spans, DigestAlg::Blake3, 3, open).unwrap_err();
+        assert!(
+            i == 20 && matches!(e, SpanError::Short { .. }),
+            "{i}: {e:?}"
+        );
+        drop(held);
+        assert!(Mapped::of(f.as_file(), data.len() as u64).is_some());
+    }
+
+    /// The attack on the refault path: pages of a mapped file evicted between the look
+    /// (`mincore`), the populate and the hash. The check runs in a child in a memory cgroup of
+    /// its own whose limit is a quarter of the file, so that the page cache cannot hold what
+    /// one span maps and reclaim takes pages from under the hash, while another thread drops
+    /// the file's unmapped pages (`POSIX_FADV_DONTNEED`) all along. Every span must get the
+    /// verdict its bytes deserve (or an error), never a death, never a pass of a span whose
+    /// digest is wrong.
+    #[test]
+    fn pages_evicted_under_the_hash_are_read_again_for_the_right_verdict() {
+        const NAME: &str = "pages_evicted_under_the_hash_are_read_again_for_the_right_verdict";
+        const SIZE: usize = 128 << 20;
+        const CHUNK: usize = 4 << 20;
+        const LIMIT: u64 = 32 << 20;
+        use crate::image::hash::SpanError;
+        use crate::image::hash::{check_span_mapped, check_spans_in_order, digest, Span};
+        use crate::image::manifest::DigestAlg;
+        if child_of(NAME) {
+            let dir = std::path::PathBuf::from(std::env::var_os("CRYO_MAPPED_TEST_DIR").unwrap());
+            let cgroup = std::env::var_os("CRYO_MAPPED_TEST_CGROUP").unwrap();
+            std::fs::write(
+                std::path::Path::new(&cgroup).join("cgroup.procs"),
+                std::process::id().to_string(),
+            )
+            .unwrap();
+            let digests = std::fs::read_to_string(dir.join("digests")).unwrap();
+            let digests: Vec<&str> = digests.lines().collect();
+            let (whole, chunks) = digests.split_last().unwrap();
+            let path = dir.join("data");
+            let f = std::fs::File::open(&path).unwrap();
+            let stop = AtomicBool::new(false);
+            std::thread::scope(|sc| {
+                sc.spawn(|| {
+                    while !stop.load(Ordering::Relaxed) {
+                        let _ = rustix::fs::fadvise(&f, 0, 0, rustix::fs::Advice::DontNeed);
+                    }
+                });
+                let span = |k: usize, d| Span {
+                    file: 0,
+                    offset: (k * CHUNK) as u64,
+                    len: CHUNK as u64,
+                    digest: d,
+                    last: false,
+                };
+                let faults = || {
+                    // SAFETY: getrusage fills the struct given.
+                    unsafe {
+                        let mut u: libc::rusage = std::mem::zeroed();
+                        libc::getrusage(libc::RUSAGE_SELF, &mut u);
+                        u.ru_majflt
+                    }
+                };
+                let m = Mapped::of(&f, SIZE as u64).expect("mapped");
+                for _ in 0..2 {
+                    for (k, d) in chunks.iter().enumerate() {
+                        if let Err(e) = check_span_mapped(&m, &f, &span(k, d), DigestAlg::Blake3) {
+                            panic!("span {k} of a file that did not change: {e:?}");
+                        }
+                    }
+                }
+                // One span four times the limit: what populate mapped first is reclaimed
+                // before the hash reaches it, and read again by the faults of the hash.
+                let before = faults();
+                let all = Span {
+                    file: 0,
+                    offset: 0,
+                    len: SIZE as u64,
+                    digest: whole,
+                    last: true,
+                };
+                let r = check_span_mapped(&m, &f, &all, DigestAlg::Blake3);
+                let refaults = faults() - before;
+                assert!(r.is_ok(), "the whole file: {r:?} ({refaults} major faults)");
+                assert!(refaults > 0, "nothing was read again under the hash");
+                std::fs::write(dir.join("refaults"), refaults.to_string()).unwrap();
+                let wrong = digest(DigestAlg::Blake3, b"not these bytes");
+                for k in [0, 13, chunks.len() - 1] {
+                    let r = check_span_mapped(&m, &f, &span(k, &wrong), DigestAlg::Blake3);
+                    assert!(matches!(r, Err(SpanError::Mismatch)), "span {k}: {r:?}");
+                }
+                assert!(!m.faulted());
+                drop(m);
+                // The check as the thaw runs it: mapped where the look finds a span cached.
+                let mut spans: Vec<Span<'_>> =
+                    chunks.iter().enumerate().map(|(k, d)| span(k, d)).collect();
+                spans.last_mut().unwrap().last = true;
+                let open = |_| std::fs::File::open(&path);
+                for _ in 0..3 {
+                    check_spans_in_order(&spans, DigestAlg::Blake3, 2, open).unwrap();
+                }
+                spans[21].digest = &wrong;
+                let (i, e) = check_spans_in_order(&spans, DigestAlg::Blake3, 2, open).unwrap_err();
+                assert!(i == 21 && matches!(e, SpanError::Mismatch), "{i}: {e:?}");
+                stop.store(true, Ordering::Relaxed);
+            });
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let data: Vec<u8> = (0..SIZE).map(|i| (i * 13 + i / 777) as u8).collect();
+        let mut digests: Vec<String> = data
+            .chunks(CHUNK)
+            .map(|c| digest(DigestAlg::Blake3, c))
+            .collect();
+        digests.push(digest(DigestAlg::Blake3, &data));
+        std::fs::write(dir.path().join("digests"), digests.join("\n")).unwrap();
+        let f = std::fs::File::create(dir.path().join("data")).unwrap();
+        (&f).write_all(&data).unwrap();
+        f.sync_all().unwrap();
+        // Not cached: the child's reads are charged to its cgroup.
+        rustix::fs::fadvise(&f, 0, 0, rustix::fs::Advice::DontNeed).unwrap();
+        drop(data);
+        let cg = cryo_testkit::cgroup::TestCgroup::new("mapped-refault", LIMIT);
+        let (status, stderr) = in_child(
+            NAME,
+            &[
+                ("CRYO_MAPPED_TEST_DIR", dir.path()),
+                ("CRYO_MAPPED_TEST_CGROUP", cg.path()),
+            ],
+        );
+        let read_to_string = |p: std::path::PathBuf| std::fs::read_to_string(p).unwrap();
+        let most: u64 = read_to_string(cg.path().join("memory.max_usage_in_bytes"))
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(status.success(), "{status:?}: {stderr}");
+        // The limit met: reclaim took the file's pages from under the check.
+        assert!(
+            most >= LIMIT,
+            "the cgroup never reached its limit ({most} bytes): no pressure"
+        );
+        eprintln!(
+            "the whole file's span (4 times the limit): {} major faults; at most {most} bytes charged",
+            read_to_string(dir.path().join("refaults"))
         );
     }
 
