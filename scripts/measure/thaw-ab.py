@@ -11,6 +11,8 @@ same one. Arms:
   bare       `criu restore -d`, `cryo cuda-checkpoint --action restore`, `--action unlock`, then
              the health URL polled here (`--bare-poll`: fixed 20 ms as cryo's old check, or
              1 ms doubling to 20 ms as its new one)
+  NAME=bare:ARGS  the bare route with ARGS (split at spaces) added to its `criu restore`, to
+             measure one of cryo's CRIU options alone (`-v4`, `--action-script PATH`)
 
 Per thaw: the first answer from the arm's first process launch (CLOCK_MONOTONIC, as `cryo bench
 freeze` measures it), the simulated driver's restore copy in that window (its cost swings with
@@ -349,7 +351,7 @@ class Run:
 
     def traced(self, cmd, name, cold, r):
         # CRIU cannot restore under ptrace: the bare route's `criu restore` is never traced.
-        if self.a.trace is None or r >= self.a.trace_rounds or name == "bare":
+        if self.a.trace is None or r >= self.a.trace_rounds or name in self.a.bare:
             return cmd
         os.makedirs(self.a.trace, exist_ok=True)
         mode = "cold" if cold else "page"
@@ -366,9 +368,10 @@ class Run:
         cpu0 = children_cpu_ms()
         self.thawed = True
         origin = now_ns()
-        if name == "bare":
+        if name in self.a.bare:
             r = subprocess.run(self.traced([self.a.criu, "restore", "-d", "-D", self.image, "-o",
-                                "restore.log", "-W", self.work], name, cold, rnd), stdin=subprocess.DEVNULL,
+                                "restore.log", "-W", self.work] + self.a.bare[name], name, cold,
+                                           rnd), stdin=subprocess.DEVNULL,
                                capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"criu restore: {r.stderr.strip()}")
@@ -447,7 +450,7 @@ def interval(pairs_by_block, stat=statistics.median, n=2000, seed=7):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--arm", action="append", required=True,
-                   help="NAME=PATH of a cryo build, or `bare`")
+                   help="NAME=PATH of a cryo build, `bare`, or NAME=bare:ARGS")
     p.add_argument("--size", default="1GiB")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--modes", default="page,cold")
@@ -463,11 +466,17 @@ def main():
                    help="record what of the image, cryo and CRIU is cached before each thaw")
     a = p.parse_args()
     arms = []
+    # The bare arms, by name: the arguments each adds to its `criu restore`.
+    a.bare = {}
     for s in a.arm:
+        n, _, path = s.partition("=")
         if s == "bare":
+            a.bare["bare"] = []
             arms.append(("bare", None))
+        elif path == "bare" or path.startswith("bare:"):
+            a.bare[n] = path.removeprefix("bare").removeprefix(":").split()
+            arms.append((n, None))
         else:
-            n, _, path = s.partition("=")
             arms.append((n, os.path.abspath(path)))
     a.arm = arms
     a.size = parse_size(a.size)
@@ -516,7 +525,7 @@ def main():
             if not rs:
                 continue
             keys = ["wall", "copy", "overhead", "criu", "gpu"]
-            extra = ["start", "verify", "rest"] if n != "bare" else ["rest"]
+            extra = ["start", "verify", "rest"] if n not in a.bare else ["rest"]
             extra += ["cpu_arm", "cpu_root"]
             cells = " ".join(f"{k} {statistics.median(r[k] for r in rs):7.1f}"
                              for k in keys + extra)
