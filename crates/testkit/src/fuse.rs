@@ -274,6 +274,19 @@ impl Stalling {
     }
 
     /// Mounts at `mountpoint` a read-only mirror of `backing` whose opens are served from the
+    /// page cache (so that its files can be mapped) and that holds reads of the files `pick`
+    /// takes, from every process but this one, and from this one too once
+    /// [`Stalling::hold_own`] dropped what was cached: a disk that stops answering under a
+    /// mapping, whose next fault waits for good.
+    pub fn mount_cached(
+        backing: &Path,
+        mountpoint: &Path,
+        pick: impl Fn(&str) -> bool + Send + Sync + 'static,
+    ) -> Stalling {
+        Stalling::mount_as(backing, mountpoint, Some(Hold::Reads), false, pick)
+    }
+
+    /// Mounts at `mountpoint` a read-only mirror of `backing` whose opens are served from the
     /// page cache and that holds nothing; reads of the files `pick` takes fail once
     /// [`Stalling::fail_reads`] was called.
     pub fn mount_failing(
@@ -351,8 +364,9 @@ impl Stalling {
     }
 
     /// From now on, this process's requests are held too (cryo's own opens, stats, reads).
-    /// What the kernel cached of every file (its name, its attributes) is dropped, so the next
-    /// open or stat of each asks the server.
+    /// What the kernel cached of every file (its name, its attributes, its pages: unmapped
+    /// from every mapping of them too) is dropped, so the next open, stat or read of each
+    /// asks the server.
     pub fn hold_own(&self) {
         self.shared.lock().unwrap().own = true;
         if let Some(session) = &self.session {
@@ -360,7 +374,7 @@ impl Stalling {
             for (ino, name) in &self.names {
                 // Never looked up yet: nothing cached, nothing to drop.
                 let _ = notifier.inval_entry(INodeNo::ROOT, OsStr::new(name));
-                let _ = notifier.inval_inode(INodeNo(*ino), -1, 0);
+                let _ = notifier.inval_inode(INodeNo(*ino), 0, 0);
             }
         }
     }

@@ -426,39 +426,65 @@ mod tests {
         assert!(!m2.faulted());
     }
 
-    /// The attack with a real read error: a file on a FUSE file system mapped and read, then
-    /// its storage fails (the server answers reads with EIO) and its cached pages are dropped,
-    /// from the mapping too: the next read of the mapping gets SIGBUS from the kernel, which
-    /// ends the process without the handler.
-    #[test]
-    fn a_read_error_under_a_mapping_is_a_fault_not_a_death() {
+    /// A file on the testkit's FUSE mirror, mapped and read whole (its pages cached and
+    /// mapped), and what holds it; dropped mapping first, mount last.
+    struct OnFuse {
+        m: Mapped,
+        f: std::fs::File,
+        fs: cryo_testkit::fuse::Stalling,
+        data: Vec<u8>,
+        _dirs: (tempfile::TempDir, tempfile::TempDir),
+    }
+
+    /// A 2 MiB `pages-1.img` mirrored by the FUSE file system `mount` mounts (backing
+    /// directory, mount point), opened, mapped and read whole.
+    fn mapped_on_fuse(
+        mount: impl FnOnce(&std::path::Path, &std::path::Path) -> cryo_testkit::fuse::Stalling,
+    ) -> OnFuse {
         let backing = tempfile::tempdir().unwrap();
         let data: Vec<u8> = (0..2usize << 20)
             .map(|i| (i * 7 + i / 4099) as u8)
             .collect();
         std::fs::write(backing.path().join("pages-1.img"), &data).unwrap();
         let mnt = tempfile::tempdir().unwrap();
-        let fs = cryo_testkit::fuse::Stalling::mount_failing(backing.path(), mnt.path(), |n| {
-            n == "pages-1.img"
-        });
+        let fs = mount(backing.path(), mnt.path());
         let f = std::fs::File::open(mnt.path().join("pages-1.img")).unwrap();
         let m =
             Mapped::of(&f, data.len() as u64).expect("a file of FUSE served from the cache maps");
         m.populate(0, data.len()).unwrap();
         assert_eq!(m.bytes(), &data[..]);
         assert!(!m.faulted());
-        fs.fail_reads();
+        OnFuse {
+            m,
+            f,
+            fs,
+            data,
+            _dirs: (backing, mnt),
+        }
+    }
+
+    /// The attack with a real read error: a file on a FUSE file system mapped and read, then
+    /// its storage fails (the server answers reads with EIO) and its cached pages are dropped,
+    /// from the mapping too: the next read of the mapping gets SIGBUS from the kernel, which
+    /// ends the process without the handler.
+    #[test]
+    fn a_read_error_under_a_mapping_is_a_fault_not_a_death() {
+        let on = mapped_on_fuse(|backing, mnt| {
+            cryo_testkit::fuse::Stalling::mount_failing(backing, mnt, |n| n == "pages-1.img")
+        });
+        let (m, f, data) = (&on.m, &on.f, &on.data);
+        on.fs.fail_reads();
         let sum: u64 = m.bytes().iter().map(|&b| u64::from(b)).sum();
         assert!(
             m.faulted(),
             "the read of the failed storage did not fault ({sum})"
         );
         // A new mapping of it: the populate is the error, no signal.
-        let m2 = Mapped::of(&f, data.len() as u64).expect("mapped");
+        let m2 = Mapped::of(f, data.len() as u64).expect("mapped");
         let e = m2.populate(0, data.len()).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
         assert!(!m2.faulted());
-        drop((m, m2, f));
+        drop(m2);
     }
 
     /// Set in the child process of a test run again by [`in_child`]: which part to play.
@@ -826,6 +852,71 @@ mod tests {
             "the whole file's span (4 times the limit): {} major faults; at most {most} bytes charged",
             read_to_string(dir.path().join("refaults"))
         );
+    }
+
+    /// The attack on a check abandoned in a fault: a mapped file's storage stops answering
+    /// (FUSE, the testkit's `Stalling`, reads held) after its pages were dropped, and a thread
+    /// reads the mapping: it waits in the fault for good, as a check thread the restore's
+    /// deadline gave up on does in a long-lived agent. The rest of the process must go on:
+    /// mappings made and dropped, threads started, other files checked through mappings (the
+    /// table has room for every other slot), and the stuck read must end as an error or with
+    /// the file's bytes once the storage answers, never as a death.
+    #[test]
+    fn a_read_stuck_in_a_fault_on_a_hung_fs_holds_only_its_slot() {
+        use crate::image::hash::{check_spans_in_order, digest, Span};
+        use crate::image::manifest::DigestAlg;
+        let on = mapped_on_fuse(|backing, mnt| {
+            cryo_testkit::fuse::Stalling::mount_cached(backing, mnt, |n| n == "pages-1.img")
+        });
+        let (m, fs, data) = (&on.m, &on.fs, &on.data);
+        fs.hold_own();
+        let bound = std::time::Duration::from_secs(30);
+        /// Answers what is held when dropped: a failing test unwinds before the scope joins
+        /// the stuck thread, which would otherwise wait for good.
+        struct Answer<'a>(&'a cryo_testkit::fuse::Stalling);
+        impl Drop for Answer<'_> {
+            fn drop(&mut self) {
+                self.0.answer_all();
+            }
+        }
+        std::thread::scope(|sc| {
+            let answer = Answer(fs);
+            let stuck = sc.spawn(|| m.bytes().iter().map(|&b| u64::from(b)).sum::<u64>());
+            cryo_testkit::eventually(bound, "the mapping's read to be held", || fs.held() > 0);
+            // The rest of the process, each step bounded: a fault that held the process's
+            // memory map would stop it here.
+            let (done, rest) = std::sync::mpsc::channel();
+            sc.spawn(move || {
+                let (g, other) = file_of(1 << 20);
+                let held: Vec<Mapped> = (1..SLOTS)
+                    .map(|_| Mapped::of(g.as_file(), other.len() as u64).expect("a free slot"))
+                    .collect();
+                assert!(Mapped::of(g.as_file(), other.len() as u64).is_none());
+                drop(held);
+                let d = digest(DigestAlg::Blake3, &other);
+                let span = [Span {
+                    file: 0,
+                    offset: 0,
+                    len: other.len() as u64,
+                    digest: &d,
+                    last: true,
+                }];
+                let open = |_| std::fs::File::open(g.path());
+                check_spans_in_order(&span, DigestAlg::Blake3, 2, open).unwrap();
+                done.send(()).unwrap();
+            });
+            rest.recv_timeout(bound)
+                .expect("the process stopped while one read waited in a fault");
+            assert!(!stuck.is_finished(), "the held read returned");
+            drop(answer);
+            // The held read answered EIO: the fault is an error, or (the kernel asked again
+            // once the server answers every request) the file's bytes. Never a death.
+            let sum = stuck.join().unwrap();
+            assert!(
+                m.faulted() || m.bytes() == &data[..],
+                "the read returned neither a fault nor the file ({sum})"
+            );
+        });
     }
 
     #[test]
