@@ -108,6 +108,39 @@ fn a_thaw_mapped_by_gpus_of_whose_image_file_system_does_not_answer_gives_up_at_
     assert!(!status.success(), "{said:?}");
 }
 
+/// Attack (session 19): the thaw's check of the page contents in the checker process
+/// (`CRYO_THAW_CHECKER=child`), whose read of `pages-1.img` never returns (the file system holds
+/// the checker's reads, and only its: CRIU's are answered). The checker is then in `D`: killed,
+/// it stays, and so does its end of the verdict pipe. The thaw must still end at its deadline,
+/// refusing, and `cryo` exit.
+#[test]
+fn a_thaw_whose_image_checker_is_stuck_in_a_read_ends_at_its_deadline() {
+    cryo_testkit::require_criu_and_root();
+    let t = tempfile::tempdir().unwrap();
+    let backing = t.path().join("backing");
+    cryo_testkit::image::publish_tiny(&backing);
+    let fuse = Stalling::mount_from(
+        &backing,
+        &t.path().join("img"),
+        Hold::Reads,
+        |n| n.starts_with("pages-"),
+        cryo_criu::image::CHECKER_ARG,
+    );
+    let sim = Sim::start();
+    let state = state_dir("thaw-hung-checker");
+    let mut thaw = sim.cmd_at(state.path());
+    thaw.env("CRYO_THAW_CHECKER", "child")
+        .arg("thaw")
+        .arg(fuse.path())
+        .args(["--criu-timeout", &DEADLINE_S.to_string()]);
+    let (line, status, said) = refused_in_time(thaw, &fuse, "image refused");
+    assert!(
+        line.contains("the image checker gave no verdict before the restore's deadline"),
+        "{line}"
+    );
+    assert!(!status.success(), "{line}: {said:?}");
+}
+
 /// The tiny image published under `dir`, and a mount of it (`DIR/img`) whose server holds every
 /// open of its files from other processes.
 fn stalled_image(dir: &std::path::Path) -> (std::path::PathBuf, Stalling) {

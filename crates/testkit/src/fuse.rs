@@ -84,6 +84,8 @@ struct Mirror {
     /// Opens bypass the page cache (`FOPEN_DIRECT_IO`).
     direct: bool,
     pick: Box<dyn Fn(&str) -> bool + Send + Sync>,
+    /// Whose requests are held, by the id of the thread that sent them.
+    from: Box<dyn Fn(u32) -> bool + Send + Sync>,
     shared: Arc<Mutex<Shared>>,
 }
 
@@ -138,7 +140,7 @@ impl Mirror {
         let s = self.shared.lock().unwrap();
         // The test's own threads (cryo's) are answered unless asked for.
         let own = Path::new(&format!("/proc/self/task/{}", req.pid())).exists();
-        (self.pick)(name) && !s.released && (s.own || !own)
+        (self.pick)(name) && !s.released && (s.own || !own) && (self.from)(req.pid())
     }
 
     fn hold(&self, req: &Request, held: Held) {
@@ -270,7 +272,29 @@ impl Stalling {
         hold: Hold,
         pick: impl Fn(&str) -> bool + Send + Sync + 'static,
     ) -> Stalling {
-        Stalling::mount_as(backing, mountpoint, Some(hold), true, pick)
+        Stalling::mount_as(backing, mountpoint, Some(hold), true, pick, |_| true)
+    }
+
+    /// [`Stalling::mount`], holding only the requests of the processes whose command line
+    /// (`/proc/TID/cmdline`, its arguments joined by spaces) contains `from`: one helper
+    /// process of many stuck (the image checker, never the CRIU beside it).
+    pub fn mount_from(
+        backing: &Path,
+        mountpoint: &Path,
+        hold: Hold,
+        pick: impl Fn(&str) -> bool + Send + Sync + 'static,
+        from: &str,
+    ) -> Stalling {
+        let from = from.to_string();
+        Stalling::mount_as(backing, mountpoint, Some(hold), true, pick, move |tid| {
+            std::fs::read(format!("/proc/{tid}/cmdline"))
+                .map(|c| {
+                    String::from_utf8_lossy(&c)
+                        .replace('\0', " ")
+                        .contains(&from)
+                })
+                .unwrap_or(false)
+        })
     }
 
     /// Mounts at `mountpoint` a read-only mirror of `backing` whose opens are served from the
@@ -283,7 +307,9 @@ impl Stalling {
         mountpoint: &Path,
         pick: impl Fn(&str) -> bool + Send + Sync + 'static,
     ) -> Stalling {
-        Stalling::mount_as(backing, mountpoint, Some(Hold::Reads), false, pick)
+        Stalling::mount_as(backing, mountpoint, Some(Hold::Reads), false, pick, |_| {
+            true
+        })
     }
 
     /// Mounts at `mountpoint` a read-only mirror of `backing` whose opens are served from the
@@ -294,7 +320,7 @@ impl Stalling {
         mountpoint: &Path,
         pick: impl Fn(&str) -> bool + Send + Sync + 'static,
     ) -> Stalling {
-        Stalling::mount_as(backing, mountpoint, None, false, pick)
+        Stalling::mount_as(backing, mountpoint, None, false, pick, |_| true)
     }
 
     fn mount_as(
@@ -303,6 +329,7 @@ impl Stalling {
         hold: Option<Hold>,
         direct: bool,
         pick: impl Fn(&str) -> bool + Send + Sync + 'static,
+        from: impl Fn(u32) -> bool + Send + Sync + 'static,
     ) -> Stalling {
         std::fs::create_dir_all(mountpoint).unwrap();
         let mut names = BTreeMap::new();
@@ -323,6 +350,7 @@ impl Stalling {
             hold,
             direct,
             pick: Box::new(pick),
+            from: Box::new(from),
             shared: Arc::clone(&shared),
         };
         let mut config = fuser::Config::default();

@@ -296,7 +296,7 @@ impl<'a> Check<'a> {
                 // Given up on at the deadline: no outcome, [`Check::finish`] refuses.
                 None => return,
             },
-            Plan::Child { at_gate } => self.checker.run(self.image, at_gate),
+            Plan::Child { at_gate } => self.checker.run(self.image, at_gate, self.deadline),
         };
         let _ = self.hashed.set(std::time::Instant::now());
         if let Err(e) = &r {

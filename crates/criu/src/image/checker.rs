@@ -143,15 +143,30 @@ struct State {
     /// Given up on: a checker started after this is ended at once.
     ended: bool,
     running: Option<Running>,
+    /// Written by [`Parent::end`]: wakes [`Parent::run`] from its wait for the verdict.
+    wake: Option<Arc<OwnedFd>>,
 }
 
 impl Parent {
-    /// Runs the checker on `image`'s page contents and returns its verdict (after it exited).
-    pub(crate) fn run(&self, image: &Image, at_gate: usize) -> Result<(), ImageError> {
+    /// Runs the checker on `image`'s page contents and returns its verdict (after it exited),
+    /// or gives up on it at `deadline` or when [`Parent::end`] is called: a checker stuck in a
+    /// read that never returns (a hung disk, a FUSE server that stopped answering) waits there
+    /// uninterruptibly, SIGKILL included, and keeps its end of the verdict pipe open, so neither
+    /// its verdict nor its exit is waited for then: it is killed and handed to the reaper of the
+    /// restore's stuck processes ([`crate::criu::reap_stuck_later`]), reaped whenever it ends.
+    pub(crate) fn run(
+        &self,
+        image: &Image,
+        at_gate: usize,
+        deadline: Option<std::time::Instant>,
+    ) -> Result<(), ImageError> {
         let stream_err = |reason: String| ImageError::Stream {
             dir: image.path().to_path_buf(),
             reason,
         };
+        let wake = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)
+            .map(Arc::new)
+            .map_err(|e| stream_err(format!("no eventfd to wait for the image checker: {e}")))?;
         let fd = image.dir_fd().as_raw_fd();
         let mut cmd = Command::new("/proc/self/exe");
         cmd.arg(CHECKER_ARG)
@@ -183,6 +198,7 @@ impl Parent {
         });
         {
             let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            st.wake = Some(Arc::clone(&wake));
             let running = Running { pid, pidfd, stdin };
             if st.ended || sent.is_err() {
                 kill(&running);
@@ -195,21 +211,34 @@ impl Parent {
         }
         // Its verdict is one short line; more is not a checker's. Meanwhile it is watched for
         // starving (see `Parent::watch`).
-        let mut said = String::new();
         let (stop, stopped) = std::sync::mpsc::channel::<()>();
-        let read = std::thread::scope(|s| {
+        let said = std::thread::scope(|s| {
             s.spawn(move || self.watch(pid, &stopped));
-            let read = stdout.take(4096).read_to_string(&mut said);
+            let said = read_verdict(stdout, &wake, deadline);
             drop(stop);
-            read
+            said
         });
-        // Its stdout ended: it exited. Forgotten before it is reaped, so that nothing is asked
-        // of its pid afterwards (the pid is ours until the wait).
+        // Its stdout ended (it exited), or it was given up on. Forgotten before it is reaped,
+        // so that nothing is asked of its pid afterwards (the pid is ours until the wait).
         let ended = {
             let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            st.running.take();
+            let running = st.running.take();
+            if let (Said::GivenUp, Some(r)) = (&said, &running) {
+                kill(r);
+            }
+            st.wake = None;
             st.ended
         };
+        if let Said::GivenUp = said {
+            leave(child, pid);
+            sent?;
+            return Err(stream_err(if ended {
+                "the image checker was ended: the check did not end before the restore's deadline"
+                    .into()
+            } else {
+                "the image checker gave no verdict before the restore's deadline (a read that never returns?): it was ended and left".into()
+            }));
+        }
         let status = child.wait();
         sent?;
         if ended {
@@ -218,6 +247,9 @@ impl Parent {
                     .into(),
             ));
         }
+        let Said::Verdict(read, said) = said else {
+            return Err(stream_err("the image checker's verdict was lost".into()));
+        };
         let status =
             status.map_err(|e| stream_err(format!("cannot wait for the image checker: {e}")))?;
         if let Err(e) = read {
@@ -281,12 +313,100 @@ impl Parent {
         }
     }
 
-    /// Ends the checker (the restore gave up on it); one started later is ended at once.
+    /// Ends the checker (the restore gave up on it), and [`Parent::run`]'s wait for it; one
+    /// started later is ended at once.
     pub(crate) fn end(&self) {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         st.ended = true;
         if let Some(r) = &st.running {
             kill(r);
+        }
+        if let Some(w) = &st.wake {
+            if let Err(e) = rustix::io::write(&**w, &1u64.to_ne_bytes()) {
+                tracing::debug!(error = %e, "waking the wait for the image checker");
+            }
+        }
+    }
+}
+
+/// What the checker said, or that it was given up on before its stdout ended.
+enum Said {
+    /// Its stdout ended (or said more than a verdict): what it said, and how the read went.
+    Verdict(std::io::Result<()>, String),
+    /// [`Parent::end`] was called, or the deadline passed, first.
+    GivenUp,
+}
+
+/// Reads the checker's stdout to its end (4096 bytes at most: a verdict is one short line),
+/// unless `wake` is written or `deadline` passes first.
+fn read_verdict(
+    mut stdout: std::process::ChildStdout,
+    wake: &OwnedFd,
+    deadline: Option<std::time::Instant>,
+) -> Said {
+    use rustix::event::{poll, PollFd, PollFlags};
+    let mut said = Vec::new();
+    let mut buf = [0u8; 512];
+    let read = loop {
+        let ms = deadline.map_or(-1, |d| {
+            let left = d.saturating_duration_since(std::time::Instant::now());
+            i32::try_from(left.as_millis().max(1)).unwrap_or(i32::MAX)
+        });
+        if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+            return Said::GivenUp;
+        }
+        let mut fds = [
+            PollFd::new(&stdout, PollFlags::IN),
+            PollFd::new(wake, PollFlags::IN),
+        ];
+        match poll(&mut fds, ms) {
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            Err(e) => break Err(e.into()),
+        }
+        if !fds[1].revents().is_empty() {
+            return Said::GivenUp;
+        }
+        if fds[0].revents().is_empty() {
+            continue;
+        }
+        match stdout.read(&mut buf) {
+            Ok(0) => break Ok(()),
+            Ok(n) => {
+                said.extend_from_slice(&buf[..n]);
+                if said.len() >= 4096 {
+                    break Ok(());
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => break Err(e),
+        }
+    };
+    let said = String::from_utf8(said);
+    match (read, said) {
+        (Ok(()), Ok(s)) => Said::Verdict(Ok(()), s),
+        (Err(e), s) => Said::Verdict(Err(e), s.unwrap_or_default()),
+        (Ok(()), Err(e)) => Said::Verdict(
+            Err(std::io::Error::new(std::io::ErrorKind::InvalidData, e)),
+            String::new(),
+        ),
+    }
+}
+
+/// A checker given up on (killed already): reaped now if it ended, else handed to the reaper
+/// of the restore's stuck processes, which reaps it whenever it ends.
+fn leave(mut child: std::process::Child, pid: i32) {
+    match cryo_proc::ProcHandle::open(pid) {
+        Ok(h) => {
+            if !crate::criu::reap_stuck_later(vec![h]) {
+                tracing::warn!(
+                    pid,
+                    "the image checker given up on stays a zombie once it ends"
+                );
+            }
+        }
+        // Ended already (a zombie, ours to reap: the wait returns at once).
+        Err(_) => {
+            let _ = child.wait();
         }
     }
 }
