@@ -33,6 +33,15 @@
 //! ends (cryo gone or no longer waiting). Its session and autogroup only set how fast it
 //! checks, never what it decides: a checker slowed down by someone (its autogroup niced) is
 //! waited for until the deadline, and refused past it.
+//!
+//! `PR_SET_PDEATHSIG` fires when the *thread* that spawned the helper ends, not cryo's process.
+//! Both helpers (the checker in [`Parent::run`], the opener in `opener::open_apart`) are spawned
+//! and waited for on one thread, which returns only once it has the helper's answer or gave up
+//! on it (and killed it): the signal cannot come while cryo still needs the helper, from
+//! whichever thread (a thaw's scoped thread in the agent, the CLI's main thread). What ends a
+//! helper when cryo's process ends, whatever thread spawned it, is its stdin: the last holder
+//! of the pipe's other end is gone. A caller that spawned a helper on one thread and waited for
+//! it on another would have it killed early: keep the two on one thread.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
