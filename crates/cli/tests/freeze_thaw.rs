@@ -1664,27 +1664,9 @@ fn a_freeze_meeting_a_full_disk_at_gpu_free_leaves_the_worker_suspended_and_guar
         .spawn()
         .unwrap();
     let mut err = freeze.stderr.take().unwrap();
-    let mut said = String::new();
-    let mut buf = [0u8; 256];
-    while !said.contains("paused until") {
-        let n = err.read(&mut buf).unwrap();
-        assert!(n > 0, "it ended before its failpoint: {said}");
-        said.push_str(&String::from_utf8_lossy(&buf[..n]));
-    }
+    let mut said = common::said_until(&mut err, "paused until");
     let filler = disk.fill();
-    // A full disk still takes a write into the slack of a file's last page: the journal's is
-    // taken too, by records of the timeline's (the last one, torn, is the next writer's to cut).
-    let journal = cryo_journal::Journal::open(env.path().join("state").join("journal")).unwrap();
-    let filled = (0..1000).find(|_| {
-        journal
-            .append_unsynced(vec![cryo_journal::Event::Dumped {
-                image: "filler".into(),
-                ms: 0,
-                bytes: 0,
-            }])
-            .is_err()
-    });
-    assert!(filled.is_some(), "the journal's last page never filled");
+    common::fill_journal_page(&env.path().join("state"));
     fs::write(&go, b"").unwrap();
     err.read_to_string(&mut said).unwrap();
     let status = freeze.wait().unwrap();

@@ -327,6 +327,75 @@ fn a_park_whose_record_cannot_be_written_resumes_the_worker_and_says_so() {
     sim.assert_no_wedge();
 }
 
+/// Attack (session 19): a park whose disk fills between its suspension and its `Parked` record
+/// (a real `ENOSPC`: the state directory on a small tmpfs, filled while the park is paused
+/// there, the journal's last page too). Nothing can be written from then on, the undo's restore
+/// intent included: the worker must be left suspended (CHECKPOINTED, never torn down, never
+/// LOCKED) and named, with nothing recorded as parked; its suspension is in flight in the
+/// journal, so once there is room again the next guard's start resumes it in place under watch,
+/// and it serves as before. No record lost, no half state left for good.
+#[test]
+fn a_park_meeting_a_full_disk_before_its_record_leaves_the_worker_suspended_then_resumed() {
+    use std::io::Read;
+    let sim = Sim::start();
+    let t = tempfile::tempdir().unwrap();
+    let st = t.path().join("state");
+    let disk = cryo_testkit::disk::SmallDisk::mount_at(&st, "16M");
+    let w = worker(&sim, "64MiB", 0);
+    let before = w.complete("the same question");
+    let go = t.path().join("go");
+    let mut park = sim
+        .cmd_at(&st)
+        .env("CRYO_FAILPOINT", cryo_lifecycle::park::PARK_BEFORE_RECORD)
+        .env("CRYO_FAILPOINT_RESUME", &go)
+        .args(["park", &w.pid.to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = park.stderr.take().unwrap();
+    let mut said = common::said_until(&mut err, "paused until");
+    let filler = disk.fill();
+    common::fill_journal_page(&st);
+    std::fs::write(&go, b"").unwrap();
+    err.read_to_string(&mut said).unwrap();
+    let status = park.wait().unwrap();
+    assert!(!status.success(), "parked on a full disk: {said}");
+    assert_eq!(sim.state(w.pid), "checkpointed", "{said}");
+    assert!(said.contains("could not be recorded"), "{said}");
+    assert!(
+        said.contains(&format!("pid {}:", w.pid)),
+        "not named: {said}"
+    );
+    sim.assert_no_wedge();
+
+    // Room again: a guard that starts now settles the park the full disk left in flight.
+    std::fs::remove_file(filler).unwrap();
+    let guard = GuardProc::start(&sim, &st, &["--no-memory-watch"]);
+    common::eventually(
+        cryo_testkit::PATIENCE,
+        "the new guard to resume the worker",
+        || sim.state(w.pid) == "running",
+    );
+    assert_ne!(common::procs::tracer_pid(w.pid), 0, "resumed unguarded");
+    assert_eq!(
+        w.complete("the same question"),
+        before,
+        "it serves as before"
+    );
+    let ev = events(&st);
+    assert!(
+        !ev.iter()
+            .any(|e| matches!(e, cryo_journal::Event::Parked { pid, .. } if pid.pid == w.pid)),
+        "recorded as parked: {ev:?}"
+    );
+    let s = json(&run(&sim, &st, &["status", "--json"]));
+    assert_eq!(s["parked"], serde_json::json!([]), "{s}");
+    sim.assert_no_wedge();
+    drop(guard);
+    drop(disk);
+}
+
 /// A park whose process cannot be suspended (its context faulted: a sticky error, the lock
 /// fails at once) fails closed: the worker keeps its context on the GPU (never torn down, never
 /// left locked), the failure is journaled and nothing is recorded as parked.

@@ -167,6 +167,11 @@ pub enum ParkError {
 /// that the park's undo runs.
 pub const PARK_RECORD_FAILS: &str = "park-record-fails";
 
+/// Failpoint (`CRYO_FAILPOINT`, a test hook; a pause, see `failpoint::pause_if`): every process
+/// is suspended and verified, nothing is recorded as parked yet; the park waits there until the
+/// file named by `CRYO_FAILPOINT_RESUME` exists, so that a test can fill the disk at that moment.
+pub const PARK_BEFORE_RECORD: &str = "park-before-record";
+
 /// Parks every CUDA process of `target` (see the module docs).
 pub fn park(
     gpu: &Gpu,
@@ -283,6 +288,7 @@ fn park_inner(
     {
         return Err(ParkError::Suspend { pid, failure });
     }
+    crate::failpoint::pause_if(PARK_BEFORE_RECORD);
     let mut parked = Vec::new();
     for ((h, (bytes, gpus)), o) in cuda.iter().zip(before).zip(&outcomes) {
         let already = matches!(&o.result, Ok(s) if s.state_before == ProcessState::Checkpointed);

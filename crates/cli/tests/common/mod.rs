@@ -392,6 +392,37 @@ pub fn events(state: &Path) -> Vec<cryo_journal::Event> {
         .collect()
 }
 
+/// Reads `err` (a command's stderr) until what it said contains `what` (a pausing failpoint's
+/// "paused until"); what it said. Fails if it ends first.
+pub fn said_until(err: &mut impl std::io::Read, what: &str) -> String {
+    let mut said = String::new();
+    let mut buf = [0u8; 256];
+    while !said.contains(what) {
+        let n = err.read(&mut buf).unwrap();
+        assert!(n > 0, "it ended before saying {what:?}: {said}");
+        said.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    said
+}
+
+/// Fills the last page of the journal of the state directory `state`, on a disk already full
+/// (`cryo_testkit::disk::SmallDisk::fill`): a full disk still takes a write into the slack of a
+/// file's last page, so records are appended until one is refused (the last one, torn, is the
+/// next writer's to cut).
+pub fn fill_journal_page(state: &Path) {
+    let journal = cryo_journal::Journal::open(state.join("journal")).unwrap();
+    let filled = (0..1000).find(|_| {
+        journal
+            .append_unsynced(vec![cryo_journal::Event::Dumped {
+                image: "filler".into(),
+                ms: 0,
+                bytes: 0,
+            }])
+            .is_err()
+    });
+    assert!(filled.is_some(), "the journal's last page never filled");
+}
+
 /// A fresh state directory for one test, named after it.
 pub fn state_dir(prefix: &str) -> tempfile::TempDir {
     tempfile::Builder::new().prefix(prefix).tempdir().unwrap()
