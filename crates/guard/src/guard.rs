@@ -47,7 +47,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::RawFd;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use cryo_gpu::Gpu;
@@ -371,6 +371,9 @@ struct Inner {
     /// Processes held at their exit stop now (from [`Policy::fds_to_pin`] to [`Policy::on_gone`]):
     /// dying under the guard's hand, not for a drain to stop.
     exiting: Mutex<BTreeSet<Pid>>,
+    /// Notified when `exiting` changes (an exit stop taken, a process gone): what a drain that
+    /// could not stop a process waits on ([`Inner::dies_under_hand`]).
+    exiting_changed: Condvar,
     /// Processes whose exit stop decided (pinned, or found nothing live) and that are not gone
     /// yet: the others' standing duplicates are pinned when they are gone (see `on_gone`).
     exit_decided: Mutex<BTreeSet<Pid>>,
@@ -781,8 +784,9 @@ impl Inner {
     /// pinned or held at its exit stop ([`Inner::dying`]), or gone. A process the guard traces
     /// that was killed while the drain looked (two deaths at once) has its driver refuse the
     /// stop before its exit stop is reported and handled (the kill pending, the tracer not yet
-    /// woken, the policy's thread not yet run): it is looked at again for up to
-    /// [`DYING_GRACE`], until its exit stop marks it or it is gone.
+    /// woken, the policy's thread not yet run): it is waited for up to [`DYING_GRACE`], woken
+    /// by its exit stop (`exiting_changed`, notified where the exit stop marks it and where the
+    /// tracer sees it gone), or found gone.
     fn dies_under_hand(&self, pid: Pid) -> bool {
         let handle = lock(&self.watched).get(&pid).map(|w| Arc::clone(&w.handle));
         let Some(handle) = handle else {
@@ -790,13 +794,24 @@ impl Inner {
         };
         let until = std::time::Instant::now() + DYING_GRACE;
         loop {
-            if self.dying(pid) || handle.liveness() != cryo_proc::Liveness::Alive {
+            // Gone: a look at /proc, outside the lock the tracer's thread takes.
+            if handle.liveness() != cryo_proc::Liveness::Alive {
                 return true;
             }
-            if std::time::Instant::now() >= until {
+            // Held from the look to the wait: an exit stop marked in between is not missed.
+            let exiting = lock(&self.exiting);
+            if exiting.contains(&pid) || lock(&self.pins).iter().any(|p| p.id.pid == pid) {
+                return true;
+            }
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
                 return false;
             }
-            std::thread::sleep(Duration::from_millis(5));
+            drop(
+                self.exiting_changed
+                    .wait_timeout(exiting, left)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner),
+            );
         }
     }
 
@@ -930,6 +945,7 @@ impl Policy for PolicyHandle {
     fn fds_to_pin(&self, target: &Tracee) -> Vec<RawFd> {
         let pid = target.pid();
         lock(&self.0.exiting).insert(pid);
+        self.0.exiting_changed.notify_all();
         match self.0.gpu.inspect.driver_fds(pid) {
             Ok(fds) => fds,
             Err(err) => {
@@ -1014,6 +1030,7 @@ impl Policy for PolicyHandle {
     fn on_gone(&self, target: &Tracee, cause: ExitCause) {
         let pid = target.pid();
         lock(&self.0.exiting).remove(&pid);
+        self.0.exiting_changed.notify_all();
         let decided = lock(&self.0.exit_decided).remove(&pid);
         let held = lock(&self.0.standing).take(pid);
         let id = lock(&self.0.watched)
@@ -1087,6 +1104,7 @@ impl Guard {
             memory_stopped: Mutex::new(Vec::new()),
             view: Mutex::new(view),
             exiting: Mutex::new(BTreeSet::new()),
+            exiting_changed: Condvar::new(),
             exit_decided: Mutex::new(BTreeSet::new()),
             standing: Mutex::new(StandingSet::default()),
             execed: Mutex::new(
