@@ -327,6 +327,24 @@ fn a_park_whose_record_cannot_be_written_resumes_the_worker_and_says_so() {
     sim.assert_no_wedge();
 }
 
+/// A guard started on `st` resumes `w`, which a park left suspended, in place under watch (traced),
+/// and it answers `before` again.
+fn a_guard_resumes(sim: &Sim, st: &Path, w: &Worker, before: &str) -> GuardProc {
+    let guard = GuardProc::start(sim, st, &["--no-memory-watch"]);
+    common::eventually(
+        cryo_testkit::PATIENCE,
+        "the new guard to resume the worker",
+        || sim.state(w.pid) == "running",
+    );
+    assert_ne!(common::procs::tracer_pid(w.pid), 0, "resumed unguarded");
+    assert_eq!(
+        w.complete("the same question"),
+        before,
+        "it serves as before"
+    );
+    guard
+}
+
 /// Attack (session 19): a park whose disk fills between its suspension and its `Parked` record
 /// (a real `ENOSPC`: the state directory on a small tmpfs, filled while the park is paused
 /// there, the journal's last page too). Nothing can be written from then on, the undo's restore
@@ -371,18 +389,7 @@ fn a_park_meeting_a_full_disk_before_its_record_leaves_the_worker_suspended_then
 
     // Room again: a guard that starts now settles the park the full disk left in flight.
     std::fs::remove_file(filler).unwrap();
-    let guard = GuardProc::start(&sim, &st, &["--no-memory-watch"]);
-    common::eventually(
-        cryo_testkit::PATIENCE,
-        "the new guard to resume the worker",
-        || sim.state(w.pid) == "running",
-    );
-    assert_ne!(common::procs::tracer_pid(w.pid), 0, "resumed unguarded");
-    assert_eq!(
-        w.complete("the same question"),
-        before,
-        "it serves as before"
-    );
+    let guard = a_guard_resumes(&sim, &st, &w, &before);
     let ev = events(&st);
     assert!(
         !ev.iter()
@@ -394,6 +401,79 @@ fn a_park_meeting_a_full_disk_before_its_record_leaves_the_worker_suspended_then
     sim.assert_no_wedge();
     drop(guard);
     drop(disk);
+}
+
+/// Attack (session 19): a park whose `Parked` record is refused, and then its undo's
+/// `RestoreCompleted` too, its `RestoreStarted` taken (failpoint: both appends fail with EIO, as
+/// two transient write errors of a real disk do; a full disk cannot, each refused append leaves
+/// a torn frame whose repair the next append must write first). The undo checkpoints the worker
+/// again: CHECKPOINTED, with a restore intent that ended its suspension in the journal's eyes.
+/// The park must fail naming it, never tear it down nor leave it LOCKED; a stop of another
+/// worker (no guard) leaves it suspended; a guard that starts (the park gone) must resume it in
+/// place under watch, journaled, and it serves as before.
+/// (Before: nothing settled it: the guard's start found no suspension in flight and
+/// `finish_unlock` refused a restore not journaled as completed; this test failed waiting for
+/// the worker to run, the driver saying "checkpointed".)
+#[test]
+fn a_park_whose_undo_cannot_record_its_restore_is_resumed_by_the_next_guard() {
+    use cryo_journal::Event;
+    let sim = Sim::start();
+    let st = state();
+    let w = worker(&sim, "64MiB", 0);
+    let before = w.complete("the same question");
+    let o = sim
+        .cmd_at(st.path())
+        .env("CRYO_FAILPOINT", cryo_lifecycle::park::PARK_UNDO_UNRECORDED)
+        .args(["park", &w.pid.to_string()])
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "parked unrecorded: {}", stdout(&o));
+    assert_eq!(sim.state(w.pid), "checkpointed", "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("could not be recorded")
+            && stderr(&o).contains(&format!("pid {}:", w.pid)),
+        "{}",
+        stderr(&o)
+    );
+    let ev = events(st.path());
+    let mine = |e: &Event| e.pids().iter().any(|p| p.pid == w.pid);
+    assert!(
+        ev.iter()
+            .any(|e| mine(e) && matches!(e, Event::RestoreStarted { .. }))
+            && !ev
+                .iter()
+                .any(|e| mine(e)
+                    && matches!(e, Event::RestoreCompleted { .. } | Event::Parked { .. })),
+        "not the journal two refused appends leave: {ev:?}"
+    );
+    sim.assert_no_wedge();
+
+    // A stop of another worker first (no guard to watch a resume): it leaves the worker
+    // suspended and says so, and must not close its suspension for the guard after it (before:
+    // journaled as settled, no guard would have resumed it).
+    let other = worker(&sim, "16MiB", 1);
+    let o = run(&sim, st.path(), &["stop", "--json", &other.pid.to_string()]);
+    ok(&o);
+    let v = json(&o);
+    assert!(
+        v["settled"].as_array().is_some_and(|s| s
+            .iter()
+            .any(|s| s["pid"]["pid"] == w.pid && s["action"]["kind"] == "left")),
+        "{v}"
+    );
+    assert_eq!(sim.state(w.pid), "checkpointed");
+
+    let guard = a_guard_resumes(&sim, st.path(), &w, &before);
+    let ev = events(st.path());
+    assert!(
+        ev.iter().any(|e| mine(e)
+            && matches!(e, Event::SuspensionSettled { action, .. } if action == "resumed")),
+        "the settlement is not journaled: {ev:?}"
+    );
+    let s = json(&run(&sim, st.path(), &["status", "--json"]));
+    assert_eq!(s["parked"], serde_json::json!([]), "{s}");
+    sim.assert_no_wedge();
+    drop(guard);
 }
 
 /// A park whose process cannot be suspended (its context faulted: a sticky error, the lock

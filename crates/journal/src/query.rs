@@ -187,11 +187,18 @@ pub struct InFlight {
     pub by: Option<ProcId>,
     /// A driver call abandoned since (its entry point): the process's state is unknown.
     pub abandoned: Option<String>,
+    /// The intent ([`Event::RestoreStarted`]) of a restore that undoes this suspension (a park or
+    /// freeze resuming its worker in place), when its completion is not journaled: the restore
+    /// may have been checkpointed again (its completion refused) or its writer died. Its
+    /// `unlock_by` is the writer at work on it.
+    pub restore_started: Option<Record>,
 }
 
 /// Processes whose suspension did not finish: the last stop step is not final (not `Killed` nor
-/// `Refused`) and no later record settled it (`Unlocked`, `Resumed`, a restore, or
-/// `SuspensionSettled`), or a driver call on them was abandoned and nobody has looked since. What
+/// `Refused`) and no later record settled it (`Unlocked`, `Resumed`, a completed restore, or
+/// `SuspensionSettled`), or a driver call on them was abandoned and nobody has looked since. A
+/// restore's intent alone does not settle a suspension ([`InFlight::restore_started`]): a
+/// completion refused by the journal checkpoints the process again. What
 /// a new stop or guard must settle (after checking [`ProcId::is_alive_same`], and that the owner
 /// [`InFlight::by`] is gone).
 pub fn in_flight_stops<'a>(
@@ -206,6 +213,7 @@ pub fn in_flight_stops<'a>(
             purpose: None,
             by: None,
             abandoned: None,
+            restore_started: None,
         });
         match &r.event {
             Event::SuspendStarted { purpose, by, .. } => {
@@ -213,6 +221,7 @@ pub fn in_flight_stops<'a>(
                 entry.purpose = Some(*purpose);
                 entry.by = *by;
                 entry.record = r.clone();
+                entry.restore_started = None;
             }
             Event::CallAbandoned { call, .. } => {
                 entry.abandoned = Some(call.clone());
@@ -220,21 +229,28 @@ pub fn in_flight_stops<'a>(
                     entry.record = r.clone();
                 }
             }
+            // The undo of a suspension started: in flight until its completion.
+            Event::RestoreStarted { .. } if entry.step.is_some_and(|s| !s.is_done()) => {
+                entry.restore_started = Some(r.clone());
+            }
             Event::Unlocked { .. }
             | Event::Resumed { .. }
             | Event::Parked { .. }
             | Event::RestoreStarted { .. }
             | Event::RestoreCompleted { .. } => {
                 entry.step = None;
+                entry.restore_started = None;
             }
             Event::SuspensionSettled { .. } | Event::Killed { .. } => {
                 entry.step = None;
                 entry.abandoned = None;
+                entry.restore_started = None;
             }
             event => {
                 if let Some(step) = StopStep::of(event) {
                     entry.step = Some(step);
                     entry.record = r.clone();
+                    entry.restore_started = None;
                 }
             }
         }

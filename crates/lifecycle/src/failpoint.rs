@@ -11,9 +11,10 @@
 //! test can change the world at that exact point and let the step go on.
 //!
 //! # Limitations
-//! No injected errors (the crash itself is the test's SIGKILL), except five:
+//! No injected errors (the crash itself is the test's SIGKILL), except six:
 //! [`crate::park::PARK_RECORD_FAILS`] fails a park's first `Parked` record after its
-//! suspension (so that the park's undo runs),
+//! suspension (so that the park's undo runs), [`crate::park::PARK_UNDO_UNRECORDED`] fails it
+//! and then the undo's `RestoreCompleted` (so that the undo checkpoints its worker again),
 //! [`crate::suspend::SUSPEND_ROLL_BACK`] fails a suspension that succeeded, so that its roll-back
 //! runs, the journal's [`cryo_journal::SYNC_FAILPOINT`] (read by the journal's writer from
 //! the same variable) fails every `fdatasync` of the journal with EIO, and
@@ -37,6 +38,25 @@ pub const RESUME_ENV: &str = "CRYO_FAILPOINT_RESUME";
 /// Whether failpoint `name` is active.
 pub fn active(name: &str) -> bool {
     std::env::var(ENV).is_ok_and(|v| v == name)
+}
+
+/// The error a journal that cannot be written gives (EIO), for an injected failpoint `name`.
+pub(crate) fn journal_eio(
+    journal: &cryo_journal::Journal,
+    name: &str,
+) -> cryo_journal::AppendError {
+    cryo_journal::AppendError::File(cryo_journal::FileError {
+        what: match name {
+            crate::park::PARK_RECORD_FAILS => "cannot write (failpoint park-record-fails) to",
+            crate::park::PARK_UNDO_UNRECORDED => "cannot write (failpoint park-undo-unrecorded) to",
+            crate::freeze::FREEZE_VERIFIED_UNWRITTEN => {
+                "cannot write (failpoint freeze-verified-unwritten) to"
+            }
+            _ => "cannot write (a failpoint) to",
+        },
+        path: journal.path().to_path_buf(),
+        source: std::io::Error::from(rustix::io::Errno::IO),
+    })
 }
 
 /// Says on stderr that a failpoint was reached: one `write`, its error ignored. `eprintln!`

@@ -1185,11 +1185,7 @@ fn write_verified(
         return Ok(());
     }
     let written = if failpoint::active(FREEZE_VERIFIED_UNWRITTEN) {
-        Err(cryo_journal::AppendError::File(cryo_journal::FileError {
-            what: "cannot write (failpoint freeze-verified-unwritten) to",
-            path: journal.path().to_path_buf(),
-            source: std::io::Error::from(rustix::io::Errno::IO),
-        }))
+        Err(failpoint::journal_eio(journal, FREEZE_VERIFIED_UNWRITTEN))
     } else {
         journal.append_unsynced(events).map(drop)
     };

@@ -19,8 +19,18 @@
 //!   purpose the journal does not say is left checkpointed and named;
 //! - anything else (FAILED, no answer, stopped threads): left as it is, and named.
 //!
+//! A restore that undoes a suspension (a park or freeze resuming its worker in place) and whose
+//! completion is not journaled keeps the suspension in flight
+//! ([`cryo_journal::InFlight::restore_started`]): a completion the journal refused (two transient
+//! EIOs: the park's record, then the restore's) checkpoints the process again, and nothing else
+//! would ever resume it. Its writer (the intent's `unlock_by`) must be gone too; then
+//! CHECKPOINTED is resumed under watch whatever the suspension was for (its writer meant it to
+//! serve again), and LOCKED (a context perhaps restored and live) is left as it is and named,
+//! never unlocked here.
+//!
 //! Each settled process gets an [`Event::SuspensionSettled`] record saying what was found and done,
-//! so it is settled once; callers print the returned [`Settled`] list.
+//! so it is settled once; callers print the returned [`Settled`] list. A process left to resume
+//! by a caller without a watcher gets none: it stays in flight for the next guard or agent start.
 //!
 //! Before the suspensions, the CPU sets a dump that died left pinned are given back
 //! ([`crate::cpus`]; each such dump closed with an [`Event::CpusReturned`]).
@@ -116,6 +126,10 @@ pub enum SettleError {
     Append(#[from] cryo_journal::AppendError),
 }
 
+/// Why a caller without a watcher (a stop) leaves a suspension to resume as it is. Not journaled
+/// as settled: it stays in flight for the next guard or agent start.
+const UNTIL_WATCHED: &str = "its context is suspended (safe); the next start of the agent or guard resumes it under watch, `cryo stop` ends it";
+
 /// How long a killed process may take to exit.
 const EXIT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -136,16 +150,34 @@ pub fn settle_in_flight(
         if !pid.is_alive_same() {
             continue;
         }
-        if let Some(by) = f.by {
-            if Some(by) == mine || by.is_alive_same() {
-                // Its owner is at work on it right now.
-                continue;
-            }
+        // The restore undoing it names its own writer (a guard that settled it, say).
+        let restorer = f.restore_started.as_ref().and_then(|r| match r.event {
+            Event::RestoreStarted { unlock_by, .. } => unlock_by,
+            _ => None,
+        });
+        if [f.by, restorer]
+            .into_iter()
+            .flatten()
+            .any(|by| Some(by) == mine || by.is_alive_same())
+        {
+            // Its owner, or the writer of the restore undoing it, is at work on it right now.
+            continue;
         }
         let Ok(h) = pid.open() else {
             continue;
         };
-        let (found, action) = settle_one(gpu, journal, &h, f.purpose, watcher)?;
+        let restoring = f.restore_started.is_some();
+        let (found, action) = settle_one(gpu, journal, &h, f.purpose, restoring, watcher)?;
+        if matches!(&action, Settlement::Left { why } if why == UNTIL_WATCHED) {
+            // Said, not settled: journaled as settled, no guard would ever resume it.
+            out.push(Settled {
+                pid,
+                purpose: f.purpose,
+                found,
+                action,
+            });
+            continue;
+        }
         journal.append(Event::SuspensionSettled {
             pid,
             found: found.clone(),
@@ -173,6 +205,7 @@ fn settle_one(
     journal: &Journal,
     h: &ProcHandle,
     purpose: Option<Purpose>,
+    restoring: bool,
     watcher: Option<&dyn Watcher>,
 ) -> Result<(String, Settlement), SettleError> {
     let left = |found: &str, why: String| Ok((found.to_string(), Settlement::Left { why }));
@@ -189,6 +222,12 @@ fn settle_one(
     let found = state.to_string();
     match state {
         ProcessState::Running => Ok((found, Settlement::Nothing)),
+        // Its context may be restored and live: unlocked only by a thaw's or wake's recovery
+        // under watch ([`crate::restore::finish_unlock`]), never here.
+        ProcessState::Locked if restoring => left(
+            &found,
+            "a restore undoing its suspension began and is not journaled as done: its context may be live; `cryo stop` ends it safely".into(),
+        ),
         ProcessState::Locked => match gpu.driver.unlock(h.pid()) {
             Ok(()) => {
                 journal.append(Event::Unlocked {
@@ -200,30 +239,51 @@ fn settle_one(
             }
             Err(e) => left(&found, format!("cannot unlock it: {e}")),
         },
+        // A restore undoing the suspension was under way: its writer meant it to serve again.
+        ProcessState::Checkpointed if restoring => resume(gpu, journal, h, found, watcher),
         ProcessState::Checkpointed => match purpose {
             Some(Purpose::Stop) | Some(Purpose::Guard) => finish_stop(gpu, journal, h, found),
-            Some(Purpose::Freeze) | Some(Purpose::Park) => match watcher {
-                Some(watcher) => match crate::restore::resume_in_place(
-                    gpu,
-                    journal,
-                    h,
-                    "resumed in place after a freeze that did not finish",
-                    watcher,
-                ) {
-                    Ok(()) => Ok((found, Settlement::Resumed)),
-                    Err(e) => left(&found, format!("cannot resume it: {e}")),
-                },
-                None => left(
-                    &found,
-                    "its context is suspended (safe); the next start of the agent or guard resumes it under watch, `cryo stop` ends it".into(),
-                ),
-            },
+            Some(Purpose::Freeze) | Some(Purpose::Park) => resume(gpu, journal, h, found, watcher),
             Some(Purpose::Other) | None => left(
                 &found,
                 "the journal does not say what it was suspended for; `cryo stop` ends it, `cryo gpu restore` and `cryo gpu unlock` bring it back".into(),
             ),
         },
         ProcessState::Failed => left(&found, "the driver reports it FAILED".into()),
+    }
+}
+
+/// A CHECKPOINTED process restored, traced by `watcher` and unlocked in place; left suspended
+/// (safe) without a watcher.
+fn resume(
+    gpu: &Gpu,
+    journal: &Journal,
+    h: &ProcHandle,
+    found: String,
+    watcher: Option<&dyn Watcher>,
+) -> Result<(String, Settlement), SettleError> {
+    let Some(watcher) = watcher else {
+        return Ok((
+            found,
+            Settlement::Left {
+                why: UNTIL_WATCHED.into(),
+            },
+        ));
+    };
+    match crate::restore::resume_in_place(
+        gpu,
+        journal,
+        h,
+        "resumed in place after a freeze that did not finish",
+        watcher,
+    ) {
+        Ok(()) => Ok((found, Settlement::Resumed)),
+        Err(e) => Ok((
+            found,
+            Settlement::Left {
+                why: format!("cannot resume it: {e}"),
+            },
+        )),
     }
 }
 
@@ -265,12 +325,38 @@ mod tests {
     use cryo_testkit::fake::FakeGpu;
     use cryo_testkit::procs::{self, Procs};
 
+    /// A process that has exited: this test's own child, reaped.
+    fn gone() -> ProcId {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let id = ProcId::of(child.id() as i32).unwrap();
+        child.wait().unwrap();
+        id
+    }
+
+    /// `n` live processes of the fake driver (and their identities), and an empty journal.
+    fn scene(n: usize) -> (Procs, Vec<ProcId>, FakeGpu, tempfile::TempDir, Journal) {
+        let procs = Procs::spawn(n);
+        let ids = procs
+            .pids()
+            .iter()
+            .map(|p| ProcId::of(*p).unwrap())
+            .collect();
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        (procs, ids, FakeGpu::new(), dir, journal)
+    }
+
+    /// What `settled` says was done to `id`.
+    fn action_of(settled: &[Settled], id: ProcId) -> Option<Settlement> {
+        settled
+            .iter()
+            .find(|s| s.pid == id)
+            .map(|s| s.action.clone())
+    }
+
     /// A suspension of `pid` for `purpose` that went as far as `state` and whose owner is gone.
     fn died_at(journal: &Journal, pid: ProcId, purpose: Purpose, state: ProcessState) {
-        // An owner that has exited: this test's own child, reaped.
-        let mut owner = std::process::Command::new("true").spawn().unwrap();
-        let by = ProcId::of(owner.id() as i32).unwrap();
-        owner.wait().unwrap();
+        let by = gone();
         journal
             .append(Event::SuspendStarted {
                 pid,
@@ -297,12 +383,8 @@ mod tests {
     /// checkpointed by a freeze -> resumed as restored; running -> nothing.
     #[test]
     fn half_way_suspensions_are_finished_or_undone_once() {
-        let procs = Procs::spawn(4);
+        let (procs, ids, fake, _dir, journal) = scene(4);
         let p = procs.pids();
-        let fake = FakeGpu::new();
-        let dir = tempfile::tempdir().unwrap();
-        let journal = Journal::open(dir.path()).unwrap();
-        let ids: Vec<ProcId> = p.iter().map(|p| ProcId::of(*p).unwrap()).collect();
         let cases = [
             (Purpose::Stop, ProcessState::Locked),
             (Purpose::Stop, ProcessState::Checkpointed),
@@ -314,12 +396,7 @@ mod tests {
             died_at(&journal, ids[i], *purpose, *state);
         }
         let settled = settle_in_flight(&fake.gpu(), &journal, Some(&crate::NoWatcher)).unwrap();
-        let action = |i: usize| {
-            settled
-                .iter()
-                .find(|s| s.pid == ids[i])
-                .map(|s| s.action.clone())
-        };
+        let action = |i: usize| action_of(&settled, ids[i]);
         assert_eq!(action(0), Some(Settlement::Unlocked), "{settled:?}");
         assert_eq!(action(1), Some(Settlement::Killed), "{settled:?}");
         assert_eq!(action(2), Some(Settlement::Resumed), "{settled:?}");
@@ -339,6 +416,77 @@ mod tests {
             assert!(s.to_string().contains(&s.pid.pid.to_string()), "{s}");
         }
         // Settled once: the next run finds nothing in flight.
+        assert_eq!(
+            settle_in_flight(&fake.gpu(), &journal, Some(&crate::NoWatcher)).unwrap(),
+            Vec::new()
+        );
+    }
+
+    /// A park's undo whose restore intent is journaled and its completion not (the journal
+    /// refused it: the undo checkpointed the worker again): still in flight. Its writer alive:
+    /// left alone. Gone: CHECKPOINTED is resumed under watch, and left suspended by a caller
+    /// without a watcher (a stop) *and still in flight* for the next guard's start (before, a
+    /// stop journaled it settled: the guard after it found nothing to resume, this test failed
+    /// with `None` for `Resumed`); LOCKED (a context perhaps restored and live) is left as it
+    /// is, never unlocked. Each settled once.
+    #[test]
+    fn an_undo_whose_restore_is_not_journaled_as_done_is_resumed_only_once_its_writer_is_gone() {
+        let (procs, ids, fake, dir, journal) = scene(4);
+        let p = procs.pids();
+        let dead = gone();
+        // 0: writer alive (process 3); 1: writer gone, CHECKPOINTED; 2: writer gone, LOCKED.
+        for (i, (writer, state)) in [
+            (ids[3], ProcessState::Checkpointed),
+            (dead, ProcessState::Checkpointed),
+            (dead, ProcessState::Locked),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            fake.add(p[i]).set_state(p[i], state);
+            died_at(&journal, ids[i], Purpose::Park, ProcessState::Checkpointed);
+            journal
+                .append(Event::RestoreStarted {
+                    pid: ids[i],
+                    image: "resumed in place: its park could not be recorded".into(),
+                    unlock_by: Some(writer),
+                })
+                .unwrap();
+        }
+        let flying =
+            cryo_journal::in_flight_stops(&cryo_journal::read(dir.path()).unwrap().records);
+        assert_eq!(flying.len(), 3, "{flying:?}");
+
+        // A stop (no watcher) resumes nothing and unlocks nothing.
+        let settled = settle_in_flight(&fake.gpu(), &journal, None).unwrap();
+        assert!(settled.iter().all(|s| s.pid != ids[0]), "{settled:?}");
+        assert!(
+            settled
+                .iter()
+                .all(|s| matches!(s.action, Settlement::Left { .. })),
+            "{settled:?}"
+        );
+        let why = |i: usize| match action_of(&settled, ids[i]) {
+            Some(Settlement::Left { why }) => why,
+            other => panic!("{other:?}"),
+        };
+        assert!(why(1).contains("resumes it under watch"), "{settled:?}");
+        assert!(why(2).contains("may be live"), "{settled:?}");
+        assert_eq!(fake.state_of(p[1]), ProcessState::Checkpointed);
+        assert_eq!(fake.state_of(p[2]), ProcessState::Locked);
+
+        // A guard's start after it: what the stop left suspended is resumed under watch.
+        let settled = settle_in_flight(&fake.gpu(), &journal, Some(&crate::NoWatcher)).unwrap();
+        let action = |i: usize| action_of(&settled, ids[i]);
+        assert_eq!(action(0), None, "a live writer's restore was touched");
+        assert_eq!(action(1), Some(Settlement::Resumed), "{settled:?}");
+        assert_eq!(action(2), None, "settled twice: {settled:?}");
+        assert_eq!(fake.state_of(p[0]), ProcessState::Checkpointed);
+        assert_eq!(fake.state_of(p[1]), ProcessState::Running);
+        assert_eq!(fake.state_of(p[2]), ProcessState::Locked);
+        assert!(p[..3].iter().all(|p| procs::alive(*p)));
+        assert!(fake.wedges().is_empty(), "{:?}", fake.wedges());
+        // Settled once.
         assert_eq!(
             settle_in_flight(&fake.gpu(), &journal, Some(&crate::NoWatcher)).unwrap(),
             Vec::new()

@@ -167,6 +167,12 @@ pub enum ParkError {
 /// that the park's undo runs.
 pub const PARK_RECORD_FAILS: &str = "park-record-fails";
 
+/// Failpoint (`CRYO_FAILPOINT`, a test hook): as [`PARK_RECORD_FAILS`], and then the undo's
+/// `RestoreCompleted` record fails too (EIO), its `RestoreStarted` written: the undo checkpoints
+/// the worker again. Two transient write errors of a real disk (a path flapping under
+/// multipath, a controller reset) leave the same journal.
+pub const PARK_UNDO_UNRECORDED: &str = "park-undo-unrecorded";
+
 /// Failpoint (`CRYO_FAILPOINT`, a test hook; a pause, see `failpoint::pause_if`): every process
 /// is suspended and verified, nothing is recorded as parked yet; the park waits there until the
 /// file named by `CRYO_FAILPOINT_RESUME` exists, so that a test can fill the disk at that moment.
@@ -301,12 +307,11 @@ fn park_inner(
             }
         };
         if !already || !known.contains_key(&id(h)) {
-            let recorded = if crate::failpoint::active(PARK_RECORD_FAILS) {
-                Err(cryo_journal::AppendError::File(cryo_journal::FileError {
-                    what: "cannot write (failpoint park-record-fails) to",
-                    path: journal.path().to_path_buf(),
-                    source: std::io::Error::from(rustix::io::Errno::IO),
-                }))
+            let fails = [PARK_RECORD_FAILS, PARK_UNDO_UNRECORDED]
+                .into_iter()
+                .find(|f| crate::failpoint::active(f));
+            let recorded = if let Some(f) = fails {
+                Err(crate::failpoint::journal_eio(journal, f))
             } else {
                 journal.append(Event::Parked {
                     pid: id(h),

@@ -143,11 +143,19 @@ fn restore_journaled(
         return Err(RestoreError::Driver(e));
     }
     let took = start.elapsed();
-    if let Err(source) = journal.append(Event::RestoreCompleted {
-        pid: id(h),
-        image: how.to_string(),
-        ms: Some(u64::try_from(took.as_millis()).unwrap_or(u64::MAX)),
-    }) {
+    let completed = if crate::failpoint::active(crate::park::PARK_UNDO_UNRECORDED) {
+        Err(crate::failpoint::journal_eio(
+            journal,
+            crate::park::PARK_UNDO_UNRECORDED,
+        ))
+    } else {
+        journal.append(Event::RestoreCompleted {
+            pid: id(h),
+            image: how.to_string(),
+            ms: Some(u64::try_from(took.as_millis()).unwrap_or(u64::MAX)),
+        })
+    };
+    if let Err(source) = completed {
         let resuspended = gpu.driver.checkpoint(pid).err();
         match &resuspended {
             None => {
