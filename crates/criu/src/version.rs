@@ -15,7 +15,7 @@
 //! not change the version a binary prints, and a build that no longer loads fails at its run.
 
 use std::fmt;
-use std::io::Read;
+use std::io::{Read, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -177,7 +177,10 @@ fn write_cache(path: &Path, c: &Cached) -> std::io::Result<()> {
         .prefix(".criu-version-")
         .permissions(std::fs::Permissions::from_mode(0o600))
         .tempfile_in(dir)?;
-    serde_json::to_writer(&mut tmp, c)?;
+    // Encoded first, written in one `write`: `to_writer` on the file wrote each JSON token
+    // with its own system call (about 70 on a cache miss, measured with strace in session 18).
+    let json = serde_json::to_vec(c)?;
+    tmp.write_all(&json)?;
     tmp.persist(path).map_err(|e| e.error)?;
     Ok(())
 }
