@@ -468,8 +468,14 @@ fn stop_killed_between_checkpoint_and_kill_completes_on_rerun() {
         "the journal does not show the stop in flight"
     );
     // The next stop (of anything) settles it first, and says so.
+    next_stop_kills(&mut sim, st.path(), pid);
+}
+
+/// `cryo stop` of another worker settles `pid`'s stop left in flight first: killed, said, and
+/// the other stopped too, without a wedge.
+fn next_stop_kills(sim: &mut Sim, st: &Path, pid: i32) {
     let (other, _) = sim.worker("1MiB");
-    let (out, v) = stop_json(&sim, st.path(), &[&other.to_string()]);
+    let (out, v) = stop_json(sim, st, &[&other.to_string()]);
     ok(&out);
     let settled = v["settled"].as_array().cloned().unwrap_or_default();
     assert!(
@@ -481,6 +487,56 @@ fn stop_killed_between_checkpoint_and_kill_completes_on_rerun() {
     assert!(!alive(pid));
     assert!(!alive(other));
     sim.assert_no_wedge();
+}
+
+/// Attack (session 19): a stop whose disk fills after its suspension, before its kill (a real
+/// `ENOSPC`: the state directory on a small tmpfs, filled while the stop is paused there, the
+/// journal's last page too). The kill's intent cannot be journaled: the worker must not be
+/// killed unrecorded nor resumed, it stays CHECKPOINTED (its device memory verified gone, never
+/// torn down) and the stop fails naming it; room again, the next stop of anything finishes it
+/// (killed after the last look), without a wedge.
+#[test]
+fn a_stop_meeting_a_full_disk_before_its_kill_is_finished_by_the_next_stop() {
+    use std::io::Read;
+    let mut sim = Sim::start();
+    let t = tempfile::tempdir().unwrap();
+    let st = t.path().join("state");
+    let disk = cryo_testkit::disk::SmallDisk::mount_at(&st, "16M");
+    let (pid, _) = restored_worker(&mut sim, &st, "4MiB");
+    let go = t.path().join("go");
+    let mut stop = cryo_st(&sim, &st)
+        .env(
+            "CRYO_FAILPOINT",
+            cryo_lifecycle::failpoint::STOP_BEFORE_KILL,
+        )
+        .env("CRYO_FAILPOINT_RESUME", &go)
+        .args(["stop", &pid.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = stop.stderr.take().unwrap();
+    let mut said = common::said_until(&mut err, "paused until");
+    let filler = disk.fill();
+    common::fill_journal_page(&st);
+    std::fs::write(&go, b"").unwrap();
+    err.read_to_string(&mut said).unwrap();
+    let status = stop.wait().unwrap();
+    assert!(
+        !status.success(),
+        "stopped unrecorded on a full disk: {said}"
+    );
+    assert!(alive(pid), "killed unrecorded: {said}");
+    assert_eq!(sim.state(pid), "checkpointed", "{said}");
+    assert!(
+        said.contains(&pid.to_string()) && said.contains("No space left on device"),
+        "not named, or not the full disk: {said}"
+    );
+    sim.assert_no_wedge();
+
+    std::fs::remove_file(filler).unwrap();
+    next_stop_kills(&mut sim, &st, pid);
+    drop(disk);
 }
 
 #[test]

@@ -29,7 +29,7 @@ use std::time::Duration;
 pub const ENV: &str = "CRYO_FAILPOINT";
 
 /// `cryo stop`: every CUDA process is suspended and verified (the journal holds `Verified`),
-/// nothing is killed yet.
+/// nothing is killed yet. A pause ([`pause_if`]): stalls until killed without a resume file.
 pub const STOP_BEFORE_KILL: &str = "stop-before-kill";
 
 /// With a pausing failpoint ([`pause_if`]), the file whose creation lets the step go on.

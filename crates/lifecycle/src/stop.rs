@@ -313,7 +313,7 @@ pub fn stop(
             round += 1;
             continue;
         }
-        failpoint::stall_if(failpoint::STOP_BEFORE_KILL);
+        failpoint::pause_if(failpoint::STOP_BEFORE_KILL);
         if !run.last_look()? {
             break Outcome::Refused;
         }
