@@ -134,10 +134,9 @@ fn a_thaw_whose_image_checker_is_stuck_in_a_read_ends_at_its_deadline() {
         .arg(fuse.path())
         .args(["--criu-timeout", &DEADLINE_S.to_string()]);
     let (line, status, said) = refused_in_time(thaw, &fuse, "image refused");
-    assert!(
-        line.contains("the image checker gave no verdict before the restore's deadline"),
-        "{line}"
-    );
+    // The checker's own deadline and the check's race to give it up, each in its own words
+    // (`checker.rs`, `check.rs`): either names the deadline.
+    assert!(line.contains("before the restore's deadline"), "{line}");
     assert!(!status.success(), "{line}: {said:?}");
 }
 
