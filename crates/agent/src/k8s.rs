@@ -1069,6 +1069,27 @@ mod tests {
 
     /// The seqs of the records `feed` has due, each record once posted ([`EventFeed::posted`]);
     /// records lost as `(first, last, 0)` entries.
+    /// Another node's journal under `dir/other`, its 40 records written before anything else.
+    fn other_journal(dir: &std::path::Path) -> StateDir {
+        let other = StateDir::new(dir.join("other"));
+        let o = other.open_journal().unwrap();
+        (1..=40).for_each(|i| {
+            o.append(locked(i)).unwrap();
+        });
+        other
+    }
+
+    /// The feed's position said stored now, after every record written so far (file times are
+    /// coarser than the records' clock).
+    fn stored_now(state: &StateDir) {
+        std::fs::File::options()
+            .write(true)
+            .open(state.kube_events_offset_file())
+            .unwrap()
+            .set_modified(std::time::SystemTime::now())
+            .unwrap();
+    }
+
     fn post_all(feed: &mut EventFeed) -> Vec<(u64, u64, bool)> {
         feed.read();
         let mut out = Vec::new();
@@ -1171,21 +1192,11 @@ mod tests {
     #[test]
     fn a_journal_replacing_an_empty_one_is_not_posted_from_its_first_record() {
         let d = tempfile::tempdir().unwrap();
-        let other = StateDir::new(d.path().join("other"));
-        let o = other.open_journal().unwrap();
-        (1..=40).for_each(|i| {
-            o.append(locked(i)).unwrap();
-        });
-        drop(o);
+        let other = other_journal(d.path());
         let state = StateDir::new(d.path().join("state"));
         std::fs::create_dir_all(state.root()).unwrap();
         assert_eq!(EventFeed::open(&state).saved, 0);
-        std::fs::File::options()
-            .write(true)
-            .open(state.kube_events_offset_file())
-            .unwrap()
-            .set_modified(std::time::SystemTime::now())
-            .unwrap();
+        stored_now(&state);
         let _ = std::fs::remove_dir_all(state.journal_dir());
         std::fs::rename(other.journal_dir(), state.journal_dir()).unwrap();
         state.open_journal().unwrap().append(locked(41)).unwrap();
@@ -1197,23 +1208,13 @@ mod tests {
     fn a_replaced_journal_s_past_is_said_once_and_not_posted() {
         let d = tempfile::tempdir().unwrap();
         // Another node's journal, written first: its 40 records are older than the position.
-        let other = StateDir::new(d.path().join("other"));
-        let o = other.open_journal().unwrap();
-        (1..=40).for_each(|i| {
-            o.append(locked(i)).unwrap();
-        });
-        drop(o);
+        let other = other_journal(d.path());
         let state = StateDir::new(d.path().join("state"));
         state.open_journal().unwrap().append(locked(100)).unwrap();
         assert_eq!(EventFeed::open(&state).saved, 1);
         // Stored after every record of the other journal (file times are coarser than the
         // records' clock: said outright).
-        std::fs::File::options()
-            .write(true)
-            .open(state.kube_events_offset_file())
-            .unwrap()
-            .set_modified(std::time::SystemTime::now())
-            .unwrap();
+        stored_now(&state);
         std::fs::remove_dir_all(state.journal_dir()).unwrap();
         std::fs::rename(other.journal_dir(), state.journal_dir()).unwrap();
         let seq = state
