@@ -1000,7 +1000,7 @@ fn a_freeze_killed_before_its_lock_or_checkpoint_is_journaled_is_settled_by_the_
             assert_eq!(state(&env), "running");
             assert_eq!(answers(&ep), before, "it serves as before");
         } else {
-            assert_eq!(settled["action"]["kind"], "left", "{settled}");
+            assert_eq!(settled["action"]["kind"], "until_watched", "{settled}");
             assert_eq!(state(&env), "checkpointed");
         }
         env.stop_clean(pid);

@@ -345,6 +345,22 @@ fn a_guard_resumes(sim: &Sim, st: &Path, w: &Worker, before: &str) -> GuardProc 
     guard
 }
 
+/// What an operator reads of the processes a park's undo could not bring back: what happens to
+/// them next (they stay suspended until the next guard or agent start resumes them under watch;
+/// `cryo stop` ends one), never a manual `cryo gpu restore`/`unlock` (what it said before
+/// session 20, though the next guard resumes them, and an unlock by hand is not watched).
+fn says_what_happens_next(said: &str) {
+    assert!(
+        said.contains("stay suspended")
+            && said.contains(
+                "until the next start of the guard or agent, which resumes each under watch"
+            )
+            && said.contains("`cryo stop PID` ends one safely")
+            && !said.contains("cryo gpu"),
+        "{said}"
+    );
+}
+
 /// Attack (session 19): a park whose disk fills between its suspension and its `Parked` record
 /// (a real `ENOSPC`: the state directory on a small tmpfs, filled while the park is paused
 /// there, the journal's last page too). Nothing can be written from then on, the undo's restore
@@ -381,6 +397,7 @@ fn a_park_meeting_a_full_disk_before_its_record_leaves_the_worker_suspended_then
     assert!(!status.success(), "parked on a full disk: {said}");
     assert_eq!(sim.state(w.pid), "checkpointed", "{said}");
     assert!(said.contains("could not be recorded"), "{said}");
+    says_what_happens_next(&said);
     assert!(
         said.contains(&format!("pid {}:", w.pid)),
         "not named: {said}"
@@ -403,6 +420,74 @@ fn a_park_meeting_a_full_disk_before_its_record_leaves_the_worker_suspended_then
     drop(disk);
 }
 
+/// A guard that starts resumes `w` (see [`a_guard_resumes`]) and journals the settlement of its
+/// suspension (`found`, `action`): nothing is left parked, no wedge. Returns the guard and the
+/// journal's events.
+fn a_guard_settles(
+    sim: &Sim,
+    st: &Path,
+    w: &Worker,
+    before: &str,
+    (found, action): (&str, &str),
+) -> (GuardProc, Vec<cryo_journal::Event>) {
+    let guard = a_guard_resumes(sim, st, w, before);
+    let ev = events(st);
+    assert!(
+        ev.iter().any(|e| matches!(
+            e,
+            cryo_journal::Event::SuspensionSettled { pid, found: f, action: a }
+                if pid.pid == w.pid && f == found && a == action
+        )),
+        "the settlement ({found}: {action}) is not journaled: {ev:?}"
+    );
+    let s = json(&run(sim, st, &["status", "--json"]));
+    assert_eq!(s["parked"], serde_json::json!([]), "{s}");
+    sim.assert_no_wedge();
+    (guard, ev)
+}
+
+/// The journal of a park whose undo restored `w` and did not record it: the restore's intent,
+/// and no completion, no `Parked`, no unlock.
+fn only_the_undos_intent(st: &Path, w: &Worker) {
+    use cryo_journal::Event;
+    let ev = events(st);
+    let mine = |e: &Event| e.pids().iter().any(|p| p.pid == w.pid);
+    assert!(
+        ev.iter()
+            .any(|e| mine(e) && matches!(e, Event::RestoreStarted { .. }))
+            && !ev.iter().any(|e| mine(e)
+                && matches!(
+                    e,
+                    Event::RestoreCompleted { .. } | Event::Parked { .. } | Event::Unlocked { .. }
+                )),
+        "not the journal of an undo that could not record its restore: {ev:?}"
+    );
+}
+
+/// A stop of another worker: it has no guard to watch a resume, so it leaves `w` as it is
+/// (`state`), says it is left until watched, and must not close its suspension for the guard
+/// after it (no `SuspensionSettled`).
+fn a_stop_leaves_it_until_watched(sim: &Sim, st: &Path, w: &Worker, state: &str) {
+    let other = worker(sim, "16MiB", 1);
+    let o = run(sim, st, &["stop", "--json", &other.pid.to_string()]);
+    ok(&o);
+    let v = json(&o);
+    assert!(
+        v["settled"].as_array().is_some_and(|s| s
+            .iter()
+            .any(|s| s["pid"]["pid"] == w.pid && s["action"]["kind"] == "until_watched")),
+        "{v}"
+    );
+    assert_eq!(sim.state(w.pid), state);
+    assert!(
+        !events(st).iter().any(|e| matches!(
+            e,
+            cryo_journal::Event::SuspensionSettled { pid, .. } if pid.pid == w.pid
+        )),
+        "a stop closed what it could not settle"
+    );
+}
+
 /// Attack (session 19): a park whose `Parked` record is refused, and then its undo's
 /// `RestoreCompleted` too, its `RestoreStarted` taken (failpoint: both appends fail with EIO, as
 /// two transient write errors of a real disk do; a full disk cannot, each refused append leaves
@@ -416,7 +501,6 @@ fn a_park_meeting_a_full_disk_before_its_record_leaves_the_worker_suspended_then
 /// the worker to run, the driver saying "checkpointed".)
 #[test]
 fn a_park_whose_undo_cannot_record_its_restore_is_resumed_by_the_next_guard() {
-    use cryo_journal::Event;
     let sim = Sim::start();
     let st = state();
     let w = worker(&sim, "64MiB", 0);
@@ -435,44 +519,73 @@ fn a_park_whose_undo_cannot_record_its_restore_is_resumed_by_the_next_guard() {
         "{}",
         stderr(&o)
     );
-    let ev = events(st.path());
+    says_what_happens_next(&stderr(&o));
+    only_the_undos_intent(st.path(), &w);
+    sim.assert_no_wedge();
+
+    // A stop of another worker first (before: journaled as settled, no guard would have
+    // resumed it).
+    a_stop_leaves_it_until_watched(&sim, st.path(), &w, "checkpointed");
+
+    let (guard, _) = a_guard_settles(&sim, st.path(), &w, &before, ("checkpointed", "resumed"));
+    drop(guard);
+}
+
+/// Attack (session 20): a park killed between its undo's driver restore and that restore's
+/// `RestoreCompleted` (its `Parked` record refused first; the OOM killer or a restarted node
+/// agent ends a park the same way). The worker is LOCKED, its context restored and live, and the
+/// journal holds only the undo's restore intent, its writer gone. A stop of another worker has
+/// no guard to watch an unlock: it leaves the worker as it is, says so, and must keep it in
+/// flight. A guard that starts then must not leave it LOCKED for good, nor unlock what the
+/// driver has not confirmed whole: it checkpoints it again (the driver does that only for a
+/// whole context; LOCKED -> CHECKPOINTED), restores it under its own journaled intent, traces it
+/// and unlocks it. It serves as before; no wedge.
+#[test]
+fn a_park_killed_between_its_undos_restore_and_its_record_is_resumed_by_the_next_guard() {
+    use cryo_journal::Event;
+    let sim = Sim::start();
+    let st = state();
+    let w = worker(&sim, "64MiB", 0);
+    let before = w.complete("the same question");
+    let mut park = sim
+        .cmd_at(st.path())
+        .env(
+            "CRYO_FAILPOINT",
+            cryo_lifecycle::park::PARK_UNDO_DIES_RESTORED,
+        )
+        .args(["park", &w.pid.to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = park.stderr.take().unwrap();
+    let said = common::said_until(&mut err, "stalling until killed");
+    assert_eq!(sim.state(w.pid), "locked", "{said}");
+    park.kill().unwrap();
+    park.wait().unwrap();
+    only_the_undos_intent(st.path(), &w);
+    sim.assert_no_wedge();
+    a_stop_leaves_it_until_watched(&sim, st.path(), &w, "locked");
+
+    let (guard, ev) = a_guard_settles(
+        &sim,
+        st.path(),
+        &w,
+        &before,
+        ("locked", "checkpointed again, then resumed"),
+    );
     let mine = |e: &Event| e.pids().iter().any(|p| p.pid == w.pid);
+    // Unlocked only after a restore of its own whose completion is journaled.
+    let last_restore = ev
+        .iter()
+        .rposition(|e| mine(e) && matches!(e, Event::RestoreCompleted { .. }));
+    let unlocked = ev
+        .iter()
+        .rposition(|e| mine(e) && matches!(e, Event::Unlocked { .. }));
     assert!(
-        ev.iter()
-            .any(|e| mine(e) && matches!(e, Event::RestoreStarted { .. }))
-            && !ev
-                .iter()
-                .any(|e| mine(e)
-                    && matches!(e, Event::RestoreCompleted { .. } | Event::Parked { .. })),
-        "not the journal two refused appends leave: {ev:?}"
+        matches!((last_restore, unlocked), (Some(r), Some(u)) if r < u),
+        "{ev:?}"
     );
-    sim.assert_no_wedge();
-
-    // A stop of another worker first (no guard to watch a resume): it leaves the worker
-    // suspended and says so, and must not close its suspension for the guard after it (before:
-    // journaled as settled, no guard would have resumed it).
-    let other = worker(&sim, "16MiB", 1);
-    let o = run(&sim, st.path(), &["stop", "--json", &other.pid.to_string()]);
-    ok(&o);
-    let v = json(&o);
-    assert!(
-        v["settled"].as_array().is_some_and(|s| s
-            .iter()
-            .any(|s| s["pid"]["pid"] == w.pid && s["action"]["kind"] == "left")),
-        "{v}"
-    );
-    assert_eq!(sim.state(w.pid), "checkpointed");
-
-    let guard = a_guard_resumes(&sim, st.path(), &w, &before);
-    let ev = events(st.path());
-    assert!(
-        ev.iter().any(|e| mine(e)
-            && matches!(e, Event::SuspensionSettled { action, .. } if action == "resumed")),
-        "the settlement is not journaled: {ev:?}"
-    );
-    let s = json(&run(&sim, st.path(), &["status", "--json"]));
-    assert_eq!(s["parked"], serde_json::json!([]), "{s}");
-    sim.assert_no_wedge();
     drop(guard);
 }
 

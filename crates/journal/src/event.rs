@@ -230,7 +230,8 @@ pub enum Event {
         pid: ProcId,
         /// The driver's state found (`running`, `locked`, `checkpointed`...), or what was wrong.
         found: String,
-        /// What was done (`unlocked`, `killed`, `resumed`, `nothing`, `left as it is: ...`).
+        /// What was done (`unlocked`, `killed`, `resumed`, `checkpointed again, then resumed`,
+        /// `nothing`, `left as it is: ...`).
         action: String,
     },
 

@@ -11,10 +11,12 @@
 //! test can change the world at that exact point and let the step go on.
 //!
 //! # Limitations
-//! No injected errors (the crash itself is the test's SIGKILL), except six:
+//! No injected errors (the crash itself is the test's SIGKILL), except seven:
 //! [`crate::park::PARK_RECORD_FAILS`] fails a park's first `Parked` record after its
 //! suspension (so that the park's undo runs), [`crate::park::PARK_UNDO_UNRECORDED`] fails it
 //! and then the undo's `RestoreCompleted` (so that the undo checkpoints its worker again),
+//! [`crate::park::PARK_UNDO_DIES_RESTORED`] fails it and pauses the undo after its driver
+//! restore, before its `RestoreCompleted` (where a test kills the park),
 //! [`crate::suspend::SUSPEND_ROLL_BACK`] fails a suspension that succeeded, so that its roll-back
 //! runs, the journal's [`cryo_journal::SYNC_FAILPOINT`] (read by the journal's writer from
 //! the same variable) fails every `fdatasync` of the journal with EIO, and
@@ -49,6 +51,9 @@ pub(crate) fn journal_eio(
         what: match name {
             crate::park::PARK_RECORD_FAILS => "cannot write (failpoint park-record-fails) to",
             crate::park::PARK_UNDO_UNRECORDED => "cannot write (failpoint park-undo-unrecorded) to",
+            crate::park::PARK_UNDO_DIES_RESTORED => {
+                "cannot write (failpoint park-undo-dies-restored) to"
+            }
             crate::freeze::FREEZE_VERIFIED_UNWRITTEN => {
                 "cannot write (failpoint freeze-verified-unwritten) to"
             }

@@ -25,24 +25,34 @@
 //! EIOs: the park's record, then the restore's) checkpoints the process again, and nothing else
 //! would ever resume it. Its writer (the intent's `unlock_by`) must be gone too; then
 //! CHECKPOINTED is resumed under watch whatever the suspension was for (its writer meant it to
-//! serve again), and LOCKED (a context perhaps restored and live) is left as it is and named,
-//! never unlocked here.
+//! serve again). LOCKED there means the driver restored it and its writer died before the
+//! completion's record, or could not checkpoint it again after a refused one; its context is
+//! perhaps restored and live, and nothing in the journal says the restore went through. The
+//! state's word is not taken for that: on r580 what `GetState` answers while a restore whose
+//! caller died is still under way is not measured (newer drivers say RESTORING, which
+//! [`crate::cuda::settled_state`] waits out). So a caller with a watcher checkpoints it again
+//! first (LOCKED -> CHECKPOINTED, the driver's word that its context is whole: the call a
+//! refused completion and a stop make), journals that, and resumes it as any CHECKPOINTED one,
+//! through a restore of its own whose completion is journaled, traced before the unlock; a
+//! checkpoint the driver refuses leaves it LOCKED and named, never unlocked. It is never
+//! unlocked on the state alone, and never without the watch.
 //!
 //! Each settled process gets an [`Event::SuspensionSettled`] record saying what was found and done,
-//! so it is settled once; callers print the returned [`Settled`] list. A process left to resume
-//! by a caller without a watcher gets none: it stays in flight for the next guard or agent start.
+//! so it is settled once; callers print the returned [`Settled`] list. A process a caller without
+//! a watcher (a stop) leaves to resume ([`Settlement::UntilWatched`]) gets none: it stays in
+//! flight for the next guard or agent start.
 //!
 //! Before the suspensions, the CPU sets a dump that died left pinned are given back
 //! ([`crate::cpus`]; each such dump closed with an [`Event::CpusReturned`]).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cryo_gpu::{Gpu, ProcessState};
 use cryo_journal::{Event, Journal, ProcId, Purpose};
 use cryo_proc::ProcHandle;
 
 use crate::runnable::{runnable, Runnable};
-use crate::suspend::{id, me};
+use crate::suspend::{abandoned, id, me};
 use crate::watcher::Watcher;
 
 /// What was done to one process whose suspension died half-way.
@@ -57,6 +67,14 @@ pub enum Settlement {
     Killed,
     /// It was CHECKPOINTED by a freeze that did not finish: restored and unlocked in place.
     Resumed,
+    /// It was LOCKED after a restore undoing its suspension that is not journaled as done:
+    /// checkpointed again (the driver's word that its context is whole), then restored and
+    /// unlocked in place under watch.
+    ResumedAfterCheckpoint,
+    /// Its suspension is to be undone under watch and the caller has no watcher (a stop): left
+    /// as it is (CHECKPOINTED or LOCKED: it runs no GPU work, its context is never torn down)
+    /// and *not* journaled as settled, so the next guard or agent start resumes it.
+    UntilWatched,
     /// Its main thread was left pinned to one CPU by a dump that did not finish (see
     /// [`crate::cpus`]): its own CPU set is back.
     CpusReturned,
@@ -103,6 +121,16 @@ impl std::fmt::Display for Settled {
                 f,
                 "pid {pid}: {what} left it checkpointed; restored and unlocked in place"
             ),
+            Settlement::ResumedAfterCheckpoint => write!(
+                f,
+                "pid {pid}: {what} left it {}, its restore not journaled as done; checkpointed again (the driver's word that its context is whole), then restored and unlocked in place under watch",
+                self.found
+            ),
+            Settlement::UntilWatched => write!(
+                f,
+                "pid {pid}: {what} left it {}; left as it is (it runs no GPU work, its context is never torn down): the next start of the agent or guard resumes it under watch, `cryo stop` ends it safely",
+                self.found
+            ),
             Settlement::CpusReturned => {
                 write!(f, "pid {pid}: {}; its own CPU set given back", self.found)
             }
@@ -125,10 +153,6 @@ pub enum SettleError {
     #[error("cannot write the journal: {0}")]
     Append(#[from] cryo_journal::AppendError),
 }
-
-/// Why a caller without a watcher (a stop) leaves a suspension to resume as it is. Not journaled
-/// as settled: it stays in flight for the next guard or agent start.
-const UNTIL_WATCHED: &str = "its context is suspended (safe); the next start of the agent or guard resumes it under watch, `cryo stop` ends it";
 
 /// How long a killed process may take to exit.
 const EXIT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -168,28 +192,13 @@ pub fn settle_in_flight(
         };
         let restoring = f.restore_started.is_some();
         let (found, action) = settle_one(gpu, journal, &h, f.purpose, restoring, watcher)?;
-        if matches!(&action, Settlement::Left { why } if why == UNTIL_WATCHED) {
-            // Said, not settled: journaled as settled, no guard would ever resume it.
-            out.push(Settled {
+        if let Some(done) = journaled(&action) {
+            journal.append(Event::SuspensionSettled {
                 pid,
-                purpose: f.purpose,
-                found,
-                action,
-            });
-            continue;
+                found: found.clone(),
+                action: done,
+            })?;
         }
-        journal.append(Event::SuspensionSettled {
-            pid,
-            found: found.clone(),
-            action: match &action {
-                Settlement::Nothing => "nothing".to_string(),
-                Settlement::Unlocked => "unlocked".to_string(),
-                Settlement::Killed => "killed".to_string(),
-                Settlement::Resumed => "resumed".to_string(),
-                Settlement::CpusReturned => "its CPU set given back".to_string(),
-                Settlement::Left { why } => format!("left as it is: {why}"),
-            },
-        })?;
         out.push(Settled {
             pid,
             purpose: f.purpose,
@@ -198,6 +207,22 @@ pub fn settle_in_flight(
         });
     }
     Ok(out)
+}
+
+/// What a settlement's [`Event::SuspensionSettled`] record says was done; `None` for one that
+/// is said and not journaled (it stays in flight: journaled as settled, no guard would ever
+/// resume it).
+fn journaled(action: &Settlement) -> Option<String> {
+    Some(match action {
+        Settlement::UntilWatched => return None,
+        Settlement::Nothing => "nothing".to_string(),
+        Settlement::Unlocked => "unlocked".to_string(),
+        Settlement::Killed => "killed".to_string(),
+        Settlement::Resumed => "resumed".to_string(),
+        Settlement::ResumedAfterCheckpoint => "checkpointed again, then resumed".to_string(),
+        Settlement::CpusReturned => "its CPU set given back".to_string(),
+        Settlement::Left { why } => format!("left as it is: {why}"),
+    })
 }
 
 fn settle_one(
@@ -222,12 +247,12 @@ fn settle_one(
     let found = state.to_string();
     match state {
         ProcessState::Running => Ok((found, Settlement::Nothing)),
-        // Its context may be restored and live: unlocked only by a thaw's or wake's recovery
-        // under watch ([`crate::restore::finish_unlock`]), never here.
-        ProcessState::Locked if restoring => left(
-            &found,
-            "a restore undoing its suspension began and is not journaled as done: its context may be live; `cryo stop` ends it safely".into(),
-        ),
+        // Its context may be restored and live, or not whole: never unlocked on the state's
+        // word (see the module docs).
+        ProcessState::Locked if restoring => match watcher {
+            Some(watcher) => checkpoint_then_resume(gpu, journal, h, found, watcher),
+            None => Ok((found, Settlement::UntilWatched)),
+        },
         ProcessState::Locked => match gpu.driver.unlock(h.pid()) {
             Ok(()) => {
                 journal.append(Event::Unlocked {
@@ -263,12 +288,7 @@ fn resume(
     watcher: Option<&dyn Watcher>,
 ) -> Result<(String, Settlement), SettleError> {
     let Some(watcher) = watcher else {
-        return Ok((
-            found,
-            Settlement::Left {
-                why: UNTIL_WATCHED.into(),
-            },
-        ));
+        return Ok((found, Settlement::UntilWatched));
     };
     match crate::restore::resume_in_place(
         gpu,
@@ -284,6 +304,40 @@ fn resume(
                 why: format!("cannot resume it: {e}"),
             },
         )),
+    }
+}
+
+/// A LOCKED process whose restore (undoing its suspension) is not journaled as done, its writer
+/// gone: checkpointed again (LOCKED -> CHECKPOINTED: the driver copies out only a whole
+/// context), journaled, then [`resume`]d under `watcher` through a restore of its own. A
+/// checkpoint the driver refuses leaves it LOCKED and named, never unlocked.
+fn checkpoint_then_resume(
+    gpu: &Gpu,
+    journal: &Journal,
+    h: &ProcHandle,
+    found: String,
+    watcher: &dyn Watcher,
+) -> Result<(String, Settlement), SettleError> {
+    let start = Instant::now();
+    if let Err(e) = gpu.driver.checkpoint(h.pid()) {
+        abandoned(Some(journal), h, &e);
+        return Ok((
+            found,
+            Settlement::Left {
+                why: format!("a restore undoing its suspension began and is not journaled as done, and it cannot be checkpointed again to confirm its context is whole ({e}): its context may be live, so it is left LOCKED, never unlocked; `cryo stop` ends it safely"),
+            },
+        ));
+    }
+    // Suspended again: a guard that dies from here on leaves a CHECKPOINTED suspension in
+    // flight, which the next one resumes.
+    journal.append(Event::Checkpointed {
+        pid: id(h),
+        ms: u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX),
+        bytes: 0,
+    })?;
+    match resume(gpu, journal, h, found, Some(watcher))? {
+        (found, Settlement::Resumed) => Ok((found, Settlement::ResumedAfterCheckpoint)),
+        other => Ok(other),
     }
 }
 
@@ -322,7 +376,7 @@ fn finish_stop(
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use cryo_testkit::fake::FakeGpu;
+    use cryo_testkit::fake::{Call, FakeGpu};
     use cryo_testkit::procs::{self, Procs};
 
     /// A process that has exited: this test's own child, reaped.
@@ -423,21 +477,27 @@ mod tests {
     }
 
     /// A park's undo whose restore intent is journaled and its completion not (the journal
-    /// refused it: the undo checkpointed the worker again): still in flight. Its writer alive:
-    /// left alone. Gone: CHECKPOINTED is resumed under watch, and left suspended by a caller
-    /// without a watcher (a stop) *and still in flight* for the next guard's start (before, a
-    /// stop journaled it settled: the guard after it found nothing to resume, this test failed
-    /// with `None` for `Resumed`); LOCKED (a context perhaps restored and live) is left as it
-    /// is, never unlocked. Each settled once.
+    /// refused it, or its writer died after the driver's restore). Its writer alive: left alone.
+    /// Gone: a caller without a watcher (a stop) resumes and unlocks nothing and journals
+    /// nothing, so both stay in flight (before, a stop journaled it settled: the guard after it
+    /// found nothing to resume, this test failed with `None` for `Resumed`; and LOCKED was
+    /// journaled "left as it is" by the stop, the guard never looked at it again). A guard's
+    /// start then resumes CHECKPOINTED under watch, and LOCKED (a context perhaps restored and
+    /// live, perhaps not whole: the state alone does not say) only after the driver checkpointed
+    /// it again, through a restore of its own: never an unlock of what it found. A LOCKED one
+    /// the driver will not checkpoint again stays LOCKED, named, never unlocked. Each settled
+    /// once.
     #[test]
     fn an_undo_whose_restore_is_not_journaled_as_done_is_resumed_only_once_its_writer_is_gone() {
-        let (procs, ids, fake, dir, journal) = scene(4);
+        let (procs, ids, fake, dir, journal) = scene(5);
         let p = procs.pids();
         let dead = gone();
-        // 0: writer alive (process 3); 1: writer gone, CHECKPOINTED; 2: writer gone, LOCKED.
+        // 0: writer alive (process 4); 1: writer gone, CHECKPOINTED; 2: writer gone, LOCKED;
+        // 3: writer gone, LOCKED, and the driver refuses its new checkpoint.
         for (i, (writer, state)) in [
-            (ids[3], ProcessState::Checkpointed),
+            (ids[4], ProcessState::Checkpointed),
             (dead, ProcessState::Checkpointed),
+            (dead, ProcessState::Locked),
             (dead, ProcessState::Locked),
         ]
         .into_iter()
@@ -453,44 +513,137 @@ mod tests {
                 })
                 .unwrap();
         }
-        let flying =
-            cryo_journal::in_flight_stops(&cryo_journal::read(dir.path()).unwrap().records);
-        assert_eq!(flying.len(), 3, "{flying:?}");
+        let flying = |dir: &std::path::Path| {
+            cryo_journal::in_flight_stops(&cryo_journal::read(dir).unwrap().records)
+        };
+        assert_eq!(flying(dir.path()).len(), 4);
 
-        // A stop (no watcher) resumes nothing and unlocks nothing.
+        // A stop (no watcher) resumes nothing, unlocks nothing, journals nothing.
         let settled = settle_in_flight(&fake.gpu(), &journal, None).unwrap();
         assert!(settled.iter().all(|s| s.pid != ids[0]), "{settled:?}");
-        assert!(
-            settled
-                .iter()
-                .all(|s| matches!(s.action, Settlement::Left { .. })),
-            "{settled:?}"
-        );
-        let why = |i: usize| match action_of(&settled, ids[i]) {
-            Some(Settlement::Left { why }) => why,
-            other => panic!("{other:?}"),
-        };
-        assert!(why(1).contains("resumes it under watch"), "{settled:?}");
-        assert!(why(2).contains("may be live"), "{settled:?}");
+        for id in &ids[1..4] {
+            assert_eq!(
+                action_of(&settled, *id),
+                Some(Settlement::UntilWatched),
+                "{settled:?}"
+            );
+        }
+        assert_eq!(flying(dir.path()).len(), 4, "a stop closed what it left");
         assert_eq!(fake.state_of(p[1]), ProcessState::Checkpointed);
         assert_eq!(fake.state_of(p[2]), ProcessState::Locked);
+        assert!(fake.calls().iter().all(|(_, c)| *c == Call::State));
 
-        // A guard's start after it: what the stop left suspended is resumed under watch.
+        // A guard's start after it.
+        fake.fail_next_on(p[3], Call::Checkpoint, cryo_gpu::CuResult::UNKNOWN);
         let settled = settle_in_flight(&fake.gpu(), &journal, Some(&crate::NoWatcher)).unwrap();
         let action = |i: usize| action_of(&settled, ids[i]);
         assert_eq!(action(0), None, "a live writer's restore was touched");
         assert_eq!(action(1), Some(Settlement::Resumed), "{settled:?}");
-        assert_eq!(action(2), None, "settled twice: {settled:?}");
+        assert_eq!(
+            action(2),
+            Some(Settlement::ResumedAfterCheckpoint),
+            "{settled:?}"
+        );
+        assert!(
+            matches!(action(3), Some(Settlement::Left { why }) if why.contains("never unlocked")),
+            "{settled:?}"
+        );
         assert_eq!(fake.state_of(p[0]), ProcessState::Checkpointed);
         assert_eq!(fake.state_of(p[1]), ProcessState::Running);
-        assert_eq!(fake.state_of(p[2]), ProcessState::Locked);
-        assert!(p[..3].iter().all(|p| procs::alive(*p)));
+        assert_eq!(fake.state_of(p[2]), ProcessState::Running);
+        assert_eq!(fake.state_of(p[3]), ProcessState::Locked);
+        assert_eq!(fake.count(p[3], Call::Unlock), 0, "unlocked unconfirmed");
+        // LOCKED was unlocked only after the driver checkpointed it and restored it again.
+        let order: Vec<Call> = fake
+            .calls()
+            .into_iter()
+            .filter(|(pid, c)| *pid == p[2] && *c != Call::State)
+            .map(|(_, c)| c)
+            .collect();
+        assert_eq!(
+            order,
+            [Call::Checkpoint, Call::Restore, Call::Unlock],
+            "{order:?}"
+        );
+        assert!(p[..4].iter().all(|p| procs::alive(*p)));
         assert!(fake.wedges().is_empty(), "{:?}", fake.wedges());
+        for s in &settled {
+            assert!(s.to_string().contains(&s.pid.pid.to_string()), "{s}");
+        }
         // Settled once.
         assert_eq!(
             settle_in_flight(&fake.gpu(), &journal, Some(&crate::NoWatcher)).unwrap(),
             Vec::new()
         );
+    }
+
+    /// A settlement the caller only says ([`Settlement::UntilWatched`]) is never journaled as
+    /// settled, and every other one is, whatever its words: the decision is the variant's, not a
+    /// message's (before, `why == UNTIL_WATCHED` decided it, so rewording one of the two
+    /// messages would have journaled "said" as settled: no guard would have resumed it). Each
+    /// way a caller without a watcher can leave a suspension to resume reaches the variant.
+    #[test]
+    fn only_what_is_left_until_watched_stays_in_flight() {
+        for action in [
+            Settlement::Nothing,
+            Settlement::Unlocked,
+            Settlement::Killed,
+            Settlement::Resumed,
+            Settlement::ResumedAfterCheckpoint,
+            Settlement::CpusReturned,
+            Settlement::Left {
+                why: "the next start of the agent or guard resumes it under watch".into(),
+            },
+        ] {
+            assert!(journaled(&action).is_some(), "{action:?}");
+        }
+        assert_eq!(journaled(&Settlement::UntilWatched), None);
+
+        // Checkpointed by a freeze, by a park, and an undo's restore left CHECKPOINTED and
+        // LOCKED: a stop leaves all four until watched, says why, and the journal keeps them in
+        // flight.
+        let (procs, ids, fake, dir, journal) = scene(4);
+        let p = procs.pids();
+        let dead = gone();
+        for (i, (purpose, state, undo)) in [
+            (Purpose::Freeze, ProcessState::Checkpointed, false),
+            (Purpose::Park, ProcessState::Checkpointed, false),
+            (Purpose::Park, ProcessState::Checkpointed, true),
+            (Purpose::Freeze, ProcessState::Locked, true),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            fake.add(p[i]).set_state(p[i], state);
+            died_at(&journal, ids[i], purpose, ProcessState::Checkpointed);
+            if undo {
+                journal
+                    .append(Event::RestoreStarted {
+                        pid: ids[i],
+                        image: "resumed in place".into(),
+                        unlock_by: Some(dead),
+                    })
+                    .unwrap();
+            }
+        }
+        let settled = settle_in_flight(&fake.gpu(), &journal, None).unwrap();
+        assert_eq!(settled.len(), 4, "{settled:?}");
+        for s in &settled {
+            assert_eq!(s.action, Settlement::UntilWatched, "{s}");
+            let said = s.to_string();
+            assert!(
+                said.contains("resumes it under watch") && said.contains(&s.found),
+                "{said}"
+            );
+        }
+        let records = cryo_journal::read(dir.path()).unwrap().records;
+        assert!(
+            !records
+                .iter()
+                .any(|r| matches!(r.event, Event::SuspensionSettled { .. })),
+            "{records:?}"
+        );
+        assert_eq!(cryo_journal::in_flight_stops(&records).len(), 4);
     }
 
     /// A suspension whose owner is still alive is at work: left alone. One checkpointed by a stop

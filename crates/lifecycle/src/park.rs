@@ -173,6 +173,12 @@ pub const PARK_RECORD_FAILS: &str = "park-record-fails";
 /// multipath, a controller reset) leave the same journal.
 pub const PARK_UNDO_UNRECORDED: &str = "park-undo-unrecorded";
 
+/// Failpoint (`CRYO_FAILPOINT`, a test hook; a pause, see `failpoint::pause_if`): as
+/// [`PARK_RECORD_FAILS`], and then the undo pauses between the driver's restore (the worker is
+/// LOCKED, its context restored) and its `RestoreCompleted` record, so that a test kills the park
+/// there: what a park killed at that moment (the OOM killer, a node agent restarted) leaves.
+pub const PARK_UNDO_DIES_RESTORED: &str = "park-undo-dies-restored";
+
 /// Failpoint (`CRYO_FAILPOINT`, a test hook; a pause, see `failpoint::pause_if`): every process
 /// is suspended and verified, nothing is recorded as parked yet; the park waits there until the
 /// file named by `CRYO_FAILPOINT_RESUME` exists, so that a test can fill the disk at that moment.
@@ -307,9 +313,13 @@ fn park_inner(
             }
         };
         if !already || !known.contains_key(&id(h)) {
-            let fails = [PARK_RECORD_FAILS, PARK_UNDO_UNRECORDED]
-                .into_iter()
-                .find(|f| crate::failpoint::active(f));
+            let fails = [
+                PARK_RECORD_FAILS,
+                PARK_UNDO_UNRECORDED,
+                PARK_UNDO_DIES_RESTORED,
+            ]
+            .into_iter()
+            .find(|f| crate::failpoint::active(f));
             let recorded = if let Some(f) = fails {
                 Err(crate::failpoint::journal_eio(journal, f))
             } else {

@@ -143,6 +143,7 @@ fn restore_journaled(
         return Err(RestoreError::Driver(e));
     }
     let took = start.elapsed();
+    crate::failpoint::pause_if(crate::park::PARK_UNDO_DIES_RESTORED);
     let completed = if crate::failpoint::active(crate::park::PARK_UNDO_UNRECORDED) {
         Err(crate::failpoint::journal_eio(
             journal,
@@ -225,7 +226,10 @@ pub fn resume_in_place(
 }
 
 /// What an undo that resumes processes in place (a park or a freeze that cannot record its
-/// suspension) says of the processes it could not bring back (`left`: each pid and why).
+/// suspension) says of the processes it could not bring back (`left`: each pid and why): what
+/// happens to them next. Each is CHECKPOINTED or LOCKED with its suspension (or its completed
+/// restore) in the journal, so the next guard or agent start settles it under watch
+/// ([`crate::settle_in_flight`], [`finish_unlock`]).
 pub(crate) fn fmt_left(left: &[(Pid, String)]) -> String {
     if left.is_empty() {
         return "every process it suspended was resumed in place: the worker serves again".into();
@@ -235,7 +239,7 @@ pub(crate) fn fmt_left(left: &[(Pid, String)]) -> String {
         .map(|(pid, why)| format!("pid {pid}: {why}"))
         .collect();
     format!(
-        "not every process could be resumed, and those stay suspended with their device memory in their host memory, never torn down (`cryo gpu restore PID`, then `cryo gpu unlock PID`, brings one back; `cryo stop PID` ends it safely): {}",
+        "not every process could be resumed: those stay suspended (CHECKPOINTED, or LOCKED: they run no GPU work), their device memory in their host memory, never torn down, until the next start of the guard or agent, which resumes each under watch or names why it cannot; `cryo stop PID` ends one safely: {}",
         left.join("; ")
     )
 }
