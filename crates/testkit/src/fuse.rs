@@ -430,6 +430,15 @@ impl Stalling {
         self.shared.lock().unwrap().senders.clone()
     }
 
+    /// Answers every held request with `EIO`, and every later read of the picked files too
+    /// (nothing is held from then on): a disk that stopped answering, then failed. A fault
+    /// that was waiting on a held read of a mapped file's page then ends as SIGBUS (the kernel's
+    /// one retry of the read fails as well), at the moment the test chooses.
+    pub fn fail_all(&self) {
+        self.shared.lock().unwrap().failing = true;
+        self.answer_all();
+    }
+
     /// Answers every held request with `EIO`; nothing is held from then on.
     pub fn answer_all(&self) {
         let held = {

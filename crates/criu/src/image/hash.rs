@@ -240,8 +240,8 @@ pub(crate) fn check_span(
 
 /// Checks span `s` of `f` through `m`, `f` mapped ([`Mapped`]): hashed where its bytes lie in
 /// the page cache, no copy. A page that cannot be read (the file shrank, its storage failed) is
-/// an error, never a signal that ends the process, as long as [`Mapped::guarded`] (asked by the
-/// caller just before) holds.
+/// an error, never a signal that ends the process, as long as [`Mapped::guarded`] holds (the
+/// caller asks just before, and again after: a span hashed while it did not is read again).
 pub(crate) fn check_span_mapped(
     m: &Mapped,
     f: &File,
@@ -259,6 +259,14 @@ pub(crate) fn check_span_mapped(
         });
     }
     m.populate(offset, len).map_err(|e| lost(f, end, e))?;
+    #[cfg(test)]
+    if let Some(hook) = AFTER_POPULATE
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+    {
+        hook();
+    }
     let mut h = Hasher::new(alg);
     h.update(&m.bytes()[offset..offset + len]);
     m.release(offset, len);
@@ -267,6 +275,12 @@ pub(crate) fn check_span_mapped(
     }
     verdict(f, s, h)
 }
+
+/// Test hook: runs on the checking thread between a mapped span's populate and its hash, where
+/// a page lost faults under the hash (what no file system does on cue).
+#[cfg(test)]
+pub(crate) static AFTER_POPULATE: std::sync::Mutex<Option<Box<dyn Fn() + Send>>> =
+    std::sync::Mutex::new(None);
 
 /// The verdict on span `s` of `f`, hashed into `h`: nothing may follow a file's last span, and
 /// the digest must match (an empty span without a digest is an empty file of format 3).
@@ -368,10 +382,15 @@ pub(crate) fn check_spans_in_order(
                     // Cached: hashed where it lies. Not (yet) cached, from a cold disk: read,
                     // whose readahead streams the file (a mapping's faults read it in
                     // smaller pieces). Nor while a SIGBUS handler installed after cryo's
-                    // would get a lost page's fault (`mapped`).
+                    // would get a lost page's fault (`mapped`); one installed during the
+                    // hash may have been given a fault of the span and answered it its own
+                    // way (the bytes hashed then are not the file's): the span is read again.
                     let r = match m {
                         Some(m) if resident(m, sp) && m.guarded() => {
-                            check_span_mapped(m, f, sp, alg)
+                            match check_span_mapped(m, f, sp, alg) {
+                                _ if !m.guarded() => check_span(f, sp, alg, &mut buf),
+                                r => r,
+                            }
                         }
                         _ => check_span(f, sp, alg, &mut buf),
                     };

@@ -38,9 +38,31 @@
 //! under the library's handler would hand a lost page's fault to it (one that does not chain
 //! ended the process its own way). Only the default action is taken back: it is what a handler
 //! of the chain restores before a fault kills, or after a *sent* SIGBUS it swallowed, and
-//! nothing chains from it. What remains: a library that installs its handler while a span is
-//! being hashed (between the look and the end of that span's hash) gets that span's fault, if a
-//! page is lost in that same moment.
+//! nothing chains from it.
+//!
+//! A library that installs its handler while a span is being hashed (between the look and the
+//! end of that span's hash) is given a fault of that span, if a page is lost in that same
+//! moment: the handler table is the process's, and no program keeps a synchronous signal from
+//! a handler installed after its own (short of interposing `sigaction`, as the JVM's `libjsig`
+//! does, which misses raw system calls anyway). A handler that chains, as one sharing a
+//! process must, hands it on to cryo's, and the span is an error; the check asks again after
+//! the hash, and a span hashed while the handler changed is read again with `pread`, so that a
+//! handler that answered the fault its own way (a page of zeros mapped there, say) cannot make
+//! a span pass whose storage failed. One that ends the process on any SIGBUS ends it.
+//!
+//! # A SIGBUS sent, not a fault
+//! A SIGBUS sent by a process (`kill -BUS`: `si_code` <= 0) is never a mapping's fault, and
+//! nothing runs again when a handler returns. It gets what the action before cryo's gives it:
+//! ignored, that handler's answer (the agent logs it and goes on), or the default action, which
+//! ends the process with a core, as without cryo's handler; before that one line on stderr
+//! names the sender, so that the end is neither silent nor taken for a crash of cryo's. Whoever
+//! sends SIGBUS asks for that end (a crash, on purpose), and every command is written to be
+//! safe at a SIGKILL at any point (`cli/src/defer.rs`): swallowing it would hide the request,
+//! and left the default action in place, with no handler of cryo's, for the rest of the span.
+//! A handler that reverts to the default action and returns (Rust's runtime's, made for a
+//! fault, which runs again and meets that action) asks for the default action too, so a sent
+//! signal is raised again after it. Once the default action is on its way, cryo's handler is
+//! never put back over it, and nothing more is mapped.
 //!
 //! # Async-signal safety
 //! The handler loads atomics, calls `mmap` and `sigaction`, and the previous handler. `mmap`
@@ -279,6 +301,9 @@ fn guard() -> bool {
     static REPLACED_SAID: AtomicBool = AtomicBool::new(false);
     PAGE_NOTED.get_or_init(|| PAGE.store(rustix::param::page_size(), Ordering::Relaxed));
     let _one = LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    if ENDING.load(Ordering::Acquire) {
+        return false;
+    }
     let ours = on_sigbus as *const () as usize;
     // SAFETY: zeroed `sigaction`s are valid (empty masks, no flags); the first call only reads
     // the current action; the second installs a handler that is async-signal-safe (see the
@@ -316,13 +341,17 @@ fn guard() -> bool {
 }
 
 /// The SIGBUS handler (see the module docs). Async-signal-safe: atomics, `mmap` (rustix's raw
-/// system call) and `sigaction`, and the previous handler.
+/// system call), `sigaction`, `write` and `raise`, and the previous handler.
 extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // SAFETY: the kernel hands a valid siginfo for a SA_SIGINFO handler; `si_addr` is the
-    // faulting address for a SIGBUS the kernel raised (`si_code` > 0; one sent by a process
-    // has a sender there instead, and is never ours).
+    // faulting address for a SIGBUS the kernel raised (`si_code` > 0); one sent by a process
+    // (`si_code` <= 0) has its sender there instead, and is never a mapping's fault.
     let (code, addr) = unsafe { ((*info).si_code, (*info).si_addr() as usize) };
-    for s in TABLE.iter().filter(|_| code > 0) {
+    if code <= 0 {
+        sent(sig, info, ctx);
+        return;
+    }
+    for s in TABLE.iter() {
         let start = s.start.load(Ordering::Acquire);
         let end = s.end.load(Ordering::Acquire);
         if start == 0 || start == usize::MAX || !(start..end).contains(&addr) {
@@ -352,20 +381,69 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
     previous(sig, info, ctx);
 }
 
-/// Hands a SIGBUS that is not ours to the action before cryo's: its handler, or the default
-/// action (restored, so that the fault, run again on return, kills as it would have).
+/// Set once a SIGBUS is being given the default action (the process is ending): cryo's
+/// handler is not put back over it (see [`guard`]), and nothing is mapped from then on.
+static ENDING: AtomicBool = AtomicBool::new(false);
+
+/// Hands a fault that is not a registered mapping's to the action before cryo's: its handler,
+/// or the default action (restored, so that the fault, run again on return, kills as it would
+/// have).
 fn previous(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     let handler = PREVIOUS.load(Ordering::Acquire);
     if handler == libc::SIG_DFL || handler == libc::SIG_IGN {
-        // SAFETY: a zeroed sigaction is SIG_DFL with an empty mask; sigaction is
-        // async-signal-safe.
-        unsafe {
-            let mut dfl: libc::sigaction = std::mem::zeroed();
-            dfl.sa_sigaction = libc::SIG_DFL;
-            libc::sigaction(sig, &dfl, std::ptr::null_mut());
-        }
+        ENDING.store(true, Ordering::Release);
+        default_action(sig);
         return;
     }
+    call(handler, sig, info, ctx);
+}
+
+/// A SIGBUS sent by a process (`kill`, `tgkill`, `sigqueue`: `si_code` <= 0): no fault, and
+/// nothing runs again when the handler returns. It gets what the action before cryo's gives
+/// it: ignored, or that handler's answer (the agent logs it and goes on), or the default
+/// action, which ends the process with a core as it would have without cryo's handler, after
+/// one line on stderr that names the sender (the end is not a fault of cryo's, nor silent).
+/// A handler that reverts to the default action and returns (Rust's runtime's, made for a
+/// fault, which runs again and meets that action) asks for the default action too: returning
+/// would swallow a sent signal, so it is raised again.
+fn sent(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    let handler = PREVIOUS.load(Ordering::Acquire);
+    if handler == libc::SIG_IGN {
+        return;
+    }
+    if handler != libc::SIG_DFL {
+        call(handler, sig, info, ctx);
+        // SAFETY: a zeroed sigaction to fill; sigaction only reads the current action.
+        let now = unsafe {
+            let mut now: libc::sigaction = std::mem::zeroed();
+            libc::sigaction(sig, std::ptr::null(), &mut now);
+            now.sa_sigaction
+        };
+        if now != libc::SIG_DFL {
+            return;
+        }
+    }
+    ENDING.store(true, Ordering::Release);
+    say_sent(info);
+    default_action(sig);
+    // SAFETY: raise is async-signal-safe; the signal stays pending (blocked in this handler)
+    // and acts, with the default action, when the handler returns.
+    unsafe { libc::raise(sig) };
+}
+
+/// Puts back the default action for `sig`.
+fn default_action(sig: libc::c_int) {
+    // SAFETY: a zeroed sigaction is SIG_DFL with an empty mask; sigaction is
+    // async-signal-safe.
+    unsafe {
+        let mut dfl: libc::sigaction = std::mem::zeroed();
+        dfl.sa_sigaction = libc::SIG_DFL;
+        libc::sigaction(sig, &dfl, std::ptr::null_mut());
+    }
+}
+
+/// Calls `handler`, the action before cryo's, with the kernel's arguments.
+fn call(handler: usize, sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     if PREVIOUS_SIGINFO.load(Ordering::Acquire) {
         // SAFETY: the previous action was installed as a SA_SIGINFO handler with this
         // signature; it gets the kernel's arguments unchanged.
@@ -376,6 +454,50 @@ fn previous(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void
         // SAFETY: the previous action was installed as a plain handler taking the signal.
         let f: extern "C" fn(libc::c_int) = unsafe { std::mem::transmute(handler) };
         f(sig);
+    }
+}
+
+/// Writes on stderr who sent a SIGBUS that ends the process: `write` of a line built on the
+/// stack (async-signal-safe; rustix's raw system call, errno untouched).
+fn say_sent(info: *mut libc::siginfo_t) {
+    // SAFETY: a valid siginfo (see `on_sigbus`); for the codes read here (SI_USER, SI_QUEUE,
+    // SI_TKILL) the kernel fills the sender's pid and uid.
+    let (code, pid, uid) = unsafe { ((*info).si_code, (*info).si_pid(), (*info).si_uid()) };
+    let mut line = [0u8; 160];
+    let mut n = 0;
+    let mut put = |b: &[u8]| {
+        let k = b.len().min(line.len() - n);
+        line[n..n + k].copy_from_slice(&b[..k]);
+        n += k;
+    };
+    put(b"cryo: a SIGBUS sent by ");
+    if matches!(code, libc::SI_USER | libc::SI_QUEUE | libc::SI_TKILL) {
+        put(b"process ");
+        put(decimal(&mut [0; 10], pid.unsigned_abs()));
+        put(b" (uid ");
+        put(decimal(&mut [0; 10], uid));
+        put(b")");
+    } else {
+        put(b"the system (si_code -");
+        put(decimal(&mut [0; 10], code.unsigned_abs()));
+        put(b")");
+    }
+    put(b", not a fault: its default action ends this process\n");
+    // SAFETY: fd 2 is borrowed for the one call; a closed stderr makes it an error, ignored.
+    let stderr = unsafe { std::os::fd::BorrowedFd::borrow_raw(2) };
+    let _ = rustix::io::write(stderr, &line[..n]);
+}
+
+/// `v` in decimal, written at the end of `buf`.
+fn decimal(buf: &mut [u8; 10], mut v: u32) -> &[u8] {
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (v % 10) as u8;
+        v /= 10;
+        if v == 0 {
+            return &buf[i..];
+        }
     }
 }
 
@@ -494,7 +616,7 @@ mod tests {
     /// play its child's part, and returns how the child ended and what it wrote on stderr. A
     /// child that outlives [`CHILD_BOUND`] is ended by its own `alarm` (SIGALRM): a fault that
     /// loops (a handler chain that returns to the same fault) fails the test instead of hanging
-    /// it.
+    /// it. What it said: its stderr, then its stdout.
     fn in_child(
         name: &str,
         env: &[(&str, &std::path::Path)],
@@ -505,9 +627,11 @@ mod tests {
             .envs(env.iter().copied())
             .output()
             .unwrap();
+        // libtest prints a failing child's panic on stdout.
         (
             out.status,
-            String::from_utf8_lossy(&out.stderr).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned()
+                + &String::from_utf8_lossy(&out.stdout),
         )
     }
 
@@ -863,7 +987,7 @@ mod tests {
     /// the file's bytes once the storage answers, never as a death.
     #[test]
     fn a_read_stuck_in_a_fault_on_a_hung_fs_holds_only_its_slot() {
-        use crate::image::hash::{check_spans_in_order, digest, Span};
+        use crate::image::hash::{check_spans_in_order, digest};
         use crate::image::manifest::DigestAlg;
         let on = mapped_on_fuse(|backing, mnt| {
             cryo_testkit::fuse::Stalling::mount_cached(backing, mnt, |n| n == "pages-1.img")
@@ -894,13 +1018,7 @@ mod tests {
                 assert!(Mapped::of(g.as_file(), other.len() as u64).is_none());
                 drop(held);
                 let d = digest(DigestAlg::Blake3, &other);
-                let span = [Span {
-                    file: 0,
-                    offset: 0,
-                    len: other.len() as u64,
-                    digest: &d,
-                    last: true,
-                }];
+                let span = [whole_file(&d, other.len(), true)];
                 let open = |_| std::fs::File::open(g.path());
                 check_spans_in_order(&span, DigestAlg::Blake3, 2, open).unwrap();
                 done.send(()).unwrap();
@@ -917,6 +1035,258 @@ mod tests {
                 "the read returned neither a fault nor the file ({sum})"
             );
         });
+    }
+
+    /// How many SIGBUS the test's later handlers were given.
+    static FOREIGN_SEEN: AtomicUsize = AtomicUsize::new(0);
+
+    /// [`foreign_chaining`], counting what it was given.
+    extern "C" fn foreign_chaining_counted(
+        sig: libc::c_int,
+        info: *mut libc::siginfo_t,
+        ctx: *mut libc::c_void,
+    ) {
+        FOREIGN_SEEN.fetch_add(1, Ordering::Relaxed);
+        foreign_chaining(sig, info, ctx);
+    }
+
+    /// A library's SIGBUS handler that takes every fault for its own and answers it its own
+    /// way: a page of zeros mapped where it faulted (as cryo's does in its ranges), nothing
+    /// handed on.
+    extern "C" fn foreign_zeroing(
+        _: libc::c_int,
+        info: *mut libc::siginfo_t,
+        _: *mut libc::c_void,
+    ) {
+        FOREIGN_SEEN.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: a kernel-raised SIGBUS's siginfo; the page replaced is the test's own
+        // read-only file mapping, by a private page of zeros.
+        unsafe {
+            let at = (*info).si_addr() as usize & !4095;
+            let _ = rustix::mm::mmap_anonymous(
+                at as *mut libc::c_void,
+                4096,
+                rustix::mm::ProtFlags::READ,
+                rustix::mm::MapFlags::PRIVATE | rustix::mm::MapFlags::FIXED,
+            );
+        }
+    }
+
+    /// The SIGBUS action in place now.
+    fn sigbus_action() -> usize {
+        // SAFETY: a zeroed sigaction to fill; only read.
+        unsafe {
+            let mut now: libc::sigaction = std::mem::zeroed();
+            assert_eq!(libc::sigaction(libc::SIGBUS, std::ptr::null(), &mut now), 0);
+            now.sa_sigaction
+        }
+    }
+
+    /// The attack on the moment between the look before a span and the end of its hash (the
+    /// child's part): a span of a file on FUSE, checked as the thaw checks it (cached, so
+    /// mapped), its pages dropped between the populate and the hash, whose first fault waits on
+    /// a read the server holds until another thread has installed `handler` as a library would
+    /// (after cryo's); then the storage fails (`EIO`): the fault is the later handler's. The
+    /// span's storage failed: its verdict must be an I/O error, whatever the handler did with
+    /// the fault, and SIGBUS must stay the library's.
+    fn a_handler_installed_during_a_span(
+        handler: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void),
+    ) {
+        use crate::image::hash::{check_spans_in_order, digest, SpanError, AFTER_POPULATE};
+        use crate::image::manifest::DigestAlg;
+        let backing = tempfile::tempdir().unwrap();
+        // Zeros: what a handler that maps zeros makes the hash read too.
+        std::fs::write(backing.path().join("pages-1.img"), vec![0u8; 2 << 20]).unwrap();
+        let mnt = tempfile::tempdir().unwrap();
+        let fs = std::sync::Arc::new(cryo_testkit::fuse::Stalling::mount_cached(
+            backing.path(),
+            mnt.path(),
+            |n| n == "pages-1.img",
+        ));
+        let path = mnt.path().join("pages-1.img");
+        let data = std::fs::read(&path).unwrap();
+        let d = digest(DigestAlg::Blake3, &data);
+        // Not the last: the verdict is the hash's alone (no read of the end after it).
+        let spans = [whole_file(&d, data.len(), false)];
+        // Each open of a FUSE file drops what was cached of it (no `FOPEN_KEEP_CACHE`): read
+        // whole once opened, so that the check finds it cached and maps it.
+        let open = |_| {
+            let f = std::fs::File::open(&path)?;
+            std::io::copy(&mut &f, &mut std::io::sink())?;
+            Ok(f)
+        };
+        check_spans_in_order(&spans, DigestAlg::Blake3, 1, open).unwrap();
+        let ours = sigbus_action();
+        assert_eq!(ours, on_sigbus as *const () as usize, "not mapped");
+        let hooked = std::sync::Arc::clone(&fs);
+        *AFTER_POPULATE.lock().unwrap() = Some(Box::new(move || hooked.hold_own()));
+        let r = std::thread::scope(|sc| {
+            sc.spawn(|| {
+                cryo_testkit::eventually(
+                    std::time::Duration::from_secs(20),
+                    "the hash's fault to wait on a held read",
+                    || fs.held() > 0,
+                );
+                foreign(handler);
+                fs.fail_all();
+            });
+            check_spans_in_order(&spans, DigestAlg::Blake3, 1, open)
+        });
+        AFTER_POPULATE.lock().unwrap().take();
+        assert!(
+            FOREIGN_SEEN.load(Ordering::Relaxed) > 0,
+            "the later handler was never given the span's fault: no attack"
+        );
+        assert_eq!(
+            sigbus_action(),
+            handler as *const () as usize,
+            "cryo took SIGBUS back from the later handler"
+        );
+        assert!(
+            matches!(r, Err((0, SpanError::Io(_)))),
+            "a span whose storage failed under its hash: {r:?}"
+        );
+    }
+
+    /// A library that chains (as one sharing a process must) hands the span's fault on to
+    /// cryo's handler: the span is an error, and SIGBUS stays the library's.
+    #[test]
+    fn a_chaining_handler_installed_during_a_span_hands_its_fault_on() {
+        const NAME: &str = "a_chaining_handler_installed_during_a_span_hands_its_fault_on";
+        if child_of(NAME) {
+            a_handler_installed_during_a_span(foreign_chaining_counted);
+            return;
+        }
+        let (status, stderr) = in_child(NAME, &[]);
+        assert!(status.success(), "{status:?}: {stderr}");
+    }
+
+    /// A library that answers every fault its own way (a page of zeros, nothing handed on):
+    /// the span's bytes then read as zeros, a file of zeros' digest: the span must still be
+    /// the error its storage gave, never a pass.
+    #[test]
+    fn a_handler_installed_during_a_span_that_answers_its_fault_cannot_make_it_pass() {
+        const NAME: &str =
+            "a_handler_installed_during_a_span_that_answers_its_fault_cannot_make_it_pass";
+        if child_of(NAME) {
+            a_handler_installed_during_a_span(foreign_zeroing);
+            return;
+        }
+        let (status, stderr) = in_child(NAME, &[]);
+        assert!(status.success(), "{status:?}: {stderr}");
+    }
+
+    /// Set in the child of [`a_sent_sigbus_is_not_swallowed`]: the action before cryo's is
+    /// the default one (as Rust's runtime leaves it after its handler ran once), not Rust's.
+    const DEFAULT_BEFORE: &str = "CRYO_MAPPED_TEST_DEFAULT_BEFORE";
+
+    /// The attack of `kill -BUS` on a process that maps images (the thaw's `cryo`): a SIGBUS
+    /// sent while a mapping is held (the check running), and once it is dropped (after).
+    /// Before cryo's handler was Rust's runtime's (what `cryo` has), or the default action.
+    /// A sent SIGBUS is no fault: it must neither be swallowed nor end the process silently.
+    /// It must end it with SIGBUS, as without cryo's handler, after a line naming the sender.
+    #[test]
+    fn a_sent_sigbus_is_not_swallowed() {
+        const NAME: &str = "a_sent_sigbus_is_not_swallowed";
+        if child_of(NAME) {
+            if std::env::var_os(DEFAULT_BEFORE).is_some() {
+                // SAFETY: signal(2) with SIG_DFL, before any thread of the test's.
+                unsafe { libc::signal(libc::SIGBUS, libc::SIG_DFL) };
+            }
+            // Past libtest's capture of `eprintln!`, as the handler's line is.
+            writeln!(std::io::stderr(), "pid {}", std::process::id()).unwrap();
+            let (f, data) = file_of(1 << 20);
+            let m = Mapped::of(f.as_file(), data.len() as u64).expect("mapped");
+            assert_eq!(m.bytes(), &data[..]);
+            let held = std::env::var_os("CRYO_MAPPED_TEST_HELD").is_some();
+            if !held {
+                drop(m);
+            }
+            // SAFETY: kill(2) of this process.
+            unsafe { libc::kill(libc::getpid(), libc::SIGBUS) };
+            eprintln!("lived past a sent SIGBUS");
+            return;
+        }
+        let yes = std::path::Path::new("1");
+        for env in [
+            vec![("CRYO_MAPPED_TEST_HELD", yes)],
+            vec![],
+            vec![("CRYO_MAPPED_TEST_HELD", yes), (DEFAULT_BEFORE, yes)],
+        ] {
+            let (status, stderr) = in_child(NAME, &env);
+            died_of_sigbus(status, &stderr);
+            let pid = stderr
+                .lines()
+                .find_map(|l| l.strip_prefix("pid "))
+                .expect("the child's pid");
+            assert!(
+                stderr.contains(&format!(
+                    "a SIGBUS sent by process {pid} (uid {}), not a fault",
+                    rustix::process::getuid().as_raw()
+                )),
+                "{env:?}: the end does not say who sent it: {stderr}"
+            );
+        }
+    }
+
+    /// A handler before cryo's that has its own answer to a sent SIGBUS (the agent's: it logs
+    /// it and goes on) gives it: the process lives, no mapping is taken for faulted, and
+    /// cryo's handler stays in place (a page lost later is still a fault, not a death).
+    #[test]
+    fn a_sent_sigbus_gets_the_earlier_handlers_answer_and_leaves_ours_in_place() {
+        const NAME: &str =
+            "a_sent_sigbus_gets_the_earlier_handlers_answer_and_leaves_ours_in_place";
+        /// The agent's way (`agent/src/sys.rs`): a sent signal is noted, a fault gets the
+        /// default action.
+        extern "C" fn agent_like(
+            sig: libc::c_int,
+            info: *mut libc::siginfo_t,
+            _: *mut libc::c_void,
+        ) {
+            // SAFETY: the kernel's siginfo; signal(2) is async-signal-safe.
+            unsafe {
+                if (*info).si_code > 0 {
+                    libc::signal(sig, libc::SIG_DFL);
+                } else {
+                    FOREIGN_SEEN.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        if child_of(NAME) {
+            foreign(agent_like);
+            let (f, data) = file_of(4 << 20);
+            let m = Mapped::of(f.as_file(), data.len() as u64).expect("mapped");
+            m.populate(0, data.len()).unwrap();
+            // SAFETY: kill(2) of this process.
+            unsafe { libc::kill(libc::getpid(), libc::SIGBUS) };
+            cryo_testkit::eventually(
+                std::time::Duration::from_secs(20),
+                "the sent SIGBUS to reach the earlier handler",
+                || FOREIGN_SEEN.load(Ordering::Relaxed) == 1,
+            );
+            assert!(!m.faulted(), "a sent SIGBUS taken for a mapping's fault");
+            assert!(
+                m.guarded(),
+                "cryo's handler not in place after a sent SIGBUS"
+            );
+            f.as_file().set_len(1 << 20).unwrap();
+            let sum: u64 = m.bytes().iter().map(|&b| u64::from(b)).sum();
+            assert!(m.faulted(), "no fault ({sum})");
+            return;
+        }
+        let (status, stderr) = in_child(NAME, &[]);
+        assert!(status.success(), "{status:?}: {stderr}");
+    }
+
+    /// One span over the first `len` bytes of file 0, of digest `d`.
+    fn whole_file(d: &str, len: usize, last: bool) -> crate::image::hash::Span<'_> {
+        crate::image::hash::Span {
+            file: 0,
+            offset: 0,
+            len: len as u64,
+            digest: d,
+            last,
+        }
     }
 
     #[test]
