@@ -75,6 +75,13 @@ mod tests {
         );
         assert!(matches!(held[..], [PidHolder::Live { .. }]), "{held:?}");
         live.kill().unwrap();
+        // The kill lands when the kernel gets to it, not when kill(2) returns (seen live right
+        // after it on a loaded host): its end is waited for first, leaving it a zombie.
+        rustix::process::waitid(
+            rustix::process::WaitId::Pid(rustix::process::Pid::from_raw(pid).unwrap()),
+            rustix::process::WaitidOptions::EXITED | rustix::process::WaitidOptions::NOWAIT,
+        )
+        .unwrap();
         // A zombie of ours: named with us as the parent that has not reaped it.
         let held = wait_reaped(
             || cryo_proc::pids_in_use(&[pid]),
