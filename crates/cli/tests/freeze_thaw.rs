@@ -2398,6 +2398,104 @@ fn freeze_and_thaw_go_through_the_agent_whose_guard_takes_the_restored_worker() 
     assert!(agent.log().contains("thaw"), "{}", agent.log());
 }
 
+/// Attack (session 20): a page lost under the agent's thaw. The check runs in the agent's
+/// process, whose own SIGBUS handler (installed first: it logs a sent signal, and gives a
+/// fault the default action, death) is the one before cryo's. The agent's check of the page
+/// contents pauses with a span mapped (failpoint `image-check-mapped-span-pauses`), CRIU
+/// reaches the gate, the pages file is truncated (its pages gone from the check's mapping: the
+/// hash faults on each), and the check goes on. The fault must be the check's error, never the
+/// agent's death: the thaw is refused naming the pages file, nothing restored runs, and the
+/// agent lives and still answers; the same image, whole again, then thaws through it. (Before:
+/// the agent died of SIGBUS, "talking to the agent: ... Peer disconnected": the check's threads
+/// are started by the deadline layer's carriers, which block every signal, and a fault's
+/// SIGBUS that its thread blocks reaches no handler, cryo's included.)
+#[test]
+fn a_page_lost_under_the_agents_thaw_is_refused_naming_the_image_and_the_agent_lives() {
+    let mut env = Env::start("512MiB");
+    let resume = env.path().join("resume");
+    let mut agent = Agent::spawn_with(&env, |cmd| {
+        cmd.env("CRYO_FAILPOINT", cryo_criu::image::CHECK_MAPPED_SPAN_PAUSES)
+            .env("CRYO_FAILPOINT_RESUME", &resume);
+    });
+    let (pid, sock) = env.worker("64MiB", 0);
+    let before = answers(&sock);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+    let pages = pages_file(&image);
+    let whole = fs::read(&pages).unwrap();
+    let mut thaw = Killed(
+        env.cmd()
+            .arg("thaw")
+            .arg(&image)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let reached = format!(
+        "failpoint {} reached",
+        cryo_criu::image::CHECK_MAPPED_SPAN_PAUSES
+    );
+    eventually_said(
+        PATIENCE,
+        || {
+            format!(
+                "the agent's check never paused on a mapped span: {}",
+                agent.log()
+            )
+        },
+        || agent.log().contains(&reached),
+    );
+    // CRIU has read every page and waits at the gate for the check's verdict: the pages lost
+    // now are lost to the check only (CRIU 4.2's restorer reading a truncated pages file loops
+    // on its `preadv` returning 0 until the restore's deadline).
+    let criu_dir = env.path().join("state").join("criu");
+    let at_gate = || {
+        fs::read_dir(&criu_dir).into_iter().flatten().any(|d| {
+            fs::read_to_string(d.unwrap().path().join("restore.log"))
+                .is_ok_and(|l| l.contains("Running post-restore scripts"))
+        })
+    };
+    eventually(PATIENCE, "CRIU to wait at the gate", at_gate);
+    fs::File::options()
+        .write(true)
+        .open(&pages)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    fs::write(&resume, b"").unwrap();
+    let mut err = String::new();
+    thaw.0
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    let status = thaw.0.wait().unwrap();
+    assert_eq!(
+        status.code(),
+        Some(3),
+        "{err}\nthe agent ({:?}) said: {}",
+        agent.child.try_wait(),
+        agent.log()
+    );
+    assert!(
+        err.contains(pages.to_str().unwrap()),
+        "names the pages file: {err}"
+    );
+    assert!(!exists(pid), "a restored process runs: {err}");
+    assert!(
+        agent.child_alive() && agent.client().status().is_ok(),
+        "the agent died of the fault: {}",
+        agent.log()
+    );
+    fs::write(&pages, &whole).unwrap();
+    env.thaw_ok(&image, &["--health-url", &health(&sock)]);
+    assert_eq!(answers(&sock), before);
+    env.stop_clean(pid);
+    env.sim.assert_no_wedge();
+}
+
 /// Issue 12: a parked worker (`cryo park`: CHECKPOINTED in place, NVML lists nothing) is frozen as
 /// it is and thawed: the thaw brings its GPU context back, the answers are unchanged, no wedge.
 #[test]
@@ -2427,6 +2525,11 @@ impl Agent {
     /// As [`Agent::start`], with `CRYO_FAILPOINT=failpoint` in the agent's environment.
     fn start_at(env: &Env, failpoint: &str) -> Agent {
         Agent::spawn(env, Some(failpoint))
+    }
+
+    /// Whether the agent's process has not ended.
+    fn child_alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
     }
 
     /// The tgid of `pid`'s tracer is this agent.

@@ -109,6 +109,14 @@ pub(crate) fn is_page_contents(name: &str) -> bool {
 /// answering does (a thread in such a read cannot be cancelled).
 pub const CHECK_READ_STALLS: &str = "image-check-read-stalls";
 
+/// Failpoint (`CRYO_FAILPOINT`, a test hook): each span of the page contents (`pages-N.img`)
+/// hashed through a mapping (its pages cached) pauses once its pages are mapped and before its
+/// hash, until the
+/// file named by `CRYO_FAILPOINT_RESUME` exists: the moment when a page lost (the file
+/// truncated, its storage failed) faults under the hash, in whatever process runs the check
+/// (the agent's, with its own SIGBUS handler before cryo's).
+pub const CHECK_MAPPED_SPAN_PAUSES: &str = "image-check-mapped-span-pauses";
+
 /// How many checks given up on at their restore's deadline may still be stuck in a read before a
 /// new check refuses at once.
 pub const MAX_ABANDONED_CHECKS: usize = 16;
@@ -495,13 +503,14 @@ pub(super) fn in_background(work: impl FnOnce() + Send + 'static) -> bool {
     }
 }
 
-/// Failpoint `name` ([`CHECK_READ_STALLS`], [`CHECK_STEERING_READ_STALLS`]): the read does not
-/// return until the file named by `CRYO_FAILPOINT_RESUME` exists (never without one).
-fn read_stall_failpoint(name: &str) {
+/// Failpoint `name` ([`CHECK_READ_STALLS`], [`CHECK_STEERING_READ_STALLS`],
+/// [`CHECK_MAPPED_SPAN_PAUSES`]): the read does not return until the file named by
+/// `CRYO_FAILPOINT_RESUME` exists (never without one).
+pub(crate) fn read_stall_failpoint(name: &str) {
     if std::env::var("CRYO_FAILPOINT").is_ok_and(|v| v == name) {
         let resume = std::env::var_os("CRYO_FAILPOINT_RESUME").map(std::path::PathBuf::from);
         eprintln!(
-            "cryo: failpoint {name} reached; the check's read does not return (CRYO_FAILPOINT is a test hook)"
+            "cryo: failpoint {name} reached; the check's read waits for CRYO_FAILPOINT_RESUME (CRYO_FAILPOINT is a test hook)"
         );
         while !resume.as_ref().is_some_and(|r| r.exists()) {
             std::thread::sleep(std::time::Duration::from_millis(20));

@@ -259,6 +259,7 @@ pub(crate) fn check_span_mapped(
         });
     }
     m.populate(offset, len).map_err(|e| lost(f, end, e))?;
+    mapped_span_failpoint(f);
     #[cfg(test)]
     if let Some(hook) = AFTER_POPULATE
         .lock()
@@ -274,6 +275,22 @@ pub(crate) fn check_span_mapped(
         return Err(lost(f, end, std::io::Error::from_raw_os_error(libc::EIO)));
     }
     verdict(f, s, h)
+}
+
+/// Failpoint [`super::check::CHECK_MAPPED_SPAN_PAUSES`] for a span of `f` (only where
+/// `CRYO_FAILPOINT` names it: the file's name is read then, to pause page contents only).
+fn mapped_span_failpoint(f: &File) {
+    use super::check::{is_page_contents, read_stall_failpoint, CHECK_MAPPED_SPAN_PAUSES};
+    use std::os::fd::AsRawFd;
+    if std::env::var_os("CRYO_FAILPOINT").is_some_and(|v| v == CHECK_MAPPED_SPAN_PAUSES)
+        && std::fs::read_link(format!("/proc/self/fd/{}", f.as_raw_fd())).is_ok_and(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(is_page_contents)
+        })
+    {
+        read_stall_failpoint(CHECK_MAPPED_SPAN_PAUSES);
+    }
 }
 
 /// Test hook: runs on the checking thread between a mapped span's populate and its hash, where

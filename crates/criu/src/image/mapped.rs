@@ -64,6 +64,12 @@
 //! signal is raised again after it. Once the default action is on its way, cryo's handler is
 //! never put back over it, and nothing more is mapped.
 //!
+//! # Threads that block signals
+//! A fault's SIGBUS blocked on the faulting thread reaches no handler: the kernel puts back the
+//! default action and the process ends. The thaw's check runs on threads that block every
+//! signal (the deadline layer's), so [`Mapped::guarded`], asked on the reading thread before
+//! each span, unblocks SIGBUS there.
+//!
 //! # Async-signal safety
 //! The handler loads atomics, calls `mmap` and `sigaction`, and the previous handler. `mmap`
 //! is not on POSIX's list of async-signal-safe functions; what makes a function unsafe there is
@@ -254,11 +260,12 @@ impl Mapped {
         self.len
     }
 
-    /// Whether a fault under the mapping is cryo's to handle now: asked before each read of it
-    /// (see the module docs); `false` when a handler installed after cryo's owns SIGBUS, and
-    /// the caller reads with `pread` instead.
+    /// Whether a fault under the mapping is cryo's to handle now, on the calling thread: asked
+    /// before each read of it, on the thread that reads (see the module docs); `false` when a
+    /// handler installed after cryo's owns SIGBUS, and the caller reads with `pread` instead.
+    /// SIGBUS is unblocked on the calling thread (see [`unblocked_here`]).
     pub(crate) fn guarded(&self) -> bool {
-        guard()
+        guard() && unblocked_here()
     }
 
     /// The mapped bytes. A page that cannot be read reads as zeros, and [`Mapped::faulted`]
@@ -287,6 +294,34 @@ impl Drop for Mapped {
         unsafe { libc::munmap(self.addr, self.len) };
         s.start.store(0, Ordering::Release);
     }
+}
+
+/// Unblocks SIGBUS on the calling thread, or says it cannot be (`false`: the caller reads with
+/// `pread`). A fault's SIGBUS that its thread blocks goes to no handler: the kernel puts back
+/// the default action and the process ends. The image check runs on threads of the deadline
+/// layer (`cryo_gpu::deadline`), which block every signal so that a process-directed one goes
+/// to the command's own threads, and the check's threads inherit that mask: one page lost
+/// under the hash ended the whole thaw (the agent with it). Only SIGBUS is unblocked; a sent
+/// one that lands on this thread gets what it gets on any other (see the module docs).
+fn unblocked_here() -> bool {
+    static SAID: AtomicBool = AtomicBool::new(false);
+    // SAFETY: sigsets of our own stack, emptied before use; pthread_sigmask changes only the
+    // calling thread's mask.
+    unsafe {
+        let mut bus: libc::sigset_t = std::mem::zeroed();
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut bus);
+        libc::sigaddset(&mut bus, libc::SIGBUS);
+        if libc::pthread_sigmask(libc::SIG_UNBLOCK, &bus, &mut old) != 0 {
+            return false;
+        }
+        if libc::sigismember(&old, libc::SIGBUS) == 1 && !SAID.swap(true, Ordering::Relaxed) {
+            tracing::debug!(
+                "SIGBUS was blocked on a thread that reads image mappings: unblocked there"
+            );
+        }
+    }
+    true
 }
 
 /// Whether cryo's SIGBUS handler was ever put in place in this process.
@@ -1035,6 +1070,41 @@ mod tests {
                 "the read returned neither a fault nor the file ({sum})"
             );
         });
+    }
+
+    /// The attack of the thaw's threads: the check runs on threads that block every signal
+    /// (the deadline layer's carriers, `cryo_gpu::deadline`, and the threads they start), and
+    /// a page of a mapping it reads is lost (the file truncated). A blocked fault signal reaches
+    /// no handler: the kernel kills the process. Asked before the read, as the check asks,
+    /// [`Mapped::guarded`] must make the read a fault of the mapping, never a death.
+    #[test]
+    fn a_thread_that_blocks_every_signal_reads_a_lost_page_as_a_fault() {
+        const NAME: &str = "a_thread_that_blocks_every_signal_reads_a_lost_page_as_a_fault";
+        if child_of(NAME) {
+            std::thread::spawn(|| {
+                // SAFETY: a full sigset of our own stack; the calling thread's mask only.
+                unsafe {
+                    let mut all: libc::sigset_t = std::mem::zeroed();
+                    libc::sigfillset(&mut all);
+                    assert_eq!(
+                        libc::pthread_sigmask(libc::SIG_BLOCK, &all, std::ptr::null_mut()),
+                        0
+                    );
+                }
+                let (f, data) = file_of(4 << 20);
+                let m = Mapped::of(f.as_file(), data.len() as u64).expect("mapped");
+                m.populate(0, data.len()).unwrap();
+                f.as_file().set_len(1 << 20).unwrap();
+                assert!(m.guarded(), "read with pread: nothing attacked");
+                let sum: u64 = m.bytes().iter().map(|&b| u64::from(b)).sum();
+                assert!(m.faulted(), "no fault ({sum})");
+            })
+            .join()
+            .unwrap();
+            return;
+        }
+        let (status, stderr) = in_child(NAME, &[]);
+        assert!(status.success(), "{status:?}: {stderr}");
     }
 
     /// How many SIGBUS the test's later handlers were given.

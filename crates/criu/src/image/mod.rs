@@ -66,7 +66,8 @@ use time::format_description::well_known::Rfc3339;
 pub(crate) use capture::CAPTURE_SOCKET;
 pub use capture::{Capture, CaptureClock};
 pub use check::{
-    abandoned_checks, Check, CHECK_READ_STALLS, CHECK_STEERING_READ_STALLS, MAX_ABANDONED_CHECKS,
+    abandoned_checks, Check, CHECK_MAPPED_SPAN_PAUSES, CHECK_READ_STALLS,
+    CHECK_STEERING_READ_STALLS, MAX_ABANDONED_CHECKS,
 };
 pub use checker::{checker_main, CHECKER_ARG, CHECKER_BEFORE_VERDICT, CHECKER_ENV};
 pub use manifest::{
