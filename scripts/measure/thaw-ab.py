@@ -28,6 +28,15 @@ counters (in the `--out` records; the medians of the CPU are printed); `--trace 
 under `strace -f -b execve` (cryo's own threads; CRIU cannot restore under ptrace, so its
 children are let go at their exec and the bare route is not traced).
 
+The restore's fault mode: on this project's VMs a restorer faults its memory in at one of two
+speeds, at random, in any arm (about 0.35 s of CPU per GiB, or twice that: the hypervisor's
+faults count as the guest's CPU). Each thaw records its restorer's CPU (`cpu_main`, the restored
+root's main thread); a thaw is slow-fault when that is over SLOW_FAULT times the median of every
+thaw of its cache mode, the count per arm is printed, and every paired ratio is printed twice:
+over all rounds, and like with like (`like`: only the rounds whose restores all ran fast).
+`--settle` faults in and frees twice the size (and 64 MiB) on small pages right before every
+thaw, all arms alike (measured in session 20: it did not make the slow mode rarer).
+
 Needs root (CRIU, drop_caches). Hold the machine's benchmark lock around it:
   flock /work/bench.lock python3 scripts/measure/thaw-ab.py --arm A=target/release/cryo ...
 """
@@ -47,6 +56,11 @@ import subprocess
 import sys
 import tempfile
 import time
+
+
+# A restore is in the slow-fault mode when its restorer's CPU is over this many times the median
+# of every thaw of its cache mode (fast about 0.35 s per GiB, slow about 0.75 on this host).
+SLOW_FAULT = 1.5
 
 
 def now_ns():
@@ -198,13 +212,32 @@ class Sampler:
         return dict(samples=rows, vm=reclaim)
 
 
+def settle(nbytes):
+    """Fault in `nbytes` of fresh anonymous memory on small pages (as CRIU's restorer takes its
+    memory) and free it: the step every arm takes right before its thaw when `--settle` asks.
+    Returns the ms it took (not part of any thaw)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    t = now_ns()
+    addr = libc.mmap(None, nbytes, 3, 0x22, -1, 0)  # RW, MAP_PRIVATE | MAP_ANONYMOUS
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap for the settle step")
+    ctypes.memset(addr, 1, nbytes)
+    libc.munmap(addr, nbytes)
+    return (now_ns() - t) / 1e6
+
+
 def children_cpu_ms():
     r = os.times()
     return (r.children_user + r.children_system) * 1000
 
 
-def proc_cpu_ms(pid):
-    with open(f"/proc/{pid}/stat") as f:
+def proc_cpu_ms(pid, tid=None):
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    with open(path) as f:
         x = f.read().rsplit(")", 1)[1].split()
     return (int(x[11]) + int(x[12])) * 1000 / os.sysconf("SC_CLK_TCK")
 
@@ -364,6 +397,7 @@ class Run:
         before = self.cached() if self.a.fincore else None
         pages = [os.path.join(self.image, f) for f in sorted(os.listdir(self.image))
                  if f.startswith("pages-")]
+        settled = settle(self.a.settle_bytes) if self.a.settle_bytes else None
         sampler = Sampler(pages, self.a.sample).start() if self.a.sample else None
         cpu0 = children_cpu_ms()
         self.thawed = True
@@ -405,6 +439,8 @@ class Run:
             self.stop_cryo()
         rec["copy"] = copy
         rec["overhead"] = wall - copy
+        if settled is not None:
+            rec["settle_ms"] = settled
         if before is not None:
             rec["cached_mib"] = before
         return rec
@@ -414,7 +450,9 @@ class Run:
         cuda-checkpoint calls: the children this harness waited for) and of the restored root,
         and the sampler's timeline; the health poll of the bare arm is in this process, not
         counted."""
-        out = dict(cpu_arm=children_cpu_ms() - cpu0, cpu_root=proc_cpu_ms(self.pid))
+        # The root's main thread: CRIU's restorer faulted in and read every page there.
+        out = dict(cpu_arm=children_cpu_ms() - cpu0, cpu_root=proc_cpu_ms(self.pid),
+                   cpu_main=proc_cpu_ms(self.pid, self.pid))
         if sampler is not None:
             out["timeline"] = sampler.stop()
         return out
@@ -464,6 +502,9 @@ def main():
                    help="every MS ms of each thaw: pages cached, CPU split, disk reads")
     p.add_argument("--fincore", action="store_true",
                    help="record what of the image, cryo and CRIU is cached before each thaw")
+    p.add_argument("--settle", action="store_true",
+                   help="right before every thaw, fault in and free twice the size and 64 MiB "
+                        "on small pages (the restore's memory and the GPU copy's), all arms alike")
     a = p.parse_args()
     arms = []
     # The bare arms, by name: the arguments each adds to its `criu restore`.
@@ -480,6 +521,7 @@ def main():
             arms.append((n, os.path.abspath(path)))
     a.arm = arms
     a.size = parse_size(a.size)
+    a.settle_bytes = 2 * a.size + (64 << 20) if a.settle else 0
     modes = a.modes.split(",")
     # A timeout's SIGTERM ends the run like ^C: the worker stopped, the driver ended.
     def interrupted(*_):
@@ -519,6 +561,24 @@ def main():
         run.close()
     print(f"load at the end {load()}")
     for m in modes:
+        # The restore's fault mode: on this project's VMs a restorer sometimes faults its memory
+        # in at about twice the CPU (the hypervisor's faults count as the guest's CPU), at
+        # random, in any arm; the CRIU step grows by that much. One threshold for every arm: a
+        # restore is slow-fault when its restorer's CPU is over SLOW_FAULT times the median of
+        # every thaw of this mode.
+        ref = statistics.median(r["cpu_main"] for n in names for r in recs[(m, n)]) \
+            if any(recs[(m, n)] for n in names) else float("nan")
+        for n in names:
+            for r in recs[(m, n)]:
+                r["slow_fault"] = r["cpu_main"] > SLOW_FAULT * ref
+        fast_rounds = [r for r in range(a.rounds)
+                       if all(r < len(recs[(m, n)]) and not recs[(m, n)][r]["slow_fault"]
+                              for n in names)]
+        counts = ", ".join(f"{n} {sum(r['slow_fault'] for r in recs[(m, n)])}/{len(recs[(m, n)])}"
+                           for n in names)
+        print(f"{m}: restores in the slow-fault mode (restorer's CPU over {SLOW_FAULT}x the "
+              f"median {ref:.0f} ms of all arms): {counts}; like with like: the "
+              f"{len(fast_rounds)} of {a.rounds} rounds whose restores all ran in the fast mode")
         print(f"{m}: medians (ms)")
         for n in names:
             rs = recs[(m, n)]
@@ -526,22 +586,26 @@ def main():
                 continue
             keys = ["wall", "copy", "overhead", "criu", "gpu"]
             extra = ["start", "verify", "rest"] if n not in a.bare else ["rest"]
-            extra += ["cpu_arm", "cpu_root"]
+            extra += ["cpu_arm", "cpu_root", "cpu_main"]
             cells = " ".join(f"{k} {statistics.median(r[k] for r in rs):7.1f}"
                              for k in keys + extra)
             print(f"  {n:6} {cells}")
         for i, x in enumerate(names):
             for y in names[i + 1:]:
                 for k in ("wall", "overhead", "criu"):
-                    blocks = []
-                    for b in range(0, a.rounds, 2):
-                        blk = []
-                        for r in (b, b + 1):
-                            if r < len(recs[(m, x)]) and r < len(recs[(m, y)]):
-                                blk.append(recs[(m, x)][r][k] / recs[(m, y)][r][k])
-                        blocks.append(blk)
-                    med, lo, hi = interval(blocks)
-                    print(f"  {x}/{y} {k:8} paired {med:.3f} [{lo:.3f}, {hi:.3f}]")
+                    for like, rounds in (("", range(a.rounds)), (" like", fast_rounds)):
+                        blocks = []
+                        for b in range(0, a.rounds, 2):
+                            blk = []
+                            for r in (b, b + 1):
+                                if r in rounds and r < len(recs[(m, x)]) \
+                                        and r < len(recs[(m, y)]):
+                                    blk.append(recs[(m, x)][r][k] / recs[(m, y)][r][k])
+                            blocks.append(blk)
+                        med, lo, hi = interval(blocks)
+                        n_pairs = sum(len(blk) for blk in blocks)
+                        print(f"  {x}/{y} {k:8} paired{like:5} {med:.3f} [{lo:.3f}, {hi:.3f}] "
+                              f"({n_pairs} rounds)")
 
 
 if __name__ == "__main__":

@@ -87,12 +87,40 @@ impl Interval {
     /// narrower than the plain one (it spans both): with few blocks a block bootstrap has few
     /// distinct resamples (one block: none), and that must not read as certainty.
     pub(crate) fn of_blocks(s: &Samples, level: f64, block: usize) -> Interval {
+        Interval::of_blocks_kept(s, &vec![true; s.0.len()], level, block)
+    }
+
+    /// [`Interval::of_blocks`] over the samples `keep` marks (one flag per sample, in order):
+    /// the others are left out of their blocks, which stay where they were (a block keeps the
+    /// rounds it had that are kept; a block left empty is dropped), so that leaving a round out
+    /// never pairs two rounds of different blocks.
+    pub(crate) fn of_blocks_kept(s: &Samples, keep: &[bool], level: f64, block: usize) -> Interval {
         let block = block.max(1);
-        let blocked = Interval::resampled(s, level, block);
+        let kept = Samples(
+            s.0.iter()
+                .zip(keep)
+                .filter(|(_, k)| **k)
+                .map(|(v, _)| *v)
+                .collect(),
+        );
+        let blocks = |b: usize| -> Vec<Vec<f64>> {
+            s.0.chunks(b)
+                .zip(keep.chunks(b))
+                .map(|(v, k)| {
+                    v.iter()
+                        .zip(k)
+                        .filter(|(_, k)| **k)
+                        .map(|(v, _)| *v)
+                        .collect::<Vec<f64>>()
+                })
+                .filter(|b| !b.is_empty())
+                .collect()
+        };
+        let blocked = Interval::resampled(&kept, &blocks(block), level, block);
         if block == 1 {
             return blocked;
         }
-        let plain = Interval::resampled(s, level, 1);
+        let plain = Interval::resampled(&kept, &blocks(1), level, 1);
         Interval {
             low: blocked.low.min(plain.low),
             high: blocked.high.max(plain.high),
@@ -100,10 +128,10 @@ impl Interval {
         }
     }
 
-    /// The bootstrap of [`Interval::of_blocks`], resampling blocks of `block` samples.
-    fn resampled(s: &Samples, level: f64, block: usize) -> Interval {
+    /// The bootstrap of [`Interval::of_blocks`], resampling `blocks` (of up to `block` of the
+    /// samples `s` each) as units.
+    fn resampled(s: &Samples, blocks: &[Vec<f64>], level: f64, block: usize) -> Interval {
         let n = s.0.len();
-        let blocks: Vec<&[f64]> = s.0.chunks(block).collect();
         let mut rng = 0x9E37_79B9_7F4A_7C15_u64;
         let mut next = move || {
             // xorshift64*: uniform enough for resampling indices.
@@ -314,6 +342,45 @@ mod tests {
         // Equal blocks: the value, however they are cut; a last block shorter than the rest.
         let flat = Interval::of_blocks(&Samples(vec![0.97; 5]), 0.9, 2);
         assert_eq!((flat.low, flat.high, flat.samples), (0.97, 0.97, 5));
+    }
+
+    /// Rounds left out (a restore in the hypervisor's slow-fault mode) are out of the median
+    /// and of every resample, whatever their value, and their block partners stay in their
+    /// own block: keeping every round is `of_blocks` itself.
+    #[test]
+    fn rounds_left_out_are_in_no_resample_and_no_block_moves() {
+        let u = noise(11, 8);
+        let s = Samples(u.iter().map(|x| 0.9 + 0.2 * x).collect());
+        let all = Interval::of_blocks_kept(&s, &[true; 8], 0.9, 2);
+        let plain = Interval::of_blocks(&s, 0.9, 2);
+        assert_eq!(
+            (all.median, all.low, all.high, all.samples),
+            (plain.median, plain.low, plain.high, plain.samples)
+        );
+        // Two rounds far out (a 2x restore), in two blocks, left out: as if never run.
+        let mut wild = s.clone();
+        wild.0[1] = 2.2;
+        wild.0[4] = 0.45;
+        let keep = [true, false, true, true, false, true, true, true];
+        let out = Interval::of_blocks_kept(&wild, &keep, 0.9, 2);
+        let rest = Samples(
+            s.0.iter()
+                .zip(keep)
+                .filter(|(_, k)| *k)
+                .map(|(v, _)| *v)
+                .collect(),
+        );
+        assert_eq!(out.samples, 6);
+        assert_eq!(out.median, rest.median());
+        assert!(rest.min() <= out.low && out.high <= rest.max(), "{out:?}");
+        // Only one round kept: its value, never a NaN from an empty block.
+        let one = Interval::of_blocks_kept(
+            &wild,
+            &[false, false, false, true, false, false, false, false],
+            0.9,
+            2,
+        );
+        assert_eq!((one.median, one.low, one.high), (s.0[3], s.0[3], s.0[3]));
     }
 
     /// Paired ratios scattered around 1.0: the 90% interval straddles 1 (no verdict either

@@ -1892,6 +1892,29 @@ fn bench_freeze_runs_tiny() {
         assert!(h["freeze_host"][0][0].as_f64().unwrap() > 0.0, "{row}");
         assert!(h["freeze_host"][1][0].as_f64().unwrap() >= 0.0, "{row}");
     }
+    // Each cache state's restores sorted by their fault mode (one round: two restores each),
+    // and the thaw, its overhead and the CRIU step compared over the rounds where both ran fast.
+    let modes = row["fault_modes"].as_array().unwrap();
+    assert_eq!(modes.len(), 2, "{row}");
+    for f in modes {
+        assert!(f["median_cpu"].as_f64().unwrap() > 0.0, "{row}");
+        let slow: u64 = f["slow"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n.as_u64().unwrap())
+            .sum();
+        let like = f["like_rounds"].as_u64().unwrap();
+        assert!(
+            slow <= 2 && like <= 1 && (like == 1) == (slow == 0),
+            "{row}"
+        );
+        let paired = f["like_paired"].as_array().unwrap();
+        assert_eq!(paired.len(), 3, "{row}");
+        for p in paired {
+            assert_eq!(p["samples"].as_u64().unwrap(), like, "{row}");
+        }
+    }
     // Without --settle no phase starts after the settle step.
     assert_eq!(row["settled"], false, "{row}");
 }
