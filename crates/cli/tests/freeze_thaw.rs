@@ -2675,6 +2675,32 @@ fn a_guarded_worker_frozen_and_thawed_through_the_agent_is_guarded_and_its_kill_
     assert_pinned_then_release(&env, id);
 }
 
+/// An agent started after one that died mid-thaw guards the half-thawed worker `id` again and
+/// finishes the dead thaw's unlock, journaled as a recovery (after the journal's first
+/// `before_restart` events): the worker runs.
+fn an_agent_restarted_finishes_the_unlock(
+    env: &Env,
+    id: cryo_journal::ProcId,
+    before_restart: usize,
+) -> Agent {
+    use cryo_journal::Event;
+    let agent = Agent::start(env);
+    assert!(
+        agent.traces(id.pid),
+        "the restarted agent does not guard the half-thawed worker"
+    );
+    eventually(PATIENCE, "the unlock journaled after the restart", || {
+        events(env)[before_restart..]
+            .iter()
+            .any(|e| matches!(e, Event::Unlocked { pid: p, recovery: true, .. } if *p == id))
+    });
+    assert_eq!(
+        env.sim.gpu.driver.state(id.pid).unwrap(),
+        cryo_gpu::ProcessState::Running
+    );
+    agent
+}
+
 /// The agent is SIGKILLed while a thaw it runs is between the GPU restore and the unlock (the
 /// worker LOCKED, traced by the agent's tracer, which dies with it). Nothing is torn down; the
 /// restarted agent traces the worker again at start (the journal knows it as restored and
@@ -2713,21 +2739,7 @@ fn an_agent_killed_between_a_thaws_restore_and_unlock_leaves_nothing_unguarded()
 
     let id = ProcId::of(pid).unwrap();
     let before_restart = events(&env).len();
-    let agent2 = Agent::start(&env);
-    assert!(
-        agent2.traces(pid),
-        "the restarted agent does not guard the half-thawed worker"
-    );
-    // The restarted agent finishes the dead thaw's unlock, journaled as a recovery.
-    eventually(PATIENCE, "the unlock journaled after the restart", || {
-        events(&env)[before_restart..]
-            .iter()
-            .any(|e| matches!(e, Event::Unlocked { pid: p, recovery: true, .. } if *p == id))
-    });
-    assert_eq!(
-        env.sim.gpu.driver.state(pid).unwrap(),
-        cryo_gpu::ProcessState::Running
-    );
+    let agent2 = an_agent_restarted_finishes_the_unlock(&env, id, before_restart);
     assert!(
         agent2.log().contains(&format!(
             "pid {pid} was LOCKED by a thaw or wake that died before the unlock"
@@ -2763,6 +2775,89 @@ fn an_agent_killed_between_a_thaws_restore_and_unlock_leaves_nothing_unguarded()
         events(&env)
     );
     assert_pinned_then_release(&env, id);
+    drop(agent2);
+}
+
+/// Attack (session 20): the agent is SIGKILLed while a thaw it runs is between the driver's
+/// restore and that restore's `RestoreCompleted` (failpoint `restore-before-completed`): the
+/// worker is LOCKED, its context restored and live, and the journal holds only the restore's
+/// intent, its writer (the agent) gone. The restarted agent traces it again (the intent makes
+/// it restored) and must neither leave it LOCKED for good nor unlock it on the driver's LOCKED
+/// alone: it checkpoints it again, restores it itself (intent and completion journaled) and
+/// unlocks it as a recovery. It serves as before; nothing is torn down, stopped or killed.
+#[test]
+fn an_agent_killed_between_a_thaws_restore_and_its_record_is_finished_by_the_next_agent() {
+    use cryo_journal::{Event, ProcId};
+    let mut env = Env::start("1GiB");
+    let (pid, sock) = env.worker("64MiB", 0);
+    let before = answers(&sock);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+    let failpoint = cryo_lifecycle::restore::RESTORE_BEFORE_COMPLETED;
+    let mut agent = Agent::start_at(&env, failpoint);
+    let thaw = env
+        .cmd()
+        .args(["thaw", image.to_str().unwrap()])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    eventually(PATIENCE, "the agent's thaw at its failpoint", || {
+        agent
+            .log()
+            .contains(&format!("failpoint {failpoint} reached"))
+    });
+    env.thawed.push(pid);
+    assert_eq!(
+        env.sim.gpu.driver.state(pid).unwrap(),
+        cryo_gpu::ProcessState::Locked
+    );
+    agent.child.kill().unwrap();
+    agent.child.wait().unwrap();
+    let out = thaw.wait_with_output().unwrap();
+    assert!(!out.status.success(), "the thaw cannot have succeeded");
+    assert!(alive(pid), "the restored worker died with the agent");
+    let id = ProcId::of(pid).unwrap();
+    let mine = |e: &Event| e.pids().contains(&id);
+    let ev = events(&env);
+    assert!(
+        ev.iter()
+            .any(|e| mine(e) && matches!(e, Event::RestoreStarted { .. }))
+            && !ev
+                .iter()
+                .any(|e| mine(e) && matches!(e, Event::RestoreCompleted { .. })),
+        "not the journal of a thaw killed before its restore's record: {ev:?}"
+    );
+    env.sim.assert_no_wedge();
+
+    let before_restart = ev.len();
+    let agent2 = an_agent_restarted_finishes_the_unlock(&env, id, before_restart);
+    // Checkpointed again, restored with its completion journaled, and only then unlocked.
+    let after: Vec<Event> = events(&env)[before_restart..]
+        .iter()
+        .filter(|e| mine(e))
+        .cloned()
+        .collect();
+    let at = |f: &dyn Fn(&Event) -> bool| after.iter().position(f);
+    let order = [
+        at(&|e| matches!(e, Event::Checkpointed { .. })),
+        at(&|e| matches!(e, Event::RestoreCompleted { .. })),
+        at(&|e| matches!(e, Event::Unlocked { .. })),
+    ];
+    assert!(
+        matches!(order, [Some(c), Some(r), Some(u)] if c < r && r < u),
+        "{after:?}"
+    );
+    assert_eq!(answers(&sock), before, "it serves as before");
+    assert!(alive(pid), "the worker died");
+    env.sim.assert_no_wedge();
+    assert!(
+        !after.iter().any(|e| matches!(
+            e,
+            Event::StopRequested { .. } | Event::KillStarted { .. } | Event::Killed { .. }
+        )),
+        "{after:?}"
+    );
+    env.stop_clean(pid);
     drop(agent2);
 }
 

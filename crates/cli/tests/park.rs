@@ -361,6 +361,39 @@ fn says_what_happens_next(said: &str) {
     );
 }
 
+/// `cryo ARGS` on the state directory `st` (on `disk`, a small tmpfs), paused at pausing
+/// failpoint `failpoint`; there `at_pause` looks at the world (given what cryo said so far), the
+/// disk and the journal's last page are filled (a real `ENOSPC` from then on), and cryo goes on
+/// to its end. Returns how it ended, all it said, and the filler (remove it: room again).
+fn filled_at(
+    sim: &Sim,
+    disk: &cryo_testkit::disk::SmallDisk,
+    st: &Path,
+    failpoint: &str,
+    args: &[&str],
+    at_pause: impl FnOnce(&str),
+) -> (std::process::ExitStatus, String, std::path::PathBuf) {
+    use std::io::Read;
+    let go = st.with_file_name("go");
+    let mut cryo = sim
+        .cmd_at(st)
+        .env("CRYO_FAILPOINT", failpoint)
+        .env("CRYO_FAILPOINT_RESUME", &go)
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = cryo.stderr.take().unwrap();
+    let mut said = common::said_until(&mut err, "paused until");
+    at_pause(&said);
+    let filler = disk.fill();
+    common::fill_journal_page(st);
+    std::fs::write(&go, b"").unwrap();
+    err.read_to_string(&mut said).unwrap();
+    (cryo.wait().unwrap(), said, filler)
+}
+
 /// Attack (session 19): a park whose disk fills between its suspension and its `Parked` record
 /// (a real `ENOSPC`: the state directory on a small tmpfs, filled while the park is paused
 /// there, the journal's last page too). Nothing can be written from then on, the undo's restore
@@ -370,30 +403,20 @@ fn says_what_happens_next(said: &str) {
 /// and it serves as before. No record lost, no half state left for good.
 #[test]
 fn a_park_meeting_a_full_disk_before_its_record_leaves_the_worker_suspended_then_resumed() {
-    use std::io::Read;
     let sim = Sim::start();
     let t = tempfile::tempdir().unwrap();
     let st = t.path().join("state");
     let disk = cryo_testkit::disk::SmallDisk::mount_at(&st, "16M");
     let w = worker(&sim, "64MiB", 0);
     let before = w.complete("the same question");
-    let go = t.path().join("go");
-    let mut park = sim
-        .cmd_at(&st)
-        .env("CRYO_FAILPOINT", cryo_lifecycle::park::PARK_BEFORE_RECORD)
-        .env("CRYO_FAILPOINT_RESUME", &go)
-        .args(["park", &w.pid.to_string()])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = park.stderr.take().unwrap();
-    let mut said = common::said_until(&mut err, "paused until");
-    let filler = disk.fill();
-    common::fill_journal_page(&st);
-    std::fs::write(&go, b"").unwrap();
-    err.read_to_string(&mut said).unwrap();
-    let status = park.wait().unwrap();
+    let (status, said, filler) = filled_at(
+        &sim,
+        &disk,
+        &st,
+        cryo_lifecycle::park::PARK_BEFORE_RECORD,
+        &["park", &w.pid.to_string()],
+        |_| {},
+    );
     assert!(!status.success(), "parked on a full disk: {said}");
     assert_eq!(sim.state(w.pid), "checkpointed", "{said}");
     assert!(said.contains("could not be recorded"), "{said}");
@@ -587,6 +610,53 @@ fn a_park_killed_between_its_undos_restore_and_its_record_is_resumed_by_the_next
         "{ev:?}"
     );
     drop(guard);
+}
+
+/// Attack (session 20): a wake whose disk fills between the driver's restore and its
+/// `RestoreCompleted` (a real `ENOSPC`: the state directory on a 16 MiB tmpfs, filled while the
+/// wake is paused there, the journal's last page too). The worker is LOCKED then, its context
+/// restored and live, and the journal cannot say so: it must not be left LOCKED with a record
+/// that says less than what happened, nor torn down. It must be checkpointed again and named,
+/// and stay parked; once there is room, `cryo wake` brings it back and it serves as before. No
+/// wedge at any point.
+#[test]
+fn a_wake_meeting_a_full_disk_after_its_restore_leaves_the_worker_parked_then_wakes() {
+    let sim = Sim::start();
+    let t = tempfile::tempdir().unwrap();
+    let st = t.path().join("state");
+    let disk = cryo_testkit::disk::SmallDisk::mount_at(&st, "16M");
+    let w = worker(&sim, "64MiB", 0);
+    let before = w.complete("the same question");
+    ok(&run(&sim, &st, &["park", &w.pid.to_string()]));
+    let (status, said, filler) = filled_at(
+        &sim,
+        &disk,
+        &st,
+        cryo_lifecycle::restore::RESTORE_BEFORE_COMPLETED,
+        &["wake", &w.pid.to_string()],
+        |said| assert_eq!(sim.state(w.pid), "locked", "{said}"),
+    );
+    assert!(!status.success(), "woke on a full disk: {said}");
+    assert_eq!(sim.state(w.pid), "checkpointed", "{said}");
+    assert!(
+        said.contains(&format!("pid {}", w.pid)) && said.contains("No space left on device"),
+        "not named: {said}"
+    );
+    sim.assert_no_wedge();
+
+    // Room again: still parked, and a wake brings it back.
+    std::fs::remove_file(filler).unwrap();
+    let s = json(&run(&sim, &st, &["status", "--json"]));
+    assert_eq!(s["parked"][0]["pid"]["pid"], w.pid, "{s}");
+    ok(&run(&sim, &st, &["wake", &w.pid.to_string()]));
+    assert_eq!(sim.state(w.pid), "running");
+    assert_eq!(
+        w.complete("the same question"),
+        before,
+        "it serves as before"
+    );
+    sim.assert_no_wedge();
+    drop(disk);
 }
 
 /// A park whose process cannot be suspended (its context faulted: a sticky error, the lock

@@ -45,14 +45,15 @@
 //! Before the suspensions, the CPU sets a dump that died left pinned are given back
 //! ([`crate::cpus`]; each such dump closed with an [`Event::CpusReturned`]).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cryo_gpu::{Gpu, ProcessState};
 use cryo_journal::{Event, Journal, ProcId, Purpose};
 use cryo_proc::ProcHandle;
 
+use crate::restore::AgainError;
 use crate::runnable::{runnable, Runnable};
-use crate::suspend::{abandoned, id, me};
+use crate::suspend::{id, me};
 use crate::watcher::Watcher;
 
 /// What was done to one process whose suspension died half-way.
@@ -318,23 +319,20 @@ fn checkpoint_then_resume(
     found: String,
     watcher: &dyn Watcher,
 ) -> Result<(String, Settlement), SettleError> {
-    let start = Instant::now();
-    if let Err(e) = gpu.driver.checkpoint(h.pid()) {
-        abandoned(Some(journal), h, &e);
-        return Ok((
-            found,
-            Settlement::Left {
-                why: format!("a restore undoing its suspension began and is not journaled as done, and it cannot be checkpointed again to confirm its context is whole ({e}): its context may be live, so it is left LOCKED, never unlocked; `cryo stop` ends it safely"),
-            },
-        ));
+    match crate::restore::checkpoint_again(gpu, journal, h) {
+        Ok(()) => {}
+        Err(AgainError::Driver(e)) => {
+            return Ok((
+                found,
+                Settlement::Left {
+                    why: format!("a restore undoing its suspension began and is not journaled as done, and {}: its context may be live, so it is left LOCKED, never unlocked; `cryo stop` ends it safely", AgainError::Driver(e)),
+                },
+            ))
+        }
+        // Suspended again, unrecorded: the journal still shows the restore's intent, and the
+        // next start finds it CHECKPOINTED and resumes it.
+        Err(AgainError::Journal(e)) => return Err(e.into()),
     }
-    // Suspended again: a guard that dies from here on leaves a CHECKPOINTED suspension in
-    // flight, which the next one resumes.
-    journal.append(Event::Checkpointed {
-        pid: id(h),
-        ms: u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX),
-        bytes: 0,
-    })?;
     match resume(gpu, journal, h, found, Some(watcher))? {
         (found, Settlement::Resumed) => Ok((found, Settlement::ResumedAfterCheckpoint)),
         other => Ok(other),

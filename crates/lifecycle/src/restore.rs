@@ -30,6 +30,12 @@ use cryo_state::StateDir;
 
 use crate::suspend::{abandoned, id, me};
 
+/// Failpoint (`CRYO_FAILPOINT`, a test hook; a pause, see `failpoint::pause_if`): a journaled
+/// restore (a thaw's, a wake's, a resume in place) pauses between the driver's restore (the
+/// process is LOCKED, its context restored and live) and its `RestoreCompleted` record, so that
+/// a test can fill the disk there.
+pub const RESTORE_BEFORE_COMPLETED: &str = "restore-before-completed";
+
 /// Where one process's contexts land on a restore: a wake's placement, a thaw's plan (per CUDA
 /// process of the image).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -144,6 +150,7 @@ fn restore_journaled(
     }
     let took = start.elapsed();
     crate::failpoint::pause_if(crate::park::PARK_UNDO_DIES_RESTORED);
+    crate::failpoint::pause_if(RESTORE_BEFORE_COMPLETED);
     let completed = if crate::failpoint::active(crate::park::PARK_UNDO_UNRECORDED) {
         Err(crate::failpoint::journal_eio(
             journal,
@@ -244,6 +251,43 @@ pub(crate) fn fmt_left(left: &[(Pid, String)]) -> String {
     )
 }
 
+/// Why [`checkpoint_again`] did not leave a journaled CHECKPOINTED process.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum AgainError {
+    /// The driver refused (or did not answer) the checkpoint: the process is as it was.
+    #[error("it cannot be checkpointed again to confirm its context is whole ({0})")]
+    Driver(DriverError),
+    /// Checkpointed (suspended, safe), and the journal cannot say so.
+    #[error("it was checkpointed again and the journal cannot say so ({0})")]
+    Journal(cryo_journal::AppendError),
+}
+
+/// Checkpoints LOCKED `h` again and journals it ([`Event::Checkpointed`]): for a process whose
+/// restore is not journaled as done and whose writer is gone. The driver's LOCKED alone does not
+/// say that restore went through (on r580 what `GetState` answers while a restore whose caller
+/// died is under way is not measured); a checkpoint, which the driver carries out only for a
+/// whole context (LOCKED -> CHECKPOINTED, the safe direction: the call a refused completion and a
+/// stop make), does. The caller then restores it itself, through [`restore_to_unlock`].
+pub(crate) fn checkpoint_again(
+    gpu: &Gpu,
+    journal: &Journal,
+    h: &ProcHandle,
+) -> Result<(), AgainError> {
+    let start = Instant::now();
+    gpu.driver.checkpoint(h.pid()).map_err(|e| {
+        abandoned(Some(journal), h, &e);
+        AgainError::Driver(e)
+    })?;
+    journal
+        .append(Event::Checkpointed {
+            pid: id(h),
+            ms: u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX),
+            bytes: 0,
+        })
+        .map(|_| ())
+        .map_err(AgainError::Journal)
+}
+
 /// What [`finish_unlock`] did with a re-attached process.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FinishUnlock {
@@ -266,7 +310,11 @@ pub enum FinishUnlockError {
 /// the journal and the driver both say a thaw or wake restored it and died before unlocking it:
 /// its last lifecycle record is that restore (intent with `unlock_by`, then
 /// [`Event::RestoreCompleted`]; guard attachments aside), `unlock_by` is gone, `pid` is the same
-/// process (pid and start time), and the driver answers LOCKED. Anything else is left as it is.
+/// process (pid and start time), and the driver answers LOCKED. When the intent is its last
+/// record (the thaw or wake died between the driver's restore and its completion's record), the
+/// driver's LOCKED alone is not taken as a whole restored context: it is checkpointed again
+/// ([`checkpoint_again`]) and restored by the caller, the completion journaled, before the
+/// unlock; a checkpoint the driver refuses leaves it LOCKED. Anything else is left as it is.
 /// The unlock is journaled after it happened (it runs again; a failed write is only logged).
 pub fn finish_unlock(
     gpu: &Gpu,
@@ -285,12 +333,14 @@ pub fn finish_unlock(
             _ => None,
         };
     }
-    let by = match restore {
-        Some((Some(by), true)) => by,
+    let (by, completed) = match restore {
+        Some((Some(by), completed)) => (by, completed),
         Some((None, true)) => return left(
             "its restore leaves it LOCKED on purpose, or the journal does not say who unlocks it",
         ),
-        Some((_, false)) => return left("the journal does not say its restore completed"),
+        Some((None, false)) => {
+            return left("the journal does not say its restore completed, nor who unlocks it")
+        }
         None => return left("its last journal record is not a thaw's or wake's restore"),
     };
     if Some(by) == me() || by.is_alive_same() {
@@ -304,6 +354,18 @@ pub fn finish_unlock(
         Ok(cryo_gpu::ProcessState::Locked) => {}
         Ok(s) => return left(&format!("the driver reports it {s}, not LOCKED")),
         Err(e) => return left(&format!("the driver cannot say its state: {e}")),
+    }
+    if !completed {
+        if let Err(e) = checkpoint_again(&gpu, journal, &h) {
+            return left(&format!(
+                "its restore is not journaled as done, and {e}: never unlocked"
+            ));
+        }
+        if let Err(e) = restore_to_unlock(&gpu, journal, &h, &[], RESTORED_AGAIN) {
+            return left(&format!(
+                "its restore was not journaled as done; checkpointed again, it cannot be restored: {e}"
+            ));
+        }
     }
     let start = Instant::now();
     if let Err(e) = gpu.driver.unlock(h.pid()) {
@@ -319,6 +381,10 @@ pub fn finish_unlock(
     }
     Ok(FinishUnlock::Unlocked)
 }
+
+/// How [`finish_unlock`] names the restore it makes of a process it checkpointed again.
+const RESTORED_AGAIN: &str =
+    "restored again by the guard: the thaw or wake that restored it died before recording it";
 
 /// The restore happened but could not be recorded.
 #[derive(Debug, thiserror::Error)]
@@ -491,6 +557,29 @@ mod tests {
         by
     }
 
+    /// A thaw's restore not journaled as done, its owner gone, LOCKED, and the driver refuses to
+    /// checkpoint it again: it stays LOCKED, never unlocked, and the reason says so.
+    #[test]
+    fn an_unconfirmed_restore_the_driver_will_not_checkpoint_again_stays_locked() {
+        let (procs, fake, _dir, journal) = scene();
+        let p = procs.pid(0);
+        fake.set_state(p, ProcessState::Locked).fail_next_on(
+            p,
+            Call::Checkpoint,
+            cryo_gpu::CuResult::UNKNOWN,
+        );
+        let pid = ProcId::of(p).unwrap();
+        journaled(&journal, pid, Some(dead_owner()), Story::StartedOnly);
+        let r = finish_unlock(&fake.gpu(), &journal, pid).unwrap();
+        assert!(
+            matches!(&r, FinishUnlock::Left(why) if why.contains("never unlocked")),
+            "{r:?}"
+        );
+        assert_eq!(fake.count(p, Call::Unlock), 0);
+        assert_eq!(fake.count(p, Call::Restore), 0);
+        assert_eq!(fake.state_of(p), ProcessState::Locked);
+    }
+
     /// Issue 10: a thaw or wake that died between the restore and the unlock is finished by
     /// [`finish_unlock`] only when the journal names a dead owner after a completed restore, the
     /// process is the same and the driver answers LOCKED; every other case is left as it is
@@ -533,8 +622,16 @@ mod tests {
                 false,
             ),
             (
-                "restore not completed",
+                "restore not completed: checkpointed and restored again first",
                 Some(dead_owner()),
+                Story::StartedOnly,
+                ProcessState::Locked,
+                true,
+                true,
+            ),
+            (
+                "restore not completed, no owner named",
+                None,
                 Story::StartedOnly,
                 ProcessState::Locked,
                 true,
@@ -587,6 +684,18 @@ mod tests {
                     recovered,
                     "{what}: the unlock is not journaled as a recovery"
                 );
+                // Unlocked on the driver's LOCKED alone only after a completed restore.
+                let calls: Vec<Call> = fake
+                    .calls()
+                    .into_iter()
+                    .filter(|(q, c)| *q == p && *c != Call::State)
+                    .map(|(_, c)| c)
+                    .collect();
+                let expected: &[Call] = match story {
+                    Story::StartedOnly => &[Call::Checkpoint, Call::Restore, Call::Unlock],
+                    _ => &[Call::Unlock],
+                };
+                assert_eq!(calls, expected, "{what}");
             } else {
                 assert!(matches!(r, FinishUnlock::Left(_)), "{what}: {r:?}");
                 assert_eq!(fake.count(p, Call::Unlock), 0, "{what}");
