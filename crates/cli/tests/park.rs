@@ -659,6 +659,63 @@ fn a_wake_meeting_a_full_disk_after_its_restore_leaves_the_worker_parked_then_wa
     drop(disk);
 }
 
+/// Attack (session 20): a wake killed between the driver's restore and its `RestoreCompleted`
+/// (failpoint `restore-before-completed`, then SIGKILL): the worker is LOCKED and still parked,
+/// the journal holding only the restore's intent. A second `cryo wake` must not unlock it on the
+/// driver's LOCKED alone (as it may after a wake that died past its record): it checkpoints it
+/// again and restores it itself (journaled), then traces and unlocks it. It serves as before;
+/// no wedge.
+#[test]
+fn a_wake_killed_before_recording_its_restore_is_woken_again_through_a_new_checkpoint() {
+    use cryo_journal::Event;
+    let sim = Sim::start();
+    let st = state();
+    let w = worker(&sim, "64MiB", 0);
+    let before = w.complete("the same question");
+    ok(&run(&sim, st.path(), &["park", &w.pid.to_string()]));
+    let mut wake = sim
+        .cmd_at(st.path())
+        .env(
+            "CRYO_FAILPOINT",
+            cryo_lifecycle::restore::RESTORE_BEFORE_COMPLETED,
+        )
+        .args(["wake", &w.pid.to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = wake.stderr.take().unwrap();
+    let said = common::said_until(&mut err, "stalling until killed");
+    assert_eq!(sim.state(w.pid), "locked", "{said}");
+    wake.kill().unwrap();
+    wake.wait().unwrap();
+    let killed_at = events(st.path()).len();
+
+    ok(&run(&sim, st.path(), &["wake", &w.pid.to_string()]));
+    assert_eq!(sim.state(w.pid), "running");
+    assert_eq!(
+        w.complete("the same question"),
+        before,
+        "it serves as before"
+    );
+    let after: Vec<Event> = events(st.path())[killed_at..]
+        .iter()
+        .filter(|e| e.pids().iter().any(|p| p.pid == w.pid))
+        .cloned()
+        .collect();
+    let at = |f: &dyn Fn(&Event) -> bool| after.iter().position(f);
+    let order = [
+        at(&|e| matches!(e, Event::Checkpointed { .. })),
+        at(&|e| matches!(e, Event::RestoreCompleted { .. })),
+        at(&|e| matches!(e, Event::Unlocked { .. })),
+    ];
+    assert!(
+        matches!(order, [Some(c), Some(r), Some(u)] if c < r && r < u),
+        "unlocked on the driver's LOCKED alone: {after:?}"
+    );
+    sim.assert_no_wedge();
+}
+
 /// A park whose process cannot be suspended (its context faulted: a sticky error, the lock
 /// fails at once) fails closed: the worker keeps its context on the GPU (never torn down, never
 /// left locked), the failure is journaled and nothing is recorded as parked.

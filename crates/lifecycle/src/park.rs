@@ -43,9 +43,9 @@ use cryo_units::fmt_bytes;
 
 use crate::health::HealthCheck;
 use crate::progress::Progress;
-use crate::restore::restore_to_unlock;
 pub use crate::restore::Placement;
-use crate::suspend::{id, suspend, suspend_watched, SuspendFailure, SuspendOptions};
+use crate::restore::{restore_to_unlock, AgainError};
+use crate::suspend::{id, me, suspend, suspend_watched, SuspendFailure, SuspendOptions};
 use crate::target::Resolved;
 use crate::watcher::{Coverage, Watcher};
 
@@ -745,6 +745,15 @@ pub enum WakeError {
     /// The process's driver state is FAILED.
     #[error("the driver reports pid {0} FAILED; it cannot be woken")]
     Failed(Pid),
+    /// Another cryo process restored it and is at work on it still (a wake between its restore
+    /// and its record).
+    #[error("pid {pid} is being woken by cryo pid {by}: left to it")]
+    InProgress {
+        /// The process.
+        pid: Pid,
+        /// The cryo process at work on it.
+        by: Pid,
+    },
     /// No GPU can take it (after waiting, when the policy waits); nothing was restored.
     #[error("wake refused: {0}")]
     Place(#[from] PlaceError),
@@ -863,8 +872,10 @@ fn wake_inner(
     let records = cryo_journal::read(journal.dir())?.records;
     let known = parked_records(&records);
     watch.mark("journal read (parked records)");
-    // What each process needs: CHECKPOINTED ones a restore; LOCKED ones (a wake that died after
-    // the restore) only the guard and the unlock; RUNNING ones nothing.
+    // What each process needs: CHECKPOINTED ones a restore; LOCKED ones after a journaled restore
+    // (a wake that died after its record) only the guard and the unlock; RUNNING ones nothing.
+    // LOCKED without a journaled restore (a wake that died before its record) is not taken as a
+    // whole restored context on the driver's word: checkpointed again, then restored.
     let mut to_restore: Vec<(&ProcHandle, &ParkedRecord)> = Vec::new();
     let mut to_unlock: Vec<&ProcHandle> = Vec::new();
     for h in &cuda {
@@ -873,7 +884,26 @@ fn wake_inner(
                 let rec = known.get(&id(h)).ok_or(WakeError::NotParked(h.pid()))?;
                 to_restore.push((h, rec));
             }
-            Ok(ProcessState::Locked) => to_unlock.push(h),
+            Ok(ProcessState::Locked) => match crate::restore::last_restore(&records, id(h)) {
+                Some((_, true)) => to_unlock.push(h),
+                Some((Some(by), false)) if Some(by) == me() || by.is_alive_same() => {
+                    return Err(WakeError::InProgress {
+                        pid: h.pid(),
+                        by: by.pid,
+                    })
+                }
+                _ => {
+                    let rec = known.get(&id(h)).ok_or(WakeError::NotParked(h.pid()))?;
+                    crate::restore::checkpoint_again(gpu, journal, h).map_err(|e| match e {
+                        AgainError::Driver(error) => WakeError::Driver {
+                            pid: h.pid(),
+                            error,
+                        },
+                        AgainError::Journal(e) => WakeError::Journal(e),
+                    })?;
+                    to_restore.push((h, rec));
+                }
+            },
             Ok(ProcessState::Running) => {}
             Ok(ProcessState::Failed) => return Err(WakeError::Failed(h.pid())),
             Err(error) => {

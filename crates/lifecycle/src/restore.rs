@@ -323,17 +323,7 @@ pub fn finish_unlock(
 ) -> Result<FinishUnlock, FinishUnlockError> {
     let left = |why: &str| Ok(FinishUnlock::Left(why.to_string()));
     let records = cryo_journal::read(journal.dir())?.records;
-    // (unlock_by, completed) of the restore that is its last lifecycle step, if it is one.
-    let mut restore = None::<(Option<ProcId>, bool)>;
-    for r in records.iter().filter(|r| r.event.pids().contains(&pid)) {
-        restore = match &r.event {
-            Event::RestoreStarted { unlock_by, .. } => Some((*unlock_by, false)),
-            Event::RestoreCompleted { .. } => restore.map(|(by, _)| (by, true)),
-            Event::GuardAttached { .. } => restore,
-            _ => None,
-        };
-    }
-    let (by, completed) = match restore {
+    let (by, completed) = match last_restore(&records, pid) {
         Some((Some(by), completed)) => (by, completed),
         Some((None, true)) => return left(
             "its restore leaves it LOCKED on purpose, or the journal does not say who unlocks it",
@@ -380,6 +370,24 @@ pub fn finish_unlock(
         tracing::error!(pid = h.pid(), error = %e, "cannot journal the unlock");
     }
     Ok(FinishUnlock::Unlocked)
+}
+
+/// The restore that is `pid`'s last lifecycle step in `records` (guard attachments aside), if it
+/// is one: its intent's `unlock_by`, and whether its completion is journaled.
+pub(crate) fn last_restore(
+    records: &[cryo_journal::Record],
+    pid: ProcId,
+) -> Option<(Option<ProcId>, bool)> {
+    let mut restore = None::<(Option<ProcId>, bool)>;
+    for r in records.iter().filter(|r| r.event.pids().contains(&pid)) {
+        restore = match &r.event {
+            Event::RestoreStarted { unlock_by, .. } => Some((*unlock_by, false)),
+            Event::RestoreCompleted { .. } => restore.map(|(by, _)| (by, true)),
+            Event::GuardAttached { .. } => restore,
+            _ => None,
+        };
+    }
+    restore
 }
 
 /// How [`finish_unlock`] names the restore it makes of a process it checkpointed again.
