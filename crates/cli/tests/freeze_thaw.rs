@@ -2831,22 +2831,8 @@ fn an_agent_killed_between_a_thaws_restore_and_its_record_is_finished_by_the_nex
 
     let before_restart = ev.len();
     let agent2 = an_agent_restarted_finishes_the_unlock(&env, id, before_restart);
-    // Checkpointed again, restored with its completion journaled, and only then unlocked.
-    let after: Vec<Event> = events(&env)[before_restart..]
-        .iter()
-        .filter(|e| mine(e))
-        .cloned()
-        .collect();
-    let at = |f: &dyn Fn(&Event) -> bool| after.iter().position(f);
-    let order = [
-        at(&|e| matches!(e, Event::Checkpointed { .. })),
-        at(&|e| matches!(e, Event::RestoreCompleted { .. })),
-        at(&|e| matches!(e, Event::Unlocked { .. })),
-    ];
-    assert!(
-        matches!(order, [Some(c), Some(r), Some(u)] if c < r && r < u),
-        "{after:?}"
-    );
+    let after = events(&env)[before_restart..].to_vec();
+    common::checkpointed_restored_then_unlocked(&after, pid);
     assert_eq!(answers(&sock), before, "it serves as before");
     assert!(alive(pid), "the worker died");
     env.sim.assert_no_wedge();
@@ -2859,6 +2845,64 @@ fn an_agent_killed_between_a_thaws_restore_and_its_record_is_finished_by_the_nex
     );
     env.stop_clean(pid);
     drop(agent2);
+}
+
+/// Attack (session 20): a thaw whose disk fills between the GPU restore and its
+/// `RestoreCompleted` (a real `ENOSPC`: the state directory on a 16 MiB tmpfs, filled while the
+/// thaw is paused at `restore-before-completed` with the worker LOCKED and its context live, the
+/// journal's last page too). Nothing can be recorded from then on, the removal's records
+/// included: the thaw must fail without leaving a live restored context unrecorded (the worker
+/// is checkpointed again, never LOCKED or running on the GPU, never torn down), and name what it
+/// left and how to end it. Once there is room, `cryo stop` ends it with no wedge and the image
+/// thaws again with the answers it gave before the freeze: nothing lost.
+#[test]
+fn a_thaw_meeting_a_full_disk_after_its_gpu_restore_leaves_nothing_live() {
+    let mut env = Env::start("1GiB");
+    let st = env.path().join("state");
+    let disk = cryo_testkit::disk::SmallDisk::mount_at(&st, "16M");
+    let (pid, sock, before, image) = env.frozen("16MiB");
+    let PausedThaw {
+        child: mut thaw,
+        resume,
+        said,
+    } = thaw_paused_at(
+        &env,
+        &image,
+        cryo_lifecycle::restore::RESTORE_BEFORE_COMPLETED,
+        &[],
+    );
+    env.thawed.push(pid);
+    assert_eq!(
+        env.sim.gpu.driver.state(pid).unwrap(),
+        cryo_gpu::ProcessState::Locked
+    );
+    let filler = disk.fill();
+    common::fill_journal_page(&st);
+    fs::write(&resume, b"").unwrap();
+    let status = thaw.wait().unwrap();
+    let said = fs::read_to_string(&said).unwrap();
+    assert!(!status.success(), "thawed on a full disk: {said}");
+    assert!(alive(pid), "{said}");
+    assert_eq!(
+        env.sim.gpu.driver.state(pid).unwrap(),
+        cryo_gpu::ProcessState::Checkpointed,
+        "{said}"
+    );
+    assert!(
+        said.contains("No space left on device")
+            && said.contains("checkpointed again")
+            && said.contains(&format!("`cryo stop` on pids {pid}")),
+        "not named: {said}"
+    );
+    env.sim.assert_no_wedge();
+
+    std::fs::remove_file(filler).unwrap();
+    env.stop_clean(pid);
+    env.thaw_ok(&image, &[]);
+    env.thawed.push(pid);
+    assert_eq!(answers(&sock), before, "the image lost what it held");
+    env.stop_clean(pid);
+    drop(disk);
 }
 
 /// A plain process that holds a `flock` whose lock this test also holds (it inherited the fd),

@@ -469,6 +469,24 @@ fn a_guard_settles(
     (guard, ev)
 }
 
+/// `cryo COMMAND W` at the stalling failpoint `failpoint` (no resume file), found with `w`
+/// LOCKED there, then SIGKILLed: what the OOM killer or a restarted node agent leaves.
+fn killed_locked_at(sim: &Sim, st: &Path, w: &Worker, failpoint: &str, command: &str) {
+    let mut cryo = sim
+        .cmd_at(st)
+        .env("CRYO_FAILPOINT", failpoint)
+        .args([command, &w.pid.to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = cryo.stderr.take().unwrap();
+    let said = common::said_until(&mut err, "stalling until killed");
+    assert_eq!(sim.state(w.pid), "locked", "{said}");
+    cryo.kill().unwrap();
+    cryo.wait().unwrap();
+}
+
 /// The journal of a park whose undo restored `w` and did not record it: the restore's intent,
 /// and no completion, no `Parked`, no unlock.
 fn only_the_undos_intent(st: &Path, w: &Worker) {
@@ -565,31 +583,22 @@ fn a_park_whose_undo_cannot_record_its_restore_is_resumed_by_the_next_guard() {
 /// and unlocks it. It serves as before; no wedge.
 #[test]
 fn a_park_killed_between_its_undos_restore_and_its_record_is_resumed_by_the_next_guard() {
-    use cryo_journal::Event;
     let sim = Sim::start();
     let st = state();
     let w = worker(&sim, "64MiB", 0);
     let before = w.complete("the same question");
-    let mut park = sim
-        .cmd_at(st.path())
-        .env(
-            "CRYO_FAILPOINT",
-            cryo_lifecycle::park::PARK_UNDO_DIES_RESTORED,
-        )
-        .args(["park", &w.pid.to_string()])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = park.stderr.take().unwrap();
-    let said = common::said_until(&mut err, "stalling until killed");
-    assert_eq!(sim.state(w.pid), "locked", "{said}");
-    park.kill().unwrap();
-    park.wait().unwrap();
+    killed_locked_at(
+        &sim,
+        st.path(),
+        &w,
+        cryo_lifecycle::park::PARK_UNDO_DIES_RESTORED,
+        "park",
+    );
     only_the_undos_intent(st.path(), &w);
     sim.assert_no_wedge();
     a_stop_leaves_it_until_watched(&sim, st.path(), &w, "locked");
 
+    let from = events(st.path()).len();
     let (guard, ev) = a_guard_settles(
         &sim,
         st.path(),
@@ -597,18 +606,7 @@ fn a_park_killed_between_its_undos_restore_and_its_record_is_resumed_by_the_next
         &before,
         ("locked", "checkpointed again, then resumed"),
     );
-    let mine = |e: &Event| e.pids().iter().any(|p| p.pid == w.pid);
-    // Unlocked only after a restore of its own whose completion is journaled.
-    let last_restore = ev
-        .iter()
-        .rposition(|e| mine(e) && matches!(e, Event::RestoreCompleted { .. }));
-    let unlocked = ev
-        .iter()
-        .rposition(|e| mine(e) && matches!(e, Event::Unlocked { .. }));
-    assert!(
-        matches!((last_restore, unlocked), (Some(r), Some(u)) if r < u),
-        "{ev:?}"
-    );
+    common::checkpointed_restored_then_unlocked(&ev[from..], w.pid);
     drop(guard);
 }
 
@@ -667,28 +665,18 @@ fn a_wake_meeting_a_full_disk_after_its_restore_leaves_the_worker_parked_then_wa
 /// no wedge.
 #[test]
 fn a_wake_killed_before_recording_its_restore_is_woken_again_through_a_new_checkpoint() {
-    use cryo_journal::Event;
     let sim = Sim::start();
     let st = state();
     let w = worker(&sim, "64MiB", 0);
     let before = w.complete("the same question");
     ok(&run(&sim, st.path(), &["park", &w.pid.to_string()]));
-    let mut wake = sim
-        .cmd_at(st.path())
-        .env(
-            "CRYO_FAILPOINT",
-            cryo_lifecycle::restore::RESTORE_BEFORE_COMPLETED,
-        )
-        .args(["wake", &w.pid.to_string()])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = wake.stderr.take().unwrap();
-    let said = common::said_until(&mut err, "stalling until killed");
-    assert_eq!(sim.state(w.pid), "locked", "{said}");
-    wake.kill().unwrap();
-    wake.wait().unwrap();
+    killed_locked_at(
+        &sim,
+        st.path(),
+        &w,
+        cryo_lifecycle::restore::RESTORE_BEFORE_COMPLETED,
+        "wake",
+    );
     let killed_at = events(st.path()).len();
 
     ok(&run(&sim, st.path(), &["wake", &w.pid.to_string()]));
@@ -698,21 +686,7 @@ fn a_wake_killed_before_recording_its_restore_is_woken_again_through_a_new_check
         before,
         "it serves as before"
     );
-    let after: Vec<Event> = events(st.path())[killed_at..]
-        .iter()
-        .filter(|e| e.pids().iter().any(|p| p.pid == w.pid))
-        .cloned()
-        .collect();
-    let at = |f: &dyn Fn(&Event) -> bool| after.iter().position(f);
-    let order = [
-        at(&|e| matches!(e, Event::Checkpointed { .. })),
-        at(&|e| matches!(e, Event::RestoreCompleted { .. })),
-        at(&|e| matches!(e, Event::Unlocked { .. })),
-    ];
-    assert!(
-        matches!(order, [Some(c), Some(r), Some(u)] if c < r && r < u),
-        "unlocked on the driver's LOCKED alone: {after:?}"
-    );
+    common::checkpointed_restored_then_unlocked(&events(st.path())[killed_at..], w.pid);
     sim.assert_no_wedge();
 }
 

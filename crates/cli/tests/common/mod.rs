@@ -383,6 +383,27 @@ pub fn json(o: &Output) -> serde_json::Value {
 }
 
 /// The events of the journal of the state directory `state`, in order.
+/// `events` (oldest first) show process `pid` of a restore not journaled as done checkpointed
+/// again, restored with its completion journaled, and only then unlocked: never unlocked on the
+/// driver's LOCKED alone.
+pub fn checkpointed_restored_then_unlocked(events: &[cryo_journal::Event], pid: i32) {
+    use cryo_journal::Event;
+    let mine: Vec<&Event> = events
+        .iter()
+        .filter(|e| e.pids().iter().any(|p| p.pid == pid))
+        .collect();
+    let at = |f: &dyn Fn(&Event) -> bool| mine.iter().position(|e| f(e));
+    let order = [
+        at(&|e| matches!(e, Event::Checkpointed { .. })),
+        at(&|e| matches!(e, Event::RestoreCompleted { .. })),
+        at(&|e| matches!(e, Event::Unlocked { .. })),
+    ];
+    assert!(
+        matches!(order, [Some(c), Some(r), Some(u)] if c < r && r < u),
+        "pid {pid} unlocked on the driver's LOCKED alone: {mine:?}"
+    );
+}
+
 pub fn events(state: &Path) -> Vec<cryo_journal::Event> {
     cryo_journal::read(state.join("journal"))
         .unwrap()
