@@ -2435,11 +2435,8 @@ fn freeze_and_thaw_go_through_the_agent_whose_guard_takes_the_restored_worker() 
 #[test]
 fn a_page_lost_under_the_agents_thaw_is_refused_naming_the_image_and_the_agent_lives() {
     let mut env = Env::start("512MiB");
-    let resume = env.path().join("resume");
-    let mut agent = Agent::spawn_with(&env, |cmd| {
-        cmd.env("CRYO_FAILPOINT", cryo_criu::image::CHECK_MAPPED_SPAN_PAUSES)
-            .env("CRYO_FAILPOINT_RESUME", &resume);
-    });
+    let (mut agent, resume) =
+        Agent::with_failpoint(&env, cryo_criu::image::CHECK_MAPPED_SPAN_PAUSES);
     let (pid, sock) = env.worker("64MiB", 0);
     let before = answers(&sock);
     let image = env.path().join("img");
@@ -2519,6 +2516,91 @@ fn a_page_lost_under_the_agents_thaw_is_refused_naming_the_image_and_the_agent_l
     env.sim.assert_no_wedge();
 }
 
+/// Attack (session 20): the agent's budget of checks stuck in reads. Each thaw whose check of
+/// the page contents never returns (failpoint `image-check-read-stalls`: a hung disk) is given
+/// up on at its deadline and leaves its check's thread stuck in the agent, counted. Past
+/// `MAX_ABANDONED_CHECKS` of them, the next thaw must be refused at once, before CRIU runs,
+/// with words that say why and what ends it; nothing restored runs, nothing is left behind,
+/// the agent lives. Once the reads return (the disk answers), the same image thaws and serves.
+#[test]
+fn past_the_agents_budget_of_stuck_checks_a_thaw_is_refused_before_criu_saying_why() {
+    let mut env = Env::start("512MiB");
+    let (mut agent, resume) = Agent::with_failpoint(&env, cryo_criu::image::CHECK_READ_STALLS);
+    let (pid, sock) = env.worker("16MiB", 0);
+    let before = answers(&sock);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+    // Each thaw ends at its deadline: CRIU's or the check's, whichever says it first; the
+    // check's thread is counted once its own wait ends, which may come a moment after the thaw
+    // returned: thawed until refused for the budget.
+    let max = cryo_criu::image::MAX_ABANDONED_CHECKS;
+    // CRIU's directories: a failed restore keeps its own (its log, which the error names), the
+    // newest few of them (`scratch::KEEP_FAILED`).
+    let criu_dir = env.path().join("state").join("criu");
+    let restores = || -> std::collections::BTreeSet<_> {
+        fs::read_dir(&criu_dir)
+            .into_iter()
+            .flatten()
+            .map(|d| d.unwrap().file_name())
+            .filter(|n| n.to_string_lossy().starts_with("cryo-criu-restore-"))
+            .collect()
+    };
+    let mut stuck = 0;
+    let (status, err, kept) = loop {
+        let kept = restores();
+        let out = env.thaw(&image, &["--criu-timeout", "1"]);
+        let err = stderr(&out);
+        assert!(!out.status.success(), "stuck check {stuck}: {err}");
+        assert!(
+            !exists(pid),
+            "stuck check {stuck}: a restored process runs: {err}"
+        );
+        if err.contains("earlier checks of images are still stuck") {
+            break (out.status, err, kept);
+        }
+        stuck += 1;
+        assert!(
+            stuck <= max + 2,
+            "not refused for its budget after {stuck} stuck checks: {err}"
+        );
+    };
+    assert!(stuck >= max, "refused after {stuck} stuck checks: {err}");
+    assert_eq!(status.code(), Some(3), "{err}");
+    let said: usize = err
+        .split(" earlier checks of images are still stuck in a read")
+        .next()
+        .and_then(|before| before.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("does not say how many are stuck: {err}"));
+    assert!(
+        said >= max && said <= stuck,
+        "{said} stuck, {stuck} thaws: {err}"
+    );
+    assert!(
+        err.contains("until one ends, which it does when its file system answers"),
+        "does not say what ends it: {err}"
+    );
+    assert!(!err.contains("criu restore"), "CRIU ran: {err}");
+    let new: Vec<_> = restores().difference(&kept).cloned().collect();
+    assert!(new.is_empty(), "the refused thaw left {new:?}: {err}");
+    assert!(!exists(pid), "a restored process runs: {err}");
+    assert!(
+        agent.child_alive() && agent.client().status().is_ok(),
+        "{}",
+        agent.log()
+    );
+    // The disk answers: the stuck reads return, their threads end, the budget is free again.
+    fs::write(&resume, b"").unwrap();
+    eventually(PATIENCE, "a thaw once the stuck checks ended", || {
+        env.thaw(&image, &["--health-url", &health(&sock)])
+            .status
+            .success()
+    });
+    assert_eq!(answers(&sock), before);
+    env.stop_clean(pid);
+    env.sim.assert_no_wedge();
+}
+
 /// Issue 12: a parked worker (`cryo park`: CHECKPOINTED in place, NVML lists nothing) is frozen as
 /// it is and thawed: the thaw brings its GPU context back, the answers are unchanged, no wedge.
 #[test]
@@ -2548,6 +2630,17 @@ impl Agent {
     /// As [`Agent::start`], with `CRYO_FAILPOINT=failpoint` in the agent's environment.
     fn start_at(env: &Env, failpoint: &str) -> Agent {
         Agent::spawn(env, Some(failpoint))
+    }
+
+    /// An agent with `CRYO_FAILPOINT=failpoint`, paused there until the file at the path
+    /// returned exists (`CRYO_FAILPOINT_RESUME`).
+    fn with_failpoint(env: &Env, failpoint: &str) -> (Agent, PathBuf) {
+        let resume = env.path().join("resume");
+        let agent = Agent::spawn_with(env, |cmd| {
+            cmd.env("CRYO_FAILPOINT", failpoint)
+                .env("CRYO_FAILPOINT_RESUME", &resume);
+        });
+        (agent, resume)
     }
 
     /// Whether the agent's process has not ended.

@@ -213,12 +213,7 @@ impl<'a> Check<'a> {
         let dir = image.path();
         let stuck = abandoned_checks();
         if stuck >= MAX_ABANDONED_CHECKS {
-            return Err(ImageError::Stream {
-                dir: dir.to_path_buf(),
-                reason: format!(
-                    "{stuck} earlier checks of images are still stuck in a read that never returned (a hung disk?): no new check is started"
-                ),
-            });
+            return Err(too_many_stuck(dir, stuck));
         }
         let watch = inotify::init(inotify::CreateFlags::CLOEXEC | inotify::CreateFlags::NONBLOCK)
             .map_err(|e| ImageError::Io {
@@ -478,16 +473,23 @@ pub(super) fn within_deadline<T: Send + 'static>(
             );
             None
         }
-        Err(Late::Unresponsive(stuck)) => Some(Err(ImageError::Stream {
-            dir: dir.to_path_buf(),
-            reason: format!(
-                "{stuck} earlier checks of images are still stuck in a read that never returned (a hung disk?): no new check is started"
-            ),
-        })),
+        Err(Late::Unresponsive(stuck)) => Some(Err(too_many_stuck(dir, stuck))),
         Err(Late::NoThread) => Some(Err(ImageError::Stream {
             dir: dir.to_path_buf(),
             reason: "cannot start the check's thread".into(),
         })),
+    }
+}
+
+/// The refusal of a check of the image at `dir` while `stuck` earlier ones are stuck in reads:
+/// why, where their images are named (the warning logged when each was given up on), and what
+/// ends them (a thread in such a read cannot be cancelled, nor its process end).
+fn too_many_stuck(dir: &std::path::Path, stuck: usize) -> ImageError {
+    ImageError::Stream {
+        dir: dir.to_path_buf(),
+        reason: format!(
+            "{stuck} earlier checks of images are still stuck in a read that never returned (a hung disk or network file system? each was logged with its image when given up on): no new check is started until one ends, which it does when its file system answers or its mount is aborted"
+        ),
     }
 }
 
