@@ -2294,6 +2294,15 @@ impl Agent {
 
     /// An agent whose command `f` adjusted first (its environment: failpoints, `CRYO_CRIU`).
     fn spawn_with(env: &Env, f: impl FnOnce(&mut Command)) -> Agent {
+        let agent = Agent::launch_with(env, f);
+        let client = agent.client();
+        eventually(PATIENCE, "the agent's socket", || client.status().is_ok());
+        agent
+    }
+
+    /// [`Agent::spawn_with`] without waiting for its socket to answer: an agent stalled at a
+    /// failpoint of its start (its guard's settlements run before it serves).
+    fn launch_with(env: &Env, f: impl FnOnce(&mut Command)) -> Agent {
         let state = env.path().join("state");
         fs::create_dir_all(&state).unwrap();
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
@@ -2319,8 +2328,6 @@ impl Agent {
             .stderr(file)
             .spawn()
             .unwrap();
-        let client = cryo_api::AgentClient::new(cryo_state::StateDir::new(&state).agent_socket());
-        eventually(PATIENCE, "the agent's socket", || client.status().is_ok());
         Agent { child, log, state }
     }
 
@@ -2871,23 +2878,18 @@ fn an_agent_killed_between_a_thaws_restore_and_unlock_leaves_nothing_unguarded()
     drop(agent2);
 }
 
-/// Attack (session 20): the agent is SIGKILLed while a thaw it runs is between the driver's
+/// A thaw of `image` (the frozen worker `pid`) through an agent SIGKILLed between the driver's
 /// restore and that restore's `RestoreCompleted` (failpoint `restore-before-completed`): the
 /// worker is LOCKED, its context restored and live, and the journal holds only the restore's
-/// intent, its writer (the agent) gone. The restarted agent traces it again (the intent makes
-/// it restored) and must neither leave it LOCKED for good nor unlock it on the driver's LOCKED
-/// alone: it checkpoints it again, restores it itself (intent and completion journaled) and
-/// unlocks it as a recovery. It serves as before; nothing is torn down, stopped or killed.
-#[test]
-fn an_agent_killed_between_a_thaws_restore_and_its_record_is_finished_by_the_next_agent() {
+/// intent, its writer (the agent) gone. Returns the journal's events then.
+fn a_thaw_whose_agent_died_before_its_restores_record(
+    env: &mut Env,
+    image: &Path,
+    pid: i32,
+) -> Vec<cryo_journal::Event> {
     use cryo_journal::{Event, ProcId};
-    let mut env = Env::start("1GiB");
-    let (pid, sock) = env.worker("64MiB", 0);
-    let before = answers(&sock);
-    let image = env.path().join("img");
-    env.freeze(pid, &image);
     let failpoint = cryo_lifecycle::restore::RESTORE_BEFORE_COMPLETED;
-    let mut agent = Agent::start_at(&env, failpoint);
+    let mut agent = Agent::start_at(env, failpoint);
     let thaw = env
         .cmd()
         .args(["thaw", image.to_str().unwrap()])
@@ -2911,7 +2913,7 @@ fn an_agent_killed_between_a_thaws_restore_and_its_record_is_finished_by_the_nex
     assert!(alive(pid), "the restored worker died with the agent");
     let id = ProcId::of(pid).unwrap();
     let mine = |e: &Event| e.pids().contains(&id);
-    let ev = events(&env);
+    let ev = events(env);
     assert!(
         ev.iter()
             .any(|e| mine(e) && matches!(e, Event::RestoreStarted { .. }))
@@ -2921,7 +2923,26 @@ fn an_agent_killed_between_a_thaws_restore_and_its_record_is_finished_by_the_nex
         "not the journal of a thaw killed before its restore's record: {ev:?}"
     );
     env.sim.assert_no_wedge();
+    ev
+}
 
+/// Attack (session 20): the agent is SIGKILLed while a thaw it runs is between the driver's
+/// restore and that restore's `RestoreCompleted` (failpoint `restore-before-completed`): the
+/// worker is LOCKED, its context restored and live, and the journal holds only the restore's
+/// intent, its writer (the agent) gone. The restarted agent traces it again (the intent makes
+/// it restored) and must neither leave it LOCKED for good nor unlock it on the driver's LOCKED
+/// alone: it checkpoints it again, restores it itself (intent and completion journaled) and
+/// unlocks it as a recovery. It serves as before; nothing is torn down, stopped or killed.
+#[test]
+fn an_agent_killed_between_a_thaws_restore_and_its_record_is_finished_by_the_next_agent() {
+    use cryo_journal::{Event, ProcId};
+    let mut env = Env::start("1GiB");
+    let (pid, sock) = env.worker("64MiB", 0);
+    let before = answers(&sock);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+    let ev = a_thaw_whose_agent_died_before_its_restores_record(&mut env, &image, pid);
+    let id = ProcId::of(pid).unwrap();
     let before_restart = ev.len();
     let agent2 = an_agent_restarted_finishes_the_unlock(&env, id, before_restart);
     let after = events(&env)[before_restart..].to_vec();
@@ -2938,6 +2959,77 @@ fn an_agent_killed_between_a_thaws_restore_and_its_record_is_finished_by_the_nex
     );
     env.stop_clean(pid);
     drop(agent2);
+}
+
+/// Attack (session 21): a thaw's agent dies before its restore's record (as above), and the
+/// agent restarted after it dies too, between its new checkpoint of the worker (the driver's word
+/// that the context is whole: LOCKED -> CHECKPOINTED, journaled) and its own restore's intent
+/// (failpoint `checkpointed-again`, then SIGKILL; an OOM kill or a node drain ends an agent
+/// there the same way). The worker is CHECKPOINTED: safe, serving nothing. The agent started
+/// next must not leave it so for good: it resumes it under watch (restored, traced, unlocked),
+/// and it serves as before; nothing is stopped or killed, no wedge.
+/// (Before: the new checkpoint was journaled as a bare `Checkpointed` step, with no
+/// `SuspendStarted` saying what it was for, so the third agent settled it as "left as it is: the
+/// journal does not say what it was suspended for", CHECKPOINTED for good; this test failed
+/// waiting for the worker to run.)
+#[test]
+fn an_agent_killed_between_its_new_checkpoint_and_its_restore_leaves_a_worker_the_next_resumes() {
+    use cryo_journal::{Event, ProcId};
+    let mut env = Env::start("1GiB");
+    let (pid, sock) = env.worker("64MiB", 0);
+    let before = answers(&sock);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+    a_thaw_whose_agent_died_before_its_restores_record(&mut env, &image, pid);
+
+    let failpoint = cryo_lifecycle::restore::CHECKPOINTED_AGAIN;
+    let mut agent2 = Agent::launch_with(&env, |c| {
+        c.env("CRYO_FAILPOINT", failpoint);
+    });
+    eventually(PATIENCE, "the restarted agent at its failpoint", || {
+        agent2
+            .log()
+            .contains(&format!("failpoint {failpoint} reached"))
+    });
+    assert_eq!(
+        env.sim.gpu.driver.state(pid).unwrap(),
+        cryo_gpu::ProcessState::Checkpointed,
+        "{}",
+        agent2.log()
+    );
+    agent2.child.kill().unwrap();
+    agent2.child.wait().unwrap();
+    assert!(alive(pid), "the worker died with the second agent");
+    env.sim.assert_no_wedge();
+
+    let id = ProcId::of(pid).unwrap();
+    let from = events(&env).len();
+    let agent3 = Agent::start(&env);
+    eventually(PATIENCE, "the third agent to resume the worker", || {
+        env.sim.gpu.driver.state(pid).unwrap() == cryo_gpu::ProcessState::Running
+    });
+    assert!(agent3.traces(pid), "resumed unguarded");
+    assert_eq!(answers(&sock), before, "it serves as before");
+    let after = events(&env)[from..].to_vec();
+    assert!(
+        after.iter().any(|e| matches!(
+            e,
+            Event::SuspensionSettled { pid: p, found, action }
+                if *p == id && found == "checkpointed" && action == "resumed"
+        )),
+        "{after:?}"
+    );
+    assert!(
+        !after.iter().any(|e| matches!(
+            e,
+            Event::StopRequested { .. } | Event::KillStarted { .. } | Event::Killed { .. }
+        )),
+        "{after:?}"
+    );
+    assert!(alive(pid), "the worker died");
+    env.sim.assert_no_wedge();
+    env.stop_clean(pid);
+    drop(agent3);
 }
 
 /// Attack (session 20): a thaw whose disk fills between the GPU restore and its

@@ -1168,6 +1168,13 @@ pub enum Purpose {
     /// `cryo park`: the process is to stay suspended in place; once `Parked` is journaled the
     /// suspension is final (a later run that finds it half-way resumes it, as for a freeze).
     Park,
+    /// A restarted guard or agent (or a wake) checkpoints again a LOCKED process whose restore
+    /// is not journaled as done, its writer gone, to have the driver's word that its context is
+    /// whole, then restores and unlocks it under watch: a later run that finds it half-way
+    /// resumes it under watch (LOCKED: checkpointed again first, never unlocked on the state's
+    /// word; CHECKPOINTED: restored), as for a freeze. An older cryo reads it as
+    /// [`Purpose::Other`] and leaves the process as it is (safe).
+    Recheck,
     /// A purpose of a newer cryo (a later run leaves the process as it is).
     #[serde(other)]
     Other,
@@ -1180,6 +1187,7 @@ impl std::fmt::Display for Purpose {
             Purpose::Freeze => "freeze",
             Purpose::Park => "park",
             Purpose::Guard => "guard",
+            Purpose::Recheck => "re-checkpoint",
             Purpose::Other => "other",
         })
     }

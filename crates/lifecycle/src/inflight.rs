@@ -37,6 +37,12 @@
 //! checkpoint the driver refuses leaves it LOCKED and named, never unlocked. It is never
 //! unlocked on the state alone, and never without the watch.
 //!
+//! That new checkpoint is a suspension of its own ([`Purpose::Recheck`], journaled before the
+//! driver is asked: [`crate::restore::checkpoint_again`]), whoever makes it (this settlement,
+//! a guard or agent finishing a dead thaw's or wake's unlock, a wake): one whose caller died
+//! before its restore is resumed like a freeze's (CHECKPOINTED: restored; LOCKED: checkpointed
+//! again first, never unlocked on the state's word).
+//!
 //! Each settled process gets an [`Event::SuspensionSettled`] record saying what was found and done,
 //! so it is settled once; callers print the returned [`Settled`] list. A process a caller without
 //! a watcher (a stop) leaves to resume ([`Settlement::UntilWatched`]) gets none: it stays in
@@ -249,8 +255,9 @@ fn settle_one(
     match state {
         ProcessState::Running => Ok((found, Settlement::Nothing)),
         // Its context may be restored and live, or not whole: never unlocked on the state's
-        // word (see the module docs).
-        ProcessState::Locked if restoring => match watcher {
+        // word (see the module docs). A re-checkpoint that died before its checkpoint left it
+        // so too: its restore was never journaled as done.
+        ProcessState::Locked if restoring || purpose == Some(Purpose::Recheck) => match watcher {
             Some(watcher) => checkpoint_then_resume(gpu, journal, h, found, watcher),
             None => Ok((found, Settlement::UntilWatched)),
         },
@@ -269,7 +276,10 @@ fn settle_one(
         ProcessState::Checkpointed if restoring => resume(gpu, journal, h, found, watcher),
         ProcessState::Checkpointed => match purpose {
             Some(Purpose::Stop) | Some(Purpose::Guard) => finish_stop(gpu, journal, h, found),
-            Some(Purpose::Freeze) | Some(Purpose::Park) => resume(gpu, journal, h, found, watcher),
+            // A re-checkpoint's caller meant to restore it next, under watch.
+            Some(Purpose::Freeze) | Some(Purpose::Park) | Some(Purpose::Recheck) => {
+                resume(gpu, journal, h, found, watcher)
+            }
             Some(Purpose::Other) | None => left(
                 &found,
                 "the journal does not say what it was suspended for; `cryo stop` ends it, `cryo gpu restore` and `cryo gpu unlock` bring it back".into(),
@@ -325,13 +335,13 @@ fn checkpoint_then_resume(
             return Ok((
                 found,
                 Settlement::Left {
-                    why: format!("a restore undoing its suspension began and is not journaled as done, and {}: its context may be live, so it is left LOCKED, never unlocked; `cryo stop` ends it safely", AgainError::Driver(e)),
+                    why: format!("its restore began and is not journaled as done, and {}: its context may be live, so it is left LOCKED, never unlocked; `cryo stop` ends it safely", AgainError::Driver(e)),
                 },
             ))
         }
-        // Suspended again, unrecorded: the journal still shows the restore's intent, and the
-        // next start finds it CHECKPOINTED and resumes it.
-        Err(AgainError::Journal(e)) => return Err(e.into()),
+        // Not touched (its intent refused), or suspended again unrecorded: either way it is in
+        // flight, and the next start finds it LOCKED or CHECKPOINTED and resumes it.
+        Err(AgainError::Intent(e) | AgainError::Journal(e)) => return Err(e.into()),
     }
     match resume(gpu, journal, h, found, Some(watcher))? {
         (found, Settlement::Resumed) => Ok((found, Settlement::ResumedAfterCheckpoint)),
@@ -374,6 +384,7 @@ fn finish_stop(
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use cryo_proc::Pid;
     use cryo_testkit::fake::{Call, FakeGpu};
     use cryo_testkit::procs::{self, Procs};
 
@@ -573,6 +584,93 @@ mod tests {
             settle_in_flight(&fake.gpu(), &journal, Some(&crate::NoWatcher)).unwrap(),
             Vec::new()
         );
+    }
+
+    /// A re-checkpoint (a guard, agent or wake checkpointing again a LOCKED process whose restore
+    /// is not journaled as done, before restoring it itself: `restore::checkpoint_again`) whose
+    /// caller died before its own restore's intent: before the driver's checkpoint (LOCKED, its
+    /// context perhaps not whole) and after it (CHECKPOINTED). A stop leaves both until watched;
+    /// a guard's start resumes both under watch, LOCKED only after a checkpoint of its own
+    /// (never unlocked on the state's word), once each. (Before session 21 the re-checkpoint
+    /// journaled only `Checkpointed`: no purpose, so CHECKPOINTED was "left as it is" for good.)
+    #[test]
+    fn a_recheckpoint_whose_caller_died_before_its_restore_is_resumed_under_watch() {
+        let (procs, ids, fake, dir, journal) = scene(2);
+        let p = procs.pids();
+        let dead = gone();
+        for (i, state) in [ProcessState::Locked, ProcessState::Checkpointed]
+            .into_iter()
+            .enumerate()
+        {
+            fake.add(p[i]).set_state(p[i], state);
+            journal
+                .append(Event::RestoreStarted {
+                    pid: ids[i],
+                    image: "/img/a".into(),
+                    unlock_by: Some(dead),
+                })
+                .unwrap();
+            journal
+                .append(Event::SuspendStarted {
+                    pid: ids[i],
+                    purpose: Purpose::Recheck,
+                    by: Some(dead),
+                })
+                .unwrap();
+            journal
+                .append(Event::CheckpointStarted { pid: ids[i] })
+                .unwrap();
+            if state == ProcessState::Checkpointed {
+                journal
+                    .append(Event::Checkpointed {
+                        pid: ids[i],
+                        ms: 1,
+                        bytes: 0,
+                    })
+                    .unwrap();
+            }
+        }
+        let settled = settle_in_flight(&fake.gpu(), &journal, None).unwrap();
+        for id in &ids {
+            assert_eq!(
+                action_of(&settled, *id),
+                Some(Settlement::UntilWatched),
+                "{settled:?}"
+            );
+        }
+        assert!(fake.calls().iter().all(|(_, c)| *c == Call::State));
+
+        let settled = settle_in_flight(&fake.gpu(), &journal, Some(&crate::NoWatcher)).unwrap();
+        assert_eq!(
+            action_of(&settled, ids[0]),
+            Some(Settlement::ResumedAfterCheckpoint),
+            "{settled:?}"
+        );
+        assert_eq!(
+            action_of(&settled, ids[1]),
+            Some(Settlement::Resumed),
+            "{settled:?}"
+        );
+        let order = |pid: Pid| -> Vec<Call> {
+            fake.calls()
+                .into_iter()
+                .filter(|(q, c)| *q == pid && *c != Call::State)
+                .map(|(_, c)| c)
+                .collect()
+        };
+        assert_eq!(order(p[0]), [Call::Checkpoint, Call::Restore, Call::Unlock]);
+        assert_eq!(order(p[1]), [Call::Restore, Call::Unlock]);
+        assert!(p.iter().all(|p| fake.state_of(*p) == ProcessState::Running));
+        assert!(fake.wedges().is_empty(), "{:?}", fake.wedges());
+        for s in &settled {
+            assert!(s.to_string().contains("re-checkpoint"), "{s}");
+        }
+        assert_eq!(
+            settle_in_flight(&fake.gpu(), &journal, Some(&crate::NoWatcher)).unwrap(),
+            Vec::new()
+        );
+        let records = cryo_journal::read(dir.path()).unwrap().records;
+        assert!(cryo_journal::in_flight_stops(&records).is_empty());
     }
 
     /// A settlement the caller only says ([`Settlement::UntilWatched`]) is never journaled as

@@ -899,7 +899,7 @@ fn wake_inner(
                             pid: h.pid(),
                             error,
                         },
-                        AgainError::Journal(e) => WakeError::Journal(e),
+                        AgainError::Intent(e) | AgainError::Journal(e) => WakeError::Journal(e),
                     })?;
                     to_restore.push((h, rec));
                 }

@@ -251,9 +251,18 @@ pub(crate) fn fmt_left(left: &[(Pid, String)]) -> String {
     )
 }
 
+/// Failpoint (`CRYO_FAILPOINT`, a test hook; a stall, see `failpoint::stall_if`):
+/// [`checkpoint_again`] stalls once the driver checkpointed the process again and the journal
+/// says so, before its caller restores it (where a test kills the guard, agent or wake).
+pub const CHECKPOINTED_AGAIN: &str = "checkpointed-again";
+
 /// Why [`checkpoint_again`] did not leave a journaled CHECKPOINTED process.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum AgainError {
+    /// Its intent could not be journaled: nothing was asked of the driver (the process is as
+    /// it was).
+    #[error("cannot journal the intent to checkpoint it again, so it was not ({0})")]
+    Intent(cryo_journal::AppendError),
     /// The driver refused (or did not answer) the checkpoint: the process is as it was.
     #[error("it cannot be checkpointed again to confirm its context is whole ({0})")]
     Driver(DriverError),
@@ -268,11 +277,29 @@ pub(crate) enum AgainError {
 /// died is under way is not measured); a checkpoint, which the driver carries out only for a
 /// whole context (LOCKED -> CHECKPOINTED, the safe direction: the call a refused completion and a
 /// stop make), does. The caller then restores it itself, through [`restore_to_unlock`].
+///
+/// Its intent is journaled first, as a suspension of its own ([`Event::SuspendStarted`] for
+/// [`Purpose::Recheck`](cryo_journal::Purpose::Recheck) by this process, then
+/// [`Event::CheckpointStarted`]): a caller that dies anywhere between here and its own
+/// `RestoreStarted` leaves it in flight, and the next guard or agent start resumes it under
+/// watch ([`crate::settle_in_flight`]). Before, only `Checkpointed` was journaled: the journal
+/// did not say what that suspension was for, and the next start left the process CHECKPOINTED
+/// for good.
 pub(crate) fn checkpoint_again(
     gpu: &Gpu,
     journal: &Journal,
     h: &ProcHandle,
 ) -> Result<(), AgainError> {
+    journal
+        .append_all(vec![
+            Event::SuspendStarted {
+                pid: id(h),
+                purpose: cryo_journal::Purpose::Recheck,
+                by: me(),
+            },
+            Event::CheckpointStarted { pid: id(h) },
+        ])
+        .map_err(AgainError::Intent)?;
     let start = Instant::now();
     gpu.driver.checkpoint(h.pid()).map_err(|e| {
         abandoned(Some(journal), h, &e);
@@ -284,8 +311,9 @@ pub(crate) fn checkpoint_again(
             ms: u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX),
             bytes: 0,
         })
-        .map(|_| ())
-        .map_err(AgainError::Journal)
+        .map_err(AgainError::Journal)?;
+    crate::failpoint::stall_if(CHECKPOINTED_AGAIN);
+    Ok(())
 }
 
 /// What [`finish_unlock`] did with a re-attached process.
@@ -314,8 +342,11 @@ pub enum FinishUnlockError {
 /// record (the thaw or wake died between the driver's restore and its completion's record), the
 /// driver's LOCKED alone is not taken as a whole restored context: it is checkpointed again
 /// ([`checkpoint_again`]) and restored by the caller, the completion journaled, before the
-/// unlock; a checkpoint the driver refuses leaves it LOCKED. Anything else is left as it is.
-/// The unlock is journaled after it happened (it runs again; a failed write is only logged).
+/// unlock; a checkpoint the driver refuses leaves it LOCKED. That new checkpoint is journaled as
+/// a suspension of its own before the driver is asked, so a caller that dies before its restore
+/// leaves it in flight for the next start, which resumes it under watch. Anything else is left
+/// as it is. The unlock is journaled after it happened (it runs again; a failed write is only
+/// logged).
 pub fn finish_unlock(
     gpu: &Gpu,
     journal: &Journal,
