@@ -68,7 +68,7 @@ impl Activation for InPlace {
             &resolved,
             &self.wake,
             &journal,
-            &self.state.fence(),
+            &self.state,
             self.watcher.as_ref(),
             &NoProgress,
         ) {
@@ -77,7 +77,8 @@ impl Activation for InPlace {
                 e @ (WakeError::Place(PlaceError::NoRoom { .. })
                 | WakeError::Place(_)
                 | WakeError::Fence(_)
-                | WakeError::NotParked(_)),
+                | WakeError::NotParked(_)
+                | WakeError::InProgress { .. }),
             ) => Err(ActivationError::Refused(e.to_string())),
             Err(e) => Err(failed(&e)),
         }

@@ -420,7 +420,7 @@ impl Agent {
                 &next,
                 &opts,
                 &self.journal,
-                &self.state.fence(),
+                &self.state,
                 self.guard.as_ref(),
                 &NoProgress,
             );

@@ -96,7 +96,7 @@ impl Agent {
             &resolved,
             &req.wake.options(),
             &self.journal,
-            &self.state.fence(),
+            &self.state,
             self.guard.as_ref(),
             progress,
         )
@@ -114,6 +114,8 @@ pub(crate) fn refused_before_restore(e: &WakeError) -> bool {
                 | PlaceError::NoSuchGpu { .. },
         ) | WakeError::NotParked(_)
             | WakeError::NoCuda(_)
+            // Another wake is at work on it: this one read and restored nothing.
+            | WakeError::InProgress { .. }
     )
 }
 

@@ -724,3 +724,195 @@ fn a_park_that_cannot_suspend_its_worker_leaves_it_running_and_unparked() {
     );
     sim.assert_no_wedge();
 }
+
+/// `cryo wake W` paused at failpoint `wake-before-restore` (it has read W's state, CHECKPOINTED,
+/// and not restored it yet), in the environment `agent` adds to (`None`: standalone, where the
+/// failpoint is set on the command itself; its resume file is `st/go`): the child and its stderr.
+fn a_wake_paused_before_its_restore(
+    sim: &Sim,
+    st: &Path,
+    w: &Worker,
+    agent: Option<&AgentProc>,
+) -> (std::process::Child, std::process::ChildStderr) {
+    let failpoint = cryo_lifecycle::park::WAKE_BEFORE_RESTORE;
+    let mut cmd = sim.cmd_at(st);
+    if agent.is_none() {
+        cmd.env("CRYO_FAILPOINT", failpoint)
+            .env("CRYO_FAILPOINT_RESUME", st.join("go"));
+    }
+    let mut first = cmd
+        .args(["wake", &w.pid.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = first.stderr.take().unwrap();
+    match agent {
+        None => {
+            common::said_until(&mut err, "paused until");
+        }
+        Some(a) => common::eventually(
+            cryo_testkit::PATIENCE,
+            "the agent's wake at its failpoint",
+            || a.log().contains(&format!("failpoint {failpoint} reached")),
+        ),
+    }
+    assert_eq!(sim.state(w.pid), "checkpointed");
+    (first, err)
+}
+
+/// How two wakes of one worker at once ended: exactly one woke it, the other was refused
+/// because the first was at work on it (never a driver error, never a failed wake that parks it
+/// again). `first` and `second` are each one's status and all it said.
+fn one_woke_and_the_other_said_it_was_at_work(
+    w: &Worker,
+    (first, first_said): (std::process::ExitStatus, String),
+    (second, second_said): (std::process::ExitStatus, String),
+) {
+    assert!(first.success(), "the first wake failed: {first_said}");
+    assert_eq!(
+        second.code(),
+        Some(3),
+        "the second wake was not refused: {second_said}"
+    );
+    assert!(
+        second_said.contains(&format!("pid {} is being woken by cryo pid", w.pid))
+            && !second_said.contains("ILLEGAL")
+            && !second_said.contains("driver"),
+        "{second_said}"
+    );
+}
+
+/// The first of two wakes of `w` (paused, `first`: the child and its stderr) let go (its resume
+/// file `st/go` written) after the `second` ended: exactly one woke `w`, the other said the first
+/// was at work ([`one_woke_and_the_other_said_it_was_at_work`]), `w` runs and answers `before`,
+/// restored once ([`restored_once`]).
+fn the_first_let_go_wakes_it_once(
+    sim: &Sim,
+    st: &Path,
+    w: &Worker,
+    (mut first, mut err): (std::process::Child, std::process::ChildStderr),
+    second: &Output,
+    before: &str,
+) {
+    use std::io::Read;
+    std::fs::write(st.join("go"), b"").unwrap();
+    let mut first_said = String::new();
+    err.read_to_string(&mut first_said).unwrap();
+    let status = first.wait().unwrap();
+    one_woke_and_the_other_said_it_was_at_work(
+        w,
+        (status, first_said),
+        (second.status, stderr(second)),
+    );
+    assert_eq!(sim.state(w.pid), "running");
+    assert_eq!(
+        w.complete("the same question"),
+        before,
+        "it serves as before"
+    );
+    restored_once(st, w);
+}
+
+/// The journal of `st` shows `w` restored once since its park (one `RestoreStarted`, one
+/// `RestoreCompleted`, one `Unlocked`), nothing stopped or killed, and nothing parked again.
+fn restored_once(st: &Path, w: &Worker) {
+    use cryo_journal::Event;
+    let ev = events(st);
+    let parked = ev
+        .iter()
+        .rposition(|e| matches!(e, Event::Parked { pid, .. } if pid.pid == w.pid))
+        .unwrap();
+    let mine: Vec<&Event> = ev[parked + 1..]
+        .iter()
+        .filter(|e| e.pids().iter().any(|p| p.pid == w.pid))
+        .collect();
+    let count = |f: &dyn Fn(&Event) -> bool| mine.iter().filter(|e| f(e)).count();
+    assert_eq!(
+        (
+            count(&|e| matches!(e, Event::RestoreStarted { .. })),
+            count(&|e| matches!(e, Event::RestoreCompleted { .. })),
+            count(&|e| matches!(e, Event::Unlocked { .. })),
+            count(&|e| matches!(
+                e,
+                Event::SuspendStarted { .. } | Event::KillStarted { .. } | Event::Killed { .. }
+            )),
+        ),
+        (1, 1, 1, 0),
+        "{mine:?}"
+    );
+}
+
+/// Attack (session 21): two `cryo wake` of one parked worker at once, the first paused after it
+/// read the worker's state (CHECKPOINTED) and before its restore (failpoint
+/// `wake-before-restore`), the second run meanwhile. Exactly one may restore it; the other must
+/// say the wake is in progress (refused, nothing restored), not fail with the driver's
+/// ILLEGAL_STATE; nothing is torn down or parked again. A wake after both finds it running and
+/// says so. (Before: both read CHECKPOINTED; the second restored, traced and unlocked it, and
+/// the first, let go, asked the driver to restore a RUNNING worker: this test failed with the
+/// second wake exiting 0 and the first failing "GPU restore failed: pid N: ... ILLEGAL_STATE".)
+#[test]
+fn two_wakes_at_once_restore_once_and_the_second_says_the_first_is_at_work() {
+    let sim = Sim::start();
+    let st = state();
+    let w = worker(&sim, "64MiB", 0);
+    let before = w.complete("the same question");
+    ok(&run(&sim, st.path(), &["park", &w.pid.to_string()]));
+    let (first, err) = a_wake_paused_before_its_restore(&sim, st.path(), &w, None);
+    let second = run(&sim, st.path(), &["wake", &w.pid.to_string()]);
+    the_first_let_go_wakes_it_once(&sim, st.path(), &w, (first, err), &second, &before);
+
+    let again = run(&sim, st.path(), &["wake", &w.pid.to_string()]);
+    ok(&again);
+    assert!(
+        stdout(&again).contains("already runs"),
+        "{}",
+        stdout(&again)
+    );
+    restored_once(st.path(), &w);
+    sim.assert_no_wedge();
+}
+
+/// The same attack through the agent: two wakes of one parked worker reach it at once (two
+/// `cryo wake`, each a request to the agent), the agent's first paused before its restore. One
+/// restores it (traced by the agent's guard), the other is refused at once saying the first is at
+/// work. (Before: both requests paused at the failpoint, both having read CHECKPOINTED; let go,
+/// one failed with the driver's ILLEGAL_STATE.)
+#[test]
+fn two_wakes_at_once_through_the_agent_restore_once() {
+    let sim = Sim::start();
+    let st = state();
+    let go = st.path().join("go");
+    let agent = AgentProc::start_with(&sim, st.path(), &["--no-memory-watch"], |c| {
+        c.env("CRYO_FAILPOINT", cryo_lifecycle::park::WAKE_BEFORE_RESTORE)
+            .env("CRYO_FAILPOINT_RESUME", &go);
+    });
+    let w = worker(&sim, "64MiB", 0);
+    let before = w.complete("the same question");
+    ok(&run(&sim, st.path(), &["park", &w.pid.to_string()]));
+    let (first, err) = a_wake_paused_before_its_restore(&sim, st.path(), &w, Some(&agent));
+    // The second in the background: before the fix it paused at the failpoint too.
+    let mut second = sim
+        .cmd_at(st.path())
+        .args(["wake", &w.pid.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let failpoint = format!(
+        "failpoint {} reached",
+        cryo_lifecycle::park::WAKE_BEFORE_RESTORE
+    );
+    common::eventually(
+        cryo_testkit::PATIENCE,
+        "the second wake to end or reach the failpoint",
+        || matches!(second.try_wait(), Ok(Some(_))) || agent.log().matches(&failpoint).count() > 1,
+    );
+    std::fs::write(&go, b"").unwrap();
+    let second = second.wait_with_output().unwrap();
+    the_first_let_go_wakes_it_once(&sim, st.path(), &w, (first, err), &second, &before);
+    assert_ne!(common::procs::tracer_pid(w.pid), 0, "not traced");
+    sim.assert_no_wedge();
+    drop(agent);
+    common::stop_pin_holder(st.path());
+}

@@ -36,6 +36,7 @@ pub mod stop;
 pub mod suspend;
 pub mod target;
 pub mod thaw;
+mod wakelock;
 pub mod watcher;
 
 pub use cuda::{classify, Class, Unsure};

@@ -39,6 +39,7 @@ use cryo_gpu::{CuResult, Gpu, GpuInfo, GpuPair, GpuUuid, ProcessState};
 use cryo_journal::{Event, Journal, ProcId, Record};
 use cryo_proc::{Pid, ProcHandle};
 use cryo_state::fence::{Fence, FenceError, FencedGpu, Quarantine};
+use cryo_state::StateDir;
 use cryo_units::fmt_bytes;
 
 use crate::health::HealthCheck;
@@ -745,15 +746,19 @@ pub enum WakeError {
     /// The process's driver state is FAILED.
     #[error("the driver reports pid {0} FAILED; it cannot be woken")]
     Failed(Pid),
-    /// Another cryo process restored it and is at work on it still (a wake between its restore
-    /// and its record).
-    #[error("pid {pid} is being woken by cryo pid {by}: left to it")]
+    /// Another wake is at work on it: it holds the process's wake lock ([`crate::wakelock`]), or
+    /// restored it and has not recorded that yet. Nothing was restored by this one.
+    #[error("pid {pid} is being woken by {}: left to it", match .by { Some(by) => format!("cryo pid {by}"), None => "another cryo process".to_string() })]
     InProgress {
         /// The process.
         pid: Pid,
-        /// The cryo process at work on it.
-        by: Pid,
+        /// The cryo process at work on it, when known.
+        by: Option<Pid>,
     },
+    /// A wake lock could not be taken (its file could not be created, opened or locked);
+    /// nothing was read or restored.
+    #[error("cannot take the wake lock: {0}")]
+    Lock(String),
     /// No GPU can take it (after waiting, when the policy waits); nothing was restored.
     #[error("wake refused: {0}")]
     Place(#[from] PlaceError),
@@ -782,6 +787,11 @@ pub enum WakeError {
     },
 }
 
+/// Failpoint (`CRYO_FAILPOINT`, a test hook; a pause, see `failpoint::pause_if`): a wake pauses
+/// once it has read its processes' driver states and the journal, before it places and restores
+/// them (where a second wake of the same worker finds them still CHECKPOINTED).
+pub const WAKE_BEFORE_RESTORE: &str = "wake-before-restore";
+
 /// Wakes every parked process of `target` (see the module docs).
 #[allow(clippy::too_many_arguments)]
 pub fn wake(
@@ -789,13 +799,20 @@ pub fn wake(
     target: &Resolved,
     opts: &WakeOptions,
     journal: &Journal,
-    fence: &Fence,
+    state: &StateDir,
     watcher: &dyn Watcher,
     progress: &dyn Progress,
 ) -> Result<WakeReport, WakeError> {
     let start = Instant::now();
     let mut watch = crate::progress::Stopwatch::default();
     let described = target.target().to_string();
+    // One wake at a time per process, held until this returns: a second one is refused before it
+    // reads, journals or restores anything.
+    let _locks = crate::wakelock::take(state, target.handles()).map_err(|e| match e {
+        crate::wakelock::LockError::Held { pid, by } => WakeError::InProgress { pid, by },
+        e => WakeError::Lock(e.to_string()),
+    })?;
+    let fence = &state.fence();
     journal.append(Event::WakeStarted {
         target: described.clone(),
     })?;
@@ -889,7 +906,7 @@ fn wake_inner(
                 Some((Some(by), false)) if Some(by) == me() || by.is_alive_same() => {
                     return Err(WakeError::InProgress {
                         pid: h.pid(),
-                        by: by.pid,
+                        by: Some(by.pid),
                     })
                 }
                 _ => {
@@ -915,6 +932,7 @@ fn wake_inner(
         }
     }
 
+    crate::failpoint::pause_if(WAKE_BEFORE_RESTORE);
     // Where each lands, waiting for room when the policy says so.
     let waited = Instant::now();
     let procs: Vec<(Pid, &ParkedRecord)> = to_restore.iter().map(|(h, r)| (h.pid(), *r)).collect();

@@ -806,7 +806,7 @@ pub fn claim(
     standby: &Standby,
     opts: &WakeOptions,
     journal: &Journal,
-    fence: &Fence,
+    state: &cryo_state::StateDir,
     watcher: &dyn Watcher,
     progress: &dyn Progress,
 ) -> Result<WakeReport, ClaimError> {
@@ -826,7 +826,7 @@ pub fn claim(
         (_, Some(pid)) => return Err(ClaimError::Gone(pid)),
     };
     watch.mark("claim: open the processes (pidfds)");
-    let mut report = wake(gpu, &tree, opts, journal, fence, watcher, progress)?;
+    let mut report = wake(gpu, &tree, opts, journal, state, watcher, progress)?;
     let mut after = crate::progress::Stopwatch::default();
     if let Err(e) = journal.append(Event::StandbyClaimed {
         image: standby.image.display().to_string(),
@@ -1079,15 +1079,15 @@ mod tests {
         assert!(s.fake.wedges().is_empty(), "{:?}", s.fake.wedges());
     }
 
-    /// [`super::claim`] of `standby`, with the scene's fence and no guard.
+    /// [`super::claim`] of `standby`, with the scene's state directory and no guard.
     fn claim_it(s: &Scene, standby: &Standby) -> Result<WakeReport, ClaimError> {
-        let fence = cryo_state::StateDir::new(s.dir.path()).fence();
+        let state = cryo_state::StateDir::new(s.dir.path());
         super::claim(
             &s.fake.gpu(),
             standby,
             &WakeOptions::default(),
             &s.journal,
-            &fence,
+            &state,
             &crate::NoWatcher,
             &NoProgress,
         )

@@ -108,6 +108,12 @@ pub fn run_wake(ctx: &Context, args: &WakeArgs) -> anyhow::Result<u8> {
     }
     if args.json {
         route::print_outcome(&report, "serving")?;
+    } else if report.woken.is_empty() {
+        // A wake that found nothing parked (another wake brought it back first).
+        println!(
+            "nothing to wake: every CUDA process of {} already runs",
+            report.target
+        );
     } else {
         for w in &report.woken {
             println!(
@@ -207,7 +213,7 @@ fn wake_standalone(
         &resolved,
         &req.wake.options(),
         &journal,
-        &ctx.state.fence(),
+        &ctx.state,
         &guard,
         progress,
     ) {
@@ -219,7 +225,8 @@ fn wake_standalone(
                 | PlaceError::NoSuchGpu { .. },
             )
             | WakeError::NotParked(_)
-            | WakeError::NoCuda(_)),
+            | WakeError::NoCuda(_)
+            | WakeError::InProgress { .. }),
         ) => Err(Outcome::Refused(e.to_string())),
         Err(e) => Err(failed(e.into())),
     }

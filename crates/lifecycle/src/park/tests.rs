@@ -276,7 +276,7 @@ mod with_fake_driver {
                 &self.target(),
                 &WakeOptions::default(),
                 &self.journal,
-                &self.state.fence(),
+                &self.state,
                 watcher,
                 &NoProgress,
             )
