@@ -2163,6 +2163,80 @@ fn an_image_changed_during_the_thaw_never_reaches_the_worker() {
     env.thaws_as_before(&image, pid, &sock, &before);
 }
 
+/// Attack (session 21): a pages file truncated under a real CRIU restore, which CRIU 4.2's
+/// restorer reads by looping on its `preadv` returning 0, never reaching the gate. The thaw
+/// pauses once the check's watch is set and the files noted, before CRIU starts (failpoint
+/// `image-check-steering-read-stalls`), and the pages file loses its second half (truncated
+/// before the watch, it is refused before CRIU starts: `damaged_or_foreign_images_...`). The
+/// refusal (the watch's, or the check's hashes, whichever says it first) must end CRIU and
+/// what it restored at once: the thaw returns long before the restore's deadline, names the
+/// pages file, no process of the image ran or is left, and nothing was journaled restored; the
+/// whole image then thaws and serves. (Before: the thaw waited for the deadline, 30 s here,
+/// 121 s by default, while CRIU's restorer wrote 1.78 GB of log, and failed with CRIU's
+/// timeout, exit 1.)
+#[test]
+fn a_pages_file_truncated_under_criu_ends_the_restore_at_the_check_s_refusal() {
+    let mut env = Env::start("1GiB");
+    let (pid, sock, before, image) = env.frozen("64MiB");
+    let pages = pages_file(&image);
+    let whole = fs::read(&pages).unwrap();
+    let pids: Vec<i32> = manifest(&image)["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["pid"].as_i64().unwrap() as i32)
+        .collect();
+    let journaled = events(&env).len();
+    let deadline = Duration::from_secs(30);
+    let paused = thaw_paused_at(
+        &env,
+        &image,
+        cryo_criu::image::CHECK_STEERING_READ_STALLS,
+        &["--criu-timeout", &deadline.as_secs().to_string()],
+    );
+    let half = (whole.len() as u64 / 2) & !4095;
+    fs::File::options()
+        .write(true)
+        .open(&pages)
+        .unwrap()
+        .set_len(half)
+        .unwrap();
+    let started = std::time::Instant::now();
+    fs::write(&paused.resume, b"").unwrap();
+    let PausedThaw {
+        mut child, said, ..
+    } = paused;
+    let status = child.wait().unwrap();
+    let took = started.elapsed();
+    let err = fs::read_to_string(&said).unwrap();
+    assert_eq!(status.code(), Some(3), "after {took:?}: {err}");
+    assert!(
+        !err.contains("deadline") && took < deadline,
+        "the refused restore waited for its deadline ({took:?}): {err}"
+    );
+    assert!(
+        err.contains(pages.to_str().unwrap()),
+        "names the pages file (after {took:?}): {err}"
+    );
+    for p in &pids {
+        assert!(!exists(*p), "process {p} of the image is left: {err}");
+    }
+    let ev = events(&env).split_off(journaled);
+    assert!(
+        !ev.iter()
+            .any(|e| matches!(e, cryo_journal::Event::RestoreCompleted { .. })),
+        "journaled restored: {ev:?}"
+    );
+    assert!(
+        matches!(ev.last(), Some(cryo_journal::Event::ThawFailed { .. })),
+        "{ev:?}"
+    );
+    eprintln!("the refused thaw returned after {took:?}: {err}");
+
+    fs::write(&pages, &whole).unwrap();
+    env.thaws_as_before(&image, pid, &sock, &before);
+}
+
 /// Issue 9 item 11 through the command line: an image directory that another user owns is
 /// refused before anything runs, and a freeze will not publish where others could write.
 #[test]

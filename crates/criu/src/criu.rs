@@ -2,7 +2,7 @@
 
 use std::fs::File;
 use std::io::{Read, Seek, Write};
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
@@ -547,8 +547,11 @@ impl CriuRpc {
     /// Spawns `cmd` (CRIU with `gate`'s action script), copies its `log` (capped), runs `work`
     /// beside it (serving or capturing the image on `listener`, or checking it), and, when CRIU
     /// reaches the gate's stage, `verdict`, and waits for CRIU, past `deadline` no longer: then
-    /// it kills CRIU. Returns its exit status and the verdict (`None`: CRIU ended before it
-    /// reached the gate); the log is whole (as capped) when it returns. `ended` runs once CRIU
+    /// it kills CRIU. Any of `refusals` readable (the image is refused: no verdict can pass)
+    /// before a verdict passed, it kills CRIU at once too: a CRIU that never reaches its gate
+    /// would otherwise hold the restore until its deadline. Returns its exit status and the
+    /// verdict (`None`: CRIU ended before it reached the gate); the log is whole (as capped)
+    /// when it returns. `ended` runs once CRIU
     /// was waited for and its verdict is known, before its log is cut (on the thread that
     /// spawned CRIU): what ends the processes CRIU left (a restore's, at its deadline) ends them
     /// there, since they write the log too (CRIU's restorer runs inside them), and whatever
@@ -562,6 +565,7 @@ impl CriuRpc {
         listener: Option<&UnixListener>,
         gate: Gate,
         deadline: Option<std::time::Duration>,
+        refusals: &[BorrowedFd<'_>],
         work: impl FnOnce() + Send,
         verdict: impl FnOnce(Option<Pid>) -> Result<(), CriuError> + Send,
         spawned: impl FnOnce(Pid),
@@ -593,16 +597,20 @@ impl CriuRpc {
         .ok();
         // Dropped once what CRIU left was ended: a log file's keeper finishes it then.
         let (done, done_rx) = std::sync::mpsc::channel::<()>();
+        // Between the judge's passing verdict and a refusal's kill: whichever comes first.
+        let decision = Decision::default();
         std::thread::scope(|s| {
             s.spawn(work);
             let log_path = log.path().to_path_buf();
             let copied = s.spawn(move || log.keep_capped(&done_rx));
-            let judged = s.spawn(move || gate.judge(verdict, gate_pidfd, stop_rx));
+            let decided = &decision;
+            let judged = s.spawn(move || gate.judge(verdict, gate_pidfd, stop_rx, decided));
             let Waited {
                 status,
                 timed_out,
+                refused,
                 stuck,
-            } = wait_until(child, deadline);
+            } = wait_until(child, deadline, refusals, &decision);
             drop(stop_tx);
             // Unblocks the accept if CRIU never connected (a connection ends with CRIU).
             if let Some(l) = listener {
@@ -618,6 +626,7 @@ impl CriuRpc {
                 status,
                 verdict,
                 timed_out,
+                refused,
                 stuck,
             });
             if let Ok(g) = &gated {
@@ -757,6 +766,7 @@ impl Criu for CriuRpc {
             None,
             gate,
             None,
+            &[],
             || {},
             |_| {
                 // CRIU wrote every byte before its post-dump stage.
@@ -916,6 +926,7 @@ impl Criu for CriuRpc {
                     Some(&listener),
                     gate,
                     deadline,
+                    &[],
                     || server.serve(&listener),
                     |root| {
                         let _ = gate_at.set(std::time::Instant::now());
@@ -938,6 +949,7 @@ impl Criu for CriuRpc {
                     None,
                     gate,
                     deadline,
+                    &check.refusals(),
                     || check.run(),
                     |root| {
                         let _ = gate_at.set(std::time::Instant::now());
@@ -949,8 +961,8 @@ impl Criu for CriuRpc {
                     |g: &Gated| {
                         // CRIU ended: the check's answer is waited for at full speed (the
                         // image's fault is what a failed CRIU reports), or not at all when
-                        // CRIU was killed at its deadline.
-                        if g.timed_out {
+                        // CRIU was killed at its deadline or at the image's refusal.
+                        if g.timed_out || g.refused {
                             check.end();
                         } else {
                             check.raise();
@@ -959,7 +971,14 @@ impl Criu for CriuRpc {
                     },
                 )?;
                 phases.hashed_ms = check.hashed_at().and_then(since);
-                (gated, image.manifest().total_bytes, check.failure())
+                // Why the image was refused, if the verdict did not say it (none was given)
+                // or said nothing of the image (a change after a verdict that passed is not
+                // this restore's: its tree runs).
+                let refused = match gated.verdict {
+                    Some(Ok(()) | Err(CriuError::Image(_))) => None,
+                    _ => check.refusal(),
+                };
+                (gated, image.manifest().total_bytes, refused)
             }
         };
         let succeeded = gated.succeeded();
@@ -967,6 +986,7 @@ impl Criu for CriuRpc {
             status,
             verdict,
             timed_out,
+            refused: ended_at_refusal,
             stuck,
         } = gated;
         phases.criu_exit_ms = since(std::time::Instant::now());
@@ -991,6 +1011,17 @@ impl Criu for CriuRpc {
             }
             if !ended.killed.is_empty() || !ended.left.is_empty() {
                 tracing::warn!(killed = ?ended.killed, left = ?ended.left, "CRIU ended before its gate: what it left was ended");
+            }
+            if ended_at_refusal {
+                tracing::info!(killed = ?ended.killed, "the image was refused before CRIU's gate: CRIU and what it restored (none of which ran) were ended");
+            }
+            if let Some(s) = &stuck {
+                // Named when given up on (see `wait_until`); its directory stays with its log.
+                tracing::error!(
+                    pid = s.pid,
+                    "CRIU, ended at the image's refusal, did not exit"
+                );
+                private.keep();
             }
         }
         tracing::debug!(?status, served, "criu restore ended");
@@ -1136,6 +1167,7 @@ impl CriuRpc {
             Some(&listener),
             gate,
             None,
+            &[],
             || capture.serve(&listener),
             |_| {
                 image::CaptureClock::mark(&clock.gate);
@@ -1279,7 +1311,10 @@ struct Gated {
     verdict: Option<Result<(), CriuError>>,
     /// CRIU ran past its deadline and was killed.
     timed_out: bool,
-    /// CRIU, killed at its deadline, had not exited a while later: given up on (reaped later).
+    /// The image was refused before any verdict passed, and CRIU was killed then.
+    refused: bool,
+    /// CRIU, killed at its deadline or at the refusal, had not exited a while later: given
+    /// up on (reaped later).
     stuck: Option<Box<Stuck>>,
 }
 
@@ -1315,62 +1350,153 @@ struct Waited {
     status: std::io::Result<Option<std::process::ExitStatus>>,
     /// Killed at the deadline.
     timed_out: bool,
+    /// Killed at a refusal of the image.
+    refused: bool,
     /// Killed and not exited within [`KILLED_GRACE`].
     stuck: Option<Box<Stuck>>,
 }
 
-/// Whether the process of `pidfd` exits within `limit`.
-fn exits_within(pidfd: &OwnedFd, limit: std::time::Duration) -> std::io::Result<bool> {
+/// What [`wait_for`] saw first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Came {
+    /// The process exited.
+    Exited,
+    /// One of the other fds became readable (or hung up).
+    Other,
+    /// The limit passed.
+    Elapsed,
+}
+
+/// Waits until the process of `pidfd` exits or one of `others` is readable, `limit` at most
+/// (`None`: without one).
+fn wait_for(
+    pidfd: &OwnedFd,
+    others: &[BorrowedFd<'_>],
+    limit: Option<std::time::Duration>,
+) -> std::io::Result<Came> {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-    let until = std::time::Instant::now() + limit;
+    let until = limit.map(|l| std::time::Instant::now() + l);
     loop {
-        let left = until.saturating_duration_since(std::time::Instant::now());
-        if left.is_zero() {
-            return Ok(false);
-        }
-        let ms = u16::try_from(left.as_millis()).unwrap_or(u16::MAX);
-        let mut fds = [PollFd::new(pidfd.as_fd(), PollFlags::POLLIN)];
-        match poll(&mut fds, PollTimeout::from(ms)) {
+        let timeout = match until {
+            None => PollTimeout::NONE,
+            Some(until) => {
+                let left = until.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    return Ok(Came::Elapsed);
+                }
+                PollTimeout::from(u16::try_from(left.as_millis()).unwrap_or(u16::MAX))
+            }
+        };
+        let mut fds = vec![PollFd::new(pidfd.as_fd(), PollFlags::POLLIN)];
+        fds.extend(others.iter().map(|f| PollFd::new(*f, PollFlags::POLLIN)));
+        match poll(&mut fds, timeout) {
             Ok(0) | Err(nix::Error::EINTR) => continue,
-            Ok(_) => return Ok(true),
+            Ok(_) => {}
             Err(e) => return Err(e.into()),
+        }
+        let ready = |f: &PollFd<'_>| f.revents().is_some_and(|r| !r.is_empty());
+        if ready(&fds[0]) {
+            return Ok(Came::Exited);
+        }
+        if fds[1..].iter().any(ready) {
+            return Ok(Came::Other);
         }
     }
 }
 
-/// Waits for `child`, past `deadline` no longer: then kills it (SIGKILL) and reaps it. A child
+/// Whether the process of `pidfd` exits within `limit`.
+fn exits_within(pidfd: &OwnedFd, limit: std::time::Duration) -> std::io::Result<bool> {
+    wait_for(pidfd, &[], Some(limit)).map(|c| c == Came::Exited)
+}
+
+/// Between the gate's passing verdict and the kill of CRIU at a refusal of its image
+/// ([`CriuRpc::run_gated`]): the first decides, the other does not happen. A verdict that
+/// passed lets CRIU resume the tree, which must then never be ended for the image (it runs);
+/// a CRIU killed at a refusal must never be told its image passed.
+#[derive(Debug, Default)]
+struct Decision(std::sync::atomic::AtomicU8);
+
+impl Decision {
+    const PASSED: u8 = 1;
+    const REFUSED: u8 = 2;
+
+    /// The verdict passes, unless CRIU was already killed at a refusal (`false`).
+    fn pass(&self) -> bool {
+        self.settle(Decision::PASSED)
+    }
+
+    /// CRIU is killed at a refusal, unless a verdict already passed (`false`).
+    fn refuse(&self) -> bool {
+        self.settle(Decision::REFUSED)
+    }
+
+    fn settle(&self, to: u8) -> bool {
+        use std::sync::atomic::Ordering::SeqCst;
+        match self.0.compare_exchange(0, to, SeqCst, SeqCst) {
+            Ok(_) => true,
+            Err(was) => was == to,
+        }
+    }
+}
+
+/// Waits for `child`, past `deadline` no longer, nor past any of `refusals` readable while no
+/// verdict passed (`decision`): then kills it (SIGKILL) and reaps it. A child
 /// that has not exited [`KILLED_GRACE`] after its kill is stuck where no signal reaches it (an
 /// uninterruptible wait: a read of a hung disk or file server, see [`Stuck`]): it is named, from
 /// `/proc` while it is still this process's unreaped child, and handed to a thread of the
 /// deadline layer that reaps it whenever its wait ends, and the caller gets on at once.
-fn wait_until(mut child: std::process::Child, deadline: Option<std::time::Duration>) -> Waited {
-    let exited = |status: std::io::Result<std::process::ExitStatus>, timed_out| Waited {
+fn wait_until(
+    mut child: std::process::Child,
+    deadline: Option<std::time::Duration>,
+    refusals: &[BorrowedFd<'_>],
+    decision: &Decision,
+) -> Waited {
+    let exited = |status: std::io::Result<std::process::ExitStatus>, timed_out, refused| Waited {
         status: status.map(Some),
         timed_out,
+        refused,
         stuck: None,
     };
-    let Some(deadline) = deadline else {
-        return exited(child.wait(), false);
-    };
+    if deadline.is_none() && refusals.is_empty() {
+        return exited(child.wait(), false, false);
+    }
     let pidfd = match rustix::process::pidfd_open(
         rustix::process::Pid::from_child(&child),
         rustix::process::PidfdFlags::empty(),
     ) {
         Ok(fd) => fd,
-        Err(e) => return exited(Err(e.into()), false),
+        Err(e) => return exited(Err(e.into()), false, false),
     };
-    match exits_within(&pidfd, deadline) {
-        Ok(true) => return exited(child.wait(), false),
-        Ok(false) => {}
-        Err(e) => return exited(Err(e), false),
-    }
+    let until = deadline.map(|d| std::time::Instant::now() + d);
+    let mut watched = refusals;
     let pid = child.id() as Pid;
-    tracing::warn!(pid, ?deadline, "CRIU ran past its deadline: killing it");
+    let timed_out = loop {
+        let left = until.map(|u| u.saturating_duration_since(std::time::Instant::now()));
+        match wait_for(&pidfd, watched, left) {
+            Ok(Came::Exited) => return exited(child.wait(), false, false),
+            Ok(Came::Elapsed) => {
+                tracing::warn!(pid, ?deadline, "CRIU ran past its deadline: killing it");
+                break true;
+            }
+            Ok(Came::Other) if decision.refuse() => {
+                tracing::warn!(
+                    pid,
+                    "the image was refused before CRIU's gate: killing CRIU"
+                );
+                break false;
+            }
+            // A verdict passed first: CRIU resumes the tree, which is no longer ended for
+            // the image (the caller finds the change, if it cares, once CRIU exited).
+            Ok(Came::Other) => watched = &[],
+            Err(e) => return exited(Err(e), false, false),
+        }
+    };
+    let refused = !timed_out;
     let _ = child.kill();
     match exits_within(&pidfd, KILLED_GRACE) {
-        Ok(true) => return exited(child.wait(), true),
+        Ok(true) => return exited(child.wait(), timed_out, refused),
         Ok(false) => {}
-        Err(e) => return exited(Err(e), true),
+        Err(e) => return exited(Err(e), timed_out, refused),
     }
     // Not reaped: the pid is still this child's, a bare pid names it.
     let stuck = Stuck {
@@ -1383,7 +1509,8 @@ fn wait_until(mut child: std::process::Child, deadline: Option<std::time::Durati
     reap_later(child);
     Waited {
         status: Ok(None),
-        timed_out: true,
+        timed_out,
+        refused,
         stuck: Some(Box::new(stuck)),
     }
 }
@@ -1602,12 +1729,14 @@ impl Gate {
 
     /// Waits until CRIU reaches the stage (or exits, `criu` readable: then `None`), then asks
     /// for the `verdict` (on the whole image, given the root pid the script named), writes `ok`
-    /// if it passed and lets the script go.
+    /// if it passed and `decision` lets it (CRIU was not killed at a refusal meanwhile), and
+    /// lets the script go.
     fn judge(
         self,
         verdict: impl FnOnce(Option<Pid>) -> Result<(), CriuError>,
         criu: Option<OwnedFd>,
         stop: OwnedFd,
+        decision: &Decision,
     ) -> Option<Result<(), CriuError>> {
         use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
         loop {
@@ -1649,7 +1778,15 @@ impl Gate {
             .and_then(|l| l.trim().strip_prefix("reached "))
             .and_then(|p| p.trim().parse::<Pid>().ok())
             .filter(|p| *p > 0);
-        let verdict = verdict(root);
+        let verdict = verdict(root).and_then(|()| {
+            if decision.pass() {
+                Ok(())
+            } else {
+                Err(CriuError::Gate(
+                    "the image was refused while CRIU waited at the gate: CRIU was ended".into(),
+                ))
+            }
+        });
         let f = self.verdict;
         if verdict.is_ok() {
             if let Err(e) = f.write_all_at(b"ok\n", 0) {

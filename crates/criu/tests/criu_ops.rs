@@ -785,13 +785,176 @@ fn a_restored_task_that_logs_past_the_deadline_is_ended_before_the_log_is_cut() 
     );
 }
 
-/// Makes `fake` (a fake CRIU script) executable, publishes a tiny image under `dir`, and
-/// restores it with `fake` at a 2 s deadline and a 64 KiB + 64 KiB log cap, scratch files in
-/// `scratch`: the restore's error (the deadline, for the callers' fakes that never end).
-fn restore_past_a_2s_deadline(fake: &Path, dir: &Path, scratch: &Path) -> CriuError {
-    fs::set_permissions(fake, fs::Permissions::from_mode(0o755)).unwrap();
-    let dir = dir.join("image");
-    let st = Staging::create(&dir).unwrap();
+/// Attack (session 21): the image changes under a restore that never reaches its gate, with
+/// a check that passes (the bytes stay the same: only a file's times change, which the watch
+/// sees and the hashes cannot). The fake CRIU changes the pages file's times through the
+/// directory it was given, then waits (see [`restore_before_a_gate_never_reached`]). The change
+/// is the verdict's refusal whenever it comes: the restore must end CRIU and its task at once
+/// and return the change, never wait for the deadline. (Before: the restore waited for its
+/// 30 s deadline and failed with CRIU's timeout.)
+#[test]
+fn a_change_to_the_image_under_a_restore_before_its_gate_ends_the_restore_at_once() {
+    let err = restore_before_a_gate_never_reached(true, |_| {});
+    assert!(
+        matches!(&err, CriuError::Image(cryo_criu::image::ImageError::Changed { what, .. }) if what.contains("pages-1.img")),
+        "{err:?}"
+    );
+}
+
+/// Attack (session 21): the check's hashes refuse a page while CRIU has not reached its gate
+/// (a byte of the pages file flipped in place after the image was opened and before the
+/// restore set its watch: only the hashes see it), CRIU never reaching it (see
+/// [`restore_before_a_gate_never_reached`]). The restore must end CRIU and its task at the
+/// check's refusal and return it, never wait for the deadline. (Before: the restore waited
+/// for its 30 s deadline and failed with CRIU's timeout.)
+#[test]
+fn a_page_the_check_refuses_before_criu_s_gate_ends_the_restore_at_once() {
+    let err = restore_before_a_gate_never_reached(false, |dir| {
+        let pages = dir.join("pages-1.img");
+        let mut bytes = fs::read(&pages).unwrap();
+        bytes[50_000] ^= 1;
+        fs::write(&pages, bytes).unwrap();
+    });
+    assert!(err.to_string().contains("checksum mismatch"), "{err:?}");
+}
+
+/// Attack (session 21): the image changes once the gate's verdict passed, while CRIU still
+/// runs (it resumes the tree). The kill at a refusal must never follow a verdict that passed:
+/// the tree runs, so the restore returns it, and its task is never ended for a change that
+/// came after its check. The fake CRIU passes cryo's gate (runs its action script at
+/// `post-restore` with its task as the root, as CRIU does), names the root in its pidfile,
+/// then changes the pages file's times and exits after a while.
+#[test]
+fn a_change_after_the_gate_passed_never_ends_the_restored_tree() {
+    let t = tempfile::tempdir().unwrap();
+    let (criu, image, task) = fake_restore(
+        t.path(),
+        concat!(
+            "$ENV{CRTOOLS_SCRIPT_ACTION} = 'post-restore'; $ENV{CRTOOLS_INIT_PID} = $pid;\n",
+            "system('/bin/sh', '-c', $script) == 0 or exit 1;\n",
+            "open(my $p, '>', \"$w/restored.pid\") or die; print $p \"$pid\\n\"; close $p;\n",
+            "utime(1, 1, \"$d/pages-1.img\") or die \"utime: $!\";\n",
+            "select(undef, undef, undef, 0.5);\n",
+        ),
+    );
+    let restored = criu.restore(
+        &image,
+        &RestoreOpts {
+            deadline: Some(std::time::Duration::from_secs(30)),
+            ..RestoreOpts::default()
+        },
+    );
+    let task = Task(task());
+    let restored =
+        restored.unwrap_or_else(|e| panic!("the tree that passed the gate was not returned: {e}"));
+    assert_eq!(restored.pid, task.0, "the root CRIU named");
+    assert!(
+        Path::new(&format!("/proc/{}", task.0)).exists(),
+        "the restored task was ended"
+    );
+}
+
+/// A fake CRIU's restored task (our child, not reaped by the restore: it passed the gate),
+/// killed and reaped when dropped.
+struct Task(i32);
+
+impl Drop for Task {
+    fn drop(&mut self) {
+        let pid = NixPid::from_raw(self.0);
+        if kill(pid, Signal::SIGKILL).is_ok() {
+            let _ = waitpid(pid, None);
+        }
+    }
+}
+
+/// Restores a tiny image (published under a temporary directory, then given to `damage` once
+/// opened) with a fake CRIU that never reaches its gate, at a 30 s deadline: it forks its
+/// "restored task" as its caller's child (as `--restore-sibling` does), which waits where a
+/// restorer reading a truncated pages file loops; with `touch`, CRIU changes the pages file's
+/// times through the directory it was given; then it waits. The restore must return the
+/// image's refusal before the deadline, naming the image, with CRIU and its task ended: its
+/// error.
+fn restore_before_a_gate_never_reached(touch: bool, damage: impl FnOnce(&Path)) -> CriuError {
+    let t = tempfile::tempdir().unwrap();
+    let then = if touch {
+        "utime(1, 1, \"$d/pages-1.img\") or die \"utime: $!\";\nsleep 1000;\n"
+    } else {
+        "sleep 1000;\n"
+    };
+    let (criu, image, _) = fake_restore(t.path(), then);
+    damage(image.path());
+    let deadline = std::time::Duration::from_secs(30);
+    let started = std::time::Instant::now();
+    let err = criu
+        .restore(
+            &image,
+            &RestoreOpts {
+                deadline: Some(deadline),
+                ..RestoreOpts::default()
+            },
+        )
+        .unwrap_err();
+    let took = started.elapsed();
+    assert!(
+        took < deadline && !matches!(err, CriuError::TimedOut { .. }),
+        "waited for the deadline ({took:?}): {err}"
+    );
+    assert!(
+        err.to_string().contains(image.path().to_str().unwrap()),
+        "{err}"
+    );
+    // The fake, its task (forked or not yet when the refusal came) and its forks all name the
+    // test's directory on their command lines. Not killed here if left: each ends by itself
+    // within a minute.
+    let left = cryo_proc::naming(t.path()).unwrap();
+    assert!(left.is_empty(), "left: {left:?}: {err}");
+    err
+}
+
+/// A tiny image published in `dir` and opened, and a fake CRIU 4.2 (perl) for it, which on a
+/// restore forks its "restored task" as its caller's child (as `--restore-sibling` does: it
+/// waits a minute, so that a test that fails leaves nothing for long), writes its pid into a file, and runs `then` (perl, with `$pid` the task,
+/// `$d` the image directory it was given, `$w` its work directory, `$script` cryo's action
+/// script), then exits 0. Returns the CRIU, the image, and what reads the task's pid.
+fn fake_restore(dir: &Path, then: &str) -> (CriuRpc, Image, impl Fn() -> i32) {
+    assert!(nix::unistd::geteuid().is_root(), "trusted images need root");
+    let fake = dir.join("criu");
+    let task = dir.join("task.pid");
+    fs::write(
+        &fake,
+        format!(
+            concat!(
+                "#!/usr/bin/perl\n",
+                "if (\"@ARGV\" =~ /--version/) {{ print \"Version: 4.2\\n\"; exit 0 }}\n",
+                "my ($d, $w, $script);\n",
+                "for my $i (0 .. $#ARGV) {{ my $v = $ARGV[$i + 1]; $d = $v if $ARGV[$i] eq '-D'; ",
+                "$w = $v if $ARGV[$i] eq '-W'; $script = $v if $ARGV[$i] eq '--action-script' }}\n",
+                // x86_64 clone(CLONE_PARENT | SIGCHLD): a sibling of CRIU, its caller's child.
+                "my $pid = syscall(56, 0x8000 | 17, 0, 0, 0, 0);\n",
+                "die \"clone: $!\" if $pid < 0;\n",
+                "if ($pid == 0) {{ sleep 60; exit 0 }}\n",
+                "open(my $f, '>', '{task}') or die; print $f \"$pid\\n\"; close $f;\n",
+                "{then}",
+                "exit 0;\n",
+            ),
+            task = task.display(),
+            then = then,
+        ),
+    )
+    .unwrap();
+    fs::set_permissions(&fake, fs::Permissions::from_mode(0o755)).unwrap();
+    let image = dir.join("image");
+    publish_tiny(&image);
+    let criu = CriuRpc::at(fake).unwrap().in_scratch(&dir.join("scratch"));
+    let image = Image::open(&image).unwrap();
+    let task = move || -> i32 { fs::read_to_string(&task).unwrap().trim().parse().unwrap() };
+    (criu, image, task)
+}
+
+/// Publishes a tiny image of a plain process (pid 4242, CRIU 4.2) at `dir`: a pages file of
+/// 100,000 bytes and a core file.
+fn publish_tiny(dir: &Path) {
+    let st = Staging::create(dir).unwrap();
     fs::write(st.path().join("pages-1.img"), vec![7u8; 100_000]).unwrap();
     fs::write(st.path().join("core-4242.img"), b"core").unwrap();
     st.publish(
@@ -806,6 +969,15 @@ fn restore_past_a_2s_deadline(fake: &Path, dir: &Path, scratch: &Path) -> CriuEr
         false,
     )
     .unwrap();
+}
+
+/// Makes `fake` (a fake CRIU script) executable, publishes a tiny image under `dir`, and
+/// restores it with `fake` at a 2 s deadline and a 64 KiB + 64 KiB log cap, scratch files in
+/// `scratch`: the restore's error (the deadline, for the callers' fakes that never end).
+fn restore_past_a_2s_deadline(fake: &Path, dir: &Path, scratch: &Path) -> CriuError {
+    fs::set_permissions(fake, fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = dir.join("image");
+    publish_tiny(&dir);
     let cap = cryo_criu::LogCap {
         head: 64 << 10,
         tail: 64 << 10,

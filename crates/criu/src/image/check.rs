@@ -19,7 +19,10 @@
 //! also of the directory itself), or if any file's identity, size or times differ from those
 //! noted. CRIU got its bytes from those same files during that time; unchanged files read the
 //! same bytes for CRIU as for cryo, so every byte a restored process gets was checked before it
-//! runs.
+//! runs. A refusal need not wait for the gate: [`Check::refusals`] become readable once the
+//! verdict can only refuse (a chunk did not match; the watch saw anything), and the restore
+//! ends CRIU then (CRIU 4.2's restorer never reaches the gate on a pages file truncated under
+//! it: it loops on `preadv` returning 0).
 //!
 //! A read, an open or a stat that never returns (a hung disk, a FUSE server that stopped
 //! answering) cannot be cancelled: the watch, the files' identities and the check of the files
@@ -195,6 +198,9 @@ pub struct Check<'a> {
     checker: Parent,
     /// Past it, [`Check::finish`] gives up on the check (and ends its checker): refused.
     deadline: Option<std::time::Instant>,
+    /// A pipe written once when [`Check::run`] refuses the page contents: its read end is
+    /// one of [`Check::refusals`] (the other, the watch).
+    refused: (OwnedFd, OwnedFd),
 }
 
 impl<'a> Check<'a> {
@@ -249,6 +255,13 @@ impl<'a> Check<'a> {
                 }),
             };
         let (done, outcome) = mpsc::sync_channel(1);
+        let refused = rustix::pipe::pipe_with(
+            rustix::pipe::PipeFlags::CLOEXEC | rustix::pipe::PipeFlags::NONBLOCK,
+        )
+        .map_err(|e| ImageError::Io {
+            path: dir.to_path_buf(),
+            source: e.into(),
+        })?;
         Ok(Check {
             image,
             watch: Watch(Some(watch)),
@@ -262,6 +275,7 @@ impl<'a> Check<'a> {
             ),
             checker: Parent::default(),
             deadline,
+            refused,
         })
     }
 
@@ -304,8 +318,28 @@ impl<'a> Check<'a> {
         let _ = self.hashed.set(std::time::Instant::now());
         if let Err(e) = &r {
             tracing::warn!(error = %e, "image refused while CRIU reads it");
+            // Before the outcome is sent: whoever sees the pipe ready finds the outcome there.
+            let _ = rustix::io::write(&self.refused.1, b"r");
         }
         let _ = self.done.send(r);
+    }
+
+    /// What becomes readable once the verdict can only refuse the image: the check of the page
+    /// contents failed, or the watch saw a change (any event on it refuses, see
+    /// [`Check::finish`]). Polled beside CRIU, so that a restore that never reaches its gate
+    /// (CRIU 4.2's restorer loops on a pages file truncated under it until the restore's
+    /// deadline) ends at the refusal; nothing is read from them here. Why: [`Check::refusal`].
+    pub fn refusals(&self) -> [std::os::fd::BorrowedFd<'_>; 2] {
+        let watch = self.watch.fd().unwrap_or(self.refused.0.as_fd());
+        [self.refused.0.as_fd(), watch]
+    }
+
+    /// Why the image is refused, when CRIU ended before a verdict (it failed, or was ended at
+    /// a refusal): the check's failure, once [`Check::run`] ended with one, else a change the
+    /// watch saw. Only without a verdict that passed: a change after it is not this restore's
+    /// (the tree runs).
+    pub fn refusal(&self) -> Option<ImageError> {
+        self.failure().or_else(|| self.watch_saw().err())
     }
 
     /// The page contents checked on `threads` threads under a thread that owns what it reads,
@@ -361,24 +395,7 @@ impl<'a> Check<'a> {
 
     /// Whether the watch saw nothing and every file is the one noted.
     fn unchanged(&self) -> Result<(), ImageError> {
-        let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 4096];
-        let watch = self
-            .watch
-            .fd()
-            .ok_or_else(|| self.stream_error("the watch is closed".into()))?;
-        let mut events = inotify::Reader::new(watch, &mut buf);
-        match events.next() {
-            Ok(ev) => {
-                let name = ev
-                    .file_name()
-                    .map(|n| n.to_string_lossy().into_owned())
-                    .filter(|n| !n.is_empty())
-                    .unwrap_or_else(|| "the directory itself".into());
-                return Err(self.changed(format!("{name}: {:?}", ev.events())));
-            }
-            Err(rustix::io::Errno::AGAIN) => {}
-            Err(e) => return Err(self.stream_error(format!("reading the watch: {e}"))),
-        }
+        self.watch_saw()?;
         // Opens and stats, under the deadline as the reads are (see the module docs).
         let noted = self.stamps.clone();
         let now = on_own_thread(self.image, self.deadline, move |image| {
@@ -396,6 +413,28 @@ impl<'a> Check<'a> {
                 "looking at the image's files again did not end before the restore's deadline"
                     .into(),
             )),
+        }
+    }
+
+    /// The first change the watch saw, if any (taken from it).
+    fn watch_saw(&self) -> Result<(), ImageError> {
+        let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 4096];
+        let watch = self
+            .watch
+            .fd()
+            .ok_or_else(|| self.stream_error("the watch is closed".into()))?;
+        let mut events = inotify::Reader::new(watch, &mut buf);
+        match events.next() {
+            Ok(ev) => {
+                let name = ev
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .filter(|n| !n.is_empty())
+                    .unwrap_or_else(|| "the directory itself".into());
+                Err(self.changed(format!("{name}: {:?}", ev.events())))
+            }
+            Err(rustix::io::Errno::AGAIN) => Ok(()),
+            Err(e) => Err(self.stream_error(format!("reading the watch: {e}"))),
         }
     }
 
