@@ -3106,16 +3106,24 @@ fn an_agent_killed_between_its_new_checkpoint_and_its_restore_leaves_a_worker_th
     drop(agent3);
 }
 
-/// Attack (session 20): a thaw whose disk fills between the GPU restore and its
-/// `RestoreCompleted` (a real `ENOSPC`: the state directory on a 16 MiB tmpfs, filled while the
-/// thaw is paused at `restore-before-completed` with the worker LOCKED and its context live, the
-/// journal's last page too). Nothing can be recorded from then on, the removal's records
-/// included: the thaw must fail without leaving a live restored context unrecorded (the worker
-/// is checkpointed again, never LOCKED or running on the GPU, never torn down), and name what it
-/// left and how to end it. Once there is room, `cryo stop` ends it with no wedge and the image
-/// thaws again with the answers it gave before the freeze: nothing lost.
-#[test]
-fn a_thaw_meeting_a_full_disk_after_its_gpu_restore_leaves_nothing_live() {
+/// What [`a_thaw_that_fills_its_disk_after_its_gpu_restore`] leaves: the scene, the small disk
+/// under its state directory and the filler (remove it: room again), the frozen worker's pid,
+/// socket and answers before the freeze, and its image.
+struct FullDiskThaw {
+    env: Env,
+    disk: cryo_testkit::disk::SmallDisk,
+    filler: PathBuf,
+    pid: i32,
+    sock: Ep,
+    before: Vec<String>,
+    image: PathBuf,
+}
+
+/// A worker frozen, then thawed with its state directory on a 16 MiB tmpfs that fills between
+/// the GPU restore and its `RestoreCompleted` (paused at `restore-before-completed` with the
+/// worker LOCKED, the journal's last page filled too): the thaw fails, the worker checkpointed
+/// again (never LOCKED, never torn down), named with how to end it.
+fn a_thaw_that_fills_its_disk_after_its_gpu_restore() -> FullDiskThaw {
     let mut env = Env::start("1GiB");
     let st = env.path().join("state");
     let disk = cryo_testkit::disk::SmallDisk::mount_at(&st, "16M");
@@ -3154,14 +3162,160 @@ fn a_thaw_meeting_a_full_disk_after_its_gpu_restore_leaves_nothing_live() {
         "not named: {said}"
     );
     env.sim.assert_no_wedge();
+    FullDiskThaw {
+        env,
+        disk,
+        filler,
+        pid,
+        sock,
+        before,
+        image,
+    }
+}
+
+/// Attack (session 20): a thaw whose disk fills between the GPU restore and its
+/// `RestoreCompleted` (a real `ENOSPC`: the state directory on a 16 MiB tmpfs, filled while the
+/// thaw is paused at `restore-before-completed` with the worker LOCKED and its context live, the
+/// journal's last page too). Nothing can be recorded from then on, the removal's records
+/// included: the thaw must fail without leaving a live restored context unrecorded (the worker
+/// is checkpointed again, never LOCKED or running on the GPU, never torn down), and name what it
+/// left and how to end it. Once there is room, `cryo stop` ends it with no wedge and the image
+/// thaws again with the answers it gave before the freeze: nothing lost.
+#[test]
+fn a_thaw_meeting_a_full_disk_after_its_gpu_restore_leaves_nothing_live() {
+    let FullDiskThaw {
+        mut env,
+        disk,
+        filler,
+        pid,
+        sock,
+        before,
+        image,
+    } = a_thaw_that_fills_its_disk_after_its_gpu_restore();
 
     std::fs::remove_file(filler).unwrap();
     env.stop_clean(pid);
-    env.thaw_ok(&image, &[]);
-    env.thawed.push(pid);
-    assert_eq!(answers(&sock), before, "the image lost what it held");
-    env.stop_clean(pid);
+    env.thaws_as_before(&image, pid, &sock, &before);
     drop(disk);
+}
+
+/// Attack (session 21): the same thaw on a full disk (its tree left alive, its worker
+/// CHECKPOINTED, its removal unable to journal a stop), and then nobody runs `cryo stop`: once
+/// there is room, the next agent start must find the tree and end it (CHECKPOINTED: its end is
+/// safe; ended rather than resumed: the thaw failed and its caller retries the image, which
+/// holds all the tree holds, see `lifecycle/src/leftover.rs`), through a stop that suspends and
+/// verifies before its kill: no wedge, the settlement journaled and said. Then the image thaws
+/// again with the answers it gave before the freeze. (Before: nothing was in flight in the
+/// journal and the worker was not LOCKED, so no start looked at it: this test failed waiting
+/// for the tree to end, the worker CHECKPOINTED for good.)
+#[test]
+fn a_thaw_left_checkpointed_on_a_full_disk_is_ended_by_the_next_agent_start() {
+    use cryo_journal::{Event, ProcId};
+    let FullDiskThaw {
+        mut env,
+        disk,
+        filler,
+        pid,
+        sock,
+        before,
+        image,
+    } = a_thaw_that_fills_its_disk_after_its_gpu_restore();
+    let id = ProcId::of(pid).unwrap();
+
+    std::fs::remove_file(filler).unwrap();
+    let from = events(&env).len();
+    let agent = Agent::start(&env);
+    eventually(PATIENCE, "the agent's start to end the thaw's tree", || {
+        !alive(pid)
+    });
+    procs::reap(pid);
+    env.thawed.retain(|p| *p != pid);
+    env.sim.assert_no_wedge();
+    let after = events(&env)[from..].to_vec();
+    let at = |f: &dyn Fn(&Event) -> bool| after.iter().position(f);
+    let (verified, killed, settled) = (
+        at(&|e| matches!(e, Event::Verified { pid: p, .. } if *p == id)),
+        at(&|e| matches!(e, Event::Killed { pid: p, .. } if *p == id)),
+        at(&|e| {
+            matches!(
+                e,
+                Event::SuspensionSettled { pid: p, found, action }
+                    if *p == id && found == "checkpointed" && action == "its thaw's restored tree ended"
+            )
+        }),
+    );
+    assert!(
+        matches!((verified, killed, settled), (Some(v), Some(k), Some(_)) if v < k),
+        "not ended through a verified stop, or not journaled: {after:?}"
+    );
+    assert!(
+        agent.log().contains(&format!(
+            "pid {pid}: a thaw that failed or died left it checkpointed"
+        )),
+        "{}",
+        agent.log()
+    );
+    drop(agent);
+
+    env.thaws_as_before(&image, pid, &sock, &before);
+    drop(disk);
+}
+
+/// Attack (session 21): a thaw whose disk fills before CRIU runs (paused at
+/// `thaw-before-restore`, the image checked, `ThawStarted` written) or at CRIU's gate (paused at
+/// `thaw-at-criu-gate`: every process restored, none run yet, the gate's verdict still to be
+/// written on that disk), a real `ENOSPC` (the state directory's 16 MiB tmpfs filled there, the
+/// journal's last page too). Nothing of the image may run unrecorded: the thaw fails naming the
+/// disk, no process of the image is left (CRIU ends what it
+/// restored when its gate cannot pass), nothing is journaled as restored, no wedge; once there is
+/// room the image thaws with the answers it gave before the freeze. (Both held on main: the
+/// gate's verdict is written before CRIU lets the tree run, and a verdict that cannot be written
+/// refuses it; now pinned.)
+#[test]
+fn a_thaw_meeting_a_full_disk_before_crius_gate_restores_nothing() {
+    for failpoint in [
+        cryo_lifecycle::thaw::THAW_BEFORE_RESTORE,
+        cryo_lifecycle::thaw::THAW_AT_CRIU_GATE,
+    ] {
+        let mut env = Env::start("1GiB");
+        let st = env.path().join("state");
+        let disk = cryo_testkit::disk::SmallDisk::mount_at(&st, "16M");
+        let (pid, sock, before, image) = env.frozen("16MiB");
+        let PausedThaw {
+            child: mut thaw,
+            resume,
+            said,
+        } = thaw_paused_at(&env, &image, failpoint, &[]);
+        let filler = disk.fill();
+        common::fill_journal_page(&st);
+        fs::write(&resume, b"").unwrap();
+        let status = thaw.wait().unwrap();
+        let said = fs::read_to_string(&said).unwrap();
+        assert!(
+            !status.success(),
+            "{failpoint}: thawed on a full disk: {said}"
+        );
+        // Before CRIU: its private directory cannot be made ("restore: directory ...");
+        // at the gate: "image refused: ... writing the gate's verdict: ...; nothing was restored".
+        assert!(
+            said.contains("No space left on device"),
+            "{failpoint}: {said}"
+        );
+        assert!(!alive(pid), "{failpoint}: the image's process runs: {said}");
+        assert!(
+            !events(&env).iter().any(|e| matches!(
+                e,
+                cryo_journal::Event::RestoreStarted { pid: p, .. }
+                    | cryo_journal::Event::RestoreCompleted { pid: p, .. } if p.pid == pid
+            )),
+            "{failpoint}: journaled as restored"
+        );
+        env.sim.assert_no_wedge();
+
+        std::fs::remove_file(filler).unwrap();
+        env.thaws_as_before(&image, pid, &sock, &before);
+        drop(disk);
+    }
 }
 
 /// A plain process that holds a `flock` whose lock this test also holds (it inherited the fd),

@@ -49,7 +49,9 @@
 //! flight for the next guard or agent start.
 //!
 //! Before the suspensions, the CPU sets a dump that died left pinned are given back
-//! ([`crate::cpus`]; each such dump closed with an [`Event::CpusReturned`]).
+//! ([`crate::cpus`]; each such dump closed with an [`Event::CpusReturned`]). After them, a caller
+//! with a watcher (a guard or agent start) ends the trees a failed thaw left CHECKPOINTED with
+//! nothing to end them ([`crate::leftover`], [`Settlement::ThawEnded`]).
 
 use std::time::Duration;
 
@@ -82,6 +84,14 @@ pub enum Settlement {
     /// as it is (CHECKPOINTED or LOCKED: it runs no GPU work, its context is never torn down)
     /// and *not* journaled as settled, so the next guard or agent start resumes it.
     UntilWatched,
+    /// CHECKPOINTED by a thaw that failed (on a full disk, whose removal could not journal its
+    /// stop) or died before its restore, the thaw gone, nothing ending it: the tree that thaw
+    /// restored (`tree`, root first) was ended through the thaw's own removal (see
+    /// [`crate::leftover`]); the image thaws again.
+    ThawEnded {
+        /// The processes ended.
+        tree: Vec<cryo_proc::Pid>,
+    },
     /// Its main thread was left pinned to one CPU by a dump that did not finish (see
     /// [`crate::cpus`]): its own CPU set is back.
     CpusReturned,
@@ -141,6 +151,12 @@ impl std::fmt::Display for Settled {
             Settlement::CpusReturned => {
                 write!(f, "pid {pid}: {}; its own CPU set given back", self.found)
             }
+            Settlement::ThawEnded { tree } => write!(
+                f,
+                "pid {pid}: a thaw that failed or died left it {} (its restore not journaled as done, the thaw gone); the tree it restored was ended safely (pids {}): the image thaws again",
+                self.found,
+                crate::thaw::fmt_pids(tree)
+            ),
             Settlement::Left { why } => write!(
                 f,
                 "pid {pid}: {what} left it {}; left as it is: {why}",
@@ -213,6 +229,11 @@ pub fn settle_in_flight(
             action,
         });
     }
+    // A thaw's tree left CHECKPOINTED with nothing to end it: a guard or agent start only (a
+    // stop of one worker does not end another's tree unasked).
+    if watcher.is_some() {
+        out.extend(crate::leftover::end_left_thaws(gpu, journal, &records)?);
+    }
     Ok(out)
 }
 
@@ -228,6 +249,7 @@ fn journaled(action: &Settlement) -> Option<String> {
         Settlement::Resumed => "resumed".to_string(),
         Settlement::ResumedAfterCheckpoint => "checkpointed again, then resumed".to_string(),
         Settlement::CpusReturned => "its CPU set given back".to_string(),
+        Settlement::ThawEnded { .. } => crate::leftover::ENDED.to_string(),
         Settlement::Left { why } => format!("left as it is: {why}"),
     })
 }
@@ -686,6 +708,7 @@ mod tests {
             Settlement::Killed,
             Settlement::Resumed,
             Settlement::ResumedAfterCheckpoint,
+            Settlement::ThawEnded { tree: vec![1] },
             Settlement::CpusReturned,
             Settlement::Left {
                 why: "the next start of the agent or guard resumes it under watch".into(),

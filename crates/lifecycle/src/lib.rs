@@ -25,6 +25,7 @@ pub mod freeze;
 pub mod health;
 pub mod inflight;
 pub mod ipc;
+mod leftover;
 pub mod park;
 pub mod progress;
 pub mod reaped;

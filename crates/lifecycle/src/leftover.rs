@@ -1,0 +1,294 @@
+//! Thawed trees a thaw left CHECKPOINTED with nothing to end them: ended at the next guard or
+//! agent start.
+//!
+//! # Design
+//! A thaw that fails after CRIU removes its restored tree (`thaw::remove_with_forks`: each CUDA
+//! process suspended and verified before its kill, as any stop's). On a full disk that removal
+//! cannot journal its stop, so it does not run: the thaw's GPU restore was checkpointed again
+//! (its `RestoreCompleted` refused: [`crate::restore::RestoreError::NotRecorded`]) and the whole
+//! tree is left alive, its CUDA processes CHECKPOINTED, the thaw's error naming them for `cryo
+//! stop`. Nothing of it is in flight in the journal (no suspension began), so once there is room
+//! nothing ended it: the journal holds the thaw's restore intent ([`Event::RestoreStarted`]
+//! naming the thaw as the one to unlock it), no completion, and the thaw is gone. A thaw killed
+//! between that intent and the driver's restore leaves the same.
+//!
+//! [`end_left_thaws`] (every guard and agent start: [`crate::settle_in_flight`] with a watcher)
+//! finds each such process: its last lifecycle record is that intent (guard attachments aside:
+//! [`crate::restore::last_restore`]), its writer gone; it was never parked (a wake's intent on a
+//! parked worker looks the same, and that worker stays parked until a wake); a thaw of that
+//! image is journaled before it ([`Event::ThawStarted`]); it is the same live process, and the
+//! driver answers CHECKPOINTED. It ends the tree the thaw restored (walked up from it through
+//! the processes that thaw journaled, to its root, then every process under the root, and what
+//! they forked since) through the thaw's own removal, and journals the settlement once.
+//!
+//! Ended, not resumed, by the evidence:
+//! - The thaw failed and said so: its error names these pids for `cryo stop`, its caller
+//!   (an operator, the agent's client, a controller) holds a failed thaw and retries the image
+//!   or places the worker elsewhere. A tree resumed later, at whatever start comes next, would
+//!   be a second worker nobody asked for, never health-checked, holding GPU memory the retry
+//!   needs; while it lives, a retry that restores the image's pids is refused (taken).
+//! - Nothing is lost: the image still holds everything the tree holds (CHECKPOINTED, it has
+//!   served nothing since CRIU restored it), and the thaw never consumes its image.
+//! - It is safe: CHECKPOINTED, it holds no live context; the stop verifies that (no device
+//!   memory listed, no driver files) before its kill, as every stop.
+//!
+//! A LOCKED one (the thaw died after the driver's restore) is left to
+//! [`crate::finish_unlock`], which completes the thaw instead (session 20's choice: the driver
+//! restored it, only its record and unlock were missing).
+//!
+//! # Limitations
+//! A thaw that died between CRIU's exit and its first CUDA process's restore intent leaves no
+//! record naming its CUDA processes; those are not found here (its plain processes are, as
+//! restored, but nothing here ends a tree without a CHECKPOINTED intent).
+
+use std::collections::BTreeSet;
+
+use cryo_gpu::{Gpu, ProcessState};
+use cryo_journal::{Event, Journal, ProcId, Record};
+use cryo_proc::{Pid, ProcHandle};
+
+use crate::inflight::{SettleError, Settled, Settlement};
+use crate::suspend::{id, me};
+use crate::target::Resolved;
+
+/// What the settlement of a process whose thaw's tree was ended journals.
+pub(crate) const ENDED: &str = "its thaw's restored tree ended";
+
+/// Ends every tree a gone thaw left CHECKPOINTED (see the module docs); `records` is the
+/// journal as read before. One [`Settled`] per CUDA process found, journaled as settled.
+pub(crate) fn end_left_thaws(
+    gpu: &Gpu,
+    journal: &Journal,
+    records: &[Record],
+) -> Result<Vec<Settled>, SettleError> {
+    let mut out = Vec::new();
+    let mut ended: BTreeSet<ProcId> = BTreeSet::new();
+    for (pid, thaw) in left(records) {
+        if ended.contains(&pid) {
+            continue;
+        }
+        let Ok(h) = pid.open() else { continue };
+        match crate::cuda::settled_state(gpu, h.pid(), crate::cuda::SETTLE) {
+            Ok(ProcessState::Checkpointed) => {}
+            // LOCKED: `finish_unlock`'s; anything else: not what a thaw left.
+            _ => continue,
+        }
+        let found = ProcessState::Checkpointed.to_string();
+        let action = match tree_of(&h, &thaw) {
+            Err(why) => Settlement::Left { why },
+            Ok(tree) => {
+                ended.extend(tree.handles().iter().map(id));
+                let r = crate::thaw::remove_with_forks(
+                    gpu,
+                    &tree,
+                    &crate::stop::StopOptions::default(),
+                    journal,
+                    &crate::progress::NoProgress,
+                );
+                match r.failure {
+                    None => Settlement::ThawEnded {
+                        tree: tree.handles().iter().map(ProcHandle::pid).collect(),
+                    },
+                    Some(why) => Settlement::Left { why },
+                }
+            }
+        };
+        journal.append(Event::SuspensionSettled {
+            pid,
+            found: found.clone(),
+            action: match &action {
+                Settlement::Left { why } => format!("left as it is: {why}"),
+                _ => ENDED.to_string(),
+            },
+        })?;
+        out.push(Settled {
+            pid,
+            purpose: None,
+            found,
+            action,
+        });
+    }
+    Ok(out)
+}
+
+/// The processes of the thaw whose restore intents name them from the journal's `at`-th record
+/// on (its `ThawStarted`), and the image.
+#[derive(Debug, Clone)]
+struct Thaw {
+    image: String,
+    procs: BTreeSet<ProcId>,
+}
+
+/// Each live process whose last lifecycle record is a thaw's restore intent, not completed, its
+/// writer gone, never parked, with the thaw it came from. One pass over `records` (the rules of
+/// [`crate::restore::last_restore`], for every process at once), then the live checks.
+fn left(records: &[Record]) -> Vec<(ProcId, Thaw)> {
+    use std::collections::BTreeMap;
+    let mine = me();
+    let mut parked: BTreeSet<ProcId> = BTreeSet::new();
+    // Each process's last lifecycle step, when it is a restore intent not completed: the
+    // intent's index in `records`.
+    let mut intent: BTreeMap<ProcId, Option<usize>> = BTreeMap::new();
+    for (at, r) in records.iter().enumerate() {
+        if let Event::Parked { pid, .. } = &r.event {
+            parked.insert(*pid);
+        }
+        for pid in r.event.pids() {
+            let step = match &r.event {
+                Event::RestoreStarted { .. } => Some(at),
+                Event::GuardAttached { .. } => continue,
+                _ => None,
+            };
+            intent.insert(pid, step);
+        }
+    }
+    let mut out = Vec::new();
+    for (pid, at) in intent {
+        let Some(at) = at else { continue };
+        let Event::RestoreStarted {
+            image,
+            unlock_by: Some(by),
+            ..
+        } = &records[at].event
+        else {
+            continue;
+        };
+        if parked.contains(&pid) || Some(*by) == mine || by.is_alive_same() || !pid.is_alive_same()
+        {
+            continue;
+        }
+        // The thaw of that image it came from: the last one started before its intent.
+        let Some(started) = records[..at]
+            .iter()
+            .rposition(|r| matches!(&r.event, Event::ThawStarted { image: i } if i == image))
+        else {
+            continue;
+        };
+        let procs = records[started..]
+            .iter()
+            .filter_map(|r| match &r.event {
+                Event::RestoreStarted { pid, image: i, .. }
+                | Event::RestoreCompleted { pid, image: i, .. }
+                    if i == image =>
+                {
+                    Some(*pid)
+                }
+                _ => None,
+            })
+            .collect();
+        out.push((
+            pid,
+            Thaw {
+                image: image.clone(),
+                procs,
+            },
+        ));
+    }
+    out
+}
+
+/// The tree `thaw` restored around `h`: from `h` up through its parents while they are processes
+/// that thaw journaled, to that tree's root; then the root and every process under it.
+fn tree_of(h: &ProcHandle, thaw: &Thaw) -> Result<Resolved, String> {
+    let parent = |h: &ProcHandle| -> Option<ProcHandle> {
+        let ppid: Pid = h.stat().ok()?.ppid;
+        let p = ProcHandle::open(ppid).ok()?;
+        thaw.procs.contains(&id(&p)).then_some(p)
+    };
+    let mut root = h.try_clone().map_err(|e| e.to_string())?;
+    while let Some(p) = parent(&root) {
+        root = p;
+    }
+    Resolved::tree(root).map_err(|e| {
+        format!(
+            "the tree a thaw of {} restored cannot be listed ({e}); `cryo stop` ends it",
+            thaw.image
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use cryo_testkit::procs::Procs;
+
+    fn rec(seq: u64, event: Event) -> Record {
+        Record {
+            seq,
+            time: std::time::SystemTime::now(),
+            event,
+        }
+    }
+
+    /// Only a live process whose last step is a thaw's restore intent, its writer gone, never
+    /// parked, after a `ThawStarted` of that image, is what a thaw left; its thaw's processes are
+    /// those journaled under the image since that thaw started.
+    #[test]
+    fn only_a_gone_thaws_unfinished_intent_is_left_behind() {
+        let procs = Procs::spawn(6);
+        let ids: Vec<ProcId> = procs
+            .pids()
+            .iter()
+            .map(|p| ProcId::of(*p).unwrap())
+            .collect();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = ProcId::of(child.id() as i32).unwrap();
+        child.wait().unwrap();
+        let alive = ids[5];
+        let intent = |pid, image: &str, by| Event::RestoreStarted {
+            pid,
+            image: image.into(),
+            unlock_by: Some(by),
+        };
+        let mut events = vec![
+            Event::ThawStarted { image: "/a".into() },
+            // 0: a plain process of the thaw of /a; 1: its CUDA process, left.
+            Event::RestoreCompleted {
+                pid: ids[0],
+                image: "/a".into(),
+                ms: None,
+            },
+            intent(ids[1], "/a", dead),
+            Event::GuardAttached {
+                pid: ids[1],
+                source: cryo_journal::AttachSource::Restore,
+            },
+            // 2: completed; 3: its writer alive.
+            intent(ids[2], "/a", dead),
+            Event::RestoreCompleted {
+                pid: ids[2],
+                image: "/a".into(),
+                ms: Some(1),
+            },
+            intent(ids[3], "/a", alive),
+            // 4: a parked worker's wake (no thaw of "wake" either).
+            Event::Parked {
+                pid: ids[4],
+                bytes: 1,
+                gpus: vec![],
+                gpu_bytes: vec![],
+            },
+            intent(ids[4], "wake", dead),
+        ];
+        // A restore intent with no thaw of its image before it.
+        events.insert(0, intent(ids[0], "/b", dead));
+        let records: Vec<Record> = events
+            .into_iter()
+            .enumerate()
+            .map(|(i, e)| rec(i as u64 + 1, e))
+            .collect();
+        let found = left(&records);
+        assert_eq!(
+            found.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
+            vec![ids[1]]
+        );
+        let thaw = &found[0].1;
+        assert_eq!(thaw.image, "/a");
+        assert!(
+            thaw.procs.contains(&ids[0]) && thaw.procs.contains(&ids[1]),
+            "{:?}",
+            thaw.procs
+        );
+    }
+}
