@@ -330,10 +330,18 @@ fn a_park_whose_record_cannot_be_written_resumes_the_worker_and_says_so() {
 /// A guard started on `st` resumes `w`, which a park left suspended, in place under watch (traced),
 /// and it answers `before` again.
 fn a_guard_resumes(sim: &Sim, st: &Path, w: &Worker, before: &str) -> GuardProc {
-    let guard = GuardProc::start(sim, st, &["--no-memory-watch"]);
+    resumed_by(sim, w, before, || {
+        GuardProc::start(sim, st, &["--no-memory-watch"])
+    })
+}
+
+/// What `start` starts (a guard or an agent on the state directory of `w`'s park) resumes `w`,
+/// which a park left suspended, in place under watch (traced), and it answers `before` again.
+fn resumed_by<T>(sim: &Sim, w: &Worker, before: &str, start: impl FnOnce() -> T) -> T {
+    let watcher = start();
     common::eventually(
         cryo_testkit::PATIENCE,
-        "the new guard to resume the worker",
+        "the new guard or agent to resume the worker",
         || sim.state(w.pid) == "running",
     );
     assert_ne!(common::procs::tracer_pid(w.pid), 0, "resumed unguarded");
@@ -342,7 +350,7 @@ fn a_guard_resumes(sim: &Sim, st: &Path, w: &Worker, before: &str) -> GuardProc 
         before,
         "it serves as before"
     );
-    guard
+    watcher
 }
 
 /// What an operator reads of the processes a park's undo could not bring back: what happens to
@@ -451,9 +459,25 @@ fn a_guard_settles(
     st: &Path,
     w: &Worker,
     before: &str,
-    (found, action): (&str, &str),
+    settled: (&str, &str),
 ) -> (GuardProc, Vec<cryo_journal::Event>) {
-    let guard = a_guard_resumes(sim, st, w, before);
+    settles_by(sim, st, w, before, settled, || {
+        GuardProc::start(sim, st, &["--no-memory-watch"])
+    })
+}
+
+/// What `start` starts (a guard or an agent) resumes `w` ([`resumed_by`]) and journals the
+/// settlement of its suspension (`found`, `action`): nothing is left parked, no wedge. Returns
+/// what it started and the journal's events.
+fn settles_by<T>(
+    sim: &Sim,
+    st: &Path,
+    w: &Worker,
+    before: &str,
+    (found, action): (&str, &str),
+    start: impl FnOnce() -> T,
+) -> (T, Vec<cryo_journal::Event>) {
+    let watcher = resumed_by(sim, w, before, start);
     let ev = events(st);
     assert!(
         ev.iter().any(|e| matches!(
@@ -466,7 +490,7 @@ fn a_guard_settles(
     let s = json(&run(sim, st, &["status", "--json"]));
     assert_eq!(s["parked"], serde_json::json!([]), "{s}");
     sim.assert_no_wedge();
-    (guard, ev)
+    (watcher, ev)
 }
 
 /// `cryo COMMAND W` at the stalling failpoint `failpoint` (no resume file), found with `w`
@@ -572,17 +596,11 @@ fn a_park_whose_undo_cannot_record_its_restore_is_resumed_by_the_next_guard() {
     drop(guard);
 }
 
-/// Attack (session 20): a park killed between its undo's driver restore and that restore's
-/// `RestoreCompleted` (its `Parked` record refused first; the OOM killer or a restarted node
-/// agent ends a park the same way). The worker is LOCKED, its context restored and live, and the
-/// journal holds only the undo's restore intent, its writer gone. A stop of another worker has
-/// no guard to watch an unlock: it leaves the worker as it is, says so, and must keep it in
-/// flight. A guard that starts then must not leave it LOCKED for good, nor unlock what the
-/// driver has not confirmed whole: it checkpoints it again (the driver does that only for a
-/// whole context; LOCKED -> CHECKPOINTED), restores it under its own journaled intent, traces it
-/// and unlocks it. It serves as before; no wedge.
-#[test]
-fn a_park_killed_between_its_undos_restore_and_its_record_is_resumed_by_the_next_guard() {
+/// A park of a new worker killed between its undo's driver restore and that restore's
+/// `RestoreCompleted` (failpoint `park-undo-dies-restored`, its `Parked` record refused first):
+/// the worker LOCKED, the journal holding only the undo's intent, no wedge. Returns the scene,
+/// its state directory, the worker and its answer before.
+fn a_park_killed_mid_undo() -> (Sim, tempfile::TempDir, Worker, String) {
     let sim = Sim::start();
     let st = state();
     let w = worker(&sim, "64MiB", 0);
@@ -596,6 +614,21 @@ fn a_park_killed_between_its_undos_restore_and_its_record_is_resumed_by_the_next
     );
     only_the_undos_intent(st.path(), &w);
     sim.assert_no_wedge();
+    (sim, st, w, before)
+}
+
+/// Attack (session 20): a park killed between its undo's driver restore and that restore's
+/// `RestoreCompleted` (its `Parked` record refused first; the OOM killer or a restarted node
+/// agent ends a park the same way). The worker is LOCKED, its context restored and live, and the
+/// journal holds only the undo's restore intent, its writer gone. A stop of another worker has
+/// no guard to watch an unlock: it leaves the worker as it is, says so, and must keep it in
+/// flight. A guard that starts then must not leave it LOCKED for good, nor unlock what the
+/// driver has not confirmed whole: it checkpoints it again (the driver does that only for a
+/// whole context; LOCKED -> CHECKPOINTED), restores it under its own journaled intent, traces it
+/// and unlocks it. It serves as before; no wedge.
+#[test]
+fn a_park_killed_between_its_undos_restore_and_its_record_is_resumed_by_the_next_guard() {
+    let (sim, st, w, before) = a_park_killed_mid_undo();
     a_stop_leaves_it_until_watched(&sim, st.path(), &w, "locked");
 
     let from = events(st.path()).len();
@@ -610,6 +643,38 @@ fn a_park_killed_between_its_undos_restore_and_its_record_is_resumed_by_the_next
     drop(guard);
 }
 
+/// Attack (session 21): the same park killed between its undo's driver restore and that
+/// restore's record (the worker LOCKED, its context restored and live, the journal holding only
+/// the undo's intent), settled this time by the node agent's start (`cryo agent run`: its
+/// embedded guard settles what is in flight before it serves), which session 20 attacked only
+/// through `cryo guard`. The agent must neither leave it LOCKED for good nor unlock it on the
+/// driver's word: checkpointed again, restored under its own intent, traced by the agent, then
+/// unlocked; it serves as before, nothing parked, no wedge. (It held on main: the agent's start
+/// goes through the same `Guard::start` and `settle_in_flight`; now pinned end to end.)
+#[test]
+fn a_park_killed_between_its_undos_restore_and_its_record_is_resumed_by_the_next_agent() {
+    let (sim, st, w, before) = a_park_killed_mid_undo();
+
+    let from = events(st.path()).len();
+    let (agent, ev) = settles_by(
+        &sim,
+        st.path(),
+        &w,
+        &before,
+        ("locked", "checkpointed again, then resumed"),
+        || AgentProc::start(&sim, st.path(), &["--no-memory-watch"]),
+    );
+    common::checkpointed_restored_then_unlocked(&ev[from..], w.pid);
+    let tracer = common::procs::tracer_pid(w.pid);
+    assert_eq!(
+        cryo_proc::tgid(tracer).ok().flatten(),
+        Some(agent.pid()),
+        "not traced by the agent"
+    );
+    drop(agent);
+    common::stop_pin_holder(st.path());
+}
+
 /// Attack (session 20): a wake whose disk fills between the driver's restore and its
 /// `RestoreCompleted` (a real `ENOSPC`: the state directory on a 16 MiB tmpfs, filled while the
 /// wake is paused there, the journal's last page too). The worker is LOCKED then, its context
@@ -619,6 +684,24 @@ fn a_park_killed_between_its_undos_restore_and_its_record_is_resumed_by_the_next
 /// wedge at any point.
 #[test]
 fn a_wake_meeting_a_full_disk_after_its_restore_leaves_the_worker_parked_then_wakes() {
+    a_wake_on_a_disk_filled_at(
+        cryo_lifecycle::restore::RESTORE_BEFORE_COMPLETED,
+        "locked",
+        |_, _, _| {},
+    );
+}
+
+/// `cryo wake` of a parked worker whose disk (the state directory on a 16 MiB tmpfs, the
+/// journal's last page too) fills at the pausing failpoint `failpoint`, where the worker is
+/// `at_pause`: the wake fails naming the worker and the disk, the worker is CHECKPOINTED (never
+/// left LOCKED, never torn down), no wedge, and `check` looks at what it said and the state
+/// directory. Room again: the worker is still parked, and a wake brings it back with the same
+/// answer.
+fn a_wake_on_a_disk_filled_at(
+    failpoint: &str,
+    at_pause: &str,
+    check: impl FnOnce(&str, &Path, i32),
+) {
     let sim = Sim::start();
     let t = tempfile::tempdir().unwrap();
     let st = t.path().join("state");
@@ -630,9 +713,9 @@ fn a_wake_meeting_a_full_disk_after_its_restore_leaves_the_worker_parked_then_wa
         &sim,
         &disk,
         &st,
-        cryo_lifecycle::restore::RESTORE_BEFORE_COMPLETED,
+        failpoint,
         &["wake", &w.pid.to_string()],
-        |said| assert_eq!(sim.state(w.pid), "locked", "{said}"),
+        |said| assert_eq!(sim.state(w.pid), at_pause, "{said}"),
     );
     assert!(!status.success(), "woke on a full disk: {said}");
     assert_eq!(sim.state(w.pid), "checkpointed", "{said}");
@@ -640,6 +723,7 @@ fn a_wake_meeting_a_full_disk_after_its_restore_leaves_the_worker_parked_then_wa
         said.contains(&format!("pid {}", w.pid)) && said.contains("No space left on device"),
         "not named: {said}"
     );
+    check(&said, &st, w.pid);
     sim.assert_no_wedge();
 
     // Room again: still parked, and a wake brings it back.
@@ -655,6 +739,31 @@ fn a_wake_meeting_a_full_disk_after_its_restore_leaves_the_worker_parked_then_wa
     );
     sim.assert_no_wedge();
     drop(disk);
+}
+
+/// Attack (session 21): a wake whose disk fills after it read the worker's state and before its
+/// restore's intent (a real `ENOSPC`: paused at `wake-before-restore`, the state directory's
+/// 16 MiB tmpfs filled there, the journal's last page too). The intent cannot be journaled, so
+/// nothing may be restored: the wake fails naming the disk, the worker stays CHECKPOINTED and
+/// parked (never LOCKED, never torn down, never journaled as restored); once there is room a
+/// wake brings it back with the same answer. (It held on main: `restore_context` journals its
+/// intent before the driver is asked; now pinned.)
+#[test]
+fn a_wake_meeting_a_full_disk_before_its_restore_restores_nothing_then_wakes() {
+    a_wake_on_a_disk_filled_at(
+        cryo_lifecycle::park::WAKE_BEFORE_RESTORE,
+        "checkpointed",
+        |said, st, pid| {
+            assert!(said.contains("was not restored"), "{said}");
+            assert!(
+                !events(st).iter().any(|e| matches!(
+                    e,
+                    cryo_journal::Event::RestoreStarted { pid: p, .. } if p.pid == pid
+                )),
+                "journaled as restored"
+            );
+        },
+    );
 }
 
 /// Attack (session 20): a wake killed between the driver's restore and its `RestoreCompleted`
