@@ -2955,15 +2955,23 @@ fn an_agent_killed_between_a_thaws_restore_and_unlock_leaves_nothing_unguarded()
 /// A thaw of `image` (the frozen worker `pid`) through an agent SIGKILLed between the driver's
 /// restore and that restore's `RestoreCompleted` (failpoint `restore-before-completed`): the
 /// worker is LOCKED, its context restored and live, and the journal holds only the restore's
-/// intent, its writer (the agent) gone. Returns the journal's events then.
+/// intent, its writer (the agent) gone. With `criu_held`, the agent's CRIU is held in its
+/// `post-resume` stage (the tree resumed) until that file exists. Returns the journal's events
+/// then.
 fn a_thaw_whose_agent_died_before_its_restores_record(
     env: &mut Env,
     image: &Path,
     pid: i32,
+    criu_held: Option<&Path>,
 ) -> Vec<cryo_journal::Event> {
     use cryo_journal::{Event, ProcId};
     let failpoint = cryo_lifecycle::restore::RESTORE_BEFORE_COMPLETED;
-    let mut agent = Agent::start_at(env, failpoint);
+    let mut agent = Agent::spawn_with(env, |cmd| {
+        cmd.env("CRYO_FAILPOINT", failpoint);
+        if let Some(held) = criu_held {
+            cmd.env(cryo_criu::CRIU_POST_RESUME_HELD, held);
+        }
+    });
     let thaw = env
         .cmd()
         .args(["thaw", image.to_str().unwrap()])
@@ -3015,7 +3023,7 @@ fn an_agent_killed_between_a_thaws_restore_and_its_record_is_finished_by_the_nex
     let before = answers(&sock);
     let image = env.path().join("img");
     env.freeze(pid, &image);
-    let ev = a_thaw_whose_agent_died_before_its_restores_record(&mut env, &image, pid);
+    let ev = a_thaw_whose_agent_died_before_its_restores_record(&mut env, &image, pid, None);
     let id = ProcId::of(pid).unwrap();
     let before_restart = ev.len();
     let agent2 = an_agent_restarted_finishes_the_unlock(&env, id, before_restart);
@@ -3033,6 +3041,90 @@ fn an_agent_killed_between_a_thaws_restore_and_its_record_is_finished_by_the_nex
     );
     env.stop_clean(pid);
     drop(agent2);
+}
+
+/// CRIU processes of `env`'s state directory (CRIU and the scripts it runs: their command
+/// lines name its run's private directory).
+fn crius(env: &Env) -> Vec<i32> {
+    cryo_proc::naming(&env.path().join("state").join("criu")).unwrap()
+}
+
+/// Attack (session 21): a thaw whose CRIU has not exited a second after it resumed the tree
+/// (its `post-resume` stage: CRIU 4.2 ends nothing of the tree past it) goes on without it
+/// (`RESUMED_EXIT_GRACE`), so its GPU restore runs beside a CRIU still alive. The agent's CRIU
+/// is held in `post-resume` (test hook `CRYO_FAILPOINT_CRIU_POST_RESUME`) while the agent
+/// restores the worker's context and dies before its record (as above). The
+/// restarted agent must finish the unlock with that CRIU still there (its sweep must not end a
+/// tree past its gate), nothing torn down; CRIU, let go, exits and leaves nothing; the worker
+/// serves as before. (Before: the thaw waited for CRIU's exit, so its GPU restore never began
+/// while CRIU was held: "the agent's thaw at its failpoint" timed out.)
+#[test]
+fn an_agent_killed_in_a_gpu_restore_beside_a_criu_past_post_resume_is_finished_by_the_next() {
+    use cryo_journal::ProcId;
+    let mut env = Env::start("1GiB");
+    let (pid, sock) = env.worker("64MiB", 0);
+    let before = answers(&sock);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+    let held = env.path().join("criu-may-exit");
+    let ev = a_thaw_whose_agent_died_before_its_restores_record(&mut env, &image, pid, Some(&held));
+    let criu = crius(&env);
+    assert!(!criu.is_empty(), "no CRIU held past post-resume");
+    let id = ProcId::of(pid).unwrap();
+    let agent2 = an_agent_restarted_finishes_the_unlock(&env, id, ev.len());
+    assert_eq!(crius(&env), criu, "the CRIU past post-resume was ended");
+    assert_eq!(answers(&sock), before, "it serves as before");
+    env.sim.assert_no_wedge();
+    fs::write(&held, b"").unwrap();
+    eventually(PATIENCE, "CRIU to exit once let go", || {
+        crius(&env).is_empty()
+    });
+    // Reparented to this test (a subreaper) when its agent died.
+    for p in criu {
+        procs::reap(p);
+    }
+    assert!(alive(pid), "the worker died with CRIU");
+    assert_eq!(answers(&sock), before, "it serves as before");
+    env.stop_clean(pid);
+    drop(agent2);
+}
+
+/// Attack (session 21): a CRIU slow to exit after it resumed the tree (held in its
+/// `post-resume` stage: CRIU 4.2 ends nothing of the tree past it). The thaw must restore,
+/// unlock and health-check the worker without waiting for CRIU's exit (a second's grace past
+/// `post-resume`), and never end the tree at CRIU's deadline; CRIU, let go, exits and leaves nothing. (Before: the thaw waited for its
+/// 20 s deadline, killed CRIU and then the tree that had passed the gate and run, and failed.)
+#[test]
+fn a_thaw_serves_while_its_criu_has_not_exited_after_resuming_the_worker() {
+    let mut env = Env::start("1GiB");
+    let (pid, sock, before, image) = env.frozen("64MiB");
+    let held = env.path().join("criu-may-exit");
+    let out = env
+        .cmd()
+        .env(cryo_criu::CRIU_POST_RESUME_HELD, &held)
+        .args(["thaw", image.to_str().unwrap(), "--criu-timeout", "20"])
+        .args(["--health-url", &health(&sock)])
+        .output()
+        .unwrap();
+    let criu = crius(&env);
+    assert!(out.status.success(), "{}", stderr(&out));
+    env.thawed.push(pid);
+    assert!(
+        !criu.is_empty(),
+        "no CRIU held past post-resume: {}",
+        stderr(&out)
+    );
+    assert_eq!(answers(&sock), before, "it serves as before");
+    fs::write(&held, b"").unwrap();
+    eventually(PATIENCE, "CRIU to exit once let go", || {
+        crius(&env).is_empty()
+    });
+    // Reparented to this test (a subreaper) when the thaw exited.
+    for p in criu {
+        procs::reap(p);
+    }
+    assert_eq!(answers(&sock), before, "it serves as before");
+    env.stop_clean(pid);
 }
 
 /// Attack (session 21): a thaw's agent dies before its restore's record (as above), and the
@@ -3054,7 +3146,7 @@ fn an_agent_killed_between_its_new_checkpoint_and_its_restore_leaves_a_worker_th
     let before = answers(&sock);
     let image = env.path().join("img");
     env.freeze(pid, &image);
-    a_thaw_whose_agent_died_before_its_restores_record(&mut env, &image, pid);
+    a_thaw_whose_agent_died_before_its_restores_record(&mut env, &image, pid, None);
 
     let failpoint = cryo_lifecycle::restore::CHECKPOINTED_AGAIN;
     let mut agent2 = Agent::launch_with(&env, |c| {

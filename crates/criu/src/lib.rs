@@ -55,8 +55,9 @@ pub use colocate::{PinRecord, Unrecorded};
 pub use criu::stuck_crius;
 pub use criu::{
     dump_gate_verdict, error_lines, AtGate, Criu, CriuFlags, CriuRpc, DumpGate, DumpOpts,
-    DumpPhases, RestoreOpts, RestorePhases, Restored, ThawRoute, CRIU_ENV, DEFAULT_CRIU, DUMP_LOG,
-    DUMP_LOG_LEVEL, FOLLOW_EARLY_ENV, KILLED_GRACE, MAX_STUCK_CRIUS, RESTORE_LOG, VERSION_CACHE,
+    DumpPhases, RestoreOpts, RestorePhases, Restored, ThawRoute, CRIU_ENV, CRIU_POST_RESUME_HELD,
+    DEFAULT_CRIU, DUMP_LOG, DUMP_LOG_LEVEL, FOLLOW_EARLY_ENV, KILLED_GRACE, MAX_STUCK_CRIUS,
+    RESTORE_LOG, VERSION_CACHE,
 };
 pub use error::{CriuError, CriuOp, Stuck};
 pub use image::{ImageError, Manifest};

@@ -854,6 +854,87 @@ fn a_change_after_the_gate_passed_never_ends_the_restored_tree() {
     );
 }
 
+/// Attack (session 21): a CRIU that resumed the tree (its `post-resume` stage, every task
+/// detached: CRIU 4.2 ends nothing of the tree past it) and then does not exit (a cleanup that
+/// hangs; here it sleeps). The restore must return the tree that runs (a grace of a second
+/// past `post-resume`, `RESUMED_EXIT_GRACE`), leave CRIU to exit when it does, and never end
+/// the tree at CRIU's deadline. (Before: the restore waited for its 10 s deadline, killed CRIU and
+/// then the tree that had passed the gate and run: "criu restore did not finish within 10 s
+/// and was killed with what it had restored".)
+#[test]
+fn a_criu_that_does_not_exit_after_resuming_the_tree_holds_nothing_and_ends_nothing() {
+    let t = tempfile::tempdir().unwrap();
+    let criu_pid = t.path().join("criu.pid");
+    let (criu, image, task) = fake_restore(
+        t.path(),
+        &format!(
+            "open(my $c, '>', '{}') or die; print $c \"$$\\n\"; close $c;\n{}sleep 1000;\n",
+            criu_pid.display(),
+            PASS_THE_GATE_AND_RESUME,
+        ),
+    );
+    let restored = restore_at_10s(&criu, &image);
+    let task = Task(task());
+    // Our child, not reaped while it runs (the restore's waiter holds it): its pid is its own.
+    let criu_pid: i32 = fs::read_to_string(&criu_pid)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let _criu = Task(criu_pid);
+    let restored = restored.unwrap_or_else(|e| panic!("the resumed tree was not returned: {e}"));
+    assert_eq!(restored.pid, task.0);
+    assert!(
+        Path::new(&format!("/proc/{}", task.0)).exists(),
+        "the resumed task was ended"
+    );
+    assert!(
+        Path::new(&format!("/proc/{criu_pid}")).exists(),
+        "CRIU ended: the test shows nothing"
+    );
+}
+
+/// Attack (session 21): a CRIU that resumed the tree (`post-resume`) and then exits with an
+/// error (its status there says nothing of the tree, which runs detached). The restore must
+/// return the tree, never fail with it left running and owned by nobody. (Before: "criu
+/// restore failed", the task left running.)
+#[test]
+fn a_criu_that_fails_after_resuming_the_tree_still_hands_it_over() {
+    let t = tempfile::tempdir().unwrap();
+    let (criu, image, task) =
+        fake_restore(t.path(), &format!("{PASS_THE_GATE_AND_RESUME}exit 3;\n"));
+    let restored = restore_at_10s(&criu, &image);
+    let task = Task(task());
+    let restored = restored.unwrap_or_else(|e| panic!("the resumed tree was not returned: {e}"));
+    assert_eq!(restored.pid, task.0);
+    assert!(
+        Path::new(&format!("/proc/{}", task.0)).exists(),
+        "the resumed task was ended"
+    );
+}
+
+/// The fake CRIU's steps (perl, see [`fake_restore`]) through cryo's gate as CRIU 4.2 takes
+/// them: its action script at `post-restore` (which must pass), the pidfile, then the script at
+/// `post-resume` (its status ignored).
+const PASS_THE_GATE_AND_RESUME: &str = concat!(
+    "$ENV{CRTOOLS_SCRIPT_ACTION} = 'post-restore'; $ENV{CRTOOLS_INIT_PID} = $pid;\n",
+    "system('/bin/sh', '-c', $script) == 0 or exit 1;\n",
+    "open(my $p, '>', \"$w/restored.pid\") or die; print $p \"$pid\\n\"; close $p;\n",
+    "$ENV{CRTOOLS_SCRIPT_ACTION} = 'post-resume';\n",
+    "system('/bin/sh', '-c', $script);\n",
+);
+
+/// `criu.restore(image)` at a 10 s deadline.
+fn restore_at_10s(criu: &CriuRpc, image: &Image) -> Result<cryo_criu::Restored, CriuError> {
+    criu.restore(
+        image,
+        &RestoreOpts {
+            deadline: Some(std::time::Duration::from_secs(10)),
+            ..RestoreOpts::default()
+        },
+    )
+}
+
 /// A fake CRIU's restored task (our child, not reaped by the restore: it passed the gate),
 /// killed and reaped when dropped.
 struct Task(i32);
