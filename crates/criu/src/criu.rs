@@ -766,7 +766,9 @@ impl Criu for CriuRpc {
     /// CRIU writing its files with the writeback started behind it every 50 ms (the previous
     /// `criu swrk` route) 920 against 450: the writeback of ranges CRIU was still writing into
     /// and the pipe's hand-over cost CRIU its core. The follower beside CRIU's writing (from
-    /// the dump's start) costs CRIU nothing measurable (see `image/follow.rs`).
+    /// the dump's start) costs CRIU little where the cores are full, but up to 20-210 ms of
+    /// its page loop per GiB where they are not; starting it at the gate instead trades that
+    /// for the durable moment (see `image/follow.rs`).
     fn dump_staged(
         &self,
         pid: Pid,

@@ -20,8 +20,18 @@
 //! the dump 8716 against 8314 ms (paired ratio 0.986), publish 2260 against 3079 ms (paired
 //! 1.195), the follower reaching 2.1 GB of 4.3 before publish. (Sessions 9-10 measured a
 //! follower beside CRIU at +100-280 ms of dump at 1 GiB under load 5-9, 8-10 rounds; not seen
-//! in CRIU's CPU time here.) Its writeback covers only whole chunks CRIU is done with: the writeback of ranges CRIU was still writing into (partial pages included)
-//! cost CRIU's page phase 400-450 -> 600-900 ms at 1 GiB (session 9). Whole files are not
+//! in CRIU's CPU time here.) Where the cores are not full the follower does run beside CRIU,
+//! and costs it (session 21, `scripts/measure/freeze-ab.py`, paired rounds, load 0.5-8,
+//! docs/benchmarks.md): with the follower from the gate (`CRYO_FOLLOW_EARLY=0`) CRIU's page
+//! loop was 1.08-1.64x faster at 1 GiB in five runs of 10-12 rounds and worker gone 1.05-1.66x
+//! sooner, but durable 0.70-1.00x (publish hashes and writes back everything after the worker's
+//! end); at 4 GiB one run of three favoured the gate on every moment and two the follower from
+//! the dump's start (durable 1.11x, 1.24x): it stays. Its writeback costs CRIU most when it
+//! runs right behind CRIU: a follower that only started the writeback of CRIU's whole chunks
+//! as CRIU wrote them (reading nothing, hashing from the gate) made the loop 1.59x slower than
+//! this one, whose writeback is paced by its hashing, at 1 GiB. Its writeback covers only
+//! whole chunks CRIU is done with: the writeback of ranges CRIU was still writing into (partial
+//! pages included) cost CRIU's page phase 400-450 -> 600-900 ms at 1 GiB (session 9). Whole files are not
 //! written back at once at the gate: a `sync_file_range` over a whole file blocks on the
 //! disk's queue and held the hashes back (publish 756 against 450 ms).
 //!
