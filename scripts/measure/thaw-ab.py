@@ -521,6 +521,12 @@ def main():
         else:
             arms.append((n, os.path.abspath(path)))
     a.arm = arms
+    # The worker and the driver run from a cryo build: refused before anything is made.
+    if not any(path is not None for _, path in arms):
+        p.error("at least one --arm must be a cryo build (NAME=PATH): the worker and the "
+                "simulated driver run from it")
+    if len({n for n, _ in arms}) != len(arms):
+        p.error("two --arm share a name")
     a.size = parse_size(a.size)
     a.settle_bytes = 2 * a.size + (64 << 20) if a.settle else 0
     modes = a.modes.split(",")
