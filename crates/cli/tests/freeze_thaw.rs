@@ -3388,11 +3388,20 @@ fn a_thaw_meeting_a_full_disk_before_crius_gate_restores_nothing() {
             "{failpoint}: thawed on a full disk: {said}"
         );
         // Before CRIU: its private directory cannot be made ("restore: directory ...");
-        // at the gate: "image refused: ... writing the gate's verdict: ...; nothing was restored".
+        // at the gate: "restore refused at cryo's gate: writing the gate's verdict: ...". Not
+        // the image's fault: never "image refused" (it said "image refused: : image streamer:
+        // writing the gate's verdict: No space left on device" until session 22).
         assert!(
             said.contains("No space left on device"),
             "{failpoint}: {said}"
         );
+        assert!(!said.contains("image refused"), "{failpoint}: {said}");
+        if failpoint == cryo_lifecycle::thaw::THAW_AT_CRIU_GATE {
+            assert!(
+                said.contains("restore refused at cryo's gate: writing the gate's verdict"),
+                "{failpoint}: {said}"
+            );
+        }
         assert!(!alive(pid), "{failpoint}: the image's process runs: {said}");
         assert!(
             !events(&env).iter().any(|e| matches!(

@@ -13,7 +13,7 @@ use nix::fcntl::{Flock, FlockArg};
 
 use crate::colocate::PinRecord;
 use crate::error::{CriuError, CriuOp, Stuck};
-use crate::image::{self, Image, ImageError, Staging};
+use crate::image::{self, Image, Staging};
 use crate::log::{FileCap, LogCap};
 use crate::rpc::RpcError;
 use crate::rpc::{CriuOpts, CriuReq, CriuReqType, Swrk};
@@ -241,6 +241,19 @@ pub fn dump_gate_verdict(staging: &Staging, at_gate: &DumpGate<'_>) -> Result<()
 /// `CRYO_FOLLOW_EARLY=0` starts the follower at the dump's gate instead of with the dump (see
 /// [`follow_early`]); for A/B measurements.
 pub const FOLLOW_EARLY_ENV: &str = "CRYO_FOLLOW_EARLY";
+
+/// cryo's own side of a gate failed (its verdict could not be written, CRIU's script could not
+/// be read, the judge panicked): the restore or dump is refused there, as a refusing verdict
+/// refuses it (CRIU ends what it restored, or resumes the dumped tree). Not the image's fault,
+/// so not an [`ImageError`]: a thaw's caller takes that for an image that is bad (`cryo thaw`
+/// said "image refused: : image streamer: writing the gate's verdict: No space left on
+/// device", blaming an image that was whole for a full disk).
+fn gate_failed(op: CriuOp, reason: String) -> CriuError {
+    match op {
+        CriuOp::Restore => CriuError::Gate(reason),
+        CriuOp::Dump => CriuError::DumpGate(reason),
+    }
+}
 
 /// Whether a dump CRIU writes itself is followed from its start ([`Staging::follow_pages`]):
 /// unless [`FOLLOW_EARLY_ENV`] is `0`.
@@ -614,7 +627,7 @@ impl CriuRpc {
             s.spawn(work);
             let decided = &decision;
             let judged =
-                s.spawn(move || gate.judge(verdict, gate_pidfd, stop_rx, decided, resumed_tx));
+                s.spawn(move || gate.judge(op, verdict, gate_pidfd, stop_rx, decided, resumed_tx));
             let Waited {
                 status,
                 timed_out,
@@ -633,12 +646,9 @@ impl CriuRpc {
             if let Some(l) = listener {
                 let _ = nix::sys::socket::shutdown(l.as_raw_fd(), nix::sys::socket::Shutdown::Both);
             }
-            let verdict = judged.join().unwrap_or_else(|_| {
-                Some(Err(CriuError::Image(ImageError::Stream {
-                    dir: PathBuf::new(),
-                    reason: "the gate thread panicked".into(),
-                })))
-            });
+            let verdict = judged
+                .join()
+                .unwrap_or_else(|_| Some(Err(gate_failed(op, "the gate thread panicked".into()))));
             if let Some(criu) = resumed {
                 // The verdict passed and the tree runs: nothing of it is to be ended.
                 return Ok(Gated {
@@ -1935,6 +1945,7 @@ impl Gate {
     /// ends nothing) and writes a byte into `resumed` then, unless CRIU ended first.
     fn judge(
         self,
+        op: CriuOp,
         verdict: impl FnOnce(Option<Pid>) -> Result<(), CriuError>,
         criu: Option<OwnedFd>,
         stop: OwnedFd,
@@ -1946,10 +1957,10 @@ impl Gate {
             Ok(Some(l)) => l,
             Ok(None) => return None,
             Err(e) => {
-                return Some(Err(CriuError::Image(ImageError::Stream {
-                    dir: PathBuf::new(),
-                    reason: format!("waiting for CRIU's action script: {e}"),
-                })))
+                return Some(Err(gate_failed(
+                    op,
+                    format!("waiting for CRIU's action script: {e}"),
+                )))
             }
         };
         let root = line
@@ -1974,10 +1985,10 @@ impl Gate {
         } = self;
         if verdict.is_ok() {
             if let Err(e) = f.write_all_at(b"ok\n", 0) {
-                return Some(Err(CriuError::Image(ImageError::Stream {
-                    dir: PathBuf::new(),
-                    reason: format!("writing the gate's verdict: {e}"),
-                })));
+                return Some(Err(gate_failed(
+                    op,
+                    format!("writing the gate's verdict: {e}"),
+                )));
             }
         }
         // Dropping the lock lets CRIU's script read the verdict.
