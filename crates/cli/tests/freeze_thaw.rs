@@ -3419,6 +3419,102 @@ fn a_thaw_meeting_a_full_disk_before_crius_gate_restores_nothing() {
     }
 }
 
+/// A tree frozen into `img` in the sim directory after it answered: a plain launcher (no
+/// driver fd) serving on a unix socket, and one rank under it with a context of `memory` on
+/// GPU 0 (`--gpus 0 --process-per-gpu`): `(launcher, rank, endpoint, answers, image)`.
+fn frozen_tree(env: &mut Env, memory: &str) -> (i32, i32, Ep, Vec<String>, PathBuf) {
+    let spec = WorkerSpec::new(memory)
+        .gpus(&[0])
+        .process_per_gpu()
+        .setsid()
+        .http_unix()
+        .program(env.bin.clone());
+    let w = env.sim.spawn(spec);
+    let (pid, rank, sock) = (w.pid, w.children()[0], w.endpoint.clone());
+    env.workers.push(w);
+    let before = answers(&sock);
+    let image = env.path().join("img");
+    env.freeze(pid, &image);
+    // Killed by CRIU with its launcher: reparented to this test (a subreaper).
+    procs::reap(rank);
+    (pid, rank, sock, before, image)
+}
+
+/// [`Env::stop_clean`] of a thawed tree's root, then its rank reaped too (a child of this
+/// test, a subreaper, once its launcher is gone).
+fn stop_tree(env: &mut Env, pid: i32, rank: i32) {
+    env.stop_clean(pid);
+    procs::reap(rank);
+}
+
+/// Attack (session 22): a thaw of a tree (a plain launcher, a CUDA rank) whose disk fills
+/// between CRIU's exit and the plain processes' `RestoreCompleted` records (paused at
+/// `thaw-before-plain-records`: the tree runs, resumed by CRIU, the rank CHECKPOINTED; the
+/// state directory's 16 MiB tmpfs filled there, the journal's last page too: a real
+/// `ENOSPC`). The thaw must fail without leaving the tree alive and unnamed: removed through
+/// a verified stop, or (that stop cannot be journaled either) left with the rank CHECKPOINTED,
+/// never restored, and named in the error for `cryo stop`. Once there is room, `cryo stop`
+/// ends it with no wedge and the image thaws with its answers from before the freeze.
+/// (Before: the plain records' `?` returned the journal's error as it was, "cannot write the
+/// journal", the tree left running and named nowhere.)
+#[test]
+fn a_thaw_meeting_a_full_disk_before_its_plain_records_leaves_its_tree_named() {
+    let mut env = Env::start("1GiB");
+    let st = env.path().join("state");
+    let disk = cryo_testkit::disk::SmallDisk::mount_at(&st, "16M");
+    let (pid, rank, sock, before, image) = frozen_tree(&mut env, "16MiB");
+    let PausedThaw {
+        child: mut thaw,
+        resume,
+        said,
+    } = thaw_paused_at(
+        &env,
+        &image,
+        cryo_lifecycle::thaw::THAW_BEFORE_PLAIN_RECORDS,
+        &[],
+    );
+    env.thawed.push(pid);
+    assert!(alive(pid) && alive(rank), "the tree does not run");
+    assert_eq!(
+        env.sim.gpu.driver.state(rank).unwrap(),
+        cryo_gpu::ProcessState::Checkpointed
+    );
+    let filler = disk.fill();
+    common::fill_journal_page(&st);
+    fs::write(&resume, b"").unwrap();
+    let status = thaw.wait().unwrap();
+    let said = fs::read_to_string(&said).unwrap();
+    assert!(!status.success(), "thawed on a full disk: {said}");
+    assert!(said.contains("No space left on device"), "{said}");
+    if alive(rank) {
+        assert_eq!(
+            env.sim.gpu.driver.state(rank).unwrap(),
+            cryo_gpu::ProcessState::Checkpointed,
+            "{said}"
+        );
+        assert!(
+            said.contains(&format!("`cryo stop` on pids {pid},{rank}")),
+            "the tree is left and not named: {said}"
+        );
+    } else {
+        assert!(!alive(pid), "{said}");
+    }
+    env.sim.assert_no_wedge();
+
+    std::fs::remove_file(filler).unwrap();
+    if alive(pid) {
+        stop_tree(&mut env, pid, rank);
+    } else {
+        procs::reap(pid);
+        procs::reap(rank);
+        env.thawed.retain(|p| *p != pid);
+    }
+    env.thaw_ok(&image, &[]);
+    assert_eq!(answers(&sock), before);
+    stop_tree(&mut env, pid, rank);
+    drop(disk);
+}
+
 /// A plain process that holds a `flock` whose lock this test also holds (it inherited the fd),
 /// frozen into `img`: CRIU's restore of it waits for the lock as long as the returned guard
 /// lives. Returns the guard, the process's pid and the image.

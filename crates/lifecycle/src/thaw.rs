@@ -67,6 +67,11 @@ pub const THAW_BEFORE_RESTORE: &str = "thaw-before-restore";
 /// [`failpoint::pause_if`]) let it go on to write its verdict and kill it before CRIU's exit.
 pub const THAW_AT_CRIU_GATE: &str = "thaw-at-criu-gate";
 
+/// Failpoint (a pause, see [`failpoint::pause_if`]): CRIU resumed the tree past its gate and
+/// cryo holds it by the pidfds taken there; the plain processes' `RestoreCompleted` records
+/// are not written yet, no CUDA process is restored. Tests fill the disk here.
+pub const THAW_BEFORE_PLAIN_RECORDS: &str = "thaw-before-plain-records";
+
 /// Failpoint: every CUDA process is restored (LOCKED) and traced by the watcher, none unlocked.
 pub const THAW_BEFORE_UNLOCK: &str = "thaw-before-unlock";
 
@@ -540,21 +545,28 @@ pub fn thaw_opened(
             // failed thaw.
             Err(error) => {
                 tracing::error!(%error, "the engine is not grown");
-                journal.append(Event::GrowFailed {
+                if let Err(e) = journal.append(Event::GrowFailed {
                     target: image.clone(),
                     pids,
                     error,
-                })?;
+                }) {
+                    tracing::error!(error = %e, "cannot journal the grow's failure");
+                }
             }
         }
     }
     match &result {
+        // The tree runs, every restore and unlock journaled: a journal that cannot take the
+        // record must not turn the thaw into a failed one (its caller would retry an image
+        // whose worker serves).
         Ok(r) => {
-            journal.append(Event::ThawCompleted {
+            if let Err(e) = journal.append(Event::ThawCompleted {
                 image,
                 pids: ids.into_iter().chain(extras.iter().map(id)).collect(),
                 ms: r.elapsed_ms,
-            })?;
+            }) {
+                tracing::error!(error = %e, "cannot journal the completed thaw");
+            }
         }
         Err(e) => {
             if let Err(j) = journal.append(Event::ThawFailed {
@@ -671,17 +683,27 @@ fn thaw_inner(
         .collect();
     let plans = &plans[..];
     let handle = |pid: Pid| handles.iter().find(|h| h.pid() == pid);
-    // The plain processes, the extras among them: restored by CRIU, like the rest.
-    for h in handles
+    // The plain processes, the extras among them: restored by CRIU, like the rest. One synced
+    // write for all of them; a journal that cannot take it (a full disk) fails the thaw
+    // through `fail`, as every step past the gate does: the tree is removed through a verified
+    // stop, or, when that cannot be journaled either, left as it is (its CUDA processes
+    // CHECKPOINTED: none restored yet) and named in the error for `cryo stop`.
+    failpoint::pause_if(THAW_BEFORE_PLAIN_RECORDS);
+    let plain: Vec<Event> = handles
         .iter()
         .filter(|h| !plans.iter().any(|p| p.pid == h.pid()))
         .chain(&extras)
-    {
-        journal.append(Event::RestoreCompleted {
+        .map(|h| Event::RestoreCompleted {
             pid: id(h),
             image: image.clone(),
             ms: None,
-        })?;
+        })
+        .collect();
+    if let Err(e) = journal.append_all(plain) {
+        return Err(fail(
+            "criu restore",
+            format!("cannot journal its plain processes as restored: {e}"),
+        ));
     }
 
     let t = Instant::now();
@@ -770,11 +792,15 @@ fn thaw_inner(
             Ok(at) => {
                 first_answer_at = Some(cryo_units::Moment::of(at));
                 let check_ms = ms(at.duration_since(t));
+                // The worker serves: a journal that cannot take the record must not fail the
+                // thaw (as the unlock's, above).
                 if let Some(h) = handle(root) {
-                    journal.append(Event::HealthOk {
+                    if let Err(e) = journal.append(Event::HealthOk {
                         pid: id(h),
                         ms: check_ms,
-                    })?;
+                    }) {
+                        tracing::error!(pid = root, error = %e, "cannot journal the health check");
+                    }
                 }
                 Some(ms(at.duration_since(opts.requested)))
             }
