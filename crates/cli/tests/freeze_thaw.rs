@@ -2075,11 +2075,23 @@ struct PausedThaw {
 /// Starts `cryo thaw IMAGE EXTRA...` with the pausing failpoint `failpoint` and returns once it
 /// is paused there.
 fn thaw_paused_at(env: &Env, image: &Path, failpoint: &str, extra: &[&str]) -> PausedThaw {
+    thaw_paused_with(env, image, failpoint, extra, &[])
+}
+
+/// [`thaw_paused_at`], with the environment variables `vars` set for the thaw too.
+fn thaw_paused_with(
+    env: &Env,
+    image: &Path,
+    failpoint: &str,
+    extra: &[&str],
+    vars: &[(&str, &Path)],
+) -> PausedThaw {
     let resume = env.path().join("resume-thaw");
     let said = env.path().join("thaw.err");
     let _ = fs::remove_file(&resume);
     let child = env
         .cmd()
+        .envs(vars.iter().copied())
         .env("CRYO_FAILPOINT", failpoint)
         .env("CRYO_FAILPOINT_RESUME", &resume)
         .arg("thaw")
@@ -3513,6 +3525,91 @@ fn a_thaw_meeting_a_full_disk_before_its_plain_records_leaves_its_tree_named() {
     assert_eq!(answers(&sock), before);
     stop_tree(&mut env, pid, rank);
     drop(disk);
+}
+
+/// Attack (session 22): a thaw SIGKILLed after CRIU's gate passed and before any CUDA
+/// process's restore (paused at `thaw-after-criu`: CRIU resumed the tree, a plain launcher
+/// runs, its CUDA rank waits CHECKPOINTED), as an OOM kill or a node drain would end it there;
+/// once with CRIU gone by then, once with CRIU still in its `post-resume` stage (held there by
+/// the test hook `CRYO_FAILPOINT_CRIU_POST_RESUME`). CRIU runs apart from cryo: it is not
+/// killed with it, and the tree runs on either way. The next agent start must find the tree
+/// and end it through a verified stop (no wedge, the settlement journaled), and the image must
+/// thaw again with its answers from before the freeze. (Before: nothing in the journal named
+/// the tree, so no start looked at it: the rank stayed CHECKPOINTED for good, its pid taken,
+/// and this test failed waiting for the tree to end.)
+#[test]
+fn a_thaw_killed_between_crius_gate_and_its_gpu_restore_is_ended_by_the_next_agent_start() {
+    use cryo_journal::{Event, ProcId};
+    for criu_held in [false, true] {
+        let mut env = Env::start("1GiB");
+        let (pid, rank, sock, before, image) = frozen_tree(&mut env, "16MiB");
+        let held = env.path().join("criu-may-exit");
+        let vars: Vec<(&str, &Path)> = if criu_held {
+            vec![(cryo_criu::CRIU_POST_RESUME_HELD, &held)]
+        } else {
+            Vec::new()
+        };
+        let mut paused = thaw_paused_with(
+            &env,
+            &image,
+            cryo_lifecycle::thaw::THAW_AFTER_CRIU,
+            &[],
+            &vars,
+        );
+        env.thawed.push(pid);
+        let criu = crius(&env);
+        assert_eq!(criu.is_empty(), !criu_held, "CRIU held: {criu_held}");
+        assert!(alive(pid) && alive(rank), "the tree does not run");
+        assert_eq!(
+            env.sim.gpu.driver.state(rank).unwrap(),
+            cryo_gpu::ProcessState::Checkpointed
+        );
+        paused.child.kill().unwrap();
+        paused.child.wait().unwrap();
+        assert!(alive(pid) && alive(rank), "the tree died with its thaw");
+        assert_eq!(crius(&env), criu, "CRIU died with its thaw");
+        let id = ProcId::of(rank).unwrap();
+
+        let from = events(&env).len();
+        let agent = Agent::start(&env);
+        eventually(PATIENCE, "the agent's start to end the thaw's tree", || {
+            !alive(pid) && !alive(rank)
+        });
+        procs::reap(pid);
+        procs::reap(rank);
+        env.thawed.retain(|p| *p != pid);
+        env.sim.assert_no_wedge();
+        let after = events(&env)[from..].to_vec();
+        let at = |f: &dyn Fn(&Event) -> bool| after.iter().position(f);
+        let (verified, killed, settled) = (
+            at(&|e| matches!(e, Event::Verified { pid: p, .. } if *p == id)),
+            at(&|e| matches!(e, Event::Killed { pid: p, .. } if *p == id)),
+            at(&|e| {
+                matches!(
+                    e,
+                    Event::SuspensionSettled { pid: p, found, action }
+                        if *p == id && found == "checkpointed" && action == "its thaw's restored tree ended"
+                )
+            }),
+        );
+        assert!(
+            matches!((verified, killed, settled), (Some(v), Some(k), Some(_)) if v < k),
+            "CRIU held: {criu_held}: not ended through a verified stop, or not journaled: {after:?}"
+        );
+        drop(agent);
+        fs::write(&held, b"").unwrap();
+        eventually(PATIENCE, "CRIU to exit once let go", || {
+            crius(&env).is_empty()
+        });
+        // Reparented to this test (a subreaper) when its thaw died.
+        for p in criu {
+            procs::reap(p);
+        }
+
+        env.thaw_ok(&image, &[]);
+        assert_eq!(answers(&sock), before);
+        stop_tree(&mut env, pid, rank);
+    }
 }
 
 /// A plain process that holds a `flock` whose lock this test also holds (it inherited the fd),

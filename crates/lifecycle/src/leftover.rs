@@ -10,7 +10,14 @@
 //! stop`. Nothing of it is in flight in the journal (no suspension began), so once there is room
 //! nothing ended it: the journal holds the thaw's restore intent ([`Event::RestoreStarted`]
 //! naming the thaw as the one to unlock it), no completion, and the thaw is gone. A thaw killed
-//! between that intent and the driver's restore leaves the same.
+//! between that intent and the driver's restore leaves the same. The thaw journals those
+//! intents at CRIU's gate, for every process of the tree, before CRIU resumes any of it
+//! (`thaw::gate_intents`, one synced write, as a standby's restore journals its tree there; a
+//! journal that cannot take them refuses the gate): a thaw killed anywhere between CRIU's
+//! resume and its GPU restore (CRIU, not killed with it, resumes the tree all the same) leaves
+//! the same too. Before (session 22) the intents were
+//! journaled after CRIU's exit, one per CUDA process, and a thaw killed before the first left
+//! a tree nothing named, its CUDA processes CHECKPOINTED for good.
 //!
 //! [`end_left_thaws`] (every guard and agent start: [`crate::settle_in_flight`] with a watcher)
 //! finds each such process: its last lifecycle record is that intent (guard attachments aside:
@@ -22,7 +29,8 @@
 //! they forked since) through the thaw's own removal, and journals the settlement once.
 //!
 //! Ended, not resumed, by the evidence:
-//! - The thaw failed and said so: its error names these pids for `cryo stop`, its caller
+//! - The thaw failed and said so (its error names these pids for `cryo stop`), or died
+//!   before it could answer, which its caller sees as a failure too: its caller
 //!   (an operator, the agent's client, a controller) holds a failed thaw and retries the image
 //!   or places the worker elsewhere. A tree resumed later, at whatever start comes next, would
 //!   be a second worker nobody asked for, never health-checked, holding GPU memory the retry
@@ -37,9 +45,15 @@
 //! restored it, only its record and unlock were missing).
 //!
 //! # Limitations
-//! A thaw that died between CRIU's exit and its first CUDA process's restore intent leaves no
-//! record naming its CUDA processes; those are not found here (its plain processes are, as
-//! restored, but nothing here ends a tree without a CHECKPOINTED intent).
+//! Nothing here ends a tree without a CHECKPOINTED CUDA process: an image of plain processes
+//! only, whose thaw died after CRIU's gate, runs on (journaled as restored, no context to
+//! tear down). A thaw of a cryo before session 22 (intents journaled after CRIU's exit) may
+//! have left a tree that no record names. A thaw that journaled its gate's intents and then
+//! had the gate refused (the image refused meanwhile, its verdict unwritable) leaves intents
+//! of processes CRIU ended: dead, never looked at here. A guard or agent that starts during
+//! the milliseconds between the gate's intents and CRIU's detach finds processes CRIU still
+//! traces: it cannot trace them then (the thaw's own guard-before-unlock traces each CUDA
+//! process later, a polling guard the plain ones at their `RestoreCompleted`).
 
 use std::collections::BTreeSet;
 
@@ -243,13 +257,19 @@ mod tests {
         };
         let mut events = vec![
             Event::ThawStarted { image: "/a".into() },
-            // 0: a plain process of the thaw of /a; 1: its CUDA process, left.
+            // 0: a plain process of the thaw of /a (its intent at CRIU's gate names no one to
+            // unlock it, its completion after CRIU's exit); 1: its CUDA process, left.
+            Event::RestoreStarted {
+                pid: ids[0],
+                image: "/a".into(),
+                unlock_by: None,
+            },
+            intent(ids[1], "/a", dead),
             Event::RestoreCompleted {
                 pid: ids[0],
                 image: "/a".into(),
                 ms: None,
             },
-            intent(ids[1], "/a", dead),
             Event::GuardAttached {
                 pid: ids[1],
                 source: cryo_journal::AttachSource::Restore,
@@ -283,6 +303,20 @@ mod tests {
             found.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
             vec![ids[1]]
         );
+        // A thaw killed before its plain processes' completions: their gate intents (no one
+        // to unlock them) are not left behind, and they are the thaw's processes still.
+        let cut = records
+            .iter()
+            .position(|r| matches!(r.event, Event::RestoreCompleted { pid, .. } if pid == ids[0]))
+            .unwrap();
+        let mut before: Vec<Record> = records[..cut].to_vec();
+        before.extend(records[cut + 1..].iter().cloned());
+        let found_before = left(&before);
+        assert_eq!(
+            found_before.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
+            vec![ids[1]]
+        );
+        assert!(found_before[0].1.procs.contains(&ids[0]));
         let thaw = &found[0].1;
         assert_eq!(thaw.image, "/a");
         assert!(

@@ -13,6 +13,10 @@
 //!    again (LOCKED -> CHECKPOINTED) rather than left LOCKED with a record that says less than
 //!    what happened: the caller gets [`RestoreError::NotRecorded`] saying whether that worked.
 //!
+//! A thaw journals the intents of its whole tree itself, at CRIU's gate, before the tree runs
+//! (one synced write, see [`crate::thaw`]), then restores each CUDA process through
+//! [`restore_after_intent`]: steps 2 and 3.
+//!
 //! Unlocking is the caller's step (an agent traces the process first). A thaw or wake names
 //! itself in the intent as the one that unlocks next ([`Event::RestoreStarted`]'s `unlock_by`);
 //! if it dies between the restore and the unlock, the restarted guard or agent finishes the
@@ -143,6 +147,21 @@ fn restore_journaled(
             unlock_by,
         })
         .map_err(|source| RestoreError::Journal { pid, source })?;
+    restore_after_intent(gpu, journal, h, pairs, how)
+}
+
+/// The driver's restore of `h`'s context (onto `pairs`) and its [`Event::RestoreCompleted`]
+/// (steps 2 and 3 of the module docs), for a caller that journaled its intent
+/// ([`Event::RestoreStarted`], naming `how` and, when it unlocks next, itself) before: a thaw,
+/// at CRIU's gate. Returns how long the driver's restore took; the process is LOCKED.
+pub(crate) fn restore_after_intent(
+    gpu: &Gpu,
+    journal: &Journal,
+    h: &ProcHandle,
+    pairs: &[GpuPair],
+    how: &str,
+) -> Result<Duration, RestoreError> {
+    let pid = h.pid();
     let start = Instant::now();
     if let Err(e) = gpu.driver.restore(pid, pairs) {
         abandoned(Some(journal), h, &e);

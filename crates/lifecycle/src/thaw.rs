@@ -13,11 +13,14 @@
 //!
 //! Then: CRIU restore (the tree comes back CHECKPOINTED, as a child of the caller; listed, paired
 //! with the image and held by pidfds at CRIU's gate, before any of it runs: a tree that cannot be
-//! paired is refused there and never runs), GPU restore of
+//! paired is refused there and never runs; every process's restore intent journaled there too,
+//! in one synced write, a journal that cannot take it refusing the gate: from then on they are
+//! *restored*, and a thaw that dies before its GPU restore leaves its tree for the next guard or
+//! agent start to end, see `leftover`), GPU restore of
 //! every CUDA process in parallel with its UUID pairs (a complete list for a process whose GPUs
 //! the map names: one pair for each GPU it used, identity pairs included, as the driver demands;
 //! none otherwise; a map that lands two of the image's GPUs on one is refused before anything runs), `RestoreCompleted` journaled for every
-//! process (from then on they are *restored*), unlock, health check. Any failure after the CRIU
+//! process, unlock, health check. Any failure after the CRIU
 //! restore ends in [`crate::stop`] of the restored tree as CRIU's gate listed it (processes the
 //! pairing left out included: nothing else owns them) and of what it forked since CRIU resumed
 //! it (its descendants, and the members of the sessions it leads, where a fork whose parent
@@ -51,7 +54,7 @@ use crate::failpoint;
 use crate::forks::ROUNDS as FORK_ROUNDS;
 use crate::health::{HealthCheck, HealthError};
 use crate::progress::Progress;
-use crate::restore::{restore_to_unlock, Placement};
+use crate::restore::{restore_after_intent, Placement};
 use crate::stop::{stop, StopOptions};
 use crate::suspend::id;
 use crate::target::{Resolved, Target};
@@ -71,6 +74,11 @@ pub const THAW_AT_CRIU_GATE: &str = "thaw-at-criu-gate";
 /// cryo holds it by the pidfds taken there; the plain processes' `RestoreCompleted` records
 /// are not written yet, no CUDA process is restored. Tests fill the disk here.
 pub const THAW_BEFORE_PLAIN_RECORDS: &str = "thaw-before-plain-records";
+
+/// Failpoint (a pause, see [`failpoint::pause_if`]): CRIU's restore returned, its gate passed:
+/// the tree runs (CRIU resumed it), its CUDA processes CHECKPOINTED, none restored. Tests kill
+/// the thaw here.
+pub const THAW_AFTER_CRIU: &str = "thaw-after-criu";
 
 /// Failpoint: every CUDA process is restored (LOCKED) and traced by the watcher, none unlocked.
 pub const THAW_BEFORE_UNLOCK: &str = "thaw-before-unlock";
@@ -607,10 +615,22 @@ fn thaw_inner(
     // The restored tree, listed and paired with the image at CRIU's gate ([`GateTree`]), off
     // the path between CRIU's exit and the GPU restore. A tree that cannot be listed or paired
     // is refused at the gate: CRIU ends it, it never ran.
+    //
+    // Named in the journal there too, before any of it runs ([`gate_intents`]: one synced
+    // write): from CRIU's resume on, a thaw that dies (SIGKILL, OOM) leaves each CUDA process
+    // CHECKPOINTED with its restore intent, its writer gone, which the next guard or agent
+    // start ends with its tree (`leftover`). A journal that cannot take it refuses the gate:
+    // CRIU ends the tree, it never ran.
     let listed: std::sync::OnceLock<GateTree> = std::sync::OnceLock::new();
     let restored = criu.restore_gated(opened, &restore_opts, &|root| {
         failpoint::pause_if(THAW_AT_CRIU_GATE);
-        let _ = listed.set(GateTree::list(root, manifest)?);
+        let gate = GateTree::list(root, manifest)?;
+        journal
+            .append_all(gate_intents(&gate, plans, &image))
+            .map_err(|e| {
+                format!("cannot journal the restored tree before it runs, so it does not: {e}")
+            })?;
+        let _ = listed.set(gate);
         Ok(())
     });
     progress.end(
@@ -627,6 +647,7 @@ fn thaw_inner(
     };
     let root = streamed.pid;
     let criu_ms = ms(t.elapsed());
+    failpoint::pause_if(THAW_AFTER_CRIU);
     // For the timeline and metrics only: not worth failing a restore that happened, nor an
     // `fdatasync` between CRIU's exit and the GPU restore (the next synced append carries it).
     if let Err(e) = journal.append_unsynced(vec![Event::CriuRestored {
@@ -683,8 +704,10 @@ fn thaw_inner(
         .collect();
     let plans = &plans[..];
     let handle = |pid: Pid| handles.iter().find(|h| h.pid() == pid);
-    // The plain processes, the extras among them: restored by CRIU, like the rest. One synced
-    // write for all of them; a journal that cannot take it (a full disk) fails the thaw
+    // The plain processes, the extras among them: restored by CRIU, like the rest, their
+    // intents journaled at the gate. Written, not synced: no recovery needs them on disk (the
+    // gate's intents name the tree; these tell a polling guard to trace them), the next synced
+    // append carries them. A journal that cannot take them (a full disk) fails the thaw
     // through `fail`, as every step past the gate does: the tree is removed through a verified
     // stop, or, when that cannot be journaled either, left as it is (its CUDA processes
     // CHECKPOINTED: none restored yet) and named in the error for `cryo stop`.
@@ -699,7 +722,7 @@ fn thaw_inner(
             ms: None,
         })
         .collect();
-    if let Err(e) = journal.append_all(plain) {
+    if let Err(e) = journal.append_unsynced(plain) {
         return Err(fail(
             "criu restore",
             format!("cannot journal its plain processes as restored: {e}"),
@@ -715,9 +738,10 @@ fn thaw_inner(
                 s.spawn(move || {
                     progress.begin(plan.pid, "gpu restore", plan.bytes);
                     let t = Instant::now();
-                    // Journaled as restored before the driver is asked (see `restore_context`).
+                    // Its intent journaled at the gate, naming this thaw as the one that
+                    // unlocks it ([`gate_intents`]).
                     let r = match handle(plan.pid) {
-                        Some(h) => restore_to_unlock(gpu, journal, h, &plan.pairs, image)
+                        Some(h) => restore_after_intent(gpu, journal, h, &plan.pairs, image)
                             .map(ms)
                             .map_err(|e| e.to_string()),
                         None => Err(format!("pid {} is gone", plan.pid)),
@@ -838,6 +862,38 @@ fn thaw_inner(
         running,
         extras,
     ))
+}
+
+/// What a thaw journals at CRIU's gate, in one synced write, before any of the tree runs: a
+/// restore intent ([`Event::RestoreStarted`] of the image) for every process of `gate`'s
+/// tree, the ones the pairing left out included. A CUDA process's (its image pid among
+/// `plans`) names this process as the one that unlocks it; a plain one's names none (CRIU
+/// restores it whole: nothing to unlock). From then on each counts as restored, and a thaw
+/// that dies before its GPU restore leaves its CUDA processes for `leftover` to find, with the
+/// whole tree: its root is among the journaled processes.
+///
+/// Its cost, against one intent per CUDA process after CRIU's exit and one synced record per
+/// plain process (session 22, `perf trace` of `cryo thaw`, sim worker of 16 MiB, ext4): no
+/// `fdatasync` left between CRIU's exit and the driver's restore (one before for a worker of
+/// one process, two for a launcher with one rank), one at the gate before CRIU's resume
+/// (0.5 to 5 ms here, on a loaded host); a whole thaw syncs 4 times for both (was 4 and 5).
+fn gate_intents(gate: &GateTree, plans: &[Placement], image: &str) -> Vec<Event> {
+    let by = crate::suspend::me();
+    gate.tree
+        .handles()
+        .iter()
+        .map(|h| {
+            let cuda = gate
+                .paired
+                .iter()
+                .any(|(p, at)| p.pid() == h.pid() && plans.iter().any(|plan| plan.pid == *at));
+            Event::RestoreStarted {
+                pid: id(h),
+                image: image.to_string(),
+                unlock_by: if cuda { by } else { None },
+            }
+        })
+        .collect()
 }
 
 /// A restored tree as CRIU's gate shows it (its `post-restore` stage: every process restored,
