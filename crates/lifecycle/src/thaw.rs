@@ -724,7 +724,7 @@ fn thaw_inner(
         .collect();
     if let Err(e) = journal.append_unsynced(plain) {
         return Err(fail(
-            "criu restore",
+            "recording the restore",
             format!("cannot journal its plain processes as restored: {e}"),
         ));
     }
