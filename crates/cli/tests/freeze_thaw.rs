@@ -3400,8 +3400,9 @@ fn a_thaw_meeting_a_full_disk_before_crius_gate_restores_nothing() {
             "{failpoint}: thawed on a full disk: {said}"
         );
         // Before CRIU: its private directory cannot be made ("restore: directory ...");
-        // at the gate: "restore refused at cryo's gate: writing the gate's verdict: ...". Not
-        // the image's fault: never "image refused" (it said "image refused: : image streamer:
+        // at the gate: "restore refused at cryo's gate: cannot journal the restored tree
+        // before it runs, ..." (the gate's records, written before its verdict). Not the
+        // image's fault: never "image refused" (it said "image refused: : image streamer:
         // writing the gate's verdict: No space left on device" until session 22).
         assert!(
             said.contains("No space left on device"),
@@ -3410,7 +3411,7 @@ fn a_thaw_meeting_a_full_disk_before_crius_gate_restores_nothing() {
         assert!(!said.contains("image refused"), "{failpoint}: {said}");
         if failpoint == cryo_lifecycle::thaw::THAW_AT_CRIU_GATE {
             assert!(
-                said.contains("restore refused at cryo's gate: writing the gate's verdict"),
+                said.contains("restore refused at cryo's gate: "),
                 "{failpoint}: {said}"
             );
         }
