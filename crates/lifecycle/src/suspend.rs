@@ -60,8 +60,9 @@ impl Default for SuspendOptions {
 /// `resume_on_failure`, what it checkpointed is restored and unlocked in place).
 pub const SUSPEND_ROLL_BACK: &str = "suspend-roll-back";
 
-/// Failpoint (stalling until killed, [`failpoint::stall_if`]): a process is locked, its
-/// `Locked` not journaled yet (it goes with `CheckpointStarted`), nothing checkpointed.
+/// Failpoint (pausing, [`failpoint::pause_if`]: stalling until killed without a resume file): a
+/// process is locked, its `Locked` not journaled yet (it goes with `CheckpointStarted`), nothing
+/// checkpointed.
 pub const SUSPEND_AFTER_LOCK: &str = "suspend-after-lock";
 
 /// Failpoint (stalling until killed): every process is checkpointed, its `Checkpointed` not
@@ -905,7 +906,7 @@ fn checkpoint_one(
     let rss_before = row.handle.rss().unwrap_or(0);
     progress.begin(pid, "checkpoint", row.mem);
     // The lock's outcome is not on disk yet: a crash here leaves the lock's intent last.
-    failpoint::stall_if(SUSPEND_AFTER_LOCK);
+    failpoint::pause_if(SUSPEND_AFTER_LOCK);
     let started = Event::CheckpointStarted {
         pid: id(row.handle),
     };

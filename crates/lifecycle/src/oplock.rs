@@ -1,0 +1,242 @@
+//! One lifecycle operation at a time per process: the lock a park or a wake holds on each
+//! process it works on.
+//!
+//! # Design
+//! Two wakes of one parked worker (two `cryo wake`, the agent's API and an activation, two
+//! activations) both found it CHECKPOINTED and both restored it: the driver refused the second
+//! (ILLEGAL_STATE), whose wake then failed with a driver error after journaling a restore intent
+//! of its own; or the second found it LOCKED with a completed restore and traced and unlocked
+//! it too. A park and a wake of one worker at once (the activator parking an idle worker while
+//! an operator wakes it, an operator's `cryo park` meeting an activation's wake) did the same
+//! to each other: a park of a worker a wake had restored and not yet unlocked checkpointed it
+//! under the wake, whose unlock the driver then refused; a wake of a worker a park had locked
+//! and not yet checkpointed unlocked it under the park, whose checkpoint the driver then
+//! refused. Neither the journal nor the driver's state can say "a park or a wake is at work"
+//! early enough: each reads both before it journals anything. So every [`crate::park()`] and
+//! every [`crate::wake`] takes an exclusive `flock` on one file per process of its target
+//! ([`cryo_state::StateDir::op_lock`]: pid and start time, so a reused pid names another file)
+//! before it reads or journals anything, without waiting, and holds them until it returns. One
+//! that finds one held is refused at once ([`crate::ParkError::InProgress`],
+//! [`crate::WakeError::InProgress`], naming the holder's pid and what it does, which the holder
+//! writes into the file), with nothing read, journaled or asked of the driver: the first one
+//! finishes (or fails and undoes what it did), and the next one finds the worker as it left it.
+//! One that dies lets go with its last fd (the kernel's `flock` semantics), so a crash never
+//! leaves a process locked out.
+//!
+//! A lock is taken once per operation, at its entry: a park's undo (restoring what it
+//! suspended) and a failed wake's park again run under the lock their operation holds and take
+//! none. `flock` locks belong to the open file, so two operations in one process (the agent's
+//! API and its activators) exclude each other as two processes do.
+//!
+//! A process's file stays while it lives (taken again by each of its operations); the files of
+//! processes that have ended are removed by the next one. Removing a file another operation has
+//! open is harmless then: nobody can park or wake a process that has ended.
+//!
+//! # Limitations
+//! Only parks and wakes take the lock: a stop, a freeze or a guard's settlement of the same
+//! process does not wait for it (a settlement already leaves alone a process whose journaled
+//! owner is alive).
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use cryo_proc::{Pid, ProcHandle};
+use cryo_state::StateDir;
+
+use crate::suspend::id;
+
+/// What holds a process's lock: named in the refusal of the next one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// A park ([`crate::park()`]).
+    Park,
+    /// A wake ([`crate::wake`]).
+    Wake,
+}
+
+impl Op {
+    /// How its holder writes it into the file.
+    fn word(self) -> &'static str {
+        match self {
+            Op::Park => "park",
+            Op::Wake => "wake",
+        }
+    }
+}
+
+impl std::fmt::Display for Op {
+    /// As in "pid N is being parked".
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Op::Park => "parked",
+            Op::Wake => "woken",
+        })
+    }
+}
+
+/// The locks of one park or wake: held until dropped.
+#[derive(Debug)]
+pub(crate) struct OpLocks {
+    _held: Vec<File>,
+}
+
+/// Why a park or a wake could not take its locks.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum LockError {
+    /// Another park or wake holds process `pid`'s lock.
+    #[error("busy")]
+    Held {
+        /// The process.
+        pid: Pid,
+        /// The pid of the cryo process that holds it, if it could write it.
+        by: Option<Pid>,
+        /// What that one does, if it could write it.
+        doing: Option<Op>,
+    },
+    /// The lock file could not be created, opened or locked.
+    #[error("cannot {what} {}: {source}", .path.display())]
+    File {
+        /// What was being done.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+}
+
+/// Takes the lock of every process of `handles` for `op` (see the module docs), without waiting.
+pub(crate) fn take(state: &StateDir, handles: &[ProcHandle], op: Op) -> Result<OpLocks, LockError> {
+    let dir = state.op_locks_dir();
+    let err = |what, path: &Path| {
+        let path = path.to_path_buf();
+        move |source| LockError::File { what, path, source }
+    };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .map_err(err("create", &dir))?;
+    let mut held = Vec::with_capacity(handles.len());
+    for h in handles {
+        let path = state.op_lock(&id(h));
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .mode(0o600)
+            .custom_flags(nofollow())
+            .open(&path)
+            .map_err(err("open", &path))?;
+        match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::WOULDBLOCK) => {
+                let (by, doing) = holder(&mut file);
+                return Err(LockError::Held {
+                    pid: h.pid(),
+                    by,
+                    doing,
+                });
+            }
+            Err(e) => return Err(err("lock", &path)(e.into())),
+        }
+        // Only for the refusal the next one prints: a full disk must not fail this one.
+        let _ = file.set_len(0).and_then(|()| {
+            file.write_all(format!("{} {}", std::process::id(), op.word()).as_bytes())
+        });
+        held.push(file);
+    }
+    sweep(&dir);
+    Ok(OpLocks { _held: held })
+}
+
+/// `O_NOFOLLOW`: a lock file planted as a symlink is refused, never followed.
+fn nofollow() -> i32 {
+    i32::try_from(rustix::fs::OFlags::NOFOLLOW.bits()).unwrap_or(0)
+}
+
+/// The pid and the operation the holder of `file`'s lock wrote into it (`PID OP`; a bare pid
+/// from a cryo before parks took the lock is a wake).
+fn holder(file: &mut File) -> (Option<Pid>, Option<Op>) {
+    let mut text = String::new();
+    if file.read_to_string(&mut text).is_err() {
+        return (None, None);
+    }
+    let mut words = text.split_whitespace();
+    let by = words.next().and_then(|p| p.parse().ok());
+    let doing = match words.next() {
+        Some("park") => Some(Op::Park),
+        Some("wake") | None => Some(Op::Wake),
+        Some(_) => None,
+    };
+    (by, doing)
+}
+
+/// Removes the lock files of processes that have ended (best effort).
+fn sweep(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some((pid, start)) = name
+            .to_str()
+            .and_then(|n| n.strip_suffix(".lock"))
+            .and_then(|n| n.split_once('-'))
+        else {
+            continue;
+        };
+        let (Ok(pid), Ok(start)) = (pid.parse(), start.parse()) else {
+            continue;
+        };
+        if !cryo_journal::ProcId::new(pid, start).is_alive_same() {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use cryo_testkit::procs::Procs;
+
+    /// A second taker (park or wake) of any process of a held set is refused at once, naming
+    /// the holder and what it does; the lock is free again once the first lets go; a reused pid
+    /// (another start time) is another lock; the files of ended processes are swept.
+    #[test]
+    fn one_operation_at_a_time_per_process() {
+        let procs = Procs::spawn(2);
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path());
+        let open = |i: usize| ProcHandle::open(procs.pid(i)).unwrap();
+        for (first_op, second_op) in [(Op::Wake, Op::Park), (Op::Park, Op::Wake)] {
+            let first = take(&state, &[open(0), open(1)], first_op).unwrap();
+            for i in 0..2 {
+                for op in [first_op, second_op] {
+                    match take(&state, &[open(i)], op) {
+                        Err(LockError::Held { pid, by, doing }) => {
+                            assert_eq!(pid, procs.pid(i));
+                            assert_eq!(by, Some(std::process::id() as Pid));
+                            assert_eq!(doing, Some(first_op));
+                        }
+                        other => panic!("{other:?}"),
+                    }
+                }
+            }
+            drop(first);
+        }
+        let again = take(&state, &[open(1)], Op::Park).unwrap();
+        assert!(take(&state, &[open(0)], Op::Wake).is_ok());
+        drop(again);
+
+        // An ended process's file is swept by the next wake; a live one's stays.
+        let ended = cryo_journal::ProcId::new(procs.pid(0), 1);
+        std::fs::write(state.op_lock(&ended), b"1").unwrap();
+        let _l = take(&state, &[open(1)], Op::Wake).unwrap();
+        assert!(!state.op_lock(&ended).exists());
+        assert!(state.op_lock(&id(&open(0))).exists());
+    }
+}
