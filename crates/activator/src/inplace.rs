@@ -93,13 +93,16 @@ impl Activation for InPlace {
             &resolved,
             &self.park,
             &journal,
+            &self.state,
             self.watcher.as_ref(),
             &NoProgress,
         ) {
             Ok(_) => Ok(()),
-            Err(e @ (ParkError::HostMemory { .. } | ParkError::Suspend { .. })) => {
-                Err(ActivationError::Refused(e.to_string()))
-            }
+            Err(
+                e @ (ParkError::HostMemory { .. }
+                | ParkError::Suspend { .. }
+                | ParkError::InProgress { .. }),
+            ) => Err(ActivationError::Refused(e.to_string())),
             Err(e) => Err(failed(&e)),
         }
     }

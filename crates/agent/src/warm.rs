@@ -70,13 +70,16 @@ impl Agent {
             &resolved,
             &req.options(),
             &self.journal,
+            &self.state,
             self.guard.as_ref(),
             progress,
         )
         .map_err(|e| match e {
-            ParkError::Suspend { .. } | ParkError::HostMemory { .. } | ParkError::NoCuda(_) => {
-                ApiError::new(ErrorKind::Refused, e.to_string())
-            }
+            ParkError::Suspend { .. }
+            | ParkError::HostMemory { .. }
+            | ParkError::NoCuda(_)
+            // A park or a wake is at work on it: this one did nothing.
+            | ParkError::InProgress { .. } => ApiError::new(ErrorKind::Refused, e.to_string()),
             e => ApiError::new(ErrorKind::Failed, e.to_string()),
         })
     }

@@ -1025,3 +1025,192 @@ fn two_wakes_at_once_through_the_agent_restore_once() {
     drop(agent);
     common::stop_pin_holder(st.path());
 }
+
+/// `cryo ARGS` paused at failpoint `failpoint` (its resume file `st/go`): the child and its
+/// stderr, once it said it paused.
+fn paused_at(
+    sim: &Sim,
+    st: &Path,
+    args: &[&str],
+    failpoint: &str,
+) -> (std::process::Child, std::process::ChildStderr) {
+    let mut child = sim
+        .cmd_at(st)
+        .env("CRYO_FAILPOINT", failpoint)
+        .env("CRYO_FAILPOINT_RESUME", st.join("go"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = child.stderr.take().unwrap();
+    common::said_until(&mut err, "paused until");
+    (child, err)
+}
+
+/// `paused`, let go (`st/go` written): its status and all it said.
+fn let_go(
+    st: &Path,
+    (mut child, mut err): (std::process::Child, std::process::ChildStderr),
+) -> (std::process::ExitStatus, String) {
+    use std::io::Read;
+    std::fs::write(st.join("go"), b"").unwrap();
+    let mut said = String::new();
+    err.read_to_string(&mut said).unwrap();
+    (child.wait().unwrap(), said)
+}
+
+/// `second` was refused at once (exit 3) because cryo pid `by` is `doing` `w`: never a driver
+/// error.
+fn refused_as_in_progress(w: &Worker, second: &Output, doing: &str, by: u32) {
+    let said = stderr(second);
+    assert_eq!(
+        second.status.code(),
+        Some(3),
+        "not refused: {said}{}",
+        stdout(second)
+    );
+    assert!(
+        said.contains(&format!("pid {} is being {doing} by cryo pid {by}", w.pid))
+            && !said.contains("ILLEGAL"),
+        "{said}"
+    );
+}
+
+/// Attack (session 22): a `cryo park` of a worker whose wake is at work on it: paused before its
+/// restore (`wake-before-restore`: it read the worker CHECKPOINTED) or between its restore and
+/// its unlock (`restore-before-completed`: the context restored, LOCKED, its restore's intent
+/// journaled). The park must be refused at once naming the wake, touching nothing (the worker
+/// stays as the wake has it); the wake, let go, brings it back: it runs and serves as before,
+/// restored once, never parked again; no wedge. (Before: paused before the restore, the park
+/// said it parked the worker, already parked, and the wake then woke it: a park that
+/// "succeeded" on a worker left running; paused before the unlock, the park checkpointed the
+/// restored context under the wake, exiting 0, and the wake then failed "unlock failed: pid N:
+/// cuCheckpointProcessUnlock on pid N failed: CUDA_ERROR_ILLEGAL_STATE (...); the restored
+/// processes were parked again".)
+#[test]
+fn a_park_meeting_a_wake_at_work_is_refused_and_the_wake_wakes() {
+    for (failpoint, found) in [
+        (cryo_lifecycle::park::WAKE_BEFORE_RESTORE, "checkpointed"),
+        (cryo_lifecycle::restore::RESTORE_BEFORE_COMPLETED, "locked"),
+    ] {
+        let sim = Sim::start();
+        let st = state();
+        let w = worker(&sim, "64MiB", 0);
+        let pid = w.pid.to_string();
+        let before = w.complete("the same question");
+        ok(&run(&sim, st.path(), &["park", &pid]));
+        let wake = paused_at(&sim, st.path(), &["wake", &pid], failpoint);
+        let by = wake.0.id();
+        assert_eq!(sim.state(w.pid), found, "{failpoint}");
+        let park = run(&sim, st.path(), &["park", &pid]);
+        refused_as_in_progress(&w, &park, "woken", by);
+        assert_eq!(sim.state(w.pid), found, "{failpoint}: the park touched it");
+        let (status, said) = let_go(st.path(), wake);
+        assert!(status.success(), "{failpoint}: the wake failed: {said}");
+        assert_eq!(sim.state(w.pid), "running", "{failpoint}");
+        assert_eq!(
+            w.complete("the same question"),
+            before,
+            "{failpoint}: it serves as before"
+        );
+        restored_once(st.path(), &w);
+        sim.assert_no_wedge();
+    }
+}
+
+/// Attack (session 22): a `cryo wake` of a worker (parked and woken before: its last restore is
+/// journaled complete) whose park is between its lock and its checkpoint (paused at
+/// `suspend-after-lock`, made a pause for this: LOCKED, nothing checkpointed). The wake must be
+/// refused at once naming the park, touching nothing (the worker stays LOCKED for the park);
+/// the park, let go, parks it; a wake then brings it back, serving as before; no wedge.
+/// (Before: the wake was refused for the wrong reason, with advice that would have restored the
+/// worker under the park: "refused: pid N was not parked by cryo (no record of its device
+/// memory); restore it with `cryo gpu restore`; nothing was restored".)
+#[test]
+fn a_wake_meeting_a_park_before_its_checkpoint_is_refused_and_the_park_parks() {
+    let sim = Sim::start();
+    let st = state();
+    let w = worker(&sim, "64MiB", 0);
+    let pid = w.pid.to_string();
+    let before = w.complete("the same question");
+    ok(&run(&sim, st.path(), &["park", &pid]));
+    ok(&run(&sim, st.path(), &["wake", &pid]));
+    let park = paused_at(
+        &sim,
+        st.path(),
+        &["park", &pid],
+        cryo_lifecycle::suspend::SUSPEND_AFTER_LOCK,
+    );
+    let by = park.0.id();
+    assert_eq!(sim.state(w.pid), "locked");
+    let wake = run(&sim, st.path(), &["wake", &pid]);
+    refused_as_in_progress(&w, &wake, "parked", by);
+    assert_eq!(sim.state(w.pid), "locked", "the wake touched it");
+    let (status, said) = let_go(st.path(), park);
+    assert!(status.success(), "the park failed: {said}");
+    assert_eq!(sim.state(w.pid), "checkpointed");
+    ok(&run(&sim, st.path(), &["wake", &pid]));
+    assert_eq!(sim.state(w.pid), "running");
+    assert_eq!(
+        w.complete("the same question"),
+        before,
+        "it serves as before"
+    );
+    sim.assert_no_wedge();
+}
+
+/// The first attack through the agent, which runs both the wake and the park (its locks two open
+/// files of one process, which exclude each other as two processes' do): a `cryo wake` reaches
+/// the agent, paused between its restore and its unlock, then a `cryo park` of the same worker.
+/// The park is refused at once naming the agent; the wake, let go, traces (the agent's guard)
+/// and unlocks the worker, which serves as before, restored once; no wedge.
+#[test]
+fn a_park_meeting_a_wake_before_its_unlock_through_the_agent_is_refused() {
+    let sim = Sim::start();
+    let st = state();
+    let go = st.path().join("go");
+    let failpoint = cryo_lifecycle::restore::RESTORE_BEFORE_COMPLETED;
+    let agent = AgentProc::start_with(&sim, st.path(), &["--no-memory-watch"], |c| {
+        c.env("CRYO_FAILPOINT", failpoint)
+            .env("CRYO_FAILPOINT_RESUME", &go);
+    });
+    let w = worker(&sim, "64MiB", 0);
+    let pid = w.pid.to_string();
+    let before = w.complete("the same question");
+    ok(&run(&sim, st.path(), &["park", &pid]));
+    let wake = sim
+        .cmd_at(st.path())
+        .args(["wake", &pid])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    common::eventually(
+        cryo_testkit::PATIENCE,
+        "the agent's wake at its failpoint",
+        || {
+            agent
+                .log()
+                .contains(&format!("failpoint {failpoint} reached"))
+        },
+    );
+    assert_eq!(sim.state(w.pid), "locked");
+    let park = run(&sim, st.path(), &["park", &pid]);
+    refused_as_in_progress(&w, &park, "woken", agent.child.id());
+    assert_eq!(sim.state(w.pid), "locked", "the park touched it");
+    std::fs::write(&go, b"").unwrap();
+    let wake = wake.wait_with_output().unwrap();
+    ok(&wake);
+    assert_eq!(sim.state(w.pid), "running");
+    assert_eq!(
+        w.complete("the same question"),
+        before,
+        "it serves as before"
+    );
+    restored_once(st.path(), &w);
+    assert_ne!(common::procs::tracer_pid(w.pid), 0, "not traced");
+    sim.assert_no_wedge();
+    drop(agent);
+    common::stop_pin_holder(st.path());
+}

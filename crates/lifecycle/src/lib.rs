@@ -26,6 +26,7 @@ pub mod health;
 pub mod inflight;
 pub mod ipc;
 mod leftover;
+mod oplock;
 pub mod park;
 pub mod progress;
 pub mod reaped;
@@ -37,13 +38,13 @@ pub mod stop;
 pub mod suspend;
 pub mod target;
 pub mod thaw;
-mod wakelock;
 pub mod watcher;
 
 pub use cuda::{classify, Class, Unsure};
 pub use freeze::{freeze, FreezeError, FreezeMoments, FreezeOptions, FreezeReport};
 pub use health::HealthCheck;
 pub use inflight::{settle_in_flight, SettleError, Settled, Settlement};
+pub use oplock::Op;
 pub use park::{
     park, parked_now, wake, ParkError, ParkOptions, ParkReport, ParkedWorker, WakeError,
     WakeOptions, WakeReport, WhenFull,

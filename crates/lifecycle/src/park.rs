@@ -24,6 +24,9 @@
 //!   process), [`Watcher::guard_before_unlock`], unlock, health check. A failure after a restore
 //!   suspends the restored processes again (they stay parked); a live restored context is never
 //!   left unlocked without the guard when a guard runs, and never torn down.
+//! - One park or wake at a time per process ([`crate::oplock`]): each takes the process's lock
+//!   before it reads or journals anything and holds it until it returns; one that finds it held
+//!   is refused at once, nothing done ([`ParkError::InProgress`], [`WakeError::InProgress`]).
 //! - A parked process can be stopped (`cryo stop`: its context is already CHECKPOINTED, verified
 //!   again, then killed) or frozen (`cryo freeze`: CRIU dumps it as it is).
 //!
@@ -107,9 +110,25 @@ pub struct ParkReport {
     pub shrink: Option<crate::shrink::ShrinkReport>,
 }
 
-/// The park did not happen; every process of the target serves as before.
+/// The park did not happen; every process of the target serves as before (or, refused as
+/// [`ParkError::InProgress`], is left as the operation at work on it leaves it).
 #[derive(Debug, thiserror::Error)]
 pub enum ParkError {
+    /// Another park or a wake is at work on it: it holds the process's lock
+    /// ([`crate::oplock`]). Nothing was read, journaled or suspended by this one.
+    #[error("pid {pid} is being {} by {}: left to it", fmt_doing(*.doing), fmt_by(*.by))]
+    InProgress {
+        /// The process.
+        pid: Pid,
+        /// The cryo process at work on it, when known.
+        by: Option<Pid>,
+        /// What that one does, when known.
+        doing: Option<crate::Op>,
+    },
+    /// The process's lock could not be taken (its file could not be created, opened or
+    /// locked); nothing was read or suspended.
+    #[error("cannot take the park's lock: {0}")]
+    Lock(String),
     /// The target holds no CUDA process: there is nothing to park.
     #[error("{0} holds no CUDA process: nothing to park")]
     NoCuda(String),
@@ -185,17 +204,41 @@ pub const PARK_UNDO_DIES_RESTORED: &str = "park-undo-dies-restored";
 /// file named by `CRYO_FAILPOINT_RESUME` exists, so that a test can fill the disk at that moment.
 pub const PARK_BEFORE_RECORD: &str = "park-before-record";
 
+/// "parked", "woken", or "worked on" when the holder did not say.
+fn fmt_doing(doing: Option<crate::Op>) -> String {
+    doing.map_or_else(|| "worked on".to_string(), |d| d.to_string())
+}
+
+/// "cryo pid N", or "another cryo process" when the holder did not say.
+fn fmt_by(by: Option<Pid>) -> String {
+    by.map_or_else(
+        || "another cryo process".to_string(),
+        |by| format!("cryo pid {by}"),
+    )
+}
+
 /// Parks every CUDA process of `target` (see the module docs).
+#[allow(clippy::too_many_arguments)]
 pub fn park(
     gpu: &Gpu,
     target: &Resolved,
     opts: &ParkOptions,
     journal: &Journal,
+    state: &StateDir,
     watcher: &dyn Watcher,
     progress: &dyn Progress,
 ) -> Result<ParkReport, ParkError> {
     let start = Instant::now();
     let described = target.target().to_string();
+    // One park or wake at a time per process, held until this returns (its undo included): one
+    // at work already refuses this one before it reads, journals or suspends anything.
+    let _locks =
+        crate::oplock::take(state, target.handles(), crate::Op::Park).map_err(|e| match e {
+            crate::oplock::LockError::Held { pid, by, doing } => {
+                ParkError::InProgress { pid, by, doing }
+            }
+            e => ParkError::Lock(e.to_string()),
+        })?;
     journal.append(Event::ParkStarted {
         target: described.clone(),
     })?;
@@ -746,18 +789,21 @@ pub enum WakeError {
     /// The process's driver state is FAILED.
     #[error("the driver reports pid {0} FAILED; it cannot be woken")]
     Failed(Pid),
-    /// Another wake is at work on it: it holds the process's wake lock ([`crate::wakelock`]), or
-    /// restored it and has not recorded that yet. Nothing was restored by this one.
-    #[error("pid {pid} is being woken by {}: left to it", match .by { Some(by) => format!("cryo pid {by}"), None => "another cryo process".to_string() })]
+    /// A park or another wake is at work on it: it holds the process's lock
+    /// ([`crate::oplock`]), or restored it and has not recorded that yet. Nothing was restored
+    /// by this one.
+    #[error("pid {pid} is being {} by {}: left to it", fmt_doing(*.doing), fmt_by(*.by))]
     InProgress {
         /// The process.
         pid: Pid,
         /// The cryo process at work on it, when known.
         by: Option<Pid>,
+        /// What that one does, when known.
+        doing: Option<crate::Op>,
     },
-    /// A wake lock could not be taken (its file could not be created, opened or locked);
-    /// nothing was read or restored.
-    #[error("cannot take the wake lock: {0}")]
+    /// The process's lock could not be taken (its file could not be created, opened or
+    /// locked); nothing was read or restored.
+    #[error("cannot take the wake's lock: {0}")]
     Lock(String),
     /// No GPU can take it (after waiting, when the policy waits); nothing was restored.
     #[error("wake refused: {0}")]
@@ -806,12 +852,16 @@ pub fn wake(
     let start = Instant::now();
     let mut watch = crate::progress::Stopwatch::default();
     let described = target.target().to_string();
-    // One wake at a time per process, held until this returns: a second one is refused before it
-    // reads, journals or restores anything.
-    let _locks = crate::wakelock::take(state, target.handles()).map_err(|e| match e {
-        crate::wakelock::LockError::Held { pid, by } => WakeError::InProgress { pid, by },
-        e => WakeError::Lock(e.to_string()),
-    })?;
+    // One park or wake at a time per process, held until this returns (its park again
+    // included): one at work already refuses this one before it reads, journals or restores
+    // anything.
+    let _locks =
+        crate::oplock::take(state, target.handles(), crate::Op::Wake).map_err(|e| match e {
+            crate::oplock::LockError::Held { pid, by, doing } => {
+                WakeError::InProgress { pid, by, doing }
+            }
+            e => WakeError::Lock(e.to_string()),
+        })?;
     let fence = &state.fence();
     journal.append(Event::WakeStarted {
         target: described.clone(),
@@ -904,10 +954,13 @@ fn wake_inner(
             Ok(ProcessState::Locked) => match crate::restore::last_restore(&records, id(h)) {
                 Some((_, true)) => to_unlock.push(h),
                 Some((Some(by), false)) if Some(by) == me() || by.is_alive_same() => {
+                    // Not a park or a wake (those hold the process's lock): say no more than
+                    // that something is at work on it.
                     return Err(WakeError::InProgress {
                         pid: h.pid(),
                         by: Some(by.pid),
-                    })
+                        doing: None,
+                    });
                 }
                 _ => {
                     let rec = known.get(&id(h)).ok_or(WakeError::NotParked(h.pid()))?;

@@ -18,7 +18,7 @@
 //! | `pins.log` | the pin holder's log (it has no terminal) | the pin holder |
 //! | `standby/` | warm-pool (standby) state (issue 12) | `cryod` |
 //! | `syslog.offset` | the syslog forwarder's position in the journal (issue 11) | the forwarder |
-//! | `wake/PID-START.lock` | one wake at a time per process: held (`flock`) by the wake at work on it (its pid inside, for the refusal a second one prints); a dead process's file is removed by the next wake | every wake (`cryo wake`, the agent, an activation, a standby claim) |
+//! | `oplock/PID-START.lock` | one park or wake at a time per process: held (`flock`) by the park or wake at work on it (its pid and `park` or `wake` inside, for the refusal the next one prints); a dead process's file is removed by the next one | every park and wake (`cryo park`, `cryo wake`, the agent, an activation, a standby claim) |
 //! | `criu/` | one private directory per running CRIU dump or restore (its gate, work files, capped log), swept when its owner died (`cryo_criu::scratch`) | freeze, thaw, the standby's restore |
 //!
 //! The crate sits above `cryo-gpu`, `cryo-proc` and `cryo-journal` and below `cryo-lifecycle`, so
@@ -149,15 +149,15 @@ impl StateDir {
         self.root.join("syslog.offset")
     }
 
-    /// The wakes' per-process locks (`wake/`).
-    pub fn wake_locks_dir(&self) -> PathBuf {
-        self.root.join("wake")
+    /// The per-process locks of parks and wakes (`oplock/`).
+    pub fn op_locks_dir(&self) -> PathBuf {
+        self.root.join("oplock")
     }
 
-    /// The lock a wake holds (`flock`) on process `pid` (its pid and start time: a pid reused
-    /// names another file) while it works on it: one wake at a time per process.
-    pub fn wake_lock(&self, pid: &cryo_journal::ProcId) -> PathBuf {
-        self.wake_locks_dir()
+    /// The lock a park or a wake holds (`flock`) on process `pid` (its pid and start time: a pid
+    /// reused names another file) while it works on it: one of them at a time per process.
+    pub fn op_lock(&self, pid: &cryo_journal::ProcId) -> PathBuf {
+        self.op_locks_dir()
             .join(format!("{}-{}.lock", pid.pid, pid.start_time))
     }
 
@@ -194,7 +194,7 @@ mod tests {
             s.standby_dir(),
             s.syslog_offset_file(),
             s.criu_dir(),
-            s.wake_locks_dir(),
+            s.op_locks_dir(),
         ];
         for p in &paths {
             assert_eq!(p.parent(), Some(Path::new("/st")), "{}", p.display());
@@ -208,11 +208,7 @@ mod tests {
             cryo_journal::ProcId::new(7, 100),
             cryo_journal::ProcId::new(7, 101),
         );
-        assert_eq!(s.wake_lock(&a).parent(), Some(s.wake_locks_dir().as_path()));
-        assert_ne!(
-            s.wake_lock(&a),
-            s.wake_lock(&b),
-            "a reused pid shares a lock"
-        );
+        assert_eq!(s.op_lock(&a).parent(), Some(s.op_locks_dir().as_path()));
+        assert_ne!(s.op_lock(&a), s.op_lock(&b), "a reused pid shares a lock");
     }
 }

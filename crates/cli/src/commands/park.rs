@@ -190,10 +190,21 @@ fn park_standalone(
     let failed = |e: anyhow::Error| Outcome::Failed(e.context(format!("parking {target}")));
     let (resolved, gpu, journal) = standalone(ctx, target).map_err(failed)?;
     let guard = cryo_guard::control::GuardClient::new(&ctx.state);
-    match cryo_lifecycle::park(&gpu, &resolved, &req.options(), &journal, &guard, progress) {
+    match cryo_lifecycle::park(
+        &gpu,
+        &resolved,
+        &req.options(),
+        &journal,
+        &ctx.state,
+        &guard,
+        progress,
+    ) {
         Ok(r) => Ok(r),
         Err(
-            e @ (ParkError::Suspend { .. } | ParkError::HostMemory { .. } | ParkError::NoCuda(_)),
+            e @ (ParkError::Suspend { .. }
+            | ParkError::HostMemory { .. }
+            | ParkError::NoCuda(_)
+            | ParkError::InProgress { .. }),
         ) => Err(Outcome::Refused(e.to_string())),
         Err(e) => Err(failed(e.into())),
     }

@@ -265,6 +265,7 @@ mod with_fake_driver {
                 &self.target(),
                 &park_opts(),
                 &self.journal,
+                &self.state,
                 &crate::NoWatcher,
                 &NoProgress,
             )
@@ -420,6 +421,42 @@ mod with_fake_driver {
         assert!(s.fake.wedges().is_empty());
     }
 
+    /// A park of a process whose lock a wake holds, and a wake of one whose lock a park holds,
+    /// are refused at once naming the holder and what it does: nothing journaled, nothing asked
+    /// of the driver. Once the holder lets go, each goes through.
+    #[test]
+    fn a_park_and_a_wake_of_one_process_refuse_each_other() {
+        let s = scene(1);
+        let pid = s.procs.pids()[0];
+        let me = Some(std::process::id() as Pid);
+        let held = crate::oplock::take(&s.state, s.target().handles(), crate::Op::Wake).unwrap();
+        let n = s.events().len();
+        let e = s.park().unwrap_err();
+        assert!(
+            matches!(e, ParkError::InProgress { pid: p, by, doing: Some(crate::Op::Wake) } if p == pid && by == me),
+            "{e}"
+        );
+        assert!(e.to_string().contains("is being woken by cryo pid"), "{e}");
+        assert_eq!(s.fake.count(pid, Call::Lock), 0);
+        assert_eq!(s.events().len(), n, "journaled");
+        drop(held);
+        s.park().unwrap();
+
+        let held = crate::oplock::take(&s.state, s.target().handles(), crate::Op::Park).unwrap();
+        let n = s.events().len();
+        let e = s.wake(&crate::NoWatcher).unwrap_err();
+        assert!(
+            matches!(e, WakeError::InProgress { pid: p, by, doing: Some(crate::Op::Park) } if p == pid && by == me),
+            "{e}"
+        );
+        assert!(e.to_string().contains("is being parked by cryo pid"), "{e}");
+        assert_eq!(s.fake.count(pid, Call::Restore), 0);
+        assert_eq!(s.events().len(), n, "journaled");
+        drop(held);
+        s.wake(&crate::NoWatcher).unwrap();
+        assert_eq!(s.fake.state_of(pid), ProcessState::Running);
+    }
+
     /// The host memory limit counts the workers parked already.
     #[test]
     fn max_parked_host_memory_refuses_before_acting() {
@@ -431,6 +468,7 @@ mod with_fake_driver {
             &s.target(),
             &o,
             &s.journal,
+            &s.state,
             &crate::NoWatcher,
             &NoProgress,
         )
