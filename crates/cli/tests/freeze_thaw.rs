@@ -3303,6 +3303,26 @@ fn a_thaw_meeting_a_full_disk_after_its_gpu_restore_leaves_nothing_live() {
     drop(disk);
 }
 
+/// Whether `after` (the journal's events since a guard or agent start) ends `id` as a tree a
+/// gone thaw left CHECKPOINTED (`lifecycle/src/leftover.rs`): verified before its kill, and its
+/// settlement journaled as such.
+fn ended_as_a_left_thaw(after: &[cryo_journal::Event], id: &cryo_journal::ProcId) -> bool {
+    use cryo_journal::Event;
+    let at = |f: &dyn Fn(&Event) -> bool| after.iter().position(f);
+    let (verified, killed, settled) = (
+        at(&|e| matches!(e, Event::Verified { pid: p, .. } if p == id)),
+        at(&|e| matches!(e, Event::Killed { pid: p, .. } if p == id)),
+        at(&|e| {
+            matches!(
+                e,
+                Event::SuspensionSettled { pid: p, found, action }
+                    if p == id && found == "checkpointed" && action == "its thaw's restored tree ended"
+            )
+        }),
+    );
+    matches!((verified, killed, settled), (Some(v), Some(k), Some(_)) if v < k)
+}
+
 /// Attack (session 21): the same thaw on a full disk (its tree left alive, its worker
 /// CHECKPOINTED, its removal unable to journal a stop), and then nobody runs `cryo stop`: once
 /// there is room, the next agent start must find the tree and end it (CHECKPOINTED: its end is
@@ -3314,7 +3334,7 @@ fn a_thaw_meeting_a_full_disk_after_its_gpu_restore_leaves_nothing_live() {
 /// for the tree to end, the worker CHECKPOINTED for good.)
 #[test]
 fn a_thaw_left_checkpointed_on_a_full_disk_is_ended_by_the_next_agent_start() {
-    use cryo_journal::{Event, ProcId};
+    use cryo_journal::ProcId;
     let FullDiskThaw {
         mut env,
         disk,
@@ -3336,20 +3356,8 @@ fn a_thaw_left_checkpointed_on_a_full_disk_is_ended_by_the_next_agent_start() {
     env.thawed.retain(|p| *p != pid);
     env.sim.assert_no_wedge();
     let after = events(&env)[from..].to_vec();
-    let at = |f: &dyn Fn(&Event) -> bool| after.iter().position(f);
-    let (verified, killed, settled) = (
-        at(&|e| matches!(e, Event::Verified { pid: p, .. } if *p == id)),
-        at(&|e| matches!(e, Event::Killed { pid: p, .. } if *p == id)),
-        at(&|e| {
-            matches!(
-                e,
-                Event::SuspensionSettled { pid: p, found, action }
-                    if *p == id && found == "checkpointed" && action == "its thaw's restored tree ended"
-            )
-        }),
-    );
     assert!(
-        matches!((verified, killed, settled), (Some(v), Some(k), Some(_)) if v < k),
+        ended_as_a_left_thaw(&after, &id),
         "not ended through a verified stop, or not journaled: {after:?}"
     );
     assert!(
@@ -3540,7 +3548,7 @@ fn a_thaw_meeting_a_full_disk_before_its_plain_records_leaves_its_tree_named() {
 /// and this test failed waiting for the tree to end.)
 #[test]
 fn a_thaw_killed_between_crius_gate_and_its_gpu_restore_is_ended_by_the_next_agent_start() {
-    use cryo_journal::{Event, ProcId};
+    use cryo_journal::ProcId;
     for criu_held in [false, true] {
         let mut env = Env::start("1GiB");
         let (pid, rank, sock, before, image) = frozen_tree(&mut env, "16MiB");
@@ -3581,20 +3589,8 @@ fn a_thaw_killed_between_crius_gate_and_its_gpu_restore_is_ended_by_the_next_age
         env.thawed.retain(|p| *p != pid);
         env.sim.assert_no_wedge();
         let after = events(&env)[from..].to_vec();
-        let at = |f: &dyn Fn(&Event) -> bool| after.iter().position(f);
-        let (verified, killed, settled) = (
-            at(&|e| matches!(e, Event::Verified { pid: p, .. } if *p == id)),
-            at(&|e| matches!(e, Event::Killed { pid: p, .. } if *p == id)),
-            at(&|e| {
-                matches!(
-                    e,
-                    Event::SuspensionSettled { pid: p, found, action }
-                        if *p == id && found == "checkpointed" && action == "its thaw's restored tree ended"
-                )
-            }),
-        );
         assert!(
-            matches!((verified, killed, settled), (Some(v), Some(k), Some(_)) if v < k),
+            ended_as_a_left_thaw(&after, &id),
             "CRIU held: {criu_held}: not ended through a verified stop, or not journaled: {after:?}"
         );
         drop(agent);
