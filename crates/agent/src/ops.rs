@@ -104,8 +104,13 @@ impl Agent {
         resolved: &Resolved,
         progress: &dyn Progress,
     ) -> Result<StopReport, ApiError> {
-        cryo_lifecycle::stop(&self.gpu, resolved, &req.options(), &self.journal, progress)
-            .map_err(failed)
+        cryo_lifecycle::stop(&self.gpu, resolved, &req.options(), &self.journal, progress).map_err(
+            |e| match e {
+                // A park or a wake at work on it: nothing was done (409), as theirs.
+                e @ cryo_lifecycle::StopError::InProgress { .. } => refused(e),
+                e => failed(e),
+            },
+        )
     }
 
     /// `POST /v1/freeze`: the guard in this process lets go of the tree around the dump.

@@ -1214,3 +1214,78 @@ fn a_park_meeting_a_wake_before_its_unlock_through_the_agent_is_refused() {
     drop(agent);
     common::stop_pin_holder(st.path());
 }
+
+/// Attack (session 22): a `cryo stop` of a parked worker paused in its kill phase once it read
+/// the worker CHECKPOINTED right before its kill, before its signal (`stop-kill-after-look`,
+/// made a pause for this), then a `cryo wake` of the same worker. The wake must be refused at
+/// once naming the stop, touching nothing (the worker stays CHECKPOINTED); the stop, let go,
+/// kills it safely (CHECKPOINTED); no wedge. (Before: the wake restored and unlocked the worker,
+/// exit 0, "gpu restore done", and the stop, let go, killed the running restored context,
+/// exit 0: "wedges recorded: [Wedge { .., used_memory: 67108864, death: \"killed by
+/// SIGKILL\", restored: true }]".)
+#[test]
+fn a_wake_meeting_a_stop_before_its_kill_is_refused_and_the_stop_ends_it_safely() {
+    let sim = Sim::start();
+    let st = state();
+    let w = worker(&sim, "64MiB", 0);
+    let pid = w.pid.to_string();
+    ok(&run(&sim, st.path(), &["park", &pid]));
+    let stop = paused_at(
+        &sim,
+        st.path(),
+        &["stop", &pid],
+        cryo_lifecycle::stop::STOP_KILL_AFTER_LOOK,
+    );
+    let by = stop.0.id();
+    assert_eq!(sim.state(w.pid), "checkpointed");
+    let wake = run(&sim, st.path(), &["wake", &pid]);
+    refused_as_in_progress(&w, &wake, "stopped", by);
+    assert_eq!(sim.state(w.pid), "checkpointed", "the wake touched it");
+    let (status, said) = let_go(st.path(), stop);
+    assert!(status.success(), "the stop failed: {said}");
+    let mut w = w;
+    w.wait_exit();
+    sim.assert_no_wedge();
+}
+
+/// Attack (session 22), the other order: a `cryo wake` of a parked worker paused before its
+/// restore (`wake-before-restore`: it read the worker CHECKPOINTED) or between its restore and
+/// its unlock (`restore-before-completed`: LOCKED, restored), then a `cryo stop` of it. The stop
+/// must be refused at once (exit 3) naming the wake, touching nothing; the wake, let go, brings
+/// the worker back serving as before; no wedge. (Before, no wedge but each broke the other:
+/// paused before the restore, the stop killed the CHECKPOINTED worker (exit 0, "ended") and the
+/// wake then failed "GPU restore failed: pid N: cuCheckpointProcessRestore on pid N failed:
+/// CUDA_ERROR_NOT_INITIALIZED"; paused before the unlock, the stop checkpointed the restored
+/// context under the wake and killed it (exit 0), and the wake failed "unlock failed: pid N:
+/// cuCheckpointProcessUnlock on pid N failed: CUDA_ERROR_NOT_INITIALIZED (...); NOT parked
+/// again".)
+#[test]
+fn a_stop_meeting_a_wake_at_work_is_refused_and_the_wake_wakes() {
+    for (failpoint, found) in [
+        (cryo_lifecycle::park::WAKE_BEFORE_RESTORE, "checkpointed"),
+        (cryo_lifecycle::restore::RESTORE_BEFORE_COMPLETED, "locked"),
+    ] {
+        let sim = Sim::start();
+        let st = state();
+        let w = worker(&sim, "64MiB", 0);
+        let pid = w.pid.to_string();
+        let before = w.complete("the same question");
+        ok(&run(&sim, st.path(), &["park", &pid]));
+        let wake = paused_at(&sim, st.path(), &["wake", &pid], failpoint);
+        let by = wake.0.id();
+        assert_eq!(sim.state(w.pid), found, "{failpoint}");
+        let stop = run(&sim, st.path(), &["stop", &pid]);
+        refused_as_in_progress(&w, &stop, "woken", by);
+        assert_eq!(sim.state(w.pid), found, "{failpoint}: the stop touched it");
+        let (status, said) = let_go(st.path(), wake);
+        assert!(status.success(), "{failpoint}: the wake failed: {said}");
+        assert_eq!(sim.state(w.pid), "running", "{failpoint}");
+        assert_eq!(
+            w.complete("the same question"),
+            before,
+            "{failpoint}: it serves as before"
+        );
+        restored_once(st.path(), &w);
+        sim.assert_no_wedge();
+    }
+}

@@ -188,6 +188,18 @@ pub fn settle_in_flight(
     journal: &Journal,
     watcher: Option<&dyn Watcher>,
 ) -> Result<Vec<Settled>, SettleError> {
+    settle_in_flight_holding(gpu, journal, watcher, None)
+}
+
+/// [`settle_in_flight`] by an operation that holds `held` (a stop's locks): a dead stop's kill it
+/// finishes takes the process's lock ([`crate::oplock`]) unless `held` has it already, and
+/// leaves alone a process whose lock a park or a wake holds (a wake of it is alive).
+pub(crate) fn settle_in_flight_holding(
+    gpu: &Gpu,
+    journal: &Journal,
+    watcher: Option<&dyn Watcher>,
+    held: Option<&crate::oplock::OpLocks>,
+) -> Result<Vec<Settled>, SettleError> {
     let gpu = &gpu.bounded(cryo_gpu::Limits::default());
     let records = cryo_journal::read(journal.dir())?.records;
     let mine = me();
@@ -214,7 +226,7 @@ pub fn settle_in_flight(
             continue;
         };
         let restoring = f.restore_started.is_some();
-        let (found, action) = settle_one(gpu, journal, &h, f.purpose, restoring, watcher)?;
+        let (found, action) = settle_one(gpu, journal, &h, f.purpose, restoring, watcher, held)?;
         if let Some(done) = journaled(&action) {
             journal.append(Event::SuspensionSettled {
                 pid,
@@ -254,6 +266,7 @@ fn journaled(action: &Settlement) -> Option<String> {
     })
 }
 
+#[allow(clippy::too_many_arguments)]
 fn settle_one(
     gpu: &Gpu,
     journal: &Journal,
@@ -261,6 +274,7 @@ fn settle_one(
     purpose: Option<Purpose>,
     restoring: bool,
     watcher: Option<&dyn Watcher>,
+    held: Option<&crate::oplock::OpLocks>,
 ) -> Result<(String, Settlement), SettleError> {
     let left = |found: &str, why: String| Ok((found.to_string(), Settlement::Left { why }));
     match runnable(h) {
@@ -297,7 +311,7 @@ fn settle_one(
         // A restore undoing the suspension was under way: its writer meant it to serve again.
         ProcessState::Checkpointed if restoring => resume(gpu, journal, h, found, watcher),
         ProcessState::Checkpointed => match purpose {
-            Some(Purpose::Stop) | Some(Purpose::Guard) => finish_stop(gpu, journal, h, found),
+            Some(Purpose::Stop) | Some(Purpose::Guard) => finish_stop(gpu, journal, h, found, held),
             // A re-checkpoint's caller meant to restore it next, under watch.
             Some(Purpose::Freeze) | Some(Purpose::Park) | Some(Purpose::Recheck) => {
                 resume(gpu, journal, h, found, watcher)
@@ -377,9 +391,30 @@ fn finish_stop(
     journal: &Journal,
     h: &ProcHandle,
     found: String,
+    held: Option<&crate::oplock::OpLocks>,
 ) -> Result<(String, Settlement), SettleError> {
     let pid = h.pid();
     let left = |why: String| Ok((found.clone(), Settlement::Left { why }));
+    // Its lock, held from before the looks until after the kill: a wake at work on it (it
+    // restores what it finds CHECKPOINTED) leaves it to the wake; a wake after meets this one.
+    let _lock = match held {
+        Some(l) if l.holds(&id(h)) => None,
+        _ => match crate::oplock::take(
+            &crate::oplock::state_of(journal),
+            std::slice::from_ref(h),
+            crate::Op::Stop,
+        ) {
+            Ok(l) => Some(l),
+            Err(crate::oplock::LockError::Held { by, doing, .. }) => {
+                return left(format!(
+                    "it is being {} by {}",
+                    crate::park::fmt_doing(doing),
+                    crate::park::fmt_by(by)
+                ))
+            }
+            Err(e) => return left(format!("its lock cannot be taken: {e}")),
+        },
+    };
     match gpu.inspect.driver_fds(pid) {
         Ok(fds) if fds.is_empty() => {}
         Ok(fds) => return left(format!("it holds {} driver files again", fds.len())),
@@ -802,5 +837,48 @@ mod tests {
             "{settled:?}"
         );
         assert!(procs::alive(p[0]));
+    }
+
+    /// A dead stop's CHECKPOINTED process whose lock a wake holds (the wake restores what it
+    /// finds CHECKPOINTED) is left to the wake, named, never killed (and settled so: the wake
+    /// decides what it becomes). A stop that holds the lock itself finishes one without taking
+    /// it again.
+    #[test]
+    fn a_dead_stop_s_process_a_wake_holds_is_left_to_the_wake() {
+        let procs = Procs::spawn(1);
+        let p = procs.pids();
+        let fake = FakeGpu::new();
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        let id = ProcId::of(p[0]).unwrap();
+        fake.add(p[0]).set_state(p[0], ProcessState::Checkpointed);
+        died_at(&journal, id, Purpose::Stop, ProcessState::Checkpointed);
+        let state = crate::oplock::state_of(&journal);
+        let h = ProcHandle::open(p[0]).unwrap();
+        let wake = crate::oplock::take(&state, std::slice::from_ref(&h), crate::Op::Wake).unwrap();
+        let settled = settle_in_flight(&fake.gpu(), &journal, None).unwrap();
+        assert!(
+            matches!(&settled[..], [Settled { action: Settlement::Left { why }, .. }] if why.contains("being woken by cryo pid")),
+            "{settled:?}"
+        );
+        assert!(procs::alive(p[0]), "killed under a wake");
+        drop(wake);
+
+        // Left is settled (journaled): the wake won; a stop whose owner died again is finished
+        // by a stop holding the lock itself, without taking it twice.
+        died_at(&journal, id, Purpose::Stop, ProcessState::Checkpointed);
+        let stop = crate::oplock::take(&state, std::slice::from_ref(&h), crate::Op::Stop).unwrap();
+        let settled = settle_in_flight_holding(&fake.gpu(), &journal, None, Some(&stop)).unwrap();
+        assert!(
+            matches!(
+                &settled[..],
+                [Settled {
+                    action: Settlement::Killed,
+                    ..
+                }]
+            ),
+            "{settled:?}"
+        );
+        assert!(fake.wedges().is_empty());
     }
 }

@@ -1,5 +1,5 @@
-//! One lifecycle operation at a time per process: the lock a park or a wake holds on each
-//! process it works on.
+//! One lifecycle operation at a time per process: the lock a park, a wake or a stop holds on
+//! each process it works on.
 //!
 //! # Design
 //! Two wakes of one parked worker (two `cryo wake`, the agent's API and an activation, two
@@ -23,6 +23,23 @@
 //! One that dies lets go with its last fd (the kernel's `flock` semantics), so a crash never
 //! leaves a process locked out.
 //!
+//! A stop takes the same lock ([`Op::Stop`]) on every process of its target at its entry, before
+//! it journals, reads or suspends anything, and on every process that joins the target (a
+//! cgroup's joiner, a tree's fork) before it looks at it; it holds them all until it returns,
+//! after its last kill. A stop of a parked worker checked it CHECKPOINTED right before its kill
+//! and then killed it: a wake in between (nothing kept it out) restored and unlocked it, and the
+//! stop tore the restored running context down (the wedge); a wake at work before the stop
+//! (before its restore, or before its unlock) had its worker killed, or checkpointed and killed,
+//! under it. Now a stop that finds a park's or a wake's lock is refused at once
+//! ([`crate::StopError::InProgress`], exit 3 as theirs; a joiner whose lock is held is a refusal
+//! of the stop, nothing more killed), and a wake or a park that finds a stop's is refused as it
+//! is by each other's. A dead stop's kill that a settlement finishes
+//! ([`crate::settle_in_flight`]) takes it too, from before its last look until after its kill,
+//! and leaves alone (settled, named) a process whose lock another holds: a wake of it is alive
+//! and decides what it becomes. A stop's own settlement finishes a kill of a process the stop
+//! already holds without taking it again (a second open file of the same process's lock
+//! would refuse it).
+//!
 //! A lock is taken once per operation, at its entry: a park's undo (restoring what it
 //! suspended) and a failed wake's park again run under the lock their operation holds and take
 //! none. `flock` locks belong to the open file, so two operations in one process (the agent's
@@ -33,9 +50,20 @@
 //! open is harmless then: nobody can park or wake a process that has ended.
 //!
 //! # Limitations
-//! Only parks and wakes take the lock: a stop, a freeze or a guard's settlement of the same
-//! process does not wait for it (a settlement already leaves alone a process whose journaled
-//! owner is alive).
+//! Parks, wakes, stops and a settlement's finishing kill take the lock; a freeze, a thaw, and a
+//! settlement's other steps (resuming what a dead park or freeze suspended, unlocking, ending a
+//! dead thaw's tree in `leftover`) do not: they act on processes whose journaled owner is dead,
+//! and a settlement already leaves alone a process whose journaled owner is alive. A thaw's
+//! removal of a tree it restored stops it through [`crate::stop()`], which takes the tree's
+//! locks: no one holds them (a thaw takes none, and its tree is not parked).
+//!
+//! A stop finds the state directory of the lock files from its journal's
+//! ([`state_of`]: every cryo command, the agent and the guard open the journal at
+//! `STATE/journal`); a journal opened anywhere else keeps the locks inside its own directory,
+//! which parks and wakes given that state directory would not share.
+//!
+//! A stop refused because one process of its target is at work stops none of them: its
+//! caller runs it again once the park or the wake has returned.
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
@@ -54,6 +82,8 @@ pub enum Op {
     Park,
     /// A wake ([`crate::wake`]).
     Wake,
+    /// A stop ([`crate::stop()`]), or a settlement finishing a dead stop's kill.
+    Stop,
 }
 
 impl Op {
@@ -62,6 +92,7 @@ impl Op {
         match self {
             Op::Park => "park",
             Op::Wake => "wake",
+            Op::Stop => "stop",
         }
     }
 }
@@ -72,20 +103,37 @@ impl std::fmt::Display for Op {
         f.write_str(match self {
             Op::Park => "parked",
             Op::Wake => "woken",
+            Op::Stop => "stopped",
         })
     }
 }
 
-/// The locks of one park or wake: held until dropped.
+/// The locks of one park, wake or stop: held until dropped.
 #[derive(Debug)]
 pub(crate) struct OpLocks {
     _held: Vec<File>,
+    /// The processes whose locks these are.
+    ids: Vec<cryo_journal::ProcId>,
 }
 
-/// Why a park or a wake could not take its locks.
+impl OpLocks {
+    /// Whether these hold process `pid`'s lock (so that a step of the same operation does not
+    /// take it again on a second open file, which its own lock would refuse).
+    pub(crate) fn holds(&self, pid: &cryo_journal::ProcId) -> bool {
+        self.ids.contains(pid)
+    }
+
+    /// Adds the locks of `more` (taken by the same operation later) to these.
+    pub(crate) fn extend(&mut self, more: OpLocks) {
+        self._held.extend(more._held);
+        self.ids.extend(more.ids);
+    }
+}
+
+/// Why a park, a wake or a stop could not take its locks.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum LockError {
-    /// Another park or wake holds process `pid`'s lock.
+    /// Another park, wake or stop holds process `pid`'s lock.
     #[error("busy")]
     Held {
         /// The process.
@@ -120,8 +168,10 @@ pub(crate) fn take(state: &StateDir, handles: &[ProcHandle], op: Op) -> Result<O
         .create(&dir)
         .map_err(err("create", &dir))?;
     let mut held = Vec::with_capacity(handles.len());
+    let mut ids = Vec::with_capacity(handles.len());
     for h in handles {
-        let path = state.op_lock(&id(h));
+        let pid = id(h);
+        let path = state.op_lock(&pid);
         let mut file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -147,9 +197,23 @@ pub(crate) fn take(state: &StateDir, handles: &[ProcHandle], op: Op) -> Result<O
             file.write_all(format!("{} {}", std::process::id(), op.word()).as_bytes())
         });
         held.push(file);
+        ids.push(pid);
     }
     sweep(&dir);
-    Ok(OpLocks { _held: held })
+    Ok(OpLocks { _held: held, ids })
+}
+
+/// The state directory whose `oplock/` the operations writing `journal` share: the journal's
+/// parent when the journal sits where [`StateDir::journal_dir`] puts it (`STATE/journal`: every
+/// cryo command, the agent and the guard open it so), so that a stop, whose callers pass only
+/// the journal, locks the files parks and wakes lock. A journal opened elsewhere (a test's own
+/// directory) keeps its locks inside its own directory, never in the directory around it.
+pub(crate) fn state_of(journal: &cryo_journal::Journal) -> StateDir {
+    let dir = journal.dir();
+    match dir.parent() {
+        Some(root) if dir.file_name().is_some_and(|n| n == "journal") => StateDir::new(root),
+        _ => StateDir::new(dir),
+    }
 }
 
 /// `O_NOFOLLOW`: a lock file planted as a symlink is refused, never followed.
@@ -169,6 +233,7 @@ fn holder(file: &mut File) -> (Option<Pid>, Option<Op>) {
     let doing = match words.next() {
         Some("park") => Some(Op::Park),
         Some("wake") | None => Some(Op::Wake),
+        Some("stop") => Some(Op::Stop),
         Some(_) => None,
     };
     (by, doing)

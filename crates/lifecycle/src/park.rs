@@ -205,12 +205,12 @@ pub const PARK_UNDO_DIES_RESTORED: &str = "park-undo-dies-restored";
 pub const PARK_BEFORE_RECORD: &str = "park-before-record";
 
 /// "parked", "woken", or "worked on" when the holder did not say.
-fn fmt_doing(doing: Option<crate::Op>) -> String {
+pub(crate) fn fmt_doing(doing: Option<crate::Op>) -> String {
     doing.map_or_else(|| "worked on".to_string(), |d| d.to_string())
 }
 
 /// "cryo pid N", or "another cryo process" when the holder did not say.
-fn fmt_by(by: Option<Pid>) -> String {
+pub(crate) fn fmt_by(by: Option<Pid>) -> String {
     by.map_or_else(
         || "another cryo process".to_string(),
         |by| format!("cryo pid {by}"),

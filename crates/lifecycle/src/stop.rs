@@ -1,8 +1,11 @@
 //! `cryo stop`: suspend-before-kill for every CUDA process of a target, verified through NVML.
 //!
 //! # Design
-//! 0. Suspensions that earlier stops, freezes or guards left half-way (their owner gone) are
-//!    settled first ([`crate::inflight`]); the report says what was done.
+//! 0. Every process of the target is locked against parks, wakes and other stops
+//!    ([`crate::oplock`]), held until the stop returns: one held already refuses the stop at
+//!    once ([`StopError::InProgress`]), nothing journaled, suspended or killed. Then
+//!    suspensions that earlier stops, freezes or guards left half-way (their owner gone) are
+//!    settled ([`crate::inflight`]); the report says what was done.
 //! 1. The target (a process tree, a cgroup subtree, or a list of pids) comes resolved to pidfd
 //!    handles ([`crate::target`]): the caller resolved it once, before any question to a driver.
 //! 2. Each process is looked at ([`crate::runnable`], [`crate::cuda`]): one stopped by job
@@ -15,13 +18,15 @@
 //!    as restored is killed without suspension instead of refusing the stop.
 //! 4. A cgroup target is listed again, a tree target walked again (its descendants and the
 //!    members of the sessions it leads: `forks`); processes that joined (that it forked)
-//!    meanwhile go through 2 and 3, until the set is stable (bounded; a set that keeps changing
+//!    meanwhile are locked as in 0 (one held is a refusal) and go through 2 and 3, until the
+//!    set is stable (bounded; a set that keeps changing
 //!    is refused, nothing killed).
 //! 5. The last look, before the first kill: every CUDA process is CHECKPOINTED, holds no driver
 //!    files, and NVML lists nothing for it; every other process holds no context either. Anything
 //!    else, or an error on that look, is a refusal, and nothing is killed.
 //! 6. End the CUDA processes, then the others, each CUDA process looked at once more right
-//!    before its own kill: a refusal there ends the kill phase at once. Every exit is confirmed
+//!    before its own kill: a refusal there ends the kill phase at once. No wake can restore it
+//!    between that look and its signal: the stop holds its lock (0). Every exit is confirmed
 //!    through its pidfd, and NVML must attribute no memory to them afterwards. A cgroup is listed
 //!    (a tree walked) once more: processes that joined (were forked) during the kills go
 //!    through the same steps.
@@ -43,7 +48,7 @@ use cryo_proc::{Pid, ProcError, ProcHandle, Signal};
 
 use crate::cuda::{classify, Class};
 use crate::failpoint;
-use crate::inflight::{settle_in_flight, SettleError, Settled};
+use crate::inflight::{SettleError, Settled};
 use crate::progress::Progress;
 use crate::runnable::{resume, runnable, Runnable};
 use crate::suspend::{id, suspend, SuspendFailure, SuspendOptions, Suspended};
@@ -65,6 +70,11 @@ pub enum EndSignal {
 /// The default overall deadline of a stop: below Kubernetes' default grace period (30 s), with
 /// room for the kubelet's own steps.
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(25);
+
+/// Failpoint (`CRYO_FAILPOINT`, a test hook; a pause, see `failpoint::pause_if`): a stop pauses
+/// in its kill phase once a CUDA process was read CHECKPOINTED right before its kill, before its
+/// signal (where a wake of the same worker would find it still CHECKPOINTED).
+pub const STOP_KILL_AFTER_LOOK: &str = "stop-kill-after-look";
 
 /// Options of a stop.
 #[derive(Debug, Clone)]
@@ -190,6 +200,22 @@ pub enum StopError {
     /// The inspection API (NVML) could not list processes.
     #[error("cannot list GPU processes: {0}")]
     Inspect(#[from] cryo_gpu::InspectError),
+    /// A park or a wake (or another stop) is at work on a process of the target: it holds the
+    /// process's lock ([`crate::oplock`]). Nothing was read, journaled, suspended or killed by
+    /// this stop.
+    #[error("pid {pid} is being {} by {}: left to it; nothing was stopped", crate::park::fmt_doing(*.doing), crate::park::fmt_by(*.by))]
+    InProgress {
+        /// The process.
+        pid: Pid,
+        /// The cryo process at work on it, when known.
+        by: Option<Pid>,
+        /// What that one does, when known.
+        doing: Option<crate::Op>,
+    },
+    /// A process's lock could not be taken (its file could not be created, opened or locked);
+    /// nothing was suspended or killed.
+    #[error("cannot take the stop's lock: {0}")]
+    Lock(String),
     /// A process did not exit after SIGKILL.
     #[error("pid {0} did not exit after SIGKILL")]
     NotExited(Pid),
@@ -201,6 +227,18 @@ pub enum StopError {
         /// Bytes listed.
         bytes: u64,
     },
+}
+
+impl StopError {
+    /// A stop's lock that could not be taken.
+    fn from_lock(e: crate::oplock::LockError) -> Self {
+        match e {
+            crate::oplock::LockError::Held { pid, by, doing } => {
+                StopError::InProgress { pid, by, doing }
+            }
+            e => StopError::Lock(e.to_string()),
+        }
+    }
 }
 
 /// How many times a cgroup is listed again for processes that joined it during the stop.
@@ -252,11 +290,19 @@ pub fn stop(
     let until = opts.deadline.map(|d| start + d);
     let gpu = &gpu.bounded(until.map_or(Limits::default(), |u| Limits::default().until(u)));
     let described = target.target().to_string();
+    // One operation at a time per process, held from before the first look at a process until
+    // after its kill: a park or a wake at work refuses this stop before it reads, journals or
+    // suspends anything; a wake meeting this stop is refused the same way, so nothing this
+    // stop verified CHECKPOINTED is restored under it before its kill.
+    let state = crate::oplock::state_of(journal);
+    let mut locks = crate::oplock::take(&state, target.handles(), crate::Op::Stop)
+        .map_err(StopError::from_lock)?;
     journal.append(Event::StopRequested {
         target: described.clone(),
     })?;
     // No guard to trace what it would resume: a dead freeze's worker stays suspended (safe).
-    let settled = settle_in_flight(gpu, journal, None)?;
+    // What this stop holds is not taken again by the settlement's kills.
+    let settled = crate::inflight::settle_in_flight_holding(gpu, journal, None, Some(&locks))?;
     // Before anything is locked: a shrink that does not happen leaves the engine whole.
     let budget = opts
         .shrink
@@ -308,6 +354,9 @@ pub fn stop(
         // A cgroup (a tree) is taken as a whole: processes that joined it (that it forked)
         // meanwhile go through the same.
         let joined = run.joiners(target, &sessions, round)?;
+        if !run.lock_joined(&state, &mut locks, &joined)? {
+            break Outcome::Refused;
+        }
         if !joined.is_empty() {
             from = run.add_joined(joined, joined_note(target, "during the stop"));
             round += 1;
@@ -321,6 +370,9 @@ pub fn stop(
             break Outcome::Refused;
         }
         let joined = run.joiners(target, &sessions, round)?;
+        if !run.lock_joined(&state, &mut locks, &joined)? {
+            break Outcome::Refused;
+        }
         if joined.is_empty() {
             break Outcome::Ended;
         }
@@ -705,6 +757,43 @@ impl Run<'_> {
         Ok(out)
     }
 
+    /// Takes the locks of the processes that joined the target (that it forked) during the
+    /// stop, as the target's were at its start. `false`: one is held by a park, a wake or
+    /// another stop, and is refused (the stop kills nothing more).
+    fn lock_joined(
+        &mut self,
+        state: &cryo_state::StateDir,
+        locks: &mut crate::oplock::OpLocks,
+        joined: &[ProcHandle],
+    ) -> Result<bool, StopError> {
+        if joined.is_empty() {
+            return Ok(true);
+        }
+        match crate::oplock::take(state, joined, crate::Op::Stop) {
+            Ok(more) => {
+                locks.extend(more);
+                Ok(true)
+            }
+            Err(crate::oplock::LockError::Held { pid, by, doing }) => {
+                if let Some(h) = joined.iter().find(|h| h.pid() == pid) {
+                    let h = h.try_clone()?;
+                    self.refuse(
+                        &h,
+                        SuspendFailure::LastLook {
+                            found: format!(
+                                "being {} by {}",
+                                crate::park::fmt_doing(doing),
+                                crate::park::fmt_by(by)
+                            ),
+                        },
+                    )?;
+                }
+                Ok(false)
+            }
+            Err(e) => Err(StopError::Lock(e.to_string())),
+        }
+    }
+
     /// Step 5: the last look before the first kill. `false`: refused, nothing killed.
     fn last_look(&mut self) -> Result<bool, StopError> {
         let listed = match self.gpu.inspect.processes() {
@@ -790,6 +879,9 @@ impl Run<'_> {
                         return Ok(false);
                     }
                 }
+            }
+            if m.is_cuda() && !m.unsuspended {
+                failpoint::pause_if(STOP_KILL_AFTER_LOOK);
             }
             let h = self.members[i].h.try_clone()?;
             let unsuspended = self.members[i].unsuspended;

@@ -77,6 +77,23 @@ pub fn run(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
             standalone(ctx, &req, None, p)
         },
     );
+    // A park or a wake at work on a process of the target (it holds the process's lock): refused
+    // at once, nothing stopped, exit 3 as a park's or a wake's refusal for the same reason.
+    let in_progress = |e: &anyhow::Error| {
+        matches!(
+            e.downcast_ref::<cryo_lifecycle::StopError>(),
+            Some(cryo_lifecycle::StopError::InProgress { .. })
+        ) || e
+            .downcast_ref::<route::AgentSaid>()
+            .is_some_and(|a| a.0.kind == cryo_api::ErrorKind::Refused)
+    };
+    let result = match result {
+        Err(e) if in_progress(&e) => {
+            eprintln!("cryo: refused: stopping {}: {e}", describe(&target));
+            return Ok(exit::REFUSED);
+        }
+        r => r,
+    };
     let report = result.with_context(|| format!("stopping {}", describe(&target)))?;
     let code = exit_code(&report);
     if args.json {

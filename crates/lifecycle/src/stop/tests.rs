@@ -623,3 +623,56 @@ fn a_child_forked_during_the_stop_of_a_tree_is_stopped_too() {
     );
     assert_eq!(report.forked(), vec![late.pid()], "{report:?}");
 }
+
+/// A stop of a process whose lock a wake (or a park) holds is refused at once naming it:
+/// nothing journaled, nothing asked of the driver, nothing killed, and the other processes of
+/// the target are left too. Once the holder lets go, the stop goes through; a wake meeting a
+/// stop's lock is refused the same way (its holder writes "stop").
+#[test]
+fn a_stop_of_a_process_a_wake_holds_is_refused_and_nothing_is_done() {
+    let mut procs = Procs::spawn(2);
+    let fake = FakeGpu::new();
+    fake.add(procs.pid(0))
+        .set_state(procs.pid(0), ProcessState::Checkpointed);
+    fake.add(procs.pid(1));
+    let (dir, journal) = temp_journal();
+    let state = crate::oplock::state_of(&journal);
+    let target = Target::Pids(procs.pids()).resolve().unwrap();
+    let me = Some(std::process::id() as Pid);
+    for doing in [crate::Op::Wake, crate::Op::Park] {
+        let held = crate::oplock::take(&state, &target.handles()[..1], doing).unwrap();
+        let before = cryo_journal::read(dir.path()).unwrap().records.len();
+        let e = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap_err();
+        assert!(
+            matches!(e, StopError::InProgress { pid, by, doing: d } if pid == procs.pid(0) && by == me && d == Some(doing)),
+            "{e}"
+        );
+        assert!(
+            e.to_string().contains(&format!(
+                "pid {} is being {doing} by cryo pid",
+                procs.pid(0)
+            )),
+            "{e}"
+        );
+        assert_eq!(
+            cryo_journal::read(dir.path()).unwrap().records.len(),
+            before,
+            "journaled"
+        );
+        for p in procs.pids() {
+            assert_eq!(fake.count(p, Call::Lock), 0);
+        }
+        assert!(procs.alive(0) && procs.alive(1), "killed");
+        drop(held);
+    }
+    // Let go, the stop goes through, and lets go of its locks when it returns.
+    let handles: Vec<_> = procs
+        .pids()
+        .into_iter()
+        .map(|p| cryo_proc::ProcHandle::open(p).unwrap())
+        .collect();
+    let report = stop(&fake.gpu(), &target, &opts(), &journal, &NoProgress).unwrap();
+    assert!(report.stopped(), "{report:?}");
+    crate::oplock::take(&state, &handles, crate::Op::Wake).unwrap();
+    assert!(fake.wedges().is_empty());
+}
