@@ -147,7 +147,8 @@ impl Agent {
                 e @ (FreezeError::Refused(_)
                 | FreezeError::CrossProcessCuda { .. }
                 | FreezeError::CudaProcessEnded { .. }
-                | FreezeError::KeepsForking { .. }),
+                | FreezeError::KeepsForking { .. }
+                | FreezeError::InProgress { .. }),
             ) => Err(refused(e)),
             Err(e) => Err(failed(e)),
         }

@@ -3247,6 +3247,12 @@ fn a_thaw_that_fills_its_disk_after_its_gpu_restore() -> FullDiskThaw {
         env.sim.gpu.driver.state(pid).unwrap(),
         cryo_gpu::ProcessState::Locked
     );
+    // The freeze's lock file of the frozen (ended) worker, which the removal's stop would
+    // sweep (freeing its page: room for the stop's records), is removed before the disk is
+    // filled, so that the disk stays full.
+    for f in fs::read_dir(st.join("oplock")).unwrap() {
+        fs::remove_file(f.unwrap().path()).unwrap();
+    }
     let filler = disk.fill();
     common::fill_journal_page(&st);
     fs::write(&resume, b"").unwrap();

@@ -60,6 +60,16 @@
 //! guard's socket the lease is the connection; in the agent the guard dies too, and the next one
 //! re-attaches and resumes the worker under watch, `settle_in_flight`).
 //!
+//! One operation at a time per process ([`crate::oplock`], [`crate::Op::Freeze`]): the freeze
+//! takes the lock of every process of the tree before its first look at it, and of every fork
+//! before it looks at that, and holds them until it returns (the worker gone, or given back as
+//! it found it). A park, a wake or a stop holding one refuses the freeze at once, nothing read,
+//! suspended or dumped ([`FreezeError::InProgress`], exit 3); one meeting the freeze's lock is
+//! refused the same way. (Before: a wake of a parked worker whose freeze had verified it
+//! CHECKPOINTED and not yet dumped it restored and unlocked it, and the freeze then dumped a
+//! live restored context, for CRIU to end.) Its undos (resuming in place) run under these locks
+//! and take none; it calls nothing that takes them.
+//!
 //! # Limitations
 //! The root must lead its own session (start workers with `setsid`); no `shell_job`. Processes
 //! traced by anything but the watcher are refused rather than detached.
@@ -336,6 +346,34 @@ pub enum FreezeError {
     /// The journal could not be written before acting.
     #[error("cannot write the journal: {0}")]
     Journal(#[from] cryo_journal::AppendError),
+    /// A park, a wake, a stop or another freeze is at work on a process of the tree: it holds
+    /// the process's lock ([`crate::oplock`]). Nothing was read, suspended or dumped by this
+    /// freeze.
+    #[error("pid {pid} is being {} by {}: left to it; nothing was frozen", crate::park::fmt_doing(*.doing), crate::park::fmt_by(*.by))]
+    InProgress {
+        /// The process.
+        pid: Pid,
+        /// The cryo process at work on it, when known.
+        by: Option<Pid>,
+        /// What that one does, when known.
+        doing: Option<crate::Op>,
+    },
+    /// A process's lock could not be taken (its file could not be created, opened or locked);
+    /// nothing was suspended or dumped.
+    #[error("cannot take the freeze's lock: {0}")]
+    Lock(String),
+}
+
+impl FreezeError {
+    /// A freeze's lock that could not be taken.
+    fn from_lock(e: crate::oplock::LockError) -> Self {
+        match e {
+            crate::oplock::LockError::Held { pid, by, doing } => {
+                FreezeError::InProgress { pid, by, doing }
+            }
+            e => FreezeError::Lock(e.to_string()),
+        }
+    }
 }
 
 fn describe_refusals(r: &[FreezeRefusal]) -> String {
@@ -362,6 +400,15 @@ pub fn freeze(
         .ok_or_else(|| FreezeError::NotATree(tree.target().to_string()))?
         .pid();
     let handles = tree.handles();
+    // One operation at a time per process, held from before the first look at the tree until
+    // the freeze returns (the worker gone, or given back as found): a park, a wake or a stop at
+    // work refuses this freeze before it reads or suspends anything; a wake meeting this freeze
+    // is refused the same way, so nothing it verified CHECKPOINTED is restored under it before
+    // CRIU ends it. Its undos (resuming in place) run under these locks and take none.
+    let state = crate::oplock::state_of(journal);
+    let locks = std::cell::RefCell::new(
+        crate::oplock::take(&state, handles, crate::Op::Freeze).map_err(FreezeError::from_lock)?,
+    );
     let gpu = &gpu.bounded(cryo_gpu::Limits::default());
     // Before anything is asked of the engine or the guard: a tree that can never be restored
     // is refused as it is.
@@ -391,6 +438,8 @@ pub fn freeze(
         journal,
         watcher,
         progress,
+        state: &state,
+        locks: &locks,
     };
     let mut result = freeze_tree(&cx);
     if let Some(s) = shrunk.as_mut() {
@@ -469,6 +518,10 @@ struct Ctx<'a> {
     journal: &'a Journal,
     watcher: &'a dyn Watcher,
     progress: &'a dyn Progress,
+    /// The state directory of the freeze's locks.
+    state: &'a cryo_state::StateDir,
+    /// The freeze's locks: the tree's, and its forks' as they are found.
+    locks: &'a std::cell::RefCell<crate::oplock::OpLocks>,
 }
 
 fn freeze_tree(cx: &Ctx<'_>) -> Result<FreezeReport, FreezeError> {
@@ -1055,6 +1108,8 @@ fn suspend_forks(
         journal,
         watcher,
         progress,
+        state,
+        locks,
         ..
     } = *cx;
     // Every process found so far (its descendants are looked at again).
@@ -1067,6 +1122,16 @@ fn suspend_forks(
         if new.is_empty() {
             return Ok(());
         }
+        // A fork is locked as the tree was, before it is looked at: once (one still opening
+        // the driver is found again by the next look, its lock already this freeze's).
+        let unlocked: Vec<ProcHandle> = new
+            .iter()
+            .filter(|h| !locks.borrow().holds(&id(h)))
+            .filter_map(|h| h.try_clone().ok())
+            .collect();
+        let more = crate::oplock::take(state, &unlocked, crate::Op::Freeze)
+            .map_err(FreezeError::from_lock)?;
+        locks.borrow_mut().extend(more);
         let listed = gpu.inspect.processes()?;
         let (mut batch, mut states, mut opening) = (Vec::new(), Vec::new(), Vec::new());
         for h in new {

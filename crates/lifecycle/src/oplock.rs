@@ -49,8 +49,16 @@
 //! processes that have ended are removed by the next one. Removing a file another operation has
 //! open is harmless then: nobody can park or wake a process that has ended.
 //!
+//! A freeze takes it too ([`Op::Freeze`]) on every process of its tree before its first look,
+//! and on every fork before it looks at it, and holds them until it returns, the worker gone
+//! (or given back as found): a wake of a parked worker whose freeze had verified it
+//! CHECKPOINTED restored and unlocked it before the dump, and the freeze then dumped a live
+//! restored context for CRIU to end. A freeze finding a lock held is refused at once
+//! ([`crate::FreezeError::InProgress`]); a park, a wake or a stop finding a freeze's is refused
+//! as by each other's.
+//!
 //! # Limitations
-//! Parks, wakes, stops and a settlement's finishing kill take the lock; a freeze, a thaw, and a
+//! Parks, wakes, stops, freezes and a settlement's finishing kill take the lock; a thaw, and a
 //! settlement's other steps (resuming what a dead park or freeze suspended, unlocking, ending a
 //! dead thaw's tree in `leftover`) do not: they act on processes whose journaled owner is dead,
 //! and a settlement already leaves alone a process whose journaled owner is alive. A thaw's
@@ -84,6 +92,8 @@ pub enum Op {
     Wake,
     /// A stop ([`crate::stop()`]), or a settlement finishing a dead stop's kill.
     Stop,
+    /// A freeze ([`crate::freeze()`]), from before its first look until the worker is gone.
+    Freeze,
 }
 
 impl Op {
@@ -93,6 +103,7 @@ impl Op {
             Op::Park => "park",
             Op::Wake => "wake",
             Op::Stop => "stop",
+            Op::Freeze => "freeze",
         }
     }
 }
@@ -104,6 +115,7 @@ impl std::fmt::Display for Op {
             Op::Park => "parked",
             Op::Wake => "woken",
             Op::Stop => "stopped",
+            Op::Freeze => "frozen",
         })
     }
 }
@@ -234,6 +246,7 @@ fn holder(file: &mut File) -> (Option<Pid>, Option<Op>) {
         Some("park") => Some(Op::Park),
         Some("wake") | None => Some(Op::Wake),
         Some("stop") => Some(Op::Stop),
+        Some("freeze") => Some(Op::Freeze),
         Some(_) => None,
     };
     (by, doing)

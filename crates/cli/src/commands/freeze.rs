@@ -138,7 +138,8 @@ fn standalone(
             e @ (FreezeError::Refused(_)
             | FreezeError::CrossProcessCuda { .. }
             | FreezeError::CudaProcessEnded { .. }
-            | FreezeError::KeepsForking { .. }),
+            | FreezeError::KeepsForking { .. }
+            | FreezeError::InProgress { .. }),
         ) => Err(Outcome::Refused(e.to_string())),
         Err(e) => Err(failed(e.into())),
     }
