@@ -5575,3 +5575,133 @@ fn dies_mid_thaw(how: &str) {
     eventually(PATIENCE, "the go", || go.exists());
     panic!("dying in the middle of a thaw, as asked");
 }
+
+/// `cryo freeze PID --image IMAGE` paused at `failpoint` until `resume` exists: the child and its
+/// stderr (kept open: a freeze writing to a closed stderr would panic).
+fn freeze_paused_at(
+    env: &Env,
+    pid: i32,
+    image: &Path,
+    failpoint: &str,
+    resume: &Path,
+) -> (Child, std::process::ChildStderr) {
+    let mut freeze = env
+        .cmd()
+        .env("CRYO_FAILPOINT", failpoint)
+        .env("CRYO_FAILPOINT_RESUME", resume)
+        .args(["freeze", &pid.to_string(), "--image"])
+        .arg(image)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = freeze.stderr.take().unwrap();
+    common::said_until(&mut err, "paused until");
+    (freeze, err)
+}
+
+/// Attack (session 22): a `cryo freeze` of a parked worker paused after its suspension's
+/// verification (`freeze-after-gpu-free`: CHECKPOINTED, nothing let go or dumped) or at CRIU's
+/// gate (`freeze-at-dump-gate`: the tree dumped and seized, not yet ended), then a `cryo wake`
+/// of it. The wake must be refused at once (exit 3) naming the freeze, touching nothing; the
+/// freeze, let go, publishes the image and ends the worker (CHECKPOINTED: safe); no wedge.
+/// (Before, paused after GPU free: the wake restored and unlocked the worker, exit 0, "gpu
+/// restore done", and the freeze then dumped a RUNNING restored worker: CRIU happened to fail
+/// ("criu dump failed ...: unix: External socket is used"), the freeze exited 1 and the worker
+/// ran on; a dump that succeeded would have ended the live restored context. Paused at the gate:
+/// the simulated driver answered the seized worker's GetState with NOT_INITIALIZED and the wake
+/// said "tree of pid N holds no CUDA process: nothing to wake", a wrong reason.)
+#[test]
+fn a_wake_meeting_a_freeze_after_its_verification_is_refused_and_the_freeze_ends_it_safely() {
+    for failpoint in [
+        cryo_lifecycle::freeze::FREEZE_AFTER_GPU_FREE,
+        cryo_lifecycle::freeze::FREEZE_AT_DUMP_GATE,
+    ] {
+        let mut env = Env::start("1GiB");
+        let (pid, _sock) = env.worker("64MiB", 0);
+        let out = env.cryo(&["park", &pid.to_string()]);
+        assert!(out.status.success(), "park: {}", stderr(&out));
+        let image = env.path().join("img");
+        let resume = env.path().join("go");
+        let (freeze, mut err) = freeze_paused_at(&env, pid, &image, failpoint, &resume);
+        let by = freeze.id();
+        let wake = env.cryo(&["wake", &pid.to_string()]);
+        assert_eq!(
+            wake.status.code(),
+            Some(3),
+            "{failpoint}: {}",
+            stderr(&wake)
+        );
+        assert!(
+            stderr(&wake).contains(&format!("pid {pid} is being frozen by cryo pid {by}")),
+            "{failpoint}: {}",
+            stderr(&wake)
+        );
+        fs::write(&resume, b"").unwrap();
+        let mut said = String::new();
+        err.read_to_string(&mut said).unwrap();
+        let freeze = freeze.wait_with_output().unwrap();
+        assert!(
+            freeze.status.success(),
+            "{failpoint}: the freeze failed: {said}"
+        );
+        assert!(image.exists(), "{failpoint}");
+        env.reap_worker(pid);
+        assert!(!alive(pid), "{failpoint}");
+        env.sim.assert_no_wedge();
+    }
+}
+
+/// The other order (session 22): a `cryo wake` of a parked worker paused before its restore
+/// (`wake-before-restore`) or between its restore and its unlock (`restore-before-completed`),
+/// then a `cryo freeze` of it. The freeze must be refused at once (exit 3) naming the wake,
+/// nothing suspended or dumped; the wake, let go, brings the worker back running; no wedge.
+#[test]
+fn a_freeze_meeting_a_wake_at_work_is_refused_and_the_wake_wakes() {
+    for failpoint in [
+        cryo_lifecycle::park::WAKE_BEFORE_RESTORE,
+        cryo_lifecycle::restore::RESTORE_BEFORE_COMPLETED,
+    ] {
+        let mut env = Env::start("1GiB");
+        let (pid, _sock) = env.worker("64MiB", 0);
+        let out = env.cryo(&["park", &pid.to_string()]);
+        assert!(out.status.success(), "park: {}", stderr(&out));
+        let resume = env.path().join("go");
+        let mut wake = env
+            .cmd()
+            .env("CRYO_FAILPOINT", failpoint)
+            .env("CRYO_FAILPOINT_RESUME", &resume)
+            .args(["wake", &pid.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut err = wake.stderr.take().unwrap();
+        common::said_until(&mut err, "paused until");
+        let by = wake.id();
+        let image = env.path().join("img");
+        let freeze = env.try_freeze(pid, &image, &[]);
+        assert_eq!(
+            freeze.status.code(),
+            Some(3),
+            "{failpoint}: {}",
+            stderr(&freeze)
+        );
+        assert!(
+            stderr(&freeze).contains(&format!("pid {pid} is being woken by cryo pid {by}")),
+            "{failpoint}: {}",
+            stderr(&freeze)
+        );
+        assert!(!image.exists(), "{failpoint}");
+        fs::write(&resume, b"").unwrap();
+        let mut said = String::new();
+        err.read_to_string(&mut said).unwrap();
+        assert!(wake.wait().unwrap().success(), "{failpoint}: {said}");
+        assert_eq!(
+            env.sim.gpu.driver.state(pid).unwrap(),
+            cryo_gpu::ProcessState::Running,
+            "{failpoint}"
+        );
+        env.stop_clean(pid);
+    }
+}
