@@ -1167,6 +1167,14 @@ fn a_wake_meeting_a_park_before_its_checkpoint_is_refused_and_the_park_parks() {
 /// and unlocks the worker, which serves as before, restored once; no wedge.
 #[test]
 fn a_park_meeting_a_wake_before_its_unlock_through_the_agent_is_refused() {
+    meets_a_wake_before_its_unlock_through_the_agent("park");
+}
+
+/// A `cryo OP` of a worker whose wake the agent runs, paused between its restore and its
+/// unlock: OP (run by the agent too) is refused (exit 3) naming the agent, touching nothing;
+/// the wake, let go, traces (the agent's guard) and unlocks the worker, which serves as before,
+/// restored once; no wedge.
+fn meets_a_wake_before_its_unlock_through_the_agent(op: &str) {
     let sim = Sim::start();
     let st = state();
     let go = st.path().join("go");
@@ -1196,9 +1204,9 @@ fn a_park_meeting_a_wake_before_its_unlock_through_the_agent_is_refused() {
         },
     );
     assert_eq!(sim.state(w.pid), "locked");
-    let park = run(&sim, st.path(), &["park", &pid]);
-    refused_as_in_progress(&w, &park, "woken", agent.child.id());
-    assert_eq!(sim.state(w.pid), "locked", "the park touched it");
+    let second = run(&sim, st.path(), &[op, &pid]);
+    refused_as_in_progress(&w, &second, "woken", agent.child.id());
+    assert_eq!(sim.state(w.pid), "locked", "the {op} touched it");
     std::fs::write(&go, b"").unwrap();
     let wake = wake.wait_with_output().unwrap();
     ok(&wake);
@@ -1297,49 +1305,5 @@ fn a_stop_meeting_a_wake_at_work_is_refused_and_the_wake_wakes() {
 /// serves as before; no wedge.
 #[test]
 fn a_stop_meeting_a_wake_before_its_unlock_through_the_agent_is_refused() {
-    let sim = Sim::start();
-    let st = state();
-    let go = st.path().join("go");
-    let failpoint = cryo_lifecycle::restore::RESTORE_BEFORE_COMPLETED;
-    let agent = AgentProc::start_with(&sim, st.path(), &["--no-memory-watch"], |c| {
-        c.env("CRYO_FAILPOINT", failpoint)
-            .env("CRYO_FAILPOINT_RESUME", &go);
-    });
-    let w = worker(&sim, "64MiB", 0);
-    let pid = w.pid.to_string();
-    let before = w.complete("the same question");
-    ok(&run(&sim, st.path(), &["park", &pid]));
-    let wake = sim
-        .cmd_at(st.path())
-        .args(["wake", &pid])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    common::eventually(
-        cryo_testkit::PATIENCE,
-        "the agent's wake at its failpoint",
-        || {
-            agent
-                .log()
-                .contains(&format!("failpoint {failpoint} reached"))
-        },
-    );
-    assert_eq!(sim.state(w.pid), "locked");
-    let stop = run(&sim, st.path(), &["stop", &pid]);
-    refused_as_in_progress(&w, &stop, "woken", agent.child.id());
-    assert_eq!(sim.state(w.pid), "locked", "the stop touched it");
-    std::fs::write(&go, b"").unwrap();
-    let wake = wake.wait_with_output().unwrap();
-    ok(&wake);
-    assert_eq!(sim.state(w.pid), "running");
-    assert_eq!(
-        w.complete("the same question"),
-        before,
-        "it serves as before"
-    );
-    restored_once(st.path(), &w);
-    sim.assert_no_wedge();
-    drop(agent);
-    common::stop_pin_holder(st.path());
+    meets_a_wake_before_its_unlock_through_the_agent("stop");
 }
