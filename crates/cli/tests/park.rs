@@ -1090,6 +1090,15 @@ fn refused_as_in_progress(w: &Worker, second: &Output, doing: &str, by: u32) {
 /// processes were parked again".)
 #[test]
 fn a_park_meeting_a_wake_at_work_is_refused_and_the_wake_wakes() {
+    meets_a_wake_at_work("park");
+}
+
+/// A `cryo OP` of a parked worker whose wake is paused before its restore
+/// (`wake-before-restore`: CHECKPOINTED) or between its restore and its unlock
+/// (`restore-before-completed`: LOCKED, restored): OP is refused at once naming the wake,
+/// touching nothing; the wake, let go, brings the worker back serving as before, restored once;
+/// no wedge.
+fn meets_a_wake_at_work(op: &str) {
     for (failpoint, found) in [
         (cryo_lifecycle::park::WAKE_BEFORE_RESTORE, "checkpointed"),
         (cryo_lifecycle::restore::RESTORE_BEFORE_COMPLETED, "locked"),
@@ -1103,9 +1112,9 @@ fn a_park_meeting_a_wake_at_work_is_refused_and_the_wake_wakes() {
         let wake = paused_at(&sim, st.path(), &["wake", &pid], failpoint);
         let by = wake.0.id();
         assert_eq!(sim.state(w.pid), found, "{failpoint}");
-        let park = run(&sim, st.path(), &["park", &pid]);
-        refused_as_in_progress(&w, &park, "woken", by);
-        assert_eq!(sim.state(w.pid), found, "{failpoint}: the park touched it");
+        let second = run(&sim, st.path(), &[op, &pid]);
+        refused_as_in_progress(&w, &second, "woken", by);
+        assert_eq!(sim.state(w.pid), found, "{failpoint}: the {op} touched it");
         let (status, said) = let_go(st.path(), wake);
         assert!(status.success(), "{failpoint}: the wake failed: {said}");
         assert_eq!(sim.state(w.pid), "running", "{failpoint}");
@@ -1269,33 +1278,7 @@ fn a_wake_meeting_a_stop_before_its_kill_is_refused_and_the_stop_ends_it_safely(
 /// again".)
 #[test]
 fn a_stop_meeting_a_wake_at_work_is_refused_and_the_wake_wakes() {
-    for (failpoint, found) in [
-        (cryo_lifecycle::park::WAKE_BEFORE_RESTORE, "checkpointed"),
-        (cryo_lifecycle::restore::RESTORE_BEFORE_COMPLETED, "locked"),
-    ] {
-        let sim = Sim::start();
-        let st = state();
-        let w = worker(&sim, "64MiB", 0);
-        let pid = w.pid.to_string();
-        let before = w.complete("the same question");
-        ok(&run(&sim, st.path(), &["park", &pid]));
-        let wake = paused_at(&sim, st.path(), &["wake", &pid], failpoint);
-        let by = wake.0.id();
-        assert_eq!(sim.state(w.pid), found, "{failpoint}");
-        let stop = run(&sim, st.path(), &["stop", &pid]);
-        refused_as_in_progress(&w, &stop, "woken", by);
-        assert_eq!(sim.state(w.pid), found, "{failpoint}: the stop touched it");
-        let (status, said) = let_go(st.path(), wake);
-        assert!(status.success(), "{failpoint}: the wake failed: {said}");
-        assert_eq!(sim.state(w.pid), "running", "{failpoint}");
-        assert_eq!(
-            w.complete("the same question"),
-            before,
-            "{failpoint}: it serves as before"
-        );
-        restored_once(st.path(), &w);
-        sim.assert_no_wedge();
-    }
+    meets_a_wake_at_work("stop");
 }
 
 /// The other order through the agent, which runs both the wake and the stop (its locks two open
