@@ -22,10 +22,14 @@
 //!
 //! # Strict where the real driver is unknown
 //! - A call whose restore thread cannot run (the process is stopped by a signal or a debugger,
-//!   or frozen) gets no answer, lock with a timeout included, until the caller gives up or the
-//!   process dies (then answered as for the dead process); the call stays queued and takes effect
-//!   when the thread runs again, even though nobody waits for it any more. Callers need deadlines
-//!   of their own and must look at the state afterwards.
+//!   or frozen, or held by CRIU through a dump: seized, up to its `post-dump` stage, where cryo's
+//!   gate judges it) gets no answer, lock with a timeout included, until the caller gives up or
+//!   the process dies (then answered as for the dead process); the call stays queued and takes
+//!   effect when the thread runs again, even though nobody waits for it any more. Callers need
+//!   deadlines of their own and must look at the state afterwards, and must never read no answer
+//!   as "no CUDA state": a CHECKPOINTED process so held has no driver files and nothing in NVML,
+//!   as a plain one. `GetRestoreThreadId` alone is answered for it. A plain process held so is
+//!   still answered "not initialised" at once (it has no restore thread).
 //! - A pid that does not exist: `CUDA_ERROR_INVALID_VALUE`. A process without a restore thread (no
 //!   CUDA, or a zombie: its files are closed, even while pins keep its context alive and NVML
 //!   lists it): `CUDA_ERROR_NOT_INITIALIZED`, the codes a caller may read as "no CUDA state",

@@ -7,14 +7,17 @@
 mod common;
 
 use std::io::ErrorKind;
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::{code, Sim, WorkerSpec};
-use cryo_gpu::{CuResult, ProcessState};
+use cryo_gpu::{CuResult, DriverError, Limits, ProcessState};
 use cryo_proc::Pid;
 use cryo_sim::proto::{self, ApiCall, ApiDone, CallKind, HangRule, Reply, Request};
-use cryo_testkit::{eventually, procs, PATIENCE};
+use cryo_testkit::{eventually, eventually_said, procs, PATIENCE};
 use nix::sys::ptrace;
 use nix::sys::signal::{kill, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag};
@@ -89,6 +92,90 @@ impl Drop for Frozen {
     }
 }
 
+/// `criu dump` of `pid` held at its `post-dump` stage (every image written, the tree seized and
+/// frozen: where cryo's gate judges a dump) until [`CriuAtGate::let_go`]; the stage's script then
+/// fails, so CRIU resumes the tree and ends nothing.
+struct CriuAtGate {
+    criu: Child,
+    dir: PathBuf,
+}
+
+impl CriuAtGate {
+    fn dump(sim: &Sim, pid: Pid) -> CriuAtGate {
+        cryo_testkit::require_criu_and_root();
+        let dir = sim.path().join(format!("dump-{pid}"));
+        std::fs::create_dir(&dir).unwrap();
+        let script = dir.join("gate.sh");
+        std::fs::write(
+            &script,
+            format!(
+                "#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = post-dump ] || exit 0\n\
+                 touch '{d}/reached'\nwhile [ ! -e '{d}/go' ]; do sleep 0.05; done\nexit 1\n",
+                d = dir.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let mut criu = Command::new("criu")
+            .args([
+                "dump",
+                "-t",
+                &pid.to_string(),
+                "-o",
+                "dump.log",
+                "-v4",
+                "-D",
+            ])
+            .arg(&dir)
+            .arg("--action-script")
+            .arg(&script)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("criu must be installed (criu 4.x on PATH)");
+        let log = || std::fs::read_to_string(dir.join("dump.log")).unwrap_or_default();
+        eventually_said(
+            PATIENCE,
+            || format!("CRIU to reach its post-dump stage: {}", log()),
+            || {
+                if let Some(st) = criu.try_wait().unwrap() {
+                    panic!(
+                        "criu dump ended before its post-dump stage ({st}): {}",
+                        log()
+                    );
+                }
+                dir.join("reached").exists()
+            },
+        );
+        CriuAtGate { criu, dir }
+    }
+
+    /// Lets CRIU go on: it resumes the tree (its post-dump stage failed) and exits.
+    fn let_go(mut self) {
+        std::fs::write(self.dir.join("go"), b"").unwrap();
+        let st = self.criu.wait().unwrap();
+        assert!(!st.success(), "the dump was to fail at its post-dump stage");
+    }
+}
+
+impl Drop for CriuAtGate {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.dir.join("go"), b"");
+        let _ = self.criu.wait();
+    }
+}
+
+/// The driver's answer to `GetState` of `pid` through a caller-side deadline of `limit`, as
+/// every caller in cryo asks it.
+fn bounded_state(sim: &Sim, pid: Pid, limit: Duration) -> Result<ProcessState, DriverError> {
+    let gpu = sim.gpu.bounded(Limits {
+        query: limit,
+        ..Limits::default()
+    });
+    gpu.driver.state(pid)
+}
+
 fn tid_of(reply: Option<Reply>) -> Pid {
     match reply {
         Some(Reply::Api(ApiDone::Tid(t))) => t,
@@ -157,6 +244,68 @@ fn a_frozen_process_whose_restore_thread_alone_runs_can_be_suspended_and_restore
     assert_eq!(w.complete("frozen"), before);
     sim.suspend(w.pid);
     assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
+}
+
+/// A CHECKPOINTED worker held by CRIU at its dump's `post-dump` stage, or seized by a tracer as
+/// CRIU seizes it: its restore thread cannot run, so `GetState` gets no answer within the
+/// caller's deadline (never "not initialised": callers read that as "no CUDA state", and a
+/// CHECKPOINTED process has no driver files and nothing in NVML, exactly as a plain one), while
+/// `GetRestoreThreadId` is answered (CRIU's cuda plugin asks it of a frozen process). A plain
+/// process held the same way has no restore thread: "not initialised" at once.
+/// Pinned (session 23): session 22 read a wake's "holds no CUDA process" at a freeze's CRIU gate
+/// as this answer being `CUDA_ERROR_NOT_INITIALIZED`; on 8b10105 this test passed as first
+/// written, and a bounded `GetState` at `freeze-at-dump-gate` got no answer too. What holds it:
+/// the daemon finds the restore thread through `/proc/PID/fd`, `/proc/PID/net/unix` and the task
+/// list, none of which a seize or CRIU's dump hides, and its relay then waits for the thread until
+/// the caller hangs up.
+#[test]
+fn a_checkpointed_process_criu_holds_gets_no_state_but_its_restore_tid() {
+    const LIMIT: Duration = Duration::from_secs(2);
+    let sim = common::sim();
+    let w = sim.spawn(WorkerSpec::new("8MiB").seed(5).setsid());
+    let before = w.complete("held");
+    sim.suspend(w.pid);
+    let d = &sim.gpu.driver;
+    let tid = d.restore_thread_id(w.pid).unwrap();
+    let plain = procs::Procs::session_leader();
+    for holder in ["criu", "ptrace"] {
+        let (criu, frozen) = match holder {
+            "criu" => (Some(CriuAtGate::dump(&sim, w.pid)), None),
+            _ => (None, Some(Frozen::new(w.pid))),
+        };
+        assert!(
+            procs::all_threads_in(w.pid, &['t']),
+            "{holder}: {:?}",
+            procs::thread_states(w.pid)
+        );
+        match bounded_state(&sim, w.pid, LIMIT) {
+            Err(e) if e.is_no_answer() => {}
+            other => panic!("{holder}: GetState of a CHECKPOINTED process {holder} holds was answered: {other:?}"),
+        }
+        assert_eq!(
+            tid_of(call_within(&sim, w.pid, ApiCall::RestoreTid, PATIENCE)),
+            tid,
+            "{holder}"
+        );
+        drop(frozen);
+        if let Some(c) = criu {
+            c.let_go();
+        }
+        let held_plain = Frozen::new(plain.pid(0));
+        assert_eq!(
+            code(bounded_state(&sim, plain.pid(0), LIMIT)),
+            CuResult::NOT_INITIALIZED,
+            "{holder}: a plain process has no restore thread"
+        );
+        drop(held_plain);
+    }
+    // The abandoned calls were carried out late: they changed nothing.
+    assert_eq!(d.state(w.pid).unwrap(), ProcessState::Checkpointed);
+    d.restore(w.pid, &[]).unwrap();
+    d.unlock(w.pid).unwrap();
+    assert_eq!(w.complete("held"), before);
+    sim.suspend(w.pid);
+    sim.assert_no_wedge();
 }
 
 /// A stopped process cannot run its restore thread: no answer at all, not even a lock's
