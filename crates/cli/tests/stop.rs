@@ -765,6 +765,44 @@ fn stopped_workers_are_continued_or_refused_at_once() {
     sim.assert_no_wedge();
 }
 
+/// A CHECKPOINTED restored worker held by a tracer that is not cryo's (a debugger here; CRIU at
+/// its dump gate holds it the same way, and its cuda plugin can restore it): no driver files,
+/// nothing in NVML, and no answer from the driver, whose restore thread cannot run. `cryo stop`
+/// must never take it for a plain process: refused, exit 3, naming the tracer; it lives on
+/// CHECKPOINTED, and once let go a stop ends it as the CUDA process it is. No wedge.
+/// Attack (session 23): the stop killed it as plain, exit 0, its row `"cuda": false` with the
+/// note "stopped under a debugger, but holds no driver file".
+#[test]
+fn a_checkpointed_worker_held_by_a_foreign_tracer_is_never_stopped_as_plain() {
+    let mut sim = Sim::start();
+    let st = state();
+    let (pid, _) = restored_worker(&mut sim, st.path(), "4MiB");
+    let p = pid.to_string();
+    ok(&run(&sim, st.path(), &["gpu", "lock", "--pid", &p]));
+    ok(&run(&sim, st.path(), &["gpu", "checkpoint", "--pid", &p]));
+    let debugger = procs::Debugger::attach(pid);
+    let (out, v) = stop_json(&sim, st.path(), &[&p]);
+    assert_eq!(out.status.code(), Some(3), "{v}\n{}", stderr(&out));
+    assert!(alive(pid), "{v}");
+    let why = v["refusals"][0]["reason"].to_string();
+    assert!(
+        why.contains("debugger") && why.contains(&debugger.pid().to_string()),
+        "{v}"
+    );
+    // Let go (perhaps left stopped by the attach: the stop resumes it with SIGCONT).
+    drop(debugger);
+    let (out, v) = stop_json(&sim, st.path(), &[&p]);
+    ok(&out);
+    assert_eq!(proc_row(&v, pid)["cuda"], true, "{v}");
+    assert_eq!(
+        proc_row(&v, pid)["suspended"]["state_before"],
+        "checkpointed",
+        "{v}"
+    );
+    assert!(!alive(pid));
+    sim.assert_no_wedge();
+}
+
 /// Issue 9 item 3, on the simulated driver: a driver call that never returns is a refusal
 /// within the stop's deadline, never a hung `cryo stop`; `cryo gpu ps` with an NVML query that
 /// never returns is an error, not a hang.

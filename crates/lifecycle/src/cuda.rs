@@ -17,9 +17,16 @@
 //!     but no memory listed, a process that only opened the driver (`cuInit` in a launcher or an
 //!     API server): it holds no context to tear down, so it ends like a plain process, said as
 //!     such; listed by NVML: the answers contradict each other, a refusal.
-//!   - any other answer (another code, no answer in time, an unreachable driver): with driver
-//!     files or listed by NVML, a refusal naming the pid, the call and the answer; without
-//!     either, nothing of it lives on a GPU, a plain process.
+//!   - no answer in time (the caller's deadline, [`DriverError::is_no_answer`]): a refusal naming
+//!     the pid, whatever the evidence. A driver that answers nothing for one process may be
+//!     waiting for its restore thread, which cannot run while CRIU or a debugger holds the
+//!     process: a CHECKPOINTED CUDA process held so has no driver files and nothing in NVML,
+//!     exactly as a plain process (the simulated driver answers so; the real one's answer for a
+//!     held process is unknown). Never read as plain: ending it as plain, while its holder can
+//!     still restore it, could tear a live restored context down.
+//!   - any other answer (another code, an unreachable driver): with driver files or listed by
+//!     NVML, a refusal naming the pid, the call and the answer; without either, nothing of it
+//!     lives on a GPU, a plain process.
 //! - A process that exits while it is looked at has left the target.
 //!
 //! Pids are processes (thread group ids): a [`ProcHandle`] only ever names a process, and a
@@ -155,7 +162,10 @@ pub fn classify(
         err.code(),
         Some(CuResult::NOT_INITIALIZED) | Some(CuResult::INVALID_VALUE)
     );
-    let evidence = if is_listed {
+    let evidence = if err.is_no_answer() {
+        // Perhaps a CUDA process whose restore thread cannot run (see the module docs).
+        "no answer from the driver: perhaps a CUDA process that cannot run its restore thread (held by CRIU or a debugger)".to_string()
+    } else if is_listed {
         format!(
             "NVML lists {} of device memory for it",
             cryo_units::fmt_bytes(memory)
@@ -239,6 +249,28 @@ mod tests {
         let fake = FakeGpu::new();
         fake.fail_next_on(p.pid(0), Call::State, CuResult::UNKNOWN);
         assert_eq!(class(&fake, p.pid(0)), Ok(Class::Plain));
+    }
+
+    /// A CHECKPOINTED process that CRIU or a debugger holds has no driver files and nothing in
+    /// NVML; a driver that waits for its restore thread never answers for it. No answer is
+    /// never "plain", whatever the evidence (it was until session 23: killed as plain).
+    #[test]
+    fn no_answer_without_evidence_is_a_refusal_naming_the_pid() {
+        let p = Procs::spawn(1);
+        let fake = FakeGpu::new();
+        let hang = fake.hang_next(p.pid(0), Call::State);
+        let gpu = fake.gpu().bounded(cryo_gpu::Limits {
+            query: Duration::from_millis(300),
+            ..cryo_gpu::Limits::default()
+        });
+        let listed = cryo_gpu::GpuInspector::processes(&fake).unwrap();
+        let h = ProcHandle::open(p.pid(0)).unwrap();
+        let u = classify(&gpu, &h, &listed, Duration::from_millis(300)).unwrap_err();
+        hang.release();
+        assert_eq!(u.pid, p.pid(0));
+        assert_eq!(u.call, "cuCheckpointProcessGetState");
+        assert!(u.answer.contains("did not return"), "{u}");
+        assert!(u.evidence.contains("no answer from the driver"), "{u}");
     }
 
     #[test]

@@ -10,9 +10,12 @@
 //!    handles ([`crate::target`]): the caller resolved it once, before any question to a driver.
 //! 2. Each process is looked at ([`crate::runnable`], [`crate::cuda`]): one stopped by job
 //!    control is resumed with SIGCONT (journaled: the stop ends it anyway), one stopped under a
-//!    debugger is refused at once unless nothing of it is on a GPU; then who is a CUDA process is
+//!    debugger (or held by CRIU) is refused at once unless nothing of it is on a GPU *and* the
+//!    driver answers, within [`HELD_QUERY`], that it holds no CUDA state (a CHECKPOINTED process
+//!    so held has nothing on a GPU either, and its holder may restore it: a state or no answer
+//!    is a refusal naming the tracer, never a kill as plain); then who is a CUDA process is
 //!    decided from the driver's answer and the evidence (NVML, driver files). Evidence that
-//!    contradicts the driver is a refusal.
+//!    contradicts the driver, or no answer, is a refusal.
 //! 3. Suspend every CUDA process ([`crate::suspend`]): lock in parallel, checkpoint in parallel,
 //!    verify. With `fresh`, a process that cannot be suspended and that the journal does not know
 //!    as restored is killed without suspension instead of refusing the stop.
@@ -250,6 +253,11 @@ const JOIN_ROUNDS: usize = 8;
 /// (as ranks of a real server do) is caught in between. Its context was verified
 /// CHECKPOINTED, so its own end is safe.
 const ENDING_GRACE: Duration = Duration::from_secs(1);
+
+/// How long the driver is given to say that a process stopped under a debugger (or held by
+/// CRIU) holds no CUDA state: it answers that without the process's restore thread, and gets
+/// no answer for a CUDA process whose restore thread cannot run.
+const HELD_QUERY: Duration = Duration::from_secs(2);
 
 /// One process of the stop.
 struct Member {
@@ -546,22 +554,40 @@ impl Run<'_> {
                     }
                 }
                 Runnable::Debugger { .. } => {
-                    // Nothing but its tracer can resume it. Without a trace of it on a GPU it is
-                    // killed like any plain process; otherwise it is refused at once.
+                    // Nothing but its tracer can resume it. With a trace of it on a GPU it is
+                    // refused at once. Without one it may still be a CUDA process its tracer
+                    // holds CHECKPOINTED (CRIU at its dump gate, with its cuda plugin able to
+                    // restore it): only the driver's word that it holds no CUDA state, asked
+                    // under a short deadline, makes it plain; a state or no answer is a refusal.
                     let fds = self
                         .gpu
                         .inspect
                         .driver_fds(pid)
                         .unwrap_or_else(|_| vec![-1]);
-                    if fds.is_empty() && !listed.iter().any(|p| p.pid == pid) {
-                        self.members[i]
-                            .report
-                            .notes
-                            .push("stopped under a debugger, but holds no driver file".into());
-                        Ok(Class::Plain)
+                    let held = self.gpu.bounded(Limits {
+                        query: HELD_QUERY,
+                        ..Limits::default()
+                    });
+                    let class = if fds.is_empty() && !listed.iter().any(|p| p.pid == pid) {
+                        classify(&held, &h, &listed, HELD_QUERY)
                     } else {
-                        self.refuse(&h, SuspendFailure::NotRunnable { runnable: r, pid })?;
-                        continue;
+                        Ok(Class::Cuda {
+                            state: ProcessState::Running,
+                        })
+                    };
+                    match class {
+                        Ok(Class::Plain) => {
+                            self.members[i].report.notes.push(
+                                "stopped under a debugger, but holds no driver file and the driver knows no CUDA state of it"
+                                    .into(),
+                            );
+                            Ok(Class::Plain)
+                        }
+                        Ok(Class::Exited) => Ok(Class::Exited),
+                        Ok(Class::Cuda { .. } | Class::DriverOnly { .. }) | Err(_) => {
+                            self.refuse(&h, SuspendFailure::NotRunnable { runnable: r, pid })?;
+                            continue;
+                        }
                     }
                 }
             };
