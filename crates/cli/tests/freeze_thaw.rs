@@ -5611,6 +5611,9 @@ fn freeze_paused_at(
 /// ran on; a dump that succeeded would have ended the live restored context. Paused at the gate:
 /// the simulated driver answered the seized worker's GetState with NOT_INITIALIZED and the wake
 /// said "tree of pid N holds no CUDA process: nothing to wake", a wrong reason.)
+/// A `cryo stop` of it there is refused the same way (session 23, pinned: the freeze's lock holds
+/// it; what holds a stop that takes no such lock is `stop.rs`'s
+/// `a_checkpointed_worker_held_by_a_foreign_tracer_is_never_stopped_as_plain`).
 #[test]
 fn a_wake_meeting_a_freeze_after_its_verification_is_refused_and_the_freeze_ends_it_safely() {
     for failpoint in [
@@ -5637,6 +5640,19 @@ fn a_wake_meeting_a_freeze_after_its_verification_is_refused_and_the_freeze_ends
             "{failpoint}: {}",
             stderr(&wake)
         );
+        let stop = env.cryo(&["stop", &pid.to_string()]);
+        assert_eq!(
+            stop.status.code(),
+            Some(3),
+            "{failpoint}: {}",
+            stderr(&stop)
+        );
+        assert!(
+            stderr(&stop).contains(&format!("pid {pid} is being frozen by cryo pid {by}")),
+            "{failpoint}: {}",
+            stderr(&stop)
+        );
+        assert!(alive(pid), "{failpoint}");
         fs::write(&resume, b"").unwrap();
         let mut said = String::new();
         err.read_to_string(&mut said).unwrap();
