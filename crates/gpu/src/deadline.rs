@@ -187,7 +187,9 @@ pub fn start<T: Send + 'static>(
     start_counted(&ABANDONED, limit, call, on_late)
 }
 
-fn start_counted<T: Send + 'static>(
+/// [`start`], its abandoned calls counted in `budget` (and refused past its maximum) instead
+/// of the driver's.
+pub fn start_counted<T: Send + 'static>(
     budget: &'static Abandoned,
     limit: Duration,
     call: impl FnOnce() -> T + Send + 'static,
@@ -246,9 +248,48 @@ impl<T> std::fmt::Debug for Pending<T> {
     }
 }
 
+impl<T: Send + 'static> Pending<T> {
+    /// What gives up on this call from another thread before its limit ([`GiveUp`]).
+    pub fn give_up_handle(&self) -> GiveUp {
+        let slot = Arc::clone(&self.slot);
+        let budget = self.budget;
+        GiveUp(Arc::new(move || {
+            let (m, cv) = &*slot;
+            let mut s = m.lock().unwrap_or_else(|p| p.into_inner());
+            if matches!(*s, Slot::Waiting) {
+                *s = Slot::Abandoned;
+                budget.count.fetch_add(1, Ordering::Relaxed);
+                cv.notify_all();
+            }
+        }))
+    }
+}
+
+/// Gives up on one call handed to a carrier ([`Pending::give_up_handle`]), from any thread,
+/// before its limit: its waiter returns at once ([`Late::Elapsed`]), and the call, if it has
+/// not answered yet, is abandoned and counted as one not answered in time is (its `on_late`
+/// gets the answer). Nothing happens to a call answered or given up on already. What a caller
+/// that no longer needs an answer uses: a thaw whose CRIU ended before its gate gives up on
+/// its check's reads (a read of a hung file system cannot be cancelled, only left).
+#[derive(Clone)]
+pub struct GiveUp(Arc<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for GiveUp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GiveUp").finish_non_exhaustive()
+    }
+}
+
+impl GiveUp {
+    /// Gives up on the call (see [`GiveUp`]).
+    pub fn give_up(&self) {
+        (self.0)();
+    }
+}
+
 impl<T> Pending<T> {
     /// The call's answer, waited for until its limit (counted from [`start`]); past it the
-    /// call is abandoned ([`Late::Elapsed`]).
+    /// call is abandoned ([`Late::Elapsed`]), as it is when given up on earlier ([`GiveUp`]).
     pub fn wait(self) -> Result<T, Late> {
         let (m, cv) = &*self.slot;
         let mut s = m.lock().unwrap_or_else(|p| p.into_inner());
@@ -258,6 +299,10 @@ impl<T> Pending<T> {
                     Slot::Done(out) => Ok(out),
                     _ => Err(Late::NoThread),
                 };
+            }
+            // Given up on by another thread (counted there).
+            if matches!(*s, Slot::Abandoned) {
+                return Err(Late::Elapsed(self.start.elapsed()));
             }
             let left = self.deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -978,6 +1023,46 @@ mod tests {
         late.sort_unstable();
         assert_eq!(late, vec![1, 2]);
         assert_eq!(abandoned(), 0);
+    }
+
+    /// A call given up on from another thread ([`GiveUp`], a thaw whose CRIU ended before its
+    /// gate giving up on its check's reads) wakes its waiter at once, long before its limit, is
+    /// counted in its own budget while it runs on, and hands its late answer on; a give-up of
+    /// an answered call changes nothing.
+    #[test]
+    fn a_call_given_up_on_from_another_thread_returns_at_once_and_is_counted_until_it_ends() {
+        static BUDGET: Abandoned = Abandoned::new(4);
+        let gate = Arc::new(Gate::default());
+        let (late_tx, late_rx) = mpsc::channel();
+        let g = Arc::clone(&gate);
+        let pending = start_counted(
+            &BUDGET,
+            Duration::from_secs(600),
+            move || {
+                g.wait();
+                7
+            },
+            move |v| late_tx.send(v).unwrap(),
+        )
+        .unwrap();
+        let give_up = pending.give_up_handle();
+        let t = Instant::now();
+        let waiter = std::thread::spawn(move || pending.wait());
+        give_up.give_up();
+        assert!(matches!(waiter.join().unwrap(), Err(Late::Elapsed(_))));
+        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+        assert_eq!(BUDGET.get(), 1, "counted while it runs on");
+        give_up.give_up();
+        assert_eq!(BUDGET.get(), 1, "counted once");
+        gate.open();
+        assert_eq!(late_rx.recv().unwrap(), 7);
+        assert_eq!(BUDGET.get(), 0);
+
+        let answered = start_counted(&BUDGET, Duration::from_secs(600), || 8, |_| ()).unwrap();
+        let give_up = answered.give_up_handle();
+        assert_eq!(answered.wait().unwrap(), 8);
+        give_up.give_up();
+        assert_eq!(BUDGET.get(), 0, "an answered call is not given up on");
     }
 
     /// Attack on [`Gpu::ask`]: questions that never return are an error at the bounded
