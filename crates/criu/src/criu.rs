@@ -564,7 +564,10 @@ impl CriuRpc {
     /// before a verdict passed, it kills CRIU at once too: a CRIU that never reaches its gate
     /// would otherwise hold the restore until its deadline. Returns its exit status and the
     /// verdict (`None`: CRIU ended before it reached the gate); the log is whole (as capped)
-    /// when it returns. `ended` runs once CRIU
+    /// when it returns. `give_up` runs once no verdict can pass any more and none did (CRIU is
+    /// killed at a refusal or its deadline, or ended by itself before a verdict passed): what
+    /// `work` and `verdict` still wait for (the check's reads) is given up on there, so that
+    /// neither holds the return (nor the next CRIU's budget) until the deadline. `ended` runs once CRIU
     /// was waited for and its verdict is known, before its log is cut (on the thread that
     /// spawned CRIU): what ends the processes CRIU left (a restore's, at its deadline) ends them
     /// there, since they write the log too (CRIU's restorer runs inside them), and whatever
@@ -579,6 +582,7 @@ impl CriuRpc {
         gate: Gate,
         deadline: Option<std::time::Duration>,
         refusals: &[BorrowedFd<'_>],
+        give_up: &(dyn Fn() + Sync),
         work: impl FnOnce() + Send,
         verdict: impl FnOnce(Option<Pid>) -> Result<(), CriuError> + Send,
         spawned: impl FnOnce(Pid),
@@ -640,7 +644,13 @@ impl CriuRpc {
                 refusals,
                 &decision,
                 resumed_rx.as_ref().map(AsFd::as_fd),
+                give_up,
             );
+            // CRIU ended (or was given up on) with no verdict passed: none will pass now
+            // (CRIU is gone), nor is one waited for.
+            if !decision.passed() {
+                give_up();
+            }
             drop(stop_tx);
             // Unblocks the accept if CRIU never connected (a connection ends with CRIU).
             if let Some(l) = listener {
@@ -825,6 +835,7 @@ impl Criu for CriuRpc {
             gate,
             None,
             &[],
+            &|| {},
             || {},
             |_| {
                 // CRIU wrote every byte before its post-dump stage.
@@ -985,6 +996,9 @@ impl Criu for CriuRpc {
                     gate,
                     deadline,
                     &[],
+                    // CRIU ended or was killed before a verdict passed: the streamer stops, never
+                    // waiting for a read that does not return (see `stream`).
+                    &|| server.stop(),
                     || server.serve(&listener),
                     |root| {
                         let _ = gate_at.set(std::time::Instant::now());
@@ -1000,7 +1014,7 @@ impl Criu for CriuRpc {
                 let check = image::Check::new_until(image, deadline.map(|d| t0 + d))
                     .map_err(CriuError::Image)?;
                 phases.checked_ms = since(std::time::Instant::now());
-                let gated = self.run_gated(
+                let mut gated = self.run_gated(
                     op,
                     cmd,
                     log,
@@ -1008,6 +1022,15 @@ impl Criu for CriuRpc {
                     gate,
                     deadline,
                     &check.refusals(),
+                    // CRIU ended or was killed before a verdict passed: the check is stopped
+                    // (its threads at their next chunk, a read that never returns left to its
+                    // thread), never waited for to its end. Why the image was refused, if it
+                    // was, is known by then (the check's failure, the watch); a CRIU that failed
+                    // by itself failed on what it read as instructions, every byte of which was
+                    // checked before it started, so the rest of the page contents could not say
+                    // why (session 23: a thaw whose CRIU failed while the check's read hung
+                    // returned at its deadline).
+                    &|| check.stop(),
                     || check.run(),
                     |root| {
                         let _ = gate_at.set(std::time::Instant::now());
@@ -1016,22 +1039,21 @@ impl Criu for CriuRpc {
                         at_gate(root)
                     },
                     record,
-                    |g: &Gated| {
-                        // CRIU ended: the check's answer is waited for at full speed (the
-                        // image's fault is what a failed CRIU reports), or not at all when
-                        // CRIU was killed at its deadline or at the image's refusal.
-                        if g.timed_out || g.refused {
-                            check.end();
-                        } else {
-                            check.raise();
-                        }
-                        end_left(g)
-                    },
+                    end_left,
                 )?;
                 phases.hashed_ms = check.hashed_at().and_then(since);
                 // Why the image was refused, if the verdict did not say it (none was given)
                 // or said nothing of the image (a change after a verdict that passed is not
-                // this restore's: its tree runs).
+                // this restore's: its tree runs). A verdict that failed only because the check
+                // was stopped (CRIU ended while at its gate) says nothing of the image either.
+                if check.stopped()
+                    && matches!(
+                        &gated.verdict,
+                        Some(Err(CriuError::Image(image::ImageError::Stream { .. })))
+                    )
+                {
+                    gated.verdict = None;
+                }
                 let refused = match gated.verdict {
                     Some(Ok(()) | Err(CriuError::Image(_))) => None,
                     _ => check.refusal(),
@@ -1234,6 +1256,7 @@ impl CriuRpc {
             gate,
             None,
             &[],
+            &|| {},
             || capture.serve(&listener),
             |_| {
                 image::CaptureClock::mark(&clock.gate);
@@ -1580,6 +1603,11 @@ impl Decision {
         self.settle(Decision::REFUSED)
     }
 
+    /// Whether a verdict passed.
+    fn passed(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::SeqCst) == Decision::PASSED
+    }
+
     fn settle(&self, to: u8) -> bool {
         use std::sync::atomic::Ordering::SeqCst;
         match self.0.compare_exchange(0, to, SeqCst, SeqCst) {
@@ -1597,12 +1625,15 @@ impl Decision {
 /// deadline layer that reaps it whenever its wait ends, and the caller gets on at once. Once
 /// `resumed` has data (CRIU past `post-resume` after a verdict that passed), the deadline no
 /// longer applies: CRIU is waited for [`RESUMED_EXIT_GRACE`] at most, then returned unkilled.
+/// `give_up` runs at a kill that no verdict passed before (see [`CriuRpc::run_gated`]), before
+/// the wait for CRIU's exit.
 fn wait_until(
     mut child: std::process::Child,
     deadline: Option<std::time::Duration>,
     refusals: &[BorrowedFd<'_>],
     decision: &Decision,
     resumed: Option<BorrowedFd<'_>>,
+    give_up: &(dyn Fn() + Sync),
 ) -> Waited {
     let exited = |status: std::io::Result<std::process::ExitStatus>, timed_out, refused| Waited {
         status: status.map(Some),
@@ -1675,6 +1706,9 @@ fn wait_until(
     };
     let refused = !timed_out;
     let _ = child.kill();
+    if !decision.passed() {
+        give_up();
+    }
     match exits_within(&pidfd, KILLED_GRACE) {
         Ok(true) => return exited(child.wait(), timed_out, refused),
         Ok(false) => {}

@@ -8,8 +8,8 @@ use std::fs;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use cryo_criu::image::{Image, Staging};
-use cryo_criu::{Criu, CriuError, CriuRpc, DumpOpts, RestoreOpts};
+use cryo_criu::image::Image;
+use cryo_criu::{Criu, CriuError, CriuRpc, RestoreOpts};
 use cryo_testkit::fuse::{Hold, Stalling};
 use cryo_testkit::{eventually, PATIENCE};
 
@@ -96,41 +96,6 @@ fn a_criu_stuck_in_an_uninterruptible_read_is_given_up_on_at_its_deadline_and_re
     drop(fuse);
 }
 
-/// A real process tree dumped into a published image in `dir`: `setsid sh -c SCRIPT`, its
-/// session's leader, stdio null; the tree's pids, the root first, once it has `procs`
-/// processes. The tree is ended by the dump (and reaped: its pids are free again).
-fn dumped_tree(criu: &CriuRpc, dir: &Path, script: &str, procs: usize) -> Vec<i32> {
-    use std::os::unix::process::CommandExt;
-    let mut cmd = std::process::Command::new("sh");
-    cmd.args(["-c", script])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null());
-    cryo_testkit::fds::close_inherited(&mut cmd, None);
-    // SAFETY: setsid is async-signal-safe and touches no memory of the parent.
-    unsafe {
-        cmd.pre_exec(|| nix::unistd::setsid().map(|_| ()).map_err(Into::into));
-    }
-    let mut child = cmd.spawn().unwrap();
-    let root = child.id() as i32;
-    let pids = eventually(PATIENCE, "the tree to start", || {
-        let pids = cryo_proc::tree(root).unwrap_or_default();
-        (pids.len() == procs).then_some(pids)
-    });
-    let staging = Staging::create(dir).unwrap();
-    criu.dump_staged(root, &staging, &DumpOpts::default(), &|| Ok(()))
-        .unwrap();
-    child.wait().unwrap();
-    staging
-        .publish(cryo_testkit::image::plain_meta(root, criu.version()), false)
-        .unwrap();
-    // The root's children were reparented when CRIU killed the tree: their reaper's pace.
-    eventually(PATIENCE, "the dumped tree's pids to be free", || {
-        cryo_proc::pids_in_use(&pids).is_empty()
-    });
-    pids
-}
-
 /// Restores `image` (its files mirrored by FUSE, the reads of the files `hold` names held) with
 /// a 2 s deadline on a thread of its own; returns once the server holds `reads` reads (the
 /// restored tasks reading their memory, in state `D` from then on): the restore's result
@@ -188,7 +153,7 @@ fn restored_processes_stuck_in_the_kernel_cost_one_grace_and_are_reaped_when_the
     ] {
         let t = tempfile::tempdir().unwrap();
         let image = t.path().join("image");
-        let pids = dumped_tree(&criu, &image, script, procs);
+        let pids = cryo_testkit::image::dumped_tree(&criu, &image, script, procs);
         // Each task reads its own memory's map as CRIU restores it; the root's first, its
         // children's once it has forked them.
         let stuck: Vec<i32> = if procs == 1 {

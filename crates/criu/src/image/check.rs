@@ -22,7 +22,14 @@
 //! runs. A refusal need not wait for the gate: [`Check::refusals`] become readable once the
 //! verdict can only refuse (a chunk did not match; the watch saw anything), and the restore
 //! ends CRIU then (CRIU 4.2's restorer never reaches the gate on a pages file truncated under
-//! it: it loops on `preadv` returning 0).
+//! it: it loops on `preadv` returning 0). Once CRIU ended or was killed before a verdict passed
+//! (a refusal, its deadline, its own failure), nobody needs the check's answer: [`Check::stop`]
+//! makes [`Check::run`] and [`Check::finish`] return at once and the hashing threads stop at
+//! their next chunk boundary, so the restore returns then, not when the check would have ended
+//! (session 23: a thaw whose CRIU failed at once while the check's read of a hung file system
+//! waited returned at its deadline, 30 s later). What the image's refusal is, if any, is known
+//! by then (the check's failure, the watch); a CRIU that failed by itself read nothing as
+//! instructions that was not checked before it started.
 //!
 //! A read, an open or a stat that never returns (a hung disk, a FUSE server that stopped
 //! answering) cannot be cancelled: the watch, the files' identities and the check of the files
@@ -31,7 +38,8 @@
 //! reads (a duplicate of the image's directory fd and of every file [`Image::open`] holds, its
 //! manifest), and past the restore's deadline [`Check::new_until`], [`Check::run`] and
 //! [`Check::finish`] give up on it: the image is refused, the restore returns, and the thread is
-//! *abandoned* (counted by [`abandoned_checks`]; it ends whenever its read returns). Past
+//! *abandoned* (counted by [`abandoned_checks`]; it ends whenever its read returns), as it is
+//! when the check is stopped while such a read holds it. Past
 //! [`MAX_ABANDONED_CHECKS`] of them still stuck, [`Check::new`] refuses at once instead of adding
 //! threads that would hang the same way (a long-lived agent must not pile them up).
 //!
@@ -49,9 +57,10 @@
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
-use std::sync::{mpsc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 
-use cryo_gpu::deadline::{self, Abandoned, Late};
+use cryo_gpu::deadline::{self, Abandoned, GiveUp, Late};
 
 use rustix::fs::inotify;
 
@@ -188,8 +197,8 @@ pub struct Check<'a> {
     image: &'a Image,
     watch: Watch,
     stamps: Vec<Stamp>,
-    done: mpsc::SyncSender<Result<(), ImageError>>,
-    outcome: Mutex<mpsc::Receiver<Result<(), ImageError>>>,
+    done: mpsc::SyncSender<Outcome>,
+    outcome: Mutex<mpsc::Receiver<Outcome>>,
     /// When [`Check::run`] ended.
     hashed: std::sync::OnceLock<std::time::Instant>,
     /// How the page contents are checked (decided at [`Check::new`], by the host).
@@ -201,6 +210,54 @@ pub struct Check<'a> {
     /// A pipe written once when [`Check::run`] refuses the page contents: its read end is
     /// one of [`Check::refusals`] (the other, the watch).
     refused: (OwnedFd, OwnedFd),
+    /// Set by [`Check::stop`]: nobody needs the check's answer any more.
+    stop: Stop,
+}
+
+/// What [`Check::run`] hands to [`Check::finish`].
+#[derive(Debug)]
+enum Outcome {
+    /// The page contents were all checked (`Ok`), or one of them was refused.
+    Checked(Result<(), ImageError>),
+    /// [`Check::stop`] came first: the check ended unfinished, and says nothing of the image.
+    Stopped,
+}
+
+/// A check's stop ([`Check::stop`]): a flag its hashing threads read at every chunk boundary,
+/// and the waits of the check's own threads on the deadline layer's threads, each woken and
+/// given up on when it is set (a read that never returns holds its thread, counted in
+/// [`abandoned_checks`] until it returns; one that returns sees the flag and ends there).
+#[derive(Debug, Default)]
+struct Stop {
+    flag: Arc<AtomicBool>,
+    waits: Mutex<Vec<GiveUp>>,
+}
+
+impl Stop {
+    fn set(&self) {
+        self.flag.store(true, Ordering::SeqCst);
+        let waits = std::mem::take(&mut *self.waits.lock().unwrap_or_else(|p| p.into_inner()));
+        for w in waits {
+            w.give_up();
+        }
+    }
+
+    fn is_set(&self) -> bool {
+        self.flag.load(Ordering::SeqCst)
+    }
+
+    /// Gives up on `wait` when the stop is set, now if it is set already.
+    fn watch(&self, wait: GiveUp) {
+        let mut waits = self.waits.lock().unwrap_or_else(|p| p.into_inner());
+        // Read under the lock [`Stop::set`] takes after setting the flag: either it finds
+        // `wait` here, or the flag is seen set now.
+        if self.is_set() {
+            drop(waits);
+            wait.give_up();
+        } else {
+            waits.push(wait);
+        }
+    }
 }
 
 impl<'a> Check<'a> {
@@ -231,7 +288,7 @@ impl<'a> Check<'a> {
         // instructions, all before CRIU reads any of them (changes afterwards are the watch's),
         // and all under the deadline: an open or a stat of a hung file system does not return
         // either.
-        let steering = on_own_thread(image, deadline, move |image| {
+        let steering = on_own_thread(image, deadline, None, move |image| {
             let proc_path = format!("/proc/self/fd/{}", image.dir_fd().as_raw_fd());
             inotify::add_watch(&watch, proc_path.as_str(), changes()).map_err(|e| {
                 ImageError::Io {
@@ -276,6 +333,7 @@ impl<'a> Check<'a> {
             checker: Parent::default(),
             deadline,
             refused,
+            stop: Stop::default(),
         })
     }
 
@@ -292,9 +350,19 @@ impl<'a> Check<'a> {
         self.checker.raise();
     }
 
-    /// The restore gave up (CRIU killed at its deadline): a checker process is ended.
-    pub fn end(&self) {
+    /// Nobody needs the check's answer any more (CRIU ended, or was killed, before a verdict
+    /// passed): [`Check::run`] and [`Check::finish`] return at once, saying nothing of the
+    /// image; the hashing threads stop at their next chunk boundary; a checker process is
+    /// ended. A read that never returns (a hung file system) is left to its thread, counted in
+    /// [`abandoned_checks`] until it returns, as one given up on at the deadline is.
+    pub fn stop(&self) {
+        self.stop.set();
         self.checker.end();
+    }
+
+    /// Whether [`Check::stop`] was called.
+    pub fn stopped(&self) -> bool {
+        self.stop.is_set()
     }
 
     /// When the page contents were all checked, if they were.
@@ -310,18 +378,30 @@ impl<'a> Check<'a> {
         let r = match self.plan {
             Plan::Threads(n) => match self.run_threads(n) {
                 Some(r) => r,
+                // Stopped: nobody waits for a verdict.
+                None if self.stopped() => {
+                    let _ = self.done.send(Outcome::Stopped);
+                    return;
+                }
                 // Given up on at the deadline: no outcome, [`Check::finish`] refuses.
                 None => return,
             },
             Plan::Child { at_gate } => self.checker.run(self.image, at_gate, self.deadline),
         };
+        // Stopped before the end: what the check says then is that it was stopped (or given up
+        // on), not what the image holds. A refusal of the image's bytes (a chunk that did not
+        // match, a file cut) stands.
+        if self.stopped() && matches!(r, Err(ImageError::Stream { .. })) {
+            let _ = self.done.send(Outcome::Stopped);
+            return;
+        }
         let _ = self.hashed.set(std::time::Instant::now());
         if let Err(e) = &r {
             tracing::warn!(error = %e, "image refused while CRIU reads it");
             // Before the outcome is sent: whoever sees the pipe ready finds the outcome there.
             let _ = rustix::io::write(&self.refused.1, b"r");
         }
-        let _ = self.done.send(r);
+        let _ = self.done.send(Outcome::Checked(r));
     }
 
     /// What becomes readable once the verdict can only refuse the image: the check of the page
@@ -343,12 +423,14 @@ impl<'a> Check<'a> {
     }
 
     /// The page contents checked on `threads` threads under a thread that owns what it reads,
-    /// waited for until the deadline: `None` if it had not ended by then (it is abandoned and
-    /// counted, see the module docs).
+    /// waited for until the deadline or [`Check::stop`]: `None` if it had not ended by then
+    /// (it is abandoned and counted, see the module docs; stopped, it ends at its next chunk
+    /// boundary).
     fn run_threads(&self, threads: usize) -> Option<Result<(), ImageError>> {
-        on_own_thread(self.image, self.deadline, move |image| {
+        let stop = Arc::clone(&self.stop.flag);
+        on_own_thread(self.image, self.deadline, Some(&self.stop), move |image| {
             read_stall_failpoint(CHECK_READ_STALLS);
-            image.verify_files_in_order(is_page_contents, threads)
+            image.verify_files_in_order_until(is_page_contents, threads, &stop)
         })
     }
 
@@ -379,7 +461,10 @@ impl<'a> Check<'a> {
                 }
             }
         };
-        outcome?;
+        match outcome {
+            Outcome::Checked(r) => r?,
+            Outcome::Stopped => return Err(self.stream_error(STOPPED.into())),
+        }
         self.unchanged()
     }
 
@@ -388,7 +473,7 @@ impl<'a> Check<'a> {
     pub fn failure(&self) -> Option<ImageError> {
         let outcome = self.outcome.lock().ok()?;
         match outcome.try_recv() {
-            Ok(Err(e)) => Some(e),
+            Ok(Outcome::Checked(Err(e))) => Some(e),
             _ => None,
         }
     }
@@ -398,7 +483,7 @@ impl<'a> Check<'a> {
         self.watch_saw()?;
         // Opens and stats, under the deadline as the reads are (see the module docs).
         let noted = self.stamps.clone();
-        let now = on_own_thread(self.image, self.deadline, move |image| {
+        let now = on_own_thread(self.image, self.deadline, Some(&self.stop), move |image| {
             let now = stamps_of(image)?;
             Ok(noted.iter().zip(&now).position(|(noted, now)| noted != now))
         });
@@ -409,6 +494,7 @@ impl<'a> Check<'a> {
                 self.image.manifest().files[i].name
             ))),
             Some(Err(e)) => Err(e),
+            None if self.stopped() => Err(self.stream_error(STOPPED.into())),
             None => Err(self.stream_error(
                 "looking at the image's files again did not end before the restore's deadline"
                     .into(),
@@ -469,14 +555,18 @@ fn stamps_of(image: &Image) -> Result<Vec<Stamp>, ImageError> {
         .collect()
 }
 
+/// What a stopped check says of the image: nothing (its restore no longer needs a verdict).
+const STOPPED: &str = "the check was stopped: CRIU ended before its gate";
+
 /// Runs `work` on a copy of `image` (its directory fd duplicated) on a thread of the deadline
 /// layer (`cryo_gpu::deadline`, whose driver calls have the same problem: a call that never
-/// returns cannot be cancelled), waited for until `deadline`: `None` if it had not ended by then.
-/// Such a thread is abandoned and counted in [`abandoned_checks`] until it ends. Without a
-/// deadline the work runs here, waited for however long it takes.
+/// returns cannot be cancelled), waited for until `deadline` or `stop`: `None` if it had not
+/// ended by then. Such a thread is abandoned and counted in [`abandoned_checks`] until it ends.
+/// Without a deadline the work runs here, waited for however long it takes.
 fn on_own_thread<T: Send + 'static>(
     image: &Image,
     deadline: Option<std::time::Instant>,
+    stop: Option<&Stop>,
     work: impl FnOnce(&Image) -> Result<T, ImageError> + Send + 'static,
 ) -> Option<Result<T, ImageError>> {
     let Some(deadline) = deadline else {
@@ -486,7 +576,7 @@ fn on_own_thread<T: Send + 'static>(
         Ok(i) => i,
         Err(e) => return Some(Err(e)),
     };
-    within_deadline(image.path(), deadline, move || work(&copy))
+    within_deadline_or(image.path(), deadline, stop, move || work(&copy))
 }
 
 /// Runs `work` (which touches only the image at `dir`) on a thread of the deadline layer,
@@ -498,12 +588,36 @@ pub(super) fn within_deadline<T: Send + 'static>(
     deadline: std::time::Instant,
     work: impl FnOnce() -> Result<T, ImageError> + Send + 'static,
 ) -> Option<Result<T, ImageError>> {
+    within_deadline_or(dir, deadline, None, work)
+}
+
+/// [`within_deadline`], given up on at `stop` too ([`Check::stop`]).
+fn within_deadline_or<T: Send + 'static>(
+    dir: &std::path::Path,
+    deadline: std::time::Instant,
+    stop: Option<&Stop>,
+    work: impl FnOnce() -> Result<T, ImageError> + Send + 'static,
+) -> Option<Result<T, ImageError>> {
     let limit = deadline.saturating_duration_since(std::time::Instant::now());
     let late = |_: Result<T, ImageError>| {
-        tracing::info!("a look at an image given up on at its restore's deadline ended");
+        tracing::info!(
+            "a look at an image given up on (at its restore's deadline, or stopped) ended"
+        );
     };
-    match deadline::within_counted(&ABANDONED, limit, work, late) {
+    let pending = deadline::start_counted(&ABANDONED, limit, work, late);
+    if let (Ok(p), Some(stop)) = (&pending, stop) {
+        stop.watch(p.give_up_handle());
+    }
+    match pending.and_then(deadline::Pending::wait) {
         Ok(r) => Some(r),
+        Err(Late::Elapsed(_)) if stop.is_some_and(Stop::is_set) => {
+            tracing::debug!(
+                image = %dir.display(),
+                stuck = ABANDONED.get(),
+                "a look at the image was stopped (its restore no longer needs it): its thread ends at its next chunk, or is counted while a read holds it"
+            );
+            None
+        }
         Err(Late::Elapsed(_)) => {
             tracing::warn!(
                 image = %dir.display(),
@@ -541,6 +655,24 @@ pub(super) fn in_background(work: impl FnOnce() + Send + 'static) -> bool {
     match deadline::within_counted(&ABANDONED, std::time::Duration::ZERO, work, |()| ()) {
         Ok(()) | Err(Late::Elapsed(_)) => true,
         Err(Late::Unresponsive(_) | Late::NoThread) => false,
+    }
+}
+
+/// Starts `work` (reads of the image at `dir` whose caller may leave them: the streamer's) on a
+/// thread of the deadline layer, and returns at once: dropped before `work` ended, the returned
+/// call is abandoned and counted in [`abandoned_checks`] until `work` ends. Refused past
+/// [`MAX_ABANDONED_CHECKS`] stuck, or without a thread.
+pub(super) fn on_look_thread(
+    dir: &std::path::Path,
+    work: impl FnOnce() + Send + 'static,
+) -> Result<deadline::Pending<()>, ImageError> {
+    match deadline::start_counted(&ABANDONED, std::time::Duration::ZERO, work, |()| ()) {
+        Ok(p) => Ok(p),
+        Err(Late::Unresponsive(stuck)) => Err(too_many_stuck(dir, stuck)),
+        Err(Late::Elapsed(_) | Late::NoThread) => Err(ImageError::Stream {
+            dir: dir.to_path_buf(),
+            reason: "cannot start a thread to read the image".into(),
+        }),
     }
 }
 

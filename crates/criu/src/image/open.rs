@@ -279,20 +279,39 @@ impl Image {
     }
 
     /// Reads and checks every chunk of the files whose name `pick` takes, in the manifest's
-    /// order, each file front to back, `threads` at a time ([`hash::check_spans_in_order`]).
+    /// order, each file front to back, `threads` at a time ([`hash::check_spans_in_order_until`]).
     pub(crate) fn verify_files_in_order(
         &self,
         pick: impl Fn(&str) -> bool,
         threads: usize,
     ) -> Result<(), ImageError> {
+        let never = std::sync::atomic::AtomicBool::new(false);
+        self.verify_files_in_order_until(pick, threads, &never)
+    }
+
+    /// [`Image::verify_files_in_order`], stopping at the next chunk once `stop` is set (see
+    /// `Check::stop`): then never `Ok`, since what was not checked cannot pass.
+    pub(crate) fn verify_files_in_order_until(
+        &self,
+        pick: impl Fn(&str) -> bool,
+        threads: usize,
+        stop: &std::sync::atomic::AtomicBool,
+    ) -> Result<(), ImageError> {
         let spans: Vec<Span<'_>> = spans(&self.manifest)
             .into_iter()
             .filter(|s| pick(&self.manifest.files[s.file].name))
             .collect();
-        hash::check_spans_in_order(&spans, self.alg(), threads, |i| {
+        hash::check_spans_in_order_until(&spans, self.alg(), threads, stop, |i| {
             self.open_file(i).map(|(f, _)| f).map_err(to_io)
         })
-        .map_err(|(i, e)| self.span_error(&spans[i], e))
+        .map_err(|(i, e)| self.span_error(&spans[i], e))?;
+        if stop.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(ImageError::Stream {
+                dir: self.dir.clone(),
+                reason: "the check was stopped before it read every chunk".into(),
+            });
+        }
+        Ok(())
     }
 
     /// The directory, as opened and checked.

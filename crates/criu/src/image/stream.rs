@@ -21,7 +21,20 @@
 //! `post-restore` action script, after every process of the tree is restored and before any of
 //! them is resumed; CRIU aborts the restore (and kills the tree) when the script fails.
 //!
+//! Once CRIU ended or was killed before a verdict passed (its deadline, its own failure), the
+//! restore stops the streamer ([`Server::stop`]): CRIU's connection is shut down and each
+//! file's writer returns at once; the chunks are read and hashed on a thread of the deadline
+//! layer (`check`'s, counted in `abandoned_checks` while a read of a file system that stopped
+//! answering holds it), so a read that never returns is left there and the restore returns at
+//! its deadline. (Session 23: with the reads on threads of the restore's own scope, a thaw
+//! whose streamer's read of a hung file system never returned never returned either, CRIU
+//! killed at its deadline.)
+//!
 //! # Limitations
+//! The gate's check of what CRIU did not read ([`Server::finish`]) reads on the caller's
+//! threads: a file system that stops answering then holds the verdict (CRIU waits at its gate,
+//! its tree not resumed) until it answers.
+//!
 //! Each checked chunk is copied into CRIU's pipe (`write`), not handed over with `vmsplice`:
 //! handing over the checked buffer's own pages is only safe with fresh pages for every chunk
 //! (a reused buffer could change under a pipe that still references it, and a pipe's pages can
@@ -95,6 +108,39 @@ pub(crate) struct Server<'a> {
     failure: Mutex<Option<ImageError>>,
     /// Bytes written into CRIU's pipes.
     served: AtomicU64,
+    /// Set by [`Server::stop`].
+    stopped: AtomicBool,
+    /// What [`Server::stop`] wakes: CRIU's connection (shut down) and each file's writer.
+    wake: Mutex<Wake>,
+}
+
+/// What a stop of the streamer wakes.
+#[derive(Debug, Default)]
+struct Wake {
+    conn: Option<UnixStream>,
+    writers: Vec<mpsc::SyncSender<Chunk>>,
+}
+
+/// What a file's reader hands its writer.
+enum Chunk {
+    /// Span `.0` of the file, checked: its bytes.
+    Checked(usize, Vec<u8>),
+    /// Span `.0` was refused.
+    Refused(usize, super::hash::SpanError),
+    /// The streamer was stopped ([`Server::stop`]).
+    Stopped,
+    /// The reader is done (every span sent, one refused, or it panicked).
+    End,
+}
+
+/// The reader's end of its channel: says [`Chunk::End`] when dropped, however the reader ends
+/// (the channel stays open while [`Server::stop`] holds a sender of it).
+struct Sending(mpsc::SyncSender<Chunk>);
+
+impl Drop for Sending {
+    fn drop(&mut self) {
+        let _ = self.0.send(Chunk::End);
+    }
 }
 
 impl<'a> Server<'a> {
@@ -111,6 +157,34 @@ impl<'a> Server<'a> {
             checked,
             failure: Mutex::new(None),
             served: AtomicU64::new(0),
+            stopped: AtomicBool::new(false),
+            wake: Mutex::new(Wake::default()),
+        }
+    }
+
+    /// CRIU ended or was killed before a verdict passed: nothing more is served, CRIU's
+    /// connection is shut down and every file's writer returns, without waiting for a read
+    /// that does not return (left to its thread, see the module docs).
+    pub(crate) fn stop(&self) {
+        self.stopped.store(true, Ordering::SeqCst);
+        let mut wake = self.wake.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = &wake.conn {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+        for w in wake.writers.drain(..) {
+            // A full channel: its writer is not waiting, and reads the flag after each chunk.
+            let _ = w.try_send(Chunk::Stopped);
+        }
+    }
+
+    fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::SeqCst)
+    }
+
+    fn stopped_error(&self) -> ImageError {
+        ImageError::Stream {
+            dir: self.image.path().to_path_buf(),
+            reason: "the streamer was stopped: CRIU ended before its gate".into(),
         }
     }
 
@@ -148,6 +222,17 @@ impl<'a> Server<'a> {
                 return;
             }
         };
+        {
+            let mut wake = self.wake.lock().unwrap_or_else(|p| p.into_inner());
+            match conn.try_clone() {
+                // Read under the lock [`Server::stop`] takes: stopped before, shut down here.
+                Ok(c) if self.is_stopped() => {
+                    let _ = c.shutdown(std::net::Shutdown::Both);
+                }
+                Ok(c) => wake.conn = Some(c),
+                Err(e) => tracing::warn!(error = %e, "the streamer cannot be stopped from outside"),
+            }
+        }
         std::thread::scope(|s| {
             let mut conn = conn;
             loop {
@@ -157,6 +242,8 @@ impl<'a> Server<'a> {
                     Ok(Request::Serve(i, pipe)) => {
                         s.spawn(move || self.serve_file(i, pipe));
                     }
+                    // Stopped: the connection was shut down under the request.
+                    Err(_) if self.is_stopped() => return,
                     Err(reason) => {
                         self.fail(ImageError::Stream {
                             dir: self.image.path().to_path_buf(),
@@ -202,8 +289,12 @@ impl<'a> Server<'a> {
             pipe.as_raw_fd(),
             nix::fcntl::FcntlArg::F_SETPIPE_SZ(PIPE_SIZE),
         );
-        if let Err(e) = self.try_serve_file(i, File::from(pipe)) {
-            self.fail(e);
+        match self.try_serve_file(i, File::from(pipe)) {
+            Ok(()) => {}
+            // Stopped: nothing is said of the image (CRIU ended first; a refusal of a chunk
+            // before the stop was said then).
+            Err(ImageError::Stream { .. }) if self.is_stopped() => {}
+            Err(e) => self.fail(e),
         }
         // Dropping the pipe here: CRIU sees the end of the file (or, after a refusal, a short
         // file and fails).
@@ -211,41 +302,75 @@ impl<'a> Server<'a> {
 
     fn try_serve_file(&self, i: usize, mut out: File) -> Result<(), ImageError> {
         let (file, _) = self.image.open_file(i)?;
-        let spans = &self.spans[i];
+        // The reader's own copies: it runs on a thread of the deadline layer, left there if a
+        // read never returns (see the module docs).
+        let spans: Vec<(u64, u64, String, bool)> = self.spans[i]
+            .iter()
+            .map(|s| (s.offset, s.len, s.digest.to_string(), s.last))
+            .collect();
         let alg = self.image.alg();
-        let (tx, rx) = mpsc::sync_channel::<Result<Vec<u8>, ImageError>>(WINDOW);
+        let (tx, rx) = mpsc::sync_channel::<Chunk>(WINDOW);
         let (free_tx, free_rx) = mpsc::channel::<Vec<u8>>();
-        std::thread::scope(|s| {
-            let file = &file;
-            s.spawn(move || {
-                for (w, window) in spans.chunks(WINDOW).enumerate() {
-                    let mut bufs: Vec<Vec<u8>> = window
-                        .iter()
-                        .map(|_| free_rx.try_recv().unwrap_or_default())
-                        .collect();
-                    let results: Vec<Result<(), ImageError>> = window
-                        .par_iter()
-                        .zip(bufs.par_iter_mut())
-                        .map(|(span, buf)| {
-                            hash::read_checked(file, span, alg, buf)
-                                .map_err(|e| self.image.span_error(span, e))
-                        })
-                        .collect();
-                    for (k, (r, buf)) in results.into_iter().zip(bufs).enumerate() {
-                        let msg = r.map(|()| {
-                            self.checked[i][w * WINDOW + k].store(true, Ordering::Relaxed);
-                            buf
-                        });
-                        let stop = msg.is_err();
-                        // The writer stopped (CRIU closed the pipe): nothing more to read.
-                        if tx.send(msg).is_err() || stop {
-                            return;
-                        }
+        {
+            let mut wake = self.wake.lock().unwrap_or_else(|p| p.into_inner());
+            if self.is_stopped() {
+                return Err(self.stopped_error());
+            }
+            wake.writers.push(tx.clone());
+        }
+        let tx = Sending(tx);
+        let read = move || {
+            for (w, window) in spans.chunks(WINDOW).enumerate() {
+                let mut bufs: Vec<Vec<u8>> = window
+                    .iter()
+                    .map(|_| free_rx.try_recv().unwrap_or_default())
+                    .collect();
+                let results: Vec<Result<(), hash::SpanError>> = window
+                    .par_iter()
+                    .zip(bufs.par_iter_mut())
+                    .map(|((offset, len, digest, last), buf)| {
+                        let span = Span {
+                            file: i,
+                            offset: *offset,
+                            len: *len,
+                            digest,
+                            last: *last,
+                        };
+                        hash::read_checked(&file, &span, alg, buf)
+                    })
+                    .collect();
+                for (k, (r, buf)) in results.into_iter().zip(bufs).enumerate() {
+                    let at = w * WINDOW + k;
+                    let (msg, stop) = match r {
+                        Ok(()) => (Chunk::Checked(at, buf), false),
+                        Err(e) => (Chunk::Refused(at, e), true),
+                    };
+                    // The writer stopped (CRIU closed the pipe): nothing more to read.
+                    if tx.0.send(msg).is_err() || stop {
+                        return;
                     }
                 }
-            });
+            }
+        };
+        // Dropped when this returns: a read still under way then (CRIU closed the file, or
+        // the streamer was stopped) is counted while it lasts.
+        let _reader = super::check::on_look_thread(self.image.path(), read)?;
+        {
             for msg in rx {
-                let buf = msg?;
+                let buf = match msg {
+                    Chunk::Checked(k, buf) => {
+                        self.checked[i][k].store(true, Ordering::Relaxed);
+                        buf
+                    }
+                    Chunk::Refused(k, e) => {
+                        return Err(self.image.span_error(&self.spans[i][k], e))
+                    }
+                    Chunk::Stopped => return Err(self.stopped_error()),
+                    Chunk::End => break,
+                };
+                if self.is_stopped() {
+                    return Err(self.stopped_error());
+                }
                 match out.write_all(&buf) {
                     Ok(()) => {
                         self.served.fetch_add(buf.len() as u64, Ordering::Relaxed);
@@ -266,7 +391,7 @@ impl<'a> Server<'a> {
                 let _ = free_tx.send(buf);
             }
             Ok(())
-        })
+        }
     }
 
     /// The gate before any restored process runs: refuses if anything served was refused, and
