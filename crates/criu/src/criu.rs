@@ -597,7 +597,11 @@ impl CriuRpc {
         };
         let stuck = STUCK.get();
         if deadline.is_some() && stuck >= MAX_STUCK_CRIUS {
-            return Err(CriuError::TooManyStuck { op, stuck });
+            return Err(CriuError::TooManyStuck {
+                op,
+                stuck,
+                held: HeldPlace::said(),
+            });
         }
         // The judge's way out when CRIU neither reaches the gate nor exits (stuck past its
         // kill): its write end goes when CRIU was waited for or given up on.
@@ -1464,10 +1468,15 @@ impl Resumed {
                 tracing::warn!(pid, error = %e, "waiting for a CRIU past its post-resume stage")
             }
         };
+        let place = HeldPlace::new(
+            "CRIUs that resumed their trees (their post-resume stage: the trees run) and have not exited",
+            vec![pid as Pid],
+        );
         let late = cryo_gpu::deadline::within_counted(
             &STUCK,
             std::time::Duration::ZERO,
             move || {
+                let _place = place;
                 let status = criu.wait();
                 drop(done);
                 report_log(&log, copied.join());
@@ -1502,6 +1511,62 @@ pub const KILLED_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 pub const MAX_STUCK_CRIUS: usize = 8;
 
 static STUCK: Abandoned = Abandoned::new(MAX_STUCK_CRIUS);
+
+/// What holds each place of [`STUCK`] ([`HeldPlace`]), said when a CRIU is refused past the
+/// budget ([`CriuError::TooManyStuck`]).
+static HELD: std::sync::Mutex<Vec<(u64, &'static str, Vec<Pid>)>> =
+    std::sync::Mutex::new(Vec::new());
+
+static NEXT_HELD: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// One place of [`STUCK`] as a refusal names it: what waits (`what`) and its pids; given back
+/// when dropped (by the thread of the deadline layer that waited, once its wait ended).
+struct HeldPlace(u64);
+
+impl HeldPlace {
+    fn new(what: &'static str, pids: Vec<Pid>) -> HeldPlace {
+        let id = NEXT_HELD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        HELD.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((id, what, pids));
+        HeldPlace(id)
+    }
+
+    /// The places held now, by kind: how many, what they are, and each pid's state and kernel
+    /// wait as `/proc` says them now.
+    fn said() -> Vec<String> {
+        let held = HELD.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut kinds: Vec<(&'static str, usize, Vec<String>)> = Vec::new();
+        for (_, what, pids) in held {
+            let said = pids.iter().map(|&p| {
+                let state = cryo_proc::stat(p).map_or('?', |s| s.state);
+                match cryo_proc::wchan(p).unwrap_or_default() {
+                    w if w.is_empty() || w == "0" => format!("pid {p} (state {state})"),
+                    w => format!("pid {p} (state {state}, in {w})"),
+                }
+            });
+            match kinds.iter_mut().find(|(w, _, _)| *w == what) {
+                Some((_, n, all)) => {
+                    *n += 1;
+                    all.extend(said);
+                }
+                None => kinds.push((what, 1, said.collect())),
+            }
+        }
+        kinds
+            .into_iter()
+            .map(|(what, n, pids)| format!("{n} of {what}: {}", pids.join(", ")))
+            .collect()
+    }
+}
+
+impl Drop for HeldPlace {
+    fn drop(&mut self) {
+        HELD.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|(id, _, _)| *id != self.0);
+    }
+}
 
 /// CRIUs of this process killed at their deadlines and given up on that have still not exited
 /// (each is waited for by a thread of the deadline layer, which reaps it when it exits), and
@@ -1736,10 +1801,17 @@ fn wait_until(
 /// it, counted in [`stuck_crius`] until then.
 fn reap_later(mut child: std::process::Child) {
     let pid = child.id();
+    let place = HeldPlace::new(
+        "CRIUs killed (at their deadlines or at a refusal) that have not exited",
+        vec![pid as Pid],
+    );
     let late = cryo_gpu::deadline::within_counted(
         &STUCK,
         std::time::Duration::ZERO,
-        move || child.wait(),
+        move || {
+            let _place = place;
+            child.wait()
+        },
         move |waited| match waited {
             Ok(status) => {
                 tracing::warn!(pid, %status, "a CRIU given up on after its kill exited: reaped")
@@ -1770,10 +1842,17 @@ fn reap_later(mut child: std::process::Child) {
 /// otherwise or ends.
 pub(crate) fn reap_stuck_later(procs: Vec<cryo_proc::ProcHandle>) -> bool {
     let pids: Vec<Pid> = procs.iter().map(cryo_proc::ProcHandle::pid).collect();
+    let place = HeldPlace::new(
+        "groups of processes a CRIU restored, killed (none ran), that have not exited",
+        pids.clone(),
+    );
     let late = cryo_gpu::deadline::within_counted(
         &STUCK,
         std::time::Duration::ZERO,
-        move || reap_each_when_ended(procs),
+        move || {
+            let _place = place;
+            reap_each_when_ended(procs)
+        },
         move |()| {
             tracing::warn!(
                 ?pids,

@@ -107,17 +107,22 @@ pub enum CriuError {
         /// CRIU itself, when it did not exit after its kill (boxed: the error stays small).
         stuck: Option<Box<Stuck>>,
     },
-    /// Too many CRIUs killed at their deadlines are still stuck where no signal reaches them
-    /// (see [`Stuck`]): no new one is started, since it would most likely hang the same way
-    /// and each holds a thread until it exits.
+    /// Too many CRIUs (or processes they restored) are still waited for in the background,
+    /// each holding a thread until it exits: CRIUs killed at their deadline or at a refusal
+    /// and stuck where no signal reaches them (see [`Stuck`]), restored processes stuck the
+    /// same way, CRIUs that resumed their trees and have not exited. No new one is started,
+    /// since it would most likely hang the same way.
     #[error(
-        "criu {op} not started: {stuck} CRIUs killed at their deadlines have still not exited (stuck in the kernel: a hung disk or file server?)"
+        "criu {op} not started: {stuck} earlier CRIUs or processes they restored have still not exited, each waited for by a thread until it does: {}; each frees its place when it exits (a kernel wait ends when its disk or file server answers)",
+        .held.join("; ")
     )]
     TooManyStuck {
         /// The operation.
         op: CriuOp,
-        /// CRIUs killed and still not exited.
+        /// How many are waited for.
         stuck: usize,
+        /// Each of them: what it is, its pid(s), and its state now.
+        held: Vec<String>,
     },
     /// CRIU ran and reported failure; `lines` are its own `Error (...)` lines from `log`
     /// (the last few), or the log's last lines when it has none.

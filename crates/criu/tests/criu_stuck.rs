@@ -218,3 +218,95 @@ fn restored_processes_stuck_in_the_kernel_cost_one_grace_and_are_reaped_when_the
         drop(fuse);
     }
 }
+
+/// Attack (session 23): the budget of CRIUs waited for in the background
+/// ([`cryo_criu::MAX_STUCK_CRIUS`]) filled by CRIUs that resumed their trees (their
+/// `post-resume` stage: the trees run) and do not exit (held there, as a CRIU whose cleanup
+/// waits on a hung file system; one of them also stopped with SIGSTOP). The next restore is
+/// refused at once, and its refusal must say what holds the budget (never "killed at their
+/// deadlines": none of these was killed, and each of their trees runs), naming each CRIU; once
+/// those CRIUs exit (let go; the stopped one continued), the budget is free and a restore runs.
+#[test]
+fn a_restore_past_the_budget_of_crius_not_exited_after_resuming_is_refused_naming_them() {
+    cryo_testkit::require_criu_and_root();
+    let t = tempfile::tempdir().unwrap();
+    let release = t.path().join("let-criu-exit");
+    std::env::set_var(cryo_criu::CRIU_POST_RESUME_HELD, &release);
+    let criu = CriuRpc::locate(None)
+        .unwrap()
+        .in_scratch(&t.path().join("scratch"));
+    assert_eq!(cryo_criu::stuck_crius(), 0);
+    let restore = |image: &Path| {
+        criu.restore(
+            &Image::open(image).unwrap(),
+            &RestoreOpts {
+                deadline: Some(Duration::from_secs(60)),
+                ..RestoreOpts::default()
+            },
+        )
+    };
+    let mut images = Vec::new();
+    for i in 0..=cryo_criu::MAX_STUCK_CRIUS {
+        let image = t.path().join(format!("image-{i}"));
+        cryo_testkit::image::dumped_tree(&criu, &image, "exec sleep 100000", 1);
+        images.push(image);
+    }
+    let mut roots = Vec::new();
+    for (i, image) in images[..cryo_criu::MAX_STUCK_CRIUS].iter().enumerate() {
+        let root = restore(image).unwrap().pid;
+        roots.push(root);
+        assert_eq!(cryo_criu::stuck_crius(), i + 1);
+    }
+    // Each held CRIU: a child of this process running CRIU's binary (the gate's script waits
+    // in it).
+    let held = held_crius(criu.path());
+    assert_eq!(held.len(), cryo_criu::MAX_STUCK_CRIUS, "{held:?}");
+    cryo_testkit::procs::kill(held[0], libc::SIGSTOP);
+
+    let started = Instant::now();
+    let err = restore(&images[cryo_criu::MAX_STUCK_CRIUS]).unwrap_err();
+    assert!(
+        matches!(err, CriuError::TooManyStuck { .. }),
+        "expected the budget's refusal: {err}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(5), "{err}");
+    let msg = err.to_string();
+    eprintln!("the refusal: {msg}");
+    assert!(!msg.contains("killed at their deadlines"), "{msg}");
+    assert!(msg.contains("post-resume"), "{msg}");
+    for pid in &held {
+        assert!(
+            msg.contains(&format!("pid {pid}")),
+            "names CRIU {pid}: {msg}"
+        );
+    }
+
+    // Let go: each CRIU exits (the stopped one once continued), and the budget frees.
+    fs::write(&release, b"").unwrap();
+    cryo_testkit::procs::kill(held[0], libc::SIGCONT);
+    eventually(PATIENCE, "the held CRIUs to exit and be reaped", || {
+        cryo_criu::stuck_crius() == 0 && held_crius(criu.path()).is_empty()
+    });
+    roots.push(restore(&images[cryo_criu::MAX_STUCK_CRIUS]).unwrap().pid);
+    for root in roots {
+        cryo_testkit::procs::kill(root, libc::SIGKILL);
+        cryo_testkit::procs::reap(root);
+    }
+}
+
+/// This process's children that run the CRIU binary `bin`, oldest first.
+fn held_crius(bin: &Path) -> Vec<i32> {
+    let bin = fs::canonicalize(bin).unwrap();
+    let me = std::process::id() as i32;
+    let mut pids: Vec<i32> = fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|p| {
+            cryo_proc::stat(*p).is_ok_and(|s| s.ppid == me)
+                && fs::read_link(format!("/proc/{p}/exe")).is_ok_and(|e| e == bin)
+        })
+        .collect();
+    pids.sort_by_key(|p| cryo_proc::stat(*p).map_or(0, |s| s.start_time));
+    pids
+}
