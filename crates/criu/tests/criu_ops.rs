@@ -913,6 +913,82 @@ fn a_criu_that_fails_after_resuming_the_tree_still_hands_it_over() {
     );
 }
 
+/// Attack (session 23): a CRIU that resumed its tree (`post-resume`) and then logs without end
+/// (a cleanup that loops) until it is let go, waited for in the background past the restore's
+/// return (`Resumed::finish_later`), and reaped by another waiter of this process (an agent's
+/// reaper of its ended children) racing that background wait. Pinned, nothing broke: the
+/// log past `post-resume` is cut to its cap like the rest (its keeper runs until CRIU is
+/// waited for, then finishes it), and the background wait ends whoever reaps CRIU (a wait that
+/// finds CRIU reaped returns `ECHILD` once: no spin, no thread left), its place in the budget
+/// of CRIUs waited for given back.
+#[test]
+fn a_criu_that_logs_after_resuming_is_cut_to_its_cap_and_its_wait_ends_whoever_reaps_it() {
+    let t = tempfile::tempdir().unwrap();
+    let criu_pid = t.path().join("criu.pid");
+    let go = t.path().join("go");
+    let (criu, image, task) = fake_restore(
+        t.path(),
+        &format!(
+            concat!(
+                "open(my $c, '>', '{pid}') or die; print $c \"$$\\n\"; close $c;\n{pass}",
+                "open(my $l, '>>', \"$w/restore.log\") or die;\n",
+                "while (! -e '{go}') {{ print $l \"(00.000003) Error (criu/cr-restore.c:1): ",
+                "cleaning up\\n\" }}\n",
+            ),
+            pid = criu_pid.display(),
+            pass = PASS_THE_GATE_AND_RESUME,
+            go = go.display(),
+        ),
+    );
+    let criu = criu.with_log_cap(cryo_criu::LogCap {
+        head: 64 << 10,
+        tail: 64 << 10,
+    });
+    let work = t.path().join("work");
+    let restored = criu.restore(
+        &image,
+        &RestoreOpts {
+            deadline: Some(std::time::Duration::from_secs(10)),
+            work_dir: Some(work.clone()),
+            ..RestoreOpts::default()
+        },
+    );
+    let task = Task(task());
+    let restored = restored.unwrap_or_else(|e| panic!("the resumed tree was not returned: {e}"));
+    assert_eq!(restored.pid, task.0);
+    let criu_pid: i32 = fs::read_to_string(&criu_pid)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(
+        cryo_criu::stuck_crius(),
+        1,
+        "CRIU is waited for in the background"
+    );
+    // Another waiter of this process, blocked for CRIU's end before it comes.
+    let other = std::thread::spawn(move || waitpid(NixPid::from_raw(criu_pid), None));
+    fs::write(&go, b"").unwrap();
+    let reaped = other.join().unwrap();
+    assert!(
+        matches!(
+            reaped,
+            Ok(WaitStatus::Exited(_, 0)) | Err(nix::errno::Errno::ECHILD)
+        ),
+        "{reaped:?}"
+    );
+    eventually(PATIENCE, "the background wait to end", || {
+        cryo_criu::stuck_crius() == 0
+    });
+    assert!(!Path::new(&format!("/proc/{criu_pid}")).exists());
+    let text = within_128k(&work.join(cryo_criu::RESTORE_LOG));
+    assert!(
+        text.contains("cleaning up"),
+        "{}",
+        &text[text.len() - 200..]
+    );
+}
+
 /// The fake CRIU's steps (perl, see [`fake_restore`]) through cryo's gate as CRIU 4.2 takes
 /// them: its action script at `post-restore` (which must pass), the pidfile, then the script at
 /// `post-resume` (its status ignored).
@@ -1081,6 +1157,18 @@ fn restore_past_a_2s_deadline(fake: &Path, dir: &Path, scratch: &Path) -> CriuEr
 /// The fake CRIU's endless log, kept within a 64 KiB + 64 KiB cap: its first line, the cut
 /// line, and where CRIU was when it stopped or was killed (possibly mid-line) at the end.
 fn assert_capped_to_128k(log: &Path) {
+    let text = within_128k(log);
+    assert!(
+        text.starts_with("(00.000001) the first line\n"),
+        "{}",
+        &text[..80]
+    );
+    let tail = &text[text.len() - 1000..];
+    assert!(tail.contains("preadv returned 0\n"), "{tail}");
+}
+
+/// The text of CRIU's log `log`, cut to a 64 KiB + 64 KiB cap: within it, with the cut line.
+fn within_128k(log: &Path) -> String {
     let text = fs::read_to_string(log).unwrap();
     assert!(
         text.len() <= (128 << 10) + 200,
@@ -1088,14 +1176,8 @@ fn assert_capped_to_128k(log: &Path) {
         log.display(),
         text.len()
     );
-    assert!(
-        text.starts_with("(00.000001) the first line\n"),
-        "{}",
-        &text[..80]
-    );
     assert!(text.contains("bytes of CRIU's log cut here"), "no cut line");
-    let tail = &text[text.len() - 1000..];
-    assert!(tail.contains("preadv returned 0\n"), "{tail}");
+    text
 }
 
 /// Issue 16: the `criu swrk` routes (`Criu::dump`, `restore_dir`) take CRIU's
