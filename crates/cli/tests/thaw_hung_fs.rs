@@ -112,13 +112,19 @@ fn a_thaw_mapped_by_gpus_of_whose_image_file_system_does_not_answer_gives_up_at_
 /// (`CRYO_THAW_CHECKER=child`), whose read of `pages-1.img` never returns (the file system holds
 /// the checker's reads, and only its: CRIU's are answered). The checker is then in `D`: killed,
 /// it stays, and so does its end of the verdict pipe. The thaw must still end at its deadline,
-/// refusing, and `cryo` exit.
+/// refusing, and `cryo` exit. The image is a real plain tree's, so that CRIU restores it and
+/// waits at its gate for the checker's verdict (the kit's tiny image makes CRIU fail at once,
+/// and since session 23 a thaw whose CRIU failed stops its check: the checker never got to
+/// its read).
 #[test]
 fn a_thaw_whose_image_checker_is_stuck_in_a_read_ends_at_its_deadline() {
     cryo_testkit::require_criu_and_root();
     let t = tempfile::tempdir().unwrap();
     let backing = t.path().join("backing");
-    cryo_testkit::image::publish_tiny(&backing);
+    let criu = cryo_criu::CriuRpc::locate(None)
+        .unwrap()
+        .in_scratch(&t.path().join("scratch"));
+    cryo_testkit::image::dumped_tree(&criu, &backing, "exec sleep 100000", 1);
     let fuse = Stalling::mount_from(
         &backing,
         &t.path().join("img"),

@@ -1050,11 +1050,8 @@ impl Criu for CriuRpc {
                 // or said nothing of the image (a change after a verdict that passed is not
                 // this restore's: its tree runs). A verdict that failed only because the check
                 // was stopped (CRIU ended while at its gate) says nothing of the image either.
-                if check.stopped()
-                    && matches!(
-                        &gated.verdict,
-                        Some(Err(CriuError::Image(image::ImageError::Stream { .. })))
-                    )
+                if check.finish_was_stopped()
+                    && matches!(&gated.verdict, Some(Err(CriuError::Image(_))))
                 {
                     gated.verdict = None;
                 }

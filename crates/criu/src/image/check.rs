@@ -212,6 +212,8 @@ pub struct Check<'a> {
     refused: (OwnedFd, OwnedFd),
     /// Set by [`Check::stop`]: nobody needs the check's answer any more.
     stop: Stop,
+    /// [`Check::finish`] refused only because the check was stopped (said nothing of the image).
+    finish_stopped: AtomicBool,
 }
 
 /// What [`Check::run`] hands to [`Check::finish`].
@@ -334,6 +336,7 @@ impl<'a> Check<'a> {
             deadline,
             refused,
             stop: Stop::default(),
+            finish_stopped: AtomicBool::new(false),
         })
     }
 
@@ -363,6 +366,17 @@ impl<'a> Check<'a> {
     /// Whether [`Check::stop`] was called.
     pub fn stopped(&self) -> bool {
         self.stop.is_set()
+    }
+
+    /// Whether [`Check::finish`] refused only because the check was stopped: its error says
+    /// nothing of the image.
+    pub fn finish_was_stopped(&self) -> bool {
+        self.finish_stopped.load(Ordering::SeqCst)
+    }
+
+    fn stopped_error(&self) -> ImageError {
+        self.finish_stopped.store(true, Ordering::SeqCst);
+        self.stream_error(STOPPED.into())
     }
 
     /// When the page contents were all checked, if they were.
@@ -463,7 +477,7 @@ impl<'a> Check<'a> {
         };
         match outcome {
             Outcome::Checked(r) => r?,
-            Outcome::Stopped => return Err(self.stream_error(STOPPED.into())),
+            Outcome::Stopped => return Err(self.stopped_error()),
         }
         self.unchanged()
     }
@@ -494,7 +508,7 @@ impl<'a> Check<'a> {
                 self.image.manifest().files[i].name
             ))),
             Some(Err(e)) => Err(e),
-            None if self.stopped() => Err(self.stream_error(STOPPED.into())),
+            None if self.stopped() => Err(self.stopped_error()),
             None => Err(self.stream_error(
                 "looking at the image's files again did not end before the restore's deadline"
                     .into(),
@@ -512,10 +526,12 @@ impl<'a> Check<'a> {
         let mut events = inotify::Reader::new(watch, &mut buf);
         match events.next() {
             Ok(ev) => {
+                // The file's whole path: the refusal names the file as the check's own do.
                 let name = ev
                     .file_name()
                     .map(|n| n.to_string_lossy().into_owned())
                     .filter(|n| !n.is_empty())
+                    .map(|n| self.image.path().join(n).display().to_string())
                     .unwrap_or_else(|| "the directory itself".into());
                 Err(self.changed(format!("{name}: {:?}", ev.events())))
             }
