@@ -485,6 +485,7 @@ impl CriuRpc {
         let no_plugins = private.join("no-plugins");
         std::fs::create_dir(&no_plugins)?;
         let mut cmd = Command::new(&self.bin);
+        image::default_sigchld(&mut cmd);
         cmd.arg("-L").arg(no_plugins);
         if let Some(dir) = &self.lib_dir {
             let mut path = dir.as_os_str().to_owned();
@@ -1705,7 +1706,7 @@ fn wait_until(
         resumed: None,
     };
     if deadline.is_none() && refusals.is_empty() && resumed.is_none() {
-        return exited(child.wait(), false, false);
+        return exited(status_of(&mut child), false, false);
     }
     let pidfd = match rustix::process::pidfd_open(
         rustix::process::Pid::from_child(&child),
@@ -1726,7 +1727,7 @@ fn wait_until(
             .chain(refusals.iter().copied())
             .collect();
         match wait_for(&pidfd, &watched, left) {
-            Ok(Came::Exited) => return exited(child.wait(), false, false),
+            Ok(Came::Exited) => return exited(status_of(&mut child), false, false),
             // Past `post-resume` and its grace: let go, never killed (nor what it resumed).
             Ok(Came::Elapsed) if past_resume => {
                 tracing::warn!(pid, grace = ?RESUMED_EXIT_GRACE, "CRIU has not exited since it resumed the tree: the restore goes on without it");
@@ -1772,7 +1773,7 @@ fn wait_until(
         give_up();
     }
     match exits_within(&pidfd, KILLED_GRACE) {
-        Ok(true) => return exited(child.wait(), timed_out, refused),
+        Ok(true) => return exited(status_of(&mut child), timed_out, refused),
         Ok(false) => {}
         Err(e) => return exited(Err(e), timed_out, refused),
     }
@@ -1791,6 +1792,28 @@ fn wait_until(
         refused,
         stuck: Some(Box::new(stuck)),
         resumed: None,
+    }
+}
+
+/// CRIU's exit status, once it exited. Taken by another waiter of this process first (a
+/// process that ignores `SIGCHLD`, which `execve` keeps ignored from a parent that did, has
+/// every child reaped by the kernel; a reaper of any child of this process's), it is not known:
+/// CRIU is taken for one that failed (exit status 255), and a restore whose CRIU passed
+/// `post-resume` hands its tree over all the same (the status says nothing of the tree then).
+/// (Session 23: with `SIGCHLD` ignored, a restore whose CRIU had resumed the tree and exited
+/// failed with "cannot start /usr/local/sbin/criu swrk: No child processes", its tree left
+/// running, owned by nobody.)
+fn status_of(child: &mut std::process::Child) -> std::io::Result<std::process::ExitStatus> {
+    use std::os::unix::process::ExitStatusExt;
+    match child.wait() {
+        Err(e) if e.raw_os_error() == Some(libc::ECHILD) => {
+            tracing::warn!(
+                pid = child.id(),
+                "CRIU's exit status was taken by another waiter (SIGCHLD ignored?): taken for a failure"
+            );
+            Ok(std::process::ExitStatus::from_raw(255 << 8))
+        }
+        r => r,
     }
 }
 

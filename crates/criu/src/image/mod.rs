@@ -77,6 +77,7 @@ pub use manifest::{
 pub use open::{read_manifest, Image};
 pub use opener::OPENER_ARG;
 pub(crate) use stream::{Server, SERVE_SOCKET};
+pub(crate) use sys::default_sigchld;
 pub(crate) use sys::inherit as inherit_fd;
 
 /// What marks a staging directory: `NAME.tmp-<random>`.

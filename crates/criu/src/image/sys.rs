@@ -59,6 +59,23 @@ pub(crate) fn new_session(cmd: &mut std::process::Command) {
     }
 }
 
+/// Starts the child that `cmd` starts with `SIGCHLD` at its default action: an ignored
+/// `SIGCHLD` survives `execve`, and a CRIU that inherits it has its own children reaped by the
+/// kernel: its waits fail ("waitpid() failed: No child processes") and so does the restore.
+pub(crate) fn default_sigchld(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the forked child before exec; it makes one async-signal-safe
+    // system call (signal with SIG_DFL, no pointer) and allocates nothing.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::signal(libc::SIGCHLD, libc::SIG_DFL) == libc::SIG_ERR {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 /// Takes ownership of `fd`, inherited from the process that started this one (the image
 /// checker's image directory), after checking that it is an open directory.
 pub(crate) fn adopt_inherited(fd: std::os::fd::RawFd) -> std::io::Result<std::os::fd::OwnedFd> {

@@ -102,6 +102,7 @@ impl Swrk {
         // An unnamed file: CRIU's stderr is read back after it exits, without a reader thread.
         let stderr = tempfile::tempfile().map_err(spawn_err)?;
         let mut cmd = Command::new(bin);
+        crate::image::default_sigchld(&mut cmd);
         cmd.arg("swrk")
             .arg("0")
             .stdin(Stdio::from(theirs))
