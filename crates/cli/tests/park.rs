@@ -10,7 +10,9 @@ use common::events;
 use std::path::Path;
 use std::process::Output;
 
-use common::{run, stderr, stdout, AgentProc, GuardProc, Sim, Worker, WorkerSpec};
+use common::{
+    let_go, paused_at, run, stderr, stdout, AgentProc, GuardProc, Sim, Worker, WorkerSpec,
+};
 use cryo_journal::ProcId;
 
 fn state() -> tempfile::TempDir {
@@ -834,42 +836,6 @@ fn a_park_that_cannot_suspend_its_worker_leaves_it_running_and_unparked() {
     sim.assert_no_wedge();
 }
 
-/// `cryo wake W` paused at failpoint `wake-before-restore` (it has read W's state, CHECKPOINTED,
-/// and not restored it yet), in the environment `agent` adds to (`None`: standalone, where the
-/// failpoint is set on the command itself; its resume file is `st/go`): the child and its stderr.
-fn a_wake_paused_before_its_restore(
-    sim: &Sim,
-    st: &Path,
-    w: &Worker,
-    agent: Option<&AgentProc>,
-) -> (std::process::Child, std::process::ChildStderr) {
-    let failpoint = cryo_lifecycle::park::WAKE_BEFORE_RESTORE;
-    let mut cmd = sim.cmd_at(st);
-    if agent.is_none() {
-        cmd.env("CRYO_FAILPOINT", failpoint)
-            .env("CRYO_FAILPOINT_RESUME", st.join("go"));
-    }
-    let mut first = cmd
-        .args(["wake", &w.pid.to_string()])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = first.stderr.take().unwrap();
-    match agent {
-        None => {
-            common::said_until(&mut err, "paused until");
-        }
-        Some(a) => common::eventually(
-            cryo_testkit::PATIENCE,
-            "the agent's wake at its failpoint",
-            || a.log().contains(&format!("failpoint {failpoint} reached")),
-        ),
-    }
-    assert_eq!(sim.state(w.pid), "checkpointed");
-    (first, err)
-}
-
 /// How two wakes of one worker at once ended: exactly one woke it, the other was refused
 /// because the first was at work on it (never a driver error, never a failed wake that parks it
 /// again). `first` and `second` are each one's status and all it said.
@@ -967,7 +933,7 @@ fn two_wakes_at_once_restore_once_and_the_second_says_the_first_is_at_work() {
     let w = worker(&sim, "64MiB", 0);
     let before = w.complete("the same question");
     ok(&run(&sim, st.path(), &["park", &w.pid.to_string()]));
-    let (first, err) = a_wake_paused_before_its_restore(&sim, st.path(), &w, None);
+    let (first, err) = common::a_wake_paused_before_its_restore(&sim, st.path(), w.pid, None);
     let second = run(&sim, st.path(), &["wake", &w.pid.to_string()]);
     the_first_let_go_wakes_it_once(&sim, st.path(), &w, (first, err), &second, &before);
 
@@ -999,7 +965,8 @@ fn two_wakes_at_once_through_the_agent_restore_once() {
     let w = worker(&sim, "64MiB", 0);
     let before = w.complete("the same question");
     ok(&run(&sim, st.path(), &["park", &w.pid.to_string()]));
-    let (first, err) = a_wake_paused_before_its_restore(&sim, st.path(), &w, Some(&agent));
+    let (first, err) =
+        common::a_wake_paused_before_its_restore(&sim, st.path(), w.pid, Some(&agent));
     // The second in the background: before the fix it paused at the failpoint too.
     let mut second = sim
         .cmd_at(st.path())
@@ -1024,40 +991,6 @@ fn two_wakes_at_once_through_the_agent_restore_once() {
     sim.assert_no_wedge();
     drop(agent);
     common::stop_pin_holder(st.path());
-}
-
-/// `cryo ARGS` paused at failpoint `failpoint` (its resume file `st/go`): the child and its
-/// stderr, once it said it paused.
-fn paused_at(
-    sim: &Sim,
-    st: &Path,
-    args: &[&str],
-    failpoint: &str,
-) -> (std::process::Child, std::process::ChildStderr) {
-    let mut child = sim
-        .cmd_at(st)
-        .env("CRYO_FAILPOINT", failpoint)
-        .env("CRYO_FAILPOINT_RESUME", st.join("go"))
-        .args(args)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = child.stderr.take().unwrap();
-    common::said_until(&mut err, "paused until");
-    (child, err)
-}
-
-/// `paused`, let go (`st/go` written): its status and all it said.
-fn let_go(
-    st: &Path,
-    (mut child, mut err): (std::process::Child, std::process::ChildStderr),
-) -> (std::process::ExitStatus, String) {
-    use std::io::Read;
-    std::fs::write(st.join("go"), b"").unwrap();
-    let mut said = String::new();
-    err.read_to_string(&mut said).unwrap();
-    (child.wait().unwrap(), said)
 }
 
 /// `second` was refused at once (exit 3) because cryo pid `by` is `doing` `w`: never a driver
@@ -1289,4 +1222,173 @@ fn a_stop_meeting_a_wake_at_work_is_refused_and_the_wake_wakes() {
 #[test]
 fn a_stop_meeting_a_wake_before_its_unlock_through_the_agent_is_refused() {
     meets_a_wake_before_its_unlock_through_the_agent("stop");
+}
+
+/// A parked worker `w` (its `Parked` record standing) parked again by a `cryo park` SIGKILLed
+/// at `park-before-record` (its suspension verified `w`, already CHECKPOINTED, nothing recorded
+/// after): a park suspension in flight whose owner is dead, which the next guard or agent start
+/// resumes in place. Returns how many events the journal held then.
+fn parked_again_by_a_dead_park(sim: &Sim, st: &Path, w: &Worker) -> usize {
+    let pid = w.pid.to_string();
+    ok(&run(sim, st, &["park", &pid]));
+    let (mut park, _err) = paused_at(
+        sim,
+        st,
+        &["park", &pid],
+        cryo_lifecycle::park::PARK_BEFORE_RECORD,
+    );
+    park.kill().unwrap();
+    park.wait().unwrap();
+    assert_eq!(sim.state(w.pid), "checkpointed");
+    let records = cryo_journal::read(st.join("journal")).unwrap().records;
+    assert!(
+        cryo_journal::in_flight_stops(&records)
+            .keys()
+            .any(|p| p.pid == w.pid),
+        "the dead park's suspension is not in flight"
+    );
+    records.len()
+}
+
+/// `events` (since the dead park) hold exactly one restore of `w`, by cryo pid `by`, journaled
+/// complete and unlocked: no second restorer.
+fn one_restore_by(events: &[cryo_journal::Event], w: &Worker, by: u32) {
+    use cryo_journal::Event;
+    let mine: Vec<&Event> = events
+        .iter()
+        .filter(|e| e.pids().iter().any(|p| p.pid == w.pid))
+        .collect();
+    let restores: Vec<&&Event> = mine
+        .iter()
+        .filter(|e| matches!(e, Event::RestoreStarted { .. }))
+        .collect();
+    assert!(
+        matches!(&restores[..], [Event::RestoreStarted { unlock_by: Some(u), .. }] if u.pid == by as i32),
+        "not one restore by {by}: {mine:?}"
+    );
+    let count = |f: &dyn Fn(&Event) -> bool| mine.iter().filter(|e| f(e)).count();
+    assert_eq!(
+        (
+            count(&|e| matches!(e, Event::RestoreCompleted { .. })),
+            count(&|e| matches!(e, Event::Unlocked { .. }))
+        ),
+        (1, 1),
+        "{mine:?}"
+    );
+}
+
+/// Attack (session 23): a guard's start settling a dead park's worker (parked, then parked again
+/// by a park SIGKILLed before its record: CHECKPOINTED, its park in flight, its owner gone) while
+/// a `cryo wake` of it has read it CHECKPOINTED and not restored it yet (`wake-before-restore`).
+/// Two restorers of one process: the guard must leave it to the wake, untouched and named (the
+/// wake holds its lock); the wake, let go, restores it once, traced by the guard before its
+/// unlock; it serves as before; nothing is in flight for it any more; no wedge.
+#[test]
+fn a_guard_settling_a_dead_park_leaves_the_worker_to_a_wake_at_work() {
+    let sim = Sim::start();
+    let st = state();
+    let w = worker(&sim, "64MiB", 0);
+    let pid = w.pid.to_string();
+    let before = w.complete("the same question");
+    let from = parked_again_by_a_dead_park(&sim, st.path(), &w);
+    let wake = paused_at(
+        &sim,
+        st.path(),
+        &["wake", &pid],
+        cryo_lifecycle::park::WAKE_BEFORE_RESTORE,
+    );
+    let by = wake.0.id();
+    // Its start settles what is in flight before its socket answers.
+    let guard = GuardProc::start(&sim, st.path(), &["--no-memory-watch"]);
+    let found = sim.state(w.pid);
+    let (status, said) = let_go(st.path(), wake);
+    let log = guard.log();
+    assert!(
+        found == "checkpointed" && status.success(),
+        "after the guard's start: {found}; the wake, let go: {status}: {said}\nthe guard: {log}"
+    );
+    assert!(
+        log.contains(&format!("pid {}:", w.pid))
+            && log.contains(&format!("it is being woken by cryo pid {by}")),
+        "{log}"
+    );
+    assert_eq!(sim.state(w.pid), "running");
+    assert_ne!(common::procs::tracer_pid(w.pid), 0, "woken unguarded");
+    assert_eq!(
+        w.complete("the same question"),
+        before,
+        "it serves as before"
+    );
+    let records = cryo_journal::read(st.path().join("journal"))
+        .unwrap()
+        .records;
+    let since: Vec<_> = records[from..].iter().map(|r| r.event.clone()).collect();
+    one_restore_by(&since, &w, by);
+    assert!(
+        !cryo_journal::in_flight_stops(&records)
+            .keys()
+            .any(|p| p.pid == w.pid),
+        "still in flight after the wake"
+    );
+    sim.assert_no_wedge();
+    drop(guard);
+}
+
+/// The other order: a guard's start paused in its settlement's resume of the dead park's worker
+/// (`restore-before-completed`: restored, LOCKED, not yet traced or unlocked), then a `cryo
+/// wake` of it. The wake must be refused at once (exit 3) naming the guard as waking it,
+/// touching nothing; the guard, let go, traces and unlocks the worker, restored once; it serves
+/// as before; no wedge.
+#[test]
+fn a_wake_meeting_a_guard_resuming_a_dead_park_s_worker_is_refused() {
+    use std::io::Read;
+    let sim = Sim::start();
+    let st = state();
+    let w = worker(&sim, "64MiB", 0);
+    let pid = w.pid.to_string();
+    let before = w.complete("the same question");
+    let from = parked_again_by_a_dead_park(&sim, st.path(), &w);
+    let (mut guard, mut err) = paused_at(
+        &sim,
+        st.path(),
+        &["guard", "--scan", "none", "--no-memory-watch"],
+        cryo_lifecycle::restore::RESTORE_BEFORE_COMPLETED,
+    );
+    let by = guard.id();
+    assert_eq!(sim.state(w.pid), "locked");
+    let wake = run(&sim, st.path(), &["wake", &pid]);
+    refused_as_in_progress(&w, &wake, "woken", by);
+    assert_eq!(sim.state(w.pid), "locked", "the wake touched it");
+    // Let go; its log drained meanwhile (it runs on).
+    std::fs::write(st.path().join("go"), b"").unwrap();
+    let log = std::thread::spawn(move || {
+        let mut said = String::new();
+        let _ = err.read_to_string(&mut said);
+        said
+    });
+    common::eventually(
+        cryo_testkit::PATIENCE,
+        "the guard's unlock, journaled",
+        || {
+            events(st.path())[from..]
+                .iter()
+                .any(|e| matches!(e, cryo_journal::Event::Unlocked { pid, .. } if pid.pid == w.pid))
+        },
+    );
+    assert_eq!(sim.state(w.pid), "running");
+    assert_ne!(common::procs::tracer_pid(w.pid), 0, "resumed unguarded");
+    assert_eq!(
+        w.complete("the same question"),
+        before,
+        "it serves as before"
+    );
+    let records = cryo_journal::read(st.path().join("journal"))
+        .unwrap()
+        .records;
+    let since: Vec<_> = records[from..].iter().map(|r| r.event.clone()).collect();
+    one_restore_by(&since, &w, by);
+    sim.assert_no_wedge();
+    guard.kill().unwrap();
+    guard.wait().unwrap();
+    let _ = log.join();
 }

@@ -43,6 +43,18 @@
 //! before its restore is resumed like a freeze's (CHECKPOINTED: restored; LOCKED: checkpointed
 //! again first, never unlocked on the state's word).
 //!
+//! Every settlement of a process takes its lock ([`crate::oplock`], as a wake's when it would
+//! resume it, as a stop's otherwise) before its last look, and holds it until it is done; then
+//! it reads the journal again and settles the process only if it is still in flight, its owner
+//! gone. A dead park's or freeze's CHECKPOINTED worker (a parked worker parked or frozen again,
+//! whose `Parked` record still stands) was resumed by a guard or agent start while a `cryo wake`
+//! of it had read it CHECKPOINTED and not yet restored it: two restorers of one process, the
+//! wake then failing on the driver's refusal of a second restore. Now one finding the lock held
+//! leaves the process to its holder, untouched and named ([`Settlement::Busy`]), and does not
+//! journal it as settled: the holder's own records say what became of it, and what a holder
+//! leaves in flight (a wake refused for want of a park record) is looked at again by the next
+//! start. A stop's own settlement does not take again a lock the stop holds.
+//!
 //! Each settled process gets an [`Event::SuspensionSettled`] record saying what was found and done,
 //! so it is settled once; callers print the returned [`Settled`] list. A process a caller without
 //! a watcher (a stop) leaves to resume ([`Settlement::UntilWatched`]) gets none: it stays in
@@ -98,6 +110,15 @@ pub enum Settlement {
     /// Left as it is, for the reason given.
     Left {
         /// Why.
+        why: String,
+    },
+    /// Another operation (a park, a wake, a stop, a freeze, another settlement) holds its lock
+    /// ([`crate::oplock`]): it is alive and at work on it, and decides what it becomes; nothing
+    /// was asked of the driver. *Not* journaled as settled: what that operation leaves (a wake
+    /// that refuses a process it finds no park record of does nothing to it) is still in
+    /// flight, and the next stop, guard or agent start looks at it again.
+    Busy {
+        /// Who holds it.
         why: String,
     },
 }
@@ -162,6 +183,10 @@ impl std::fmt::Display for Settled {
                 "pid {pid}: {what} left it {}; left as it is: {why}",
                 self.found
             ),
+            Settlement::Busy { why } => write!(
+                f,
+                "pid {pid}: {what}, and {why}: left to it, untouched (still in flight: the next start of the agent or guard looks at it again)"
+            ),
         }
     }
 }
@@ -191,9 +216,9 @@ pub fn settle_in_flight(
     settle_in_flight_holding(gpu, journal, watcher, None)
 }
 
-/// [`settle_in_flight`] by an operation that holds `held` (a stop's locks): a dead stop's kill it
-/// finishes takes the process's lock ([`crate::oplock`]) unless `held` has it already, and
-/// leaves alone a process whose lock a park or a wake holds (a wake of it is alive).
+/// [`settle_in_flight`] by an operation that holds `held` (a stop's locks): every process it
+/// settles it locks first ([`crate::oplock`]) unless `held` has it already, and it leaves alone
+/// (untouched, still in flight) a process whose lock another operation holds.
 pub(crate) fn settle_in_flight_holding(
     gpu: &Gpu,
     journal: &Journal,
@@ -206,27 +231,38 @@ pub(crate) fn settle_in_flight_holding(
     // First the CPU sets a dead dump left pinned: a worker resumed below runs on all of them.
     let mut out = crate::cpus::give_back_dead(journal, &records)?;
     for (pid, f) in cryo_journal::in_flight_stops(&records) {
-        if !pid.is_alive_same() {
-            continue;
-        }
-        // The restore undoing it names its own writer (a guard that settled it, say).
-        let restorer = f.restore_started.as_ref().and_then(|r| match r.event {
-            Event::RestoreStarted { unlock_by, .. } => unlock_by,
-            _ => None,
-        });
-        if [f.by, restorer]
-            .into_iter()
-            .flatten()
-            .any(|by| Some(by) == mine || by.is_alive_same())
-        {
-            // Its owner, or the writer of the restore undoing it, is at work on it right now.
+        if !pid.is_alive_same() || owner_at_work(&f, mine) {
             continue;
         }
         let Ok(h) = pid.open() else {
             continue;
         };
+        // Its lock first, before the last look (see the module docs): a park, wake, stop or
+        // freeze at work on it (or another settlement) is alive and decides what it becomes.
+        let _lock = match lock(journal, &h, &f, held) {
+            Ok(l) => l,
+            Err(why) => {
+                out.push(Settled {
+                    pid,
+                    purpose: f.purpose,
+                    found: "in use".into(),
+                    action: Settlement::Busy { why },
+                });
+                continue;
+            }
+        };
+        // Read again under the lock: what the lock's last holder did (a wake that restored it, a
+        // park that parked it again) is in the journal now, and only that journal says whether
+        // it is still in flight, and whose.
+        let fresh = cryo_journal::read(journal.dir())?.records;
+        let Some(f) = cryo_journal::in_flight_stops(&fresh).remove(&pid) else {
+            continue;
+        };
+        if owner_at_work(&f, mine) {
+            continue;
+        }
         let restoring = f.restore_started.is_some();
-        let (found, action) = settle_one(gpu, journal, &h, f.purpose, restoring, watcher, held)?;
+        let (found, action) = settle_one(gpu, journal, &h, f.purpose, restoring, watcher)?;
         if let Some(done) = journaled(&action) {
             journal.append(Event::SuspensionSettled {
                 pid,
@@ -249,12 +285,63 @@ pub(crate) fn settle_in_flight_holding(
     Ok(out)
 }
 
+/// Whether the owner of in-flight suspension `f`, or the writer of the restore undoing it (a
+/// guard that settled it, say), is this process or alive: at work on it right now.
+fn owner_at_work(f: &cryo_journal::InFlight, mine: Option<ProcId>) -> bool {
+    let restorer = f.restore_started.as_ref().and_then(|r| match r.event {
+        Event::RestoreStarted { unlock_by, .. } => unlock_by,
+        _ => None,
+    });
+    [f.by, restorer]
+        .into_iter()
+        .flatten()
+        .any(|by| Some(by) == mine || by.is_alive_same())
+}
+
+/// The lock ([`crate::oplock`]) of `h`, whose suspension `f` a settlement is about to look at:
+/// taken as a wake's when what the settlement would do is resume it (a park's, a freeze's or a
+/// re-checkpoint's, or one whose undo had begun), as a stop's otherwise (a kill, an unlock);
+/// `None` when `held` (the settling stop's own) has it already. Held by another: why, named.
+fn lock(
+    journal: &Journal,
+    h: &ProcHandle,
+    f: &cryo_journal::InFlight,
+    held: Option<&crate::oplock::OpLocks>,
+) -> Result<Option<crate::oplock::OpLocks>, String> {
+    if held.is_some_and(|l| l.holds(&id(h))) {
+        return Ok(None);
+    }
+    let resumes = f.restore_started.is_some()
+        || matches!(
+            f.purpose,
+            Some(Purpose::Park | Purpose::Freeze | Purpose::Recheck)
+        );
+    let op = if resumes {
+        crate::Op::Wake
+    } else {
+        crate::Op::Stop
+    };
+    match crate::oplock::take(
+        &crate::oplock::state_of(journal),
+        std::slice::from_ref(h),
+        op,
+    ) {
+        Ok(l) => Ok(Some(l)),
+        Err(crate::oplock::LockError::Held { by, doing, .. }) => Err(format!(
+            "it is being {} by {}",
+            crate::park::fmt_doing(doing),
+            crate::park::fmt_by(by)
+        )),
+        Err(e) => Err(format!("its lock cannot be taken: {e}")),
+    }
+}
+
 /// What a settlement's [`Event::SuspensionSettled`] record says was done; `None` for one that
 /// is said and not journaled (it stays in flight: journaled as settled, no guard would ever
 /// resume it).
 fn journaled(action: &Settlement) -> Option<String> {
     Some(match action {
-        Settlement::UntilWatched => return None,
+        Settlement::UntilWatched | Settlement::Busy { .. } => return None,
         Settlement::Nothing => "nothing".to_string(),
         Settlement::Unlocked => "unlocked".to_string(),
         Settlement::Killed => "killed".to_string(),
@@ -274,7 +361,6 @@ fn settle_one(
     purpose: Option<Purpose>,
     restoring: bool,
     watcher: Option<&dyn Watcher>,
-    held: Option<&crate::oplock::OpLocks>,
 ) -> Result<(String, Settlement), SettleError> {
     let left = |found: &str, why: String| Ok((found.to_string(), Settlement::Left { why }));
     match runnable(h) {
@@ -311,7 +397,7 @@ fn settle_one(
         // A restore undoing the suspension was under way: its writer meant it to serve again.
         ProcessState::Checkpointed if restoring => resume(gpu, journal, h, found, watcher),
         ProcessState::Checkpointed => match purpose {
-            Some(Purpose::Stop) | Some(Purpose::Guard) => finish_stop(gpu, journal, h, found, held),
+            Some(Purpose::Stop) | Some(Purpose::Guard) => finish_stop(gpu, journal, h, found),
             // A re-checkpoint's caller meant to restore it next, under watch.
             Some(Purpose::Freeze) | Some(Purpose::Park) | Some(Purpose::Recheck) => {
                 resume(gpu, journal, h, found, watcher)
@@ -385,36 +471,16 @@ fn checkpoint_then_resume(
     }
 }
 
-/// The kill a stop did not get to, after the same last look a stop takes.
+/// The kill a stop did not get to, after the same last look a stop takes (under the process's
+/// lock, taken before the look: a wake after it meets this one).
 fn finish_stop(
     gpu: &Gpu,
     journal: &Journal,
     h: &ProcHandle,
     found: String,
-    held: Option<&crate::oplock::OpLocks>,
 ) -> Result<(String, Settlement), SettleError> {
     let pid = h.pid();
     let left = |why: String| Ok((found.clone(), Settlement::Left { why }));
-    // Its lock, held from before the looks until after the kill: a wake at work on it (it
-    // restores what it finds CHECKPOINTED) leaves it to the wake; a wake after meets this one.
-    let _lock = match held {
-        Some(l) if l.holds(&id(h)) => None,
-        _ => match crate::oplock::take(
-            &crate::oplock::state_of(journal),
-            std::slice::from_ref(h),
-            crate::Op::Stop,
-        ) {
-            Ok(l) => Some(l),
-            Err(crate::oplock::LockError::Held { by, doing, .. }) => {
-                return left(format!(
-                    "it is being {} by {}",
-                    crate::park::fmt_doing(doing),
-                    crate::park::fmt_by(by)
-                ))
-            }
-            Err(e) => return left(format!("its lock cannot be taken: {e}")),
-        },
-    };
     match gpu.inspect.driver_fds(pid) {
         Ok(fds) if fds.is_empty() => {}
         Ok(fds) => return left(format!("it holds {} driver files again", fds.len())),
@@ -840,45 +906,71 @@ mod tests {
     }
 
     /// A dead stop's CHECKPOINTED process whose lock a wake holds (the wake restores what it
-    /// finds CHECKPOINTED) is left to the wake, named, never killed (and settled so: the wake
-    /// decides what it becomes). A stop that holds the lock itself finishes one without taking
-    /// it again.
+    /// finds CHECKPOINTED), and a dead park's and a dead freeze's whose lock a wake holds (a
+    /// guard or agent start would resume them: two restorers of one process), are left to the
+    /// wake, named, untouched (not even asked their state), never killed nor restored, and not
+    /// journaled as settled (what the wake leaves is looked at again). A stop that holds the
+    /// lock itself finishes one without taking it again.
     #[test]
     fn a_dead_stop_s_process_a_wake_holds_is_left_to_the_wake() {
-        let procs = Procs::spawn(1);
+        let (procs, ids, fake, dir, journal) = scene(3);
         let p = procs.pids();
-        let fake = FakeGpu::new();
-        let dir = tempfile::tempdir().unwrap();
-        let journal = Journal::open(dir.path()).unwrap();
-        let id = ProcId::of(p[0]).unwrap();
-        fake.add(p[0]).set_state(p[0], ProcessState::Checkpointed);
-        died_at(&journal, id, Purpose::Stop, ProcessState::Checkpointed);
+        let id = ids[0];
+        for (i, purpose) in [Purpose::Stop, Purpose::Park, Purpose::Freeze]
+            .into_iter()
+            .enumerate()
+        {
+            fake.add(p[i]).set_state(p[i], ProcessState::Checkpointed);
+            died_at(&journal, ids[i], purpose, ProcessState::Checkpointed);
+        }
         let state = crate::oplock::state_of(&journal);
-        let h = ProcHandle::open(p[0]).unwrap();
-        let wake = crate::oplock::take(&state, std::slice::from_ref(&h), crate::Op::Wake).unwrap();
-        let settled = settle_in_flight(&fake.gpu(), &journal, None).unwrap();
-        assert!(
-            matches!(&settled[..], [Settled { action: Settlement::Left { why }, .. }] if why.contains("being woken by cryo pid")),
-            "{settled:?}"
-        );
-        assert!(procs::alive(p[0]), "killed under a wake");
+        let handles: Vec<ProcHandle> = p.iter().map(|p| ProcHandle::open(*p).unwrap()).collect();
+        let wake = crate::oplock::take(&state, &handles, crate::Op::Wake).unwrap();
+        for watcher in [None, Some(&crate::NoWatcher as &dyn Watcher)] {
+            let settled = settle_in_flight(&fake.gpu(), &journal, watcher).unwrap();
+            assert_eq!(settled.len(), 3, "{settled:?}");
+            for s in &settled {
+                assert!(
+                    matches!(&s.action, Settlement::Busy { why } if why.contains("being woken by cryo pid")),
+                    "{settled:?}"
+                );
+                assert!(s.to_string().contains("left to it, untouched"), "{s}");
+            }
+        }
+        assert!(p.iter().all(|p| procs::alive(*p)), "killed under a wake");
+        assert!(fake.calls().is_empty(), "{:?}", fake.calls());
+        let records = cryo_journal::read(dir.path()).unwrap().records;
+        assert_eq!(cryo_journal::in_flight_stops(&records).len(), 3);
         drop(wake);
+        let h = ProcHandle::open(p[0]).unwrap();
 
-        // Left is settled (journaled): the wake won; a stop whose owner died again is finished
-        // by a stop holding the lock itself, without taking it twice.
-        died_at(&journal, id, Purpose::Stop, ProcessState::Checkpointed);
+        // The wake let go without touching them: still in flight. A stop holding the first's
+        // lock finishes its kill without taking it twice (the two others it leaves until
+        // watched); a guard's start then resumes the two others under its locks.
         let stop = crate::oplock::take(&state, std::slice::from_ref(&h), crate::Op::Stop).unwrap();
         let settled = settle_in_flight_holding(&fake.gpu(), &journal, None, Some(&stop)).unwrap();
-        assert!(
-            matches!(
-                &settled[..],
-                [Settled {
-                    action: Settlement::Killed,
-                    ..
-                }]
-            ),
+        assert_eq!(
+            action_of(&settled, id),
+            Some(Settlement::Killed),
             "{settled:?}"
         );
+        for id in &ids[1..] {
+            assert_eq!(
+                action_of(&settled, *id),
+                Some(Settlement::UntilWatched),
+                "{settled:?}"
+            );
+        }
+        drop(stop);
+        let settled = settle_in_flight(&fake.gpu(), &journal, Some(&crate::NoWatcher)).unwrap();
+        for (id, p) in ids[1..].iter().zip(&p[1..]) {
+            assert_eq!(
+                action_of(&settled, *id),
+                Some(Settlement::Resumed),
+                "{settled:?}"
+            );
+            assert_eq!(fake.state_of(*p), ProcessState::Running);
+        }
         assert!(fake.wedges().is_empty());
     }
 }

@@ -1,5 +1,5 @@
-//! One lifecycle operation at a time per process: the lock a park, a wake or a stop holds on
-//! each process it works on.
+//! One lifecycle operation at a time per process: the lock a park, a wake, a stop, a freeze or
+//! a settlement holds on each process it works on.
 //!
 //! # Design
 //! Two wakes of one parked worker (two `cryo wake`, the agent's API and an activation, two
@@ -33,12 +33,18 @@
 //! under it. Now a stop that finds a park's or a wake's lock is refused at once
 //! ([`crate::StopError::InProgress`], exit 3 as theirs; a joiner whose lock is held is a refusal
 //! of the stop, nothing more killed), and a wake or a park that finds a stop's is refused as it
-//! is by each other's. A dead stop's kill that a settlement finishes
-//! ([`crate::settle_in_flight`]) takes it too, from before its last look until after its kill,
-//! and leaves alone (settled, named) a process whose lock another holds: a wake of it is alive
-//! and decides what it becomes. A stop's own settlement finishes a kill of a process the stop
-//! already holds without taking it again (a second open file of the same process's lock
-//! would refuse it).
+//! is by each other's.
+//!
+//! A settlement ([`crate::settle_in_flight`]: a stop's, a guard's or the agent's start) takes
+//! it too, on each process whose suspension it settles, before its last look and until it is
+//! done: as a wake ([`Op::Wake`]) when it would resume a dead park's or freeze's process in
+//! place, as a stop ([`Op::Stop`]) when it would finish a dead stop's kill or unlock what a
+//! suspension left LOCKED. A guard start resumed a dead park's CHECKPOINTED worker while a wake
+//! that had read it CHECKPOINTED was about to restore it (two restorers; the wake failed on the
+//! driver's refusal); a wake meeting a settlement at work is refused now as by a wake, and a
+//! settlement meeting any operation's lock leaves the process to it, untouched, named and still
+//! in flight. A stop's own settlement settles a process the stop already holds without taking
+//! it again (a second open file of the same process's lock would refuse it).
 //!
 //! A lock is taken once per operation, at its entry: a park's undo (restoring what it
 //! suspended) and a failed wake's park again run under the lock their operation holds and take
@@ -58,10 +64,10 @@
 //! as by each other's.
 //!
 //! # Limitations
-//! Parks, wakes, stops, freezes and a settlement's finishing kill take the lock; a thaw, and a
-//! settlement's other steps (resuming what a dead park or freeze suspended, unlocking, ending a
-//! dead thaw's tree in `leftover`) do not: they act on processes whose journaled owner is dead,
-//! and a settlement already leaves alone a process whose journaled owner is alive. A thaw's
+//! Parks, wakes, stops, freezes and settlements of in-flight suspensions take the lock; a thaw,
+//! a guard's or agent's finishing of a dead thaw's or wake's unlock
+//! ([`crate::restore::finish_unlock`]) and the ending of a dead thaw's tree (`leftover`) do
+//! not: they act on processes whose journaled owner is dead. A thaw's
 //! removal of a tree it restored stops it through [`crate::stop()`], which takes the tree's
 //! locks: no one holds them (a thaw takes none, and its tree is not parked).
 //!
@@ -88,9 +94,11 @@ use crate::suspend::id;
 pub enum Op {
     /// A park ([`crate::park()`]).
     Park,
-    /// A wake ([`crate::wake`]).
+    /// A wake ([`crate::wake`]), or a settlement resuming a dead park's or freeze's process in
+    /// place.
     Wake,
-    /// A stop ([`crate::stop()`]), or a settlement finishing a dead stop's kill.
+    /// A stop ([`crate::stop()`]), or a settlement finishing a dead stop's kill or unlocking
+    /// what a dead suspension left LOCKED.
     Stop,
     /// A freeze ([`crate::freeze()`]), from before its first look until the worker is gone.
     Freeze,

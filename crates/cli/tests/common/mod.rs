@@ -573,3 +573,71 @@ pub fn drain_args(out: &Path) -> Vec<String> {
     .map(String::from)
     .to_vec()
 }
+
+/// `cryo ARGS` paused at failpoint `failpoint` (its resume file `st/go`): the child and its
+/// stderr, once it said it paused.
+pub fn paused_at(
+    sim: &Sim,
+    st: &Path,
+    args: &[&str],
+    failpoint: &str,
+) -> (std::process::Child, std::process::ChildStderr) {
+    let mut child = sim
+        .cmd_at(st)
+        .env("CRYO_FAILPOINT", failpoint)
+        .env("CRYO_FAILPOINT_RESUME", st.join("go"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = child.stderr.take().unwrap();
+    said_until(&mut err, "paused until");
+    (child, err)
+}
+
+/// `paused`, let go (`st/go` written): its status and all it said.
+pub fn let_go(
+    st: &Path,
+    (mut child, mut err): (std::process::Child, std::process::ChildStderr),
+) -> (std::process::ExitStatus, String) {
+    use std::io::Read;
+    std::fs::write(st.join("go"), b"").unwrap();
+    let mut said = String::new();
+    err.read_to_string(&mut said).unwrap();
+    (child.wait().unwrap(), said)
+}
+
+/// `cryo wake PID` paused at failpoint `wake-before-restore` (it has read PID's state, CHECKPOINTED,
+/// and not restored it yet), in the environment `agent` adds to (`None`: standalone, where the
+/// failpoint is set on the command itself; its resume file is `st/go`): the child and its stderr.
+pub fn a_wake_paused_before_its_restore(
+    sim: &Sim,
+    st: &Path,
+    pid: i32,
+    agent: Option<&AgentProc>,
+) -> (std::process::Child, std::process::ChildStderr) {
+    let failpoint = cryo_lifecycle::park::WAKE_BEFORE_RESTORE;
+    let mut cmd = sim.cmd_at(st);
+    if agent.is_none() {
+        cmd.env("CRYO_FAILPOINT", failpoint)
+            .env("CRYO_FAILPOINT_RESUME", st.join("go"));
+    }
+    let mut first = cmd
+        .args(["wake", &pid.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = first.stderr.take().unwrap();
+    match agent {
+        None => {
+            said_until(&mut err, "paused until");
+        }
+        Some(a) => eventually(PATIENCE, "the agent's wake at its failpoint", || {
+            a.log().contains(&format!("failpoint {failpoint} reached"))
+        }),
+    }
+    assert_eq!(sim.state(pid), "checkpointed");
+    (first, err)
+}
