@@ -699,6 +699,76 @@ fn prestop_without_an_agent_suspends_its_own_cgroup_standalone_and_the_kubelets_
     sim.assert_no_wedge();
 }
 
+/// Attack (session 23): `cryo stop --self` (a preStop hook) of a container whose worker a `cryo
+/// wake` is at work on (paused at `wake-before-restore`: it holds the worker's lock, read it
+/// CHECKPOINTED), with no agent (the stop runs standalone) and through the agent (its wake and
+/// its stop two open files of one process). The stop must be refused at once, nothing done,
+/// with `cryo stop`'s exit status for that refusal (3: nothing in the target was killed, every
+/// CUDA process serving or checkpointed), naming the wake; the wake, let go, wakes the worker,
+/// and a preStop then suspends it before the kill (the kubelet's kill is safe); no wedge.
+fn prestop_meeting_a_wake_at_work(through_agent: bool) {
+    ks::require_root();
+    let tree = ks::Tree::new();
+    // Laid out as containerd's (the agent names a caller's pod and container by its cgroup), a
+    // pod of its own for each variant (the tests run at once).
+    let uid = format!(
+        "{}b8e4f4c-1f2a-4c3d-9e8f-0123456789ab",
+        u8::from(through_agent) + 1
+    );
+    let dir = tree.dir(&format!("kubepods/besteffort/pod{uid}/{A}"));
+    let mut sim = Sim::start();
+    let state = sim.path().join("state");
+    let (worker, _) = sim.worker("8MiB");
+    std::fs::write(dir.join("cgroup.procs"), worker.to_string()).unwrap();
+    let agent = through_agent.then(|| {
+        AgentProc::start_with(&sim, &state, &["--no-memory-watch"], |c| {
+            c.env("CRYO_FAILPOINT", cryo_lifecycle::park::WAKE_BEFORE_RESTORE)
+                .env("CRYO_FAILPOINT_RESUME", state.join("go"));
+        })
+    });
+    succeeded(&common::run(&sim, &state, &["park", &worker.to_string()]));
+    let wake = common::a_wake_paused_before_its_restore(&sim, &state, worker, agent.as_ref());
+    let by = agent.as_ref().map_or(wake.0.id(), |a| a.child.id());
+    let mut c = sim.cmd_at(&state);
+    c.args(["stop", "--self"]);
+    let out = from_cgroup(&dir, &c);
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "agent {through_agent}: {}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    assert!(
+        stderr(&out).contains(&format!("pid {worker} is being woken by cryo pid {by}")),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(sim.state(worker), "checkpointed", "the stop touched it");
+    let (status, said) = common::let_go(&state, wake);
+    assert!(status.success(), "the wake failed: {said}");
+    assert_eq!(sim.state(worker), "running");
+    prestop(&sim, &state, &dir);
+    if agent.is_none() {
+        // It returned at the first kill: the kubelet's kill that follows is safe.
+        assert_eq!(sim.state(worker), "checkpointed");
+        // SAFETY: kill(2) takes no pointer.
+        assert_eq!(unsafe { libc::kill(worker, libc::SIGKILL) }, 0);
+    }
+    eventually(PATIENCE, "the worker ended", || !procs::alive(worker));
+    sim.assert_no_wedge();
+}
+
+#[test]
+fn prestop_without_an_agent_meeting_a_wake_at_work_is_refused_with_exit_3() {
+    prestop_meeting_a_wake_at_work(false);
+}
+
+#[test]
+fn prestop_through_the_agent_meeting_a_wake_at_work_is_refused_with_exit_3() {
+    prestop_meeting_a_wake_at_work(true);
+}
+
 /// The roots of this host's cgroup v2 hierarchy and v1 `pids` hierarchy (the ones `--self`
 /// reads), from `/proc/self/mountinfo`.
 fn hierarchy_roots() -> Vec<PathBuf> {

@@ -77,16 +77,6 @@ pub fn run(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
             standalone(ctx, &req, None, p)
         },
     );
-    // A park or a wake at work on a process of the target (it holds the process's lock): refused
-    // at once, nothing stopped, exit 3 as a park's or a wake's refusal for the same reason.
-    let in_progress = |e: &anyhow::Error| {
-        matches!(
-            e.downcast_ref::<cryo_lifecycle::StopError>(),
-            Some(cryo_lifecycle::StopError::InProgress { .. })
-        ) || e
-            .downcast_ref::<route::AgentSaid>()
-            .is_some_and(|a| a.0.kind == cryo_api::ErrorKind::Refused)
-    };
     let result = match result {
         Err(e) if in_progress(&e) => {
             eprintln!("cryo: refused: stopping {}: {e}", describe(&target));
@@ -114,6 +104,18 @@ pub fn run(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
         print_text(&report, args.unsafe_kill);
     }
     Ok(code)
+}
+
+/// Whether a stop failed because a park, a wake, a freeze or another stop is at work on a process
+/// of the target (it holds the process's lock; standalone, or the agent's refusal): refused at
+/// once, nothing stopped, exit 3 as a park's or a wake's refusal for the same reason.
+pub(crate) fn in_progress(e: &anyhow::Error) -> bool {
+    matches!(
+        e.downcast_ref::<cryo_lifecycle::StopError>(),
+        Some(cryo_lifecycle::StopError::InProgress { .. })
+    ) || e
+        .downcast_ref::<route::AgentSaid>()
+        .is_some_and(|a| a.0.kind == cryo_api::ErrorKind::Refused)
 }
 
 /// The stop in this process (no agent runs): what the agent's handler does too.

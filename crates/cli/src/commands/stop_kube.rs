@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 use cryo_proc::{Cgroups, Pid, ProcHandle};
 
-use super::stop::{exit_code, print_text, standalone, DEFAULT_DEADLINE_MS};
+use super::stop::{exit_code, in_progress, print_text, standalone, DEFAULT_DEADLINE_MS};
 use super::Context;
 use crate::args::StopArgs;
 use crate::{exit, route};
@@ -171,8 +171,16 @@ fn own_cgroup_standalone(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
     let progress = crate::progress::for_stderr();
     let r = standalone(ctx, &req, Some(me), &ReturnAtKill(progress.as_ref()));
     drop(progress);
-    let report =
-        r.with_context(|| format!("stopping this container (cgroup {})", dir.display()))?;
+    let what = || format!("stopping this container (cgroup {})", dir.display());
+    let report = match r {
+        // A park, a wake, a freeze or a stop at work on one of its processes: nothing was done,
+        // the exit status of `cryo stop`'s refusal and of the agent's (see `run`).
+        Err(e) if in_progress(&e) => {
+            eprintln!("cryo: refused: {}: {e}", what());
+            return Ok(exit::REFUSED);
+        }
+        r => r.with_context(what)?,
+    };
     let code = exit_code(&report);
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
