@@ -4,7 +4,9 @@ use std::sync::Arc;
 
 use cryo_gpu::{Gpu, ProcessState};
 use cryo_lifecycle::park::PlaceError;
-use cryo_lifecycle::{NoProgress, ParkError, ParkOptions, Target, WakeError, WakeOptions, Watcher};
+use cryo_lifecycle::{
+    NoProgress, Op, ParkError, ParkOptions, Target, WakeError, WakeOptions, Watcher,
+};
 use cryo_state::StateDir;
 
 use crate::{Activation, ActivationError, Phase};
@@ -73,6 +75,16 @@ impl Activation for InPlace {
             &NoProgress,
         ) {
             Ok(_) => Ok(()),
+            // A wake or a park at work on it (or something restoring it): the activator waits for
+            // it (the worker is about to serve, or to be parked and woken by this activation).
+            Err(
+                e @ WakeError::InProgress {
+                    doing: None | Some(Op::Wake | Op::Park),
+                    ..
+                },
+            ) => Err(ActivationError::Busy(e.to_string())),
+            // Nothing done and nothing worth waiting for: no room, a fence, not parked, a stop or
+            // a freeze at work (the worker is going away).
             Err(
                 e @ (WakeError::Place(PlaceError::NoRoom { .. })
                 | WakeError::Place(_)

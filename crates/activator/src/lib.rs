@@ -17,6 +17,11 @@
 //! - An activation is done when the worker answers its health check ([`Policy::health`]); a
 //!   wake that fails, or a worker that does not answer in time, fails every waiting connection
 //!   with the reason, the worker is parked again, and the next connection tries again.
+//! - A wake that finds another wake or park of the worker at work (an operator's `cryo wake`,
+//!   the agent's API; [`ActivationError::Busy`]) is not a failed activation: the connections wait
+//!   for that one to finish and are served by whichever wake brings the worker back (the
+//!   activation tries again until it finds the worker running or wakes it itself), within the
+//!   same deadline; a stop or a freeze at work refuses it at once (the worker is going away).
 //! - Waits are bounded ([`Policy::activation_timeout`]). An idle worker (no open connection for
 //!   [`Policy::idle_timeout`]) is parked again; a connection that arrives meanwhile waits for
 //!   the park to finish and wakes it again.
@@ -53,6 +58,10 @@ pub enum ActivationError {
     /// The wake or park failed.
     #[error("activation failed: {0}")]
     Failed(String),
+    /// Another wake or park of the worker is at work (it holds the worker's lock): this one did
+    /// nothing. The activator tries again until that one is done or its deadline passes.
+    #[error("another wake or park of the worker is at work: {0}")]
+    Busy(String),
 }
 
 /// Brings the worker back and puts it to sleep. Blocking (driver calls): the activator runs it
@@ -68,6 +77,9 @@ pub trait Activation: Send + Sync + 'static {
         None
     }
 }
+
+/// How often an activation whose wake met another wake or park at work tries again.
+pub const BUSY_RETRY: Duration = Duration::from_millis(50);
 
 /// The operator's knobs.
 #[derive(Debug, Clone)]
@@ -289,10 +301,10 @@ impl Activator {
         let s = &self.shared;
         s.activations.fetch_add(1, Ordering::Relaxed);
         let started = Instant::now();
-        let activation = s.activation.clone();
-        let woke = tokio::task::spawn_blocking(move || activation.wake())
-            .await
-            .unwrap_or_else(|e| Err(ActivationError::Failed(format!("the wake panicked: {e}"))));
+        let woke = self.wake_when_free(started).await;
+        // Refused because another wake or park was at work until the deadline: this activation
+        // did nothing, and parking the worker would undo what that one does.
+        let busy = matches!(woke, Err(ActivationError::Busy(_)));
         let result = match woke {
             Err(e) => Err(e.to_string()),
             Ok(()) => match s.policy.health.clone() {
@@ -333,12 +345,46 @@ impl Activator {
                 // Whatever the wake left running goes back to sleep (a wake that failed
                 // already left it parked: parking it again is a no-op).
                 let activation = s.activation.clone();
-                if let Ok(Err(e)) = tokio::task::spawn_blocking(move || activation.park()).await {
-                    tracing::error!(error = %e, "activator: cannot park the worker after a failed activation");
+                if !busy {
+                    if let Ok(Err(e)) = tokio::task::spawn_blocking(move || activation.park()).await
+                    {
+                        tracing::error!(error = %e, "activator: cannot park the worker after a failed activation");
+                    }
                 }
                 s.phase.send_replace(Phase::Parked {
                     last_error: Some(reason),
                 });
+            }
+        }
+    }
+
+    /// The activation's wake. One refused because another wake or park of the worker is at
+    /// work ([`ActivationError::Busy`]: an operator's `cryo wake`, an activation of another
+    /// activator) is tried again every [`BUSY_RETRY`] until that one is done (then the worker
+    /// serves, and this wake finds it running; or it is parked, and this wake wakes it) or the
+    /// activation's deadline has passed: the waiting connections are served by whichever wake
+    /// brings the worker back, never refused for a worker about to serve.
+    async fn wake_when_free(&self, started: Instant) -> Result<(), ActivationError> {
+        let s = &self.shared;
+        let mut said = false;
+        loop {
+            let activation = s.activation.clone();
+            let woke = tokio::task::spawn_blocking(move || activation.wake())
+                .await
+                .unwrap_or_else(|e| {
+                    Err(ActivationError::Failed(format!("the wake panicked: {e}")))
+                });
+            match woke {
+                Err(ActivationError::Busy(why))
+                    if started.elapsed() + BUSY_RETRY < s.policy.activation_timeout =>
+                {
+                    if !said {
+                        said = true;
+                        tracing::info!(%why, "activator: another wake or park of the worker is at work; waiting for it");
+                    }
+                    tokio::time::sleep(BUSY_RETRY).await;
+                }
+                other => return other,
             }
         }
     }

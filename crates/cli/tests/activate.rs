@@ -306,9 +306,17 @@ struct Fronted {
 impl Fronted {
     /// `parked`: the worker is parked before the activator is made.
     fn start(parked: bool) -> Fronted {
+        Self::start_with(parked, |_, _| {})
+    }
+
+    /// As [`Fronted::start`], `f` adjusting the agent's command first (given the state
+    /// directory).
+    fn start_with(parked: bool, f: impl FnOnce(&mut std::process::Command, &Path)) -> Fronted {
         let sim = Sim::start();
         let st = state();
-        let agent = common::AgentProc::start(&sim, st.path(), &["--no-memory-watch"]);
+        let agent = common::AgentProc::start_with(&sim, st.path(), &["--no-memory-watch"], |c| {
+            f(c, st.path())
+        });
         let w = sim.spawn(WorkerSpec::new("64MiB"));
         let before = w.complete("p");
         if parked {
@@ -570,4 +578,50 @@ fn a_dead_keeper_makes_the_next_agent_bind_again() {
     assert_eq!(text(&body), before);
     assert_listening_again(st.path(), false);
     sim.assert_no_wedge();
+}
+
+/// Attack (session 23): a request through the agent's activator in front of a parked worker
+/// while a `cryo wake` of it is at work (paused at `wake-before-restore`: it holds the worker's
+/// lock, read it CHECKPOINTED). The worker is about to serve: the request must wait for that
+/// wake (within its activation deadline) and be served, with the answer it had before the park,
+/// never answered 503 nor the worker parked again by the activator; the worker is restored once;
+/// no wedge.
+#[test]
+fn a_request_meeting_a_wake_at_work_waits_for_it_and_is_served() {
+    let failpoint = cryo_lifecycle::park::WAKE_BEFORE_RESTORE;
+    let f = Fronted::start_with(true, |c, st| {
+        c.env("CRYO_FAILPOINT", failpoint)
+            .env("CRYO_FAILPOINT_RESUME", st.join("go"));
+    });
+    let st = f.st.path();
+    let wake = common::a_wake_paused_before_its_restore(&f.sim, st, f.w.pid, Some(&f.agent));
+    let sock = f.sock.clone();
+    let request =
+        std::thread::spawn(move || http(Endpoint::Unix(sock), "POST", "/v1/completions", "p"));
+    // The activator's wake met the wake at work (it says it waits), or the request ended.
+    eventually(PATIENCE, "the activator to meet the wake at work", || {
+        request.is_finished() || f.agent.log().contains("waiting for it")
+    });
+    let (status, said) = common::let_go(st, wake);
+    assert!(status.success(), "the wake failed: {said}");
+    let (code, body) = request.join().unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(text(&body), f.before);
+    assert_eq!(f.sim.state(f.w.pid), "running");
+    assert_eq!(
+        count(
+            st,
+            |e| matches!(e, Event::RestoreStarted { pid, .. } if pid.pid == f.w.pid)
+        ),
+        1
+    );
+    assert_eq!(
+        count(st, |e| matches!(e, Event::ParkStarted { .. })),
+        1,
+        "parked again by the activator"
+    );
+    let Fronted {
+        sim, st, agent, w, ..
+    } = f;
+    stop_then_end(&sim, st.path(), w.pid, agent);
 }
