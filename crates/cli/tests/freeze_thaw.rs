@@ -5581,8 +5581,29 @@ fn dies_mid_thaw(how: &str) {
     panic!("dying in the middle of a thaw, as asked");
 }
 
-/// `cryo freeze PID --image IMAGE` paused at `failpoint` until `resume` exists: the child and its
-/// stderr (kept open: a freeze writing to a closed stderr would panic).
+/// `cryo ARGS` paused at pausing failpoint `failpoint` until `resume` exists: the child and its
+/// stderr (kept open: a command writing to a closed stderr would panic).
+fn paused_at(
+    env: &Env,
+    args: &[&str],
+    failpoint: &str,
+    resume: &Path,
+) -> (Child, std::process::ChildStderr) {
+    let mut child = env
+        .cmd()
+        .env("CRYO_FAILPOINT", failpoint)
+        .env("CRYO_FAILPOINT_RESUME", resume)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = child.stderr.take().unwrap();
+    common::said_until(&mut err, "paused until");
+    (child, err)
+}
+
+/// `cryo freeze PID --image IMAGE` paused at `failpoint` until `resume` exists ([`paused_at`]).
 fn freeze_paused_at(
     env: &Env,
     pid: i32,
@@ -5590,37 +5611,21 @@ fn freeze_paused_at(
     failpoint: &str,
     resume: &Path,
 ) -> (Child, std::process::ChildStderr) {
-    let mut freeze = env
-        .cmd()
-        .env("CRYO_FAILPOINT", failpoint)
-        .env("CRYO_FAILPOINT_RESUME", resume)
-        .args(["freeze", &pid.to_string(), "--image"])
-        .arg(image)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = freeze.stderr.take().unwrap();
-    common::said_until(&mut err, "paused until");
-    (freeze, err)
+    let pid = pid.to_string();
+    paused_at(
+        env,
+        &["freeze", &pid, "--image", image.to_str().unwrap()],
+        failpoint,
+        resume,
+    )
 }
 
-/// Attack (session 22): a `cryo freeze` of a parked worker paused after its suspension's
-/// verification (`freeze-after-gpu-free`: CHECKPOINTED, nothing let go or dumped) or at CRIU's
-/// gate (`freeze-at-dump-gate`: the tree dumped and seized, not yet ended), then a `cryo wake`
-/// of it. The wake must be refused at once (exit 3) naming the freeze, touching nothing; the
-/// freeze, let go, publishes the image and ends the worker (CHECKPOINTED: safe); no wedge.
-/// (Before, paused after GPU free: the wake restored and unlocked the worker, exit 0, "gpu
-/// restore done", and the freeze then dumped a RUNNING restored worker: CRIU happened to fail
-/// ("criu dump failed ...: unix: External socket is used"), the freeze exited 1 and the worker
-/// ran on; a dump that succeeded would have ended the live restored context. Paused at the gate:
-/// the simulated driver answered the seized worker's GetState with NOT_INITIALIZED and the wake
-/// said "tree of pid N holds no CUDA process: nothing to wake", a wrong reason.)
-/// A `cryo stop` of it there is refused the same way (session 23, pinned: the freeze's lock holds
-/// it; what holds a stop that takes no such lock is `stop.rs`'s
-/// `a_checkpointed_worker_held_by_a_foreign_tracer_is_never_stopped_as_plain`).
-#[test]
-fn a_wake_meeting_a_freeze_after_its_verification_is_refused_and_the_freeze_ends_it_safely() {
+/// `cryo OP PID` of a parked worker whose freeze is paused after its suspension's verification
+/// (`freeze-after-gpu-free`: CHECKPOINTED, nothing let go or dumped) or at CRIU's gate
+/// (`freeze-at-dump-gate`: the tree dumped and seized, not yet ended): OP is refused at once
+/// (exit 3) naming the freeze, touching nothing; the freeze, let go, publishes the image and
+/// ends the worker (CHECKPOINTED: safe); no wedge.
+fn meets_a_freeze_at_work(op: &str) {
     for failpoint in [
         cryo_lifecycle::freeze::FREEZE_AFTER_GPU_FREE,
         cryo_lifecycle::freeze::FREEZE_AT_DUMP_GATE,
@@ -5633,31 +5638,19 @@ fn a_wake_meeting_a_freeze_after_its_verification_is_refused_and_the_freeze_ends
         let resume = env.path().join("go");
         let (freeze, mut err) = freeze_paused_at(&env, pid, &image, failpoint, &resume);
         let by = freeze.id();
-        let wake = env.cryo(&["wake", &pid.to_string()]);
+        let second = env.cryo(&[op, &pid.to_string()]);
         assert_eq!(
-            wake.status.code(),
+            second.status.code(),
             Some(3),
             "{failpoint}: {}",
-            stderr(&wake)
+            stderr(&second)
         );
         assert!(
-            stderr(&wake).contains(&format!("pid {pid} is being frozen by cryo pid {by}")),
+            stderr(&second).contains(&format!("pid {pid} is being frozen by cryo pid {by}")),
             "{failpoint}: {}",
-            stderr(&wake)
+            stderr(&second)
         );
-        let stop = env.cryo(&["stop", &pid.to_string()]);
-        assert_eq!(
-            stop.status.code(),
-            Some(3),
-            "{failpoint}: {}",
-            stderr(&stop)
-        );
-        assert!(
-            stderr(&stop).contains(&format!("pid {pid} is being frozen by cryo pid {by}")),
-            "{failpoint}: {}",
-            stderr(&stop)
-        );
-        assert!(alive(pid), "{failpoint}");
+        assert!(alive(pid), "{failpoint}: the {op} ended it");
         fs::write(&resume, b"").unwrap();
         let mut said = String::new();
         err.read_to_string(&mut said).unwrap();
@@ -5673,6 +5666,36 @@ fn a_wake_meeting_a_freeze_after_its_verification_is_refused_and_the_freeze_ends
     }
 }
 
+/// Attack (session 22): a `cryo freeze` of a parked worker paused after its suspension's
+/// verification (`freeze-after-gpu-free`: CHECKPOINTED, nothing let go or dumped) or at CRIU's
+/// gate (`freeze-at-dump-gate`: the tree dumped and seized, not yet ended), then a `cryo wake`
+/// of it. The wake must be refused at once (exit 3) naming the freeze, touching nothing; the
+/// freeze, let go, publishes the image and ends the worker (CHECKPOINTED: safe); no wedge.
+/// (Before, paused after GPU free: the wake restored and unlocked the worker, exit 0, "gpu
+/// restore done", and the freeze then dumped a RUNNING restored worker: CRIU happened to fail
+/// ("criu dump failed ...: unix: External socket is used"), the freeze exited 1 and the worker
+/// ran on; a dump that succeeded would have ended the live restored context. Paused at the gate:
+/// the simulated driver answered the seized worker's GetState with NOT_INITIALIZED and the wake
+/// said "tree of pid N holds no CUDA process: nothing to wake", a wrong reason.)
+#[test]
+fn a_wake_meeting_a_freeze_after_its_verification_is_refused_and_the_freeze_ends_it_safely() {
+    meets_a_freeze_at_work("wake");
+}
+
+/// Attack (session 23): a `cryo park` and a `cryo stop` meeting a freeze of the worker after its
+/// verification or at CRIU's gate (the same lock, never attacked with these two). Each must be
+/// refused at once (exit 3) naming the freeze, touching nothing (a stop's kill of the
+/// CHECKPOINTED worker would be safe, but it would have dumped nothing for the freeze to
+/// publish); the freeze, let go, publishes the image and ends the worker safely; no wedge. (It
+/// held on main: the freeze takes the lock of every process of its tree before its first look,
+/// and a park or a stop takes it before anything; now pinned. What holds a stop that takes no
+/// such lock is `stop.rs`'s `a_checkpointed_worker_held_by_a_foreign_tracer_is_never_stopped_as_plain`.)
+#[test]
+fn a_park_or_a_stop_meeting_a_freeze_at_work_is_refused_and_the_freeze_ends_it_safely() {
+    meets_a_freeze_at_work("park");
+    meets_a_freeze_at_work("stop");
+}
+
 /// The other order (session 22): a `cryo wake` of a parked worker paused before its restore
 /// (`wake-before-restore`) or between its restore and its unlock (`restore-before-completed`),
 /// then a `cryo freeze` of it. The freeze must be refused at once (exit 3) naming the wake,
@@ -5683,46 +5706,81 @@ fn a_freeze_meeting_a_wake_at_work_is_refused_and_the_wake_wakes() {
         cryo_lifecycle::park::WAKE_BEFORE_RESTORE,
         cryo_lifecycle::restore::RESTORE_BEFORE_COMPLETED,
     ] {
-        let mut env = Env::start("1GiB");
-        let (pid, _sock) = env.worker("64MiB", 0);
+        a_freeze_meeting(
+            "wake",
+            failpoint,
+            "woken",
+            Some(cryo_gpu::ProcessState::Running),
+        );
+    }
+}
+
+/// Attack (session 23): a `cryo freeze` of a worker whose `cryo park` holds its lock between its
+/// lock and its checkpoint (`suspend-after-lock`: LOCKED), or whose `cryo stop` (of the parked
+/// worker) holds it after its last look before its kill (`stop-kill-after-look`). The freeze
+/// must be refused at once (`FreezeError::InProgress`, exit 3) naming the park or the stop,
+/// nothing suspended or dumped; the park, let go, parks the worker, the stop ends it safely; no
+/// wedge. (It held on main: a park holds the lock from its entry to its return, a stop from
+/// before its first look until after its kill, and a freeze takes it before its first look;
+/// now pinned.)
+#[test]
+fn a_freeze_meeting_a_park_or_a_stop_at_work_is_refused() {
+    a_freeze_meeting(
+        "park",
+        cryo_lifecycle::suspend::SUSPEND_AFTER_LOCK,
+        "parked",
+        Some(cryo_gpu::ProcessState::Checkpointed),
+    );
+    a_freeze_meeting(
+        "stop",
+        cryo_lifecycle::stop::STOP_KILL_AFTER_LOOK,
+        "stopped",
+        None,
+    );
+}
+
+/// A `cryo freeze` of a worker whose `cryo OP` (a wake or a stop of it parked, a park of it
+/// running) is paused at `failpoint` holding its lock: the freeze is refused at once (exit 3)
+/// naming OP as `doing` it, nothing dumped; OP, let go, succeeds and leaves the worker `then`
+/// (its driver state; `None`: ended); no wedge.
+fn a_freeze_meeting(op: &str, failpoint: &str, doing: &str, then: Option<cryo_gpu::ProcessState>) {
+    let mut env = Env::start("1GiB");
+    let (pid, _sock) = env.worker("64MiB", 0);
+    if op != "park" {
         let out = env.cryo(&["park", &pid.to_string()]);
         assert!(out.status.success(), "park: {}", stderr(&out));
-        let resume = env.path().join("go");
-        let mut wake = env
-            .cmd()
-            .env("CRYO_FAILPOINT", failpoint)
-            .env("CRYO_FAILPOINT_RESUME", &resume)
-            .args(["wake", &pid.to_string()])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut err = wake.stderr.take().unwrap();
-        common::said_until(&mut err, "paused until");
-        let by = wake.id();
-        let image = env.path().join("img");
-        let freeze = env.try_freeze(pid, &image, &[]);
-        assert_eq!(
-            freeze.status.code(),
-            Some(3),
-            "{failpoint}: {}",
-            stderr(&freeze)
-        );
-        assert!(
-            stderr(&freeze).contains(&format!("pid {pid} is being woken by cryo pid {by}")),
-            "{failpoint}: {}",
-            stderr(&freeze)
-        );
-        assert!(!image.exists(), "{failpoint}");
-        fs::write(&resume, b"").unwrap();
-        let mut said = String::new();
-        err.read_to_string(&mut said).unwrap();
-        assert!(wake.wait().unwrap().success(), "{failpoint}: {said}");
-        assert_eq!(
-            env.sim.gpu.driver.state(pid).unwrap(),
-            cryo_gpu::ProcessState::Running,
-            "{failpoint}"
-        );
-        env.stop_clean(pid);
+    }
+    let resume = env.path().join("go");
+    let (held, mut err) = paused_at(&env, &[op, &pid.to_string()], failpoint, &resume);
+    let by = held.id();
+    let image = env.path().join("img");
+    let freeze = env.try_freeze(pid, &image, &[]);
+    assert_eq!(
+        freeze.status.code(),
+        Some(3),
+        "{failpoint}: {}",
+        stderr(&freeze)
+    );
+    assert!(
+        stderr(&freeze).contains(&format!("pid {pid} is being {doing} by cryo pid {by}")),
+        "{failpoint}: {}",
+        stderr(&freeze)
+    );
+    assert!(!image.exists(), "{failpoint}");
+    fs::write(&resume, b"").unwrap();
+    let mut said = String::new();
+    err.read_to_string(&mut said).unwrap();
+    let held = held.wait_with_output().unwrap();
+    assert!(held.status.success(), "{failpoint}: {said}");
+    match then {
+        Some(state) => {
+            assert_eq!(env.sim.gpu.driver.state(pid).unwrap(), state, "{failpoint}");
+            env.stop_clean(pid);
+        }
+        None => {
+            env.reap_worker(pid);
+            assert!(!alive(pid), "{failpoint}");
+            env.sim.assert_no_wedge();
+        }
     }
 }

@@ -1109,14 +1109,14 @@ fn a_wake_meeting_a_park_before_its_checkpoint_is_refused_and_the_park_parks() {
 /// and unlocks the worker, which serves as before, restored once; no wedge.
 #[test]
 fn a_park_meeting_a_wake_before_its_unlock_through_the_agent_is_refused() {
-    meets_a_wake_before_its_unlock_through_the_agent("park");
+    meets_a_wake_before_its_unlock_through_the_agent(&["park"]);
 }
 
-/// A `cryo OP` of a worker whose wake the agent runs, paused between its restore and its
+/// A `cryo OP... PID` of a worker whose wake the agent runs, paused between its restore and its
 /// unlock: OP (run by the agent too) is refused (exit 3) naming the agent, touching nothing;
 /// the wake, let go, traces (the agent's guard) and unlocks the worker, which serves as before,
-/// restored once; no wedge.
-fn meets_a_wake_before_its_unlock_through_the_agent(op: &str) {
+/// restored once; no wedge. `op`: the command and its options, before the pid.
+fn meets_a_wake_before_its_unlock_through_the_agent(op: &[&str]) {
     let sim = Sim::start();
     let st = state();
     let go = st.path().join("go");
@@ -1146,9 +1146,9 @@ fn meets_a_wake_before_its_unlock_through_the_agent(op: &str) {
         },
     );
     assert_eq!(sim.state(w.pid), "locked");
-    let second = run(&sim, st.path(), &[op, &pid]);
+    let second = run(&sim, st.path(), &[op, &[pid.as_str()]].concat());
     refused_as_in_progress(&w, &second, "woken", agent.child.id());
-    assert_eq!(sim.state(w.pid), "locked", "the {op} touched it");
+    assert_eq!(sim.state(w.pid), "locked", "the {op:?} touched it");
     std::fs::write(&go, b"").unwrap();
     let wake = wake.wait_with_output().unwrap();
     ok(&wake);
@@ -1221,7 +1221,26 @@ fn a_stop_meeting_a_wake_at_work_is_refused_and_the_wake_wakes() {
 /// serves as before; no wedge.
 #[test]
 fn a_stop_meeting_a_wake_before_its_unlock_through_the_agent_is_refused() {
-    meets_a_wake_before_its_unlock_through_the_agent("stop");
+    meets_a_wake_before_its_unlock_through_the_agent(&["stop"]);
+}
+
+/// Attack (session 23): a `cryo freeze` of a worker whose wake the agent runs, paused between
+/// its restore and its unlock (`POST /v1/freeze` meeting `POST /v1/wake` in one agent: two open
+/// files of one process's lock). The freeze must be refused at once (exit 3) naming the agent,
+/// nothing suspended or dumped (no image); the wake, let go, brings the worker back serving as
+/// before, restored once; no wedge. (It held on main: the agent's freeze takes the tree's locks
+/// before its first look, on files of their own; now pinned, through the park's and the stop's
+/// body.)
+#[test]
+fn a_freeze_meeting_a_wake_before_its_unlock_through_the_agent_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let image = dir.path().join("img");
+    meets_a_wake_before_its_unlock_through_the_agent(&[
+        "freeze",
+        "--image",
+        image.to_str().unwrap(),
+    ]);
+    assert!(!image.exists(), "the freeze dumped it");
 }
 
 /// A parked worker `w` (its `Parked` record standing) parked again by a `cryo park` SIGKILLed
