@@ -1411,3 +1411,26 @@ fn a_wake_meeting_a_guard_resuming_a_dead_park_s_worker_is_refused() {
     guard.wait().unwrap();
     let _ = log.join();
 }
+
+/// Attack (session 23): a parked worker parked again (`cryo park` of it succeeds, nothing to
+/// do), then a guard starts. The worker must stay parked: its second park finished, nothing of it
+/// is in flight, and a guard's start resumes only what a dead park or freeze left.
+#[test]
+fn a_worker_parked_twice_stays_parked_across_a_guard_start() {
+    let sim = Sim::start();
+    let st = state();
+    let w = worker(&sim, "64MiB", 0);
+    let pid = w.pid.to_string();
+    ok(&run(&sim, st.path(), &["park", &pid]));
+    ok(&run(&sim, st.path(), &["park", &pid]));
+    let guard = GuardProc::start(&sim, st.path(), &["--no-memory-watch"]);
+    assert_eq!(
+        sim.state(w.pid),
+        "checkpointed",
+        "the guard's start woke a parked worker: {}",
+        guard.log()
+    );
+    let s = json(&run(&sim, st.path(), &["status", "--json"]));
+    assert_eq!(s["parked"][0]["pid"]["pid"], w.pid, "{s}");
+    sim.assert_no_wedge();
+}

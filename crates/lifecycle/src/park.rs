@@ -9,7 +9,9 @@
 //!   `resume_on_failure`: a park that cannot suspend every CUDA process of the target brings back
 //!   the ones it suspended, so the worker keeps serving. Each parked process is journaled
 //!   ([`Event::Parked`]: its device memory and its GPUs), which is what a wake, `cryo status` and
-//!   the metrics read. A park whose record cannot be written is undone: what it suspended is
+//!   the metrics read; one parked already is journaled again with its first record's values (the
+//!   record is what ends the park's suspension of it: without it a completed park of a parked
+//!   worker stayed in flight, and the next guard or agent start resumed the worker). A park whose record cannot be written is undone: what it suspended is
 //!   restored and unlocked in place ([`ParkError::Unrecorded`] says so, or names what could not
 //!   be brought back, left suspended: never a CHECKPOINTED worker nothing can find).
 //!   [`ParkOptions::max_parked_host`] refuses a park that would take the host memory held by
@@ -356,35 +358,37 @@ fn park_inner(
                 (bytes, gpus, gpu_bytes)
             }
         };
-        if !already || !known.contains_key(&id(h)) {
-            let fails = [
-                PARK_RECORD_FAILS,
-                PARK_UNDO_UNRECORDED,
-                PARK_UNDO_DIES_RESTORED,
-            ]
-            .into_iter()
-            .find(|f| crate::failpoint::active(f));
-            let recorded = if let Some(f) = fails {
-                Err(crate::failpoint::journal_eio(journal, f))
-            } else {
-                journal.append(Event::Parked {
-                    pid: id(h),
-                    bytes,
-                    gpus: gpus.iter().map(ToString::to_string).collect(),
-                    gpu_bytes,
-                })
-            };
-            if let Err(source) = recorded {
-                return Err(unpark(
-                    gpu,
-                    &cuda,
-                    &outcomes,
-                    journal,
-                    watcher,
-                    h.pid(),
-                    source,
-                ));
-            }
+        // Recorded again when it was parked before (the same record): the record is what ends
+        // this park's suspension of it in the journal's eyes. Unrecorded, a park of a parked
+        // worker stayed in flight after it completed, and the next guard or agent start
+        // "settled" it: restored and unlocked a worker an operator had parked.
+        let fails = [
+            PARK_RECORD_FAILS,
+            PARK_UNDO_UNRECORDED,
+            PARK_UNDO_DIES_RESTORED,
+        ]
+        .into_iter()
+        .find(|f| crate::failpoint::active(f));
+        let recorded = if let Some(f) = fails {
+            Err(crate::failpoint::journal_eio(journal, f))
+        } else {
+            journal.append(Event::Parked {
+                pid: id(h),
+                bytes,
+                gpus: gpus.iter().map(ToString::to_string).collect(),
+                gpu_bytes,
+            })
+        };
+        if let Err(source) = recorded {
+            return Err(unpark(
+                gpu,
+                &cuda,
+                &outcomes,
+                journal,
+                watcher,
+                h.pid(),
+                source,
+            ));
         }
         parked.push(ParkedProc {
             pid: h.pid(),
