@@ -1434,3 +1434,56 @@ fn a_worker_parked_twice_stays_parked_across_a_guard_start() {
     assert_eq!(s["parked"][0]["pid"]["pid"], w.pid, "{s}");
     sim.assert_no_wedge();
 }
+
+/// Attack (session 23): a guard's start finishing the unlock of a dead wake's worker (a `cryo
+/// wake` SIGKILLed at `wake-before-unlock`: LOCKED, its restore journaled complete, its writer
+/// gone) while a second `cryo wake` of it is at work (paused at `wake-before-restore`: it read
+/// the worker LOCKED with its restore complete, and will trace and unlock it). The guard must
+/// leave it to that wake, untouched and named; the wake, let go, traces and unlocks it; it
+/// serves as before, running (never parked again); no wedge.
+#[test]
+fn a_guard_finishing_a_dead_wake_s_unlock_leaves_the_worker_to_a_wake_at_work() {
+    let sim = Sim::start();
+    let st = state();
+    let w = worker(&sim, "64MiB", 0);
+    let pid = w.pid.to_string();
+    let before = w.complete("the same question");
+    ok(&run(&sim, st.path(), &["park", &pid]));
+    let (mut dead, _err) = paused_at(
+        &sim,
+        st.path(),
+        &["wake", &pid],
+        cryo_lifecycle::park::WAKE_BEFORE_UNLOCK,
+    );
+    dead.kill().unwrap();
+    dead.wait().unwrap();
+    assert_eq!(sim.state(w.pid), "locked");
+    let wake = paused_at(
+        &sim,
+        st.path(),
+        &["wake", &pid],
+        cryo_lifecycle::park::WAKE_BEFORE_RESTORE,
+    );
+    let by = wake.0.id();
+    let guard = GuardProc::start(&sim, st.path(), &["--no-memory-watch"]);
+    let found = sim.state(w.pid);
+    let (status, said) = let_go(st.path(), wake);
+    let log = guard.log();
+    assert!(
+        found == "locked" && status.success(),
+        "after the guard's start: {found}; the wake, let go: {status}: {said}\nthe guard: {log}"
+    );
+    assert!(
+        log.contains(&format!("it is being woken by cryo pid {by}")),
+        "{log}"
+    );
+    assert_eq!(sim.state(w.pid), "running");
+    assert_ne!(common::procs::tracer_pid(w.pid), 0, "woken unguarded");
+    assert_eq!(
+        w.complete("the same question"),
+        before,
+        "it serves as before"
+    );
+    sim.assert_no_wedge();
+    drop(guard);
+}

@@ -64,10 +64,10 @@
 //! as by each other's.
 //!
 //! # Limitations
-//! Parks, wakes, stops, freezes and settlements of in-flight suspensions take the lock; a thaw,
-//! a guard's or agent's finishing of a dead thaw's or wake's unlock
-//! ([`crate::restore::finish_unlock`]) and the ending of a dead thaw's tree (`leftover`) do
-//! not: they act on processes whose journaled owner is dead. A thaw's
+//! Parks, wakes, stops, freezes, settlements of in-flight suspensions and a guard's or agent's
+//! finishing of a dead thaw's or wake's unlock ([`crate::restore::finish_unlock`], as a wake)
+//! take the lock; a thaw and the ending of a dead thaw's tree (`leftover`) do not: a thaw's
+//! tree is new, and a dead thaw's tree is nobody's to park or wake. A thaw's
 //! removal of a tree it restored stops it through [`crate::stop()`], which takes the tree's
 //! locks: no one holds them (a thaw takes none, and its tree is not parked).
 //!

@@ -842,6 +842,12 @@ pub enum WakeError {
 /// them (where a second wake of the same worker finds them still CHECKPOINTED).
 pub const WAKE_BEFORE_RESTORE: &str = "wake-before-restore";
 
+/// Failpoint (`CRYO_FAILPOINT`, a test hook; a pause, see `failpoint::pause_if`): a wake pauses
+/// once every restore of it is journaled complete, before the guard's attach and the unlock (its
+/// processes LOCKED, their contexts restored), where a test kills it: what a restarted guard
+/// or agent finishes ([`crate::restore::finish_unlock`]).
+pub const WAKE_BEFORE_UNLOCK: &str = "wake-before-unlock";
+
 /// Wakes every parked process of `target` (see the module docs).
 #[allow(clippy::too_many_arguments)]
 pub fn wake(
@@ -1095,6 +1101,7 @@ fn wake_inner(
         return Err(fail("GPU restore", e));
     }
     watch.mark("GPU restore (journaled before and after)");
+    crate::failpoint::pause_if(WAKE_BEFORE_UNLOCK);
     // Traced while LOCKED, before anything runs: never an unguarded restored context where a
     // guard runs.
     let guarded = match watcher.guard_before_unlock(&restored) {

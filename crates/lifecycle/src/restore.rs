@@ -365,13 +365,36 @@ pub enum FinishUnlockError {
 /// a suspension of its own before the driver is asked, so a caller that dies before its restore
 /// leaves it in flight for the next start, which resumes it under watch. Anything else is left
 /// as it is. The unlock is journaled after it happened (it runs again; a failed write is only
-/// logged).
+/// logged). All of it under the process's lock ([`crate::oplock`], as a wake): one a wake holds
+/// is left to that wake, which unlocks it itself.
 pub fn finish_unlock(
     gpu: &Gpu,
     journal: &Journal,
     pid: ProcId,
 ) -> Result<FinishUnlock, FinishUnlockError> {
     let left = |why: &str| Ok(FinishUnlock::Left(why.to_string()));
+    let Ok(h) = pid.open() else {
+        return left("it is no longer the process the journal names");
+    };
+    // Its lock ([`crate::oplock`]), as a wake's, before the journal and the driver are read: a
+    // wake at work on it (it traces and unlocks what it finds LOCKED with its restore complete)
+    // is left to it. Before, this unlocked it under such a wake, whose own unlock the driver
+    // then refused (ILLEGAL_STATE), and the wake parked the worker again.
+    let _lock = match crate::oplock::take(
+        &crate::oplock::state_of(journal),
+        std::slice::from_ref(&h),
+        crate::Op::Wake,
+    ) {
+        Ok(l) => l,
+        Err(crate::oplock::LockError::Held { by, doing, .. }) => {
+            return left(&format!(
+                "it is being {} by {}: left to it",
+                crate::park::fmt_doing(doing),
+                crate::park::fmt_by(by)
+            ))
+        }
+        Err(e) => return left(&format!("its lock cannot be taken: {e}")),
+    };
     let records = cryo_journal::read(journal.dir())?.records;
     let (by, completed) = match last_restore(&records, pid) {
         Some((Some(by), completed)) => (by, completed),
@@ -386,9 +409,6 @@ pub fn finish_unlock(
     if Some(by) == me() || by.is_alive_same() {
         return left("the thaw or wake that restored it is still at work on it");
     }
-    let Ok(h) = pid.open() else {
-        return left("it is no longer the process the journal names");
-    };
     let gpu = gpu.bounded(cryo_gpu::Limits::default());
     match gpu.driver.state(h.pid()) {
         Ok(cryo_gpu::ProcessState::Locked) => {}
