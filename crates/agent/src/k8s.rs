@@ -543,7 +543,9 @@ impl Agent {
                 resolved.spare(h);
             }
             tracing::info!(pod = %plan.pod, container = %c.container, cgroup = %c.cgroup.display(), deadline_ms = req.deadline_ms, "stopping a container");
-            let report = self.stop_resolved(&req, &resolved, progress)?;
+            // The kubelet kills the container once the preStop returns: a park or a wake at
+            // work is waited for (within the deadline), never a reason to return unsuspended.
+            let report = self.stop_resolved(&req, &resolved, progress, true)?;
             let refused = !report.refusals.is_empty();
             let done = ContainerStop {
                 container: c.container,

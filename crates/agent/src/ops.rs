@@ -94,23 +94,28 @@ impl Agent {
         if let Some(caller) = confined {
             crate::k8s::authorize_stop(caller, &resolved)?;
         }
-        self.stop_resolved(req, &resolved, progress)
+        self.stop_resolved(req, &resolved, progress, false)
     }
 
-    /// The stop of a resolved target.
+    /// The stop of a resolved target; `when_free`: waiting for a park or a wake at work on it
+    /// (a preStop's, [`cryo_lifecycle::stop_when_free`]) rather than refused at once.
     pub(crate) fn stop_resolved(
         &self,
         req: &StopRequest,
         resolved: &Resolved,
         progress: &dyn Progress,
+        when_free: bool,
     ) -> Result<StopReport, ApiError> {
-        cryo_lifecycle::stop(&self.gpu, resolved, &req.options(), &self.journal, progress).map_err(
-            |e| match e {
-                // A park or a wake at work on it: nothing was done (409), as theirs.
-                e @ cryo_lifecycle::StopError::InProgress { .. } => refused(e),
-                e => failed(e),
-            },
-        )
+        let stop = if when_free {
+            cryo_lifecycle::stop_when_free
+        } else {
+            cryo_lifecycle::stop
+        };
+        stop(&self.gpu, resolved, &req.options(), &self.journal, progress).map_err(|e| match e {
+            // A park or a wake at work on it: nothing was done (409), as theirs.
+            e @ cryo_lifecycle::StopError::InProgress { .. } => refused(e),
+            e => failed(e),
+        })
     }
 
     /// `POST /v1/freeze`: the guard in this process lets go of the tree around the dump.

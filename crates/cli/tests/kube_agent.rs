@@ -382,6 +382,11 @@ fn the_api_server_down_blocks_nothing_and_the_fence_shows_once_it_is_back() {
 
 /// `cmd` run from inside the cgroup `dir` (it moves itself there before exec).
 fn from_cgroup(dir: &Path, cmd: &Command) -> Output {
+    from_cgroup_cmd(dir, cmd).output().unwrap()
+}
+
+/// The command that runs `cmd` from inside the cgroup `dir`.
+fn from_cgroup_cmd(dir: &Path, cmd: &Command) -> Command {
     let mut c = Command::new("sh");
     c.arg("-c")
         .arg(r#"echo $$ > "$1/cgroup.procs" && shift && exec "$@""#)
@@ -395,7 +400,7 @@ fn from_cgroup(dir: &Path, cmd: &Command) -> Output {
             None => c.env_remove(k),
         };
     }
-    c.output().unwrap()
+    c
 }
 
 /// `cmd` from inside the cgroup `dir` fails, saying `says`.
@@ -702,18 +707,25 @@ fn prestop_without_an_agent_suspends_its_own_cgroup_standalone_and_the_kubelets_
 /// Attack (session 23): `cryo stop --self` (a preStop hook) of a container whose worker a `cryo
 /// wake` is at work on (paused at `wake-before-restore`: it holds the worker's lock, read it
 /// CHECKPOINTED), with no agent (the stop runs standalone) and through the agent (its wake and
-/// its stop two open files of one process). The stop must be refused at once, nothing done,
-/// with `cryo stop`'s exit status for that refusal (3: nothing in the target was killed, every
-/// CUDA process serving or checkpointed), naming the wake; the wake, let go, wakes the worker,
-/// and a preStop then suspends it before the kill (the kubelet's kill is safe); no wedge.
-fn prestop_meeting_a_wake_at_work(through_agent: bool) {
+/// its stop two open files of one process). `deadline`: the preStop's `--deadline`.
+///
+/// With a deadline too short to wait for the wake (`Some`), the stop must be refused, nothing
+/// done, with `cryo stop`'s exit status for that refusal (3: nothing in the target was killed,
+/// every CUDA process serving or checkpointed), naming the wake (before: exit 1 standalone).
+/// Without one (the Pod's: `None`), the preStop must wait for the wake rather than return and
+/// leave the worker to the kubelet's kill: it says it waits; the wake, let go, wakes the worker;
+/// the preStop then suspends it before its kill (before: refused at once, the worker running
+/// and restored when the kubelet's kill came). Then a preStop, or the kubelet's kill, ends it
+/// safely; no wedge.
+fn prestop_meeting_a_wake_at_work(through_agent: bool, deadline: Option<&str>) {
     ks::require_root();
     let tree = ks::Tree::new();
     // Laid out as containerd's (the agent names a caller's pod and container by its cgroup), a
-    // pod of its own for each variant (the tests run at once).
+    // pod of its own for each case (the tests run at once).
     let uid = format!(
-        "{}b8e4f4c-1f2a-4c3d-9e8f-0123456789ab",
-        u8::from(through_agent) + 1
+        "{}{}b8e4f4-1f2a-4c3d-9e8f-0123456789ab",
+        u8::from(through_agent) + 1,
+        u8::from(deadline.is_some())
     );
     let dir = tree.dir(&format!("kubepods/besteffort/pod{uid}/{A}"));
     let mut sim = Sim::start();
@@ -731,24 +743,52 @@ fn prestop_meeting_a_wake_at_work(through_agent: bool) {
     let by = agent.as_ref().map_or(wake.0.id(), |a| a.child.id());
     let mut c = sim.cmd_at(&state);
     c.args(["stop", "--self"]);
-    let out = from_cgroup(&dir, &c);
-    assert_eq!(
-        out.status.code(),
-        Some(3),
-        "agent {through_agent}: {}{}",
-        stdout(&out),
-        stderr(&out)
-    );
-    assert!(
-        stderr(&out).contains(&format!("pid {worker} is being woken by cryo pid {by}")),
-        "{}",
-        stderr(&out)
-    );
-    assert_eq!(sim.state(worker), "checkpointed", "the stop touched it");
-    let (status, said) = common::let_go(&state, wake);
-    assert!(status.success(), "the wake failed: {said}");
-    assert_eq!(sim.state(worker), "running");
-    prestop(&sim, &state, &dir);
+    if let Some(ms) = deadline {
+        c.args(["--deadline", ms]);
+        let out = from_cgroup(&dir, &c);
+        assert_eq!(
+            out.status.code(),
+            Some(3),
+            "agent {through_agent}: {}{}",
+            stdout(&out),
+            stderr(&out)
+        );
+        assert!(
+            stderr(&out).contains(&format!("pid {worker} is being woken by cryo pid {by}")),
+            "{}",
+            stderr(&out)
+        );
+        assert_eq!(sim.state(worker), "checkpointed", "the stop touched it");
+        let (status, said) = common::let_go(&state, wake);
+        assert!(status.success(), "the wake failed: {said}");
+        assert_eq!(sim.state(worker), "running");
+        prestop(&sim, &state, &dir);
+    } else {
+        let mut stop = from_cgroup_cmd(&dir, &c)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let waits = format!("pid {worker} is being woken by cryo pid {by}: the stop waits for it");
+        match &agent {
+            None => {
+                common::said_until(stop.stderr.as_mut().unwrap(), &waits);
+            }
+            Some(a) => eventually(PATIENCE, "the agent's preStop to wait", || {
+                a.log().contains(&waits) || matches!(stop.try_wait(), Ok(Some(_)))
+            }),
+        }
+        assert_eq!(sim.state(worker), "checkpointed", "the stop touched it");
+        let (status, said) = common::let_go(&state, wake);
+        assert!(status.success(), "the wake failed: {said}");
+        let out = stop.wait_with_output().unwrap();
+        succeeded(&out);
+        assert!(
+            stdout(&out).contains("suspended; ending the container"),
+            "{}",
+            stdout(&out)
+        );
+    }
     if agent.is_none() {
         // It returned at the first kill: the kubelet's kill that follows is safe.
         assert_eq!(sim.state(worker), "checkpointed");
@@ -761,12 +801,22 @@ fn prestop_meeting_a_wake_at_work(through_agent: bool) {
 
 #[test]
 fn prestop_without_an_agent_meeting_a_wake_at_work_is_refused_with_exit_3() {
-    prestop_meeting_a_wake_at_work(false);
+    prestop_meeting_a_wake_at_work(false, Some("1000"));
 }
 
 #[test]
 fn prestop_through_the_agent_meeting_a_wake_at_work_is_refused_with_exit_3() {
-    prestop_meeting_a_wake_at_work(true);
+    prestop_meeting_a_wake_at_work(true, Some("1000"));
+}
+
+#[test]
+fn prestop_without_an_agent_meeting_a_wake_at_work_waits_for_it_then_suspends() {
+    prestop_meeting_a_wake_at_work(false, None);
+}
+
+#[test]
+fn prestop_through_the_agent_meeting_a_wake_at_work_waits_for_it_then_suspends() {
+    prestop_meeting_a_wake_at_work(true, None);
 }
 
 /// The roots of this host's cgroup v2 hierarchy and v1 `pids` hierarchy (the ones `--self`

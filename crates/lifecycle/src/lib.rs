@@ -58,7 +58,8 @@ pub use runnable::{runnable, Runnable};
 pub use shrink::{Shrink, ShrinkReport, ShrinkSpec};
 pub use standby::{claim, prepare, ClaimError, Standby, StandbyError, StandbyRefusal};
 pub use stop::{
-    stop, EndSignal, ProcReport, Refusal, RefusalReason, StopError, StopOptions, StopReport,
+    stop, stop_when_free, EndSignal, ProcReport, Refusal, RefusalReason, StopError, StopOptions,
+    StopReport,
 };
 pub use suspend::{suspend, suspend_watched, SuspendOptions, SuspendOutcome, Suspended};
 pub use target::{open_process, OpenProcessError, ResolveError, Resolved, Target};

@@ -3,7 +3,9 @@
 //! # Design
 //! 0. Every process of the target is locked against parks, wakes and other stops
 //!    ([`crate::oplock`]), held until the stop returns: one held already refuses the stop at
-//!    once ([`StopError::InProgress`]), nothing journaled, suspended or killed. Then
+//!    once ([`StopError::InProgress`]), nothing journaled, suspended or killed (a preStop's stop,
+//!    [`stop_when_free`], tries again while a park or a wake holds it, within half its
+//!    deadline: the kubelet kills the container when the preStop returns). Then
 //!    suspensions that earlier stops, freezes or guards left half-way (their owner gone) are
 //!    settled ([`crate::inflight`]); the report says what was done.
 //! 1. The target (a process tree, a cgroup subtree, or a list of pids) comes resolved to pidfd
@@ -284,6 +286,54 @@ struct Run<'a> {
     until: Option<Instant>,
     members: Vec<Member>,
     refusals: Vec<Refusal>,
+}
+
+/// How often [`stop_when_free`] tries again.
+const BUSY_RETRY: Duration = Duration::from_millis(50);
+
+/// [`stop`] for a caller that must not give up at once: a preStop hook, after which the kubelet
+/// kills the container whether or not it is suspended. A stop refused because a park or a wake
+/// (or an unnamed restorer) is at work on a process of the target ([`StopError::InProgress`]:
+/// nothing done, so trying again is safe) is tried again every 50 ms until that one returns, for
+/// at most half of `opts.deadline` (the other half is the stop's own, and each try gets what is
+/// left of the deadline); without a deadline, or against a freeze or another stop (the worker is
+/// going away), it is not tried again. Refused at once, a preStop left a worker that a wake was
+/// bringing back to the kubelet's kill, running and restored, unsuspended.
+pub fn stop_when_free(
+    gpu: &Gpu,
+    target: &Resolved,
+    opts: &StopOptions,
+    journal: &Journal,
+    progress: &dyn Progress,
+) -> Result<StopReport, StopError> {
+    let start = Instant::now();
+    let wait = opts.deadline.map_or(Duration::ZERO, |d| d / 2);
+    let mut said = false;
+    loop {
+        let left = StopOptions {
+            deadline: opts.deadline.map(|d| d.saturating_sub(start.elapsed())),
+            ..opts.clone()
+        };
+        match stop(gpu, target, &left, journal, progress) {
+            Err(StopError::InProgress {
+                pid,
+                by,
+                doing: doing @ (None | Some(crate::Op::Wake | crate::Op::Park)),
+            }) if start.elapsed() + BUSY_RETRY < wait => {
+                if !said {
+                    said = true;
+                    tracing::warn!(
+                        "pid {pid} is being {} by {}: the stop waits for it to return (at most {} ms)",
+                        crate::park::fmt_doing(doing),
+                        crate::park::fmt_by(by),
+                        wait.as_millis()
+                    );
+                }
+                std::thread::sleep(BUSY_RETRY);
+            }
+            r => return r,
+        }
+    }
 }
 
 /// Stops `target`. See the module docs for the order of things and what a refusal leaves behind.

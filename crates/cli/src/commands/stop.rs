@@ -74,7 +74,7 @@ pub fn run(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
         route::error,
         |client, p| {
             route::standalone_note(client);
-            standalone(ctx, &req, None, p)
+            standalone(ctx, &req, None, false, p)
         },
     );
     let result = match result {
@@ -118,11 +118,14 @@ pub(crate) fn in_progress(e: &anyhow::Error) -> bool {
         .is_some_and(|a| a.0.kind == cryo_api::ErrorKind::Refused)
 }
 
-/// The stop in this process (no agent runs): what the agent's handler does too.
+/// The stop in this process (no agent runs): what the agent's handler does too. `when_free`: a
+/// park or a wake at work on the target is waited for within the deadline (a preStop's,
+/// [`cryo_lifecycle::stop_when_free`]) rather than a refusal at once.
 pub(crate) fn standalone(
     ctx: &Context,
     req: &StopRequest,
     spare: Option<cryo_proc::ProcHandle>,
+    when_free: bool,
     progress: &dyn cryo_lifecycle::Progress,
 ) -> anyhow::Result<StopReport> {
     // Resolved once, here: a target that does not exist is the operator's first problem, before
@@ -133,13 +136,12 @@ pub(crate) fn standalone(
     }
     let gpu = ctx.gpu()?;
     let journal = ctx.state.open_journal().context("opening the journal")?;
-    Ok(cryo_lifecycle::stop(
-        &gpu,
-        &resolved,
-        &req.options(),
-        &journal,
-        progress,
-    )?)
+    let stop = if when_free {
+        cryo_lifecycle::stop_when_free
+    } else {
+        cryo_lifecycle::stop
+    };
+    Ok(stop(&gpu, &resolved, &req.options(), &journal, progress)?)
 }
 
 /// 0 when every process has ended, 3 when a refusal left some alive.

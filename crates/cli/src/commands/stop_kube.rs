@@ -169,7 +169,9 @@ fn own_cgroup_standalone(ctx: &Context, args: &StopArgs) -> anyhow::Result<u8> {
     req.target = (&Target::Cgroup(dir.clone())).into();
     req.deadline_ms = (deadline > 0).then_some(deadline);
     let progress = crate::progress::for_stderr();
-    let r = standalone(ctx, &req, Some(me), &ReturnAtKill(progress.as_ref()));
+    // The kubelet kills the container once this returns: a park or a wake at work is waited
+    // for (within the deadline), never a reason to return with the worker unsuspended.
+    let r = standalone(ctx, &req, Some(me), true, &ReturnAtKill(progress.as_ref()));
     drop(progress);
     let what = || format!("stopping this container (cgroup {})", dir.display());
     let report = match r {
