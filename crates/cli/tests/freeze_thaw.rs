@@ -3615,6 +3615,112 @@ fn a_thaw_killed_between_crius_gate_and_its_gpu_restore_is_ended_by_the_next_age
     }
 }
 
+/// The events of `after` (the journal since some point) that stop, kill or settle any of
+/// `pids`: none may name a worker that serves.
+fn stops_of(after: &[cryo_journal::Event], pids: &[i32]) -> Vec<cryo_journal::Event> {
+    use cryo_journal::Event;
+    after
+        .iter()
+        .filter(|e| {
+            matches!(
+                e,
+                Event::StopRequested { .. }
+                    | Event::SuspendStarted { .. }
+                    | Event::KillStarted { .. }
+                    | Event::Killed { .. }
+                    | Event::SuspensionSettled { .. }
+            ) && e.pids().iter().any(|p| pids.contains(&p.pid))
+        })
+        .cloned()
+        .collect()
+}
+
+/// Attack (session 23): a thaw whose disk fills once its worker runs (paused at
+/// `thaw-after-unlock`: every CUDA process unlocked, its `Unlocked` journaled; the state
+/// directory's 16 MiB tmpfs filled there, the journal's last page too: a real `ENOSPC`), of an
+/// image frozen after a vLLM sleep (so the thaw grows the engine) and thawed with a health
+/// check: its `HealthOk`, `Grown` and `ThawCompleted` cannot be written. The worker serves:
+/// the thaw must succeed (its caller, told it failed, would retry an image whose worker runs)
+/// and say what it did not record. Once there is room, the next agent start must not take the
+/// unrecorded completion for a dead thaw (`leftover.rs` ends only a CHECKPOINTED process whose
+/// last record is its thaw's restore intent): it traces the worker, which serves on, nothing
+/// stopped, no wedge. (Before: exit 1, "cannot write the journal: ... No space left on
+/// device", from the grow's record, the worker serving and named nowhere.)
+#[test]
+fn a_thaw_meeting_a_full_disk_once_its_worker_runs_succeeds_and_says_what_it_did_not_record() {
+    let mut env = Env::start("1GiB");
+    let st = env.path().join("state");
+    let disk = cryo_testkit::disk::SmallDisk::mount_at(&st, "16M");
+    let w = env.sim.spawn(
+        WorkerSpec::new("8MiB")
+            .kv_cache("8MiB")
+            .setsid()
+            .http_unix()
+            .program(env.bin.clone()),
+    );
+    let (pid, sock) = (w.pid, w.endpoint.clone());
+    env.workers.push(w);
+    let before = answers(&sock);
+    let image = env.path().join("img");
+    let engine = match &sock {
+        Ep::Unix(p) => format!("unix:{}:/", p.display()),
+        Ep::Tcp(hostport) => format!("http://{hostport}"),
+    };
+    let out = env.try_freeze(pid, &image, &["--shrink", "vllm", "--engine-url", &engine]);
+    assert!(out.status.success(), "freeze failed: {}", stderr(&out));
+    env.reap_worker(pid);
+    let PausedThaw {
+        child: mut thaw,
+        resume,
+        said,
+    } = thaw_paused_at(
+        &env,
+        &image,
+        cryo_lifecycle::thaw::THAW_AFTER_UNLOCK,
+        &["--health-url", &health(&sock), "--health-timeout", "30"],
+    );
+    env.thawed.push(pid);
+    assert_eq!(
+        env.sim.gpu.driver.state(pid).unwrap(),
+        cryo_gpu::ProcessState::Running
+    );
+    let filler = disk.fill();
+    common::fill_journal_page(&st);
+    fs::write(&resume, b"").unwrap();
+    let status = thaw.wait().unwrap();
+    let said = fs::read_to_string(&said).unwrap();
+    assert!(
+        status.success(),
+        "the thaw of a serving worker failed: {said}"
+    );
+    assert!(
+        said.contains("the worker serves, but the journal could not record")
+            && said.contains("the health check's answer")
+            && said.contains("the engine's grow")
+            && said.contains("the completed thaw")
+            && said.contains("No space left on device"),
+        "not said: {said}"
+    );
+    assert_eq!(answers(&sock), before, "{said}");
+    env.sim.assert_no_wedge();
+
+    fs::remove_file(filler).unwrap();
+    let from = events(&env).len();
+    let agent = Agent::start(&env);
+    eventually(PATIENCE, "the agent to trace the thawed worker", || {
+        agent.traces(pid)
+    });
+    let after = events(&env)[from..].to_vec();
+    let stops = stops_of(&after, &[pid]);
+    assert!(stops.is_empty(), "{stops:?} in {after:?}");
+    assert!(alive(pid), "the worker died");
+    assert_eq!(answers(&sock), before, "it serves as before");
+    env.sim.assert_no_wedge();
+    env.stop_clean(pid);
+    drop(agent);
+    drop(disk);
+}
+
 /// A plain process that holds a `flock` whose lock this test also holds (it inherited the fd),
 /// frozen into `img`: CRIU's restore of it waits for the lock as long as the returned guard
 /// lives. Returns the guard, the process's pid and the image.

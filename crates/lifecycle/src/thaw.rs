@@ -28,6 +28,14 @@
 //! said): suspended (lock, checkpoint, verified) first, then killed; the forks are named in
 //! the error. A live restored context is never torn down.
 //!
+//! Once the worker runs (every CUDA process unlocked), nothing the journal refuses fails the
+//! thaw: a record it cannot take from then on (an `Unlocked`, `HealthOk`, the grow's `Grown` or
+//! `GrowFailed`, `ThawCompleted`) is logged and said in the report
+//! ([`ThawReport::unrecorded`]): a caller told the thaw failed would retry an image whose
+//! worker serves. The next guard or agent start takes such a worker for what it is (it runs:
+//! `leftover` ends only a CHECKPOINTED tree) and traces it. Until session 23 the grow's record
+//! was the thaw's error ("cannot write the journal"), the worker serving.
+//!
 //! # Limitations
 //! A process the restored tree forked since CRIU resumed it that started a session of its own
 //! and whose parent has exited is tied to the tree by nothing the kernel shows: a failed thaw
@@ -82,6 +90,11 @@ pub const THAW_AFTER_CRIU: &str = "thaw-after-criu";
 
 /// Failpoint: every CUDA process is restored (LOCKED) and traced by the watcher, none unlocked.
 pub const THAW_BEFORE_UNLOCK: &str = "thaw-before-unlock";
+
+/// Failpoint (a pause, see [`failpoint::pause_if`]): every CUDA process is unlocked (each
+/// `Unlocked` journaled), the worker runs; not health-checked yet, nor grown, its `HealthOk`,
+/// `Grown` (or `GrowFailed`) and `ThawCompleted` not written. Tests fill the disk here.
+pub const THAW_AFTER_UNLOCK: &str = "thaw-after-unlock";
 
 /// Options of a thaw.
 #[derive(Debug, Clone)]
@@ -170,6 +183,12 @@ pub struct ThawReport {
     /// The grow of the engine, when the image was frozen shrunk (`ThawOptions::shrunk`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shrink: Option<crate::shrink::ShrinkReport>,
+    /// The records the journal could not take once the worker ran (an `Unlocked`, its
+    /// `HealthOk`, `Grown` or `GrowFailed`, `ThawCompleted`), each with why: the thaw succeeded
+    /// all the same (the worker serves; a caller told it failed would retry an image whose
+    /// worker runs), and says so.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unrecorded: Vec<String>,
 }
 
 /// The pids of `pids` that are taken, once the zombies among their holders have been waited for
@@ -546,7 +565,12 @@ pub fn thaw_opened(
                 let mut s = crate::shrink::Shrunk::to_grow(&shrink, &image, pids);
                 // The engine as the restored tree sees it (a namespace of its own, restored).
                 s.reached_through(gpu, &running);
-                s.grow(journal, progress)?;
+                // The tree runs: a journal that cannot take the grow's record (`Grown`,
+                // `GrowFailed`) is said, never a failed thaw (until session 23 its error was
+                // the thaw's: "cannot write the journal", the worker serving).
+                if let Err(e) = s.grow(journal, progress) {
+                    unrecorded(r, "the engine's grow", &e);
+                }
                 r.shrink = Some(s.report);
             }
             // The tree runs: an image whose shrink cannot be carried out is said, never a
@@ -558,12 +582,12 @@ pub fn thaw_opened(
                     pids,
                     error,
                 }) {
-                    tracing::error!(error = %e, "cannot journal the grow's failure");
+                    unrecorded(r, "the grow's failure", &e);
                 }
             }
         }
     }
-    match &result {
+    match &mut result {
         // The tree runs, every restore and unlock journaled: a journal that cannot take the
         // record must not turn the thaw into a failed one (its caller would retry an image
         // whose worker serves).
@@ -573,7 +597,7 @@ pub fn thaw_opened(
                 pids: ids.into_iter().chain(extras.iter().map(id)).collect(),
                 ms: r.elapsed_ms,
             }) {
-                tracing::error!(error = %e, "cannot journal the completed thaw");
+                unrecorded(r, "the completed thaw", &e);
             }
         }
         Err(e) => {
@@ -791,6 +815,9 @@ fn thaw_inner(
         Err(e) => return Err(fail("guard before unlock", e.to_string())),
     };
     failpoint::stall_if(THAW_BEFORE_UNLOCK);
+    // What the journal could not take from the first unlock on (the thaw succeeds all the
+    // same: [`ThawReport::unrecorded`]).
+    let mut unrecorded: Vec<String> = Vec::new();
     for plan in plans {
         let t = Instant::now();
         if let Err(e) = gpu.driver.unlock(plan.pid) {
@@ -804,10 +831,12 @@ fn thaw_inner(
                 recovery: false,
             }) {
                 tracing::error!(pid = plan.pid, error = %e, "cannot journal the unlock");
+                unrecorded.push(format!("the unlock of pid {}: {e}", plan.pid));
             }
         }
     }
     let gpu_restore_ms = ms(t.elapsed());
+    failpoint::pause_if(THAW_AFTER_UNLOCK);
 
     let mut first_answer_at = None;
     let first_answer_ms = match &opts.health {
@@ -824,6 +853,7 @@ fn thaw_inner(
                         ms: check_ms,
                     }) {
                         tracing::error!(pid = root, error = %e, "cannot journal the health check");
+                        unrecorded.push(format!("the health check's answer: {e}"));
                     }
                 }
                 Some(ms(at.duration_since(opts.requested)))
@@ -858,6 +888,7 @@ fn thaw_inner(
             guarded,
             elapsed_ms: ms(opts.requested.elapsed()),
             shrink: None,
+            unrecorded,
         },
         running,
         extras,
@@ -1211,6 +1242,13 @@ fn remove_safely(
         None if r.stopped => format!("suspended and removed{forks}"),
         None => format!("already gone{forks}"),
     }
+}
+
+/// A record of `what` the journal refused (`e`) once the worker ran: logged, and said in the
+/// report ([`ThawReport::unrecorded`]), never the thaw's failure.
+fn unrecorded(r: &mut ThawReport, what: &str, e: &cryo_journal::AppendError) {
+    tracing::error!(error = %e, "cannot journal {what}");
+    r.unrecorded.push(format!("{what}: {e}"));
 }
 
 fn ms(d: Duration) -> u64 {

@@ -65,6 +65,13 @@ pub fn run(ctx: &Context, args: &ThawArgs) -> anyhow::Result<u8> {
             return Err(e.context(format!("thawing {}", args.image.display())))
         }
     };
+    if !report.unrecorded.is_empty() {
+        // The worker serves: said, never a failure (its caller would retry a running image).
+        eprintln!(
+            "cryo: warning: the worker serves, but the journal could not record {}",
+            report.unrecorded.join("; ")
+        );
+    }
     if args.json {
         route::print_outcome(&report, "serving")?;
     } else {
