@@ -3210,6 +3210,19 @@ fn an_agent_killed_between_its_new_checkpoint_and_its_restore_leaves_a_worker_th
     drop(agent3);
 }
 
+/// Fills `disk` (under the state directory `st`) for good: the freeze's lock files of the
+/// frozen (ended) worker, which a removal's stop would sweep (freeing their pages: room for the
+/// stop's records), removed first; then the disk filled, and the journal's last page. The
+/// filler's path (remove it: room again).
+fn fill_for_good(disk: &cryo_testkit::disk::SmallDisk, st: &Path) -> PathBuf {
+    for f in fs::read_dir(st.join("oplock")).unwrap() {
+        fs::remove_file(f.unwrap().path()).unwrap();
+    }
+    let filler = disk.fill();
+    common::fill_journal_page(st);
+    filler
+}
+
 /// What [`a_thaw_that_fills_its_disk_after_its_gpu_restore`] leaves: the scene, the small disk
 /// under its state directory and the filler (remove it: room again), the frozen worker's pid,
 /// socket and answers before the freeze, and its image.
@@ -3247,14 +3260,7 @@ fn a_thaw_that_fills_its_disk_after_its_gpu_restore() -> FullDiskThaw {
         env.sim.gpu.driver.state(pid).unwrap(),
         cryo_gpu::ProcessState::Locked
     );
-    // The freeze's lock file of the frozen (ended) worker, which the removal's stop would
-    // sweep (freeing its page: room for the stop's records), is removed before the disk is
-    // filled, so that the disk stays full.
-    for f in fs::read_dir(st.join("oplock")).unwrap() {
-        fs::remove_file(f.unwrap().path()).unwrap();
-    }
-    let filler = disk.fill();
-    common::fill_journal_page(&st);
+    let filler = fill_for_good(&disk, &st);
     fs::write(&resume, b"").unwrap();
     let status = thaw.wait().unwrap();
     let said = fs::read_to_string(&said).unwrap();
@@ -3474,18 +3480,27 @@ fn stop_tree(env: &mut Env, pid: i32, rank: i32) {
     procs::reap(rank);
 }
 
-/// Attack (session 22): a thaw of a tree (a plain launcher, a CUDA rank) whose disk fills
-/// between CRIU's exit and the plain processes' `RestoreCompleted` records (paused at
-/// `thaw-before-plain-records`: the tree runs, resumed by CRIU, the rank CHECKPOINTED; the
-/// state directory's 16 MiB tmpfs filled there, the journal's last page too: a real
-/// `ENOSPC`). The thaw must fail without leaving the tree alive and unnamed: removed through
-/// a verified stop, or (that stop cannot be journaled either) left with the rank CHECKPOINTED,
-/// never restored, and named in the error for `cryo stop`. Once there is room, `cryo stop`
-/// ends it with no wedge and the image thaws with its answers from before the freeze.
-/// (Before: the plain records' `?` returned the journal's error as it was, "cannot write the
-/// journal", the tree left running and named nowhere.)
-#[test]
-fn a_thaw_meeting_a_full_disk_before_its_plain_records_leaves_its_tree_named() {
+/// What [`a_thaw_that_fills_its_disk_before_its_plain_records`] leaves: the scene, the small
+/// disk under its state directory and the filler (remove it: room again), the frozen tree's
+/// launcher and rank, its endpoint and answers before the freeze, and its image.
+struct FullDiskTree {
+    env: Env,
+    disk: cryo_testkit::disk::SmallDisk,
+    filler: PathBuf,
+    pid: i32,
+    rank: i32,
+    sock: Ep,
+    before: Vec<String>,
+    image: PathBuf,
+}
+
+/// A tree (a plain launcher, a CUDA rank) frozen, then thawed with its state directory on a
+/// 16 MiB tmpfs that fills between CRIU's exit and the plain processes' `RestoreCompleted`
+/// records (paused at `thaw-before-plain-records`: the tree runs, resumed by CRIU, the rank
+/// CHECKPOINTED; the journal's last page filled too: a real `ENOSPC`). The thaw fails naming
+/// the disk; the tree is removed through a verified stop, or (that stop cannot be journaled
+/// either) left with the rank CHECKPOINTED, never restored, and named for `cryo stop`.
+fn a_thaw_that_fills_its_disk_before_its_plain_records() -> FullDiskTree {
     let mut env = Env::start("1GiB");
     let st = env.path().join("state");
     let disk = cryo_testkit::disk::SmallDisk::mount_at(&st, "16M");
@@ -3506,8 +3521,7 @@ fn a_thaw_meeting_a_full_disk_before_its_plain_records_leaves_its_tree_named() {
         env.sim.gpu.driver.state(rank).unwrap(),
         cryo_gpu::ProcessState::Checkpointed
     );
-    let filler = disk.fill();
-    common::fill_journal_page(&st);
+    let filler = fill_for_good(&disk, &st);
     fs::write(&resume, b"").unwrap();
     let status = thaw.wait().unwrap();
     let said = fs::read_to_string(&said).unwrap();
@@ -3527,6 +3541,36 @@ fn a_thaw_meeting_a_full_disk_before_its_plain_records_leaves_its_tree_named() {
         assert!(!alive(pid), "{said}");
     }
     env.sim.assert_no_wedge();
+    FullDiskTree {
+        env,
+        disk,
+        filler,
+        pid,
+        rank,
+        sock,
+        before,
+        image,
+    }
+}
+
+/// Attack (session 22): a thaw of a tree whose disk fills before its plain processes' records
+/// ([`a_thaw_that_fills_its_disk_before_its_plain_records`]). The thaw must fail without
+/// leaving the tree alive and unnamed. Once there is room, `cryo stop` ends it with no wedge and
+/// the image thaws with its answers from before the freeze. (Before: the plain records' `?`
+/// returned the journal's error as it was, "cannot write the journal", the tree left running
+/// and named nowhere.)
+#[test]
+fn a_thaw_meeting_a_full_disk_before_its_plain_records_leaves_its_tree_named() {
+    let FullDiskTree {
+        mut env,
+        disk,
+        filler,
+        pid,
+        rank,
+        sock,
+        before,
+        image,
+    } = a_thaw_that_fills_its_disk_before_its_plain_records();
 
     std::fs::remove_file(filler).unwrap();
     if alive(pid) {
@@ -3542,77 +3586,128 @@ fn a_thaw_meeting_a_full_disk_before_its_plain_records_leaves_its_tree_named() {
     drop(disk);
 }
 
+/// Attack (session 23): the same thaw (its tree named at CRIU's gate, left on a full disk with
+/// the rank CHECKPOINTED: its removal cannot journal a stop), and then nobody runs `cryo stop`:
+/// once there is room, the next agent start must end the tree as it ends a killed thaw's
+/// ([`the_next_agent_start_ends_the_thaws_tree`]). Held on main: the rank's last record is
+/// the gate's restore intent naming the gone thaw (the failed removal journaled nothing of
+/// it), and the driver answers CHECKPOINTED, which is what `leftover.rs` ends; pinned here.
+#[test]
+fn a_thaw_left_at_its_plain_records_on_a_full_disk_is_ended_by_the_next_agent_start() {
+    let FullDiskTree {
+        mut env,
+        disk,
+        filler,
+        pid,
+        rank,
+        sock,
+        before,
+        image,
+    } = a_thaw_that_fills_its_disk_before_its_plain_records();
+    assert!(
+        alive(pid) && alive(rank),
+        "the removal ran on a full disk: nothing was left to end"
+    );
+
+    std::fs::remove_file(filler).unwrap();
+    the_next_agent_start_ends_the_thaws_tree(&mut env, pid, rank, "a full disk");
+    env.thaw_ok(&image, &[]);
+    assert_eq!(answers(&sock), before);
+    stop_tree(&mut env, pid, rank);
+    drop(disk);
+}
+
+/// The next agent start ends the tree of launcher `pid` and `rank` (a thaw's, left CHECKPOINTED
+/// with its restore intents, its thaw gone) through a verified stop, journaled as a left
+/// thaw's ([`ended_as_a_left_thaw`]), with no wedge; `case` names the attack in the messages.
+fn the_next_agent_start_ends_the_thaws_tree(env: &mut Env, pid: i32, rank: i32, case: &str) {
+    let id = cryo_journal::ProcId::of(rank).unwrap();
+    let from = events(env).len();
+    let agent = Agent::start(env);
+    eventually(PATIENCE, "the agent's start to end the thaw's tree", || {
+        !alive(pid) && !alive(rank)
+    });
+    procs::reap(pid);
+    procs::reap(rank);
+    env.thawed.retain(|p| *p != pid);
+    env.sim.assert_no_wedge();
+    let after = events(env)[from..].to_vec();
+    assert!(
+        ended_as_a_left_thaw(&after, &id),
+        "{case}: not ended through a verified stop, or not journaled: {after:?}"
+    );
+    drop(agent);
+}
+
 /// Attack (session 22): a thaw SIGKILLed after CRIU's gate passed and before any CUDA
-/// process's restore (paused at `thaw-after-criu`: CRIU resumed the tree, a plain launcher
-/// runs, its CUDA rank waits CHECKPOINTED), as an OOM kill or a node drain would end it there;
-/// once with CRIU gone by then, once with CRIU still in its `post-resume` stage (held there by
-/// the test hook `CRYO_FAILPOINT_CRIU_POST_RESUME`). CRIU runs apart from cryo: it is not
-/// killed with it, and the tree runs on either way. The next agent start must find the tree
-/// and end it through a verified stop (no wedge, the settlement journaled), and the image must
-/// thaw again with its answers from before the freeze. (Before: nothing in the journal named
-/// the tree, so no start looked at it: the rank stayed CHECKPOINTED for good, its pid taken,
-/// and this test failed waiting for the tree to end.)
+/// process's restore ([`a_thaw_killed_after_crius_gate`]); once with CRIU gone by then, once
+/// with CRIU still in its `post-resume` stage. The next agent start must find the tree and end
+/// it through a verified stop (no wedge, the settlement journaled), and the image must thaw
+/// again with its answers from before the freeze. (Before: nothing in the journal named the
+/// tree, so no start looked at it: the rank stayed CHECKPOINTED for good, its pid taken, and
+/// this test failed waiting for the tree to end.)
 #[test]
 fn a_thaw_killed_between_crius_gate_and_its_gpu_restore_is_ended_by_the_next_agent_start() {
-    use cryo_journal::ProcId;
     for criu_held in [false, true] {
-        let mut env = Env::start("1GiB");
-        let (pid, rank, sock, before, image) = frozen_tree(&mut env, "16MiB");
-        let held = env.path().join("criu-may-exit");
-        let vars: Vec<(&str, &Path)> = if criu_held {
-            vec![(cryo_criu::CRIU_POST_RESUME_HELD, &held)]
-        } else {
-            Vec::new()
-        };
-        let mut paused = thaw_paused_with(
-            &env,
-            &image,
-            cryo_lifecycle::thaw::THAW_AFTER_CRIU,
-            &[],
-            &vars,
-        );
-        env.thawed.push(pid);
-        let criu = crius(&env);
-        assert_eq!(criu.is_empty(), !criu_held, "CRIU held: {criu_held}");
-        assert!(alive(pid) && alive(rank), "the tree does not run");
-        assert_eq!(
-            env.sim.gpu.driver.state(rank).unwrap(),
-            cryo_gpu::ProcessState::Checkpointed
-        );
-        paused.child.kill().unwrap();
-        paused.child.wait().unwrap();
-        assert!(alive(pid) && alive(rank), "the tree died with its thaw");
-        assert_eq!(crius(&env), criu, "CRIU died with its thaw");
-        let id = ProcId::of(rank).unwrap();
-
-        let from = events(&env).len();
-        let agent = Agent::start(&env);
-        eventually(PATIENCE, "the agent's start to end the thaw's tree", || {
-            !alive(pid) && !alive(rank)
-        });
-        procs::reap(pid);
-        procs::reap(rank);
-        env.thawed.retain(|p| *p != pid);
-        env.sim.assert_no_wedge();
-        let after = events(&env)[from..].to_vec();
-        assert!(
-            ended_as_a_left_thaw(&after, &id),
-            "CRIU held: {criu_held}: not ended through a verified stop, or not journaled: {after:?}"
-        );
-        drop(agent);
-        fs::write(&held, b"").unwrap();
-        eventually(PATIENCE, "CRIU to exit once let go", || {
-            crius(&env).is_empty()
-        });
-        // Reparented to this test (a subreaper) when its thaw died.
-        for p in criu {
-            procs::reap(p);
-        }
-
-        env.thaw_ok(&image, &[]);
-        assert_eq!(answers(&sock), before);
-        stop_tree(&mut env, pid, rank);
+        a_thaw_killed_after_crius_gate(criu_held);
     }
+}
+
+/// A tree's thaw SIGKILLed after CRIU's gate passed and before any CUDA process's restore
+/// (paused at `thaw-after-criu`: CRIU resumed the tree, a plain launcher runs, its CUDA rank
+/// waits CHECKPOINTED), as an OOM kill or a node drain would end it there; with `criu_held`,
+/// CRIU still in its `post-resume` stage (held there by the test hook
+/// `CRYO_FAILPOINT_CRIU_POST_RESUME`). CRIU runs apart from cryo: it is not killed with it, and
+/// the tree runs on either way. The next agent start ends the tree
+/// ([`the_next_agent_start_ends_the_thaws_tree`]), and the image thaws again with its answers
+/// from before the freeze.
+fn a_thaw_killed_after_crius_gate(criu_held: bool) {
+    let mut env = Env::start("1GiB");
+    let (pid, rank, sock, before, image) = frozen_tree(&mut env, "16MiB");
+    let held = env.path().join("criu-may-exit");
+    let vars: Vec<(&str, &Path)> = if criu_held {
+        vec![(cryo_criu::CRIU_POST_RESUME_HELD, &held)]
+    } else {
+        Vec::new()
+    };
+    let mut paused = thaw_paused_with(
+        &env,
+        &image,
+        cryo_lifecycle::thaw::THAW_AFTER_CRIU,
+        &[],
+        &vars,
+    );
+    env.thawed.push(pid);
+    let criu = crius(&env);
+    assert_eq!(criu.is_empty(), !criu_held, "CRIU held: {criu_held}");
+    assert!(alive(pid) && alive(rank), "the tree does not run");
+    assert_eq!(
+        env.sim.gpu.driver.state(rank).unwrap(),
+        cryo_gpu::ProcessState::Checkpointed
+    );
+    paused.child.kill().unwrap();
+    paused.child.wait().unwrap();
+    assert!(alive(pid) && alive(rank), "the tree died with its thaw");
+    assert_eq!(crius(&env), criu, "CRIU died with its thaw");
+
+    the_next_agent_start_ends_the_thaws_tree(
+        &mut env,
+        pid,
+        rank,
+        &format!("CRIU held: {criu_held}"),
+    );
+    fs::write(&held, b"").unwrap();
+    eventually(PATIENCE, "CRIU to exit once let go", || {
+        crius(&env).is_empty()
+    });
+    // Reparented to this test (a subreaper) when its thaw died.
+    for p in criu {
+        procs::reap(p);
+    }
+
+    env.thaw_ok(&image, &[]);
+    assert_eq!(answers(&sock), before);
+    stop_tree(&mut env, pid, rank);
 }
 
 /// The events of `after` (the journal since some point) that stop, kill or settle any of
