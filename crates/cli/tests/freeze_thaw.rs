@@ -3816,6 +3816,57 @@ fn a_thaw_meeting_a_full_disk_once_its_worker_runs_succeeds_and_says_what_it_did
     drop(disk);
 }
 
+/// Attack (session 23): a guard or an agent that starts while a thaw of a tree (a plain
+/// launcher, a CUDA rank) is at CRIU's gate, the tree's restore intents journaled and the
+/// gate's verdict not written (paused at `thaw-gate-recorded`: CRIU holds every process, none
+/// resumed). Its start finds restored processes in the journal that it may not trace yet; then
+/// the thaw goes on. The worker must thaw and serve, the rank traced by that guard or agent
+/// (the thaw's guard-before-unlock asks it), nothing of the tree stopped, killed or settled,
+/// no wedge.
+#[test]
+fn a_guard_or_agent_starting_at_a_thaws_gate_leaves_the_thaw_to_serve() {
+    for agent in [true, false] {
+        let mut env = Env::start("1GiB");
+        let (pid, rank, sock, before, image) = frozen_tree(&mut env, "16MiB");
+        let PausedThaw {
+            child: mut thaw,
+            resume,
+            said,
+        } = thaw_paused_at(&env, &image, cryo_lifecycle::thaw::THAW_GATE_RECORDED, &[]);
+        env.thawed.push(pid);
+        let from = events(&env).len();
+        // Started once its socket answers.
+        let a = agent.then(|| Agent::start(&env));
+        let g = (!agent).then(|| hourly_guard(&env));
+        let (log, watcher) = match (&a, &g) {
+            (Some(a), _) => (a.log.clone(), a.child.id() as i32),
+            (_, Some(g)) => (g.log_path().to_path_buf(), g.pid()),
+            _ => unreachable!(),
+        };
+        let started = events(&env)[from..].to_vec();
+        fs::write(&resume, b"").unwrap();
+        let status = thaw.wait().unwrap();
+        let said = fs::read_to_string(&said).unwrap();
+        let log = fs::read_to_string(&log).unwrap_or_default();
+        assert!(
+            status.success(),
+            "agent: {agent}: {said}\nits start journaled {started:?}\nits log: {log}"
+        );
+        assert_eq!(
+            cryo_proc::tgid(procs::tracer_pid(rank)).ok().flatten(),
+            Some(watcher),
+            "agent: {agent}: the rank is not traced by the start's guard: {said}\nits log: {log}"
+        );
+        assert_eq!(answers(&sock), before, "agent: {agent}");
+        let after = events(&env)[from..].to_vec();
+        let stops = stops_of(&after, &[pid, rank]);
+        assert!(stops.is_empty(), "agent: {agent}: {stops:?} in {after:?}");
+        env.sim.assert_no_wedge();
+        stop_tree(&mut env, pid, rank);
+        drop((a, g));
+    }
+}
+
 /// A plain process that holds a `flock` whose lock this test also holds (it inherited the fd),
 /// frozen into `img`: CRIU's restore of it waits for the lock as long as the returned guard
 /// lives. Returns the guard, the process's pid and the image.

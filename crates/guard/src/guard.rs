@@ -333,6 +333,9 @@ pub struct StartReport {
     /// Suspensions that earlier stops, freezes or guards left half-way, settled before anything
     /// else (`cryo_lifecycle::settle_in_flight`).
     pub settled: Vec<cryo_lifecycle::Settled>,
+    /// Restored processes not attached: their restore is under way (its intent journaled, not
+    /// its completion) and they hold no driver file (no context): traced once it completes.
+    pub pending: Vec<ProcId>,
 }
 
 struct Watched {
@@ -1155,7 +1158,9 @@ impl Guard {
 
     /// Re-attaches everything a guard before it was guarding, whatever the reason (restored,
     /// named by the operator, found by a scan: the source journaled with `GuardAttached`), and
-    /// every live restored process of the journal.
+    /// every live restored process of the journal but those whose restore is pending (intent
+    /// journaled, not its completion) and that hold no driver file: a thaw at CRIU's gate,
+    /// whose CRIU seizes the tree itself before it resumes it ([`StartReport::pending`]).
     fn adopt(&self, records: &[Record]) -> StartReport {
         let mut report = StartReport::default();
         // Guarded before and not let go of since: with the reason it was guarded for.
@@ -1174,6 +1179,20 @@ impl Guard {
                         .lost
                         .push((id, "exited while no guard was watching".into()));
                 }
+                continue;
+            }
+            if !open.contains_key(&id)
+                && cryo_lifecycle::restore_pending(records, id)
+                && self.inner.holds_no_driver_files(id.pid)
+            {
+                // Its restore is under way (a thaw at CRIU's gate: CRIU seizes the tree itself
+                // before it resumes it, and a seize of ours there made it abort the restore,
+                // "Can't attach to PID: Operation not permitted", until session 23) or its
+                // writer died before the driver's: it holds no context to tear down
+                // (CHECKPOINTED, or no CUDA process). Whoever completes its restore has it
+                // traced then (a thaw's guard-before-unlock, this guard's journal poll at its
+                // `RestoreCompleted`); a dead thaw's tree was ended by the settlement above.
+                report.pending.push(id);
                 continue;
             }
             match self.attach(id, source) {

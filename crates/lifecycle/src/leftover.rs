@@ -20,9 +20,10 @@
 //! a tree nothing named, its CUDA processes CHECKPOINTED for good.
 //!
 //! [`end_left_thaws`] (every guard and agent start: [`crate::settle_in_flight`] with a watcher)
-//! finds each such process: its last lifecycle record is that intent (guard attachments aside:
-//! [`crate::restore::last_restore`]), its writer gone; it was never parked (a wake's intent on a
-//! parked worker looks the same, and that worker stays parked until a wake); a thaw of that
+//! finds each such process: its last lifecycle record is that intent (guard attachments and
+//! losses aside: [`crate::restore::last_restore`]), its writer gone; it was never parked (a
+//! wake's intent on a parked worker looks the same, and that worker stays parked until a
+//! wake); a thaw of that
 //! image is journaled before it ([`Event::ThawStarted`]); it is the same live process, and the
 //! driver answers CHECKPOINTED. It ends the tree the thaw restored (walked up from it through
 //! the processes that thaw journaled, to its root, then every process under the root, and what
@@ -51,9 +52,12 @@
 //! have left a tree that no record names. A thaw that journaled its gate's intents and then
 //! had the gate refused (the image refused meanwhile, its verdict unwritable) leaves intents
 //! of processes CRIU ended: dead, never looked at here. A guard or agent that starts during
-//! the milliseconds between the gate's intents and CRIU's detach finds processes CRIU still
-//! traces: it cannot trace them then (the thaw's own guard-before-unlock traces each CUDA
-//! process later, a polling guard the plain ones at their `RestoreCompleted`).
+//! the gate's intents and CRIU's resume leaves the tree alone (its processes' restores pending,
+//! no driver file held: `cryo_guard`'s start, session 23; its seize there made CRIU abort the
+//! restore, "Can't attach to PID: Operation not permitted"): the thaw's own guard-before-unlock
+//! traces each CUDA process later, a polling guard the plain ones at their `RestoreCompleted`.
+//! A `GuardLost` after an intent (a guard that could not trace the process) is the guard's
+//! bookkeeping: the intent stays the process's last step (until session 23 it hid the tree).
 
 use std::collections::BTreeSet;
 
@@ -150,7 +154,10 @@ fn left(records: &[Record]) -> Vec<(ProcId, Thaw)> {
         for pid in r.event.pids() {
             let step = match &r.event {
                 Event::RestoreStarted { .. } => Some(at),
-                Event::GuardAttached { .. } => continue,
+                // The guard's bookkeeping, not a lifecycle step: a guard that started while
+                // CRIU still held the tree at its gate journals `GuardLost` for each process
+                // it could not trace then.
+                Event::GuardAttached { .. } | Event::GuardLost { .. } => continue,
                 _ => None,
             };
             intent.insert(pid, step);
@@ -323,6 +330,40 @@ mod tests {
             thaw.procs.contains(&ids[0]) && thaw.procs.contains(&ids[1]),
             "{:?}",
             thaw.procs
+        );
+    }
+
+    /// Attack (session 23): a guard or agent that started while a thaw was at CRIU's gate (the
+    /// tree's intents journaled) could not trace the root, which CRIU traces there, and
+    /// journaled `GuardLost` for it (freeze_thaw.rs, `a_guard_or_agent_starting_at_a_thaws_gate_
+    /// leaves_the_thaw_to_serve`, before its start left pending restores alone). That is the
+    /// guard's bookkeeping, not a lifecycle step: a thaw that dies after it (before its GPU
+    /// restore) still leaves its tree for the next start to end. (Before: the `GuardLost`
+    /// counted as the process's last step, `left` found nothing ("left: []"), and the tree
+    /// stayed CHECKPOINTED for good.)
+    #[test]
+    fn a_guard_lost_at_the_gate_still_leaves_the_intent_behind() {
+        let procs = Procs::spawn(1);
+        let rank = ProcId::of(procs.pids()[0]).unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = ProcId::of(child.id() as i32).unwrap();
+        child.wait().unwrap();
+        let records: Vec<Record> = [
+            Event::ThawStarted { image: "/a".into() },
+            Event::RestoreStarted {
+                pid: rank,
+                image: "/a".into(),
+                unlock_by: Some(dead),
+            },
+            Event::GuardLost { pid: rank },
+        ]
+        .into_iter()
+        .enumerate()
+        .map(|(i, e)| rec(i as u64 + 1, e))
+        .collect();
+        assert_eq!(
+            left(&records).iter().map(|(p, _)| *p).collect::<Vec<_>>(),
+            vec![rank]
         );
     }
 }

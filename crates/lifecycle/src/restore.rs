@@ -356,7 +356,7 @@ pub enum FinishUnlockError {
 /// Finishes the unlock of `pid`, which the caller (a restarted guard or agent) traces now, when
 /// the journal and the driver both say a thaw or wake restored it and died before unlocking it:
 /// its last lifecycle record is that restore (intent with `unlock_by`, then
-/// [`Event::RestoreCompleted`]; guard attachments aside), `unlock_by` is gone, `pid` is the same
+/// [`Event::RestoreCompleted`]; guard attachments and losses aside), `unlock_by` is gone, `pid` is the same
 /// process (pid and start time), and the driver answers LOCKED. When the intent is its last
 /// record (the thaw or wake died between the driver's restore and its completion's record), the
 /// driver's LOCKED alone is not taken as a whole restored context: it is checkpointed again
@@ -442,8 +442,15 @@ pub fn finish_unlock(
     Ok(FinishUnlock::Unlocked)
 }
 
-/// The restore that is `pid`'s last lifecycle step in `records` (guard attachments aside), if it
-/// is one: its intent's `unlock_by`, and whether its completion is journaled.
+/// Whether `pid`'s last lifecycle step in `records` (guard attachments aside) is a restore
+/// intent whose completion is not journaled: a restore under way (a thaw at CRIU's gate, before
+/// its GPU restore), or one whose writer died before its completion.
+pub fn restore_pending(records: &[cryo_journal::Record], pid: ProcId) -> bool {
+    matches!(last_restore(records, pid), Some((_, false)))
+}
+
+/// The restore that is `pid`'s last lifecycle step in `records` (guard attachments and losses
+/// aside), if it is one: its intent's `unlock_by`, and whether its completion is journaled.
 pub(crate) fn last_restore(
     records: &[cryo_journal::Record],
     pid: ProcId,
@@ -453,7 +460,9 @@ pub(crate) fn last_restore(
         restore = match &r.event {
             Event::RestoreStarted { unlock_by, .. } => Some((*unlock_by, false)),
             Event::RestoreCompleted { .. } => restore.map(|(by, _)| (by, true)),
-            Event::GuardAttached { .. } => restore,
+            // The guard's bookkeeping (traced, or not traceable then: a guard that started
+            // while CRIU held the tree at its gate), not a lifecycle step.
+            Event::GuardAttached { .. } | Event::GuardLost { .. } => restore,
             _ => None,
         };
     }

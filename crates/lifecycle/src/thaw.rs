@@ -96,6 +96,11 @@ pub const THAW_BEFORE_UNLOCK: &str = "thaw-before-unlock";
 /// `Grown` (or `GrowFailed`) and `ThawCompleted` not written. Tests fill the disk here.
 pub const THAW_AFTER_UNLOCK: &str = "thaw-after-unlock";
 
+/// Failpoint (a pause, see [`failpoint::pause_if`]): at CRIU's gate, the tree's restore
+/// intents journaled (one synced write), the gate's verdict not written: CRIU holds every
+/// process of the tree, none resumed. Tests start a guard or agent here.
+pub const THAW_GATE_RECORDED: &str = "thaw-gate-recorded";
+
 /// Options of a thaw.
 #[derive(Debug, Clone)]
 pub struct ThawOptions {
@@ -654,6 +659,7 @@ fn thaw_inner(
             .map_err(|e| {
                 format!("cannot journal the restored tree before it runs, so it does not: {e}")
             })?;
+        failpoint::pause_if(THAW_GATE_RECORDED);
         let _ = listed.set(gate);
         Ok(())
     });

@@ -191,6 +191,11 @@ impl GuardProc {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// Where its log is.
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
     /// Its pid.
     pub fn pid(&self) -> i32 {
         self.child.id() as i32
