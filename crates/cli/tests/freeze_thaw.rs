@@ -3649,8 +3649,20 @@ fn the_next_agent_start_ends_the_thaws_tree(env: &mut Env, pid: i32, rank: i32, 
 #[test]
 fn a_thaw_killed_between_crius_gate_and_its_gpu_restore_is_ended_by_the_next_agent_start() {
     for criu_held in [false, true] {
-        a_thaw_killed_after_crius_gate(criu_held);
+        a_thaw_killed_after_crius_gate(criu_held, false);
     }
+}
+
+/// Attack (session 23): the same killed thaw, and the journal rotated before the next agent
+/// start (`Journal::maintain` with a threshold of one byte: what the agent does past 4 MiB and
+/// any command's open past 64 MiB). The rotation carries the live tree's records, its restore
+/// intents among them; the thaw's `ThawStarted` names no process, and `leftover.rs` ends only
+/// the tree of an intent that a `ThawStarted` of its image comes before. The next agent start
+/// must still end the tree. (Before: "the agent's start to end the thaw's tree" timed out: the
+/// rotation dropped the `ThawStarted`, the rank stayed CHECKPOINTED for good.)
+#[test]
+fn a_thaw_killed_after_crius_gate_is_ended_by_the_next_agent_start_after_a_rotation() {
+    a_thaw_killed_after_crius_gate(false, true);
 }
 
 /// A tree's thaw SIGKILLed after CRIU's gate passed and before any CUDA process's restore
@@ -3658,10 +3670,10 @@ fn a_thaw_killed_between_crius_gate_and_its_gpu_restore_is_ended_by_the_next_age
 /// waits CHECKPOINTED), as an OOM kill or a node drain would end it there; with `criu_held`,
 /// CRIU still in its `post-resume` stage (held there by the test hook
 /// `CRYO_FAILPOINT_CRIU_POST_RESUME`). CRIU runs apart from cryo: it is not killed with it, and
-/// the tree runs on either way. The next agent start ends the tree
-/// ([`the_next_agent_start_ends_the_thaws_tree`]), and the image thaws again with its answers
-/// from before the freeze.
-fn a_thaw_killed_after_crius_gate(criu_held: bool) {
+/// the tree runs on either way. With `rotated`, the journal is rotated then. The next agent
+/// start ends the tree ([`the_next_agent_start_ends_the_thaws_tree`]), and the image thaws
+/// again with its answers from before the freeze.
+fn a_thaw_killed_after_crius_gate(criu_held: bool, rotated: bool) {
     let mut env = Env::start("1GiB");
     let (pid, rank, sock, before, image) = frozen_tree(&mut env, "16MiB");
     let held = env.path().join("criu-may-exit");
@@ -3689,12 +3701,20 @@ fn a_thaw_killed_after_crius_gate(criu_held: bool) {
     paused.child.wait().unwrap();
     assert!(alive(pid) && alive(rank), "the tree died with its thaw");
     assert_eq!(crius(&env), criu, "CRIU died with its thaw");
+    if rotated {
+        let journal =
+            cryo_journal::Journal::open(env.path().join("state").join("journal")).unwrap();
+        let r = journal
+            .maintain(1, cryo_journal::Retention::default())
+            .unwrap();
+        assert!(r.is_some(), "not rotated");
+    }
 
     the_next_agent_start_ends_the_thaws_tree(
         &mut env,
         pid,
         rank,
-        &format!("CRIU held: {criu_held}"),
+        &format!("CRIU held: {criu_held}, rotated: {rotated}"),
     );
     fs::write(&held, b"").unwrap();
     eventually(PATIENCE, "CRIU to exit once let go", || {

@@ -12,8 +12,10 @@
 //!   pinning. Every record of such a group is carried, in order, so every fold a reader makes
 //!   per process (origins, suspensions in flight, parks, restores to finish, shrinks to grow)
 //!   answers the same on the new segment as on the whole history. Besides groups: the last
-//!   `StandbyPool` of each image (the pools the agent keeps) and every event this build does not
-//!   know (a newer build may need it). Over-carrying costs bytes; under-carrying a wedge.
+//!   `StandbyPool` of each image (the pools the agent keeps), every event this build does not
+//!   know (a newer build may need it), and before each restore intent carried the last
+//!   `ThawStarted` of its image (it names no process; the next start ends a dead thaw's tree
+//!   only under it). Over-carrying costs bytes; under-carrying a wedge.
 //! - **Before the lock**, the rotator reads the active segment, decodes it, looks up every
 //!   process it names and chooses what to carry ([`Carry::of`]): nearly all of a rotation's
 //!   cost (100-300 ms at the agent's 4 MiB), which every writer's append waited for when it ran
@@ -272,13 +274,41 @@ pub fn carried(records: &[Record], alive: impl Fn(&ProcId) -> bool) -> Vec<usize
         }
     }
     let pools: BTreeSet<usize> = pools.into_values().collect();
-    (0..records.len())
-        .filter(|&i| {
+    let kept: Vec<bool> = (0..records.len())
+        .map(|i| {
             pools.contains(&i)
                 || matches!(records[i].event, Event::Unknown)
                 || named[i].iter().any(|&g| keep.contains(&groups.root(g)))
         })
+        .collect();
+    let thaws = thaw_starts(records, &kept);
+    (0..records.len())
+        .filter(|&i| kept[i] || thaws.contains(&i))
         .collect()
+}
+
+/// The `ThawStarted` records (indices) to carry beside the records `kept` marks: for each kept
+/// restore intent, the last `ThawStarted` of its image before it. It names no process, and
+/// recovery needs it: the next guard or agent start ends the tree a thaw that died after
+/// CRIU's gate left only under a `ThawStarted` of its image (`cryo_lifecycle`'s `leftover`;
+/// until session 23 a rotation dropped it, and the tree stayed CHECKPOINTED for good).
+fn thaw_starts(records: &[Record], kept: &[bool]) -> BTreeSet<usize> {
+    let mut last: HashMap<&str, usize> = HashMap::new();
+    let mut out = BTreeSet::new();
+    for (i, r) in records.iter().enumerate() {
+        match &r.event {
+            Event::ThawStarted { image } => {
+                last.insert(image, i);
+            }
+            Event::RestoreStarted { image, .. } if kept.get(i).copied().unwrap_or(false) => {
+                if let Some(&t) = last.get(image.as_str()) {
+                    out.insert(t);
+                }
+            }
+            _ => {}
+        }
+    }
+    out
 }
 
 /// [`carried`] of a segment's first records, to be extended by the records appended after them
@@ -293,6 +323,9 @@ pub struct Carry {
     /// The processes of the groups carried (every member of a group is named by a record of the
     /// group, all of which are carried).
     kept: HashSet<(i32, u64)>,
+    /// The images of the `ThawStarted` records among them: a later restore intent of one needs
+    /// its thaw's start carried ([`carried`]).
+    thawed: HashSet<String>,
 }
 
 impl Carry {
@@ -314,11 +347,19 @@ impl Carry {
             .flat_map(names)
             .map(key)
             .collect();
+        let thawed = records
+            .iter()
+            .filter_map(|r| match &r.event {
+                Event::ThawStarted { image } => Some(image.clone()),
+                _ => None,
+            })
+            .collect();
         Carry {
             keep,
             len: records.len(),
             named,
             kept,
+            thawed,
         }
     }
 
@@ -326,15 +367,18 @@ impl Carry {
     /// made of, over-carrying where that is safe: when every later record names only processes
     /// of the groups carried, or processes the first records never name, the later records
     /// are all carried (each group stays whole: a group a later record reaches was carried
-    /// whole already, or is made of later records alone); otherwise all of `records` is chosen
-    /// again ([`carried`]).
+    /// whole already, or is made of later records alone), unless one is a restore intent of an
+    /// image the first records hold a `ThawStarted` of (its thaw's start may not be carried);
+    /// otherwise all of `records` is chosen again ([`carried`]).
     pub fn extend(self, records: &[Record], alive: impl Fn(&ProcId) -> bool) -> Vec<usize> {
         let later = records.get(self.len..).unwrap_or_default();
         let whole = later.iter().all(|r| {
-            names(&r.event).iter().all(|p| {
-                let k = (p.pid, p.start_time);
-                !self.named.contains(&k) || self.kept.contains(&k)
-            })
+            let thawed = matches!(&r.event, Event::RestoreStarted { image, .. } if self.thawed.contains(image));
+            !thawed
+                && names(&r.event).iter().all(|p| {
+                    let k = (p.pid, p.start_time);
+                    !self.named.contains(&k) || self.kept.contains(&k)
+                })
         });
         if whole && records.len() >= self.len {
             self.keep

@@ -58,6 +58,9 @@
 //! traces each CUDA process later, a polling guard the plain ones at their `RestoreCompleted`.
 //! A `GuardLost` after an intent (a guard that could not trace the process) is the guard's
 //! bookkeeping: the intent stays the process's last step (until session 23 it hid the tree).
+//! A journal rotation carries the thaw's `ThawStarted` with the intents
+//! (`cryo_journal::carried`; until session 23 it was dropped, naming no process, and the tree
+//! was never ended).
 
 use std::collections::BTreeSet;
 

@@ -224,6 +224,7 @@ fn event(rng: &mut Rng, ps: &[ProcId]) -> Event {
             holder: rng.pick(ps),
         },
         37 => Event::Unknown,
+        38 => Event::ThawStarted { image: image(rng) },
         _ => Event::FreezeStarted { image: image(rng) },
     }
 }
@@ -244,6 +245,22 @@ fn answers(records: &[Record], alive: &dyn Fn(&ProcId) -> bool, ps: &[ProcId]) -
             .map(|r| r.seq)
             .collect();
         out.push(format!("records of {p:?}: {named:?}"));
+    }
+    // `leftover`'s question: the thaw each live process's last restore intent came from (the
+    // last `ThawStarted` of its image before it), by its seq.
+    for p in &live {
+        let intent = records
+            .iter()
+            .rposition(|r| matches!(&r.event, Event::RestoreStarted { pid, .. } if pid == p));
+        let thaw = intent.and_then(|at| match &records[at].event {
+            Event::RestoreStarted { image, .. } => records[..at]
+                .iter()
+                .rev()
+                .find(|r| matches!(&r.event, Event::ThawStarted { image: i } if i == image))
+                .map(|r| r.seq),
+            _ => None,
+        });
+        out.push(format!("thaw of {p:?}'s last intent: {thaw:?}"));
     }
     let flying: Vec<_> = in_flight_stops(records)
         .into_iter()
