@@ -3056,9 +3056,21 @@ fn an_agent_killed_between_a_thaws_restore_and_its_record_is_finished_by_the_nex
 }
 
 /// CRIU processes of `env`'s state directory (CRIU and the scripts it runs: their command
-/// lines name its run's private directory).
+/// lines name its run's private directory). A fork of a script not yet exec'd (the `sleep` of
+/// the gate script's loop while CRIU is held past `post-resume`) shows the script's command
+/// line for a moment: not counted (its parent is a process of the set other than CRIU; it
+/// made two snapshots of a held CRIU differ by one pid under load).
 fn crius(env: &Env) -> Vec<i32> {
-    cryo_proc::naming(&env.path().join("state").join("criu")).unwrap()
+    let all = cryo_proc::naming(&env.path().join("state").join("criu")).unwrap();
+    let stat = |p: i32| cryo_proc::stat(p).ok();
+    all.iter()
+        .copied()
+        .filter(|&p| {
+            !stat(p).is_some_and(|s| {
+                all.contains(&s.ppid) && stat(s.ppid).is_some_and(|parent| parent.comm != "criu")
+            })
+        })
+        .collect()
 }
 
 /// Attack (session 21): a thaw whose CRIU has not exited a second after it resumed the tree
