@@ -90,6 +90,7 @@ impl Activation for InPlace {
                 | WakeError::Place(_)
                 | WakeError::Fence(_)
                 | WakeError::NotParked(_)
+                | WakeError::DeadPark { .. }
                 | WakeError::InProgress { .. }),
             ) => Err(ActivationError::Refused(e.to_string())),
             Err(e) => Err(failed(&e)),

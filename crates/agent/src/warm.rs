@@ -116,6 +116,7 @@ pub(crate) fn refused_before_restore(e: &WakeError) -> bool {
                 | PlaceError::NodeFenced { .. }
                 | PlaceError::NoSuchGpu { .. },
         ) | WakeError::NotParked(_)
+            | WakeError::DeadPark { .. }
             | WakeError::NoCuda(_)
             // Another wake is at work on it: this one read and restored nothing.
             | WakeError::InProgress { .. }

@@ -1269,6 +1269,51 @@ fn parked_again_by_a_dead_park(sim: &Sim, st: &Path, w: &Worker) -> usize {
     records.len()
 }
 
+/// Attack (session 23): a worker parked by a `cryo park` SIGKILLed at `park-before-record`
+/// (CHECKPOINTED, no `Parked` record, the park in flight, its owner gone), then a `cryo wake` of
+/// it. The wake cannot restore it (what it held on the GPU is unknown) and must say what is
+/// true: the next guard or agent start resumes it in place, and a restore by hand would race
+/// that. Nothing is restored; it stays CHECKPOINTED; a guard's start then resumes it, serving as
+/// before; no wedge. (Before: "refused: pid N was not parked by cryo (no record of its device
+/// memory); restore it with `cryo gpu restore`".)
+#[test]
+fn a_wake_of_a_dead_park_s_worker_says_the_next_guard_or_agent_start_resumes_it() {
+    let sim = Sim::start();
+    let st = state();
+    let w = worker(&sim, "64MiB", 0);
+    let pid = w.pid.to_string();
+    let before = w.complete("the same question");
+    let (mut park, _err) = paused_at(
+        &sim,
+        st.path(),
+        &["park", &pid],
+        cryo_lifecycle::park::PARK_BEFORE_RECORD,
+    );
+    let dead = park.id();
+    park.kill().unwrap();
+    park.wait().unwrap();
+    assert_eq!(sim.state(w.pid), "checkpointed");
+    let wake = run(&sim, st.path(), &["wake", &pid]);
+    let said = stderr(&wake);
+    assert!(
+        !wake.status.success()
+            && !said.contains("cryo gpu restore`;")
+            && said.contains(&format!("a park that did not finish (cryo pid {dead})"))
+            && said.contains("the next `cryo guard` start or agent start resumes it in place"),
+        "{said}"
+    );
+    assert_eq!(sim.state(w.pid), "checkpointed", "the wake touched it");
+    let guard = GuardProc::start(&sim, st.path(), &["--no-memory-watch"]);
+    assert_eq!(sim.state(w.pid), "running", "{}", guard.log());
+    assert_eq!(
+        w.complete("the same question"),
+        before,
+        "it serves as before"
+    );
+    sim.assert_no_wedge();
+    drop(guard);
+}
+
 /// `events` (since the dead park) hold exactly one restore of `w`, by cryo pid `by`, journaled
 /// complete and unlocked: no second restorer.
 fn one_restore_by(events: &[cryo_journal::Event], w: &Worker, by: u32) {

@@ -34,7 +34,11 @@
 //!
 //! # Limitations
 //! A process that was checkpointed by something other than a park has no record of its device
-//! memory, so a wake refuses it (restore it with `cryo gpu restore`). A process on several GPUs
+//! memory, so a wake refuses it (restore it with `cryo gpu restore`). One a park or a freeze
+//! checkpointed and then died before its record (its suspension in flight, its owner gone) is
+//! refused as such ([`WakeError::DeadPark`]): the next guard or agent start resumes it in place,
+//! and a restore by hand would race that, so the refusal says so and advises none (it advised
+//! `cryo gpu restore` before). A process on several GPUs
 //! is only put back on the GPUs it left.
 
 use std::collections::BTreeMap;
@@ -206,7 +210,7 @@ pub const PARK_UNDO_DIES_RESTORED: &str = "park-undo-dies-restored";
 /// file named by `CRYO_FAILPOINT_RESUME` exists, so that a test can fill the disk at that moment.
 pub const PARK_BEFORE_RECORD: &str = "park-before-record";
 
-/// "parked", "woken", or "worked on" when the holder did not say.
+/// "parked", "woken", "settled", or "worked on" when the holder did not say.
 pub(crate) fn fmt_doing(doing: Option<crate::Op>) -> String {
     doing.map_or_else(|| "worked on".to_string(), |d| d.to_string())
 }
@@ -790,6 +794,19 @@ pub enum WakeError {
     /// A CHECKPOINTED process has no park record (what it held on the GPU is unknown).
     #[error("pid {0} was not parked by cryo (no record of its device memory); restore it with `cryo gpu restore`")]
     NotParked(Pid),
+    /// A CHECKPOINTED process with no park record whose park (or freeze) did not finish (its
+    /// owner gone, its suspension in flight): what it held on the GPU is unknown to a wake, and
+    /// the next guard or agent start resumes it in place ([`crate::settle_in_flight`]). A
+    /// restore by hand would race that settlement, so none is advised.
+    #[error("pid {pid} was checkpointed by a {what} that did not finish ({}) and has no record of its device memory: the next `cryo guard` start or agent start resumes it in place, traced (restart the agent, or start `cryo guard`); nothing was restored (a `cryo gpu restore` by hand would race that)", fmt_by(*.by))]
+    DeadPark {
+        /// The process.
+        pid: Pid,
+        /// What left it so: "park" or "freeze".
+        what: &'static str,
+        /// The cryo process that did, when the journal names it.
+        by: Option<Pid>,
+    },
     /// The process's driver state is FAILED.
     #[error("the driver reports pid {0} FAILED; it cannot be woken")]
     Failed(Pid),
@@ -958,7 +975,7 @@ fn wake_inner(
     for h in &cuda {
         match gpu.driver.state(h.pid()) {
             Ok(ProcessState::Checkpointed) => {
-                let rec = known.get(&id(h)).ok_or(WakeError::NotParked(h.pid()))?;
+                let rec = known.get(&id(h)).ok_or_else(|| not_parked(&records, h))?;
                 to_restore.push((h, rec));
             }
             Ok(ProcessState::Locked) => match crate::restore::last_restore(&records, id(h)) {
@@ -1156,6 +1173,27 @@ fn wake_inner(
         },
         records,
     ))
+}
+
+/// Why CHECKPOINTED process `h` with no park record cannot be woken: a dead park's or freeze's
+/// suspension in flight ([`WakeError::DeadPark`], which the next guard or agent start settles),
+/// or nothing cryo knows of ([`WakeError::NotParked`]).
+fn not_parked(records: &[cryo_journal::Record], h: &ProcHandle) -> WakeError {
+    let f = cryo_journal::in_flight_stops(records).remove(&id(h));
+    let what = match f.as_ref().and_then(|f| f.purpose) {
+        Some(cryo_journal::Purpose::Park) => "park",
+        Some(cryo_journal::Purpose::Freeze) => "freeze",
+        _ => return WakeError::NotParked(h.pid()),
+    };
+    let by = f.and_then(|f| f.by);
+    if by.is_some_and(|b| b.is_alive_same()) {
+        return WakeError::NotParked(h.pid());
+    }
+    WakeError::DeadPark {
+        pid: h.pid(),
+        what,
+        by: by.map(|b| b.pid),
+    }
 }
 
 /// Suspends restored (LOCKED) processes again; says what became of them.

@@ -236,6 +236,7 @@ fn wake_standalone(
                 | PlaceError::NoSuchGpu { .. },
             )
             | WakeError::NotParked(_)
+            | WakeError::DeadPark { .. }
             | WakeError::NoCuda(_)
             | WakeError::InProgress { .. }),
         ) => Err(Outcome::Refused(e.to_string())),
