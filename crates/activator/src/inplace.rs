@@ -75,11 +75,12 @@ impl Activation for InPlace {
             &NoProgress,
         ) {
             Ok(_) => Ok(()),
-            // A wake or a park at work on it (or something restoring it): the activator waits for
-            // it (the worker is about to serve, or to be parked and woken by this activation).
+            // A wake, a park or a settlement at work on it (or something restoring it): the
+            // activator waits for it (the worker is about to serve, or to be parked and woken by
+            // this activation, or resumed by a guard's or the agent's start).
             Err(
                 e @ WakeError::InProgress {
-                    doing: None | Some(Op::Wake | Op::Park),
+                    doing: None | Some(Op::Wake | Op::Park | Op::Settle),
                     ..
                 },
             ) => Err(ActivationError::Busy(e.to_string())),

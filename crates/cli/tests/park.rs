@@ -1421,7 +1421,8 @@ fn a_wake_meeting_a_guard_resuming_a_dead_park_s_worker_is_refused() {
     let by = guard.id();
     assert_eq!(sim.state(w.pid), "locked");
     let wake = run(&sim, st.path(), &["wake", &pid]);
-    refused_as_in_progress(&w, &wake, "woken", by);
+    // A settlement names itself (session 23: it said "is being woken by cryo pid G").
+    refused_as_in_progress(&w, &wake, "settled", by);
     assert_eq!(sim.state(w.pid), "locked", "the wake touched it");
     // Let go; its log drained meanwhile (it runs on).
     std::fs::write(st.path().join("go"), b"").unwrap();

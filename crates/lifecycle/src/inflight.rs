@@ -43,8 +43,9 @@
 //! before its restore is resumed like a freeze's (CHECKPOINTED: restored; LOCKED: checkpointed
 //! again first, never unlocked on the state's word).
 //!
-//! Every settlement of a process takes its lock ([`crate::oplock`], as a wake's when it would
-//! resume it, as a stop's otherwise) before its last look, and holds it until it is done; then
+//! Every settlement of a process takes its lock ([`crate::oplock`], as a settlement's,
+//! [`crate::Op::Settle`], whatever it would do: a refusal meeting it says "being settled")
+//! before its last look, and holds it until it is done; then
 //! it reads the journal again and settles the process only if it is still in flight, its owner
 //! gone. A dead park's or freeze's CHECKPOINTED worker (a parked worker parked or frozen again,
 //! whose `Parked` record still stands) was resumed by a guard or agent start while a `cryo wake`
@@ -239,7 +240,7 @@ pub(crate) fn settle_in_flight_holding(
         };
         // Its lock first, before the last look (see the module docs): a park, wake, stop or
         // freeze at work on it (or another settlement) is alive and decides what it becomes.
-        let _lock = match lock(journal, &h, &f, held) {
+        let _lock = match lock(journal, &h, held) {
             Ok(l) => l,
             Err(why) => {
                 out.push(Settled {
@@ -298,33 +299,23 @@ fn owner_at_work(f: &cryo_journal::InFlight, mine: Option<ProcId>) -> bool {
         .any(|by| Some(by) == mine || by.is_alive_same())
 }
 
-/// The lock ([`crate::oplock`]) of `h`, whose suspension `f` a settlement is about to look at:
-/// taken as a wake's when what the settlement would do is resume it (a park's, a freeze's or a
-/// re-checkpoint's, or one whose undo had begun), as a stop's otherwise (a kill, an unlock);
-/// `None` when `held` (the settling stop's own) has it already. Held by another: why, named.
+/// The lock ([`crate::oplock`]) of `h`, whose suspension a settlement is about to look at, taken
+/// as a settlement's ([`crate::Op::Settle`]: whatever it would do, resume, kill or unlock, so
+/// that the refusal of an operation meeting it names a settlement, not a wake or a stop nobody
+/// ran); `None` when `held` (the settling stop's own) has it already. Held by another: why,
+/// named.
 fn lock(
     journal: &Journal,
     h: &ProcHandle,
-    f: &cryo_journal::InFlight,
     held: Option<&crate::oplock::OpLocks>,
 ) -> Result<Option<crate::oplock::OpLocks>, String> {
     if held.is_some_and(|l| l.holds(&id(h))) {
         return Ok(None);
     }
-    let resumes = f.restore_started.is_some()
-        || matches!(
-            f.purpose,
-            Some(Purpose::Park | Purpose::Freeze | Purpose::Recheck)
-        );
-    let op = if resumes {
-        crate::Op::Wake
-    } else {
-        crate::Op::Stop
-    };
     match crate::oplock::take(
         &crate::oplock::state_of(journal),
         std::slice::from_ref(h),
-        op,
+        crate::Op::Settle,
     ) {
         Ok(l) => Ok(Some(l)),
         Err(crate::oplock::LockError::Held { by, doing, .. }) => Err(format!(

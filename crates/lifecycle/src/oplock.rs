@@ -37,9 +37,11 @@
 //!
 //! A settlement ([`crate::settle_in_flight`]: a stop's, a guard's or the agent's start) takes
 //! it too, on each process whose suspension it settles, before its last look and until it is
-//! done: as a wake ([`Op::Wake`]) when it would resume a dead park's or freeze's process in
-//! place, as a stop ([`Op::Stop`]) when it would finish a dead stop's kill or unlock what a
-//! suspension left LOCKED. A guard start resumed a dead park's CHECKPOINTED worker while a wake
+//! done, as a settlement ([`Op::Settle`], the word `settle` in the file): whether it would resume
+//! a dead park's or freeze's process in place, finish a dead stop's kill or unlock what a
+//! suspension left LOCKED. (It took it as a wake or a stop before, and a wake refused by a guard
+//! start's settlement said "pid N is being woken by cryo pid G": an operator looked for a wake
+//! that nobody ran.) A guard start resumed a dead park's CHECKPOINTED worker while a wake
 //! that had read it CHECKPOINTED was about to restore it (two restorers; the wake failed on the
 //! driver's refusal); a wake meeting a settlement at work is refused now as by a wake, and a
 //! settlement meeting any operation's lock leaves the process to it, untouched, named and still
@@ -65,8 +67,9 @@
 //!
 //! # Limitations
 //! Parks, wakes, stops, freezes, settlements of in-flight suspensions and a guard's or agent's
-//! finishing of a dead thaw's or wake's unlock ([`crate::restore::finish_unlock`], as a wake)
-//! take the lock; a thaw and the ending of a dead thaw's tree (`leftover`) do not: a thaw's
+//! finishing of a dead thaw's or wake's unlock ([`crate::restore::finish_unlock`]) take the
+//! lock (the last two as [`Op::Settle`]); a thaw and the ending of a dead thaw's tree
+//! (`leftover`) do not: a thaw's
 //! tree is new, and a dead thaw's tree is nobody's to park or wake. A thaw's
 //! removal of a tree it restored stops it through [`crate::stop()`], which takes the tree's
 //! locks: no one holds them (a thaw takes none, and its tree is not parked).
@@ -94,14 +97,18 @@ use crate::suspend::id;
 pub enum Op {
     /// A park ([`crate::park()`]).
     Park,
-    /// A wake ([`crate::wake`]), or a settlement resuming a dead park's or freeze's process in
-    /// place.
+    /// A wake ([`crate::wake`]).
     Wake,
-    /// A stop ([`crate::stop()`]), or a settlement finishing a dead stop's kill or unlocking
-    /// what a dead suspension left LOCKED.
+    /// A stop ([`crate::stop()`]).
     Stop,
     /// A freeze ([`crate::freeze()`]), from before its first look until the worker is gone.
     Freeze,
+    /// A settlement of what a dead operation left ([`crate::settle_in_flight`]: a guard's or the
+    /// agent's start, or a stop's settlement of a process outside its target; and a guard's or
+    /// agent's finishing of a dead wake's or thaw's unlock,
+    /// [`crate::restore::finish_unlock`]): resuming a dead park's or freeze's process in place,
+    /// finishing a dead stop's kill, or unlocking what a dead suspension left LOCKED.
+    Settle,
 }
 
 impl Op {
@@ -112,6 +119,7 @@ impl Op {
             Op::Wake => "wake",
             Op::Stop => "stop",
             Op::Freeze => "freeze",
+            Op::Settle => "settle",
         }
     }
 }
@@ -124,6 +132,7 @@ impl std::fmt::Display for Op {
             Op::Wake => "woken",
             Op::Stop => "stopped",
             Op::Freeze => "frozen",
+            Op::Settle => "settled",
         })
     }
 }
@@ -255,6 +264,7 @@ fn holder(file: &mut File) -> (Option<Pid>, Option<Op>) {
         Some("wake") | None => Some(Op::Wake),
         Some("stop") => Some(Op::Stop),
         Some("freeze") => Some(Op::Freeze),
+        Some("settle") => Some(Op::Settle),
         Some(_) => None,
     };
     (by, doing)
@@ -298,7 +308,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let state = StateDir::new(dir.path());
         let open = |i: usize| ProcHandle::open(procs.pid(i)).unwrap();
-        for (first_op, second_op) in [(Op::Wake, Op::Park), (Op::Park, Op::Wake)] {
+        for (first_op, second_op) in [
+            (Op::Wake, Op::Park),
+            (Op::Park, Op::Wake),
+            (Op::Settle, Op::Wake),
+        ] {
             let first = take(&state, &[open(0), open(1)], first_op).unwrap();
             for i in 0..2 {
                 for op in [first_op, second_op] {

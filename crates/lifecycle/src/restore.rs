@@ -365,7 +365,8 @@ pub enum FinishUnlockError {
 /// a suspension of its own before the driver is asked, so a caller that dies before its restore
 /// leaves it in flight for the next start, which resumes it under watch. Anything else is left
 /// as it is. The unlock is journaled after it happened (it runs again; a failed write is only
-/// logged). All of it under the process's lock ([`crate::oplock`], as a wake): one a wake holds
+/// logged). All of it under the process's lock ([`crate::oplock`], as a settlement,
+/// [`crate::Op::Settle`]): one a wake holds
 /// is left to that wake, which unlocks it itself.
 pub fn finish_unlock(
     gpu: &Gpu,
@@ -376,14 +377,14 @@ pub fn finish_unlock(
     let Ok(h) = pid.open() else {
         return left("it is no longer the process the journal names");
     };
-    // Its lock ([`crate::oplock`]), as a wake's, before the journal and the driver are read: a
+    // Its lock ([`crate::oplock`]), as a settlement's, before the journal and the driver are read: a
     // wake at work on it (it traces and unlocks what it finds LOCKED with its restore complete)
     // is left to it. Before, this unlocked it under such a wake, whose own unlock the driver
     // then refused (ILLEGAL_STATE), and the wake parked the worker again.
     let _lock = match crate::oplock::take(
         &crate::oplock::state_of(journal),
         std::slice::from_ref(&h),
-        crate::Op::Wake,
+        crate::Op::Settle,
     ) {
         Ok(l) => l,
         Err(crate::oplock::LockError::Held { by, doing, .. }) => {

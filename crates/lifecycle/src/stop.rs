@@ -292,8 +292,8 @@ struct Run<'a> {
 const BUSY_RETRY: Duration = Duration::from_millis(50);
 
 /// [`stop`] for a caller that must not give up at once: a preStop hook, after which the kubelet
-/// kills the container whether or not it is suspended. A stop refused because a park or a wake
-/// (or an unnamed restorer) is at work on a process of the target ([`StopError::InProgress`]:
+/// kills the container whether or not it is suspended. A stop refused because a park, a wake or
+/// a settlement (or an unnamed restorer) is at work on a process of the target ([`StopError::InProgress`]:
 /// nothing done, so trying again is safe) is tried again every 50 ms until that one returns, for
 /// at most half of `opts.deadline` (the other half is the stop's own, and each try gets what is
 /// left of the deadline); without a deadline, or against a freeze or another stop (the worker is
@@ -318,7 +318,7 @@ pub fn stop_when_free(
             Err(StopError::InProgress {
                 pid,
                 by,
-                doing: doing @ (None | Some(crate::Op::Wake | crate::Op::Park)),
+                doing: doing @ (None | Some(crate::Op::Wake | crate::Op::Park | crate::Op::Settle)),
             }) if start.elapsed() + BUSY_RETRY < wait => {
                 if !said {
                     said = true;
