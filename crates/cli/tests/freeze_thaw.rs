@@ -3890,6 +3890,18 @@ fn a_guard_or_agent_starting_at_a_thaws_gate_leaves_the_thaw_to_serve() {
             "agent: {agent}: the rank is not traced by the start's guard: {said}\nits log: {log}"
         );
         assert_eq!(answers(&sock), before, "agent: {agent}");
+        // Said once, with the pids and the thaw's (session 23: `StartReport::pending` was filled
+        // and neither printed by `cryo guard` nor logged by the agent).
+        let said_left: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("to the restore of"))
+            .collect();
+        let thaw_pid = format!("by cryo pid {}: a thaw at CRIU's gate", thaw.id());
+        assert!(
+            matches!(&said_left[..], [l] if (l.contains(&format!("left pid {pid}, {rank}"))
+                || l.contains(&format!("left pid {rank}, {pid}"))) && l.contains(&thaw_pid)),
+            "agent: {agent}: its start did not say, once, what it left to the thaw: {log}"
+        );
         let after = events(&env)[from..].to_vec();
         let stops = stops_of(&after, &[pid, rank]);
         assert!(stops.is_empty(), "agent: {agent}: {stops:?} in {after:?}");

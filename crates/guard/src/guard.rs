@@ -335,7 +335,9 @@ pub struct StartReport {
     pub settled: Vec<cryo_lifecycle::Settled>,
     /// Restored processes not attached: their restore is under way (its intent journaled, not
     /// its completion) and they hold no driver file (no context): traced once it completes.
-    pub pending: Vec<ProcId>,
+    /// With that restore (its image and its writer, a thaw at CRIU's gate), said at start
+    /// ([`crate::Notice::Pending`]).
+    pub pending: Vec<(ProcId, cryo_lifecycle::PendingRestore)>,
 }
 
 struct Watched {
@@ -1181,10 +1183,11 @@ impl Guard {
                 }
                 continue;
             }
-            if !open.contains_key(&id)
-                && cryo_lifecycle::restore_pending(records, id)
-                && self.inner.holds_no_driver_files(id.pid)
-            {
+            let pending = (!open.contains_key(&id))
+                .then(|| cryo_lifecycle::pending_restore(records, id))
+                .flatten()
+                .filter(|_| self.inner.holds_no_driver_files(id.pid));
+            if let Some(pending) = pending {
                 // Its restore is under way (a thaw at CRIU's gate: CRIU seizes the tree itself
                 // before it resumes it, and a seize of ours there made it abort the restore,
                 // "Can't attach to PID: Operation not permitted", until session 23) or its
@@ -1192,7 +1195,7 @@ impl Guard {
                 // (CHECKPOINTED, or no CUDA process). Whoever completes its restore has it
                 // traced then (a thaw's guard-before-unlock, this guard's journal poll at its
                 // `RestoreCompleted`); a dead thaw's tree was ended by the settlement above.
-                report.pending.push(id);
+                report.pending.push((id, pending));
                 continue;
             }
             match self.attach(id, source) {

@@ -64,6 +64,18 @@ pub enum Notice {
         /// Why.
         why: String,
     },
+    /// At start: the processes of one restore under way (a thaw at CRIU's gate: its intents
+    /// journaled, not their completion) are left to it, not traced now: they hold no GPU
+    /// context, and CRIU seizes the tree itself before it resumes it. Whoever completes the
+    /// restore has them traced then (the thaw's guard-before-unlock, the journal's poll).
+    Pending {
+        /// The image its intents name.
+        image: String,
+        /// Its processes.
+        pids: Vec<ProcId>,
+        /// The cryo process restoring them (the thaw), when an intent names it.
+        by: Option<ProcId>,
+    },
     /// At start: a suspension an earlier run left half-way was settled (what was found and done).
     Settled(cryo_lifecycle::Settled),
     /// A process of [`RunOptions::pids`] is guarded.
@@ -92,6 +104,21 @@ pub enum Notice {
     },
 }
 
+/// The processes a start left to their restore ([`crate::StartReport::pending`]), one entry per
+/// restore (its image): its processes and its writer (the one intent that names it: a thaw
+/// names itself for its CUDA processes, not for the plain root).
+fn pending_by_image(
+    pending: Vec<(ProcId, cryo_lifecycle::PendingRestore)>,
+) -> std::collections::BTreeMap<String, (Vec<ProcId>, Option<ProcId>)> {
+    let mut out = std::collections::BTreeMap::<String, (Vec<ProcId>, Option<ProcId>)>::new();
+    for (id, p) in pending {
+        let e = out.entry(p.image).or_default();
+        e.0.push(id);
+        e.1 = e.1.or(p.by);
+    }
+    out
+}
+
 impl fmt::Display for Notice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -108,6 +135,19 @@ impl fmt::Display for Notice {
                  so it was unlocked (recovery): it serves again"
             ),
             Notice::Lost { pid, why } => write!(f, "LOST track of pid {pid}: {why}"),
+            Notice::Pending { image, pids, by } => {
+                let pids: Vec<String> = pids.iter().map(ToString::to_string).collect();
+                let by = by.map_or_else(
+                    || "its restorer unnamed".to_string(),
+                    |b| format!("by cryo pid {}", b.pid),
+                );
+                write!(
+                    f,
+                    "left pid {} to the restore of {image} under way ({by}: a thaw at CRIU's \
+                     gate): no GPU context yet; traced once the restore completes",
+                    pids.join(", ")
+                )
+            }
             Notice::Settled(s) => write!(f, "settled: {s}"),
             Notice::Guarding(id) => write!(f, "guarding pid {id}"),
             Notice::Running { tracer_tid, socket } => write!(
@@ -287,6 +327,9 @@ impl Service {
         }
         for (pid, why) in report.lost {
             notify(Notice::Lost { pid, why });
+        }
+        for (image, (pids, by)) in pending_by_image(report.pending) {
+            notify(Notice::Pending { image, pids, by });
         }
         for pid in &opts.pids {
             let id = guard

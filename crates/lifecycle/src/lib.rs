@@ -51,8 +51,9 @@ pub use park::{
 };
 pub use progress::{NoProgress, Phases, Progress, Stopwatch};
 pub use restore::{
-    finish_unlock, record_restored, restore_context, restore_pending, resume_in_place,
-    FinishUnlock, FinishUnlockError, Placement, RecordError, RestoreError,
+    finish_unlock, pending_restore, record_restored, restore_context, restore_pending,
+    resume_in_place, FinishUnlock, FinishUnlockError, PendingRestore, Placement, RecordError,
+    RestoreError,
 };
 pub use runnable::{runnable, Runnable};
 pub use shrink::{Shrink, ShrinkReport, ShrinkSpec};

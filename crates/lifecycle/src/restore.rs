@@ -450,6 +450,35 @@ pub fn restore_pending(records: &[cryo_journal::Record], pid: ProcId) -> bool {
     matches!(last_restore(records, pid), Some((_, false)))
 }
 
+/// A restore under way ([`restore_pending`]): what a guard or agent start that leaves the
+/// process to it says (the image, and the cryo process that restores it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingRestore {
+    /// The image (or what restores it) its intent names.
+    pub image: String,
+    /// The cryo process that is to unlock it (a thaw's), when the intent names one (a thaw
+    /// names itself for its CUDA processes only).
+    pub by: Option<ProcId>,
+}
+
+/// `pid`'s restore under way, if [`restore_pending`]: its intent's image and writer.
+pub fn pending_restore(records: &[cryo_journal::Record], pid: ProcId) -> Option<PendingRestore> {
+    if !restore_pending(records, pid) {
+        return None;
+    }
+    records.iter().rev().find_map(|r| match &r.event {
+        Event::RestoreStarted {
+            pid: p,
+            image,
+            unlock_by,
+        } if *p == pid => Some(PendingRestore {
+            image: image.clone(),
+            by: *unlock_by,
+        }),
+        _ => None,
+    })
+}
+
 /// The restore that is `pid`'s last lifecycle step in `records` (guard attachments and losses
 /// aside), if it is one: its intent's `unlock_by`, and whether its completion is journaled.
 pub(crate) fn last_restore(
