@@ -776,11 +776,8 @@ fn stopped_workers_are_continued_or_refused_at_once() {
 fn a_checkpointed_worker_held_by_a_foreign_tracer_is_never_stopped_as_plain() {
     let mut sim = Sim::start();
     let st = state();
-    let (pid, _) = restored_worker(&mut sim, st.path(), "4MiB");
+    let (pid, debugger) = held_checkpointed_worker(&mut sim, st.path());
     let p = pid.to_string();
-    ok(&run(&sim, st.path(), &["gpu", "lock", "--pid", &p]));
-    ok(&run(&sim, st.path(), &["gpu", "checkpoint", "--pid", &p]));
-    let debugger = procs::Debugger::attach(pid);
     let (out, v) = stop_json(&sim, st.path(), &[&p]);
     assert_eq!(out.status.code(), Some(3), "{v}\n{}", stderr(&out));
     assert!(alive(pid), "{v}");
@@ -800,6 +797,59 @@ fn a_checkpointed_worker_held_by_a_foreign_tracer_is_never_stopped_as_plain() {
         "{v}"
     );
     assert!(!alive(pid));
+    sim.assert_no_wedge();
+}
+
+/// A restored worker, locked and checkpointed through `cryo gpu`, then held by a foreign tracer
+/// (a ptrace attach from perl: not cryo's). Returns its pid and the tracer.
+fn held_checkpointed_worker(sim: &mut Sim, st: &Path) -> (i32, procs::Debugger) {
+    let (pid, _) = restored_worker(sim, st, "4MiB");
+    let p = pid.to_string();
+    ok(&run(sim, st, &["gpu", "lock", "--pid", &p]));
+    ok(&run(sim, st, &["gpu", "checkpoint", "--pid", &p]));
+    (pid, procs::Debugger::attach(pid))
+}
+
+/// Attack (session 23): `cryo gpu state PID` of a CHECKPOINTED worker that a debugger holds
+/// gets no answer from the driver. It must fail at its deadline with a hint that names the
+/// tracer and what to do, and leave the worker as it was; once the tracer is gone (the worker
+/// left stopped by its attach) the hint says it is stopped and how to let it answer; continued,
+/// it answers "checkpointed". (Before: "cryo: error: cuCheckpointProcessGetState
+/// on pid N: no answer ...", with no hint of the hold.)
+#[test]
+fn a_gpu_state_of_a_held_checkpointed_worker_names_its_tracer() {
+    let mut sim = Sim::start();
+    let st = state();
+    let (pid, debugger) = held_checkpointed_worker(&mut sim, st.path());
+    let p = pid.to_string();
+    let out = run(&sim, st.path(), &["gpu", "state", "--pid", &p]);
+    let said = stderr(&out);
+    assert!(
+        !out.status.success()
+            && said.contains(&format!(
+                "the driver gave no answer for pid {pid} in time: it is traced by pid {}",
+                debugger.pid()
+            ))
+            && said.contains("a debugger holds stopped gets none"),
+        "{said}"
+    );
+    drop(debugger);
+    let out = run(&sim, st.path(), &["gpu", "state", "--pid", &p]);
+    let said = stderr(&out);
+    assert!(
+        !out.status.success()
+            && said.contains("it is stopped")
+            && said.contains(&format!("`kill -CONT {pid}`")),
+        "{said}"
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGCONT,
+    )
+    .unwrap();
+    let out = run(&sim, st.path(), &["gpu", "state", "--pid", &p]);
+    ok(&out);
+    assert!(stdout(&out).contains("checkpointed"), "{}", stdout(&out));
     sim.assert_no_wedge();
 }
 

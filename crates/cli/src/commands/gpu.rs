@@ -291,6 +291,41 @@ pub fn precheck(action: Action, pid: Pid, state: ProcessState) -> Result<(), Str
     Err(format!("pid {pid} {refusal}"))
 }
 
+/// Why the driver may give no answer for `pid` in time, and what to do: a process whose threads
+/// CRIU (a dump, or a restore at its gate) or a debugger holds stopped gets none (its driver
+/// thread cannot answer; a CHECKPOINTED process included, see the sim's strictness). Names the
+/// tracer (`TracerPid` of `/proc/PID/status`, and its command name) when there is one, or that
+/// it is stopped untraced (a tracer let it go stopped): `kill -CONT` lets it answer.
+fn no_answer(pid: Pid) -> String {
+    let held = "a process whose threads CRIU (a dump, a restore at its gate) or a debugger holds \
+                stopped gets none";
+    let status = cryo_proc::ProcHandle::open(pid)
+        .ok()
+        .and_then(|h| h.status().ok());
+    let tracer = status.as_ref().map(|s| s.tracer_pid).filter(|t| *t != 0);
+    let stopped = status.is_some_and(|s| s.state == 'T');
+    match tracer {
+        Some(t) => {
+            let name = cryo_proc::ProcHandle::open(t)
+                .map(|h| format!(" ({})", h.comm()))
+                .unwrap_or_default();
+            format!(
+                "the driver gave no answer for pid {pid} in time: it is traced by pid {t}{name}, \
+                 and {held}; ask again once that one has let it go (a CRIU finishes or ends on \
+                 its own)"
+            )
+        }
+        None if stopped => format!(
+            "the driver gave no answer for pid {pid} in time: it is stopped (a SIGSTOP, or left \
+             stopped by a tracer that let it go), and {held}; `kill -CONT {pid}` lets it answer"
+        ),
+        None => format!(
+            "the driver gave no answer for pid {pid} in time ({held}; nothing traces it now: \
+             ask again, and if it still gets none, the driver itself is stuck on it)"
+        ),
+    }
+}
+
 /// A driver error in words, the driver's own text kept as the cause.
 pub fn explain(
     err: DriverError,
@@ -314,6 +349,7 @@ pub fn explain(
             "pid {pid} cannot be restored (a previous restore failed, NVIDIA/cuda-checkpoint#44)"
         )),
         Some(CuResult::ILLEGAL_STATE) => Some(format!("pid {pid} is not in a state that allows this")),
+        _ if err.is_no_answer() => Some(no_answer(pid)),
         _ => None,
     };
     match what {
