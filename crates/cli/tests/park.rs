@@ -1244,18 +1244,26 @@ fn a_freeze_meeting_a_wake_before_its_unlock_through_the_agent_is_refused() {
 }
 
 /// A parked worker `w` (its `Parked` record standing) parked again by a `cryo park` SIGKILLed
-/// at `park-before-record` (its suspension verified `w`, already CHECKPOINTED, nothing recorded
-/// after): a park suspension in flight whose owner is dead, which the next guard or agent start
-/// resumes in place. Returns how many events the journal held then.
+/// at `park-before-record` ([`parked_by_a_dead_park`]): that park found it CHECKPOINTED and did
+/// nothing to it, so the next guard or agent start leaves it parked (and journals it settled so).
+/// Returns how many events the journal held then.
 fn parked_again_by_a_dead_park(sim: &Sim, st: &Path, w: &Worker) -> usize {
-    let pid = w.pid.to_string();
-    ok(&run(sim, st, &["park", &pid]));
+    ok(&run(sim, st, &["park", &w.pid.to_string()]));
+    parked_by_a_dead_park(sim, st, w).1
+}
+
+/// `w` parked by a `cryo park` SIGKILLed at `park-before-record` (its suspension verified `w`
+/// CHECKPOINTED, nothing recorded after): a park suspension in flight whose owner is dead. On a
+/// worker not parked before (no `Parked` record), the next guard or agent start resumes it in
+/// place. Returns the dead park's pid and how many events the journal held then.
+fn parked_by_a_dead_park(sim: &Sim, st: &Path, w: &Worker) -> (u32, usize) {
     let (mut park, _err) = paused_at(
         sim,
         st,
-        &["park", &pid],
+        &["park", &w.pid.to_string()],
         cryo_lifecycle::park::PARK_BEFORE_RECORD,
     );
+    let dead = park.id();
     park.kill().unwrap();
     park.wait().unwrap();
     assert_eq!(sim.state(w.pid), "checkpointed");
@@ -1266,7 +1274,7 @@ fn parked_again_by_a_dead_park(sim: &Sim, st: &Path, w: &Worker) -> usize {
             .any(|p| p.pid == w.pid),
         "the dead park's suspension is not in flight"
     );
-    records.len()
+    (dead, records.len())
 }
 
 /// Attack (session 23): a worker parked by a `cryo park` SIGKILLed at `park-before-record`
@@ -1283,16 +1291,7 @@ fn a_wake_of_a_dead_park_s_worker_says_the_next_guard_or_agent_start_resumes_it(
     let w = worker(&sim, "64MiB", 0);
     let pid = w.pid.to_string();
     let before = w.complete("the same question");
-    let (mut park, _err) = paused_at(
-        &sim,
-        st.path(),
-        &["park", &pid],
-        cryo_lifecycle::park::PARK_BEFORE_RECORD,
-    );
-    let dead = park.id();
-    park.kill().unwrap();
-    park.wait().unwrap();
-    assert_eq!(sim.state(w.pid), "checkpointed");
+    let (dead, _) = parked_by_a_dead_park(&sim, st.path(), &w);
     let wake = run(&sim, st.path(), &["wake", &pid]);
     let said = stderr(&wake);
     assert!(
@@ -1398,9 +1397,9 @@ fn a_guard_settling_a_dead_park_leaves_the_worker_to_a_wake_at_work() {
     drop(guard);
 }
 
-/// The other order: a guard's start paused in its settlement's resume of the dead park's worker
-/// (`restore-before-completed`: restored, LOCKED, not yet traced or unlocked), then a `cryo
-/// wake` of it. The wake must be refused at once (exit 3) naming the guard as waking it,
+/// The other order: a guard's start paused in its settlement's resume of a dead park's worker
+/// (`restore-before-completed`: restored, LOCKED, not yet traced or unlocked; a first park's, as
+/// a re-park's worker is left parked), then a `cryo wake` of it. The wake must be refused at once (exit 3) naming the guard as waking it,
 /// touching nothing; the guard, let go, traces and unlocks the worker, restored once; it serves
 /// as before; no wedge.
 #[test]
@@ -1411,7 +1410,7 @@ fn a_wake_meeting_a_guard_resuming_a_dead_park_s_worker_is_refused() {
     let w = worker(&sim, "64MiB", 0);
     let pid = w.pid.to_string();
     let before = w.complete("the same question");
-    let from = parked_again_by_a_dead_park(&sim, st.path(), &w);
+    let (_, from) = parked_by_a_dead_park(&sim, st.path(), &w);
     let (mut guard, mut err) = paused_at(
         &sim,
         st.path(),
@@ -1463,12 +1462,63 @@ fn a_wake_meeting_a_guard_resuming_a_dead_park_s_worker_is_refused() {
 /// is in flight, and a guard's start resumes only what a dead park or freeze left.
 #[test]
 fn a_worker_parked_twice_stays_parked_across_a_guard_start() {
+    parked_again_stays_parked(|sim, st, w| {
+        ok(&run(sim, st, &["park", &w.pid.to_string()]));
+    });
+}
+
+/// Attack (session 23): a parked worker parked again by a `cryo park` whose journal refuses its
+/// `Parked` record (EIO, failpoint `park-record-fails`). The park fails; its error must say what
+/// is true (the worker stays parked, its first record standing; not "the worker serves again":
+/// this park suspended nothing), and the park's suspension, left in flight by the refused
+/// record, must not make the next guard start wake a worker the user parked. (Before: the error
+/// said "...; every process it suspended was resumed in place: the worker serves again", and the
+/// guard's start said "settled: pid N: a park that did not finish left it checkpointed; restored
+/// and unlocked in place".)
+#[test]
+fn a_worker_parked_again_by_a_park_whose_record_fails_stays_parked() {
+    parked_again_stays_parked(|sim, st, w| {
+        let o = sim
+            .cmd_at(st)
+            .env("CRYO_FAILPOINT", cryo_lifecycle::park::PARK_RECORD_FAILS)
+            .args(["park", &w.pid.to_string()])
+            .output()
+            .unwrap();
+        let said = stderr(&o);
+        assert!(
+            !o.status.success()
+                && !said.contains("serves again")
+                && said.contains("it was parked already and stays parked"),
+            "{said}"
+        );
+    });
+}
+
+/// Attack (session 23): a parked worker parked again by a `cryo park` SIGKILLed at
+/// `park-before-record` (nothing recorded after its suspension, which found it CHECKPOINTED
+/// and did nothing to it). The next guard start must leave it parked: the user parked it, and
+/// its first `Parked` record stands. (Before: the guard's start resumed it, "settled: pid N: a
+/// park that did not finish left it checkpointed; restored and unlocked in place".)
+#[test]
+fn a_worker_parked_again_by_a_park_that_died_stays_parked() {
+    parked_again_stays_parked(|sim, st, w| {
+        parked_again_by_a_dead_park(sim, st, w);
+    });
+}
+
+/// A parked worker (`cryo park`) parked again by `again`, then a guard start: the worker stays
+/// CHECKPOINTED and listed parked, nothing of it left in flight; a `cryo wake` then brings it
+/// back, serving as before; no wedge.
+fn parked_again_stays_parked(again: impl Fn(&Sim, &Path, &Worker)) {
     let sim = Sim::start();
     let st = state();
     let w = worker(&sim, "64MiB", 0);
     let pid = w.pid.to_string();
+    let before = w.complete("the same question");
     ok(&run(&sim, st.path(), &["park", &pid]));
-    ok(&run(&sim, st.path(), &["park", &pid]));
+    again(&sim, st.path(), &w);
+    assert_eq!(sim.state(w.pid), "checkpointed");
+    // Its start settles what is in flight before its socket answers.
     let guard = GuardProc::start(&sim, st.path(), &["--no-memory-watch"]);
     assert_eq!(
         sim.state(w.pid),
@@ -1478,7 +1528,24 @@ fn a_worker_parked_twice_stays_parked_across_a_guard_start() {
     );
     let s = json(&run(&sim, st.path(), &["status", "--json"]));
     assert_eq!(s["parked"][0]["pid"]["pid"], w.pid, "{s}");
+    let records = cryo_journal::read(st.path().join("journal"))
+        .unwrap()
+        .records;
+    assert!(
+        !cryo_journal::in_flight_stops(&records)
+            .keys()
+            .any(|p| p.pid == w.pid),
+        "still in flight after the guard's start: {}",
+        guard.log()
+    );
+    ok(&run(&sim, st.path(), &["wake", &pid]));
+    assert_eq!(
+        w.complete("the same question"),
+        before,
+        "it serves as before"
+    );
     sim.assert_no_wedge();
+    drop(guard);
 }
 
 /// Attack (session 23): a guard's start finishing the unlock of a dead wake's worker (a `cryo

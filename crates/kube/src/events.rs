@@ -144,7 +144,7 @@ pub fn step_of(event: &Event) -> Option<Step> {
         Event::ParkFailed { target, .. } => (
             Warning,
             "CryoParkFailed",
-            format!("park of {target} failed (the worker serves again): {detail}"),
+            format!("park of {target} failed: {detail}"),
             About::Target(target.clone()),
         ),
         Event::WakeCompleted { target, pids, ms } => (

@@ -56,6 +56,13 @@
 //! leaves in flight (a wake refused for want of a park record) is looked at again by the next
 //! start. A stop's own settlement does not take again a lock the stop holds.
 //!
+//! A park's suspension of a worker parked already (its `Parked` record from before standing,
+//! the process CHECKPOINTED) is settled as still parked ([`Settlement::StillParked`]), never
+//! resumed: that park found it CHECKPOINTED and did nothing to it, and whether it died before
+//! its record or its journal refused the record (EIO), its user asked for the worker parked,
+//! twice. Before, a guard or agent start restored and unlocked it: it woke a worker the user
+//! had parked. A first park's (no record standing) is resumed in place as before.
+//!
 //! Each settled process gets an [`Event::SuspensionSettled`] record saying what was found and done,
 //! so it is settled once; callers print the returned [`Settled`] list. A process a caller without
 //! a watcher (a stop) leaves to resume ([`Settlement::UntilWatched`]) gets none: it stays in
@@ -89,6 +96,11 @@ pub enum Settlement {
     Killed,
     /// It was CHECKPOINTED by a freeze that did not finish: restored and unlocked in place.
     Resumed,
+    /// It was CHECKPOINTED, parked already (its `Parked` record from before standing), by a park
+    /// of it again that did not finish or could not record it again (a journal's EIO): that
+    /// park did nothing to it, and its user asked for it parked twice. Left parked; journaled as
+    /// settled, so no later start resumes it (`cryo wake` does).
+    StillParked,
     /// It was LOCKED after a restore undoing its suspension that is not journaled as done:
     /// checkpointed again (the driver's word that its context is whole), then restored and
     /// unlocked in place under watch.
@@ -159,6 +171,11 @@ impl std::fmt::Display for Settled {
             Settlement::Resumed => write!(
                 f,
                 "pid {pid}: {what} left it checkpointed; restored and unlocked in place"
+            ),
+            Settlement::StillParked => write!(
+                f,
+                "pid {pid}: {what} left it {}; it was parked already (its park record stands): left parked, `cryo wake` brings it back",
+                self.found
             ),
             Settlement::ResumedAfterCheckpoint => write!(
                 f,
@@ -263,7 +280,18 @@ pub(crate) fn settle_in_flight_holding(
             continue;
         }
         let restoring = f.restore_started.is_some();
-        let (found, action) = settle_one(gpu, journal, &h, f.purpose, restoring, watcher)?;
+        let parked = crate::park::parked_records(&fresh).contains_key(&pid);
+        let (found, action) = settle_one(
+            gpu,
+            journal,
+            &h,
+            Suspension {
+                purpose: f.purpose,
+                restoring,
+                parked,
+            },
+            watcher,
+        )?;
         if let Some(done) = journaled(&action) {
             journal.append(Event::SuspensionSettled {
                 pid,
@@ -337,6 +365,7 @@ fn journaled(action: &Settlement) -> Option<String> {
         Settlement::Unlocked => "unlocked".to_string(),
         Settlement::Killed => "killed".to_string(),
         Settlement::Resumed => "resumed".to_string(),
+        Settlement::StillParked => "left parked: its park record stands".to_string(),
         Settlement::ResumedAfterCheckpoint => "checkpointed again, then resumed".to_string(),
         Settlement::CpusReturned => "its CPU set given back".to_string(),
         Settlement::ThawEnded { .. } => crate::leftover::ENDED.to_string(),
@@ -344,13 +373,27 @@ fn journaled(action: &Settlement) -> Option<String> {
     })
 }
 
+/// What the journal says of a suspension a settlement is about to settle.
+#[derive(Debug, Clone, Copy)]
+struct Suspension {
+    /// What it was for.
+    purpose: Option<Purpose>,
+    /// A restore undoing it was under way.
+    restoring: bool,
+    /// The process's `Parked` record (from a park before it) stands.
+    parked: bool,
+}
+
 #[allow(clippy::too_many_arguments)]
 fn settle_one(
     gpu: &Gpu,
     journal: &Journal,
     h: &ProcHandle,
-    purpose: Option<Purpose>,
-    restoring: bool,
+    Suspension {
+        purpose,
+        restoring,
+        parked,
+    }: Suspension,
     watcher: Option<&dyn Watcher>,
 ) -> Result<(String, Settlement), SettleError> {
     let left = |found: &str, why: String| Ok((found.to_string(), Settlement::Left { why }));
@@ -389,6 +432,11 @@ fn settle_one(
         ProcessState::Checkpointed if restoring => resume(gpu, journal, h, found, watcher),
         ProcessState::Checkpointed => match purpose {
             Some(Purpose::Stop) | Some(Purpose::Guard) => finish_stop(gpu, journal, h, found),
+            // A park of a parked worker (its record from before standing, nothing after it):
+            // that park found it CHECKPOINTED and did nothing to it, and whether it died or its
+            // journal refused its record, the worker stays as parked as its user asked. Before,
+            // this resumed it: a guard or agent start woke a worker the user had parked.
+            Some(Purpose::Park) if parked => Ok((found, Settlement::StillParked)),
             // A re-checkpoint's caller meant to restore it next, under watch.
             Some(Purpose::Freeze) | Some(Purpose::Park) | Some(Purpose::Recheck) => {
                 resume(gpu, journal, h, found, watcher)

@@ -13,7 +13,12 @@
 //!   record is what ends the park's suspension of it: without it a completed park of a parked
 //!   worker stayed in flight, and the next guard or agent start resumed the worker). A park whose record cannot be written is undone: what it suspended is
 //!   restored and unlocked in place ([`ParkError::Unrecorded`] says so, or names what could not
-//!   be brought back, left suspended: never a CHECKPOINTED worker nothing can find).
+//!   be brought back, left suspended: never a CHECKPOINTED worker nothing can find). A process
+//!   parked before it (a re-park) was not suspended by it and stays parked, its first record
+//!   standing, and the error says so; the park's suspension of it, left in flight by the
+//!   refused record (or by a re-park that died before its record), is settled by the next guard
+//!   or agent start as still parked ([`crate::Settlement::StillParked`]), never resumed: a
+//!   start woke a worker its user had parked, and the error said "the worker serves again".
 //!   [`ParkOptions::max_parked_host`] refuses a park that would take the host memory held by
 //!   parked workers past a limit.
 //! - [`wake`] checks first, pure ([`place`]): the node's fence (every GPU when it holds an entry
@@ -176,15 +181,22 @@ pub enum ParkError {
     /// Every process was suspended, but the record that it is parked (what a wake, `cryo
     /// status` and the agent find it by) could not be written: the processes this park
     /// suspended were restored and unlocked in place, so the worker serves again; those that
-    /// could not be are named in `left` (CHECKPOINTED or LOCKED, never torn down).
-    #[error("pid {pid} was suspended but its park could not be recorded ({source}); {}", crate::restore::fmt_left(.left))]
+    /// could not be are named in `left` (CHECKPOINTED or LOCKED, never torn down). Those parked
+    /// before this park (`kept`: it did nothing to them) stay parked, their first record
+    /// standing: the settlement of this park's suspension leaves them parked
+    /// ([`crate::Settlement::StillParked`]).
+    #[error("pid {pid} was suspended but its park could not be recorded ({source}); {}", fmt_unrecorded(*.suspended, .left, .kept))]
     Unrecorded {
         /// The process whose record failed.
         pid: Pid,
         /// The journal's error.
         source: cryo_journal::AppendError,
+        /// How many processes this park suspended (the others were parked already).
+        suspended: usize,
         /// Processes not brought back, and why.
         left: Vec<(Pid, String)>,
+        /// Processes parked before this park, which stay parked.
+        kept: Vec<Pid>,
     },
 }
 
@@ -427,12 +439,16 @@ fn unpark(
 ) -> ParkError {
     tracing::error!(pid, error = %source, "the park cannot be recorded: resuming what it suspended");
     let mut left = Vec::new();
+    let mut kept = Vec::new();
+    let mut suspended = 0;
     for (h, o) in cuda.iter().zip(outcomes) {
         let suspended_here =
             matches!(&o.result, Ok(s) if s.state_before != ProcessState::Checkpointed);
         if !suspended_here {
+            kept.push(h.pid());
             continue;
         }
+        suspended += 1;
         if let Err(e) = crate::restore::resume_in_place(
             gpu,
             journal,
@@ -443,7 +459,34 @@ fn unpark(
             left.push((h.pid(), e.to_string()));
         }
     }
-    ParkError::Unrecorded { pid, source, left }
+    ParkError::Unrecorded {
+        pid,
+        source,
+        suspended,
+        left,
+        kept,
+    }
+}
+
+/// What became of a park's processes once its record could not be written ([`unpark`]): those
+/// it suspended resumed (or named in `left`), those parked before it (`kept`) still parked.
+/// Before, a re-park of a parked worker said "...: the worker serves again" of a worker it had
+/// left parked.
+fn fmt_unrecorded(suspended: usize, left: &[(Pid, String)], kept: &[Pid]) -> String {
+    let kept_said = (!kept.is_empty()).then(|| {
+        format!(
+            "pid {}: it was parked already and stays parked (CHECKPOINTED, its first park record standing: the next guard or agent start leaves it parked, `cryo wake` brings it back)",
+            crate::thaw::fmt_pids(kept)
+        )
+    });
+    match (suspended, kept_said) {
+        (_, None) => crate::restore::fmt_left(left),
+        (0, Some(k)) => k,
+        (_, Some(k)) if left.is_empty() => {
+            format!("every process it suspended was resumed in place; {k}")
+        }
+        (_, Some(k)) => format!("{}; {k}", crate::restore::fmt_left(left)),
+    }
 }
 
 /// What NVML lists for `pid`: each GPU (in the order listed) and its device memory there.
