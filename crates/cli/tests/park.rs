@@ -1351,36 +1351,14 @@ fn a_guard_settling_a_dead_park_leaves_the_worker_to_a_wake_at_work() {
     let sim = Sim::start();
     let st = state();
     let w = worker(&sim, "64MiB", 0);
-    let pid = w.pid.to_string();
     let before = w.complete("the same question");
     let from = parked_again_by_a_dead_park(&sim, st.path(), &w);
-    let wake = paused_at(
-        &sim,
-        st.path(),
-        &["wake", &pid],
-        cryo_lifecycle::park::WAKE_BEFORE_RESTORE,
-    );
-    let by = wake.0.id();
-    // Its start settles what is in flight before its socket answers.
-    let guard = GuardProc::start(&sim, st.path(), &["--no-memory-watch"]);
-    let found = sim.state(w.pid);
-    let (status, said) = let_go(st.path(), wake);
-    let log = guard.log();
+    let (guard, by) =
+        a_guard_start_leaves_it_to_a_wake_at_work(&sim, st.path(), &w, "checkpointed", &before);
     assert!(
-        found == "checkpointed" && status.success(),
-        "after the guard's start: {found}; the wake, let go: {status}: {said}\nthe guard: {log}"
-    );
-    assert!(
-        log.contains(&format!("pid {}:", w.pid))
-            && log.contains(&format!("it is being woken by cryo pid {by}")),
-        "{log}"
-    );
-    assert_eq!(sim.state(w.pid), "running");
-    assert_ne!(common::procs::tracer_pid(w.pid), 0, "woken unguarded");
-    assert_eq!(
-        w.complete("the same question"),
-        before,
-        "it serves as before"
+        guard.log().contains(&format!("pid {}:", w.pid)),
+        "{}",
+        guard.log()
     );
     let records = cryo_journal::read(st.path().join("journal"))
         .unwrap()
@@ -1395,6 +1373,48 @@ fn a_guard_settling_a_dead_park_leaves_the_worker_to_a_wake_at_work() {
     );
     sim.assert_no_wedge();
     drop(guard);
+}
+
+/// A `cryo wake` of `w` paused before its restore (`wake-before-restore`: holding its lock),
+/// then a guard's start (it settles what is in flight before its socket answers): the guard
+/// must find the worker `found`, untouched, and leave it to the wake, its log naming the wake;
+/// the wake, let go, succeeds: `w` runs, traced by the guard, and answers as `before`. Returns
+/// the guard and the wake's pid.
+fn a_guard_start_leaves_it_to_a_wake_at_work(
+    sim: &Sim,
+    st: &Path,
+    w: &Worker,
+    found: &str,
+    before: &str,
+) -> (GuardProc, u32) {
+    let pid = w.pid.to_string();
+    let wake = paused_at(
+        sim,
+        st,
+        &["wake", &pid],
+        cryo_lifecycle::park::WAKE_BEFORE_RESTORE,
+    );
+    let by = wake.0.id();
+    let guard = GuardProc::start(sim, st, &["--no-memory-watch"]);
+    let seen = sim.state(w.pid);
+    let (status, said) = let_go(st, wake);
+    let log = guard.log();
+    assert!(
+        seen == found && status.success(),
+        "after the guard's start: {seen} (not {found}); the wake, let go: {status}: {said}\nthe guard: {log}"
+    );
+    assert!(
+        log.contains(&format!("it is being woken by cryo pid {by}")),
+        "{log}"
+    );
+    assert_eq!(sim.state(w.pid), "running");
+    assert_ne!(common::procs::tracer_pid(w.pid), 0, "woken unguarded");
+    assert_eq!(
+        w.complete("the same question"),
+        before,
+        "it serves as before"
+    );
+    (guard, by)
 }
 
 /// The other order: a guard's start paused in its settlement's resume of a dead park's worker
@@ -1571,32 +1591,8 @@ fn a_guard_finishing_a_dead_wake_s_unlock_leaves_the_worker_to_a_wake_at_work() 
     dead.kill().unwrap();
     dead.wait().unwrap();
     assert_eq!(sim.state(w.pid), "locked");
-    let wake = paused_at(
-        &sim,
-        st.path(),
-        &["wake", &pid],
-        cryo_lifecycle::park::WAKE_BEFORE_RESTORE,
-    );
-    let by = wake.0.id();
-    let guard = GuardProc::start(&sim, st.path(), &["--no-memory-watch"]);
-    let found = sim.state(w.pid);
-    let (status, said) = let_go(st.path(), wake);
-    let log = guard.log();
-    assert!(
-        found == "locked" && status.success(),
-        "after the guard's start: {found}; the wake, let go: {status}: {said}\nthe guard: {log}"
-    );
-    assert!(
-        log.contains(&format!("it is being woken by cryo pid {by}")),
-        "{log}"
-    );
-    assert_eq!(sim.state(w.pid), "running");
-    assert_ne!(common::procs::tracer_pid(w.pid), 0, "woken unguarded");
-    assert_eq!(
-        w.complete("the same question"),
-        before,
-        "it serves as before"
-    );
+    let (guard, _) =
+        a_guard_start_leaves_it_to_a_wake_at_work(&sim, st.path(), &w, "locked", &before);
     sim.assert_no_wedge();
     drop(guard);
 }
