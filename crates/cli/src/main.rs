@@ -28,6 +28,11 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
+    // First: an ignored `SIGCHLD` survives `execve`, and a `cryo` started by a parent that
+    // ignored it (some init systems, hook runners) would have every child it starts reaped by
+    // the kernel (its `criu --version` check, image checker, opener, health commands: each
+    // wait fails with ECHILD). It fails only for an invalid signal, which `SIGCHLD` is not.
+    let _ = cryo_proc::default_sigchld();
     // A thaw's image checker (a child of a thaw of this binary): nothing else of `cryo` runs.
     if let Some(code) = cryo_criu::image::checker_main() {
         return code;

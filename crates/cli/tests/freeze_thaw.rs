@@ -33,6 +33,9 @@ struct Env {
     thawed: Vec<i32>,
     /// Thaws through the image streamer (`CRYO_THAW_STREAM=1`) instead of the files.
     stream: bool,
+    /// Starts `cryo` with `SIGCHLD` ignored, as a parent that ignores it leaves it (`SIG_IGN`
+    /// survives `execve`).
+    sigchld_ignored: bool,
 }
 
 impl Env {
@@ -54,6 +57,7 @@ impl Env {
             workers: Vec::new(),
             thawed: Vec::new(),
             stream: false,
+            sigchld_ignored: false,
         }
     }
 
@@ -88,6 +92,19 @@ impl Env {
             .env("CRYO_STATE_DIR", self.path().join("state"))
             .env("CRYO_THAW_STREAM", if self.stream { "1" } else { "0" })
             .stdin(Stdio::null());
+        if self.sigchld_ignored {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: runs in the forked child before exec: one async-signal-safe system call
+            // (signal with SIG_IGN, no pointer), no allocation.
+            unsafe {
+                c.pre_exec(|| {
+                    if libc::signal(libc::SIGCHLD, libc::SIG_IGN) == libc::SIG_ERR {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
         c
     }
 
@@ -5286,6 +5303,27 @@ fn a_tree_that_forks_as_soon_as_it_resumes_is_paired_by_its_image_s_processes() 
         );
         env.stop(root);
     }
+    env.sim.assert_no_wedge();
+}
+
+/// Attack (session 23, criu23b): `cryo` started by a parent that ignores `SIGCHLD` (some init
+/// systems, hook runners; `SIG_IGN` survives `execve`) has every child it starts reaped by the
+/// kernel, so each of its waits fails with ECHILD: its `criu --version` check, its image
+/// checker, its opener, its health command. `cryo`'s `main` sets `SIGCHLD` back to its default
+/// first (`cryo_proc::default_sigchld`). A freeze, a thaw with a health check, and a stop of a
+/// sim worker, each `cryo` started with `SIGCHLD` ignored: the answers as before, nothing torn
+/// down live.
+#[test]
+fn freeze_thaw_and_stop_started_by_a_parent_that_ignores_sigchld() {
+    let mut env = Env::start("1GiB");
+    env.sigchld_ignored = true;
+    let (pid, sock, before, image) = env.frozen("64MiB");
+    env.thaw_ok(
+        &image,
+        &["--health-url", &health(&sock), "--health-timeout", "30"],
+    );
+    assert_eq!(answers(&sock), before);
+    env.stop_clean(pid);
     env.sim.assert_no_wedge();
 }
 

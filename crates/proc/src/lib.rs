@@ -60,6 +60,7 @@ pub use read::{
 };
 pub use reap::{reap_child, reap_children, reap_ended, ChildEnd, Reaped};
 pub use signal::{describe_wait_status, signal_name, Signal};
+pub use sys::default_sigchld;
 
 /// A process or thread id, in cryo's pid namespace (the host's). The one name for it in cryo.
 pub type Pid = i32;

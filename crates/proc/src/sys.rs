@@ -1,7 +1,7 @@
 //! The system calls no safe wrapper covers as cryo needs them: `pidfd_send_signal` with signal 0
 //! (rustix's `Signal` has no 0, nix has no pidfds), and what [`crate::isolate`] needs between a
-//! `clone` and an `execv` (the clone itself, a raw write, the loopback's flags). The only
-//! `unsafe` of this crate.
+//! `clone` and an `execv` (the clone itself, a raw write, the loopback's flags), and `SIGCHLD`
+//! back at its default action ([`default_sigchld`]). The only `unsafe` of this crate.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -25,6 +25,21 @@ pub(crate) fn pidfd_send_signal(pidfd: BorrowedFd<'_>, sig: i32) -> io::Result<(
     } else {
         Ok(())
     }
+}
+
+/// Sets `SIGCHLD` back to its default action in this process. An ignored `SIGCHLD` survives
+/// `execve`: a process started by a parent that ignored it (some init systems, hook runners)
+/// has every child it starts reaped by the kernel, and each of its waits fails with `ECHILD`
+/// (`cryo`'s `criu --version` check, its image checker, its opener, health commands; CRIU's own
+/// children). `cryo`'s `main` calls it first; `cryo-criu` calls it in CRIU's child before its
+/// `exec` (async-signal-safe: one system call, no allocation).
+pub fn default_sigchld() -> io::Result<()> {
+    // SAFETY: `signal` with `SIG_DFL` passes no pointer and installs no handler; it is
+    // async-signal-safe, so it may also run between a fork and an exec.
+    if unsafe { libc::signal(libc::SIGCHLD, libc::SIG_DFL) } == libc::SIG_ERR {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// `kcmp(pid, getpid(), KCMP_FILE, fd, ours)`: whether fd `fd` of `pid` and our fd `ours` are the

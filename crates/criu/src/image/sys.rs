@@ -64,15 +64,10 @@ pub(crate) fn new_session(cmd: &mut std::process::Command) {
 /// kernel: its waits fail ("waitpid() failed: No child processes") and so does the restore.
 pub(crate) fn default_sigchld(cmd: &mut std::process::Command) {
     use std::os::unix::process::CommandExt;
-    // SAFETY: the closure runs in the forked child before exec; it makes one async-signal-safe
-    // system call (signal with SIG_DFL, no pointer) and allocates nothing.
+    // SAFETY: the closure runs in the forked child before exec; `default_sigchld` makes one
+    // async-signal-safe system call (signal with SIG_DFL, no pointer) and allocates nothing.
     unsafe {
-        cmd.pre_exec(|| {
-            if libc::signal(libc::SIGCHLD, libc::SIG_DFL) == libc::SIG_ERR {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
+        cmd.pre_exec(cryo_proc::default_sigchld);
     }
 }
 
