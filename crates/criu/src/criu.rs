@@ -135,6 +135,11 @@ pub struct RestoreOpts {
     /// reaped by one thread of the deadline layer when their waits end (counted once in
     /// [`stuck_crius`]). The guard
     /// and the agent see a thaw that failed, and no restored process.
+    ///
+    /// Counted from the restore's start: CRIU's kill and the check's give-up are one instant.
+    /// At it, a check ([`ThawRoute::Files`]) that had not given its verdict refuses the image
+    /// in its own words ([`CriuError::Image`]), whichever of the two saw the instant first; a
+    /// CRIU killed with no check outstanding is [`CriuError::TimedOut`].
     pub deadline: Option<std::time::Duration>,
 }
 
@@ -560,15 +565,17 @@ impl CriuRpc {
 
     /// Spawns `cmd` (CRIU with `gate`'s action script), copies its `log` (capped), runs `work`
     /// beside it (serving or capturing the image on `listener`, or checking it), and, when CRIU
-    /// reaches the gate's stage, `verdict`, and waits for CRIU, past `deadline` no longer: then
-    /// it kills CRIU. Any of `refusals` readable (the image is refused: no verdict can pass)
+    /// reaches the gate's stage, `verdict`, and waits for CRIU, past `until` (the restore's
+    /// deadline, counted from the restore's start as its check's is) no longer: then it kills
+    /// CRIU. Any of `refusals` readable (the image is refused: no verdict can pass)
     /// before a verdict passed, it kills CRIU at once too: a CRIU that never reaches its gate
     /// would otherwise hold the restore until its deadline. Returns its exit status and the
     /// verdict (`None`: CRIU ended before it reached the gate); the log is whole (as capped)
     /// when it returns. `give_up` runs once no verdict can pass any more and none did (CRIU is
-    /// killed at a refusal or its deadline, or ended by itself before a verdict passed): what
-    /// `work` and `verdict` still wait for (the check's reads) is given up on there, so that
-    /// neither holds the return (nor the next CRIU's budget) until the deadline. `ended` runs once CRIU
+    /// killed at a refusal or its deadline, or ended by itself before a verdict passed; its
+    /// argument: at the deadline): what `work` and `verdict` still wait for (the check's reads)
+    /// is given up on there, so that neither holds the return (nor the next CRIU's budget)
+    /// until the deadline. `ended` runs once CRIU
     /// was waited for and its verdict is known, before its log is cut (on the thread that
     /// spawned CRIU): what ends the processes CRIU left (a restore's, at its deadline) ends them
     /// there, since they write the log too (CRIU's restorer runs inside them), and whatever
@@ -581,9 +588,9 @@ impl CriuRpc {
         log: FileCap,
         listener: Option<&UnixListener>,
         gate: Gate,
-        deadline: Option<std::time::Duration>,
+        until: Option<std::time::Instant>,
         refusals: &[BorrowedFd<'_>],
-        give_up: &(dyn Fn() + Sync),
+        give_up: &(dyn Fn(bool) + Sync),
         work: impl FnOnce() + Send,
         verdict: impl FnOnce(Option<Pid>) -> Result<(), CriuError> + Send,
         spawned: impl FnOnce(Pid),
@@ -597,7 +604,7 @@ impl CriuRpc {
             },
         };
         let stuck = STUCK.get();
-        if deadline.is_some() && stuck >= MAX_STUCK_CRIUS {
+        if until.is_some() && stuck >= MAX_STUCK_CRIUS {
             return Err(CriuError::TooManyStuck {
                 op,
                 stuck,
@@ -645,7 +652,7 @@ impl CriuRpc {
                 resumed,
             } = wait_until(
                 child,
-                deadline,
+                until,
                 refusals,
                 &decision,
                 resumed_rx.as_ref().map(AsFd::as_fd),
@@ -654,7 +661,7 @@ impl CriuRpc {
             // CRIU ended (or was given up on) with no verdict passed: none will pass now
             // (CRIU is gone), nor is one waited for.
             if !decision.passed() {
-                give_up();
+                give_up(timed_out);
             }
             drop(stop_tx);
             // Unblocks the accept if CRIU never connected (a connection ends with CRIU).
@@ -840,7 +847,7 @@ impl Criu for CriuRpc {
             gate,
             None,
             &[],
-            &|| {},
+            &|_| {},
             || {},
             |_| {
                 // CRIU wrote every byte before its post-dump stage.
@@ -925,6 +932,10 @@ impl Criu for CriuRpc {
             .map_err(dir_err(&p))?;
         tracing::debug!(image = %image.path().display(), private = %p.display(), ?route, "criu restore");
         let deadline = opts.deadline;
+        // One instant for every deadline of the restore: CRIU's kill and the check's give-up
+        // (counted from CRIU's spawn, a few ms later, CRIU's deadline raced the check's, and a
+        // loaded host's judge let CRIU's kill pass first: another refusal, in other words).
+        let until = deadline.map(|d| t0 + d);
         // CRIU's start time: what it restored started after it (see `unresumed`).
         let criu_start = std::sync::OnceLock::new();
         // Its binary as its processes' `/proc/PID/exe` name it (links resolved).
@@ -999,11 +1010,11 @@ impl Criu for CriuRpc {
                     log,
                     Some(&listener),
                     gate,
-                    deadline,
+                    until,
                     &[],
                     // CRIU ended or was killed before a verdict passed: the streamer stops, never
                     // waiting for a read that does not return (see `stream`).
-                    &|| server.stop(),
+                    &|_| server.stop(),
                     || server.serve(&listener),
                     |root| {
                         let _ = gate_at.set(std::time::Instant::now());
@@ -1016,8 +1027,7 @@ impl Criu for CriuRpc {
                 (gated, server.served_bytes(), server.failure())
             }
             ThawRoute::Files => {
-                let check = image::Check::new_until(image, deadline.map(|d| t0 + d))
-                    .map_err(CriuError::Image)?;
+                let check = image::Check::new_until(image, until).map_err(CriuError::Image)?;
                 phases.checked_ms = since(std::time::Instant::now());
                 let mut gated = self.run_gated(
                     op,
@@ -1025,7 +1035,7 @@ impl Criu for CriuRpc {
                     log,
                     None,
                     gate,
-                    deadline,
+                    until,
                     &check.refusals(),
                     // CRIU ended or was killed before a verdict passed: the check is stopped
                     // (its threads at their next chunk, a read that never returns left to its
@@ -1034,8 +1044,15 @@ impl Criu for CriuRpc {
                     // by itself failed on what it read as instructions, every byte of which was
                     // checked before it started, so the rest of the page contents could not say
                     // why (session 23: a thaw whose CRIU failed while the check's read hung
-                    // returned at its deadline).
-                    &|| check.stop(),
+                    // returned at its deadline). At the deadline it is not stopped: every wait of
+                    // the check ends at that same instant by itself, and says so in its own
+                    // words, which are the restore's refusal then, whichever of the two saw the
+                    // instant first (a stopped check says nothing of the image).
+                    &|at_deadline| {
+                        if !at_deadline {
+                            check.stop()
+                        }
+                    },
                     || check.run(),
                     |root| {
                         let _ = gate_at.set(std::time::Instant::now());
@@ -1079,9 +1096,16 @@ impl Criu for CriuRpc {
         tracing::debug!(?phases, "criu restore phases");
         let log = work.join(RESTORE_LOG);
         let passed = matches!(verdict, Some(Ok(())));
+        // At the deadline, a check that had not given its verdict gave up at the same instant
+        // (see `until`): its refusal is the restore's, whichever saw the instant first.
+        let check_refused = matches!(route, ThawRoute::Files)
+            && (refused.is_some() || matches!(verdict, Some(Err(CriuError::Image(_)))));
         if timed_out || (!passed && !succeeded) {
             let ended = left.into_inner().unwrap_or_default();
-            if timed_out {
+            if timed_out && check_refused {
+                tracing::warn!(killed = ?ended.killed, left = ?ended.left, "the restore's deadline passed with the image's check unfinished: CRIU and what it restored (none of which ran) were ended");
+                private.keep();
+            } else if timed_out {
                 private.keep();
                 return Err(CriuError::TimedOut {
                     op,
@@ -1258,7 +1282,7 @@ impl CriuRpc {
             gate,
             None,
             &[],
-            &|| {},
+            &|_| {},
             || capture.serve(&listener),
             |_| {
                 image::CaptureClock::mark(&clock.gate);
@@ -1680,7 +1704,7 @@ impl Decision {
     }
 }
 
-/// Waits for `child`, past `deadline` no longer, nor past any of `refusals` readable while no
+/// Waits for `child`, past `until` no longer, nor past any of `refusals` readable while no
 /// verdict passed (`decision`): then kills it (SIGKILL) and reaps it. A child
 /// that has not exited [`KILLED_GRACE`] after its kill is stuck where no signal reaches it (an
 /// uninterruptible wait: a read of a hung disk or file server, see [`Stuck`]): it is named, from
@@ -1688,15 +1712,15 @@ impl Decision {
 /// deadline layer that reaps it whenever its wait ends, and the caller gets on at once. Once
 /// `resumed` has data (CRIU past `post-resume` after a verdict that passed), the deadline no
 /// longer applies: CRIU is waited for [`RESUMED_EXIT_GRACE`] at most, then returned unkilled.
-/// `give_up` runs at a kill that no verdict passed before (see [`CriuRpc::run_gated`]), before
-/// the wait for CRIU's exit.
+/// `give_up` runs at a kill that no verdict passed before (see [`CriuRpc::run_gated`]; its
+/// argument: the kill is at `until`), before the wait for CRIU's exit.
 fn wait_until(
     mut child: std::process::Child,
-    deadline: Option<std::time::Duration>,
+    until: Option<std::time::Instant>,
     refusals: &[BorrowedFd<'_>],
     decision: &Decision,
     resumed: Option<BorrowedFd<'_>>,
-    give_up: &(dyn Fn() + Sync),
+    give_up: &(dyn Fn(bool) + Sync),
 ) -> Waited {
     let exited = |status: std::io::Result<std::process::ExitStatus>, timed_out, refused| Waited {
         status: status.map(Some),
@@ -1705,7 +1729,7 @@ fn wait_until(
         stuck: None,
         resumed: None,
     };
-    if deadline.is_none() && refusals.is_empty() && resumed.is_none() {
+    if until.is_none() && refusals.is_empty() && resumed.is_none() {
         return exited(status_of(&mut child), false, false);
     }
     let pidfd = match rustix::process::pidfd_open(
@@ -1715,7 +1739,6 @@ fn wait_until(
         Ok(fd) => fd,
         Err(e) => return exited(Err(e.into()), false, false),
     };
-    let until = deadline.map(|d| std::time::Instant::now() + d);
     // The resumed pipe first, then the refusals (until a verdict passed).
     let (mut resumed, mut refusals, mut until) = (resumed, refusals, until);
     let mut past_resume = false;
@@ -1740,7 +1763,7 @@ fn wait_until(
                 };
             }
             Ok(Came::Elapsed) => {
-                tracing::warn!(pid, ?deadline, "CRIU ran past its deadline: killing it");
+                tracing::warn!(pid, "CRIU ran past its deadline: killing it");
                 break true;
             }
             // Past `post-resume` (after a verdict that passed): CRIU ends nothing of the tree
@@ -1770,7 +1793,7 @@ fn wait_until(
     let refused = !timed_out;
     let _ = child.kill();
     if !decision.passed() {
-        give_up();
+        give_up(timed_out);
     }
     match exits_within(&pidfd, KILLED_GRACE) {
         Ok(true) => return exited(status_of(&mut child), timed_out, refused),
