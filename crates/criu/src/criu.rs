@@ -139,7 +139,8 @@ pub struct RestoreOpts {
     /// Counted from the restore's start: CRIU's kill and the check's give-up are one instant.
     /// At it, a check ([`ThawRoute::Files`]) that had not given its verdict refuses the image
     /// in its own words ([`CriuError::Image`]), whichever of the two saw the instant first; a
-    /// CRIU killed with no check outstanding is [`CriuError::TimedOut`].
+    /// CRIU killed with no check outstanding is [`CriuError::TimedOut`]. A CRIU past its
+    /// `post-resume` stage that has not exited is killed at it too, alone (see `Resumed`).
     pub deadline: Option<std::time::Duration>,
 }
 
@@ -681,6 +682,7 @@ impl CriuRpc {
                     stuck: None,
                     resumed: Some(Resumed {
                         criu,
+                        kill_at: until,
                         done,
                         copied,
                         log: log_path,
@@ -1457,9 +1459,21 @@ impl Gated {
 /// restore's return 18 ms median against 12 waiting for CRIU's exit, the GPU step's time past
 /// its copy 60 against 38 ms, whole thaw 1.026 [0.960, 1.049]: the hand-offs and CRIU's exit
 /// beside the GPU restore cost more on 2 vCPUs than the 3.2 ms of CRIU's exit they hide.)
+///
+/// Such a CRIU is killed at the restore's original deadline ([`Resumed::finish_later`]): a
+/// CRIU stopped (SIGSTOP) or stuck in a wait that a signal ends held its place in
+/// [`stuck_crius`] for good, and nine of them refused every restore of this process (session
+/// 23). Killing it there is safe for the same reason it is let go: its tasks are resumed and
+/// detached, and nothing of CRIU ends them. The deadline rather than a grace past
+/// `post-resume`: it is the bound the caller set on CRIU's whole run, never earlier than the
+/// restore would have killed it anyway, so a slow but healthy cleanup keeps the time it had.
+/// A CRIU in state `D` (a wait no signal ends) still holds its place until that wait ends.
 #[derive(Debug)]
 struct Resumed {
     criu: std::process::Child,
+    /// The restore's deadline: CRIU is killed if it has not exited by then (`None`: the
+    /// restore had none, and CRIU is waited for without a bound).
+    kill_at: Option<std::time::Instant>,
     /// Dropped once CRIU exited: its log's keeper finishes the log then.
     done: std::sync::mpsc::Sender<()>,
     copied: std::thread::JoinHandle<std::io::Result<crate::log::Copied>>,
@@ -1468,12 +1482,15 @@ struct Resumed {
 
 impl Resumed {
     /// Waits for CRIU, finishes its log, then drops `keep` (the run's private directory), on a
-    /// thread of the deadline layer, counted in [`stuck_crius`] until CRIU exits (a CRIU that
-    /// never exits holds that thread as a stuck one does). A CRIU that exits with an error
-    /// there is logged: the tree it resumed runs all the same, and is the caller's.
+    /// thread of the deadline layer, counted in [`stuck_crius`] until CRIU exits; past the
+    /// restore's deadline (`kill_at`), CRIU is killed (SIGKILL: its tree runs on untouched).
+    /// A CRIU that never exits even then (state `D`) holds that thread as a stuck one does. A
+    /// CRIU that exits with an error there is logged: the tree it resumed runs all the same,
+    /// and is the caller's.
     fn finish_later(self, keep: impl Send + 'static) {
         let Resumed {
             mut criu,
+            kill_at,
             done,
             copied,
             log,
@@ -1499,6 +1516,7 @@ impl Resumed {
             std::time::Duration::ZERO,
             move || {
                 let _place = place;
+                kill_at_deadline(&criu, kill_at);
                 let status = criu.wait();
                 drop(done);
                 report_log(&log, copied.join());
@@ -1513,6 +1531,40 @@ impl Resumed {
             Err(e) => {
                 tracing::error!(pid, ?e, "no thread to wait for a CRIU past its post-resume stage: it stays a zombie once it exits")
             }
+        }
+    }
+}
+
+/// Kills `criu` (past its `post-resume` stage: see [`Resumed`]) if it has not exited by
+/// `kill_at`; returns at once when it exits first, or when there is no `kill_at`. Signalled by
+/// its pidfd, so never another process that took its pid (one reaped by the kernel, `SIGCHLD`
+/// ignored).
+fn kill_at_deadline(criu: &std::process::Child, kill_at: Option<std::time::Instant>) {
+    let Some(at) = kill_at else {
+        return;
+    };
+    let pid = criu.id();
+    let Ok(pidfd) = rustix::process::pidfd_open(
+        rustix::process::Pid::from_child(criu),
+        rustix::process::PidfdFlags::empty(),
+    ) else {
+        // Reaped already (by the kernel, SIGCHLD ignored): nothing to kill.
+        return;
+    };
+    let left = at.saturating_duration_since(std::time::Instant::now());
+    match exits_within(&pidfd, left) {
+        Ok(true) => {}
+        Ok(false) => {
+            let state = cryo_proc::stat(pid as Pid).map_or('?', |s| s.state);
+            tracing::warn!(pid, %state, "CRIU, past its post-resume stage (its tree runs), had not exited at the restore's deadline: killing it (its tree runs on)");
+            if let Err(e) =
+                rustix::process::pidfd_send_signal(&pidfd, rustix::process::Signal::Kill)
+            {
+                tracing::warn!(pid, error = %e, "cannot kill a CRIU past its post-resume stage");
+            }
+        }
+        Err(e) => {
+            tracing::warn!(pid, error = %e, "cannot wait for a CRIU past its post-resume stage until the restore's deadline");
         }
     }
 }

@@ -36,7 +36,10 @@
 //! of the image free, also as a process group or session id of a leftover of the dumped tree
 //! that init has not reaped yet: [`cryo_proc::pids_in_use`] says which are still taken. Only
 //! [`Criu::restore`] has a deadline ([`RestoreOpts::deadline`]); elsewhere a hung CRIU hangs
-//! the call.
+//! the call. A restore's CRIU that resumed its tree and has not exited is waited for in the
+//! background and killed alone at that deadline (its tree runs on); one in state `D` holds its
+//! place in [`stuck_crius`] until its wait ends, and past [`MAX_STUCK_CRIUS`] of those a
+//! restore is refused.
 
 mod colocate;
 mod criu;

@@ -219,79 +219,163 @@ fn restored_processes_stuck_in_the_kernel_cost_one_grace_and_are_reaped_when_the
     }
 }
 
-/// Attack (session 23): the budget of CRIUs waited for in the background
-/// ([`cryo_criu::MAX_STUCK_CRIUS`]) filled by CRIUs that resumed their trees (their
-/// `post-resume` stage: the trees run) and do not exit (held there, as a CRIU whose cleanup
-/// waits on a hung file system; one of them also stopped with SIGSTOP). The next restore is
-/// refused at once, and its refusal must say what holds the budget (never "killed at their
-/// deadlines": none of these was killed, and each of their trees runs), naming each CRIU; once
-/// those CRIUs exit (let go; the stopped one continued), the budget is free and a restore runs.
-#[test]
-fn a_restore_past_the_budget_of_crius_not_exited_after_resuming_is_refused_naming_them() {
-    cryo_testkit::require_criu_and_root();
-    let t = tempfile::tempdir().unwrap();
-    let release = t.path().join("let-criu-exit");
-    std::env::set_var(cryo_criu::CRIU_POST_RESUME_HELD, &release);
-    let criu = CriuRpc::locate(None)
-        .unwrap()
-        .in_scratch(&t.path().join("scratch"));
-    assert_eq!(cryo_criu::stuck_crius(), 0);
-    let restore = |image: &Path| {
-        criu.restore(
-            &Image::open(image).unwrap(),
+/// The budget of CRIUs waited for in the background ([`cryo_criu::MAX_STUCK_CRIUS`]) filled by
+/// CRIUs that resumed their trees (their `post-resume` stage: the trees run) and do not exit
+/// (held there by the gate's test hook, as a CRIU whose cleanup waits on a hung file system;
+/// the last of them also stopped with SIGSTOP), each restore with `deadline`. The next restore
+/// is refused at once, and its refusal says what holds the budget (never "killed at their
+/// deadlines": none of these was killed, and each of their trees runs), naming each CRIU.
+struct HeldBudget {
+    t: tempfile::TempDir,
+    criu: CriuRpc,
+    deadline: Duration,
+    /// One image more than the budget: the restore refused, then run once the budget frees.
+    images: Vec<std::path::PathBuf>,
+    /// The restored roots, running.
+    roots: Vec<i32>,
+    /// The held CRIUs, oldest first; the last one stopped.
+    held: Vec<i32>,
+}
+
+impl HeldBudget {
+    fn fill(deadline: Duration) -> HeldBudget {
+        cryo_testkit::require_criu_and_root();
+        let t = tempfile::tempdir().unwrap();
+        std::env::set_var(
+            cryo_criu::CRIU_POST_RESUME_HELD,
+            t.path().join("let-criu-exit"),
+        );
+        let criu = CriuRpc::locate(None)
+            .unwrap()
+            .in_scratch(&t.path().join("scratch"));
+        assert_eq!(cryo_criu::stuck_crius(), 0);
+        let mut budget = HeldBudget {
+            t,
+            criu,
+            deadline,
+            images: Vec::new(),
+            roots: Vec::new(),
+            held: Vec::new(),
+        };
+        for i in 0..=cryo_criu::MAX_STUCK_CRIUS {
+            let image = budget.t.path().join(format!("image-{i}"));
+            cryo_testkit::image::dumped_tree(&budget.criu, &image, "exec sleep 100000", 1);
+            budget.images.push(image);
+        }
+        for i in 0..cryo_criu::MAX_STUCK_CRIUS {
+            let root = budget.restore(i).unwrap().pid;
+            budget.roots.push(root);
+            assert_eq!(cryo_criu::stuck_crius(), i + 1);
+        }
+        // Each held CRIU: a child of this process running CRIU's binary (the gate's script
+        // waits in it).
+        budget.held = held_crius(budget.criu.path());
+        assert_eq!(
+            budget.held.len(),
+            cryo_criu::MAX_STUCK_CRIUS,
+            "{:?}",
+            budget.held
+        );
+        let stopped = *budget.held.last().unwrap();
+        cryo_testkit::procs::kill(stopped, libc::SIGSTOP);
+        eventually(PATIENCE, "the held CRIU to be stopped", || {
+            cryo_proc::stat(stopped).is_ok_and(|s| s.state == 'T')
+        });
+
+        let started = Instant::now();
+        let err = budget.restore(cryo_criu::MAX_STUCK_CRIUS).unwrap_err();
+        assert!(
+            matches!(err, CriuError::TooManyStuck { .. }),
+            "expected the budget's refusal: {err}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5), "{err}");
+        let msg = err.to_string();
+        eprintln!("the refusal: {msg}");
+        assert!(!msg.contains("killed at their deadlines"), "{msg}");
+        assert!(msg.contains("post-resume"), "{msg}");
+        for pid in &budget.held {
+            assert!(
+                msg.contains(&format!("pid {pid}")),
+                "names CRIU {pid}: {msg}"
+            );
+        }
+        budget
+    }
+
+    fn restore(&self, i: usize) -> Result<cryo_criu::Restored, CriuError> {
+        self.criu.restore(
+            &Image::open(&self.images[i]).unwrap(),
             &RestoreOpts {
-                deadline: Some(Duration::from_secs(60)),
+                deadline: Some(self.deadline),
                 ..RestoreOpts::default()
             },
         )
-    };
-    let mut images = Vec::new();
-    for i in 0..=cryo_criu::MAX_STUCK_CRIUS {
-        let image = t.path().join(format!("image-{i}"));
-        cryo_testkit::image::dumped_tree(&criu, &image, "exec sleep 100000", 1);
-        images.push(image);
     }
-    let mut roots = Vec::new();
-    for (i, image) in images[..cryo_criu::MAX_STUCK_CRIUS].iter().enumerate() {
-        let root = restore(image).unwrap().pid;
-        roots.push(root);
-        assert_eq!(cryo_criu::stuck_crius(), i + 1);
-    }
-    // Each held CRIU: a child of this process running CRIU's binary (the gate's script waits
-    // in it).
-    let held = held_crius(criu.path());
-    assert_eq!(held.len(), cryo_criu::MAX_STUCK_CRIUS, "{held:?}");
-    cryo_testkit::procs::kill(held[0], libc::SIGSTOP);
 
-    let started = Instant::now();
-    let err = restore(&images[cryo_criu::MAX_STUCK_CRIUS]).unwrap_err();
-    assert!(
-        matches!(err, CriuError::TooManyStuck { .. }),
-        "expected the budget's refusal: {err}"
+    /// Once the budget is free again: the refused restore runs, and every tree is ended.
+    fn restore_the_refused_one_and_end(mut self) {
+        eventually(PATIENCE, "the held CRIUs to be gone and reaped", || {
+            cryo_criu::stuck_crius() == 0 && held_crius(self.criu.path()).is_empty()
+        });
+        let root = self.restore(cryo_criu::MAX_STUCK_CRIUS).unwrap().pid;
+        self.roots.push(root);
+        for root in &self.roots {
+            cryo_testkit::procs::kill(*root, libc::SIGKILL);
+            cryo_testkit::procs::reap(*root);
+        }
+    }
+}
+
+/// Attack (session 23): the budget filled by CRIUs held past `post-resume` ([`HeldBudget`]).
+/// Once those CRIUs exit (let go; the stopped one continued), the budget is free and a restore
+/// runs.
+#[test]
+fn a_restore_past_the_budget_of_crius_not_exited_after_resuming_is_refused_naming_them() {
+    let budget = HeldBudget::fill(Duration::from_secs(120));
+    fs::write(budget.t.path().join("let-criu-exit"), b"").unwrap();
+    cryo_testkit::procs::kill(*budget.held.last().unwrap(), libc::SIGCONT);
+    budget.restore_the_refused_one_and_end();
+}
+
+/// Attack (session 23, criu23b): the same budget, its CRIUs never let go (one stopped, the
+/// others held where their post-resume stage waits). CRIU 4.2 ends nothing of the tree past
+/// `post-resume` (every task resumed and detached), so the background wait kills such a CRIU at
+/// the restore's original deadline; the budget must free then, with no one letting anything
+/// go, while each restored tree runs on untouched (the same process, never signalled: not
+/// ended, not stopped). Before: the places stayed held for good, and every later restore of
+/// this process was refused.
+#[test]
+fn crius_held_past_post_resume_are_killed_at_their_deadlines_and_the_trees_run_on() {
+    let deadline = Duration::from_secs(20);
+    let budget = HeldBudget::fill(deadline);
+    let starts: Vec<u64> = budget
+        .roots
+        .iter()
+        .map(|r| cryo_proc::stat(*r).unwrap().start_time)
+        .collect();
+    let bin = budget.criu.path().to_path_buf();
+    cryo_testkit::eventually_said(
+        deadline + PATIENCE,
+        || {
+            format!(
+                "the budget still held {} places {:?} after the deadline (held CRIUs {:?})",
+                cryo_criu::stuck_crius(),
+                PATIENCE,
+                held_crius(&bin)
+            )
+        },
+        || cryo_criu::stuck_crius() == 0 && held_crius(&bin).is_empty(),
     );
-    assert!(started.elapsed() < Duration::from_secs(5), "{err}");
-    let msg = err.to_string();
-    eprintln!("the refusal: {msg}");
-    assert!(!msg.contains("killed at their deadlines"), "{msg}");
-    assert!(msg.contains("post-resume"), "{msg}");
-    for pid in &held {
-        assert!(
-            msg.contains(&format!("pid {pid}")),
-            "names CRIU {pid}: {msg}"
+    for (root, start) in budget.roots.iter().zip(&starts) {
+        let stat = cryo_proc::stat(*root).unwrap();
+        assert_eq!(stat.start_time, *start, "root {root} is another process");
+        assert_eq!(
+            stat.state, 'S',
+            "root {root} not running on (state {})",
+            stat.state
         );
     }
-
-    // Let go: each CRIU exits (the stopped one once continued), and the budget frees.
-    fs::write(&release, b"").unwrap();
-    cryo_testkit::procs::kill(held[0], libc::SIGCONT);
-    eventually(PATIENCE, "the held CRIUs to exit and be reaped", || {
-        cryo_criu::stuck_crius() == 0 && held_crius(criu.path()).is_empty()
-    });
-    roots.push(restore(&images[cryo_criu::MAX_STUCK_CRIUS]).unwrap().pid);
-    for root in roots {
-        cryo_testkit::procs::kill(root, libc::SIGKILL);
-        cryo_testkit::procs::reap(root);
-    }
+    budget.restore_the_refused_one_and_end();
 }
 
 /// This process's children that run the CRIU binary `bin`, oldest first.
