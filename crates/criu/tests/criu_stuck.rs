@@ -313,16 +313,25 @@ impl HeldBudget {
     }
 
     /// Once the budget is free again: the refused restore runs, and every tree is ended.
+    /// Lets every CRIU's `post-resume` stage end from now on (the killed CRIUs' gate scripts,
+    /// orphaned in it, and the last restore's own), restores the refused image, and ends what
+    /// the test started: nothing of it is left running.
     fn restore_the_refused_one_and_end(mut self) {
         eventually(PATIENCE, "the held CRIUs to be gone and reaped", || {
             cryo_criu::stuck_crius() == 0 && held_crius(self.criu.path()).is_empty()
         });
+        fs::write(self.t.path().join("let-criu-exit"), b"").unwrap();
         let root = self.restore(cryo_criu::MAX_STUCK_CRIUS).unwrap().pid;
         self.roots.push(root);
         for root in &self.roots {
             cryo_testkit::procs::kill(*root, libc::SIGKILL);
             cryo_testkit::procs::reap(*root);
         }
+        eventually(
+            PATIENCE,
+            "the gate scripts of the test's CRIUs to end",
+            || gate_scripts(self.t.path()).is_empty(),
+        );
     }
 }
 
@@ -376,6 +385,23 @@ fn crius_held_past_post_resume_are_killed_at_their_deadlines_and_the_trees_run_o
         );
     }
     budget.restore_the_refused_one_and_end();
+}
+
+/// The processes running a gate script of a CRIU whose scratch is under `dir` (a killed
+/// CRIU's script, orphaned, runs on until its stage lets it end).
+fn gate_scripts(dir: &Path) -> Vec<i32> {
+    let dir = dir.to_string_lossy().into_owned();
+    fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|p| {
+            fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| {
+                let c = String::from_utf8_lossy(&c);
+                c.contains(&dir) && c.contains("gate.sh")
+            })
+        })
+        .collect()
 }
 
 /// This process's children that run the CRIU binary `bin`, oldest first.
