@@ -78,9 +78,6 @@ pub trait Activation: Send + Sync + 'static {
     }
 }
 
-/// How often an activation whose wake met another wake or park at work tries again.
-pub const BUSY_RETRY: Duration = Duration::from_millis(50);
-
 /// The operator's knobs.
 #[derive(Debug, Clone)]
 pub struct Policy {
@@ -360,7 +357,7 @@ impl Activator {
 
     /// The activation's wake. One refused because another wake or park of the worker is at
     /// work ([`ActivationError::Busy`]: an operator's `cryo wake`, an activation of another
-    /// activator) is tried again every [`BUSY_RETRY`] until that one is done (then the worker
+    /// activator) is tried again every [`cryo_lifecycle::BUSY_RETRY`] until that one is done (then the worker
     /// serves, and this wake finds it running; or it is parked, and this wake wakes it) or the
     /// activation's deadline has passed: the waiting connections are served by whichever wake
     /// brings the worker back, never refused for a worker about to serve.
@@ -376,13 +373,14 @@ impl Activator {
                 });
             match woke {
                 Err(ActivationError::Busy(why))
-                    if started.elapsed() + BUSY_RETRY < s.policy.activation_timeout =>
+                    if started.elapsed() + cryo_lifecycle::BUSY_RETRY
+                        < s.policy.activation_timeout =>
                 {
                     if !said {
                         said = true;
                         tracing::info!(%why, "activator: another wake or park of the worker is at work; waiting for it");
                     }
-                    tokio::time::sleep(BUSY_RETRY).await;
+                    tokio::time::sleep(cryo_lifecycle::BUSY_RETRY).await;
                 }
                 other => return other,
             }

@@ -44,7 +44,7 @@ pub use cuda::{classify, Class, Unsure};
 pub use freeze::{freeze, FreezeError, FreezeMoments, FreezeOptions, FreezeReport};
 pub use health::HealthCheck;
 pub use inflight::{settle_in_flight, SettleError, Settled, Settlement};
-pub use oplock::Op;
+pub use oplock::{Op, BUSY_RETRY};
 pub use park::{
     park, parked_now, wake, ParkError, ParkOptions, ParkReport, ParkedWorker, WakeError,
     WakeOptions, WakeReport, WhenFull,

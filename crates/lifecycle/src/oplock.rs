@@ -92,6 +92,11 @@ use cryo_state::StateDir;
 
 use crate::suspend::id;
 
+/// How often a caller that waits out another operation's hold on a process tries again (a
+/// preStop's stop, [`crate::stop_when_free`]; an activation's wake): each try that meets the
+/// hold is refused at once with nothing done, so trying again is safe.
+pub const BUSY_RETRY: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// What holds a process's lock: named in the refusal of the next one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {

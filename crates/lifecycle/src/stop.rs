@@ -288,9 +288,6 @@ struct Run<'a> {
     refusals: Vec<Refusal>,
 }
 
-/// How often [`stop_when_free`] tries again.
-const BUSY_RETRY: Duration = Duration::from_millis(50);
-
 /// [`stop`] for a caller that must not give up at once: a preStop hook, after which the kubelet
 /// kills the container whether or not it is suspended. A stop refused because a park, a wake or
 /// a settlement (or an unnamed restorer) is at work on a process of the target ([`StopError::InProgress`]:
@@ -319,7 +316,7 @@ pub fn stop_when_free(
                 pid,
                 by,
                 doing: doing @ (None | Some(crate::Op::Wake | crate::Op::Park | crate::Op::Settle)),
-            }) if start.elapsed() + BUSY_RETRY < wait => {
+            }) if start.elapsed() + crate::BUSY_RETRY < wait => {
                 if !said {
                     said = true;
                     tracing::warn!(
@@ -329,7 +326,7 @@ pub fn stop_when_free(
                         wait.as_millis()
                     );
                 }
-                std::thread::sleep(BUSY_RETRY);
+                std::thread::sleep(crate::BUSY_RETRY);
             }
             r => return r,
         }
